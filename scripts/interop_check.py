@@ -1,0 +1,730 @@
+#!/usr/bin/env python3
+"""Interop check: the UNMODIFIED TensorFlow profiler client and XProf converters vs devtrace.
+
+Run through scripts/interop (which provides a venv with tensorflow-cpu==2.21.0 and
+xprof==2.24.2), or directly with such a venv's python:
+
+    python scripts/interop_check.py --bin target/debug/devtrace   # the agent (mock backend)
+    python scripts/interop_check.py --tf-server                   # TensorFlow's own profiler server
+    python scripts/interop_check.py --fake-agent                  # scripts/interop_fake_agent.py
+
+Each check is a named test function. The last line printed is `N passed, M failed`;
+the exit status is 0 only when nothing failed.
+
+Modes:
+  agent       `<bin> serve --listen 127.0.0.1:<port> --backend mock`. The agent is expected to
+              return the XSpace as ProfileResponse.tool_data "xplane.pb" so that the client
+              writes it; GPU planes, kernels and GPU allocators are expected.
+  tf-server   a subprocess running a small Keras training loop with
+              tf.profiler.experimental.server.start(port) (the server writes the file itself;
+              no GPU plane; Monitor answers UNIMPLEMENTED). Used to validate this harness.
+  fake-agent  a tiny Python gRPC server that behaves like the agent should (returns
+              tool_data with a synthetic GPU XSpace). Used to validate the GPU assertions.
+"""
+
+import argparse
+import collections
+import faulthandler
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SESSION_RE = re.compile(r"^\d{4}_\d{2}_\d{2}_\d{2}_\d{2}_\d{2}$")
+TRACE_DURATION_MS = 2000
+CONVERT_TIMEOUT_S = 300
+# Per TF client call: 3 attempts x max(60 s, 2 x duration) deadline, plus slack.
+TRACE_TIMEOUT_S = 3 * 60 + 60
+MONITOR_TIMEOUT_S = 60
+GLOBAL_TIMEOUT_S = 1500
+
+# ---------------------------------------------------------------------------------------
+# TensorFlow's own profiler server, run as a subprocess in --tf-server mode.
+TF_SERVER_CODE = r"""
+import sys, time
+import tensorflow as tf
+port = int(sys.argv[1])
+model = tf.keras.Sequential([tf.keras.Input(shape=(32,)),
+                             tf.keras.layers.Dense(64, activation="relu"),
+                             tf.keras.layers.Dense(10)])
+opt = tf.keras.optimizers.SGD(0.01)
+loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+x = tf.random.normal([128, 32])
+y = tf.random.uniform([128], 0, 10, dtype=tf.int32)
+
+@tf.function
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+step(x, y)  # trace/compile before the server starts listening
+tf.profiler.experimental.server.start(port)
+print("tf profiler server listening on", port, flush=True)
+i = 0
+while True:
+    with tf.profiler.experimental.Trace("train", step_num=i, _r=1):
+        step(x, y)
+    i += 1
+    time.sleep(0.002)
+"""
+
+
+# ---------------------------------------------------------------------------------------
+# Small helpers
+
+
+class SkipTest(Exception):
+    pass
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def check(cond, msg):
+    if not cond:
+        raise CheckFailed(msg)
+
+
+def short(obj, limit=600):
+    s = obj if isinstance(obj, str) else repr(obj)
+    return s if len(s) <= limit else s[:limit] + "... (%d chars)" % len(s)
+
+
+def tail(path, n=40):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return "<cannot read %s: %s>" % (path, e)
+    lines = data.decode("utf-8", "replace").splitlines()
+    return "\n".join(lines[-n:]) if lines else "<empty>"
+
+
+def list_files(root):
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            out.append((os.path.relpath(full, root), os.path.getsize(full)))
+    return sorted(out)
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _set_pdeathsig():
+    # Runs in the child before exec: die with the harness, whatever happens to it.
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def call_with_timeout(fn, timeout_s, what):
+    """Runs fn() in a daemon thread; raises CheckFailed if it does not return in time."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=what, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise CheckFailed("%s did not return within %d s" % (what, timeout_s))
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# ---------------------------------------------------------------------------------------
+# XProf conversion, isolated in a child process (a converter crash must not kill the run).
+
+
+def convert_worker(argv):
+    """`--convert-worker tool_names|TOOL XPLANE OUT`: writes the tool output to OUT."""
+    tool, xplane, out = argv
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from xprof.convert import raw_to_tool_data as r2t
+
+    if tool == "tool_names":
+        names = r2t.xspace_to_tool_names([xplane])
+        with open(out, "w") as f:
+            json.dump(names, f)
+        return 0
+    data, content_type = r2t.xspace_to_tool_data([xplane], tool, {})
+    meta = {"content_type": content_type, "type": type(data).__name__, "none": data is None}
+    with open(out, "wb") as f:
+        if isinstance(data, str):
+            f.write(data.encode("utf-8"))
+        elif data is not None:
+            f.write(bytes(data))
+    with open(out + ".meta", "w") as f:
+        json.dump(meta, f)
+    return 0
+
+
+class Converter:
+    def __init__(self, workdir):
+        self.workdir = workdir
+        self.xplane = None
+        self.cache = {}
+        self.seconds = {}
+
+    def _run(self, tool):
+        if self.xplane is None:
+            raise CheckFailed("no xplane.pb to convert (an earlier trace check failed)")
+        if tool in self.cache:
+            return self.cache[tool]
+        safe = re.sub(r"[^A-Za-z0-9_]", "_", tool)
+        out = os.path.join(self.workdir, "tool_%s.out" % safe)
+        log = os.path.join(self.workdir, "tool_%s.log" % safe)
+        cmd = [sys.executable, os.path.abspath(__file__), "--convert-worker", tool, self.xplane, out]
+        t0 = time.monotonic()
+        with open(log, "wb") as logf:
+            try:
+                rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                    timeout=CONVERT_TIMEOUT_S).returncode
+            except subprocess.TimeoutExpired:
+                raise CheckFailed("converter %r timed out after %d s; log tail:\n%s"
+                                  % (tool, CONVERT_TIMEOUT_S, tail(log)))
+        self.seconds[tool] = time.monotonic() - t0
+        if rc != 0:
+            how = ("killed by signal %d" % -rc) if rc < 0 else ("exit %d" % rc)
+            raise CheckFailed("converter %r failed (%s); log tail:\n%s" % (tool, how, tail(log)))
+        if tool == "tool_names":
+            with open(out) as f:
+                result = json.load(f)
+        else:
+            with open(out + ".meta") as f:
+                meta = json.load(f)
+            with open(out, "rb") as f:
+                data = f.read()
+            if meta["none"]:
+                raise CheckFailed("converter %r returned no data (None; success=false); log tail:\n%s"
+                                  % (tool, tail(log)))
+            result = (data, meta)
+        self.cache[tool] = result
+        return result
+
+    def tool_names(self):
+        return self._run("tool_names")
+
+    def tool_json(self, tool):
+        data, meta = self._run(tool)
+        check(len(data) > 0, "%s output is empty (content type %s)" % (tool, meta["content_type"]))
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise CheckFailed("%s output (%d bytes) is not JSON: %s; starts with %s"
+                              % (tool, len(data), e, short(data[:300])))
+
+
+# ---------------------------------------------------------------------------------------
+# The run: server process, shared state, test functions
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.mode = args.mode
+        self.workdir = tempfile.mkdtemp(prefix="devtrace-interop-")
+        self.port = free_port()
+        self.addr = "127.0.0.1:%d" % self.port
+        self.server_log = os.path.join(self.workdir, "server.log")
+        self.proc = None
+        self.tf = None
+        self.xplane_path = None  # the file the first trace produced
+        self.conv = Converter(self.workdir)
+        self.notes = []
+        self.timings = collections.OrderedDict()
+
+    @property
+    def expects_gpu(self):
+        return self.mode in ("agent", "fake-agent")
+
+    # -- server process --------------------------------------------------------------
+    def server_cmd(self):
+        if self.mode == "tf-server":
+            return [sys.executable, "-c", TF_SERVER_CODE, str(self.port)]
+        if self.mode == "fake-agent":
+            return [sys.executable, os.path.join(HERE, "interop_fake_agent.py"), "serve",
+                    "--listen", self.addr, "--backend", "mock"]
+        return [self.args.bin, "serve", "--listen", self.addr, "--backend", "mock"]
+
+    def start_server(self):
+        env = dict(os.environ)
+        if self.mode == "tf-server":
+            # TF's CPU allocator only emits MemoryAllocation/MemoryDeallocation when it is a BFC.
+            env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+        cmd = self.server_cmd()
+        print("server: %s  (log: %s)" % (" ".join(cmd[:2] if self.mode == "tf-server" else cmd),
+                                         self.server_log), flush=True)
+        logf = open(self.server_log, "wb")
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf,
+                                         stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=_set_pdeathsig)
+        finally:
+            logf.close()
+
+    def stop_server(self):
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+    def server_died_msg(self):
+        return "server exited with status %s; log tail (%s):\n%s" % (
+            self.proc.returncode, self.server_log, tail(self.server_log))
+
+    # -- TF client -----------------------------------------------------------------------
+    def import_tf(self):
+        if self.tf is None:
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+            import tensorflow as tf  # noqa: PLC0415 - slow; imported while the server starts
+
+            self.tf = tf
+        return self.tf
+
+    def trace(self, logdir, duration_ms, options=None):
+        tf = self.import_tf()
+        t0 = time.monotonic()
+        try:
+            call_with_timeout(
+                lambda: tf.profiler.experimental.client.trace(
+                    "grpc://" + self.addr, logdir, duration_ms, options=options),
+                TRACE_TIMEOUT_S, "client.trace")
+        except CheckFailed:
+            raise
+        except Exception as e:
+            raise CheckFailed("client.trace raised %s: %s\nfiles in logdir: %s\n%s"
+                              % (type(e).__name__, e, list_files(logdir), self.server_state()))
+        return time.monotonic() - t0
+
+    def server_state(self):
+        if self.proc is not None and self.proc.poll() is not None:
+            return self.server_died_msg()
+        return "server still running; log tail (%s):\n%s" % (self.server_log, tail(self.server_log, 15))
+
+
+# Each test takes the Run and either returns (optional detail string), raises SkipTest, or
+# raises an exception (failure).
+
+
+def test_server_starts(run):
+    timeout = 90 if run.mode == "tf-server" else 30
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while time.monotonic() < deadline:
+        if run.proc.poll() is not None:
+            raise CheckFailed(run.server_died_msg())
+        if port_open(run.port):
+            run.timings["server_ready_s"] = time.monotonic() - t0
+            return "accepting TCP on %s after %.1f s" % (run.addr, time.monotonic() - t0)
+        time.sleep(0.1)
+    raise CheckFailed("nothing accepted TCP on %s within %d s; log tail:\n%s"
+                      % (run.addr, timeout, tail(run.server_log)))
+
+
+def test_trace_writes_one_xplane(run):
+    logdir = os.path.join(run.workdir, "logdir")
+    os.makedirs(logdir)
+    secs = run.trace(logdir, TRACE_DURATION_MS)
+    run.timings["trace_2000ms_wall_s"] = secs
+    files = list_files(logdir)
+    host = run.addr.replace(":", "_")
+    hint = ("" if files else " (trace() succeeded, so the server answered OK: it must either return "
+            "the XSpace as ProfileResponse.tool_data {name: \"xplane.pb\"} with empty_trace=false, "
+            "or write repository_root/session_id/<host>.xplane.pb itself)")
+    check(len(files) == 1, "expected exactly one file under %s, found %d: %s%s\n%s"
+          % (logdir, len(files), files, hint, run.server_state()))
+    rel, size = files[0]
+    parts = rel.split(os.sep)
+    check(len(parts) == 4 and parts[:2] == ["plugins", "profile"]
+          and parts[3] == host + ".xplane.pb",
+          "expected plugins/profile/<session>/%s.xplane.pb, found %s" % (host, rel))
+    check(SESSION_RE.match(parts[2]), "session dir %r is not YYYY_MM_DD_HH_MM_SS" % parts[2])
+    check(size > 0, "%s is empty" % rel)
+    run.xplane_path = os.path.join(logdir, rel)
+    # Convert a copy in a writable folder: XProf writes cache files next to its input.
+    conv_dir = os.path.join(run.workdir, "conv", "plugins", "profile", parts[2])
+    os.makedirs(conv_dir)
+    run.conv.xplane = os.path.join(conv_dir, parts[3])
+    shutil.copyfile(run.xplane_path, run.conv.xplane)
+    return "%s (%d bytes) in %.2f s" % (rel, size, secs)
+
+
+def _load_xspace(path):
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
+
+    xs = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        xs.ParseFromString(f.read())
+    return xs
+
+
+def test_xspace_contents(run):
+    check(run.xplane_path, "no xplane.pb (trace check failed)")
+    run.import_tf()
+    xs = _load_xspace(run.xplane_path)
+    summary = []
+    by_name = {}
+    for p in xs.planes:
+        n_events = sum(len(line.events) for line in p.lines)
+        by_name[p.name] = (p, n_events)
+        summary.append("%s(id=%d lines=%d events=%d)" % (p.name, p.id, len(p.lines), n_events))
+    detail = "planes: " + ", ".join(summary)
+    check("/host:CPU" in by_name, "no /host:CPU plane; %s" % detail)
+    total = sum(n for _, n in by_name.values())
+    check(total > 0, "XSpace has no events at all; %s" % detail)
+    if run.expects_gpu:
+        check("/device:GPU:0" in by_name and by_name["/device:GPU:0"][1] > 0,
+              "no events on /device:GPU:0; %s" % detail)
+        ids = [p.id for p in xs.planes if p.name.startswith("/device:GPU:")]
+        check(len(ids) == len(set(ids)), "GPU planes share XPlane.id %s (trace viewer pid = 1 + id)" % ids)
+    # XProf converts line timestamps to ps (x1000): absolute Unix ns would overflow int64.
+    big = [(p.name, line.name, line.timestamp_ns) for p in xs.planes for line in p.lines
+           if line.timestamp_ns > 10**15]
+    check(not big, "line timestamp_ns looks absolute (overflows XProf's ps math): %s" % big[:3])
+    names = collections.Counter()
+    for p in xs.planes:
+        for line in p.lines:
+            for e in line.events:
+                names[p.event_metadata[e.metadata_id].name] += 1
+    check(names.get("train", 0) > 0, "no `train` step events; top names: %s" % names.most_common(8))
+    check(names.get("MemoryAllocation", 0) > 0, "no MemoryAllocation events; top names: %s"
+          % names.most_common(8))
+    return "%s; hostnames=%s; train=%d MemoryAllocation=%d" % (
+        detail, list(xs.hostnames), names["train"], names["MemoryAllocation"])
+
+
+def test_trace_session_id_and_override_hostname(run):
+    # TF 2.21's ProfilerOptions namedtuple has no such fields, but trace() forwards
+    # `options._asdict()` to C++, which reads the string keys session_id/override_hostnames
+    # (they arrive as ProfileRequest.session_id and ProfileOptions.override_hostname).
+    # Who writes the file decides its name: a server writing it itself (TF's own server) uses
+    # the override hostname; when the server returns tool_data, the TF 2.21 client writes
+    # <session>/<host_name with ':'->'_'>.<name> and ignores the override. Either is accepted,
+    # exactly one file, in the requested session directory.
+    tf = run.import_tf()
+    logdir = os.path.join(run.workdir, "logdir_opts")
+    os.makedirs(logdir)
+    Opts = collections.namedtuple("Opts", ["session_id", "override_hostnames"])
+    session, hostname = "interop_session", "interop-host"
+    secs = run.trace(logdir, 1000, options=Opts(session, hostname))
+    run.timings["trace_1000ms_with_options_wall_s"] = secs
+    files = list_files(logdir)
+    prefix = os.path.join("plugins", "profile", session) + os.sep
+    by_server = prefix + hostname + ".xplane.pb"
+    by_client = prefix + run.addr.replace(":", "_") + ".xplane.pb"
+    if files and not any(rel.startswith(prefix) for rel, _ in files):
+        raise SkipTest("TF %s client ignored the session_id option; got %s" % (tf.__version__, files))
+    check(len(files) == 1, "expected exactly one file under %s, found %s" % (prefix, files))
+    rel, size = files[0]
+    check(size > 0, "%s is empty" % rel)
+    if rel == by_server:
+        return "%s (%d bytes): written under the override hostname" % (rel, size)
+    if rel == by_client:
+        check(run.mode != "tf-server", "TF's own server should have used the override hostname")
+        return ("%s (%d bytes): the client wrote tool_data under host_name; TF 2.21's client "
+                "does not apply override_hostname to tool_data files" % (rel, size))
+    raise CheckFailed("expected %s or %s, found %s\n%s" % (by_server, by_client, files, run.server_state()))
+
+
+def test_tool_names(run):
+    names = run.conv.tool_names()
+    check(isinstance(names, list) and names, "no tools offered: %r" % (names,))
+    check("trace_viewer@" in names or "trace_viewer" in names, "no trace viewer in %s" % names)
+    for t in ("overview_page", "memory_profile"):
+        check(t in names, "%s not offered; offered: %s" % (t, names))
+    if run.expects_gpu:
+        check("kernel_stats" in names, "kernel_stats not offered (needs a /device:GPU:N plane); "
+              "offered: %s" % names)
+    return ",".join(names)
+
+
+def _trace_processes(doc, tool):
+    check(isinstance(doc, dict) and isinstance(doc.get("traceEvents"), list),
+          "%s: no traceEvents list; keys %s" % (tool, list(doc)[:20] if isinstance(doc, dict) else type(doc)))
+    events = doc["traceEvents"]
+    pname = {}
+    counts = collections.Counter()
+    for e in events:
+        if not isinstance(e, dict) or "pid" not in e:
+            continue
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e.get("args", {}).get("name", "")
+        elif e.get("ph") != "M":
+            counts[e["pid"]] += 1
+    procs = {pname.get(pid, "pid %s" % pid): n for pid, n in counts.items()}
+    # also list named processes without events
+    for pid, name in pname.items():
+        procs.setdefault(name, 0)
+    return procs, len(events)
+
+
+def _check_trace_viewer(run, tool):
+    doc = run.conv.tool_json(tool)
+    procs, n = _trace_processes(doc, tool)
+
+    def events_of(suffix):
+        return sum(c for name, c in procs.items() if name == suffix or name.endswith(" " + suffix))
+
+    check(events_of("/host:CPU") > 0, "%s: no events in a /host:CPU process; processes: %s"
+          % (tool, procs))
+    if run.expects_gpu:
+        check(events_of("/device:GPU:0") > 0, "%s: no events in a /device:GPU:0 process; "
+              "processes: %s" % (tool, procs))
+    return "%d trace events; processes(events): %s" % (n, procs)
+
+
+def test_trace_viewer_streaming(run):
+    names = run.conv.tool_names()
+    if "trace_viewer@" not in names:
+        raise SkipTest("trace_viewer@ not offered (%s)" % names)
+    return _check_trace_viewer(run, "trace_viewer@")
+
+
+def test_trace_viewer(run):
+    return _check_trace_viewer(run, "trace_viewer")
+
+
+def test_overview_page(run):
+    doc = run.conv.tool_json("overview_page")
+    check(isinstance(doc, list) and doc, "overview_page: expected a non-empty list of tables, got %s"
+          % short(doc))
+    steps = None
+    for table in doc:
+        if isinstance(table, dict) and any(c.get("id") == "stepnum" for c in table.get("cols", [])):
+            steps = table.get("rows", [])
+    check(steps is not None, "overview_page: no step-time table (column stepnum); %s" % short(doc))
+    check(len(steps) > 0, "overview_page: step-time table has no rows (no `train` steps grouped)")
+    first = steps[0]["c"][0].get("v") if isinstance(steps[0], dict) else steps[0]
+    env = next((t.get("p", {}) for t in doc if isinstance(t, dict)
+                and "device_type" in t.get("p", {})), {})
+    return "%d tables; %d steps (first %r); device_type=%s device_core_count=%s" % (
+        len(doc), len(steps), first, env.get("device_type"), env.get("device_core_count"))
+
+
+def test_memory_profile(run):
+    doc = run.conv.tool_json("memory_profile")
+    per = doc.get("memoryProfilePerAllocator") if isinstance(doc, dict) else None
+    check(isinstance(per, dict) and per, "memory_profile: no allocators in memoryProfilePerAllocator "
+          "(needs MemoryAllocation events with int64 stats on the /host:CPU plane): %s" % short(doc))
+    good = []
+    report = []
+    for name, prof in per.items():
+        snaps = len(prof.get("sampledTimelineSnapshots", [])) or len(prof.get("memoryProfileSnapshots", []))
+        summ = prof.get("profileSummary", {})
+        peak = int(summ.get("peakStats", {}).get("peakBytesInUse", "0") or 0)
+        lifetime = int(summ.get("peakBytesUsageLifetime", "0") or 0)
+        report.append("%s(snapshots=%d peak=%d lifetime_peak=%d active=%d)" % (
+            name, snaps, peak, lifetime, len(prof.get("activeAllocations", []))))
+        if snaps > 0 and (peak > 0 or lifetime > 0):
+            good.append(name)
+    check(good, "memory_profile: no allocator has snapshots and a non-zero peak: %s" % report)
+    check(doc.get("memoryIds"), "memory_profile: memoryIds empty")
+    return "; ".join(report)
+
+
+def test_kernel_stats(run):
+    if not run.expects_gpu:
+        names = run.conv.tool_names()
+        check("kernel_stats" not in names, "kernel_stats offered without a GPU plane?")
+        raise SkipTest("no GPU plane in this mode (kernel_stats correctly not offered)")
+    doc = run.conv.tool_json("kernel_stats")
+    check(isinstance(doc, dict) and isinstance(doc.get("cols"), list),
+          "kernel_stats: expected a DataTable with cols/rows, got %s" % short(doc))
+    cols = [c.get("id") for c in doc["cols"]]
+    check("kernel_name" in cols, "kernel_stats: no kernel_name column: %s" % cols)
+    ki = cols.index("kernel_name")
+    rows = doc.get("rows") or []
+    kernels = []
+    for r in rows:
+        cells = r.get("c", []) if isinstance(r, dict) else r
+        if ki < len(cells) and isinstance(cells[ki], dict) and cells[ki].get("v"):
+            kernels.append(str(cells[ki]["v"]))
+    check(kernels, "kernel_stats: no kernel rows (kernels need duration > 0 and a kernel_details "
+          "stat on a /device:GPU:N plane); %d rows: %s" % (len(rows), short(rows)))
+    return "%d kernel rows, e.g. %s" % (len(kernels), kernels[:3])
+
+
+def test_monitor(run):
+    tf = run.import_tf()
+    call = lambda: tf.profiler.experimental.client.monitor("grpc://" + run.addr, 1000, 1)  # noqa: E731
+    if run.mode == "tf-server":
+        try:
+            out = call_with_timeout(call, MONITOR_TIMEOUT_S, "client.monitor")
+        except CheckFailed:
+            raise
+        except Exception as e:
+            check("UNIMPLEMENTED" in str(e), "expected UNIMPLEMENTED from TF's server, got %s: %s"
+                  % (type(e).__name__, e))
+            return "TF's own server: %s: %s (expected)" % (type(e).__name__, str(e).strip())
+        raise CheckFailed("TF's own server unexpectedly answered Monitor: %s" % short(out))
+    t0 = time.monotonic()
+    try:
+        out = call_with_timeout(call, MONITOR_TIMEOUT_S, "client.monitor")
+    except CheckFailed:
+        raise
+    except Exception as e:
+        raise CheckFailed("client.monitor raised %s: %s\n%s" % (type(e).__name__, e, run.server_state()))
+    run.timings["monitor_1000ms_wall_s"] = time.monotonic() - t0
+    check(isinstance(out, str), "monitor returned %s, not str" % type(out).__name__)
+    check(out.strip(), "monitor returned empty text %r" % out)
+    return "%d chars: %s" % (len(out), short(out.strip(), 200))
+
+
+def test_server_survived(run):
+    check(run.proc is not None and run.proc.poll() is None,
+          "server is no longer running: %s" % (run.server_died_msg() if run.proc else "never started"))
+    return "still running"
+
+
+TESTS = [
+    test_server_starts,
+    test_trace_writes_one_xplane,
+    test_xspace_contents,
+    test_trace_session_id_and_override_hostname,
+    test_tool_names,
+    test_trace_viewer_streaming,
+    test_trace_viewer,
+    test_overview_page,
+    test_memory_profile,
+    test_kernel_stats,
+    test_monitor,
+    test_server_survived,
+]
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--convert-worker":
+        return convert_worker(sys.argv[2:])
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default=os.environ.get("DEVTRACE_BIN", "target/debug/devtrace"),
+                    help="agent binary (agent mode)")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--tf-server", dest="mode", action="store_const", const="tf-server",
+                   help="test against TensorFlow's own profiler server instead of the agent")
+    g.add_argument("--fake-agent", dest="mode", action="store_const", const="fake-agent",
+                   help="test against scripts/interop_fake_agent.py instead of the agent")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("-k", dest="only", action="append", default=[],
+                    help="run only tests whose name contains this (repeatable; prerequisites still run)")
+    args = ap.parse_args()
+    args.mode = args.mode or "agent"
+
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(GLOBAL_TIMEOUT_S, exit=True)  # last-resort watchdog
+
+    if args.mode == "agent":
+        if not os.path.isfile(args.bin) or not os.access(args.bin, os.X_OK):
+            print("error: agent binary %r not found or not executable (build it first, or set "
+                  "DEVTRACE_BIN / --bin)" % args.bin, flush=True)
+            print("0 passed, 1 failed")
+            return 1
+        args.bin = os.path.abspath(args.bin)
+
+    run = Run(args)
+    print("interop mode=%s addr=%s workdir=%s" % (run.mode, run.addr, run.workdir), flush=True)
+
+    def on_signal(signum, _frame):
+        run.stop_server()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    passed, failed, skipped = [], [], []
+    required = {"test_server_starts", "test_trace_writes_one_xplane"}
+    t_start = time.monotonic()
+    try:
+        run.start_server()
+        for fn in TESTS:
+            name = fn.__name__
+            if args.only and name not in required and not any(s in name for s in args.only):
+                continue
+            t0 = time.monotonic()
+            try:
+                detail = fn(run)
+            except SkipTest as e:
+                skipped.append(name)
+                print("SKIP %s: %s" % (name, e), flush=True)
+                continue
+            except Exception as e:  # noqa: BLE001
+                failed.append(name)
+                msg = str(e) if isinstance(e, CheckFailed) else traceback.format_exc()
+                print("FAIL %s (%.1fs): %s" % (name, time.monotonic() - t0, msg), flush=True)
+                if name == "test_server_starts":
+                    break
+                continue
+            passed.append(name)
+            print("PASS %s (%.1fs)%s" % (name, time.monotonic() - t0,
+                                        (": " + detail) if detail else ""), flush=True)
+    finally:
+        run.stop_server()
+
+    if run.conv.xplane:
+        extra = [f for f, _ in list_files(os.path.dirname(run.conv.xplane))
+                 if f != os.path.basename(run.conv.xplane)]
+        print("note: the XProf converters wrote next to the input: %s" % extra)
+    if run.conv.seconds:
+        print("timings: converters %s" % ", ".join("%s=%.1fs" % kv for kv in run.conv.seconds.items()))
+    print("timings: %stotal %.1fs" % ("".join("%s=%.2f, " % kv for kv in run.timings.items()),
+                                      time.monotonic() - t_start))
+    if failed or args.keep:
+        print("work directory kept: %s (server log: %s)" % (run.workdir, run.server_log))
+    else:
+        shutil.rmtree(run.workdir, ignore_errors=True)
+    if skipped:
+        print("%d skipped: %s" % (len(skipped), ", ".join(skipped)))
+    if failed:
+        print("FAILED: %s" % ", ".join(failed))
+    print("%d passed, %d failed" % (len(passed), len(failed)), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # TF/gRPC threads can stall interpreter shutdown; everything is cleaned up already.
+    os._exit(code)

@@ -1,0 +1,132 @@
+//! Numbers derived from the events of a window: how busy each device was and
+//! how long training steps took. `Monitor` reports them.
+
+use std::collections::BTreeMap;
+
+use crate::event::{Device, Event, Payload};
+use crate::store::Window;
+
+/// Utilisation over one window.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Utilization {
+    /// Busy fraction (0..1) per device that had any activity.
+    pub device_busy: BTreeMap<u16, f64>,
+    /// Durations of the steps that started in the window, nanoseconds.
+    pub step_durations_ns: Vec<u64>,
+}
+
+impl Utilization {
+    /// Mean idle percentage over the devices, if any device was seen.
+    pub fn idle_percent(&self) -> Option<f64> {
+        if self.device_busy.is_empty() {
+            return None;
+        }
+        let busy: f64 = self.device_busy.values().sum::<f64>() / self.device_busy.len() as f64;
+        Some(100.0 * (1.0 - busy))
+    }
+
+    /// (mean, min, max) step time in milliseconds.
+    pub fn step_times_ms(&self) -> Option<(f64, f64, f64)> {
+        let count = self.step_durations_ns.len();
+        if count == 0 {
+            return None;
+        }
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let total: u64 = self.step_durations_ns.iter().sum();
+        let min = self.step_durations_ns.iter().copied().min().unwrap_or(0);
+        let max = self.step_durations_ns.iter().copied().max().unwrap_or(0);
+        Some((ms(total) / count as f64, ms(min), ms(max)))
+    }
+}
+
+/// Computes utilisation of `events` clipped to `window`.
+pub fn utilization<'e>(events: impl IntoIterator<Item = &'e Event>, window: Window) -> Utilization {
+    let mut intervals: BTreeMap<u16, Vec<(u64, u64)>> = BTreeMap::new();
+    let mut result = Utilization::default();
+    for event in events {
+        match (event.device, event.payload) {
+            (Device::Gpu(ordinal), Payload::Kernel(_) | Payload::Memcpy(_) | Payload::Memset(_)) => {
+                let start = event.start_ns.max(window.start_ns);
+                let end = event.end_ns().min(window.stop_ns);
+                if start < end {
+                    intervals.entry(ordinal).or_default().push((start, end));
+                }
+            }
+            (_, Payload::Step { .. }) => result.step_durations_ns.push(event.duration_ns),
+            _ => {}
+        }
+    }
+    let length = window.duration_ns().max(1) as f64;
+    for (ordinal, mut spans) in intervals {
+        result
+            .device_busy
+            .insert(ordinal, union_length(&mut spans) as f64 / length);
+    }
+    result
+}
+
+/// Total length covered by possibly overlapping intervals.
+fn union_length(spans: &mut [(u64, u64)]) -> u64 {
+    spans.sort_unstable();
+    let mut total = 0;
+    let mut current: Option<(u64, u64)> = None;
+    for &(start, end) in spans.iter() {
+        current = match current {
+            Some((s, e)) if start <= e => Some((s, e.max(end))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    total + current.map_or(0, |(s, e)| e - s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{KernelInfo, NameId};
+
+    fn kernel(gpu: u16, start_ns: u64, duration_ns: u64) -> Event {
+        Event {
+            start_ns,
+            duration_ns,
+            device: Device::Gpu(gpu),
+            line: 7,
+            name: NameId(1),
+            payload: Payload::Kernel(KernelInfo::default()),
+        }
+    }
+
+    #[test]
+    fn overlapping_activity_counts_once_and_is_clipped_to_the_window() {
+        let window = Window {
+            start_ns: 100,
+            stop_ns: 200,
+        };
+        let events = [
+            kernel(0, 90, 30),  // 100..120 inside
+            kernel(0, 110, 20), // overlaps: 110..130
+            kernel(0, 190, 50), // 190..200
+            kernel(1, 100, 100),
+            Event {
+                payload: Payload::Step { step_num: 1 },
+                device: Device::Host,
+                ..kernel(0, 100, 40)
+            },
+        ];
+        let u = utilization(&events, window);
+        assert!((u.device_busy[&0] - 0.4).abs() < 1e-9);
+        assert!((u.device_busy[&1] - 1.0).abs() < 1e-9);
+        assert!((u.idle_percent().unwrap() - 30.0).abs() < 1e-9);
+        assert_eq!(u.step_times_ms(), Some((40e-6, 40e-6, 40e-6)));
+    }
+
+    #[test]
+    fn nothing_seen_means_no_numbers() {
+        let u = utilization(&[], Window::default());
+        assert_eq!(u.idle_percent(), None);
+        assert_eq!(u.step_times_ms(), None);
+    }
+}

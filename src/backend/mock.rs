@@ -1,0 +1,746 @@
+//! The mock backend: a deterministic, seeded model of a two-GPU training job,
+//! detailed enough that every XProf tool has data. It stands in for hardware
+//! on machines without any and drives load tests at millions of events per
+//! second.
+//!
+//! Each training step is a `train` span (`step_num`, `_r = 1`) on the `python`
+//! thread, holding a sequence of framework ops. Every op launches one kernel
+//! (`cudaLaunchKernel` on the host with a correlation id, the kernel on GPU
+//! stream 7 with `kernel_details`) and allocates its output tensor through a
+//! BFC-like allocator per GPU (`MemoryAllocation`/`MemoryDeallocation` with
+//! every stat the memory profile reads). Each step also copies its input batch
+//! to every GPU (stream 13), copies results back (stream 14) and clears a
+//! buffer with a memset (stream 7).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::{Backend, BackendContext, BackendError, Capabilities, Health};
+use crate::clock;
+use crate::event::{
+    CopyInfo, CopyKind, Device, Event, KernelInfo, MemoryInfo, MemsetInfo, NameId, Payload,
+};
+use crate::registry::{DeviceInfo, Registry};
+
+/// Thread id of the training loop's thread.
+pub const PYTHON_TID: u64 = 4242;
+/// Thread id of the thread that issues copies.
+pub const COPY_TID: u64 = 4243;
+/// GPU stream ids, as CUPTI would number them.
+pub const COMPUTE_STREAM: u64 = 7;
+pub const H2D_STREAM: u64 = 13;
+pub const D2H_STREAM: u64 = 14;
+
+const STEP_PERIOD_NS: u64 = 50_000_000;
+/// Roughly how many events one op produces (op, launch, kernel, alloc, free).
+const EVENTS_PER_OP: u64 = 5;
+const LIVE_TENSORS_PER_ALLOCATOR: usize = 6;
+const GPU_MEMORY_LIMIT: i64 = 38 << 30;
+
+#[derive(Clone, Copy, Debug)]
+pub struct MockConfig {
+    pub seed: u64,
+    /// Target event rate.
+    pub events_per_second: u64,
+    pub gpus: u16,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        MockConfig {
+            seed: 1,
+            events_per_second: 50_000,
+            gpus: 2,
+        }
+    }
+}
+
+/// SplitMix64: tiny, fast, and the same sequence on every platform.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [lo, hi).
+    fn fraction(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// One kind of framework op and the kernel it launches.
+struct OpKind {
+    op: &'static str,
+    kernel: &'static str,
+    registers: u32,
+    static_shared: u32,
+    dynamic_shared: u32,
+    grid: [u32; 3],
+    block: [u32; 3],
+    occupancy: f32,
+    output_bytes: i64,
+    data_type: u32,
+    shape: &'static str,
+}
+
+const OPS: &[OpKind] = &[
+    OpKind {
+        op: "model/dense/MatMul:MatMul",
+        kernel: "volta_h884gemm_64x64_ldg8_nn",
+        registers: 128,
+        static_shared: 0,
+        dynamic_shared: 32768,
+        grid: [16, 8, 1],
+        block: [256, 1, 1],
+        occupancy: 25.0,
+        output_bytes: 1 << 20,
+        data_type: 19,
+        shape: "[256,2048]",
+    },
+    OpKind {
+        op: "model/dense/BiasAdd:BiasAdd",
+        kernel: "void tensorflow::functor::BiasNHWCKernel<Eigen::half>(int, Eigen::half const*, Eigen::half const*, Eigen::half*, int)",
+        registers: 24,
+        static_shared: 0,
+        dynamic_shared: 0,
+        grid: [512, 1, 1],
+        block: [1024, 1, 1],
+        occupancy: 100.0,
+        output_bytes: 1 << 20,
+        data_type: 19,
+        shape: "[256,2048]",
+    },
+    OpKind {
+        op: "model/conv2d/Conv2D:Conv2D",
+        kernel: "implicit_convolve_sgemm",
+        registers: 96,
+        static_shared: 8192,
+        dynamic_shared: 0,
+        grid: [28, 28, 4],
+        block: [128, 1, 1],
+        occupancy: 37.5,
+        output_bytes: 6 << 20,
+        data_type: 1,
+        shape: "[64,28,28,32]",
+    },
+    OpKind {
+        op: "model/conv2d/Relu:Relu",
+        kernel: "void Eigen::internal::EigenMetaKernel<Eigen::TensorEvaluator<Relu>, long>(Eigen::TensorEvaluator<Relu>, long)",
+        registers: 32,
+        static_shared: 0,
+        dynamic_shared: 0,
+        grid: [1568, 1, 1],
+        block: [1024, 1, 1],
+        occupancy: 100.0,
+        output_bytes: 6 << 20,
+        data_type: 1,
+        shape: "[64,28,28,32]",
+    },
+    OpKind {
+        op: "model/loss/SparseSoftmaxCrossEntropyWithLogits:SparseSoftmaxCrossEntropyWithLogits",
+        kernel: "void tensorflow::functor::SoftmaxCrossEntropyKernel<float>(float const*, int const*, float*, int)",
+        registers: 40,
+        static_shared: 4096,
+        dynamic_shared: 0,
+        grid: [64, 1, 1],
+        block: [256, 1, 1],
+        occupancy: 75.0,
+        output_bytes: 256 << 10,
+        data_type: 1,
+        shape: "[256]",
+    },
+];
+
+/// Interned names the workload uses, resolved once.
+struct Names {
+    train: NameId,
+    launch: NameId,
+    memcpy_api: NameId,
+    memcpy_h2d: NameId,
+    memcpy_d2h: NameId,
+    memset: NameId,
+    alloc: NameId,
+    dealloc: NameId,
+    output: NameId,
+    ops: Vec<(NameId, NameId, NameId)>,
+    allocators: Vec<NameId>,
+}
+
+struct Tensor {
+    address: u64,
+    bytes: i64,
+    op: NameId,
+    shape: NameId,
+    data_type: u32,
+}
+
+struct Allocator {
+    name: NameId,
+    in_use: i64,
+    peak: i64,
+    next_address: u64,
+    live: VecDeque<Tensor>,
+}
+
+/// The deterministic event generator; the backend thread drives it in time.
+pub struct Workload {
+    rng: Rng,
+    names: Names,
+    gpus: u16,
+    ops_per_step: u64,
+    slot_ns: u64,
+    step_start_ns: u64,
+    step: i64,
+    op_index: u64,
+    correlation: u64,
+    allocators: Vec<Allocator>,
+}
+
+impl Workload {
+    /// Registers the workload's names, threads and devices and positions the
+    /// first step at `start_ns`.
+    pub fn new(config: &MockConfig, registry: &Registry, start_ns: u64) -> Workload {
+        let gpus = config.gpus.max(1);
+        registry.name_line(Device::Host, PYTHON_TID, "python");
+        registry.name_line(Device::Host, COPY_TID, "tf_gpu_copy");
+        for gpu in 0..gpus {
+            registry.describe_device(Device::Gpu(gpu), mock_device_info());
+        }
+        let names = Names {
+            train: registry.intern("train"),
+            launch: registry.intern("cudaLaunchKernel"),
+            memcpy_api: registry.intern("cudaMemcpyAsync"),
+            memcpy_h2d: registry.intern("MemcpyHToD"),
+            memcpy_d2h: registry.intern("MemcpyDToH"),
+            memset: registry.intern("Memset"),
+            alloc: registry.intern("MemoryAllocation"),
+            dealloc: registry.intern("MemoryDeallocation"),
+            output: registry.intern("output"),
+            ops: OPS
+                .iter()
+                .map(|k| {
+                    (
+                        registry.intern(k.op),
+                        registry.intern(k.kernel),
+                        registry.intern(k.shape),
+                    )
+                })
+                .collect(),
+            allocators: (0..gpus)
+                .map(|g| registry.intern(&format!("GPU_{g}_bfc")))
+                .collect(),
+        };
+        let ops_per_step = (config.events_per_second.saturating_mul(STEP_PERIOD_NS)
+            / 1_000_000_000
+            / EVENTS_PER_OP)
+            .max(4);
+        let allocators = names
+            .allocators
+            .iter()
+            .enumerate()
+            .map(|(g, name)| Allocator {
+                name: *name,
+                in_use: 0,
+                peak: 0,
+                next_address: 0x7f00_0000_0000 + ((g as u64) << 36),
+                live: VecDeque::new(),
+            })
+            .collect();
+        Workload {
+            rng: Rng(config.seed),
+            names,
+            gpus,
+            ops_per_step,
+            slot_ns: (STEP_PERIOD_NS * 9 / 10 / ops_per_step).max(1),
+            step_start_ns: start_ns,
+            step: 0,
+            op_index: 0,
+            correlation: 0,
+            allocators,
+        }
+    }
+
+    /// Start time of what the next call to [`Workload::emit_next`] produces.
+    pub fn next_time_ns(&self) -> u64 {
+        self.step_start_ns + self.op_index * self.slot_ns
+    }
+
+    /// Emits the next op of the current step (plus the step's own events at its
+    /// start and end).
+    pub fn emit_next(&mut self, sink: &mut impl FnMut(Event)) {
+        if self.op_index == 0 {
+            self.emit_step_start(sink);
+        }
+        self.emit_op(sink);
+        self.op_index += 1;
+        if self.op_index == self.ops_per_step {
+            self.emit_step_end(sink);
+            self.step += 1;
+            self.op_index = 0;
+            self.step_start_ns += STEP_PERIOD_NS;
+        }
+    }
+
+    fn next_correlation(&mut self) -> u64 {
+        self.correlation += 1;
+        self.correlation
+    }
+
+    fn emit_step_start(&mut self, sink: &mut impl FnMut(Event)) {
+        let start = self.step_start_ns;
+        sink(Event {
+            start_ns: start,
+            duration_ns: STEP_PERIOD_NS * 95 / 100,
+            device: Device::Host,
+            line: PYTHON_TID,
+            name: self.names.train,
+            payload: Payload::Step {
+                step_num: self.step,
+            },
+        });
+        for gpu in 0..self.gpus {
+            let bytes = 24 << 20;
+            let at = start + u64::from(gpu) * 20_000;
+            self.emit_copy(sink, gpu, at, bytes, CopyKind::HostToDevice);
+        }
+    }
+
+    fn emit_step_end(&mut self, sink: &mut impl FnMut(Event)) {
+        let end = self.step_start_ns + STEP_PERIOD_NS * 9 / 10;
+        for gpu in 0..self.gpus {
+            let at = end + u64::from(gpu) * 20_000;
+            self.emit_copy(sink, gpu, at, 1 << 20, CopyKind::DeviceToHost);
+            let correlation = self.next_correlation();
+            sink(Event {
+                start_ns: end + STEP_PERIOD_NS / 50,
+                duration_ns: 8_000,
+                device: Device::Gpu(gpu),
+                line: COMPUTE_STREAM,
+                name: self.names.memset,
+                payload: Payload::Memset(MemsetInfo {
+                    correlation_id: correlation,
+                    bytes: 4 << 20,
+                    is_async: true,
+                    tf_op: NameId(0),
+                }),
+            });
+        }
+    }
+
+    fn emit_copy(
+        &mut self,
+        sink: &mut impl FnMut(Event),
+        gpu: u16,
+        at: u64,
+        bytes: u64,
+        kind: CopyKind,
+    ) {
+        let correlation = self.next_correlation();
+        sink(Event {
+            start_ns: at,
+            duration_ns: 6_000,
+            device: Device::Host,
+            line: COPY_TID,
+            name: self.names.memcpy_api,
+            payload: Payload::ApiCall {
+                correlation_id: correlation,
+                device_ordinal: u32::from(gpu),
+            },
+        });
+        let (name, stream) = match kind {
+            CopyKind::HostToDevice => (self.names.memcpy_h2d, H2D_STREAM),
+            _ => (self.names.memcpy_d2h, D2H_STREAM),
+        };
+        // About 12 GB/s over PCIe.
+        let duration_ns = bytes / 12;
+        sink(Event {
+            start_ns: at + 9_000,
+            duration_ns,
+            device: Device::Gpu(gpu),
+            line: stream,
+            name,
+            payload: Payload::Memcpy(CopyInfo {
+                correlation_id: correlation,
+                bytes,
+                kind,
+                is_async: true,
+                tf_op: NameId(0),
+            }),
+        });
+    }
+
+    fn emit_op(&mut self, sink: &mut impl FnMut(Event)) {
+        let slot = self.slot_ns;
+        let start = self.next_time_ns();
+        let kind_index = (self.op_index as usize) % OPS.len();
+        let kind = &OPS[kind_index];
+        let (op_name, kernel_name, shape) = self.names.ops[kind_index];
+        let gpu = (self.op_index % u64::from(self.gpus)) as u16;
+        let op_duration = (slot as f64 * self.rng.fraction(0.6, 0.85)) as u64;
+        sink(Event {
+            start_ns: start,
+            duration_ns: op_duration.max(4),
+            device: Device::Host,
+            line: PYTHON_TID,
+            name: op_name,
+            payload: Payload::Plain,
+        });
+        self.emit_allocation(sink, gpu, start + 1, op_name, shape, kind);
+        let launch_start = start + slot / 5;
+        let launch_duration = (slot / 30).max(1);
+        let correlation = self.next_correlation();
+        sink(Event {
+            start_ns: launch_start,
+            duration_ns: launch_duration,
+            device: Device::Host,
+            line: PYTHON_TID,
+            name: self.names.launch,
+            payload: Payload::ApiCall {
+                correlation_id: correlation,
+                device_ordinal: u32::from(gpu),
+            },
+        });
+        let kernel_start = launch_start + launch_duration + slot / 40;
+        let kernel_duration = ((slot as f64 * self.rng.fraction(0.3, 0.6)) as u64).max(1);
+        sink(Event {
+            start_ns: kernel_start,
+            duration_ns: kernel_duration,
+            device: Device::Gpu(gpu),
+            line: COMPUTE_STREAM,
+            name: kernel_name,
+            payload: Payload::Kernel(KernelInfo {
+                correlation_id: correlation,
+                registers_per_thread: kind.registers,
+                static_shared_bytes: kind.static_shared,
+                dynamic_shared_bytes: kind.dynamic_shared,
+                occupancy_pct: kind.occupancy,
+                grid: kind.grid,
+                block: kind.block,
+                tf_op: op_name,
+            }),
+        });
+    }
+
+    fn emit_allocation(
+        &mut self,
+        sink: &mut impl FnMut(Event),
+        gpu: u16,
+        at: u64,
+        op: NameId,
+        shape: NameId,
+        kind: &OpKind,
+    ) {
+        let step = self.step;
+        let output = self.names.output;
+        let fragmentation = self.rng.fraction(0.0, 0.15);
+        let requested = kind.output_bytes - (self.rng.next() % 256) as i64;
+        let (alloc_name, dealloc_name) = (self.names.alloc, self.names.dealloc);
+        let allocator = &mut self.allocators[usize::from(gpu)];
+        let address = allocator.next_address;
+        allocator.next_address += kind.output_bytes as u64;
+        allocator.in_use += kind.output_bytes;
+        allocator.peak = allocator.peak.max(allocator.in_use);
+        allocator.live.push_back(Tensor {
+            address,
+            bytes: kind.output_bytes,
+            op,
+            shape,
+            data_type: kind.data_type,
+        });
+        let stats = |allocator: &Allocator, tensor: &Tensor, requested: i64| MemoryInfo {
+            allocator: allocator.name,
+            tf_op: tensor.op,
+            region_type: output,
+            shape: tensor.shape,
+            data_type: tensor.data_type,
+            bytes_reserved: 0,
+            bytes_allocated: allocator.in_use,
+            bytes_available: GPU_MEMORY_LIMIT - allocator.in_use,
+            fragmentation,
+            peak_bytes_in_use: allocator.peak,
+            requested_bytes: requested,
+            allocation_bytes: tensor.bytes,
+            address: tensor.address,
+            step_id: step,
+        };
+        let allocated = allocator.live.back().map(|t| stats(allocator, t, requested));
+        if let Some(info) = allocated {
+            sink(Event {
+                start_ns: at,
+                duration_ns: 0,
+                device: Device::Host,
+                line: PYTHON_TID,
+                name: alloc_name,
+                payload: Payload::MemoryAllocation(info),
+            });
+        }
+        if allocator.live.len() > LIVE_TENSORS_PER_ALLOCATOR {
+            if let Some(tensor) = allocator.live.pop_front() {
+                allocator.in_use -= tensor.bytes;
+                let info = stats(allocator, &tensor, tensor.bytes);
+                sink(Event {
+                    start_ns: at + 1,
+                    duration_ns: 0,
+                    device: Device::Host,
+                    line: PYTHON_TID,
+                    name: dealloc_name,
+                    payload: Payload::MemoryDeallocation(info),
+                });
+            }
+        }
+    }
+}
+
+fn mock_device_info() -> DeviceInfo {
+    DeviceInfo {
+        vendor: "Nvidia".into(),
+        model: "devtrace mock GPU (A100-class)".into(),
+        compute_capability: (8, 0),
+        core_count: 108,
+        clock_rate_khz: 1_410_000,
+        memory_bytes: 40 << 30,
+        memory_bandwidth_bytes_per_s: 1_555_000_000_000,
+    }
+}
+
+struct Running {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+/// See the module documentation.
+pub struct MockBackend {
+    config: MockConfig,
+    running: Option<Running>,
+    pushed: Arc<AtomicU64>,
+    refused: Arc<AtomicU64>,
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+impl MockBackend {
+    pub fn new(config: MockConfig) -> MockBackend {
+        MockBackend {
+            config,
+            running: None,
+            pushed: Arc::default(),
+            refused: Arc::default(),
+            failure: Arc::default(),
+        }
+    }
+}
+
+/// How often the generator catches up with the clock.
+const TICK: Duration = Duration::from_millis(1);
+
+impl Backend for MockBackend {
+    fn name(&self) -> &'static str {
+        "mock"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            records: vec![
+                "training steps",
+                "framework ops",
+                "GPU kernels",
+                "memcpy and memset",
+                "allocator events",
+            ],
+            max_delay: TICK * 10,
+        }
+    }
+
+    fn start(&mut self, context: BackendContext) -> Result<(), BackendError> {
+        if self.running.is_some() {
+            return Ok(());
+        }
+        let mut producer = context.ring.producer().map_err(|e| BackendError::Start {
+            backend: "mock",
+            reason: e.to_string(),
+        })?;
+        let config = self.config;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (pushed, refused) = (Arc::clone(&self.pushed), Arc::clone(&self.refused));
+        let thread_stop = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("devtrace-mock".into())
+            .spawn(move || {
+                let mut workload = Workload::new(&config, &context.registry, clock::now_ns());
+                let (mut ok, mut full) = (0u64, 0u64);
+                while !thread_stop.load(Ordering::Relaxed) {
+                    let now = clock::now_ns();
+                    while workload.next_time_ns() <= now {
+                        workload.emit_next(&mut |event| {
+                            if producer.push(&event) {
+                                ok += 1;
+                            } else {
+                                full += 1;
+                            }
+                        });
+                    }
+                    pushed.store(ok, Ordering::Relaxed);
+                    refused.store(full, Ordering::Relaxed);
+                    std::thread::sleep(TICK);
+                }
+            })
+            .map_err(|e| BackendError::Start {
+                backend: "mock",
+                reason: e.to_string(),
+            });
+        match thread {
+            Ok(thread) => {
+                self.running = Some(Running { stop, thread });
+                Ok(())
+            }
+            Err(e) => {
+                *self.failure.lock() = Some(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.stop.store(true, Ordering::Relaxed);
+            let _ = running.thread.join();
+        }
+    }
+
+    fn health(&self) -> Health {
+        if let Some(reason) = self.failure.lock().clone() {
+            return Health::Failed { reason };
+        }
+        match &self.running {
+            None => Health::Stopped,
+            Some(running) if running.thread.is_finished() => Health::Failed {
+                reason: "generator thread exited".into(),
+            },
+            Some(_) => Health::Running {
+                detail: format!(
+                    "{} GPUs, target {} events/s, {} events produced, {} refused by a full ring",
+                    self.config.gpus,
+                    self.config.events_per_second,
+                    self.pushed.load(Ordering::Relaxed),
+                    self.refused.load(Ordering::Relaxed)
+                ),
+            },
+        }
+    }
+}
+
+impl Drop for MockBackend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn generate(config: MockConfig, steps: u64) -> (Vec<Event>, Arc<Registry>) {
+        let registry = Registry::new();
+        let mut workload = Workload::new(&config, &registry, 1_000_000_000);
+        let mut events = Vec::new();
+        let end = 1_000_000_000 + steps * STEP_PERIOD_NS;
+        while workload.next_time_ns() < end {
+            workload.emit_next(&mut |e| events.push(e));
+        }
+        (events, registry)
+    }
+
+    #[test]
+    fn same_seed_same_events_other_seed_other_events() {
+        let config = MockConfig::default();
+        let (a, _) = generate(config, 3);
+        let (b, _) = generate(config, 3);
+        assert_eq!(a, b);
+        let (c, _) = generate(MockConfig { seed: 2, ..config }, 3);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn rate_is_close_to_the_target() {
+        for rate in [20_000u64, 1_000_000] {
+            let config = MockConfig {
+                events_per_second: rate,
+                ..MockConfig::default()
+            };
+            let (events, _) = generate(config, 20);
+            let seconds = 20.0 * STEP_PERIOD_NS as f64 / 1e9;
+            let measured = events.len() as f64 / seconds;
+            let ratio = measured / rate as f64;
+            assert!((0.8..1.3).contains(&ratio), "rate {rate}: got {measured}/s");
+        }
+    }
+
+    #[test]
+    fn kernels_on_one_stream_never_overlap_and_match_their_launch() {
+        let (events, _) = generate(MockConfig::default(), 4);
+        for gpu in 0..2 {
+            let mut kernels: Vec<&Event> = events
+                .iter()
+                .filter(|e| e.device == Device::Gpu(gpu) && e.line == COMPUTE_STREAM)
+                .collect();
+            kernels.sort_by_key(|e| e.start_ns);
+            assert!(kernels.len() > 10);
+            for pair in kernels.windows(2) {
+                assert!(pair[0].end_ns() <= pair[1].start_ns, "{pair:?}");
+            }
+            for kernel in kernels {
+                let Payload::Kernel(info) = kernel.payload else {
+                    continue;
+                };
+                let launch = events
+                    .iter()
+                    .find(|e| {
+                        matches!(e.payload, Payload::ApiCall { correlation_id, .. } if correlation_id == info.correlation_id)
+                    })
+                    .expect("every kernel has its launch");
+                assert!(launch.end_ns() <= kernel.start_ns);
+            }
+        }
+    }
+
+    #[test]
+    fn allocations_balance_and_stay_within_steps() {
+        let (events, registry) = generate(MockConfig::default(), 4);
+        let names = registry.snapshot();
+        let steps: Vec<&Event> = events
+            .iter()
+            .filter(|e| matches!(e.payload, Payload::Step { .. }))
+            .collect();
+        assert_eq!(steps.len(), 4);
+        let mut allocs = 0;
+        let mut frees = 0;
+        for e in &events {
+            let info = match e.payload {
+                Payload::MemoryAllocation(info) => {
+                    allocs += 1;
+                    info
+                }
+                Payload::MemoryDeallocation(info) => {
+                    frees += 1;
+                    info
+                }
+                _ => continue,
+            };
+            assert!(names.name(info.allocator).ends_with("_bfc"));
+            assert!(info.bytes_allocated <= info.peak_bytes_in_use);
+            assert!(steps
+                .iter()
+                .any(|s| s.start_ns <= e.start_ns && e.start_ns < s.end_ns()));
+        }
+        assert!(allocs > 0 && frees > 0 && allocs - frees <= 2 * LIVE_TENSORS_PER_ALLOCATOR);
+    }
+}

@@ -1,0 +1,73 @@
+//! The backend contract: a backend knows one source of truth (a device, the
+//! kernel, a library), turns what it sees into [`Event`]s and pushes them into
+//! the ring it is given. It never knows about gRPC, files or XSpace.
+//!
+//! [`Event`]: crate::event::Event
+
+pub mod mock;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::registry::Registry;
+use crate::ring::Ring;
+
+/// What a backend can observe.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Capabilities {
+    /// Human-readable list of what it records ("GPU kernels", ...).
+    pub records: Vec<&'static str>,
+    /// Longest time between an event happening and it being in the ring; a
+    /// capture waits this long after its window closes before it collects.
+    pub max_delay: Duration,
+}
+
+/// How a backend is doing, for `Monitor` and the `serve` log.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Health {
+    Stopped,
+    Running { detail: String },
+    Failed { reason: String },
+}
+
+impl std::fmt::Display for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Health::Stopped => write!(f, "stopped"),
+            Health::Running { detail } => write!(f, "running ({detail})"),
+            Health::Failed { reason } => write!(f, "failed: {reason}"),
+        }
+    }
+}
+
+/// What a backend gets when it starts.
+#[derive(Clone)]
+pub struct BackendContext {
+    pub registry: Arc<Registry>,
+    pub ring: Arc<Ring>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("{backend} is not available here: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+    #[error("{backend} failed to start: {reason}")]
+    Start {
+        backend: &'static str,
+        reason: String,
+    },
+}
+
+/// A source of events.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+    fn capabilities(&self) -> Capabilities;
+    /// Starts producing into `context.ring`. Must return promptly.
+    fn start(&mut self, context: BackendContext) -> Result<(), BackendError>;
+    /// Stops producing; idempotent.
+    fn stop(&mut self);
+    fn health(&self) -> Health;
+}

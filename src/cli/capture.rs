@@ -1,0 +1,209 @@
+//! `devtrace capture`: a client of the profiler protocol that sends the same
+//! request as TensorFlow's `client.trace`, so it works against devtrace and
+//! against TensorFlow's or JAX's own profiler servers.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::clock;
+use crate::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
+use crate::proto::tensorflow::ProfileRequest;
+use crate::service::profiler::{default_profile_options, XPLANE_TOOL};
+use crate::service::MAX_MESSAGE_BYTES;
+
+/// The tools TensorFlow's client asks for; servers may use them as hints.
+const REQUESTED_TOOLS: &[&str] = &[
+    "trace_viewer",
+    "op_profile",
+    "input_pipeline",
+    "kernel_stats",
+    "memory_viewer",
+    "memory_profile",
+    "overview_page",
+    "pod_viewer",
+    "tensorflow_stats",
+    XPLANE_TOOL,
+];
+
+#[derive(Debug, Args)]
+pub struct CaptureArgs {
+    /// Profiler server address: grpc://host:port or host:port.
+    pub address: String,
+
+    /// Length of the capture window (e.g. 2s, 500ms).
+    #[arg(long, default_value = "2s", value_parser = super::parse_duration)]
+    pub duration: Duration,
+
+    /// Log directory; the trace lands in LOGDIR/plugins/profile/SESSION/.
+    #[arg(long)]
+    pub logdir: PathBuf,
+
+    /// Session (run) name; default: the current UTC time as YYYY_MM_DD_HH_MM_SS.
+    #[arg(long)]
+    pub session_id: Option<String>,
+
+    /// Start the window this long from now (e.g. 1s).
+    #[arg(long, default_value = "0s", value_parser = super::parse_duration)]
+    pub delay: Duration,
+
+    /// Start the window this long in the past (served from devtrace's flight
+    /// recorder; other servers start at once).
+    #[arg(long, default_value = "0s", value_parser = super::parse_duration, conflicts_with = "delay")]
+    pub delay_back: Duration,
+
+    /// Name of the trace file's host part (default: the address with ':' as '_').
+    #[arg(long)]
+    pub override_hostname: Option<String>,
+
+    /// Do not draw a progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let path = runtime.block_on(capture(&args))?;
+    println!("{}", path.display());
+    eprintln!(
+        "view it with: xprof --logdir {} (then open the Profile tab), or devtrace inspect {}",
+        args.logdir.display(),
+        path.display()
+    );
+    Ok(())
+}
+
+/// `host:port` from `grpc://host:port` or `host:port`.
+pub fn strip_scheme(address: &str) -> &str {
+    address.strip_prefix("grpc://").unwrap_or(address)
+}
+
+async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
+    let target = strip_scheme(&args.address);
+    if target.is_empty() || !target.contains(':') {
+        bail!("address {:?} needs a port, e.g. grpc://127.0.0.1:6009", args.address);
+    }
+    let duration_ms = u64::try_from(args.duration.as_millis()).unwrap_or(u64::MAX);
+    if duration_ms == 0 {
+        bail!("--duration must be at least 1ms");
+    }
+    let logdir = std::path::absolute(&args.logdir)
+        .with_context(|| format!("resolving --logdir {}", args.logdir.display()))?;
+    let repository_root = logdir.join("plugins").join("profile");
+    let session_id = args
+        .session_id
+        .clone()
+        .unwrap_or_else(crate::service::profiler::session_timestamp);
+    let start_ns = clock::now_ns() + clock::duration_ns(args.delay) - clock::duration_ns(args.delay_back);
+    let mut options = default_profile_options(duration_ms, start_ns);
+    options.repository_path = logdir.display().to_string();
+    options.session_id = session_id.clone();
+    if let Some(name) = &args.override_hostname {
+        options.override_hostname = name.clone();
+    }
+    let request = ProfileRequest {
+        duration_ms,
+        max_events: 1_000_000,
+        tools: REQUESTED_TOOLS.iter().map(|t| t.to_string()).collect(),
+        opts: Some(options),
+        repository_root: repository_root.display().to_string(),
+        session_id: session_id.clone(),
+        host_name: target.to_string(),
+        ..ProfileRequest::default()
+    };
+    // TensorFlow's client allows max(60 s, 2 x duration) for the whole call.
+    let deadline = Duration::from_secs(60).max(args.duration * 2) + args.delay;
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{target}"))
+        .with_context(|| format!("invalid address {:?}", args.address))?
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(deadline);
+    let channel = endpoint
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach a profiler server at {target}"))?;
+    let mut client = ProfilerServiceClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let progress = progress_bar(args, duration_ms);
+    let reply = client.profile(request).await;
+    if let Some(progress) = progress {
+        progress.finish_and_clear();
+    }
+    let reply = reply
+        .map_err(|status| anyhow::anyhow!("{}: {}", status.code(), status.message()))
+        .with_context(|| format!("capture from {target} failed"))?
+        .into_inner();
+    if reply.empty_trace {
+        bail!("{target} collected no trace events in the window");
+    }
+    let host = args
+        .override_hostname
+        .clone()
+        .unwrap_or_else(|| target.replace(':', "_"));
+    let session_dir = repository_root.join(&session_id);
+    if reply.tool_data.is_empty() {
+        // TensorFlow's own server writes the file on its filesystem.
+        let path = session_dir.join(format!("{host}.xplane.pb"));
+        eprintln!("the server wrote the trace itself, on its own filesystem");
+        return Ok(path);
+    }
+    let mut written = None;
+    for tool in &reply.tool_data {
+        if tool.name.ends_with("tf_stats_helper_result") {
+            continue;
+        }
+        let path = write_file(&session_dir, &format!("{host}.{}", tool.name), &tool.data)?;
+        if tool.name == XPLANE_TOOL {
+            written = Some(path);
+        }
+    }
+    written.context("the reply carried no xplane.pb")
+}
+
+fn progress_bar(args: &CaptureArgs, duration_ms: u64) -> Option<ProgressBar> {
+    if args.quiet {
+        return None;
+    }
+    let total = duration_ms + u64::try_from(args.delay.as_millis()).unwrap_or(0);
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("capturing {bar:30} {pos}/{len} ms")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let ticker = bar.clone();
+    tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        while !ticker.is_finished() {
+            ticker.set_position((started.elapsed().as_millis() as u64).min(total));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    Some(bar)
+}
+
+/// Writes atomically: a temporary file beside the target, then rename.
+fn write_file(directory: &Path, name: &str, data: &[u8]) -> anyhow::Result<PathBuf> {
+    use std::io::Write;
+    std::fs::create_dir_all(directory)
+        .with_context(|| format!("creating {}", directory.display()))?;
+    let target = directory.join(name);
+    let mut file = tempfile::NamedTempFile::new_in(directory)
+        .with_context(|| format!("writing into {}", directory.display()))?;
+    file.write_all(data)
+        .and_then(|()| {
+            use std::os::unix::fs::PermissionsExt;
+            file.as_file()
+                .set_permissions(std::fs::Permissions::from_mode(0o644))
+        })
+        .and_then(|()| file.as_file().sync_all())
+        .with_context(|| format!("writing {}", target.display()))?;
+    file.persist(&target)
+        .with_context(|| format!("writing {}", target.display()))?;
+    Ok(target)
+}

@@ -1,0 +1,120 @@
+//! The command line: one module per subcommand.
+
+mod capture;
+mod inspect;
+mod serve;
+
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+pub use capture::CaptureArgs;
+pub use inspect::InspectArgs;
+pub use serve::ServeArgs;
+
+/// Device-tracing agent for machine-learning hosts. It speaks TensorFlow's
+/// profiler protocol, so `tf.profiler.experimental.client.trace`, the XProf
+/// capture dialog and `devtrace capture` all work against it, and it writes
+/// XSpace (`.xplane.pb`) traces that XProf opens.
+#[derive(Debug, Parser)]
+#[command(name = "devtrace", version, propagate_version = true)]
+pub struct Cli {
+    /// Log filter: error, warn, info, debug, trace, or a tracing directive
+    /// such as `devtrace=debug`. RUST_LOG overrides it.
+    #[arg(long, global = true, default_value = "info")]
+    pub log_level: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent: record events from the backends and serve captures.
+    Serve(ServeArgs),
+    /// Capture a trace from a running profiler server into a logdir.
+    Capture(CaptureArgs),
+    /// Summarise an .xplane.pb file: planes, lines, events, time span.
+    Inspect(InspectArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    init_logging(&cli.log_level);
+    match cli.command {
+        Command::Serve(args) => serve::run(args),
+        Command::Capture(args) => capture::run(args),
+        Command::Inspect(args) => inspect::run(args),
+    }
+}
+
+fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Parses durations such as `2s`, `500ms`, `1.5s`, `10m`, `1h`; a bare number
+/// is milliseconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (try 2s, 500ms, 10m)"))?;
+    let seconds = match unit.trim() {
+        "" | "ms" => value / 1e3,
+        "us" => value / 1e6,
+        "s" => value,
+        "m" | "min" => value * 60.0,
+        "h" => value * 3600.0,
+        other => return Err(format!("unknown unit {other:?} in {text:?} (use ms, s, m or h)")),
+    };
+    if !seconds.is_finite() || seconds < 0.0 || seconds > 1e9 {
+        return Err(format!("{text:?} is out of range"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// Parses sizes such as `512MiB`, `2GiB`, `64M`; a bare number is bytes.
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: usize = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (try 512MiB)"))?;
+    let multiplier: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        other => return Err(format!("unknown unit {other:?} in {text:?} (use KiB, MiB or GiB)")),
+    };
+    value
+        .checked_mul(multiplier)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_sizes_parse_with_units() {
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1500"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert!(parse_duration("two").is_err());
+        assert!(parse_duration("3 weeks").is_err());
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("1TiB").is_err());
+    }
+}

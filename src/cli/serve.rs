@@ -1,0 +1,147 @@
+//! `devtrace serve`: starts the agent and its gRPC services.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tracing::info;
+
+use crate::agent::{Agent, AgentConfig, BackendChoice};
+use crate::backend::mock::MockConfig;
+use crate::ring::DropPolicy;
+use crate::service::profiler::{local_hostname, ProfilerService, ServiceConfig};
+use crate::service::repository::AllowedRoots;
+use crate::store::StoreConfig;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on. Use 0.0.0.0:6009 to accept captures from other hosts.
+    #[arg(long, default_value = "127.0.0.1:6009")]
+    pub listen: String,
+
+    /// Backends to run (repeatable). `auto` runs every backend that works on
+    /// this machine and falls back to the mock when none does.
+    #[arg(long = "backend", value_enum, default_values_t = [BackendChoice::Auto])]
+    pub backends: Vec<BackendChoice>,
+
+    /// Events per second the mock backend produces.
+    #[arg(long, default_value_t = 50_000)]
+    pub mock_rate: u64,
+
+    /// Seed of the mock backend; the same seed gives the same workload.
+    #[arg(long, default_value_t = 1)]
+    pub mock_seed: u64,
+
+    /// Number of GPUs the mock backend simulates.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub mock_gpus: u16,
+
+    /// How much history the flight recorder keeps (e.g. 120s, 10m).
+    #[arg(long, default_value = "120s", value_parser = super::parse_duration)]
+    pub store_retention: Duration,
+
+    /// Memory bound of the flight recorder (e.g. 512MiB, 2GiB).
+    #[arg(long, default_value = "512MiB", value_parser = super::parse_size)]
+    pub store_size: usize,
+
+    /// Slots per ring lane (rounded up to a power of two; 128 bytes each).
+    #[arg(long, default_value_t = 65_536)]
+    pub ring_capacity: u64,
+
+    /// What a full ring gives up. Every drop is counted in the trace.
+    #[arg(long, value_enum, default_value_t = DropPolicy::DropNewest)]
+    pub drop_policy: DropPolicy,
+
+    /// Directory the agent may write traces into when a request's
+    /// repository_root lies inside it (repeatable). Without it, traces are
+    /// always returned to the client, which writes them on its own machine.
+    #[arg(long = "allow-root", value_name = "DIR")]
+    pub allow_roots: Vec<PathBuf>,
+
+    /// Longest capture window a request may ask for.
+    #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
+    pub max_duration: Duration,
+
+    /// Host name recorded in traces (default: this machine's).
+    #[arg(long)]
+    pub hostname: Option<String>,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("devtrace-rpc")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let allowed_roots = AllowedRoots::new(&args.allow_roots)
+        .with_context(|| format!("preparing --allow-root {:?}", args.allow_roots))?;
+    let config = AgentConfig {
+        backends: args.backends.clone(),
+        mock: MockConfig {
+            seed: args.mock_seed,
+            events_per_second: args.mock_rate,
+            gpus: args.mock_gpus,
+        },
+        store: StoreConfig {
+            retention: args.store_retention,
+            max_bytes: args.store_size,
+        },
+        ring_capacity: args.ring_capacity,
+        drop_policy: args.drop_policy,
+        ..AgentConfig::default()
+    };
+    let agent = Agent::start(&config).context("starting the agent")?;
+    let service = Arc::new(ProfilerService::new(
+        Arc::clone(&agent),
+        ServiceConfig {
+            max_duration: args.max_duration,
+            allowed_roots: allowed_roots.clone(),
+            hostname: args.hostname.clone().unwrap_or_else(local_hostname),
+            ..ServiceConfig::default()
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let address = listener.local_addr().context("reading the bound address")?;
+    for (name, health) in agent.backend_health() {
+        info!(backend = name, %health, "backend");
+    }
+    if allowed_roots.is_empty() {
+        info!("no --allow-root: traces are returned to the client, never written here");
+    } else {
+        info!(roots = ?allowed_roots.roots(), "traces may be written under these roots");
+    }
+    info!(%address, "devtrace listening (capture with: devtrace capture grpc://{address} --logdir DIR)");
+    crate::service::serve(listener, service, shutdown_signal()).await?;
+    info!("shutting down");
+    agent.shutdown();
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(signal) => signal,
+                Err(_) => {
+                    let _ = interrupt.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}

@@ -1,0 +1,412 @@
+//! The fixed-size event record that travels from a backend through a ring into
+//! the store, and the typed payloads it carries.
+//!
+//! An [`Event`] is 128 bytes of plain integers (16 machine words), so that it can
+//! be copied word by word into a ring that may live in shared memory between
+//! processes. Strings never travel inside an event: they are interned once in the
+//! [`crate::registry::Registry`] and referred to by [`NameId`].
+
+/// Number of 64-bit words in one encoded event.
+pub const EVENT_WORDS: usize = 16;
+/// Number of payload words after the 4-word header.
+pub const PAYLOAD_WORDS: usize = 12;
+
+/// An interned string; 0 is the empty string.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NameId(pub u32);
+
+/// Which timeline owner (XSpace plane) an event belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Device {
+    /// Host threads: the `/host:CPU` plane.
+    Host,
+    /// A GPU by ordinal: the `/device:GPU:<n>` plane.
+    Gpu(u16),
+}
+
+impl Device {
+    const GPU_TAG: u16 = 0x1000;
+
+    fn encode(self) -> u16 {
+        match self {
+            Device::Host => 0,
+            Device::Gpu(ordinal) => Self::GPU_TAG | (ordinal & 0x0fff),
+        }
+    }
+
+    fn decode(raw: u16) -> Device {
+        if raw & 0xf000 == Self::GPU_TAG {
+            Device::Gpu(raw & 0x0fff)
+        } else {
+            Device::Host
+        }
+    }
+}
+
+/// Direction of a memory copy, as CUPTI distinguishes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CopyKind {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+    PeerToPeer,
+    Other,
+}
+
+impl CopyKind {
+    fn encode(self) -> u64 {
+        match self {
+            CopyKind::HostToDevice => 1,
+            CopyKind::DeviceToHost => 2,
+            CopyKind::DeviceToDevice => 3,
+            CopyKind::PeerToPeer => 4,
+            CopyKind::Other => 0,
+        }
+    }
+
+    fn decode(raw: u64) -> CopyKind {
+        match raw {
+            1 => CopyKind::HostToDevice,
+            2 => CopyKind::DeviceToHost,
+            3 => CopyKind::DeviceToDevice,
+            4 => CopyKind::PeerToPeer,
+            _ => CopyKind::Other,
+        }
+    }
+}
+
+/// Launch configuration and resources of a GPU kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KernelInfo {
+    pub correlation_id: u64,
+    pub registers_per_thread: u32,
+    pub static_shared_bytes: u32,
+    pub dynamic_shared_bytes: u32,
+    pub occupancy_pct: f32,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    /// Framework op that launched the kernel (`name:Type`), or 0.
+    pub tf_op: NameId,
+}
+
+/// A host-to-device, device-to-host or device-to-device copy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CopyInfo {
+    pub correlation_id: u64,
+    pub bytes: u64,
+    pub kind: CopyKind,
+    pub is_async: bool,
+    pub tf_op: NameId,
+}
+
+/// A device memset.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemsetInfo {
+    pub correlation_id: u64,
+    pub bytes: u64,
+    pub is_async: bool,
+    pub tf_op: NameId,
+}
+
+/// One allocator event with every statistic XProf's memory profile reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MemoryInfo {
+    pub allocator: NameId,
+    pub tf_op: NameId,
+    pub region_type: NameId,
+    pub shape: NameId,
+    /// TensorFlow `DataType` enum number (1 = float, ...).
+    pub data_type: u32,
+    pub bytes_reserved: i64,
+    pub bytes_allocated: i64,
+    pub bytes_available: i64,
+    pub fragmentation: f64,
+    pub peak_bytes_in_use: i64,
+    pub requested_bytes: i64,
+    pub allocation_bytes: i64,
+    pub address: u64,
+    pub step_id: i64,
+}
+
+/// What an event is, with the fields that kind carries.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Payload {
+    /// A plain span or instant with nothing beyond its name.
+    Plain,
+    /// A training step: grouped by XProf through `step_num` and `_r = 1`.
+    Step { step_num: i64 },
+    /// A host-side driver or runtime API call that launched device work.
+    ApiCall {
+        correlation_id: u64,
+        device_ordinal: u32,
+    },
+    Kernel(KernelInfo),
+    Memcpy(CopyInfo),
+    Memset(MemsetInfo),
+    MemoryAllocation(MemoryInfo),
+    MemoryDeallocation(MemoryInfo),
+    /// A sample of a counter track (the event name is the counter's name).
+    Counter { value: f64 },
+}
+
+impl Payload {
+    fn tag(&self) -> u16 {
+        match self {
+            Payload::Plain => 0,
+            Payload::Step { .. } => 1,
+            Payload::ApiCall { .. } => 2,
+            Payload::Kernel(_) => 3,
+            Payload::Memcpy(_) => 4,
+            Payload::Memset(_) => 5,
+            Payload::MemoryAllocation(_) => 6,
+            Payload::MemoryDeallocation(_) => 7,
+            Payload::Counter { .. } => 8,
+        }
+    }
+}
+
+/// One timestamped record.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Event {
+    /// Start, Unix nanoseconds (see [`crate::clock`]).
+    pub start_ns: u64,
+    /// Zero for instants.
+    pub duration_ns: u64,
+    pub device: Device,
+    /// Thread id on the host, stream id on a GPU, or a counter track id.
+    pub line: u64,
+    pub name: NameId,
+    pub payload: Payload,
+}
+
+fn pack(lo: u32, hi: u32) -> u64 {
+    u64::from(lo) | (u64::from(hi) << 32)
+}
+
+fn unpack(word: u64) -> (u32, u32) {
+    (word as u32, (word >> 32) as u32)
+}
+
+impl Event {
+    /// End of the event, Unix nanoseconds.
+    pub fn end_ns(&self) -> u64 {
+        self.start_ns.saturating_add(self.duration_ns)
+    }
+
+    /// Encodes the event into the 16 words that a ring slot holds.
+    pub fn to_words(&self) -> [u64; EVENT_WORDS] {
+        let mut w = [0u64; EVENT_WORDS];
+        w[0] = self.start_ns;
+        w[1] = self.duration_ns;
+        w[2] = self.line;
+        w[3] = u64::from(self.device.encode())
+            | (u64::from(self.payload.tag()) << 16)
+            | (u64::from(self.name.0) << 32);
+        let p = &mut w[4..];
+        match self.payload {
+            Payload::Plain => {}
+            Payload::Step { step_num } => p[0] = step_num as u64,
+            Payload::ApiCall {
+                correlation_id,
+                device_ordinal,
+            } => {
+                p[0] = correlation_id;
+                p[1] = u64::from(device_ordinal);
+            }
+            Payload::Kernel(k) => {
+                p[0] = k.correlation_id;
+                p[1] = pack(k.registers_per_thread, k.static_shared_bytes);
+                p[2] = pack(k.dynamic_shared_bytes, k.occupancy_pct.to_bits());
+                p[3] = pack(k.grid[0], k.grid[1]);
+                p[4] = pack(k.grid[2], k.block[0]);
+                p[5] = pack(k.block[1], k.block[2]);
+                p[6] = u64::from(k.tf_op.0);
+            }
+            Payload::Memcpy(c) => {
+                p[0] = c.correlation_id;
+                p[1] = c.bytes;
+                p[2] = c.kind.encode() | (u64::from(c.is_async) << 8);
+                p[3] = u64::from(c.tf_op.0);
+            }
+            Payload::Memset(m) => {
+                p[0] = m.correlation_id;
+                p[1] = m.bytes;
+                p[2] = u64::from(m.is_async);
+                p[3] = u64::from(m.tf_op.0);
+            }
+            Payload::MemoryAllocation(m) | Payload::MemoryDeallocation(m) => {
+                p[0] = pack(m.allocator.0, m.tf_op.0);
+                p[1] = pack(m.region_type.0, m.shape.0);
+                p[2] = u64::from(m.data_type);
+                p[3] = m.bytes_reserved as u64;
+                p[4] = m.bytes_allocated as u64;
+                p[5] = m.bytes_available as u64;
+                p[6] = m.fragmentation.to_bits();
+                p[7] = m.peak_bytes_in_use as u64;
+                p[8] = m.requested_bytes as u64;
+                p[9] = m.allocation_bytes as u64;
+                p[10] = m.address;
+                p[11] = m.step_id as u64;
+            }
+            Payload::Counter { value } => p[0] = value.to_bits(),
+        }
+        w
+    }
+
+    /// Decodes words written by [`Event::to_words`]. An unknown payload tag (a
+    /// newer producer) decodes as [`Payload::Plain`] rather than failing.
+    pub fn from_words(w: &[u64; EVENT_WORDS]) -> Event {
+        let device = Device::decode(w[3] as u16);
+        let tag = (w[3] >> 16) as u16;
+        let name = NameId((w[3] >> 32) as u32);
+        let p = &w[4..];
+        let memory = || {
+            let (allocator, tf_op) = unpack(p[0]);
+            let (region_type, shape) = unpack(p[1]);
+            MemoryInfo {
+                allocator: NameId(allocator),
+                tf_op: NameId(tf_op),
+                region_type: NameId(region_type),
+                shape: NameId(shape),
+                data_type: p[2] as u32,
+                bytes_reserved: p[3] as i64,
+                bytes_allocated: p[4] as i64,
+                bytes_available: p[5] as i64,
+                fragmentation: f64::from_bits(p[6]),
+                peak_bytes_in_use: p[7] as i64,
+                requested_bytes: p[8] as i64,
+                allocation_bytes: p[9] as i64,
+                address: p[10],
+                step_id: p[11] as i64,
+            }
+        };
+        let payload = match tag {
+            1 => Payload::Step {
+                step_num: p[0] as i64,
+            },
+            2 => Payload::ApiCall {
+                correlation_id: p[0],
+                device_ordinal: p[1] as u32,
+            },
+            3 => {
+                let (registers_per_thread, static_shared_bytes) = unpack(p[1]);
+                let (dynamic_shared_bytes, occupancy_bits) = unpack(p[2]);
+                let (gx, gy) = unpack(p[3]);
+                let (gz, bx) = unpack(p[4]);
+                let (by, bz) = unpack(p[5]);
+                Payload::Kernel(KernelInfo {
+                    correlation_id: p[0],
+                    registers_per_thread,
+                    static_shared_bytes,
+                    dynamic_shared_bytes,
+                    occupancy_pct: f32::from_bits(occupancy_bits),
+                    grid: [gx, gy, gz],
+                    block: [bx, by, bz],
+                    tf_op: NameId(p[6] as u32),
+                })
+            }
+            4 => Payload::Memcpy(CopyInfo {
+                correlation_id: p[0],
+                bytes: p[1],
+                kind: CopyKind::decode(p[2] & 0xff),
+                is_async: (p[2] >> 8) & 1 == 1,
+                tf_op: NameId(p[3] as u32),
+            }),
+            5 => Payload::Memset(MemsetInfo {
+                correlation_id: p[0],
+                bytes: p[1],
+                is_async: p[2] & 1 == 1,
+                tf_op: NameId(p[3] as u32),
+            }),
+            6 => Payload::MemoryAllocation(memory()),
+            7 => Payload::MemoryDeallocation(memory()),
+            8 => Payload::Counter {
+                value: f64::from_bits(p[0]),
+            },
+            _ => Payload::Plain,
+        };
+        Event {
+            start_ns: w[0],
+            duration_ns: w[1],
+            device,
+            line: w[2],
+            name,
+            payload,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(payload: Payload) {
+        let event = Event {
+            start_ns: 1_700_000_000_123_456_789,
+            duration_ns: 4_321,
+            device: Device::Gpu(3),
+            line: 7,
+            name: NameId(42),
+            payload,
+        };
+        assert_eq!(Event::from_words(&event.to_words()), event);
+    }
+
+    #[test]
+    fn every_payload_survives_the_word_encoding() {
+        round_trip(Payload::Plain);
+        round_trip(Payload::Step { step_num: -5 });
+        round_trip(Payload::ApiCall {
+            correlation_id: u64::MAX,
+            device_ordinal: 1,
+        });
+        round_trip(Payload::Kernel(KernelInfo {
+            correlation_id: 9,
+            registers_per_thread: 64,
+            static_shared_bytes: 1024,
+            dynamic_shared_bytes: 2048,
+            occupancy_pct: 37.5,
+            grid: [1, 2, 3],
+            block: [128, 1, 1],
+            tf_op: NameId(5),
+        }));
+        round_trip(Payload::Memcpy(CopyInfo {
+            correlation_id: 1,
+            bytes: 1 << 40,
+            kind: CopyKind::DeviceToHost,
+            is_async: true,
+            tf_op: NameId(2),
+        }));
+        round_trip(Payload::Memset(MemsetInfo {
+            correlation_id: 3,
+            bytes: 77,
+            is_async: false,
+            tf_op: NameId(0),
+        }));
+        let memory = MemoryInfo {
+            allocator: NameId(1),
+            tf_op: NameId(2),
+            region_type: NameId(3),
+            shape: NameId(4),
+            data_type: 19,
+            bytes_reserved: 10,
+            bytes_allocated: -20,
+            bytes_available: 30,
+            fragmentation: 0.25,
+            peak_bytes_in_use: 40,
+            requested_bytes: 50,
+            allocation_bytes: 60,
+            address: 0xdead_beef_0000,
+            step_id: 12,
+        };
+        round_trip(Payload::MemoryAllocation(memory));
+        round_trip(Payload::MemoryDeallocation(memory));
+        round_trip(Payload::Counter { value: -1.5 });
+    }
+
+    #[test]
+    fn host_and_gpu_devices_keep_their_identity() {
+        assert_eq!(Device::decode(Device::Host.encode()), Device::Host);
+        assert_eq!(Device::decode(Device::Gpu(4095).encode()), Device::Gpu(4095));
+    }
+}

@@ -1,0 +1,32 @@
+//! devtrace: a device-tracing agent for machine-learning hosts.
+//!
+//! Backends stream timestamped [`event::Event`]s into a lock-free
+//! [`ring::Ring`]; the [`collect::Collector`] drains it into the flight
+//! recorder ([`store::Store`]); the services in [`service`] turn capture
+//! requests of TensorFlow's profiler protocol into windows over the store and
+//! build XSpace traces ([`xspace`]) that XProf opens. See `ARCHITECTURE.md`.
+
+pub mod agent;
+pub mod analysis;
+pub mod backend;
+pub mod cli;
+pub mod clock;
+pub mod collect;
+pub mod event;
+pub mod registry;
+pub mod ring;
+pub mod service;
+pub mod store;
+pub mod xspace;
+
+/// Types generated from `proto/`.
+pub mod proto {
+    pub mod tensorflow {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("tensorflow");
+        pub mod profiler {
+            #![allow(clippy::all, missing_docs)]
+            tonic::include_proto!("tensorflow.profiler");
+        }
+    }
+}

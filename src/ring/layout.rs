@@ -1,0 +1,122 @@
+//! The byte layout of a ring: a header, then `lanes` lanes, each a lane header
+//! followed by `capacity` slots. Everything is `#[repr(C)]` plain data addressed
+//! by offsets from the start of the region, so the same layout can be placed in
+//! a heap allocation or in a shared-memory segment mapped by two processes.
+
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+use crate::event::EVENT_WORDS;
+
+/// Identifies a devtrace ring region ("DVTRRING").
+pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"DVTRRING");
+/// Bumped whenever anything in this file changes shape.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Alignment of the region and of every lane header.
+pub const REGION_ALIGN: usize = 64;
+
+/// At the start of every ring region.
+#[repr(C)]
+pub struct RingHeader {
+    pub magic: u64,
+    pub version: u32,
+    pub lane_count: u32,
+    pub lane_capacity: u64,
+    pub slot_size: u32,
+    /// [`super::DropPolicy`] as a number; fixed when the ring is created.
+    pub policy: u32,
+}
+
+/// A word on its own cache line, so producer and consumer do not share lines.
+#[repr(C, align(64))]
+pub struct Padded<T>(pub T);
+
+/// One single-producer, single-consumer lane.
+#[repr(C)]
+pub struct LaneHeader {
+    /// 0 while free; otherwise the owning producer's token.
+    pub owner: Padded<AtomicU32>,
+    /// Next position the producer writes; only the producer stores it.
+    pub head: Padded<AtomicU64>,
+    /// Next position the consumer reads; only the consumer stores it.
+    pub tail: Padded<AtomicU64>,
+    /// Events refused because the lane was full (drop-newest); producer-owned.
+    pub dropped_newest: Padded<AtomicU64>,
+    /// Events overwritten before they were read (drop-oldest); consumer-owned.
+    pub dropped_oldest: Padded<AtomicU64>,
+}
+
+/// One event's worth of storage. `seq` is a per-slot sequence lock used by the
+/// overwriting (drop-oldest) policy: odd while written, `2 * pos + 2` once the
+/// event for ring position `pos` is complete.
+#[repr(C)]
+pub struct Slot {
+    pub seq: AtomicU64,
+    pub words: [AtomicU64; EVENT_WORDS],
+}
+
+/// Sizes and offsets of one ring's region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingLayout {
+    pub lanes: u32,
+    /// Slots per lane; a power of two.
+    pub capacity: u64,
+}
+
+fn round_up(value: usize, align: usize) -> usize {
+    value.div_ceil(align) * align
+}
+
+impl RingLayout {
+    pub fn header_size() -> usize {
+        round_up(std::mem::size_of::<RingHeader>(), REGION_ALIGN)
+    }
+
+    pub fn lane_size(&self) -> usize {
+        round_up(
+            std::mem::size_of::<LaneHeader>() + self.capacity as usize * std::mem::size_of::<Slot>(),
+            REGION_ALIGN,
+        )
+    }
+
+    pub fn total_size(&self) -> usize {
+        Self::header_size() + self.lanes as usize * self.lane_size()
+    }
+
+    pub fn lane_offset(&self, lane: u32) -> usize {
+        Self::header_size() + lane as usize * self.lane_size()
+    }
+
+    /// Offset of the slot that ring position `position` maps to.
+    pub fn slot_offset(&self, lane: u32, position: u64) -> usize {
+        let index = (position & (self.capacity - 1)) as usize;
+        self.lane_offset(lane)
+            + std::mem::size_of::<LaneHeader>()
+            + index * std::mem::size_of::<Slot>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_is_aligned_and_non_overlapping() {
+        let layout = RingLayout {
+            lanes: 3,
+            capacity: 8,
+        };
+        assert_eq!(std::mem::size_of::<LaneHeader>() % 64, 0);
+        assert_eq!(std::mem::size_of::<Slot>(), 8 * (1 + EVENT_WORDS));
+        for lane in 0..3 {
+            assert_eq!(layout.lane_offset(lane) % REGION_ALIGN, 0);
+            let last = layout.slot_offset(lane, 7) + std::mem::size_of::<Slot>();
+            assert!(last <= layout.lane_offset(lane) + layout.lane_size());
+            // Positions wrap onto the same slots.
+            assert_eq!(layout.slot_offset(lane, 9), layout.slot_offset(lane, 1));
+        }
+        assert_eq!(
+            layout.total_size(),
+            layout.lane_offset(2) + layout.lane_size()
+        );
+    }
+}

@@ -1,0 +1,536 @@
+//! A bounded, lock-free event ring with many producers and one consumer.
+//!
+//! The ring is split into lanes. Each producer claims a lane of its own and
+//! then writes without any read-modify-write instruction: a push is sixteen
+//! plain stores and one release store of the head. The consumer (the agent's
+//! collector) visits every lane. This is the per-writer buffer design of
+//! Perfetto and LTTng: producers never contend with each other and never wait.
+//!
+//! When a lane is full the [`DropPolicy`] decides what is lost, and every lost
+//! event is counted: drop-newest refuses the new event (counted by the
+//! producer), drop-oldest overwrites the oldest unread one (counted by the
+//! consumer, which detects the overwrite through the slot's sequence word).
+//! Either way, events read plus events counted as dropped equals events pushed.
+
+mod layout;
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+
+pub use layout::{RingLayout, LAYOUT_VERSION, RING_MAGIC};
+use layout::{LaneHeader, RingHeader, Slot, REGION_ALIGN};
+
+use crate::event::{Event, EVENT_WORDS};
+
+/// What a full lane gives up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DropPolicy {
+    /// Keep what is already queued; refuse the new event.
+    DropNewest,
+    /// Keep the new event; overwrite the oldest unread one.
+    DropOldest,
+}
+
+impl DropPolicy {
+    fn code(self) -> u32 {
+        match self {
+            DropPolicy::DropNewest => 0,
+            DropPolicy::DropOldest => 1,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            DropPolicy::DropNewest => "drop-newest",
+            DropPolicy::DropOldest => "drop-oldest",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RingError {
+    #[error("a ring needs at least one lane")]
+    NoLanes,
+    #[error("lane capacity {0} is out of range (2 to 2^24 slots)")]
+    Capacity(u64),
+    #[error("all {0} lanes of the ring already have a producer")]
+    AllLanesBusy(u32),
+    #[error("the ring already has its consumer")]
+    ConsumerTaken,
+}
+
+/// An aligned, zeroed allocation that holds a ring.
+struct Region {
+    base: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: after initialisation the region is only accessed through atomics.
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+impl Region {
+    fn zeroed(size: usize) -> Region {
+        let layout = Layout::from_size_align(size, REGION_ALIGN).expect("ring size fits a Layout");
+        // SAFETY: the layout has a non-zero size (a header is always present).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let base = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Region { base, layout }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this very layout.
+        unsafe { std::alloc::dealloc(self.base.as_ptr(), self.layout) }
+    }
+}
+
+/// Totals over all lanes since the ring was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingStats {
+    pub pushed: u64,
+    pub dropped_newest: u64,
+    pub dropped_oldest: u64,
+}
+
+/// The ring itself; share it with `Arc` and hand out producers and a consumer.
+pub struct Ring {
+    region: Region,
+    layout: RingLayout,
+    policy: DropPolicy,
+    next_token: AtomicU32,
+    consumer_taken: AtomicBool,
+}
+
+impl Ring {
+    /// Creates a ring of `lanes` lanes with `capacity` slots each (rounded up to
+    /// a power of two).
+    pub fn new(lanes: u32, capacity: u64, policy: DropPolicy) -> Result<Arc<Ring>, RingError> {
+        if lanes == 0 {
+            return Err(RingError::NoLanes);
+        }
+        if !(2..=1 << 24).contains(&capacity) {
+            return Err(RingError::Capacity(capacity));
+        }
+        let layout = RingLayout {
+            lanes,
+            capacity: capacity.next_power_of_two(),
+        };
+        let region = Region::zeroed(layout.total_size());
+        // SAFETY: the region is at least a header long, aligned, and not yet shared.
+        unsafe {
+            region.base.cast::<RingHeader>().as_ptr().write(RingHeader {
+                magic: RING_MAGIC,
+                version: LAYOUT_VERSION,
+                lane_count: lanes,
+                lane_capacity: layout.capacity,
+                slot_size: std::mem::size_of::<Slot>() as u32,
+                policy: policy.code(),
+            });
+        }
+        Ok(Arc::new(Ring {
+            region,
+            layout,
+            policy,
+            next_token: AtomicU32::new(1),
+            consumer_taken: AtomicBool::new(false),
+        }))
+    }
+
+    pub fn policy(&self) -> DropPolicy {
+        self.policy
+    }
+
+    pub fn layout(&self) -> RingLayout {
+        self.layout
+    }
+
+    fn header(&self) -> &RingHeader {
+        // SAFETY: written once in `new` before the ring was shared; read-only since.
+        unsafe { &*self.region.base.cast::<RingHeader>().as_ptr() }
+    }
+
+    fn lane(&self, lane: u32) -> &LaneHeader {
+        debug_assert!(lane < self.layout.lanes);
+        // SAFETY: the offset lies inside the region and is 64-byte aligned; a
+        // lane header consists of atomics, valid when zeroed.
+        unsafe {
+            &*self
+                .region
+                .base
+                .as_ptr()
+                .add(self.layout.lane_offset(lane))
+                .cast::<LaneHeader>()
+        }
+    }
+
+    fn slot(&self, lane: u32, position: u64) -> &Slot {
+        // SAFETY: as for `lane`; slots are atomics and 8-byte aligned.
+        unsafe {
+            &*self
+                .region
+                .base
+                .as_ptr()
+                .add(self.layout.slot_offset(lane, position))
+                .cast::<Slot>()
+        }
+    }
+
+    /// Claims a free lane for a new producer.
+    pub fn producer(self: &Arc<Self>) -> Result<Producer, RingError> {
+        debug_assert_eq!(self.header().magic, RING_MAGIC);
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed).max(1);
+        for lane in 0..self.layout.lanes {
+            let header = self.lane(lane);
+            if header
+                .owner
+                .0
+                .compare_exchange(0, token, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                let head = header.head.0.load(Ordering::Relaxed);
+                return Ok(Producer {
+                    ring: Arc::clone(self),
+                    lane,
+                    head,
+                    cached_tail: header.tail.0.load(Ordering::Acquire),
+                    capacity: self.layout.capacity,
+                    overwrite: self.policy == DropPolicy::DropOldest,
+                });
+            }
+        }
+        Err(RingError::AllLanesBusy(self.layout.lanes))
+    }
+
+    /// Takes the ring's single consumer.
+    pub fn consumer(self: &Arc<Self>) -> Result<Consumer, RingError> {
+        if self.consumer_taken.swap(true, Ordering::AcqRel) {
+            return Err(RingError::ConsumerTaken);
+        }
+        let lanes = self.layout.lanes;
+        Ok(Consumer {
+            ring: Arc::clone(self),
+            tails: (0..lanes)
+                .map(|lane| self.lane(lane).tail.0.load(Ordering::Relaxed))
+                .collect(),
+            newest_seen: (0..lanes)
+                .map(|lane| self.lane(lane).dropped_newest.0.load(Ordering::Relaxed))
+                .collect(),
+        })
+    }
+
+    pub fn stats(&self) -> RingStats {
+        let mut stats = RingStats::default();
+        for lane in 0..self.layout.lanes {
+            let header = self.lane(lane);
+            stats.pushed += header.head.0.load(Ordering::Relaxed);
+            stats.dropped_newest += header.dropped_newest.0.load(Ordering::Relaxed);
+            stats.dropped_oldest += header.dropped_oldest.0.load(Ordering::Relaxed);
+        }
+        stats
+    }
+}
+
+/// Writes into one lane. Not `Clone`: one producer per lane is what makes the
+/// lane lock-free without atomic read-modify-write.
+pub struct Producer {
+    ring: Arc<Ring>,
+    lane: u32,
+    head: u64,
+    cached_tail: u64,
+    capacity: u64,
+    overwrite: bool,
+}
+
+impl Producer {
+    /// Queues `event`. Returns false when the lane was full under drop-newest
+    /// (the event is then counted as dropped). Never blocks.
+    #[inline]
+    pub fn push(&mut self, event: &Event) -> bool {
+        let lane = self.ring.lane(self.lane);
+        let position = self.head;
+        if !self.overwrite && position - self.cached_tail >= self.capacity {
+            self.cached_tail = lane.tail.0.load(Ordering::Acquire);
+            if position - self.cached_tail >= self.capacity {
+                let dropped = lane.dropped_newest.0.load(Ordering::Relaxed);
+                lane.dropped_newest.0.store(dropped + 1, Ordering::Relaxed);
+                return false;
+            }
+        }
+        let slot = self.ring.slot(self.lane, position);
+        let words = event.to_words();
+        if self.overwrite {
+            slot.seq.store(2 * position + 1, Ordering::Relaxed);
+            fence(Ordering::Release);
+        }
+        for (cell, word) in slot.words.iter().zip(words) {
+            cell.store(word, Ordering::Relaxed);
+        }
+        if self.overwrite {
+            slot.seq.store(2 * position + 2, Ordering::Release);
+        }
+        self.head = position + 1;
+        lane.head.0.store(self.head, Ordering::Release);
+        true
+    }
+
+    pub fn lane(&self) -> u32 {
+        self.lane
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        self.ring
+            .lane(self.lane)
+            .owner
+            .0
+            .store(0, Ordering::Release);
+    }
+}
+
+/// What one [`Consumer::drain`] call found besides events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    pub events: u64,
+    pub dropped_newest: u64,
+    pub dropped_oldest: u64,
+}
+
+/// Reads every lane; the only reader of the ring.
+pub struct Consumer {
+    ring: Arc<Ring>,
+    tails: Vec<u64>,
+    newest_seen: Vec<u64>,
+}
+
+impl Consumer {
+    /// Moves up to `max` queued events into `out` and reports drops that
+    /// happened since the previous call.
+    pub fn drain(&mut self, out: &mut Vec<Event>, max: usize) -> DrainReport {
+        let mut report = DrainReport::default();
+        let mut budget = max as u64;
+        for lane in 0..self.ring.layout.lanes {
+            let header = self.ring.lane(lane);
+            let newest = header.dropped_newest.0.load(Ordering::Relaxed);
+            report.dropped_newest += newest - self.newest_seen[lane as usize];
+            self.newest_seen[lane as usize] = newest;
+            if budget == 0 {
+                continue;
+            }
+            let (read, overwritten) = self.drain_lane(lane, out, budget);
+            budget -= read;
+            report.events += read;
+            report.dropped_oldest += overwritten;
+        }
+        report
+    }
+
+    fn drain_lane(&mut self, lane: u32, out: &mut Vec<Event>, budget: u64) -> (u64, u64) {
+        let ring = &*self.ring;
+        let header = ring.lane(lane);
+        let head = header.head.0.load(Ordering::Acquire);
+        let mut tail = self.tails[lane as usize];
+        let mut overwritten = 0;
+        let overwrite = ring.policy == DropPolicy::DropOldest;
+        if overwrite && head - tail > ring.layout.capacity {
+            overwritten += head - ring.layout.capacity - tail;
+            tail = head - ring.layout.capacity;
+        }
+        let end = head.min(tail.saturating_add(budget));
+        let mut read = 0;
+        let mut words = [0u64; EVENT_WORDS];
+        for position in tail..end {
+            let slot = ring.slot(lane, position);
+            let expected = 2 * position + 2;
+            if overwrite && slot.seq.load(Ordering::Acquire) != expected {
+                overwritten += 1;
+                continue;
+            }
+            for (word, cell) in words.iter_mut().zip(&slot.words) {
+                *word = cell.load(Ordering::Relaxed);
+            }
+            if overwrite {
+                fence(Ordering::Acquire);
+                if slot.seq.load(Ordering::Relaxed) != expected {
+                    overwritten += 1;
+                    continue;
+                }
+            }
+            out.push(Event::from_words(&words));
+            read += 1;
+        }
+        self.tails[lane as usize] = end;
+        header.tail.0.store(end, Ordering::Release);
+        if overwritten > 0 {
+            let total = header.dropped_oldest.0.load(Ordering::Relaxed);
+            header
+                .dropped_oldest
+                .0
+                .store(total + overwritten, Ordering::Relaxed);
+        }
+        (read, overwritten)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Device, NameId, Payload};
+    use std::collections::HashSet;
+
+    fn event(producer: u64, sequence: u64) -> Event {
+        Event {
+            start_ns: sequence,
+            duration_ns: 1,
+            device: Device::Host,
+            line: producer,
+            name: NameId(1),
+            payload: Payload::Step {
+                step_num: sequence as i64,
+            },
+        }
+    }
+
+    #[test]
+    fn drop_newest_counts_every_refused_event_exactly() {
+        let ring = Ring::new(1, 8, DropPolicy::DropNewest).unwrap();
+        let mut producer = ring.producer().unwrap();
+        let mut consumer = ring.consumer().unwrap();
+        let accepted = (0..20).filter(|i| producer.push(&event(0, *i))).count();
+        assert_eq!(accepted, 8);
+        let mut out = Vec::new();
+        let report = consumer.drain(&mut out, usize::MAX);
+        assert_eq!(report.events, 8);
+        assert_eq!(report.dropped_newest, 12);
+        // The oldest eight were kept.
+        let kept: Vec<u64> = out.iter().map(|e| e.start_ns).collect();
+        assert_eq!(kept, (0..8).collect::<Vec<_>>());
+        // Space is free again after draining.
+        assert!(producer.push(&event(0, 100)));
+        assert_eq!(consumer.drain(&mut out, usize::MAX).dropped_newest, 0);
+        assert_eq!(ring.stats().dropped_newest, 12);
+    }
+
+    #[test]
+    fn drop_oldest_keeps_the_newest_and_counts_the_overwritten() {
+        let ring = Ring::new(1, 8, DropPolicy::DropOldest).unwrap();
+        let mut producer = ring.producer().unwrap();
+        let mut consumer = ring.consumer().unwrap();
+        for i in 0..20 {
+            assert!(producer.push(&event(0, i)));
+        }
+        let mut out = Vec::new();
+        let report = consumer.drain(&mut out, usize::MAX);
+        assert_eq!(report.events, 8);
+        assert_eq!(report.dropped_oldest, 12);
+        let kept: Vec<u64> = out.iter().map(|e| e.start_ns).collect();
+        assert_eq!(kept, (12..20).collect::<Vec<_>>());
+        assert_eq!(ring.stats().dropped_oldest, 12);
+    }
+
+    #[test]
+    fn drain_respects_its_budget_and_resumes() {
+        let ring = Ring::new(2, 16, DropPolicy::DropNewest).unwrap();
+        let mut a = ring.producer().unwrap();
+        let mut b = ring.producer().unwrap();
+        assert_ne!(a.lane(), b.lane());
+        for i in 0..5 {
+            a.push(&event(0, i));
+            b.push(&event(1, i));
+        }
+        let mut consumer = ring.consumer().unwrap();
+        let mut out = Vec::new();
+        assert_eq!(consumer.drain(&mut out, 3).events, 3);
+        assert_eq!(consumer.drain(&mut out, 100).events, 7);
+        assert_eq!(out.len(), 10);
+    }
+
+    #[test]
+    fn lanes_are_exclusive_and_released_on_drop() {
+        let ring = Ring::new(1, 4, DropPolicy::DropNewest).unwrap();
+        let first = ring.producer().unwrap();
+        assert_eq!(ring.producer().err(), Some(RingError::AllLanesBusy(1)));
+        drop(first);
+        let mut second = ring.producer().unwrap();
+        assert!(second.push(&event(0, 1)));
+        assert!(ring.consumer().is_ok());
+        assert_eq!(ring.consumer().err(), Some(RingError::ConsumerTaken));
+    }
+
+    #[test]
+    fn bad_shapes_are_refused() {
+        assert_eq!(Ring::new(0, 8, DropPolicy::DropNewest).err(), Some(RingError::NoLanes));
+        assert_eq!(
+            Ring::new(1, 1, DropPolicy::DropNewest).err(),
+            Some(RingError::Capacity(1))
+        );
+        assert_eq!(Ring::new(1, 5, DropPolicy::DropNewest).unwrap().layout().capacity, 8);
+    }
+
+    /// Producers on their own threads race a consumer: nothing is lost without
+    /// being counted, nothing arrives twice, per-producer order is kept.
+    fn concurrent_run(policy: DropPolicy) {
+        const PRODUCERS: u64 = 4;
+        const PER_PRODUCER: u64 = 200_000;
+        let ring = Ring::new(PRODUCERS as u32, 1024, policy).unwrap();
+        let mut consumer = ring.consumer().unwrap();
+        let threads: Vec<_> = (0..PRODUCERS)
+            .map(|p| {
+                let mut producer = ring.producer().unwrap();
+                std::thread::spawn(move || {
+                    let mut refused = 0u64;
+                    for i in 0..PER_PRODUCER {
+                        if !producer.push(&event(p, i)) {
+                            refused += 1;
+                        }
+                    }
+                    refused
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        let mut dropped = 0;
+        let mut seen = HashSet::new();
+        let mut last = vec![None::<u64>; PRODUCERS as usize];
+        let mut check = |out: &mut Vec<Event>| {
+            for e in out.drain(..) {
+                assert!(seen.insert((e.line, e.start_ns)), "duplicate {e:?}");
+                let previous = &mut last[e.line as usize];
+                assert!(previous.is_none_or(|p| p < e.start_ns), "out of order");
+                *previous = Some(e.start_ns);
+            }
+        };
+        while threads.iter().any(|t| !t.is_finished()) {
+            let report = consumer.drain(&mut out, 4096);
+            dropped += report.dropped_newest + report.dropped_oldest;
+            check(&mut out);
+        }
+        let refused: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        let report = consumer.drain(&mut out, usize::MAX);
+        dropped += report.dropped_newest + report.dropped_oldest;
+        check(&mut out);
+        assert_eq!(seen.len() as u64 + dropped, PRODUCERS * PER_PRODUCER);
+        if policy == DropPolicy::DropNewest {
+            assert_eq!(refused, dropped);
+        } else {
+            assert_eq!(refused, 0);
+        }
+        let stats = ring.stats();
+        assert_eq!(stats.pushed, PRODUCERS * PER_PRODUCER - refused);
+        assert_eq!(stats.dropped_newest + stats.dropped_oldest, dropped);
+    }
+
+    #[test]
+    fn concurrent_producers_lose_nothing_uncounted_drop_newest() {
+        concurrent_run(DropPolicy::DropNewest);
+    }
+
+    #[test]
+    fn concurrent_producers_lose_nothing_uncounted_drop_oldest() {
+        concurrent_run(DropPolicy::DropOldest);
+    }
+}

@@ -1,0 +1,33 @@
+//! The gRPC services: requests are validated here, turned into captures on
+//! the [`crate::agent::Agent`], and the results turned into replies or files.
+
+pub mod profiler;
+pub mod repository;
+pub mod validate;
+
+use std::sync::Arc;
+
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
+
+/// Largest message accepted or sent: real traces run to hundreds of MB and the
+/// TensorFlow client accepts up to 2 GiB.
+pub const MAX_MESSAGE_BYTES: usize = i32::MAX as usize;
+
+/// Serves every devtrace service on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    profiler: Arc<profiler::ProfilerService>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(
+            ProfilerServiceServer::from_arc(profiler)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+}

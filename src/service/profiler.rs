@@ -1,0 +1,575 @@
+//! `tensorflow.ProfilerService`: on-demand captures (`Profile`, `Terminate`),
+//! `Monitor`, and continuous profiling served from the flight recorder
+//! (`StartContinuousProfiling`, `GetSnapshot`, `StopContinuousProfiling`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use prost::Message;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::agent::Agent;
+use crate::analysis;
+use crate::clock;
+use crate::proto::tensorflow::profile_options::advanced_config_value;
+use crate::proto::tensorflow::profiler::XSpace;
+use crate::proto::tensorflow::profiler_service_monitor_result::ResponseType;
+use crate::proto::tensorflow::profiler_service_server;
+use crate::proto::tensorflow::{
+    ContinuousProfilingResponse, GetSnapshotRequest, MonitorRequest, MonitorResponse,
+    ProfileOptions, ProfileRequest, ProfileResponse, ProfileToolData,
+    ProfilerServiceMonitorResult, StopContinuousProfilingRequest,
+    StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
+};
+use crate::store::Window;
+use crate::xspace::{self, CaptureInfo};
+
+use super::repository::AllowedRoots;
+use super::validate::{self, invalid};
+
+/// Name of the tool entry that carries the trace back to the client.
+pub const XPLANE_TOOL: &str = "xplane.pb";
+/// Suffix of trace files in a repository.
+pub const XPLANE_SUFFIX: &str = ".xplane.pb";
+
+/// Operator settings of the service.
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    /// Longest capture window a request may ask for.
+    pub max_duration: Duration,
+    /// How far in the future a capture may be scheduled to start.
+    pub max_start_delay: Duration,
+    pub allowed_roots: AllowedRoots,
+    /// Name of this host, recorded in every trace.
+    pub hostname: String,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            max_duration: Duration::from_secs(600),
+            max_start_delay: Duration::from_secs(600),
+            allowed_roots: AllowedRoots::default(),
+            hostname: local_hostname(),
+        }
+    }
+}
+
+/// This machine's host name, or "localhost" when it has none.
+pub fn local_hostname() -> String {
+    hostname::get()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// A capture request after validation.
+#[derive(Clone, Debug)]
+struct Plan {
+    window: Window,
+    session_id: String,
+    /// Base name of the trace file (`<host>.xplane.pb`).
+    file_host: String,
+    repository_root: String,
+    emit_xspace: bool,
+    options: Vec<u8>,
+    warnings: Vec<String>,
+}
+
+struct Continuous {
+    request: ProfileRequest,
+    duration: Option<Duration>,
+    last_snapshot_ns: u64,
+}
+
+/// See the module documentation.
+pub struct ProfilerService {
+    agent: Arc<Agent>,
+    config: ServiceConfig,
+    running: Mutex<HashMap<String, Vec<(u64, CancellationToken)>>>,
+    next_capture: std::sync::atomic::AtomicU64,
+    continuous: Mutex<Option<Continuous>>,
+}
+
+/// Removes a capture from the Terminate table when it ends, however it ends.
+struct Registration<'s> {
+    service: &'s ProfilerService,
+    session_id: String,
+    id: u64,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        let mut running = self.service.running.lock();
+        if let Some(list) = running.get_mut(&self.session_id) {
+            list.retain(|(id, _)| *id != self.id);
+            if list.is_empty() {
+                running.remove(&self.session_id);
+            }
+        }
+    }
+}
+
+impl ProfilerService {
+    pub fn new(agent: Arc<Agent>, config: ServiceConfig) -> ProfilerService {
+        ProfilerService {
+            agent,
+            config,
+            running: Mutex::new(HashMap::new()),
+            next_capture: Default::default(),
+            continuous: Mutex::new(None),
+        }
+    }
+
+    fn register(&self, session_id: &str) -> (Registration<'_>, CancellationToken) {
+        let token = CancellationToken::new();
+        let id = self
+            .next_capture
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.running
+            .lock()
+            .entry(session_id.to_string())
+            .or_default()
+            .push((id, token.clone()));
+        (
+            Registration {
+                service: self,
+                session_id: session_id.to_string(),
+                id,
+            },
+            token,
+        )
+    }
+
+    /// Validates every field of a `ProfileRequest`. `require_duration` is
+    /// false for continuous profiling, where the window is open-ended.
+    fn plan(&self, request: &ProfileRequest, require_duration: bool) -> Result<Plan, Status> {
+        let options = request.opts.clone().unwrap_or_default();
+        let modern = options.version != 0;
+        let duration_ms = if modern && options.duration_ms != 0 {
+            options.duration_ms
+        } else {
+            request.duration_ms
+        };
+        let duration_field = if modern { "opts.duration_ms" } else { "duration_ms" };
+        if require_duration && duration_ms == 0 {
+            return Err(invalid(
+                duration_field,
+                "must be greater than 0 (the length of the capture window in milliseconds)",
+            ));
+        }
+        let max_ms = self.config.max_duration.as_millis() as u64;
+        if duration_ms > max_ms {
+            return Err(invalid(
+                duration_field,
+                format!("{duration_ms} ms exceeds this agent's maximum of {max_ms} ms (--max-duration)"),
+            ));
+        }
+        let now = clock::now_ns();
+        let mut warnings = Vec::new();
+        let start_ns = if modern && options.start_timestamp_ns != 0 {
+            let latest = now.saturating_add(clock::duration_ns(self.config.max_start_delay));
+            if options.start_timestamp_ns > latest {
+                return Err(invalid(
+                    "opts.start_timestamp_ns",
+                    format!(
+                        "starts {:.1} s from now; at most {} s ahead is accepted",
+                        (options.start_timestamp_ns - now) as f64 / 1e9,
+                        self.config.max_start_delay.as_secs()
+                    ),
+                ));
+            }
+            options.start_timestamp_ns
+        } else {
+            now
+        };
+        validate::name_component("session_id", &request.session_id)?;
+        validate::name_component("host_name", &request.host_name)?;
+        validate::name_component("opts.override_hostname", &options.override_hostname)?;
+        validate::name_component("opts.session_id", &options.session_id)?;
+        validate::client_path("repository_root", &request.repository_root)?;
+        validate::client_path("opts.repository_path", &options.repository_path)?;
+        let legacy_override = match options
+            .advanced_configuration
+            .get("override_hostname")
+            .and_then(|v| v.value.as_ref())
+        {
+            Some(advanced_config_value::Value::StringValue(s)) => s.clone(),
+            _ => String::new(),
+        };
+        validate::name_component("opts.advanced_configuration[override_hostname]", &legacy_override)?;
+        let file_host = [&options.override_hostname, &legacy_override]
+            .into_iter()
+            .find(|h| !h.is_empty())
+            .cloned()
+            .unwrap_or_else(|| {
+                if request.host_name.is_empty() {
+                    self.config.hostname.clone()
+                } else {
+                    request.host_name.replace(':', "_")
+                }
+            });
+        let session_id = if !request.session_id.is_empty() {
+            request.session_id.clone()
+        } else if !options.session_id.is_empty() {
+            options.session_id.clone()
+        } else {
+            session_timestamp()
+        };
+        // A start a little in the past is network latency; a large one is a
+        // deliberate look into the flight recorder, worth saying so.
+        if now.saturating_sub(start_ns) > 1_000_000_000 {
+            warnings.push(format!(
+                "capture window starts {:.3} s before the request arrived; served from the flight recorder",
+                (now - start_ns) as f64 / 1e9
+            ));
+        }
+        Ok(Plan {
+            window: Window {
+                start_ns,
+                stop_ns: start_ns.saturating_add(duration_ms.saturating_mul(1_000_000)),
+            },
+            session_id,
+            file_host,
+            repository_root: request.repository_root.clone(),
+            emit_xspace: request.emit_xspace,
+            options: options.encode_to_vec(),
+            warnings,
+        })
+    }
+
+    /// Collects the window's events (after they have all arrived) and builds
+    /// the XSpace off the async runtime.
+    async fn build(&self, plan: &Plan, window: Window) -> Result<XSpace, Status> {
+        let (data, registry) = self
+            .agent
+            .collect(window)
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let mut warnings = plan.warnings.clone();
+        if let Some(history) = data.history_starts_ns {
+            warnings.push(format!(
+                "the flight recorder holds nothing before {:.3} s into the window; earlier events were evicted or never recorded",
+                history.saturating_sub(window.start_ns) as f64 / 1e9
+            ));
+        }
+        let info = CaptureInfo {
+            window,
+            hostname: self.config.hostname.clone(),
+            profile_options: plan.options.clone(),
+            dropped_newest: data.dropped_newest,
+            dropped_oldest: data.dropped_oldest,
+            warnings,
+            errors: Vec::new(),
+        };
+        tokio::task::spawn_blocking(move || xspace::build_xspace(data.events(), &registry, &info))
+            .await
+            .map_err(|e| Status::internal(format!("building the trace failed: {e}")))
+    }
+
+    /// Delivers a built trace the way the request asked: inline XSpace, a file
+    /// under an allowed root, or `tool_data` for the client to write.
+    fn respond(&self, plan: &Plan, space: XSpace) -> Result<ProfileResponse, Status> {
+        let empty_trace = xspace::is_empty(&space);
+        if plan.emit_xspace {
+            return Ok(ProfileResponse {
+                tool_data: Vec::new(),
+                empty_trace,
+                xspace: Some(space),
+            });
+        }
+        let bytes = space.encode_to_vec();
+        if let Some(directory) = self.server_side_directory(plan) {
+            let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
+            let path = self
+                .config
+                .allowed_roots
+                .write_atomic(&directory, &file_name, &bytes)
+                .map_err(|e| Status::permission_denied(format!("repository_root: {e}")))?;
+            info!(path = %path.display(), bytes = bytes.len(), "trace written");
+            return Ok(ProfileResponse {
+                tool_data: Vec::new(),
+                empty_trace,
+                xspace: None,
+            });
+        }
+        Ok(ProfileResponse {
+            tool_data: vec![ProfileToolData {
+                name: XPLANE_TOOL.to_string(),
+                data: bytes,
+            }],
+            empty_trace,
+            xspace: None,
+        })
+    }
+
+    /// The session directory to write into, when the request's repository
+    /// root lies inside an allowed root; otherwise the trace goes inline.
+    fn server_side_directory(&self, plan: &Plan) -> Option<PathBuf> {
+        if plan.repository_root.is_empty() || self.config.allowed_roots.is_empty() {
+            return None;
+        }
+        let root = Path::new(&plan.repository_root);
+        match self.config.allowed_roots.confine(root) {
+            Ok(root) => Some(root.join(&plan.session_id)),
+            Err(reason) => {
+                info!(%reason, "repository_root not writable by policy; returning the trace inline");
+                None
+            }
+        }
+    }
+}
+
+/// `YYYY_MM_DD_HH_MM_SS` in UTC, as session directories are named.
+pub fn session_timestamp() -> String {
+    let secs = (clock::now_ns() / 1_000_000_000) as i64;
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    format!(
+        "{year:04}_{month:02}_{day:02}_{:02}_{:02}_{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Proleptic Gregorian date of a day count since 1970-01-01.
+pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[tonic::async_trait]
+impl profiler_service_server::ProfilerService for ProfilerService {
+    async fn profile(&self, request: Request<ProfileRequest>) -> Result<Response<ProfileResponse>, Status> {
+        let request = request.into_inner();
+        let plan = self.plan(&request, true)?;
+        info!(
+            session = %plan.session_id,
+            host = %plan.file_host,
+            duration_ms = plan.window.duration_ns() / 1_000_000,
+            "capture requested"
+        );
+        let (_registration, terminate) = self.register(&plan.session_id);
+        let window = tokio::select! {
+            _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => plan.window,
+            _ = terminate.cancelled() => {
+                info!(session = %plan.session_id, "capture terminated early");
+                Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }
+            }
+        };
+        let space = self.build(&plan, window).await?;
+        self.respond(&plan, space).map(Response::new)
+    }
+
+    async fn terminate(&self, request: Request<TerminateRequest>) -> Result<Response<TerminateResponse>, Status> {
+        let session_id = request.into_inner().session_id;
+        validate::name_component("session_id", &session_id)?;
+        let tokens: Vec<CancellationToken> = self
+            .running
+            .lock()
+            .get(&session_id)
+            .map(|list| list.iter().map(|(_, t)| t.clone()).collect())
+            .unwrap_or_default();
+        if tokens.is_empty() {
+            info!(session = %session_id, "terminate: no running capture with this session id");
+        }
+        for token in tokens {
+            token.cancel();
+        }
+        Ok(Response::new(TerminateResponse {}))
+    }
+
+    async fn monitor(&self, request: Request<MonitorRequest>) -> Result<Response<MonitorResponse>, Status> {
+        let request = request.into_inner();
+        if request.duration_ms == 0 {
+            return Err(invalid("duration_ms", "must be greater than 0"));
+        }
+        let max_ms = self.config.max_duration.as_millis() as u64;
+        if request.duration_ms > max_ms {
+            return Err(invalid(
+                "duration_ms",
+                format!("{} ms exceeds this agent's maximum of {max_ms} ms", request.duration_ms),
+            ));
+        }
+        if !(0..=2).contains(&request.monitoring_level) {
+            return Err(invalid("monitoring_level", "must be 0, 1 or 2"));
+        }
+        let start_ns = clock::now_ns();
+        let window = Window {
+            start_ns,
+            stop_ns: start_ns + request.duration_ms * 1_000_000,
+        };
+        let (data, _) = self
+            .agent
+            .collect(window)
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let usage = analysis::utilization(data.events(), window);
+        let mut result = ProfilerServiceMonitorResult::default();
+        let mut text = String::new();
+        if request.timestamp {
+            text.push_str(&format!("timestamp: {} (Unix ms)\n", window.stop_ns / 1_000_000));
+        }
+        text.push_str(&format!(
+            "devtrace on {} over {} ms\n",
+            self.config.hostname, request.duration_ms
+        ));
+        if let Some(idle) = usage.idle_percent() {
+            result.response_type = ResponseType::UtilIdle as i32;
+            result.device_idle_time_percent = idle;
+            for (ordinal, busy) in &usage.device_busy {
+                text.push_str(&format!("GPU {ordinal}: {:.1}% busy\n", busy * 100.0));
+            }
+            text.push_str(&format!("device idle time: {idle:.1}%\n"));
+        } else {
+            result.response_type = ResponseType::UtilOnly as i32;
+            text.push_str("no device activity in this period\n");
+        }
+        if let Some((avg, min, max)) = usage.step_times_ms() {
+            result.response_type = ResponseType::UtilIdleStep as i32;
+            result.step_time_ms_avg = avg;
+            result.step_time_ms_min = min;
+            result.step_time_ms_max = max;
+            text.push_str(&format!(
+                "step time: avg {avg:.2} ms, min {min:.2} ms, max {max:.2} ms ({} steps)\n",
+                usage.step_durations_ns.len()
+            ));
+        }
+        if data.dropped() > 0 {
+            text.push_str(&format!("dropped events: {}\n", data.dropped()));
+        }
+        if request.monitoring_level >= 2 {
+            for (name, health) in self.agent.backend_health() {
+                text.push_str(&format!("backend {name}: {health}\n"));
+            }
+            let store = self.agent.store_stats();
+            text.push_str(&format!(
+                "flight recorder: {} events in {} chunks, {:.1} MiB\n",
+                store.events,
+                store.chunks,
+                store.bytes as f64 / (1 << 20) as f64
+            ));
+        }
+        Ok(Response::new(MonitorResponse {
+            data: text,
+            monitor_result: Some(result),
+        }))
+    }
+
+    async fn start_continuous_profiling(
+        &self,
+        request: Request<ProfileRequest>,
+    ) -> Result<Response<ContinuousProfilingResponse>, Status> {
+        let request = request.into_inner();
+        let plan = self.plan(&request, false)?;
+        let mut continuous = self.continuous.lock();
+        if continuous.is_some() {
+            return Err(Status::already_exists("a continuous profiling session is already running"));
+        }
+        let duration = plan.window.duration_ns();
+        info!(session = %plan.session_id, "continuous profiling started");
+        *continuous = Some(Continuous {
+            request,
+            duration: (duration > 0).then(|| Duration::from_nanos(duration)),
+            last_snapshot_ns: clock::now_ns(),
+        });
+        Ok(Response::new(ContinuousProfilingResponse {}))
+    }
+
+    async fn stop_continuous_profiling(
+        &self,
+        _request: Request<StopContinuousProfilingRequest>,
+    ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
+        match self.continuous.lock().take() {
+            Some(_) => {
+                info!("continuous profiling stopped");
+                Ok(Response::new(StopContinuousProfilingResponse {}))
+            }
+            None => Err(Status::not_found("no continuous profiling session is running")),
+        }
+    }
+
+    async fn get_snapshot(&self, request: Request<GetSnapshotRequest>) -> Result<Response<ProfileResponse>, Status> {
+        let snapshot_id = request.into_inner().snapshot_session_id;
+        validate::name_component("snapshot_session_id", &snapshot_id)?;
+        let now = clock::now_ns();
+        let (mut plan, start_ns) = {
+            let mut guard = self.continuous.lock();
+            let Some(continuous) = guard.as_mut() else {
+                return Err(Status::not_found("no continuous profiling session is running"));
+            };
+            let plan = self.plan(&continuous.request, false)?;
+            // A fixed duration reaches back into the recorder, even to before
+            // the session started; otherwise snapshots tile time.
+            let start = match continuous.duration {
+                Some(duration) => now.saturating_sub(clock::duration_ns(duration)),
+                None => continuous.last_snapshot_ns,
+            };
+            continuous.last_snapshot_ns = now;
+            (plan, start)
+        };
+        plan.window = Window {
+            start_ns,
+            stop_ns: now,
+        };
+        plan.warnings.clear();
+        if !snapshot_id.is_empty() {
+            plan.session_id = snapshot_id;
+        }
+        let space = self.build(&plan, plan.window).await?;
+        let bytes = space.encode_to_vec();
+        if let Some(directory) = self.server_side_directory(&plan) {
+            let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
+            if let Err(error) = self.config.allowed_roots.write_atomic(&directory, &file_name, &bytes) {
+                warn!(%error, "snapshot not written; returned inline only");
+            }
+        }
+        Ok(Response::new(ProfileResponse {
+            tool_data: Vec::new(),
+            empty_trace: xspace::is_empty(&space),
+            xspace: Some(space),
+        }))
+    }
+}
+
+/// The options devtrace's own client sends, matching TensorFlow's client.
+pub fn default_profile_options(duration_ms: u64, start_timestamp_ns: u64) -> ProfileOptions {
+    ProfileOptions {
+        version: 1,
+        include_dataset_ops: true,
+        host_tracer_level: 2,
+        device_tracer_level: 1,
+        enable_hlo_proto: true,
+        start_timestamp_ns,
+        duration_ms,
+        ..ProfileOptions::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates_are_right() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(20_413), (2025, 11, 21));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+}

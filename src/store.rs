@@ -1,0 +1,353 @@
+//! The flight recorder: a bounded, time-indexed store of recent events.
+//!
+//! The collector appends sealed, immutable chunks; captures ask for a time
+//! window and get shared references to the chunks that overlap it, so any
+//! number of captures (overlapping or not) read the same data without copying
+//! it under a lock. The store keeps at most `retention` of history and at most
+//! `max_bytes` of events, evicting whole chunks from the old end, and it keeps
+//! the log of drops so that a capture can report every loss in its window.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use crate::clock;
+use crate::event::Event;
+
+/// Limits of the flight recorder.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreConfig {
+    /// Keep events whose start lies within this much of the newest event.
+    pub retention: Duration,
+    /// Upper bound on the bytes held in events.
+    pub max_bytes: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            retention: Duration::from_secs(120),
+            max_bytes: 512 << 20,
+        }
+    }
+}
+
+/// An immutable batch of events with the range of their start times.
+#[derive(Debug)]
+pub struct Chunk {
+    events: Vec<Event>,
+    first_start_ns: u64,
+    last_start_ns: u64,
+}
+
+impl Chunk {
+    fn new(events: Vec<Event>) -> Option<Chunk> {
+        let first_start_ns = events.iter().map(|e| e.start_ns).min()?;
+        let last_start_ns = events.iter().map(|e| e.start_ns).max()?;
+        Some(Chunk {
+            events,
+            first_start_ns,
+            last_start_ns,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        self.events.capacity() * std::mem::size_of::<Event>()
+    }
+}
+
+/// Events lost at one moment, as the collector noticed them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropRecord {
+    pub at_ns: u64,
+    /// Refused by a full ring (drop-newest).
+    pub newest: u64,
+    /// Overwritten before being read (drop-oldest).
+    pub oldest: u64,
+}
+
+/// A half-open window `[start_ns, stop_ns)` in Unix nanoseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    pub start_ns: u64,
+    pub stop_ns: u64,
+}
+
+impl Window {
+    pub fn contains(&self, ns: u64) -> bool {
+        (self.start_ns..self.stop_ns).contains(&ns)
+    }
+
+    pub fn duration_ns(&self) -> u64 {
+        self.stop_ns.saturating_sub(self.start_ns)
+    }
+}
+
+/// What a window query returns: shared chunks plus the losses and gaps that
+/// affect the window.
+pub struct WindowData {
+    pub window: Window,
+    chunks: Vec<Arc<Chunk>>,
+    pub dropped_newest: u64,
+    pub dropped_oldest: u64,
+    /// Set when part of the window was already evicted (or never recorded).
+    pub history_starts_ns: Option<u64>,
+}
+
+impl WindowData {
+    /// Events whose start lies inside the window, in no particular order.
+    pub fn events(&self) -> impl Iterator<Item = &Event> + '_ {
+        let window = self.window;
+        self.chunks
+            .iter()
+            .flat_map(|chunk| chunk.events.iter())
+            .filter(move |e| window.contains(e.start_ns))
+    }
+
+    pub fn dropped(&self) -> u64 {
+        self.dropped_newest + self.dropped_oldest
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    chunks: VecDeque<Arc<Chunk>>,
+    bytes: usize,
+    drops: VecDeque<DropRecord>,
+    /// Nothing older than this is held any more (0 = nothing evicted yet).
+    evicted_before_ns: u64,
+    /// When the store started recording.
+    recording_since_ns: u64,
+}
+
+/// See the module documentation.
+pub struct Store {
+    config: StoreConfig,
+    inner: RwLock<Inner>,
+}
+
+/// Totals for health reporting.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StoreStats {
+    pub chunks: usize,
+    pub events: usize,
+    pub bytes: usize,
+}
+
+impl Store {
+    pub fn new(config: StoreConfig) -> Store {
+        Store {
+            config,
+            inner: RwLock::new(Inner {
+                recording_since_ns: clock::now_ns(),
+                ..Inner::default()
+            }),
+        }
+    }
+
+    pub fn config(&self) -> StoreConfig {
+        self.config
+    }
+
+    /// Adds a batch of events (any order) and evicts what falls out of bounds.
+    pub fn append(&self, events: Vec<Event>) {
+        let Some(chunk) = Chunk::new(events) else {
+            return;
+        };
+        let mut inner = self.inner.write();
+        inner.bytes += chunk.bytes();
+        inner.chunks.push_back(Arc::new(chunk));
+        self.evict(&mut inner);
+    }
+
+    /// Records events lost at `at_ns`.
+    pub fn record_drops(&self, record: DropRecord) {
+        if record.newest + record.oldest == 0 {
+            return;
+        }
+        self.inner.write().drops.push_back(record);
+    }
+
+    fn evict(&self, inner: &mut Inner) {
+        let newest = inner
+            .chunks
+            .iter()
+            .map(|c| c.last_start_ns)
+            .max()
+            .unwrap_or(0);
+        let horizon = newest.saturating_sub(clock::duration_ns(self.config.retention));
+        while let Some(front) = inner.chunks.front() {
+            let too_old = front.last_start_ns < horizon;
+            let too_big = inner.bytes > self.config.max_bytes && inner.chunks.len() > 1;
+            if !(too_old || too_big) {
+                break;
+            }
+            let evicted = front.last_start_ns + 1;
+            inner.bytes -= front.bytes();
+            inner.chunks.pop_front();
+            inner.evicted_before_ns = inner.evicted_before_ns.max(evicted);
+        }
+        while inner
+            .drops
+            .front()
+            .is_some_and(|d| d.at_ns < horizon.min(inner.evicted_before_ns))
+        {
+            inner.drops.pop_front();
+        }
+    }
+
+    /// Everything recorded for `window`.
+    pub fn query(&self, window: Window) -> WindowData {
+        let inner = self.inner.read();
+        let chunks = inner
+            .chunks
+            .iter()
+            .filter(|c| c.first_start_ns < window.stop_ns && c.last_start_ns >= window.start_ns)
+            .cloned()
+            .collect();
+        let (mut dropped_newest, mut dropped_oldest) = (0, 0);
+        for record in inner.drops.iter().filter(|d| window.contains(d.at_ns)) {
+            dropped_newest += record.newest;
+            dropped_oldest += record.oldest;
+        }
+        let history_start = inner.evicted_before_ns.max(inner.recording_since_ns);
+        WindowData {
+            window,
+            chunks,
+            dropped_newest,
+            dropped_oldest,
+            history_starts_ns: (window.start_ns < history_start).then_some(history_start),
+        }
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let inner = self.inner.read();
+        StoreStats {
+            chunks: inner.chunks.len(),
+            events: inner.chunks.iter().map(|c| c.events.len()).sum(),
+            bytes: inner.bytes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Device, NameId, Payload};
+
+    fn at(start_ns: u64) -> Event {
+        Event {
+            start_ns,
+            duration_ns: 10,
+            device: Device::Host,
+            line: 1,
+            name: NameId(1),
+            payload: Payload::Plain,
+        }
+    }
+
+    fn starts(data: &WindowData) -> Vec<u64> {
+        let mut v: Vec<u64> = data.events().map(|e| e.start_ns).collect();
+        v.sort_unstable();
+        v
+    }
+
+    fn store(retention_s: u64, max_bytes: usize) -> Store {
+        let store = Store::new(StoreConfig {
+            retention: Duration::from_secs(retention_s),
+            max_bytes,
+        });
+        // Pretend recording started at the epoch so the tests' small
+        // timestamps count as recorded history.
+        store.inner.write().recording_since_ns = 0;
+        store
+    }
+
+    #[test]
+    fn windows_return_exactly_the_events_that_start_inside() {
+        let store = store(1000, usize::MAX);
+        store.append((0..100).map(|i| at(i * 10)).collect());
+        store.append((100..200).map(|i| at(i * 10)).collect());
+        let data = store.query(Window {
+            start_ns: 950,
+            stop_ns: 1050,
+        });
+        assert_eq!(starts(&data), vec![950, 960, 970, 980, 990, 1000, 1010, 1020, 1030, 1040]);
+        assert_eq!(data.history_starts_ns, None);
+    }
+
+    #[test]
+    fn overlapping_windows_both_see_full_data() {
+        let store = store(1000, usize::MAX);
+        store.append((0..50).map(at).collect());
+        let a = store.query(Window {
+            start_ns: 0,
+            stop_ns: 30,
+        });
+        let b = store.query(Window {
+            start_ns: 20,
+            stop_ns: 50,
+        });
+        assert_eq!(starts(&a), (0..30).collect::<Vec<_>>());
+        assert_eq!(starts(&b), (20..50).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn retention_evicts_old_chunks_and_reports_the_gap() {
+        let store = store(1, usize::MAX);
+        let second = 1_000_000_000;
+        store.append(vec![at(0), at(10)]);
+        store.append(vec![at(2 * second)]);
+        assert_eq!(store.stats().chunks, 1);
+        let data = store.query(Window {
+            start_ns: 0,
+            stop_ns: 3 * second,
+        });
+        assert_eq!(starts(&data), vec![2 * second]);
+        assert_eq!(data.history_starts_ns, Some(11));
+    }
+
+    #[test]
+    fn byte_bound_evicts_oldest_first() {
+        let one_chunk = 10 * std::mem::size_of::<Event>();
+        let store = store(1000, 2 * one_chunk);
+        for c in 0..5u64 {
+            store.append((0..10).map(|i| at(c * 100 + i)).collect());
+        }
+        let stats = store.stats();
+        assert_eq!(stats.chunks, 2);
+        assert!(stats.bytes <= 2 * one_chunk);
+        let data = store.query(Window {
+            start_ns: 0,
+            stop_ns: 1000,
+        });
+        assert_eq!(starts(&data).first(), Some(&300));
+    }
+
+    #[test]
+    fn drops_are_attributed_to_the_window_they_happened_in() {
+        let store = store(1000, usize::MAX);
+        store.record_drops(DropRecord {
+            at_ns: 5,
+            newest: 3,
+            oldest: 0,
+        });
+        store.record_drops(DropRecord {
+            at_ns: 50,
+            newest: 0,
+            oldest: 4,
+        });
+        let early = store.query(Window {
+            start_ns: 0,
+            stop_ns: 10,
+        });
+        assert_eq!((early.dropped_newest, early.dropped_oldest), (3, 0));
+        let all = store.query(Window {
+            start_ns: 0,
+            stop_ns: 100,
+        });
+        assert_eq!(all.dropped(), 7);
+    }
+}

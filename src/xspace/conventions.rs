@@ -1,0 +1,96 @@
+//! The names and ids XProf looks up. They are matched as exact strings by the
+//! converters, so they live here, once, and tests pin them.
+
+/// Host threads plane; the memory profile reads only this exact name.
+pub const HOST_PLANE: &str = "/host:CPU";
+/// TensorFlow's id for the host plane.
+pub const HOST_PLANE_ID: i64 = 49;
+/// Plane with the session's environment (start, stop, options).
+pub const TASK_ENVIRONMENT_PLANE: &str = "Task Environment";
+/// An id that no device ordinal reaches.
+pub const TASK_ENVIRONMENT_PLANE_ID: i64 = 1000;
+
+/// `/device:GPU:<ordinal>`; the plane id is the ordinal.
+pub fn gpu_plane_name(ordinal: u16) -> String {
+    format!("/device:GPU:{ordinal}")
+}
+
+/// Counter tracks live on a line with this name and id.
+pub const COUNTERS_LINE: &str = "_counters_";
+pub const COUNTERS_LINE_ID: i64 = i64::MAX;
+
+/// Stream line labels for each kind of device activity, in display order.
+pub const STREAM_COMPUTE: &str = "Compute";
+pub const STREAM_MEMCPY_H2D: &str = "MemcpyH2D";
+pub const STREAM_MEMCPY_D2H: &str = "MemcpyD2H";
+pub const STREAM_MEMCPY_D2D: &str = "MemcpyD2D";
+pub const STREAM_MEMCPY_P2P: &str = "MemcpyP2P";
+pub const STREAM_MEMCPY_OTHER: &str = "MemcpyOther";
+pub const STREAM_MEMSET: &str = "Memset";
+pub const STREAM_KIND_ORDER: [&str; 7] = [
+    STREAM_COMPUTE,
+    STREAM_MEMCPY_H2D,
+    STREAM_MEMCPY_D2H,
+    STREAM_MEMCPY_D2D,
+    STREAM_MEMCPY_P2P,
+    STREAM_MEMCPY_OTHER,
+    STREAM_MEMSET,
+];
+
+/// `Stream #<id>(<kinds>)`, as CUPTI's collector names stream lines.
+pub fn stream_line_name(stream: u64, kinds: &[&str]) -> String {
+    if kinds.is_empty() {
+        format!("Stream #{stream}")
+    } else {
+        format!("Stream #{stream}({})", kinds.join(","))
+    }
+}
+
+/// Stat names (XStatMetadata.name) that XProf resolves to stat types.
+pub mod stat {
+    pub const STEP_NUM: &str = "step_num";
+    pub const ROOT_LEVEL: &str = "_r";
+    pub const STEP_ID: &str = "id";
+    pub const CORRELATION_ID: &str = "correlation_id";
+    pub const DEVICE_ID: &str = "device_id";
+    pub const CONTEXT_ID: &str = "context_id";
+    pub const KERNEL_DETAILS: &str = "kernel_details";
+    pub const MEMCPY_DETAILS: &str = "memcpy_details";
+    pub const MEMSET_DETAILS: &str = "Memset_details";
+    pub const TF_OP: &str = "tf_op";
+    pub const ALLOCATOR_NAME: &str = "allocator_name";
+    pub const BYTES_RESERVED: &str = "bytes_reserved";
+    pub const BYTES_ALLOCATED: &str = "bytes_allocated";
+    pub const BYTES_AVAILABLE: &str = "bytes_available";
+    pub const FRAGMENTATION: &str = "fragmentation";
+    pub const PEAK_BYTES_IN_USE: &str = "peak_bytes_in_use";
+    pub const REQUESTED_BYTES: &str = "requested_bytes";
+    pub const ALLOCATION_BYTES: &str = "allocation_bytes";
+    pub const ADDRESS: &str = "addr";
+    pub const REGION_TYPE: &str = "region_type";
+    pub const DATA_TYPE: &str = "data_type";
+    pub const SHAPE: &str = "shape";
+    pub const COUNTER_VALUE: &str = "value";
+    pub const DEVICE_VENDOR: &str = "device_vendor";
+    pub const GPU_DEVICE_NAME: &str = "gpu_device_name";
+    pub const CLOCK_RATE: &str = "clock_rate";
+    pub const CORE_COUNT: &str = "core_count";
+    pub const MEMORY_BANDWIDTH: &str = "memory_bandwidth";
+    pub const MEMORY_SIZE: &str = "memory_size";
+    pub const COMPUTE_CAP_MAJOR: &str = "compute_cap_major";
+    pub const COMPUTE_CAP_MINOR: &str = "compute_cap_minor";
+    pub const PROFILE_START_TIME: &str = "profile_start_time";
+    pub const PROFILE_STOP_TIME: &str = "profile_stop_time";
+    pub const PROFILE_OPTIONS: &str = "profile_options";
+    pub const DROPPED_TRACES: &str = "dropped_traces";
+    pub const DROPPED_NEWEST: &str = "devtrace_dropped_newest";
+    pub const DROPPED_OLDEST: &str = "devtrace_dropped_oldest";
+    /// Never written: its presence makes XProf skip step grouping.
+    pub const GROUP_ID: &str = "group_id";
+}
+
+/// Event names with meaning to XProf.
+pub mod event {
+    pub const MEMORY_ALLOCATION: &str = "MemoryAllocation";
+    pub const MEMORY_DEALLOCATION: &str = "MemoryDeallocation";
+}

@@ -1,0 +1,234 @@
+//! Reading an XSpace back: decoding a `.xplane.pb` file and summarising it
+//! (planes, lines, event counts, time span, heaviest events).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+
+use prost::Message;
+
+use crate::proto::tensorflow::profiler::{x_event, x_stat, XEvent, XPlane, XSpace};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not an XSpace (.xplane.pb): {source}")]
+    Decode {
+        path: String,
+        source: prost::DecodeError,
+    },
+}
+
+/// Reads and decodes an `.xplane.pb` file.
+pub fn read_xspace(path: &Path) -> Result<XSpace, ReadError> {
+    let bytes = std::fs::read(path).map_err(|source| ReadError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    XSpace::decode(bytes.as_slice()).map_err(|source| ReadError::Decode {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Name of an event's metadata, or "" when the id is unknown.
+pub fn event_name<'p>(plane: &'p XPlane, event: &XEvent) -> &'p str {
+    plane
+        .event_metadata
+        .get(&event.metadata_id)
+        .map_or("", |m| m.name.as_str())
+}
+
+/// A stat value as found, with references resolved to their strings.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StatValue {
+    Int(i64),
+    Uint(u64),
+    Double(f64),
+    Str(String),
+    Bytes(Vec<u8>),
+}
+
+/// Looks up the stat called `name` among `stats` of `plane`.
+pub fn find_stat(plane: &XPlane, stats: &[crate::proto::tensorflow::profiler::XStat], name: &str) -> Option<StatValue> {
+    let stat = stats.iter().find(|s| {
+        plane
+            .stat_metadata
+            .get(&s.metadata_id)
+            .is_some_and(|m| m.name == name)
+    })?;
+    Some(match stat.value.as_ref()? {
+        x_stat::Value::Int64Value(v) => StatValue::Int(*v),
+        x_stat::Value::Uint64Value(v) => StatValue::Uint(*v),
+        x_stat::Value::DoubleValue(v) => StatValue::Double(*v),
+        x_stat::Value::StrValue(v) => StatValue::Str(v.clone()),
+        x_stat::Value::BytesValue(v) => StatValue::Bytes(v.clone()),
+        x_stat::Value::RefValue(id) => StatValue::Str(
+            plane
+                .stat_metadata
+                .get(&(*id as i64))
+                .map_or_else(String::new, |m| m.name.clone()),
+        ),
+    })
+}
+
+/// Start of an event in picoseconds since the capture start.
+pub fn event_start_ps(line_timestamp_ns: i64, event: &XEvent) -> i64 {
+    let offset = match event.data {
+        Some(x_event::Data::OffsetPs(ps)) => ps,
+        _ => 0,
+    };
+    line_timestamp_ns.saturating_mul(1000).saturating_add(offset)
+}
+
+#[derive(Debug)]
+pub struct LineSummary {
+    pub id: i64,
+    pub name: String,
+    pub events: usize,
+}
+
+#[derive(Debug)]
+pub struct PlaneSummary {
+    pub id: i64,
+    pub name: String,
+    pub lines: Vec<LineSummary>,
+    pub events: usize,
+}
+
+#[derive(Debug)]
+pub struct EventTotal {
+    pub name: String,
+    pub count: u64,
+    pub total_ps: i64,
+}
+
+/// What `devtrace inspect` prints.
+#[derive(Debug)]
+pub struct Summary {
+    pub hostnames: Vec<String>,
+    pub planes: Vec<PlaneSummary>,
+    pub events: usize,
+    /// First start and last end over all events, picoseconds.
+    pub span_ps: Option<(i64, i64)>,
+    pub top: Vec<EventTotal>,
+    pub warnings: Vec<String>,
+    pub errors: Vec<String>,
+}
+
+/// Summarises `space`, keeping the `top` heaviest event names by total time.
+pub fn summarize(space: &XSpace, top: usize) -> Summary {
+    let mut totals: HashMap<String, (u64, i64)> = HashMap::new();
+    let mut span: Option<(i64, i64)> = None;
+    let mut planes = Vec::new();
+    let mut all_events = 0;
+    for plane in &space.planes {
+        let mut lines = Vec::new();
+        let mut plane_events = 0;
+        for line in &plane.lines {
+            for event in &line.events {
+                let start = event_start_ps(line.timestamp_ns, event);
+                let end = start.saturating_add(event.duration_ps);
+                span = Some(span.map_or((start, end), |(s, e)| (s.min(start), e.max(end))));
+                let total = totals
+                    .entry(event_name(plane, event).to_string())
+                    .or_default();
+                total.0 += 1;
+                total.1 += event.duration_ps;
+            }
+            plane_events += line.events.len();
+            lines.push(LineSummary {
+                id: line.id,
+                name: if line.display_name.is_empty() {
+                    line.name.clone()
+                } else {
+                    line.display_name.clone()
+                },
+                events: line.events.len(),
+            });
+        }
+        all_events += plane_events;
+        planes.push(PlaneSummary {
+            id: plane.id,
+            name: plane.name.clone(),
+            lines,
+            events: plane_events,
+        });
+    }
+    let mut top_events: Vec<EventTotal> = totals
+        .into_iter()
+        .map(|(name, (count, total_ps))| EventTotal {
+            name,
+            count,
+            total_ps,
+        })
+        .collect();
+    top_events.sort_by(|a, b| b.total_ps.cmp(&a.total_ps).then(a.name.cmp(&b.name)));
+    top_events.truncate(top);
+    Summary {
+        hostnames: space.hostnames.clone(),
+        planes,
+        events: all_events,
+        span_ps: span,
+        top: top_events,
+        warnings: space.warnings.clone(),
+        errors: space.errors.clone(),
+    }
+}
+
+fn ms(ps: i64) -> f64 {
+    ps as f64 / 1e9
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "hosts: {}", self.hostnames.join(", "))?;
+        match self.span_ps {
+            Some((start, end)) => writeln!(
+                f,
+                "events: {} from {:.3} ms to {:.3} ms ({:.3} ms)",
+                self.events,
+                ms(start),
+                ms(end),
+                ms(end - start)
+            )?,
+            None => writeln!(f, "events: 0")?,
+        }
+        for plane in &self.planes {
+            writeln!(
+                f,
+                "plane {} (id {}): {} lines, {} events",
+                plane.name,
+                plane.id,
+                plane.lines.len(),
+                plane.events
+            )?;
+            for line in &plane.lines {
+                writeln!(f, "  line {} (id {}): {} events", line.name, line.id, line.events)?;
+            }
+        }
+        if !self.top.is_empty() {
+            writeln!(f, "top events by total time:")?;
+            for total in &self.top {
+                writeln!(
+                    f,
+                    "  {:>12.3} ms {:>9}x  {}",
+                    ms(total.total_ps),
+                    total.count,
+                    total.name
+                )?;
+            }
+        }
+        for warning in &self.warnings {
+            writeln!(f, "warning: {warning}")?;
+        }
+        for error in &self.errors {
+            writeln!(f, "error: {error}")?;
+        }
+        Ok(())
+    }
+}
