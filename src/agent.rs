@@ -127,7 +127,10 @@ impl Agent {
 
     /// Waits until `window` is over and its events have arrived, then returns
     /// them. Dropping the future abandons the capture and frees everything.
-    pub async fn collect(&self, window: Window) -> Result<(WindowData, RegistrySnapshot), CollectorError> {
+    pub async fn collect(
+        &self,
+        window: Window,
+    ) -> Result<(WindowData, RegistrySnapshot), CollectorError> {
         let ready_at = window
             .stop_ns
             .saturating_add(clock::duration_ns(self.max_delay));

@@ -45,7 +45,10 @@ pub fn utilization<'e>(events: impl IntoIterator<Item = &'e Event>, window: Wind
     let mut result = Utilization::default();
     for event in events {
         match (event.device, event.payload) {
-            (Device::Gpu(ordinal), Payload::Kernel(_) | Payload::Memcpy(_) | Payload::Memset(_)) => {
+            (
+                Device::Gpu(ordinal),
+                Payload::Kernel(_) | Payload::Memcpy(_) | Payload::Memset(_),
+            ) => {
                 let start = event.start_ns.max(window.start_ns);
                 let end = event.end_ns().min(window.stop_ns);
                 if start < end {

@@ -134,7 +134,9 @@ pub enum Payload {
     /// A plain span or instant with nothing beyond its name.
     Plain,
     /// A training step: grouped by XProf through `step_num` and `_r = 1`.
-    Step { step_num: i64 },
+    Step {
+        step_num: i64,
+    },
     /// A host-side driver or runtime API call that launched device work.
     ApiCall {
         correlation_id: u64,
@@ -146,7 +148,9 @@ pub enum Payload {
     MemoryAllocation(MemoryInfo),
     MemoryDeallocation(MemoryInfo),
     /// A sample of a counter track (the event name is the counter's name).
-    Counter { value: f64 },
+    Counter {
+        value: f64,
+    },
 }
 
 impl Payload {
@@ -407,6 +411,9 @@ mod tests {
     #[test]
     fn host_and_gpu_devices_keep_their_identity() {
         assert_eq!(Device::decode(Device::Host.encode()), Device::Host);
-        assert_eq!(Device::decode(Device::Gpu(4095).encode()), Device::Gpu(4095));
+        assert_eq!(
+            Device::decode(Device::Gpu(4095).encode()),
+            Device::Gpu(4095)
+        );
     }
 }

@@ -274,7 +274,10 @@ mod tests {
             start_ns: 950,
             stop_ns: 1050,
         });
-        assert_eq!(starts(&data), vec![950, 960, 970, 980, 990, 1000, 1010, 1020, 1030, 1040]);
+        assert_eq!(
+            starts(&data),
+            vec![950, 960, 970, 980, 990, 1000, 1010, 1020, 1030, 1040]
+        );
         assert_eq!(data.history_starts_ns, None);
     }
 

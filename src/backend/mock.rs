@@ -473,7 +473,10 @@ impl Workload {
             address: tensor.address,
             step_id: step,
         };
-        let allocated = allocator.live.back().map(|t| stats(allocator, t, requested));
+        let allocated = allocator
+            .live
+            .back()
+            .map(|t| stats(allocator, t, requested));
         if let Some(info) = allocated {
             sink(Event {
                 start_ns: at,

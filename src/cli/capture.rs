@@ -87,7 +87,10 @@ pub fn strip_scheme(address: &str) -> &str {
 async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
     let target = strip_scheme(&args.address);
     if target.is_empty() || !target.contains(':') {
-        bail!("address {:?} needs a port, e.g. grpc://127.0.0.1:6009", args.address);
+        bail!(
+            "address {:?} needs a port, e.g. grpc://127.0.0.1:6009",
+            args.address
+        );
     }
     let duration_ms = u64::try_from(args.duration.as_millis()).unwrap_or(u64::MAX);
     if duration_ms == 0 {
@@ -100,7 +103,8 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
         .session_id
         .clone()
         .unwrap_or_else(crate::service::profiler::session_timestamp);
-    let start_ns = clock::now_ns() + clock::duration_ns(args.delay) - clock::duration_ns(args.delay_back);
+    let start_ns =
+        clock::now_ns() + clock::duration_ns(args.delay) - clock::duration_ns(args.delay_back);
     let mut options = default_profile_options(duration_ms, start_ns);
     options.repository_path = logdir.display().to_string();
     options.session_id = session_id.clone();

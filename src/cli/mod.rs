@@ -53,6 +53,7 @@ fn init_logging(level: &str) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 
@@ -73,9 +74,13 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "s" => value,
         "m" | "min" => value * 60.0,
         "h" => value * 3600.0,
-        other => return Err(format!("unknown unit {other:?} in {text:?} (use ms, s, m or h)")),
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (use ms, s, m or h)"
+            ))
+        }
     };
-    if !seconds.is_finite() || seconds < 0.0 || seconds > 1e9 {
+    if !seconds.is_finite() || !(0.0..=1e9).contains(&seconds) {
         return Err(format!("{text:?} is out of range"));
     }
     Ok(Duration::from_secs_f64(seconds))
@@ -84,7 +89,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// Parses sizes such as `512MiB`, `2GiB`, `64M`; a bare number is bytes.
 pub fn parse_size(text: &str) -> Result<usize, String> {
     let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
     let value: usize = number
         .parse()
@@ -94,7 +101,11 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         "k" | "kib" | "kb" => 1 << 10,
         "m" | "mib" | "mb" => 1 << 20,
         "g" | "gib" | "gb" => 1 << 30,
-        other => return Err(format!("unknown unit {other:?} in {text:?} (use KiB, MiB or GiB)")),
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (use KiB, MiB or GiB)"
+            ))
+        }
     };
     value
         .checked_mul(multiplier)

@@ -118,7 +118,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         info!(roots = ?allowed_roots.roots(), "traces may be written under these roots");
     }
-    info!(%address, "devtrace listening (capture with: devtrace capture grpc://{address} --logdir DIR)");
+    // Scripts and tests read the bound address (useful with port 0) from stdout.
+    println!("devtrace listening on {address}");
+    info!("capture with: devtrace capture grpc://{address} --logdir DIR");
     crate::service::serve(listener, service, shutdown_signal()).await?;
     info!("shutting down");
     agent.shutdown();

@@ -73,7 +73,8 @@ impl RingLayout {
 
     pub fn lane_size(&self) -> usize {
         round_up(
-            std::mem::size_of::<LaneHeader>() + self.capacity as usize * std::mem::size_of::<Slot>(),
+            std::mem::size_of::<LaneHeader>()
+                + self.capacity as usize * std::mem::size_of::<Slot>(),
             REGION_ALIGN,
         )
     }

@@ -19,8 +19,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
-pub use layout::{RingLayout, LAYOUT_VERSION, RING_MAGIC};
 use layout::{LaneHeader, RingHeader, Slot, REGION_ALIGN};
+pub use layout::{RingLayout, LAYOUT_VERSION, RING_MAGIC};
 
 use crate::event::{Event, EVENT_WORDS};
 
@@ -463,12 +463,21 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_refused() {
-        assert_eq!(Ring::new(0, 8, DropPolicy::DropNewest).err(), Some(RingError::NoLanes));
+        assert_eq!(
+            Ring::new(0, 8, DropPolicy::DropNewest).err(),
+            Some(RingError::NoLanes)
+        );
         assert_eq!(
             Ring::new(1, 1, DropPolicy::DropNewest).err(),
             Some(RingError::Capacity(1))
         );
-        assert_eq!(Ring::new(1, 5, DropPolicy::DropNewest).unwrap().layout().capacity, 8);
+        assert_eq!(
+            Ring::new(1, 5, DropPolicy::DropNewest)
+                .unwrap()
+                .layout()
+                .capacity,
+            8
+        );
     }
 
     /// Producers on their own threads race a consumer: nothing is lost without

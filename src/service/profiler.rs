@@ -22,9 +22,9 @@ use crate::proto::tensorflow::profiler_service_monitor_result::ResponseType;
 use crate::proto::tensorflow::profiler_service_server;
 use crate::proto::tensorflow::{
     ContinuousProfilingResponse, GetSnapshotRequest, MonitorRequest, MonitorResponse,
-    ProfileOptions, ProfileRequest, ProfileResponse, ProfileToolData,
-    ProfilerServiceMonitorResult, StopContinuousProfilingRequest,
-    StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
+    ProfileOptions, ProfileRequest, ProfileResponse, ProfileToolData, ProfilerServiceMonitorResult,
+    StopContinuousProfilingRequest, StopContinuousProfilingResponse, TerminateRequest,
+    TerminateResponse,
 };
 use crate::store::Window;
 use crate::xspace::{self, CaptureInfo};
@@ -157,7 +157,11 @@ impl ProfilerService {
         } else {
             request.duration_ms
         };
-        let duration_field = if modern { "opts.duration_ms" } else { "duration_ms" };
+        let duration_field = if modern {
+            "opts.duration_ms"
+        } else {
+            "duration_ms"
+        };
         if require_duration && duration_ms == 0 {
             return Err(invalid(
                 duration_field,
@@ -168,7 +172,9 @@ impl ProfilerService {
         if duration_ms > max_ms {
             return Err(invalid(
                 duration_field,
-                format!("{duration_ms} ms exceeds this agent's maximum of {max_ms} ms (--max-duration)"),
+                format!(
+                    "{duration_ms} ms exceeds this agent's maximum of {max_ms} ms (--max-duration)"
+                ),
             ));
         }
         let now = clock::now_ns();
@@ -203,7 +209,10 @@ impl ProfilerService {
             Some(advanced_config_value::Value::StringValue(s)) => s.clone(),
             _ => String::new(),
         };
-        validate::name_component("opts.advanced_configuration[override_hostname]", &legacy_override)?;
+        validate::name_component(
+            "opts.advanced_configuration[override_hostname]",
+            &legacy_override,
+        )?;
         let file_host = [&options.override_hostname, &legacy_override]
             .into_iter()
             .find(|h| !h.is_empty())
@@ -356,7 +365,10 @@ pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
 
 #[tonic::async_trait]
 impl profiler_service_server::ProfilerService for ProfilerService {
-    async fn profile(&self, request: Request<ProfileRequest>) -> Result<Response<ProfileResponse>, Status> {
+    async fn profile(
+        &self,
+        request: Request<ProfileRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
         let request = request.into_inner();
         let plan = self.plan(&request, true)?;
         info!(
@@ -377,7 +389,10 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         self.respond(&plan, space).map(Response::new)
     }
 
-    async fn terminate(&self, request: Request<TerminateRequest>) -> Result<Response<TerminateResponse>, Status> {
+    async fn terminate(
+        &self,
+        request: Request<TerminateRequest>,
+    ) -> Result<Response<TerminateResponse>, Status> {
         let session_id = request.into_inner().session_id;
         validate::name_component("session_id", &session_id)?;
         let tokens: Vec<CancellationToken> = self
@@ -395,7 +410,10 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         Ok(Response::new(TerminateResponse {}))
     }
 
-    async fn monitor(&self, request: Request<MonitorRequest>) -> Result<Response<MonitorResponse>, Status> {
+    async fn monitor(
+        &self,
+        request: Request<MonitorRequest>,
+    ) -> Result<Response<MonitorResponse>, Status> {
         let request = request.into_inner();
         if request.duration_ms == 0 {
             return Err(invalid("duration_ms", "must be greater than 0"));
@@ -404,7 +422,10 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         if request.duration_ms > max_ms {
             return Err(invalid(
                 "duration_ms",
-                format!("{} ms exceeds this agent's maximum of {max_ms} ms", request.duration_ms),
+                format!(
+                    "{} ms exceeds this agent's maximum of {max_ms} ms",
+                    request.duration_ms
+                ),
             ));
         }
         if !(0..=2).contains(&request.monitoring_level) {
@@ -424,7 +445,10 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let mut result = ProfilerServiceMonitorResult::default();
         let mut text = String::new();
         if request.timestamp {
-            text.push_str(&format!("timestamp: {} (Unix ms)\n", window.stop_ns / 1_000_000));
+            text.push_str(&format!(
+                "timestamp: {} (Unix ms)\n",
+                window.stop_ns / 1_000_000
+            ));
         }
         text.push_str(&format!(
             "devtrace on {} over {} ms\n",
@@ -458,6 +482,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             for (name, health) in self.agent.backend_health() {
                 text.push_str(&format!("backend {name}: {health}\n"));
             }
+            let captures: usize = self.running.lock().values().map(Vec::len).sum();
+            text.push_str(&format!("captures in progress: {captures}\n"));
             let store = self.agent.store_stats();
             text.push_str(&format!(
                 "flight recorder: {} events in {} chunks, {:.1} MiB\n",
@@ -480,7 +506,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let plan = self.plan(&request, false)?;
         let mut continuous = self.continuous.lock();
         if continuous.is_some() {
-            return Err(Status::already_exists("a continuous profiling session is already running"));
+            return Err(Status::already_exists(
+                "a continuous profiling session is already running",
+            ));
         }
         let duration = plan.window.duration_ns();
         info!(session = %plan.session_id, "continuous profiling started");
@@ -501,18 +529,25 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 info!("continuous profiling stopped");
                 Ok(Response::new(StopContinuousProfilingResponse {}))
             }
-            None => Err(Status::not_found("no continuous profiling session is running")),
+            None => Err(Status::not_found(
+                "no continuous profiling session is running",
+            )),
         }
     }
 
-    async fn get_snapshot(&self, request: Request<GetSnapshotRequest>) -> Result<Response<ProfileResponse>, Status> {
+    async fn get_snapshot(
+        &self,
+        request: Request<GetSnapshotRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
         let snapshot_id = request.into_inner().snapshot_session_id;
         validate::name_component("snapshot_session_id", &snapshot_id)?;
         let now = clock::now_ns();
         let (mut plan, start_ns) = {
             let mut guard = self.continuous.lock();
             let Some(continuous) = guard.as_mut() else {
-                return Err(Status::not_found("no continuous profiling session is running"));
+                return Err(Status::not_found(
+                    "no continuous profiling session is running",
+                ));
             };
             let plan = self.plan(&continuous.request, false)?;
             // A fixed duration reaches back into the recorder, even to before
@@ -536,7 +571,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let bytes = space.encode_to_vec();
         if let Some(directory) = self.server_side_directory(&plan) {
             let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
-            if let Err(error) = self.config.allowed_roots.write_atomic(&directory, &file_name, &bytes) {
+            if let Err(error) = self
+                .config
+                .allowed_roots
+                .write_atomic(&directory, &file_name, &bytes)
+            {
                 warn!(%error, "snapshot not written; returned inline only");
             }
         }

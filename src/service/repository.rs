@@ -112,7 +112,10 @@ fn resolve_existing_prefix(path: &Path) -> PathBuf {
             resolved.extend(rest.iter().rev());
             return resolved;
         }
-        match (existing.file_name().map(|n| n.to_owned()), existing.parent()) {
+        match (
+            existing.file_name().map(|n| n.to_owned()),
+            existing.parent(),
+        ) {
             (Some(name), Some(parent)) => {
                 rest.push(name);
                 existing = parent.to_path_buf();
@@ -166,7 +169,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let roots = AllowedRoots::new(&[dir.path().to_path_buf()]).unwrap();
         let session = dir.path().join("plugins/profile/s1");
-        let path = roots.write_atomic(&session, "host.xplane.pb", b"trace").unwrap();
+        let path = roots
+            .write_atomic(&session, "host.xplane.pb", b"trace")
+            .unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"trace");
         let names: Vec<_> = fs::read_dir(&session)
             .unwrap()

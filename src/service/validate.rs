@@ -30,7 +30,10 @@ pub fn name_component(field: &str, value: &str) -> Result<(), Status> {
         return Err(invalid(field, format!("longer than {MAX_NAME_LEN} bytes")));
     }
     if value.contains('/') || value.contains('\\') {
-        return Err(invalid(field, format!("{value:?} must not contain '/' or '\\'")));
+        return Err(invalid(
+            field,
+            format!("{value:?} must not contain '/' or '\\'"),
+        ));
     }
     if value.contains("..") {
         return Err(invalid(field, format!("{value:?} must not contain '..'")));
@@ -57,7 +60,11 @@ mod tests {
         for bad in ["a/b", "a\\b", "..", "x..y", "nul\0", "tab\t", "new\nline"] {
             let status = name_component("session_id", bad).unwrap_err();
             assert_eq!(status.code(), tonic::Code::InvalidArgument);
-            assert!(status.message().starts_with("session_id: "), "{}", status.message());
+            assert!(
+                status.message().starts_with("session_id: "),
+                "{}",
+                status.message()
+            );
         }
         assert!(name_component("host_name", "10.0.0.2:8466").is_ok());
         assert!(name_component("session_id", "2026_11_21_10_00_00").is_ok());

@@ -317,8 +317,14 @@ impl<'r> PlaneBuilder<'r> {
             self.int(stat::CORE_COUNT, i64::from(info.core_count)),
             self.uint(stat::MEMORY_BANDWIDTH, info.memory_bandwidth_bytes_per_s),
             self.uint(stat::MEMORY_SIZE, info.memory_bytes),
-            self.int(stat::COMPUTE_CAP_MAJOR, i64::from(info.compute_capability.0)),
-            self.int(stat::COMPUTE_CAP_MINOR, i64::from(info.compute_capability.1)),
+            self.int(
+                stat::COMPUTE_CAP_MAJOR,
+                i64::from(info.compute_capability.0),
+            ),
+            self.int(
+                stat::COMPUTE_CAP_MINOR,
+                i64::from(info.compute_capability.1),
+            ),
         ];
         self.plane.stats.extend(stats);
     }
@@ -340,7 +346,10 @@ impl<'r> PlaneBuilder<'r> {
         match event.payload {
             Payload::Plain => Vec::new(),
             Payload::Step { step_num } => {
-                vec![self.int(stat::STEP_NUM, step_num), self.int(stat::ROOT_LEVEL, 1)]
+                vec![
+                    self.int(stat::STEP_NUM, step_num),
+                    self.int(stat::ROOT_LEVEL, 1),
+                ]
             }
             Payload::ApiCall {
                 correlation_id,
@@ -360,7 +369,10 @@ impl<'r> PlaneBuilder<'r> {
                 };
                 let mut stats = vec![
                     self.uint(stat::CORRELATION_ID, kernel.correlation_id),
-                    self.stat(stat::KERNEL_DETAILS, x_stat::Value::RefValue(details as u64)),
+                    self.stat(
+                        stat::KERNEL_DETAILS,
+                        x_stat::Value::RefValue(details as u64),
+                    ),
                     self.string_ref(stat::CONTEXT_ID, "$$1"),
                 ];
                 if kernel.tf_op != NameId(0) {
@@ -456,4 +468,263 @@ fn task_environment(info: &CaptureInfo) -> XPlane {
     ];
     plane.plane.stats = stats;
     plane.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::mock::{MockConfig, Workload, COMPUTE_STREAM, PYTHON_TID};
+    use crate::proto::tensorflow::profiler::XLine;
+    use crate::registry::Registry;
+    use crate::xspace::read::{event_name, find_stat, StatValue};
+
+    const START: u64 = 1_800_000_000_000_000_000;
+
+    fn mock_space(dropped_newest: u64) -> XSpace {
+        let registry = Registry::new();
+        let mut workload = Workload::new(&MockConfig::default(), &registry, START);
+        let mut events = Vec::new();
+        while workload.next_time_ns() < START + 120_000_000 {
+            workload.emit_next(&mut |e| events.push(e));
+        }
+        // Arrival order is not time order.
+        events.reverse();
+        let info = CaptureInfo {
+            window: Window {
+                start_ns: START,
+                stop_ns: START + 100_000_000,
+            },
+            hostname: "worker-0".into(),
+            profile_options: vec![1, 2, 3],
+            dropped_newest,
+            ..CaptureInfo::default()
+        };
+        let window = info.window;
+        let inside = events.iter().filter(|e| window.contains(e.start_ns));
+        build_xspace(inside, &registry.snapshot(), &info)
+    }
+
+    fn plane<'s>(space: &'s XSpace, name: &str) -> &'s XPlane {
+        space
+            .planes
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no plane {name}"))
+    }
+
+    fn line(plane: &XPlane, id: i64) -> &XLine {
+        plane.lines.iter().find(|l| l.id == id).expect("line")
+    }
+
+    #[test]
+    fn planes_follow_xprof_naming_and_ids() {
+        let space = mock_space(0);
+        let names: Vec<(&str, i64)> = space
+            .planes
+            .iter()
+            .map(|p| (p.name.as_str(), p.id))
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                ("/host:CPU", 49),
+                ("/device:GPU:0", 0),
+                ("/device:GPU:1", 1),
+                ("Task Environment", 1000)
+            ]
+        );
+        assert_eq!(space.hostnames, vec!["worker-0".to_string()]);
+        for plane in &space.planes {
+            for (key, metadata) in &plane.event_metadata {
+                assert_eq!(*key, metadata.id);
+            }
+            for (key, metadata) in &plane.stat_metadata {
+                assert_eq!(*key, metadata.id);
+                assert_ne!(
+                    metadata.name,
+                    stat::GROUP_ID,
+                    "group_id would disable XProf grouping"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn lines_are_relative_sorted_and_named() {
+        let space = mock_space(0);
+        let host = plane(&space, "/host:CPU");
+        assert_eq!(line(host, PYTHON_TID as i64).name, "python");
+        let gpu = plane(&space, "/device:GPU:0");
+        assert_eq!(
+            line(gpu, COMPUTE_STREAM as i64).name,
+            "Stream #7(Compute,Memset)"
+        );
+        assert_eq!(line(gpu, 13).name, "Stream #13(MemcpyH2D)");
+        for plane in &space.planes {
+            for line in &plane.lines {
+                assert_eq!(line.timestamp_ns, 0);
+                let starts: Vec<(i64, i64)> = line
+                    .events
+                    .iter()
+                    .map(|e| match e.data {
+                        Some(x_event::Data::OffsetPs(ps)) => (ps, -e.duration_ps),
+                        _ => panic!("event without offset"),
+                    })
+                    .collect();
+                assert!(
+                    starts.windows(2).all(|w| w[0] <= w[1]),
+                    "line {} unsorted",
+                    line.name
+                );
+                assert!(starts
+                    .iter()
+                    .all(|(ps, _)| (0..100_000_000_000).contains(ps)));
+            }
+        }
+    }
+
+    #[test]
+    fn steps_kernels_and_flows_carry_the_stats_xprof_reads() {
+        let space = mock_space(0);
+        let host = plane(&space, "/host:CPU");
+        let python = line(host, PYTHON_TID as i64);
+        let step = python
+            .events
+            .iter()
+            .find(|e| event_name(host, e) == "train")
+            .expect("a step");
+        assert_eq!(
+            find_stat(host, &step.stats, "step_num"),
+            Some(StatValue::Int(0))
+        );
+        assert_eq!(find_stat(host, &step.stats, "_r"), Some(StatValue::Int(1)));
+        let launch = python
+            .events
+            .iter()
+            .find(|e| event_name(host, e) == "cudaLaunchKernel")
+            .expect("a launch");
+        let Some(StatValue::Uint(correlation)) = find_stat(host, &launch.stats, "correlation_id")
+        else {
+            panic!("correlation_id must be uint64 for XProf's flows");
+        };
+        let gpu = plane(&space, "/device:GPU:0");
+        let kernel = line(gpu, COMPUTE_STREAM as i64)
+            .events
+            .iter()
+            .find(|e| {
+                find_stat(gpu, &e.stats, "correlation_id") == Some(StatValue::Uint(correlation))
+            })
+            .expect("the launched kernel");
+        assert_eq!(event_name(gpu, kernel), "volta_h884gemm_64x64_ldg8_nn");
+        assert_eq!(
+            find_stat(gpu, &kernel.stats, "kernel_details"),
+            Some(StatValue::Str(
+                "regs:128 static_shared:0 dynamic_shared:32768 grid:16,8,1 block:256,1,1 occ_pct:25".into()
+            ))
+        );
+        assert_eq!(
+            find_stat(gpu, &kernel.stats, "tf_op"),
+            Some(StatValue::Str("model/dense/MatMul:MatMul".into()))
+        );
+        assert_eq!(
+            find_stat(gpu, &gpu.stats, "compute_cap_major"),
+            Some(StatValue::Int(8))
+        );
+        assert_eq!(
+            find_stat(gpu, &gpu.stats, "core_count"),
+            Some(StatValue::Int(108))
+        );
+        assert_eq!(
+            find_stat(gpu, &gpu.stats, "memory_size"),
+            Some(StatValue::Uint(40 << 30))
+        );
+        let copy = line(gpu, 13).events.first().expect("a copy");
+        assert_eq!(
+            find_stat(gpu, &copy.stats, "memcpy_details"),
+            Some(StatValue::Str(
+                "kind_src:pageable kind_dst:device size:25165824 dest:0 async:1".into()
+            ))
+        );
+    }
+
+    #[test]
+    fn memory_events_use_the_oneof_cases_the_memory_profile_reads() {
+        let space = mock_space(0);
+        let host = plane(&space, "/host:CPU");
+        let allocation = host
+            .lines
+            .iter()
+            .flat_map(|l| &l.events)
+            .find(|e| event_name(host, e) == "MemoryAllocation")
+            .expect("an allocation");
+        for name in [
+            "bytes_reserved",
+            "bytes_allocated",
+            "bytes_available",
+            "peak_bytes_in_use",
+            "requested_bytes",
+            "allocation_bytes",
+            "addr",
+            "data_type",
+        ] {
+            assert!(
+                matches!(
+                    find_stat(host, &allocation.stats, name),
+                    Some(StatValue::Int(_))
+                ),
+                "{name} must be int64"
+            );
+        }
+        assert!(matches!(
+            find_stat(host, &allocation.stats, "fragmentation"),
+            Some(StatValue::Double(_))
+        ));
+        assert_eq!(
+            find_stat(host, &allocation.stats, "allocator_name"),
+            Some(StatValue::Str("GPU_0_bfc".into()))
+        );
+        assert_eq!(
+            find_stat(host, &allocation.stats, "shape"),
+            Some(StatValue::Str("[256,2048]".into()))
+        );
+        assert_eq!(allocation.duration_ps, 0);
+    }
+
+    #[test]
+    fn task_environment_records_the_window_options_and_drops() {
+        let space = mock_space(7);
+        let env = plane(&space, "Task Environment");
+        assert_eq!(
+            find_stat(env, &env.stats, "profile_start_time"),
+            Some(StatValue::Uint(START))
+        );
+        assert_eq!(
+            find_stat(env, &env.stats, "profile_stop_time"),
+            Some(StatValue::Uint(START + 100_000_000))
+        );
+        assert_eq!(
+            find_stat(env, &env.stats, "profile_options"),
+            Some(StatValue::Bytes(vec![1, 2, 3]))
+        );
+        assert_eq!(
+            find_stat(env, &env.stats, "dropped_traces"),
+            Some(StatValue::Int(7))
+        );
+        assert!(space
+            .warnings
+            .iter()
+            .any(|w| w.contains("dropped 7 events")));
+        assert!(mock_space(0).warnings.is_empty());
+    }
+
+    #[test]
+    fn an_empty_window_still_has_a_host_plane_and_is_empty() {
+        let info = CaptureInfo {
+            hostname: "h".into(),
+            ..CaptureInfo::default()
+        };
+        let space = build_xspace(std::iter::empty(), &RegistrySnapshot::default(), &info);
+        assert!(is_empty(&space));
+        assert_eq!(space.planes[0].name, "/host:CPU");
+    }
 }

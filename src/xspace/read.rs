@@ -54,7 +54,11 @@ pub enum StatValue {
 }
 
 /// Looks up the stat called `name` among `stats` of `plane`.
-pub fn find_stat(plane: &XPlane, stats: &[crate::proto::tensorflow::profiler::XStat], name: &str) -> Option<StatValue> {
+pub fn find_stat(
+    plane: &XPlane,
+    stats: &[crate::proto::tensorflow::profiler::XStat],
+    name: &str,
+) -> Option<StatValue> {
     let stat = stats.iter().find(|s| {
         plane
             .stat_metadata
@@ -82,7 +86,9 @@ pub fn event_start_ps(line_timestamp_ns: i64, event: &XEvent) -> i64 {
         Some(x_event::Data::OffsetPs(ps)) => ps,
         _ => 0,
     };
-    line_timestamp_ns.saturating_mul(1000).saturating_add(offset)
+    line_timestamp_ns
+        .saturating_mul(1000)
+        .saturating_add(offset)
 }
 
 #[derive(Debug)]
@@ -208,7 +214,11 @@ impl fmt::Display for Summary {
                 plane.events
             )?;
             for line in &plane.lines {
-                writeln!(f, "  line {} (id {}): {} events", line.name, line.id, line.events)?;
+                writeln!(
+                    f,
+                    "  line {} (id {}): {} events",
+                    line.name, line.id, line.events
+                )?;
             }
         }
         if !self.top.is_empty() {

@@ -1,0 +1,364 @@
+//! The real agent binary on a loopback port, driven through the profiler
+//! protocol: captures, overlap, Terminate, continuous profiling, Monitor,
+//! where traces are written, and drop accounting.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use devtrace::proto::tensorflow::{
+    GetSnapshotRequest, MonitorRequest, StopContinuousProfilingRequest, TerminateRequest,
+};
+use devtrace::xspace::read::{event_name, find_stat, StatValue};
+use tonic::Code;
+
+#[tokio::test]
+async fn a_capture_returns_the_window_inline_with_host_and_gpu_planes() {
+    let agent = AgentProcess::start(&[]);
+    let logs = tempfile::tempdir().unwrap();
+    let mut req = request(600, "inline");
+    req.repository_root = logs.path().join("plugins/profile").display().to_string();
+    let asked_start = req.opts.as_ref().unwrap().start_timestamp_ns;
+    let reply = agent
+        .client()
+        .await
+        .profile(req)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!reply.empty_trace);
+    assert!(
+        reply.xspace.is_none(),
+        "xspace only when emit_xspace is set"
+    );
+    let space = space_of(&reply);
+    let (start, stop) = window_of(&space);
+    assert_eq!(start, asked_start);
+    assert_eq!(stop - start, 600_000_000);
+    for name in ["/host:CPU", "/device:GPU:0", "/device:GPU:1"] {
+        assert!(
+            plane(&space, name)
+                .lines
+                .iter()
+                .any(|l| !l.events.is_empty()),
+            "{name}"
+        );
+    }
+    // About 50k events/s by default.
+    let events = event_count(&space);
+    assert!(
+        (15_000..=45_000).contains(&events),
+        "{events} events in 600 ms"
+    );
+    // Without --allow-root nothing is written on the agent's side.
+    assert!(!logs.path().join("plugins").exists());
+}
+
+#[tokio::test]
+async fn emit_xspace_and_legacy_version_zero_requests() {
+    let agent = AgentProcess::start(&[]);
+    let mut client = agent.client().await;
+    let mut req = request(200, "emit");
+    req.emit_xspace = true;
+    let reply = client.profile(req).await.unwrap().into_inner();
+    assert!(reply.tool_data.is_empty());
+    assert!(reply.xspace.is_some());
+
+    // Version 0: the options are legacy, the top-level duration counts.
+    let mut legacy = request(300, "legacy");
+    legacy.opts = None;
+    let reply = client.profile(legacy).await.unwrap().into_inner();
+    let (start, stop) = window_of(&space_of(&reply));
+    assert_eq!(stop - start, 300_000_000);
+}
+
+#[tokio::test]
+async fn overlapping_captures_both_get_full_data() {
+    let agent = AgentProcess::start(&[]);
+    let mut a = agent.client().await;
+    let mut b = agent.client().await;
+    let t = now_ns() + 200_000_000;
+    let mut first = request(800, "first");
+    first.opts.as_mut().unwrap().start_timestamp_ns = t;
+    let mut second = request(800, "second");
+    second.opts.as_mut().unwrap().start_timestamp_ns = t + 400_000_000;
+    let (ra, rb) = tokio::join!(a.profile(first), b.profile(second));
+    let (sa, sb) = (
+        space_of(&ra.unwrap().into_inner()),
+        space_of(&rb.unwrap().into_inner()),
+    );
+    // The 400 ms both windows share hold the same events in both traces.
+    let shared = |space: &devtrace::proto::tensorflow::profiler::XSpace, origin: u64| {
+        let mut starts = Vec::new();
+        for p in &space.planes {
+            for l in &p.lines {
+                for e in &l.events {
+                    let Some(devtrace::proto::tensorflow::profiler::x_event::Data::OffsetPs(ps)) =
+                        e.data
+                    else {
+                        continue;
+                    };
+                    let at = origin + (ps / 1000) as u64;
+                    if (t + 400_000_000..t + 800_000_000).contains(&at) {
+                        starts.push((p.name.clone(), l.id, at));
+                    }
+                }
+            }
+        }
+        starts.sort();
+        starts
+    };
+    let in_a = shared(&sa, t);
+    let in_b = shared(&sb, t + 400_000_000);
+    assert!(in_a.len() > 5_000, "{} shared events", in_a.len());
+    assert_eq!(in_a, in_b);
+}
+
+#[tokio::test]
+async fn terminate_ends_a_running_capture_early_and_delivers_it() {
+    let agent = AgentProcess::start(&[]);
+    let mut client = agent.client().await;
+    let mut other = agent.client().await;
+    let capture = tokio::spawn(async move { client.profile(request(60_000, "long")).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    other
+        .terminate(TerminateRequest {
+            session_id: "long".into(),
+        })
+        .await
+        .unwrap();
+    let reply = capture.await.unwrap().unwrap().into_inner();
+    let space = space_of(&reply);
+    let (start, stop) = window_of(&space);
+    assert!(
+        stop - start < 30_000_000_000,
+        "stopped after {} ns",
+        stop - start
+    );
+    assert!(event_count(&space) > 1_000);
+    // Terminating a session that is not running is harmless.
+    other
+        .terminate(TerminateRequest {
+            session_id: "nothing".into(),
+        })
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn continuous_profiling_snapshots_reach_back_before_the_request() {
+    let agent = AgentProcess::start(&[]);
+    let mut client = agent.client().await;
+    let status = client
+        .get_snapshot(GetSnapshotRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    let stop = client
+        .stop_continuous_profiling(StopContinuousProfilingRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(stop.code(), Code::NotFound);
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let asked_at = now_ns();
+    let mut req = request(1000, "continuous");
+    req.opts.as_mut().unwrap().start_timestamp_ns = 0;
+    client
+        .start_continuous_profiling(req.clone())
+        .await
+        .unwrap();
+    let again = client.start_continuous_profiling(req).await.unwrap_err();
+    assert_eq!(again.code(), Code::AlreadyExists);
+
+    let reply = client
+        .get_snapshot(GetSnapshotRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let space = reply.xspace.expect("snapshots carry the XSpace");
+    let (start, _) = window_of(&space);
+    assert!(
+        start < asked_at - 500_000_000,
+        "window starts before the request"
+    );
+    let host = plane(&space, "/host:CPU");
+    let steps = host
+        .lines
+        .iter()
+        .flat_map(|l| &l.events)
+        .filter(|e| event_name(host, e) == "train")
+        .count();
+    assert!(
+        steps >= 15,
+        "{steps} steps from the second before the request"
+    );
+    client
+        .stop_continuous_profiling(StopContinuousProfilingRequest {})
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn monitor_reports_device_utilisation_and_step_times() {
+    let agent = AgentProcess::start(&[]);
+    let reply = agent
+        .client()
+        .await
+        .monitor(MonitorRequest {
+            duration_ms: 500,
+            monitoring_level: 2,
+            timestamp: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.data.contains("GPU 0:"), "{}", reply.data);
+    assert!(reply.data.contains("step time: avg"), "{}", reply.data);
+    assert!(
+        reply.data.contains("backend mock: running"),
+        "{}",
+        reply.data
+    );
+    assert!(reply.data.starts_with("timestamp: "), "{}", reply.data);
+    let result = reply.monitor_result.expect("monitor_result");
+    assert_eq!(result.response_type, 3, "UTIL_IDLE_STEP");
+    assert!(result.device_idle_time_percent > 0.0 && result.device_idle_time_percent < 100.0);
+    assert!(
+        (40.0..=50.0).contains(&result.step_time_ms_avg),
+        "{result:?}"
+    );
+}
+
+#[tokio::test]
+async fn traces_are_written_only_inside_allowed_roots() {
+    let dir = tempfile::tempdir().unwrap();
+    let allowed = dir.path().join("allowed");
+    let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
+    let mut client = agent.client().await;
+
+    let mut inside = request(200, "run1");
+    inside.repository_root = allowed.join("logs/plugins/profile").display().to_string();
+    inside.host_name = "10.0.0.2:8466".into();
+    let reply = client.profile(inside).await.unwrap().into_inner();
+    assert!(
+        reply.tool_data.is_empty(),
+        "written on the agent's side instead"
+    );
+    assert!(!reply.empty_trace);
+    let session = allowed.join("logs/plugins/profile/run1");
+    let files: Vec<String> = std::fs::read_dir(&session)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(files, vec!["10.0.0.2_8466.xplane.pb".to_string()]);
+
+    let mut outside = request(200, "run2");
+    outside.repository_root = dir.path().join("elsewhere").display().to_string();
+    let reply = client.profile(outside).await.unwrap().into_inner();
+    assert!(
+        event_count(&space_of(&reply)) > 0,
+        "returned inline instead"
+    );
+    assert!(!dir.path().join("elsewhere").exists());
+
+    let mut sneaky = request(200, "run3");
+    sneaky.repository_root = format!("{}/../elsewhere", allowed.display());
+    let reply = client.profile(sneaky).await.unwrap().into_inner();
+    assert!(!reply.tool_data.is_empty());
+    assert!(!dir.path().join("elsewhere").exists());
+}
+
+#[tokio::test]
+async fn an_unwritable_allowed_root_is_a_clear_error_with_no_partial_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let allowed = dir.path().join("allowed");
+    let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
+    // A file where the session directory must go: the write cannot succeed
+    // (this holds even for root, unlike permission bits).
+    std::fs::write(allowed.join("blocked"), b"not a directory").unwrap();
+    let mut req = request(200, "blocked");
+    req.repository_root = allowed.display().to_string();
+    let status = agent.client().await.profile(req).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(
+        status.message().contains("repository_root"),
+        "{}",
+        status.message()
+    );
+    assert!(status.message().contains("blocked"), "{}", status.message());
+    let entries: Vec<_> = std::fs::read_dir(&allowed).unwrap().collect();
+    assert_eq!(entries.len(), 1, "nothing but the blocking file");
+}
+
+#[tokio::test]
+async fn a_client_that_gives_up_cancels_its_capture() {
+    let mut agent = AgentProcess::start(&[]);
+    let mut client = agent.client().await;
+    let mut req = tonic::Request::new(request(60_000, "impatient"));
+    req.set_timeout(Duration::from_millis(300));
+    let status = client.profile(req).await.unwrap_err();
+    assert!(
+        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{status:?}"
+    );
+    // The agent forgot the capture and keeps serving.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let reply = client
+        .monitor(MonitorRequest {
+            duration_ms: 100,
+            monitoring_level: 2,
+            timestamp: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        reply.data.contains("captures in progress: 0"),
+        "{}",
+        reply.data
+    );
+    assert!(agent.is_running());
+    let reply = client
+        .profile(request(200, "next"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!reply.empty_trace);
+}
+
+#[tokio::test]
+async fn a_full_ring_drops_are_counted_in_the_trace() {
+    let agent = AgentProcess::start(&[
+        "--ring-capacity",
+        "64",
+        "--mock-rate",
+        "3000000",
+        "--drop-policy",
+        "drop-oldest",
+    ]);
+    let reply = agent
+        .client()
+        .await
+        .profile(request(1000, "flood"))
+        .await
+        .unwrap()
+        .into_inner();
+    let space = space_of(&reply);
+    let dropped = dropped_of(&space);
+    assert!(dropped > 0, "a 64-slot ring at 3M events/s must overflow");
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains(&format!("dropped {dropped} events"))),
+        "{:?}",
+        space.warnings
+    );
+    let env = plane(&space, "Task Environment");
+    assert_eq!(
+        find_stat(env, &env.stats, "devtrace_dropped_oldest"),
+        Some(StatValue::Uint(dropped as u64))
+    );
+}

@@ -1,0 +1,144 @@
+//! Every malformed request field is refused with INVALID_ARGUMENT naming the
+//! field, and the agent keeps serving.
+
+mod common;
+
+use common::*;
+use devtrace::proto::tensorflow::{
+    GetSnapshotRequest, MonitorRequest, ProfileRequest, TerminateRequest,
+};
+use tonic::Code;
+
+fn expect_invalid(
+    result: Result<tonic::Response<impl std::fmt::Debug>, tonic::Status>,
+    field: &str,
+) {
+    let status = result.expect_err("must be refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().starts_with(&format!("{field}: ")),
+        "message should name {field}: {}",
+        status.message()
+    );
+}
+
+fn with(mut req: ProfileRequest, change: impl FnOnce(&mut ProfileRequest)) -> ProfileRequest {
+    change(&mut req);
+    req
+}
+
+#[tokio::test]
+async fn profile_fields_are_validated() {
+    let mut agent = AgentProcess::start(&["--max-duration", "5s"]);
+    let mut client = agent.client().await;
+    let base = request(100, "ok");
+    let cases: Vec<(&str, ProfileRequest)> = vec![
+        (
+            "opts.duration_ms",
+            with(base.clone(), |r| {
+                r.opts.as_mut().unwrap().duration_ms = 0;
+                r.duration_ms = 0;
+            }),
+        ),
+        (
+            "opts.duration_ms",
+            with(base.clone(), |r| {
+                r.opts.as_mut().unwrap().duration_ms = 10_000
+            }),
+        ),
+        (
+            "duration_ms",
+            with(base.clone(), |r| {
+                r.opts = None;
+                r.duration_ms = 0;
+            }),
+        ),
+        (
+            "opts.start_timestamp_ns",
+            with(base.clone(), |r| {
+                r.opts.as_mut().unwrap().start_timestamp_ns = now_ns() + 3_600_000_000_000;
+            }),
+        ),
+        (
+            "session_id",
+            with(base.clone(), |r| r.session_id = "a/b".into()),
+        ),
+        (
+            "session_id",
+            with(base.clone(), |r| r.session_id = "..".into()),
+        ),
+        (
+            "session_id",
+            with(base.clone(), |r| r.session_id = "a\\b".into()),
+        ),
+        (
+            "session_id",
+            with(base.clone(), |r| r.session_id = "nul\0".into()),
+        ),
+        (
+            "session_id",
+            with(base.clone(), |r| r.session_id = "bell\u{7}".into()),
+        ),
+        (
+            "host_name",
+            with(base.clone(), |r| r.host_name = "../etc".into()),
+        ),
+        (
+            "host_name",
+            with(base.clone(), |r| r.host_name = "h/x:1".into()),
+        ),
+        (
+            "opts.override_hostname",
+            with(base.clone(), |r| {
+                r.opts.as_mut().unwrap().override_hostname = "x/y".into();
+            }),
+        ),
+        (
+            "repository_root",
+            with(base.clone(), |r| r.repository_root = "/tmp/a\0b".into()),
+        ),
+    ];
+    for (field, req) in cases {
+        expect_invalid(client.profile(req.clone()).await, field);
+        let open_ended = req.duration_ms == 0;
+        if !open_ended {
+            // Continuous sessions may omit a duration; all else is checked alike.
+            expect_invalid(client.start_continuous_profiling(req).await, field);
+        }
+    }
+    expect_invalid(
+        client
+            .terminate(TerminateRequest {
+                session_id: "x/../y".into(),
+            })
+            .await,
+        "session_id",
+    );
+    expect_invalid(
+        client
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_session_id: "../up".into(),
+            })
+            .await,
+        "snapshot_session_id",
+    );
+    for (duration_ms, level) in [(0, 1), (10_000, 1), (100, 7)] {
+        let result = client
+            .monitor(MonitorRequest {
+                duration_ms,
+                monitoring_level: level,
+                timestamp: false,
+            })
+            .await;
+        let field = if level == 7 {
+            "monitoring_level"
+        } else {
+            "duration_ms"
+        };
+        expect_invalid(result, field);
+    }
+    // After all that, a good request still works.
+    let reply = client.profile(base).await.unwrap().into_inner();
+    assert!(!reply.empty_trace);
+    assert!(agent.is_running());
+}

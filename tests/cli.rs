@@ -1,0 +1,124 @@
+//! The command line as a user meets it: capture into a logdir, inspect the
+//! file, and clear errors for the usual mistakes.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+fn devtrace(args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("running devtrace")
+}
+
+#[test]
+fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
+    let agent = AgentProcess::start(&[]);
+    let logdir = tempfile::tempdir().unwrap();
+    let address = format!("grpc://{}", agent.address);
+    let out = devtrace(&[
+        "capture",
+        &address,
+        "--duration",
+        "500ms",
+        "--logdir",
+        logdir.path().to_str().unwrap(),
+        "--session-id",
+        "cli_run",
+        "--quiet",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected = logdir
+        .path()
+        .join("plugins/profile/cli_run")
+        .join(format!("{}.xplane.pb", agent.address.replace(':', "_")));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        expected.display().to_string()
+    );
+    assert!(std::fs::metadata(&expected).unwrap().len() > 10_000);
+
+    let out = devtrace(&["inspect", expected.to_str().unwrap(), "--top", "3"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "plane /host:CPU (id 49)",
+        "plane /device:GPU:0 (id 0)",
+        "line Stream #7(Compute,Memset)",
+        "line python (id 4242)",
+        "top events by total time:",
+        "train",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn mistakes_get_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing listens on port 1 of loopback.
+    let out = devtrace(&[
+        "capture",
+        "grpc://127.0.0.1:1",
+        "--logdir",
+        dir.path().to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("cannot reach a profiler server at 127.0.0.1:1"));
+
+    let out = devtrace(&["capture", "grpc://localhost", "--logdir", "x"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a port"));
+
+    let out = devtrace(&[
+        "capture",
+        "127.0.0.1:6009",
+        "--logdir",
+        "x",
+        "--duration",
+        "soon",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a duration"));
+
+    let garbage = dir.path().join("garbage.xplane.pb");
+    std::fs::write(&garbage, b"\xff\xff\xff\xff not a protobuf").unwrap();
+    let out = devtrace(&["inspect", garbage.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not an XSpace"));
+
+    let out = devtrace(&[
+        "inspect",
+        dir.path().join("missing.xplane.pb").to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
+
+    let out = devtrace(&["serve", "--listen", "256.0.0.1:99999"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot listen on 256.0.0.1:99999"));
+}
+
+#[test]
+fn serve_help_explains_the_flags() {
+    let out = devtrace(&["serve", "--help"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--listen",
+        "--backend",
+        "--allow-root",
+        "--drop-policy",
+        "--store-retention",
+        "--max-duration",
+        "--mock-rate",
+    ] {
+        assert!(text.contains(flag), "{flag} missing from serve --help");
+    }
+}

@@ -1,0 +1,147 @@
+//! Starts the real `devtrace` binary on a loopback port and talks to it with
+//! the generated gRPC client.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use devtrace::proto::tensorflow::profiler::{XPlane, XSpace};
+use devtrace::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
+use devtrace::proto::tensorflow::{ProfileOptions, ProfileRequest, ProfileResponse};
+use devtrace::xspace::read::{find_stat, StatValue};
+use prost::Message;
+use tonic::transport::Channel;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_devtrace");
+
+/// A running agent; killed when dropped.
+pub struct AgentProcess {
+    child: Child,
+    pub address: String,
+}
+
+impl AgentProcess {
+    /// Starts `devtrace serve --listen 127.0.0.1:0 <extra>` and waits until it
+    /// prints the address it bound.
+    pub fn start(extra: &[&str]) -> AgentProcess {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--log-level", "warn"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting devtrace serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("reading the listening line");
+        let address = line
+            .trim()
+            .strip_prefix("devtrace listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+            .to_string();
+        AgentProcess { child, address }
+    }
+
+    pub async fn client(&self) -> ProfilerServiceClient<Channel> {
+        let channel = Channel::from_shared(format!("http://{}", self.address))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connecting to the agent");
+        ProfilerServiceClient::new(channel).max_decoding_message_size(usize::MAX)
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos() as u64
+}
+
+/// A request shaped like TensorFlow's `client.trace`.
+pub fn request(duration_ms: u64, session_id: &str) -> ProfileRequest {
+    ProfileRequest {
+        duration_ms,
+        max_events: 1_000_000,
+        opts: Some(ProfileOptions {
+            version: 1,
+            host_tracer_level: 2,
+            device_tracer_level: 1,
+            include_dataset_ops: true,
+            enable_hlo_proto: true,
+            start_timestamp_ns: now_ns(),
+            duration_ms,
+            ..ProfileOptions::default()
+        }),
+        repository_root: String::new(),
+        session_id: session_id.to_string(),
+        host_name: "127.0.0.1:6009".into(),
+        ..ProfileRequest::default()
+    }
+}
+
+/// The XSpace a reply carries, inline or as `tool_data`.
+pub fn space_of(reply: &ProfileResponse) -> XSpace {
+    if let Some(space) = &reply.xspace {
+        return space.clone();
+    }
+    let tool = reply
+        .tool_data
+        .iter()
+        .find(|t| t.name == "xplane.pb")
+        .expect("xplane.pb tool data");
+    XSpace::decode(tool.data.as_slice()).expect("decoding the XSpace")
+}
+
+pub fn plane<'s>(space: &'s XSpace, name: &str) -> &'s XPlane {
+    space
+        .planes
+        .iter()
+        .find(|p| p.name == name)
+        .unwrap_or_else(|| panic!("no plane {name}"))
+}
+
+pub fn event_count(space: &XSpace) -> usize {
+    space
+        .planes
+        .iter()
+        .flat_map(|p| &p.lines)
+        .map(|l| l.events.len())
+        .sum()
+}
+
+/// (start, stop) Unix ns from the Task Environment plane.
+pub fn window_of(space: &XSpace) -> (u64, u64) {
+    let env = plane(space, "Task Environment");
+    let get = |name| match find_stat(env, &env.stats, name) {
+        Some(StatValue::Uint(v)) => v,
+        other => panic!("{name}: {other:?}"),
+    };
+    (get("profile_start_time"), get("profile_stop_time"))
+}
+
+pub fn dropped_of(space: &XSpace) -> i64 {
+    let env = plane(space, "Task Environment");
+    match find_stat(env, &env.stats, "dropped_traces") {
+        Some(StatValue::Int(v)) => v,
+        other => panic!("dropped_traces: {other:?}"),
+    }
+}
+
+pub const SECOND: Duration = Duration::from_secs(1);
