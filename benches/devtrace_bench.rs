@@ -1,1 +1,657 @@
-fn main() {}
+//! devtrace performance harness (`cargo bench --bench devtrace_bench`).
+//!
+//! A plain `main` (no criterion): every measurement prints its value, a ratio
+//! against a baseline measured in the same run, the target, and MET or
+//! MISSED. Nothing here asserts on timing; a missed target is reported, never
+//! a failure. Lost or duplicated events are reported too (LOST/CORRUPT).
+//!
+//! Environment:
+//! - `DEVTRACE_BENCH_QUICK=1`: small sizes, for smoke testing (numbers are
+//!   then only indicative).
+//! - `DEVTRACE_BENCH_ONLY=ring,xspace,capture`: run a subset.
+//! - `DEVTRACE_BENCH_REPEAT=N`: repetitions of each ring run (default 5; the
+//!   median is reported).
+
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use prost::Message;
+
+use devtrace::agent::{Agent, AgentConfig, BackendChoice};
+use devtrace::backend::mock::{MockConfig, Workload};
+use devtrace::clock;
+use devtrace::event::Event;
+use devtrace::proto::tensorflow::profiler::XSpace;
+use devtrace::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
+use devtrace::proto::tensorflow::ProfileRequest;
+use devtrace::registry::{Registry, RegistrySnapshot};
+use devtrace::ring::{DropPolicy, Ring};
+use devtrace::service::profiler::{
+    default_profile_options, ProfilerService, ServiceConfig, XPLANE_TOOL,
+};
+use devtrace::service::MAX_MESSAGE_BYTES;
+use devtrace::store::Window;
+use devtrace::xspace::{build_xspace, CaptureInfo};
+
+// ---------------------------------------------------------------- settings --
+
+struct Settings {
+    quick: bool,
+    repeat: usize,
+    only: Option<Vec<String>>,
+}
+
+impl Settings {
+    fn from_env() -> Settings {
+        let quick = std::env::var("DEVTRACE_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+        let repeat = std::env::var("DEVTRACE_BENCH_REPEAT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(if quick { 3 } else { 5 })
+            .max(1);
+        let only = std::env::var("DEVTRACE_BENCH_ONLY")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+        Settings {
+            quick,
+            repeat,
+            only,
+        }
+    }
+
+    fn wants(&self, part: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|p| p == part))
+    }
+}
+
+// ------------------------------------------------------------- reporting --
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "MET"
+    } else {
+        "MISSED"
+    }
+}
+
+fn mega(per_second: f64) -> String {
+    format!("{:.1} M", per_second / 1e6)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+// ------------------------------------------------------- realistic events --
+
+/// Events of the mock workload (a two-GPU training job) in emission order,
+/// generated up front so that generation is never part of a measurement.
+fn generate(rate: u64, count: usize) -> (Vec<Event>, Arc<Registry>) {
+    let registry = Registry::new();
+    let config = MockConfig {
+        events_per_second: rate,
+        ..MockConfig::default()
+    };
+    let mut workload = Workload::new(&config, &registry, 1_700_000_000_000_000_000);
+    let mut events = Vec::with_capacity(count + 64);
+    while events.len() < count {
+        workload.emit_next(&mut |e| events.push(e));
+    }
+    events.truncate(count);
+    (events, registry)
+}
+
+// ------------------------------------------------------------------- ring --
+
+/// Result of one producer/consumer run.
+struct QueueRun {
+    elapsed: Duration,
+    consumed: u64,
+    /// Pushes refused because the queue was full; each was retried.
+    full_retries: u64,
+    /// Sum of `start_ns` over consumed events, to detect loss or duplication.
+    checksum: u64,
+}
+
+const DRAIN_BATCH: usize = 4096;
+
+fn expected_checksum(source: &[Event], per_producer: u64, producers: u64) -> u64 {
+    let mut sum = 0u64;
+    for i in 0..per_producer {
+        sum = sum.wrapping_add(source[(i as usize) % source.len()].start_ns);
+    }
+    sum.wrapping_mul(producers)
+}
+
+/// devtrace's lane ring: one lane per producer, `capacity` slots per lane.
+fn run_ring(
+    source: &Arc<Vec<Event>>,
+    producers: u32,
+    per_producer: u64,
+    capacity: u64,
+) -> QueueRun {
+    let ring = Ring::new(producers, capacity, DropPolicy::DropNewest).expect("ring");
+    let mut consumer = ring.consumer().expect("consumer");
+    let barrier = Arc::new(Barrier::new(producers as usize + 1));
+    let threads: Vec<_> = (0..producers)
+        .map(|_| {
+            let mut producer = ring.producer().expect("producer");
+            let (source, barrier) = (Arc::clone(source), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                let mask = source.len() - 1;
+                let mut retries = 0u64;
+                barrier.wait();
+                for i in 0..per_producer as usize {
+                    let event = &source[i & mask];
+                    while !producer.push(event) {
+                        retries += 1;
+                        std::thread::yield_now();
+                    }
+                }
+                retries
+            })
+        })
+        .collect();
+    let total = per_producer * u64::from(producers);
+    let mut out = Vec::with_capacity(DRAIN_BATCH);
+    let (mut consumed, mut checksum) = (0u64, 0u64);
+    barrier.wait();
+    let start = Instant::now();
+    while consumed < total {
+        let report = consumer.drain(&mut out, DRAIN_BATCH);
+        if report.events == 0 {
+            std::thread::yield_now();
+            continue;
+        }
+        consumed += report.events;
+        for e in &out {
+            checksum = checksum.wrapping_add(e.start_ns);
+        }
+        out.clear();
+    }
+    let elapsed = start.elapsed();
+    let full_retries = threads
+        .into_iter()
+        .map(|t| t.join().expect("producer"))
+        .sum();
+    QueueRun {
+        elapsed,
+        consumed,
+        full_retries,
+        checksum,
+    }
+}
+
+/// The baseline: crossbeam's bounded MPMC queue holding the same events,
+/// with the same total capacity and the same threads.
+fn run_crossbeam(
+    source: &Arc<Vec<Event>>,
+    producers: u32,
+    per_producer: u64,
+    capacity: usize,
+) -> QueueRun {
+    let queue = Arc::new(ArrayQueue::<Event>::new(capacity));
+    let barrier = Arc::new(Barrier::new(producers as usize + 1));
+    let threads: Vec<_> = (0..producers)
+        .map(|_| {
+            let (source, barrier, queue) =
+                (Arc::clone(source), Arc::clone(&barrier), Arc::clone(&queue));
+            std::thread::spawn(move || {
+                let mask = source.len() - 1;
+                let mut retries = 0u64;
+                barrier.wait();
+                for i in 0..per_producer as usize {
+                    let mut event = source[i & mask];
+                    while let Err(back) = queue.push(event) {
+                        event = back;
+                        retries += 1;
+                        std::thread::yield_now();
+                    }
+                }
+                retries
+            })
+        })
+        .collect();
+    let total = per_producer * u64::from(producers);
+    let mut out = Vec::with_capacity(DRAIN_BATCH);
+    let (mut consumed, mut checksum) = (0u64, 0u64);
+    barrier.wait();
+    let start = Instant::now();
+    while consumed < total {
+        while out.len() < DRAIN_BATCH {
+            match queue.pop() {
+                Some(e) => out.push(e),
+                None => break,
+            }
+        }
+        if out.is_empty() {
+            std::thread::yield_now();
+            continue;
+        }
+        consumed += out.len() as u64;
+        for e in &out {
+            checksum = checksum.wrapping_add(e.start_ns);
+        }
+        out.clear();
+    }
+    let elapsed = start.elapsed();
+    let full_retries = threads
+        .into_iter()
+        .map(|t| t.join().expect("producer"))
+        .sum();
+    QueueRun {
+        elapsed,
+        consumed,
+        full_retries,
+        checksum,
+    }
+}
+
+struct Summary {
+    rate: f64,
+    full_retries: u64,
+    lost: i64,
+    corrupt: bool,
+}
+
+fn summarize(runs: &[QueueRun], total: u64, expected: u64) -> Summary {
+    let mut rates: Vec<f64> = runs
+        .iter()
+        .map(|r| r.consumed as f64 / r.elapsed.as_secs_f64())
+        .collect();
+    Summary {
+        rate: median(&mut rates),
+        full_retries: runs.iter().map(|r| r.full_retries).sum(),
+        lost: runs.iter().map(|r| total as i64 - r.consumed as i64).sum(),
+        corrupt: runs.iter().any(|r| r.checksum != expected),
+    }
+}
+
+fn integrity(s: &Summary) -> String {
+    let mut text = format!("lost 0, full-queue retries {}", s.full_retries);
+    if s.lost != 0 {
+        text = format!(
+            "LOST {} events, full-queue retries {}",
+            s.lost, s.full_retries
+        );
+    }
+    if s.corrupt {
+        text.push_str(", CORRUPT (checksum mismatch: lost or duplicated events)");
+    }
+    text
+}
+
+fn bench_ring(settings: &Settings) {
+    println!("== 1. ring throughput (each producer on its own thread, one consumer draining concurrently) ==");
+    const LANE_CAPACITY: u64 = 1 << 16; // the agent's default --ring-capacity
+    let (events, _) = generate(1_000_000, 1 << 14);
+    let source = Arc::new(events);
+    let per_producer: u64 = if settings.quick { 1 << 20 } else { 1 << 24 };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "   {} mock-workload events cycled, {} per producer, {} runs each (median), lane capacity {} \
+         (crossbeam: same total capacity), Event in memory {} B, ring slot {} B, {} cores",
+        source.len(),
+        per_producer,
+        settings.repeat,
+        LANE_CAPACITY,
+        std::mem::size_of::<Event>(),
+        8 * (1 + devtrace::event::EVENT_WORDS),
+        cores
+    );
+    for producers in [1u32, 2] {
+        let total = per_producer * u64::from(producers);
+        let expected = expected_checksum(&source, per_producer, u64::from(producers));
+        let capacity = LANE_CAPACITY * u64::from(producers);
+        // Warm up both (page faults of the ring region, thread start).
+        run_ring(&source, producers, per_producer / 16, LANE_CAPACITY);
+        run_crossbeam(&source, producers, per_producer / 16, capacity as usize);
+        let mut ring_runs = Vec::new();
+        let mut cb_runs = Vec::new();
+        // Interleave so that background noise hits both alike.
+        for _ in 0..settings.repeat {
+            ring_runs.push(run_ring(&source, producers, per_producer, LANE_CAPACITY));
+            cb_runs.push(run_crossbeam(
+                &source,
+                producers,
+                per_producer,
+                capacity as usize,
+            ));
+        }
+        let ring = summarize(&ring_runs, total, expected);
+        let cb = summarize(&cb_runs, total, expected);
+        let ratio = ring.rate / cb.rate;
+        let absolute = producers == 1;
+        let met = ratio >= 2.0 && (!absolute || ring.rate >= 50e6);
+        let target = if absolute {
+            "target >= 2x and >= 50 M/s"
+        } else {
+            "target >= 2x"
+        };
+        let plural = if producers == 1 { "" } else { "s" };
+        println!(
+            "ring {producers} producer{plural}: {} events/s  ({ratio:.2}x crossbeam ArrayQueue: {}/s; {target}) {}",
+            mega(ring.rate),
+            mega(cb.rate),
+            verdict(met)
+        );
+        println!(
+            "   ring: {}; crossbeam: {}",
+            integrity(&ring),
+            integrity(&cb)
+        );
+        if producers as usize + 1 > cores {
+            println!(
+                "   note: {} threads on {cores} cores: producers and consumer time-share, so this is \
+                 a contention/oversubscription number, not a scaling one",
+                producers + 1
+            );
+        }
+    }
+    println!();
+}
+
+// ----------------------------------------------------------------- xspace --
+
+fn count_events(space: &XSpace) -> usize {
+    space
+        .planes
+        .iter()
+        .flat_map(|p| p.lines.iter())
+        .map(|l| l.events.len())
+        .sum()
+}
+
+fn bench_xspace(settings: &Settings) {
+    println!("== 2. XSpace build + encode ==");
+    let count = if settings.quick { 500_000 } else { 5_000_000 };
+    let started = Instant::now();
+    let (events, registry) = generate(10_000_000, count);
+    let snapshot: RegistrySnapshot = registry.snapshot();
+    let window = Window {
+        start_ns: events.iter().map(|e| e.start_ns).min().unwrap_or(0),
+        stop_ns: events.iter().map(|e| e.end_ns()).max().unwrap_or(0) + 1,
+    };
+    let info = CaptureInfo {
+        window,
+        hostname: "bench".into(),
+        ..CaptureInfo::default()
+    };
+    println!(
+        "   {count} mock events at 10 M events/s ({:.2} s of simulated time), generated in {:.0} ms (not measured)",
+        window.duration_ns() as f64 / 1e9,
+        ms(started.elapsed())
+    );
+
+    // Baseline: the least any builder must do: copy the events and sort them
+    // into per-(device, line) timelines.
+    let t = Instant::now();
+    let mut copy = events.clone();
+    copy.sort_by_key(|e| {
+        (
+            e.device,
+            e.line,
+            e.start_ns,
+            std::cmp::Reverse(e.duration_ns),
+        )
+    });
+    let sort_time = t.elapsed();
+    black_box(&copy);
+    drop(copy);
+
+    let t = Instant::now();
+    let space = build_xspace(events.iter(), &snapshot, &info);
+    let build_time = t.elapsed();
+    let t = Instant::now();
+    let bytes = space.encode_to_vec();
+    let encode_time = t.elapsed();
+    let total = build_time + encode_time;
+    let emitted = count_events(&space);
+    let t = Instant::now();
+    drop(space);
+    let free_time = t.elapsed();
+
+    let rate = count as f64 / total.as_secs_f64();
+    let sort_rate = count as f64 / sort_time.as_secs_f64();
+    println!(
+        "xspace build+encode: {} events/s  ({:.2}x copy+sort baseline: {}/s; {:.2}x the target; target >= 10 M/s) {}",
+        mega(rate),
+        rate / sort_rate,
+        mega(sort_rate),
+        rate / 10e6,
+        verdict(rate >= 10e6)
+    );
+    println!(
+        "   build {:.0} ms + encode {:.0} ms = {:.0} ms for {count} events ({emitted} in the XSpace{}); \
+         freeing the XSpace took another {:.0} ms",
+        ms(build_time),
+        ms(encode_time),
+        ms(total),
+        if emitted == count { "" } else { ", MISMATCH" },
+        ms(free_time)
+    );
+    println!(
+        "   output {:.1} MiB, {:.1} bytes/event (ring record: 128 bytes/event)",
+        bytes.len() as f64 / (1 << 20) as f64,
+        bytes.len() as f64 / count as f64
+    );
+    println!();
+}
+
+// ---------------------------------------------------------------- capture --
+
+struct Capture {
+    latency: Duration,
+    events: usize,
+    reply_bytes: usize,
+    warnings: Vec<String>,
+}
+
+async fn capture_once(
+    client: &mut ProfilerServiceClient<tonic::transport::Channel>,
+    duration_ms: u64,
+    session: &str,
+) -> Capture {
+    let start_ns = clock::now_ns();
+    let stop_ns = start_ns + duration_ms * 1_000_000;
+    let request = ProfileRequest {
+        duration_ms,
+        max_events: 1_000_000,
+        tools: vec![XPLANE_TOOL.to_string()],
+        opts: Some(default_profile_options(duration_ms, start_ns)),
+        session_id: session.to_string(),
+        host_name: "bench".to_string(),
+        ..ProfileRequest::default()
+    };
+    let reply = client.profile(request).await;
+    let replied_ns = clock::now_ns();
+    let reply = reply.expect("Profile failed").into_inner();
+    let data = reply
+        .tool_data
+        .iter()
+        .find(|t| t.name == XPLANE_TOOL)
+        .map(|t| t.data.as_slice())
+        .unwrap_or_default();
+    let space = XSpace::decode(data).expect("reply is an XSpace");
+    Capture {
+        latency: Duration::from_nanos(replied_ns.saturating_sub(stop_ns)),
+        events: count_events(&space),
+        reply_bytes: data.len(),
+        warnings: space.warnings,
+    }
+}
+
+fn bench_capture(settings: &Settings) {
+    println!("== 3. capture latency (end of window -> Profile reply received; in-process agent, gRPC over loopback) ==");
+    let rate: u64 = 1_000_000;
+    let big_ms: u64 = if settings.quick { 200 } else { 1000 };
+    let small_ms: u64 = 10;
+    let (big_runs, small_runs) = if settings.quick { (1, 3) } else { (3, 5) };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let config = AgentConfig {
+        backends: vec![BackendChoice::Mock],
+        mock: MockConfig {
+            events_per_second: rate,
+            ..MockConfig::default()
+        },
+        ..AgentConfig::default()
+    };
+    let agent = Agent::start(&config).expect("agent");
+    let service = Arc::new(ProfilerService::new(
+        Arc::clone(&agent),
+        ServiceConfig {
+            hostname: "bench".into(),
+            ..ServiceConfig::default()
+        },
+    ));
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (address, server) = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let server = tokio::spawn(devtrace::service::serve(listener, service, async {
+            let _ = stop_rx.await;
+        }));
+        (address, server)
+    });
+    let (big, small) = runtime.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect");
+        let mut client = ProfilerServiceClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        // Let the mock backend and collector reach steady state.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        capture_once(&mut client, small_ms, "warmup").await;
+        let mut big = Vec::new();
+        for i in 0..big_runs {
+            big.push(capture_once(&mut client, big_ms, &format!("big{i}")).await);
+        }
+        let mut small = Vec::new();
+        for i in 0..small_runs {
+            small.push(capture_once(&mut client, small_ms, &format!("small{i}")).await);
+        }
+        (big, small)
+    });
+    let ring = agent.ring_stats();
+    let _ = stop_tx.send(());
+    let _ = runtime.block_on(server);
+    agent.shutdown();
+
+    let lat =
+        |runs: &[Capture]| median(&mut runs.iter().map(|c| ms(c.latency)).collect::<Vec<_>>());
+    let evs =
+        |runs: &[Capture]| median(&mut runs.iter().map(|c| c.events as f64).collect::<Vec<_>>());
+    let (big_lat, small_lat) = (lat(&big), lat(&small));
+    let (big_events, small_events) = (evs(&big), evs(&small));
+    println!(
+        "capture latency {:.0}k-event window: {big_lat:.1} ms  ({:.1}x the {:.0}k-event window: {small_lat:.1} ms; \
+         target <= 100 ms; TensorFlow's own server: ~850 ms for 300k events) {}",
+        big_events / 1e3,
+        big_lat / small_lat,
+        small_events / 1e3,
+        verdict(big_lat <= 100.0)
+    );
+    for (label, runs) in [("big", &big), ("small", &small)] {
+        let detail: Vec<String> = runs
+            .iter()
+            .map(|c| {
+                format!(
+                    "{:.1} ms/{} ev/{:.1} MiB",
+                    ms(c.latency),
+                    c.events,
+                    c.reply_bytes as f64 / (1 << 20) as f64
+                )
+            })
+            .collect();
+        println!(
+            "   {label} ({} ms window) runs: {}",
+            if label == "big" { big_ms } else { small_ms },
+            detail.join(", ")
+        );
+    }
+    let warnings: Vec<&String> = big.iter().chain(&small).flat_map(|c| &c.warnings).collect();
+    println!(
+        "   mock rate {rate}/s; agent ring: {} pushed, {} refused (drop-newest), {} overwritten{}",
+        ring.pushed,
+        ring.dropped_newest,
+        ring.dropped_oldest,
+        if warnings.is_empty() {
+            "; no trace warnings".to_string()
+        } else {
+            format!("; trace warnings: {warnings:?}")
+        }
+    );
+    println!("   (includes the agent's fixed wait of max_delay = {:?} after the window, for late events)", agent.max_delay());
+    println!();
+}
+
+// ------------------------------------------------------------------ notes --
+
+fn mock_floor() {
+    // What `serve --mock-rate 0` produces: the workload clamps to 4 ops per step.
+    let registry = Registry::new();
+    let mut workload = Workload::new(
+        &MockConfig {
+            events_per_second: 0,
+            ..MockConfig::default()
+        },
+        &registry,
+        0,
+    );
+    let mut n = 0u64;
+    while workload.next_time_ns() < 1_000_000_000 {
+        workload.emit_next(&mut |_| n += 1);
+    }
+    println!("note: --mock-rate 0 does not idle: the mock workload still produces {n} events/s (4 ops per 50 ms step)");
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter argument is ignored.
+    let settings = Settings::from_env();
+    println!(
+        "devtrace bench ({} mode){}",
+        if settings.quick { "quick" } else { "full" },
+        std::fs::read_to_string("/proc/loadavg")
+            .map(|l| format!(
+                ", load average at start: {}",
+                l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+            ))
+            .unwrap_or_default()
+    );
+    println!();
+    if settings.wants("ring") {
+        bench_ring(&settings);
+    }
+    if settings.wants("xspace") {
+        bench_xspace(&settings);
+    }
+    if settings.wants("capture") {
+        bench_capture(&settings);
+    }
+    if settings.wants("notes") || settings.only.is_none() {
+        mock_floor();
+    }
+}

@@ -6,7 +6,6 @@ xprof==2.24.2), or directly with such a venv's python:
 
     python scripts/interop_check.py --bin target/debug/devtrace   # the agent (mock backend)
     python scripts/interop_check.py --tf-server                   # TensorFlow's own profiler server
-    python scripts/interop_check.py --fake-agent                  # scripts/interop_fake_agent.py
 
 Each check is a named test function. The last line printed is `N passed, M failed`;
 the exit status is 0 only when nothing failed.
@@ -18,8 +17,6 @@ Modes:
   tf-server   a subprocess running a small Keras training loop with
               tf.profiler.experimental.server.start(port) (the server writes the file itself;
               no GPU plane; Monitor answers UNIMPLEMENTED). Used to validate this harness.
-  fake-agent  a tiny Python gRPC server that behaves like the agent should (returns
-              tool_data with a synthetic GPU XSpace). Used to validate the GPU assertions.
 """
 
 import argparse
@@ -271,15 +268,12 @@ class Run:
 
     @property
     def expects_gpu(self):
-        return self.mode in ("agent", "fake-agent")
+        return self.mode == "agent"
 
     # -- server process --------------------------------------------------------------
     def server_cmd(self):
         if self.mode == "tf-server":
             return [sys.executable, "-c", TF_SERVER_CODE, str(self.port)]
-        if self.mode == "fake-agent":
-            return [sys.executable, os.path.join(HERE, "interop_fake_agent.py"), "serve",
-                    "--listen", self.addr, "--backend", "mock"]
         return [self.args.bin, "serve", "--listen", self.addr, "--backend", "mock"]
 
     def start_server(self):
@@ -644,8 +638,6 @@ def main():
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--tf-server", dest="mode", action="store_const", const="tf-server",
                    help="test against TensorFlow's own profiler server instead of the agent")
-    g.add_argument("--fake-agent", dest="mode", action="store_const", const="fake-agent",
-                   help="test against scripts/interop_fake_agent.py instead of the agent")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("-k", dest="only", action="append", default=[],
                     help="run only tests whose name contains this (repeatable; prerequisites still run)")
