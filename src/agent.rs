@@ -73,7 +73,7 @@ impl Agent {
         let registry = Registry::new();
         let store = Arc::new(Store::new(config.store));
         let ring = Ring::new(config.ring_lanes, config.ring_capacity, config.drop_policy)?;
-        let collector = Collector::start(Arc::clone(&store));
+        let collector = Collector::start(Arc::clone(&store))?;
         collector.attach(&ring)?;
         let context = BackendContext {
             registry: Arc::clone(&registry),

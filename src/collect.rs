@@ -34,6 +34,8 @@ pub enum CollectorError {
     Ring(#[from] RingError),
     #[error("the collector thread has stopped")]
     Stopped,
+    #[error("cannot start the collector thread: {0}")]
+    Spawn(std::io::Error),
 }
 
 /// Handle to the collector thread; stopping it drains once more.
@@ -43,16 +45,16 @@ pub struct Collector {
 }
 
 impl Collector {
-    pub fn start(store: Arc<Store>) -> Collector {
+    pub fn start(store: Arc<Store>) -> Result<Collector, CollectorError> {
         let (commands, receiver) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("devtrace-collect".into())
             .spawn(move || Worker::new(store).run(receiver))
-            .expect("spawning the collector thread");
-        Collector {
+            .map_err(CollectorError::Spawn)?;
+        Ok(Collector {
             commands,
             thread: Some(thread),
-        }
+        })
     }
 
     /// Starts draining `ring`; the collector becomes its only consumer.

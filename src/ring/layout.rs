@@ -79,8 +79,12 @@ impl RingLayout {
         )
     }
 
-    pub fn total_size(&self) -> usize {
-        Self::header_size() + self.lanes as usize * self.lane_size()
+    /// Bytes of the whole region; `None` when it would not fit in memory.
+    pub fn total_size(&self) -> Option<usize> {
+        (self.lanes as usize)
+            .checked_mul(self.lane_size())?
+            .checked_add(Self::header_size())
+            .filter(|size| *size <= isize::MAX as usize)
     }
 
     pub fn lane_offset(&self, lane: u32) -> usize {
@@ -117,7 +121,7 @@ mod tests {
         }
         assert_eq!(
             layout.total_size(),
-            layout.lane_offset(2) + layout.lane_size()
+            Some(layout.lane_offset(2) + layout.lane_size())
         );
     }
 }

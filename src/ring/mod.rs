@@ -49,7 +49,7 @@ impl DropPolicy {
     }
 }
 
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RingError {
     #[error("a ring needs at least one lane")]
     NoLanes,
@@ -59,6 +59,8 @@ pub enum RingError {
     AllLanesBusy(u32),
     #[error("the ring already has its consumer")]
     ConsumerTaken,
+    #[error("{lanes} lanes of {capacity} slots do not fit in memory")]
+    TooLarge { lanes: u32, capacity: u64 },
 }
 
 /// An aligned, zeroed allocation that holds a ring.
@@ -72,12 +74,12 @@ unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
 impl Region {
-    fn zeroed(size: usize) -> Region {
-        let layout = Layout::from_size_align(size, REGION_ALIGN).expect("ring size fits a Layout");
+    fn zeroed(size: usize) -> Option<Region> {
+        let layout = Layout::from_size_align(size, REGION_ALIGN).ok()?;
         // SAFETY: the layout has a non-zero size (a header is always present).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let base = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        Region { base, layout }
+        let base = NonNull::new(ptr)?;
+        Some(Region { base, layout })
     }
 }
 
@@ -119,7 +121,9 @@ impl Ring {
             lanes,
             capacity: capacity.next_power_of_two(),
         };
-        let region = Region::zeroed(layout.total_size());
+        let too_large = RingError::TooLarge { lanes, capacity };
+        let size = layout.total_size().ok_or(too_large.clone())?;
+        let region = Region::zeroed(size).ok_or(too_large)?;
         // SAFETY: the region is at least a header long, aligned, and not yet shared.
         unsafe {
             region.base.cast::<RingHeader>().as_ptr().write(RingHeader {
