@@ -612,6 +612,43 @@ def test_server_survived(run):
     return "still running"
 
 
+def test_devtrace_capture_against_tf_server(run):
+    """devtrace's own client speaks the protocol to TensorFlow's server too."""
+    if run.mode != "agent":
+        raise SkipTest("agent mode only")
+    port = free_port()
+    log_path = os.path.join(run.workdir, "tf-server-for-capture.log")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1")
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, "-c", TF_SERVER_CODE, str(port)],
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                env=env, preexec_fn=_set_pdeathsig)
+    try:
+        deadline = time.monotonic() + 90
+        while not port_open(port):
+            check(proc.poll() is None, "TF server exited:\n" + tail(log_path))
+            check(time.monotonic() < deadline, "TF server did not listen within 90 s")
+            time.sleep(0.2)
+        logdir = os.path.join(run.workdir, "capture-from-tf")
+        out = subprocess.run([run.args.bin, "capture", "grpc://127.0.0.1:%d" % port,
+                              "--duration", "1s", "--logdir", logdir, "--session-id", "from_tf",
+                              "--quiet"], capture_output=True, text=True, timeout=180)
+        check(out.returncode == 0, "devtrace capture failed: %s" % out.stderr.strip())
+        path = out.stdout.strip()
+        expected = os.path.join(logdir, "plugins", "profile", "from_tf", "127.0.0.1_%d.xplane.pb" % port)
+        check(os.path.abspath(path) == os.path.abspath(expected), "printed %r, expected %r" % (path, expected))
+        check(os.path.getsize(path) > 0, "empty file from TF's server")
+        space = _load_xspace(path)
+        names = [p.name for p in space.planes]
+        check("/host:CPU" in names, "planes from TF's server: %s" % names)
+        events = sum(len(l.events) for p in space.planes for l in p.lines)
+        check(events > 0, "no events in the trace TF's server wrote")
+        return "%s: %d events, planes %s" % (os.path.basename(path), events, names)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 TESTS = [
     test_server_starts,
     test_trace_writes_one_xplane,
@@ -624,6 +661,7 @@ TESTS = [
     test_memory_profile,
     test_kernel_stats,
     test_monitor,
+    test_devtrace_capture_against_tf_server,
     test_server_survived,
 ]
 
