@@ -8,7 +8,7 @@
 //! Environment:
 //! - `DEVTRACE_BENCH_QUICK=1`: small sizes, for smoke testing (numbers are
 //!   then only indicative).
-//! - `DEVTRACE_BENCH_ONLY=ring,xspace,capture`: run a subset.
+//! - `DEVTRACE_BENCH_ONLY=ring,xspace,capture,notes`: run a subset.
 //! - `DEVTRACE_BENCH_REPEAT=N`: repetitions of each ring run (default 5; the
 //!   median is reported).
 
@@ -129,6 +129,20 @@ struct QueueRun {
 }
 
 const DRAIN_BATCH: usize = 4096;
+/// A drain that found fewer events than this makes the consumer pause.
+const BACKOFF_BELOW: usize = DRAIN_BATCH / 4;
+const BACKOFF: Duration = Duration::from_micros(20);
+
+/// Like the agent's collector (which drains every 2 ms), the consumer does
+/// not chase the producers one event at a time: when a drain comes back
+/// nearly empty it pauses briefly (far less than the producers need to fill
+/// a lane), so the two sides do not fight over the same cache lines. Both
+/// queues get exactly the same policy.
+fn consumer_backoff(read: usize) {
+    if read < BACKOFF_BELOW {
+        std::thread::sleep(BACKOFF);
+    }
+}
 
 fn expected_checksum(source: &[Event], per_producer: u64, producers: u64) -> u64 {
     let mut sum = 0u64;
@@ -174,15 +188,12 @@ fn run_ring(
     let start = Instant::now();
     while consumed < total {
         let report = consumer.drain(&mut out, DRAIN_BATCH);
-        if report.events == 0 {
-            std::thread::yield_now();
-            continue;
-        }
         consumed += report.events;
         for e in &out {
             checksum = checksum.wrapping_add(e.start_ns);
         }
         out.clear();
+        consumer_backoff(report.events as usize);
     }
     let elapsed = start.elapsed();
     let full_retries = threads
@@ -239,15 +250,13 @@ fn run_crossbeam(
                 None => break,
             }
         }
-        if out.is_empty() {
-            std::thread::yield_now();
-            continue;
-        }
-        consumed += out.len() as u64;
+        let read = out.len();
+        consumed += read as u64;
         for e in &out {
             checksum = checksum.wrapping_add(e.start_ns);
         }
         out.clear();
+        consumer_backoff(read);
     }
     let elapsed = start.elapsed();
     let full_retries = threads
@@ -304,11 +313,16 @@ fn bench_ring(settings: &Settings) {
     let per_producer: u64 = if settings.quick { 1 << 20 } else { 1 << 24 };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "   {} mock-workload events cycled, {} per producer, {} runs each (median), lane capacity {} \
-         (crossbeam: same total capacity), Event in memory {} B, ring slot {} B, {} cores",
+        "   {} mock-workload events cycled, {} per producer, {} runs each (median; ring and crossbeam \
+         interleaved); producers retry when full; the consumer drains up to {} at a time and pauses \
+         {:?} after a drain of < {}; lane capacity {} (crossbeam: same total capacity); Event in \
+         memory {} B, ring slot {} B; {} cores",
         source.len(),
         per_producer,
         settings.repeat,
+        DRAIN_BATCH,
+        BACKOFF,
+        BACKOFF_BELOW,
         LANE_CAPACITY,
         std::mem::size_of::<Event>(),
         8 * (1 + devtrace::event::EVENT_WORDS),
@@ -398,11 +412,13 @@ fn bench_xspace(settings: &Settings) {
         ms(started.elapsed())
     );
 
-    // Baseline: the least any builder must do: copy the events and sort them
-    // into per-(device, line) timelines.
+    // Baseline: the least any builder must do: copy the events and put them
+    // in per-(device, line) timeline order (sorting references, as the
+    // builder does).
     let t = Instant::now();
-    let mut copy = events.clone();
-    copy.sort_by_key(|e| {
+    let copy = events.clone();
+    let mut order: Vec<&Event> = copy.iter().collect();
+    order.sort_by_key(|e| {
         (
             e.device,
             e.line,
@@ -411,7 +427,8 @@ fn bench_xspace(settings: &Settings) {
         )
     });
     let sort_time = t.elapsed();
-    black_box(&copy);
+    black_box(&order);
+    drop(order);
     drop(copy);
 
     let t = Instant::now();
@@ -496,6 +513,50 @@ async fn capture_once(
     }
 }
 
+/// One capture done through the library instead of gRPC, timed by phase.
+struct Phases {
+    /// From the end of the window until the events are queryable: the
+    /// agent's max_delay wait plus the collector flush and the store query.
+    collect: Duration,
+    build: Duration,
+    encode: Duration,
+    events: usize,
+    bytes: usize,
+}
+
+async fn direct_capture(agent: &Agent, duration_ms: u64) -> Phases {
+    let start_ns = clock::now_ns();
+    let window = Window {
+        start_ns,
+        stop_ns: start_ns + duration_ms * 1_000_000,
+    };
+    tokio::time::sleep(clock::until(window.stop_ns)).await;
+    let t = Instant::now();
+    let (data, registry) = agent.collect(window).await.expect("collect");
+    let collect = t.elapsed();
+    let info = CaptureInfo {
+        window,
+        hostname: "bench".into(),
+        dropped_newest: data.dropped_newest,
+        dropped_oldest: data.dropped_oldest,
+        ..CaptureInfo::default()
+    };
+    // Run on this (block_on) thread: it is not one of the runtime's workers.
+    let t = Instant::now();
+    let space = build_xspace(data.events(), &registry, &info);
+    let build = t.elapsed();
+    let t = Instant::now();
+    let bytes = space.encode_to_vec();
+    let encode = t.elapsed();
+    Phases {
+        collect,
+        build,
+        encode,
+        events: count_events(&space),
+        bytes: bytes.len(),
+    }
+}
+
 fn bench_capture(settings: &Settings) {
     println!("== 3. capture latency (end of window -> Profile reply received; in-process agent, gRPC over loopback) ==");
     let rate: u64 = 1_000_000;
@@ -533,7 +594,7 @@ fn bench_capture(settings: &Settings) {
         }));
         (address, server)
     });
-    let (big, small) = runtime.block_on(async {
+    let (big, small, phases) = runtime.block_on(async {
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
             .expect("endpoint")
             .connect()
@@ -553,7 +614,11 @@ fn bench_capture(settings: &Settings) {
         for i in 0..small_runs {
             small.push(capture_once(&mut client, small_ms, &format!("small{i}")).await);
         }
-        (big, small)
+        let phases = vec![
+            direct_capture(&agent, big_ms).await,
+            direct_capture(&agent, small_ms).await,
+        ];
+        (big, small, phases)
     });
     let ring = agent.ring_stats();
     let _ = stop_tx.send(());
@@ -604,7 +669,22 @@ fn bench_capture(settings: &Settings) {
             format!("; trace warnings: {warnings:?}")
         }
     );
-    println!("   (includes the agent's fixed wait of max_delay = {:?} after the window, for late events)", agent.max_delay());
+    println!(
+        "   (includes the agent's fixed wait of max_delay = {:?} after the window, for late events)",
+        agent.max_delay()
+    );
+    for p in &phases {
+        println!(
+            "   breakdown of a {}-event capture through the library (no gRPC): wait+flush+query {:.1} ms, \
+             build {:.1} ms, encode {:.1} ms ({:.1} MiB) = {:.1} ms",
+            p.events,
+            ms(p.collect),
+            ms(p.build),
+            ms(p.encode),
+            p.bytes as f64 / (1 << 20) as f64,
+            ms(p.collect + p.build + p.encode)
+        );
+    }
     println!();
 }
 

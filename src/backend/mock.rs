@@ -580,6 +580,13 @@ impl Backend for MockBackend {
             .spawn(move || {
                 let mut workload = Workload::new(&config, &context.registry, clock::now_ns());
                 let (mut ok, mut full) = (0u64, 0u64);
+                if config.events_per_second == 0 {
+                    // Rate 0: an idle agent, for measuring its own footprint.
+                    while !thread_stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(TICK * 50);
+                    }
+                    return;
+                }
                 while !thread_stop.load(Ordering::Relaxed) {
                     let now = clock::now_ns();
                     while workload.next_time_ns() <= now {

@@ -26,7 +26,7 @@ pub struct ServeArgs {
     #[arg(long = "backend", value_enum, default_values_t = [BackendChoice::Auto])]
     pub backends: Vec<BackendChoice>,
 
-    /// Events per second the mock backend produces.
+    /// Events per second the mock backend produces (0: none, an idle agent).
     #[arg(long, default_value_t = 50_000)]
     pub mock_rate: u64,
 

@@ -14,7 +14,6 @@
 
 mod layout;
 
-use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -63,10 +62,12 @@ pub enum RingError {
     TooLarge { lanes: u32, capacity: u64 },
 }
 
-/// An aligned, zeroed allocation that holds a ring.
+/// Zeroed, page-aligned anonymous memory that holds a ring. Pages become
+/// resident only when first written, so an idle lane costs next to nothing;
+/// the same calls will map a shared segment for cross-process rings.
 struct Region {
     base: NonNull<u8>,
-    layout: Layout,
+    size: usize,
 }
 
 // SAFETY: after initialisation the region is only accessed through atomics.
@@ -75,18 +76,32 @@ unsafe impl Sync for Region {}
 
 impl Region {
     fn zeroed(size: usize) -> Option<Region> {
-        let layout = Layout::from_size_align(size, REGION_ALIGN).ok()?;
-        // SAFETY: the layout has a non-zero size (a header is always present).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let base = NonNull::new(ptr)?;
-        Some(Region { base, layout })
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return None;
+        }
+        let base = NonNull::new(ptr.cast::<u8>())?;
+        debug_assert_eq!(base.as_ptr() as usize % REGION_ALIGN, 0);
+        Some(Region { base, size })
     }
 }
 
 impl Drop for Region {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this very layout.
-        unsafe { std::alloc::dealloc(self.base.as_ptr(), self.layout) }
+        // SAFETY: mapped in `zeroed` with this base and size.
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.size);
+        }
     }
 }
 

@@ -7,7 +7,7 @@ pub mod validate;
 
 use std::sync::Arc;
 
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
 
@@ -21,13 +21,15 @@ pub async fn serve(
     profiler: Arc<profiler::ProfilerService>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
+    // Server::tcp_nodelay does not reach sockets from a caller's listener;
+    // without it small replies wait on Nagle's algorithm.
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .add_service(
             ProfilerServiceServer::from_arc(profiler)
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }

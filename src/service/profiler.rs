@@ -82,6 +82,12 @@ struct Plan {
     warnings: Vec<String>,
 }
 
+/// A built trace, and its encoding when it leaves as bytes.
+struct Built {
+    space: XSpace,
+    bytes: Option<Vec<u8>>,
+}
+
 struct Continuous {
     request: ProfileRequest,
     duration: Option<Duration>,
@@ -253,9 +259,10 @@ impl ProfilerService {
         })
     }
 
-    /// Collects the window's events (after they have all arrived) and builds
-    /// the XSpace off the async runtime.
-    async fn build(&self, plan: &Plan, window: Window) -> Result<XSpace, Status> {
+    /// Collects the window's events (after they have all arrived), builds the
+    /// XSpace and, when it travels as bytes, encodes it, all off the async
+    /// runtime.
+    async fn build(&self, plan: &Plan, window: Window) -> Result<Built, Status> {
         let (data, registry) = self
             .agent
             .collect(window)
@@ -277,23 +284,27 @@ impl ProfilerService {
             warnings,
             errors: Vec::new(),
         };
-        tokio::task::spawn_blocking(move || xspace::build_xspace(data.events(), &registry, &info))
-            .await
-            .map_err(|e| Status::internal(format!("building the trace failed: {e}")))
+        let encode = !plan.emit_xspace;
+        tokio::task::spawn_blocking(move || {
+            let space = xspace::build_xspace(data.events(), &registry, &info);
+            let bytes = encode.then(|| space.encode_to_vec());
+            Built { space, bytes }
+        })
+        .await
+        .map_err(|e| Status::internal(format!("building the trace failed: {e}")))
     }
 
     /// Delivers a built trace the way the request asked: inline XSpace, a file
     /// under an allowed root, or `tool_data` for the client to write.
-    fn respond(&self, plan: &Plan, space: XSpace) -> Result<ProfileResponse, Status> {
-        let empty_trace = xspace::is_empty(&space);
-        if plan.emit_xspace {
+    fn respond(&self, plan: &Plan, built: Built) -> Result<ProfileResponse, Status> {
+        let empty_trace = xspace::is_empty(&built.space);
+        let Some(bytes) = built.bytes else {
             return Ok(ProfileResponse {
                 tool_data: Vec::new(),
                 empty_trace,
-                xspace: Some(space),
+                xspace: Some(built.space),
             });
-        }
-        let bytes = space.encode_to_vec();
+        };
         if let Some(directory) = self.server_side_directory(plan) {
             let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
             let path = self
@@ -385,8 +396,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }
             }
         };
-        let space = self.build(&plan, window).await?;
-        self.respond(&plan, space).map(Response::new)
+        let built = self.build(&plan, window).await?;
+        self.respond(&plan, built).map(Response::new)
     }
 
     async fn terminate(
@@ -567,9 +578,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         if !snapshot_id.is_empty() {
             plan.session_id = snapshot_id;
         }
-        let space = self.build(&plan, plan.window).await?;
-        let bytes = space.encode_to_vec();
-        if let Some(directory) = self.server_side_directory(&plan) {
+        let directory = self.server_side_directory(&plan);
+        // Encode only what will be written; the reply carries the XSpace itself.
+        plan.emit_xspace = directory.is_none();
+        let Built { space, bytes } = self.build(&plan, plan.window).await?;
+        if let (Some(directory), Some(bytes)) = (directory, bytes) {
             let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
             if let Err(error) = self
                 .config
