@@ -8,7 +8,7 @@
 //! Environment:
 //! - `DEVTRACE_BENCH_QUICK=1`: small sizes, for smoke testing (numbers are
 //!   then only indicative).
-//! - `DEVTRACE_BENCH_ONLY=ring,xspace,capture,notes`: run a subset.
+//! - `DEVTRACE_BENCH_ONLY=ring,xspace,capture`: run a subset.
 //! - `DEVTRACE_BENCH_REPEAT=N`: repetitions of each ring run (default 5; the
 //!   median is reported).
 
@@ -688,26 +688,6 @@ fn bench_capture(settings: &Settings) {
     println!();
 }
 
-// ------------------------------------------------------------------ notes --
-
-fn mock_floor() {
-    // What `serve --mock-rate 0` produces: the workload clamps to 4 ops per step.
-    let registry = Registry::new();
-    let mut workload = Workload::new(
-        &MockConfig {
-            events_per_second: 0,
-            ..MockConfig::default()
-        },
-        &registry,
-        0,
-    );
-    let mut n = 0u64;
-    while workload.next_time_ns() < 1_000_000_000 {
-        workload.emit_next(&mut |_| n += 1);
-    }
-    println!("note: --mock-rate 0 does not idle: the mock workload still produces {n} events/s (4 ops per 50 ms step)");
-}
-
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument is ignored.
     let settings = Settings::from_env();
@@ -730,8 +710,5 @@ fn main() {
     }
     if settings.wants("capture") {
         bench_capture(&settings);
-    }
-    if settings.wants("notes") || settings.only.is_none() {
-        mock_floor();
     }
 }
