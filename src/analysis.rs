@@ -44,7 +44,7 @@ pub fn utilization<'e>(events: impl IntoIterator<Item = &'e Event>, window: Wind
     let mut intervals: BTreeMap<u16, Vec<(u64, u64)>> = BTreeMap::new();
     let mut result = Utilization::default();
     for event in events {
-        match (event.device, event.payload) {
+        match (event.device(), event.payload()) {
             (
                 Device::Gpu(ordinal),
                 Payload::Kernel(_) | Payload::Memcpy(_) | Payload::Memset(_),
@@ -92,14 +92,14 @@ mod tests {
     use crate::event::{KernelInfo, NameId};
 
     fn kernel(gpu: u16, start_ns: u64, duration_ns: u64) -> Event {
-        Event {
+        Event::new(
             start_ns,
             duration_ns,
-            device: Device::Gpu(gpu),
-            line: 7,
-            name: NameId(1),
-            payload: Payload::Kernel(KernelInfo::default()),
-        }
+            Device::Gpu(gpu),
+            7,
+            NameId(1),
+            Payload::Kernel(KernelInfo::default()),
+        )
     }
 
     #[test]
@@ -113,11 +113,14 @@ mod tests {
             kernel(0, 110, 20), // overlaps: 110..130
             kernel(0, 190, 50), // 190..200
             kernel(1, 100, 100),
-            Event {
-                payload: Payload::Step { step_num: 1 },
-                device: Device::Host,
-                ..kernel(0, 100, 40)
-            },
+            Event::new(
+                100,
+                40,
+                Device::Host,
+                1,
+                NameId(2),
+                Payload::Step { step_num: 1 },
+            ),
         ];
         let u = utilization(&events, window);
         assert!((u.device_busy[&0] - 0.4).abs() < 1e-9);

@@ -169,18 +169,22 @@ impl Payload {
     }
 }
 
-/// One timestamped record.
+/// One timestamped record: 16 plain words, so that moving it through a ring
+/// is a copy. The payload stays encoded until someone asks for it with
+/// [`Event::payload`].
+#[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Event {
     /// Start, Unix nanoseconds (see [`crate::clock`]).
     pub start_ns: u64,
     /// Zero for instants.
     pub duration_ns: u64,
-    pub device: Device,
     /// Thread id on the host, stream id on a GPU, or a counter track id.
     pub line: u64,
-    pub name: NameId,
-    pub payload: Payload,
+    device: u16,
+    tag: u16,
+    name: u32,
+    payload: [u64; PAYLOAD_WORDS],
 }
 
 fn pack(lo: u32, hi: u32) -> u64 {
@@ -191,23 +195,10 @@ fn unpack(word: u64) -> (u32, u32) {
     (word as u32, (word >> 32) as u32)
 }
 
-impl Event {
-    /// End of the event, Unix nanoseconds.
-    pub fn end_ns(&self) -> u64 {
-        self.start_ns.saturating_add(self.duration_ns)
-    }
-
-    /// Encodes the event into the 16 words that a ring slot holds.
-    pub fn to_words(&self) -> [u64; EVENT_WORDS] {
-        let mut w = [0u64; EVENT_WORDS];
-        w[0] = self.start_ns;
-        w[1] = self.duration_ns;
-        w[2] = self.line;
-        w[3] = u64::from(self.device.encode())
-            | (u64::from(self.payload.tag()) << 16)
-            | (u64::from(self.name.0) << 32);
-        let p = &mut w[4..];
-        match self.payload {
+impl Payload {
+    fn encode(&self) -> [u64; PAYLOAD_WORDS] {
+        let mut p = [0u64; PAYLOAD_WORDS];
+        match *self {
             Payload::Plain => {}
             Payload::Step { step_num } => p[0] = step_num as u64,
             Payload::ApiCall {
@@ -254,16 +245,12 @@ impl Event {
             }
             Payload::Counter { value } => p[0] = value.to_bits(),
         }
-        w
+        p
     }
 
-    /// Decodes words written by [`Event::to_words`]. An unknown payload tag (a
-    /// newer producer) decodes as [`Payload::Plain`] rather than failing.
-    pub fn from_words(w: &[u64; EVENT_WORDS]) -> Event {
-        let device = Device::decode(w[3] as u16);
-        let tag = (w[3] >> 16) as u16;
-        let name = NameId((w[3] >> 32) as u32);
-        let p = &w[4..];
+    /// Decodes words written by [`Payload::encode`]. An unknown tag (a newer
+    /// producer) decodes as [`Payload::Plain`] rather than failing.
+    fn decode(tag: u16, p: &[u64; PAYLOAD_WORDS]) -> Payload {
         let memory = || {
             let (allocator, tf_op) = unpack(p[0]);
             let (region_type, shape) = unpack(p[1]);
@@ -284,7 +271,7 @@ impl Event {
                 step_id: p[11] as i64,
             }
         };
-        let payload = match tag {
+        match tag {
             1 => Payload::Step {
                 step_num: p[0] as i64,
             },
@@ -328,13 +315,77 @@ impl Event {
                 value: f64::from_bits(p[0]),
             },
             _ => Payload::Plain,
-        };
+        }
+    }
+}
+
+impl Event {
+    pub fn new(
+        start_ns: u64,
+        duration_ns: u64,
+        device: Device,
+        line: u64,
+        name: NameId,
+        payload: Payload,
+    ) -> Event {
+        Event {
+            start_ns,
+            duration_ns,
+            line,
+            device: device.encode(),
+            tag: payload.tag(),
+            name: name.0,
+            payload: payload.encode(),
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        Device::decode(self.device)
+    }
+
+    pub fn name(&self) -> NameId {
+        NameId(self.name)
+    }
+
+    /// The typed payload, decoded from its words.
+    pub fn payload(&self) -> Payload {
+        Payload::decode(self.tag, &self.payload)
+    }
+
+    /// True for counter samples, without decoding the payload.
+    pub fn is_counter(&self) -> bool {
+        self.tag == Payload::Counter { value: 0.0 }.tag()
+    }
+
+    /// End of the event, Unix nanoseconds.
+    pub fn end_ns(&self) -> u64 {
+        self.start_ns.saturating_add(self.duration_ns)
+    }
+
+    /// The 16 words a ring slot holds.
+    #[inline]
+    pub fn to_words(&self) -> [u64; EVENT_WORDS] {
+        let mut w = [0u64; EVENT_WORDS];
+        w[0] = self.start_ns;
+        w[1] = self.duration_ns;
+        w[2] = self.line;
+        w[3] = u64::from(self.device) | (u64::from(self.tag) << 16) | (u64::from(self.name) << 32);
+        w[4..].copy_from_slice(&self.payload);
+        w
+    }
+
+    /// The inverse of [`Event::to_words`]; every bit pattern is an event.
+    #[inline]
+    pub fn from_words(w: &[u64; EVENT_WORDS]) -> Event {
+        let mut payload = [0u64; PAYLOAD_WORDS];
+        payload.copy_from_slice(&w[4..]);
         Event {
             start_ns: w[0],
             duration_ns: w[1],
-            device,
             line: w[2],
-            name,
+            device: w[3] as u16,
+            tag: (w[3] >> 16) as u16,
+            name: (w[3] >> 32) as u32,
             payload,
         }
     }
@@ -345,15 +396,19 @@ mod tests {
     use super::*;
 
     fn round_trip(payload: Payload) {
-        let event = Event {
-            start_ns: 1_700_000_000_123_456_789,
-            duration_ns: 4_321,
-            device: Device::Gpu(3),
-            line: 7,
-            name: NameId(42),
+        let event = Event::new(
+            1_700_000_000_123_456_789,
+            4_321,
+            Device::Gpu(3),
+            7,
+            NameId(42),
             payload,
-        };
-        assert_eq!(Event::from_words(&event.to_words()), event);
+        );
+        let copied = Event::from_words(&event.to_words());
+        assert_eq!(copied, event);
+        assert_eq!(copied.payload(), payload);
+        assert_eq!(copied.device(), Device::Gpu(3));
+        assert_eq!(copied.name(), NameId(42));
     }
 
     #[test]
@@ -406,6 +461,11 @@ mod tests {
         round_trip(Payload::MemoryAllocation(memory));
         round_trip(Payload::MemoryDeallocation(memory));
         round_trip(Payload::Counter { value: -1.5 });
+    }
+
+    #[test]
+    fn an_event_is_exactly_sixteen_words() {
+        assert_eq!(std::mem::size_of::<Event>(), 8 * EVENT_WORDS);
     }
 
     #[test]

@@ -238,14 +238,7 @@ mod tests {
     use crate::event::{Device, NameId, Payload};
 
     fn at(start_ns: u64) -> Event {
-        Event {
-            start_ns,
-            duration_ns: 10,
-            device: Device::Host,
-            line: 1,
-            name: NameId(1),
-            payload: Payload::Plain,
-        }
+        Event::new(start_ns, 10, Device::Host, 1, NameId(1), Payload::Plain)
     }
 
     fn starts(data: &WindowData) -> Vec<u64> {

@@ -298,16 +298,16 @@ impl Workload {
 
     fn emit_step_start(&mut self, sink: &mut impl FnMut(Event)) {
         let start = self.step_start_ns;
-        sink(Event {
-            start_ns: start,
-            duration_ns: STEP_PERIOD_NS * 95 / 100,
-            device: Device::Host,
-            line: PYTHON_TID,
-            name: self.names.train,
-            payload: Payload::Step {
+        sink(Event::new(
+            start,
+            STEP_PERIOD_NS * 95 / 100,
+            Device::Host,
+            PYTHON_TID,
+            self.names.train,
+            Payload::Step {
                 step_num: self.step,
             },
-        });
+        ));
         for gpu in 0..self.gpus {
             let bytes = 24 << 20;
             let at = start + u64::from(gpu) * 20_000;
@@ -321,19 +321,19 @@ impl Workload {
             let at = end + u64::from(gpu) * 20_000;
             self.emit_copy(sink, gpu, at, 1 << 20, CopyKind::DeviceToHost);
             let correlation = self.next_correlation();
-            sink(Event {
-                start_ns: end + STEP_PERIOD_NS / 50,
-                duration_ns: 8_000,
-                device: Device::Gpu(gpu),
-                line: COMPUTE_STREAM,
-                name: self.names.memset,
-                payload: Payload::Memset(MemsetInfo {
+            sink(Event::new(
+                end + STEP_PERIOD_NS / 50,
+                8_000,
+                Device::Gpu(gpu),
+                COMPUTE_STREAM,
+                self.names.memset,
+                Payload::Memset(MemsetInfo {
                     correlation_id: correlation,
                     bytes: 4 << 20,
                     is_async: true,
                     tf_op: NameId(0),
                 }),
-            });
+            ));
         }
     }
 
@@ -346,37 +346,37 @@ impl Workload {
         kind: CopyKind,
     ) {
         let correlation = self.next_correlation();
-        sink(Event {
-            start_ns: at,
-            duration_ns: 6_000,
-            device: Device::Host,
-            line: COPY_TID,
-            name: self.names.memcpy_api,
-            payload: Payload::ApiCall {
+        sink(Event::new(
+            at,
+            6_000,
+            Device::Host,
+            COPY_TID,
+            self.names.memcpy_api,
+            Payload::ApiCall {
                 correlation_id: correlation,
                 device_ordinal: u32::from(gpu),
             },
-        });
+        ));
         let (name, stream) = match kind {
             CopyKind::HostToDevice => (self.names.memcpy_h2d, H2D_STREAM),
             _ => (self.names.memcpy_d2h, D2H_STREAM),
         };
         // About 12 GB/s over PCIe.
         let duration_ns = bytes / 12;
-        sink(Event {
-            start_ns: at + 9_000,
+        sink(Event::new(
+            at + 9_000,
             duration_ns,
-            device: Device::Gpu(gpu),
-            line: stream,
+            Device::Gpu(gpu),
+            stream,
             name,
-            payload: Payload::Memcpy(CopyInfo {
+            Payload::Memcpy(CopyInfo {
                 correlation_id: correlation,
                 bytes,
                 kind,
                 is_async: true,
                 tf_op: NameId(0),
             }),
-        });
+        ));
     }
 
     fn emit_op(&mut self, sink: &mut impl FnMut(Event)) {
@@ -387,38 +387,38 @@ impl Workload {
         let (op_name, kernel_name, shape) = self.names.ops[kind_index];
         let gpu = (self.op_index % u64::from(self.gpus)) as u16;
         let op_duration = (slot as f64 * self.rng.fraction(0.6, 0.85)) as u64;
-        sink(Event {
-            start_ns: start,
-            duration_ns: op_duration.max(4),
-            device: Device::Host,
-            line: PYTHON_TID,
-            name: op_name,
-            payload: Payload::Plain,
-        });
+        sink(Event::new(
+            start,
+            op_duration.max(4),
+            Device::Host,
+            PYTHON_TID,
+            op_name,
+            Payload::Plain,
+        ));
         self.emit_allocation(sink, gpu, start + 1, op_name, shape, kind);
         let launch_start = start + slot / 5;
         let launch_duration = (slot / 30).max(1);
         let correlation = self.next_correlation();
-        sink(Event {
-            start_ns: launch_start,
-            duration_ns: launch_duration,
-            device: Device::Host,
-            line: PYTHON_TID,
-            name: self.names.launch,
-            payload: Payload::ApiCall {
+        sink(Event::new(
+            launch_start,
+            launch_duration,
+            Device::Host,
+            PYTHON_TID,
+            self.names.launch,
+            Payload::ApiCall {
                 correlation_id: correlation,
                 device_ordinal: u32::from(gpu),
             },
-        });
+        ));
         let kernel_start = launch_start + launch_duration + slot / 40;
         let kernel_duration = ((slot as f64 * self.rng.fraction(0.3, 0.6)) as u64).max(1);
-        sink(Event {
-            start_ns: kernel_start,
-            duration_ns: kernel_duration,
-            device: Device::Gpu(gpu),
-            line: COMPUTE_STREAM,
-            name: kernel_name,
-            payload: Payload::Kernel(KernelInfo {
+        sink(Event::new(
+            kernel_start,
+            kernel_duration,
+            Device::Gpu(gpu),
+            COMPUTE_STREAM,
+            kernel_name,
+            Payload::Kernel(KernelInfo {
                 correlation_id: correlation,
                 registers_per_thread: kind.registers,
                 static_shared_bytes: kind.static_shared,
@@ -428,7 +428,7 @@ impl Workload {
                 block: kind.block,
                 tf_op: op_name,
             }),
-        });
+        ));
     }
 
     fn emit_allocation(
@@ -478,27 +478,27 @@ impl Workload {
             .back()
             .map(|t| stats(allocator, t, requested));
         if let Some(info) = allocated {
-            sink(Event {
-                start_ns: at,
-                duration_ns: 0,
-                device: Device::Host,
-                line: PYTHON_TID,
-                name: alloc_name,
-                payload: Payload::MemoryAllocation(info),
-            });
+            sink(Event::new(
+                at,
+                0,
+                Device::Host,
+                PYTHON_TID,
+                alloc_name,
+                Payload::MemoryAllocation(info),
+            ));
         }
         if allocator.live.len() > LIVE_TENSORS_PER_ALLOCATOR {
             if let Some(tensor) = allocator.live.pop_front() {
                 allocator.in_use -= tensor.bytes;
                 let info = stats(allocator, &tensor, tensor.bytes);
-                sink(Event {
-                    start_ns: at + 1,
-                    duration_ns: 0,
-                    device: Device::Host,
-                    line: PYTHON_TID,
-                    name: dealloc_name,
-                    payload: Payload::MemoryDeallocation(info),
-                });
+                sink(Event::new(
+                    at + 1,
+                    0,
+                    Device::Host,
+                    PYTHON_TID,
+                    dealloc_name,
+                    Payload::MemoryDeallocation(info),
+                ));
             }
         }
     }
@@ -700,7 +700,7 @@ mod tests {
         for gpu in 0..2 {
             let mut kernels: Vec<&Event> = events
                 .iter()
-                .filter(|e| e.device == Device::Gpu(gpu) && e.line == COMPUTE_STREAM)
+                .filter(|e| e.device() == Device::Gpu(gpu) && e.line == COMPUTE_STREAM)
                 .collect();
             kernels.sort_by_key(|e| e.start_ns);
             assert!(kernels.len() > 10);
@@ -708,13 +708,13 @@ mod tests {
                 assert!(pair[0].end_ns() <= pair[1].start_ns, "{pair:?}");
             }
             for kernel in kernels {
-                let Payload::Kernel(info) = kernel.payload else {
+                let Payload::Kernel(info) = kernel.payload() else {
                     continue;
                 };
                 let launch = events
                     .iter()
                     .find(|e| {
-                        matches!(e.payload, Payload::ApiCall { correlation_id, .. } if correlation_id == info.correlation_id)
+                        matches!(e.payload(), Payload::ApiCall { correlation_id, .. } if correlation_id == info.correlation_id)
                     })
                     .expect("every kernel has its launch");
                 assert!(launch.end_ns() <= kernel.start_ns);
@@ -728,13 +728,13 @@ mod tests {
         let names = registry.snapshot();
         let steps: Vec<&Event> = events
             .iter()
-            .filter(|e| matches!(e.payload, Payload::Step { .. }))
+            .filter(|e| matches!(e.payload(), Payload::Step { .. }))
             .collect();
         assert_eq!(steps.len(), 4);
         let mut allocs = 0;
         let mut frees = 0;
         for e in &events {
-            let info = match e.payload {
+            let info = match e.payload() {
                 Payload::MemoryAllocation(info) => {
                     allocs += 1;
                     info

@@ -10,7 +10,7 @@ use crate::event::EVENT_WORDS;
 /// Identifies a devtrace ring region ("DVTRRING").
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"DVTRRING");
 /// Bumped whenever anything in this file changes shape.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Alignment of the region and of every lane header.
 pub const REGION_ALIGN: usize = 64;
 
@@ -45,14 +45,17 @@ pub struct LaneHeader {
     pub dropped_oldest: Padded<AtomicU64>,
 }
 
-/// One event's worth of storage. `seq` is a per-slot sequence lock used by the
-/// overwriting (drop-oldest) policy: odd while written, `2 * pos + 2` once the
-/// event for ring position `pos` is complete.
-#[repr(C)]
+/// One event's worth of storage: exactly two cache lines.
+#[repr(C, align(64))]
 pub struct Slot {
-    pub seq: AtomicU64,
     pub words: [AtomicU64; EVENT_WORDS],
 }
+
+/// Per-slot sequence lock of the overwriting (drop-oldest) policy: odd while
+/// the slot is written, `2 * pos + 2` once the event for ring position `pos`
+/// is complete. Kept apart from the slots so that they stay line-aligned; a
+/// drop-newest ring never touches these pages.
+pub type SlotSeq = AtomicU64;
 
 /// Sizes and offsets of one ring's region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,7 +77,8 @@ impl RingLayout {
     pub fn lane_size(&self) -> usize {
         round_up(
             std::mem::size_of::<LaneHeader>()
-                + self.capacity as usize * std::mem::size_of::<Slot>(),
+                + self.capacity as usize
+                    * (std::mem::size_of::<Slot>() + std::mem::size_of::<SlotSeq>()),
             REGION_ALIGN,
         )
     }
@@ -98,6 +102,15 @@ impl RingLayout {
             + std::mem::size_of::<LaneHeader>()
             + index * std::mem::size_of::<Slot>()
     }
+
+    /// Offset of the sequence word of the slot for `position`.
+    pub fn seq_offset(&self, lane: u32, position: u64) -> usize {
+        let index = (position & (self.capacity - 1)) as usize;
+        self.lane_offset(lane)
+            + std::mem::size_of::<LaneHeader>()
+            + self.capacity as usize * std::mem::size_of::<Slot>()
+            + index * std::mem::size_of::<SlotSeq>()
+    }
 }
 
 #[cfg(test)]
@@ -111,11 +124,14 @@ mod tests {
             capacity: 8,
         };
         assert_eq!(std::mem::size_of::<LaneHeader>() % 64, 0);
-        assert_eq!(std::mem::size_of::<Slot>(), 8 * (1 + EVENT_WORDS));
+        assert_eq!(std::mem::size_of::<Slot>(), 8 * EVENT_WORDS);
         for lane in 0..3 {
             assert_eq!(layout.lane_offset(lane) % REGION_ALIGN, 0);
-            let last = layout.slot_offset(lane, 7) + std::mem::size_of::<Slot>();
-            assert!(last <= layout.lane_offset(lane) + layout.lane_size());
+            assert_eq!(layout.slot_offset(lane, 3) % REGION_ALIGN, 0);
+            let last_slot = layout.slot_offset(lane, 7) + std::mem::size_of::<Slot>();
+            assert!(last_slot <= layout.seq_offset(lane, 0));
+            let last_seq = layout.seq_offset(lane, 7) + 8;
+            assert!(last_seq <= layout.lane_offset(lane) + layout.lane_size());
             // Positions wrap onto the same slots.
             assert_eq!(layout.slot_offset(lane, 9), layout.slot_offset(lane, 1));
         }

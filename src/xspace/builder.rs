@@ -39,12 +39,12 @@ pub fn build_xspace<'e>(
     let mut lines: BTreeMap<Device, BTreeMap<u64, Vec<&Event>>> = BTreeMap::new();
     lines.entry(Device::Host).or_default();
     for event in events {
-        let line = match event.payload {
+        let line = match event.payload() {
             Payload::Counter { .. } => COUNTER_TRACK,
             _ => event.line,
         };
         lines
-            .entry(event.device)
+            .entry(event.device())
             .or_default()
             .entry(line)
             .or_default()
@@ -130,7 +130,7 @@ fn build_plane(
 fn stream_kinds(events: &[&Event]) -> Vec<&'static str> {
     let mut present = [false; names::STREAM_KIND_ORDER.len()];
     for event in events {
-        let kind = match event.payload {
+        let kind = match event.payload() {
             Payload::Kernel(_) => names::STREAM_COMPUTE,
             Payload::Memcpy(copy) => copy_label(copy.kind),
             Payload::Memset(_) => names::STREAM_MEMSET,
@@ -330,7 +330,7 @@ impl<'r> PlaneBuilder<'r> {
     }
 
     fn event(&mut self, event: &Event, origin_ns: u64) -> XEvent {
-        let metadata_id = self.event_metadata_id(event.name);
+        let metadata_id = self.event_metadata_id(event.name());
         let stats = self.event_stats(event);
         XEvent {
             metadata_id,
@@ -343,7 +343,7 @@ impl<'r> PlaneBuilder<'r> {
     }
 
     fn event_stats(&mut self, event: &Event) -> Vec<XStat> {
-        match event.payload {
+        match event.payload() {
             Payload::Plain => Vec::new(),
             Payload::Step { step_num } => {
                 vec![
@@ -382,7 +382,7 @@ impl<'r> PlaneBuilder<'r> {
             }
             Payload::Memcpy(copy) => {
                 let (src, dst) = copy_kind_words(copy.kind);
-                let destination = match event.device {
+                let destination = match event.device() {
                     Device::Gpu(ordinal) => ordinal,
                     Device::Host => 0,
                 };
