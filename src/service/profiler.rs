@@ -27,7 +27,7 @@ use crate::proto::tensorflow::{
     TerminateResponse,
 };
 use crate::store::Window;
-use crate::xspace::{self, CaptureInfo};
+use crate::xspace::{self, CaptureInfo, Encoded};
 
 use super::repository::AllowedRoots;
 use super::validate::{self, invalid};
@@ -82,10 +82,10 @@ struct Plan {
     warnings: Vec<String>,
 }
 
-/// A built trace, and its encoding when it leaves as bytes.
-struct Built {
-    space: XSpace,
-    bytes: Option<Vec<u8>>,
+/// The message form of an encoded trace, for replies that carry it inline.
+fn decode(bytes: &[u8]) -> Result<XSpace, Status> {
+    XSpace::decode(bytes)
+        .map_err(|e| Status::internal(format!("re-reading the built trace failed: {e}")))
 }
 
 struct Continuous {
@@ -259,10 +259,9 @@ impl ProfilerService {
         })
     }
 
-    /// Collects the window's events (after they have all arrived), builds the
-    /// XSpace and, when it travels as bytes, encodes it, all off the async
-    /// runtime.
-    async fn build(&self, plan: &Plan, window: Window) -> Result<Built, Status> {
+    /// Collects the window's events (after they have all arrived) and encodes
+    /// the XSpace off the async runtime.
+    async fn build(&self, plan: &Plan, window: Window) -> Result<Encoded, Status> {
         let (data, registry) = self
             .agent
             .collect(window)
@@ -284,27 +283,23 @@ impl ProfilerService {
             warnings,
             errors: Vec::new(),
         };
-        let encode = !plan.emit_xspace;
-        tokio::task::spawn_blocking(move || {
-            let space = xspace::build_xspace(data.events(), &registry, &info);
-            let bytes = encode.then(|| space.encode_to_vec());
-            Built { space, bytes }
-        })
-        .await
-        .map_err(|e| Status::internal(format!("building the trace failed: {e}")))
+        tokio::task::spawn_blocking(move || xspace::encode_xspace(data.events(), &registry, &info))
+            .await
+            .map_err(|e| Status::internal(format!("building the trace failed: {e}")))
     }
 
     /// Delivers a built trace the way the request asked: inline XSpace, a file
     /// under an allowed root, or `tool_data` for the client to write.
-    fn respond(&self, plan: &Plan, built: Built) -> Result<ProfileResponse, Status> {
-        let empty_trace = xspace::is_empty(&built.space);
-        let Some(bytes) = built.bytes else {
+    fn respond(&self, plan: &Plan, encoded: Encoded) -> Result<ProfileResponse, Status> {
+        let empty_trace = encoded.events == 0;
+        if plan.emit_xspace {
             return Ok(ProfileResponse {
                 tool_data: Vec::new(),
                 empty_trace,
-                xspace: Some(built.space),
+                xspace: Some(decode(&encoded.bytes)?),
             });
-        };
+        }
+        let bytes = encoded.bytes;
         if let Some(directory) = self.server_side_directory(plan) {
             let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
             let path = self
@@ -396,8 +391,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }
             }
         };
-        let built = self.build(&plan, window).await?;
-        self.respond(&plan, built).map(Response::new)
+        let encoded = self.build(&plan, window).await?;
+        self.respond(&plan, encoded).map(Response::new)
     }
 
     async fn terminate(
@@ -578,24 +573,22 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         if !snapshot_id.is_empty() {
             plan.session_id = snapshot_id;
         }
-        let directory = self.server_side_directory(&plan);
-        // Encode only what will be written; the reply carries the XSpace itself.
-        plan.emit_xspace = directory.is_none();
-        let Built { space, bytes } = self.build(&plan, plan.window).await?;
-        if let (Some(directory), Some(bytes)) = (directory, bytes) {
+        let encoded = self.build(&plan, plan.window).await?;
+        if let Some(directory) = self.server_side_directory(&plan) {
+            let bytes = &encoded.bytes;
             let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
             if let Err(error) = self
                 .config
                 .allowed_roots
-                .write_atomic(&directory, &file_name, &bytes)
+                .write_atomic(&directory, &file_name, bytes)
             {
                 warn!(%error, "snapshot not written; returned inline only");
             }
         }
         Ok(Response::new(ProfileResponse {
             tool_data: Vec::new(),
-            empty_trace: xspace::is_empty(&space),
-            xspace: Some(space),
+            empty_trace: encoded.events == 0,
+            xspace: Some(decode(&encoded.bytes)?),
         }))
     }
 }

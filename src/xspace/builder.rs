@@ -1,18 +1,20 @@
-//! Turns the events of one capture window into an XSpace that XProf reads.
-//! Pure: events and registry facts in, `XSpace` out. Every naming rule comes
-//! from [`super::conventions`].
+//! Turns the events of one capture window into the bytes of an XSpace that
+//! XProf reads. Pure: events and registry facts in, `.xplane.pb` bytes out,
+//! written in one pass with [`super::wire`] (no message tree in between).
+//! Every naming rule comes from [`super::conventions`].
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 
+use prost::Message;
+
 use crate::event::{CopyKind, Device, Event, KernelInfo, MemoryInfo, NameId, Payload};
-use crate::proto::tensorflow::profiler::{
-    x_event, x_stat, XEvent, XEventMetadata, XLine, XPlane, XSpace, XStat, XStatMetadata,
-};
-use crate::registry::RegistrySnapshot;
+use crate::proto::tensorflow::profiler::XSpace;
+use crate::registry::{DeviceInfo, RegistrySnapshot};
 use crate::store::Window;
 
 use super::conventions::{self as names, stat};
+use super::wire::{Open, Writer};
 
 /// Line id under which counter samples are grouped.
 pub const COUNTER_TRACK: u64 = u64::MAX;
@@ -30,18 +32,87 @@ pub struct CaptureInfo {
     pub errors: Vec<String>,
 }
 
-/// Builds the XSpace for `events` (any order) recorded during `info.window`.
-pub fn build_xspace<'e>(
+/// Field numbers of xplane.proto.
+mod field {
+    pub const SPACE_PLANES: u32 = 1;
+    pub const SPACE_ERRORS: u32 = 2;
+    pub const SPACE_WARNINGS: u32 = 3;
+    pub const SPACE_HOSTNAMES: u32 = 4;
+    pub const PLANE_ID: u32 = 1;
+    pub const PLANE_NAME: u32 = 2;
+    pub const PLANE_LINES: u32 = 3;
+    pub const PLANE_EVENT_METADATA: u32 = 4;
+    pub const PLANE_STAT_METADATA: u32 = 5;
+    pub const PLANE_STATS: u32 = 6;
+    pub const MAP_KEY: u32 = 1;
+    pub const MAP_VALUE: u32 = 2;
+    pub const LINE_ID: u32 = 1;
+    pub const LINE_NAME: u32 = 2;
+    pub const LINE_EVENTS: u32 = 4;
+    pub const EVENT_METADATA_ID: u32 = 1;
+    pub const EVENT_OFFSET_PS: u32 = 2;
+    pub const EVENT_DURATION_PS: u32 = 3;
+    pub const EVENT_STATS: u32 = 4;
+    pub const STAT_METADATA_ID: u32 = 1;
+    pub const STAT_DOUBLE: u32 = 2;
+    pub const STAT_UINT64: u32 = 3;
+    pub const STAT_INT64: u32 = 4;
+    pub const STAT_STR: u32 = 5;
+    pub const STAT_BYTES: u32 = 6;
+    pub const STAT_REF: u32 = 7;
+    pub const METADATA_ID: u32 = 1;
+    pub const METADATA_NAME: u32 = 2;
+}
+
+/// An encoded XSpace and how many events it holds.
+#[derive(Clone, Debug, Default)]
+pub struct Encoded {
+    pub bytes: Vec<u8>,
+    pub events: usize,
+}
+
+/// Encodes the XSpace for `events` (any order) recorded during `info.window`.
+pub fn encode_xspace<'e>(
     events: impl IntoIterator<Item = &'e Event>,
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
-) -> XSpace {
-    let mut lines: BTreeMap<Device, BTreeMap<u64, Vec<&Event>>> = BTreeMap::new();
+) -> Encoded {
+    let (lines, count) = group_by_line(events);
+    let mut out = Writer::with_capacity(4096 + count * 72);
+    for (device, device_lines) in lines {
+        let plane = out.begin(field::SPACE_PLANES, 5);
+        encode_plane(&mut out, device, device_lines, registry, info.window);
+        out.end(plane);
+    }
+    let plane = out.begin(field::SPACE_PLANES, 5);
+    task_environment(&mut out, info);
+    out.end(plane);
+    for error in &info.errors {
+        out.text(field::SPACE_ERRORS, error);
+    }
+    for warning in warnings(info) {
+        out.text(field::SPACE_WARNINGS, &warning);
+    }
+    out.bytes(field::SPACE_HOSTNAMES, info.hostname.as_bytes());
+    Encoded {
+        bytes: out.into_bytes(),
+        events: count,
+    }
+}
+
+/// Events per (device, line), devices in plane order; the host plane is
+/// always present.
+type Lines<'e> = BTreeMap<Device, BTreeMap<u64, Vec<&'e Event>>>;
+
+fn group_by_line<'e>(events: impl IntoIterator<Item = &'e Event>) -> (Lines<'e>, usize) {
+    let mut lines: Lines = BTreeMap::new();
     lines.entry(Device::Host).or_default();
+    let mut count = 0;
     for event in events {
-        let line = match event.payload() {
-            Payload::Counter { .. } => COUNTER_TRACK,
-            _ => event.line,
+        let line = if event.is_counter() {
+            COUNTER_TRACK
+        } else {
+            event.line
         };
         lines
             .entry(event.device())
@@ -49,12 +120,21 @@ pub fn build_xspace<'e>(
             .entry(line)
             .or_default()
             .push(event);
+        count += 1;
     }
-    let mut planes = Vec::with_capacity(lines.len() + 1);
-    for (device, device_lines) in lines {
-        planes.push(build_plane(device, device_lines, registry, info.window));
-    }
-    planes.push(task_environment(info));
+    (lines, count)
+}
+
+/// The same XSpace as a message, for replies that carry it inline.
+pub fn build_xspace<'e>(
+    events: impl IntoIterator<Item = &'e Event>,
+    registry: &RegistrySnapshot,
+    info: &CaptureInfo,
+) -> Result<XSpace, prost::DecodeError> {
+    XSpace::decode(encode_xspace(events, registry, info).bytes.as_slice())
+}
+
+fn warnings(info: &CaptureInfo) -> Vec<String> {
     let mut warnings = info.warnings.clone();
     let dropped = info.dropped_newest + info.dropped_oldest;
     if dropped > 0 {
@@ -65,12 +145,7 @@ pub fn build_xspace<'e>(
             info.dropped_newest, info.dropped_oldest
         ));
     }
-    XSpace {
-        planes,
-        errors: info.errors.clone(),
-        warnings,
-        hostnames: vec![info.hostname.clone()],
-    }
+    warnings
 }
 
 /// True when no line of any plane holds an event.
@@ -81,23 +156,27 @@ pub fn is_empty(space: &XSpace) -> bool {
         .all(|p| p.lines.iter().all(|l| l.events.is_empty()))
 }
 
-fn build_plane(
+fn encode_plane(
+    out: &mut Writer,
     device: Device,
     lines: BTreeMap<u64, Vec<&Event>>,
     registry: &RegistrySnapshot,
     window: Window,
-) -> XPlane {
+) {
     let (id, name) = match device {
         Device::Host => (names::HOST_PLANE_ID, names::HOST_PLANE.to_string()),
         Device::Gpu(ordinal) => (i64::from(ordinal), names::gpu_plane_name(ordinal)),
     };
-    let mut plane = PlaneBuilder::new(id, name, registry);
-    if let Some(info) = registry.device_info(device) {
-        plane.device_stats(info);
-    }
+    out.int_nonzero(field::PLANE_ID, id);
+    out.text(field::PLANE_NAME, &name);
+    let mut plane = PlaneTables::new(registry);
     for (line_id, mut events) in lines {
         // XProf walks lines in order: start ascending, enclosing spans first.
-        events.sort_by_key(|e| (e.start_ns, Reverse(e.duration_ns)));
+        // Events usually arrive in that order already; check before sorting.
+        let order = |e: &&Event| (e.start_ns, Reverse(e.duration_ns));
+        if !events.is_sorted_by_key(order) {
+            events.sort_by_key(order);
+        }
         let line_name = match device {
             _ if line_id == COUNTER_TRACK => names::COUNTERS_LINE.to_string(),
             Device::Host => registry
@@ -110,21 +189,19 @@ fn build_plane(
         } else {
             line_id as i64
         };
-        let xevents = events
-            .iter()
-            .map(|e| plane.event(e, window.start_ns))
-            .collect();
-        plane.plane.lines.push(XLine {
-            id: xline_id,
-            display_id: 0,
-            name: line_name,
-            display_name: String::new(),
-            timestamp_ns: 0,
-            duration_ps: 0,
-            events: xevents,
-        });
+        let line = out.begin(field::PLANE_LINES, 5);
+        out.int_nonzero(field::LINE_ID, xline_id);
+        out.text(field::LINE_NAME, &line_name);
+        // timestamp_ns stays 0: offsets are relative to the capture start.
+        for event in events {
+            plane.event(out, event, window.start_ns);
+        }
+        out.end(line);
     }
-    plane.finish()
+    if let Some(info) = registry.device_info(device) {
+        plane.device_stats(info);
+    }
+    plane.finish(out);
 }
 
 fn stream_kinds(events: &[&Event]) -> Vec<&'static str> {
@@ -204,277 +281,417 @@ impl KernelKey {
     }
 }
 
-/// One plane under construction, with its metadata tables.
-struct PlaneBuilder<'r> {
-    plane: XPlane,
-    registry: &'r RegistrySnapshot,
-    next_metadata_id: i64,
-    event_metadata: HashMap<NameId, i64>,
-    /// Stat metadata by name; also the targets of `ref_value` strings.
-    stat_metadata: HashMap<String, i64>,
-    name_refs: HashMap<NameId, i64>,
-    kernel_refs: HashMap<KernelKey, i64>,
+/// What identifies a memcpy or memset details string.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum DetailsKey {
+    Copy(u64, u8, bool, u16),
+    Set(u64, bool),
 }
 
-impl<'r> PlaneBuilder<'r> {
-    fn new(id: i64, name: String, registry: &'r RegistrySnapshot) -> Self {
-        PlaneBuilder {
-            plane: XPlane {
-                id,
-                name,
-                ..XPlane::default()
-            },
+/// The stats the builder writes, so that their metadata ids can live in an
+/// array instead of a map lookup per stat.
+#[derive(Clone, Copy)]
+enum Stat {
+    StepNum,
+    RootLevel,
+    StepId,
+    CorrelationId,
+    DeviceId,
+    ContextId,
+    KernelDetails,
+    MemcpyDetails,
+    MemsetDetails,
+    TfOp,
+    AllocatorName,
+    BytesReserved,
+    BytesAllocated,
+    BytesAvailable,
+    Fragmentation,
+    PeakBytesInUse,
+    RequestedBytes,
+    AllocationBytes,
+    Address,
+    RegionType,
+    DataType,
+    Shape,
+    CounterValue,
+    DeviceVendor,
+    GpuDeviceName,
+    ClockRate,
+    CoreCount,
+    MemoryBandwidth,
+    MemorySize,
+    ComputeCapMajor,
+    ComputeCapMinor,
+    ProfileStartTime,
+    ProfileStopTime,
+    ProfileOptions,
+    DroppedTraces,
+    DroppedNewest,
+    DroppedOldest,
+}
+
+const STAT_COUNT: usize = Stat::DroppedOldest as usize + 1;
+
+impl Stat {
+    fn name(self) -> &'static str {
+        match self {
+            Stat::StepNum => stat::STEP_NUM,
+            Stat::RootLevel => stat::ROOT_LEVEL,
+            Stat::StepId => stat::STEP_ID,
+            Stat::CorrelationId => stat::CORRELATION_ID,
+            Stat::DeviceId => stat::DEVICE_ID,
+            Stat::ContextId => stat::CONTEXT_ID,
+            Stat::KernelDetails => stat::KERNEL_DETAILS,
+            Stat::MemcpyDetails => stat::MEMCPY_DETAILS,
+            Stat::MemsetDetails => stat::MEMSET_DETAILS,
+            Stat::TfOp => stat::TF_OP,
+            Stat::AllocatorName => stat::ALLOCATOR_NAME,
+            Stat::BytesReserved => stat::BYTES_RESERVED,
+            Stat::BytesAllocated => stat::BYTES_ALLOCATED,
+            Stat::BytesAvailable => stat::BYTES_AVAILABLE,
+            Stat::Fragmentation => stat::FRAGMENTATION,
+            Stat::PeakBytesInUse => stat::PEAK_BYTES_IN_USE,
+            Stat::RequestedBytes => stat::REQUESTED_BYTES,
+            Stat::AllocationBytes => stat::ALLOCATION_BYTES,
+            Stat::Address => stat::ADDRESS,
+            Stat::RegionType => stat::REGION_TYPE,
+            Stat::DataType => stat::DATA_TYPE,
+            Stat::Shape => stat::SHAPE,
+            Stat::CounterValue => stat::COUNTER_VALUE,
+            Stat::DeviceVendor => stat::DEVICE_VENDOR,
+            Stat::GpuDeviceName => stat::GPU_DEVICE_NAME,
+            Stat::ClockRate => stat::CLOCK_RATE,
+            Stat::CoreCount => stat::CORE_COUNT,
+            Stat::MemoryBandwidth => stat::MEMORY_BANDWIDTH,
+            Stat::MemorySize => stat::MEMORY_SIZE,
+            Stat::ComputeCapMajor => stat::COMPUTE_CAP_MAJOR,
+            Stat::ComputeCapMinor => stat::COMPUTE_CAP_MINOR,
+            Stat::ProfileStartTime => stat::PROFILE_START_TIME,
+            Stat::ProfileStopTime => stat::PROFILE_STOP_TIME,
+            Stat::ProfileOptions => stat::PROFILE_OPTIONS,
+            Stat::DroppedTraces => stat::DROPPED_TRACES,
+            Stat::DroppedNewest => stat::DROPPED_NEWEST,
+            Stat::DroppedOldest => stat::DROPPED_OLDEST,
+        }
+    }
+}
+
+/// A stat value in the oneof case XProf reads for it.
+enum Value<'a> {
+    Int(i64),
+    Uint(u64),
+    Double(f64),
+    Str(&'a str),
+    Bytes(&'a [u8]),
+    /// Id of the stat metadata whose name is the string value.
+    Ref(i64),
+}
+
+/// One plane's metadata tables; written after its lines.
+struct PlaneTables<'r> {
+    registry: &'r RegistrySnapshot,
+    /// Stat metadata in id order (id = index + 1).
+    stat_names: Vec<String>,
+    stat_ids: HashMap<String, i64>,
+    fixed: [i64; STAT_COUNT],
+    /// Stat metadata id of each interned name used as a ref value.
+    name_refs: Vec<i64>,
+    kernel_refs: HashMap<KernelKey, i64>,
+    detail_refs: HashMap<DetailsKey, i64>,
+    /// Event metadata id of each event name (0 = not yet in this plane).
+    event_ids: Vec<i64>,
+    event_names: Vec<NameId>,
+    plane_stats: Vec<u8>,
+}
+
+impl<'r> PlaneTables<'r> {
+    fn new(registry: &'r RegistrySnapshot) -> Self {
+        PlaneTables {
             registry,
-            next_metadata_id: 1,
-            event_metadata: HashMap::new(),
-            stat_metadata: HashMap::new(),
-            name_refs: HashMap::new(),
+            stat_names: Vec::new(),
+            stat_ids: HashMap::new(),
+            fixed: [0; STAT_COUNT],
+            name_refs: Vec::new(),
             kernel_refs: HashMap::new(),
+            detail_refs: HashMap::new(),
+            event_ids: Vec::new(),
+            event_names: Vec::new(),
+            plane_stats: Vec::new(),
         }
     }
 
-    fn finish(self) -> XPlane {
-        self.plane
-    }
-
-    fn stat_id(&mut self, name: &str) -> i64 {
-        if let Some(id) = self.stat_metadata.get(name) {
+    /// The id of the stat metadata called `name`, created on first use.
+    fn named(&mut self, name: &str) -> i64 {
+        if let Some(id) = self.stat_ids.get(name) {
             return *id;
         }
-        let id = self.next_metadata_id;
-        self.next_metadata_id += 1;
-        self.stat_metadata.insert(name.to_string(), id);
-        self.plane.stat_metadata.insert(
-            id,
-            XStatMetadata {
-                id,
-                name: name.to_string(),
-                description: String::new(),
-            },
-        );
+        self.stat_names.push(name.to_string());
+        let id = self.stat_names.len() as i64;
+        self.stat_ids.insert(name.to_string(), id);
         id
     }
 
-    fn event_metadata_id(&mut self, name: NameId) -> i64 {
-        if let Some(id) = self.event_metadata.get(&name) {
-            return *id;
+    #[inline]
+    fn id(&mut self, stat: Stat) -> i64 {
+        let slot = stat as usize;
+        if self.fixed[slot] == 0 {
+            self.fixed[slot] = self.named(stat.name());
         }
-        let id = self.event_metadata.len() as i64 + 1;
-        self.event_metadata.insert(name, id);
-        self.plane.event_metadata.insert(
-            id,
-            XEventMetadata {
-                id,
-                name: self.registry.name(name).to_string(),
-                ..XEventMetadata::default()
-            },
+        self.fixed[slot]
+    }
+
+    fn name_ref(&mut self, name: NameId) -> i64 {
+        let index = name.0 as usize;
+        if index >= self.name_refs.len() {
+            self.name_refs.resize(index + 1, 0);
+        }
+        if self.name_refs[index] == 0 {
+            self.name_refs[index] = self.named(self.registry.name(name));
+        }
+        self.name_refs[index]
+    }
+
+    fn event_id(&mut self, name: NameId) -> i64 {
+        let index = name.0 as usize;
+        if index >= self.event_ids.len() {
+            self.event_ids.resize(index + 1, 0);
+        }
+        if self.event_ids[index] == 0 {
+            self.event_names.push(name);
+            self.event_ids[index] = self.event_names.len() as i64;
+        }
+        self.event_ids[index]
+    }
+
+    #[inline]
+    fn stat(&mut self, out: &mut Writer, stat: Stat, value: Value) {
+        let id = self.id(stat);
+        write_stat(out, field::EVENT_STATS, id, value);
+    }
+
+    fn event(&mut self, out: &mut Writer, event: &Event, origin_ns: u64) {
+        let metadata_id = self.event_id(event.name());
+        let open = out.begin(field::LINE_EVENTS, 2);
+        out.int(field::EVENT_METADATA_ID, metadata_id);
+        out.int(
+            field::EVENT_OFFSET_PS,
+            (event.start_ns.saturating_sub(origin_ns) as i64).saturating_mul(1000),
         );
-        id
+        out.int_nonzero(
+            field::EVENT_DURATION_PS,
+            (event.duration_ns as i64).saturating_mul(1000),
+        );
+        self.event_stats(out, event);
+        out.end(open);
     }
 
-    fn stat(&mut self, name: &str, value: x_stat::Value) -> XStat {
-        XStat {
-            metadata_id: self.stat_id(name),
-            value: Some(value),
-        }
-    }
-
-    fn int(&mut self, name: &str, value: i64) -> XStat {
-        self.stat(name, x_stat::Value::Int64Value(value))
-    }
-
-    fn uint(&mut self, name: &str, value: u64) -> XStat {
-        self.stat(name, x_stat::Value::Uint64Value(value))
-    }
-
-    fn text(&mut self, name: &str, value: &str) -> XStat {
-        self.stat(name, x_stat::Value::StrValue(value.to_string()))
-    }
-
-    /// A string stat stored once per plane and referenced by id.
-    fn name_ref(&mut self, name: &str, value: NameId) -> XStat {
-        let target = match self.name_refs.get(&value) {
-            Some(id) => *id,
-            None => {
-                let id = self.stat_id(self.registry.name(value));
-                self.name_refs.insert(value, id);
-                id
-            }
-        };
-        self.stat(name, x_stat::Value::RefValue(target as u64))
-    }
-
-    fn string_ref(&mut self, name: &str, value: &str) -> XStat {
-        let target = self.stat_id(value) as u64;
-        self.stat(name, x_stat::Value::RefValue(target))
-    }
-
-    fn device_stats(&mut self, info: &crate::registry::DeviceInfo) {
-        let stats = vec![
-            self.text(stat::DEVICE_VENDOR, &info.vendor),
-            self.text(stat::GPU_DEVICE_NAME, &info.model),
-            self.int(stat::CLOCK_RATE, info.clock_rate_khz as i64),
-            self.int(stat::CORE_COUNT, i64::from(info.core_count)),
-            self.uint(stat::MEMORY_BANDWIDTH, info.memory_bandwidth_bytes_per_s),
-            self.uint(stat::MEMORY_SIZE, info.memory_bytes),
-            self.int(
-                stat::COMPUTE_CAP_MAJOR,
-                i64::from(info.compute_capability.0),
-            ),
-            self.int(
-                stat::COMPUTE_CAP_MINOR,
-                i64::from(info.compute_capability.1),
-            ),
-        ];
-        self.plane.stats.extend(stats);
-    }
-
-    fn event(&mut self, event: &Event, origin_ns: u64) -> XEvent {
-        let metadata_id = self.event_metadata_id(event.name());
-        let stats = self.event_stats(event);
-        XEvent {
-            metadata_id,
-            data: Some(x_event::Data::OffsetPs(
-                (event.start_ns.saturating_sub(origin_ns) as i64).saturating_mul(1000),
-            )),
-            duration_ps: (event.duration_ns as i64).saturating_mul(1000),
-            stats,
-        }
-    }
-
-    fn event_stats(&mut self, event: &Event) -> Vec<XStat> {
+    fn event_stats(&mut self, out: &mut Writer, event: &Event) {
         match event.payload() {
-            Payload::Plain => Vec::new(),
+            Payload::Plain => {}
             Payload::Step { step_num } => {
-                vec![
-                    self.int(stat::STEP_NUM, step_num),
-                    self.int(stat::ROOT_LEVEL, 1),
-                ]
+                self.stat(out, Stat::StepNum, Value::Int(step_num));
+                self.stat(out, Stat::RootLevel, Value::Int(1));
             }
             Payload::ApiCall {
                 correlation_id,
                 device_ordinal,
-            } => vec![
-                self.uint(stat::CORRELATION_ID, correlation_id),
-                self.int(stat::DEVICE_ID, i64::from(device_ordinal)),
-            ],
+            } => {
+                self.stat(out, Stat::CorrelationId, Value::Uint(correlation_id));
+                self.stat(out, Stat::DeviceId, Value::Int(i64::from(device_ordinal)));
+            }
             Payload::Kernel(kernel) => {
-                let details = match self.kernel_refs.get(&KernelKey::of(&kernel)) {
+                let key = KernelKey::of(&kernel);
+                let details = match self.kernel_refs.get(&key) {
                     Some(id) => *id,
                     None => {
-                        let id = self.stat_id(&kernel_details(&kernel));
-                        self.kernel_refs.insert(KernelKey::of(&kernel), id);
+                        let id = self.named(&kernel_details(&kernel));
+                        self.kernel_refs.insert(key, id);
                         id
                     }
                 };
-                let mut stats = vec![
-                    self.uint(stat::CORRELATION_ID, kernel.correlation_id),
-                    self.stat(
-                        stat::KERNEL_DETAILS,
-                        x_stat::Value::RefValue(details as u64),
-                    ),
-                    self.string_ref(stat::CONTEXT_ID, "$$1"),
-                ];
+                let context = self.named("$$1");
+                self.stat(out, Stat::CorrelationId, Value::Uint(kernel.correlation_id));
+                self.stat(out, Stat::KernelDetails, Value::Ref(details));
+                self.stat(out, Stat::ContextId, Value::Ref(context));
                 if kernel.tf_op != NameId(0) {
-                    stats.push(self.name_ref(stat::TF_OP, kernel.tf_op));
+                    let op = self.name_ref(kernel.tf_op);
+                    self.stat(out, Stat::TfOp, Value::Ref(op));
                 }
-                stats
             }
             Payload::Memcpy(copy) => {
-                let (src, dst) = copy_kind_words(copy.kind);
                 let destination = match event.device() {
                     Device::Gpu(ordinal) => ordinal,
                     Device::Host => 0,
                 };
-                let details = format!(
-                    "kind_src:{src} kind_dst:{dst} size:{} dest:{destination} async:{}",
-                    copy.bytes,
-                    u8::from(copy.is_async)
-                );
-                let mut stats = vec![
-                    self.uint(stat::CORRELATION_ID, copy.correlation_id),
-                    self.string_ref(stat::MEMCPY_DETAILS, &details),
-                ];
+                let key = DetailsKey::Copy(copy.bytes, copy.kind as u8, copy.is_async, destination);
+                let details = match self.detail_refs.get(&key) {
+                    Some(id) => *id,
+                    None => {
+                        let (src, dst) = copy_kind_words(copy.kind);
+                        let text = format!(
+                            "kind_src:{src} kind_dst:{dst} size:{} dest:{destination} async:{}",
+                            copy.bytes,
+                            u8::from(copy.is_async)
+                        );
+                        let id = self.named(&text);
+                        self.detail_refs.insert(key, id);
+                        id
+                    }
+                };
+                self.stat(out, Stat::CorrelationId, Value::Uint(copy.correlation_id));
+                self.stat(out, Stat::MemcpyDetails, Value::Ref(details));
                 if copy.tf_op != NameId(0) {
-                    stats.push(self.name_ref(stat::TF_OP, copy.tf_op));
+                    let op = self.name_ref(copy.tf_op);
+                    self.stat(out, Stat::TfOp, Value::Ref(op));
                 }
-                stats
             }
             Payload::Memset(memset) => {
-                let details = format!(
-                    "kind:device num_bytes:{} async:{}",
-                    memset.bytes,
-                    u8::from(memset.is_async)
-                );
-                vec![
-                    self.uint(stat::CORRELATION_ID, memset.correlation_id),
-                    self.string_ref(stat::MEMSET_DETAILS, &details),
-                ]
+                let key = DetailsKey::Set(memset.bytes, memset.is_async);
+                let details = match self.detail_refs.get(&key) {
+                    Some(id) => *id,
+                    None => {
+                        let text = format!(
+                            "kind:device num_bytes:{} async:{}",
+                            memset.bytes,
+                            u8::from(memset.is_async)
+                        );
+                        let id = self.named(&text);
+                        self.detail_refs.insert(key, id);
+                        id
+                    }
+                };
+                self.stat(out, Stat::CorrelationId, Value::Uint(memset.correlation_id));
+                self.stat(out, Stat::MemsetDetails, Value::Ref(details));
             }
             Payload::MemoryAllocation(memory) | Payload::MemoryDeallocation(memory) => {
-                self.memory_stats(&memory)
+                self.memory_stats(out, &memory)
             }
             Payload::Counter { value } => {
-                vec![self.stat(stat::COUNTER_VALUE, x_stat::Value::DoubleValue(value))]
+                self.stat(out, Stat::CounterValue, Value::Double(value));
             }
         }
     }
 
     /// The allocator stats exactly as XProf's memory profile reads them: int64
     /// for numbers, double for fragmentation, strings by reference.
-    fn memory_stats(&mut self, m: &MemoryInfo) -> Vec<XStat> {
-        vec![
-            self.name_ref(stat::ALLOCATOR_NAME, m.allocator),
-            self.int(stat::BYTES_RESERVED, m.bytes_reserved),
-            self.int(stat::BYTES_ALLOCATED, m.bytes_allocated),
-            self.int(stat::BYTES_AVAILABLE, m.bytes_available),
-            self.stat(
-                stat::FRAGMENTATION,
-                x_stat::Value::DoubleValue(m.fragmentation),
-            ),
-            self.int(stat::PEAK_BYTES_IN_USE, m.peak_bytes_in_use),
-            self.int(stat::REQUESTED_BYTES, m.requested_bytes),
-            self.int(stat::ALLOCATION_BYTES, m.allocation_bytes),
-            self.int(stat::ADDRESS, m.address as i64),
-            self.name_ref(stat::TF_OP, m.tf_op),
-            self.int(stat::STEP_ID, m.step_id),
-            self.name_ref(stat::REGION_TYPE, m.region_type),
-            self.int(stat::DATA_TYPE, i64::from(m.data_type)),
-            self.name_ref(stat::SHAPE, m.shape),
-        ]
+    fn memory_stats(&mut self, out: &mut Writer, m: &MemoryInfo) {
+        let allocator = self.name_ref(m.allocator);
+        let tf_op = self.name_ref(m.tf_op);
+        let region = self.name_ref(m.region_type);
+        let shape = self.name_ref(m.shape);
+        self.stat(out, Stat::AllocatorName, Value::Ref(allocator));
+        self.stat(out, Stat::BytesReserved, Value::Int(m.bytes_reserved));
+        self.stat(out, Stat::BytesAllocated, Value::Int(m.bytes_allocated));
+        self.stat(out, Stat::BytesAvailable, Value::Int(m.bytes_available));
+        self.stat(out, Stat::Fragmentation, Value::Double(m.fragmentation));
+        self.stat(out, Stat::PeakBytesInUse, Value::Int(m.peak_bytes_in_use));
+        self.stat(out, Stat::RequestedBytes, Value::Int(m.requested_bytes));
+        self.stat(out, Stat::AllocationBytes, Value::Int(m.allocation_bytes));
+        self.stat(out, Stat::Address, Value::Int(m.address as i64));
+        self.stat(out, Stat::TfOp, Value::Ref(tf_op));
+        self.stat(out, Stat::StepId, Value::Int(m.step_id));
+        self.stat(out, Stat::RegionType, Value::Ref(region));
+        self.stat(out, Stat::DataType, Value::Int(i64::from(m.data_type)));
+        self.stat(out, Stat::Shape, Value::Ref(shape));
+    }
+
+    /// Plane-level stats are kept aside and written with the metadata.
+    fn plane_stat(&mut self, stat: Stat, value: Value) {
+        let id = self.id(stat);
+        let mut scratch = Writer::default();
+        write_stat(&mut scratch, field::PLANE_STATS, id, value);
+        self.plane_stats.extend_from_slice(&scratch.into_bytes());
+    }
+
+    fn device_stats(&mut self, info: &DeviceInfo) {
+        self.plane_stat(Stat::DeviceVendor, Value::Str(&info.vendor));
+        self.plane_stat(Stat::GpuDeviceName, Value::Str(&info.model));
+        self.plane_stat(Stat::ClockRate, Value::Int(info.clock_rate_khz as i64));
+        self.plane_stat(Stat::CoreCount, Value::Int(i64::from(info.core_count)));
+        self.plane_stat(
+            Stat::MemoryBandwidth,
+            Value::Uint(info.memory_bandwidth_bytes_per_s),
+        );
+        self.plane_stat(Stat::MemorySize, Value::Uint(info.memory_bytes));
+        self.plane_stat(
+            Stat::ComputeCapMajor,
+            Value::Int(i64::from(info.compute_capability.0)),
+        );
+        self.plane_stat(
+            Stat::ComputeCapMinor,
+            Value::Int(i64::from(info.compute_capability.1)),
+        );
+    }
+
+    /// Writes the metadata maps and plane stats that the lines referred to.
+    fn finish(self, out: &mut Writer) {
+        for (index, name) in self.event_names.iter().enumerate() {
+            let id = index as i64 + 1;
+            let entry = out.begin(field::PLANE_EVENT_METADATA, 2);
+            out.int(field::MAP_KEY, id);
+            let value = out.begin(field::MAP_VALUE, 2);
+            out.int(field::METADATA_ID, id);
+            out.text(field::METADATA_NAME, self.registry.name(*name));
+            out.end(value);
+            out.end(entry);
+        }
+        for (index, name) in self.stat_names.iter().enumerate() {
+            let id = index as i64 + 1;
+            let entry = out.begin(field::PLANE_STAT_METADATA, 2);
+            out.int(field::MAP_KEY, id);
+            let value = out.begin(field::MAP_VALUE, 2);
+            out.int(field::METADATA_ID, id);
+            out.text(field::METADATA_NAME, name);
+            out.end(value);
+            out.end(entry);
+        }
+        out.raw(&self.plane_stats);
     }
 }
 
-fn task_environment(info: &CaptureInfo) -> XPlane {
+fn write_stat(out: &mut Writer, field_number: u32, metadata_id: i64, value: Value) {
+    let id = metadata_id as u64;
+    match value {
+        Value::Int(v) => return out.pair(field_number, id, field::STAT_INT64, v as u64),
+        Value::Uint(v) => return out.pair(field_number, id, field::STAT_UINT64, v),
+        Value::Ref(v) => return out.pair(field_number, id, field::STAT_REF, v as u64),
+        Value::Double(v) => return out.pair_double(field_number, id, field::STAT_DOUBLE, v),
+        Value::Str(_) | Value::Bytes(_) => {}
+    }
+    let open: Open = out.begin(field_number, 1);
+    out.int(field::STAT_METADATA_ID, metadata_id);
+    match value {
+        Value::Int(v) => out.int(field::STAT_INT64, v),
+        Value::Uint(v) => out.uint(field::STAT_UINT64, v),
+        Value::Double(v) => out.double(field::STAT_DOUBLE, v),
+        Value::Str(v) => out.bytes(field::STAT_STR, v.as_bytes()),
+        Value::Bytes(v) => out.bytes(field::STAT_BYTES, v),
+        Value::Ref(id) => out.uint(field::STAT_REF, id as u64),
+    }
+    out.end(open);
+}
+
+fn task_environment(out: &mut Writer, info: &CaptureInfo) {
+    out.int_nonzero(field::PLANE_ID, names::TASK_ENVIRONMENT_PLANE_ID);
+    out.text(field::PLANE_NAME, names::TASK_ENVIRONMENT_PLANE);
     let registry = RegistrySnapshot::default();
-    let mut plane = PlaneBuilder::new(
-        names::TASK_ENVIRONMENT_PLANE_ID,
-        names::TASK_ENVIRONMENT_PLANE.to_string(),
-        &registry,
-    );
-    let stats = vec![
-        plane.uint(stat::PROFILE_START_TIME, info.window.start_ns),
-        plane.uint(stat::PROFILE_STOP_TIME, info.window.stop_ns),
-        plane.stat(
-            stat::PROFILE_OPTIONS,
-            x_stat::Value::BytesValue(info.profile_options.clone()),
-        ),
-        plane.int(
-            stat::DROPPED_TRACES,
-            (info.dropped_newest + info.dropped_oldest) as i64,
-        ),
-        plane.uint(stat::DROPPED_NEWEST, info.dropped_newest),
-        plane.uint(stat::DROPPED_OLDEST, info.dropped_oldest),
-    ];
-    plane.plane.stats = stats;
-    plane.finish()
+    let mut plane = PlaneTables::new(&registry);
+    let dropped = info.dropped_newest + info.dropped_oldest;
+    plane.plane_stat(Stat::ProfileStartTime, Value::Uint(info.window.start_ns));
+    plane.plane_stat(Stat::ProfileStopTime, Value::Uint(info.window.stop_ns));
+    plane.plane_stat(Stat::ProfileOptions, Value::Bytes(&info.profile_options));
+    plane.plane_stat(Stat::DroppedTraces, Value::Int(dropped as i64));
+    plane.plane_stat(Stat::DroppedNewest, Value::Uint(info.dropped_newest));
+    plane.plane_stat(Stat::DroppedOldest, Value::Uint(info.dropped_oldest));
+    plane.finish(out);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::mock::{MockConfig, Workload, COMPUTE_STREAM, PYTHON_TID};
-    use crate::proto::tensorflow::profiler::XLine;
+    use crate::proto::tensorflow::profiler::{x_event, XLine, XPlane};
     use crate::registry::Registry;
     use crate::xspace::read::{event_name, find_stat, StatValue};
 
@@ -501,7 +718,7 @@ mod tests {
         };
         let window = info.window;
         let inside = events.iter().filter(|e| window.contains(e.start_ns));
-        build_xspace(inside, &registry.snapshot(), &info)
+        build_xspace(inside, &registry.snapshot(), &info).expect("decodes")
     }
 
     fn plane<'s>(space: &'s XSpace, name: &str) -> &'s XPlane {
@@ -723,7 +940,8 @@ mod tests {
             hostname: "h".into(),
             ..CaptureInfo::default()
         };
-        let space = build_xspace(std::iter::empty(), &RegistrySnapshot::default(), &info);
+        let space =
+            build_xspace(std::iter::empty(), &RegistrySnapshot::default(), &info).expect("decodes");
         assert!(is_empty(&space));
         assert_eq!(space.planes[0].name, "/host:CPU");
     }

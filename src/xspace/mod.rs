@@ -4,5 +4,6 @@
 pub mod builder;
 pub mod conventions;
 pub mod read;
+mod wire;
 
-pub use builder::{build_xspace, is_empty, CaptureInfo};
+pub use builder::{build_xspace, encode_xspace, is_empty, CaptureInfo, Encoded};
