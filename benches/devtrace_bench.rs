@@ -28,9 +28,7 @@ use devtrace::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
 use devtrace::proto::tensorflow::ProfileRequest;
 use devtrace::registry::{Registry, RegistrySnapshot};
 use devtrace::ring::{DropPolicy, Ring};
-use devtrace::service::profiler::{
-    default_profile_options, ProfilerService, ServiceConfig, XPLANE_TOOL,
-};
+use devtrace::service::profiler::{ProfilerService, ServiceConfig, XPLANE_TOOL};
 use devtrace::service::MAX_MESSAGE_BYTES;
 use devtrace::store::Window;
 use devtrace::xspace::{encode_xspace, CaptureInfo};
@@ -510,7 +508,10 @@ async fn capture_once(
         duration_ms,
         max_events: 1_000_000,
         tools: vec![XPLANE_TOOL.to_string()],
-        opts: Some(default_profile_options(duration_ms, start_ns)),
+        opts: Some(devtrace::client::default_profile_options(
+            duration_ms,
+            start_ns,
+        )),
         session_id: session.to_string(),
         host_name: "bench".to_string(),
         ..ProfileRequest::default()

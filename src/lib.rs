@@ -10,6 +10,7 @@ pub mod agent;
 pub mod analysis;
 pub mod backend;
 pub mod cli;
+pub mod client;
 pub mod clock;
 pub mod collect;
 pub mod event;

@@ -9,25 +9,9 @@ use anyhow::{bail, Context};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::client;
 use crate::clock;
-use crate::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
-use crate::proto::tensorflow::ProfileRequest;
-use crate::service::profiler::{default_profile_options, XPLANE_TOOL};
-use crate::service::MAX_MESSAGE_BYTES;
-
-/// The tools TensorFlow's client asks for; servers may use them as hints.
-const REQUESTED_TOOLS: &[&str] = &[
-    "trace_viewer",
-    "op_profile",
-    "input_pipeline",
-    "kernel_stats",
-    "memory_viewer",
-    "memory_profile",
-    "overview_page",
-    "pod_viewer",
-    "tensorflow_stats",
-    XPLANE_TOOL,
-];
+use crate::service::profiler::XPLANE_TOOL;
 
 #[derive(Debug, Args)]
 pub struct CaptureArgs {
@@ -79,19 +63,9 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `host:port` from `grpc://host:port` or `host:port`.
-pub fn strip_scheme(address: &str) -> &str {
-    address.strip_prefix("grpc://").unwrap_or(address)
-}
-
 async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
-    let target = strip_scheme(&args.address);
-    if target.is_empty() || !target.contains(':') {
-        bail!(
-            "address {:?} needs a port, e.g. grpc://127.0.0.1:6009",
-            args.address
-        );
-    }
+    let target = &client::normalize_address(&args.address, client::DEFAULT_PORT)
+        .with_context(|| format!("invalid address {:?}", args.address))?;
     let duration_ms = u64::try_from(args.duration.as_millis()).unwrap_or(u64::MAX);
     if duration_ms == 0 {
         bail!("--duration must be at least 1ms");
@@ -105,35 +79,22 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
         .unwrap_or_else(crate::service::profiler::session_timestamp);
     let start_ns =
         clock::now_ns() + clock::duration_ns(args.delay) - clock::duration_ns(args.delay_back);
-    let mut options = default_profile_options(duration_ms, start_ns);
+    let mut options = client::default_profile_options(duration_ms, start_ns);
     options.repository_path = logdir.display().to_string();
     options.session_id = session_id.clone();
     if let Some(name) = &args.override_hostname {
         options.override_hostname = name.clone();
     }
-    let request = ProfileRequest {
-        duration_ms,
-        max_events: 1_000_000,
-        tools: REQUESTED_TOOLS.iter().map(|t| t.to_string()).collect(),
-        opts: Some(options),
-        repository_root: repository_root.display().to_string(),
-        session_id: session_id.clone(),
-        host_name: target.to_string(),
-        ..ProfileRequest::default()
-    };
-    // TensorFlow's client allows max(60 s, 2 x duration) for the whole call.
-    let deadline = Duration::from_secs(60).max(args.duration * 2) + args.delay;
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{target}"))
-        .with_context(|| format!("invalid address {:?}", args.address))?
-        .connect_timeout(Duration::from_secs(10))
-        .timeout(deadline);
-    let channel = endpoint
-        .connect()
+    let request = client::trace_request(
+        options,
+        &repository_root.display().to_string(),
+        &session_id,
+        target,
+    );
+    let deadline = client::capture_deadline(args.duration) + args.delay;
+    let mut client = client::connect(target, deadline)
         .await
         .with_context(|| format!("cannot reach a profiler server at {target}"))?;
-    let mut client = ProfilerServiceClient::new(channel)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let progress = progress_bar(args, duration_ms);
     let reply = client.profile(request).await;
     if let Some(progress) = progress {

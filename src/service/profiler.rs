@@ -22,7 +22,7 @@ use crate::proto::tensorflow::profiler_service_monitor_result::ResponseType;
 use crate::proto::tensorflow::profiler_service_server;
 use crate::proto::tensorflow::{
     ContinuousProfilingResponse, GetSnapshotRequest, MonitorRequest, MonitorResponse,
-    ProfileOptions, ProfileRequest, ProfileResponse, ProfileToolData, ProfilerServiceMonitorResult,
+    ProfileRequest, ProfileResponse, ProfileToolData, ProfilerServiceMonitorResult,
     StopContinuousProfilingRequest, StopContinuousProfilingResponse, TerminateRequest,
     TerminateResponse,
 };
@@ -590,20 +590,6 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             empty_trace: encoded.events == 0,
             xspace: Some(decode(&encoded.bytes)?),
         }))
-    }
-}
-
-/// The options devtrace's own client sends, matching TensorFlow's client.
-pub fn default_profile_options(duration_ms: u64, start_timestamp_ns: u64) -> ProfileOptions {
-    ProfileOptions {
-        version: 1,
-        include_dataset_ops: true,
-        host_tracer_level: 2,
-        device_tracer_level: 1,
-        enable_hlo_proto: true,
-        start_timestamp_ns,
-        duration_ms,
-        ..ProfileOptions::default()
     }
 }
 
