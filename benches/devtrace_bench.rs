@@ -28,6 +28,7 @@ use devtrace::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
 use devtrace::proto::tensorflow::ProfileRequest;
 use devtrace::registry::{Registry, RegistrySnapshot};
 use devtrace::ring::{DropPolicy, Ring};
+use devtrace::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use devtrace::service::profiler::{ProfilerService, ServiceConfig, XPLANE_TOOL};
 use devtrace::service::MAX_MESSAGE_BYTES;
 use devtrace::store::Window;
@@ -606,9 +607,19 @@ fn bench_capture(settings: &Settings) {
             .await
             .expect("bind");
         let address = listener.local_addr().expect("address");
-        let server = tokio::spawn(devtrace::service::serve(listener, service, async {
-            let _ = stop_rx.await;
+        let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig {
+            allowed_roots: Default::default(),
+            max_duration: Duration::from_secs(600),
+            default_port: devtrace::client::DEFAULT_PORT,
         }));
+        let server = tokio::spawn(devtrace::service::serve(
+            listener,
+            service,
+            analysis,
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
         (address, server)
     });
     let (big, small, phases) = runtime.block_on(async {

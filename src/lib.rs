@@ -17,7 +17,9 @@ pub mod event;
 pub mod registry;
 pub mod ring;
 pub mod service;
+pub mod session;
 pub mod store;
+pub mod tools;
 pub mod xspace;
 
 /// Types generated from `proto/`.

@@ -75,8 +75,13 @@ fn mistakes_get_clear_errors() {
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("cannot reach a profiler server at 127.0.0.1:1"));
 
-    let out = devtrace(&["capture", "grpc://localhost", "--logdir", "x"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a port"));
+    let out = devtrace(&["capture", "grpc://localhost:http", "--logdir", "x"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("invalid address \"grpc://localhost:http\"")
+    );
+    // A host alone means the default port.
+    let out = devtrace(&["capture", "127.0.0.1", "--logdir", "x", "--quiet"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at 127.0.0.1:6009"));
 
     let out = devtrace(&[
         "capture",

@@ -2,7 +2,7 @@
 //! request as TensorFlow's `client.trace`, so it works against devtrace and
 //! against TensorFlow's or JAX's own profiler servers.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -123,7 +123,7 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
         if tool.name.ends_with("tf_stats_helper_result") {
             continue;
         }
-        let path = write_file(&session_dir, &format!("{host}.{}", tool.name), &tool.data)?;
+        let path = super::write_file(&session_dir, &format!("{host}.{}", tool.name), &tool.data)?;
         if tool.name == XPLANE_TOOL {
             written = Some(path);
         }
@@ -150,25 +150,4 @@ fn progress_bar(args: &CaptureArgs, duration_ms: u64) -> Option<ProgressBar> {
         }
     });
     Some(bar)
-}
-
-/// Writes atomically: a temporary file beside the target, then rename.
-fn write_file(directory: &Path, name: &str, data: &[u8]) -> anyhow::Result<PathBuf> {
-    use std::io::Write;
-    std::fs::create_dir_all(directory)
-        .with_context(|| format!("creating {}", directory.display()))?;
-    let target = directory.join(name);
-    let mut file = tempfile::NamedTempFile::new_in(directory)
-        .with_context(|| format!("writing into {}", directory.display()))?;
-    file.write_all(data)
-        .and_then(|()| {
-            use std::os::unix::fs::PermissionsExt;
-            file.as_file()
-                .set_permissions(std::fs::Permissions::from_mode(0o644))
-        })
-        .and_then(|()| file.as_file().sync_all())
-        .with_context(|| format!("writing {}", target.display()))?;
-    file.persist(&target)
-        .with_context(|| format!("writing {}", target.display()))?;
-    Ok(target)
 }

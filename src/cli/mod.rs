@@ -3,6 +3,7 @@
 mod capture;
 mod inspect;
 mod serve;
+mod session;
 
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use clap::{Parser, Subcommand};
 pub use capture::CaptureArgs;
 pub use inspect::InspectArgs;
 pub use serve::ServeArgs;
+pub use session::{SessionArgs, SessionsArgs, ToolArgs};
 
 /// Device-tracing agent for machine-learning hosts. It speaks TensorFlow's
 /// profiler protocol, so `tf.profiler.experimental.client.trace`, the XProf
@@ -35,6 +37,12 @@ pub enum Command {
     Capture(CaptureArgs),
     /// Summarise an .xplane.pb file: planes, lines, events, time span.
     Inspect(InspectArgs),
+    /// Profile several hosts at once into one session of a logdir.
+    Session(SessionArgs),
+    /// List the sessions of a logdir (or repository root), newest first.
+    Sessions(SessionsArgs),
+    /// Compute a tool's data (trace_viewer, memory_profile, ...) from a session.
+    Tool(ToolArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -43,6 +51,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args),
         Command::Capture(args) => capture::run(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Session(args) => session::run_session(args),
+        Command::Sessions(args) => session::run_sessions(args),
+        Command::Tool(args) => session::run_tool(args),
     }
 }
 
@@ -55,6 +66,32 @@ fn init_logging(level: &str) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
+}
+
+/// Writes atomically: a temporary file beside the target, then rename.
+pub(crate) fn write_file(
+    directory: &std::path::Path,
+    name: &str,
+    data: &[u8],
+) -> anyhow::Result<std::path::PathBuf> {
+    use anyhow::Context;
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(directory)
+        .with_context(|| format!("creating {}", directory.display()))?;
+    let target = directory.join(name);
+    let mut file = tempfile::NamedTempFile::new_in(directory)
+        .with_context(|| format!("writing into {}", directory.display()))?;
+    file.write_all(data)
+        .and_then(|()| {
+            file.as_file()
+                .set_permissions(std::fs::Permissions::from_mode(0o644))
+        })
+        .and_then(|()| file.as_file().sync_all())
+        .with_context(|| format!("writing {}", target.display()))?;
+    file.persist(&target)
+        .with_context(|| format!("writing {}", target.display()))?;
+    Ok(target)
 }
 
 /// Parses durations such as `2s`, `500ms`, `1.5s`, `10m`, `1h`; a bare number

@@ -11,6 +11,7 @@ use tracing::info;
 use crate::agent::{Agent, AgentConfig, BackendChoice};
 use crate::backend::mock::MockConfig;
 use crate::ring::DropPolicy;
+use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{local_hostname, ProfilerService, ServiceConfig};
 use crate::service::repository::AllowedRoots;
 use crate::store::StoreConfig;
@@ -106,6 +107,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ..ServiceConfig::default()
         },
     ));
+    let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig {
+        allowed_roots: allowed_roots.clone(),
+        max_duration: args.max_duration,
+        default_port: crate::client::DEFAULT_PORT,
+    }));
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -121,7 +127,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     println!("devtrace listening on {address}");
     info!("capture with: devtrace capture grpc://{address} --logdir DIR");
-    crate::service::serve(listener, service, shutdown_signal()).await?;
+    crate::service::serve(listener, service, analysis, shutdown_signal()).await?;
     info!("shutting down");
     agent.shutdown();
     Ok(())

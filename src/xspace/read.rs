@@ -242,3 +242,95 @@ impl fmt::Display for Summary {
         Ok(())
     }
 }
+
+/// Bytes that are not a well-formed protobuf message.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("malformed XSpace: {0}")]
+pub struct Malformed(String);
+
+impl Malformed {
+    fn new(what: &str) -> Malformed {
+        Malformed(what.to_string())
+    }
+}
+
+/// The plane names of an encoded XSpace, read without decoding its events:
+/// enough to tell which tools a file supports, cheaply, for many files.
+pub fn plane_names(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
+    let mut names = Vec::new();
+    let mut space = WireReader(bytes);
+    while let Some((field, value)) = space.next_field()? {
+        if let (1, WireValue::Bytes(plane)) = (field, value) {
+            let mut plane = WireReader(plane);
+            while let Some((field, value)) = plane.next_field()? {
+                if let (2, WireValue::Bytes(name)) = (field, value) {
+                    names.push(String::from_utf8_lossy(name).into_owned());
+                }
+            }
+        }
+    }
+    Ok(names)
+}
+
+enum WireValue<'b> {
+    Scalar,
+    Bytes(&'b [u8]),
+}
+
+/// Walks the top-level fields of one protobuf message.
+struct WireReader<'b>(&'b [u8]);
+
+impl<'b> WireReader<'b> {
+    fn varint(&mut self) -> Result<u64, Malformed> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let (&byte, rest) = self
+                .0
+                .split_first()
+                .ok_or_else(|| Malformed::new("truncated varint"))?;
+            self.0 = rest;
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte < 0x80 {
+                return Ok(value);
+            }
+        }
+        Err(Malformed::new("varint too long"))
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'b [u8], Malformed> {
+        if n > self.0.len() {
+            return Err(Malformed::new("truncated field"));
+        }
+        let (taken, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(taken)
+    }
+
+    fn next_field(&mut self) -> Result<Option<(u64, WireValue<'b>)>, Malformed> {
+        if self.0.is_empty() {
+            return Ok(None);
+        }
+        let key = self.varint()?;
+        let value = match key & 7 {
+            0 => {
+                self.varint()?;
+                WireValue::Scalar
+            }
+            1 => {
+                self.take(8)?;
+                WireValue::Scalar
+            }
+            2 => {
+                let length = usize::try_from(self.varint()?)
+                    .map_err(|_| Malformed::new("length too large"))?;
+                WireValue::Bytes(self.take(length)?)
+            }
+            5 => {
+                self.take(4)?;
+                WireValue::Scalar
+            }
+            other => return Err(Malformed(format!("unsupported wire type {other}"))),
+        };
+        Ok(Some((key >> 3, value)))
+    }
+}

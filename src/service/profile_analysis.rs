@@ -1,0 +1,283 @@
+//! `tensorflow.ProfileAnalysis`: profile many hosts in one session
+//! (`NewSession`, which TensorFlow's client sends when given a worker list),
+//! list the sessions of a repository (`EnumSessions`) and serve tool data
+//! from them (`GetSessionToolData`). Every path is confined to the operator's
+//! allowed roots, for reading as for writing.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tonic::{Request, Response, Status};
+use tracing::info;
+
+use crate::client;
+use crate::clock;
+use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysis;
+use crate::proto::tensorflow::{
+    EnumProfileSessionsAndToolsRequest, EnumProfileSessionsAndToolsResponse,
+    NewProfileSessionRequest, NewProfileSessionResponse, ProfileSessionDataRequest,
+    ProfileSessionDataResponse, ProfileSessionInfo,
+};
+use crate::session::{self, SessionError, ToolDataError};
+
+use super::profiler::session_timestamp;
+use super::repository::AllowedRoots;
+use super::validate::{self, invalid};
+
+/// Most hosts one NewSession may name.
+pub const MAX_HOSTS: usize = 1024;
+/// Time kept back from the caller's deadline to write files and reply.
+const REPLY_MARGIN: Duration = Duration::from_millis(200);
+
+/// The `grpc-timeout` header: an integer and a unit (H, M, S, m, u, n).
+pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.checked_mul(3600)?),
+        "M" => Duration::from_secs(amount.checked_mul(60)?),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+#[derive(Clone, Debug)]
+pub struct AnalysisConfig {
+    pub allowed_roots: AllowedRoots,
+    pub max_duration: Duration,
+    pub default_port: u16,
+}
+
+pub struct ProfileAnalysisService {
+    config: AnalysisConfig,
+}
+
+impl ProfileAnalysisService {
+    pub fn new(config: AnalysisConfig) -> ProfileAnalysisService {
+        ProfileAnalysisService { config }
+    }
+
+    /// The repository root of a request, resolved inside an allowed root.
+    fn root(&self, repository_root: &str) -> Result<PathBuf, Status> {
+        validate::client_path("repository_root", repository_root)?;
+        if repository_root.is_empty() {
+            return Err(invalid("repository_root", "is required"));
+        }
+        self.config
+            .allowed_roots
+            .confine(Path::new(repository_root))
+            .map_err(|e| Status::permission_denied(format!("repository_root: {e}")))
+    }
+}
+
+fn tool_status(error: ToolDataError) -> Status {
+    let message = error.to_string();
+    match error {
+        ToolDataError::UnknownTool { .. }
+        | ToolDataError::NeedsHost { .. }
+        | ToolDataError::Parameter { .. } => Status::invalid_argument(message),
+        ToolDataError::UnknownHost { .. }
+        | ToolDataError::EmptySession { .. }
+        | ToolDataError::Session(SessionError::Missing { .. }) => Status::not_found(message),
+        ToolDataError::Session(SessionError::Io { .. }) | ToolDataError::Read(_) => {
+            Status::internal(message)
+        }
+        ToolDataError::Tool(_) => Status::failed_precondition(message),
+    }
+}
+
+#[tonic::async_trait]
+impl ProfileAnalysis for ProfileAnalysisService {
+    async fn new_session(
+        &self,
+        request: Request<NewProfileSessionRequest>,
+    ) -> Result<Response<NewProfileSessionResponse>, Status> {
+        let caller_deadline = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout);
+        let request = request.into_inner();
+        let Some(mut profile) = request.request else {
+            return Err(invalid(
+                "request",
+                "the ProfileRequest to send to every host is missing",
+            ));
+        };
+        if request.hosts.is_empty() {
+            return Err(invalid("hosts", "name at least one host to profile"));
+        }
+        if request.hosts.len() > MAX_HOSTS {
+            return Err(invalid(
+                "hosts",
+                format!("at most {MAX_HOSTS} hosts per session"),
+            ));
+        }
+        let hosts = request
+            .hosts
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                client::normalize_address(host, self.config.default_port)
+                    .map_err(|e| invalid(&format!("hosts[{i}]"), e))
+            })
+            .collect::<Result<Vec<String>, Status>>()?;
+        validate::name_component("session_id", &request.session_id)?;
+        let root = self.root(&request.repository_root)?;
+        let session_id = if request.session_id.is_empty() {
+            session_timestamp()
+        } else {
+            request.session_id.clone()
+        };
+        let mut options = profile.opts.take().unwrap_or_default();
+        let modern = options.version != 0;
+        let duration_ms = if modern && options.duration_ms != 0 {
+            options.duration_ms
+        } else {
+            profile.duration_ms
+        };
+        if duration_ms == 0 {
+            return Err(invalid(
+                "request.opts.duration_ms",
+                "must be greater than 0",
+            ));
+        }
+        let max_ms = self.config.max_duration.as_millis() as u64;
+        if duration_ms > max_ms {
+            return Err(invalid(
+                "request.opts.duration_ms",
+                format!("{duration_ms} ms exceeds this agent's maximum of {max_ms} ms"),
+            ));
+        }
+        // One absolute start for every host, so that the traces line up.
+        let now = clock::now_ns();
+        let start_ns = if modern && options.start_timestamp_ns > now {
+            options.start_timestamp_ns
+        } else {
+            now
+        };
+        options.version = 1;
+        options.start_timestamp_ns = start_ns;
+        options.duration_ms = duration_ms;
+        profile.opts = Some(options);
+        profile.duration_ms = duration_ms;
+        profile.session_id = session_id.clone();
+        profile.repository_root = request.repository_root.clone();
+        let mut deadline =
+            client::capture_deadline(Duration::from_millis(duration_ms)) + clock::until(start_ns);
+        // Answer our caller in time with whatever hosts made it, rather than
+        // letting one slow host turn the whole session into a timeout.
+        if let Some(caller) = caller_deadline {
+            deadline = deadline.min(caller.saturating_sub(caller / 10 + REPLY_MARGIN));
+        }
+        info!(session = %session_id, hosts = hosts.len(), duration_ms, "session requested");
+        let outcomes = session::fan_out(&hosts, &profile, deadline).await;
+        let directory = root.join(&session_id);
+        let mut errors = Vec::new();
+        let mut delivered = 0;
+        for outcome in &outcomes {
+            match &outcome.result {
+                Ok(Some(bytes)) => {
+                    match self.config.allowed_roots.write_atomic(
+                        &directory,
+                        &outcome.file_name(),
+                        bytes,
+                    ) {
+                        Ok(_) => delivered += 1,
+                        Err(e) => errors.push(format!("{}: {e}", outcome.host)),
+                    }
+                }
+                Ok(None) => errors.push(format!("{}: returned an empty trace", outcome.host)),
+                Err(e) => errors.push(format!("{}: {e}", outcome.host)),
+            }
+        }
+        info!(session = %session_id, delivered, failed = errors.len(), "session done");
+        Ok(Response::new(NewProfileSessionResponse {
+            error_message: errors.join("; "),
+            empty_trace: delivered == 0,
+        }))
+    }
+
+    async fn enum_sessions(
+        &self,
+        request: Request<EnumProfileSessionsAndToolsRequest>,
+    ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
+        let root = self.root(&request.into_inner().repository_root)?;
+        let sessions = tokio::task::spawn_blocking(move || session::list_sessions(&root))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| match e {
+                SessionError::Missing { .. } => Status::not_found(format!("repository_root: {e}")),
+                SessionError::Io { .. } => Status::internal(e.to_string()),
+            })?;
+        Ok(Response::new(EnumProfileSessionsAndToolsResponse {
+            error_message: String::new(),
+            sessions: sessions
+                .into_iter()
+                .map(|s| ProfileSessionInfo {
+                    session_id: s.session_id,
+                    available_tools: s.tools,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn get_session_tool_data(
+        &self,
+        request: Request<ProfileSessionDataRequest>,
+    ) -> Result<Response<ProfileSessionDataResponse>, Status> {
+        let request = request.into_inner();
+        let root = self.root(&request.repository_root)?;
+        if request.session_id.is_empty() {
+            return Err(invalid("session_id", "is required"));
+        }
+        validate::name_component("session_id", &request.session_id)?;
+        validate::name_component("host_name", &request.host_name)?;
+        if request.tool_name.is_empty() {
+            return Err(invalid(
+                "tool_name",
+                format!("is required (one of: {})", session::TOOLS.join(", ")),
+            ));
+        }
+        let directory = root.join(&request.session_id);
+        if !directory.is_dir() {
+            return Err(Status::not_found(format!(
+                "session_id: no session {:?} under {}",
+                request.session_id,
+                root.display()
+            )));
+        }
+        let host = (!request.host_name.is_empty()).then_some(request.host_name);
+        let tool = request.tool_name;
+        let parameters = request.parameters;
+        let output = tokio::task::spawn_blocking(move || {
+            session::tool_data(&directory, host.as_deref(), &tool, &parameters)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(tool_status)?;
+        Ok(Response::new(ProfileSessionDataResponse {
+            error_message: String::new(),
+            output_format: output.format().to_string(),
+            output: output.into_bytes(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse() {
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("300m"), Some(Duration::from_millis(300)));
+        assert_eq!(parse_grpc_timeout("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(parse_grpc_timeout("S"), None);
+        assert_eq!(parse_grpc_timeout("12x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
+    }
+}

@@ -1,0 +1,396 @@
+//! Profiling sessions over many hosts: the fan-out that captures every host
+//! with one shared window, and the listing of sessions in a repository
+//! (`<repository_root>/<session>/<host>.xplane.pb`). Used by the
+//! ProfileAnalysis service and by `devtrace session` / `devtrace sessions`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use tokio::task::JoinSet;
+
+use crate::client;
+use crate::proto::tensorflow::ProfileRequest;
+use crate::xspace::conventions;
+use crate::xspace::read::plane_names;
+
+/// Suffix of trace files in a session directory.
+pub const XPLANE_SUFFIX: &str = ".xplane.pb";
+
+/// What one host of a fan-out gave back.
+#[derive(Debug)]
+pub struct HostOutcome {
+    /// `host:port` as addressed.
+    pub host: String,
+    pub result: Result<Option<Vec<u8>>, String>,
+}
+
+impl HostOutcome {
+    /// File name of this host's trace: `host_port.xplane.pb`.
+    pub fn file_name(&self) -> String {
+        host_file_name(&self.host)
+    }
+}
+
+/// `10.0.0.2:8466` -> `10.0.0.2_8466.xplane.pb`, as TensorFlow names files.
+pub fn host_file_name(host: &str) -> String {
+    format!("{}{XPLANE_SUFFIX}", host.replace(':', "_"))
+}
+
+/// Captures `request`'s window on every host at once. Each host gets the
+/// same absolute start, so the traces line up; each is asked to return its
+/// trace inline. A host that fails, times out or returns nothing is reported
+/// in its outcome; the others are unaffected.
+pub async fn fan_out(
+    hosts: &[String],
+    request: &ProfileRequest,
+    deadline: Duration,
+) -> Vec<HostOutcome> {
+    let mut tasks = JoinSet::new();
+    for (index, host) in hosts.iter().enumerate() {
+        let mut request = request.clone();
+        request.host_name = host.clone();
+        request.emit_xspace = true;
+        let host = host.clone();
+        tasks.spawn(async move {
+            let result = capture_one(&host, request, deadline).await;
+            (index, HostOutcome { host, result })
+        });
+    }
+    let mut outcomes: Vec<(usize, HostOutcome)> = Vec::with_capacity(hosts.len());
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok(outcome) => outcomes.push(outcome),
+            Err(error) => tracing::warn!(%error, "a fan-out task failed"),
+        }
+    }
+    outcomes.sort_by_key(|(index, _)| *index);
+    outcomes.into_iter().map(|(_, outcome)| outcome).collect()
+}
+
+async fn capture_one(
+    host: &str,
+    request: ProfileRequest,
+    deadline: Duration,
+) -> Result<Option<Vec<u8>>, String> {
+    let call = async {
+        // The channel's own timeout is a backstop: the timeout below fires
+        // first and says which deadline passed.
+        let mut client = client::connect(host, deadline + Duration::from_secs(1))
+            .await
+            .map_err(|e| format!("cannot connect: {e}"))?;
+        let reply = client
+            .profile(request)
+            .await
+            .map_err(|status| format!("{}: {}", status.code(), status.message()))?
+            .into_inner();
+        if reply.empty_trace {
+            return Ok(None);
+        }
+        match client::trace_bytes(reply) {
+            Some(bytes) => Ok(Some(bytes)),
+            None => Err(
+                "the server kept the trace on its own filesystem (it ignores emit_xspace)".into(),
+            ),
+        }
+    };
+    match tokio::time::timeout(deadline, call).await {
+        Ok(result) => result,
+        Err(_) => Err(format!("no reply within {:.0} s", deadline.as_secs_f64())),
+    }
+}
+
+/// One session directory and the tools its files support.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionInfo {
+    pub session_id: String,
+    pub hosts: Vec<String>,
+    pub tools: Vec<String>,
+    pub modified: SystemTime,
+}
+
+/// Tools every trace supports.
+pub const BASE_TOOLS: &[&str] = &["trace_viewer", "overview", "xplane"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("{path} does not exist")]
+    Missing { path: String },
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// The sessions under `root`, newest first.
+pub fn list_sessions(root: &Path) -> Result<Vec<SessionInfo>, SessionError> {
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |source| SessionError::Io { path, source }
+    };
+    if !root.exists() {
+        return Err(SessionError::Missing {
+            path: root.display().to_string(),
+        });
+    }
+    let mut sessions = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(io(root))? {
+        let entry = entry.map_err(io(root))?;
+        let path = entry.path();
+        if !path.is_dir() {
+            continue;
+        }
+        let Some(session_id) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(str::to_string)
+        else {
+            continue;
+        };
+        let hosts = session_hosts(&path)?;
+        if hosts.is_empty() {
+            continue;
+        }
+        let tools = session_tools(&path, &hosts);
+        let modified = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        sessions.push(SessionInfo {
+            session_id,
+            hosts,
+            tools,
+            modified,
+        });
+    }
+    sessions.sort_by(|a, b| {
+        b.modified
+            .cmp(&a.modified)
+            .then(b.session_id.cmp(&a.session_id))
+    });
+    Ok(sessions)
+}
+
+/// Hosts with a trace in a session directory, sorted.
+pub fn session_hosts(session: &Path) -> Result<Vec<String>, SessionError> {
+    let mut hosts = Vec::new();
+    let entries = std::fs::read_dir(session).map_err(|source| SessionError::Io {
+        path: session.display().to_string(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if let Some(host) = name.to_str().and_then(|n| n.strip_suffix(XPLANE_SUFFIX)) {
+            if !host.is_empty() && !host.starts_with('.') {
+                hosts.push(host.to_string());
+            }
+        }
+    }
+    hosts.sort();
+    Ok(hosts)
+}
+
+/// The trace file of `host` in `session`.
+pub fn host_path(session: &Path, host: &str) -> PathBuf {
+    session.join(format!("{host}{XPLANE_SUFFIX}"))
+}
+
+fn session_tools(session: &Path, hosts: &[String]) -> Vec<String> {
+    let mut tools: Vec<String> = BASE_TOOLS.iter().map(|t| t.to_string()).collect();
+    let (mut host_plane, mut gpu_plane) = (false, false);
+    for host in hosts {
+        let Ok(bytes) = std::fs::read(host_path(session, host)) else {
+            continue;
+        };
+        for name in plane_names(&bytes).unwrap_or_default() {
+            host_plane |= name == conventions::HOST_PLANE;
+            gpu_plane |= name.starts_with("/device:GPU:");
+        }
+    }
+    if host_plane {
+        tools.push("memory_profile".into());
+    }
+    if gpu_plane {
+        tools.push("kernel_stats".into());
+    }
+    tools.sort();
+    tools
+}
+
+/// Tools [`tool_data`] serves.
+pub const TOOLS: &[&str] = &[
+    "kernel_stats",
+    "memory_profile",
+    "overview",
+    "trace_viewer",
+    "xplane",
+];
+
+/// What a tool returns.
+#[derive(Debug, PartialEq)]
+pub enum ToolOutput {
+    Json(String),
+    Blob(Vec<u8>),
+}
+
+impl ToolOutput {
+    /// The `output_format` name of this output.
+    pub fn format(&self) -> &'static str {
+        match self {
+            ToolOutput::Json(_) => "json",
+            ToolOutput::Blob(_) => "blob",
+        }
+    }
+
+    pub fn into_bytes(self) -> Vec<u8> {
+        match self {
+            ToolOutput::Json(text) => text.into_bytes(),
+            ToolOutput::Blob(bytes) => bytes,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ToolDataError {
+    #[error("tool_name: unknown tool {tool:?} (available: {})", TOOLS.join(", "))]
+    UnknownTool { tool: String },
+    #[error("host_name: no trace for host {host:?} in this session (hosts: {})", hosts.join(", "))]
+    UnknownHost { host: String, hosts: Vec<String> },
+    #[error("host_name: {tool} returns one host's file; name one of: {}", hosts.join(", "))]
+    NeedsHost { tool: String, hosts: Vec<String> },
+    #[error("session_id: no traces in {path}")]
+    EmptySession { path: String },
+    #[error("parameters[{name}]: {reason}")]
+    Parameter { name: String, reason: String },
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error(transparent)]
+    Read(#[from] crate::xspace::read::ReadError),
+    #[error(transparent)]
+    Tool(#[from] crate::tools::ToolError),
+}
+
+fn parameter<T: std::str::FromStr>(
+    parameters: &std::collections::HashMap<String, String>,
+    name: &str,
+) -> Result<Option<T>, ToolDataError> {
+    parameters
+        .get(name)
+        .map(|text| {
+            text.trim()
+                .parse::<T>()
+                .map_err(|_| ToolDataError::Parameter {
+                    name: name.to_string(),
+                    reason: format!("{text:?} is not a valid number"),
+                })
+        })
+        .transpose()
+}
+
+fn check_parameters(
+    tool: &str,
+    parameters: &std::collections::HashMap<String, String>,
+    known: &[&str],
+) -> Result<(), ToolDataError> {
+    match parameters.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(unknown) => Err(ToolDataError::Parameter {
+            name: unknown.clone(),
+            reason: format!(
+                "{tool} takes no such parameter (it takes: {})",
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Computes `tool` for one host of a session, or for every host (a JSON
+/// object keyed by host) when `host` is `None`.
+pub fn tool_data(
+    session: &Path,
+    host: Option<&str>,
+    tool: &str,
+    parameters: &std::collections::HashMap<String, String>,
+) -> Result<ToolOutput, ToolDataError> {
+    use crate::tools;
+    if !TOOLS.contains(&tool) {
+        return Err(ToolDataError::UnknownTool {
+            tool: tool.to_string(),
+        });
+    }
+    let hosts = session_hosts(session)?;
+    if hosts.is_empty() {
+        return Err(ToolDataError::EmptySession {
+            path: session.display().to_string(),
+        });
+    }
+    let selected: Vec<String> = match host {
+        Some(host) => {
+            let wanted = host.replace(':', "_");
+            if !hosts.contains(&wanted) {
+                return Err(ToolDataError::UnknownHost {
+                    host: host.to_string(),
+                    hosts,
+                });
+            }
+            vec![wanted]
+        }
+        None => hosts.clone(),
+    };
+    let known: &[&str] = match tool {
+        "trace_viewer" => &["start_time_ms", "end_time_ms", "resolution"],
+        "overview" => &["top"],
+        _ => &[],
+    };
+    check_parameters(tool, parameters, known)?;
+    if tool == "xplane" {
+        if selected.len() > 1 {
+            return Err(ToolDataError::NeedsHost {
+                tool: tool.to_string(),
+                hosts,
+            });
+        }
+        let path = host_path(session, &selected[0]);
+        let bytes = std::fs::read(&path).map_err(|source| SessionError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        return Ok(ToolOutput::Blob(bytes));
+    }
+    let viewer = tools::trace_viewer::TraceViewerOptions {
+        start_time_ms: parameter(parameters, "start_time_ms")?,
+        end_time_ms: parameter(parameters, "end_time_ms")?,
+        resolution: parameter(parameters, "resolution")?
+            .unwrap_or(tools::trace_viewer::TraceViewerOptions::default().resolution),
+    };
+    let top: usize = parameter(parameters, "top")?.unwrap_or(10);
+    let mut per_host = Vec::with_capacity(selected.len());
+    for name in &selected {
+        let space = crate::xspace::read::read_xspace(&host_path(session, name))?;
+        let json = match tool {
+            "trace_viewer" => tools::trace_viewer::trace_viewer(&space, &viewer)?.to_json(),
+            "memory_profile" => tools::memory_profile::memory_profile_json(&space)?,
+            "kernel_stats" => tools::kernel_stats::kernel_stats(&space)?.to_json(),
+            _ => tools::overview::overview(&space, top)?.to_json(),
+        };
+        per_host.push((name.clone(), json));
+    }
+    if host.is_some() {
+        return Ok(ToolOutput::Json(per_host.remove(0).1));
+    }
+    let mut out = String::from("{\"hosts\":{");
+    for (i, (name, json)) in per_host.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        crate::tools::json::string(&mut out, name);
+        out.push(':');
+        out.push_str(json);
+    }
+    out.push_str("}}");
+    Ok(ToolOutput::Json(out))
+}

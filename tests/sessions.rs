@@ -1,0 +1,384 @@
+//! ProfileAnalysis over real agents on loopback: a session across several
+//! hosts (some down, slow or empty), listing sessions, and tool data.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use devtrace::proto::tensorflow::profile_analysis_client::ProfileAnalysisClient;
+use devtrace::proto::tensorflow::profiler::XSpace;
+use devtrace::proto::tensorflow::{
+    EnumProfileSessionsAndToolsRequest, NewProfileSessionRequest, ProfileSessionDataRequest,
+};
+use prost::Message;
+use tonic::transport::Channel;
+use tonic::Code;
+
+async fn analysis(agent: &AgentProcess) -> ProfileAnalysisClient<Channel> {
+    let channel = Channel::from_shared(format!("http://{}", agent.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    ProfileAnalysisClient::new(channel).max_decoding_message_size(usize::MAX)
+}
+
+fn session_request(
+    root: &std::path::Path,
+    hosts: &[&str],
+    session: &str,
+) -> NewProfileSessionRequest {
+    NewProfileSessionRequest {
+        request: Some(request(500, "ignored")),
+        repository_root: root.display().to_string(),
+        hosts: hosts.iter().map(|h| h.to_string()).collect(),
+        session_id: session.to_string(),
+    }
+}
+
+/// Accepts connections and never answers: a host past its deadline.
+fn silent_host() -> (std::net::TcpListener, String) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    (listener, address)
+}
+
+fn unused_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn a_session_lands_every_good_host_and_names_each_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("logs/plugins/profile");
+    let coordinator = AgentProcess::start(&["--allow-root", dir.path().to_str().unwrap()]);
+    let worker = AgentProcess::start(&[]);
+    let empty = AgentProcess::start(&["--mock-rate", "0"]);
+    let (_silent, slow) = silent_host();
+    let down = unused_address();
+    let hosts = [
+        coordinator.address.as_str(),
+        worker.address.as_str(),
+        empty.address.as_str(),
+        slow.as_str(),
+        down.as_str(),
+    ];
+    let mut call = tonic::Request::new(session_request(&root, &hosts, "fleet"));
+    call.set_timeout(Duration::from_secs(6));
+    let reply = analysis(&coordinator)
+        .await
+        .new_session(call)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!reply.empty_trace);
+    let errors = reply.error_message;
+    assert!(
+        errors.contains(&format!("{}: returned an empty trace", empty.address)),
+        "{errors}"
+    );
+    assert!(
+        errors.contains(&format!("{slow}: no reply within")),
+        "{errors}"
+    );
+    assert!(
+        errors.contains(&format!("{down}: cannot connect")),
+        "{errors}"
+    );
+    assert!(
+        !errors.contains(&coordinator.address) && !errors.contains(&worker.address),
+        "{errors}"
+    );
+
+    let mut files: Vec<String> = std::fs::read_dir(root.join("fleet"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    let mut expected = vec![
+        format!("{}.xplane.pb", coordinator.address.replace(':', "_")),
+        format!("{}.xplane.pb", worker.address.replace(':', "_")),
+    ];
+    expected.sort();
+    assert_eq!(files, expected);
+    // One shared window: both traces start at the same instant.
+    let starts: Vec<u64> = files
+        .iter()
+        .map(|f| {
+            let bytes = std::fs::read(root.join("fleet").join(f)).unwrap();
+            window_of(&XSpace::decode(bytes.as_slice()).unwrap()).0
+        })
+        .collect();
+    assert_eq!(starts[0], starts[1]);
+}
+
+#[tokio::test]
+async fn only_empty_hosts_make_an_empty_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = AgentProcess::start(&[
+        "--allow-root",
+        dir.path().to_str().unwrap(),
+        "--mock-rate",
+        "0",
+    ]);
+    let reply = analysis(&agent)
+        .await
+        .new_session(session_request(
+            dir.path(),
+            &[agent.address.as_str()],
+            "quiet",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.empty_trace);
+    assert!(reply.error_message.contains("returned an empty trace"));
+}
+
+#[tokio::test]
+async fn session_paths_and_hosts_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let allowed = dir.path().join("allowed");
+    let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
+    let mut client = analysis(&agent).await;
+    let host = agent.address.as_str();
+    let outside = client
+        .new_session(session_request(&dir.path().join("elsewhere"), &[host], "s"))
+        .await
+        .unwrap_err();
+    assert_eq!(outside.code(), Code::PermissionDenied);
+    assert!(
+        outside.message().starts_with("repository_root: "),
+        "{}",
+        outside.message()
+    );
+    assert!(!dir.path().join("elsewhere").exists());
+    for (req, field) in [
+        (session_request(&allowed, &[host], "../up"), "session_id"),
+        (session_request(&allowed, &[host], "a/b"), "session_id"),
+        (
+            session_request(&allowed, &[host, "bad/host:1"], "s"),
+            "hosts[1]",
+        ),
+        (
+            session_request(&allowed, &[host, "h:99999"], "s"),
+            "hosts[1]",
+        ),
+        (session_request(&allowed, &[], "s"), "hosts"),
+        (
+            NewProfileSessionRequest {
+                request: None,
+                ..session_request(&allowed, &[host], "s")
+            },
+            "request",
+        ),
+    ] {
+        let status = client.new_session(req).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{field}: {status:?}");
+        assert!(
+            status.message().starts_with(&format!("{field}: ")),
+            "{}",
+            status.message()
+        );
+    }
+    let escape = client
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: format!("{}/../", allowed.display()),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(escape.code(), Code::PermissionDenied);
+}
+
+#[tokio::test]
+async fn sessions_are_listed_newest_first_with_their_tools() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("plugins/profile");
+    let agent = AgentProcess::start(&["--allow-root", dir.path().to_str().unwrap()]);
+    let mut client = analysis(&agent).await;
+
+    let missing = client
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: root.display().to_string(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+
+    std::fs::create_dir_all(&root).unwrap();
+    let listed = client
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: root.display().to_string(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.sessions.is_empty());
+
+    client
+        .new_session(session_request(&root, &[agent.address.as_str()], "first"))
+        .await
+        .unwrap();
+    // A crowded root: many sessions holding copies of that trace, plus
+    // directories and files that are not sessions.
+    let trace = std::fs::read(
+        root.join("first")
+            .join(format!("{}.xplane.pb", agent.address.replace(':', "_"))),
+    )
+    .unwrap();
+    for i in 0..40 {
+        let session = root.join(format!("copy_{i:02}"));
+        std::fs::create_dir_all(&session).unwrap();
+        std::fs::write(session.join("worker.xplane.pb"), &trace).unwrap();
+        let when = std::time::SystemTime::now() + Duration::from_secs(i + 1);
+        std::fs::File::open(&session)
+            .unwrap()
+            .set_modified(when)
+            .unwrap();
+    }
+    std::fs::create_dir_all(root.join("not_a_session")).unwrap();
+    std::fs::write(root.join("stray.txt"), b"x").unwrap();
+    let listed = client
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: root.display().to_string(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Vec<&str> = listed
+        .sessions
+        .iter()
+        .map(|s| s.session_id.as_str())
+        .collect();
+    assert_eq!(names.len(), 41);
+    assert_eq!(names[0], "copy_39");
+    assert_eq!(names[39], "copy_00");
+    assert_eq!(names[40], "first");
+    assert_eq!(
+        listed.sessions[0].available_tools,
+        vec![
+            "kernel_stats",
+            "memory_profile",
+            "overview",
+            "trace_viewer",
+            "xplane"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn tool_data_serves_every_tool_and_refuses_what_it_cannot() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("plugins/profile");
+    let agent = AgentProcess::start(&["--allow-root", dir.path().to_str().unwrap()]);
+    let mut client = analysis(&agent).await;
+    client
+        .new_session(session_request(&root, &[agent.address.as_str()], "run"))
+        .await
+        .unwrap();
+    let host = agent.address.replace(':', "_");
+    let ask = |tool: &str, host: &str, parameters: &[(&str, &str)]| ProfileSessionDataRequest {
+        repository_root: root.display().to_string(),
+        session_id: "run".into(),
+        host_name: host.to_string(),
+        tool_name: tool.to_string(),
+        parameters: parameters
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect::<HashMap<_, _>>(),
+    };
+    let file = std::fs::read(root.join("run").join(format!("{host}.xplane.pb"))).unwrap();
+    let blob = client
+        .get_session_tool_data(ask("xplane", &host, &[]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(blob.output_format, "blob");
+    assert_eq!(blob.output, file);
+
+    for tool in ["trace_viewer", "memory_profile", "kernel_stats", "overview"] {
+        let reply = client
+            .get_session_tool_data(ask(tool, &host, &[]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(reply.output_format, "json", "{tool}");
+        let text = String::from_utf8(reply.output).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{tool}: {e}"));
+        assert!(json.is_object(), "{tool}");
+    }
+    let all_hosts = client
+        .get_session_tool_data(ask("overview", "", &[]))
+        .await
+        .unwrap()
+        .into_inner();
+    let json: serde_json::Value = serde_json::from_slice(&all_hosts.output).unwrap();
+    assert!(json["hosts"][&host].is_object(), "{json}");
+
+    let capped = client
+        .get_session_tool_data(ask(
+            "trace_viewer",
+            &host,
+            &[("resolution", "50"), ("end_time_ms", "100")],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let json: serde_json::Value = serde_json::from_slice(&capped.output).unwrap();
+    let complete = json["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .count();
+    assert!(
+        (1..=50).contains(&complete),
+        "{complete} events with resolution 50"
+    );
+
+    for (req, code, field) in [
+        (
+            ask("flame_graph", &host, &[]),
+            Code::InvalidArgument,
+            "tool_name",
+        ),
+        (ask("overview", "nohost", &[]), Code::NotFound, "host_name"),
+        (
+            ask("trace_viewer", &host, &[("resolution", "many")]),
+            Code::InvalidArgument,
+            "parameters[resolution]",
+        ),
+        (
+            ask("kernel_stats", &host, &[("colour", "red")]),
+            Code::InvalidArgument,
+            "parameters[colour]",
+        ),
+        (
+            ask("overview", "../x", &[]),
+            Code::InvalidArgument,
+            "host_name",
+        ),
+    ] {
+        let status = client.get_session_tool_data(req).await.unwrap_err();
+        assert_eq!(status.code(), code, "{field}: {status:?}");
+        assert!(
+            status.message().starts_with(&format!("{field}: ")),
+            "{}",
+            status.message()
+        );
+    }
+    let mut missing = ask("overview", &host, &[]);
+    missing.session_id = "nope".into();
+    assert_eq!(
+        client
+            .get_session_tool_data(missing)
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+}
