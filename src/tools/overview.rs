@@ -15,7 +15,8 @@
 
 use std::collections::HashMap;
 
-use crate::proto::tensorflow::profiler::{x_event, XEvent, XPlane, XSpace};
+use crate::proto::tensorflow::profiler::XSpace;
+use crate::xspace::read::{event_name, event_start_ps};
 
 use super::json::{Array, Object};
 use super::stats::{get, int_value, str_or_ref_value, uint_value};
@@ -132,17 +133,6 @@ impl Overview {
     }
 }
 
-/// Start of an event in the lines' time base, picoseconds.
-fn start_ps(line_timestamp_ns: i64, event: &XEvent) -> i64 {
-    let offset = match event.data {
-        Some(x_event::Data::OffsetPs(ps)) => ps,
-        _ => 0,
-    };
-    line_timestamp_ns
-        .saturating_mul(1000)
-        .saturating_add(offset)
-}
-
 fn ms(ps: i64) -> f64 {
     ps as f64 / 1e9
 }
@@ -159,7 +149,7 @@ pub fn overview(space: &XSpace, top_n: usize) -> Result<Overview, ToolError> {
     for line in &host.lines {
         for event in &line.events {
             let name = event_name(host, event);
-            let start = start_ps(line.timestamp_ns, event);
+            let start = event_start_ps(line.timestamp_ns, event);
             if get(host, &event.stats, "_r").is_some() {
                 if let Some(step_num) = get(host, &event.stats, "step_num").map(int_value) {
                     steps.push(Step {
@@ -186,7 +176,7 @@ pub fn overview(space: &XSpace, top_n: usize) -> Result<Overview, ToolError> {
         let mut intervals = Vec::new();
         for line in plane.lines.iter().filter(|l| !is_derived_line(l.id)) {
             for event in line.events.iter().filter(|e| e.duration_ps > 0) {
-                let start = start_ps(line.timestamp_ns, event);
+                let start = event_start_ps(line.timestamp_ns, event);
                 let end = start.saturating_add(event.duration_ps);
                 let (s, e) = (start.max(span_ps.0), end.min(span_ps.1));
                 if s < e {
@@ -219,13 +209,6 @@ pub fn overview(space: &XSpace, top_n: usize) -> Result<Overview, ToolError> {
         top_host_ops: top(host_ops, top_n),
         top_kernels: top(kernels, top_n),
     })
-}
-
-fn event_name<'p>(plane: &'p XPlane, event: &XEvent) -> &'p str {
-    plane
-        .event_metadata
-        .get(&event.metadata_id)
-        .map_or("", |m| m.name.as_str())
 }
 
 fn top(totals: HashMap<&str, (u64, i64)>, n: usize) -> Vec<NameTotal> {
@@ -262,7 +245,7 @@ fn event_span(space: &XSpace) -> (i64, i64) {
     for plane in &space.planes {
         for line in &plane.lines {
             for event in &line.events {
-                let start = start_ps(line.timestamp_ns, event);
+                let start = event_start_ps(line.timestamp_ns, event);
                 let end = start.saturating_add(event.duration_ps);
                 span = Some(span.map_or((start, end), |(s, e)| (s.min(start), e.max(end))));
             }
