@@ -254,6 +254,12 @@ async fn traces_are_written_only_inside_allowed_roots() {
         .collect();
     assert_eq!(files, vec!["10.0.0.2_8466.xplane.pb".to_string()]);
 
+    let mut renamed = request(200, "run1");
+    renamed.repository_root = allowed.join("logs/plugins/profile").display().to_string();
+    renamed.opts.as_mut().unwrap().override_hostname = "worker-7".into();
+    client.profile(renamed).await.unwrap();
+    assert!(session.join("worker-7.xplane.pb").is_file(), "override_hostname names the file");
+
     let mut outside = request(200, "run2");
     outside.repository_root = dir.path().join("elsewhere").display().to_string();
     let reply = client.profile(outside).await.unwrap().into_inner();
