@@ -8,7 +8,7 @@
 //! Environment:
 //! - `DEVTRACE_BENCH_QUICK=1`: small sizes, for smoke testing (numbers are
 //!   then only indicative).
-//! - `DEVTRACE_BENCH_ONLY=ring,xspace,capture`: run a subset.
+//! - `DEVTRACE_BENCH_ONLY=ring,xspace,capture,tap`: run a subset.
 //! - `DEVTRACE_BENCH_REPEAT=N`: repetitions of each ring run (default 5; the
 //!   median is reported).
 
@@ -738,4 +738,196 @@ fn main() {
     if settings.wants("capture") {
         bench_capture(&settings);
     }
+    if settings.wants("tap") {
+        bench_tap(&settings);
+    }
+}
+
+// ------------------------------------------------------------------- tap --
+
+type TapBenchBody = http_body_util::combinators::BoxBody<bytes::Bytes, hyper::Error>;
+
+/// An in-process gRPC-shaped echo upstream: the request's data frames come
+/// back as they arrive, then `grpc-status: 0` trailers.
+async fn tap_bench_upstream() -> std::net::SocketAddr {
+    use http_body_util::BodyExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    |request: http::Request<hyper::body::Incoming>| async move {
+                        let mut trailers = http::HeaderMap::new();
+                        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                        let body = request
+                            .into_body()
+                            .with_trailers(async move { Some(Ok(trailers)) })
+                            .boxed();
+                        Ok::<_, std::convert::Infallible>(
+                            http::Response::builder()
+                                .header("content-type", "application/grpc")
+                                .body(body)
+                                .unwrap(),
+                        )
+                    },
+                );
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .adaptive_window(true)
+                        .max_frame_size(1 << 20)
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+            });
+        }
+    });
+    address
+}
+
+async fn tap_bench_client(
+    address: std::net::SocketAddr,
+) -> hyper::client::conn::http2::SendRequest<TapBenchBody> {
+    let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    let (sender, connection) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .adaptive_window(true)
+            .max_frame_size(1 << 20)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    sender
+}
+
+/// One unary call: sends `message`, reads the echo and the trailers.
+async fn tap_bench_call(
+    sender: &mut hyper::client::conn::http2::SendRequest<TapBenchBody>,
+    path: &str,
+    message: bytes::Bytes,
+) -> usize {
+    use http_body_util::BodyExt;
+    let body = http_body_util::Full::new(message)
+        .map_err(|never| match never {})
+        .boxed();
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://bench{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(body)
+        .unwrap();
+    sender.ready().await.unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let collected = response.into_body().collect().await.unwrap();
+    assert!(collected.trailers().is_some(), "trailers");
+    collected.to_bytes().len()
+}
+
+fn grpc_framed(body: &[u8]) -> bytes::Bytes {
+    let mut out = vec![0u8];
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(body);
+    bytes::Bytes::from(out)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+fn bench_tap(settings: &Settings) {
+    println!("== tap: added latency and throughput of the gRPC tap vs a direct connection ==");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let upstream = tap_bench_upstream().await;
+        let registry = Registry::new();
+        let ring = Ring::new(1, 1 << 16, DropPolicy::DropNewest).unwrap();
+        let recorder = devtrace::tap::Recorder::new(Arc::clone(&registry), ring.producer().unwrap());
+        let mut consumer = ring.consumer().unwrap();
+        let tap = devtrace::tap::Tap::bind("127.0.0.1:0", &upstream.to_string(), Arc::clone(&recorder))
+            .await
+            .unwrap();
+        let tap_address = tap.local_addr().unwrap();
+        tokio::spawn(tap.run(std::future::pending()));
+        // Keep the ring drained as the collector would.
+        tokio::spawn(async move {
+            let mut sink = Vec::new();
+            loop {
+                sink.clear();
+                consumer.drain(&mut sink, usize::MAX);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        });
+
+        // A RunStep-sized unary call, sequential.
+        let run_step = devtrace::tap::decode::RunStepRequest {
+            session_handle: "bench-session".into(),
+            fetch: vec!["loss:0".into()],
+            target: vec!["train".into()],
+            ..Default::default()
+        };
+        let small = grpc_framed(&run_step.encode_to_vec());
+        let calls = if settings.quick { 300 } else { 3000 };
+        let path = "/tensorflow.MasterService/RunStep";
+        let mut results = Vec::new();
+        for (label, address) in [("direct", upstream), ("tap", tap_address)] {
+            let mut sender = tap_bench_client(address).await;
+            for _ in 0..calls / 10 {
+                tap_bench_call(&mut sender, path, small.clone()).await;
+            }
+            let mut latencies = Vec::with_capacity(calls);
+            for _ in 0..calls {
+                let t0 = Instant::now();
+                tap_bench_call(&mut sender, path, small.clone()).await;
+                latencies.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            latencies.sort_by(|a, b| a.total_cmp(b));
+            let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
+            println!(
+                "   unary RunStep ({} bytes), {calls} sequential calls, {label:>6}: p50 {p50:.0} us, p99 {p99:.0} us",
+                small.len()
+            );
+            results.push((p50, p99));
+        }
+        println!(
+            "   added by the tap: p50 {:+.0} us, p99 {:+.0} us (ratio p50 {:.2}x)",
+            results[1].0 - results[0].0,
+            results[1].1 - results[0].1,
+            results[1].0 / results[0].0
+        );
+
+        // Large tensors: 4 MiB+ messages, echoed, on a decoded method (the
+        // tap buffers a copy of each message to decode it) and on an opaque
+        // one (RecvTensor: counted, not buffered).
+        let size = 6 << 20;
+        let rounds = if settings.quick { 4 } else { 24 };
+        let big = grpc_framed(&vec![7u8; size]);
+        for path in [path, "/tensorflow.WorkerService/RecvTensor"] {
+            let mut rates = Vec::new();
+            for (label, address) in [("direct", upstream), ("tap", tap_address)] {
+                let mut sender = tap_bench_client(address).await;
+                tap_bench_call(&mut sender, path, big.clone()).await;
+                let t0 = Instant::now();
+                let mut moved = 0usize;
+                for _ in 0..rounds {
+                    moved += big.len() + tap_bench_call(&mut sender, path, big.clone()).await;
+                }
+                let rate = moved as f64 / t0.elapsed().as_secs_f64() / (1 << 20) as f64;
+                println!(
+                    "   {rounds} x {} MiB echoed on {path}, {label:>6}: {rate:.0} MiB/s",
+                    size >> 20
+                );
+                rates.push(rate);
+            }
+            println!("   tap throughput is {:.2}x direct", rates[1] / rates[0]);
+        }
+        println!("   tap stats: {:?}", recorder.stats());
+    });
+    println!();
 }

@@ -2,6 +2,7 @@
 //! backends that feed them. Services hold an `Arc<Agent>` and ask it for
 //! captures; nothing else about the event path is visible to them.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,6 +10,9 @@ use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use crate::backend::mock::{MockBackend, MockConfig};
+use crate::backend::nvml::{NvmlBackend, NvmlConfig};
+use crate::backend::tpu::{TpuBackend, TpuConfig};
+use crate::backend::SessionSource;
 use crate::backend::{Backend, BackendContext, BackendError, Health};
 use crate::clock;
 use crate::collect::{Collector, CollectorError};
@@ -23,12 +27,18 @@ pub enum BackendChoice {
     Auto,
     /// The deterministic mock backend.
     Mock,
+    /// NVIDIA GPU health through NVML (utilisation, memory, power, ...).
+    Nvml,
+    /// TPU activity through libtpu's PJRT profiler extension.
+    Tpu,
 }
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
     pub backends: Vec<BackendChoice>,
     pub mock: MockConfig,
+    pub nvml: NvmlConfig,
+    pub tpu: TpuConfig,
     pub store: StoreConfig,
     pub ring_lanes: u32,
     pub ring_capacity: u64,
@@ -40,6 +50,8 @@ impl Default for AgentConfig {
         AgentConfig {
             backends: vec![BackendChoice::Auto],
             mock: MockConfig::default(),
+            nvml: NvmlConfig::default(),
+            tpu: TpuConfig::default(),
             store: StoreConfig::default(),
             ring_lanes: 16,
             ring_capacity: 1 << 16,
@@ -50,12 +62,14 @@ impl Default for AgentConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    #[error("ring: {0}")]
+    #[error(transparent)]
     Ring(#[from] RingError),
-    #[error("collector: {0}")]
+    #[error(transparent)]
     Collector(#[from] CollectorError),
-    #[error("backend: {0}")]
+    #[error(transparent)]
     Backend(#[from] BackendError),
+    #[error("no backend could start: {0}")]
+    NoBackend(String),
 }
 
 /// See the module documentation.
@@ -65,7 +79,19 @@ pub struct Agent {
     ring: Arc<Ring>,
     collector: Collector,
     backends: Mutex<Vec<Box<dyn Backend>>>,
+    /// Backends that were asked for but could not start, and why.
+    unavailable: Vec<(&'static str, String)>,
+    captures: Arc<AtomicUsize>,
     max_delay: Duration,
+}
+
+/// Marks a capture in progress for as long as it lives.
+pub struct CaptureActivity(Arc<AtomicUsize>);
+
+impl Drop for CaptureActivity {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Agent {
@@ -75,27 +101,13 @@ impl Agent {
         let ring = Ring::new(config.ring_lanes, config.ring_capacity, config.drop_policy)?;
         let collector = Collector::start(Arc::clone(&store))?;
         collector.attach(&ring)?;
+        let captures = Arc::new(AtomicUsize::new(0));
         let context = BackendContext {
             registry: Arc::clone(&registry),
             ring: Arc::clone(&ring),
+            captures: Arc::clone(&captures),
         };
-        let mut backends = Vec::new();
-        for mut backend in select_backends(config) {
-            match backend.start(context.clone()) {
-                Ok(()) => {
-                    info!(backend = backend.name(), records = ?backend.capabilities().records, "backend started");
-                    backends.push(backend);
-                }
-                Err(error) => warn!(backend = backend.name(), %error, "backend not started"),
-            }
-        }
-        if backends.is_empty() {
-            return Err(BackendError::Unavailable {
-                backend: "all",
-                reason: "no backend could start".into(),
-            }
-            .into());
-        }
+        let (backends, unavailable) = start_backends(config, &context)?;
         let max_delay = backends
             .iter()
             .map(|b| b.capabilities().max_delay)
@@ -107,6 +119,8 @@ impl Agent {
             ring,
             collector,
             backends: Mutex::new(backends),
+            unavailable,
+            captures,
             max_delay,
         }))
     }
@@ -139,12 +153,38 @@ impl Agent {
         Ok((self.store.query(window), self.registry.snapshot()))
     }
 
-    pub fn backend_health(&self) -> Vec<(&'static str, Health)> {
+    /// Tells the backends a capture is running until the guard is dropped.
+    pub fn capture_activity(&self) -> CaptureActivity {
+        self.captures.fetch_add(1, Ordering::Relaxed);
+        CaptureActivity(Arc::clone(&self.captures))
+    }
+
+    /// Sources that record per capture (libtpu), to be asked for each window.
+    pub fn session_sources(&self) -> Vec<Arc<dyn SessionSource>> {
         self.backends
             .lock()
             .iter()
-            .map(|b| (b.name(), b.health()))
+            .filter_map(|b| b.session_source())
             .collect()
+    }
+
+    /// Every backend asked for: the running ones and those that could not start.
+    pub fn backend_health(&self) -> Vec<(&'static str, Health)> {
+        let mut health: Vec<(&'static str, Health)> = self
+            .backends
+            .lock()
+            .iter()
+            .map(|b| (b.name(), b.health()))
+            .collect();
+        health.extend(self.unavailable.iter().map(|(name, reason)| {
+            (
+                *name,
+                Health::Failed {
+                    reason: reason.clone(),
+                },
+            )
+        }));
+        health
     }
 
     pub fn store_stats(&self) -> StoreStats {
@@ -153,6 +193,11 @@ impl Agent {
 
     pub fn ring_stats(&self) -> crate::ring::RingStats {
         self.ring.stats()
+    }
+
+    /// Claims a ring lane for a producer outside the backends (the tap).
+    pub fn producer(&self) -> Result<crate::ring::Producer, RingError> {
+        self.ring.producer()
     }
 
     pub fn registry(&self) -> &Arc<Registry> {
@@ -173,21 +218,78 @@ impl Drop for Agent {
     }
 }
 
-fn select_backends(config: &AgentConfig) -> Vec<Box<dyn Backend>> {
-    let mut chosen: Vec<Box<dyn Backend>> = Vec::new();
-    let mut want_mock = false;
+type Started = (Vec<Box<dyn Backend>>, Vec<(&'static str, String)>);
+
+/// Starts the chosen backends. `auto` starts every hardware backend that
+/// works here and falls back to the mock when none does; a backend named
+/// explicitly that cannot start is reported, and the agent fails only when
+/// nothing starts at all.
+fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Started, AgentError> {
+    let mut started: Vec<Box<dyn Backend>> = Vec::new();
+    let mut unavailable = Vec::new();
+    let try_start = |mut backend: Box<dyn Backend>,
+                     started: &mut Vec<Box<dyn Backend>>,
+                     unavailable: &mut Vec<(&'static str, String)>| {
+        if started.iter().any(|b| b.name() == backend.name()) {
+            return;
+        }
+        match backend.start(context.clone()) {
+            Ok(()) => {
+                info!(backend = backend.name(), records = ?backend.capabilities().records, "backend started");
+                started.push(backend);
+            }
+            Err(error) => {
+                warn!(backend = backend.name(), %error, "backend not started");
+                unavailable.push((backend.name(), error.to_string()));
+            }
+        }
+    };
+    let auto = config.backends.contains(&BackendChoice::Auto);
     for choice in &config.backends {
         match choice {
-            // No hardware backend exists yet, so auto resolves to the mock.
-            BackendChoice::Auto => {
-                info!("backend auto: no hardware backend available here, using the mock backend");
-                want_mock = true;
-            }
-            BackendChoice::Mock => want_mock = true,
+            BackendChoice::Auto => {}
+            BackendChoice::Mock => try_start(
+                Box::new(MockBackend::new(config.mock)),
+                &mut started,
+                &mut unavailable,
+            ),
+            BackendChoice::Nvml => try_start(
+                Box::new(NvmlBackend::new(config.nvml.clone())),
+                &mut started,
+                &mut unavailable,
+            ),
+            BackendChoice::Tpu => try_start(
+                Box::new(TpuBackend::new(config.tpu.clone())),
+                &mut started,
+                &mut unavailable,
+            ),
         }
     }
-    if want_mock {
-        chosen.push(Box::new(MockBackend::new(config.mock)));
+    if auto {
+        try_start(
+            Box::new(NvmlBackend::new(config.nvml.clone())),
+            &mut started,
+            &mut unavailable,
+        );
+        try_start(
+            Box::new(TpuBackend::new(config.tpu.clone())),
+            &mut started,
+            &mut unavailable,
+        );
+        if started.is_empty() {
+            info!("backend auto: no hardware backend works here; using the mock backend");
+            // Hardware that is merely absent is not a failure under auto.
+            unavailable.clear();
+            try_start(
+                Box::new(MockBackend::new(config.mock)),
+                &mut started,
+                &mut unavailable,
+            );
+        }
     }
-    chosen
+    if started.is_empty() {
+        let reasons: Vec<String> = unavailable.iter().map(|(_, r)| r.clone()).collect();
+        return Err(AgentError::NoBackend(reasons.join("; ")));
+    }
+    Ok((started, unavailable))
 }

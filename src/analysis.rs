@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::event::{Device, Event, Payload};
+use crate::event::{Device, Event, NameId, Payload};
 use crate::store::Window;
 
 /// Utilisation over one window.
@@ -13,6 +13,8 @@ pub struct Utilization {
     pub device_busy: BTreeMap<u16, f64>,
     /// Durations of the steps that started in the window, nanoseconds.
     pub step_durations_ns: Vec<u64>,
+    /// Mean of each counter track per device: (ordinal, counter) -> mean.
+    pub counter_means: BTreeMap<(u16, NameId), f64>,
 }
 
 impl Utilization {
@@ -42,9 +44,15 @@ impl Utilization {
 /// Computes utilisation of `events` clipped to `window`.
 pub fn utilization<'e>(events: impl IntoIterator<Item = &'e Event>, window: Window) -> Utilization {
     let mut intervals: BTreeMap<u16, Vec<(u64, u64)>> = BTreeMap::new();
+    let mut counters: BTreeMap<(u16, NameId), (f64, u32)> = BTreeMap::new();
     let mut result = Utilization::default();
     for event in events {
         match (event.device(), event.payload()) {
+            (Device::Gpu(ordinal), Payload::Counter { value }) => {
+                let entry = counters.entry((ordinal, event.name())).or_default();
+                entry.0 += value;
+                entry.1 += 1;
+            }
             (
                 Device::Gpu(ordinal),
                 Payload::Kernel(_) | Payload::Memcpy(_) | Payload::Memset(_),
@@ -59,6 +67,10 @@ pub fn utilization<'e>(events: impl IntoIterator<Item = &'e Event>, window: Wind
             _ => {}
         }
     }
+    result.counter_means = counters
+        .into_iter()
+        .map(|(key, (sum, count))| (key, sum / f64::from(count)))
+        .collect();
     let length = window.duration_ns().max(1) as f64;
     for (ordinal, mut spans) in intervals {
         result
@@ -126,7 +138,39 @@ mod tests {
         assert!((u.device_busy[&0] - 0.4).abs() < 1e-9);
         assert!((u.device_busy[&1] - 1.0).abs() < 1e-9);
         assert!((u.idle_percent().unwrap() - 30.0).abs() < 1e-9);
+        assert!(u.counter_means.is_empty());
         assert_eq!(u.step_times_ms(), Some((40e-6, 40e-6, 40e-6)));
+    }
+
+    #[test]
+    fn counters_average_per_device_and_name() {
+        let sample = |gpu: u16, name: u32, value: f64| {
+            Event::new(
+                5,
+                0,
+                Device::Gpu(gpu),
+                u64::MAX,
+                NameId(name),
+                Payload::Counter { value },
+            )
+        };
+        let events = [
+            sample(0, 1, 10.0),
+            sample(0, 1, 30.0),
+            sample(1, 1, 7.0),
+            sample(0, 2, 1.0),
+        ];
+        let u = utilization(
+            &events,
+            Window {
+                start_ns: 0,
+                stop_ns: 10,
+            },
+        );
+        assert_eq!(u.counter_means[&(0, NameId(1))], 20.0);
+        assert_eq!(u.counter_means[&(1, NameId(1))], 7.0);
+        assert_eq!(u.counter_means[&(0, NameId(2))], 1.0);
+        assert!(u.device_busy.is_empty(), "counters are not device activity");
     }
 
     #[test]

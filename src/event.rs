@@ -128,6 +128,36 @@ pub struct MemoryInfo {
     pub step_id: i64,
 }
 
+/// One gRPC call seen by the tap (`crate::tap`): its outcome, sizes and the
+/// facts decoded from TensorFlow's MasterService and EagerService messages.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RpcInfo {
+    /// gRPC status code (0 = OK).
+    pub status: u32,
+    /// Bytes of gRPC messages (prefix included) in each direction.
+    pub request_bytes: u64,
+    pub response_bytes: u64,
+    pub request_messages: u32,
+    pub response_messages: u32,
+    /// Messages forwarded without being decoded (compressed, malformed).
+    pub undecoded: u32,
+    /// Session handle (MasterService) or eager context id, as a string.
+    pub session: NameId,
+    /// Comma-separated fetch names of a RunStep.
+    pub fetches: NameId,
+    /// Comma-separated target names of a RunStep.
+    pub targets: NameId,
+    /// Nodes of a CreateSession/ExtendSession graph.
+    pub graph_nodes: u32,
+    /// Bytes of the graph of a CreateSession, or of the tensors of a SendTensor.
+    pub payload_bytes: u64,
+    /// Eager operations enqueued and tensor handles released by the call.
+    pub ops_enqueued: u32,
+    pub handles_released: u32,
+    /// Op ids a WaitQueueDone waited for.
+    pub waited_ops: u32,
+}
+
 /// What an event is, with the fields that kind carries.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Payload {
@@ -151,6 +181,15 @@ pub enum Payload {
     Counter {
         value: f64,
     },
+    /// A gRPC call forwarded by the tap; the event name is the method.
+    Rpc(RpcInfo),
+    /// A remote eager operation enqueued through the tap; the event name is
+    /// the op's name.
+    EagerOp {
+        op_id: i64,
+        device: NameId,
+        context_id: u64,
+    },
 }
 
 impl Payload {
@@ -165,6 +204,8 @@ impl Payload {
             Payload::MemoryAllocation(_) => 6,
             Payload::MemoryDeallocation(_) => 7,
             Payload::Counter { .. } => 8,
+            Payload::Rpc(_) => 9,
+            Payload::EagerOp { .. } => 10,
         }
     }
 }
@@ -244,6 +285,26 @@ impl Payload {
                 p[11] = m.step_id as u64;
             }
             Payload::Counter { value } => p[0] = value.to_bits(),
+            Payload::Rpc(r) => {
+                p[0] = pack(r.status, r.undecoded);
+                p[1] = r.request_bytes;
+                p[2] = r.response_bytes;
+                p[3] = pack(r.request_messages, r.response_messages);
+                p[4] = pack(r.session.0, r.fetches.0);
+                p[5] = pack(r.targets.0, r.graph_nodes);
+                p[6] = r.payload_bytes;
+                p[7] = pack(r.ops_enqueued, r.handles_released);
+                p[8] = u64::from(r.waited_ops);
+            }
+            Payload::EagerOp {
+                op_id,
+                device,
+                context_id,
+            } => {
+                p[0] = op_id as u64;
+                p[1] = u64::from(device.0);
+                p[2] = context_id;
+            }
         }
         p
     }
@@ -313,6 +374,34 @@ impl Payload {
             7 => Payload::MemoryDeallocation(memory()),
             8 => Payload::Counter {
                 value: f64::from_bits(p[0]),
+            },
+            9 => {
+                let (status, undecoded) = unpack(p[0]);
+                let (request_messages, response_messages) = unpack(p[3]);
+                let (session, fetches) = unpack(p[4]);
+                let (targets, graph_nodes) = unpack(p[5]);
+                let (ops_enqueued, handles_released) = unpack(p[7]);
+                Payload::Rpc(RpcInfo {
+                    status,
+                    request_bytes: p[1],
+                    response_bytes: p[2],
+                    request_messages,
+                    response_messages,
+                    undecoded,
+                    session: NameId(session),
+                    fetches: NameId(fetches),
+                    targets: NameId(targets),
+                    graph_nodes,
+                    payload_bytes: p[6],
+                    ops_enqueued,
+                    handles_released,
+                    waited_ops: p[8] as u32,
+                })
+            }
+            10 => Payload::EagerOp {
+                op_id: p[0] as i64,
+                device: NameId(p[1] as u32),
+                context_id: p[2],
             },
             _ => Payload::Plain,
         }
@@ -461,6 +550,27 @@ mod tests {
         round_trip(Payload::MemoryAllocation(memory));
         round_trip(Payload::MemoryDeallocation(memory));
         round_trip(Payload::Counter { value: -1.5 });
+        round_trip(Payload::Rpc(RpcInfo {
+            status: 14,
+            request_bytes: 5 << 32,
+            response_bytes: 7,
+            request_messages: 3,
+            response_messages: 2,
+            undecoded: 1,
+            session: NameId(8),
+            fetches: NameId(9),
+            targets: NameId(10),
+            graph_nodes: 11,
+            payload_bytes: 12,
+            ops_enqueued: 13,
+            handles_released: 14,
+            waited_ops: 15,
+        }));
+        round_trip(Payload::EagerOp {
+            op_id: -3,
+            device: NameId(4),
+            context_id: u64::MAX,
+        });
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub mod ring;
 pub mod service;
 pub mod session;
 pub mod store;
+pub mod tap;
 pub mod tools;
 pub mod xspace;
 

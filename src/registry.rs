@@ -113,6 +113,11 @@ impl RegistrySnapshot {
     pub fn device_info(&self, device: Device) -> Option<&DeviceInfo> {
         self.devices.get(&device)
     }
+
+    /// Every device described so far, in plane order.
+    pub fn devices(&self) -> impl Iterator<Item = Device> + '_ {
+        self.devices.keys().copied()
+    }
 }
 
 #[cfg(test)]

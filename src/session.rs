@@ -52,7 +52,7 @@ pub async fn fan_out(
         request.emit_xspace = true;
         let host = host.clone();
         tasks.spawn(async move {
-            let result = capture_one(&host, request, deadline).await;
+            let result = capture_host(&host, request, deadline).await;
             (index, HostOutcome { host, result })
         });
     }
@@ -67,7 +67,8 @@ pub async fn fan_out(
     outcomes.into_iter().map(|(_, outcome)| outcome).collect()
 }
 
-async fn capture_one(
+/// Captures one host: its trace bytes, `None` for an empty trace, or why not.
+pub async fn capture_host(
     host: &str,
     request: ProfileRequest,
     deadline: Duration,

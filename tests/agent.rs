@@ -258,7 +258,10 @@ async fn traces_are_written_only_inside_allowed_roots() {
     renamed.repository_root = allowed.join("logs/plugins/profile").display().to_string();
     renamed.opts.as_mut().unwrap().override_hostname = "worker-7".into();
     client.profile(renamed).await.unwrap();
-    assert!(session.join("worker-7.xplane.pb").is_file(), "override_hostname names the file");
+    assert!(
+        session.join("worker-7.xplane.pb").is_file(),
+        "override_hostname names the file"
+    );
 
     let mut outside = request(200, "run2");
     outside.repository_root = dir.path().join("elsewhere").display().to_string();

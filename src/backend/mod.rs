@@ -5,6 +5,8 @@
 //! [`Event`]: crate::event::Event
 
 pub mod mock;
+pub mod nvml;
+pub mod tpu;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,6 +47,9 @@ impl std::fmt::Display for Health {
 pub struct BackendContext {
     pub registry: Arc<Registry>,
     pub ring: Arc<Ring>,
+    /// Captures (and continuous sessions) in progress: backends whose
+    /// sampling costs something sample faster while it is non-zero.
+    pub captures: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,4 +75,18 @@ pub trait Backend: Send + Sync {
     /// Stops producing; idempotent.
     fn stop(&mut self);
     fn health(&self) -> Health;
+    /// For backends that record per capture instead of continuously (libtpu's
+    /// profiler): the source a capture asks for its window's trace.
+    fn session_source(&self) -> Option<Arc<dyn SessionSource>> {
+        None
+    }
+}
+
+/// A source that records only while a capture runs and hands back a whole
+/// XSpace, which the agent merges into its trace.
+pub trait SessionSource: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Records `window` (waiting until it ends) and returns encoded XSpace
+    /// bytes, or why it could not.
+    fn capture(&self, window: crate::store::Window, options: &[u8]) -> Result<Vec<u8>, String>;
 }

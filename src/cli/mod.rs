@@ -4,6 +4,7 @@ mod capture;
 mod inspect;
 mod serve;
 mod session;
+mod tap;
 
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ pub use capture::CaptureArgs;
 pub use inspect::InspectArgs;
 pub use serve::ServeArgs;
 pub use session::{SessionArgs, SessionsArgs, ToolArgs};
+pub use tap::TapArgs;
 
 /// Device-tracing agent for machine-learning hosts. It speaks TensorFlow's
 /// profiler protocol, so `tf.profiler.experimental.client.trace`, the XProf
@@ -43,6 +45,8 @@ pub enum Command {
     Sessions(SessionsArgs),
     /// Compute a tool's data (trace_viewer, memory_profile, ...) from a session.
     Tool(ToolArgs),
+    /// Forward a TensorFlow server's gRPC traffic and record its steps and ops.
+    Tap(TapArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -54,6 +58,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Session(args) => session::run_session(args),
         Command::Sessions(args) => session::run_sessions(args),
         Command::Tool(args) => session::run_tool(args),
+        Command::Tap(args) => tap::run(args),
     }
 }
 

@@ -39,6 +39,24 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub mock_gpus: u16,
 
+    /// The NVML library for the nvml backend (a path, or a name the dynamic
+    /// loader resolves).
+    #[arg(long, default_value = crate::backend::nvml::DEFAULT_LIBRARY)]
+    pub nvml_library: std::ffi::OsString,
+
+    /// How often the nvml backend samples each GPU while a capture runs.
+    #[arg(long, default_value = "10ms", value_parser = super::parse_duration)]
+    pub nvml_interval: Duration,
+
+    /// How often it samples when no capture runs.
+    #[arg(long, default_value = "1s", value_parser = super::parse_duration)]
+    pub nvml_idle_interval: Duration,
+
+    /// libtpu for the tpu backend (default: $TPU_LIBRARY_PATH, else
+    /// libtpu.so through the dynamic loader).
+    #[arg(long)]
+    pub tpu_library: Option<std::ffi::OsString>,
+
     /// How much history the flight recorder keeps (e.g. 120s, 10m).
     #[arg(long, default_value = "120s", value_parser = super::parse_duration)]
     pub store_retention: Duration,
@@ -65,9 +83,25 @@ pub struct ServeArgs {
     #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
     pub max_duration: Duration,
 
+    /// An in-process profiler server (TensorFlow's or JAX's, or another
+    /// devtrace) whose trace every capture folds in, over the same window
+    /// (repeatable), e.g. `--upstream grpc://127.0.0.1:9999`.
+    #[arg(long = "upstream", value_name = "ADDR", value_parser = parse_upstream)]
+    pub upstreams: Vec<String>,
+
     /// Host name recorded in traces (default: this machine's).
     #[arg(long)]
     pub hostname: Option<String>,
+
+    /// Run a tap (repeatable): forward gRPC from LISTEN to a TensorFlow
+    /// server at UPSTREAM and record its steps and ops in this agent's
+    /// captures, e.g. `--tap 127.0.0.1:2223=127.0.0.1:2222`.
+    #[arg(long = "tap", value_name = "LISTEN=UPSTREAM", value_parser = super::tap::parse_tap_spec)]
+    pub taps: Vec<(String, String)>,
+}
+
+fn parse_upstream(text: &str) -> Result<String, String> {
+    crate::client::normalize_address(text, crate::client::DEFAULT_PORT).map_err(|e| e.to_string())
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -89,6 +123,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             events_per_second: args.mock_rate,
             gpus: args.mock_gpus,
         },
+        nvml: crate::backend::nvml::NvmlConfig {
+            library: args.nvml_library.clone(),
+            interval: args.nvml_interval,
+            idle_interval: args.nvml_idle_interval,
+        },
+        tpu: match &args.tpu_library {
+            Some(library) => crate::backend::tpu::TpuConfig {
+                library: library.clone(),
+            },
+            None => crate::backend::tpu::TpuConfig::default(),
+        },
         store: StoreConfig {
             retention: args.store_retention,
             max_bytes: args.store_size,
@@ -104,6 +149,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_duration: args.max_duration,
             allowed_roots: allowed_roots.clone(),
             hostname: args.hostname.clone().unwrap_or_else(local_hostname),
+            upstreams: args.upstreams.clone(),
             ..ServiceConfig::default()
         },
     ));
@@ -126,6 +172,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     println!("devtrace listening on {address}");
+    super::tap::start_taps(&agent, &args.taps).await?;
     info!("capture with: devtrace capture grpc://{address} --logdir DIR");
     crate::service::serve(listener, service, analysis, shutdown_signal()).await?;
     info!("shutting down");
@@ -133,7 +180,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+pub(super) async fn shutdown_signal() {
     let interrupt = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use crate::agent::Agent;
 use crate::analysis;
+use crate::client;
 use crate::clock;
 use crate::proto::tensorflow::profile_options::advanced_config_value;
 use crate::proto::tensorflow::profiler::XSpace;
@@ -26,6 +27,7 @@ use crate::proto::tensorflow::{
     StopContinuousProfilingRequest, StopContinuousProfilingResponse, TerminateRequest,
     TerminateResponse,
 };
+use crate::session;
 use crate::store::Window;
 use crate::xspace::{self, CaptureInfo, Encoded};
 
@@ -47,6 +49,9 @@ pub struct ServiceConfig {
     pub allowed_roots: AllowedRoots,
     /// Name of this host, recorded in every trace.
     pub hostname: String,
+    /// In-process profiler servers (`host:port`) whose traces every
+    /// `Profile` capture folds in.
+    pub upstreams: Vec<String>,
 }
 
 impl Default for ServiceConfig {
@@ -56,6 +61,7 @@ impl Default for ServiceConfig {
             max_start_delay: Duration::from_secs(600),
             allowed_roots: AllowedRoots::default(),
             hostname: local_hostname(),
+            upstreams: Vec::new(),
         }
     }
 }
@@ -89,6 +95,7 @@ fn decode(bytes: &[u8]) -> Result<XSpace, Status> {
 }
 
 struct Continuous {
+    _active: crate::agent::CaptureActivity,
     request: ProfileRequest,
     duration: Option<Duration>,
     last_snapshot_ns: u64,
@@ -262,17 +269,73 @@ impl ProfilerService {
     /// Collects the window's events (after they have all arrived) and encodes
     /// the XSpace off the async runtime.
     async fn build(&self, plan: &Plan, window: Window) -> Result<Encoded, Status> {
-        let (data, registry) = self
-            .agent
-            .collect(window)
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?;
+        self.build_with(plan, window, &[]).await
+    }
+
+    /// As [`Self::build`], also capturing `upstreams` over the same window
+    /// and merging their planes in. An upstream that fails or is slow makes
+    /// the trace partial (the reason is in its errors), never failed.
+    async fn build_with(
+        &self,
+        plan: &Plan,
+        window: Window,
+        upstreams: &[String],
+    ) -> Result<Encoded, Status> {
+        let duration = Duration::from_nanos(window.duration_ns());
+        let deadline = client::capture_deadline(duration) + clock::until(window.start_ns);
+        // Started now, so they run while the local window closes; a JoinSet
+        // aborts them if this capture is abandoned.
+        let mut upstream_calls = tokio::task::JoinSet::new();
+        for upstream in upstreams {
+            let options =
+                client::default_profile_options(duration.as_millis() as u64, window.start_ns);
+            let mut request = client::trace_request(options, "", &plan.session_id, upstream);
+            request.emit_xspace = true;
+            let upstream = upstream.clone();
+            upstream_calls.spawn(async move {
+                let result = session::capture_host(&upstream, request, deadline).await;
+                (upstream, result)
+            });
+        }
+        // Per-capture sources (libtpu) record the window on their own threads.
+        let mut session_calls = tokio::task::JoinSet::new();
+        for source in self.agent.session_sources() {
+            let options = plan.options.clone();
+            session_calls.spawn_blocking(move || {
+                (source.name().to_string(), source.capture(window, &options))
+            });
+        }
+        let local = self.agent.collect(window).await;
+        let mut remote = upstream_calls.join_all().await;
+        remote.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, result) in session_calls.join_all().await {
+            remote.push((name, result.map(Some)));
+        }
+        let (data, registry) = local.map_err(|e| Status::internal(e.to_string()))?;
         let mut warnings = plan.warnings.clone();
         if let Some(history) = data.history_starts_ns {
             warnings.push(format!(
                 "the flight recorder holds nothing before {:.3} s into the window; earlier events were evicted or never recorded",
                 history.saturating_sub(window.start_ns) as f64 / 1e9
             ));
+        }
+        let mut errors = Vec::new();
+        let mut merged = Vec::new();
+        for (source, result) in remote {
+            // Upstreams are named by address; per-capture backends by name.
+            let label = if source.contains(':') {
+                format!("upstream {source}")
+            } else {
+                source.clone()
+            };
+            match result {
+                Ok(Some(bytes)) => match XSpace::decode(bytes.as_slice()) {
+                    Ok(space) => merged.push((source, space)),
+                    Err(e) => errors.push(format!("{label}: unreadable trace: {e}")),
+                },
+                Ok(None) => warnings.push(format!("{label}: empty trace")),
+                Err(e) => errors.push(format!("{label}: {e}")),
+            }
         }
         let info = CaptureInfo {
             window,
@@ -281,11 +344,34 @@ impl ProfilerService {
             dropped_newest: data.dropped_newest,
             dropped_oldest: data.dropped_oldest,
             warnings,
-            errors: Vec::new(),
+            errors,
         };
-        tokio::task::spawn_blocking(move || xspace::encode_xspace(data.events(), &registry, &info))
-            .await
-            .map_err(|e| Status::internal(format!("building the trace failed: {e}")))
+        tokio::task::spawn_blocking(move || {
+            let encoded = xspace::encode_xspace(data.events(), &registry, &info);
+            if merged.is_empty() {
+                return Ok(encoded);
+            }
+            let mut space = XSpace::decode(encoded.bytes.as_slice())?;
+            let mut events = encoded.events;
+            for (upstream, theirs) in merged {
+                events += theirs
+                    .planes
+                    .iter()
+                    .flat_map(|p| &p.lines)
+                    .map(|l| l.events.len())
+                    .sum::<usize>();
+                xspace::merge::merge(&mut space, theirs, &upstream);
+            }
+            Ok(Encoded {
+                bytes: space.encode_to_vec(),
+                events,
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(format!("building the trace failed: {e}")))?
+        .map_err(|e: prost::DecodeError| {
+            Status::internal(format!("merging upstream traces failed: {e}"))
+        })
     }
 
     /// Delivers a built trace the way the request asked: inline XSpace, a file
@@ -341,6 +427,20 @@ impl ProfilerService {
     }
 }
 
+/// Mean sampled SM utilisation over all GPUs, when a counter backend reports it.
+fn sampled_busy_percent(
+    usage: &analysis::Utilization,
+    registry: &crate::registry::RegistrySnapshot,
+) -> Option<f64> {
+    let samples: Vec<f64> = usage
+        .counter_means
+        .iter()
+        .filter(|((_, name), _)| registry.name(*name) == crate::backend::nvml::SM_UTILIZATION)
+        .map(|(_, mean)| *mean)
+        .collect();
+    (!samples.is_empty()).then(|| samples.iter().sum::<f64>() / samples.len() as f64)
+}
+
 /// `YYYY_MM_DD_HH_MM_SS` in UTC, as session directories are named.
 pub fn session_timestamp() -> String {
     let secs = (clock::now_ns() / 1_000_000_000) as i64;
@@ -384,6 +484,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             "capture requested"
         );
         let (_registration, terminate) = self.register(&plan.session_id);
+        let _active = self.agent.capture_activity();
+        let upstreams = self.config.upstreams.clone();
         let window = tokio::select! {
             _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => plan.window,
             _ = terminate.cancelled() => {
@@ -391,7 +493,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }
             }
         };
-        let encoded = self.build(&plan, window).await?;
+        let encoded = self.build_with(&plan, window, &upstreams).await?;
         self.respond(&plan, encoded).map(Response::new)
     }
 
@@ -437,12 +539,13 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         if !(0..=2).contains(&request.monitoring_level) {
             return Err(invalid("monitoring_level", "must be 0, 1 or 2"));
         }
+        let _active = self.agent.capture_activity();
         let start_ns = clock::now_ns();
         let window = Window {
             start_ns,
             stop_ns: start_ns + request.duration_ms * 1_000_000,
         };
-        let (data, _) = self
+        let (data, registry) = self
             .agent
             .collect(window)
             .await
@@ -467,9 +570,24 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 text.push_str(&format!("GPU {ordinal}: {:.1}% busy\n", busy * 100.0));
             }
             text.push_str(&format!("device idle time: {idle:.1}%\n"));
+        } else if let Some(busy) = sampled_busy_percent(&usage, &registry) {
+            // No kernel timeline, but NVML sampled how busy the SMs were.
+            result.response_type = ResponseType::UtilIdle as i32;
+            result.device_idle_time_percent = 100.0 - busy;
+            text.push_str(&format!(
+                "device idle time: {:.1}% (sampled)\n",
+                100.0 - busy
+            ));
         } else {
             result.response_type = ResponseType::UtilOnly as i32;
             text.push_str("no device activity in this period\n");
+        }
+        // Device health from counter backends (NVML): the mean over the period.
+        for ((ordinal, name), mean) in &usage.counter_means {
+            text.push_str(&format!(
+                "GPU {ordinal} {}: {mean:.1}\n",
+                registry.name(*name)
+            ));
         }
         if let Some((avg, min, max)) = usage.step_times_ms() {
             result.response_type = ResponseType::UtilIdleStep as i32;
@@ -519,6 +637,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let duration = plan.window.duration_ns();
         info!(session = %plan.session_id, "continuous profiling started");
         *continuous = Some(Continuous {
+            _active: self.agent.capture_activity(),
             request,
             duration: (duration > 0).then(|| Duration::from_nanos(duration)),
             last_snapshot_ns: clock::now_ns(),

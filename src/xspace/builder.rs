@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use prost::Message;
 
-use crate::event::{CopyKind, Device, Event, KernelInfo, MemoryInfo, NameId, Payload};
+use crate::event::{CopyKind, Device, Event, KernelInfo, MemoryInfo, NameId, Payload, RpcInfo};
 use crate::proto::tensorflow::profiler::XSpace;
 use crate::registry::{DeviceInfo, RegistrySnapshot};
 use crate::store::Window;
@@ -77,7 +77,11 @@ pub fn encode_xspace<'e>(
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Encoded {
-    let (lines, count) = group_by_line(events);
+    let (mut lines, count) = group_by_line(events);
+    // A known device gets its plane (and its facts) even when it was quiet.
+    for device in registry.devices() {
+        lines.entry(device).or_default();
+    }
     let mut out = Writer::with_capacity(4096 + count * 72);
     for (device, device_lines) in lines {
         let plane = out.begin(field::SPACE_PLANES, 5);
@@ -329,9 +333,26 @@ enum Stat {
     DroppedTraces,
     DroppedNewest,
     DroppedOldest,
+    RpcStatus,
+    RpcRequestBytes,
+    RpcResponseBytes,
+    RpcRequestMessages,
+    RpcResponseMessages,
+    RpcUndecoded,
+    RpcSession,
+    RpcFetches,
+    RpcTargets,
+    RpcGraphNodes,
+    RpcPayloadBytes,
+    RpcOpsEnqueued,
+    RpcHandlesReleased,
+    RpcWaitedOps,
+    EagerOpId,
+    EagerDevice,
+    EagerContextId,
 }
 
-const STAT_COUNT: usize = Stat::DroppedOldest as usize + 1;
+const STAT_COUNT: usize = Stat::EagerContextId as usize + 1;
 
 impl Stat {
     fn name(self) -> &'static str {
@@ -373,6 +394,23 @@ impl Stat {
             Stat::DroppedTraces => stat::DROPPED_TRACES,
             Stat::DroppedNewest => stat::DROPPED_NEWEST,
             Stat::DroppedOldest => stat::DROPPED_OLDEST,
+            Stat::RpcStatus => stat::RPC_STATUS,
+            Stat::RpcRequestBytes => stat::RPC_REQUEST_BYTES,
+            Stat::RpcResponseBytes => stat::RPC_RESPONSE_BYTES,
+            Stat::RpcRequestMessages => stat::RPC_REQUEST_MESSAGES,
+            Stat::RpcResponseMessages => stat::RPC_RESPONSE_MESSAGES,
+            Stat::RpcUndecoded => stat::RPC_UNDECODED,
+            Stat::RpcSession => stat::RPC_SESSION,
+            Stat::RpcFetches => stat::RPC_FETCHES,
+            Stat::RpcTargets => stat::RPC_TARGETS,
+            Stat::RpcGraphNodes => stat::RPC_GRAPH_NODES,
+            Stat::RpcPayloadBytes => stat::RPC_PAYLOAD_BYTES,
+            Stat::RpcOpsEnqueued => stat::RPC_OPS_ENQUEUED,
+            Stat::RpcHandlesReleased => stat::RPC_HANDLES_RELEASED,
+            Stat::RpcWaitedOps => stat::RPC_WAITED_OPS,
+            Stat::EagerOpId => stat::EAGER_OP_ID,
+            Stat::EagerDevice => stat::EAGER_DEVICE,
+            Stat::EagerContextId => stat::EAGER_CONTEXT_ID,
         }
     }
 }
@@ -569,6 +607,58 @@ impl<'r> PlaneTables<'r> {
             }
             Payload::Counter { value } => {
                 self.stat(out, Stat::CounterValue, Value::Double(value));
+            }
+            Payload::Rpc(rpc) => self.rpc_stats(out, &rpc),
+            Payload::EagerOp {
+                op_id,
+                device,
+                context_id,
+            } => {
+                self.stat(out, Stat::EagerOpId, Value::Int(op_id));
+                if device.0 != 0 {
+                    let device = self.name_ref(device);
+                    self.stat(out, Stat::EagerDevice, Value::Ref(device));
+                }
+                self.stat(out, Stat::EagerContextId, Value::Uint(context_id));
+            }
+        }
+    }
+
+    /// The tap's view of one gRPC call; zero counts and empty names are left out.
+    fn rpc_stats(&mut self, out: &mut Writer, rpc: &RpcInfo) {
+        self.stat(out, Stat::RpcStatus, Value::Int(i64::from(rpc.status)));
+        self.stat(out, Stat::RpcRequestBytes, Value::Uint(rpc.request_bytes));
+        self.stat(out, Stat::RpcResponseBytes, Value::Uint(rpc.response_bytes));
+        self.stat(
+            out,
+            Stat::RpcRequestMessages,
+            Value::Uint(u64::from(rpc.request_messages)),
+        );
+        self.stat(
+            out,
+            Stat::RpcResponseMessages,
+            Value::Uint(u64::from(rpc.response_messages)),
+        );
+        for (stat, name) in [
+            (Stat::RpcSession, rpc.session),
+            (Stat::RpcFetches, rpc.fetches),
+            (Stat::RpcTargets, rpc.targets),
+        ] {
+            if name.0 != 0 {
+                let id = self.name_ref(name);
+                self.stat(out, stat, Value::Ref(id));
+            }
+        }
+        for (stat, value) in [
+            (Stat::RpcUndecoded, u64::from(rpc.undecoded)),
+            (Stat::RpcGraphNodes, u64::from(rpc.graph_nodes)),
+            (Stat::RpcPayloadBytes, rpc.payload_bytes),
+            (Stat::RpcOpsEnqueued, u64::from(rpc.ops_enqueued)),
+            (Stat::RpcHandlesReleased, u64::from(rpc.handles_released)),
+            (Stat::RpcWaitedOps, u64::from(rpc.waited_ops)),
+        ] {
+            if value != 0 {
+                self.stat(out, stat, Value::Uint(value));
             }
         }
     }

@@ -85,6 +85,24 @@ pub mod stat {
     pub const DROPPED_TRACES: &str = "dropped_traces";
     pub const DROPPED_NEWEST: &str = "devtrace_dropped_newest";
     pub const DROPPED_OLDEST: &str = "devtrace_dropped_oldest";
+    /// Written on the tap's RPC and eager-op events (`crate::tap`).
+    pub const RPC_STATUS: &str = "grpc_status";
+    pub const RPC_REQUEST_BYTES: &str = "request_bytes";
+    pub const RPC_RESPONSE_BYTES: &str = "response_bytes";
+    pub const RPC_REQUEST_MESSAGES: &str = "request_messages";
+    pub const RPC_RESPONSE_MESSAGES: &str = "response_messages";
+    pub const RPC_UNDECODED: &str = "undecoded_messages";
+    pub const RPC_SESSION: &str = "session";
+    pub const RPC_FETCHES: &str = "fetches";
+    pub const RPC_TARGETS: &str = "targets";
+    pub const RPC_GRAPH_NODES: &str = "graph_nodes";
+    pub const RPC_PAYLOAD_BYTES: &str = "payload_bytes";
+    pub const RPC_OPS_ENQUEUED: &str = "ops_enqueued";
+    pub const RPC_HANDLES_RELEASED: &str = "handles_released";
+    pub const RPC_WAITED_OPS: &str = "waited_ops";
+    pub const EAGER_OP_ID: &str = "op_id";
+    pub const EAGER_DEVICE: &str = "device";
+    pub const EAGER_CONTEXT_ID: &str = "eager_context_id";
     /// Never written: its presence makes XProf skip step grouping.
     pub const GROUP_ID: &str = "group_id";
 }

@@ -3,6 +3,7 @@
 
 pub mod builder;
 pub mod conventions;
+pub mod merge;
 pub mod read;
 mod wire;
 

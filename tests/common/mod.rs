@@ -26,9 +26,15 @@ impl AgentProcess {
     /// Starts `devtrace serve --listen 127.0.0.1:0 <extra>` and waits until it
     /// prints the address it bound.
     pub fn start(extra: &[&str]) -> AgentProcess {
+        Self::start_with_env(extra, &[])
+    }
+
+    /// As [`AgentProcess::start`], with extra environment variables.
+    pub fn start_with_env(extra: &[&str], env: &[(&str, &std::path::Path)]) -> AgentProcess {
         let mut child = Command::new(BIN)
             .args(["serve", "--listen", "127.0.0.1:0", "--log-level", "warn"])
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (*k, *v)))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -145,3 +151,22 @@ pub fn dropped_of(space: &XSpace) -> i64 {
 }
 
 pub const SECOND: Duration = Duration::from_secs(1);
+
+/// Builds `tests/standins/<source>` into a shared library named `library`
+/// under the test target directory, and returns its path.
+pub fn build_standin(source: &str, library: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("standins");
+    std::fs::create_dir_all(&dir).expect("standin directory");
+    let output = dir.join(library);
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/standins")
+        .join(source);
+    let status = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o"])
+        .arg(&output)
+        .arg(&source)
+        .status()
+        .expect("running cc");
+    assert!(status.success(), "building {} failed", source.display());
+    output
+}

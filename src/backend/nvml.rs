@@ -1,0 +1,473 @@
+//! The NVML backend: device health from the NVIDIA Management Library,
+//! sampled at a fixed interval into counter tracks on each GPU's plane
+//! (`_counters_` line): SM and memory utilisation, memory used, power,
+//! temperature, SM and memory clocks, PCIe throughput, ECC errors and
+//! throttle reasons. Device facts (name, compute capability, SMs, clocks,
+//! memory size and bandwidth) become plane stats.
+//!
+//! The library is loaded at run time (`nvml-wrapper` uses `libloading`), so a
+//! machine without an NVIDIA driver builds and runs devtrace; the backend then
+//! reports that it is unavailable and stays off. A metric a device does not
+//! support is skipped for that device from then on; a device that falls off
+//! the bus is reported and no longer sampled.
+
+use std::ffi::OsString;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nvml_wrapper::enum_wrappers::device::{
+    Clock, EccCounter, MemoryError, PcieUtilCounter, TemperatureSensor,
+};
+use nvml_wrapper::enums::gpm::GpmMetricId;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::gpm::{gpm_metrics_get, GpmSample};
+use nvml_wrapper::{Device as NvmlDevice, Nvml};
+use parking_lot::Mutex;
+
+use super::{Backend, BackendContext, BackendError, Capabilities, Health};
+use crate::clock;
+use crate::event::{Device, Event, NameId, Payload};
+use crate::registry::{DeviceInfo, Registry};
+use crate::xspace::builder::COUNTER_TRACK;
+
+/// Name of the SM utilisation counter track (percent).
+pub const SM_UTILIZATION: &str = "SM utilization (%)";
+
+/// Where NVML is looked for when no path is given.
+pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
+
+#[derive(Clone, Debug)]
+pub struct NvmlConfig {
+    /// The NVML shared library (a path or a name the loader resolves).
+    pub library: OsString,
+    /// Sampling interval while a capture or continuous session runs.
+    pub interval: Duration,
+    /// Sampling interval otherwise (the flight recorder still gets samples).
+    pub idle_interval: Duration,
+}
+
+impl Default for NvmlConfig {
+    fn default() -> Self {
+        NvmlConfig {
+            library: DEFAULT_LIBRARY.into(),
+            interval: Duration::from_millis(10),
+            idle_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The metrics sampled per device, in the order they are read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Metric {
+    Utilization,
+    Memory,
+    Power,
+    Temperature,
+    Clocks,
+    Pcie,
+    Ecc,
+    Throttle,
+}
+
+const METRICS: [Metric; 8] = [
+    Metric::Utilization,
+    Metric::Memory,
+    Metric::Power,
+    Metric::Temperature,
+    Metric::Clocks,
+    Metric::Pcie,
+    Metric::Ecc,
+    Metric::Throttle,
+];
+
+/// Counter names, interned once.
+struct CounterNames {
+    sm_util: NameId,
+    mem_util: NameId,
+    mem_used: NameId,
+    power: NameId,
+    temperature: NameId,
+    sm_clock: NameId,
+    mem_clock: NameId,
+    pcie_tx: NameId,
+    pcie_rx: NameId,
+    ecc: NameId,
+    throttle: NameId,
+    gpm_sm_util: NameId,
+    gpm_sm_occupancy: NameId,
+    gpm_tensor_util: NameId,
+    gpm_dram_util: NameId,
+}
+
+impl CounterNames {
+    fn new(registry: &Registry) -> CounterNames {
+        CounterNames {
+            sm_util: registry.intern(SM_UTILIZATION),
+            mem_util: registry.intern("Memory utilization (%)"),
+            mem_used: registry.intern("Memory used (bytes)"),
+            power: registry.intern("Power (W)"),
+            temperature: registry.intern("Temperature (C)"),
+            sm_clock: registry.intern("SM clock (MHz)"),
+            mem_clock: registry.intern("Memory clock (MHz)"),
+            pcie_tx: registry.intern("PCIe TX (KB/s)"),
+            pcie_rx: registry.intern("PCIe RX (KB/s)"),
+            ecc: registry.intern("ECC uncorrected errors"),
+            throttle: registry.intern("Throttle reasons (bitmask)"),
+            gpm_sm_util: registry.intern("GPM SM utilization (%)"),
+            gpm_sm_occupancy: registry.intern("GPM SM occupancy (%)"),
+            gpm_tensor_util: registry.intern("GPM tensor activity (%)"),
+            gpm_dram_util: registry.intern("GPM DRAM bandwidth utilization (%)"),
+        }
+    }
+}
+
+/// SMs from CUDA cores: NVML reports cores, XProf wants multiprocessors.
+fn cores_per_sm(major: i32, minor: i32) -> u32 {
+    match (major, minor) {
+        (6, 0) | (7, _) | (8, 0) => 64,
+        (3, _) => 192,
+        _ => 128,
+    }
+}
+
+fn describe(device: &NvmlDevice) -> DeviceInfo {
+    let capability = device.cuda_compute_capability().ok();
+    let (major, minor) = capability.map_or((0, 0), |c| (c.major, c.minor));
+    let cores = device.num_cores().unwrap_or(0);
+    let sm_clock = device.max_clock_info(Clock::SM).unwrap_or(0);
+    let memory_clock = device.max_clock_info(Clock::Memory).unwrap_or(0);
+    let bus_bits = device.memory_bus_width().unwrap_or(0);
+    DeviceInfo {
+        vendor: "Nvidia".into(),
+        model: device.name().unwrap_or_else(|_| "NVIDIA GPU".into()),
+        compute_capability: (major.max(0) as u32, minor.max(0) as u32),
+        core_count: cores / cores_per_sm(major, minor),
+        clock_rate_khz: u64::from(sm_clock) * 1000,
+        memory_bytes: device.memory_info().map_or(0, |m| m.total),
+        // Double data rate: two transfers per memory clock.
+        memory_bandwidth_bytes_per_s: 2 * u64::from(memory_clock) * 1_000_000 * u64::from(bus_bits)
+            / 8,
+    }
+}
+
+/// What the sampler has seen, for health reports.
+#[derive(Default)]
+struct Status {
+    devices: u32,
+    lost: Vec<u32>,
+    unsupported: Vec<(u32, Metric)>,
+    errors: u64,
+}
+
+struct Running {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+/// See the module documentation.
+pub struct NvmlBackend {
+    config: NvmlConfig,
+    running: Option<Running>,
+    samples: Arc<AtomicU64>,
+    status: Arc<Mutex<Status>>,
+}
+
+impl NvmlBackend {
+    pub fn new(config: NvmlConfig) -> NvmlBackend {
+        NvmlBackend {
+            config,
+            running: None,
+            samples: Arc::default(),
+            status: Arc::default(),
+        }
+    }
+}
+
+fn unavailable(reason: impl std::fmt::Display) -> BackendError {
+    BackendError::Unavailable {
+        backend: "nvml",
+        reason: reason.to_string(),
+    }
+}
+
+impl Backend for NvmlBackend {
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            records: vec![
+                "GPU utilisation, memory, power, temperature, clocks, PCIe, ECC, throttling",
+            ],
+            max_delay: self.config.interval * 2,
+        }
+    }
+
+    fn start(&mut self, context: BackendContext) -> Result<(), BackendError> {
+        if self.running.is_some() {
+            return Ok(());
+        }
+        let nvml = Nvml::builder()
+            .lib_path(&self.config.library)
+            .init()
+            .map_err(|e| {
+                unavailable(format!(
+                    "cannot load NVML from {:?}: {e}",
+                    self.config.library
+                ))
+            })?;
+        let count = nvml.device_count().map_err(unavailable)?;
+        if count == 0 {
+            return Err(unavailable("NVML reports no GPU"));
+        }
+        for index in 0..count {
+            let device = nvml.device_by_index(index).map_err(unavailable)?;
+            context
+                .registry
+                .describe_device(Device::Gpu(index as u16), describe(&device));
+        }
+        let mut producer = context.ring.producer().map_err(|e| BackendError::Start {
+            backend: "nvml",
+            reason: e.to_string(),
+        })?;
+        self.status.lock().devices = count;
+        let names = CounterNames::new(&context.registry);
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread_stop = Arc::clone(&stop);
+        let (samples, status) = (Arc::clone(&self.samples), Arc::clone(&self.status));
+        let (interval, idle_interval) = (self.config.interval, self.config.idle_interval);
+        let captures = Arc::clone(&context.captures);
+        let thread = std::thread::Builder::new()
+            .name("devtrace-nvml".into())
+            .spawn(move || {
+                let mut sampler = Sampler {
+                    nvml: &nvml,
+                    names,
+                    status,
+                    batch: Vec::new(),
+                    gpm_previous: (0..count).map(|_| None).collect(),
+                    gpm: (0..count)
+                        .map(|i| {
+                            nvml.device_by_index(i)
+                                .and_then(|d| d.gpm_support())
+                                .unwrap_or(false)
+                        })
+                        .collect(),
+                };
+                while !thread_stop.load(Ordering::Relaxed) {
+                    sampler.sample_all(count);
+                    samples.fetch_add(sampler.batch.len() as u64, Ordering::Relaxed);
+                    producer.push_batch(&sampler.batch);
+                    sampler.batch.clear();
+                    // Sleep in short steps so a capture that starts gets fast
+                    // sampling at once.
+                    let mut slept = Duration::ZERO;
+                    loop {
+                        let busy = captures.load(Ordering::Relaxed) > 0;
+                        let target = if busy { interval } else { idle_interval };
+                        if slept >= target || thread_stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let step = (target - slept).min(interval);
+                        std::thread::sleep(step);
+                        slept += step;
+                    }
+                }
+            })
+            .map_err(|e| BackendError::Start {
+                backend: "nvml",
+                reason: e.to_string(),
+            })?;
+        self.running = Some(Running { stop, thread });
+        Ok(())
+    }
+
+    fn stop(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.stop.store(true, Ordering::Relaxed);
+            let _ = running.thread.join();
+        }
+    }
+
+    fn health(&self) -> Health {
+        let Some(running) = &self.running else {
+            return Health::Stopped;
+        };
+        if running.thread.is_finished() {
+            return Health::Failed {
+                reason: "sampling thread exited".into(),
+            };
+        }
+        let status = self.status.lock();
+        let mut detail = format!(
+            "{} GPUs, every {} ms during captures and {} ms otherwise, {} samples",
+            status.devices,
+            self.config.interval.as_millis(),
+            self.config.idle_interval.as_millis(),
+            self.samples.load(Ordering::Relaxed)
+        );
+        if !status.lost.is_empty() {
+            detail.push_str(&format!(", lost GPUs: {:?}", status.lost));
+        }
+        if !status.unsupported.is_empty() {
+            let list: Vec<String> = status
+                .unsupported
+                .iter()
+                .map(|(gpu, metric)| format!("GPU {gpu} {metric:?}"))
+                .collect();
+            detail.push_str(&format!(", not supported: {}", list.join(", ")));
+        }
+        if status.errors > 0 {
+            detail.push_str(&format!(", {} failed reads", status.errors));
+        }
+        if status.lost.len() as u32 == status.devices {
+            return Health::Failed { reason: detail };
+        }
+        Health::Running { detail }
+    }
+}
+
+impl Drop for NvmlBackend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Sampler<'n> {
+    nvml: &'n Nvml,
+    names: CounterNames,
+    status: Arc<Mutex<Status>>,
+    batch: Vec<Event>,
+    /// Whether each device supports GPM (Hopper and newer).
+    gpm: Vec<bool>,
+    /// The previous GPM sample per device: metrics cover the interval
+    /// between two samples.
+    gpm_previous: Vec<Option<GpmSample<'n>>>,
+}
+
+impl<'n> Sampler<'n> {
+    fn sample_all(&mut self, count: u32) {
+        for index in 0..count {
+            if self.status.lock().lost.contains(&index) {
+                continue;
+            }
+            if self.gpm[index as usize] {
+                if let Err(error) = self.read_gpm(index) {
+                    tracing::info!(gpu = index, %error, "NVML: GPM metrics unavailable; no longer read");
+                    self.gpm[index as usize] = false;
+                }
+            }
+            for metric in METRICS {
+                let skipped = self.status.lock().unsupported.contains(&(index, metric));
+                if skipped {
+                    continue;
+                }
+                match self.read(index, metric) {
+                    Ok(()) => {}
+                    Err(NvmlError::NotSupported) => {
+                        tracing::info!(
+                            gpu = index,
+                            ?metric,
+                            "NVML: not supported on this GPU; no longer read"
+                        );
+                        self.status.lock().unsupported.push((index, metric));
+                    }
+                    Err(NvmlError::GpuLost) => {
+                        tracing::warn!(
+                            gpu = index,
+                            "NVML: GPU has fallen off the bus; no longer sampled"
+                        );
+                        self.status.lock().lost.push(index);
+                        break;
+                    }
+                    Err(error) => {
+                        tracing::debug!(gpu = index, ?metric, %error, "NVML read failed");
+                        self.status.lock().errors += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn counter(&mut self, gpu: u32, name: NameId, value: f64) {
+        self.batch.push(Event::new(
+            clock::now_ns(),
+            0,
+            Device::Gpu(gpu as u16),
+            COUNTER_TRACK,
+            name,
+            Payload::Counter { value },
+        ));
+    }
+
+    /// GPM metrics over the interval since this device's previous sample.
+    fn read_gpm(&mut self, index: u32) -> Result<(), NvmlError> {
+        let sample = self.nvml.device_by_index(index)?.gpm_sample()?;
+        let previous = self.gpm_previous[index as usize].replace(sample);
+        let (Some(previous), Some(current)) = (previous, &self.gpm_previous[index as usize]) else {
+            return Ok(());
+        };
+        let metrics = [
+            (GpmMetricId::SmUtil, self.names.gpm_sm_util),
+            (GpmMetricId::SmOccupancy, self.names.gpm_sm_occupancy),
+            (GpmMetricId::AnyTensorUtil, self.names.gpm_tensor_util),
+            (GpmMetricId::DramBwUtil, self.names.gpm_dram_util),
+        ];
+        let ids: Vec<GpmMetricId> = metrics.iter().map(|(id, _)| *id).collect();
+        let results = gpm_metrics_get(self.nvml, &previous, current, &ids)?;
+        for ((_, name), result) in metrics.iter().zip(results) {
+            if let Ok(metric) = result {
+                self.counter(index, *name, metric.value);
+            }
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, index: u32, metric: Metric) -> Result<(), NvmlError> {
+        let device = self.nvml.device_by_index(index)?;
+        let n = &self.names;
+        let values: Vec<(NameId, f64)> = match metric {
+            Metric::Utilization => {
+                let u = device.utilization_rates()?;
+                vec![
+                    (n.sm_util, f64::from(u.gpu)),
+                    (n.mem_util, f64::from(u.memory)),
+                ]
+            }
+            Metric::Memory => vec![(n.mem_used, device.memory_info()?.used as f64)],
+            Metric::Power => vec![(n.power, f64::from(device.power_usage()?) / 1000.0)],
+            Metric::Temperature => vec![(
+                n.temperature,
+                f64::from(device.temperature(TemperatureSensor::Gpu)?),
+            )],
+            Metric::Clocks => vec![
+                (n.sm_clock, f64::from(device.clock_info(Clock::SM)?)),
+                (n.mem_clock, f64::from(device.clock_info(Clock::Memory)?)),
+            ],
+            Metric::Pcie => vec![
+                (
+                    n.pcie_tx,
+                    f64::from(device.pcie_throughput(PcieUtilCounter::Send)?),
+                ),
+                (
+                    n.pcie_rx,
+                    f64::from(device.pcie_throughput(PcieUtilCounter::Receive)?),
+                ),
+            ],
+            Metric::Ecc => vec![(
+                n.ecc,
+                device.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Aggregate)? as f64,
+            )],
+            Metric::Throttle => {
+                vec![(n.throttle, device.current_throttle_reasons()?.bits() as f64)]
+            }
+        };
+        for (name, value) in values {
+            self.counter(index, name, value);
+        }
+        Ok(())
+    }
+}

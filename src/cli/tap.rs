@@ -1,0 +1,156 @@
+//! `devtrace tap`: a standalone tap in front of a TensorFlow server, and the
+//! `--tap LISTEN=UPSTREAM` taps that `devtrace serve` runs inside the agent.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tracing::info;
+
+use crate::agent::{Agent, AgentConfig, BackendChoice};
+use crate::backend::mock::MockConfig;
+use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
+use crate::service::profiler::{local_hostname, ProfilerService, ServiceConfig};
+use crate::service::repository::AllowedRoots;
+use crate::tap::{Recorder, Tap};
+
+#[derive(Debug, Args)]
+pub struct TapArgs {
+    /// Address the TensorFlow clients connect to instead of the server.
+    #[arg(long, default_value = "127.0.0.1:2223")]
+    pub listen: String,
+
+    /// The TensorFlow server (`tf.distribute.Server`) as HOST:PORT.
+    #[arg(long)]
+    pub upstream: String,
+
+    /// Also serve ProfilerService captures of the tap's events here (e.g.
+    /// 127.0.0.1:6009). Without it the tap only logs summaries.
+    #[arg(long, value_name = "ADDR")]
+    pub profiler_listen: Option<String>,
+
+    /// How often to log a summary of the calls forwarded (0: only at exit).
+    #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
+    pub summary_every: Duration,
+}
+
+/// One `--tap LISTEN=UPSTREAM` of `devtrace serve`.
+pub fn parse_tap_spec(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((listen, upstream)) if !listen.is_empty() && !upstream.is_empty() => {
+            Ok((listen.to_owned(), upstream.to_owned()))
+        }
+        _ => Err(format!(
+            "{text:?} is not LISTEN=UPSTREAM (e.g. 127.0.0.1:2223=127.0.0.1:2222)"
+        )),
+    }
+}
+
+/// Binds every tap, recording into `agent`'s ring through one shared lane,
+/// and runs them on the current runtime. Prints each bound address.
+pub(crate) async fn start_taps(
+    agent: &Agent,
+    specs: &[(String, String)],
+) -> anyhow::Result<Option<Arc<Recorder>>> {
+    if specs.is_empty() {
+        return Ok(None);
+    }
+    let producer = agent
+        .producer()
+        .context("claiming a ring lane for the tap")?;
+    let recorder = Recorder::new(Arc::clone(agent.registry()), producer);
+    for (listen, upstream) in specs {
+        let tap = Tap::bind(listen, upstream, Arc::clone(&recorder))
+            .await
+            .with_context(|| format!("starting the tap {listen}={upstream}"))?;
+        let address = tap.local_addr().context("reading the tap's address")?;
+        // Scripts and tests read the bound address (useful with port 0).
+        println!("devtrace tap listening on {address} -> {upstream}");
+        info!(%address, upstream, "tap forwarding");
+        tokio::spawn(tap.run(std::future::pending()));
+    }
+    Ok(Some(recorder))
+}
+
+pub fn run(args: TapArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("devtrace-tap")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(tap(args))
+}
+
+async fn tap(args: TapArgs) -> anyhow::Result<()> {
+    // An idle mock backend: the agent then holds only the tap's events.
+    let config = AgentConfig {
+        backends: vec![BackendChoice::Mock],
+        mock: MockConfig {
+            events_per_second: 0,
+            gpus: 1,
+            ..MockConfig::default()
+        },
+        ..AgentConfig::default()
+    };
+    let agent = Agent::start(&config).context("starting the agent")?;
+    let specs = [(args.listen.clone(), args.upstream.clone())];
+    let recorder = start_taps(&agent, &specs)
+        .await?
+        .context("the tap did not start")?;
+    if let Some(listen) = &args.profiler_listen {
+        let service = Arc::new(ProfilerService::new(
+            Arc::clone(&agent),
+            ServiceConfig {
+                hostname: local_hostname(),
+                ..ServiceConfig::default()
+            },
+        ));
+        let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig {
+            allowed_roots: AllowedRoots::default(),
+            max_duration: ServiceConfig::default().max_duration,
+            default_port: crate::client::DEFAULT_PORT,
+        }));
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on {listen}"))?;
+        let address = listener.local_addr().context("reading the bound address")?;
+        println!("devtrace listening on {address}");
+        tokio::spawn(async move {
+            if let Err(error) =
+                crate::service::serve(listener, service, analysis, std::future::pending()).await
+            {
+                tracing::error!(%error, "profiler service stopped");
+            }
+        });
+    }
+    let summary = |recorder: &Recorder| {
+        let s = recorder.stats();
+        info!(
+            connections = s.connections,
+            calls = s.calls,
+            failed = s.failed,
+            steps = s.steps,
+            eager_ops = s.eager_ops,
+            undecoded = s.undecoded,
+            request_bytes = s.request_bytes,
+            response_bytes = s.response_bytes,
+            "tap summary"
+        );
+    };
+    let shutdown = super::serve::shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        if args.summary_every.is_zero() {
+            (&mut shutdown).await;
+            break;
+        }
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = tokio::time::sleep(args.summary_every) => summary(&recorder),
+        }
+    }
+    summary(&recorder);
+    agent.shutdown();
+    Ok(())
+}

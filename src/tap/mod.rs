@@ -1,0 +1,363 @@
+//! A transparent gRPC tap for TensorFlow's distributed runtime.
+//!
+//! The tap is an HTTP/2 reverse proxy: every request to its listen address is
+//! forwarded to the upstream (a `tf.distribute.Server`, or any gRPC server)
+//! with its headers, metadata and `grpc-timeout` as they came, and the body's
+//! frames passed on one by one as they arrive, in both directions, so unary
+//! and streaming calls (`EagerService/StreamingEnqueue`) behave as without
+//! it. Response headers, data and trailers (status, message, metadata) come
+//! back unchanged. A copy of each data frame is reassembled into gRPC
+//! messages and decoded with partial protos ([`decode`]); [`record`] turns
+//! the calls into events in the agent's ring.
+//!
+//! What the tap says itself: `UNAVAILABLE` when the upstream cannot be reached
+//! or resets a call before its end. A client that cancels resets the upstream
+//! call. Payloads are never changed.
+
+pub mod decode;
+pub mod record;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tracing::{debug, info, warn};
+
+use record::{Call, Direction, CANCELLED, UNAVAILABLE, UNKNOWN};
+pub use record::{Recorder, TapStats};
+
+/// HTTP/2 flow-control windows and frame size on both sides of the tap:
+/// large enough that a hop never stalls a multi-MiB tensor on window updates.
+const STREAM_WINDOW: u32 = 8 << 20;
+const CONNECTION_WINDOW: u32 = 32 << 20;
+const MAX_FRAME: u32 = 1 << 20;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type TapBody = BoxBody<Bytes, BoxError>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TapError {
+    #[error("cannot listen on {address}: {source}")]
+    Listen {
+        address: String,
+        source: std::io::Error,
+    },
+    #[error("upstream {0:?} is not HOST:PORT")]
+    Upstream(String),
+}
+
+/// A bound tap, ready to [`Tap::run`].
+pub struct Tap {
+    listener: tokio::net::TcpListener,
+    upstream: Arc<Upstream>,
+}
+
+struct Upstream {
+    authority: String,
+    client: Client<HttpConnector, TapBody>,
+    recorder: Arc<Recorder>,
+}
+
+impl Tap {
+    /// Binds `listen` and prepares the client for `upstream` (`HOST:PORT`,
+    /// an optional `grpc://` or `http://` is accepted). Connects lazily.
+    pub async fn bind(
+        listen: &str,
+        upstream: &str,
+        recorder: Arc<Recorder>,
+    ) -> Result<Tap, TapError> {
+        let authority = upstream
+            .trim_start_matches("grpc://")
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_owned();
+        if authority.parse::<http::uri::Authority>().is_err() || !authority.contains(':') {
+            return Err(TapError::Upstream(upstream.to_owned()));
+        }
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|source| TapError::Listen {
+                address: listen.to_owned(),
+                source,
+            })?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .http2_initial_stream_window_size(Some(STREAM_WINDOW))
+            .http2_initial_connection_window_size(Some(CONNECTION_WINDOW))
+            .http2_max_frame_size(Some(MAX_FRAME))
+            .build(connector);
+        Ok(Tap {
+            listener,
+            upstream: Arc::new(Upstream {
+                authority,
+                client,
+                recorder,
+            }),
+        })
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Accepts client connections until `shutdown` resolves; calls in flight
+    /// then go on to their end on their own tasks.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        loop {
+            let (stream, peer) = tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = self.listener.accept() => match accepted {
+                    Ok(pair) => pair,
+                    Err(error) => {
+                        warn!(%error, "tap: accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let upstream = Arc::clone(&self.upstream);
+            let line = upstream.recorder.connection(peer, &upstream.authority);
+            debug!(%peer, line, "tap: client connected");
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |request| {
+                    let upstream = Arc::clone(&upstream);
+                    async move { Ok::<_, Infallible>(upstream.forward(line, request).await) }
+                });
+                let served = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .initial_stream_window_size(STREAM_WINDOW)
+                    .initial_connection_window_size(CONNECTION_WINDOW)
+                    .max_frame_size(MAX_FRAME)
+                    .max_header_list_size(1 << 20)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+                if let Err(error) = served {
+                    debug!(%peer, %error, "tap: client connection ended");
+                }
+            });
+        }
+        info!("tap: stopped accepting connections");
+    }
+}
+
+impl Upstream {
+    async fn forward(&self, line: u64, request: Request<Incoming>) -> Response<TapBody> {
+        let (mut parts, body) = request.into_parts();
+        let path = parts.uri.path().to_owned();
+        let call = self.recorder.call(line, &path);
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        parts.uri = match Uri::builder()
+            .scheme("http")
+            .authority(self.authority.as_str())
+            .path_and_query(path_and_query)
+            .build()
+        {
+            Ok(uri) => uri,
+            Err(error) => {
+                call.finish(UNKNOWN);
+                return status_only(UNKNOWN, &format!("devtrace tap: bad path: {error}"));
+            }
+        };
+        let body = Tapped::new(body, Arc::clone(&call), Direction::Request).boxed();
+        match self.client.request(Request::from_parts(parts, body)).await {
+            Ok(response) => {
+                let (parts, body) = response.into_parts();
+                if let Some(status) = grpc_status(&parts.headers) {
+                    call.set_status(status);
+                }
+                let body = Tapped::new(body, call, Direction::Response).boxed();
+                Response::from_parts(parts, body)
+            }
+            Err(error) => {
+                let message = format!(
+                    "devtrace tap: upstream {} unavailable: {}",
+                    self.authority,
+                    error_chain(&error)
+                );
+                debug!(%message, "tap");
+                call.finish(UNAVAILABLE);
+                status_only(UNAVAILABLE, &message)
+            }
+        }
+    }
+}
+
+/// A body forwarded frame by frame while its data is copied to the call.
+struct Tapped {
+    inner: Incoming,
+    call: Arc<Call>,
+    direction: Direction,
+    done: bool,
+}
+
+impl Tapped {
+    fn new(inner: Incoming, call: Arc<Call>, direction: Direction) -> Tapped {
+        Tapped {
+            inner,
+            call,
+            direction,
+            done: false,
+        }
+    }
+}
+
+impl Body for Tapped {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match polled {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    self.call.observe(self.direction, data);
+                } else if let Some(trailers) = frame.trailers_ref() {
+                    if self.direction == Direction::Response {
+                        if let Some(status) = grpc_status(trailers) {
+                            self.call.set_status(status);
+                        }
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(error))) => {
+                self.done = true;
+                match self.direction {
+                    Direction::Request => Poll::Ready(Some(Err(error.into()))),
+                    Direction::Response => {
+                        // The upstream reset the call or dropped the
+                        // connection: end it with a status the client reads.
+                        let message = format!(
+                            "devtrace tap: upstream ended the call: {}",
+                            error_chain(&error)
+                        );
+                        self.call.set_status(UNAVAILABLE);
+                        self.call.finish(UNAVAILABLE);
+                        Poll::Ready(Some(Ok(Frame::trailers(status_headers(
+                            UNAVAILABLE,
+                            &message,
+                        )))))
+                    }
+                }
+            }
+            Poll::Ready(None) => {
+                self.done = true;
+                if self.direction == Direction::Response {
+                    // No status anywhere is a protocol error of the upstream.
+                    self.call.finish(UNKNOWN);
+                }
+                Poll::Ready(None)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Tapped {
+    fn drop(&mut self) {
+        // A response dropped before its end: the client went away. A
+        // trailers-only response ends here too, with its status already set.
+        if self.direction == Direction::Response {
+            self.call.finish(CANCELLED);
+        }
+    }
+}
+
+fn grpc_status(headers: &HeaderMap) -> Option<u32> {
+    headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+fn status_headers(code: u32, message: &str) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert("grpc-status", HeaderValue::from(code));
+    if let Ok(value) = HeaderValue::from_str(&percent_encode(message)) {
+        headers.insert("grpc-message", value);
+    }
+    headers
+}
+
+/// A trailers-only gRPC response carrying `code` and `message`.
+fn status_only(code: u32, message: &str) -> Response<TapBody> {
+    let mut response = Response::new(
+        Empty::<Bytes>::new()
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    headers.extend(status_headers(code, message));
+    response
+}
+
+/// `grpc-message` is percent-encoded outside printable ASCII.
+fn percent_encode(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for byte in message.bytes() {
+        if (0x20..0x7f).contains(&byte) && byte != b'%' {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_messages_are_percent_encoded() {
+        assert_eq!(percent_encode("a b%c\n"), "a b%25c%0A");
+        assert_eq!(percent_encode("é"), "%C3%A9");
+    }
+}

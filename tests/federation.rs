@@ -1,0 +1,100 @@
+//! Federation: an agent started with `--upstream` folds another profiler
+//! server's trace into its own captures, on one time base; an upstream that
+//! is down makes the capture partial, never failed.
+
+mod common;
+
+use common::*;
+use devtrace::xspace::read::{event_start_ps, find_stat, StatValue};
+
+#[tokio::test]
+async fn an_upstream_trace_is_merged_on_our_time_base() {
+    let upstream = AgentProcess::start(&["--mock-gpus", "1", "--mock-seed", "7"]);
+    let agent = AgentProcess::start(&["--upstream", &format!("grpc://{}", upstream.address)]);
+    let reply = agent
+        .client()
+        .await
+        .profile(request(600, "merged"))
+        .await
+        .unwrap()
+        .into_inner();
+    let space = space_of(&reply);
+    assert!(space.errors.is_empty(), "{:?}", space.errors);
+
+    let names: Vec<&str> = space.planes.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![
+            "/host:CPU",
+            "/device:GPU:0",
+            "/device:GPU:1",
+            "Task Environment",
+            "/device:GPU:2"
+        ]
+    );
+    let host = plane(&space, "/host:CPU");
+    let theirs: Vec<_> = host
+        .lines
+        .iter()
+        .filter(|l| l.display_name.starts_with(&upstream.address))
+        .collect();
+    assert_eq!(theirs.len(), 2, "the upstream's python and copy threads");
+    assert!(theirs
+        .iter()
+        .any(|l| l.display_name == format!("{} python", upstream.address)));
+    // Both sides captured the same window, so their events fall inside ours.
+    for line in &theirs {
+        for event in &line.events {
+            let at = event_start_ps(line.timestamp_ns, event);
+            assert!(
+                (-50_000_000_000..650_000_000_000).contains(&at),
+                "event at {at} ps"
+            );
+        }
+        assert!(!line.events.is_empty());
+    }
+    let python = theirs
+        .iter()
+        .find(|l| l.display_name.ends_with(" python"))
+        .expect("the upstream's python thread");
+    assert!(python.events.len() > 1000, "{} events", python.events.len());
+    let moved = plane(&space, "/device:GPU:2");
+    assert_eq!(moved.id, 2);
+    assert_eq!(
+        find_stat(moved, &moved.stats, "devtrace_source"),
+        Some(StatValue::Str(upstream.address.clone()))
+    );
+    assert_eq!(
+        find_stat(moved, &moved.stats, "devtrace_original_plane"),
+        Some(StatValue::Str("/device:GPU:0".into()))
+    );
+    assert!(moved.lines.iter().any(|l| !l.events.is_empty()));
+}
+
+#[tokio::test]
+async fn an_upstream_that_is_down_makes_the_capture_partial() {
+    let unused = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let agent = AgentProcess::start(&["--upstream", &unused]);
+    let reply = agent
+        .client()
+        .await
+        .profile(request(300, "partial"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!reply.empty_trace);
+    let space = space_of(&reply);
+    assert!(
+        space
+            .errors
+            .iter()
+            .any(|e| e.starts_with(&format!("upstream {unused}: cannot connect"))),
+        "{:?}",
+        space.errors
+    );
+    assert!(event_count(&space) > 1000, "our own events are all there");
+}

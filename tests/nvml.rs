@@ -1,0 +1,278 @@
+//! The NVML backend against a stand-in `libnvidia-ml.so` built from
+//! `tests/standins/nvml.c` with the real NVML C ABI: counters and device
+//! stats in the trace, Monitor's summary, unsupported metrics, a GPU that
+//! falls off the bus, and a machine without NVML.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use common::*;
+use devtrace::proto::tensorflow::profiler::XSpace;
+use devtrace::proto::tensorflow::MonitorRequest;
+use devtrace::xspace::read::{event_name, find_stat, StatValue};
+
+/// Builds the stand-in library once per test run.
+fn standin() -> &'static Path {
+    static LIBRARY: OnceLock<PathBuf> = OnceLock::new();
+    LIBRARY.get_or_init(|| build_standin("nvml.c", "libnvidia-ml.so.1"))
+}
+
+struct Gpu {
+    _dir: tempfile::TempDir,
+    control: PathBuf,
+    agent: AgentProcess,
+}
+
+fn agent_with(settings: &str) -> Gpu {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("nvml.ctl");
+    std::fs::write(&control, settings).unwrap();
+    let library = standin().to_str().unwrap().to_string();
+    let agent = AgentProcess::start_with_env(
+        &[
+            "--backend",
+            "nvml",
+            "--nvml-library",
+            &library,
+            "--nvml-interval",
+            "5ms",
+        ],
+        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
+    );
+    Gpu {
+        _dir: dir,
+        control,
+        agent,
+    }
+}
+
+async fn capture(agent: &AgentProcess, ms: u64) -> XSpace {
+    let reply = agent
+        .client()
+        .await
+        .profile(request(ms, "nvml"))
+        .await
+        .unwrap()
+        .into_inner();
+    space_of(&reply)
+}
+
+/// (name, value) of every counter sample on a GPU plane.
+fn counters(space: &XSpace, gpu: u16) -> Vec<(String, f64)> {
+    let plane = plane(space, &format!("/device:GPU:{gpu}"));
+    let line = plane
+        .lines
+        .iter()
+        .find(|l| l.name == "_counters_")
+        .expect("a _counters_ line");
+    line.events
+        .iter()
+        .map(|e| {
+            let value = match find_stat(plane, &e.stats, "value") {
+                Some(StatValue::Double(v)) => v,
+                other => panic!("counter value {other:?}"),
+            };
+            (event_name(plane, e).to_string(), value)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn samples_become_counters_and_device_facts_become_plane_stats() {
+    let gpu = agent_with(
+        "gpus=2\nutil_gpu=40\nutil_mem=9\nmem_used=2147483648\npower_mw=312500\ntemp_c=58\n",
+    );
+    let space = capture(&gpu.agent, 300).await;
+    for ordinal in 0..2 {
+        let samples = counters(&space, ordinal);
+        let value_of = |name: &str| {
+            let values: Vec<f64> = samples
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| *v)
+                .collect();
+            assert!(
+                values.len() >= 10,
+                "{name}: {} samples in 300 ms at 5 ms",
+                values.len()
+            );
+            values[0]
+        };
+        assert_eq!(value_of("SM utilization (%)"), 40.0);
+        assert_eq!(value_of("Memory utilization (%)"), 9.0);
+        assert_eq!(value_of("Memory used (bytes)"), 2147483648.0);
+        assert_eq!(value_of("Power (W)"), 312.5);
+        assert_eq!(value_of("Temperature (C)"), 58.0);
+        assert_eq!(value_of("SM clock (MHz)"), 1410.0);
+        // GPM metrics (Hopper and newer) over each interval.
+        assert_eq!(value_of("GPM SM occupancy (%)"), 30.0);
+        assert_eq!(value_of("GPM tensor activity (%)"), 20.0);
+        assert_eq!(value_of("GPM DRAM bandwidth utilization (%)"), 40.0);
+        let p = plane(&space, &format!("/device:GPU:{ordinal}"));
+        let stat = |name| find_stat(p, &p.stats, name);
+        assert_eq!(
+            stat("gpu_device_name"),
+            Some(StatValue::Str(format!("NVIDIA Stand-in H100 #{ordinal}")))
+        );
+        assert_eq!(stat("compute_cap_major"), Some(StatValue::Int(9)));
+        assert_eq!(stat("core_count"), Some(StatValue::Int(132)));
+        assert_eq!(stat("clock_rate"), Some(StatValue::Int(1_980_000)));
+        assert_eq!(stat("memory_size"), Some(StatValue::Uint(85_899_345_920)));
+        assert_eq!(
+            stat("memory_bandwidth"),
+            Some(StatValue::Uint(2 * 2_619_000_000 * 5120 / 8))
+        );
+    }
+}
+
+#[tokio::test]
+async fn sampling_is_slow_while_no_capture_runs() {
+    let gpu = agent_with("gpus=1\n");
+    // Let the agent idle, then look back at that time from the recorder.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut req = request(1000, "idle");
+    req.opts.as_mut().unwrap().start_timestamp_ns = now_ns() - 1_100_000_000;
+    let reply = gpu
+        .agent
+        .client()
+        .await
+        .profile(req)
+        .await
+        .unwrap()
+        .into_inner();
+    let idle = space_of(&reply);
+    let samples = counters(&idle, 0)
+        .iter()
+        .filter(|(n, _)| n == "SM utilization (%)")
+        .count();
+    assert!(
+        samples <= 3,
+        "{samples} samples in an idle second at --nvml-idle-interval 1s"
+    );
+    let busy = capture(&gpu.agent, 300).await;
+    let fast = counters(&busy, 0)
+        .iter()
+        .filter(|(n, _)| n == "SM utilization (%)")
+        .count();
+    assert!(fast >= 10, "{fast} samples in 300 ms during a capture");
+}
+
+#[tokio::test]
+async fn gpus_without_gpm_report_the_rest() {
+    let gpu = agent_with("gpus=1\ngpm=0\n");
+    let space = capture(&gpu.agent, 200).await;
+    let samples = counters(&space, 0);
+    assert!(samples.iter().all(|(n, _)| !n.starts_with("GPM")));
+    assert!(samples.iter().any(|(n, _)| n == "SM utilization (%)"));
+}
+
+#[tokio::test]
+async fn monitor_summarises_the_sampled_health() {
+    let gpu = agent_with("gpus=1\nutil_gpu=25\n");
+    let reply = gpu
+        .agent
+        .client()
+        .await
+        .monitor(MonitorRequest {
+            duration_ms: 200,
+            monitoring_level: 2,
+            timestamp: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        reply.data.contains("GPU 0 SM utilization (%): 25.0"),
+        "{}",
+        reply.data
+    );
+    assert!(
+        reply.data.contains("device idle time: 75.0% (sampled)"),
+        "{}",
+        reply.data
+    );
+    assert!(
+        reply.data.contains("backend nvml: running (1 GPUs"),
+        "{}",
+        reply.data
+    );
+    let result = reply.monitor_result.unwrap();
+    assert_eq!(result.device_idle_time_percent, 75.0);
+}
+
+#[tokio::test]
+async fn unsupported_metrics_are_skipped_and_a_lost_gpu_is_reported() {
+    let gpu = agent_with("gpus=2\nfail_power=3\n");
+    let space = capture(&gpu.agent, 200).await;
+    assert!(counters(&space, 0).iter().all(|(n, _)| n != "Power (W)"));
+    assert!(counters(&space, 0)
+        .iter()
+        .any(|(n, _)| n == "Temperature (C)"));
+
+    std::fs::write(&gpu.control, "gpus=2\nfail_power=3\nlost_gpu=1\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let space = capture(&gpu.agent, 200).await;
+    assert!(!counters(&space, 0).is_empty(), "GPU 0 keeps reporting");
+    let gpu1 = plane(&space, "/device:GPU:1");
+    assert!(
+        gpu1.lines.iter().all(|l| l.events.is_empty()),
+        "a lost GPU is no longer sampled"
+    );
+    let reply = gpu
+        .agent
+        .client()
+        .await
+        .monitor(MonitorRequest {
+            duration_ms: 50,
+            monitoring_level: 2,
+            timestamp: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.data.contains("lost GPUs: [1]"), "{}", reply.data);
+    assert!(
+        reply
+            .data
+            .contains("not supported: GPU 0 Power, GPU 1 Power"),
+        "{}",
+        reply.data
+    );
+}
+
+#[test]
+fn without_nvml_the_backend_says_so() {
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "nvml",
+            "--nvml-library",
+            "/nonexistent/libnvidia-ml.so.1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no backend could start: nvml is not available here: cannot load NVML"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn auto_falls_back_to_the_mock_without_nvml() {
+    let agent = AgentProcess::start(&["--nvml-library", "/nonexistent/libnvidia-ml.so.1"]);
+    let space = capture(&agent, 200).await;
+    let host = plane(&space, "/host:CPU");
+    assert!(
+        host.lines.iter().any(|l| !l.events.is_empty()),
+        "the mock runs"
+    );
+}
