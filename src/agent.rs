@@ -153,6 +153,11 @@ impl Agent {
         Ok((self.store.query(window), self.registry.snapshot()))
     }
 
+    /// Backends that were asked for but could not start, with the reason.
+    pub fn unavailable_backends(&self) -> &[(&'static str, String)] {
+        &self.unavailable
+    }
+
     /// Tells the backends a capture is running until the guard is dropped.
     pub fn capture_activity(&self) -> CaptureActivity {
         self.captures.fetch_add(1, Ordering::Relaxed);

@@ -267,6 +267,57 @@ fn without_nvml_the_backend_says_so() {
 }
 
 #[tokio::test]
+async fn a_backend_that_cannot_start_is_named_in_monitor_and_the_trace() {
+    let library = standin().to_str().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("nvml.ctl");
+    std::fs::write(&control, "fail_init=999\n").unwrap();
+    let agent = AgentProcess::start_with_env(
+        &[
+            "--backend",
+            "mock",
+            "--backend",
+            "nvml",
+            "--nvml-library",
+            &library,
+        ],
+        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
+    );
+    let space = capture(&agent, 200).await;
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("backend nvml is not running: nvml is not available here")),
+        "{:?}",
+        space.warnings
+    );
+    let reply = agent
+        .client()
+        .await
+        .monitor(MonitorRequest {
+            duration_ms: 50,
+            monitoring_level: 2,
+            timestamp: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        reply
+            .data
+            .contains("backend nvml: failed: nvml is not available here"),
+        "{}",
+        reply.data
+    );
+    assert!(
+        reply.data.contains("backend mock: running"),
+        "{}",
+        reply.data
+    );
+}
+
+#[tokio::test]
 async fn auto_falls_back_to_the_mock_without_nvml() {
     let agent = AgentProcess::start(&["--nvml-library", "/nonexistent/libnvidia-ml.so.1"]);
     let space = capture(&agent, 200).await;

@@ -313,6 +313,11 @@ impl ProfilerService {
         }
         let (data, registry) = local.map_err(|e| Status::internal(e.to_string()))?;
         let mut warnings = plan.warnings.clone();
+        // A backend that was asked for and could not run leaves a gap the
+        // trace should admit to.
+        for (name, reason) in self.agent.unavailable_backends() {
+            warnings.push(format!("backend {name} is not running: {reason}"));
+        }
         if let Some(history) = data.history_starts_ns {
             warnings.push(format!(
                 "the flight recorder holds nothing before {:.3} s into the window; earlier events were evicted or never recorded",
