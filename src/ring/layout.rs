@@ -10,11 +10,15 @@ use crate::event::EVENT_WORDS;
 /// Identifies a devtrace ring region ("DVTRRING").
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"DVTRRING");
 /// Bumped whenever anything in this file changes shape.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// Alignment of the region and of every lane header.
 pub const REGION_ALIGN: usize = 64;
+/// `RingHeader::clock_id`: event times are `CLOCK_REALTIME` nanoseconds.
+pub const CLOCK_REALTIME_NS: u32 = libc::CLOCK_REALTIME as u32;
 
-/// At the start of every ring region.
+/// At the start of every ring region. Everything before `consumer_pid` is
+/// written once, before the region is visible to anyone else, and only read
+/// afterwards; a process that maps an existing region validates it first.
 #[repr(C)]
 pub struct RingHeader {
     pub magic: u64,
@@ -24,6 +28,22 @@ pub struct RingHeader {
     pub slot_size: u32,
     /// [`super::DropPolicy`] as a number; fixed when the ring is created.
     pub policy: u32,
+    /// Bytes of the whole region, header included.
+    pub total_size: u64,
+    /// Which clock event times use ([`CLOCK_REALTIME_NS`]).
+    pub clock_id: u32,
+    /// Process that created the region (the producer process for a segment
+    /// made by an injection library); stale-file cleanup keys on it.
+    pub creator_pid: u32,
+    /// `CLOCK_REALTIME` nanoseconds when the region was created.
+    pub created_ns: u64,
+    /// Process holding the ring's consumer; 0 while none.
+    pub consumer_pid: AtomicU32,
+    pub reserved: u32,
+    /// Control word set by the consumer side and read by producers: low 32
+    /// bits are flags ([`super::CONTROL_CAPTURE`]), high 32 bits a generation
+    /// bumped on every change.
+    pub control: Padded<AtomicU64>,
 }
 
 /// A word on its own cache line, so producer and consumer do not share lines.
@@ -33,8 +53,9 @@ pub struct Padded<T>(pub T);
 /// One single-producer, single-consumer lane.
 #[repr(C)]
 pub struct LaneHeader {
-    /// 0 while free; otherwise the owning producer's token.
-    pub owner: Padded<AtomicU32>,
+    /// 0 while free; otherwise `pid << 32 | token` of the owning producer, so
+    /// the consumer can tell when the owner's process has died.
+    pub owner: Padded<AtomicU64>,
     /// Next position the producer writes; only the producer stores it.
     pub head: Padded<AtomicU64>,
     /// Next position the consumer reads; only the consumer stores it.
@@ -124,6 +145,8 @@ mod tests {
             capacity: 8,
         };
         assert_eq!(std::mem::size_of::<LaneHeader>() % 64, 0);
+        assert_eq!(RingLayout::header_size(), 128);
+        assert_eq!(std::mem::offset_of!(RingHeader, control), 64);
         assert_eq!(std::mem::size_of::<Slot>(), 8 * EVENT_WORDS);
         for lane in 0..3 {
             assert_eq!(layout.lane_offset(lane) % REGION_ALIGN, 0);

@@ -11,15 +11,52 @@
 //! producer), drop-oldest overwrites the oldest unread one (counted by the
 //! consumer, which detects the overwrite through the slot's sequence word).
 //! Either way, events read plus events counted as dropped equals events pushed.
+//!
+//! # Placement
+//!
+//! The region is `#[repr(C)]` data addressed by offsets (`layout.rs`), so it
+//! can live in two places:
+//!
+//! - **In process** ([`Ring::new`]): anonymous private memory, for the agent's
+//!   own backends.
+//! - **Shared** ([`Ring::create_shared`], [`Ring::open_shared`],
+//!   [`Ring::create_memfd`]): a file (say `/run/devtrace/<pid>.ring` or any
+//!   tmpfs path) or a memfd mapped `MAP_SHARED`, so that a producer in one
+//!   process (a CUDA injection library) and the consumer in the agent use the
+//!   same lanes. A file is created with mode 0600 under a temporary name,
+//!   sized and given its header, and only then linked to its final name, so
+//!   no process ever opens a half-written ring. Opening checks magic, layout
+//!   version, clock, slot size, lane count, capacity, policy and the file's
+//!   size before any offset is trusted. Producers and the consumer then work
+//!   exactly as in process. Validation guards against stale or foreign
+//!   files, not against a hostile peer: processes sharing a ring trust each
+//!   other not to shrink the file (an access past its end faults with
+//!   `SIGBUS`) or rewrite its header.
+//!
+//! The shared header carries the creating process's pid, the clock
+//! (`CLOCK_REALTIME` nanoseconds), per-lane drop counters and a control word
+//! ([`Ring::control`], [`Ring::set_control`]) through which the agent asks
+//! producers to record ([`CONTROL_CAPTURE`]).
+//!
+//! **Liveness.** A lane's owner word holds the producer's pid, and the
+//! consumer's pid is in the header. [`Ring::release_dead_producers`] frees the
+//! lanes whose process has exited (its published events stay queued and are
+//! drained as usual; an event it had written but not yet published is simply
+//! not there), and a consumer whose process died is replaced by the next
+//! [`Ring::consumer`] call. [`remove_stale_rings`] deletes ring files (and
+//! leftover temporary files) of processes that are gone. Pids are those of
+//! the pid namespace the ring was created in.
 
 mod layout;
+mod shared;
 
 use std::ptr::NonNull;
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use layout::{LaneHeader, RingHeader, Slot, SlotSeq, REGION_ALIGN};
-pub use layout::{RingLayout, LAYOUT_VERSION, RING_MAGIC};
+pub use layout::{RingLayout, CLOCK_REALTIME_NS, LAYOUT_VERSION, RING_MAGIC};
+pub use shared::{pid_alive, remove_stale_rings, Control, CONTROL_CAPTURE};
 
 use crate::event::{Event, EVENT_WORDS};
 
@@ -37,6 +74,14 @@ impl DropPolicy {
         match self {
             DropPolicy::DropNewest => 0,
             DropPolicy::DropOldest => 1,
+        }
+    }
+
+    fn from_code(code: u32) -> Option<DropPolicy> {
+        match code {
+            0 => Some(DropPolicy::DropNewest),
+            1 => Some(DropPolicy::DropOldest),
+            _ => None,
         }
     }
 
@@ -60,11 +105,36 @@ pub enum RingError {
     ConsumerTaken,
     #[error("{lanes} lanes of {capacity} slots do not fit in memory")]
     TooLarge { lanes: u32, capacity: u64 },
+    /// A system call on a shared ring failed (`kind` is the I/O error kind,
+    /// `AlreadyExists` when creating over an existing ring file).
+    #[error("{op} {path}: {message}")]
+    Io {
+        op: &'static str,
+        path: String,
+        kind: std::io::ErrorKind,
+        message: String,
+    },
+    #[error("{path} is {size} bytes, too short for a ring (needs {needed})")]
+    Truncated {
+        path: String,
+        size: u64,
+        needed: u64,
+    },
+    #[error("{path} is not a devtrace ring (magic {found:#018x})")]
+    BadMagic { path: String, found: u64 },
+    #[error("{path} has ring layout version {found}; this build reads version {expected}")]
+    Version {
+        path: String,
+        found: u32,
+        expected: u32,
+    },
+    #[error("{path} has an invalid ring header: {reason}")]
+    BadHeader { path: String, reason: String },
 }
 
-/// Zeroed, page-aligned anonymous memory that holds a ring. Pages become
-/// resident only when first written, so an idle lane costs next to nothing;
-/// the same calls will map a shared segment for cross-process rings.
+/// Page-aligned memory that holds a ring: zeroed anonymous memory (pages
+/// become resident only when first written, so an idle lane costs next to
+/// nothing) or a shared mapping of a file or memfd (`shared.rs`).
 struct Region {
     base: NonNull<u8>,
     size: usize,
@@ -96,9 +166,21 @@ impl Region {
     }
 }
 
+/// Current `CLOCK_REALTIME` in nanoseconds.
+fn realtime_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Owner word of a lane: the pid in the high half, a nonzero token below.
+fn owner_word(token: u32) -> u64 {
+    (u64::from(std::process::id()) << 32) | u64::from(token.max(1))
+}
+
 impl Drop for Region {
     fn drop(&mut self) {
-        // SAFETY: mapped in `zeroed` with this base and size.
+        // SAFETY: mapped in `zeroed` or `shared.rs` with this base and size.
         unsafe {
             libc::munmap(self.base.as_ptr().cast(), self.size);
         }
@@ -119,13 +201,22 @@ pub struct Ring {
     layout: RingLayout,
     policy: DropPolicy,
     next_token: AtomicU32,
-    consumer_taken: AtomicBool,
 }
 
 impl Ring {
-    /// Creates a ring of `lanes` lanes with `capacity` slots each (rounded up to
-    /// a power of two).
+    /// Creates an in-process ring of `lanes` lanes with `capacity` slots each
+    /// (rounded up to a power of two).
     pub fn new(lanes: u32, capacity: u64, policy: DropPolicy) -> Result<Arc<Ring>, RingError> {
+        let layout = Ring::shape(lanes, capacity)?;
+        let size = layout.total_size().expect("checked by shape");
+        let region = Region::zeroed(size).ok_or(RingError::TooLarge { lanes, capacity })?;
+        // SAFETY: a fresh region of `layout`'s size, not yet shared.
+        unsafe { Ring::write_header(&region, layout, policy) };
+        Ok(Ring::from_region(region, layout, policy))
+    }
+
+    /// Checks a requested shape and rounds the capacity up.
+    fn shape(lanes: u32, capacity: u64) -> Result<RingLayout, RingError> {
         if lanes == 0 {
             return Err(RingError::NoLanes);
         }
@@ -136,27 +227,46 @@ impl Ring {
             lanes,
             capacity: capacity.next_power_of_two(),
         };
-        let too_large = RingError::TooLarge { lanes, capacity };
-        let size = layout.total_size().ok_or(too_large.clone())?;
-        let region = Region::zeroed(size).ok_or(too_large)?;
-        // SAFETY: the region is at least a header long, aligned, and not yet shared.
+        layout
+            .total_size()
+            .ok_or(RingError::TooLarge { lanes, capacity })?;
+        Ok(layout)
+    }
+
+    /// Writes the header of a new region.
+    ///
+    /// # Safety
+    /// `region` must be at least `layout.total_size()` bytes and not yet
+    /// visible to any other thread or process.
+    unsafe fn write_header(region: &Region, layout: RingLayout, policy: DropPolicy) {
+        let total_size = layout.total_size().expect("checked by shape") as u64;
+        // SAFETY: per the contract, aligned and exclusively ours.
         unsafe {
             region.base.cast::<RingHeader>().as_ptr().write(RingHeader {
                 magic: RING_MAGIC,
                 version: LAYOUT_VERSION,
-                lane_count: lanes,
+                lane_count: layout.lanes,
                 lane_capacity: layout.capacity,
                 slot_size: std::mem::size_of::<Slot>() as u32,
                 policy: policy.code(),
+                total_size,
+                clock_id: CLOCK_REALTIME_NS,
+                creator_pid: std::process::id(),
+                created_ns: realtime_ns(),
+                consumer_pid: AtomicU32::new(0),
+                reserved: 0,
+                control: layout::Padded(std::sync::atomic::AtomicU64::new(0)),
             });
         }
-        Ok(Arc::new(Ring {
+    }
+
+    fn from_region(region: Region, layout: RingLayout, policy: DropPolicy) -> Arc<Ring> {
+        Arc::new(Ring {
             region,
             layout,
             policy,
             next_token: AtomicU32::new(1),
-            consumer_taken: AtomicBool::new(false),
-        }))
+        })
     }
 
     pub fn policy(&self) -> DropPolicy {
@@ -168,7 +278,8 @@ impl Ring {
     }
 
     fn header(&self) -> &RingHeader {
-        // SAFETY: written once in `new` before the ring was shared; read-only since.
+        // SAFETY: written once before the ring was shared (or validated when
+        // opened); the fields that change later are atomics.
         unsafe { &*self.region.base.cast::<RingHeader>().as_ptr() }
     }
 
@@ -226,7 +337,7 @@ impl Ring {
     /// Claims a free lane for a new producer.
     pub fn producer(self: &Arc<Self>) -> Result<Producer, RingError> {
         debug_assert_eq!(self.header().magic, RING_MAGIC);
-        let token = self.next_token.fetch_add(1, Ordering::Relaxed).max(1);
+        let token = owner_word(self.next_token.fetch_add(1, Ordering::Relaxed));
         for lane in 0..self.layout.lanes {
             let header = self.lane(lane);
             if header
@@ -235,7 +346,7 @@ impl Ring {
                 .compare_exchange(0, token, Ordering::Acquire, Ordering::Relaxed)
                 .is_ok()
             {
-                let head = header.head.0.load(Ordering::Relaxed);
+                let head = header.head.0.load(Ordering::Acquire);
                 return Ok(Producer {
                     ring: Arc::clone(self),
                     lane,
@@ -249,10 +360,20 @@ impl Ring {
         Err(RingError::AllLanesBusy(self.layout.lanes))
     }
 
-    /// Takes the ring's single consumer.
+    /// Takes the ring's single consumer. Once taken it stays taken while the
+    /// taking process lives (across processes too, for a shared ring); the
+    /// consumer of a process that has died is taken over, resuming at the
+    /// tails it had stored.
     pub fn consumer(self: &Arc<Self>) -> Result<Consumer, RingError> {
-        if self.consumer_taken.swap(true, Ordering::AcqRel) {
-            return Err(RingError::ConsumerTaken);
+        let me = std::process::id();
+        let word = &self.header().consumer_pid;
+        let mut current = 0;
+        loop {
+            match word.compare_exchange(current, me, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(holder) if holder != me && !pid_alive(holder) => current = holder,
+                Err(_) => return Err(RingError::ConsumerTaken),
+            }
         }
         let lanes = self.layout.lanes;
         Ok(Consumer {

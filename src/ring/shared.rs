@@ -1,0 +1,488 @@
+//! Shared placement of a ring: files and memfds mapped `MAP_SHARED`, header
+//! validation, the control word, and liveness of the processes using a ring.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use super::layout::{RingHeader, RingLayout, Slot, CLOCK_REALTIME_NS, LAYOUT_VERSION, RING_MAGIC};
+use super::{DropPolicy, Region, Ring, RingError};
+
+/// Control flag: the agent has a capture running; producers should record.
+pub const CONTROL_CAPTURE: u32 = 1;
+
+/// The control word of a ring: flags set by the agent, and a generation that
+/// changes with every [`Ring::set_control`], so a producer that polls can tell
+/// that something changed even when the flags end up the same.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Control {
+    pub flags: u32,
+    pub generation: u32,
+}
+
+impl Control {
+    fn from_word(word: u64) -> Control {
+        Control {
+            flags: word as u32,
+            generation: (word >> 32) as u32,
+        }
+    }
+
+    pub fn capture(self) -> bool {
+        self.flags & CONTROL_CAPTURE != 0
+    }
+}
+
+fn io_error(op: &'static str, path: &Path, error: io::Error) -> RingError {
+    RingError::Io {
+        op,
+        path: path.display().to_string(),
+        kind: error.kind(),
+        message: error.to_string(),
+    }
+}
+
+/// Whether process `pid` exists and is not a zombie. Pid 0 is never alive.
+pub fn pid_alive(pid: u32) -> bool {
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may
+        // itself contain parentheses and spaces.
+        Ok(stat) => !matches!(
+            stat.rfind(')')
+                .and_then(|end| stat[end + 1..].split_whitespace().next()),
+            Some("Z" | "X" | "x")
+        ),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => false,
+        Err(_) => {
+            // SAFETY: signal 0 only checks that the process exists.
+            let result = unsafe { libc::kill(pid as libc::pid_t, 0) };
+            result == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+        }
+    }
+}
+
+impl Region {
+    /// Maps `size` bytes of `file` shared, readable and writable.
+    fn map_shared(file: &File, size: usize, path: &Path) -> Result<Region, RingError> {
+        // SAFETY: a new shared mapping of a file we hold open; nothing existing
+        // is touched. The mapping outlives the descriptor.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io_error("mmap", path, io::Error::last_os_error()));
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null here");
+        Ok(Region { base, size })
+    }
+}
+
+/// Reads and validates a ring header from the first bytes of `file`, whose
+/// size is `file_size`; returns the layout and policy it describes.
+fn validate(
+    file: &File,
+    file_size: u64,
+    path: &Path,
+) -> Result<(RingLayout, DropPolicy, RingHeader), RingError> {
+    let name = || path.display().to_string();
+    let needed = RingLayout::header_size() as u64;
+    if file_size < needed {
+        return Err(RingError::Truncated {
+            path: name(),
+            size: file_size,
+            needed,
+        });
+    }
+    let mut bytes = [0u8; std::mem::size_of::<RingHeader>()];
+    file.read_exact_at(&mut bytes, 0)
+        .map_err(|e| io_error("read", path, e))?;
+    // SAFETY: RingHeader is plain integers and atomics, valid for any bits;
+    // the read copes with the buffer's alignment.
+    let header: RingHeader = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    if header.magic != RING_MAGIC {
+        return Err(RingError::BadMagic {
+            path: name(),
+            found: header.magic,
+        });
+    }
+    if header.version != LAYOUT_VERSION {
+        return Err(RingError::Version {
+            path: name(),
+            found: header.version,
+            expected: LAYOUT_VERSION,
+        });
+    }
+    let bad = |reason: String| RingError::BadHeader {
+        path: name(),
+        reason,
+    };
+    if header.slot_size as usize != std::mem::size_of::<Slot>() {
+        return Err(bad(format!(
+            "slot size {} (expected {})",
+            header.slot_size,
+            std::mem::size_of::<Slot>()
+        )));
+    }
+    if header.clock_id != CLOCK_REALTIME_NS {
+        return Err(bad(format!(
+            "clock {} is not CLOCK_REALTIME",
+            header.clock_id
+        )));
+    }
+    let policy = DropPolicy::from_code(header.policy)
+        .ok_or_else(|| bad(format!("unknown drop policy {}", header.policy)))?;
+    let capacity = header.lane_capacity;
+    if !capacity.is_power_of_two() || !(2..=1 << 24).contains(&capacity) {
+        return Err(bad(format!("lane capacity {capacity}")));
+    }
+    if header.lane_count == 0 {
+        return Err(bad("no lanes".into()));
+    }
+    let layout = RingLayout {
+        lanes: header.lane_count,
+        capacity,
+    };
+    let total = layout
+        .total_size()
+        .ok_or_else(|| bad(format!("{} lanes do not fit in memory", layout.lanes)))?
+        as u64;
+    if header.total_size != total {
+        return Err(bad(format!(
+            "recorded size {} but its shape needs {total}",
+            header.total_size
+        )));
+    }
+    if file_size < total {
+        return Err(RingError::Truncated {
+            path: name(),
+            size: file_size,
+            needed: total,
+        });
+    }
+    if file_size != total {
+        return Err(bad(format!("file is {file_size} bytes, the ring {total}")));
+    }
+    Ok((layout, policy, header))
+}
+
+fn file_size(file: &File, path: &Path) -> Result<u64, RingError> {
+    Ok(file
+        .metadata()
+        .map_err(|e| io_error("stat", path, e))?
+        .len())
+}
+
+/// Sizes `file` for `layout`, maps it and writes a fresh header.
+fn initialise(
+    file: &File,
+    path: &Path,
+    layout: RingLayout,
+    policy: DropPolicy,
+) -> Result<Arc<Ring>, RingError> {
+    let size = layout.total_size().expect("checked by shape");
+    file.set_len(size as u64)
+        .map_err(|e| io_error("resize", path, e))?;
+    let region = Region::map_shared(file, size, path)?;
+    // SAFETY: the file was just created and sized; nobody else can reach it
+    // until it is linked under its final name (or its descriptor is passed on).
+    unsafe { Ring::write_header(&region, layout, policy) };
+    Ok(Ring::from_region(region, layout, policy))
+}
+
+/// The temporary name a ring file is prepared under, unique to this process
+/// and call: `.<name>.<pid>-<n>.tmp`.
+fn temp_path(path: &Path) -> PathBuf {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    path.with_file_name(format!(".{name}.{}-{n}.tmp", std::process::id()))
+}
+
+/// The creator's pid in a temporary ring file's name, if it is one.
+fn temp_creator(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let (ring, id) = rest.rsplit_once('.')?;
+    let (pid, n) = id.split_once('-')?;
+    n.parse::<u32>().ok()?;
+    ring.ends_with(".ring").then(|| pid.parse().ok())?
+}
+
+impl Ring {
+    /// Creates a ring in a new file at `path` (mode 0600), mapped shared, for
+    /// producers and a consumer in other processes ([`Ring::open_shared`]).
+    /// The file is prepared under a temporary name in the same directory and
+    /// linked to `path` complete; an existing `path` is never replaced
+    /// (`RingError::Io` with kind `AlreadyExists`). The caller removes the
+    /// file when done; [`remove_stale_rings`] removes those of dead creators.
+    pub fn create_shared(
+        path: impl AsRef<Path>,
+        lanes: u32,
+        capacity: u64,
+        policy: DropPolicy,
+    ) -> Result<Arc<Ring>, RingError> {
+        let path = path.as_ref();
+        let layout = Ring::shape(lanes, capacity)?;
+        let temp = temp_path(path);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&temp)
+            .map_err(|e| io_error("create", &temp, e))?;
+        let ring = initialise(&file, &temp, layout, policy).and_then(|ring| {
+            // A hard link, unlike rename, fails instead of replacing `path`.
+            std::fs::hard_link(&temp, path)
+                .map(|()| ring)
+                .map_err(|e| io_error("link", path, e))
+        });
+        let _ = std::fs::remove_file(&temp);
+        ring
+    }
+
+    /// Opens and maps a ring that another process created, after checking its
+    /// header and size. A symbolic link at `path` is refused (ring directories
+    /// may be writable by others); use [`Ring::open_file`] for descriptors.
+    pub fn open_shared(path: impl AsRef<Path>) -> Result<Arc<Ring>, RingError> {
+        let path = path.as_ref();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(|e| io_error("open", path, e))?;
+        Ring::open_file(&file, path)
+    }
+
+    /// Maps a ring from an open descriptor (a memfd received from another
+    /// process, say); `path` only names it in errors.
+    pub fn open_file(file: &File, path: &Path) -> Result<Arc<Ring>, RingError> {
+        let size = file_size(file, path)?;
+        let (layout, policy, _) = validate(file, size, path)?;
+        let region = Region::map_shared(file, size as usize, path)?;
+        Ok(Ring::from_region(region, layout, policy))
+    }
+
+    /// Creates a ring in an anonymous memfd named `name` (visible only in
+    /// `/proc/<pid>/fd`). Returns the ring and the descriptor to hand to
+    /// other processes (by `SCM_RIGHTS`, inheritance, or their opening
+    /// `/proc/<pid>/fd/<fd>`), who map it with [`Ring::open_file`] or
+    /// [`Ring::open_shared`].
+    pub fn create_memfd(
+        name: &str,
+        lanes: u32,
+        capacity: u64,
+        policy: DropPolicy,
+    ) -> Result<(Arc<Ring>, File), RingError> {
+        let layout = Ring::shape(lanes, capacity)?;
+        let path = Path::new(name);
+        let cname = std::ffi::CString::new(name).map_err(|_| RingError::BadHeader {
+            path: name.into(),
+            reason: "memfd name contains a NUL byte".into(),
+        })?;
+        // SAFETY: a valid C string; the new descriptor is owned by `file` below.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io_error("memfd_create", path, io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        let ring = initialise(&file, path, layout, policy)?;
+        Ok((ring, file))
+    }
+
+    /// The pid of the process that created the ring.
+    pub fn creator_pid(&self) -> u32 {
+        self.header().creator_pid
+    }
+
+    /// `CLOCK_REALTIME` nanoseconds when the ring was created.
+    pub fn created_ns(&self) -> u64 {
+        self.header().created_ns
+    }
+
+    /// The pid of the process holding the consumer, if one is taken.
+    pub fn consumer_pid(&self) -> Option<u32> {
+        Some(self.header().consumer_pid.load(Ordering::Acquire)).filter(|pid| *pid != 0)
+    }
+
+    /// The control word as last set.
+    pub fn control(&self) -> Control {
+        Control::from_word(self.header().control.0.load(Ordering::Acquire))
+    }
+
+    /// Sets the control flags and bumps the generation; returns the new word.
+    pub fn set_control(&self, flags: u32) -> Control {
+        let word = &self.header().control.0;
+        let mut current = word.load(Ordering::Relaxed);
+        loop {
+            let generation = Control::from_word(current).generation.wrapping_add(1);
+            let new = (u64::from(generation) << 32) | u64::from(flags);
+            match word.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return Control::from_word(new),
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// The pid owning each lane (`None` for a free lane).
+    pub fn lane_owners(&self) -> Vec<Option<u32>> {
+        (0..self.layout.lanes)
+            .map(|lane| {
+                let owner = self.lane(lane).owner.0.load(Ordering::Acquire);
+                (owner != 0).then_some((owner >> 32) as u32)
+            })
+            .collect()
+    }
+
+    /// Frees the lanes whose producer process has exited, so that new
+    /// producers can claim them; returns those lanes. What the dead producer
+    /// published stays queued and is drained as usual. Lanes owned by this
+    /// process are never touched.
+    pub fn release_dead_producers(&self) -> Vec<u32> {
+        let me = std::process::id();
+        let mut released = Vec::new();
+        for lane in 0..self.layout.lanes {
+            let owner = &self.lane(lane).owner.0;
+            let word = owner.load(Ordering::Acquire);
+            let pid = (word >> 32) as u32;
+            if word == 0 || pid == me || pid_alive(pid) {
+                continue;
+            }
+            if owner
+                .compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                released.push(lane);
+            }
+        }
+        released
+    }
+}
+
+/// Removes ring files in `dir` (names ending in `.ring`) whose creator and
+/// lane owners have all exited, and temporary files left by creators that
+/// died while preparing one. Files that are not rings of this layout version
+/// are left alone. Returns the paths removed.
+pub fn remove_stale_rings(dir: impl AsRef<Path>) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let stale = if let Some(pid) = temp_creator(&name) {
+            !pid_alive(pid)
+        } else if name.ends_with(".ring") && entry.file_type()?.is_file() {
+            ring_is_stale(&path)
+        } else {
+            false
+        };
+        if stale {
+            match std::fs::remove_file(&path) {
+                Ok(()) => removed.push(path),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(removed)
+}
+
+/// Whether the ring file at `path` belongs to processes that are all gone.
+fn ring_is_stale(path: &Path) -> bool {
+    let Ok(file) = File::open(path) else {
+        return false;
+    };
+    let Ok(size) = file.metadata().map(|m| m.len()) else {
+        return false;
+    };
+    let Ok((layout, _, header)) = validate(&file, size, path) else {
+        return false;
+    };
+    if pid_alive(header.creator_pid) {
+        return false;
+    }
+    (0..layout.lanes).all(|lane| {
+        let mut word = [0u8; 8];
+        if file
+            .read_exact_at(&mut word, layout.lane_offset(lane) as u64)
+            .is_err()
+        {
+            return false;
+        }
+        let owner = u64::from_ne_bytes(word);
+        owner == 0 || !pid_alive((owner >> 32) as u32)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_word_bumps_its_generation() {
+        let ring = Ring::new(1, 4, DropPolicy::DropNewest).unwrap();
+        assert_eq!(ring.control(), Control::default());
+        let first = ring.set_control(CONTROL_CAPTURE);
+        assert!(first.capture());
+        assert_eq!(first.generation, 1);
+        let second = ring.set_control(CONTROL_CAPTURE);
+        assert_eq!((second.flags, second.generation), (CONTROL_CAPTURE, 2));
+        assert!(!ring.set_control(0).capture());
+        assert_eq!(ring.control().generation, 3);
+    }
+
+    #[test]
+    fn liveness_of_pids() {
+        assert!(pid_alive(std::process::id()));
+        assert!(!pid_alive(0));
+        assert!(!pid_alive(u32::MAX));
+    }
+
+    #[test]
+    fn heap_rings_record_their_creator_and_consumer() {
+        let ring = Ring::new(2, 4, DropPolicy::DropOldest).unwrap();
+        assert_eq!(ring.creator_pid(), std::process::id());
+        assert_eq!(ring.consumer_pid(), None);
+        let _consumer = ring.consumer().unwrap();
+        assert_eq!(ring.consumer_pid(), Some(std::process::id()));
+        let _producer = ring.producer().unwrap();
+        assert_eq!(ring.lane_owners(), vec![Some(std::process::id()), None]);
+        // Our own lanes are never released.
+        assert!(ring.release_dead_producers().is_empty());
+    }
+
+    #[test]
+    fn temp_names_stay_in_the_directory() {
+        let temp = temp_path(Path::new("/run/devtrace/7.ring"));
+        assert_eq!(temp.parent(), Some(Path::new("/run/devtrace")));
+        let name = temp.file_name().unwrap().to_string_lossy().into_owned();
+        let prefix = format!(".7.ring.{}-", std::process::id());
+        assert!(
+            name.starts_with(&prefix) && name.ends_with(".tmp"),
+            "{name}"
+        );
+        assert_eq!(temp_creator(&name), Some(std::process::id()));
+        assert_ne!(temp_path(Path::new("/run/devtrace/7.ring")), temp);
+        assert_eq!(temp_creator(".a.ring.12-0.tmp"), Some(12));
+        assert_eq!(temp_creator(".a.ring.12.tmp"), None);
+        assert_eq!(temp_creator(".a.txt.12-0.tmp"), None);
+        assert_eq!(temp_creator("a.ring"), None);
+    }
+}
