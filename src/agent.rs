@@ -11,6 +11,7 @@ use tracing::{info, warn};
 
 use crate::backend::mock::{MockBackend, MockConfig};
 use crate::backend::nvml::{NvmlBackend, NvmlConfig};
+use crate::backend::perf::{PerfBackend, PerfConfig};
 use crate::backend::tpu::{TpuBackend, TpuConfig};
 use crate::backend::SessionSource;
 use crate::backend::{Backend, BackendContext, BackendError, Health};
@@ -31,6 +32,9 @@ pub enum BackendChoice {
     Nvml,
     /// TPU activity through libtpu's PJRT profiler extension.
     Tpu,
+    /// Linux perf counters per CPU (and per process with --perf-pid).
+    /// Not part of `auto`: it needs root and adds a counter track per CPU.
+    Perf,
 }
 
 #[derive(Clone, Debug)]
@@ -39,6 +43,7 @@ pub struct AgentConfig {
     pub mock: MockConfig,
     pub nvml: NvmlConfig,
     pub tpu: TpuConfig,
+    pub perf: PerfConfig,
     pub store: StoreConfig,
     pub ring_lanes: u32,
     pub ring_capacity: u64,
@@ -52,6 +57,7 @@ impl Default for AgentConfig {
             mock: MockConfig::default(),
             nvml: NvmlConfig::default(),
             tpu: TpuConfig::default(),
+            perf: PerfConfig::default(),
             store: StoreConfig::default(),
             ring_lanes: 16,
             ring_capacity: 1 << 16,
@@ -265,6 +271,11 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
             ),
             BackendChoice::Tpu => try_start(
                 Box::new(TpuBackend::new(config.tpu.clone())),
+                &mut started,
+                &mut unavailable,
+            ),
+            BackendChoice::Perf => try_start(
+                Box::new(PerfBackend::new(config.perf.clone())),
                 &mut started,
                 &mut unavailable,
             ),

@@ -6,6 +6,7 @@
 
 pub mod mock;
 pub mod nvml;
+pub mod perf;
 pub mod tpu;
 
 use std::sync::Arc;

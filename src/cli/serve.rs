@@ -57,6 +57,14 @@ pub struct ServeArgs {
     #[arg(long)]
     pub tpu_library: Option<std::ffi::OsString>,
 
+    /// A process the perf backend also counts on its own (repeatable).
+    #[arg(long = "perf-pid", value_name = "PID")]
+    pub perf_pids: Vec<i32>,
+
+    /// How often the perf backend reads its counters while a capture runs.
+    #[arg(long, default_value = "10ms", value_parser = super::parse_duration)]
+    pub perf_interval: Duration,
+
     /// How much history the flight recorder keeps (e.g. 120s, 10m).
     #[arg(long, default_value = "120s", value_parser = super::parse_duration)]
     pub store_retention: Duration,
@@ -133,6 +141,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 library: library.clone(),
             },
             None => crate::backend::tpu::TpuConfig::default(),
+        },
+        perf: crate::backend::perf::PerfConfig {
+            interval: args.perf_interval,
+            pids: args.perf_pids.clone(),
+            ..Default::default()
         },
         store: StoreConfig {
             retention: args.store_retention,
