@@ -13,13 +13,13 @@
 //! buffer with a memset (stream 7).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::worker::Worker;
 use super::{Backend, BackendContext, BackendError, Capabilities, Health};
 use crate::clock;
 use crate::event::{
@@ -516,15 +516,10 @@ fn mock_device_info() -> DeviceInfo {
     }
 }
 
-struct Running {
-    stop: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
-}
-
 /// See the module documentation.
 pub struct MockBackend {
     config: MockConfig,
-    running: Option<Running>,
+    running: Option<Worker>,
     pushed: Arc<AtomicU64>,
     refused: Arc<AtomicU64>,
     failure: Arc<Mutex<Option<String>>>,
@@ -572,44 +567,36 @@ impl Backend for MockBackend {
             reason: e.to_string(),
         })?;
         let config = self.config;
-        let stop = Arc::new(AtomicBool::new(false));
         let (pushed, refused) = (Arc::clone(&self.pushed), Arc::clone(&self.refused));
-        let thread_stop = Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name("devtrace-mock".into())
-            .spawn(move || {
-                let mut workload = Workload::new(&config, &context.registry, clock::now_ns());
-                let (mut ok, mut full) = (0u64, 0u64);
-                if config.events_per_second == 0 {
-                    // Rate 0: an idle agent, for measuring its own footprint.
-                    while !thread_stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(TICK * 50);
-                    }
-                    return;
+        let worker = Worker::spawn("mock", move |stop| {
+            let mut workload = Workload::new(&config, &context.registry, clock::now_ns());
+            let (mut ok, mut full) = (0u64, 0u64);
+            if config.events_per_second == 0 {
+                // Rate 0: an idle agent, for measuring its own footprint.
+                while !stop.is_set() {
+                    std::thread::sleep(TICK * 50);
                 }
-                while !thread_stop.load(Ordering::Relaxed) {
-                    let now = clock::now_ns();
-                    while workload.next_time_ns() <= now {
-                        workload.emit_next(&mut |event| {
-                            if producer.push(&event) {
-                                ok += 1;
-                            } else {
-                                full += 1;
-                            }
-                        });
-                    }
-                    pushed.store(ok, Ordering::Relaxed);
-                    refused.store(full, Ordering::Relaxed);
-                    std::thread::sleep(TICK);
+                return;
+            }
+            while !stop.is_set() {
+                let now = clock::now_ns();
+                while workload.next_time_ns() <= now {
+                    workload.emit_next(&mut |event| {
+                        if producer.push(&event) {
+                            ok += 1;
+                        } else {
+                            full += 1;
+                        }
+                    });
                 }
-            })
-            .map_err(|e| BackendError::Start {
-                backend: "mock",
-                reason: e.to_string(),
-            });
-        match thread {
-            Ok(thread) => {
-                self.running = Some(Running { stop, thread });
+                pushed.store(ok, Ordering::Relaxed);
+                refused.store(full, Ordering::Relaxed);
+                std::thread::sleep(TICK);
+            }
+        });
+        match worker {
+            Ok(worker) => {
+                self.running = Some(worker);
                 Ok(())
             }
             Err(e) => {
@@ -620,9 +607,8 @@ impl Backend for MockBackend {
     }
 
     fn stop(&mut self) {
-        if let Some(running) = self.running.take() {
-            running.stop.store(true, Ordering::Relaxed);
-            let _ = running.thread.join();
+        if let Some(worker) = self.running.take() {
+            worker.stop();
         }
     }
 
@@ -632,7 +618,7 @@ impl Backend for MockBackend {
         }
         match &self.running {
             None => Health::Stopped,
-            Some(running) if running.thread.is_finished() => Health::Failed {
+            Some(worker) if worker.exited() => Health::Failed {
                 reason: "generator thread exited".into(),
             },
             Some(_) => Health::Running {

@@ -8,6 +8,7 @@ pub mod mock;
 pub mod nvml;
 pub mod perf;
 pub mod tpu;
+pub mod worker;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -12,9 +12,8 @@
 //! the bus is reported and no longer sampled.
 
 use std::ffi::OsString;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use nvml_wrapper::enum_wrappers::device::{
@@ -26,6 +25,7 @@ use nvml_wrapper::gpm::{gpm_metrics_get, GpmSample};
 use nvml_wrapper::{Device as NvmlDevice, Nvml};
 use parking_lot::Mutex;
 
+use super::worker::{pace, Worker};
 use super::{Backend, BackendContext, BackendError, Capabilities, Health};
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
@@ -161,15 +161,10 @@ struct Status {
     errors: u64,
 }
 
-struct Running {
-    stop: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
-}
-
 /// See the module documentation.
 pub struct NvmlBackend {
     config: NvmlConfig,
-    running: Option<Running>,
+    running: Option<Worker>,
     samples: Arc<AtomicU64>,
     status: Arc<Mutex<Status>>,
 }
@@ -235,68 +230,47 @@ impl Backend for NvmlBackend {
         })?;
         self.status.lock().devices = count;
         let names = CounterNames::new(&context.registry);
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = Arc::clone(&stop);
         let (samples, status) = (Arc::clone(&self.samples), Arc::clone(&self.status));
         let (interval, idle_interval) = (self.config.interval, self.config.idle_interval);
         let captures = Arc::clone(&context.captures);
-        let thread = std::thread::Builder::new()
-            .name("devtrace-nvml".into())
-            .spawn(move || {
-                let mut sampler = Sampler {
-                    nvml: &nvml,
-                    names,
-                    status,
-                    batch: Vec::new(),
-                    gpm_previous: (0..count).map(|_| None).collect(),
-                    gpm: (0..count)
-                        .map(|i| {
-                            nvml.device_by_index(i)
-                                .and_then(|d| d.gpm_support())
-                                .unwrap_or(false)
-                        })
-                        .collect(),
-                };
-                while !thread_stop.load(Ordering::Relaxed) {
-                    sampler.sample_all(count);
-                    samples.fetch_add(sampler.batch.len() as u64, Ordering::Relaxed);
-                    producer.push_batch(&sampler.batch);
-                    sampler.batch.clear();
-                    // Sleep in short steps so a capture that starts gets fast
-                    // sampling at once.
-                    let mut slept = Duration::ZERO;
-                    loop {
-                        let busy = captures.load(Ordering::Relaxed) > 0;
-                        let target = if busy { interval } else { idle_interval };
-                        if slept >= target || thread_stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        let step = (target - slept).min(interval);
-                        std::thread::sleep(step);
-                        slept += step;
-                    }
-                }
-            })
-            .map_err(|e| BackendError::Start {
-                backend: "nvml",
-                reason: e.to_string(),
-            })?;
-        self.running = Some(Running { stop, thread });
+        let worker = Worker::spawn("nvml", move |stop| {
+            let mut sampler = Sampler {
+                nvml: &nvml,
+                names,
+                status,
+                batch: Vec::new(),
+                gpm_previous: (0..count).map(|_| None).collect(),
+                gpm: (0..count)
+                    .map(|i| {
+                        nvml.device_by_index(i)
+                            .and_then(|d| d.gpm_support())
+                            .unwrap_or(false)
+                    })
+                    .collect(),
+            };
+            while !stop.is_set() {
+                sampler.sample_all(count);
+                samples.fetch_add(sampler.batch.len() as u64, Ordering::Relaxed);
+                producer.push_batch(&sampler.batch);
+                sampler.batch.clear();
+                pace(&stop, &captures, interval, idle_interval);
+            }
+        })?;
+        self.running = Some(worker);
         Ok(())
     }
 
     fn stop(&mut self) {
-        if let Some(running) = self.running.take() {
-            running.stop.store(true, Ordering::Relaxed);
-            let _ = running.thread.join();
+        if let Some(worker) = self.running.take() {
+            worker.stop();
         }
     }
 
     fn health(&self) -> Health {
-        let Some(running) = &self.running else {
+        let Some(worker) = &self.running else {
             return Health::Stopped;
         };
-        if running.thread.is_finished() {
+        if worker.exited() {
             return Health::Failed {
                 reason: "sampling thread exited".into(),
             };

@@ -9,15 +9,14 @@
 //! are often absent in virtual machines; then only the software ones run and
 //! the health report says so.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use perf_event::events::{Event as PerfEvent, Hardware, Software};
 use perf_event::{Builder, Counter};
 
+use super::worker::{pace, Worker};
 use super::{Backend, BackendContext, BackendError, Capabilities, Health};
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
@@ -89,15 +88,10 @@ struct Status {
     failed_reads: u64,
 }
 
-struct Running {
-    stop: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
-}
-
 /// See the module documentation.
 pub struct PerfBackend {
     config: PerfConfig,
-    running: Option<Running>,
+    running: Option<Worker>,
     status: Arc<Mutex<Status>>,
 }
 
@@ -193,72 +187,58 @@ impl Backend for PerfBackend {
             backend: "perf",
             reason: e.to_string(),
         })?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = Arc::clone(&stop);
         let status = Arc::clone(&self.status);
         let captures = Arc::clone(&context.captures);
         let (interval, idle_interval) = (self.config.interval, self.config.idle_interval);
-        let thread = std::thread::Builder::new()
-            .name("devtrace-perf".into())
-            .spawn(move || {
-                let mut batch = Vec::with_capacity(tracks.len());
+        let worker = Worker::spawn("perf", move |stop| {
+            let mut batch = Vec::with_capacity(tracks.len());
+            for track in &mut tracks {
+                track.last = track.counter.read().unwrap_or(0);
+            }
+            let mut last_read = Instant::now();
+            while !stop.is_set() {
+                pace(&stop, &captures, interval, idle_interval);
+                let elapsed = last_read.elapsed().as_secs_f64().max(1e-9);
+                last_read = Instant::now();
+                let now = clock::now_ns();
                 for track in &mut tracks {
-                    track.last = track.counter.read().unwrap_or(0);
-                }
-                let mut last_read = Instant::now();
-                while !thread_stop.load(Ordering::Relaxed) {
-                    let busy = captures.load(Ordering::Relaxed) > 0;
-                    std::thread::sleep(if busy {
-                        interval
-                    } else {
-                        idle_interval.min(interval * 10)
-                    });
-                    let elapsed = last_read.elapsed().as_secs_f64().max(1e-9);
-                    last_read = Instant::now();
-                    let now = clock::now_ns();
-                    for track in &mut tracks {
-                        match track.counter.read() {
-                            Ok(value) => {
-                                let delta = value.saturating_sub(track.last) as f64;
-                                track.last = value;
-                                batch.push(Event::new(
-                                    now,
-                                    0,
-                                    Device::Host,
-                                    COUNTER_TRACK,
-                                    track.name,
-                                    Payload::Counter {
-                                        value: delta * track.scale / elapsed,
-                                    },
-                                ));
-                            }
-                            Err(_) => status.lock().failed_reads += 1,
+                    match track.counter.read() {
+                        Ok(value) => {
+                            let delta = value.saturating_sub(track.last) as f64;
+                            track.last = value;
+                            batch.push(Event::new(
+                                now,
+                                0,
+                                Device::Host,
+                                COUNTER_TRACK,
+                                track.name,
+                                Payload::Counter {
+                                    value: delta * track.scale / elapsed,
+                                },
+                            ));
                         }
+                        Err(_) => status.lock().failed_reads += 1,
                     }
-                    producer.push_batch(&batch);
-                    batch.clear();
                 }
-            })
-            .map_err(|e| BackendError::Start {
-                backend: "perf",
-                reason: e.to_string(),
-            })?;
-        self.running = Some(Running { stop, thread });
+                producer.push_batch(&batch);
+                batch.clear();
+            }
+        })?;
+        self.running = Some(worker);
         Ok(())
     }
 
     fn stop(&mut self) {
-        if let Some(running) = self.running.take() {
-            running.stop.store(true, Ordering::Relaxed);
-            let _ = running.thread.join();
+        if let Some(worker) = self.running.take() {
+            worker.stop();
         }
     }
 
     fn health(&self) -> Health {
-        let Some(running) = &self.running else {
+        let Some(worker) = &self.running else {
             return Health::Stopped;
         };
-        if running.thread.is_finished() {
+        if worker.exited() {
             return Health::Failed {
                 reason: "reading thread exited".into(),
             };

@@ -1,0 +1,126 @@
+//! The thread a producing backend runs on: started under a name, told to
+//! stop, joined; and the pacing of backends that sample faster while a
+//! capture runs.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::BackendError;
+
+/// Tells a worker's loop to end.
+#[derive(Clone, Default)]
+pub struct StopFlag(Arc<AtomicBool>);
+
+impl StopFlag {
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A running backend thread; stopping it waits for the loop to end.
+pub struct Worker {
+    stop: StopFlag,
+    thread: JoinHandle<()>,
+}
+
+impl Worker {
+    /// Starts `body` on a thread named `devtrace-<backend>`.
+    pub fn spawn(
+        backend: &'static str,
+        body: impl FnOnce(StopFlag) + Send + 'static,
+    ) -> Result<Worker, BackendError> {
+        let stop = StopFlag::default();
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("devtrace-{backend}"))
+            .spawn(move || body(flag))
+            .map_err(|e| BackendError::Start {
+                backend,
+                reason: e.to_string(),
+            })?;
+        Ok(Worker { stop, thread })
+    }
+
+    /// True when the loop ended without being asked to.
+    pub fn exited(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    pub fn stop(self) {
+        self.stop.0.store(true, Ordering::Relaxed);
+        let _ = self.thread.join();
+    }
+}
+
+/// Sleeps until the next reading: `busy` apart while any capture runs,
+/// `idle` apart otherwise, in steps of at most `busy` so that a capture that
+/// starts, or a stop, is noticed within one busy interval.
+pub fn pace(stop: &StopFlag, captures: &AtomicUsize, busy: Duration, idle: Duration) {
+    let mut slept = Duration::ZERO;
+    loop {
+        let target = if captures.load(Ordering::Relaxed) > 0 {
+            busy
+        } else {
+            idle
+        };
+        if slept >= target || stop.is_set() {
+            return;
+        }
+        let step = (target - slept).min(busy);
+        std::thread::sleep(step);
+        slept += step;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_worker_stops_when_told_and_reports_an_early_exit() {
+        let worker = Worker::spawn("test", |stop| {
+            while !stop.is_set() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+        .unwrap();
+        assert!(!worker.exited());
+        worker.stop();
+        let early = Worker::spawn("test", |_| {}).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(early.exited());
+    }
+
+    #[test]
+    fn pacing_follows_capture_activity_and_stops_promptly() {
+        let stop = StopFlag::default();
+        let captures = AtomicUsize::new(1);
+        let started = Instant::now();
+        pace(
+            &stop,
+            &captures,
+            Duration::from_millis(5),
+            Duration::from_secs(10),
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "busy pacing uses the short interval"
+        );
+        captures.store(0, Ordering::Relaxed);
+        stop.0.store(true, Ordering::Relaxed);
+        let started = Instant::now();
+        pace(
+            &stop,
+            &captures,
+            Duration::from_millis(5),
+            Duration::from_secs(10),
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a stop ends an idle pause"
+        );
+    }
+}
