@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use common::*;
 use devtrace::proto::tensorflow::profiler::XSpace;
-use devtrace::proto::tensorflow::MonitorRequest;
 use devtrace::xspace::read::{event_name, find_stat, StatValue};
 
 /// Builds the stand-in library once per test run.
@@ -173,18 +172,7 @@ async fn gpus_without_gpm_report_the_rest() {
 #[tokio::test]
 async fn monitor_summarises_the_sampled_health() {
     let gpu = agent_with("gpus=1\nutil_gpu=25\n");
-    let reply = gpu
-        .agent
-        .client()
-        .await
-        .monitor(MonitorRequest {
-            duration_ms: 200,
-            monitoring_level: 2,
-            timestamp: false,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let reply = gpu.agent.monitor(200).await;
     assert!(
         reply.data.contains("GPU 0 SM utilization (%): 25.0"),
         "{}",
@@ -222,18 +210,7 @@ async fn unsupported_metrics_are_skipped_and_a_lost_gpu_is_reported() {
         gpu1.lines.iter().all(|l| l.events.is_empty()),
         "a lost GPU is no longer sampled"
     );
-    let reply = gpu
-        .agent
-        .client()
-        .await
-        .monitor(MonitorRequest {
-            duration_ms: 50,
-            monitoring_level: 2,
-            timestamp: false,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let reply = gpu.agent.monitor(50).await;
     assert!(reply.data.contains("lost GPUs: [1]"), "{}", reply.data);
     assert!(
         reply
@@ -292,17 +269,7 @@ async fn a_backend_that_cannot_start_is_named_in_monitor_and_the_trace() {
         "{:?}",
         space.warnings
     );
-    let reply = agent
-        .client()
-        .await
-        .monitor(MonitorRequest {
-            duration_ms: 50,
-            monitoring_level: 2,
-            timestamp: false,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let reply = agent.monitor(50).await;
     assert!(
         reply
             .data

@@ -61,6 +61,20 @@ impl AgentProcess {
         ProfilerServiceClient::new(channel).max_decoding_message_size(usize::MAX)
     }
 
+    /// A level-2 `Monitor` over `duration_ms`, without a timestamp.
+    pub async fn monitor(&self, duration_ms: u64) -> devtrace::proto::tensorflow::MonitorResponse {
+        self.client()
+            .await
+            .monitor(devtrace::proto::tensorflow::MonitorRequest {
+                duration_ms,
+                monitoring_level: 2,
+                timestamp: false,
+            })
+            .await
+            .expect("Monitor")
+            .into_inner()
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
