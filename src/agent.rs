@@ -9,12 +9,13 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
+use crate::backend::ebpf::{EbpfBackend, EbpfConfig};
 use crate::backend::mock::{MockBackend, MockConfig};
 use crate::backend::nvml::{NvmlBackend, NvmlConfig};
 use crate::backend::perf::{PerfBackend, PerfConfig};
 use crate::backend::tpu::{TpuBackend, TpuConfig};
 use crate::backend::SessionSource;
-use crate::backend::{Backend, BackendContext, BackendError, Health};
+use crate::backend::{Backend, BackendContext, BackendError, Health, Loss};
 use crate::clock;
 use crate::collect::{Collector, CollectorError};
 use crate::registry::{Registry, RegistrySnapshot};
@@ -24,7 +25,8 @@ use crate::store::{Store, StoreConfig, StoreStats, Window, WindowData};
 /// Which backends `serve` starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendChoice {
-    /// Every backend that works on this machine; the mock when none does.
+    /// Every backend that works on this machine (the device backends, and
+    /// the eBPF kernel hooks); the mock when no device backend works.
     Auto,
     /// The deterministic mock backend.
     Mock,
@@ -35,6 +37,10 @@ pub enum BackendChoice {
     /// Linux perf counters per CPU (and per process with --perf-pid).
     /// Not part of `auto`: it needs root and adds a counter track per CPU.
     Perf,
+    /// Kernel hooks through eBPF: CPU scheduling of every thread and the
+    /// CUDA driver calls of every process. Needs root (or CAP_BPF and
+    /// CAP_PERFMON) and a kernel with BTF.
+    Ebpf,
 }
 
 #[derive(Clone, Debug)]
@@ -44,6 +50,7 @@ pub struct AgentConfig {
     pub nvml: NvmlConfig,
     pub tpu: TpuConfig,
     pub perf: PerfConfig,
+    pub ebpf: EbpfConfig,
     pub store: StoreConfig,
     pub ring_lanes: u32,
     pub ring_capacity: u64,
@@ -58,6 +65,7 @@ impl Default for AgentConfig {
             nvml: NvmlConfig::default(),
             tpu: TpuConfig::default(),
             perf: PerfConfig::default(),
+            ebpf: EbpfConfig::default(),
             store: StoreConfig::default(),
             ring_lanes: 16,
             ring_capacity: 1 << 16,
@@ -198,6 +206,19 @@ impl Agent {
         health
     }
 
+    /// Running totals of what each backend lost before its events reached
+    /// the ring.
+    pub fn losses(&self) -> Vec<(&'static str, Loss)> {
+        self.backends
+            .lock()
+            .iter()
+            .flat_map(|b| {
+                let name = b.name();
+                b.losses().into_iter().map(move |loss| (name, loss))
+            })
+            .collect()
+    }
+
     pub fn store_stats(&self) -> StoreStats {
         self.store.stats()
     }
@@ -241,7 +262,8 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
     let try_start = |mut backend: Box<dyn Backend>,
                      started: &mut Vec<Box<dyn Backend>>,
                      unavailable: &mut Vec<(&'static str, String)>| {
-        if started.iter().any(|b| b.name() == backend.name()) {
+        let name = backend.name();
+        if started.iter().any(|b| b.name() == name) || unavailable.iter().any(|(n, _)| *n == name) {
             return;
         }
         match backend.start(context.clone()) {
@@ -279,6 +301,11 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
                 &mut started,
                 &mut unavailable,
             ),
+            BackendChoice::Ebpf => try_start(
+                Box::new(EbpfBackend::new(config.ebpf.clone())),
+                &mut started,
+                &mut unavailable,
+            ),
         }
     }
     if auto {
@@ -302,6 +329,14 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
                 &mut unavailable,
             );
         }
+        // Kernel hooks complement whatever device backend runs. When they
+        // cannot run (not root, no BTF), the reason stays in `unavailable`
+        // so that serve's log, Monitor and every trace say so.
+        try_start(
+            Box::new(EbpfBackend::new(config.ebpf.clone())),
+            &mut started,
+            &mut unavailable,
+        );
     }
     if started.is_empty() {
         let reasons: Vec<String> = unavailable.iter().map(|(_, r)| r.clone()).collect();

@@ -20,25 +20,30 @@ pub struct NameId(pub u32);
 pub enum Device {
     /// Host threads: the `/host:CPU` plane.
     Host,
+    /// The host's CPUs as the scheduler used them: the `/host:CPUs` plane,
+    /// one line per CPU and one per thread's off-CPU time.
+    HostCpus,
     /// A GPU by ordinal: the `/device:GPU:<n>` plane.
     Gpu(u16),
 }
 
 impl Device {
     const GPU_TAG: u16 = 0x1000;
+    const HOST_CPUS: u16 = 0x2000;
 
     fn encode(self) -> u16 {
         match self {
             Device::Host => 0,
+            Device::HostCpus => Self::HOST_CPUS,
             Device::Gpu(ordinal) => Self::GPU_TAG | (ordinal & 0x0fff),
         }
     }
 
     fn decode(raw: u16) -> Device {
-        if raw & 0xf000 == Self::GPU_TAG {
-            Device::Gpu(raw & 0x0fff)
-        } else {
-            Device::Host
+        match raw & 0xf000 {
+            Self::GPU_TAG => Device::Gpu(raw & 0x0fff),
+            Self::HOST_CPUS => Device::HostCpus,
+            _ => Device::Host,
         }
     }
 }
@@ -158,6 +163,26 @@ pub struct RpcInfo {
     pub waited_ops: u32,
 }
 
+/// A CUDA driver API call seen by a uprobe, with the arguments that matter
+/// for its kind (zero where they do not apply).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DriverCallInfo {
+    pub pid: u32,
+    /// The `CUresult` it returned.
+    pub result: i32,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+    /// Kernel name when the launch's function handle was resolved, or 0.
+    pub kernel: NameId,
+    pub stream: u64,
+    pub bytes: u64,
+    /// Device address allocated, freed or copied to.
+    pub address: u64,
+    /// `CUfunction` handle of a launch.
+    pub function: u64,
+}
+
 /// What an event is, with the fields that kind carries.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Payload {
@@ -190,6 +215,25 @@ pub enum Payload {
         device: NameId,
         context_id: u64,
     },
+    /// A thread running on a CPU (a `/host:CPUs` CPU line); the event name
+    /// is the thread's command name.
+    CpuSlice {
+        pid: u32,
+        tid: u32,
+        cpu: u32,
+        /// Task state the thread left the CPU in (0 = preempted).
+        end_state: u32,
+    },
+    /// A thread off its CPU, from switching out to switching back in.
+    OffCpu {
+        pid: u32,
+        tid: u32,
+        /// Task state it switched out in (0 = preempted while runnable).
+        state: u32,
+        /// Thread that woke it, or 0 when no wakeup was seen.
+        waker_tid: u32,
+    },
+    DriverCall(DriverCallInfo),
 }
 
 impl Payload {
@@ -206,6 +250,9 @@ impl Payload {
             Payload::Counter { .. } => 8,
             Payload::Rpc(_) => 9,
             Payload::EagerOp { .. } => 10,
+            Payload::CpuSlice { .. } => 11,
+            Payload::OffCpu { .. } => 12,
+            Payload::DriverCall(_) => 13,
         }
     }
 }
@@ -305,6 +352,35 @@ impl Payload {
                 p[1] = u64::from(device.0);
                 p[2] = context_id;
             }
+            Payload::CpuSlice {
+                pid,
+                tid,
+                cpu,
+                end_state,
+            } => {
+                p[0] = pack(pid, tid);
+                p[1] = pack(cpu, end_state);
+            }
+            Payload::OffCpu {
+                pid,
+                tid,
+                state,
+                waker_tid,
+            } => {
+                p[0] = pack(pid, tid);
+                p[1] = pack(state, waker_tid);
+            }
+            Payload::DriverCall(d) => {
+                p[0] = pack(d.pid, d.result as u32);
+                p[1] = pack(d.grid[0], d.grid[1]);
+                p[2] = pack(d.grid[2], d.block[0]);
+                p[3] = pack(d.block[1], d.block[2]);
+                p[4] = pack(d.shared_bytes, d.kernel.0);
+                p[5] = d.stream;
+                p[6] = d.bytes;
+                p[7] = d.address;
+                p[8] = d.function;
+            }
         }
         p
     }
@@ -403,6 +479,45 @@ impl Payload {
                 device: NameId(p[1] as u32),
                 context_id: p[2],
             },
+            11 => {
+                let (pid, tid) = unpack(p[0]);
+                let (cpu, end_state) = unpack(p[1]);
+                Payload::CpuSlice {
+                    pid,
+                    tid,
+                    cpu,
+                    end_state,
+                }
+            }
+            12 => {
+                let (pid, tid) = unpack(p[0]);
+                let (state, waker_tid) = unpack(p[1]);
+                Payload::OffCpu {
+                    pid,
+                    tid,
+                    state,
+                    waker_tid,
+                }
+            }
+            13 => {
+                let (pid, result) = unpack(p[0]);
+                let (gx, gy) = unpack(p[1]);
+                let (gz, bx) = unpack(p[2]);
+                let (by, bz) = unpack(p[3]);
+                let (shared_bytes, kernel) = unpack(p[4]);
+                Payload::DriverCall(DriverCallInfo {
+                    pid,
+                    result: result as i32,
+                    grid: [gx, gy, gz],
+                    block: [bx, by, bz],
+                    shared_bytes,
+                    kernel: NameId(kernel),
+                    stream: p[5],
+                    bytes: p[6],
+                    address: p[7],
+                    function: p[8],
+                })
+            }
             _ => Payload::Plain,
         }
     }
@@ -571,6 +686,30 @@ mod tests {
             device: NameId(4),
             context_id: u64::MAX,
         });
+        round_trip(Payload::CpuSlice {
+            pid: 7,
+            tid: u32::MAX,
+            cpu: 255,
+            end_state: 0x402,
+        });
+        round_trip(Payload::OffCpu {
+            pid: 1,
+            tid: 2,
+            state: 1,
+            waker_tid: 99,
+        });
+        round_trip(Payload::DriverCall(DriverCallInfo {
+            pid: 40,
+            result: -1,
+            grid: [1, 2, 3],
+            block: [4, 5, 6],
+            shared_bytes: 4096,
+            kernel: NameId(12),
+            stream: u64::MAX,
+            bytes: 1 << 40,
+            address: 0x7f00_0000_0000,
+            function: 0xdead_beef,
+        }));
     }
 
     #[test]
@@ -581,6 +720,7 @@ mod tests {
     #[test]
     fn host_and_gpu_devices_keep_their_identity() {
         assert_eq!(Device::decode(Device::Host.encode()), Device::Host);
+        assert_eq!(Device::decode(Device::HostCpus.encode()), Device::HostCpus);
         assert_eq!(
             Device::decode(Device::Gpu(4095).encode()),
             Device::Gpu(4095)

@@ -286,7 +286,12 @@ async fn a_backend_that_cannot_start_is_named_in_monitor_and_the_trace() {
 
 #[tokio::test]
 async fn auto_falls_back_to_the_mock_without_nvml() {
-    let agent = AgentProcess::start(&["--nvml-library", "/nonexistent/libnvidia-ml.so.1"]);
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "auto",
+        "--nvml-library",
+        "/nonexistent/libnvidia-ml.so.1",
+    ]);
     let space = capture(&agent, 200).await;
     let host = plane(&space, "/host:CPU");
     assert!(

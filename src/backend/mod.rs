@@ -4,6 +4,7 @@
 //!
 //! [`Event`]: crate::event::Event
 
+pub mod ebpf;
 pub mod mock;
 pub mod nvml;
 pub mod perf;
@@ -82,6 +83,19 @@ pub trait Backend: Send + Sync {
     fn session_source(&self) -> Option<Arc<dyn SessionSource>> {
         None
     }
+    /// Events lost before they reached the ring (in the kernel, in a
+    /// library's buffers), as running totals; captures report what grew
+    /// during their window.
+    fn losses(&self) -> Vec<Loss> {
+        Vec::new()
+    }
+}
+
+/// A running total of events a backend lost, and what they were.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Loss {
+    pub what: &'static str,
+    pub count: u64,
 }
 
 /// A source that records only while a capture runs and hands back a whole

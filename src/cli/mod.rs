@@ -34,7 +34,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the agent: record events from the backends and serve captures.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Capture a trace from a running profiler server into a logdir.
     Capture(CaptureArgs),
     /// Summarise an .xplane.pb file: planes, lines, events, time span.
@@ -52,7 +52,7 @@ pub enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     init_logging(&cli.log_level);
     match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Capture(args) => capture::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Session(args) => session::run_session(args),

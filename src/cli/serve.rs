@@ -9,6 +9,7 @@ use clap::Args;
 use tracing::info;
 
 use crate::agent::{Agent, AgentConfig, BackendChoice};
+use crate::backend::ebpf::{cgroup_id, AttachMode, EbpfConfig};
 use crate::backend::mock::MockConfig;
 use crate::ring::DropPolicy;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
@@ -65,6 +66,42 @@ pub struct ServeArgs {
     #[arg(long, default_value = "10ms", value_parser = super::parse_duration)]
     pub perf_interval: Duration,
 
+    /// When the eBPF backend's kernel hooks are attached: during captures
+    /// only (no cost otherwise), or always (so snapshots of the past hold
+    /// scheduling and CUDA calls too).
+    #[arg(long, value_enum, default_value_t = AttachMode::Capture)]
+    pub ebpf_attach: AttachMode,
+
+    /// Which kernel hooks the eBPF backend uses (comma-separated).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [EbpfHook::Sched, EbpfHook::Cuda])]
+    pub ebpf_hooks: Vec<EbpfHook>,
+
+    /// Limit the eBPF backend to this process (repeatable).
+    #[arg(long = "ebpf-pid", value_name = "PID")]
+    pub ebpf_pids: Vec<u32>,
+
+    /// Limit the eBPF backend to one cgroup v2, e.g. a pod's
+    /// /sys/fs/cgroup/kubepods.slice/.../ directory.
+    #[arg(long, value_name = "DIR")]
+    pub ebpf_cgroup: Option<PathBuf>,
+
+    /// Limit the eBPF backend to threads whose command name starts with this
+    /// (at most 15 bytes, the kernel's limit).
+    #[arg(long, value_name = "PREFIX", value_parser = parse_comm)]
+    pub ebpf_comm: Option<String>,
+
+    /// Size of each BPF ring buffer between the kernel and the agent (a
+    /// power of two, 4KiB to 1GiB). Records that find it full are counted
+    /// in the trace's warnings and loss counters.
+    #[arg(long, default_value = "4MiB", value_parser = parse_ring_size)]
+    pub ebpf_ring_size: u32,
+
+    /// A CUDA driver library to probe besides those found mapped in running
+    /// processes (repeatable), e.g. /usr/lib/x86_64-linux-gnu/libcuda.so.1
+    /// so that programs started later are seen from their first call.
+    #[arg(long = "cuda-library", value_name = "PATH")]
+    pub cuda_libraries: Vec<PathBuf>,
+
     /// How much history the flight recorder keeps (e.g. 120s, 10m).
     #[arg(long, default_value = "120s", value_parser = super::parse_duration)]
     pub store_retention: Duration,
@@ -108,6 +145,38 @@ pub struct ServeArgs {
     pub taps: Vec<(String, String)>,
 }
 
+/// Kernel hooks of the eBPF backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EbpfHook {
+    /// Scheduler switches, wakeups, exec and exit: the /host:CPUs plane.
+    Sched,
+    /// Uprobes on the CUDA driver library's entry points.
+    Cuda,
+}
+
+fn parse_ring_size(text: &str) -> Result<u32, String> {
+    let bytes = super::parse_size(text)?;
+    if !bytes.is_power_of_two() || !(4096..=1 << 30).contains(&bytes) {
+        return Err(format!(
+            "{bytes} bytes; a BPF ring buffer is a power of two from 4KiB to 1GiB"
+        ));
+    }
+    Ok(bytes as u32)
+}
+
+fn parse_comm(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        return Err("the prefix is empty".into());
+    }
+    if text.len() > 15 {
+        return Err(format!(
+            "{} bytes; the kernel keeps at most 15 bytes of a command name",
+            text.len()
+        ));
+    }
+    Ok(text.to_string())
+}
+
 fn parse_upstream(text: &str) -> Result<String, String> {
     crate::client::normalize_address(text, crate::client::DEFAULT_PORT).map_err(|e| e.to_string())
 }
@@ -146,6 +215,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             interval: args.perf_interval,
             pids: args.perf_pids.clone(),
             ..Default::default()
+        },
+        ebpf: EbpfConfig {
+            sched: args.ebpf_hooks.contains(&EbpfHook::Sched),
+            cuda: args.ebpf_hooks.contains(&EbpfHook::Cuda),
+            attach: args.ebpf_attach,
+            pids: args.ebpf_pids.clone(),
+            cgroup_id: match &args.ebpf_cgroup {
+                Some(dir) => Some(
+                    cgroup_id(dir).with_context(|| format!("--ebpf-cgroup {}", dir.display()))?,
+                ),
+                None => None,
+            },
+            comm: args.ebpf_comm.clone(),
+            cuda_libraries: args.cuda_libraries.clone(),
+            ring_bytes: args.ebpf_ring_size,
+            ..EbpfConfig::default()
         },
         store: StoreConfig {
             retention: args.store_retention,

@@ -86,6 +86,8 @@ struct Plan {
     emit_xspace: bool,
     options: Vec<u8>,
     warnings: Vec<String>,
+    /// Backends' running loss totals when the request arrived.
+    losses_at_start: Vec<(&'static str, crate::backend::Loss)>,
 }
 
 /// The message form of an encoded trace, for replies that carry it inline.
@@ -263,6 +265,7 @@ impl ProfilerService {
             emit_xspace: request.emit_xspace,
             options: options.encode_to_vec(),
             warnings,
+            losses_at_start: self.agent.losses(),
         })
     }
 
@@ -317,6 +320,20 @@ impl ProfilerService {
         // trace should admit to.
         for (name, reason) in self.agent.unavailable_backends() {
             warnings.push(format!("backend {name} is not running: {reason}"));
+        }
+        for (backend, loss) in self.agent.losses() {
+            let before = plan
+                .losses_at_start
+                .iter()
+                .find(|(b, l)| *b == backend && l.what == loss.what)
+                .map_or(0, |(_, l)| l.count);
+            let lost = loss.count.saturating_sub(before);
+            if lost > 0 {
+                warnings.push(format!(
+                    "backend {backend}: {lost} {} while this capture ran",
+                    loss.what
+                ));
+            }
         }
         if let Some(history) = data.history_starts_ns {
             warnings.push(format!(

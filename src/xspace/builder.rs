@@ -8,7 +8,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use prost::Message;
 
-use crate::event::{CopyKind, Device, Event, KernelInfo, MemoryInfo, NameId, Payload, RpcInfo};
+use crate::event::{
+    CopyKind, Device, DriverCallInfo, Event, KernelInfo, MemoryInfo, NameId, Payload, RpcInfo,
+};
 use crate::proto::tensorflow::profiler::XSpace;
 use crate::registry::{DeviceInfo, RegistrySnapshot};
 use crate::store::Window;
@@ -169,6 +171,10 @@ fn encode_plane(
 ) {
     let (id, name) = match device {
         Device::Host => (names::HOST_PLANE_ID, names::HOST_PLANE.to_string()),
+        Device::HostCpus => (
+            names::HOST_CPUS_PLANE_ID,
+            names::HOST_CPUS_PLANE.to_string(),
+        ),
         Device::Gpu(ordinal) => (i64::from(ordinal), names::gpu_plane_name(ordinal)),
     };
     out.int_nonzero(field::PLANE_ID, id);
@@ -186,6 +192,16 @@ fn encode_plane(
             Device::Host => registry
                 .line_name(device, line_id)
                 .map_or_else(|| format!("Thread {line_id}"), str::to_string),
+            Device::HostCpus => registry.line_name(device, line_id).map_or_else(
+                || {
+                    if line_id & names::THREAD_LINE_BIT != 0 {
+                        format!("Thread {} off-CPU", line_id & !names::THREAD_LINE_BIT)
+                    } else {
+                        names::cpu_line_name(line_id)
+                    }
+                },
+                str::to_string,
+            ),
             Device::Gpu(_) => names::stream_line_name(line_id, &stream_kinds(&events)),
         };
         let xline_id = if line_id == COUNTER_TRACK {
@@ -226,6 +242,35 @@ fn stream_kinds(events: &[&Event]) -> Vec<&'static str> {
         .zip(present)
         .filter_map(|(kind, on)| on.then_some(*kind))
         .collect()
+}
+
+/// `CpuSlice::end_state` of a slice cut while its thread still ran.
+pub const STILL_RUNNING: u32 = u32::MAX;
+
+/// A scheduler task state as `ps` letters it, with a word.
+pub fn task_state_label(state: u32) -> std::borrow::Cow<'static, str> {
+    const INTERRUPTIBLE: u32 = 0x1;
+    const UNINTERRUPTIBLE: u32 = 0x2;
+    const STOPPED: u32 = 0x4;
+    const TRACED: u32 = 0x8;
+    const DEAD: u32 = 0x10 | 0x20 | 0x80;
+    const PARKED: u32 = 0x40;
+    const NOLOAD: u32 = 0x400;
+    const FROZEN: u32 = 0x8000;
+    let label = match state {
+        STILL_RUNNING => "R (still running)",
+        0 => "R (preempted)",
+        s if s & UNINTERRUPTIBLE != 0 && s & NOLOAD != 0 => "I (idle)",
+        s if s & INTERRUPTIBLE != 0 => "S (sleeping)",
+        s if s & UNINTERRUPTIBLE != 0 => "D (uninterruptible)",
+        s if s & STOPPED != 0 => "T (stopped)",
+        s if s & TRACED != 0 => "t (traced)",
+        s if s & DEAD != 0 => "X (exiting)",
+        s if s & PARKED != 0 => "P (parked)",
+        s if s & FROZEN != 0 => "frozen",
+        s => return format!("state 0x{s:x}").into(),
+    };
+    label.into()
 }
 
 fn copy_label(kind: CopyKind) -> &'static str {
@@ -350,9 +395,22 @@ enum Stat {
     EagerOpId,
     EagerDevice,
     EagerContextId,
+    Pid,
+    Tid,
+    Cpu,
+    TaskState,
+    WokenBy,
+    CudaResult,
+    Grid,
+    Block,
+    SharedMemBytes,
+    Stream,
+    Bytes,
+    Function,
+    Kernel,
 }
 
-const STAT_COUNT: usize = Stat::EagerContextId as usize + 1;
+const STAT_COUNT: usize = Stat::Kernel as usize + 1;
 
 impl Stat {
     fn name(self) -> &'static str {
@@ -411,6 +469,19 @@ impl Stat {
             Stat::EagerOpId => stat::EAGER_OP_ID,
             Stat::EagerDevice => stat::EAGER_DEVICE,
             Stat::EagerContextId => stat::EAGER_CONTEXT_ID,
+            Stat::Pid => stat::PID,
+            Stat::Tid => stat::TID,
+            Stat::Cpu => stat::CPU,
+            Stat::TaskState => stat::TASK_STATE,
+            Stat::WokenBy => stat::WOKEN_BY,
+            Stat::CudaResult => stat::CUDA_RESULT,
+            Stat::Grid => stat::GRID,
+            Stat::Block => stat::BLOCK,
+            Stat::SharedMemBytes => stat::SHARED_MEM_BYTES,
+            Stat::Stream => stat::STREAM,
+            Stat::Bytes => stat::BYTES,
+            Stat::Function => stat::FUNCTION,
+            Stat::Kernel => stat::KERNEL,
         }
     }
 }
@@ -560,7 +631,7 @@ impl<'r> PlaneTables<'r> {
             Payload::Memcpy(copy) => {
                 let destination = match event.device() {
                     Device::Gpu(ordinal) => ordinal,
-                    Device::Host => 0,
+                    Device::Host | Device::HostCpus => 0,
                 };
                 let key = DetailsKey::Copy(copy.bytes, copy.kind as u8, copy.is_async, destination);
                 let details = match self.detail_refs.get(&key) {
@@ -621,6 +692,69 @@ impl<'r> PlaneTables<'r> {
                 }
                 self.stat(out, Stat::EagerContextId, Value::Uint(context_id));
             }
+            Payload::CpuSlice {
+                pid,
+                tid,
+                cpu,
+                end_state,
+            } => {
+                self.stat(out, Stat::Pid, Value::Uint(u64::from(pid)));
+                self.stat(out, Stat::Tid, Value::Uint(u64::from(tid)));
+                self.stat(out, Stat::Cpu, Value::Uint(u64::from(cpu)));
+                let state = self.named(&task_state_label(end_state));
+                self.stat(out, Stat::TaskState, Value::Ref(state));
+            }
+            Payload::OffCpu {
+                pid,
+                tid,
+                state,
+                waker_tid,
+            } => {
+                self.stat(out, Stat::Pid, Value::Uint(u64::from(pid)));
+                self.stat(out, Stat::Tid, Value::Uint(u64::from(tid)));
+                let state = self.named(&task_state_label(state));
+                self.stat(out, Stat::TaskState, Value::Ref(state));
+                if waker_tid != 0 {
+                    self.stat(out, Stat::WokenBy, Value::Uint(u64::from(waker_tid)));
+                }
+            }
+            Payload::DriverCall(call) => self.driver_call_stats(out, &call),
+        }
+    }
+
+    /// A driver call's arguments; launch geometry only for launches, sizes
+    /// and addresses only where the call has them.
+    fn driver_call_stats(&mut self, out: &mut Writer, call: &DriverCallInfo) {
+        self.stat(out, Stat::Pid, Value::Uint(u64::from(call.pid)));
+        self.stat(out, Stat::CudaResult, Value::Int(i64::from(call.result)));
+        if call.grid != [0; 3] || call.block != [0; 3] {
+            let [gx, gy, gz] = call.grid;
+            let [bx, by, bz] = call.block;
+            let grid = self.named(&format!("{gx},{gy},{gz}"));
+            let block = self.named(&format!("{bx},{by},{bz}"));
+            self.stat(out, Stat::Grid, Value::Ref(grid));
+            self.stat(out, Stat::Block, Value::Ref(block));
+            self.stat(
+                out,
+                Stat::SharedMemBytes,
+                Value::Uint(u64::from(call.shared_bytes)),
+            );
+        }
+        if call.kernel != NameId(0) {
+            let kernel = self.name_ref(call.kernel);
+            self.stat(out, Stat::Kernel, Value::Ref(kernel));
+        }
+        for (stat, value) in [
+            (Stat::Function, call.function),
+            (Stat::Stream, call.stream),
+            (Stat::Bytes, call.bytes),
+        ] {
+            if value != 0 {
+                self.stat(out, stat, Value::Uint(value));
+            }
+        }
+        if call.address != 0 {
+            self.stat(out, Stat::Address, Value::Uint(call.address));
         }
     }
 

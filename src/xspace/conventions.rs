@@ -5,6 +5,20 @@
 pub const HOST_PLANE: &str = "/host:CPU";
 /// TensorFlow's id for the host plane.
 pub const HOST_PLANE_ID: i64 = 49;
+/// The scheduler's view of the host's CPUs. XProf's trace viewer shows every
+/// plane whose name starts with `/host:CPU`, and nothing reads this one as the
+/// host-threads plane, which must be exactly [`HOST_PLANE`].
+pub const HOST_CPUS_PLANE: &str = "/host:CPUs";
+pub const HOST_CPUS_PLANE_ID: i64 = 48;
+/// Line ids of per-thread off-CPU lines on [`HOST_CPUS_PLANE`] are the thread
+/// id with this bit set, apart from the CPU lines (ids = CPU numbers) even
+/// after XProf casts line ids to 32 bits.
+pub const THREAD_LINE_BIT: u64 = 1 << 30;
+
+pub fn cpu_line_name(cpu: u64) -> String {
+    format!("CPU {cpu}")
+}
+
 /// Plane with the session's environment (start, stop, options).
 pub const TASK_ENVIRONMENT_PLANE: &str = "Task Environment";
 /// An id that no device ordinal reaches.
@@ -103,6 +117,21 @@ pub mod stat {
     pub const EAGER_OP_ID: &str = "op_id";
     pub const EAGER_DEVICE: &str = "device";
     pub const EAGER_CONTEXT_ID: &str = "eager_context_id";
+    // Scheduler and driver-call events (devtrace's own; XProf shows them as
+    // arguments).
+    pub const PID: &str = "pid";
+    pub const TID: &str = "tid";
+    pub const CPU: &str = "cpu";
+    pub const TASK_STATE: &str = "state";
+    pub const WOKEN_BY: &str = "woken_by_tid";
+    pub const CUDA_RESULT: &str = "result";
+    pub const GRID: &str = "grid";
+    pub const BLOCK: &str = "block";
+    pub const SHARED_MEM_BYTES: &str = "shared_mem_bytes";
+    pub const STREAM: &str = "stream";
+    pub const BYTES: &str = "bytes";
+    pub const FUNCTION: &str = "function";
+    pub const KERNEL: &str = "kernel";
     /// Never written: its presence makes XProf skip step grouping.
     pub const GROUP_ID: &str = "group_id";
 }

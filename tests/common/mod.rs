@@ -29,16 +29,31 @@ impl AgentProcess {
         Self::start_with_env(extra, &[])
     }
 
-    /// As [`AgentProcess::start`], with extra environment variables.
+    /// As [`AgentProcess::start`], with extra environment variables. Without
+    /// a `--backend` in `extra` the agent runs the mock alone, so that the
+    /// host's own activity (the eBPF backend under `auto`) stays out of
+    /// tests that count events; tests of `auto` ask for it.
     pub fn start_with_env(extra: &[&str], env: &[(&str, &std::path::Path)]) -> AgentProcess {
-        let mut child = Command::new(BIN)
+        let default_backend: &[&str] = if extra.contains(&"--backend") {
+            &[]
+        } else {
+            &["--backend", "mock"]
+        };
+        let child = Command::new(BIN)
             .args(["serve", "--listen", "127.0.0.1:0", "--log-level", "warn"])
+            .args(default_backend)
             .args(extra)
             .envs(env.iter().map(|(k, v)| (*k, *v)))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("starting devtrace serve");
+        Self::adopt(child)
+    }
+
+    /// Takes over an agent started some other way (with its stdout piped),
+    /// once it has printed the address it bound.
+    pub fn adopt(mut child: Child) -> AgentProcess {
         let stdout = child.stdout.take().expect("stdout");
         let mut line = String::new();
         BufReader::new(stdout)
@@ -183,4 +198,42 @@ pub fn build_standin(source: &str, library: &str) -> std::path::PathBuf {
         .expect("running cc");
     assert!(status.success(), "building {} failed", source.display());
     output
+}
+
+/// Builds `tests/standins/<source>` into the program `name` under the test
+/// target directory (`cc <args> -o name source`) once per test process and
+/// returns its path. Written under a temporary name and renamed into place,
+/// so that test processes building the same program at once never run a
+/// half-written file.
+pub fn build_program(source: &str, name: &str, args: &[&str]) -> std::path::PathBuf {
+    static BUILT: std::sync::Mutex<Vec<(String, std::path::PathBuf)>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, path)) = built.iter().find(|(n, _)| n == name) {
+        return path.clone();
+    }
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("standins");
+    std::fs::create_dir_all(&dir).expect("standin directory");
+    let output = dir.join(name);
+    let partial = dir.join(format!("{name}.{}.partial", std::process::id()));
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/standins")
+        .join(source);
+    let status = Command::new("cc")
+        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .arg(&partial)
+        .arg(&source)
+        .args(args)
+        .status()
+        .expect("running cc");
+    assert!(status.success(), "building {} failed", source.display());
+    std::fs::rename(&partial, &output).expect("moving the program into place");
+    built.push((name.to_string(), output.clone()));
+    output
+}
+
+/// Whether this process runs as root; tests that load BPF programs need it.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
 }

@@ -1,0 +1,534 @@
+//! The CUDA driver side of the eBPF backend: which entry points are probed
+//! and what their arguments mean, where the driver library is (in the maps
+//! of every process, containers included), and how a returned call becomes
+//! events: a span on the calling thread's `/host:CPU` line and, for
+//! allocations and frees, memory events per process.
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::records::{
+    c_str, CudaCall, CALL_FLAG_LAUNCH_CONFIG, CALL_FLAG_OUT_ARG0, CALL_FLAG_SYMBOL_ARG2,
+};
+use crate::event::{Device, DriverCallInfo, Event, MemoryInfo, NameId, Payload};
+use crate::registry::Registry;
+
+/// One probed entry point: its symbol, which driver function it is (the
+/// arguments mean the same for a function's per-thread-stream `_ptsz` and
+/// `_ptds` variants), and the attach-cookie flags that tell the BPF program
+/// what to read besides the integer arguments.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaProbe {
+    pub symbol: &'static str,
+    pub function: usize,
+    pub flags: u32,
+}
+
+const fn probe(symbol: &'static str, function: usize) -> CudaProbe {
+    let flags = match function {
+        LAUNCH_KERNEL_EX => CALL_FLAG_LAUNCH_CONFIG,
+        MEM_ALLOC => CALL_FLAG_OUT_ARG0,
+        MODULE_GET_FUNCTION => CALL_FLAG_OUT_ARG0 | CALL_FLAG_SYMBOL_ARG2,
+        _ => 0,
+    };
+    CudaProbe {
+        symbol,
+        function,
+        flags,
+    }
+}
+
+/// Every probed symbol. Functions are `enum cuda_fn` in `bpf/records.h`.
+pub const CUDA_PROBES: [CudaProbe; 27] = [
+    probe("cuLaunchKernel", LAUNCH_KERNEL),
+    probe("cuLaunchKernel_ptsz", LAUNCH_KERNEL),
+    probe("cuLaunchKernelEx", LAUNCH_KERNEL_EX),
+    probe("cuLaunchKernelEx_ptsz", LAUNCH_KERNEL_EX),
+    probe("cuMemAlloc_v2", MEM_ALLOC),
+    probe("cuMemFree_v2", MEM_FREE),
+    probe("cuMemcpy", MEMCPY),
+    probe("cuMemcpy_ptds", MEMCPY),
+    probe("cuMemcpyAsync", MEMCPY_ASYNC),
+    probe("cuMemcpyAsync_ptsz", MEMCPY_ASYNC),
+    probe("cuMemcpyHtoD_v2", MEMCPY_HTOD),
+    probe("cuMemcpyHtoD_v2_ptds", MEMCPY_HTOD),
+    probe("cuMemcpyDtoH_v2", MEMCPY_DTOH),
+    probe("cuMemcpyDtoH_v2_ptds", MEMCPY_DTOH),
+    probe("cuMemcpyDtoD_v2", MEMCPY_DTOD),
+    probe("cuMemcpyDtoD_v2_ptds", MEMCPY_DTOD),
+    probe("cuMemcpyHtoDAsync_v2", MEMCPY_HTOD_ASYNC),
+    probe("cuMemcpyHtoDAsync_v2_ptsz", MEMCPY_HTOD_ASYNC),
+    probe("cuMemcpyDtoHAsync_v2", MEMCPY_DTOH_ASYNC),
+    probe("cuMemcpyDtoHAsync_v2_ptsz", MEMCPY_DTOH_ASYNC),
+    probe("cuMemcpyDtoDAsync_v2", MEMCPY_DTOD_ASYNC),
+    probe("cuMemcpyDtoDAsync_v2_ptsz", MEMCPY_DTOD_ASYNC),
+    probe("cuStreamSynchronize", STREAM_SYNCHRONIZE),
+    probe("cuStreamSynchronize_ptsz", STREAM_SYNCHRONIZE),
+    probe("cuCtxSynchronize", CTX_SYNCHRONIZE),
+    probe("cuEventSynchronize", EVENT_SYNCHRONIZE),
+    probe("cuModuleGetFunction", MODULE_GET_FUNCTION),
+];
+
+impl CudaProbe {
+    /// The attach cookie: function in bits 0-7, probe index in 8-15, flags
+    /// from bit 16.
+    pub fn cookie(&self, index: usize) -> u64 {
+        self.function as u64 | ((index as u64) << 8) | u64::from(self.flags)
+    }
+}
+
+const LAUNCH_KERNEL: usize = 0;
+const LAUNCH_KERNEL_EX: usize = 1;
+const MEM_ALLOC: usize = 2;
+const MEM_FREE: usize = 3;
+const MEMCPY: usize = 4;
+const MEMCPY_ASYNC: usize = 5;
+const MEMCPY_HTOD: usize = 6;
+const MEMCPY_DTOH: usize = 7;
+const MEMCPY_DTOD: usize = 8;
+const MEMCPY_HTOD_ASYNC: usize = 9;
+const MEMCPY_DTOH_ASYNC: usize = 10;
+const MEMCPY_DTOD_ASYNC: usize = 11;
+const STREAM_SYNCHRONIZE: usize = 12;
+const CTX_SYNCHRONIZE: usize = 13;
+const EVENT_SYNCHRONIZE: usize = 14;
+const MODULE_GET_FUNCTION: usize = 15;
+
+/// Kernel names remembered per process; beyond this the table starts over
+/// (launches then show the handle without a name until it is seen again).
+const MAX_KERNEL_NAMES: usize = 65_536;
+/// Live allocations remembered per host, for the size of each free.
+const MAX_ALLOCATIONS: usize = 1 << 20;
+
+/// A driver library file, identified by device and inode so that the same
+/// file seen through several mount namespaces is probed once.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DriverLibrary {
+    /// A path this process can open (through `/proc/<pid>/root` for a
+    /// library inside a container).
+    pub path: PathBuf,
+    pub dev: u64,
+    pub inode: u64,
+}
+
+impl DriverLibrary {
+    pub fn at(path: &Path) -> Option<DriverLibrary> {
+        let meta = std::fs::metadata(path).ok()?;
+        meta.is_file().then(|| DriverLibrary {
+            path: path.to_path_buf(),
+            dev: meta.dev(),
+            inode: meta.ino(),
+        })
+    }
+}
+
+/// Whether a mapped file is the CUDA driver (`libcuda.so`, `libcuda.so.1`,
+/// `libcuda.so.550.54.15`, ...).
+fn is_driver_library(path: &str) -> bool {
+    path.rsplit('/')
+        .next()
+        .is_some_and(|file| file == "libcuda.so" || file.starts_with("libcuda.so."))
+}
+
+/// Every driver library some process has mapped now, plus `extra` paths
+/// given by the operator, without duplicates.
+pub fn find_driver_libraries(proc_root: &Path, extra: &[PathBuf]) -> Vec<DriverLibrary> {
+    let mut found = Vec::new();
+    let mut seen = HashSet::new();
+    let mut add = |library: DriverLibrary| {
+        if seen.insert((library.dev, library.inode)) {
+            found.push(library);
+        }
+    };
+    for path in extra {
+        if let Some(library) = DriverLibrary::at(path) {
+            add(library);
+        }
+    }
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        // Processes come and go while we look; a vanished one is skipped.
+        let Ok(maps) = std::fs::read_to_string(entry.path().join("maps")) else {
+            continue;
+        };
+        let mut paths: Vec<&str> = maps
+            .lines()
+            .filter_map(|line| line.split_whitespace().nth(5))
+            .filter(|path| path.starts_with('/') && is_driver_library(path))
+            .collect();
+        paths.dedup();
+        for path in paths {
+            // Through the process's own root, so a container's library
+            // resolves to the container's file.
+            let through_root = proc_root.join(pid).join("root").join(&path[1..]);
+            if let Some(library) = DriverLibrary::at(&through_root) {
+                add(library);
+            }
+        }
+    }
+    found
+}
+
+/// Per-process allocation bookkeeping for the memory profile.
+#[derive(Default)]
+struct ProcessMemory {
+    allocator: NameId,
+    in_use: i64,
+    peak: i64,
+}
+
+impl ProcessMemory {
+    /// The memory-profile statistics after an allocation or free of `bytes`.
+    fn event(&self, address: u64, bytes: u64) -> MemoryInfo {
+        MemoryInfo {
+            allocator: self.allocator,
+            bytes_allocated: self.in_use,
+            peak_bytes_in_use: self.peak,
+            requested_bytes: bytes as i64,
+            allocation_bytes: bytes as i64,
+            address,
+            ..MemoryInfo::default()
+        }
+    }
+}
+
+/// See the module documentation.
+pub struct DriverCalls {
+    registry: Arc<Registry>,
+    probe_names: Vec<NameId>,
+    allocation_name: NameId,
+    deallocation_name: NameId,
+    kernels: HashMap<(u32, u64), NameId>,
+    allocations: HashMap<(u32, u64), u64>,
+    memory: HashMap<u32, ProcessMemory>,
+    named_threads: HashMap<u32, [u8; 16]>,
+}
+
+impl DriverCalls {
+    pub fn new(registry: Arc<Registry>) -> DriverCalls {
+        DriverCalls {
+            probe_names: CUDA_PROBES
+                .iter()
+                .map(|p| registry.intern(p.symbol))
+                .collect(),
+            allocation_name: registry.intern("MemoryAllocation"),
+            deallocation_name: registry.intern("MemoryDeallocation"),
+            registry,
+            kernels: HashMap::new(),
+            allocations: HashMap::new(),
+            memory: HashMap::new(),
+            named_threads: HashMap::new(),
+        }
+    }
+
+    /// Turns one returned call into events; `start_ns` and `end_ns` are on
+    /// the agent's clock.
+    pub fn record(&mut self, call: &CudaCall, start_ns: u64, end_ns: u64, out: &mut Vec<Event>) {
+        let function = (call.cookie & 0xff) as usize;
+        let Some(&name) = self.probe_names.get(((call.cookie >> 8) & 0xff) as usize) else {
+            return;
+        };
+        self.name_thread(call);
+        let a = &call.args;
+        let ok = call.result == 0;
+        let mut info = DriverCallInfo {
+            pid: call.pid,
+            result: call.result,
+            ..DriverCallInfo::default()
+        };
+        match function {
+            LAUNCH_KERNEL => {
+                info.function = a[0];
+                info.grid = [a[1] as u32, a[2] as u32, a[3] as u32];
+                info.block = [a[4] as u32, a[5] as u32, a[6] as u32];
+                info.shared_bytes = a[7] as u32;
+                info.stream = a[8];
+            }
+            LAUNCH_KERNEL_EX => {
+                let l = &call.launch;
+                info.function = a[1];
+                info.grid = [l[0], l[1], l[2]];
+                info.block = [l[3], l[4], l[5]];
+                info.shared_bytes = l[6];
+                info.stream = call.launch_stream;
+            }
+            MEM_ALLOC => {
+                info.bytes = a[1];
+                info.address = if ok { call.out_value } else { 0 };
+            }
+            MEM_FREE => {
+                info.address = a[0];
+                info.bytes = self
+                    .allocations
+                    .get(&(call.pid, a[0]))
+                    .copied()
+                    .unwrap_or(0);
+            }
+            MEMCPY | MEMCPY_ASYNC | MEMCPY_HTOD | MEMCPY_DTOD | MEMCPY_HTOD_ASYNC
+            | MEMCPY_DTOD_ASYNC => {
+                info.address = a[0];
+                info.bytes = a[2];
+                if matches!(
+                    function,
+                    MEMCPY_ASYNC | MEMCPY_HTOD_ASYNC | MEMCPY_DTOD_ASYNC
+                ) {
+                    info.stream = a[3];
+                }
+            }
+            MEMCPY_DTOH | MEMCPY_DTOH_ASYNC => {
+                info.address = a[1];
+                info.bytes = a[2];
+                if function == MEMCPY_DTOH_ASYNC {
+                    info.stream = a[3];
+                }
+            }
+            STREAM_SYNCHRONIZE => info.stream = a[0],
+            MODULE_GET_FUNCTION if ok && call.out_value != 0 => {
+                let kernel = self.registry.intern(&c_str(&call.symbol));
+                if self.kernels.len() >= MAX_KERNEL_NAMES {
+                    self.kernels.clear();
+                }
+                self.kernels.insert((call.pid, call.out_value), kernel);
+                info.kernel = kernel;
+                info.function = call.out_value;
+            }
+            _ => {}
+        }
+        if matches!(function, LAUNCH_KERNEL | LAUNCH_KERNEL_EX) {
+            info.kernel = self
+                .kernels
+                .get(&(call.pid, info.function))
+                .copied()
+                .unwrap_or_default();
+        }
+        out.push(Event::new(
+            start_ns,
+            end_ns.saturating_sub(start_ns),
+            Device::Host,
+            u64::from(call.tid),
+            name,
+            Payload::DriverCall(info),
+        ));
+        if ok && function == MEM_ALLOC && info.address != 0 {
+            self.allocation(call, info.address, info.bytes, end_ns, out);
+        }
+        if ok && function == MEM_FREE {
+            self.free(call, info.address, end_ns, out);
+        }
+    }
+
+    fn name_thread(&mut self, call: &CudaCall) {
+        if self.named_threads.get(&call.tid) != Some(&call.comm) {
+            self.registry.name_line(
+                Device::Host,
+                u64::from(call.tid),
+                &format!("{} {} (pid {})", c_str(&call.comm), call.tid, call.pid),
+            );
+            self.named_threads.insert(call.tid, call.comm);
+        }
+    }
+
+    fn process_memory(&mut self, pid: u32) -> &mut ProcessMemory {
+        let registry = &self.registry;
+        self.memory.entry(pid).or_insert_with(|| ProcessMemory {
+            allocator: registry.intern(&format!("cuMemAlloc pid {pid}")),
+            ..ProcessMemory::default()
+        })
+    }
+
+    fn allocation(
+        &mut self,
+        call: &CudaCall,
+        address: u64,
+        bytes: u64,
+        at: u64,
+        out: &mut Vec<Event>,
+    ) {
+        if self.allocations.len() >= MAX_ALLOCATIONS {
+            self.allocations.clear();
+        }
+        self.allocations.insert((call.pid, address), bytes);
+        let memory = self.process_memory(call.pid);
+        memory.in_use = memory.in_use.saturating_add(bytes as i64);
+        memory.peak = memory.peak.max(memory.in_use);
+        let info = memory.event(address, bytes);
+        let name = self.allocation_name;
+        out.push(memory_event(
+            call,
+            at,
+            name,
+            Payload::MemoryAllocation(info),
+        ));
+    }
+
+    fn free(&mut self, call: &CudaCall, address: u64, at: u64, out: &mut Vec<Event>) {
+        // A free of memory allocated before the probes were attached has no
+        // known size; it is shown with size 0 rather than guessed.
+        let bytes = self.allocations.remove(&(call.pid, address)).unwrap_or(0);
+        let memory = self.process_memory(call.pid);
+        memory.in_use = memory.in_use.saturating_sub(bytes as i64).max(0);
+        let info = memory.event(address, bytes);
+        let name = self.deallocation_name;
+        out.push(memory_event(
+            call,
+            at,
+            name,
+            Payload::MemoryDeallocation(info),
+        ));
+    }
+}
+
+/// An allocator instant on the calling thread's line.
+fn memory_event(call: &CudaCall, at: u64, name: NameId, payload: Payload) -> Event {
+    Event::new(at, 0, Device::Host, u64::from(call.tid), name, payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(function: usize, args: &[u64]) -> CudaCall {
+        let index = CUDA_PROBES
+            .iter()
+            .position(|p| p.function == function)
+            .expect("a probe of the function");
+        let mut comm = [0u8; 16];
+        comm[..4].copy_from_slice(b"work");
+        let mut call = CudaCall {
+            start_ns: 0,
+            end_ns: 0,
+            pid: 100,
+            tid: 101,
+            cookie: CUDA_PROBES[index].cookie(index) as u32,
+            result: 0,
+            args: [0; 9],
+            launch: [0; 7],
+            reserved: 0,
+            launch_stream: 0,
+            out_value: 0,
+            comm,
+            symbol: [0; 96],
+        };
+        call.args[..args.len()].copy_from_slice(args);
+        call
+    }
+
+    #[test]
+    fn launches_are_named_from_module_lookups_and_memory_is_balanced() {
+        let registry = Registry::new();
+        let mut calls = DriverCalls::new(Arc::clone(&registry));
+        let mut out = Vec::new();
+        let mut lookup = call(MODULE_GET_FUNCTION, &[0x10, 0x20, 0x30]);
+        lookup.out_value = 0xf00;
+        lookup.symbol[..10].copy_from_slice(b"vector_add");
+        calls.record(&lookup, 10, 20, &mut out);
+        calls.record(
+            &call(LAUNCH_KERNEL, &[0xf00, 128, 1, 1, 256, 1, 1, 0, 0x5]),
+            30,
+            45,
+            &mut out,
+        );
+        let mut alloc = call(MEM_ALLOC, &[0x7ff0, 4096]);
+        alloc.out_value = 0xd000;
+        calls.record(&alloc, 50, 60, &mut out);
+        calls.record(&call(MEM_FREE, &[0xd000]), 70, 80, &mut out);
+        let snapshot = registry.snapshot();
+        let names: Vec<&str> = out.iter().map(|e| snapshot.name(e.name())).collect();
+        assert_eq!(
+            names,
+            [
+                "cuModuleGetFunction",
+                "cuLaunchKernel",
+                "cuMemAlloc_v2",
+                "MemoryAllocation",
+                "cuMemFree_v2",
+                "MemoryDeallocation"
+            ]
+        );
+        let Payload::DriverCall(launch) = out[1].payload() else {
+            panic!("{:?}", out[1]);
+        };
+        assert_eq!(snapshot.name(launch.kernel), "vector_add");
+        assert_eq!(
+            (launch.grid, launch.block, launch.stream),
+            ([128, 1, 1], [256, 1, 1], 5)
+        );
+        assert_eq!(
+            (out[1].start_ns, out[1].duration_ns, out[1].line),
+            (30, 15, 101)
+        );
+        let Payload::MemoryAllocation(allocated) = out[3].payload() else {
+            panic!("{:?}", out[3]);
+        };
+        assert_eq!(
+            (allocated.address, allocated.bytes_allocated),
+            (0xd000, 4096)
+        );
+        assert_eq!(snapshot.name(allocated.allocator), "cuMemAlloc pid 100");
+        let Payload::MemoryDeallocation(freed) = out[5].payload() else {
+            panic!("{:?}", out[5]);
+        };
+        assert_eq!(
+            (
+                freed.allocation_bytes,
+                freed.bytes_allocated,
+                freed.peak_bytes_in_use
+            ),
+            (4096, 0, 4096)
+        );
+        assert_eq!(
+            snapshot.line_name(Device::Host, 101),
+            Some("work 101 (pid 100)")
+        );
+    }
+
+    #[test]
+    fn per_thread_stream_variants_decode_like_their_function_under_their_own_name() {
+        let registry = Registry::new();
+        let mut calls = DriverCalls::new(Arc::clone(&registry));
+        let index = CUDA_PROBES
+            .iter()
+            .position(|p| p.symbol == "cuMemcpyDtoHAsync_v2_ptsz")
+            .unwrap();
+        let mut copy = call(MEMCPY_DTOH_ASYNC, &[0x1000, 0xd000, 4096, 0x77]);
+        copy.cookie = CUDA_PROBES[index].cookie(index) as u32;
+        let mut out = Vec::new();
+        calls.record(&copy, 1, 2, &mut out);
+        assert_eq!(
+            registry.snapshot().name(out[0].name()),
+            "cuMemcpyDtoHAsync_v2_ptsz"
+        );
+        let Payload::DriverCall(info) = out[0].payload() else {
+            panic!()
+        };
+        assert_eq!(
+            (info.address, info.bytes, info.stream),
+            (0xd000, 4096, 0x77)
+        );
+        // Every function id fits the cookie's 8 bits and is one the BPF
+        // program knows.
+        assert!(CUDA_PROBES
+            .iter()
+            .all(|p| p.function <= MODULE_GET_FUNCTION));
+    }
+
+    #[test]
+    fn driver_libraries_are_found_by_file_name() {
+        assert!(is_driver_library("/usr/lib/x86_64-linux-gnu/libcuda.so.1"));
+        assert!(is_driver_library("/opt/libcuda.so.550.54.15"));
+        assert!(is_driver_library("/x/libcuda.so"));
+        assert!(!is_driver_library("/x/libcudart.so.12"));
+        assert!(!is_driver_library("/x/libcuda.so-old/libfoo.so"));
+    }
+}

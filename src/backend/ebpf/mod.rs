@@ -1,0 +1,295 @@
+//! The eBPF backend: kernel hooks that see every process on the host with
+//! no change to any workload. Scheduler tracepoints give a `/host:CPUs`
+//! plane (which thread ran on which CPU, and each thread's off-CPU time);
+//! uprobes on the CUDA driver library give every driver call of every
+//! process that loaded it, with its arguments, on that process's thread lines
+//! in `/host:CPU`, and its allocations for the memory profile.
+//!
+//! The programs are loaded (and checked by the verifier) when the backend
+//! starts, so a kernel that refuses them is reported at once; they are
+//! attached while a capture runs, or always with [`AttachMode::Always`].
+
+mod cuda;
+#[cfg(devtrace_bpf)]
+mod programs;
+mod records;
+mod sched;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::worker::Worker;
+use super::{Backend, BackendContext, BackendError, Capabilities, Health, Loss};
+
+pub use cuda::{find_driver_libraries, DriverLibrary, CUDA_PROBES};
+
+/// When the programs are attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttachMode {
+    /// Only while a capture (or continuous session) runs: no cost otherwise,
+    /// but the first few milliseconds of a window may be missed.
+    Capture,
+    /// From agent start, so snapshots of the past include kernel events.
+    Always,
+}
+
+#[derive(Clone, Debug)]
+pub struct EbpfConfig {
+    /// Trace scheduler switches, wakeups, exec and exit.
+    pub sched: bool,
+    /// Probe the CUDA driver library's entry points.
+    pub cuda: bool,
+    pub attach: AttachMode,
+    /// Only these processes (none = all).
+    pub pids: Vec<u32>,
+    /// Only this cgroup v2 (its id, the inode of its directory).
+    pub cgroup_id: Option<u64>,
+    /// Only threads whose command name starts with this (15 bytes at most).
+    pub comm: Option<String>,
+    /// Driver libraries to probe besides those found in processes' maps.
+    pub cuda_libraries: Vec<PathBuf>,
+    /// Where processes are listed (`/proc`).
+    pub proc_root: PathBuf,
+    /// How often processes' maps are searched for new driver libraries.
+    pub rescan_interval: Duration,
+    /// How often open CPU slices and off-CPU spans are cut and sent.
+    pub split_interval: Duration,
+    /// Bytes of each BPF ring buffer (a power of two, at least a page).
+    pub ring_bytes: u32,
+}
+
+impl Default for EbpfConfig {
+    fn default() -> Self {
+        EbpfConfig {
+            sched: true,
+            cuda: true,
+            attach: AttachMode::Capture,
+            pids: Vec::new(),
+            cgroup_id: None,
+            comm: None,
+            cuda_libraries: Vec::new(),
+            proc_root: PathBuf::from("/proc"),
+            rescan_interval: Duration::from_secs(1),
+            split_interval: Duration::from_millis(250),
+            ring_bytes: 4 << 20,
+        }
+    }
+}
+
+/// The cgroup id the kernel reports for the cgroup v2 directory `path`.
+pub fn cgroup_id(path: &std::path::Path) -> std::io::Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_dir() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} is not a cgroup directory", path.display()),
+        ));
+    }
+    Ok(meta.ino())
+}
+
+/// What the backend thread reports about itself.
+#[derive(Debug, Default)]
+pub(crate) struct Status {
+    attached: bool,
+    /// Probed driver libraries and the functions missing from each.
+    libraries: Vec<(String, Vec<&'static str>)>,
+    losses: [u64; 3],
+    events: u64,
+    malformed: u64,
+    threads: usize,
+    error: Option<String>,
+}
+
+pub struct EbpfBackend {
+    config: EbpfConfig,
+    status: Arc<Mutex<Status>>,
+    worker: Option<Worker>,
+}
+
+impl EbpfBackend {
+    pub fn new(config: EbpfConfig) -> EbpfBackend {
+        EbpfBackend {
+            config,
+            status: Arc::default(),
+            worker: None,
+        }
+    }
+
+    fn unavailable(reason: impl Into<String>) -> BackendError {
+        BackendError::Unavailable {
+            backend: "ebpf",
+            reason: reason.into(),
+        }
+    }
+
+    /// Reasons the kernel cannot run the programs, found before trying.
+    fn preflight(&self) -> Result<(), BackendError> {
+        if !cfg!(devtrace_bpf) {
+            return Err(Self::unavailable(
+                "this devtrace was built without its BPF programs (clang was not found at \
+                 build time); install clang and rebuild",
+            ));
+        }
+        if !self.config.sched && !self.config.cuda {
+            return Err(Self::unavailable(
+                "both scheduler tracing and CUDA probes are off",
+            ));
+        }
+        if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+            return Err(Self::unavailable(
+                "the kernel exposes no BTF (/sys/kernel/btf/vmlinux is missing; it needs \
+                 CONFIG_DEBUG_INFO_BTF=y)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for EbpfBackend {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let mut records = Vec::new();
+        if self.config.sched {
+            records.push("CPU scheduling");
+        }
+        if self.config.cuda {
+            records.push("CUDA driver calls");
+        }
+        Capabilities {
+            records,
+            // Open slices are cut every split interval; one poll on top.
+            max_delay: self.config.split_interval + Duration::from_millis(100),
+        }
+    }
+
+    #[cfg(devtrace_bpf)]
+    fn start(&mut self, context: BackendContext) -> Result<(), BackendError> {
+        self.preflight()?;
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let config = self.config.clone();
+        let status = Arc::clone(&self.status);
+        let worker = Worker::spawn("ebpf", move |stop| {
+            programs::run(config, context, status, ready_tx, stop)
+        })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {
+                self.worker = Some(worker);
+                Ok(())
+            }
+            Ok(Err(reason)) => {
+                worker.stop();
+                Err(Self::unavailable(reason))
+            }
+            Err(_) => {
+                worker.stop();
+                Err(BackendError::Start {
+                    backend: "ebpf",
+                    reason: "the backend thread ended while loading".into(),
+                })
+            }
+        }
+    }
+
+    #[cfg(not(devtrace_bpf))]
+    fn start(&mut self, _context: BackendContext) -> Result<(), BackendError> {
+        self.preflight()
+    }
+
+    fn stop(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            worker.stop();
+        }
+    }
+
+    fn health(&self) -> Health {
+        let Some(worker) = &self.worker else {
+            return Health::Stopped;
+        };
+        if worker.exited() {
+            return Health::Failed {
+                reason: "the eBPF backend thread ended".into(),
+            };
+        }
+        let status = self.status.lock();
+        let mut parts = Vec::new();
+        parts.push(if status.attached {
+            "attached".to_string()
+        } else {
+            format!(
+                "loaded, attaching {}",
+                match self.config.attach {
+                    AttachMode::Capture => "during captures",
+                    AttachMode::Always => "now",
+                }
+            )
+        });
+        if self.config.sched {
+            parts.push("scheduler".into());
+        }
+        if self.config.cuda {
+            let libraries: Vec<String> = status
+                .libraries
+                .iter()
+                .map(|(path, missing)| {
+                    format!(
+                        "{path} ({} of {} entry points)",
+                        CUDA_PROBES.len() - missing.len(),
+                        CUDA_PROBES.len()
+                    )
+                })
+                .collect();
+            parts.push(if libraries.is_empty() {
+                "CUDA probes: no driver library mapped yet".into()
+            } else {
+                format!("CUDA probes on {}", libraries.join(", "))
+            });
+        }
+        parts.push(format!("{} events", status.events));
+        let lost: u64 = status.losses.iter().sum();
+        if lost > 0 {
+            parts.push(format!("{lost} records lost"));
+        }
+        if status.malformed > 0 {
+            parts.push(format!("{} malformed records", status.malformed));
+        }
+        if let Some(error) = &status.error {
+            parts.push(format!("last error: {error}"));
+        }
+        Health::Running {
+            detail: parts.join("; "),
+        }
+    }
+
+    fn losses(&self) -> Vec<Loss> {
+        let status = self.status.lock();
+        let [sched_ring, cuda_ring, inflight] = status.losses;
+        vec![
+            Loss {
+                what: "scheduler records lost because the BPF ring buffer was full",
+                count: sched_ring,
+            },
+            Loss {
+                what: "CUDA call records lost because the BPF ring buffer was full",
+                count: cuda_ring,
+            },
+            Loss {
+                what: "CUDA calls lost because the in-flight call table was full",
+                count: inflight,
+            },
+        ]
+    }
+}
+
+impl Drop for EbpfBackend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

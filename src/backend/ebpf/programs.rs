@@ -1,0 +1,481 @@
+//! Loading, attaching and draining the BPF programs. Everything libbpf hands
+//! out borrows the loaded object, so all of it lives on the backend's one
+//! thread: [`run`] loads, reports whether that worked, then attaches and
+//! detaches as captures come and go and turns ring-buffer records into
+//! events until it is told to stop.
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::mem::MaybeUninit;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
+use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, RingBufferBuilder, UprobeOpts};
+use parking_lot::Mutex;
+use tracing::{debug, info, warn};
+
+use super::cuda::{find_driver_libraries, DriverCalls, DriverLibrary, CUDA_PROBES};
+use super::records::{
+    CudaCall, Record, SchedRecord, LOSS_CUDA_INFLIGHT, LOSS_CUDA_RING, LOSS_KINDS, LOSS_SCHED_RING,
+};
+use super::sched::SchedTimeline;
+use super::{AttachMode, EbpfConfig, Status};
+use crate::backend::worker::StopFlag;
+use crate::backend::BackendContext;
+use crate::clock;
+use crate::event::{Device, Event, Payload};
+use crate::xspace::builder::COUNTER_TRACK;
+
+mod sched_skel {
+    #![allow(clippy::all, clippy::pedantic, dead_code, non_camel_case_types)]
+    include!(concat!(env!("OUT_DIR"), "/sched.skel.rs"));
+}
+mod cuda_skel {
+    #![allow(clippy::all, clippy::pedantic, dead_code, non_camel_case_types)]
+    include!(concat!(env!("OUT_DIR"), "/cuda.skel.rs"));
+}
+use cuda_skel::{CudaSkel, CudaSkelBuilder};
+use sched_skel::SchedSkelBuilder;
+
+/// Names of the loss counters, by `enum loss_kind`.
+const LOSS_NAMES: [&str; LOSS_KINDS as usize] = [
+    "BPF scheduler records lost (ring buffer full)",
+    "BPF CUDA call records lost (ring buffer full)",
+    "CUDA calls lost (in-flight table full)",
+];
+
+/// libbpf's own messages go to the log instead of stderr.
+fn log_libbpf(level: libbpf_rs::PrintLevel, message: String) {
+    let message = message.trim_end();
+    match level {
+        libbpf_rs::PrintLevel::Warn => debug!(target: "libbpf", "{message}"),
+        _ => tracing::trace!(target: "libbpf", "{message}"),
+    }
+}
+
+/// `CLOCK_MONOTONIC` (what `bpf_ktime_get_ns` reads) to the agent's clock.
+#[derive(Clone, Copy)]
+struct ClockMap {
+    offset: i128,
+}
+
+impl ClockMap {
+    fn measure() -> ClockMap {
+        let read = |clock: libc::clockid_t| {
+            let mut ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: clock_gettime writes one timespec we own.
+            unsafe { libc::clock_gettime(clock, &mut ts) };
+            ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
+        };
+        let before = read(libc::CLOCK_REALTIME);
+        let monotonic = read(libc::CLOCK_MONOTONIC);
+        let after = read(libc::CLOCK_REALTIME);
+        ClockMap {
+            offset: (before + after) / 2 - monotonic,
+        }
+    }
+
+    fn realtime(self, monotonic_ns: u64) -> u64 {
+        (monotonic_ns as i128 + self.offset).clamp(0, u64::MAX as i128) as u64
+    }
+}
+
+/// What the ring-buffer callbacks fill; shared with the loop on the same
+/// thread.
+struct Decoder {
+    sched: SchedTimeline,
+    cuda: DriverCalls,
+    clock: ClockMap,
+    pending: Vec<Event>,
+    malformed: u64,
+}
+
+impl Decoder {
+    fn sched_sample(&mut self, sample: &[u8]) {
+        match SchedRecord::read(sample) {
+            Some(record) => {
+                let at = self.clock.realtime(record.time_ns);
+                self.sched.record(&record, at, &mut self.pending);
+            }
+            None => self.malformed += 1,
+        }
+    }
+
+    fn cuda_sample(&mut self, sample: &[u8]) {
+        match CudaCall::read(sample) {
+            Some(call) => {
+                let start = self.clock.realtime(call.start_ns);
+                let end = self.clock.realtime(call.end_ns);
+                self.cuda.record(&call, start, end, &mut self.pending);
+            }
+            None => self.malformed += 1,
+        }
+    }
+}
+
+fn load_error(what: &str, error: libbpf_rs::Error) -> String {
+    let denied = matches!(error.kind(), libbpf_rs::ErrorKind::PermissionDenied);
+    if denied {
+        let lockdown = std::fs::read_to_string("/sys/kernel/security/lockdown")
+            .ok()
+            .filter(|mode| mode.contains("[confidentiality]"))
+            .map(|_| "; the kernel is locked down (confidentiality), which forbids reading kernel memory from BPF")
+            .unwrap_or("");
+        format!(
+            "loading the {what} BPF programs was refused: run devtrace as root, or grant it \
+             CAP_BPF and CAP_PERFMON{lockdown}"
+        )
+    } else {
+        format!("loading the {what} BPF programs failed: {error}")
+    }
+}
+
+/// Sets the filters an object's programs read; before load for the
+/// read-only part.
+macro_rules! configure_filters {
+    ($open:expr, $config:expr) => {{
+        if let Some(rodata) = $open.maps.rodata_data.as_deref_mut() {
+            rodata.filter_pids = !$config.pids.is_empty();
+            rodata.filter_cgroup = $config.cgroup_id.unwrap_or(0);
+            if let Some(comm) = &$config.comm {
+                let bytes = comm.as_bytes();
+                let len = bytes.len().min(15);
+                rodata.filter_comm_len = len as u32;
+                for (slot, byte) in rodata.filter_comm.iter_mut().zip(&bytes[..len]) {
+                    *slot = *byte as _;
+                }
+            }
+        }
+    }};
+}
+
+/// Opens, configures and loads one skeleton when `$wanted`: filters and the
+/// ring-buffer size before load, the pid table after. Evaluates to
+/// `Result<Option<Skel>, String>`.
+macro_rules! load {
+    ($config:expr, $wanted:ident, $builder:ident, $object:ident, $ring:ident, $what:literal) => {{
+        let config = &$config;
+        if !config.$wanted {
+            Ok(None)
+        } else {
+            $builder::default()
+                .open(&mut $object)
+                .map_err(|e| load_error($what, e))
+                .and_then(|mut open| {
+                    configure_filters!(open, *config);
+                    open.maps
+                        .$ring
+                        .set_max_entries(config.ring_bytes)
+                        .map_err(|e| format!("sizing the {} ring buffer: {e}", $what))?;
+                    open.load().map_err(|e| load_error($what, e))
+                })
+                .and_then(|skel| {
+                    fill_pid_filter(&skel.maps.pid_filter, &config.pids)?;
+                    Ok(Some(skel))
+                })
+        }
+    }};
+}
+
+fn fill_pid_filter(map: &dyn MapCore, pids: &[u32]) -> Result<(), String> {
+    for pid in pids {
+        map.update(&pid.to_ne_bytes(), &[1], MapFlags::ANY)
+            .map_err(|e| format!("setting the pid filter ({pid}): {e}"))?;
+    }
+    Ok(())
+}
+
+fn read_losses(map: &dyn MapCore, into: &mut [u64; LOSS_KINDS as usize], kinds: &[u32]) {
+    for &kind in kinds {
+        if let Ok(Some(per_cpu)) = map.lookup_percpu(&kind.to_ne_bytes(), MapFlags::ANY) {
+            into[kind as usize] = per_cpu
+                .iter()
+                .filter_map(|v| v.get(..8).and_then(|b| b.try_into().ok()))
+                .map(u64::from_ne_bytes)
+                .sum();
+        }
+    }
+}
+
+/// Uprobes on one driver library: an entry and a return probe per function
+/// it exports.
+struct ProbedLibrary {
+    _links: Vec<Link>,
+}
+
+fn probe_library(
+    skel: &CudaSkel<'_>,
+    library: &DriverLibrary,
+) -> Result<(ProbedLibrary, Vec<&'static str>), String> {
+    let mut links = Vec::new();
+    let mut missing = Vec::new();
+    for (index, probe) in CUDA_PROBES.iter().enumerate() {
+        let cookie = probe.cookie(index);
+        let opts = |retprobe| UprobeOpts {
+            func_name: Some(probe.symbol.to_string()),
+            retprobe,
+            cookie,
+            ..UprobeOpts::default()
+        };
+        let entry =
+            skel.progs
+                .on_cuda_entry
+                .attach_uprobe_with_opts(-1, &library.path, 0, opts(false));
+        let exit =
+            skel.progs
+                .on_cuda_return
+                .attach_uprobe_with_opts(-1, &library.path, 0, opts(true));
+        match (entry, exit) {
+            (Ok(entry), Ok(exit)) => links.extend([entry, exit]),
+            _ => missing.push(probe.symbol),
+        }
+    }
+    if links.is_empty() {
+        return Err(format!(
+            "{}: none of the driver entry points could be probed",
+            library.path.display()
+        ));
+    }
+    Ok((ProbedLibrary { _links: links }, missing))
+}
+
+/// The backend thread; see the module documentation.
+pub(super) fn run(
+    config: EbpfConfig,
+    context: BackendContext,
+    status: Arc<Mutex<Status>>,
+    ready: mpsc::Sender<Result<(), String>>,
+    stop: StopFlag,
+) {
+    libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Debug, log_libbpf)));
+    let mut sched_object = MaybeUninit::<OpenObject>::uninit();
+    let mut cuda_object = MaybeUninit::<OpenObject>::uninit();
+
+    let sched = match load!(
+        config,
+        sched,
+        SchedSkelBuilder,
+        sched_object,
+        sched_events,
+        "scheduler"
+    ) {
+        Ok(skel) => skel,
+        Err(reason) => {
+            let _ = ready.send(Err(reason));
+            return;
+        }
+    };
+    let cuda = match load!(
+        config,
+        cuda,
+        CudaSkelBuilder,
+        cuda_object,
+        cuda_events,
+        "CUDA uprobe"
+    ) {
+        Ok(skel) => skel,
+        Err(reason) => {
+            let _ = ready.send(Err(reason));
+            return;
+        }
+    };
+    let mut producer = match context.ring.producer() {
+        Ok(producer) => producer,
+        Err(error) => {
+            let _ = ready.send(Err(format!("no ring lane for the eBPF backend: {error}")));
+            return;
+        }
+    };
+
+    let decoder = Rc::new(RefCell::new(Decoder {
+        sched: SchedTimeline::new(Arc::clone(&context.registry)),
+        cuda: DriverCalls::new(Arc::clone(&context.registry)),
+        clock: ClockMap::measure(),
+        pending: Vec::new(),
+        malformed: 0,
+    }));
+    let mut builder = RingBufferBuilder::new();
+    let ring_setup = (|| {
+        if let Some(skel) = &sched {
+            let decoder = Rc::clone(&decoder);
+            builder.add(&skel.maps.sched_events, move |sample: &[u8]| {
+                decoder.borrow_mut().sched_sample(sample);
+                0
+            })?;
+        }
+        if let Some(skel) = &cuda {
+            let decoder = Rc::clone(&decoder);
+            builder.add(&skel.maps.cuda_events, move |sample: &[u8]| {
+                decoder.borrow_mut().cuda_sample(sample);
+                0
+            })?;
+        }
+        builder.build()
+    })();
+    let rings = match ring_setup {
+        Ok(rings) => rings,
+        Err(error) => {
+            let _ = ready.send(Err(format!("opening the BPF ring buffers failed: {error}")));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+
+    let mut sched = sched;
+    let mut attached = false;
+    let mut libraries: Vec<ProbedLibrary> = Vec::new();
+    let mut probed: HashSet<(u64, u64)> = HashSet::new();
+    let mut refused: HashSet<(u64, u64)> = HashSet::new();
+    let mut last_scan: Option<Instant> = None;
+    let mut last_split = Instant::now();
+    let mut last_losses = Instant::now();
+    let mut losses = [0u64; LOSS_KINDS as usize];
+    let mut reported_losses = [0u64; LOSS_KINDS as usize];
+    let loss_names: Vec<_> = LOSS_NAMES
+        .iter()
+        .map(|name| context.registry.intern(name))
+        .collect();
+
+    while !stop.is_set() {
+        let wanted =
+            config.attach == AttachMode::Always || context.captures.load(Ordering::Relaxed) > 0;
+        if wanted && !attached {
+            let now = clock::now_ns();
+            {
+                let mut decoder = decoder.borrow_mut();
+                decoder.clock = ClockMap::measure();
+                decoder.sched.restart(now);
+            }
+            if let Some(skel) = sched.as_mut() {
+                if let Err(error) = skel.attach() {
+                    warn!(%error, "attaching the scheduler programs failed");
+                    status.lock().error =
+                        Some(format!("attaching the scheduler programs: {error}"));
+                }
+            }
+            attached = true;
+            last_scan = None;
+            status.lock().attached = true;
+            debug!("eBPF programs attached");
+        }
+        if !wanted && attached {
+            let _ = rings.consume();
+            decoder
+                .borrow_mut()
+                .sched
+                .split(clock::now_ns(), &mut Vec::new());
+            if let Some(skel) = sched.as_mut() {
+                skel.links = sched_skel::SchedLinks::default();
+            }
+            libraries.clear();
+            probed.clear();
+            attached = false;
+            let mut status = status.lock();
+            status.attached = false;
+            status.libraries.clear();
+            debug!("eBPF programs detached");
+        }
+        if attached {
+            if let Some(skel) = &cuda {
+                let due = last_scan.is_none_or(|at| at.elapsed() >= config.rescan_interval);
+                if due {
+                    last_scan = Some(Instant::now());
+                    for library in find_driver_libraries(&config.proc_root, &config.cuda_libraries)
+                    {
+                        let key = (library.dev, library.inode);
+                        if probed.contains(&key) || refused.contains(&key) {
+                            continue;
+                        }
+                        match probe_library(skel, &library) {
+                            Ok((probes, missing)) => {
+                                info!(library = %library.path.display(), ?missing, "CUDA driver probed");
+                                libraries.push(probes);
+                                probed.insert(key);
+                                status
+                                    .lock()
+                                    .libraries
+                                    .push((library.path.display().to_string(), missing));
+                            }
+                            Err(reason) => {
+                                warn!(%reason, "CUDA driver library not probed");
+                                refused.insert(key);
+                                status.lock().error = Some(reason);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        // Records do not wake this thread (see the BPF programs); it drains
+        // on this timer, which also bounds how late a capture is noticed.
+        let tick = if attached { 50 } else { 100 };
+        if let Err(error) = rings.poll(Duration::from_millis(tick)) {
+            if error.kind() != libbpf_rs::ErrorKind::Interrupted {
+                warn!(%error, "polling the BPF ring buffers failed");
+            }
+        }
+        // A poll that timed out consumed nothing; what arrived without a
+        // wakeup is read here.
+        if let Err(error) = rings.consume() {
+            warn!(%error, "reading the BPF ring buffers failed");
+        }
+        if attached && last_split.elapsed() >= config.split_interval {
+            last_split = Instant::now();
+            let mut decoder = decoder.borrow_mut();
+            let decoder = &mut *decoder;
+            decoder.sched.split(clock::now_ns(), &mut decoder.pending);
+        }
+        if last_losses.elapsed() >= Duration::from_secs(1) || !attached {
+            last_losses = Instant::now();
+            if let Some(skel) = &sched {
+                read_losses(&skel.maps.losses, &mut losses, &[LOSS_SCHED_RING]);
+            }
+            if let Some(skel) = &cuda {
+                read_losses(
+                    &skel.maps.losses,
+                    &mut losses,
+                    &[LOSS_CUDA_RING, LOSS_CUDA_INFLIGHT],
+                );
+            }
+            if losses != reported_losses {
+                let now = clock::now_ns();
+                let mut decoder = decoder.borrow_mut();
+                for (kind, count) in losses.iter().enumerate() {
+                    if *count != reported_losses[kind] {
+                        decoder.pending.push(Event::new(
+                            now,
+                            0,
+                            Device::HostCpus,
+                            COUNTER_TRACK,
+                            loss_names[kind],
+                            Payload::Counter {
+                                value: *count as f64,
+                            },
+                        ));
+                    }
+                }
+                reported_losses = losses;
+                status.lock().losses = losses;
+            }
+            decoder.borrow_mut().clock = ClockMap::measure();
+        }
+        let mut decoder = decoder.borrow_mut();
+        if !decoder.pending.is_empty() {
+            // The ring counts what it refuses; those drops reach the trace.
+            let accepted = producer.push_batch(&decoder.pending);
+            let mut status = status.lock();
+            status.events += accepted as u64;
+            status.malformed = decoder.malformed;
+            status.threads = decoder.sched.tracked_threads();
+            decoder.pending.clear();
+        }
+    }
+}

@@ -1,0 +1,773 @@
+//! The eBPF backend against the real kernel: scheduler tracing of a workload
+//! with a known pattern, uprobes on a stand-in CUDA driver library called
+//! with known arguments, filters, and losses. Loading BPF programs needs
+//! root; without it these tests say so and pass without checking anything.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use common::{build_program, is_root, request, space_of, AgentProcess};
+use devtrace::proto::tensorflow::profiler::{x_event, XPlane, XSpace};
+use devtrace::xspace::read::{find_stat, StatValue};
+
+fn skip_without_root(test: &str) -> bool {
+    if is_root() {
+        return false;
+    }
+    eprintln!("{test}: skipped, loading BPF programs needs root");
+    true
+}
+
+/// A started workload; killed when dropped.
+struct Workload {
+    child: Child,
+    pid: u32,
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_sched_workload(seconds: &str) -> Workload {
+    let program = build_program("sched_workload.c", "sched_workload", &["-pthread"]);
+    let mut child = Command::new(program)
+        .arg(seconds)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the workload");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("reading the ready line");
+    let pid = line
+        .trim()
+        .strip_prefix("ready ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    Workload { child, pid }
+}
+
+/// One event of a plane, with its name and stats resolved.
+#[derive(Debug)]
+struct Seen {
+    line: String,
+    name: String,
+    offset_ps: i64,
+    duration_ps: i64,
+    stats: HashMap<String, StatValue>,
+}
+
+fn events(plane: &XPlane) -> Vec<Seen> {
+    let mut out = Vec::new();
+    for line in &plane.lines {
+        for event in &line.events {
+            let stats = event
+                .stats
+                .iter()
+                .filter_map(|stat| {
+                    let name = plane.stat_metadata.get(&stat.metadata_id)?.name.clone();
+                    let value = find_stat(plane, &event.stats, &name)?;
+                    Some((name, value))
+                })
+                .collect();
+            out.push(Seen {
+                line: line.name.clone(),
+                name: plane.event_metadata[&event.metadata_id].name.clone(),
+                offset_ps: match event.data {
+                    Some(x_event::Data::OffsetPs(ps)) => ps,
+                    _ => 0,
+                },
+                duration_ps: event.duration_ps,
+                stats,
+            });
+        }
+    }
+    out
+}
+
+fn uint(seen: &Seen, stat: &str) -> u64 {
+    match seen.stats.get(stat) {
+        Some(StatValue::Uint(v)) => *v,
+        Some(StatValue::Int(v)) => *v as u64,
+        other => panic!("{stat} of {seen:?}: {other:?}"),
+    }
+}
+
+fn text<'s>(seen: &'s Seen, stat: &str) -> &'s str {
+    match seen.stats.get(stat) {
+        Some(StatValue::Str(v)) => v,
+        other => panic!("{stat} of {seen:?}: {other:?}"),
+    }
+}
+
+async fn capture(agent: &AgentProcess, duration_ms: u64) -> XSpace {
+    let reply = agent
+        .client()
+        .await
+        .profile(request(duration_ms, "ebpf"))
+        .await
+        .expect("Profile")
+        .into_inner();
+    space_of(&reply)
+}
+
+fn on_cpu_ms(cpu_events: &[Seen], thread: &str) -> f64 {
+    cpu_events
+        .iter()
+        .filter(|e| e.name == thread)
+        .map(|e| e.duration_ps as f64 / 1e9)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_show_on_cpu_lines_with_their_on_and_off_cpu_time() {
+    if skip_without_root("threads_show_on_cpu_lines") {
+        return;
+    }
+    let workload = start_sched_workload("20");
+    let pid = workload.pid.to_string();
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "ebpf",
+        "--ebpf-hooks",
+        "sched",
+        "--ebpf-pid",
+        &pid,
+    ]);
+    let window_ms = 1500.0;
+    let space = capture(&agent, window_ms as u64).await;
+    let plane = common::plane(&space, "/host:CPUs");
+    let all = events(plane);
+    let (cpu, threads): (Vec<Seen>, Vec<Seen>) =
+        all.into_iter().partition(|e| e.line.starts_with("CPU "));
+
+    // The filter keeps every other process out.
+    assert!(!cpu.is_empty(), "no CPU slices");
+    for slice in &cpu {
+        assert_eq!(uint(slice, "pid"), u64::from(workload.pid), "{slice:?}");
+        assert_eq!(uint(slice, "cpu").to_string(), slice.line["CPU ".len()..]);
+    }
+    // 60 ms of every 100 spinning, 5 of every 100: bands wide enough for a
+    // loaded two-core machine, narrow enough to tell the threads apart.
+    let spinner = on_cpu_ms(&cpu, "dt-spinner") / window_ms;
+    let sleeper = on_cpu_ms(&cpu, "dt-sleeper") / window_ms;
+    assert!(
+        (0.3..=0.8).contains(&spinner),
+        "spinner on CPU {spinner:.2} of the window"
+    );
+    assert!(
+        (0.01..=0.2).contains(&sleeper),
+        "sleeper on CPU {sleeper:.2} of the window"
+    );
+    // Slices on one CPU line never overlap.
+    let mut by_cpu: HashMap<&str, Vec<(i64, i64)>> = HashMap::new();
+    for slice in &cpu {
+        by_cpu
+            .entry(&slice.line)
+            .or_default()
+            .push((slice.offset_ps, slice.offset_ps + slice.duration_ps));
+    }
+    for spans in by_cpu.values_mut() {
+        spans.sort();
+        for pair in spans.windows(2) {
+            assert!(pair[0].1 <= pair[1].0, "overlap {pair:?}");
+        }
+    }
+
+    // The sleeper spends most of the window asleep, on its own line.
+    let sleeper_line = "dt-sleeper";
+    let asleep: f64 = threads
+        .iter()
+        .filter(|e| e.line.starts_with(sleeper_line) && e.name == "off-CPU: S (sleeping)")
+        .map(|e| e.duration_ps as f64 / 1e9)
+        .sum();
+    assert!(
+        asleep / window_ms > 0.6,
+        "sleeper asleep {:.2} of the window",
+        asleep / window_ms
+    );
+    let off = threads
+        .iter()
+        .find(|e| e.line.starts_with(sleeper_line) && e.name == "off-CPU: S (sleeping)")
+        .expect("an off-CPU span of the sleeper");
+    assert_eq!(text(off, "state"), "S (sleeping)");
+    assert!(
+        off.line.ends_with(&format!("(pid {})", workload.pid)),
+        "{}",
+        off.line
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_command_name_filter_keeps_only_matching_threads() {
+    if skip_without_root("a_command_name_filter") {
+        return;
+    }
+    let _workload = start_sched_workload("20");
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "ebpf",
+        "--ebpf-hooks",
+        "sched",
+        "--ebpf-comm",
+        "dt-sp",
+    ]);
+    let space = capture(&agent, 800).await;
+    let cpu: Vec<Seen> = events(common::plane(&space, "/host:CPUs"))
+        .into_iter()
+        .filter(|e| e.line.starts_with("CPU "))
+        .collect();
+    assert!(!cpu.is_empty());
+    let names: std::collections::BTreeSet<&str> = cpu.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["dt-spinner"].into_iter().collect());
+}
+
+/// The stand-in driver (`libcuda.so.1`, with `libcuda.so` beside it) and a
+/// program linked against it, copied to `name` (its command name).
+fn cuda_programs(name: &str) -> std::path::PathBuf {
+    let driver = build_program(
+        "libcuda.c",
+        "libcuda.so.1",
+        &[
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcuda.so.1",
+            "-ldl",
+            "-pthread",
+        ],
+    );
+    let dir = driver.parent().expect("standin directory").to_path_buf();
+    let link = dir.join("libcuda.so");
+    if std::fs::symlink_metadata(&link).is_err() {
+        // Another test process may have made it first.
+        let _ = std::os::unix::fs::symlink("libcuda.so.1", &link);
+    }
+    let search = format!("-L{}", dir.display());
+    let rpath = format!("-Wl,-rpath,{}", dir.display());
+    build_program(
+        "cuda_workload.c",
+        name,
+        &["-pthread", &search, "-lcuda", &rpath],
+    )
+}
+
+/// One call line of the workload's output.
+#[derive(Debug, Clone)]
+struct Call {
+    name: String,
+    pid: u32,
+    tid: u64,
+    realtime: (u64, u64),
+    fields: HashMap<String, String>,
+}
+
+fn parse_call(line: &str) -> Option<Call> {
+    let mut words = line.split_whitespace();
+    if words.next()? != "call" {
+        return None;
+    }
+    let name = words.next()?.to_string();
+    let fields: HashMap<String, String> = words
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let number = |key: &str| fields.get(key)?.parse::<u64>().ok();
+    Some(Call {
+        pid: number("pid")? as u32,
+        tid: number("tid")?,
+        realtime: (number("rt0")?, number("rt1")?),
+        name,
+        fields,
+    })
+}
+
+/// A workload started with its stdout read line by line on a thread.
+struct CudaWorkload {
+    workload: Workload,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl CudaWorkload {
+    fn start(program: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> CudaWorkload {
+        let mut child = Command::new(program)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the CUDA workload");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let pid = child.id();
+        CudaWorkload {
+            workload: Workload { child, pid },
+            lines,
+        }
+    }
+
+    /// Lines up to and including the first that starts with `prefix`.
+    fn read_until(&self, prefix: &str) -> Vec<String> {
+        let mut seen = Vec::new();
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(std::time::Duration::from_secs(30))
+                .unwrap_or_else(|_| panic!("the workload never printed {prefix:?}: {seen:?}"));
+            let done = line.starts_with(prefix);
+            seen.push(line);
+            if done {
+                return seen;
+            }
+        }
+    }
+}
+
+/// An agent with only the CUDA probes, attached from the start, plus
+/// `extra` arguments; returned once it has probed a driver library.
+async fn cuda_agent(extra: &[&str]) -> AgentProcess {
+    let mut args = vec![
+        "--backend",
+        "ebpf",
+        "--ebpf-hooks",
+        "cuda",
+        "--ebpf-attach",
+        "always",
+    ];
+    args.extend_from_slice(extra);
+    let agent = AgentProcess::start(&args);
+    wait_for_probes(&agent).await;
+    agent
+}
+
+/// The calls a workload printed up to its end.
+fn calls_until_done(workload: &CudaWorkload) -> Vec<Call> {
+    workload
+        .read_until("done")
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .collect()
+}
+
+/// Waits until the agent's eBPF backend reports probes on a driver library.
+async fn wait_for_probes(agent: &AgentProcess) {
+    for _ in 0..100 {
+        let text = agent.monitor(100).await.data;
+        if text.contains("CUDA probes on") {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the eBPF backend never probed the driver library");
+}
+
+/// Captures `duration_ms` while, after a moment, `release` lets the workload
+/// go; returns the trace.
+async fn capture_while(
+    agent: &AgentProcess,
+    duration_ms: u64,
+    release: &std::path::Path,
+) -> XSpace {
+    let capture = capture(agent, duration_ms);
+    let go = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        std::fs::write(release, b"go").expect("releasing the workload");
+    };
+    let (space, ()) = tokio::join!(capture, go);
+    space
+}
+
+/// Driver-call events of `pid` on `/host:CPU`, with absolute times.
+fn driver_calls(space: &XSpace, pid: u32) -> Vec<(Seen, u64)> {
+    let (start, _) = common::window_of(space);
+    events(common::plane(space, "/host:CPU"))
+        .into_iter()
+        .filter(|e| e.name.starts_with("cu") && e.stats.contains_key("result"))
+        .filter(|e| uint(e, "pid") == u64::from(pid))
+        .map(|e| {
+            let at = start + (e.offset_ps / 1000) as u64;
+            (e, at)
+        })
+        .collect()
+}
+
+fn hex(call: &Call, key: &str) -> u64 {
+    let text = &call.fields[key];
+    u64::from_str_radix(text.trim_start_matches("0x"), 16).expect("hex field")
+}
+
+/// Every probed call the workload printed is in the trace once, on its
+/// thread's line, inside the interval the workload measured around it, with
+/// its arguments; and nothing else of that process is.
+fn assert_calls_match(
+    space: &XSpace,
+    calls: &[Call],
+    pid: u32,
+    kernel_us: u64,
+    sync_us: u64,
+    lookups_seen: bool,
+) {
+    const PROBED: [&str; 12] = [
+        "cuMemcpyDtoD_v2",
+        "cuMemcpyHtoDAsync_v2",
+        "cuEventSynchronize",
+        "cuModuleGetFunction",
+        "cuMemAlloc_v2",
+        "cuMemcpyHtoD_v2",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cuMemcpyDtoHAsync_v2",
+        "cuStreamSynchronize",
+        "cuMemFree_v2",
+        "cuCtxSynchronize",
+    ];
+    let expected: Vec<&Call> = calls
+        .iter()
+        .filter(|c| PROBED.contains(&c.name.as_str()))
+        .collect();
+    let mut seen = driver_calls(space, pid);
+    seen.sort_by_key(|(_, at)| *at);
+    let names = |v: &[&str]| v.join(" ");
+    assert_eq!(
+        names(
+            &seen
+                .iter()
+                .map(|(e, _)| e.name.as_str())
+                .collect::<Vec<_>>()
+        ),
+        names(&expected.iter().map(|c| c.name.as_str()).collect::<Vec<_>>()),
+        "the calls, in order"
+    );
+    // The agent's clock is mapped from the kernel's monotonic clock; allow
+    // for that mapping's error.
+    let slack_ns = 200_000;
+    for ((event, at), call) in seen.iter().zip(&expected) {
+        let end = at + (event.duration_ps / 1000) as u64;
+        assert!(
+            *at + slack_ns >= call.realtime.0 && end <= call.realtime.1 + slack_ns,
+            "{} at {at}..{end} outside the workload's {:?}",
+            call.name,
+            call.realtime
+        );
+        assert!(
+            event.line.contains(&format!(" {} (pid {pid})", call.tid)),
+            "{} on line {:?}, thread {}",
+            call.name,
+            event.line,
+            call.tid
+        );
+        assert_eq!(uint(event, "pid"), u64::from(pid));
+        assert_eq!(call.pid, pid);
+        match event.stats.get("result") {
+            Some(StatValue::Int(0)) => {}
+            other => panic!("{}: result {other:?}", call.name),
+        }
+        let duration_us = (event.duration_ps / 1_000_000) as u64;
+        match call.name.as_str() {
+            "cuLaunchKernel" | "cuLaunchKernelEx" => {
+                assert!(
+                    duration_us >= kernel_us,
+                    "{} took {duration_us} us",
+                    call.name
+                );
+                assert_eq!(text(event, "grid"), call.fields["grid"]);
+                assert_eq!(text(event, "block"), call.fields["block"]);
+                assert_eq!(
+                    uint(event, "shared_mem_bytes").to_string(),
+                    call.fields["shmem"]
+                );
+                if lookups_seen {
+                    assert_eq!(text(event, "kernel"), call.fields["func"]);
+                } else {
+                    // Looked up before the probes were attached: the launch
+                    // shows the handle without a name.
+                    assert!(!event.stats.contains_key("kernel"), "{event:?}");
+                }
+                assert_ne!(uint(event, "function"), 0);
+                assert_ne!(uint(event, "stream"), 0);
+            }
+            "cuStreamSynchronize" => {
+                assert!(duration_us >= sync_us, "sync took {duration_us} us");
+                assert_ne!(uint(event, "stream"), 0);
+            }
+            "cuMemAlloc_v2" => {
+                assert_eq!(uint(event, "bytes").to_string(), call.fields["bytes"]);
+                assert_eq!(uint(event, "addr"), hex(call, "ptr"));
+            }
+            "cuMemFree_v2" => {
+                assert_eq!(uint(event, "addr"), hex(call, "ptr"));
+                assert_eq!(
+                    uint(event, "bytes"),
+                    1 << 20,
+                    "size known from the allocation"
+                );
+            }
+            "cuMemcpyHtoD_v2" => {
+                assert_eq!(uint(event, "bytes").to_string(), call.fields["bytes"]);
+                assert_eq!(uint(event, "addr"), hex(call, "dst"));
+            }
+            "cuMemcpyDtoHAsync_v2" => {
+                assert_eq!(uint(event, "bytes").to_string(), call.fields["bytes"]);
+                assert_eq!(uint(event, "addr"), hex(call, "src"));
+                assert_ne!(uint(event, "stream"), 0);
+            }
+            "cuModuleGetFunction" => {
+                assert_eq!(text(event, "kernel"), call.fields["name"]);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The memory events of `pid`: (name, address, bytes in use after).
+fn memory_events(space: &XSpace, pid: u32) -> Vec<(String, u64, i64)> {
+    let allocator = format!("cuMemAlloc pid {pid}");
+    events(common::plane(space, "/host:CPU"))
+        .into_iter()
+        .filter(|e| e.name.starts_with("Memory"))
+        .filter(|e| text(e, "allocator_name") == allocator)
+        .map(|e| {
+            let in_use = match e.stats.get("bytes_allocated") {
+                Some(StatValue::Int(v)) => *v,
+                other => panic!("{other:?}"),
+            };
+            (e.name.clone(), uint(&e, "addr"), in_use)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn driver_calls_of_a_program_started_before_the_agent_carry_their_arguments() {
+    if skip_without_root("driver_calls_before") {
+        return;
+    }
+    let program = cuda_programs("cuda_early");
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("go");
+    let (kernel_us, sync_us) = (300, 500);
+    let workload = CudaWorkload::start(
+        &program,
+        &[
+            "3",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "20",
+        ],
+        &[
+            ("DEVTRACE_STANDIN_KERNEL_US", &kernel_us.to_string()),
+            ("DEVTRACE_STANDIN_SYNC_US", &sync_us.to_string()),
+        ],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    let agent = cuda_agent(&["--ebpf-pid", &pid.to_string()]).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    let calls = calls_until_done(&workload);
+    assert_eq!(
+        calls.iter().filter(|c| c.name == "cuLaunchKernel").count(),
+        3
+    );
+    assert_calls_match(&space, &calls, pid, kernel_us, sync_us, false);
+
+    // Allocations and frees feed the memory profile, per process.
+    let memory = memory_events(&space, pid);
+    let allocs: Vec<u64> = calls
+        .iter()
+        .filter(|c| c.name == "cuMemAlloc_v2")
+        .map(|c| hex(c, "ptr"))
+        .collect();
+    let expected: Vec<(String, u64, i64)> = allocs
+        .iter()
+        .flat_map(|ptr| {
+            [
+                ("MemoryAllocation".to_string(), *ptr, 1 << 20),
+                ("MemoryDeallocation".to_string(), *ptr, 0),
+            ]
+        })
+        .collect();
+    assert_eq!(memory, expected);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn driver_calls_of_a_program_started_after_the_agent_are_seen_from_cu_init() {
+    if skip_without_root("driver_calls_after") {
+        return;
+    }
+    let program = cuda_programs("cuda_late");
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "ebpf",
+        "--ebpf-hooks",
+        "cuda",
+        "--ebpf-attach",
+        "always",
+        "--ebpf-comm",
+        "cuda_late",
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("go");
+    let workload = CudaWorkload::start(
+        &program,
+        &[
+            "2",
+            "--init-wait-file",
+            release.to_str().unwrap(),
+            "--extras",
+        ],
+        &[],
+    );
+    workload.read_until("waiting");
+    // The library is found in the new process's maps at the next rescan.
+    wait_for_probes(&agent).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    let calls = calls_until_done(&workload);
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|c| c.name == "cuModuleGetFunction")
+            .count(),
+        2,
+        "setup ran inside the window"
+    );
+    assert_calls_match(&space, &calls, workload.workload.pid, 0, 0, true);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_beyond_the_bpf_ring_is_counted_not_lost() {
+    if skip_without_root("a_burst_beyond_the_bpf_ring") {
+        return;
+    }
+    let program = cuda_programs("cuda_burst");
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("go");
+    let workload = CudaWorkload::start(
+        &program,
+        &["400", "--wait-file", release.to_str().unwrap()],
+        &[],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    // 4 KiB holds about fifteen records; the burst is thousands.
+    let agent = cuda_agent(&["--ebpf-ring-size", "4KiB", "--ebpf-pid", &pid.to_string()]).await;
+    let space = capture_while(&agent, 3000, &release).await;
+    let made = calls_until_done(&workload)
+        .iter()
+        .filter(|c| {
+            [
+                "cuMemAlloc_v2",
+                "cuMemcpyHtoD_v2",
+                "cuLaunchKernel",
+                "cuLaunchKernelEx",
+                "cuMemcpyDtoHAsync_v2",
+                "cuStreamSynchronize",
+                "cuMemFree_v2",
+            ]
+            .contains(&c.name.as_str())
+        })
+        .count() as u64;
+    assert_eq!(made, 400 * 7);
+    let received = driver_calls(&space, pid).len() as u64;
+    let warning = space
+        .warnings
+        .iter()
+        .find(|w| w.contains("CUDA call records lost because the BPF ring buffer was full"))
+        .unwrap_or_else(|| panic!("no loss warning: {:?}", space.warnings));
+    let lost: u64 = warning
+        .split_whitespace()
+        .find_map(|w| w.parse().ok())
+        .expect("a count in the warning");
+    assert!(lost > 0 && received > 0, "received {received}, lost {lost}");
+    assert_eq!(received + lost, made, "{warning}");
+    // The loss is also a counter track on the scheduler plane.
+    let counters = events(common::plane(&space, "/host:CPUs"));
+    let last = counters
+        .iter()
+        .rfind(|e| e.name == "BPF CUDA call records lost (ring buffer full)")
+        .expect("a loss counter sample");
+    match last.stats.get("value") {
+        Some(StatValue::Double(v)) => assert_eq!(*v as u64, lost),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_privileges_the_agent_says_why_and_serves_the_other_backends() {
+    if skip_without_root("without_privileges") {
+        return;
+    }
+    // Drop to an unprivileged user with no capabilities, as a sidecar
+    // without CAP_BPF would run.
+    let mut child = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--",
+        ])
+        .arg(common::BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "mock",
+            "--backend",
+            "ebpf",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting devtrace as nobody");
+    // The log is read to its end, so the agent never writes into a closed pipe.
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, log_lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let agent = common::AgentProcess::adopt(child);
+    let reason = "run devtrace as root, or grant it CAP_BPF and CAP_PERFMON";
+
+    let mut log: Vec<String> = Vec::new();
+    while !log.iter().any(|l| l.contains("capture with")) {
+        let line = log_lines
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("the agent's log ended early: {log:?}"));
+        log.push(line);
+    }
+    let log = log.join("\n");
+    assert!(
+        log.contains("backend not started") && log.contains(reason),
+        "{log}"
+    );
+    let monitor = agent.monitor(100).await.data;
+    assert!(
+        monitor.contains("backend ebpf: failed:") && monitor.contains(reason),
+        "{monitor}"
+    );
+    let space = capture(&agent, 300).await;
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("backend ebpf is not running") && w.contains(reason)),
+        "{:?}",
+        space.warnings
+    );
+    // The mock still ran.
+    assert!(common::event_count(&space) > 0);
+}

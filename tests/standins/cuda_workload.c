@@ -1,0 +1,379 @@
+/*
+ * A CUDA driver-API program with a known, deterministic sequence of calls,
+ * for tests of devtrace's CUDA tracing against tests/standins/libcuda.c.
+ *
+ * Build: cc -O2 -Wall -Werror -pthread -o cuda_workload cuda_workload.c -L<dir> -lcuda
+ * Run:   LD_LIBRARY_PATH=<dir> cuda_workload ITERATIONS [options]
+ *
+ *   --wait-file PATH       after setup, wait until PATH exists before the first iteration
+ *   --init-wait-file PATH  wait until PATH exists before cuInit
+ *   --sleep-ms N           sleep N ms after each iteration
+ *   --threads N            run the iterations in N threads at once (default 1: the main thread)
+ *   --extras               also memset, DtoD, HtoDAsync, event record/sync and context sync
+ *   --cleanup              destroy streams, events and the context at the end
+ *
+ * Setup: cuInit, cuDeviceGet, cuCtxCreate_v2, cuModuleLoadData,
+ * cuModuleGetFunction("vector_add"), cuModuleGetFunction("matmul_tiled"),
+ * cuStreamCreate. Each iteration, per thread:
+ *   cuMemAlloc_v2(1 MiB)
+ *   cuMemcpyHtoD_v2(4096 bytes)
+ *   cuLaunchKernel(vector_add, grid 128,1,1, block 256,1,1, shared 0, stream)
+ *   cuLaunchKernelEx(matmul_tiled, grid 16,16,1, block 32,8,1, shared 4096, stream)
+ *   cuMemcpyDtoHAsync_v2(4096 bytes, stream)
+ *   [--extras: cuMemsetD8_v2(4096 bytes, 0x5a), cuMemcpyDtoD_v2(4096),
+ *    cuMemcpyHtoDAsync_v2(4096, stream), cuEventRecord(stream),
+ *    cuEventSynchronize, cuCtxSynchronize]
+ *   cuStreamSynchronize(stream)
+ *   cuMemFree_v2
+ * With --threads N > 1 each thread first calls cuCtxSetCurrent and
+ * cuStreamCreate (and cuEventCreate with --extras) itself.
+ *
+ * Output, one line per call, flushed at once:
+ *   call NAME pid=P tid=T t0=NS t1=NS rt0=NS rt1=NS rc=R [thread=K iter=I] [key=value ...]
+ * t0/t1 are CLOCK_MONOTONIC (bpf_ktime_get_ns) and rt0/rt1 CLOCK_REALTIME
+ * around the call; tid is gettid(). Streams are printed by their stand-in
+ * id (stream=13). Also `waiting pid=P file=PATH` before a wait and
+ * `done pid=P calls=N` at the end. Exit status 1 if any call failed.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- the cuda.h 12.x declarations used here ------------------------------ */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+
+typedef enum { CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4 } CUlaunchAttributeID;
+typedef union {
+    char pad[64];
+    struct { unsigned int x, y, z; } clusterDim;
+} CUlaunchAttributeValue;
+typedef struct {
+    CUlaunchAttributeID id;
+    char pad[8 - sizeof(CUlaunchAttributeID)];
+    CUlaunchAttributeValue value;
+} CUlaunchAttribute;
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+CUresult cuInit(unsigned int Flags);
+CUresult cuDeviceGet(CUdevice *device, int ordinal);
+CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
+CUresult cuCtxSetCurrent(CUcontext ctx);
+CUresult cuCtxDestroy_v2(CUcontext ctx);
+CUresult cuCtxSynchronize(void);
+CUresult cuModuleLoadData(CUmodule *module, const void *image);
+CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name);
+CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                        unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                        unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra);
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
+CUresult cuMemFree_v2(CUdeviceptr dptr);
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream);
+CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
+CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N);
+CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
+CUresult cuStreamDestroy_v2(CUstream hStream);
+CUresult cuStreamSynchronize(CUstream hStream);
+CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
+CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
+CUresult cuEventSynchronize(CUevent hEvent);
+CUresult cuEventDestroy_v2(CUevent hEvent);
+
+/* ---- the program ------------------------------------------------------------- */
+
+#define ALLOC_BYTES (1u << 20)
+#define COPY_BYTES 4096u
+
+static const char module_image[] =
+    "kernel vector_add regs=32 static_smem=0\n"
+    "kernel matmul_tiled regs=64 static_smem=8192\n";
+
+static struct {
+    int iterations, threads, sleep_ms, extras, cleanup;
+    const char *wait_file, *init_wait_file;
+} options = {.threads = 1};
+
+static CUcontext context;
+static CUfunction vector_add, matmul_tiled;
+static unsigned long calls;
+static int failed;
+static pthread_mutex_t output_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned int (*stream_id_fn)(CUstream);
+
+struct worker {
+    int index;
+    int own_setup; /* 1: make its own stream (threads > 1) */
+    CUstream stream;
+    CUevent event;
+};
+
+static uint64_t now(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+struct stamp { uint64_t t0, rt0; };
+
+static struct stamp start(void) {
+    struct stamp s;
+    s.rt0 = now(CLOCK_REALTIME);
+    s.t0 = now(CLOCK_MONOTONIC);
+    return s;
+}
+
+/* Prints one `call` line for a call that began at `s` and returned `rc`. */
+static void report(const char *name, struct stamp s, CUresult rc, const char *format, ...) {
+    uint64_t t1 = now(CLOCK_MONOTONIC), rt1 = now(CLOCK_REALTIME);
+    char details[512] = "";
+    va_list args;
+    va_start(args, format);
+    vsnprintf(details, sizeof details, format, args);
+    va_end(args);
+    pthread_mutex_lock(&output_lock);
+    calls++;
+    printf("call %s pid=%d tid=%ld t0=%llu t1=%llu rt0=%llu rt1=%llu rc=%d%s%s\n", name, (int)getpid(),
+           (long)syscall(SYS_gettid), (unsigned long long)s.t0, (unsigned long long)t1,
+           (unsigned long long)s.rt0, (unsigned long long)rt1, rc, *details ? " " : "", details);
+    fflush(stdout);
+    if (rc != 0) {
+        fprintf(stderr, "cuda_workload: %s failed with %d\n", name, rc);
+        failed = 1;
+    }
+    pthread_mutex_unlock(&output_lock);
+}
+
+static unsigned int stream_id(CUstream stream) {
+    return stream_id_fn ? stream_id_fn(stream) : 0;
+}
+
+static void wait_for(const char *path) {
+    printf("waiting pid=%d file=%s\n", (int)getpid(), path);
+    fflush(stdout);
+    while (access(path, F_OK) != 0) usleep(10000);
+}
+
+static void iterate(struct worker *w, int iter) {
+    struct stamp s;
+    CUresult rc;
+    CUdeviceptr buffer = 0;
+    static __thread unsigned char host[COPY_BYTES];
+    unsigned sid = stream_id(w->stream);
+
+    s = start();
+    rc = cuMemAlloc_v2(&buffer, ALLOC_BYTES);
+    report("cuMemAlloc_v2", s, rc, "thread=%d iter=%d bytes=%u ptr=0x%llx", w->index, iter, ALLOC_BYTES, buffer);
+    if (rc) return;
+
+    memset(host, iter & 0xff, sizeof host);
+    s = start();
+    rc = cuMemcpyHtoD_v2(buffer, host, COPY_BYTES);
+    report("cuMemcpyHtoD_v2", s, rc, "thread=%d iter=%d dst=0x%llx bytes=%u kind=1", w->index, iter, buffer,
+           COPY_BYTES);
+
+    int n = (int)(COPY_BYTES / sizeof(float));
+    void *vector_args[] = {&buffer, &buffer, &buffer, &n};
+    s = start();
+    rc = cuLaunchKernel(vector_add, 128, 1, 1, 256, 1, 1, 0, w->stream, vector_args, NULL);
+    report("cuLaunchKernel", s, rc, "thread=%d iter=%d func=vector_add grid=128,1,1 block=256,1,1 shmem=0 stream=%u",
+           w->index, iter, sid);
+
+    CUlaunchConfig config = {16, 16, 1, 32, 8, 1, 4096, w->stream, NULL, 0};
+    void *matmul_args[] = {&buffer, &buffer, &buffer, &n};
+    s = start();
+    rc = cuLaunchKernelEx(&config, matmul_tiled, matmul_args, NULL);
+    report("cuLaunchKernelEx", s, rc,
+           "thread=%d iter=%d func=matmul_tiled grid=16,16,1 block=32,8,1 shmem=4096 stream=%u", w->index, iter, sid);
+
+    s = start();
+    rc = cuMemcpyDtoHAsync_v2(host, buffer, COPY_BYTES, w->stream);
+    report("cuMemcpyDtoHAsync_v2", s, rc, "thread=%d iter=%d src=0x%llx bytes=%u kind=2 stream=%u", w->index, iter,
+           buffer, COPY_BYTES, sid);
+
+    if (options.extras) {
+        s = start();
+        rc = cuMemsetD8_v2(buffer, 0x5a, COPY_BYTES);
+        report("cuMemsetD8_v2", s, rc, "thread=%d iter=%d dst=0x%llx bytes=%u value=90", w->index, iter, buffer,
+               COPY_BYTES);
+        s = start();
+        rc = cuMemcpyDtoD_v2(buffer + COPY_BYTES, buffer, COPY_BYTES);
+        report("cuMemcpyDtoD_v2", s, rc, "thread=%d iter=%d dst=0x%llx src=0x%llx bytes=%u kind=8", w->index, iter,
+               buffer + COPY_BYTES, buffer, COPY_BYTES);
+        s = start();
+        rc = cuMemcpyHtoDAsync_v2(buffer, host, COPY_BYTES, w->stream);
+        report("cuMemcpyHtoDAsync_v2", s, rc, "thread=%d iter=%d dst=0x%llx bytes=%u kind=1 stream=%u", w->index,
+               iter, buffer, COPY_BYTES, sid);
+        s = start();
+        rc = cuEventRecord(w->event, w->stream);
+        report("cuEventRecord", s, rc, "thread=%d iter=%d stream=%u", w->index, iter, sid);
+        s = start();
+        rc = cuEventSynchronize(w->event);
+        report("cuEventSynchronize", s, rc, "thread=%d iter=%d", w->index, iter);
+        s = start();
+        rc = cuCtxSynchronize();
+        report("cuCtxSynchronize", s, rc, "thread=%d iter=%d", w->index, iter);
+    }
+
+    s = start();
+    rc = cuStreamSynchronize(w->stream);
+    report("cuStreamSynchronize", s, rc, "thread=%d iter=%d stream=%u", w->index, iter, sid);
+
+    s = start();
+    rc = cuMemFree_v2(buffer);
+    report("cuMemFree_v2", s, rc, "thread=%d iter=%d ptr=0x%llx", w->index, iter, buffer);
+}
+
+static void make_stream(struct worker *w) {
+    struct stamp s = start();
+    CUresult rc = cuStreamCreate(&w->stream, 0);
+    report("cuStreamCreate", s, rc, "thread=%d stream=%u", w->index, rc ? 0 : stream_id(w->stream));
+    if (options.extras) {
+        s = start();
+        rc = cuEventCreate(&w->event, 0);
+        report("cuEventCreate", s, rc, "thread=%d", w->index);
+    }
+}
+
+static void *run_worker(void *arg) {
+    struct worker *w = arg;
+    if (w->own_setup) {
+        struct stamp s = start();
+        CUresult rc = cuCtxSetCurrent(context);
+        report("cuCtxSetCurrent", s, rc, "thread=%d", w->index);
+        make_stream(w);
+    }
+    for (int i = 0; i < options.iterations && !failed; i++) {
+        iterate(w, i);
+        if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
+    }
+    return NULL;
+}
+
+static void cleanup(struct worker *w) {
+    struct stamp s;
+    CUresult rc;
+    if (w->event) {
+        s = start();
+        rc = cuEventDestroy_v2(w->event);
+        report("cuEventDestroy_v2", s, rc, "thread=%d", w->index);
+    }
+    if (w->stream) {
+        unsigned sid = stream_id(w->stream);
+        s = start();
+        rc = cuStreamDestroy_v2(w->stream);
+        report("cuStreamDestroy_v2", s, rc, "thread=%d stream=%u", w->index, sid);
+    }
+}
+
+static int usage(void) {
+    fprintf(stderr,
+            "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
+            "                     [--threads N] [--extras] [--cleanup]\n");
+    return 2;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) return usage();
+    options.iterations = atoi(argv[1]);
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--wait-file") == 0 && i + 1 < argc) options.wait_file = argv[++i];
+        else if (strcmp(a, "--init-wait-file") == 0 && i + 1 < argc) options.init_wait_file = argv[++i];
+        else if (strcmp(a, "--sleep-ms") == 0 && i + 1 < argc) options.sleep_ms = atoi(argv[++i]);
+        else if (strcmp(a, "--threads") == 0 && i + 1 < argc) options.threads = atoi(argv[++i]);
+        else if (strcmp(a, "--extras") == 0) options.extras = 1;
+        else if (strcmp(a, "--cleanup") == 0) options.cleanup = 1;
+        else return usage();
+    }
+    if (options.iterations < 0 || options.threads < 1 || options.threads > 64) return usage();
+    stream_id_fn = (unsigned int (*)(CUstream))dlsym(RTLD_DEFAULT, "devtrace_standin_stream_id");
+
+    if (options.init_wait_file) wait_for(options.init_wait_file);
+
+    struct stamp s;
+    CUresult rc;
+    s = start();
+    rc = cuInit(0);
+    report("cuInit", s, rc, "flags=0");
+    if (rc) return 1;
+
+    CUdevice device = -1;
+    s = start();
+    rc = cuDeviceGet(&device, 0);
+    report("cuDeviceGet", s, rc, "ordinal=0 device=%d", device);
+    if (rc) return 1;
+
+    s = start();
+    rc = cuCtxCreate_v2(&context, 0, device);
+    report("cuCtxCreate_v2", s, rc, "device=%d", device);
+    if (rc) return 1;
+
+    CUmodule module = NULL;
+    s = start();
+    rc = cuModuleLoadData(&module, module_image);
+    report("cuModuleLoadData", s, rc, "bytes=%zu", sizeof module_image);
+    if (rc) return 1;
+
+    s = start();
+    rc = cuModuleGetFunction(&vector_add, module, "vector_add");
+    report("cuModuleGetFunction", s, rc, "name=vector_add");
+    s = start();
+    rc = cuModuleGetFunction(&matmul_tiled, module, "matmul_tiled");
+    report("cuModuleGetFunction", s, rc, "name=matmul_tiled");
+    if (failed) return 1;
+
+    struct worker workers[64];
+    memset(workers, 0, sizeof workers);
+    for (int t = 0; t < options.threads; t++) {
+        workers[t].index = t;
+        workers[t].own_setup = options.threads > 1;
+    }
+    if (options.threads == 1) make_stream(&workers[0]);
+    if (failed) return 1;
+
+    if (options.wait_file) wait_for(options.wait_file);
+
+    if (options.threads == 1) {
+        run_worker(&workers[0]);
+    } else {
+        pthread_t ids[64];
+        for (int t = 0; t < options.threads; t++) pthread_create(&ids[t], NULL, run_worker, &workers[t]);
+        for (int t = 0; t < options.threads; t++) pthread_join(ids[t], NULL);
+    }
+
+    if (options.cleanup) {
+        for (int t = 0; t < options.threads; t++) cleanup(&workers[t]);
+        s = start();
+        rc = cuCtxDestroy_v2(context);
+        report("cuCtxDestroy_v2", s, rc, "");
+    }
+
+    printf("done pid=%d calls=%lu\n", (int)getpid(), calls);
+    fflush(stdout);
+    return failed ? 1 : 0;
+}

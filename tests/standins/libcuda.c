@@ -1,0 +1,816 @@
+/*
+ * A stand-in for the CUDA driver (libcuda.so.1) with the real C ABI of
+ * cuda.h 12.x for the entry points devtrace traces: same symbol names,
+ * argument types and struct layouts (CUlaunchConfig, CUlaunchAttribute).
+ * Every entry point is a real, exported, non-inlined function, so uprobes
+ * attach at its symbol address as they would on the real driver.
+ *
+ * Build it once and make the other name a symlink (as a real install does):
+ *   cc -shared -fPIC -O2 -Wall -Werror -Wl,-soname,libcuda.so.1 \
+ *      -o libcuda.so.1 libcuda.c && ln -sf libcuda.so.1 libcuda.so
+ * Two copies under two names would both get loaded (cudarc opens
+ * "libcuda.so" first) and each would keep its own state.
+ *
+ * Behaviour:
+ * - cuInit loads $CUDA_INJECTION64_PATH (dlopen RTLD_NOW) once and calls its
+ *   `int InitializeInjection(void)`, as the real driver does.
+ * - Everything but cuInit, cuDriverGetVersion and cuGetErrorString answers
+ *   CUDA_ERROR_NOT_INITIALIZED before cuInit; work needs a current context
+ *   (per thread, set by cuCtxCreate_v2 / cuCtxSetCurrent).
+ * - Host-side durations: cuLaunchKernel/Ex busy-spin $DEVTRACE_STANDIN_KERNEL_US
+ *   microseconds, cuStreamSynchronize/cuCtxSynchronize/cuEventSynchronize
+ *   busy-spin $DEVTRACE_STANDIN_SYNC_US (both default 0, read once).
+ * - One device ("Standin GPU", ordinal 0); driver version 12080.
+ * - cuMemAlloc_v2 hands out increasing fake addresses from 0x7f0000000000,
+ *   each rounded up to 256 bytes and never reused; the memory is not backed,
+ *   so copies only check the device range and DtoH copies zero the host side.
+ * - Module images are text. Lines `kernel NAME regs=N static_smem=M` declare
+ *   kernels with those attributes; cuModuleGetFunction then answers
+ *   CUDA_ERROR_NOT_FOUND for other names. An image without such lines accepts
+ *   any name with regs=32 static_smem=0.
+ * - Streams: NULL / CU_STREAM_LEGACY / CU_STREAM_PER_THREAD are stream 7,
+ *   created streams 13, 14, ... (standin_call.h). Contexts 1, 2, ...;
+ *   events 1, 2, ...
+ * - After each call the CUPTI stand-in, if attached, gets a
+ *   `struct standin_call` (standin_call.h) describing it.
+ * - devtrace_standin_stream_id(CUstream) tells a test program a stream's id.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "standin_call.h"
+
+#define CUAPI __attribute__((noinline, used, visibility("default")))
+
+/* ---- cuda.h 12.x types ------------------------------------------------ */
+
+typedef int CUresult;
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_DEINITIALIZED = 4,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_UNKNOWN = 999,
+};
+
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+
+#define CU_STREAM_LEGACY ((CUstream)0x1)
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
+
+typedef enum {
+    CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2,
+    CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4,
+} CUlaunchAttributeID;
+
+typedef union {
+    char pad[64];
+    struct { unsigned int x, y, z; } clusterDim;
+    int cooperative;
+} CUlaunchAttributeValue;
+
+typedef struct {
+    CUlaunchAttributeID id;
+    char pad[8 - sizeof(CUlaunchAttributeID)];
+    CUlaunchAttributeValue value;
+} CUlaunchAttribute;
+
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+_Static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute layout");
+_Static_assert(sizeof(CUlaunchConfig) == 56, "CUlaunchConfig layout");
+_Static_assert(__builtin_offsetof(CUlaunchConfig, sharedMemBytes) == 24, "CUlaunchConfig layout");
+_Static_assert(__builtin_offsetof(CUlaunchConfig, hStream) == 32, "CUlaunchConfig layout");
+_Static_assert(__builtin_offsetof(CUlaunchConfig, attrs) == 40, "CUlaunchConfig layout");
+_Static_assert(__builtin_offsetof(CUlaunchConfig, numAttrs) == 48, "CUlaunchConfig layout");
+
+/* CUPTI_DRIVER_TRACE_CBID_* of CUDA 12.8 (cupti_driver_cbid.h). */
+enum {
+    CBID_cuInit = 1,
+    CBID_cuDriverGetVersion = 2,
+    CBID_cuDeviceGet = 3,
+    CBID_cuDeviceGetCount = 4,
+    CBID_cuDeviceGetName = 5,
+    CBID_cuCtxSynchronize = 17,
+    CBID_cuModuleLoadData = 19,
+    CBID_cuModuleGetFunction = 23,
+    CBID_cuEventCreate = 118,
+    CBID_cuEventRecord = 119,
+    CBID_cuEventSynchronize = 121,
+    CBID_cuStreamCreate = 124,
+    CBID_cuStreamSynchronize = 126,
+    CBID_cuCtxCreate_v2 = 235,
+    CBID_cuMemAlloc_v2 = 243,
+    CBID_cuMemFree_v2 = 245,
+    CBID_cuMemsetD8_v2 = 249,
+    CBID_cuMemcpyHtoD_v2 = 276,
+    CBID_cuMemcpyHtoDAsync_v2 = 277,
+    CBID_cuMemcpyDtoH_v2 = 278,
+    CBID_cuMemcpyDtoHAsync_v2 = 279,
+    CBID_cuMemcpyDtoD_v2 = 280,
+    CBID_cuCtxSetCurrent = 303,
+    CBID_cuCtxGetCurrent = 304,
+    CBID_cuMemcpy = 305,
+    CBID_cuMemcpyAsync = 306,
+    CBID_cuLaunchKernel = 307,
+    CBID_cuCtxDestroy_v2 = 322,
+    CBID_cuEventDestroy_v2 = 325,
+    CBID_cuStreamDestroy_v2 = 326,
+    CBID_cuGetErrorString = 372,
+    CBID_cuLaunchKernelEx = 652,
+};
+
+/* CUpti_ActivityMemcpyKind / CUpti_ActivitySynchronizationType values. */
+enum { COPY_HTOD = 1, COPY_DTOH = 2, COPY_DTOD = 8, COPY_HTOH = 9 };
+enum { SYNC_EVENT = 1, SYNC_STREAM = 3, SYNC_CONTEXT = 4 };
+
+#define NO_ID 0xFFFFFFFFu
+
+/* ---- driver objects ---------------------------------------------------- */
+
+struct CUctx_st { uint32_t id; int destroyed; };
+struct CUstream_st { uint32_t id; uint32_t context_id; };
+struct CUevent_st { uint32_t id; uint32_t stream_id; };
+
+struct kernel_decl { char *name; uint16_t registers; uint32_t static_shared; };
+struct CUfunc_st { char *name; uint16_t registers; uint32_t static_shared; struct CUfunc_st *next; };
+struct CUmod_st {
+    struct kernel_decl *decls;
+    size_t ndecls;
+    struct CUfunc_st *functions;
+};
+
+struct allocation { CUdeviceptr ptr; size_t size; int live; };
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int initialized;
+static uint32_t next_context_id = 1;
+static uint32_t next_stream_id = STANDIN_FIRST_STREAM_ID;
+static uint32_t next_event_id = 1;
+static CUdeviceptr next_address = 0x7f0000000000ULL;
+static struct allocation *allocations;
+static size_t nallocations, allocations_cap;
+static __thread CUcontext current_context;
+
+static devtrace_standin_hook hook;
+static long long kernel_us = -1, sync_us = -1;
+
+/* ---- helpers ----------------------------------------------------------- */
+
+static uint64_t clock_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static long long env_number(const char *name) {
+    const char *value = getenv(name);
+    return value && *value ? atoll(value) : 0;
+}
+
+static void spin_us(long long us) {
+    if (us <= 0) return;
+    uint64_t until = clock_ns(CLOCK_MONOTONIC) + (uint64_t)us * 1000ULL;
+    while (clock_ns(CLOCK_MONOTONIC) < until) {
+    }
+}
+
+static long long kernel_spin(void) {
+    if (kernel_us < 0) kernel_us = env_number("DEVTRACE_STANDIN_KERNEL_US");
+    return kernel_us;
+}
+
+static long long sync_spin(void) {
+    if (sync_us < 0) sync_us = env_number("DEVTRACE_STANDIN_SYNC_US");
+    return sync_us;
+}
+
+static uint32_t stream_id_of(CUstream stream) {
+    if (stream == NULL || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD)
+        return STANDIN_DEFAULT_STREAM_ID;
+    return stream->id;
+}
+
+static uint32_t context_id(void) {
+    return current_context ? current_context->id : 0;
+}
+
+/* A call record with the common fields filled in. */
+static struct standin_call begin_call(const char *api, uint32_t cbid, uint32_t kind) {
+    struct standin_call call;
+    memset(&call, 0, sizeof call);
+    call.version = STANDIN_CALL_VERSION;
+    call.kind = kind;
+    call.api_name = api;
+    call.cbid = cbid;
+    call.start_ns = clock_ns(CLOCK_REALTIME);
+    call.pid = (uint32_t)getpid();
+    call.tid = (uint32_t)syscall(SYS_gettid);
+    call.pthread_id = (uint64_t)pthread_self();
+    call.device_id = 0;
+    call.context_id = context_id();
+    call.stream_id = NO_ID;
+    call.event_id = NO_ID;
+    return call;
+}
+
+/* Stamps the end of the call, tells the CUPTI stand-in, returns `result`. */
+static CUresult finish_call(struct standin_call *call, CUresult result) {
+    call->end_ns = clock_ns(CLOCK_REALTIME);
+    call->result = result;
+    devtrace_standin_hook h = __atomic_load_n(&hook, __ATOMIC_ACQUIRE);
+    if (h) h(call);
+    return result;
+}
+
+static int is_initialized(void) {
+    return __atomic_load_n(&initialized, __ATOMIC_ACQUIRE);
+}
+
+static CUresult check_ready(void) {
+    if (!is_initialized()) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!current_context) return CUDA_ERROR_INVALID_CONTEXT;
+    return CUDA_SUCCESS;
+}
+
+/* The live allocation holding [ptr, ptr+bytes), or NULL. Caller holds lock. */
+static struct allocation *find_allocation(CUdeviceptr ptr, size_t bytes) {
+    for (size_t i = 0; i < nallocations; i++) {
+        struct allocation *a = &allocations[i];
+        if (a->live && ptr >= a->ptr && ptr - a->ptr < a->size && bytes <= a->size - (ptr - a->ptr))
+            return a;
+    }
+    return NULL;
+}
+
+static int is_device(CUdeviceptr ptr, size_t bytes) {
+    pthread_mutex_lock(&lock);
+    int found = find_allocation(ptr, bytes) != NULL;
+    pthread_mutex_unlock(&lock);
+    return found;
+}
+
+/* ---- hook plumbing (not part of the CUDA ABI) -------------------------- */
+
+CUAPI void devtrace_standin_cuda_set_hook(devtrace_standin_hook h) {
+    __atomic_store_n(&hook, h, __ATOMIC_RELEASE);
+}
+
+CUAPI unsigned int devtrace_standin_stream_id(CUstream stream) {
+    return stream_id_of(stream);
+}
+
+/* ---- initialisation ---------------------------------------------------- */
+
+/* Attaches a CUPTI stand-in loaded before the driver (it attaches itself otherwise). */
+static void find_cupti(void) {
+    if (__atomic_load_n(&hook, __ATOMIC_ACQUIRE)) return;
+    static const char *const names[] = {"libcupti.so.12", "libcupti.so"};
+    devtrace_standin_hook found = (devtrace_standin_hook)dlsym(RTLD_DEFAULT, "devtrace_standin_cupti_on_call");
+    for (size_t i = 0; !found && i < sizeof names / sizeof names[0]; i++) {
+        void *library = dlopen(names[i], RTLD_LAZY | RTLD_NOLOAD);
+        if (library) {
+            found = (devtrace_standin_hook)dlsym(library, "devtrace_standin_cupti_on_call");
+            dlclose(library);
+        }
+    }
+    if (found) devtrace_standin_cuda_set_hook(found);
+}
+
+static void load_injection(void) {
+    const char *path = getenv("CUDA_INJECTION64_PATH");
+    if (!path || !*path) return;
+    void *library = dlopen(path, RTLD_NOW);
+    if (!library) {
+        fprintf(stderr, "standin libcuda: cannot load injection %s: %s\n", path, dlerror());
+        return;
+    }
+    int (*initialize)(void) = (int (*)(void))dlsym(library, "InitializeInjection");
+    if (!initialize) {
+        fprintf(stderr, "standin libcuda: %s has no InitializeInjection\n", path);
+        return;
+    }
+    if (!initialize()) fprintf(stderr, "standin libcuda: InitializeInjection of %s failed\n", path);
+}
+
+CUAPI CUresult cuInit(unsigned int Flags) {
+    struct standin_call call = begin_call("cuInit", CBID_cuInit, STANDIN_CALL_API);
+    if (Flags != 0) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    pthread_mutex_lock(&lock);
+    int first = !initialized;
+    __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&lock);
+    if (first) {
+        find_cupti();
+        load_injection();
+    }
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuDriverGetVersion(int *driverVersion) {
+    struct standin_call call = begin_call("cuDriverGetVersion", CBID_cuDriverGetVersion, STANDIN_CALL_API);
+    if (!driverVersion) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    *driverVersion = 12080;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuDeviceGetCount(int *count) {
+    struct standin_call call = begin_call("cuDeviceGetCount", CBID_cuDeviceGetCount, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!count) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    *count = 1;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+    struct standin_call call = begin_call("cuDeviceGet", CBID_cuDeviceGet, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!device) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (ordinal != 0) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    *device = 0;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+    struct standin_call call = begin_call("cuDeviceGetName", CBID_cuDeviceGetName, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!name || len <= 0) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (dev != 0) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    snprintf(name, (size_t)len, "%s", "Standin GPU");
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+/* ---- contexts ----------------------------------------------------------- */
+
+CUAPI CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    (void)flags;
+    struct standin_call call = begin_call("cuCtxCreate_v2", CBID_cuCtxCreate_v2, STANDIN_CALL_CTX_CREATE);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!pctx) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (dev != 0) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    CUcontext ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+    pthread_mutex_lock(&lock);
+    ctx->id = next_context_id++;
+    pthread_mutex_unlock(&lock);
+    current_context = ctx;
+    *pctx = ctx;
+    call.context_id = ctx->id;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuCtxGetCurrent(CUcontext *pctx) {
+    struct standin_call call = begin_call("cuCtxGetCurrent", CBID_cuCtxGetCurrent, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!pctx) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    *pctx = current_context;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuCtxSetCurrent(CUcontext ctx) {
+    struct standin_call call = begin_call("cuCtxSetCurrent", CBID_cuCtxSetCurrent, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (ctx && ctx->destroyed) return finish_call(&call, CUDA_ERROR_INVALID_CONTEXT);
+    current_context = ctx;
+    call.context_id = context_id();
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    struct standin_call call = begin_call("cuCtxDestroy_v2", CBID_cuCtxDestroy_v2, STANDIN_CALL_CTX_DESTROY);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!ctx || ctx->destroyed) return finish_call(&call, CUDA_ERROR_INVALID_CONTEXT);
+    ctx->destroyed = 1; /* kept allocated: stale handles stay detectable */
+    call.context_id = ctx->id;
+    if (current_context == ctx) current_context = NULL;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuCtxSynchronize(void) {
+    struct standin_call call = begin_call("cuCtxSynchronize", CBID_cuCtxSynchronize, STANDIN_CALL_SYNC);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    call.sync_type = SYNC_CONTEXT;
+    spin_us(sync_spin());
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+/* ---- modules ------------------------------------------------------------ */
+
+/* Reads the `kernel NAME regs=N static_smem=M` lines of a text image. */
+static int parse_image(struct CUmod_st *module, const char *image) {
+    const char *line = image;
+    while (*line) {
+        const char *end = strchr(line, '\n');
+        size_t length = end ? (size_t)(end - line) : strlen(line);
+        if (length > 7 && strncmp(line, "kernel ", 7) == 0) {
+            char text[512];
+            if (length >= sizeof text) return -1;
+            memcpy(text, line, length);
+            text[length] = '\0';
+            char name[256];
+            unsigned regs = 32, smem = 0;
+            if (sscanf(text, "kernel %255s", name) != 1) return -1;
+            const char *r = strstr(text, "regs=");
+            const char *s = strstr(text, "static_smem=");
+            if (r) regs = (unsigned)strtoul(r + 5, NULL, 10);
+            if (s) smem = (unsigned)strtoul(s + 12, NULL, 10);
+            struct kernel_decl *grown = realloc(module->decls, (module->ndecls + 1) * sizeof *grown);
+            if (!grown) return -1;
+            module->decls = grown;
+            module->decls[module->ndecls].name = strdup(name);
+            module->decls[module->ndecls].registers = (uint16_t)regs;
+            module->decls[module->ndecls].static_shared = smem;
+            module->ndecls++;
+        }
+        if (!end) break;
+        line = end + 1;
+    }
+    return 0;
+}
+
+CUAPI CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+    struct standin_call call = begin_call("cuModuleLoadData", CBID_cuModuleLoadData, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!module || !image) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    struct CUmod_st *m = calloc(1, sizeof *m);
+    if (!m) return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+    if (parse_image(m, image) != 0) {
+        free(m);
+        return finish_call(&call, CUDA_ERROR_INVALID_IMAGE);
+    }
+    *module = m;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+    struct standin_call call = begin_call("cuModuleGetFunction", CBID_cuModuleGetFunction, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!hfunc || !name) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (!hmod) return finish_call(&call, CUDA_ERROR_INVALID_HANDLE);
+    pthread_mutex_lock(&lock);
+    struct CUfunc_st *f = hmod->functions;
+    while (f && strcmp(f->name, name) != 0) f = f->next;
+    if (!f) {
+        uint16_t regs = 32;
+        uint32_t smem = 0;
+        int found = hmod->ndecls == 0;
+        for (size_t i = 0; i < hmod->ndecls; i++) {
+            if (strcmp(hmod->decls[i].name, name) == 0) {
+                regs = hmod->decls[i].registers;
+                smem = hmod->decls[i].static_shared;
+                found = 1;
+            }
+        }
+        if (found && (f = calloc(1, sizeof *f)) != NULL) {
+            f->name = strdup(name); /* never freed: CUPTI records point at it */
+            f->registers = regs;
+            f->static_shared = smem;
+            f->next = hmod->functions;
+            hmod->functions = f;
+        } else if (found) {
+            pthread_mutex_unlock(&lock);
+            return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    if (!f) return finish_call(&call, CUDA_ERROR_NOT_FOUND);
+    *hfunc = f;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+/* ---- launches ----------------------------------------------------------- */
+
+static CUresult launch(struct standin_call *call, CUfunction f, const unsigned grid[3],
+                       const unsigned block[3], unsigned shared, CUstream stream) {
+    CUresult ready = check_ready();
+    if (ready) return ready;
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    for (int i = 0; i < 3; i++)
+        if (grid[i] == 0 || block[i] == 0) return CUDA_ERROR_INVALID_VALUE;
+    if ((unsigned long long)block[0] * block[1] * block[2] > 1024) return CUDA_ERROR_INVALID_VALUE;
+    call->kernel_name = f->name;
+    call->registers = f->registers;
+    call->static_shared = f->static_shared;
+    call->dynamic_shared = shared;
+    call->stream_id = stream_id_of(stream);
+    memcpy(call->grid, grid, sizeof call->grid);
+    memcpy(call->block, block, sizeof call->block);
+    spin_us(kernel_spin());
+    return CUDA_SUCCESS;
+}
+
+CUAPI CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                              unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                              unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                              void **kernelParams, void **extra) {
+    (void)kernelParams;
+    (void)extra;
+    struct standin_call call = begin_call("cuLaunchKernel", CBID_cuLaunchKernel, STANDIN_CALL_KERNEL);
+    const unsigned grid[3] = {gridDimX, gridDimY, gridDimZ};
+    const unsigned block[3] = {blockDimX, blockDimY, blockDimZ};
+    return finish_call(&call, launch(&call, f, grid, block, sharedMemBytes, hStream));
+}
+
+CUAPI CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                void **extra) {
+    (void)kernelParams;
+    (void)extra;
+    struct standin_call call = begin_call("cuLaunchKernelEx", CBID_cuLaunchKernelEx, STANDIN_CALL_KERNEL);
+    call.launch_ex = 1;
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!config || (config->numAttrs && !config->attrs)) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    for (unsigned i = 0; i < config->numAttrs; i++) {
+        if (config->attrs[i].id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) {
+            call.cluster[0] = config->attrs[i].value.clusterDim.x;
+            call.cluster[1] = config->attrs[i].value.clusterDim.y;
+            call.cluster[2] = config->attrs[i].value.clusterDim.z;
+        }
+    }
+    const unsigned grid[3] = {config->gridDimX, config->gridDimY, config->gridDimZ};
+    const unsigned block[3] = {config->blockDimX, config->blockDimY, config->blockDimZ};
+    return finish_call(&call, launch(&call, f, grid, block, config->sharedMemBytes, config->hStream));
+}
+
+/* ---- memory ------------------------------------------------------------- */
+
+CUAPI CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    struct standin_call call = begin_call("cuMemAlloc_v2", CBID_cuMemAlloc_v2, STANDIN_CALL_ALLOC);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!dptr || bytesize == 0) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    pthread_mutex_lock(&lock);
+    if (nallocations == allocations_cap) {
+        size_t cap = allocations_cap ? allocations_cap * 2 : 64;
+        struct allocation *grown = realloc(allocations, cap * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&lock);
+            return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        allocations = grown;
+        allocations_cap = cap;
+    }
+    CUdeviceptr ptr = next_address;
+    next_address += (bytesize + 255) & ~(size_t)255;
+    allocations[nallocations++] = (struct allocation){ptr, bytesize, 1};
+    pthread_mutex_unlock(&lock);
+    *dptr = ptr;
+    call.device_ptr = ptr;
+    call.bytes = bytesize;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    struct standin_call call = begin_call("cuMemFree_v2", CBID_cuMemFree_v2, STANDIN_CALL_FREE);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (dptr == 0) {
+        call.kind = STANDIN_CALL_API;
+        return finish_call(&call, CUDA_SUCCESS);
+    }
+    pthread_mutex_lock(&lock);
+    struct allocation *a = find_allocation(dptr, 0);
+    if (a && a->ptr == dptr) {
+        a->live = 0;
+        call.bytes = a->size;
+    } else {
+        a = NULL;
+    }
+    pthread_mutex_unlock(&lock);
+    if (!a) {
+        call.kind = STANDIN_CALL_API;
+        return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    }
+    call.device_ptr = dptr;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+/* Checks and performs one copy; `kind` 0 means "work it out" (cuMemcpy*). */
+static CUresult copy(struct standin_call *call, uint64_t dst, uint64_t src, size_t bytes,
+                     uint32_t kind, CUstream stream, int is_async) {
+    CUresult ready = check_ready();
+    if (ready) return ready;
+    if (kind == 0) {
+        int src_dev = is_device(src, bytes), dst_dev = is_device(dst, bytes);
+        kind = src_dev ? (dst_dev ? COPY_DTOD : COPY_DTOH) : (dst_dev ? COPY_HTOD : COPY_HTOH);
+    }
+    if (bytes && (!src || !dst)) return CUDA_ERROR_INVALID_VALUE;
+    if ((kind == COPY_HTOD || kind == COPY_DTOD) && bytes && !is_device(dst, bytes))
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((kind == COPY_DTOH || kind == COPY_DTOD) && bytes && !is_device(src, bytes))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (kind == COPY_DTOH && bytes) memset((void *)(uintptr_t)dst, 0, bytes);
+    if (kind == COPY_HTOH && bytes) memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes);
+    call->copy_kind = kind;
+    call->bytes = bytes;
+    call->src = src;
+    call->dst = dst;
+    call->device_ptr = kind == COPY_DTOH ? src : dst;
+    call->is_async = (uint32_t)is_async;
+    call->stream_id = stream_id_of(stream);
+    return CUDA_SUCCESS;
+}
+
+#define MEMCPY_CALL(api) begin_call(#api, CBID_##api, STANDIN_CALL_MEMCPY)
+
+CUAPI CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount) {
+    struct standin_call call = MEMCPY_CALL(cuMemcpy);
+    return finish_call(&call, copy(&call, dst, src, ByteCount, 0, NULL, 0));
+}
+
+CUAPI CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream) {
+    struct standin_call call = MEMCPY_CALL(cuMemcpyAsync);
+    return finish_call(&call, copy(&call, dst, src, ByteCount, 0, hStream, 1));
+}
+
+CUAPI CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
+    struct standin_call call = MEMCPY_CALL(cuMemcpyHtoD_v2);
+    return finish_call(&call, copy(&call, dstDevice, (uintptr_t)srcHost, ByteCount, COPY_HTOD, NULL, 0));
+}
+
+CUAPI CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
+    struct standin_call call = MEMCPY_CALL(cuMemcpyDtoH_v2);
+    return finish_call(&call, copy(&call, (uintptr_t)dstHost, srcDevice, ByteCount, COPY_DTOH, NULL, 0));
+}
+
+CUAPI CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                                    CUstream hStream) {
+    struct standin_call call = MEMCPY_CALL(cuMemcpyHtoDAsync_v2);
+    return finish_call(&call, copy(&call, dstDevice, (uintptr_t)srcHost, ByteCount, COPY_HTOD, hStream, 1));
+}
+
+CUAPI CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                                    CUstream hStream) {
+    struct standin_call call = MEMCPY_CALL(cuMemcpyDtoHAsync_v2);
+    return finish_call(&call, copy(&call, (uintptr_t)dstHost, srcDevice, ByteCount, COPY_DTOH, hStream, 1));
+}
+
+CUAPI CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount) {
+    struct standin_call call = MEMCPY_CALL(cuMemcpyDtoD_v2);
+    return finish_call(&call, copy(&call, dstDevice, srcDevice, ByteCount, COPY_DTOD, NULL, 0));
+}
+
+CUAPI CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) {
+    struct standin_call call = begin_call("cuMemsetD8_v2", CBID_cuMemsetD8_v2, STANDIN_CALL_MEMSET);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (N && !is_device(dstDevice, N)) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    call.device_ptr = dstDevice;
+    call.dst = dstDevice;
+    call.bytes = N;
+    call.memset_value = uc;
+    call.stream_id = STANDIN_DEFAULT_STREAM_ID;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+/* ---- streams and events -------------------------------------------------- */
+
+CUAPI CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+    (void)Flags;
+    struct standin_call call = begin_call("cuStreamCreate", CBID_cuStreamCreate, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!phStream) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    CUstream stream = calloc(1, sizeof *stream);
+    if (!stream) return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+    pthread_mutex_lock(&lock);
+    stream->id = next_stream_id++;
+    pthread_mutex_unlock(&lock);
+    stream->context_id = context_id();
+    *phStream = stream;
+    call.stream_id = stream->id;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuStreamDestroy_v2(CUstream hStream) {
+    struct standin_call call = begin_call("cuStreamDestroy_v2", CBID_cuStreamDestroy_v2, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (stream_id_of(hStream) == STANDIN_DEFAULT_STREAM_ID) return finish_call(&call, CUDA_ERROR_INVALID_HANDLE);
+    call.stream_id = hStream->id;
+    free(hStream);
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuStreamSynchronize(CUstream hStream) {
+    struct standin_call call = begin_call("cuStreamSynchronize", CBID_cuStreamSynchronize, STANDIN_CALL_SYNC);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    call.sync_type = SYNC_STREAM;
+    call.stream_id = stream_id_of(hStream);
+    spin_us(sync_spin());
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+    (void)Flags;
+    struct standin_call call = begin_call("cuEventCreate", CBID_cuEventCreate, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!phEvent) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    CUevent event = calloc(1, sizeof *event);
+    if (!event) return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+    pthread_mutex_lock(&lock);
+    event->id = next_event_id++;
+    pthread_mutex_unlock(&lock);
+    event->stream_id = NO_ID;
+    *phEvent = event;
+    call.event_id = event->id;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
+    struct standin_call call = begin_call("cuEventRecord", CBID_cuEventRecord, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!hEvent) return finish_call(&call, CUDA_ERROR_INVALID_HANDLE);
+    hEvent->stream_id = stream_id_of(hStream);
+    call.event_id = hEvent->id;
+    call.stream_id = hEvent->stream_id;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuEventSynchronize(CUevent hEvent) {
+    struct standin_call call = begin_call("cuEventSynchronize", CBID_cuEventSynchronize, STANDIN_CALL_SYNC);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!hEvent) return finish_call(&call, CUDA_ERROR_INVALID_HANDLE);
+    call.sync_type = SYNC_EVENT;
+    call.event_id = hEvent->id;
+    spin_us(sync_spin());
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuEventDestroy_v2(CUevent hEvent) {
+    struct standin_call call = begin_call("cuEventDestroy_v2", CBID_cuEventDestroy_v2, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!hEvent) return finish_call(&call, CUDA_ERROR_INVALID_HANDLE);
+    call.event_id = hEvent->id;
+    free(hEvent);
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+/* ---- errors -------------------------------------------------------------- */
+
+CUAPI CUresult cuGetErrorString(CUresult error, const char **pStr) {
+    struct standin_call call = begin_call("cuGetErrorString", CBID_cuGetErrorString, STANDIN_CALL_API);
+    if (!pStr) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    const char *text;
+    switch (error) {
+    case CUDA_SUCCESS: text = "no error"; break;
+    case CUDA_ERROR_INVALID_VALUE: text = "invalid argument"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: text = "out of memory"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: text = "initialization error"; break;
+    case CUDA_ERROR_DEINITIALIZED: text = "driver shutting down"; break;
+    case CUDA_ERROR_NO_DEVICE: text = "no CUDA-capable device is detected"; break;
+    case CUDA_ERROR_INVALID_DEVICE: text = "invalid device ordinal"; break;
+    case CUDA_ERROR_INVALID_IMAGE: text = "device kernel image is invalid"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: text = "invalid device context"; break;
+    case CUDA_ERROR_INVALID_HANDLE: text = "invalid resource handle"; break;
+    case CUDA_ERROR_NOT_FOUND: text = "named symbol not found"; break;
+    case CUDA_ERROR_NOT_READY: text = "device not ready"; break;
+    case CUDA_ERROR_LAUNCH_FAILED: text = "unspecified launch failure"; break;
+    case CUDA_ERROR_NOT_SUPPORTED: text = "operation not supported"; break;
+    case CUDA_ERROR_UNKNOWN: text = "unknown error"; break;
+    default:
+        *pStr = NULL;
+        return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    }
+    *pStr = text;
+    return finish_call(&call, CUDA_SUCCESS);
+}
