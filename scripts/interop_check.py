@@ -273,11 +273,19 @@ class Run:
     def expects_gpu(self):
         return self.mode == "agent"
 
+    @property
+    def expects_sched(self):
+        # As root the agent also runs its eBPF backend: a /host:CPUs plane.
+        return self.mode == "agent" and os.geteuid() == 0
+
     # -- server process --------------------------------------------------------------
     def server_cmd(self):
         if self.mode == "tf-server":
             return [sys.executable, "-c", TF_SERVER_CODE, str(self.port)]
-        return [self.args.bin, "serve", "--listen", self.addr, "--backend", "mock"]
+        cmd = [self.args.bin, "serve", "--listen", self.addr, "--backend", "mock"]
+        if self.expects_sched:
+            cmd += ["--backend", "ebpf"]
+        return cmd
 
     def start_server(self):
         env = dict(os.environ)
@@ -513,6 +521,10 @@ def _check_trace_viewer(run, tool):
           % (tool, procs))
     if run.expects_gpu:
         check(events_of("/device:GPU:0") > 0, "%s: no events in a /device:GPU:0 process; "
+              "processes: %s" % (tool, procs))
+    if run.expects_sched and tool == "trace_viewer@":
+        # The streaming viewer shows every plane whose name starts with /host:CPU.
+        check(events_of("/host:CPUs") > 0, "%s: no events in the scheduler's /host:CPUs process; "
               "processes: %s" % (tool, procs))
     return "%d trace events; processes(events): %s" % (n, procs)
 
