@@ -771,3 +771,56 @@ async fn without_privileges_the_agent_says_why_and_serves_the_other_backends() {
     // The mock still ran.
     assert!(common::event_count(&space) > 0);
 }
+
+/// Where cgroup v2 is mounted, if it is.
+fn cgroup2_mount() -> Option<std::path::PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/mounts").ok()?;
+    mounts
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() > 2 && f[2] == "cgroup2")
+        .map(|f| std::path::PathBuf::from(f[1]))
+}
+
+/// A cgroup v2 made for one test and removed afterwards.
+struct TestCgroup(std::path::PathBuf);
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        // Its processes are gone by now (workloads are dropped first).
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cgroup_filter_keeps_only_that_cgroups_threads() {
+    if skip_without_root("a_cgroup_filter") {
+        return;
+    }
+    let Some(mount) = cgroup2_mount() else {
+        eprintln!("a_cgroup_filter: skipped, no cgroup v2 mounted");
+        return;
+    };
+    let cgroup = TestCgroup(mount.join(format!("devtrace-test-{}", std::process::id())));
+    std::fs::create_dir_all(&cgroup.0).expect("creating a cgroup");
+    let inside = start_sched_workload("20");
+    let _outside = start_sched_workload("20");
+    std::fs::write(cgroup.0.join("cgroup.procs"), inside.pid.to_string())
+        .expect("moving the workload into the cgroup");
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "ebpf",
+        "--ebpf-hooks",
+        "sched",
+        "--ebpf-cgroup",
+        cgroup.0.to_str().unwrap(),
+    ]);
+    let space = capture(&agent, 800).await;
+    let pids: std::collections::BTreeSet<u64> = events(common::plane(&space, "/host:CPUs"))
+        .iter()
+        .filter(|e| e.line.starts_with("CPU "))
+        .map(|e| uint(e, "pid"))
+        .collect();
+    assert_eq!(pids, [u64::from(inside.pid)].into_iter().collect());
+    drop(inside);
+}
