@@ -9,6 +9,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
+use crate::backend::cuda::{CudaBackend, CudaConfig};
 use crate::backend::ebpf::{EbpfBackend, EbpfConfig};
 use crate::backend::mock::{MockBackend, MockConfig};
 use crate::backend::nvml::{NvmlBackend, NvmlConfig};
@@ -41,6 +42,10 @@ pub enum BackendChoice {
     /// CUDA driver calls of every process. Needs root (or CAP_BPF and
     /// CAP_PERFMON) and a kernel with BTF.
     Ebpf,
+    /// GPU kernels, copies and memory of CUDA processes that load devtrace's
+    /// injection library (CUDA_INJECTION64_PATH), through shared-memory
+    /// rings in the runtime directory.
+    Cuda,
 }
 
 #[derive(Clone, Debug)]
@@ -51,6 +56,7 @@ pub struct AgentConfig {
     pub tpu: TpuConfig,
     pub perf: PerfConfig,
     pub ebpf: EbpfConfig,
+    pub cuda: CudaConfig,
     pub store: StoreConfig,
     pub ring_lanes: u32,
     pub ring_capacity: u64,
@@ -66,6 +72,7 @@ impl Default for AgentConfig {
             tpu: TpuConfig::default(),
             perf: PerfConfig::default(),
             ebpf: EbpfConfig::default(),
+            cuda: CudaConfig::default(),
             store: StoreConfig::default(),
             ring_lanes: 16,
             ring_capacity: 1 << 16,
@@ -96,15 +103,18 @@ pub struct Agent {
     /// Backends that were asked for but could not start, and why.
     unavailable: Vec<(&'static str, String)>,
     captures: Arc<AtomicUsize>,
+    traces: Arc<AtomicUsize>,
     max_delay: Duration,
 }
 
-/// Marks a capture in progress for as long as it lives.
-pub struct CaptureActivity(Arc<AtomicUsize>);
+/// Marks a capture (or a Monitor) in progress for as long as it lives.
+pub struct CaptureActivity(Vec<Arc<AtomicUsize>>);
 
 impl Drop for CaptureActivity {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        for counter in &self.0 {
+            counter.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -116,10 +126,12 @@ impl Agent {
         let collector = Collector::start(Arc::clone(&store))?;
         collector.attach(&ring)?;
         let captures = Arc::new(AtomicUsize::new(0));
+        let traces = Arc::new(AtomicUsize::new(0));
         let context = BackendContext {
             registry: Arc::clone(&registry),
             ring: Arc::clone(&ring),
             captures: Arc::clone(&captures),
+            traces: Arc::clone(&traces),
         };
         let (backends, unavailable) = start_backends(config, &context)?;
         let max_delay = backends
@@ -135,6 +147,7 @@ impl Agent {
             backends: Mutex::new(backends),
             unavailable,
             captures,
+            traces,
             max_delay,
         }))
     }
@@ -172,10 +185,20 @@ impl Agent {
         &self.unavailable
     }
 
-    /// Tells the backends a capture is running until the guard is dropped.
+    /// Tells the backends a capture is running until the guard is dropped:
+    /// samplers sample faster and tracers (eBPF hooks, CUPTI in workloads)
+    /// switch on.
     pub fn capture_activity(&self) -> CaptureActivity {
         self.captures.fetch_add(1, Ordering::Relaxed);
-        CaptureActivity(Arc::clone(&self.captures))
+        self.traces.fetch_add(1, Ordering::Relaxed);
+        CaptureActivity(vec![Arc::clone(&self.captures), Arc::clone(&self.traces)])
+    }
+
+    /// As [`Agent::capture_activity`] for a Monitor: samplers sample faster,
+    /// but nothing starts tracing for it.
+    pub fn monitor_activity(&self) -> CaptureActivity {
+        self.captures.fetch_add(1, Ordering::Relaxed);
+        CaptureActivity(vec![Arc::clone(&self.captures)])
     }
 
     /// Sources that record per capture (libtpu), to be asked for each window.
@@ -204,6 +227,18 @@ impl Agent {
             )
         }));
         health
+    }
+
+    /// What backends have to say about a capture of `window`.
+    pub fn notices(&self, window: Window) -> Vec<(&'static str, String)> {
+        self.backends
+            .lock()
+            .iter()
+            .flat_map(|b| {
+                let name = b.name();
+                b.notices(window).into_iter().map(move |text| (name, text))
+            })
+            .collect()
     }
 
     /// Running totals of what each backend lost before its events reached
@@ -306,6 +341,11 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
                 &mut started,
                 &mut unavailable,
             ),
+            BackendChoice::Cuda => try_start(
+                Box::new(CudaBackend::new(config.cuda.clone())),
+                &mut started,
+                &mut unavailable,
+            ),
         }
     }
     if auto {
@@ -334,6 +374,11 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
         // so that serve's log, Monitor and every trace say so.
         try_start(
             Box::new(EbpfBackend::new(config.ebpf.clone())),
+            &mut started,
+            &mut unavailable,
+        );
+        try_start(
+            Box::new(CudaBackend::new(config.cuda.clone())),
             &mut started,
             &mut unavailable,
         );

@@ -523,6 +523,14 @@ impl Payload {
     }
 }
 
+fn map_memory(mut m: MemoryInfo, map: &mut impl FnMut(NameId) -> NameId) -> MemoryInfo {
+    m.allocator = map(m.allocator);
+    m.tf_op = map(m.tf_op);
+    m.region_type = map(m.region_type);
+    m.shape = map(m.shape);
+    m
+}
+
 impl Event {
     pub fn new(
         start_ns: u64,
@@ -554,6 +562,56 @@ impl Event {
     /// The typed payload, decoded from its words.
     pub fn payload(&self) -> Payload {
         Payload::decode(self.tag, &self.payload)
+    }
+
+    /// The same event with its name and every name in its payload passed
+    /// through `map`: how events from another process, whose names are ids
+    /// of that process, join this agent's registry.
+    pub fn map_names(&self, mut map: impl FnMut(NameId) -> NameId) -> Event {
+        let payload = match self.payload() {
+            Payload::Kernel(mut k) => {
+                k.tf_op = map(k.tf_op);
+                Payload::Kernel(k)
+            }
+            Payload::Memcpy(mut c) => {
+                c.tf_op = map(c.tf_op);
+                Payload::Memcpy(c)
+            }
+            Payload::Memset(mut m) => {
+                m.tf_op = map(m.tf_op);
+                Payload::Memset(m)
+            }
+            Payload::MemoryAllocation(m) => Payload::MemoryAllocation(map_memory(m, &mut map)),
+            Payload::MemoryDeallocation(m) => Payload::MemoryDeallocation(map_memory(m, &mut map)),
+            Payload::Rpc(mut r) => {
+                r.session = map(r.session);
+                r.fetches = map(r.fetches);
+                r.targets = map(r.targets);
+                Payload::Rpc(r)
+            }
+            Payload::EagerOp {
+                op_id,
+                device,
+                context_id,
+            } => Payload::EagerOp {
+                op_id,
+                device: map(device),
+                context_id,
+            },
+            Payload::DriverCall(mut d) => {
+                d.kernel = map(d.kernel);
+                Payload::DriverCall(d)
+            }
+            other => other,
+        };
+        Event::new(
+            self.start_ns,
+            self.duration_ns,
+            self.device(),
+            self.line,
+            map(self.name()),
+            payload,
+        )
     }
 
     /// True for counter samples, without decoding the payload.
@@ -613,6 +671,50 @@ mod tests {
         assert_eq!(copied.payload(), payload);
         assert_eq!(copied.device(), Device::Gpu(3));
         assert_eq!(copied.name(), NameId(42));
+    }
+
+    #[test]
+    fn mapping_names_reaches_every_name_in_the_payload() {
+        let memory = MemoryInfo {
+            allocator: NameId(1),
+            tf_op: NameId(2),
+            region_type: NameId(3),
+            shape: NameId(4),
+            bytes_allocated: 9,
+            ..MemoryInfo::default()
+        };
+        let event = Event::new(
+            5,
+            6,
+            Device::Gpu(1),
+            7,
+            NameId(8),
+            Payload::MemoryAllocation(memory),
+        );
+        let mapped = event.map_names(|n| NameId(n.0 + 100));
+        assert_eq!(mapped.name(), NameId(108));
+        let Payload::MemoryAllocation(m) = mapped.payload() else {
+            panic!()
+        };
+        assert_eq!(
+            (
+                m.allocator,
+                m.tf_op,
+                m.region_type,
+                m.shape,
+                m.bytes_allocated
+            ),
+            (NameId(101), NameId(102), NameId(103), NameId(104), 9)
+        );
+        assert_eq!(
+            (
+                mapped.start_ns,
+                mapped.duration_ns,
+                mapped.line,
+                mapped.device()
+            ),
+            (5, 6, 7, Device::Gpu(1))
+        );
     }
 
     #[test]

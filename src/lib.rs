@@ -21,6 +21,7 @@ pub mod session;
 pub mod store;
 pub mod tap;
 pub mod tools;
+pub mod workload;
 pub mod xspace;
 
 /// Types generated from `proto/`.

@@ -7,11 +7,12 @@ mod common;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
-use common::{build_program, is_root, request, space_of, AgentProcess};
-use devtrace::proto::tensorflow::profiler::{x_event, XPlane, XSpace};
-use devtrace::xspace::read::{find_stat, StatValue};
+use common::workload::*;
+use common::{build_program, is_root, AgentProcess};
+use devtrace::proto::tensorflow::profiler::XSpace;
+use devtrace::xspace::read::StatValue;
 
 fn skip_without_root(test: &str) -> bool {
     if is_root() {
@@ -19,19 +20,6 @@ fn skip_without_root(test: &str) -> bool {
     }
     eprintln!("{test}: skipped, loading BPF programs needs root");
     true
-}
-
-/// A started workload; killed when dropped.
-struct Workload {
-    child: Child,
-    pid: u32,
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn start_sched_workload(seconds: &str) -> Workload {
@@ -51,70 +39,6 @@ fn start_sched_workload(seconds: &str) -> Workload {
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
     Workload { child, pid }
-}
-
-/// One event of a plane, with its name and stats resolved.
-#[derive(Debug)]
-struct Seen {
-    line: String,
-    name: String,
-    offset_ps: i64,
-    duration_ps: i64,
-    stats: HashMap<String, StatValue>,
-}
-
-fn events(plane: &XPlane) -> Vec<Seen> {
-    let mut out = Vec::new();
-    for line in &plane.lines {
-        for event in &line.events {
-            let stats = event
-                .stats
-                .iter()
-                .filter_map(|stat| {
-                    let name = plane.stat_metadata.get(&stat.metadata_id)?.name.clone();
-                    let value = find_stat(plane, &event.stats, &name)?;
-                    Some((name, value))
-                })
-                .collect();
-            out.push(Seen {
-                line: line.name.clone(),
-                name: plane.event_metadata[&event.metadata_id].name.clone(),
-                offset_ps: match event.data {
-                    Some(x_event::Data::OffsetPs(ps)) => ps,
-                    _ => 0,
-                },
-                duration_ps: event.duration_ps,
-                stats,
-            });
-        }
-    }
-    out
-}
-
-fn uint(seen: &Seen, stat: &str) -> u64 {
-    match seen.stats.get(stat) {
-        Some(StatValue::Uint(v)) => *v,
-        Some(StatValue::Int(v)) => *v as u64,
-        other => panic!("{stat} of {seen:?}: {other:?}"),
-    }
-}
-
-fn text<'s>(seen: &'s Seen, stat: &str) -> &'s str {
-    match seen.stats.get(stat) {
-        Some(StatValue::Str(v)) => v,
-        other => panic!("{stat} of {seen:?}: {other:?}"),
-    }
-}
-
-async fn capture(agent: &AgentProcess, duration_ms: u64) -> XSpace {
-    let reply = agent
-        .client()
-        .await
-        .profile(request(duration_ms, "ebpf"))
-        .await
-        .expect("Profile")
-        .into_inner();
-    space_of(&reply)
 }
 
 fn on_cpu_ms(cpu_events: &[Seen], thread: &str) -> f64 {
@@ -228,112 +152,6 @@ async fn a_command_name_filter_keeps_only_matching_threads() {
     assert_eq!(names, ["dt-spinner"].into_iter().collect());
 }
 
-/// The stand-in driver (`libcuda.so.1`, with `libcuda.so` beside it) and a
-/// program linked against it, copied to `name` (its command name).
-fn cuda_programs(name: &str) -> std::path::PathBuf {
-    let driver = build_program(
-        "libcuda.c",
-        "libcuda.so.1",
-        &[
-            "-shared",
-            "-fPIC",
-            "-Wl,-soname,libcuda.so.1",
-            "-ldl",
-            "-pthread",
-        ],
-    );
-    let dir = driver.parent().expect("standin directory").to_path_buf();
-    let link = dir.join("libcuda.so");
-    if std::fs::symlink_metadata(&link).is_err() {
-        // Another test process may have made it first.
-        let _ = std::os::unix::fs::symlink("libcuda.so.1", &link);
-    }
-    let search = format!("-L{}", dir.display());
-    let rpath = format!("-Wl,-rpath,{}", dir.display());
-    build_program(
-        "cuda_workload.c",
-        name,
-        &["-pthread", &search, "-lcuda", &rpath],
-    )
-}
-
-/// One call line of the workload's output.
-#[derive(Debug, Clone)]
-struct Call {
-    name: String,
-    pid: u32,
-    tid: u64,
-    realtime: (u64, u64),
-    fields: HashMap<String, String>,
-}
-
-fn parse_call(line: &str) -> Option<Call> {
-    let mut words = line.split_whitespace();
-    if words.next()? != "call" {
-        return None;
-    }
-    let name = words.next()?.to_string();
-    let fields: HashMap<String, String> = words
-        .filter_map(|w| w.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let number = |key: &str| fields.get(key)?.parse::<u64>().ok();
-    Some(Call {
-        pid: number("pid")? as u32,
-        tid: number("tid")?,
-        realtime: (number("rt0")?, number("rt1")?),
-        name,
-        fields,
-    })
-}
-
-/// A workload started with its stdout read line by line on a thread.
-struct CudaWorkload {
-    workload: Workload,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl CudaWorkload {
-    fn start(program: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> CudaWorkload {
-        let mut child = Command::new(program)
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting the CUDA workload");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let pid = child.id();
-        CudaWorkload {
-            workload: Workload { child, pid },
-            lines,
-        }
-    }
-
-    /// Lines up to and including the first that starts with `prefix`.
-    fn read_until(&self, prefix: &str) -> Vec<String> {
-        let mut seen = Vec::new();
-        loop {
-            let line = self
-                .lines
-                .recv_timeout(std::time::Duration::from_secs(30))
-                .unwrap_or_else(|_| panic!("the workload never printed {prefix:?}: {seen:?}"));
-            let done = line.starts_with(prefix);
-            seen.push(line);
-            if done {
-                return seen;
-            }
-        }
-    }
-}
-
 /// An agent with only the CUDA probes, attached from the start, plus
 /// `extra` arguments; returned once it has probed a driver library.
 async fn cuda_agent(extra: &[&str]) -> AgentProcess {
@@ -351,15 +169,6 @@ async fn cuda_agent(extra: &[&str]) -> AgentProcess {
     agent
 }
 
-/// The calls a workload printed up to its end.
-fn calls_until_done(workload: &CudaWorkload) -> Vec<Call> {
-    workload
-        .read_until("done")
-        .iter()
-        .filter_map(|l| parse_call(l))
-        .collect()
-}
-
 /// Waits until the agent's eBPF backend reports probes on a driver library.
 async fn wait_for_probes(agent: &AgentProcess) {
     for _ in 0..100 {
@@ -370,22 +179,6 @@ async fn wait_for_probes(agent: &AgentProcess) {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     panic!("the eBPF backend never probed the driver library");
-}
-
-/// Captures `duration_ms` while, after a moment, `release` lets the workload
-/// go; returns the trace.
-async fn capture_while(
-    agent: &AgentProcess,
-    duration_ms: u64,
-    release: &std::path::Path,
-) -> XSpace {
-    let capture = capture(agent, duration_ms);
-    let go = async {
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        std::fs::write(release, b"go").expect("releasing the workload");
-    };
-    let (space, ()) = tokio::join!(capture, go);
-    space
 }
 
 /// Driver-call events of `pid` on `/host:CPU`, with absolute times.
@@ -400,11 +193,6 @@ fn driver_calls(space: &XSpace, pid: u32) -> Vec<(Seen, u64)> {
             (e, at)
         })
         .collect()
-}
-
-fn hex(call: &Call, key: &str) -> u64 {
-    let text = &call.fields[key];
-    u64::from_str_radix(text.trim_start_matches("0x"), 16).expect("hex field")
 }
 
 /// Every probed call the workload printed is in the trace once, on its

@@ -4,6 +4,7 @@
 //!
 //! [`Event`]: crate::event::Event
 
+pub mod cuda;
 pub mod ebpf;
 pub mod mock;
 pub mod nvml;
@@ -53,6 +54,10 @@ pub struct BackendContext {
     /// Captures (and continuous sessions) in progress: backends whose
     /// sampling costs something sample faster while it is non-zero.
     pub captures: Arc<std::sync::atomic::AtomicUsize>,
+    /// Captures and continuous sessions alone (not Monitor calls): backends
+    /// that trace (kernel hooks, CUPTI in workloads) switch on while it is
+    /// non-zero.
+    pub traces: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +92,11 @@ pub trait Backend: Send + Sync {
     /// library's buffers), as running totals; captures report what grew
     /// during their window.
     fn losses(&self) -> Vec<Loss> {
+        Vec::new()
+    }
+    /// Things a capture of `window` should be told (a traced process that
+    /// exited during it, ...), for its warnings.
+    fn notices(&self, _window: crate::store::Window) -> Vec<String> {
         Vec::new()
     }
 }

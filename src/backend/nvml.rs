@@ -267,13 +267,8 @@ impl Backend for NvmlBackend {
     }
 
     fn health(&self) -> Health {
-        let Some(worker) = &self.running else {
-            return Health::Stopped;
-        };
-        if worker.exited() {
-            return Health::Failed {
-                reason: "sampling thread exited".into(),
-            };
+        if let Some(health) = Worker::not_running(self.running.as_ref(), "sampling") {
+            return health;
         }
         let status = self.status.lock();
         let mut detail = format!(

@@ -235,13 +235,8 @@ impl Backend for PerfBackend {
     }
 
     fn health(&self) -> Health {
-        let Some(worker) = &self.running else {
-            return Health::Stopped;
-        };
-        if worker.exited() {
-            return Health::Failed {
-                reason: "reading thread exited".into(),
-            };
+        if let Some(health) = Worker::not_running(self.running.as_ref(), "reading") {
+            return health;
         }
         let status = self.status.lock();
         let mut detail = format!("{} counters", status.tracks);

@@ -48,6 +48,18 @@ impl Worker {
         self.thread.is_finished()
     }
 
+    /// The health of a backend whose thread is `worker`, unless it is
+    /// running: stopped without one, failed when its thread ended.
+    pub fn not_running(worker: Option<&Worker>, thread: &str) -> Option<super::Health> {
+        match worker {
+            None => Some(super::Health::Stopped),
+            Some(worker) if worker.exited() => Some(super::Health::Failed {
+                reason: format!("the {thread} thread ended"),
+            }),
+            Some(_) => None,
+        }
+    }
+
     pub fn stop(self) {
         self.stop.0.store(true, Ordering::Relaxed);
         let _ = self.thread.join();

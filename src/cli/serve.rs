@@ -102,6 +102,12 @@ pub struct ServeArgs {
     #[arg(long = "cuda-library", value_name = "PATH")]
     pub cuda_libraries: Vec<PathBuf>,
 
+    /// Where CUDA workloads' injection libraries put their rings (the same
+    /// DEVTRACE_RUNTIME_DIR must reach the workloads; share it as a volume
+    /// with containers). Created world-writable and sticky when missing.
+    #[arg(long, env = "DEVTRACE_RUNTIME_DIR", default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
+    pub runtime_dir: PathBuf,
+
     /// How much history the flight recorder keeps (e.g. 120s, 10m).
     #[arg(long, default_value = "120s", value_parser = super::parse_duration)]
     pub store_retention: Duration,
@@ -231,6 +237,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             cuda_libraries: args.cuda_libraries.clone(),
             ring_bytes: args.ebpf_ring_size,
             ..EbpfConfig::default()
+        },
+        cuda: crate::backend::cuda::CudaConfig {
+            runtime_dir: args.runtime_dir.clone(),
+            ..Default::default()
         },
         store: StoreConfig {
             retention: args.store_retention,

@@ -321,6 +321,9 @@ impl ProfilerService {
         for (name, reason) in self.agent.unavailable_backends() {
             warnings.push(format!("backend {name} is not running: {reason}"));
         }
+        for (backend, text) in self.agent.notices(window) {
+            warnings.push(format!("backend {backend}: {text}"));
+        }
         for (backend, loss) in self.agent.losses() {
             let before = plan
                 .losses_at_start
@@ -561,7 +564,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         if !(0..=2).contains(&request.monitoring_level) {
             return Err(invalid("monitoring_level", "must be 0, 1 or 2"));
         }
-        let _active = self.agent.capture_activity();
+        let _active = self.agent.monitor_activity();
         let start_ns = clock::now_ns();
         let window = Window {
             start_ns,

@@ -202,7 +202,15 @@ fn encode_plane(
                 },
                 str::to_string,
             ),
-            Device::Gpu(_) => names::stream_line_name(line_id, &stream_kinds(&events)),
+            Device::Gpu(_) => {
+                let stream =
+                    names::stream_line_name(names::stream_of_line(line_id), &stream_kinds(&events));
+                // Streams of workload processes say whose they are.
+                match registry.line_name(device, line_id) {
+                    Some(owner) => format!("{stream} {owner}"),
+                    None => stream,
+                }
+            }
         };
         let xline_id = if line_id == COUNTER_TRACK {
             names::COUNTERS_LINE_ID

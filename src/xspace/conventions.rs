@@ -52,6 +52,14 @@ pub const STREAM_KIND_ORDER: [&str; 7] = [
 ];
 
 /// `Stream #<id>(<kinds>)`, as CUPTI's collector names stream lines.
+/// GPU line ids carry the stream in their low bits and, for streams of
+/// workload processes (`crate::backend::cuda`), the process's slot above.
+pub const STREAM_BITS: u32 = 24;
+
+pub fn stream_of_line(line: u64) -> u64 {
+    line & ((1 << STREAM_BITS) - 1)
+}
+
 pub fn stream_line_name(stream: u64, kinds: &[&str]) -> String {
     if kinds.is_empty() {
         format!("Stream #{stream}")

@@ -14,6 +14,8 @@ use devtrace::xspace::read::{find_stat, StatValue};
 use prost::Message;
 use tonic::transport::Channel;
 
+pub mod workload;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_devtrace");
 
 /// A running agent; killed when dropped.

@@ -210,13 +210,8 @@ impl Backend for EbpfBackend {
     }
 
     fn health(&self) -> Health {
-        let Some(worker) = &self.worker else {
-            return Health::Stopped;
-        };
-        if worker.exited() {
-            return Health::Failed {
-                reason: "the eBPF backend thread ended".into(),
-            };
+        if let Some(health) = Worker::not_running(self.worker.as_ref(), "eBPF backend") {
+            return health;
         }
         let status = self.status.lock();
         let mut parts = Vec::new();

@@ -345,7 +345,7 @@ pub(super) fn run(
 
     while !stop.is_set() {
         let wanted =
-            config.attach == AttachMode::Always || context.captures.load(Ordering::Relaxed) > 0;
+            config.attach == AttachMode::Always || context.traces.load(Ordering::Relaxed) > 0;
         if wanted && !attached {
             let now = clock::now_ns();
             {

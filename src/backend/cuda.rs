@@ -1,0 +1,521 @@
+//! The CUDA backend: GPU kernel timelines of any CUDA process that loads
+//! devtrace's injection library (`inject/`). CUPTI sees only the process it
+//! runs in, so the library streams that process's activity into a
+//! shared-memory ring in the runtime directory; this backend finds those
+//! rings, tells their libraries when a capture runs (the ring's control
+//! word), drains them, and moves their events into the agent: names from
+//! the process's metadata file become registry names, stream lines get the
+//! process's slot so two processes' streams stay apart, and host lines are
+//! named after the process.
+//!
+//! A process that exits is drained one last time and its files removed; the
+//! captures that overlap say so. Rings of a previous agent are picked up
+//! where it left them.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tracing::{info, warn};
+
+use super::worker::Worker;
+use super::{Backend, BackendContext, BackendError, Capabilities, Health, Loss};
+use crate::clock;
+use crate::event::{Device, Event, NameId};
+use crate::registry::Registry;
+use crate::ring::{pid_alive, remove_stale_rings, Consumer, Ring, CONTROL_CAPTURE};
+use crate::store::Window;
+use crate::workload::{self, MetaReader, MetaRecord, SYNTHETIC_LINE_BASE};
+use crate::xspace::conventions::STREAM_BITS;
+
+#[derive(Clone, Debug)]
+pub struct CudaConfig {
+    /// Where workload libraries put their rings (`DEVTRACE_RUNTIME_DIR` for
+    /// both sides; `/run/devtrace` by default).
+    pub runtime_dir: PathBuf,
+    /// How often the directory is searched for new rings.
+    pub scan_interval: Duration,
+    /// How often rings are drained while a capture runs (ten times less
+    /// often otherwise).
+    pub drain_interval: Duration,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            runtime_dir: workload::runtime_dir(),
+            scan_interval: Duration::from_millis(250),
+            drain_interval: Duration::from_millis(10),
+        }
+    }
+}
+
+/// Something a capture overlapping `at_ns` should be told.
+#[derive(Clone, Debug)]
+struct Notice {
+    at_ns: u64,
+    text: String,
+}
+
+const MAX_NOTICES: usize = 256;
+
+#[derive(Default)]
+struct Status {
+    attached: usize,
+    seen: u64,
+    events: u64,
+    cupti_dropped: u64,
+    ring_dropped: u64,
+    notices: VecDeque<Notice>,
+    last_error: Option<String>,
+}
+
+impl Status {
+    fn notice(&mut self, text: String) {
+        info!("{text}");
+        if self.notices.len() == MAX_NOTICES {
+            self.notices.pop_front();
+        }
+        self.notices.push_back(Notice {
+            at_ns: clock::now_ns(),
+            text,
+        });
+    }
+}
+
+pub struct CudaBackend {
+    config: CudaConfig,
+    status: Arc<Mutex<Status>>,
+    worker: Option<Worker>,
+}
+
+impl CudaBackend {
+    pub fn new(config: CudaConfig) -> CudaBackend {
+        CudaBackend {
+            config,
+            status: Arc::default(),
+            worker: None,
+        }
+    }
+}
+
+/// Makes the runtime directory when it is missing: world-writable and
+/// sticky like /tmp, so workloads of any user can add their rings and only
+/// remove their own.
+fn prepare_runtime_dir(dir: &Path) -> Result<(), String> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777))
+        .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            records: vec!["GPU kernels, copies and memory of injected CUDA processes"],
+            // The library flushes CUPTI every 100 ms and polls its control
+            // word every 20 ms; one drain on top.
+            max_delay: Duration::from_millis(250),
+        }
+    }
+
+    fn start(&mut self, context: BackendContext) -> Result<(), BackendError> {
+        prepare_runtime_dir(&self.config.runtime_dir).map_err(|reason| {
+            BackendError::Unavailable {
+                backend: "cuda",
+                reason,
+            }
+        })?;
+        let producer = context.ring.producer().map_err(|e| BackendError::Start {
+            backend: "cuda",
+            reason: format!("no ring lane: {e}"),
+        })?;
+        let config = self.config.clone();
+        let status = Arc::clone(&self.status);
+        self.worker = Some(Worker::spawn("cuda", move |stop| {
+            let mut attach = Attachments {
+                config,
+                registry: Arc::clone(&context.registry),
+                status,
+                processes: BTreeMap::new(),
+                slots_in_use: Vec::new(),
+                producer,
+                scratch: Vec::new(),
+            };
+            let mut last_scan: Option<Instant> = None;
+            while !stop.is_set() {
+                let capturing = context.traces.load(Ordering::Relaxed) > 0;
+                if last_scan.is_none_or(|at| at.elapsed() >= attach.config.scan_interval) {
+                    last_scan = Some(Instant::now());
+                    attach.scan();
+                }
+                attach.service(capturing);
+                let pause = if capturing {
+                    attach.config.drain_interval
+                } else {
+                    attach.config.drain_interval * 10
+                };
+                std::thread::sleep(pause);
+            }
+            // Leave the libraries idle for the next agent.
+            for process in attach.processes.values() {
+                process.ring.set_control(0);
+            }
+        })?);
+        Ok(())
+    }
+
+    fn stop(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            worker.stop();
+        }
+    }
+
+    fn health(&self) -> Health {
+        if let Some(health) = Worker::not_running(self.worker.as_ref(), "CUDA backend") {
+            return health;
+        }
+        let status = self.status.lock();
+        let mut detail = format!(
+            "{} processes attached ({} seen) in {}; {} events",
+            status.attached,
+            status.seen,
+            self.config.runtime_dir.display(),
+            status.events
+        );
+        if let Some(error) = &status.last_error {
+            detail.push_str(&format!("; last error: {error}"));
+        }
+        Health::Running { detail }
+    }
+
+    fn losses(&self) -> Vec<Loss> {
+        let status = self.status.lock();
+        vec![
+            Loss {
+                what: "GPU activity records CUPTI dropped in workload processes",
+                count: status.cupti_dropped,
+            },
+            Loss {
+                what: "GPU events workload libraries could not queue because their ring was full",
+                count: status.ring_dropped,
+            },
+        ]
+    }
+
+    fn notices(&self, window: Window) -> Vec<String> {
+        self.status
+            .lock()
+            .notices
+            .iter()
+            .filter(|n| n.at_ns >= window.start_ns && n.at_ns <= window.stop_ns)
+            .map(|n| n.text.clone())
+            .collect()
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One workload process whose ring is attached.
+struct Process {
+    pid: u32,
+    slot: u64,
+    ring: Arc<Ring>,
+    consumer: Consumer,
+    meta_path: PathBuf,
+    meta: MetaReader,
+    /// Its name ids to the registry's.
+    names: HashMap<u32, NameId>,
+    /// Lines already named, per device.
+    named_lines: HashMap<(Device, u64), ()>,
+    command: String,
+    control: u32,
+    cupti_dropped: u64,
+}
+
+impl Process {
+    /// What the process is called in line names: its program's file name.
+    fn short_name(&self) -> &str {
+        let program = self.command.split(' ').next().unwrap_or("");
+        program
+            .rsplit('/')
+            .next()
+            .filter(|p| !p.is_empty())
+            .unwrap_or("process")
+    }
+
+    fn label(&self) -> String {
+        if self.command.is_empty() {
+            format!("process {}", self.pid)
+        } else {
+            format!("process {} ({})", self.pid, self.command)
+        }
+    }
+}
+
+/// The worker's state: every attached process and where events go.
+struct Attachments {
+    config: CudaConfig,
+    registry: Arc<Registry>,
+    status: Arc<Mutex<Status>>,
+    processes: BTreeMap<u32, Process>,
+    slots_in_use: Vec<u64>,
+    producer: crate::ring::Producer,
+    scratch: Vec<Event>,
+}
+
+impl Attachments {
+    /// Attaches rings that appeared and removes files of dead processes no
+    /// one attached.
+    fn scan(&mut self) {
+        let dir = self.config.runtime_dir.clone();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name.to_str().and_then(workload::ring_pid) else {
+                continue;
+            };
+            if self.processes.contains_key(&pid) {
+                continue;
+            }
+            self.attach(pid, &entry.path());
+        }
+        let _ = remove_stale_rings(&dir);
+        self.remove_orphan_meta(&dir);
+    }
+
+    fn remove_orphan_meta(&self, dir: &Path) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name.to_str().and_then(|n| {
+                n.strip_prefix("cuda-")?
+                    .strip_suffix(".meta")?
+                    .parse::<u32>()
+                    .ok()
+            }) else {
+                continue;
+            };
+            if !self.processes.contains_key(&pid)
+                && !pid_alive(pid)
+                && !workload::ring_path(dir, pid).exists()
+            {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+
+    fn free_slot(&mut self) -> Option<u64> {
+        let slot = (1..(1u64 << (32 - STREAM_BITS))).find(|s| !self.slots_in_use.contains(s))?;
+        self.slots_in_use.push(slot);
+        Some(slot)
+    }
+
+    fn attach(&mut self, pid: u32, path: &Path) {
+        let ring = match Ring::open_shared(path) {
+            Ok(ring) => ring,
+            Err(error) => {
+                // A ring being created, or not one of ours: tried again at
+                // the next scan, reported once.
+                let mut status = self.status.lock();
+                let text = format!("cannot open {}: {error}", path.display());
+                if status.last_error.as_deref() != Some(&text) {
+                    warn!("{text}");
+                    status.last_error = Some(text);
+                }
+                return;
+            }
+        };
+        let consumer = match ring.consumer() {
+            Ok(consumer) => consumer,
+            Err(error) => {
+                self.status.lock().last_error = Some(format!(
+                    "{}: {error} (another agent drains it)",
+                    path.display()
+                ));
+                return;
+            }
+        };
+        let Some(slot) = self.free_slot() else {
+            self.status.lock().last_error = Some("too many CUDA processes attached".into());
+            return;
+        };
+        let process = Process {
+            pid,
+            slot,
+            ring,
+            consumer,
+            meta_path: workload::meta_path(&self.config.runtime_dir, pid),
+            meta: MetaReader::default(),
+            names: HashMap::new(),
+            named_lines: HashMap::new(),
+            command: String::new(),
+            control: u32::MAX,
+            cupti_dropped: 0,
+        };
+        self.processes.insert(pid, process);
+        let mut status = self.status.lock();
+        status.attached = self.processes.len();
+        status.seen += 1;
+        drop(status);
+        self.read_meta(pid);
+        if let Some(process) = self.processes.get(&pid) {
+            let text = format!("attached {}", process.label());
+            self.status.lock().notice(text);
+        }
+    }
+
+    /// Reads what the process appended to its metadata file.
+    fn read_meta(&mut self, pid: u32) {
+        let Some(process) = self.processes.get_mut(&pid) else {
+            return;
+        };
+        let records = match process.meta.read_new(&process.meta_path) {
+            Ok(records) => records,
+            Err(_) => return,
+        };
+        for record in records {
+            match record {
+                MetaRecord::Process { command, .. } => process.command = command,
+                MetaRecord::Name { id, text } => {
+                    process.names.insert(id, self.registry.intern(&text));
+                }
+                MetaRecord::Device { ordinal, info } => {
+                    self.registry.describe_device(Device::Gpu(ordinal), info);
+                }
+                MetaRecord::Dropped { total } => {
+                    let grew = total.saturating_sub(process.cupti_dropped);
+                    process.cupti_dropped = total;
+                    self.status.lock().cupti_dropped += grew;
+                }
+                MetaRecord::Error { message } => {
+                    let text = format!(
+                        "the injection library in {} stopped tracing: {message}",
+                        process.label()
+                    );
+                    self.status.lock().notice(text);
+                }
+            }
+        }
+    }
+
+    /// Sets control words, drains every ring, and lets go of processes that
+    /// exited.
+    fn service(&mut self, capturing: bool) {
+        let flags = if capturing { CONTROL_CAPTURE } else { 0 };
+        let pids: Vec<u32> = self.processes.keys().copied().collect();
+        for pid in pids {
+            // Whether it is alive is asked before the last drain, so that
+            // nothing it pushed before exiting is missed.
+            let alive = pid_alive(pid);
+            self.read_meta(pid);
+            if let Some(process) = self.processes.get_mut(&pid) {
+                if process.control != flags {
+                    process.ring.set_control(flags);
+                    process.control = flags;
+                }
+            }
+            self.drain(pid);
+            if !alive {
+                self.detach(pid);
+            }
+        }
+    }
+
+    fn drain(&mut self, pid: u32) {
+        let Some(process) = self.processes.get_mut(&pid) else {
+            return;
+        };
+        let mut raw = Vec::new();
+        loop {
+            raw.clear();
+            let report = process.consumer.drain(&mut raw, 1 << 16);
+            if report.dropped_newest + report.dropped_oldest > 0 {
+                self.status.lock().ring_dropped += report.dropped_newest + report.dropped_oldest;
+            }
+            if raw.is_empty() {
+                break;
+            }
+            self.scratch.clear();
+            for event in &raw {
+                self.scratch.push(translate(&self.registry, process, event));
+            }
+            let accepted = self.producer.push_batch(&self.scratch);
+            self.status.lock().events += accepted as u64;
+        }
+    }
+
+    fn detach(&mut self, pid: u32) {
+        let Some(process) = self.processes.remove(&pid) else {
+            return;
+        };
+        self.slots_in_use.retain(|s| *s != process.slot);
+        let _ = std::fs::remove_file(workload::ring_path(&self.config.runtime_dir, pid));
+        let _ = std::fs::remove_file(&process.meta_path);
+        let mut status = self.status.lock();
+        status.attached = self.processes.len();
+        status.notice(format!(
+            "{} exited; its GPU events up to then are in the trace",
+            process.label()
+        ));
+    }
+}
+
+/// An event of `process` as this agent's: registry names, its streams on
+/// lines of their own, its host lines named after it.
+fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Event {
+    let pid = process.pid;
+    let names = &process.names;
+    // A name whose record was not read (the file past its size limit) says
+    // so rather than showing another name.
+    let mut mapped = event.map_names(|local| match names.get(&local.0) {
+        Some(id) => *id,
+        None if local.0 == 0 => NameId(0),
+        None => registry.intern(&format!("<name {} of pid {pid}>", local.0)),
+    });
+    let device = mapped.device();
+    let line = match device {
+        Device::Gpu(_) => (process.slot << STREAM_BITS) | (mapped.line & ((1 << STREAM_BITS) - 1)),
+        _ if mapped.line >= SYNTHETIC_LINE_BASE => {
+            SYNTHETIC_LINE_BASE | (process.slot << 8) | (mapped.line & 0xff)
+        }
+        _ => mapped.line,
+    };
+    mapped.line = line;
+    if !process.named_lines.contains_key(&(device, line)) {
+        let name = match device {
+            Device::Gpu(_) => format!("(pid {pid}: {})", process.short_name()),
+            _ if line >= SYNTHETIC_LINE_BASE => {
+                let what = match line & 0xff {
+                    1 => "CUDA memory",
+                    2 => "CUDA synchronization",
+                    3 => "CUPTI overhead",
+                    _ => "CUDA",
+                };
+                format!("{what} (pid {pid}: {})", process.short_name())
+            }
+            _ => format!("{} {line} (pid {pid})", process.short_name()),
+        };
+        registry.name_line(device, line, &name);
+        process.named_lines.insert((device, line), ());
+    }
+    mapped
+}

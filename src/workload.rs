@@ -1,0 +1,333 @@
+//! What a workload's injection library (the `inject/` crate) and the agent
+//! share besides the ring: where the files live, what they are called, and
+//! the metadata file beside each ring.
+//!
+//! A workload process `P` creates, in the runtime directory, `cuda-P.meta`
+//! and then `cuda-P.ring` (so that the agent, which discovers rings, always
+//! finds the metadata there). The metadata file is append-only text, one
+//! record per line, written with one `write` per record, so a reader sees
+//! whole records followed at most by a partial one it reads again later.
+//! Strings are percent-escaped, so a record never holds a space or newline
+//! of its own.
+//!
+//! Events in the ring carry names as ids local to the process; `name`
+//! records say what each id means.
+
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use crate::registry::DeviceInfo;
+
+/// Where rings and metadata live unless `DEVTRACE_RUNTIME_DIR` says otherwise.
+pub const DEFAULT_RUNTIME_DIR: &str = "/run/devtrace";
+/// The environment variable both sides read for the runtime directory.
+pub const RUNTIME_DIR_ENV: &str = "DEVTRACE_RUNTIME_DIR";
+/// The agent stops reading a metadata file beyond this size.
+pub const MAX_META_BYTES: u64 = 64 << 20;
+
+/// Host lines of a workload that are not threads (stream ids and thread ids
+/// never reach this range): what CUPTI reports without a thread.
+pub const SYNTHETIC_LINE_BASE: u64 = 0xf000_0000;
+pub const LINE_MEMORY: u64 = SYNTHETIC_LINE_BASE | 1;
+pub const LINE_SYNCHRONIZATION: u64 = SYNTHETIC_LINE_BASE | 2;
+pub const LINE_OVERHEAD: u64 = SYNTHETIC_LINE_BASE | 3;
+
+/// The runtime directory from the environment, or the default.
+pub fn runtime_dir() -> PathBuf {
+    std::env::var_os(RUNTIME_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from(DEFAULT_RUNTIME_DIR), PathBuf::from)
+}
+
+pub fn ring_path(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("cuda-{pid}.ring"))
+}
+
+pub fn meta_path(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("cuda-{pid}.meta"))
+}
+
+/// The pid in a ring file name made by [`ring_path`].
+pub fn ring_pid(file_name: &str) -> Option<u32> {
+    file_name
+        .strip_prefix("cuda-")?
+        .strip_suffix(".ring")?
+        .parse()
+        .ok()
+}
+
+/// One line of a metadata file.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetaRecord {
+    /// The process and its command line (arguments joined by spaces).
+    Process { pid: u32, command: String },
+    /// What a process-local name id stands for.
+    Name { id: u32, text: String },
+    /// Facts about a GPU the process uses, by its CUDA ordinal.
+    Device { ordinal: u16, info: DeviceInfo },
+    /// Records CUPTI dropped in this process so far (a running total).
+    Dropped { total: u64 },
+    /// Something went wrong in the library; it went quiet afterwards.
+    Error { message: String },
+}
+
+fn escape(text: &str) -> String {
+    escape_bytes(text.as_bytes())
+}
+
+/// Escapes ASCII controls, space, DEL and `%`; other bytes (UTF-8 included)
+/// stay as they are.
+fn escape_bytes(bytes: &[u8]) -> String {
+    let mut out = Vec::with_capacity(bytes.len());
+    for &byte in bytes {
+        if byte <= b' ' || byte == b'%' || byte == 0x7f {
+            out.extend_from_slice(format!("%{byte:02X}").as_bytes());
+        } else {
+            out.push(byte);
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn unescape(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Some(String::from_utf8_lossy(&out).into_owned())
+}
+
+impl MetaRecord {
+    /// The record as one line, newline included.
+    pub fn encode(&self) -> String {
+        match self {
+            MetaRecord::Process { pid, command } => format!("process {pid} {}\n", escape(command)),
+            MetaRecord::Name { id, text } => format!("name {id} {}\n", escape(text)),
+            MetaRecord::Device { ordinal, info } => format!(
+                "device {ordinal} {} {} {}.{} {} {} {} {}\n",
+                escape(&info.vendor),
+                escape(&info.model),
+                info.compute_capability.0,
+                info.compute_capability.1,
+                info.core_count,
+                info.clock_rate_khz,
+                info.memory_bytes,
+                info.memory_bandwidth_bytes_per_s
+            ),
+            MetaRecord::Dropped { total } => format!("dropped {total}\n"),
+            MetaRecord::Error { message } => format!("error {}\n", escape(message)),
+        }
+    }
+
+    /// Reads one line (without its newline); `None` for anything malformed.
+    pub fn decode(line: &str) -> Option<MetaRecord> {
+        let mut fields = line.split(' ');
+        let record = match fields.next()? {
+            "process" => MetaRecord::Process {
+                pid: fields.next()?.parse().ok()?,
+                command: unescape(fields.next()?)?,
+            },
+            "name" => MetaRecord::Name {
+                id: fields.next()?.parse().ok()?,
+                text: unescape(fields.next()?)?,
+            },
+            "device" => {
+                let ordinal = fields.next()?.parse().ok()?;
+                let vendor = unescape(fields.next()?)?;
+                let model = unescape(fields.next()?)?;
+                let (major, minor) = fields.next()?.split_once('.')?;
+                MetaRecord::Device {
+                    ordinal,
+                    info: DeviceInfo {
+                        vendor,
+                        model,
+                        compute_capability: (major.parse().ok()?, minor.parse().ok()?),
+                        core_count: fields.next()?.parse().ok()?,
+                        clock_rate_khz: fields.next()?.parse().ok()?,
+                        memory_bytes: fields.next()?.parse().ok()?,
+                        memory_bandwidth_bytes_per_s: fields.next()?.parse().ok()?,
+                    },
+                }
+            }
+            "dropped" => MetaRecord::Dropped {
+                total: fields.next()?.parse().ok()?,
+            },
+            "error" => MetaRecord::Error {
+                message: unescape(fields.next()?)?,
+            },
+            _ => return None,
+        };
+        fields.next().is_none().then_some(record)
+    }
+}
+
+/// The library's side: appends records to a metadata file.
+pub struct MetaWriter {
+    file: File,
+}
+
+impl MetaWriter {
+    /// Creates `path` (mode 0600); an existing file is refused.
+    pub fn create(path: &Path) -> io::Result<MetaWriter> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)?;
+        Ok(MetaWriter { file })
+    }
+
+    /// Appends one record with a single write.
+    pub fn write(&mut self, record: &MetaRecord) -> io::Result<()> {
+        self.file.write_all(record.encode().as_bytes())
+    }
+}
+
+/// The agent's side: reads what was appended since the last call.
+#[derive(Default)]
+pub struct MetaReader {
+    offset: u64,
+    partial: Vec<u8>,
+    malformed: u64,
+}
+
+impl MetaReader {
+    /// Records appended since the previous call; stops at
+    /// [`MAX_META_BYTES`]. Malformed lines are counted and skipped.
+    pub fn read_new(&mut self, path: &Path) -> io::Result<Vec<MetaRecord>> {
+        let mut file = File::open(path)?;
+        let size = file.metadata()?.len().min(MAX_META_BYTES);
+        if size <= self.offset {
+            return Ok(Vec::new());
+        }
+        file.seek(SeekFrom::Start(self.offset))?;
+        let mut bytes = Vec::new();
+        file.take(size - self.offset).read_to_end(&mut bytes)?;
+        self.offset += bytes.len() as u64;
+        self.partial.extend_from_slice(&bytes);
+        let complete = match self.partial.iter().rposition(|b| *b == b'\n') {
+            Some(end) => end + 1,
+            None => return Ok(Vec::new()),
+        };
+        let lines: Vec<u8> = self.partial.drain(..complete).collect();
+        let mut records = Vec::new();
+        for line in lines.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+            match std::str::from_utf8(line).ok().and_then(MetaRecord::decode) {
+                Some(record) => records.push(record),
+                None => self.malformed += 1,
+            }
+        }
+        Ok(records)
+    }
+
+    /// Whether the file grew past what is read ([`MAX_META_BYTES`]).
+    pub fn full(&self) -> bool {
+        self.offset >= MAX_META_BYTES
+    }
+
+    pub fn malformed(&self) -> u64 {
+        self.malformed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_survive_their_line_form_with_awkward_strings() {
+        let records = [
+            MetaRecord::Process {
+                pid: 42,
+                command: "python train.py --lr 0.1 100%\nnext".into(),
+            },
+            MetaRecord::Name {
+                id: 7,
+                text: "void kernel<float, 3>(float*, int) · ünïcode".into(),
+            },
+            MetaRecord::Device {
+                ordinal: 1,
+                info: DeviceInfo {
+                    vendor: "Nvidia".into(),
+                    model: "NVIDIA H100 80GB HBM3".into(),
+                    compute_capability: (9, 0),
+                    core_count: 132,
+                    clock_rate_khz: 1_980_000,
+                    memory_bytes: 80 << 30,
+                    memory_bandwidth_bytes_per_s: 3_350_000_000_000,
+                },
+            },
+            MetaRecord::Dropped { total: 12 },
+            MetaRecord::Error {
+                message: "cuptiActivityEnable failed: CUPTI_ERROR_NOT_INITIALIZED".into(),
+            },
+        ];
+        for record in &records {
+            let line = record.encode();
+            assert!(
+                line.ends_with('\n') && line.matches('\n').count() == 1,
+                "{line:?}"
+            );
+            assert_eq!(
+                MetaRecord::decode(line.trim_end_matches('\n')).as_ref(),
+                Some(record)
+            );
+        }
+        assert_eq!(MetaRecord::decode("name 1"), None);
+        assert_eq!(MetaRecord::decode("name x y"), None);
+        assert_eq!(MetaRecord::decode("name 1 a b"), None);
+        assert_eq!(MetaRecord::decode("bogus 1"), None);
+        assert_eq!(ring_pid("cuda-123.ring"), Some(123));
+        assert_eq!(ring_pid("cuda-12x.ring"), None);
+        assert_eq!(ring_pid("other-1.ring"), None);
+    }
+
+    #[test]
+    fn a_reader_takes_whole_lines_and_waits_for_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = meta_path(dir.path(), 9);
+        let mut writer = MetaWriter::create(&path).unwrap();
+        assert!(MetaWriter::create(&path).is_err(), "never replaced");
+        writer
+            .write(&MetaRecord::Name {
+                id: 1,
+                text: "a".into(),
+            })
+            .unwrap();
+        let mut raw = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        raw.write_all(b"name 2 b").unwrap();
+        let mut reader = MetaReader::default();
+        assert_eq!(
+            reader.read_new(&path).unwrap(),
+            vec![MetaRecord::Name {
+                id: 1,
+                text: "a".into()
+            }]
+        );
+        raw.write_all(b"c\ngarbage line\n").unwrap();
+        assert_eq!(
+            reader.read_new(&path).unwrap(),
+            vec![MetaRecord::Name {
+                id: 2,
+                text: "bc".into()
+            }]
+        );
+        assert_eq!(reader.malformed(), 1);
+        assert!(reader.read_new(&path).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,273 @@
+//! Workloads the tests start and read: the CUDA stand-ins and a program
+//! calling them with known arguments, the lines it prints, and the events of
+//! a trace with their stats resolved.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use devtrace::proto::tensorflow::profiler::{x_event, XPlane, XSpace};
+use devtrace::xspace::read::{find_stat, StatValue};
+
+use super::{build_program, request, space_of, AgentProcess};
+
+/// A started workload; killed when dropped.
+pub struct Workload {
+    pub child: Child,
+    pub pid: u32,
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One event of a plane, with its name and stats resolved.
+#[derive(Debug)]
+pub struct Seen {
+    pub line: String,
+    pub name: String,
+    pub offset_ps: i64,
+    pub duration_ps: i64,
+    pub stats: HashMap<String, StatValue>,
+}
+
+pub fn events(plane: &XPlane) -> Vec<Seen> {
+    let mut out = Vec::new();
+    for line in &plane.lines {
+        for event in &line.events {
+            let stats = event
+                .stats
+                .iter()
+                .filter_map(|stat| {
+                    let name = plane.stat_metadata.get(&stat.metadata_id)?.name.clone();
+                    let value = find_stat(plane, &event.stats, &name)?;
+                    Some((name, value))
+                })
+                .collect();
+            out.push(Seen {
+                line: line.name.clone(),
+                name: plane.event_metadata[&event.metadata_id].name.clone(),
+                offset_ps: match event.data {
+                    Some(x_event::Data::OffsetPs(ps)) => ps,
+                    _ => 0,
+                },
+                duration_ps: event.duration_ps,
+                stats,
+            });
+        }
+    }
+    out
+}
+
+pub fn uint(seen: &Seen, stat: &str) -> u64 {
+    match seen.stats.get(stat) {
+        Some(StatValue::Uint(v)) => *v,
+        Some(StatValue::Int(v)) => *v as u64,
+        other => panic!("{stat} of {seen:?}: {other:?}"),
+    }
+}
+
+pub fn text<'s>(seen: &'s Seen, stat: &str) -> &'s str {
+    match seen.stats.get(stat) {
+        Some(StatValue::Str(v)) => v,
+        other => panic!("{stat} of {seen:?}: {other:?}"),
+    }
+}
+
+pub async fn capture(agent: &AgentProcess, duration_ms: u64) -> XSpace {
+    let reply = agent
+        .client()
+        .await
+        .profile(request(duration_ms, "ebpf"))
+        .await
+        .expect("Profile")
+        .into_inner();
+    space_of(&reply)
+}
+
+/// The stand-in driver (`libcuda.so.1`, with `libcuda.so` beside it) and a
+/// program linked against it, copied to `name` (its command name).
+pub fn cuda_programs(name: &str) -> std::path::PathBuf {
+    let driver = build_program(
+        "libcuda.c",
+        "libcuda.so.1",
+        &[
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcuda.so.1",
+            "-ldl",
+            "-pthread",
+        ],
+    );
+    let dir = driver.parent().expect("standin directory").to_path_buf();
+    let link = dir.join("libcuda.so");
+    if std::fs::symlink_metadata(&link).is_err() {
+        // Another test process may have made it first.
+        let _ = std::os::unix::fs::symlink("libcuda.so.1", &link);
+    }
+    let search = format!("-L{}", dir.display());
+    let rpath = format!("-Wl,-rpath,{}", dir.display());
+    build_program(
+        "cuda_workload.c",
+        name,
+        &["-pthread", &search, "-lcuda", &rpath],
+    )
+}
+
+/// One call line of the workload's output.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub name: String,
+    pub pid: u32,
+    pub tid: u64,
+    pub realtime: (u64, u64),
+    pub fields: HashMap<String, String>,
+}
+
+pub fn parse_call(line: &str) -> Option<Call> {
+    let mut words = line.split_whitespace();
+    if words.next()? != "call" {
+        return None;
+    }
+    let name = words.next()?.to_string();
+    let fields: HashMap<String, String> = words
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let number = |key: &str| fields.get(key)?.parse::<u64>().ok();
+    Some(Call {
+        pid: number("pid")? as u32,
+        tid: number("tid")?,
+        realtime: (number("rt0")?, number("rt1")?),
+        name,
+        fields,
+    })
+}
+
+/// A workload started with its stdout read line by line on a thread.
+pub struct CudaWorkload {
+    pub workload: Workload,
+    pub lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl CudaWorkload {
+    pub fn start(program: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> CudaWorkload {
+        let mut child = Command::new(program)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting the CUDA workload");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let pid = child.id();
+        CudaWorkload {
+            workload: Workload { child, pid },
+            lines,
+        }
+    }
+
+    /// Lines up to and including the first that starts with `prefix`.
+    pub fn read_until(&self, prefix: &str) -> Vec<String> {
+        let mut seen = Vec::new();
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(std::time::Duration::from_secs(30))
+                .unwrap_or_else(|_| panic!("the workload never printed {prefix:?}: {seen:?}"));
+            let done = line.starts_with(prefix);
+            seen.push(line);
+            if done {
+                return seen;
+            }
+        }
+    }
+}
+
+/// The calls a workload printed up to its end.
+pub fn calls_until_done(workload: &CudaWorkload) -> Vec<Call> {
+    workload
+        .read_until("done")
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .collect()
+}
+
+/// Captures `duration_ms` while, after a moment, `release` lets the workload
+/// go; returns the trace.
+pub async fn capture_while(
+    agent: &AgentProcess,
+    duration_ms: u64,
+    release: &std::path::Path,
+) -> XSpace {
+    let capture = capture(agent, duration_ms);
+    let go = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        std::fs::write(release, b"go").expect("releasing the workload");
+    };
+    let (space, ()) = tokio::join!(capture, go);
+    space
+}
+
+pub fn hex(call: &Call, key: &str) -> u64 {
+    let text = &call.fields[key];
+    u64::from_str_radix(text.trim_start_matches("0x"), 16).expect("hex field")
+}
+
+/// The stand-in CUPTI (`libcupti.so.12`, with `libcupti.so` beside it) in
+/// the directory of the stand-in driver; returns that directory.
+pub fn cupti_standin() -> std::path::PathBuf {
+    let library = build_program(
+        "cupti.c",
+        "libcupti.so.12",
+        &[
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcupti.so.12",
+            "-ldl",
+            "-pthread",
+        ],
+    );
+    let dir = library.parent().expect("standin directory").to_path_buf();
+    let link = dir.join("libcupti.so");
+    if std::fs::symlink_metadata(&link).is_err() {
+        let _ = std::os::unix::fs::symlink("libcupti.so.12", &link);
+    }
+    dir
+}
+
+/// The injection library built next to the devtrace binary, building it
+/// first when `cargo test` alone did not.
+pub fn inject_library() -> std::path::PathBuf {
+    let dir = std::path::Path::new(super::BIN)
+        .parent()
+        .expect("binary directory")
+        .to_path_buf();
+    let library = dir.join("libdevtrace_inject.so");
+    static BUILD: std::sync::Once = std::sync::Once::new();
+    BUILD.call_once(|| {
+        let mut build = Command::new(env!("CARGO"));
+        build.args(["build", "--quiet", "-p", "devtrace-inject"]);
+        if dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo build -p devtrace-inject");
+        assert!(status.success(), "building the injection library failed");
+    });
+    assert!(library.exists(), "{} missing", library.display());
+    library
+}

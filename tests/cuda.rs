@@ -1,0 +1,462 @@
+//! The CUDA backend end to end: a program calling the stand-in driver runs
+//! with the injection library (`CUDA_INJECTION64_PATH`) and the stand-in
+//! CUPTI, which has the real record layouts; the agent finds its ring,
+//! switches it on for a capture, and the trace holds exactly its kernels,
+//! copies, calls and allocations. Also the faults: a workload that exits
+//! mid-capture, an agent restart, a full ring, two workloads, CUPTI failing.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use common::workload::*;
+use common::AgentProcess;
+use devtrace::proto::tensorflow::profiler::XSpace;
+use devtrace::xspace::read::{find_stat, StatValue};
+
+/// Kernel and copy durations the stand-in CUPTI reports.
+const KERNEL_NS: u64 = 5_000;
+const MEMCPY_NS: u64 = 2_000;
+/// The stand-in GPU clock runs this far from the host's, so a conversion
+/// that forgot it would put events 10 000 s away.
+const GPU_CLOCK_OFFSET_NS: i64 = -10_000_000_000_000;
+
+struct Setup {
+    runtime: tempfile::TempDir,
+    program: PathBuf,
+    libraries: PathBuf,
+    inject: PathBuf,
+}
+
+fn setup(program: &str) -> Setup {
+    let program = cuda_programs(program);
+    Setup {
+        runtime: tempfile::tempdir().unwrap(),
+        libraries: cupti_standin(),
+        program,
+        inject: inject_library(),
+    }
+}
+
+impl Setup {
+    fn agent(&self) -> AgentProcess {
+        AgentProcess::start(&[
+            "--backend",
+            "cuda",
+            "--runtime-dir",
+            self.runtime.path().to_str().unwrap(),
+        ])
+    }
+
+    /// Starts the program with the injection library; `extra_env` on top.
+    fn workload(&self, args: &[&str], extra_env: &[(&str, &str)]) -> CudaWorkload {
+        let offset = GPU_CLOCK_OFFSET_NS.to_string();
+        let kernel = KERNEL_NS.to_string();
+        let memcpy = MEMCPY_NS.to_string();
+        let mut env = vec![
+            ("LD_LIBRARY_PATH", self.libraries.to_str().unwrap()),
+            ("CUDA_INJECTION64_PATH", self.inject.to_str().unwrap()),
+            (
+                "DEVTRACE_RUNTIME_DIR",
+                self.runtime.path().to_str().unwrap(),
+            ),
+            ("DEVTRACE_STANDIN_GPU_CLOCK_OFFSET_NS", offset.as_str()),
+            ("DEVTRACE_STANDIN_GPU_KERNEL_NS", kernel.as_str()),
+            ("DEVTRACE_STANDIN_GPU_MEMCPY_NS", memcpy.as_str()),
+        ];
+        env.extend_from_slice(extra_env);
+        CudaWorkload::start(&self.program, args, &env)
+    }
+}
+
+/// Waits until the agent reports `count` attached workload processes.
+async fn wait_for_attached(agent: &AgentProcess, count: usize) {
+    let wanted = format!("backend cuda: running ({count} processes attached");
+    for _ in 0..100 {
+        if agent.monitor(100).await.data.contains(&wanted) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the agent never attached {count} processes");
+}
+
+fn release_file(setup: &Setup, name: &str) -> PathBuf {
+    setup.runtime.path().join(format!("{name}.go"))
+}
+
+/// Events of one plane with absolute times.
+fn timed(space: &XSpace, plane: &str) -> Vec<(Seen, u64)> {
+    let (start, _) = common::window_of(space);
+    let Some(plane) = space.planes.iter().find(|p| p.name == plane) else {
+        return Vec::new();
+    };
+    events(plane)
+        .into_iter()
+        .map(|e| {
+            let at = start + (e.offset_ps / 1000) as u64;
+            (e, at)
+        })
+        .collect()
+}
+
+fn plane_stat(space: &XSpace, plane: &str, name: &str) -> Option<StatValue> {
+    let plane = space.planes.iter().find(|p| p.name == plane)?;
+    find_stat(plane, &plane.stats, name)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kernels_copies_and_calls_of_an_injected_process_arrive_exactly() {
+    let setup = setup("cuda_injected");
+    let agent = setup.agent();
+    let release = release_file(&setup, "exact");
+    let workload = setup.workload(
+        &["3", "--wait-file", release.to_str().unwrap()],
+        &[("DEVTRACE_STANDIN_CUPTI_DROP", "5")],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    let calls = calls_until_done(&workload);
+
+    // Kernels: on the stream line of this process, with CUPTI's exact
+    // duration, launch details and occupancy, inside the launch call's
+    // interval on the host clock.
+    let gpu = timed(&space, "/device:GPU:0");
+    let kernels: Vec<&(Seen, u64)> = gpu
+        .iter()
+        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
+        .collect();
+    let launches: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.name == "cuLaunchKernel" || c.name == "cuLaunchKernelEx")
+        .collect();
+    assert_eq!(kernels.len(), 6, "{gpu:?}");
+    assert_eq!(launches.len(), 6);
+    let line = format!("Stream #13(Compute,MemcpyD2H) (pid {pid}: cuda_injected)");
+    for ((kernel, at), launch) in kernels.iter().zip(&launches) {
+        assert_eq!(kernel.line, line);
+        assert_eq!(kernel.duration_ps as u64, KERNEL_NS * 1000);
+        assert_eq!(kernel.name, launch.fields["func"]);
+        let details = text(kernel, "kernel_details");
+        let expected = if kernel.name == "vector_add" {
+            "regs:32 static_shared:0 dynamic_shared:0 grid:128,1,1 block:256,1,1 occ_pct:100"
+        } else {
+            "regs:64 static_shared:8192 dynamic_shared:4096 grid:16,16,1 block:32,8,1 occ_pct:50"
+        };
+        assert_eq!(details, expected);
+        let slack = 100_000;
+        assert!(
+            *at + slack >= launch.realtime.0 && *at <= launch.realtime.1 + slack,
+            "{} at {at}, launched {:?}",
+            kernel.name,
+            launch.realtime
+        );
+    }
+
+    // Every kernel's correlation id is on exactly one host API call of the
+    // launching thread, named by CUPTI.
+    let host = timed(&space, "/host:CPU");
+    for (kernel, _) in &kernels {
+        let id = uint(kernel, "correlation_id");
+        let api: Vec<&(Seen, u64)> = host
+            .iter()
+            .filter(|(e, _)| {
+                e.stats.contains_key("correlation_id") && uint(e, "correlation_id") == id
+            })
+            .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
+            .collect();
+        assert_eq!(api.len(), 1, "correlation {id}");
+        assert!(
+            api[0].0.line.ends_with(&format!("(pid {pid})")),
+            "{}",
+            api[0].0.line
+        );
+    }
+
+    // Copies: both directions with their sizes.
+    let copies: BTreeMap<String, usize> = gpu.iter().fold(BTreeMap::new(), |mut m, (e, _)| {
+        if e.name.starts_with("Memcpy") {
+            assert_eq!(e.duration_ps as u64, MEMCPY_NS * 1000);
+            assert!(text(e, "memcpy_details").contains("size:4096"), "{e:?}");
+            *m.entry(e.name.clone()).or_default() += 1;
+        }
+        m
+    });
+    assert_eq!(
+        copies,
+        [("MemcpyD2H".to_string(), 3), ("MemcpyH2D".to_string(), 3)]
+            .into_iter()
+            .collect()
+    );
+
+    // Every driver call the program made is an API call on the host.
+    let api_names: Vec<&str> = host
+        .iter()
+        .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
+        .map(|(e, _)| e.name.as_str())
+        .collect();
+    for call in calls.iter().filter(|c| c.name != "cuInit") {
+        assert!(
+            api_names.contains(&call.name.as_str()),
+            "{} missing",
+            call.name
+        );
+    }
+
+    // Allocations feed the memory profile, per device and process.
+    let allocator = format!("GPU_0_cuda (pid {pid})");
+    let memory: Vec<(String, i64)> = host
+        .iter()
+        .filter(|(e, _)| e.name.starts_with("Memory"))
+        .map(|(e, _)| {
+            assert_eq!(text(e, "allocator_name"), allocator);
+            let in_use = match e.stats.get("bytes_allocated") {
+                Some(StatValue::Int(v)) => *v,
+                other => panic!("{other:?}"),
+            };
+            (e.name.clone(), in_use)
+        })
+        .collect();
+    let one = [
+        ("MemoryAllocation".to_string(), 1 << 20),
+        ("MemoryDeallocation".to_string(), 0),
+    ];
+    assert_eq!(memory, [one.clone(), one.clone(), one].concat());
+
+    // The device's facts, the process, and CUPTI's dropped records.
+    assert_eq!(
+        plane_stat(&space, "/device:GPU:0", "gpu_device_name"),
+        Some(StatValue::Str("Standin GPU".into()))
+    );
+    assert_eq!(
+        plane_stat(&space, "/device:GPU:0", "core_count"),
+        Some(StatValue::Int(132))
+    );
+    let dropped = space
+        .warnings
+        .iter()
+        .find(|w| w.contains("GPU activity records CUPTI dropped"))
+        .unwrap_or_else(|| panic!("{:?}", space.warnings));
+    assert!(dropped.starts_with("backend cuda: 5 "), "{dropped}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_that_exits_mid_capture_keeps_its_events_and_is_reported() {
+    let setup = setup("cuda_exiting");
+    let agent = setup.agent();
+    let release = release_file(&setup, "exiting");
+    let workload = setup.workload(
+        &[
+            "2",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "50",
+        ],
+        &[],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    calls_until_done(&workload);
+    let kernels = timed(&space, "/device:GPU:0")
+        .iter()
+        .filter(|(e, _)| e.name == "vector_add")
+        .count();
+    assert_eq!(kernels, 2, "what it did before exiting is kept");
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains(&format!("process {pid} "))
+                && w.contains("exited; its GPU events up to then are in the trace")),
+        "{:?}",
+        space.warnings
+    );
+    // Its files are gone once it is.
+    let left: Vec<_> = std::fs::read_dir(setup.runtime.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| n.to_string_lossy().starts_with("cuda-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_agent_reattaches_to_a_running_workload() {
+    let setup = setup("cuda_long");
+    let workload = setup.workload(&["400", "--sleep-ms", "10"], &[]);
+    workload.read_until("call cuStreamCreate");
+    let first = setup.agent();
+    wait_for_attached(&first, 1).await;
+    let before = capture(&first, 500).await;
+    drop(first);
+    let second = setup.agent();
+    wait_for_attached(&second, 1).await;
+    let after = capture(&second, 500).await;
+    for (label, space) in [("first agent", &before), ("second agent", &after)] {
+        let kernels = timed(space, "/device:GPU:0")
+            .iter()
+            .filter(|(e, _)| e.name == "vector_add")
+            .count();
+        assert!(kernels > 5, "{label}: {kernels} kernels");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_workloads_keep_their_own_stream_lines() {
+    let setup = setup("cuda_pair");
+    let agent = setup.agent();
+    let release = release_file(&setup, "pair");
+    let a = setup.workload(&["2", "--wait-file", release.to_str().unwrap()], &[]);
+    let b = setup.workload(&["3", "--wait-file", release.to_str().unwrap()], &[]);
+    a.read_until("waiting");
+    b.read_until("waiting");
+    wait_for_attached(&agent, 2).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    calls_until_done(&a);
+    calls_until_done(&b);
+    let mut per_line: BTreeMap<String, usize> = BTreeMap::new();
+    for (e, _) in timed(&space, "/device:GPU:0") {
+        if e.name == "vector_add" {
+            *per_line.entry(e.line.clone()).or_default() += 1;
+        }
+    }
+    let expected: BTreeMap<String, usize> = [(a.workload.pid, 2), (b.workload.pid, 3)]
+        .into_iter()
+        .map(|(pid, n)| {
+            (
+                format!("Stream #13(Compute,MemcpyD2H) (pid {pid}: cuda_pair)"),
+                n,
+            )
+        })
+        .collect();
+    assert_eq!(per_line, expected);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_workload_ring_counts_what_it_drops() {
+    let setup = setup("cuda_flood");
+    let agent = setup.agent();
+    let release = release_file(&setup, "flood");
+    // 16 slots against a few thousand records per flush.
+    let workload = setup.workload(
+        &["300", "--wait-file", release.to_str().unwrap()],
+        &[("DEVTRACE_INJECT_RING_CAPACITY", "16")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    calls_until_done(&workload);
+    let warning = space
+        .warnings
+        .iter()
+        .find(|w| w.contains("could not queue because their ring was full"))
+        .unwrap_or_else(|| panic!("{:?}", space.warnings));
+    let dropped: u64 = warning
+        .split_whitespace()
+        .find_map(|w| w.parse().ok())
+        .expect("a count");
+    let received = common::event_count(&space) as u64;
+    // Each iteration makes 16 records (7 calls, 2 kernels, 2 copies, 2
+    // allocator events, 1 synchronization, and their correlations); the
+    // ring dropped some and the rest arrived.
+    assert!(
+        dropped > 0 && received > 0,
+        "dropped {dropped}, received {received}"
+    );
+    assert!(
+        dropped + received >= 300 * 7,
+        "dropped {dropped} + received {received}"
+    );
+}
+
+fn stderr_of(workload: &mut CudaWorkload) -> String {
+    let mut text = String::new();
+    if let Some(mut stderr) = workload.workload.child.stderr.take() {
+        use std::io::Read;
+        let _ = stderr.read_to_string(&mut text);
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cupti_failure_is_logged_once_and_the_workload_runs_on() {
+    let setup = setup("cuda_failing");
+    let agent = setup.agent();
+    let release = release_file(&setup, "failing");
+    let mut workload = setup.workload(
+        &["3", "--wait-file", release.to_str().unwrap()],
+        &[("DEVTRACE_STANDIN_CUPTI_FAIL", "cuptiActivityEnable")],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    let calls = calls_until_done(&workload);
+    assert!(
+        calls.iter().all(|c| c.fields["rc"] == "0"),
+        "the workload's calls all succeed"
+    );
+    let status = workload
+        .workload
+        .child
+        .wait()
+        .expect("waiting for the workload");
+    assert!(status.success(), "{status:?}");
+    let stderr = stderr_of(&mut workload);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("devtrace-inject:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains("cuptiActivityEnable")
+            && lines[0].contains("CUPTI_ERROR_NOT_INITIALIZED"),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains(&format!("process {pid} "))
+                && w.contains("stopped tracing: cuptiActivityEnable")),
+        "{:?}",
+        space.warnings
+    );
+}
+
+#[test]
+fn without_libcupti_the_workload_runs_untraced_with_one_message() {
+    let setup = setup("cuda_no_cupti");
+    // Only the driver's directory: a copy without the stand-in CUPTI.
+    let lonely = tempfile::tempdir().unwrap();
+    for name in ["libcuda.so.1", "libcuda.so"] {
+        std::os::unix::fs::symlink(
+            setup.libraries.join("libcuda.so.1"),
+            lonely.path().join(name),
+        )
+        .unwrap();
+    }
+    let output = std::process::Command::new(&setup.program)
+        .args(["3", "--sleep-ms", "200"])
+        .env("LD_LIBRARY_PATH", lonely.path())
+        .env("CUDA_INJECTION64_PATH", &setup.inject)
+        .env("DEVTRACE_RUNTIME_DIR", setup.runtime.path())
+        .output()
+        .expect("running the workload");
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("devtrace-inject:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("libcupti was not found"), "{}", lines[0]);
+}

@@ -1,0 +1,1368 @@
+/*
+ * A stand-in for libcupti.so (CUDA 12.8, CUPTI_API_VERSION 26) with the real
+ * C ABI of the Activity API: same symbol names and signatures, and activity
+ * records laid out byte for byte like cupti_activity.h (packed, 8-byte
+ * aligned), which is also what cudarc's `cuda-12080` bindings read:
+ *
+ *   DRIVER                  CUpti_ActivityAPI               40 bytes
+ *   KERNEL/CONCURRENT_KERNEL CUpti_ActivityKernel9          208 bytes
+ *   MEMCPY                  CUpti_ActivityMemcpy6           96 bytes
+ *   MEMSET                  CUpti_ActivityMemset4           88 bytes
+ *   MEMORY2                 CUpti_ActivityMemory4          128 bytes
+ *   DEVICE                  CUpti_ActivityDevice5          184 bytes
+ *   CONTEXT                 CUpti_ActivityContext3          32 bytes
+ *   OVERHEAD                CUpti_ActivityOverhead3         56 bytes
+ *   SYNCHRONIZATION         CUpti_ActivitySynchronization2  56 bytes
+ *
+ * Build it once and symlink the other names cudarc may open:
+ *   cc -shared -fPIC -O2 -Wall -Werror -Wl,-soname,libcupti.so.12 \
+ *      -o libcupti.so.12 cupti.c && ln -sf libcupti.so.12 libcupti.so
+ *
+ * Activity comes from tests/standins/libcuda.c: this library registers a
+ * handler with it (standin_call.h) and turns each driver call into records.
+ *
+ * Behaviour:
+ * - All real kinds (1..54) can be enabled; records are written for the kinds
+ *   listed above. Each driver call gets a correlation id (1, 2, ...) shared by
+ *   its DRIVER record and its device record. Failed calls get only a DRIVER
+ *   record.
+ * - Clock: CLOCK_REALTIME ns + $DEVTRACE_STANDIN_GPU_CLOCK_OFFSET_NS (signed,
+ *   default 0). cuptiGetTimestamp, DRIVER/SYNCHRONIZATION records (host entry
+ *   and return of the call) and device records all use it.
+ * - Device work starts at the call's entry, or when the previous work on the
+ *   same stream ends if that is later, and lasts
+ *   $DEVTRACE_STANDIN_GPU_KERNEL_NS (default 5000), $DEVTRACE_STANDIN_GPU_MEMCPY_NS
+ *   (default 2000) or $DEVTRACE_STANDIN_GPU_MEMSET_NS (default 1000) exactly.
+ * - Enabling DEVICE writes one CUpti_ActivityDevice5 ("Standin GPU", sm_90,
+ *   132 SMs, 80 GiB); enabling CONTEXT writes a record for each context made
+ *   so far, and later contexts get one when made.
+ * - Buffers come from the client's bufferRequested callback when a record
+ *   needs room; records sit at 8-byte-aligned offsets. A buffer is handed
+ *   back when the next record does not fit or maxNumRecords is reached, and
+ *   on cuptiActivityFlushAll: flag 0 hands back the partly filled buffer once
+ *   all device work in it has ended, CUPTI_ACTIVITY_FLAG_FLUSH_FORCED (1)
+ *   always hands it back (even when empty). bufferCompleted runs on a worker
+ *   thread of this library; cuptiActivityFlushAll returns after it has
+ *   delivered everything. cuptiActivityFlushPeriod(ms) makes the worker do a
+ *   flag-0 flush every ms.
+ * - A NULL buffer, a zero size, a buffer smaller than the record, or a buffer
+ *   not 8-byte aligned (handed straight back with validSize 0) drops records
+ *   and counts them. $DEVTRACE_STANDIN_CUPTI_DROP=N adds N to the count when
+ *   the first buffer is handed back. cuptiActivityGetNumDroppedRecords
+ *   returns the count (one global count, whatever context/stream is asked)
+ *   and resets it to zero, as documented for the real call.
+ * - $DEVTRACE_STANDIN_CUPTI_FAIL="cuptiActivityEnable,cuptiActivityFlushAll=1"
+ *   makes the named entry points fail, with CUPTI_ERROR_NOT_INITIALIZED (15)
+ *   or the code after '='.
+ * - cuptiSubscribe allows one subscriber (a second gets
+ *   CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED) but never calls its
+ *   callback.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "standin_call.h"
+
+#define CUPTIAPI __attribute__((visibility("default")))
+#define PACKED_ALIGNMENT __attribute__((__packed__)) __attribute__((aligned(8)))
+
+/* ---- cupti_result.h ------------------------------------------------------ */
+
+typedef enum {
+    CUPTI_SUCCESS = 0,
+    CUPTI_ERROR_INVALID_PARAMETER = 1,
+    CUPTI_ERROR_INVALID_DEVICE = 2,
+    CUPTI_ERROR_INVALID_CONTEXT = 3,
+    CUPTI_ERROR_INVALID_EVENT_DOMAIN_ID = 4,
+    CUPTI_ERROR_INVALID_EVENT_ID = 5,
+    CUPTI_ERROR_INVALID_EVENT_NAME = 6,
+    CUPTI_ERROR_INVALID_OPERATION = 7,
+    CUPTI_ERROR_OUT_OF_MEMORY = 8,
+    CUPTI_ERROR_HARDWARE = 9,
+    CUPTI_ERROR_PARAMETER_SIZE_NOT_SUFFICIENT = 10,
+    CUPTI_ERROR_API_NOT_IMPLEMENTED = 11,
+    CUPTI_ERROR_MAX_LIMIT_REACHED = 12,
+    CUPTI_ERROR_NOT_READY = 13,
+    CUPTI_ERROR_NOT_COMPATIBLE = 14,
+    CUPTI_ERROR_NOT_INITIALIZED = 15,
+    CUPTI_ERROR_INVALID_METRIC_ID = 16,
+    CUPTI_ERROR_INVALID_METRIC_NAME = 17,
+    CUPTI_ERROR_QUEUE_EMPTY = 18,
+    CUPTI_ERROR_INVALID_HANDLE = 19,
+    CUPTI_ERROR_INVALID_STREAM = 20,
+    CUPTI_ERROR_INVALID_KIND = 21,
+    CUPTI_ERROR_INVALID_EVENT_VALUE = 22,
+    CUPTI_ERROR_DISABLED = 23,
+    CUPTI_ERROR_INVALID_MODULE = 24,
+    CUPTI_ERROR_INVALID_METRIC_VALUE = 25,
+    CUPTI_ERROR_HARDWARE_BUSY = 26,
+    CUPTI_ERROR_NOT_SUPPORTED = 27,
+    CUPTI_ERROR_UM_PROFILING_NOT_SUPPORTED = 28,
+    CUPTI_ERROR_UM_PROFILING_NOT_SUPPORTED_ON_DEVICE = 29,
+    CUPTI_ERROR_UM_PROFILING_NOT_SUPPORTED_ON_NON_P2P_DEVICES = 30,
+    CUPTI_ERROR_UM_PROFILING_NOT_SUPPORTED_WITH_MPS = 31,
+    CUPTI_ERROR_CDP_TRACING_NOT_SUPPORTED = 32,
+    CUPTI_ERROR_VIRTUALIZED_DEVICE_NOT_SUPPORTED = 33,
+    CUPTI_ERROR_CUDA_COMPILER_NOT_COMPATIBLE = 34,
+    CUPTI_ERROR_INSUFFICIENT_PRIVILEGES = 35,
+    CUPTI_ERROR_OLD_PROFILER_API_INITIALIZED = 36,
+    CUPTI_ERROR_OPENACC_UNDEFINED_ROUTINE = 37,
+    CUPTI_ERROR_LEGACY_PROFILER_NOT_SUPPORTED = 38,
+    CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED = 39,
+    CUPTI_ERROR_VIRTUALIZED_DEVICE_INSUFFICIENT_PRIVILEGES = 40,
+    CUPTI_ERROR_CONFIDENTIAL_COMPUTING_NOT_SUPPORTED = 41,
+    CUPTI_ERROR_CMP_DEVICE_NOT_SUPPORTED = 42,
+    CUPTI_ERROR_MIG_DEVICE_NOT_SUPPORTED = 43,
+    CUPTI_ERROR_SLI_DEVICE_NOT_SUPPORTED = 44,
+    CUPTI_ERROR_WSL_DEVICE_NOT_SUPPORTED = 45,
+    CUPTI_ERROR_UNKNOWN = 999,
+    CUPTI_ERROR_FORCE_INT = 0x7fffffff
+} CUptiResult;
+
+/* ---- cupti_activity.h (12.8) --------------------------------------------- */
+
+typedef enum {
+    CUPTI_ACTIVITY_KIND_INVALID = 0,
+    CUPTI_ACTIVITY_KIND_MEMCPY = 1,
+    CUPTI_ACTIVITY_KIND_MEMSET = 2,
+    CUPTI_ACTIVITY_KIND_KERNEL = 3,
+    CUPTI_ACTIVITY_KIND_DRIVER = 4,
+    CUPTI_ACTIVITY_KIND_RUNTIME = 5,
+    CUPTI_ACTIVITY_KIND_DEVICE = 8,
+    CUPTI_ACTIVITY_KIND_CONTEXT = 9,
+    CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL = 10,
+    CUPTI_ACTIVITY_KIND_MARKER = 12,
+    CUPTI_ACTIVITY_KIND_OVERHEAD = 17,
+    CUPTI_ACTIVITY_KIND_SYNCHRONIZATION = 38,
+    CUPTI_ACTIVITY_KIND_MEMORY = 45,
+    CUPTI_ACTIVITY_KIND_INTERNAL_LAUNCH_API = 48,
+    CUPTI_ACTIVITY_KIND_MEMORY2 = 49,
+    CUPTI_ACTIVITY_KIND_MEM_DECOMPRESS = 54,
+    CUPTI_ACTIVITY_KIND_COUNT = 55,
+    CUPTI_ACTIVITY_KIND_FORCE_INT = 0x7fffffff
+} CUpti_ActivityKind;
+
+typedef enum {
+    CUPTI_ACTIVITY_FLAG_NONE = 0,
+    CUPTI_ACTIVITY_FLAG_DEVICE_CONCURRENT_KERNELS = 1 << 0,
+    CUPTI_ACTIVITY_FLAG_FLUSH_FORCED = 1 << 0,
+    CUPTI_ACTIVITY_FLAG_MEMCPY_ASYNC = 1 << 0,
+    CUPTI_ACTIVITY_FLAG_MEMSET_ASYNC = 1 << 0,
+    CUPTI_ACTIVITY_FLAG_FORCE_INT = 0x7fffffff
+} CUpti_ActivityFlag;
+
+typedef enum {
+    CUPTI_ACTIVITY_MEMCPY_KIND_UNKNOWN = 0,
+    CUPTI_ACTIVITY_MEMCPY_KIND_HTOD = 1,
+    CUPTI_ACTIVITY_MEMCPY_KIND_DTOH = 2,
+    CUPTI_ACTIVITY_MEMCPY_KIND_DTOD = 8,
+    CUPTI_ACTIVITY_MEMCPY_KIND_HTOH = 9,
+    CUPTI_ACTIVITY_MEMCPY_KIND_FORCE_INT = 0x7fffffff
+} CUpti_ActivityMemcpyKind;
+
+typedef enum {
+    CUPTI_ACTIVITY_MEMORY_KIND_UNKNOWN = 0,
+    CUPTI_ACTIVITY_MEMORY_KIND_PAGEABLE = 1,
+    CUPTI_ACTIVITY_MEMORY_KIND_PINNED = 2,
+    CUPTI_ACTIVITY_MEMORY_KIND_DEVICE = 3,
+    CUPTI_ACTIVITY_MEMORY_KIND_FORCE_INT = 0x7fffffff
+} CUpti_ActivityMemoryKind;
+
+typedef enum {
+    CUPTI_ACTIVITY_MEMORY_OPERATION_TYPE_INVALID = 0,
+    CUPTI_ACTIVITY_MEMORY_OPERATION_TYPE_ALLOCATION = 1,
+    CUPTI_ACTIVITY_MEMORY_OPERATION_TYPE_RELEASE = 2,
+    CUPTI_ACTIVITY_MEMORY_OPERATION_TYPE_FORCE_INT = 0x7fffffff
+} CUpti_ActivityMemoryOperationType;
+
+typedef enum {
+    CUPTI_ACTIVITY_MEMORY_POOL_TYPE_INVALID = 0,
+    CUPTI_ACTIVITY_MEMORY_POOL_TYPE_FORCE_INT = 0x7fffffff
+} CUpti_ActivityMemoryPoolType;
+
+typedef enum {
+    CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_UNKNOWN = 0,
+    CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_NOT_SUPPORTED = 1,
+    CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_FORCE_INT = 0x7fffffff
+} CUpti_ActivityPartitionedGlobalCacheConfig;
+
+typedef enum {
+    CUPTI_FUNC_SHMEM_LIMIT_DEFAULT = 0,
+    CUPTI_FUNC_SHMEM_LIMIT_FORCE_INT = 0x7fffffff
+} CUpti_FuncShmemLimitConfig;
+
+typedef enum {
+    CUPTI_CHANNEL_TYPE_INVALID = 0,
+    CUPTI_CHANNEL_TYPE_COMPUTE = 1,
+    CUPTI_CHANNEL_TYPE_ASYNC_MEMCPY = 2,
+    CUPTI_CHANNEL_TYPE_FORCE_INT = 0x7fffffff
+} CUpti_ChannelType;
+
+typedef enum {
+    CUPTI_ACTIVITY_OVERHEAD_ACTIVITY_BUFFER_REQUEST = 7 << 16,
+    CUPTI_ACTIVITY_OVERHEAD_FORCE_INT = 0x7fffffff
+} CUpti_ActivityOverheadKind;
+
+typedef enum {
+    CUPTI_ACTIVITY_OBJECT_UNKNOWN = 0,
+    CUPTI_ACTIVITY_OBJECT_PROCESS = 1,
+    CUPTI_ACTIVITY_OBJECT_THREAD = 2,
+    CUPTI_ACTIVITY_OBJECT_FORCE_INT = 0x7fffffff
+} CUpti_ActivityObjectKind;
+
+typedef enum {
+    CUPTI_ACTIVITY_SYNCHRONIZATION_TYPE_UNKNOWN = 0,
+    CUPTI_ACTIVITY_SYNCHRONIZATION_TYPE_FORCE_INT = 0x7fffffff
+} CUpti_ActivitySynchronizationType;
+
+typedef enum {
+    CUPTI_ACTIVITY_COMPUTE_API_CUDA = 1,
+} CUpti_ActivityComputeApiKind;
+
+typedef enum {
+    CUPTI_CONTEXT_CIG_MODE_NONE = 0,
+    CUPTI_CONTEXT_CIG_MODE_FORCE_INT = 0x7fffffff
+} CUpti_ContextCigMode;
+
+typedef enum {
+    CUPTI_ACTIVITY_THREAD_ID_TYPE_DEFAULT = 0,
+    CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM = 1,
+    CUPTI_ACTIVITY_THREAD_ID_TYPE_SIZE = 2,
+    CUPTI_ACTIVITY_THREAD_ID_TYPE_FORCE_INT = 0x7fffffff
+} CUpti_ActivityThreadIdType;
+
+#define CUPTI_API_VERSION 26
+#define CUPTI_INVALID_CONTEXT_ID ((uint32_t)0xFFFFFFFFU)
+#define CUPTI_INVALID_STREAM_ID ((uint32_t)0xFFFFFFFFU)
+#define CUPTI_SYNCHRONIZATION_INVALID_VALUE ((uint32_t)0xFFFFFFFFU)
+
+typedef uint32_t CUpti_CallbackId;
+typedef struct CUctx_st *CUcontext;
+typedef struct { char bytes[16]; } CUuuid;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+} CUpti_Activity;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+    CUpti_CallbackId cbid;
+    uint64_t start;
+    uint64_t end;
+    uint32_t processId;
+    uint32_t threadId;
+    uint32_t correlationId;
+    uint32_t returnValue;
+} CUpti_ActivityAPI;
+
+typedef union {
+    uint8_t both;
+    struct {
+        uint8_t requested : 4;
+        uint8_t executed : 4;
+    } config;
+} CUpti_KernelCacheConfig;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+    CUpti_KernelCacheConfig cacheConfig;
+    uint8_t sharedMemoryConfig;
+    uint16_t registersPerThread;
+    CUpti_ActivityPartitionedGlobalCacheConfig partitionedGlobalCacheRequested;
+    CUpti_ActivityPartitionedGlobalCacheConfig partitionedGlobalCacheExecuted;
+    uint64_t start;
+    uint64_t end;
+    uint64_t completed;
+    uint32_t deviceId;
+    uint32_t contextId;
+    uint32_t streamId;
+    int32_t gridX;
+    int32_t gridY;
+    int32_t gridZ;
+    int32_t blockX;
+    int32_t blockY;
+    int32_t blockZ;
+    int32_t staticSharedMemory;
+    int32_t dynamicSharedMemory;
+    uint32_t localMemoryPerThread;
+    uint32_t localMemoryTotal;
+    uint32_t correlationId;
+    int64_t gridId;
+    const char *name;
+    void *reserved0;
+    uint64_t queued;
+    uint64_t submitted;
+    uint8_t launchType;
+    uint8_t isSharedMemoryCarveoutRequested;
+    uint8_t sharedMemoryCarveoutRequested;
+    uint8_t padding;
+    uint32_t sharedMemoryExecuted;
+    uint64_t graphNodeId;
+    CUpti_FuncShmemLimitConfig shmemLimitConfig;
+    uint32_t graphId;
+    void *pAccessPolicyWindow; /* CUaccessPolicyWindow * */
+    uint32_t channelID;
+    CUpti_ChannelType channelType;
+    uint32_t clusterX;
+    uint32_t clusterY;
+    uint32_t clusterZ;
+    uint32_t clusterSchedulingPolicy;
+    uint64_t localMemoryTotal_v2;
+    uint32_t maxPotentialClusterSize;
+    uint32_t maxActiveClusters;
+} CUpti_ActivityKernel9;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+    uint8_t copyKind;
+    uint8_t srcKind;
+    uint8_t dstKind;
+    uint8_t flags;
+    uint64_t bytes;
+    uint64_t start;
+    uint64_t end;
+    uint32_t deviceId;
+    uint32_t contextId;
+    uint32_t streamId;
+    uint32_t correlationId;
+    uint32_t runtimeCorrelationId;
+    uint32_t pad;
+    void *reserved0;
+    uint64_t graphNodeId;
+    uint32_t graphId;
+    uint32_t channelID;
+    CUpti_ChannelType channelType;
+    uint32_t pad2;
+    uint64_t copyCount;
+} CUpti_ActivityMemcpy6;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+    uint32_t value;
+    uint64_t bytes;
+    uint64_t start;
+    uint64_t end;
+    uint32_t deviceId;
+    uint32_t contextId;
+    uint32_t streamId;
+    uint32_t correlationId;
+    uint16_t flags;
+    uint16_t memoryKind;
+    uint32_t pad;
+    void *reserved0;
+    uint64_t graphNodeId;
+    uint32_t graphId;
+    uint32_t channelID;
+    CUpti_ChannelType channelType;
+    uint32_t pad2;
+} CUpti_ActivityMemset4;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+    CUpti_ActivityMemoryOperationType memoryOperationType;
+    CUpti_ActivityMemoryKind memoryKind;
+    uint32_t correlationId;
+    uint64_t address;
+    uint64_t bytes;
+    uint64_t timestamp;
+    uint64_t PC;
+    uint32_t processId;
+    uint32_t deviceId;
+    uint32_t contextId;
+    uint32_t streamId;
+    const char *name;
+    uint32_t isAsync;
+    uint32_t pad1;
+    struct PACKED_ALIGNMENT {
+        CUpti_ActivityMemoryPoolType memoryPoolType;
+        uint32_t pad2;
+        uint64_t address;
+        uint64_t releaseThreshold;
+        union {
+            uint64_t size;
+            uint64_t processId;
+        } pool;
+        uint64_t utilizedSize;
+    } memoryPoolConfig;
+    const char *source;
+} CUpti_ActivityMemory4;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+    CUpti_ActivityFlag flags;
+    uint64_t globalMemoryBandwidth;
+    uint64_t globalMemorySize;
+    uint32_t constantMemorySize;
+    uint32_t l2CacheSize;
+    uint32_t numThreadsPerWarp;
+    uint32_t coreClockRate;
+    uint32_t numMemcpyEngines;
+    uint32_t numMultiprocessors;
+    uint32_t maxIPC;
+    uint32_t maxWarpsPerMultiprocessor;
+    uint32_t maxBlocksPerMultiprocessor;
+    uint32_t maxSharedMemoryPerMultiprocessor;
+    uint32_t maxRegistersPerMultiprocessor;
+    uint32_t maxRegistersPerBlock;
+    uint32_t maxSharedMemoryPerBlock;
+    uint32_t maxThreadsPerBlock;
+    uint32_t maxBlockDimX;
+    uint32_t maxBlockDimY;
+    uint32_t maxBlockDimZ;
+    uint32_t maxGridDimX;
+    uint32_t maxGridDimY;
+    uint32_t maxGridDimZ;
+    uint32_t computeCapabilityMajor;
+    uint32_t computeCapabilityMinor;
+    uint32_t id;
+    uint32_t eccEnabled;
+    CUuuid uuid;
+    const char *name;
+    uint8_t isCudaVisible;
+    uint8_t isMigEnabled;
+    uint8_t reserved[6];
+    uint32_t gpuInstanceId;
+    uint32_t computeInstanceId;
+    CUuuid migUuid;
+    uint32_t isNumaNode;
+    uint32_t numaId;
+} CUpti_ActivityDevice5;
+
+typedef struct __attribute__((aligned(8))) {
+    CUpti_ActivityKind kind;
+    uint32_t contextId;
+    uint32_t deviceId;
+    uint16_t computeApiKind;
+    uint16_t nullStreamId;
+    uint32_t parentContextId;
+    uint8_t isGreenContext;
+    uint8_t padding;
+    uint16_t numMultiprocessors;
+    CUpti_ContextCigMode cigMode;
+    uint32_t padding2;
+} CUpti_ActivityContext3;
+
+typedef union {
+    struct { uint32_t processId; uint32_t threadId; } pt;
+    struct { uint32_t deviceId; uint32_t contextId; uint32_t streamId; } dcs;
+} CUpti_ActivityObjectKindId;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+    CUpti_ActivityOverheadKind overheadKind;
+    CUpti_ActivityObjectKind objectKind;
+    CUpti_ActivityObjectKindId objectId;
+    uint64_t start;
+    uint64_t end;
+    uint32_t correlationId;
+    uint32_t reserved0;
+    void *overheadData;
+} CUpti_ActivityOverhead3;
+
+typedef struct PACKED_ALIGNMENT {
+    CUpti_ActivityKind kind;
+    CUpti_ActivitySynchronizationType type;
+    uint64_t start;
+    uint64_t end;
+    uint32_t correlationId;
+    uint32_t contextId;
+    uint32_t streamId;
+    uint32_t cudaEventId;
+    uint64_t cudaEventSyncId;
+    uint32_t returnValue;
+    uint32_t pad;
+} CUpti_ActivitySynchronization2;
+
+typedef void (*CUpti_BuffersCallbackRequestFunc)(uint8_t **buffer, size_t *size, size_t *maxNumRecords);
+typedef void (*CUpti_BuffersCallbackCompleteFunc)(CUcontext context, uint32_t streamId, uint8_t *buffer,
+                                                  size_t size, size_t validSize);
+typedef struct CUpti_Subscriber_st *CUpti_SubscriberHandle;
+typedef void (*CUpti_CallbackFunc)(void *userdata, int domain, CUpti_CallbackId cbid, const void *cbdata);
+
+/* Offsets and sizes as cudarc 0.19 (`cuda-12080`) lays these records out. */
+#define AT(type, field, offset) _Static_assert(offsetof(type, field) == (offset), #type "." #field)
+#define SIZE(type, size) _Static_assert(sizeof(type) == (size), "sizeof " #type)
+SIZE(CUpti_Activity, 8);
+SIZE(CUpti_ActivityAPI, 40);
+AT(CUpti_ActivityAPI, start, 8); AT(CUpti_ActivityAPI, processId, 24);
+AT(CUpti_ActivityAPI, correlationId, 32); AT(CUpti_ActivityAPI, returnValue, 36);
+SIZE(CUpti_ActivityKernel9, 208);
+AT(CUpti_ActivityKernel9, registersPerThread, 6); AT(CUpti_ActivityKernel9, start, 16);
+AT(CUpti_ActivityKernel9, deviceId, 40); AT(CUpti_ActivityKernel9, streamId, 48);
+AT(CUpti_ActivityKernel9, gridX, 52); AT(CUpti_ActivityKernel9, blockX, 64);
+AT(CUpti_ActivityKernel9, staticSharedMemory, 76); AT(CUpti_ActivityKernel9, dynamicSharedMemory, 80);
+AT(CUpti_ActivityKernel9, correlationId, 92); AT(CUpti_ActivityKernel9, gridId, 96);
+AT(CUpti_ActivityKernel9, name, 104); AT(CUpti_ActivityKernel9, queued, 120);
+AT(CUpti_ActivityKernel9, launchType, 136); AT(CUpti_ActivityKernel9, sharedMemoryExecuted, 140);
+AT(CUpti_ActivityKernel9, graphNodeId, 144); AT(CUpti_ActivityKernel9, shmemLimitConfig, 152);
+AT(CUpti_ActivityKernel9, pAccessPolicyWindow, 160); AT(CUpti_ActivityKernel9, channelType, 172);
+AT(CUpti_ActivityKernel9, clusterX, 176); AT(CUpti_ActivityKernel9, localMemoryTotal_v2, 192);
+AT(CUpti_ActivityKernel9, maxActiveClusters, 204);
+SIZE(CUpti_ActivityMemcpy6, 96);
+AT(CUpti_ActivityMemcpy6, copyKind, 4); AT(CUpti_ActivityMemcpy6, flags, 7);
+AT(CUpti_ActivityMemcpy6, bytes, 8); AT(CUpti_ActivityMemcpy6, start, 16);
+AT(CUpti_ActivityMemcpy6, deviceId, 32); AT(CUpti_ActivityMemcpy6, correlationId, 44);
+AT(CUpti_ActivityMemcpy6, reserved0, 56); AT(CUpti_ActivityMemcpy6, channelType, 80);
+AT(CUpti_ActivityMemcpy6, copyCount, 88);
+SIZE(CUpti_ActivityMemset4, 88);
+AT(CUpti_ActivityMemset4, value, 4); AT(CUpti_ActivityMemset4, bytes, 8);
+AT(CUpti_ActivityMemset4, correlationId, 44); AT(CUpti_ActivityMemset4, flags, 48);
+AT(CUpti_ActivityMemset4, memoryKind, 50); AT(CUpti_ActivityMemset4, channelType, 80);
+SIZE(CUpti_ActivityMemory4, 128);
+AT(CUpti_ActivityMemory4, correlationId, 12); AT(CUpti_ActivityMemory4, address, 16);
+AT(CUpti_ActivityMemory4, timestamp, 32); AT(CUpti_ActivityMemory4, processId, 48);
+AT(CUpti_ActivityMemory4, streamId, 60); AT(CUpti_ActivityMemory4, name, 64);
+AT(CUpti_ActivityMemory4, isAsync, 72); AT(CUpti_ActivityMemory4, memoryPoolConfig, 80);
+AT(CUpti_ActivityMemory4, memoryPoolConfig.utilizedSize, 112); AT(CUpti_ActivityMemory4, source, 120);
+SIZE(CUpti_ActivityDevice5, 184);
+AT(CUpti_ActivityDevice5, globalMemoryBandwidth, 8); AT(CUpti_ActivityDevice5, coreClockRate, 36);
+AT(CUpti_ActivityDevice5, numMultiprocessors, 44); AT(CUpti_ActivityDevice5, computeCapabilityMajor, 104);
+AT(CUpti_ActivityDevice5, id, 112); AT(CUpti_ActivityDevice5, uuid, 120);
+AT(CUpti_ActivityDevice5, name, 136); AT(CUpti_ActivityDevice5, isCudaVisible, 144);
+AT(CUpti_ActivityDevice5, gpuInstanceId, 152); AT(CUpti_ActivityDevice5, migUuid, 160);
+AT(CUpti_ActivityDevice5, numaId, 180);
+SIZE(CUpti_ActivityContext3, 32);
+AT(CUpti_ActivityContext3, computeApiKind, 12); AT(CUpti_ActivityContext3, nullStreamId, 14);
+AT(CUpti_ActivityContext3, isGreenContext, 20); AT(CUpti_ActivityContext3, numMultiprocessors, 22);
+AT(CUpti_ActivityContext3, cigMode, 24);
+SIZE(CUpti_ActivityOverhead3, 56);
+AT(CUpti_ActivityOverhead3, objectId, 12); AT(CUpti_ActivityOverhead3, start, 24);
+AT(CUpti_ActivityOverhead3, correlationId, 40); AT(CUpti_ActivityOverhead3, overheadData, 48);
+SIZE(CUpti_ActivitySynchronization2, 56);
+AT(CUpti_ActivitySynchronization2, start, 8); AT(CUpti_ActivitySynchronization2, correlationId, 24);
+AT(CUpti_ActivitySynchronization2, cudaEventId, 36); AT(CUpti_ActivitySynchronization2, cudaEventSyncId, 40);
+AT(CUpti_ActivitySynchronization2, returnValue, 48);
+
+/* ---- state ----------------------------------------------------------------- */
+
+struct completed {
+    uint8_t *buffer;
+    size_t size, valid;
+    struct completed *next;
+};
+
+struct stream_tail { uint32_t stream_id; uint64_t tail; };
+
+static pthread_mutex_t lock;
+static pthread_cond_t work_ready = PTHREAD_COND_INITIALIZER; /* worker has something to do */
+static pthread_cond_t work_done = PTHREAD_COND_INITIALIZER;  /* a delivery finished */
+static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
+
+static uint8_t enabled[CUPTI_ACTIVITY_KIND_COUNT];
+static CUpti_BuffersCallbackRequestFunc request_cb;
+static CUpti_BuffersCallbackCompleteFunc complete_cb;
+
+static uint8_t *buffer;     /* the buffer being filled, or NULL */
+static size_t buffer_size, buffer_used, buffer_max_records, buffer_records;
+static uint64_t buffer_busy_until; /* latest end of device work in it */
+
+static struct completed *queue_head, *queue_tail;
+static int delivering;       /* buffers taken off the queue, not yet delivered */
+static int worker_started;
+static pthread_t worker;
+static uint32_t flush_period_ms;
+
+static size_t dropped;
+static long long pending_env_drops;
+static uint32_t next_correlation = 1;
+static int64_t next_grid_id = 1;
+static uint64_t next_event_sync_id = 1;
+static CUpti_ActivityThreadIdType thread_id_type = CUPTI_ACTIVITY_THREAD_ID_TYPE_DEFAULT;
+static struct stream_tail tails[64];
+static uint32_t contexts[64];
+static uint8_t context_reported[64];
+static size_t ncontexts;
+static int subscribed;
+static struct CUpti_Subscriber_st { int unused; } the_subscriber;
+
+static long long clock_offset_ns;
+static uint64_t kernel_ns = 5000, memcpy_ns = 2000, memset_ns = 1000;
+static char fail_spec[1024];
+static int driver_attached;
+
+/* ---- configuration ------------------------------------------------------------ */
+
+static long long env_or(const char *name, long long fallback) {
+    const char *value = getenv(name);
+    return value && *value ? atoll(value) : fallback;
+}
+
+static void setup(void) {
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
+    pthread_mutex_init(&lock, &attr);
+    pthread_mutexattr_destroy(&attr);
+    clock_offset_ns = env_or("DEVTRACE_STANDIN_GPU_CLOCK_OFFSET_NS", 0);
+    kernel_ns = (uint64_t)env_or("DEVTRACE_STANDIN_GPU_KERNEL_NS", 5000);
+    memcpy_ns = (uint64_t)env_or("DEVTRACE_STANDIN_GPU_MEMCPY_NS", 2000);
+    memset_ns = (uint64_t)env_or("DEVTRACE_STANDIN_GPU_MEMSET_NS", 1000);
+    pending_env_drops = env_or("DEVTRACE_STANDIN_CUPTI_DROP", 0);
+    const char *fail = getenv("DEVTRACE_STANDIN_CUPTI_FAIL");
+    if (fail) snprintf(fail_spec, sizeof fail_spec, "%s", fail);
+}
+
+/* The error configured for entry point `name`, or CUPTI_SUCCESS. */
+static CUptiResult injected(const char *name) {
+    size_t n = strlen(name);
+    for (const char *p = fail_spec; *p;) {
+        const char *end = strchr(p, ',');
+        size_t length = end ? (size_t)(end - p) : strlen(p);
+        if (length >= n && strncmp(p, name, n) == 0 && (length == n || p[n] == '='))
+            return length == n ? CUPTI_ERROR_NOT_INITIALIZED : (CUptiResult)atoi(p + n + 1);
+        if (!end) break;
+        p = end + 1;
+    }
+    return CUPTI_SUCCESS;
+}
+
+static uint64_t gpu_time(uint64_t realtime_ns) {
+    return (uint64_t)((long long)realtime_ns + clock_offset_ns);
+}
+
+static uint64_t gpu_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return gpu_time((uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec);
+}
+
+/* ---- buffers ------------------------------------------------------------------ */
+
+/* Queues the buffer being filled for delivery. Caller holds lock. */
+static void close_buffer(void) {
+    if (!buffer) return;
+    struct completed *c = calloc(1, sizeof *c);
+    if (!c) {
+        fprintf(stderr, "standin cupti: out of memory, buffer lost\n");
+    } else {
+        c->buffer = buffer;
+        c->size = buffer_size;
+        c->valid = buffer_used;
+        if (queue_tail) queue_tail->next = c; else queue_head = c;
+        queue_tail = c;
+        if (pending_env_drops > 0) {
+            dropped += (size_t)pending_env_drops;
+            pending_env_drops = 0;
+        }
+        pthread_cond_broadcast(&work_ready);
+    }
+    buffer = NULL;
+    buffer_size = buffer_used = buffer_records = buffer_max_records = 0;
+    buffer_busy_until = 0;
+}
+
+static void *raw_reserve(size_t size) {
+    uint8_t *p = buffer + buffer_used;
+    buffer_used += (size + 7) & ~(size_t)7;
+    buffer_records++;
+    memset(p, 0, size);
+    return p;
+}
+
+static uint32_t current_tid(const struct standin_call *call) {
+    return thread_id_type == CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM ? call->tid : (uint32_t)call->pthread_id;
+}
+
+/* Room for one record of `size` bytes, or NULL if it is dropped. Caller holds
+ * lock once; it is released while the client's bufferRequested runs. */
+static void *reserve(size_t size, const struct standin_call *call) {
+    if (!request_cb) {
+        dropped++;
+        return NULL;
+    }
+    if (buffer && (buffer_used + size > buffer_size ||
+                   (buffer_max_records && buffer_records >= buffer_max_records)))
+        close_buffer();
+    if (!buffer) {
+        /* The client's callback runs without the lock, so it may take its own
+         * locks, which another of its threads may hold while calling in here. */
+        CUpti_BuffersCallbackRequestFunc request = request_cb;
+        uint8_t *fresh = NULL;
+        size_t fresh_size = 0, max_records = 0;
+        uint64_t asked = gpu_now();
+        pthread_mutex_unlock(&lock);
+        request(&fresh, &fresh_size, &max_records);
+        pthread_mutex_lock(&lock);
+        uint64_t answered = gpu_now();
+        if (!fresh || fresh_size == 0) {
+            dropped++;
+            return NULL;
+        }
+        if (buffer) close_buffer(); /* another thread installed one meanwhile */
+        buffer = fresh;
+        buffer_size = fresh_size;
+        buffer_max_records = max_records;
+        if ((uintptr_t)fresh % 8 != 0) {
+            static int warned;
+            if (!warned++)
+                fprintf(stderr, "standin cupti: activity buffer %p is not 8-byte aligned, handed back unused\n",
+                        (void *)fresh);
+            close_buffer();
+            dropped++;
+            return NULL;
+        }
+        if (enabled[CUPTI_ACTIVITY_KIND_OVERHEAD] &&
+            sizeof(CUpti_ActivityOverhead3) + size <= buffer_size &&
+            (buffer_max_records == 0 || buffer_max_records > 1)) {
+            CUpti_ActivityOverhead3 *o = raw_reserve(sizeof *o);
+            o->kind = CUPTI_ACTIVITY_KIND_OVERHEAD;
+            o->overheadKind = CUPTI_ACTIVITY_OVERHEAD_ACTIVITY_BUFFER_REQUEST;
+            o->objectKind = CUPTI_ACTIVITY_OBJECT_THREAD;
+            o->objectId.pt.processId = call ? call->pid : 0;
+            o->objectId.pt.threadId = call ? current_tid(call) : 0;
+            o->start = asked;
+            o->end = answered;
+        }
+    }
+    if (buffer_used + size > buffer_size) {
+        close_buffer(); /* too small even when empty */
+        dropped++;
+        return NULL;
+    }
+    return raw_reserve(size);
+}
+
+/* ---- the worker thread ---------------------------------------------------------- */
+
+static int on_worker(void) {
+    return worker_started && pthread_equal(pthread_self(), worker);
+}
+
+/* Delivers one queued buffer. Caller holds lock (once); it is released around the callback. */
+static int deliver_one(void) {
+    struct completed *c = queue_head;
+    if (!c) return 0;
+    queue_head = c->next;
+    if (!queue_head) queue_tail = NULL;
+    CUpti_BuffersCallbackCompleteFunc cb = complete_cb;
+    delivering++;
+    pthread_mutex_unlock(&lock);
+    if (cb) cb(NULL, 0, c->buffer, c->size, c->valid);
+    pthread_mutex_lock(&lock);
+    delivering--;
+    free(c);
+    pthread_cond_broadcast(&work_done);
+    return 1;
+}
+
+static void flush_locked(int forced);
+
+static void *worker_main(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        if (!queue_head) {
+            if (flush_period_ms) {
+                struct timespec until;
+                clock_gettime(CLOCK_REALTIME, &until);
+                until.tv_sec += flush_period_ms / 1000;
+                until.tv_nsec += (long)(flush_period_ms % 1000) * 1000000L;
+                if (until.tv_nsec >= 1000000000L) {
+                    until.tv_sec++;
+                    until.tv_nsec -= 1000000000L;
+                }
+                if (pthread_cond_timedwait(&work_ready, &lock, &until) == ETIMEDOUT && buffer &&
+                    buffer_used && gpu_now() >= buffer_busy_until)
+                    close_buffer();
+            } else {
+                pthread_cond_wait(&work_ready, &lock);
+            }
+        }
+        while (deliver_one()) {
+        }
+    }
+    return NULL;
+}
+
+static void start_worker(void) {
+    if (worker_started) return;
+    if (pthread_create(&worker, NULL, worker_main, NULL) == 0) {
+        pthread_detach(worker);
+        worker_started = 1;
+    } else {
+        fprintf(stderr, "standin cupti: cannot start the delivery thread\n");
+    }
+}
+
+/* Hands back buffers and waits until the client has them. Caller holds lock. */
+static void flush_locked(int forced) {
+    if (buffer && (forced || (buffer_used && gpu_now() >= buffer_busy_until))) close_buffer();
+    if (on_worker() || !worker_started) {
+        while (deliver_one()) {
+        }
+        return;
+    }
+    pthread_cond_broadcast(&work_ready);
+    while (queue_head || delivering) pthread_cond_wait(&work_done, &lock);
+}
+
+/* ---- records ----------------------------------------------------------------------- */
+
+static uint64_t *tail_of(uint32_t stream_id) {
+    for (size_t i = 0; i < sizeof tails / sizeof tails[0]; i++) {
+        if (tails[i].stream_id == stream_id) return &tails[i].tail;
+        if (tails[i].stream_id == 0) {
+            tails[i].stream_id = stream_id;
+            return &tails[i].tail;
+        }
+    }
+    return &tails[0].tail; /* more streams than slots: share one */
+}
+
+/* [start, end) of device work of `duration` ns issued by `call`. */
+static void device_interval(const struct standin_call *call, uint64_t duration, uint64_t *start, uint64_t *end) {
+    uint64_t *tail = tail_of(call->stream_id);
+    uint64_t s = gpu_time(call->start_ns);
+    if (*tail > s) s = *tail;
+    *start = s;
+    *end = s + duration;
+    *tail = *end;
+    if (*end > buffer_busy_until) buffer_busy_until = *end;
+}
+
+static void write_context(uint32_t context_id, const struct standin_call *call) {
+    CUpti_ActivityContext3 *r = reserve(sizeof *r, call);
+    if (!r) return;
+    r->kind = CUPTI_ACTIVITY_KIND_CONTEXT;
+    r->contextId = context_id;
+    r->deviceId = 0;
+    r->computeApiKind = CUPTI_ACTIVITY_COMPUTE_API_CUDA;
+    r->nullStreamId = STANDIN_DEFAULT_STREAM_ID;
+    r->numMultiprocessors = 132;
+    r->cigMode = CUPTI_CONTEXT_CIG_MODE_NONE;
+}
+
+static void write_device(void) {
+    CUpti_ActivityDevice5 *r = reserve(sizeof *r, NULL);
+    if (!r) return;
+    static const char uuid[16] = {0x5e, 0x7a, 0x4d, 0x1b, 0x00, 0x00, 0x40, 0x00,
+                                  0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01};
+    r->kind = CUPTI_ACTIVITY_KIND_DEVICE;
+    r->flags = CUPTI_ACTIVITY_FLAG_DEVICE_CONCURRENT_KERNELS;
+    r->globalMemoryBandwidth = 3352320000ULL; /* kB/s */
+    r->globalMemorySize = 80ULL << 30;
+    r->constantMemorySize = 65536;
+    r->l2CacheSize = 50u << 20;
+    r->numThreadsPerWarp = 32;
+    r->coreClockRate = 1980000; /* kHz */
+    r->numMemcpyEngines = 5;
+    r->numMultiprocessors = 132;
+    r->maxIPC = 4;
+    r->maxWarpsPerMultiprocessor = 64;
+    r->maxBlocksPerMultiprocessor = 32;
+    r->maxSharedMemoryPerMultiprocessor = 233472;
+    r->maxRegistersPerMultiprocessor = 65536;
+    r->maxRegistersPerBlock = 65536;
+    r->maxSharedMemoryPerBlock = 49152;
+    r->maxThreadsPerBlock = 1024;
+    r->maxBlockDimX = 1024;
+    r->maxBlockDimY = 1024;
+    r->maxBlockDimZ = 64;
+    r->maxGridDimX = 2147483647;
+    r->maxGridDimY = 65535;
+    r->maxGridDimZ = 65535;
+    r->computeCapabilityMajor = 9;
+    r->computeCapabilityMinor = 0;
+    r->id = 0;
+    r->eccEnabled = 1;
+    memcpy(r->uuid.bytes, uuid, sizeof uuid);
+    r->name = "Standin GPU";
+    r->isCudaVisible = 1;
+    r->isMigEnabled = 0;
+    r->gpuInstanceId = 0xFFFFFFFFu;
+    r->computeInstanceId = 0xFFFFFFFFu;
+    r->isNumaNode = 0;
+    r->numaId = 0xFFFFFFFFu;
+}
+
+static int kernel_kind(void) {
+    if (enabled[CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL]) return CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
+    if (enabled[CUPTI_ACTIVITY_KIND_KERNEL]) return CUPTI_ACTIVITY_KIND_KERNEL;
+    return 0;
+}
+
+static uint8_t host_or_device(int device) {
+    return device ? CUPTI_ACTIVITY_MEMORY_KIND_DEVICE : CUPTI_ACTIVITY_MEMORY_KIND_PAGEABLE;
+}
+
+/* Driver API names by cbid, learned from the calls the stand-in driver
+ * reports, for cuptiGetCallbackName. */
+static struct {
+    uint32_t cbid;
+    const char *name;
+} callback_names[128];
+static size_t ncallback_names;
+
+static void learn_callback_name(uint32_t cbid, const char *name) {
+    for (size_t i = 0; i < ncallback_names; i++)
+        if (callback_names[i].cbid == cbid) return;
+    if (name && ncallback_names < sizeof callback_names / sizeof callback_names[0]) {
+        callback_names[ncallback_names].cbid = cbid;
+        callback_names[ncallback_names].name = name;
+        ncallback_names++;
+    }
+}
+
+/* The handler libcuda calls after each driver call. */
+CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
+    if (!call || call->version != STANDIN_CALL_VERSION) return;
+    pthread_once(&setup_once, setup);
+    pthread_mutex_lock(&lock);
+    learn_callback_name(call->cbid, call->api_name);
+    uint32_t correlation = next_correlation++;
+
+    if (call->kind == STANDIN_CALL_CTX_CREATE && call->result == 0 &&
+        ncontexts < sizeof contexts / sizeof contexts[0]) {
+        contexts[ncontexts] = call->context_id;
+        context_reported[ncontexts] = enabled[CUPTI_ACTIVITY_KIND_CONTEXT];
+        ncontexts++;
+        if (enabled[CUPTI_ACTIVITY_KIND_CONTEXT]) write_context(call->context_id, call);
+    }
+
+    if (enabled[CUPTI_ACTIVITY_KIND_DRIVER]) {
+        CUpti_ActivityAPI *r = reserve(sizeof *r, call);
+        if (r) {
+            r->kind = CUPTI_ACTIVITY_KIND_DRIVER;
+            r->cbid = call->cbid;
+            r->start = gpu_time(call->start_ns);
+            r->end = gpu_time(call->end_ns);
+            r->processId = call->pid;
+            r->threadId = current_tid(call);
+            r->correlationId = correlation;
+            r->returnValue = (uint32_t)call->result;
+        }
+    }
+
+    if (call->result != 0) {
+        pthread_mutex_unlock(&lock);
+        return;
+    }
+
+    switch (call->kind) {
+    case STANDIN_CALL_KERNEL: {
+        int kind = kernel_kind();
+        if (!kind) break;
+        CUpti_ActivityKernel9 *r = reserve(sizeof *r, call);
+        if (!r) break;
+        r->kind = (CUpti_ActivityKind)kind;
+        r->cacheConfig.config.requested = 0;
+        r->cacheConfig.config.executed = 0;
+        r->registersPerThread = call->registers;
+        r->partitionedGlobalCacheRequested = CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_NOT_SUPPORTED;
+        r->partitionedGlobalCacheExecuted = CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_NOT_SUPPORTED;
+        device_interval(call, kernel_ns, &r->start, &r->end);
+        r->completed = r->end;
+        r->deviceId = call->device_id;
+        r->contextId = call->context_id;
+        r->streamId = call->stream_id;
+        r->gridX = (int32_t)call->grid[0];
+        r->gridY = (int32_t)call->grid[1];
+        r->gridZ = (int32_t)call->grid[2];
+        r->blockX = (int32_t)call->block[0];
+        r->blockY = (int32_t)call->block[1];
+        r->blockZ = (int32_t)call->block[2];
+        r->staticSharedMemory = (int32_t)call->static_shared;
+        r->dynamicSharedMemory = (int32_t)call->dynamic_shared;
+        r->correlationId = correlation;
+        r->gridId = next_grid_id++;
+        r->name = call->kernel_name;
+        r->sharedMemoryExecuted = call->static_shared + call->dynamic_shared;
+        r->shmemLimitConfig = CUPTI_FUNC_SHMEM_LIMIT_DEFAULT;
+        r->channelID = 1;
+        r->channelType = CUPTI_CHANNEL_TYPE_COMPUTE;
+        r->clusterX = call->cluster[0];
+        r->clusterY = call->cluster[1];
+        r->clusterZ = call->cluster[2];
+        break;
+    }
+    case STANDIN_CALL_MEMCPY: {
+        if (!enabled[CUPTI_ACTIVITY_KIND_MEMCPY]) break;
+        CUpti_ActivityMemcpy6 *r = reserve(sizeof *r, call);
+        if (!r) break;
+        uint32_t k = call->copy_kind;
+        r->kind = CUPTI_ACTIVITY_KIND_MEMCPY;
+        r->copyKind = (uint8_t)k;
+        r->srcKind = host_or_device(k == CUPTI_ACTIVITY_MEMCPY_KIND_DTOH || k == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD);
+        r->dstKind = host_or_device(k == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD || k == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD);
+        r->flags = call->is_async ? CUPTI_ACTIVITY_FLAG_MEMCPY_ASYNC : 0;
+        r->bytes = call->bytes;
+        device_interval(call, memcpy_ns, &r->start, &r->end);
+        r->deviceId = call->device_id;
+        r->contextId = call->context_id;
+        r->streamId = call->stream_id;
+        r->correlationId = correlation;
+        r->channelID = 2;
+        r->channelType = CUPTI_CHANNEL_TYPE_ASYNC_MEMCPY;
+        r->copyCount = 1;
+        break;
+    }
+    case STANDIN_CALL_MEMSET: {
+        if (!enabled[CUPTI_ACTIVITY_KIND_MEMSET]) break;
+        CUpti_ActivityMemset4 *r = reserve(sizeof *r, call);
+        if (!r) break;
+        r->kind = CUPTI_ACTIVITY_KIND_MEMSET;
+        r->value = call->memset_value;
+        r->bytes = call->bytes;
+        device_interval(call, memset_ns, &r->start, &r->end);
+        r->deviceId = call->device_id;
+        r->contextId = call->context_id;
+        r->streamId = call->stream_id;
+        r->correlationId = correlation;
+        r->flags = call->is_async ? CUPTI_ACTIVITY_FLAG_MEMSET_ASYNC : 0;
+        r->memoryKind = CUPTI_ACTIVITY_MEMORY_KIND_DEVICE;
+        r->channelID = 1;
+        r->channelType = CUPTI_CHANNEL_TYPE_COMPUTE;
+        break;
+    }
+    case STANDIN_CALL_ALLOC:
+    case STANDIN_CALL_FREE: {
+        if (!enabled[CUPTI_ACTIVITY_KIND_MEMORY2]) break;
+        CUpti_ActivityMemory4 *r = reserve(sizeof *r, call);
+        if (!r) break;
+        r->kind = CUPTI_ACTIVITY_KIND_MEMORY2;
+        r->memoryOperationType = call->kind == STANDIN_CALL_ALLOC ? CUPTI_ACTIVITY_MEMORY_OPERATION_TYPE_ALLOCATION
+                                                                  : CUPTI_ACTIVITY_MEMORY_OPERATION_TYPE_RELEASE;
+        r->memoryKind = CUPTI_ACTIVITY_MEMORY_KIND_DEVICE;
+        r->correlationId = correlation;
+        r->address = call->device_ptr;
+        r->bytes = call->bytes;
+        r->timestamp = gpu_time(call->start_ns);
+        r->processId = call->pid;
+        r->deviceId = call->device_id;
+        r->contextId = call->context_id;
+        r->streamId = CUPTI_INVALID_STREAM_ID;
+        r->memoryPoolConfig.memoryPoolType = CUPTI_ACTIVITY_MEMORY_POOL_TYPE_INVALID;
+        break;
+    }
+    case STANDIN_CALL_SYNC: {
+        if (!enabled[CUPTI_ACTIVITY_KIND_SYNCHRONIZATION]) break;
+        CUpti_ActivitySynchronization2 *r = reserve(sizeof *r, call);
+        if (!r) break;
+        r->kind = CUPTI_ACTIVITY_KIND_SYNCHRONIZATION;
+        r->type = (CUpti_ActivitySynchronizationType)call->sync_type;
+        r->start = gpu_time(call->start_ns);
+        r->end = gpu_time(call->end_ns);
+        r->correlationId = correlation;
+        r->contextId = call->context_id;
+        r->streamId = call->sync_type == 3 ? call->stream_id : CUPTI_INVALID_STREAM_ID;
+        r->cudaEventId = call->sync_type == 1 ? call->event_id : CUPTI_SYNCHRONIZATION_INVALID_VALUE;
+        r->cudaEventSyncId = call->sync_type == 1 ? next_event_sync_id++ : CUPTI_SYNCHRONIZATION_INVALID_VALUE;
+        r->returnValue = (uint32_t)call->result;
+        break;
+    }
+    default:
+        break;
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* ---- attaching to the driver stand-in ---------------------------------------------- */
+
+static void attach_driver(void) {
+    if (__atomic_load_n(&driver_attached, __ATOMIC_ACQUIRE)) return;
+    void (*set_hook)(devtrace_standin_hook) =
+        (void (*)(devtrace_standin_hook))dlsym(RTLD_DEFAULT, "devtrace_standin_cuda_set_hook");
+    if (!set_hook) {
+        void *driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+        if (!driver) driver = dlopen("libcuda.so", RTLD_LAZY | RTLD_NOLOAD);
+        if (driver) {
+            set_hook = (void (*)(devtrace_standin_hook))dlsym(driver, "devtrace_standin_cuda_set_hook");
+            dlclose(driver);
+        }
+    }
+    if (set_hook) {
+        set_hook(devtrace_standin_cupti_on_call);
+        __atomic_store_n(&driver_attached, 1, __ATOMIC_RELEASE);
+    }
+}
+
+__attribute__((constructor)) static void on_load(void) {
+    pthread_once(&setup_once, setup);
+    attach_driver();
+}
+
+/* Common prologue of every entry point. */
+#define ENTER(name)                                      \
+    do {                                                 \
+        pthread_once(&setup_once, setup);                \
+        attach_driver();                                 \
+        CUptiResult failure_ = injected(name);           \
+        if (failure_ != CUPTI_SUCCESS) return failure_;  \
+    } while (0)
+
+/* ---- the Activity API ------------------------------------------------------------- */
+
+CUPTIAPI CUptiResult cuptiGetVersion(uint32_t *version) {
+    ENTER("cuptiGetVersion");
+    if (!version) return CUPTI_ERROR_INVALID_PARAMETER;
+    *version = CUPTI_API_VERSION;
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiGetTimestamp(uint64_t *timestamp) {
+    ENTER("cuptiGetTimestamp");
+    if (!timestamp) return CUPTI_ERROR_INVALID_PARAMETER;
+    *timestamp = gpu_now();
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiActivityRegisterCallbacks(CUpti_BuffersCallbackRequestFunc funcBufferRequested,
+                                                    CUpti_BuffersCallbackCompleteFunc funcBufferCompleted) {
+    ENTER("cuptiActivityRegisterCallbacks");
+    if (!funcBufferRequested || !funcBufferCompleted) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    request_cb = funcBufferRequested;
+    complete_cb = funcBufferCompleted;
+    start_worker();
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiActivityEnable(CUpti_ActivityKind kind) {
+    ENTER("cuptiActivityEnable");
+    if (kind <= CUPTI_ACTIVITY_KIND_INVALID || kind >= CUPTI_ACTIVITY_KIND_COUNT) return CUPTI_ERROR_INVALID_KIND;
+    pthread_mutex_lock(&lock);
+    int was = enabled[kind];
+    enabled[kind] = 1;
+    if (!was && kind == CUPTI_ACTIVITY_KIND_DEVICE) write_device();
+    if (kind == CUPTI_ACTIVITY_KIND_CONTEXT) {
+        for (size_t i = 0; i < ncontexts; i++) {
+            if (!context_reported[i]) {
+                write_context(contexts[i], NULL);
+                context_reported[i] = 1;
+            }
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiActivityDisable(CUpti_ActivityKind kind) {
+    ENTER("cuptiActivityDisable");
+    if (kind <= CUPTI_ACTIVITY_KIND_INVALID || kind >= CUPTI_ACTIVITY_KIND_COUNT) return CUPTI_ERROR_INVALID_KIND;
+    pthread_mutex_lock(&lock);
+    enabled[kind] = 0;
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiActivityFlushAll(uint32_t flag) {
+    ENTER("cuptiActivityFlushAll");
+    pthread_mutex_lock(&lock);
+    if (!request_cb) {
+        pthread_mutex_unlock(&lock);
+        return CUPTI_ERROR_INVALID_OPERATION;
+    }
+    flush_locked((flag & CUPTI_ACTIVITY_FLAG_FLUSH_FORCED) != 0);
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+/* Deprecated: context and stream are ignored, as in the real library. */
+CUPTIAPI CUptiResult cuptiActivityFlush(CUcontext context, uint32_t streamId, uint32_t flag) {
+    (void)context;
+    (void)streamId;
+    ENTER("cuptiActivityFlush");
+    pthread_mutex_lock(&lock);
+    if (!request_cb) {
+        pthread_mutex_unlock(&lock);
+        return CUPTI_ERROR_INVALID_OPERATION;
+    }
+    flush_locked((flag & CUPTI_ACTIVITY_FLAG_FLUSH_FORCED) != 0);
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiActivityFlushPeriod(uint32_t time) {
+    ENTER("cuptiActivityFlushPeriod");
+    pthread_mutex_lock(&lock);
+    flush_period_ms = time;
+    pthread_cond_broadcast(&work_ready);
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+static size_t record_size(uint32_t kind) {
+    switch (kind) {
+    case CUPTI_ACTIVITY_KIND_DRIVER:
+    case CUPTI_ACTIVITY_KIND_RUNTIME:
+    case CUPTI_ACTIVITY_KIND_INTERNAL_LAUNCH_API: return sizeof(CUpti_ActivityAPI);
+    case CUPTI_ACTIVITY_KIND_KERNEL:
+    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: return sizeof(CUpti_ActivityKernel9);
+    case CUPTI_ACTIVITY_KIND_MEMCPY: return sizeof(CUpti_ActivityMemcpy6);
+    case CUPTI_ACTIVITY_KIND_MEMSET: return sizeof(CUpti_ActivityMemset4);
+    case CUPTI_ACTIVITY_KIND_MEMORY2: return sizeof(CUpti_ActivityMemory4);
+    case CUPTI_ACTIVITY_KIND_DEVICE: return sizeof(CUpti_ActivityDevice5);
+    case CUPTI_ACTIVITY_KIND_CONTEXT: return sizeof(CUpti_ActivityContext3);
+    case CUPTI_ACTIVITY_KIND_OVERHEAD: return sizeof(CUpti_ActivityOverhead3);
+    case CUPTI_ACTIVITY_KIND_SYNCHRONIZATION: return sizeof(CUpti_ActivitySynchronization2);
+    default: return 0;
+    }
+}
+
+CUPTIAPI CUptiResult cuptiActivityGetNextRecord(uint8_t *buffer_, size_t validBufferSizeBytes,
+                                                CUpti_Activity **record) {
+    ENTER("cuptiActivityGetNextRecord");
+    if (!buffer_ || !record) return CUPTI_ERROR_INVALID_PARAMETER;
+    size_t offset = 0;
+    if (*record) {
+        size_t previous = record_size((*record)->kind);
+        if (!previous) return CUPTI_ERROR_INVALID_KIND;
+        offset = (size_t)((uint8_t *)*record - buffer_) + previous;
+    }
+    if (offset + sizeof(CUpti_ActivityKind) > validBufferSizeBytes) return CUPTI_ERROR_MAX_LIMIT_REACHED;
+    CUpti_Activity *next = (CUpti_Activity *)(buffer_ + offset);
+    size_t size = record_size(next->kind);
+    if (!size) return CUPTI_ERROR_INVALID_KIND;
+    if (offset + size > validBufferSizeBytes) return CUPTI_ERROR_MAX_LIMIT_REACHED;
+    *record = next;
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiActivityGetNumDroppedRecords(CUcontext context, uint32_t streamId, size_t *count) {
+    (void)context;
+    (void)streamId;
+    ENTER("cuptiActivityGetNumDroppedRecords");
+    if (!count) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    *count = dropped;
+    dropped = 0;
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiSetThreadIdType(CUpti_ActivityThreadIdType type) {
+    ENTER("cuptiSetThreadIdType");
+    if (type != CUPTI_ACTIVITY_THREAD_ID_TYPE_DEFAULT && type != CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM)
+        return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    thread_id_type = type;
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiGetThreadIdType(CUpti_ActivityThreadIdType *type) {
+    ENTER("cuptiGetThreadIdType");
+    if (!type) return CUPTI_ERROR_INVALID_PARAMETER;
+    *type = thread_id_type;
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_CallbackFunc callback, void *userdata) {
+    (void)callback;
+    (void)userdata;
+    ENTER("cuptiSubscribe");
+    if (!subscriber) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    if (subscribed) {
+        pthread_mutex_unlock(&lock);
+        return CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED;
+    }
+    subscribed = 1;
+    pthread_mutex_unlock(&lock);
+    *subscriber = &the_subscriber;
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiUnsubscribe(CUpti_SubscriberHandle subscriber) {
+    ENTER("cuptiUnsubscribe");
+    if (subscriber != &the_subscriber) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    subscribed = 0;
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiFinalize(void) {
+    ENTER("cuptiFinalize");
+    pthread_mutex_lock(&lock);
+    if (request_cb) flush_locked(1);
+    memset(enabled, 0, sizeof enabled);
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+/* Domain 1 is CUPTI_CB_DOMAIN_DRIVER_API; names are known once a call with
+ * that cbid was made, as the real library knows them all. */
+CUPTIAPI CUptiResult cuptiGetCallbackName(int domain, CUpti_CallbackId cbid, const char **name) {
+    ENTER("cuptiGetCallbackName");
+    if (!name) return CUPTI_ERROR_INVALID_PARAMETER;
+    if (domain != 1) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    const char *found = NULL;
+    for (size_t i = 0; i < ncallback_names; i++)
+        if (callback_names[i].cbid == cbid) found = callback_names[i].name;
+    pthread_mutex_unlock(&lock);
+    if (!found) return CUPTI_ERROR_INVALID_PARAMETER;
+    *name = found;
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiGetResultString(CUptiResult result, const char **str) {
+    ENTER("cuptiGetResultString");
+    if (!str) return CUPTI_ERROR_INVALID_PARAMETER;
+    const char *text;
+#define NAME(code) case code: text = #code; break
+    switch (result) {
+        NAME(CUPTI_SUCCESS);
+        NAME(CUPTI_ERROR_INVALID_PARAMETER);
+        NAME(CUPTI_ERROR_INVALID_DEVICE);
+        NAME(CUPTI_ERROR_INVALID_CONTEXT);
+        NAME(CUPTI_ERROR_INVALID_EVENT_DOMAIN_ID);
+        NAME(CUPTI_ERROR_INVALID_EVENT_ID);
+        NAME(CUPTI_ERROR_INVALID_EVENT_NAME);
+        NAME(CUPTI_ERROR_INVALID_OPERATION);
+        NAME(CUPTI_ERROR_OUT_OF_MEMORY);
+        NAME(CUPTI_ERROR_HARDWARE);
+        NAME(CUPTI_ERROR_PARAMETER_SIZE_NOT_SUFFICIENT);
+        NAME(CUPTI_ERROR_API_NOT_IMPLEMENTED);
+        NAME(CUPTI_ERROR_MAX_LIMIT_REACHED);
+        NAME(CUPTI_ERROR_NOT_READY);
+        NAME(CUPTI_ERROR_NOT_COMPATIBLE);
+        NAME(CUPTI_ERROR_NOT_INITIALIZED);
+        NAME(CUPTI_ERROR_INVALID_METRIC_ID);
+        NAME(CUPTI_ERROR_INVALID_METRIC_NAME);
+        NAME(CUPTI_ERROR_QUEUE_EMPTY);
+        NAME(CUPTI_ERROR_INVALID_HANDLE);
+        NAME(CUPTI_ERROR_INVALID_STREAM);
+        NAME(CUPTI_ERROR_INVALID_KIND);
+        NAME(CUPTI_ERROR_INVALID_EVENT_VALUE);
+        NAME(CUPTI_ERROR_DISABLED);
+        NAME(CUPTI_ERROR_INVALID_MODULE);
+        NAME(CUPTI_ERROR_INVALID_METRIC_VALUE);
+        NAME(CUPTI_ERROR_HARDWARE_BUSY);
+        NAME(CUPTI_ERROR_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_UM_PROFILING_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_UM_PROFILING_NOT_SUPPORTED_ON_DEVICE);
+        NAME(CUPTI_ERROR_UM_PROFILING_NOT_SUPPORTED_ON_NON_P2P_DEVICES);
+        NAME(CUPTI_ERROR_UM_PROFILING_NOT_SUPPORTED_WITH_MPS);
+        NAME(CUPTI_ERROR_CDP_TRACING_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_VIRTUALIZED_DEVICE_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_CUDA_COMPILER_NOT_COMPATIBLE);
+        NAME(CUPTI_ERROR_INSUFFICIENT_PRIVILEGES);
+        NAME(CUPTI_ERROR_OLD_PROFILER_API_INITIALIZED);
+        NAME(CUPTI_ERROR_OPENACC_UNDEFINED_ROUTINE);
+        NAME(CUPTI_ERROR_LEGACY_PROFILER_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_VIRTUALIZED_DEVICE_INSUFFICIENT_PRIVILEGES);
+        NAME(CUPTI_ERROR_CONFIDENTIAL_COMPUTING_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_CMP_DEVICE_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_MIG_DEVICE_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_SLI_DEVICE_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_WSL_DEVICE_NOT_SUPPORTED);
+        NAME(CUPTI_ERROR_UNKNOWN);
+    default:
+        return CUPTI_ERROR_INVALID_PARAMETER;
+    }
+#undef NAME
+    *str = text;
+    return CUPTI_SUCCESS;
+}
