@@ -460,3 +460,85 @@ fn without_libcupti_the_workload_runs_untraced_with_one_message() {
     assert_eq!(lines.len(), 1, "{stderr}");
     assert!(lines[0].contains("libcupti was not found"), "{}", lines[0]);
 }
+
+/// The real CUDA driver, as the dynamic loader knows it.
+fn real_driver() -> Option<PathBuf> {
+    let listing = std::process::Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&listing.stdout)
+        .lines()
+        .find(|l| l.trim_start().starts_with("libcuda.so.1 ") && l.contains("x86-64"))
+        .and_then(|l| l.split("=> ").nth(1))
+        .map(|p| PathBuf::from(p.trim()))
+}
+
+/// A directory holding the real libcupti: `DEVTRACE_CUPTI_DIR`, the CUDA
+/// toolkit's, or the `nvidia-cuda-cupti-cu12` wheel's.
+fn real_cupti_dir() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = std::env::var_os("DEVTRACE_CUPTI_DIR")
+        .map(PathBuf::from)
+        .into_iter()
+        .collect();
+    candidates.push("/usr/local/cuda/extras/CUPTI/lib64".into());
+    candidates.push("/usr/local/cuda/lib64".into());
+    if let Ok(out) = std::process::Command::new("python3")
+        .args(["-c", "import nvidia.cuda_cupti, os; print(os.path.join(list(nvidia.cuda_cupti.__path__)[0], 'lib'))"])
+        .output()
+    {
+        candidates.push(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+    }
+    candidates
+        .into_iter()
+        .find(|dir| dir.join("libcupti.so.12").exists() || dir.join("libcupti.so").exists())
+}
+
+/// On a machine with an NVIDIA GPU: the same program with real PTX, the
+/// real driver and the real libcupti; real kernels arrive.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs an NVIDIA GPU, its driver and libcupti (DEVTRACE_CUPTI_DIR)"]
+async fn real_kernels_arrive_from_a_real_gpu() {
+    let driver = real_driver().expect("no libcuda.so.1 known to ldconfig");
+    let cupti = real_cupti_dir().expect("no libcupti found; set DEVTRACE_CUPTI_DIR");
+    let program = common::build_program(
+        "cuda_workload.c",
+        "cuda_real",
+        &["-pthread", driver.to_str().unwrap()],
+    );
+    let runtime = tempfile::tempdir().unwrap();
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "cuda",
+        "--runtime-dir",
+        runtime.path().to_str().unwrap(),
+    ]);
+    let release = runtime.path().join("go");
+    let inject = inject_library();
+    let workload = CudaWorkload::start(
+        &program,
+        &["20", "--wait-file", release.to_str().unwrap(), "--real-ptx"],
+        &[
+            ("LD_LIBRARY_PATH", cupti.to_str().unwrap()),
+            ("CUDA_INJECTION64_PATH", inject.to_str().unwrap()),
+            ("DEVTRACE_RUNTIME_DIR", runtime.path().to_str().unwrap()),
+        ],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 3000, &release).await;
+    let calls = calls_until_done(&workload);
+    assert!(
+        calls.iter().all(|c| c.fields["rc"] == "0"),
+        "a driver call failed: {calls:?}"
+    );
+    let gpu = timed(&space, "/device:GPU:0");
+    for name in ["vector_add", "matmul_tiled"] {
+        let kernels: Vec<_> = gpu.iter().filter(|(e, _)| e.name == name).collect();
+        assert_eq!(kernels.len(), 20, "{name}: {:?}", space.warnings);
+        assert!(kernels.iter().all(|(e, _)| e.duration_ps > 0));
+    }
+    let name = plane_stat(&space, "/device:GPU:0", "gpu_device_name");
+    eprintln!("real GPU: {name:?}; warnings: {:?}", space.warnings);
+    assert!(matches!(name, Some(StatValue::Str(n)) if !n.is_empty()));
+}

@@ -11,6 +11,7 @@
  *   --threads N            run the iterations in N threads at once (default 1: the main thread)
  *   --extras               also memset, DtoD, HtoDAsync, event record/sync and context sync
  *   --cleanup              destroy streams, events and the context at the end
+ *   --real-ptx             load real PTX (for the real driver on a GPU) instead of the stand-in's image
  *
  * Setup: cuInit, cuDeviceGet, cuCtxCreate_v2, cuModuleLoadData,
  * cuModuleGetFunction("vector_add"), cuModuleGetFunction("matmul_tiled"),
@@ -113,8 +114,33 @@ static const char module_image[] =
     "kernel vector_add regs=32 static_smem=0\n"
     "kernel matmul_tiled regs=64 static_smem=8192\n";
 
+/* The same two kernels as real PTX, for a real driver and GPU (with
+ * --real-ptx): out[i] = a[i] + b[i] for i < n, over the x dimension. */
+#define PTX_KERNEL(NAME)                                             \
+    ".visible .entry " NAME "(.param .u64 a, .param .u64 b,\n"        \
+    "    .param .u64 c, .param .u32 n)\n"                             \
+    "{\n"                                                            \
+    "  .reg .pred %p;\n  .reg .b32 %r<6>;\n  .reg .f32 %f<4>;\n"       \
+    "  .reg .b64 %rd<10>;\n"                                          \
+    "  ld.param.u64 %rd1, [a];\n  ld.param.u64 %rd2, [b];\n"          \
+    "  ld.param.u64 %rd3, [c];\n  ld.param.u32 %r1, [n];\n"           \
+    "  mov.u32 %r2, %ctaid.x;\n  mov.u32 %r3, %ntid.x;\n"             \
+    "  mov.u32 %r4, %tid.x;\n  mad.lo.s32 %r5, %r2, %r3, %r4;\n"      \
+    "  setp.ge.u32 %p, %r5, %r1;\n  @%p bra DONE;\n"                  \
+    "  cvta.to.global.u64 %rd4, %rd1;\n"                              \
+    "  cvta.to.global.u64 %rd5, %rd2;\n"                              \
+    "  cvta.to.global.u64 %rd6, %rd3;\n"                              \
+    "  mul.wide.u32 %rd7, %r5, 4;\n  add.s64 %rd8, %rd4, %rd7;\n"     \
+    "  ld.global.f32 %f1, [%rd8];\n  add.s64 %rd8, %rd5, %rd7;\n"     \
+    "  ld.global.f32 %f2, [%rd8];\n  add.f32 %f3, %f1, %f2;\n"        \
+    "  add.s64 %rd9, %rd6, %rd7;\n  st.global.f32 [%rd9], %f3;\n"     \
+    "DONE:\n  ret;\n}\n"
+
+static const char real_ptx[] =
+    ".version 7.0\n.target sm_52\n.address_size 64\n" PTX_KERNEL("vector_add") PTX_KERNEL("matmul_tiled");
+
 static struct {
-    int iterations, threads, sleep_ms, extras, cleanup;
+    int iterations, threads, sleep_ms, extras, cleanup, real_ptx;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1};
 
@@ -293,7 +319,7 @@ static void cleanup(struct worker *w) {
 static int usage(void) {
     fprintf(stderr,
             "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
-            "                     [--threads N] [--extras] [--cleanup]\n");
+            "                     [--threads N] [--extras] [--cleanup] [--real-ptx]\n");
     return 2;
 }
 
@@ -308,6 +334,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--threads") == 0 && i + 1 < argc) options.threads = atoi(argv[++i]);
         else if (strcmp(a, "--extras") == 0) options.extras = 1;
         else if (strcmp(a, "--cleanup") == 0) options.cleanup = 1;
+        else if (strcmp(a, "--real-ptx") == 0) options.real_ptx = 1;
         else return usage();
     }
     if (options.iterations < 0 || options.threads < 1 || options.threads > 64) return usage();
@@ -335,8 +362,9 @@ int main(int argc, char **argv) {
 
     CUmodule module = NULL;
     s = start();
-    rc = cuModuleLoadData(&module, module_image);
-    report("cuModuleLoadData", s, rc, "bytes=%zu", sizeof module_image);
+    const char *image = options.real_ptx ? real_ptx : module_image;
+    rc = cuModuleLoadData(&module, image);
+    report("cuModuleLoadData", s, rc, "bytes=%zu", strlen(image) + 1);
     if (rc) return 1;
 
     s = start();
