@@ -612,3 +612,30 @@ async fn a_cgroup_filter_keeps_only_that_cgroups_threads() {
     assert_eq!(pids, [u64::from(inside.pid)].into_iter().collect());
     drop(inside);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn programs_attach_again_for_every_capture() {
+    if skip_without_root("programs_attach_again") {
+        return;
+    }
+    let _workload = start_sched_workload("20");
+    let mut agent = AgentProcess::start(&[
+        "--backend",
+        "ebpf",
+        "--ebpf-hooks",
+        "sched",
+        "--ebpf-comm",
+        "dt-sp",
+    ]);
+    // Attached for each capture and detached after it, four times over.
+    for round in 0..4 {
+        let space = capture(&agent, 300).await;
+        let slices = events(common::plane(&space, "/host:CPUs"))
+            .iter()
+            .filter(|e| e.line.starts_with("CPU ") && e.name == "dt-spinner")
+            .count();
+        assert!(slices > 0, "capture {round}: no scheduler events");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(agent.is_running(), "the agent survived");
+}

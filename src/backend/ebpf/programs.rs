@@ -13,7 +13,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, RingBufferBuilder, UprobeOpts};
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
@@ -39,7 +39,7 @@ mod cuda_skel {
     include!(concat!(env!("OUT_DIR"), "/cuda.skel.rs"));
 }
 use cuda_skel::{CudaSkel, CudaSkelBuilder};
-use sched_skel::SchedSkelBuilder;
+use sched_skel::{SchedSkel, SchedSkelBuilder};
 
 /// Names of the loss counters, by `enum loss_kind`.
 const LOSS_NAMES: [&str; LOSS_KINDS as usize] = [
@@ -204,6 +204,17 @@ fn read_losses(map: &dyn MapCore, into: &mut [u64; LOSS_KINDS as usize], kinds: 
     }
 }
 
+/// Attaches every scheduler program; dropping the links detaches them.
+fn attach_sched(skel: &SchedSkel<'_>) -> Result<Vec<Link>, libbpf_rs::Error> {
+    let progs = &skel.progs;
+    Ok(vec![
+        progs.on_sched_switch.attach()?,
+        progs.on_sched_wakeup.attach()?,
+        progs.on_sched_process_exec.attach()?,
+        progs.on_sched_process_exit.attach()?,
+    ])
+}
+
 /// Uprobes on one driver library: an entry and a return probe per function
 /// it exports.
 struct ProbedLibrary {
@@ -328,7 +339,10 @@ pub(super) fn run(
     };
     let _ = ready.send(Ok(()));
 
-    let mut sched = sched;
+    // Links are kept here, not in the skeleton: libbpf's skeleton attach
+    // skips programs whose link slot is set, so links dropped from it would
+    // be handed back (freed) on the next attach.
+    let mut sched_links: Vec<Link> = Vec::new();
     let mut attached = false;
     let mut libraries: Vec<ProbedLibrary> = Vec::new();
     let mut probed: HashSet<(u64, u64)> = HashSet::new();
@@ -353,11 +367,14 @@ pub(super) fn run(
                 decoder.clock = ClockMap::measure();
                 decoder.sched.restart(now);
             }
-            if let Some(skel) = sched.as_mut() {
-                if let Err(error) = skel.attach() {
-                    warn!(%error, "attaching the scheduler programs failed");
-                    status.lock().error =
-                        Some(format!("attaching the scheduler programs: {error}"));
+            if let Some(skel) = &sched {
+                match attach_sched(skel) {
+                    Ok(links) => sched_links = links,
+                    Err(error) => {
+                        warn!(%error, "attaching the scheduler programs failed");
+                        status.lock().error =
+                            Some(format!("attaching the scheduler programs: {error}"));
+                    }
                 }
             }
             attached = true;
@@ -371,9 +388,7 @@ pub(super) fn run(
                 .borrow_mut()
                 .sched
                 .split(clock::now_ns(), &mut Vec::new());
-            if let Some(skel) = sched.as_mut() {
-                skel.links = sched_skel::SchedLinks::default();
-            }
+            sched_links.clear();
             libraries.clear();
             probed.clear();
             attached = false;
