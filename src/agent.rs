@@ -241,6 +241,15 @@ impl Agent {
             .collect()
     }
 
+    /// Facts the backends record about a capture of `window`.
+    pub fn properties(&self, window: Window) -> Vec<(String, String)> {
+        self.backends
+            .lock()
+            .iter()
+            .flat_map(|b| b.properties(window))
+            .collect()
+    }
+
     /// Running totals of what each backend lost before its events reached
     /// the ring.
     pub fn losses(&self) -> Vec<(&'static str, Loss)> {

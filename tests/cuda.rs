@@ -51,12 +51,23 @@ impl Setup {
 
     /// Starts the program with the injection library; `extra_env` on top.
     fn workload(&self, args: &[&str], extra_env: &[(&str, &str)]) -> CudaWorkload {
+        self.workload_loading("CUDA_INJECTION64_PATH", args, extra_env)
+    }
+
+    /// As [`Setup::workload`], the library named by `variable`
+    /// (`CUDA_INJECTION64_PATH` or `LD_PRELOAD`).
+    fn workload_loading(
+        &self,
+        variable: &str,
+        args: &[&str],
+        extra_env: &[(&str, &str)],
+    ) -> CudaWorkload {
         let offset = GPU_CLOCK_OFFSET_NS.to_string();
         let kernel = KERNEL_NS.to_string();
         let memcpy = MEMCPY_NS.to_string();
         let mut env = vec![
             ("LD_LIBRARY_PATH", self.libraries.to_str().unwrap()),
-            ("CUDA_INJECTION64_PATH", self.inject.to_str().unwrap()),
+            (variable, self.inject.to_str().unwrap()),
             (
                 "DEVTRACE_RUNTIME_DIR",
                 self.runtime.path().to_str().unwrap(),
@@ -226,7 +237,20 @@ async fn kernels_copies_and_calls_of_an_injected_process_arrive_exactly() {
     ];
     assert_eq!(memory, [one.clone(), one.clone(), one].concat());
 
-    // The device's facts, the process, and CUPTI's dropped records.
+    // The process and its command line are in the Task Environment.
+    let env = common::plane(&space, "Task Environment");
+    match find_stat(env, &env.stats, &format!("devtrace_cuda_process_{pid}")) {
+        Some(StatValue::Str(command)) => assert!(
+            command.ends_with(&format!(
+                "cuda_injected 3 --wait-file {}",
+                release.display()
+            )),
+            "{command}"
+        ),
+        other => panic!("no command line for {pid}: {other:?}"),
+    }
+
+    // The device's facts and CUPTI's dropped records.
     assert_eq!(
         plane_stat(&space, "/device:GPU:0", "gpu_device_name"),
         Some(StatValue::Str("Standin GPU".into()))
@@ -541,4 +565,25 @@ async fn real_kernels_arrive_from_a_real_gpu() {
     let name = plane_stat(&space, "/device:GPU:0", "gpu_device_name");
     eprintln!("real GPU: {name:?}; warnings: {:?}", space.warnings);
     assert!(matches!(name, Some(StatValue::Str(n)) if !n.is_empty()));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ld_preload_loads_the_library_as_well() {
+    let setup = setup("cuda_preloaded");
+    let agent = setup.agent();
+    let release = release_file(&setup, "preloaded");
+    let workload = setup.workload_loading(
+        "LD_PRELOAD",
+        &["2", "--wait-file", release.to_str().unwrap()],
+        &[],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    calls_until_done(&workload);
+    let kernels = timed(&space, "/device:GPU:0")
+        .iter()
+        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
+        .count();
+    assert_eq!(kernels, 4);
 }

@@ -63,8 +63,21 @@ struct Notice {
 
 const MAX_NOTICES: usize = 256;
 
+/// A workload process and when it was attached.
+#[derive(Clone, Debug)]
+struct Traced {
+    pid: u32,
+    command: String,
+    attached_ns: u64,
+    detached_ns: Option<u64>,
+}
+
+/// Processes remembered for the properties of captures.
+const MAX_TRACED: usize = 1024;
+
 #[derive(Default)]
 struct Status {
+    traced: VecDeque<Traced>,
     attached: usize,
     seen: u64,
     events: u64,
@@ -211,6 +224,26 @@ impl Backend for CudaBackend {
                 count: status.ring_dropped,
             },
         ]
+    }
+
+    /// Every workload process attached during the window, with its command
+    /// line: `devtrace_cuda_process_<pid>`.
+    fn properties(&self, window: Window) -> Vec<(String, String)> {
+        self.status
+            .lock()
+            .traced
+            .iter()
+            .filter(|t| {
+                t.attached_ns <= window.stop_ns
+                    && t.detached_ns.is_none_or(|gone| gone >= window.start_ns)
+            })
+            .map(|t| {
+                (
+                    format!("devtrace_cuda_process_{}", t.pid),
+                    t.command.clone(),
+                )
+            })
+            .collect()
     }
 
     fn notices(&self, window: Window) -> Vec<String> {
@@ -379,7 +412,17 @@ impl Attachments {
         self.read_meta(pid);
         if let Some(process) = self.processes.get(&pid) {
             let text = format!("attached {}", process.label());
-            self.status.lock().notice(text);
+            let mut status = self.status.lock();
+            if status.traced.len() == MAX_TRACED {
+                status.traced.pop_front();
+            }
+            status.traced.push_back(Traced {
+                pid,
+                command: process.command.clone(),
+                attached_ns: clock::now_ns(),
+                detached_ns: None,
+            });
+            status.notice(text);
         }
     }
 
@@ -472,6 +515,15 @@ impl Attachments {
         let _ = std::fs::remove_file(&process.meta_path);
         let mut status = self.status.lock();
         status.attached = self.processes.len();
+        let now = clock::now_ns();
+        if let Some(traced) = status
+            .traced
+            .iter_mut()
+            .rev()
+            .find(|t| t.pid == pid && t.detached_ns.is_none())
+        {
+            traced.detached_ns = Some(now);
+        }
         status.notice(format!(
             "{} exited; its GPU events up to then are in the trace",
             process.label()

@@ -99,6 +99,11 @@ pub trait Backend: Send + Sync {
     fn notices(&self, _window: crate::store::Window) -> Vec<String> {
         Vec::new()
     }
+    /// Facts about what a capture of `window` covers, as (name, value)
+    /// pairs for the trace's Task Environment plane.
+    fn properties(&self, _window: crate::store::Window) -> Vec<(String, String)> {
+        Vec::new()
+    }
 }
 
 /// A running total of events a backend lost, and what they were.

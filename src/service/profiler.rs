@@ -370,6 +370,7 @@ impl ProfilerService {
             dropped_oldest: data.dropped_oldest,
             warnings,
             errors,
+            properties: self.agent.properties(window),
         };
         tokio::task::spawn_blocking(move || {
             let encoded = xspace::encode_xspace(data.events(), &registry, &info);

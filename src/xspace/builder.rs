@@ -32,6 +32,9 @@ pub struct CaptureInfo {
     pub dropped_oldest: u64,
     pub warnings: Vec<String>,
     pub errors: Vec<String>,
+    /// Further facts about the capture (the CUDA processes it covers, ...),
+    /// written as string stats of the Task Environment plane.
+    pub properties: Vec<(String, String)>,
 }
 
 /// Field numbers of xplane.proto.
@@ -916,6 +919,12 @@ fn task_environment(out: &mut Writer, info: &CaptureInfo) {
     plane.plane_stat(Stat::DroppedTraces, Value::Int(dropped as i64));
     plane.plane_stat(Stat::DroppedNewest, Value::Uint(info.dropped_newest));
     plane.plane_stat(Stat::DroppedOldest, Value::Uint(info.dropped_oldest));
+    for (name, value) in &info.properties {
+        let id = plane.named(name);
+        let mut scratch = Writer::default();
+        write_stat(&mut scratch, field::PLANE_STATS, id, Value::Str(value));
+        plane.plane_stats.extend_from_slice(&scratch.into_bytes());
+    }
     plane.finish(out);
 }
 
