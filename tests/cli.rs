@@ -127,3 +127,34 @@ fn serve_help_explains_the_flags() {
         assert!(text.contains(flag), "{flag} missing from serve --help");
     }
 }
+
+#[test]
+fn the_agent_outlives_a_closed_log_pipe() {
+    // The log reader goes away at once (a log shipper that died); the
+    // agent's next log lines then fail to write.
+    let child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting devtrace serve");
+    let mut child = child;
+    drop(child.stderr.take());
+    let mut agent = AgentProcess::adopt(child);
+    let logdir = tempfile::tempdir().unwrap();
+    let out = devtrace(&[
+        "capture",
+        &format!("grpc://{}", agent.address),
+        "--duration",
+        "300ms",
+        "--logdir",
+        logdir.path().to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(agent.is_running());
+}

@@ -70,6 +70,10 @@ fn init_logging(level: &str) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // A log that can no longer be written (a closed pipe) must not take
+        // the agent down: by default a failed write is reported with
+        // eprintln!, which panics when stderr itself is the problem.
+        .log_internal_errors(false)
         .try_init();
 }
 
