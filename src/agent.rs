@@ -26,8 +26,9 @@ use crate::store::{Store, StoreConfig, StoreStats, Window, WindowData};
 /// Which backends `serve` starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendChoice {
-    /// Every backend that works on this machine (the device backends, and
-    /// the eBPF kernel hooks); the mock when no device backend works.
+    /// Every backend that works on this machine (the device backends, the
+    /// eBPF kernel hooks, injected CUDA processes); the mock when no device
+    /// backend works.
     Auto,
     /// The deterministic mock backend.
     Mock,

@@ -24,7 +24,7 @@ pub struct ServeArgs {
     pub listen: String,
 
     /// Backends to run (repeatable). `auto` runs every backend that works on
-    /// this machine and falls back to the mock when none does.
+    /// this machine and falls back to the mock when no device backend does.
     #[arg(long = "backend", value_enum, default_values_t = [BackendChoice::Auto])]
     pub backends: Vec<BackendChoice>,
 
