@@ -587,3 +587,35 @@ async fn ld_preload_loads_the_library_as_well() {
         .count();
     assert_eq!(kernels, 4);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cupti_release_with_other_record_layouts_is_refused() {
+    let setup = setup("cuda_newer_cupti");
+    let agent = setup.agent();
+    let release = release_file(&setup, "newer");
+    // CUDA 13's CUPTI reports kernels in a different record version.
+    let mut workload = setup.workload(
+        &["2", "--wait-file", release.to_str().unwrap()],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    calls_until_done(&workload);
+    assert!(workload.workload.child.wait().unwrap().success());
+    let gpu = timed(&space, "/device:GPU:0");
+    assert!(gpu.is_empty(), "nothing misread: {gpu:?}");
+    let stderr = stderr_of(&mut workload);
+    assert!(
+        stderr.contains("libcupti has API version 130001"),
+        "{stderr}"
+    );
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains("stopped tracing: libcupti has API version 130001")),
+        "{:?}",
+        space.warnings
+    );
+}

@@ -93,6 +93,32 @@ pub fn flush_all(forced: bool) -> Result<(), String> {
     })
 }
 
+/// CUPTI API versions whose records this library reads correctly: CUDA
+/// 12.2 (20, where `CUpti_ActivityDevice5` begins) to 12.9 (28). Later
+/// records of the kinds read here only append fields within 12.x; CUDA 13
+/// (130001 on) reports kernels as `CUpti_ActivityKernel10`.
+pub const SUPPORTED_VERSIONS: std::ops::RangeInclusive<u32> = 20..=28;
+
+/// The loaded libcupti's API version, refused when its records would be
+/// misread.
+pub fn check_version() -> Result<u32, String> {
+    let mut version = 0u32;
+    // SAFETY: CUPTI writes one u32.
+    check("cuptiGetVersion", unsafe {
+        sys::cuptiGetVersion(&mut version)
+    })?;
+    if SUPPORTED_VERSIONS.contains(&version) {
+        Ok(version)
+    } else {
+        Err(format!(
+            "libcupti has API version {version}; this library reads the record layouts of \
+             versions {}..={} (CUDA 12.2 to 12.9)",
+            SUPPORTED_VERSIONS.start(),
+            SUPPORTED_VERSIONS.end()
+        ))
+    }
+}
+
 /// CUPTI's clock, nanoseconds.
 pub fn timestamp() -> Result<u64, String> {
     let mut ts = 0u64;

@@ -292,6 +292,7 @@ fn set_clock(session: &Session) -> Result<(), String> {
 
 fn enable(session: &Session, registered: &mut bool) -> Result<(), String> {
     if !*registered {
+        cupti::check_version()?;
         cupti::use_system_thread_ids()?;
         cupti::register_callbacks(Some(buffer_requested), Some(buffer_completed))?;
         *registered = true;

@@ -1103,7 +1103,8 @@ __attribute__((constructor)) static void on_load(void) {
 CUPTIAPI CUptiResult cuptiGetVersion(uint32_t *version) {
     ENTER("cuptiGetVersion");
     if (!version) return CUPTI_ERROR_INVALID_PARAMETER;
-    *version = CUPTI_API_VERSION;
+    /* DEVTRACE_STANDIN_CUPTI_VERSION pretends to be another release. */
+    *version = (uint32_t)env_or("DEVTRACE_STANDIN_CUPTI_VERSION", CUPTI_API_VERSION);
     return CUPTI_SUCCESS;
 }
 
