@@ -297,7 +297,7 @@ pub(super) fn run(
             return;
         }
     };
-    let mut producer = match context.ring.producer() {
+    let producer = match context.ring.producer() {
         Ok(producer) => producer,
         Err(error) => {
             let _ = ready.send(Err(format!("no ring lane for the eBPF backend: {error}")));
@@ -339,158 +339,223 @@ pub(super) fn run(
     };
     let _ = ready.send(Ok(()));
 
-    // Links are kept here, not in the skeleton: libbpf's skeleton attach
-    // skips programs whose link slot is set, so links dropped from it would
-    // be handed back (freed) on the next attach.
-    let mut sched_links: Vec<Link> = Vec::new();
-    let mut attached = false;
-    let mut libraries: Vec<ProbedLibrary> = Vec::new();
-    let mut probed: HashSet<(u64, u64)> = HashSet::new();
-    let mut refused: HashSet<(u64, u64)> = HashSet::new();
-    let mut last_scan: Option<Instant> = None;
-    let mut last_split = Instant::now();
-    let mut last_losses = Instant::now();
-    let mut losses = [0u64; LOSS_KINDS as usize];
-    let mut reported_losses = [0u64; LOSS_KINDS as usize];
-    let loss_names: Vec<_> = LOSS_NAMES
-        .iter()
-        .map(|name| context.registry.intern(name))
-        .collect();
-
+    let mut tracer = Tracer {
+        config: &config,
+        status: &status,
+        sched: sched.as_ref(),
+        cuda: cuda.as_ref(),
+        rings,
+        decoder,
+        producer,
+        sched_links: Vec::new(),
+        libraries: Vec::new(),
+        probed: HashSet::new(),
+        refused: HashSet::new(),
+        attached: false,
+        last_scan: None,
+        last_split: Instant::now(),
+        last_losses: Instant::now(),
+        losses: [0; LOSS_KINDS as usize],
+        reported_losses: [0; LOSS_KINDS as usize],
+        loss_names: LOSS_NAMES
+            .iter()
+            .map(|name| context.registry.intern(name))
+            .collect(),
+    };
     while !stop.is_set() {
         let wanted =
             config.attach == AttachMode::Always || context.traces.load(Ordering::Relaxed) > 0;
-        if wanted && !attached {
-            let now = clock::now_ns();
-            {
-                let mut decoder = decoder.borrow_mut();
-                decoder.clock = ClockMap::measure();
-                decoder.sched.restart(now);
-            }
-            if let Some(skel) = &sched {
-                match attach_sched(skel) {
-                    Ok(links) => sched_links = links,
-                    Err(error) => {
-                        warn!(%error, "attaching the scheduler programs failed");
-                        status.lock().error =
-                            Some(format!("attaching the scheduler programs: {error}"));
-                    }
-                }
-            }
-            attached = true;
-            last_scan = None;
-            status.lock().attached = true;
-            debug!("eBPF programs attached");
+        if wanted && !tracer.attached {
+            tracer.attach();
+        } else if !wanted && tracer.attached {
+            tracer.detach();
         }
-        if !wanted && attached {
-            let _ = rings.consume();
-            decoder
-                .borrow_mut()
-                .sched
-                .split(clock::now_ns(), &mut Vec::new());
-            sched_links.clear();
-            libraries.clear();
-            probed.clear();
-            attached = false;
-            let mut status = status.lock();
-            status.attached = false;
-            status.libraries.clear();
-            debug!("eBPF programs detached");
+        if tracer.attached {
+            tracer.probe_new_libraries();
         }
-        if attached {
-            if let Some(skel) = &cuda {
-                let due = last_scan.is_none_or(|at| at.elapsed() >= config.rescan_interval);
-                if due {
-                    last_scan = Some(Instant::now());
-                    for library in find_driver_libraries(&config.proc_root, &config.cuda_libraries)
-                    {
-                        let key = (library.dev, library.inode);
-                        if probed.contains(&key) || refused.contains(&key) {
-                            continue;
-                        }
-                        match probe_library(skel, &library) {
-                            Ok((probes, missing)) => {
-                                info!(library = %library.path.display(), ?missing, "CUDA driver probed");
-                                libraries.push(probes);
-                                probed.insert(key);
-                                status
-                                    .lock()
-                                    .libraries
-                                    .push((library.path.display().to_string(), missing));
-                            }
-                            Err(reason) => {
-                                warn!(%reason, "CUDA driver library not probed");
-                                refused.insert(key);
-                                status.lock().error = Some(reason);
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        tracer.drain();
+        tracer.report_losses();
+        tracer.push_pending();
+    }
+}
 
+/// The loop's state once everything is loaded: what is attached, the ring
+/// buffers and what their records became, and the loss counters.
+struct Tracer<'a> {
+    config: &'a EbpfConfig,
+    status: &'a Mutex<Status>,
+    sched: Option<&'a SchedSkel<'a>>,
+    cuda: Option<&'a CudaSkel<'a>>,
+    rings: libbpf_rs::RingBuffer<'a>,
+    decoder: Rc<RefCell<Decoder>>,
+    producer: crate::ring::Producer,
+    // Links are kept here, not in the skeleton: libbpf's skeleton attach
+    // skips programs whose link slot is set, so links dropped from it would
+    // be handed back (freed) on the next attach.
+    sched_links: Vec<Link>,
+    libraries: Vec<ProbedLibrary>,
+    probed: HashSet<(u64, u64)>,
+    refused: HashSet<(u64, u64)>,
+    attached: bool,
+    last_scan: Option<Instant>,
+    last_split: Instant,
+    last_losses: Instant,
+    losses: [u64; LOSS_KINDS as usize],
+    reported_losses: [u64; LOSS_KINDS as usize],
+    loss_names: Vec<crate::event::NameId>,
+}
+
+impl Tracer<'_> {
+    fn attach(&mut self) {
+        {
+            let mut decoder = self.decoder.borrow_mut();
+            decoder.clock = ClockMap::measure();
+            decoder.sched.restart(clock::now_ns());
+        }
+        if let Some(skel) = self.sched {
+            match attach_sched(skel) {
+                Ok(links) => self.sched_links = links,
+                Err(error) => {
+                    warn!(%error, "attaching the scheduler programs failed");
+                    self.status.lock().error =
+                        Some(format!("attaching the scheduler programs: {error}"));
+                }
+            }
+        }
+        self.attached = true;
+        self.last_scan = None;
+        self.status.lock().attached = true;
+        debug!("eBPF programs attached");
+    }
+
+    fn detach(&mut self) {
+        let _ = self.rings.consume();
+        self.decoder
+            .borrow_mut()
+            .sched
+            .split(clock::now_ns(), &mut Vec::new());
+        self.sched_links.clear();
+        self.libraries.clear();
+        self.probed.clear();
+        self.attached = false;
+        let mut status = self.status.lock();
+        status.attached = false;
+        status.libraries.clear();
+        debug!("eBPF programs detached");
+    }
+
+    /// Probes driver libraries that appeared in processes' maps since the
+    /// last look (once per rescan interval).
+    fn probe_new_libraries(&mut self) {
+        let Some(skel) = self.cuda else { return };
+        if self
+            .last_scan
+            .is_some_and(|at| at.elapsed() < self.config.rescan_interval)
+        {
+            return;
+        }
+        self.last_scan = Some(Instant::now());
+        for library in find_driver_libraries(&self.config.proc_root, &self.config.cuda_libraries) {
+            let key = (library.dev, library.inode);
+            if self.probed.contains(&key) || self.refused.contains(&key) {
+                continue;
+            }
+            match probe_library(skel, &library) {
+                Ok((probes, missing)) => {
+                    info!(library = %library.path.display(), ?missing, "CUDA driver probed");
+                    self.libraries.push(probes);
+                    self.probed.insert(key);
+                    self.status
+                        .lock()
+                        .libraries
+                        .push((library.path.display().to_string(), missing));
+                }
+                Err(reason) => {
+                    warn!(%reason, "CUDA driver library not probed");
+                    self.refused.insert(key);
+                    self.status.lock().error = Some(reason);
+                }
+            }
+        }
+    }
+
+    /// Waits for the next tick and decodes what the BPF ring buffers hold;
+    /// cuts open slices at their interval.
+    fn drain(&mut self) {
         // Records do not wake this thread (see the BPF programs); it drains
         // on this timer, which also bounds how late a capture is noticed.
-        let tick = if attached { 50 } else { 100 };
-        if let Err(error) = rings.poll(Duration::from_millis(tick)) {
+        let tick = if self.attached { 50 } else { 100 };
+        if let Err(error) = self.rings.poll(Duration::from_millis(tick)) {
             if error.kind() != libbpf_rs::ErrorKind::Interrupted {
                 warn!(%error, "polling the BPF ring buffers failed");
             }
         }
         // A poll that timed out consumed nothing; what arrived without a
         // wakeup is read here.
-        if let Err(error) = rings.consume() {
+        if let Err(error) = self.rings.consume() {
             warn!(%error, "reading the BPF ring buffers failed");
         }
-        if attached && last_split.elapsed() >= config.split_interval {
-            last_split = Instant::now();
-            let mut decoder = decoder.borrow_mut();
+        if self.attached && self.last_split.elapsed() >= self.config.split_interval {
+            self.last_split = Instant::now();
+            let mut decoder = self.decoder.borrow_mut();
             let decoder = &mut *decoder;
             decoder.sched.split(clock::now_ns(), &mut decoder.pending);
         }
-        if last_losses.elapsed() >= Duration::from_secs(1) || !attached {
-            last_losses = Instant::now();
-            if let Some(skel) = &sched {
-                read_losses(&skel.maps.losses, &mut losses, &[LOSS_SCHED_RING]);
-            }
-            if let Some(skel) = &cuda {
-                read_losses(
-                    &skel.maps.losses,
-                    &mut losses,
-                    &[LOSS_CUDA_RING, LOSS_CUDA_INFLIGHT],
-                );
-            }
-            if losses != reported_losses {
-                let now = clock::now_ns();
-                let mut decoder = decoder.borrow_mut();
-                for (kind, count) in losses.iter().enumerate() {
-                    if *count != reported_losses[kind] {
-                        decoder.pending.push(Event::new(
-                            now,
-                            0,
-                            Device::HostCpus,
-                            COUNTER_TRACK,
-                            loss_names[kind],
-                            Payload::Counter {
-                                value: *count as f64,
-                            },
-                        ));
-                    }
+    }
+
+    /// Reads the kernel-side loss counters (each second, and on every tick
+    /// while detached) into counter samples and the status; refreshes the
+    /// clock mapping.
+    fn report_losses(&mut self) {
+        if self.attached && self.last_losses.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.last_losses = Instant::now();
+        if let Some(skel) = self.sched {
+            read_losses(&skel.maps.losses, &mut self.losses, &[LOSS_SCHED_RING]);
+        }
+        if let Some(skel) = self.cuda {
+            read_losses(
+                &skel.maps.losses,
+                &mut self.losses,
+                &[LOSS_CUDA_RING, LOSS_CUDA_INFLIGHT],
+            );
+        }
+        let mut decoder = self.decoder.borrow_mut();
+        if self.losses != self.reported_losses {
+            let now = clock::now_ns();
+            for (kind, count) in self.losses.iter().enumerate() {
+                if *count != self.reported_losses[kind] {
+                    decoder.pending.push(Event::new(
+                        now,
+                        0,
+                        Device::HostCpus,
+                        COUNTER_TRACK,
+                        self.loss_names[kind],
+                        Payload::Counter {
+                            value: *count as f64,
+                        },
+                    ));
                 }
-                reported_losses = losses;
-                status.lock().losses = losses;
             }
-            decoder.borrow_mut().clock = ClockMap::measure();
+            self.reported_losses = self.losses;
+            self.status.lock().losses = self.losses;
         }
-        let mut decoder = decoder.borrow_mut();
-        if !decoder.pending.is_empty() {
-            // The ring counts what it refuses; those drops reach the trace.
-            let accepted = producer.push_batch(&decoder.pending);
-            let mut status = status.lock();
-            status.events += accepted as u64;
-            status.malformed = decoder.malformed;
-            status.threads = decoder.sched.tracked_threads();
-            decoder.pending.clear();
+        decoder.clock = ClockMap::measure();
+    }
+
+    /// Moves decoded events into the agent's ring, which counts what it
+    /// refuses (those drops reach the trace).
+    fn push_pending(&mut self) {
+        let mut decoder = self.decoder.borrow_mut();
+        if decoder.pending.is_empty() {
+            return;
         }
+        let accepted = self.producer.push_batch(&decoder.pending);
+        let mut status = self.status.lock();
+        status.events += accepted as u64;
+        status.malformed = decoder.malformed;
+        status.threads = decoder.sched.tracked_threads();
+        decoder.pending.clear();
     }
 }
