@@ -478,6 +478,8 @@ async fn a_burst_beyond_the_bpf_ring_is_counted_not_lost() {
         .expect("a count in the warning");
     assert!(lost > 0 && received > 0, "received {received}, lost {lost}");
     assert_eq!(received + lost, made, "{warning}");
+    // The lost records are in the trace's drop count too.
+    assert_eq!(common::dropped_of(&space), lost as i64);
     // The loss is also a counter track on the scheduler plane.
     let counters = events(common::plane(&space, "/host:CPUs"));
     let last = counters

@@ -324,6 +324,7 @@ impl ProfilerService {
         for (backend, text) in self.agent.notices(window) {
             warnings.push(format!("backend {backend}: {text}"));
         }
+        let mut dropped_before_ring = 0;
         for (backend, loss) in self.agent.losses() {
             let before = plan
                 .losses_at_start
@@ -331,6 +332,7 @@ impl ProfilerService {
                 .find(|(b, l)| *b == backend && l.what == loss.what)
                 .map_or(0, |(_, l)| l.count);
             let lost = loss.count.saturating_sub(before);
+            dropped_before_ring += lost;
             if lost > 0 {
                 warnings.push(format!(
                     "backend {backend}: {lost} {} while this capture ran",
@@ -368,6 +370,7 @@ impl ProfilerService {
             profile_options: plan.options.clone(),
             dropped_newest: data.dropped_newest,
             dropped_oldest: data.dropped_oldest,
+            dropped_before_ring,
             warnings,
             errors,
             properties: self.agent.properties(window),

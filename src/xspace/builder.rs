@@ -30,6 +30,9 @@ pub struct CaptureInfo {
     pub profile_options: Vec<u8>,
     pub dropped_newest: u64,
     pub dropped_oldest: u64,
+    /// Events backends lost before the ring during the window
+    /// (`crate::backend::Backend::losses`); the warnings say what they were.
+    pub dropped_before_ring: u64,
     pub warnings: Vec<String>,
     pub errors: Vec<String>,
     /// Further facts about the capture (the CUDA processes it covers, ...),
@@ -387,6 +390,7 @@ enum Stat {
     ProfileStopTime,
     ProfileOptions,
     DroppedTraces,
+    DroppedBeforeRing,
     DroppedNewest,
     DroppedOldest,
     RpcStatus,
@@ -461,6 +465,7 @@ impl Stat {
             Stat::ProfileStopTime => stat::PROFILE_STOP_TIME,
             Stat::ProfileOptions => stat::PROFILE_OPTIONS,
             Stat::DroppedTraces => stat::DROPPED_TRACES,
+            Stat::DroppedBeforeRing => stat::DROPPED_BEFORE_RING,
             Stat::DroppedNewest => stat::DROPPED_NEWEST,
             Stat::DroppedOldest => stat::DROPPED_OLDEST,
             Stat::RpcStatus => stat::RPC_STATUS,
@@ -912,13 +917,14 @@ fn task_environment(out: &mut Writer, info: &CaptureInfo) {
     out.text(field::PLANE_NAME, names::TASK_ENVIRONMENT_PLANE);
     let registry = RegistrySnapshot::default();
     let mut plane = PlaneTables::new(&registry);
-    let dropped = info.dropped_newest + info.dropped_oldest;
+    let dropped = info.dropped_newest + info.dropped_oldest + info.dropped_before_ring;
     plane.plane_stat(Stat::ProfileStartTime, Value::Uint(info.window.start_ns));
     plane.plane_stat(Stat::ProfileStopTime, Value::Uint(info.window.stop_ns));
     plane.plane_stat(Stat::ProfileOptions, Value::Bytes(&info.profile_options));
     plane.plane_stat(Stat::DroppedTraces, Value::Int(dropped as i64));
     plane.plane_stat(Stat::DroppedNewest, Value::Uint(info.dropped_newest));
     plane.plane_stat(Stat::DroppedOldest, Value::Uint(info.dropped_oldest));
+    plane.plane_stat(Stat::DroppedBeforeRing, Value::Uint(info.dropped_before_ring));
     for (name, value) in &info.properties {
         let id = plane.named(name);
         let mut scratch = Writer::default();

@@ -106,6 +106,9 @@ pub mod stat {
     pub const PROFILE_OPTIONS: &str = "profile_options";
     pub const DROPPED_TRACES: &str = "dropped_traces";
     pub const DROPPED_NEWEST: &str = "devtrace_dropped_newest";
+    /// Events lost before they reached the agent's ring (a full BPF ring
+    /// buffer, records CUPTI dropped in a workload, a workload's full ring).
+    pub const DROPPED_BEFORE_RING: &str = "devtrace_dropped_before_ring";
     pub const DROPPED_OLDEST: &str = "devtrace_dropped_oldest";
     /// Written on the tap's RPC and eager-op events (`crate::tap`).
     pub const RPC_STATUS: &str = "grpc_status";
