@@ -265,7 +265,11 @@ async fn kernels_copies_and_calls_of_an_injected_process_arrive_exactly() {
         .find(|w| w.contains("GPU activity records CUPTI dropped"))
         .unwrap_or_else(|| panic!("{:?}", space.warnings));
     assert!(dropped.starts_with("backend cuda: 5 "), "{dropped}");
-    assert_eq!(common::dropped_of(&space), 5, "CUPTI's drops count as dropped traces");
+    assert_eq!(
+        common::dropped_of(&space),
+        5,
+        "CUPTI's drops count as dropped traces"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -924,7 +924,10 @@ fn task_environment(out: &mut Writer, info: &CaptureInfo) {
     plane.plane_stat(Stat::DroppedTraces, Value::Int(dropped as i64));
     plane.plane_stat(Stat::DroppedNewest, Value::Uint(info.dropped_newest));
     plane.plane_stat(Stat::DroppedOldest, Value::Uint(info.dropped_oldest));
-    plane.plane_stat(Stat::DroppedBeforeRing, Value::Uint(info.dropped_before_ring));
+    plane.plane_stat(
+        Stat::DroppedBeforeRing,
+        Value::Uint(info.dropped_before_ring),
+    );
     for (name, value) in &info.properties {
         let id = plane.named(name);
         let mut scratch = Writer::default();
