@@ -133,6 +133,51 @@ pub struct MemoryInfo {
     pub step_id: i64,
 }
 
+/// The running in-use and peak bytes of one allocator seen from outside it
+/// (a driver's allocations seen by uprobes or by CUPTI): each allocation or
+/// free becomes the [`MemoryInfo`] the memory profile plots.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AllocatorTally {
+    pub allocator: NameId,
+    in_use: i64,
+    peak: i64,
+}
+
+impl AllocatorTally {
+    pub fn new(allocator: NameId) -> AllocatorTally {
+        AllocatorTally {
+            allocator,
+            ..AllocatorTally::default()
+        }
+    }
+
+    /// Counts `bytes` allocated at `address`; the statistics after it.
+    pub fn allocate(&mut self, address: u64, bytes: u64) -> MemoryInfo {
+        self.in_use = self.in_use.saturating_add(bytes as i64);
+        self.peak = self.peak.max(self.in_use);
+        self.info(address, bytes)
+    }
+
+    /// Counts `bytes` freed at `address` (never below zero: a free of memory
+    /// allocated before anyone watched has no known size).
+    pub fn free(&mut self, address: u64, bytes: u64) -> MemoryInfo {
+        self.in_use = self.in_use.saturating_sub(bytes as i64).max(0);
+        self.info(address, bytes)
+    }
+
+    fn info(&self, address: u64, bytes: u64) -> MemoryInfo {
+        MemoryInfo {
+            allocator: self.allocator,
+            bytes_allocated: self.in_use,
+            peak_bytes_in_use: self.peak,
+            requested_bytes: bytes as i64,
+            allocation_bytes: bytes as i64,
+            address,
+            ..MemoryInfo::default()
+        }
+    }
+}
+
 /// One gRPC call seen by the tap (`crate::tap`): its outcome, sizes and the
 /// facts decoded from TensorFlow's MasterService and EagerService messages.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -671,6 +716,28 @@ mod tests {
         assert_eq!(copied.payload(), payload);
         assert_eq!(copied.device(), Device::Gpu(3));
         assert_eq!(copied.name(), NameId(42));
+    }
+
+    #[test]
+    fn a_tally_keeps_in_use_and_peak_bytes_and_never_goes_negative() {
+        let mut tally = AllocatorTally::new(NameId(3));
+        assert_eq!(tally.allocate(0x10, 100).bytes_allocated, 100);
+        let second = tally.allocate(0x20, 50);
+        assert_eq!(
+            (second.bytes_allocated, second.peak_bytes_in_use),
+            (150, 150)
+        );
+        let freed = tally.free(0x10, 100);
+        assert_eq!(
+            (
+                freed.bytes_allocated,
+                freed.peak_bytes_in_use,
+                freed.allocation_bytes
+            ),
+            (50, 150, 100)
+        );
+        assert_eq!((freed.allocator, freed.address), (NameId(3), 0x10));
+        assert_eq!(tally.free(0x30, 500).bytes_allocated, 0);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use cudarc::cupti::sys::{
     CUpti_ActivitySynchronization2,
 };
 use devtrace::event::{
-    CopyInfo, CopyKind, Device, Event, KernelInfo, MemoryInfo, MemsetInfo, NameId, Payload,
+    AllocatorTally, CopyInfo, CopyKind, Device, Event, KernelInfo, MemsetInfo, NameId, Payload,
 };
 use devtrace::registry::DeviceInfo;
 use devtrace::workload::{MetaRecord, LINE_MEMORY, LINE_OVERHEAD, LINE_SYNCHRONIZATION};
@@ -120,7 +120,8 @@ pub struct Converter {
     names: HashMap<String, u32>,
     api_names: HashMap<(bool, u32), NameId>,
     limits: HashMap<u32, Limits>,
-    memory: HashMap<u32, (i64, i64)>,
+    /// Allocations per device.
+    memory: HashMap<u32, AllocatorTally>,
     markers: HashMap<u32, (u64, NameId, u32)>,
     pending_meta: Vec<MetaRecord>,
     /// Looks up CUPTI's name for an API callback id (driver or runtime).
@@ -284,25 +285,26 @@ impl Converter {
         type M = CUpti_ActivityMemory4;
         let operation = raw_u32(r, offset_of!(M, memoryOperationType));
         let device = field!(r, M, deviceId);
-        let bytes = field!(r, M, bytes) as i64;
-        let allocation = match operation {
+        let bytes = field!(r, M, bytes);
+        let address = field!(r, M, address);
+        let allocating = match operation {
             1 => true,
             2 => false,
             _ => return,
         };
-        let (in_use, peak) = self.memory.entry(device).or_default();
-        *in_use = if allocation {
-            in_use.saturating_add(bytes)
-        } else {
-            in_use.saturating_sub(bytes).max(0)
+        if !self.memory.contains_key(&device) {
+            let allocator = self.name(&format!("GPU_{device}_cuda (pid {})", self.pid));
+            self.memory.insert(device, AllocatorTally::new(allocator));
+        }
+        let Some(tally) = self.memory.get_mut(&device) else {
+            return;
         };
-        *peak = (*peak).max(*in_use);
-        let (in_use, peak) = (*in_use, *peak);
-        let allocator = self.name(&format!("GPU_{device}_cuda (pid {})", self.pid));
-        let (name, wrap): (&str, fn(MemoryInfo) -> Payload) = if allocation {
-            ("MemoryAllocation", Payload::MemoryAllocation)
+        let (name, payload) = if allocating {
+            let info = tally.allocate(address, bytes);
+            ("MemoryAllocation", Payload::MemoryAllocation(info))
         } else {
-            ("MemoryDeallocation", Payload::MemoryDeallocation)
+            let info = tally.free(address, bytes);
+            ("MemoryDeallocation", Payload::MemoryDeallocation(info))
         };
         let name = self.name(name);
         out.push(Event::new(
@@ -311,15 +313,7 @@ impl Converter {
             Device::Host,
             LINE_MEMORY,
             name,
-            wrap(MemoryInfo {
-                allocator,
-                bytes_allocated: in_use,
-                peak_bytes_in_use: peak,
-                requested_bytes: bytes,
-                allocation_bytes: bytes,
-                address: field!(r, M, address),
-                ..MemoryInfo::default()
-            }),
+            payload,
         ));
     }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::records::{
     c_str, CudaCall, CALL_FLAG_LAUNCH_CONFIG, CALL_FLAG_OUT_ARG0, CALL_FLAG_SYMBOL_ARG2,
 };
-use crate::event::{Device, DriverCallInfo, Event, MemoryInfo, NameId, Payload};
+use crate::event::{AllocatorTally, Device, DriverCallInfo, Event, NameId, Payload};
 use crate::registry::Registry;
 
 /// One probed entry point: its symbol, which driver function it is (the
@@ -180,29 +180,6 @@ pub fn find_driver_libraries(proc_root: &Path, extra: &[PathBuf]) -> Vec<DriverL
     found
 }
 
-/// Per-process allocation bookkeeping for the memory profile.
-#[derive(Default)]
-struct ProcessMemory {
-    allocator: NameId,
-    in_use: i64,
-    peak: i64,
-}
-
-impl ProcessMemory {
-    /// The memory-profile statistics after an allocation or free of `bytes`.
-    fn event(&self, address: u64, bytes: u64) -> MemoryInfo {
-        MemoryInfo {
-            allocator: self.allocator,
-            bytes_allocated: self.in_use,
-            peak_bytes_in_use: self.peak,
-            requested_bytes: bytes as i64,
-            allocation_bytes: bytes as i64,
-            address,
-            ..MemoryInfo::default()
-        }
-    }
-}
-
 /// See the module documentation.
 pub struct DriverCalls {
     registry: Arc<Registry>,
@@ -211,7 +188,7 @@ pub struct DriverCalls {
     deallocation_name: NameId,
     kernels: HashMap<(u32, u64), NameId>,
     allocations: HashMap<(u32, u64), u64>,
-    memory: HashMap<u32, ProcessMemory>,
+    memory: HashMap<u32, AllocatorTally>,
     named_threads: HashMap<u32, [u8; 16]>,
 }
 
@@ -339,11 +316,11 @@ impl DriverCalls {
         }
     }
 
-    fn process_memory(&mut self, pid: u32) -> &mut ProcessMemory {
+    /// The allocator of process `pid`, made on its first allocation.
+    fn tally(&mut self, pid: u32) -> &mut AllocatorTally {
         let registry = &self.registry;
-        self.memory.entry(pid).or_insert_with(|| ProcessMemory {
-            allocator: registry.intern(&format!("cuMemAlloc pid {pid}")),
-            ..ProcessMemory::default()
+        self.memory.entry(pid).or_insert_with(|| {
+            AllocatorTally::new(registry.intern(&format!("cuMemAlloc pid {pid}")))
         })
     }
 
@@ -359,10 +336,7 @@ impl DriverCalls {
             self.allocations.clear();
         }
         self.allocations.insert((call.pid, address), bytes);
-        let memory = self.process_memory(call.pid);
-        memory.in_use = memory.in_use.saturating_add(bytes as i64);
-        memory.peak = memory.peak.max(memory.in_use);
-        let info = memory.event(address, bytes);
+        let info = self.tally(call.pid).allocate(address, bytes);
         let name = self.allocation_name;
         out.push(memory_event(
             call,
@@ -376,9 +350,7 @@ impl DriverCalls {
         // A free of memory allocated before the probes were attached has no
         // known size; it is shown with size 0 rather than guessed.
         let bytes = self.allocations.remove(&(call.pid, address)).unwrap_or(0);
-        let memory = self.process_memory(call.pid);
-        memory.in_use = memory.in_use.saturating_sub(bytes as i64).max(0);
-        let info = memory.event(address, bytes);
+        let info = self.tally(call.pid).free(address, bytes);
         let name = self.deallocation_name;
         out.push(memory_event(
             call,
