@@ -50,9 +50,18 @@ pub fn meta_path(dir: &Path, pid: u32) -> PathBuf {
 
 /// The pid in a ring file name made by [`ring_path`].
 pub fn ring_pid(file_name: &str) -> Option<u32> {
+    pid_in(file_name, ".ring")
+}
+
+/// The pid in a metadata file name made by [`meta_path`].
+pub fn meta_pid(file_name: &str) -> Option<u32> {
+    pid_in(file_name, ".meta")
+}
+
+fn pid_in(file_name: &str, suffix: &str) -> Option<u32> {
     file_name
         .strip_prefix("cuda-")?
-        .strip_suffix(".ring")?
+        .strip_suffix(suffix)?
         .parse()
         .ok()
 }
@@ -292,6 +301,8 @@ mod tests {
         assert_eq!(ring_pid("cuda-123.ring"), Some(123));
         assert_eq!(ring_pid("cuda-12x.ring"), None);
         assert_eq!(ring_pid("other-1.ring"), None);
+        assert_eq!(meta_pid("cuda-123.meta"), Some(123));
+        assert_eq!(meta_pid("cuda-123.ring"), None);
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! captures that overlap say so. Rings of a previous agent are picked up
 //! where it left them.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -163,6 +163,7 @@ impl Backend for CudaBackend {
                 processes: BTreeMap::new(),
                 slots_in_use: Vec::new(),
                 producer,
+                drained: Vec::new(),
                 scratch: Vec::new(),
             };
             let mut last_scan: Option<Instant> = None;
@@ -274,7 +275,7 @@ struct Process {
     /// Its name ids to the registry's.
     names: HashMap<u32, NameId>,
     /// Lines already named, per device.
-    named_lines: HashMap<(Device, u64), ()>,
+    named_lines: HashSet<(Device, u64)>,
     command: String,
     control: u32,
     cupti_dropped: u64,
@@ -308,50 +309,39 @@ struct Attachments {
     processes: BTreeMap<u32, Process>,
     slots_in_use: Vec<u64>,
     producer: crate::ring::Producer,
+    /// Events as drained from a workload's ring, and as translated.
+    drained: Vec<Event>,
     scratch: Vec<Event>,
 }
 
 impl Attachments {
     /// Attaches rings that appeared and removes files of dead processes no
-    /// one attached.
+    /// one attached, in one pass over the directory.
     fn scan(&mut self) {
         let dir = self.config.runtime_dir.clone();
         let Ok(entries) = std::fs::read_dir(&dir) else {
             return;
         };
+        let mut metadata = Vec::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
-            let Some(pid) = name.to_str().and_then(workload::ring_pid) else {
-                continue;
-            };
-            if self.processes.contains_key(&pid) {
-                continue;
+            let Some(name) = name.to_str() else { continue };
+            if let Some(pid) = workload::ring_pid(name) {
+                if !self.processes.contains_key(&pid) {
+                    self.attach(pid, &entry.path());
+                }
+            } else if let Some(pid) = workload::meta_pid(name) {
+                metadata.push((pid, entry.path()));
             }
-            self.attach(pid, &entry.path());
         }
         let _ = remove_stale_rings(&dir);
-        self.remove_orphan_meta(&dir);
-    }
-
-    fn remove_orphan_meta(&self, dir: &Path) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(pid) = name.to_str().and_then(|n| {
-                n.strip_prefix("cuda-")?
-                    .strip_suffix(".meta")?
-                    .parse::<u32>()
-                    .ok()
-            }) else {
-                continue;
-            };
+        // Metadata whose ring is gone and whose process has exited.
+        for (pid, path) in metadata {
             if !self.processes.contains_key(&pid)
                 && !pid_alive(pid)
-                && !workload::ring_path(dir, pid).exists()
+                && !workload::ring_path(&dir, pid).exists()
             {
-                let _ = std::fs::remove_file(entry.path());
+                let _ = std::fs::remove_file(path);
             }
         }
     }
@@ -399,7 +389,7 @@ impl Attachments {
             meta_path: workload::meta_path(&self.config.runtime_dir, pid),
             meta: MetaReader::default(),
             names: HashMap::new(),
-            named_lines: HashMap::new(),
+            named_lines: HashSet::new(),
             command: String::new(),
             control: u32::MAX,
             cupti_dropped: 0,
@@ -487,18 +477,17 @@ impl Attachments {
         let Some(process) = self.processes.get_mut(&pid) else {
             return;
         };
-        let mut raw = Vec::new();
         loop {
-            raw.clear();
-            let report = process.consumer.drain(&mut raw, 1 << 16);
+            self.drained.clear();
+            let report = process.consumer.drain(&mut self.drained, 1 << 16);
             if report.dropped_newest + report.dropped_oldest > 0 {
                 self.status.lock().ring_dropped += report.dropped_newest + report.dropped_oldest;
             }
-            if raw.is_empty() {
+            if self.drained.is_empty() {
                 break;
             }
             self.scratch.clear();
-            for event in &raw {
+            for event in &self.drained {
                 self.scratch.push(translate(&self.registry, process, event));
             }
             let accepted = self.producer.push_batch(&self.scratch);
@@ -552,7 +541,7 @@ fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Event
         _ => mapped.line,
     };
     mapped.line = line;
-    if !process.named_lines.contains_key(&(device, line)) {
+    if process.named_lines.insert((device, line)) {
         let name = match device {
             Device::Gpu(_) => format!("(pid {pid}: {})", process.short_name()),
             _ if line >= SYNTHETIC_LINE_BASE => {
@@ -567,7 +556,6 @@ fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Event
             _ => format!("{} {line} (pid {pid})", process.short_name()),
         };
         registry.name_line(device, line, &name);
-        process.named_lines.insert((device, line), ());
     }
     mapped
 }

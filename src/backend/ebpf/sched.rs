@@ -5,7 +5,7 @@
 //! slices still open at a tick, keeping the delay between an event and its
 //! arrival bounded for threads that run or sleep for a long time.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::records::{
@@ -48,7 +48,7 @@ pub struct SchedTimeline {
     attached_ns: u64,
     running: HashMap<u32, Running>,
     /// CPUs that have had a switch since recording started.
-    cpus_seen: HashMap<u32, ()>,
+    cpus_seen: HashSet<u32>,
     off_cpu: HashMap<u32, OffCpu>,
     threads: HashMap<u32, Thread>,
     comm_names: HashMap<[u8; COMM_LEN], NameId>,
@@ -65,7 +65,7 @@ impl SchedTimeline {
             registry,
             attached_ns: 0,
             running: HashMap::new(),
-            cpus_seen: HashMap::new(),
+            cpus_seen: HashSet::new(),
             off_cpu: HashMap::new(),
             threads: HashMap::new(),
             comm_names: HashMap::new(),
@@ -109,7 +109,7 @@ impl SchedTimeline {
     }
 
     fn switch(&mut self, r: &SchedRecord, now: u64, out: &mut Vec<Event>) {
-        let first_on_cpu = self.cpus_seen.insert(r.cpu, ()).is_none();
+        let first_on_cpu = self.cpus_seen.insert(r.cpu);
         if first_on_cpu {
             self.registry.name_line(
                 Device::HostCpus,
