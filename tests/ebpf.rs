@@ -56,14 +56,7 @@ async fn threads_show_on_cpu_lines_with_their_on_and_off_cpu_time() {
     }
     let workload = start_sched_workload("20");
     let pid = workload.pid.to_string();
-    let agent = AgentProcess::start(&[
-        "--backend",
-        "ebpf",
-        "--ebpf-hooks",
-        "sched",
-        "--ebpf-pid",
-        &pid,
-    ]);
+    let agent = ebpf_agent("sched", &["--ebpf-pid", &pid]);
     let window_ms = 1500.0;
     let space = capture(&agent, window_ms as u64).await;
     let plane = common::plane(&space, "/host:CPUs");
@@ -134,14 +127,7 @@ async fn a_command_name_filter_keeps_only_matching_threads() {
         return;
     }
     let _workload = start_sched_workload("20");
-    let agent = AgentProcess::start(&[
-        "--backend",
-        "ebpf",
-        "--ebpf-hooks",
-        "sched",
-        "--ebpf-comm",
-        "dt-sp",
-    ]);
+    let agent = ebpf_agent("sched", &["--ebpf-comm", "dt-sp"]);
     let space = capture(&agent, 800).await;
     let cpu: Vec<Seen> = events(common::plane(&space, "/host:CPUs"))
         .into_iter()
@@ -152,19 +138,20 @@ async fn a_command_name_filter_keeps_only_matching_threads() {
     assert_eq!(names, ["dt-spinner"].into_iter().collect());
 }
 
+/// An agent running only the eBPF backend with one hook (`sched` or
+/// `cuda`), plus `extra` arguments.
+fn ebpf_agent(hook: &str, extra: &[&str]) -> AgentProcess {
+    let mut args = vec!["--backend", "ebpf", "--ebpf-hooks", hook];
+    args.extend_from_slice(extra);
+    AgentProcess::start(&args)
+}
+
 /// An agent with only the CUDA probes, attached from the start, plus
 /// `extra` arguments; returned once it has probed a driver library.
 async fn cuda_agent(extra: &[&str]) -> AgentProcess {
-    let mut args = vec![
-        "--backend",
-        "ebpf",
-        "--ebpf-hooks",
-        "cuda",
-        "--ebpf-attach",
-        "always",
-    ];
+    let mut args = vec!["--ebpf-attach", "always"];
     args.extend_from_slice(extra);
-    let agent = AgentProcess::start(&args);
+    let agent = ebpf_agent("cuda", &args);
     wait_for_probes(&agent).await;
     agent
 }
@@ -394,16 +381,10 @@ async fn driver_calls_of_a_program_started_after_the_agent_are_seen_from_cu_init
         return;
     }
     let program = cuda_programs("cuda_late");
-    let agent = AgentProcess::start(&[
-        "--backend",
-        "ebpf",
-        "--ebpf-hooks",
+    let agent = ebpf_agent(
         "cuda",
-        "--ebpf-attach",
-        "always",
-        "--ebpf-comm",
-        "cuda_late",
-    ]);
+        &["--ebpf-attach", "always", "--ebpf-comm", "cuda_late"],
+    );
     let dir = tempfile::tempdir().unwrap();
     let release = dir.path().join("go");
     let workload = CudaWorkload::start(
@@ -597,14 +578,7 @@ async fn a_cgroup_filter_keeps_only_that_cgroups_threads() {
     let _outside = start_sched_workload("20");
     std::fs::write(cgroup.0.join("cgroup.procs"), inside.pid.to_string())
         .expect("moving the workload into the cgroup");
-    let agent = AgentProcess::start(&[
-        "--backend",
-        "ebpf",
-        "--ebpf-hooks",
-        "sched",
-        "--ebpf-cgroup",
-        cgroup.0.to_str().unwrap(),
-    ]);
+    let agent = ebpf_agent("sched", &["--ebpf-cgroup", cgroup.0.to_str().unwrap()]);
     let space = capture(&agent, 800).await;
     let pids: std::collections::BTreeSet<u64> = events(common::plane(&space, "/host:CPUs"))
         .iter()
@@ -621,14 +595,7 @@ async fn programs_attach_again_for_every_capture() {
         return;
     }
     let _workload = start_sched_workload("20");
-    let mut agent = AgentProcess::start(&[
-        "--backend",
-        "ebpf",
-        "--ebpf-hooks",
-        "sched",
-        "--ebpf-comm",
-        "dt-sp",
-    ]);
+    let mut agent = ebpf_agent("sched", &["--ebpf-comm", "dt-sp"]);
     // Attached for each capture and detached after it, four times over.
     for round in 0..4 {
         let space = capture(&agent, 300).await;

@@ -91,23 +91,7 @@ pub async fn capture(agent: &AgentProcess, duration_ms: u64) -> XSpace {
 /// The stand-in driver (`libcuda.so.1`, with `libcuda.so` beside it) and a
 /// program linked against it, copied to `name` (its command name).
 pub fn cuda_programs(name: &str) -> std::path::PathBuf {
-    let driver = build_program(
-        "libcuda.c",
-        "libcuda.so.1",
-        &[
-            "-shared",
-            "-fPIC",
-            "-Wl,-soname,libcuda.so.1",
-            "-ldl",
-            "-pthread",
-        ],
-    );
-    let dir = driver.parent().expect("standin directory").to_path_buf();
-    let link = dir.join("libcuda.so");
-    if std::fs::symlink_metadata(&link).is_err() {
-        // Another test process may have made it first.
-        let _ = std::os::unix::fs::symlink("libcuda.so.1", &link);
-    }
+    let dir = standin_library("libcuda.c", "libcuda.so.1", "libcuda.so");
     let search = format!("-L{}", dir.display());
     let rpath = format!("-Wl,-rpath,{}", dir.display());
     build_program(
@@ -115,6 +99,24 @@ pub fn cuda_programs(name: &str) -> std::path::PathBuf {
         name,
         &["-pthread", &search, "-lcuda", &rpath],
     )
+}
+
+/// Builds a stand-in library under its soname, with the unversioned name
+/// (`link`) beside it as real installs have; returns their directory.
+fn standin_library(source: &str, soname: &str, link: &str) -> std::path::PathBuf {
+    let flag = format!("-Wl,-soname,{soname}");
+    let library = build_program(
+        source,
+        soname,
+        &["-shared", "-fPIC", &flag, "-ldl", "-pthread"],
+    );
+    let dir = library.parent().expect("standin directory").to_path_buf();
+    let link = dir.join(link);
+    if std::fs::symlink_metadata(&link).is_err() {
+        // Another test process may have made it first.
+        let _ = std::os::unix::fs::symlink(soname, &link);
+    }
+    dir
 }
 
 /// One call line of the workload's output.
@@ -228,23 +230,7 @@ pub fn hex(call: &Call, key: &str) -> u64 {
 /// The stand-in CUPTI (`libcupti.so.12`, with `libcupti.so` beside it) in
 /// the directory of the stand-in driver; returns that directory.
 pub fn cupti_standin() -> std::path::PathBuf {
-    let library = build_program(
-        "cupti.c",
-        "libcupti.so.12",
-        &[
-            "-shared",
-            "-fPIC",
-            "-Wl,-soname,libcupti.so.12",
-            "-ldl",
-            "-pthread",
-        ],
-    );
-    let dir = library.parent().expect("standin directory").to_path_buf();
-    let link = dir.join("libcupti.so");
-    if std::fs::symlink_metadata(&link).is_err() {
-        let _ = std::os::unix::fs::symlink("libcupti.so.12", &link);
-    }
-    dir
+    standin_library("cupti.c", "libcupti.so.12", "libcupti.so")
 }
 
 /// The injection library built next to the devtrace binary, building it
