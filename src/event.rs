@@ -92,6 +92,11 @@ pub struct KernelInfo {
     pub block: [u32; 3],
     /// Framework op that launched the kernel (`name:Type`), or 0.
     pub tf_op: NameId,
+    /// The CUDA graph this kernel ran as a node of (0: launched directly).
+    pub graph_id: u32,
+    pub graph_node_id: u64,
+    /// Launched from the device (CUDA 13's device-side graph launch).
+    pub device_launched: bool,
 }
 
 /// A host-to-device, device-to-host or device-to-device copy.
@@ -349,6 +354,8 @@ impl Payload {
                 p[4] = pack(k.grid[2], k.block[0]);
                 p[5] = pack(k.block[1], k.block[2]);
                 p[6] = u64::from(k.tf_op.0);
+                p[7] = u64::from(k.graph_id) | (u64::from(k.device_launched) << 32);
+                p[8] = k.graph_node_id;
             }
             Payload::Memcpy(c) => {
                 p[0] = c.correlation_id;
@@ -476,6 +483,9 @@ impl Payload {
                     grid: [gx, gy, gz],
                     block: [bx, by, bz],
                     tf_op: NameId(p[6] as u32),
+                    graph_id: p[7] as u32,
+                    device_launched: (p[7] >> 32) & 1 == 1,
+                    graph_node_id: p[8],
                 })
             }
             4 => Payload::Memcpy(CopyInfo {
@@ -598,6 +608,12 @@ impl Event {
 
     pub fn device(&self) -> Device {
         Device::decode(self.device)
+    }
+
+    /// Moves the event to another plane (a process's CUDA ordinal to its
+    /// physical GPU's plane).
+    pub fn set_device(&mut self, device: Device) {
+        self.device = device.encode();
     }
 
     pub fn name(&self) -> NameId {
@@ -801,6 +817,9 @@ mod tests {
             grid: [1, 2, 3],
             block: [128, 1, 1],
             tf_op: NameId(5),
+            graph_id: 77,
+            graph_node_id: u64::MAX - 1,
+            device_launched: true,
         }));
         round_trip(Payload::Memcpy(CopyInfo {
             correlation_id: 1,

@@ -1,6 +1,11 @@
 //! Everything an event refers to but does not carry: interned names, the names
 //! of lines (threads, streams), and per-device facts such as compute capability.
 //!
+//! GPUs are planes by physical device: a process's CUDA ordinal depends on
+//! its `CUDA_VISIBLE_DEVICES`, so backends key GPUs by UUID and the registry
+//! gives each UUID one plane id, NVML's index where NVML named it first
+//! (nvidia-smi's order), else the next id no GPU holds.
+//!
 //! Backends fill the registry when they start or discover something new; the
 //! XSpace builder reads a [`RegistrySnapshot`] so that a capture sees one
 //! consistent view without holding locks while it builds.
@@ -35,6 +40,26 @@ pub struct Registry {
     names: RwLock<Names>,
     lines: RwLock<HashMap<(Device, u64), NameId>>,
     devices: RwLock<BTreeMap<Device, DeviceInfo>>,
+    /// Plane id of each physical GPU, by UUID.
+    gpus: RwLock<HashMap<String, u16>>,
+}
+
+/// A GPU UUID's 16 bytes in NVML's text form, `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn gpu_uuid_text(bytes: &[u8; 16]) -> String {
+    let hex = |range: std::ops::Range<usize>| {
+        bytes[range]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex(0..4),
+        hex(4..6),
+        hex(6..8),
+        hex(8..10),
+        hex(10..16)
+    )
 }
 
 impl Default for Registry {
@@ -47,6 +72,7 @@ impl Default for Registry {
             names: RwLock::new(names),
             lines: RwLock::default(),
             devices: RwLock::default(),
+            gpus: RwLock::default(),
         }
     }
 }
@@ -81,6 +107,28 @@ impl Registry {
     /// Records what is known about a device; replaces earlier facts.
     pub fn describe_device(&self, device: Device, info: DeviceInfo) {
         self.devices.write().insert(device, info);
+    }
+
+    /// Records that the GPU `uuid` is plane `plane` (NVML's index). A UUID
+    /// already placed keeps its plane.
+    pub fn register_gpu(&self, uuid: &str, plane: u16) {
+        self.gpus
+            .write()
+            .entry(uuid.to_ascii_lowercase())
+            .or_insert(plane);
+    }
+
+    /// The plane of the GPU `uuid`, placing it on the lowest free id the
+    /// first time (a GPU NVML did not name, or no NVML).
+    pub fn gpu_plane(&self, uuid: &str) -> u16 {
+        let uuid = uuid.to_ascii_lowercase();
+        if let Some(plane) = self.gpus.read().get(&uuid) {
+            return *plane;
+        }
+        let mut gpus = self.gpus.write();
+        let taken: std::collections::HashSet<u16> = gpus.values().copied().collect();
+        let free = (0..=u16::MAX).find(|id| !taken.contains(id)).unwrap_or(0);
+        *gpus.entry(uuid).or_insert(free)
     }
 
     pub fn snapshot(&self) -> RegistrySnapshot {
@@ -138,5 +186,21 @@ mod tests {
         assert_eq!(snapshot.name(NameId(9999)), "");
         assert_eq!(snapshot.line_name(Device::Host, 17), Some("python"));
         assert_eq!(snapshot.line_name(Device::Gpu(0), 17), None);
+    }
+
+    #[test]
+    fn gpus_keep_nvml_order_and_others_take_free_planes() {
+        let registry = Registry::new();
+        registry.register_gpu("GPU-AAAA", 0);
+        registry.register_gpu("GPU-bbbb", 1);
+        assert_eq!(registry.gpu_plane("GPU-bbbb"), 1);
+        assert_eq!(registry.gpu_plane("gpu-aaaa"), 0);
+        // Unknown to NVML: the lowest free id, then stable.
+        assert_eq!(registry.gpu_plane("MIG-cccc"), 2);
+        assert_eq!(registry.gpu_plane("MIG-cccc"), 2);
+        assert_eq!(
+            gpu_uuid_text(&[0x5e, 0x7a, 0x4d, 0x1b, 0, 0, 0x40, 0, 0x80, 0, 0, 0, 0, 0, 0, 3]),
+            "GPU-5e7a4d1b-0000-4000-8000-000000000003"
+        );
     }
 }

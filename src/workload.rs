@@ -73,12 +73,29 @@ pub enum MetaRecord {
     Process { pid: u32, command: String },
     /// What a process-local name id stands for.
     Name { id: u32, text: String },
-    /// Facts about a GPU the process uses, by its CUDA ordinal.
-    Device { ordinal: u16, info: DeviceInfo },
+    /// Facts about a GPU the process uses, by its CUDA ordinal (which
+    /// `CUDA_VISIBLE_DEVICES` renumbers per process), with the physical
+    /// GPU's UUID in NVML's form (`GPU-xxxxxxxx-...`) when CUPTI gave one.
+    Device {
+        ordinal: u16,
+        uuid: Option<String>,
+        info: DeviceInfo,
+    },
     /// Records CUPTI dropped in this process so far (a running total).
     Dropped { total: u64 },
     /// Something went wrong in the library; it went quiet afterwards.
     Error { message: String },
+    /// Something the trace should mention; the library goes on.
+    Warning { message: String },
+    /// The libcupti the library loaded: its API version and where it came
+    /// from.
+    Cupti { version: u32, origin: String },
+    /// Another CUPTI user in the process took the activity stream at
+    /// `at_ns` (`CLOCK_REALTIME`); `seen` when its calls were seen, so its
+    /// end will be reported with [`MetaRecord::Resumed`].
+    Displaced { at_ns: u64, seen: bool },
+    /// The library has the activity stream again from `at_ns`.
+    Resumed { at_ns: u64 },
 }
 
 fn escape(text: &str) -> String {
@@ -122,8 +139,12 @@ impl MetaRecord {
         match self {
             MetaRecord::Process { pid, command } => format!("process {pid} {}\n", escape(command)),
             MetaRecord::Name { id, text } => format!("name {id} {}\n", escape(text)),
-            MetaRecord::Device { ordinal, info } => format!(
-                "device {ordinal} {} {} {}.{} {} {} {} {}\n",
+            MetaRecord::Device {
+                ordinal,
+                uuid,
+                info,
+            } => format!(
+                "device {ordinal} {} {} {}.{} {} {} {} {} {}\n",
                 escape(&info.vendor),
                 escape(&info.model),
                 info.compute_capability.0,
@@ -131,10 +152,22 @@ impl MetaRecord {
                 info.core_count,
                 info.clock_rate_khz,
                 info.memory_bytes,
-                info.memory_bandwidth_bytes_per_s
+                info.memory_bandwidth_bytes_per_s,
+                uuid.as_deref().map_or_else(|| "-".to_string(), escape)
             ),
             MetaRecord::Dropped { total } => format!("dropped {total}\n"),
             MetaRecord::Error { message } => format!("error {}\n", escape(message)),
+            MetaRecord::Warning { message } => format!("warning {}\n", escape(message)),
+            MetaRecord::Cupti { version, origin } => {
+                format!("cupti {version} {}\n", escape(origin))
+            }
+            MetaRecord::Displaced { at_ns, seen } => {
+                format!(
+                    "displaced {at_ns} {}\n",
+                    if *seen { "seen" } else { "probe" }
+                )
+            }
+            MetaRecord::Resumed { at_ns } => format!("resumed {at_ns}\n"),
         }
     }
 
@@ -166,6 +199,11 @@ impl MetaRecord {
                         memory_bytes: fields.next()?.parse().ok()?,
                         memory_bandwidth_bytes_per_s: fields.next()?.parse().ok()?,
                     },
+                    // Absent in records of older libraries.
+                    uuid: match fields.next() {
+                        None | Some("-") => None,
+                        Some(uuid) => Some(unescape(uuid)?),
+                    },
                 }
             }
             "dropped" => MetaRecord::Dropped {
@@ -173,6 +211,24 @@ impl MetaRecord {
             },
             "error" => MetaRecord::Error {
                 message: unescape(fields.next()?)?,
+            },
+            "warning" => MetaRecord::Warning {
+                message: unescape(fields.next()?)?,
+            },
+            "cupti" => MetaRecord::Cupti {
+                version: fields.next()?.parse().ok()?,
+                origin: unescape(fields.next()?)?,
+            },
+            "displaced" => MetaRecord::Displaced {
+                at_ns: fields.next()?.parse().ok()?,
+                seen: match fields.next()? {
+                    "seen" => true,
+                    "probe" => false,
+                    _ => return None,
+                },
+            },
+            "resumed" => MetaRecord::Resumed {
+                at_ns: fields.next()?.parse().ok()?,
             },
             _ => return None,
         };
@@ -268,6 +324,7 @@ mod tests {
             },
             MetaRecord::Device {
                 ordinal: 1,
+                uuid: Some("GPU-5e7a4d1b-0000-4000-8000-000000000003".into()),
                 info: DeviceInfo {
                     vendor: "Nvidia".into(),
                     model: "NVIDIA H100 80GB HBM3".into(),
@@ -278,11 +335,37 @@ mod tests {
                     memory_bandwidth_bytes_per_s: 3_350_000_000_000,
                 },
             },
+            MetaRecord::Device {
+                ordinal: 0,
+                uuid: None,
+                info: DeviceInfo::default(),
+            },
             MetaRecord::Dropped { total: 12 },
             MetaRecord::Error {
                 message: "cuptiActivityEnable failed: CUPTI_ERROR_NOT_INITIALIZED".into(),
             },
+            MetaRecord::Warning {
+                message: "libcupti 13.0 GA has bugs".into(),
+            },
+            MetaRecord::Displaced {
+                at_ns: 1_700_000_000_000_000_000,
+                seen: true,
+            },
+            MetaRecord::Displaced {
+                at_ns: 5,
+                seen: false,
+            },
+            MetaRecord::Resumed { at_ns: 6 },
+            MetaRecord::Cupti {
+                version: 130001,
+                origin: "/venv/site-packages/nvidia/cu13/lib/libcupti.so.13".into(),
+            },
         ];
+        // A device record of an older library, without the UUID field.
+        assert!(matches!(
+            MetaRecord::decode("device 0 Nvidia GPU 9.0 132 1980000 1024 2048"),
+            Some(MetaRecord::Device { uuid: None, .. })
+        ));
         for record in &records {
             let line = record.encode();
             assert!(

@@ -118,13 +118,37 @@ fn plane_stat(space: &XSpace, plane: &str, name: &str) -> Option<StatValue> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn kernels_copies_and_calls_of_an_injected_process_arrive_exactly() {
+async fn kernels_copies_and_calls_arrive_exactly_with_cupti_12_8_records() {
+    exact_run("26").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kernels_copies_and_calls_arrive_exactly_with_cupti_13_0_records() {
+    exact_run("130001").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kernels_copies_and_calls_arrive_exactly_with_cupti_13_1_records() {
+    exact_run("130101").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kernels_copies_and_calls_arrive_exactly_with_cupti_13_4_records() {
+    exact_run("130401").await;
+}
+
+/// One workload under the stand-in CUPTI of API `version`, whose records
+/// have that release's layout: the trace holds exactly what it did.
+async fn exact_run(version: &str) {
     let setup = setup("cuda_injected");
     let agent = setup.agent();
     let release = release_file(&setup, "exact");
     let workload = setup.workload(
         &["3", "--wait-file", release.to_str().unwrap()],
-        &[("DEVTRACE_STANDIN_CUPTI_DROP", "5")],
+        &[
+            ("DEVTRACE_STANDIN_CUPTI_DROP", "5"),
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", version),
+        ],
     );
     workload.read_until("waiting");
     let pid = workload.workload.pid;
@@ -237,8 +261,16 @@ async fn kernels_copies_and_calls_of_an_injected_process_arrive_exactly() {
     ];
     assert_eq!(memory, [one.clone(), one.clone(), one].concat());
 
-    // The process and its command line are in the Task Environment.
+    // The process, its command line and its libcupti are in the Task
+    // Environment.
     let env = common::plane(&space, "Task Environment");
+    match find_stat(env, &env.stats, &format!("devtrace_cuda_cupti_{pid}")) {
+        Some(StatValue::Str(cupti)) => assert!(
+            cupti.starts_with(&format!("API version {version} from ")),
+            "{cupti}"
+        ),
+        other => panic!("no libcupti for {pid}: {other:?}"),
+    }
     match find_stat(env, &env.stats, &format!("devtrace_cuda_process_{pid}")) {
         Some(StatValue::Str(command)) => assert!(
             command.ends_with(&format!(
@@ -512,15 +544,22 @@ fn real_cupti_dir() -> Option<PathBuf> {
         .collect();
     candidates.push("/usr/local/cuda/extras/CUPTI/lib64".into());
     candidates.push("/usr/local/cuda/lib64".into());
-    if let Ok(out) = std::process::Command::new("python3")
-        .args(["-c", "import nvidia.cuda_cupti, os; print(os.path.join(list(nvidia.cuda_cupti.__path__)[0], 'lib'))"])
-        .output()
-    {
-        candidates.push(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+    for package in ["nvidia.cu13", "nvidia.cuda_cupti"] {
+        let script = format!(
+            "import {package}, os; print(os.path.join(list({package}.__path__)[0], 'lib'))"
+        );
+        if let Ok(out) = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .output()
+        {
+            candidates.push(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+        }
     }
-    candidates
-        .into_iter()
-        .find(|dir| dir.join("libcupti.so.12").exists() || dir.join("libcupti.so").exists())
+    candidates.into_iter().find(|dir| {
+        ["libcupti.so.13", "libcupti.so.12", "libcupti.so"]
+            .iter()
+            .any(|name| dir.join(name).exists())
+    })
 }
 
 /// On a machine with an NVIDIA GPU: the same program with real PTX, the
@@ -594,14 +633,14 @@ async fn ld_preload_loads_the_library_as_well() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_cupti_release_with_other_record_layouts_is_refused() {
+async fn a_cupti_of_an_unknown_major_is_refused_with_one_message() {
     let setup = setup("cuda_newer_cupti");
     let agent = setup.agent();
     let release = release_file(&setup, "newer");
-    // CUDA 13's CUPTI reports kernels in a different record version.
+    // A CUDA 14 CUPTI: its records may be laid out in ways not known here.
     let mut workload = setup.workload(
         &["2", "--wait-file", release.to_str().unwrap()],
-        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "140000")],
     );
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
@@ -611,16 +650,512 @@ async fn a_cupti_release_with_other_record_layouts_is_refused() {
     let gpu = timed(&space, "/device:GPU:0");
     assert!(gpu.is_empty(), "nothing misread: {gpu:?}");
     let stderr = stderr_of(&mut workload);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
     assert!(
-        stderr.contains("libcupti has API version 130001"),
+        lines[0].contains("libcupti has API version 140000 (CUDA 14)"),
         "{stderr}"
     );
     assert!(
         space
             .warnings
             .iter()
-            .any(|w| w.contains("stopped tracing: libcupti has API version 130001")),
+            .any(|w| w.contains("stopped tracing") && w.contains("API version 140000")),
         "{:?}",
         space.warnings
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cupti_13_0_ga_is_read_with_a_warning_about_its_bugs() {
+    let setup = setup("cuda_13_0_ga");
+    let agent = setup.agent();
+    let release = release_file(&setup, "ga");
+    let mut workload = setup.workload(
+        &["2", "--wait-file", release.to_str().unwrap()],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130000")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    calls_until_done(&workload);
+    assert!(workload.workload.child.wait().unwrap().success());
+    let kernels = timed(&space, "/device:GPU:0")
+        .iter()
+        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
+        .count();
+    assert_eq!(kernels, 4);
+    assert!(stderr_of(&mut workload).contains("13.0 Update 1"));
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains("13.0 GA (API version 130000) has bugs")),
+        "{:?}",
+        space.warnings
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kernels_of_cuda_graph_replays_carry_their_graph_and_node() {
+    let setup = setup("cuda_graphs");
+    let agent = setup.agent();
+    let release = release_file(&setup, "graphs");
+    let workload = setup.workload(
+        &["2", "--graph", "--wait-file", release.to_str().unwrap()],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130401")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    let calls = calls_until_done(&workload);
+    let gpu = timed(&space, "/device:GPU:0");
+    let graph_kernels: Vec<&Seen> = gpu
+        .iter()
+        .map(|(e, _)| e)
+        .filter(|e| e.stats.contains_key("cuda_graph_id"))
+        .collect();
+    // Two replays of a graph of two kernel nodes.
+    assert_eq!(graph_kernels.len(), 4, "{gpu:?}");
+    let mut nodes: Vec<u64> = graph_kernels
+        .iter()
+        .map(|e| uint(e, "cuda_graph_node_id"))
+        .collect();
+    nodes.sort();
+    assert_eq!(nodes, [1, 1, 2, 2]);
+    // Both kernels of a replay share the correlation id of its cuGraphLaunch.
+    let host = timed(&space, "/host:CPU");
+    let replays = calls.iter().filter(|c| c.name == "cuGraphLaunch").count();
+    assert_eq!(replays, 2);
+    for kernel in &graph_kernels {
+        let id = uint(kernel, "correlation_id");
+        let launch = host
+            .iter()
+            .filter(|(e, _)| e.name == "cuGraphLaunch")
+            .filter(|(e, _)| uint(e, "correlation_id") == id)
+            .count();
+        assert_eq!(launch, 1, "kernel with correlation {id}");
+        assert!(!kernel.stats.contains_key("device_launched"));
+    }
+    // Kernels launched directly carry no graph.
+    let direct = gpu
+        .iter()
+        .filter(|(e, _)| !e.stats.contains_key("cuda_graph_id"))
+        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
+        .count();
+    assert_eq!(direct, 4);
+}
+
+/// One GPU plane per physical GPU: two processes that each see their GPU as
+/// CUDA ordinal 0 (`CUDA_VISIBLE_DEVICES`, as under Kubernetes, Slurm or
+/// torchrun) land on the planes NVML numbers them by, beside its counters.
+#[tokio::test(flavor = "multi_thread")]
+async fn processes_on_two_physical_gpus_get_the_planes_nvml_gives_them() {
+    let setup = setup("cuda_two_gpus");
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("nvml.ctl");
+    std::fs::write(&control, "gpus=2\n").unwrap();
+    let nvml = common::build_standin("nvml.c", "libnvidia-ml.so.1");
+    let agent = AgentProcess::start_with_env(
+        &[
+            "--backend",
+            "cuda",
+            "--backend",
+            "nvml",
+            "--nvml-library",
+            nvml.to_str().unwrap(),
+            "--nvml-interval",
+            "5ms",
+            "--runtime-dir",
+            setup.runtime.path().to_str().unwrap(),
+        ],
+        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
+    );
+    let release = release_file(&setup, "two");
+    let args = ["2", "--wait-file", release.to_str().unwrap()];
+    // The process on physical GPU 1 starts first: were planes handed out by
+    // arrival, it would take plane 0.
+    let on_gpu1 = setup.workload(
+        &args,
+        &[
+            ("DEVTRACE_STANDIN_GPUS", "2"),
+            ("CUDA_VISIBLE_DEVICES", "1"),
+        ],
+    );
+    on_gpu1.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let on_gpu0 = setup.workload(
+        &args,
+        &[
+            ("DEVTRACE_STANDIN_GPUS", "2"),
+            ("CUDA_VISIBLE_DEVICES", "0"),
+        ],
+    );
+    let also_on_gpu1 = setup.workload(
+        &args,
+        &[
+            ("DEVTRACE_STANDIN_GPUS", "2"),
+            ("CUDA_VISIBLE_DEVICES", "1"),
+        ],
+    );
+    on_gpu0.read_until("waiting");
+    also_on_gpu1.read_until("waiting");
+    wait_for_attached(&agent, 3).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    for workload in [&on_gpu1, &on_gpu0, &also_on_gpu1] {
+        calls_until_done(workload);
+    }
+    let kernels_by_pid = |plane: &str| -> BTreeMap<u32, usize> {
+        let mut by_pid = BTreeMap::new();
+        for (e, _) in timed(&space, plane) {
+            if e.name == "vector_add" || e.name == "matmul_tiled" {
+                let pid =
+                    e.line.split("(pid ").nth(1).and_then(|rest| {
+                        rest.split(':').next().and_then(|p| p.parse::<u32>().ok())
+                    });
+                *by_pid
+                    .entry(pid.expect("pid in the line name"))
+                    .or_default() += 1;
+            }
+        }
+        by_pid
+    };
+    let pids = |workloads: &[&CudaWorkload]| -> BTreeMap<u32, usize> {
+        workloads.iter().map(|w| (w.workload.pid, 4)).collect()
+    };
+    assert_eq!(kernels_by_pid("/device:GPU:0"), pids(&[&on_gpu0]));
+    assert_eq!(
+        kernels_by_pid("/device:GPU:1"),
+        pids(&[&on_gpu1, &also_on_gpu1])
+    );
+    assert!(space
+        .planes
+        .iter()
+        .all(|p| !p.name.starts_with("/device:GPU:") || p.name.len() == "/device:GPU:0".len()));
+    // NVML's counters share each plane with its kernels.
+    for plane in ["/device:GPU:0", "/device:GPU:1"] {
+        let counters = common::plane(&space, plane)
+            .lines
+            .iter()
+            .any(|l| l.name == "_counters_" && !l.events.is_empty());
+        assert!(counters, "no NVML counters on {plane}");
+    }
+}
+
+/// Captures 2.5 s of a workload running 6 iterations 150 ms apart, whose
+/// second CUPTI user (a stand-in for torch.profiler) records iterations 2
+/// and 3, the library loaded through `variable`. Returns the trace, the
+/// workload's output and our kernels with their times; the rival must have
+/// got all of its kernels.
+async fn capture_beside_a_rival(
+    name: &str,
+    variable: &str,
+) -> (XSpace, Vec<String>, Vec<(Seen, u64)>) {
+    let setup = setup(name);
+    let agent = setup.agent();
+    let release = release_file(&setup, "rival");
+    let workload = rival_workload(&setup, variable, &release);
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2500, &release).await;
+    let lines = workload.read_until("done");
+    let (rival_kernels, _, _) = rival_report(&lines);
+    assert_eq!(rival_kernels, 4, "the other profiler keeps working");
+    let ours = timed(&space, "/device:GPU:0")
+        .into_iter()
+        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
+        .collect();
+    (space, lines, ours)
+}
+
+fn rival_workload(setup: &Setup, variable: &str, release: &std::path::Path) -> CudaWorkload {
+    setup.workload_loading(
+        variable,
+        &[
+            "6",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "150",
+            "--rival-at",
+            "2",
+            "--rival-iterations",
+            "2",
+        ],
+        &[],
+    )
+}
+
+/// The rival's report: kernels it received and its span on the host clock.
+fn rival_report(lines: &[String]) -> (usize, u64, u64) {
+    let line = lines
+        .iter()
+        .find(|l| l.starts_with("rival:"))
+        .unwrap_or_else(|| panic!("no rival line: {lines:?}"));
+    let field = |key: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(key))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{key} in {line}"))
+    };
+    (
+        field("kernels=") as usize,
+        field("start_ns="),
+        field("end_ns="),
+    )
+}
+
+/// The lost span a warning reports, in seconds from the window's start.
+fn lost_span(space: &XSpace) -> (f64, f64) {
+    let warning = space
+        .warnings
+        .iter()
+        .find(|w| w.contains("another CUPTI user"))
+        .unwrap_or_else(|| panic!("no lost span in {:?}", space.warnings));
+    let numbers: Vec<f64> = warning
+        .split(" from ")
+        .nth(1)
+        .expect("from")
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (numbers[0], numbers[1])
+}
+
+/// Preloaded, the library sees the other user's calls: it steps aside when
+/// its callbacks are replaced and takes the stream back as soon as the other
+/// user has switched its kinds off. Both get every kernel of their part.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_cupti_user_is_stepped_aside_for_and_the_stream_taken_back() {
+    let (space, lines, ours) = capture_beside_a_rival("cuda_rival_seen", "LD_PRELOAD").await;
+    let (_, rival_start, rival_end) = rival_report(&lines);
+    // Iterations 0, 1, 4 and 5 are ours; none of the rival's is.
+    assert_eq!(ours.len(), 8, "{:?}", space.warnings);
+    assert!(ours
+        .iter()
+        .all(|(_, at)| *at < rival_start || *at > rival_end));
+    let (start, _) = common::window_of(&space);
+    let (from, to) = lost_span(&space);
+    let seconds = |ns: u64| (ns - start) as f64 / 1e9;
+    // The reported span covers the rival's and ends within a tick of it.
+    assert!(
+        from <= seconds(rival_start) + 0.001,
+        "{from} vs {}",
+        seconds(rival_start)
+    );
+    assert!(to + 0.001 >= seconds(rival_end) && to <= seconds(rival_end) + 0.1);
+    assert!(space
+        .warnings
+        .iter()
+        .any(|w| w.contains("has the CUPTI activity stream again")));
+}
+
+/// Loaded by the driver, the library cannot see the other user's calls: its
+/// probe notices that its records stopped, and the trace says from when.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unseen_second_cupti_user_is_noticed_and_the_loss_reported() {
+    let (space, lines, ours) =
+        capture_beside_a_rival("cuda_rival_unseen", "CUDA_INJECTION64_PATH").await;
+    let (_, rival_start, _) = rival_report(&lines);
+    // Before the rival: iterations 0 and 1.
+    assert_eq!(ours.len(), 4, "{:?}", space.warnings);
+    let (start, _) = common::window_of(&space);
+    let (from, to) = lost_span(&space);
+    let seconds = |ns: u64| (ns - start) as f64 / 1e9;
+    let last_call = lines
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .map(|c| c.realtime.1)
+        .max()
+        .expect("calls");
+    // It begins when the library last knew it had the stream: at most one
+    // probe interval (100 ms) before the rival took it.
+    let rival_from = seconds(rival_start);
+    assert!(
+        from <= rival_from && from >= rival_from - 0.15,
+        "{from} vs {rival_from}"
+    );
+    // Nothing told it the rival finished: lost until the process exited.
+    assert!(to >= seconds(last_call), "{to} vs {}", seconds(last_call));
+}
+
+/// The libcupti a process of this test loaded, as the trace names it.
+fn cupti_of(space: &XSpace, pid: u32) -> String {
+    let env = common::plane(space, "Task Environment");
+    match find_stat(env, &env.stats, &format!("devtrace_cuda_cupti_{pid}")) {
+        Some(StatValue::Str(text)) => text,
+        other => panic!("no libcupti recorded for {pid}: {other:?}"),
+    }
+}
+
+/// The real libcupti of CUDA 12.8 and 13.0 (pip wheels, which work without a
+/// GPU as far as `cuptiGetVersion`): found where pip installs it, beside a
+/// CUDA library the process maps, and its version accepted. Enabling
+/// activity then fails (no real driver here): one message, a warning in the
+/// trace, and the workload's calls unaffected.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_real_libcupti_12_and_13_are_found_in_pip_layouts_and_accepted() {
+    for (requirement, package, soname, version) in [
+        (
+            "nvidia-cuda-cupti-cu12==12.8.90",
+            "cuda_cupti",
+            "libcupti.so.12",
+            26,
+        ),
+        (
+            "nvidia-cuda-cupti==13.0.85",
+            "cu13",
+            "libcupti.so.13",
+            130001,
+        ),
+    ] {
+        let wheel = real_cupti_wheel(requirement);
+        let setup = setup("cuda_real_cupti");
+        // site-packages/nvidia/<package>/lib holds the real libcupti, and
+        // site-packages/nvidia/cuda_runtime/lib the driver the process maps
+        // (only that one is on the loader's path).
+        let nvidia = setup.runtime.path().join("site-packages/nvidia");
+        let cupti_dir = nvidia.join(package).join("lib");
+        let driver_dir = nvidia.join("cuda_runtime/lib");
+        std::fs::create_dir_all(&cupti_dir).unwrap();
+        std::fs::create_dir_all(&driver_dir).unwrap();
+        let real = wheel.join(package).join("lib").join(soname);
+        std::os::unix::fs::symlink(&real, cupti_dir.join(soname)).unwrap();
+        for name in ["libcuda.so.1", "libcuda.so"] {
+            std::fs::copy(setup.libraries.join("libcuda.so.1"), driver_dir.join(name)).unwrap();
+        }
+        let agent = setup.agent();
+        let release = release_file(&setup, "real");
+        let mut workload = CudaWorkload::start(
+            &setup.program,
+            &["2", "--wait-file", release.to_str().unwrap()],
+            &[
+                ("LD_LIBRARY_PATH", driver_dir.to_str().unwrap()),
+                ("CUDA_INJECTION64_PATH", setup.inject.to_str().unwrap()),
+                (
+                    "DEVTRACE_RUNTIME_DIR",
+                    setup.runtime.path().to_str().unwrap(),
+                ),
+            ],
+        );
+        workload.read_until("waiting");
+        let pid = workload.workload.pid;
+        wait_for_attached(&agent, 1).await;
+        let space = capture_while(&agent, 1500, &release).await;
+        let calls = calls_until_done(&workload);
+        assert!(workload.workload.child.wait().unwrap().success());
+        assert!(calls.iter().all(|c| c.fields["rc"] == "0"), "{calls:?}");
+        assert_eq!(
+            cupti_of(&space, pid),
+            format!(
+                "API version {version} from {}",
+                cupti_dir.join(soname).display()
+            )
+        );
+        // The stand-in driver is no driver CUPTI can work with.
+        let stderr = stderr_of(&mut workload);
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{stderr}");
+        assert!(lines[0].starts_with("devtrace-inject: cupti"), "{stderr}");
+        assert!(
+            space
+                .warnings
+                .iter()
+                .any(|w| w.contains("stopped tracing: cupti")),
+            "{:?}",
+            space.warnings
+        );
+    }
+}
+
+/// A libcupti the process already has is used, never a second copy.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_libcupti_the_process_already_loaded_is_reused() {
+    let setup = setup("cuda_cupti_loaded");
+    let elsewhere = setup.runtime.path().join("other-cupti");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    std::fs::copy(
+        setup.libraries.join("libcupti.so.12"),
+        elsewhere.join("libcupti.so.12"),
+    )
+    .unwrap();
+    let agent = setup.agent();
+    let release = release_file(&setup, "loaded");
+    let preloaded = setup.libraries.join("libcupti.so.12");
+    let workload = setup.workload(
+        &["2", "--wait-file", release.to_str().unwrap()],
+        &[
+            ("LD_PRELOAD", preloaded.to_str().unwrap()),
+            ("DEVTRACE_CUPTI_PATH", elsewhere.to_str().unwrap()),
+        ],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    calls_until_done(&workload);
+    assert_eq!(
+        cupti_of(&space, pid),
+        "API version 26 from libcupti.so.12 (already loaded)"
+    );
+    let kernels = timed(&space, "/device:GPU:0")
+        .iter()
+        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
+        .count();
+    assert_eq!(kernels, 4);
+}
+
+/// `DEVTRACE_CUPTI_PATH` names the library when nothing is loaded yet.
+#[tokio::test(flavor = "multi_thread")]
+async fn devtrace_cupti_path_names_the_library_to_load() {
+    let setup = setup("cuda_cupti_path");
+    let chosen = setup.runtime.path().join("chosen");
+    std::fs::create_dir_all(&chosen).unwrap();
+    std::fs::copy(
+        setup.libraries.join("libcupti.so.12"),
+        chosen.join("libcupti.so.12"),
+    )
+    .unwrap();
+    let agent = setup.agent();
+    let release = release_file(&setup, "path");
+    // The loader's path holds only the driver: nothing else would find it.
+    let driver_only = setup.runtime.path().join("driver");
+    std::fs::create_dir_all(&driver_only).unwrap();
+    std::fs::copy(
+        setup.libraries.join("libcuda.so.1"),
+        driver_only.join("libcuda.so.1"),
+    )
+    .unwrap();
+    let workload = CudaWorkload::start(
+        &setup.program,
+        &["2", "--wait-file", release.to_str().unwrap()],
+        &[
+            ("LD_LIBRARY_PATH", driver_only.to_str().unwrap()),
+            ("CUDA_INJECTION64_PATH", setup.inject.to_str().unwrap()),
+            (
+                "DEVTRACE_RUNTIME_DIR",
+                setup.runtime.path().to_str().unwrap(),
+            ),
+            ("DEVTRACE_CUPTI_PATH", chosen.to_str().unwrap()),
+        ],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    calls_until_done(&workload);
+    assert_eq!(
+        cupti_of(&space, pid),
+        format!(
+            "API version 26 from {}",
+            chosen.join("libcupti.so.12").display()
+        )
+    );
+    assert_eq!(
+        timed(&space, "/device:GPU:0")
+            .iter()
+            .filter(|(e, _)| e.name == "vector_add")
+            .count(),
+        2
     );
 }

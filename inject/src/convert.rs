@@ -2,49 +2,22 @@
 //! `/device:GPU:<n>` stream lines; driver and runtime calls, NVTX ranges and
 //! allocations on host lines; device facts and names as metadata records.
 //!
-//! Records are read field by field through raw pointers, never as Rust
-//! references: cudarc types several fields as Rust enums, and a value a
-//! newer libcupti adds would make a reference to the whole record invalid.
+//! Records are read field by field through [`RecordRef`], by the layout of
+//! the running libcupti's API version ([`crate::cupti::layout`]); fields a
+//! version lacks read as absent. Kernel names are demangled with the C++
+//! runtime's `__cxa_demangle` when the process has one (framework profilers
+//! show them that way too).
 
 use std::collections::HashMap;
-use std::ffi::{c_char, CStr};
-use std::mem::offset_of;
 
-use cudarc::cupti::sys::{
-    CUpti_ActivityAPI, CUpti_ActivityDevice5, CUpti_ActivityKernel9, CUpti_ActivityMarker2,
-    CUpti_ActivityMemcpy6, CUpti_ActivityMemory4, CUpti_ActivityMemset4, CUpti_ActivityOverhead3,
-    CUpti_ActivitySynchronization2,
-};
 use devtrace::event::{
     AllocatorTally, CopyInfo, CopyKind, Device, Event, KernelInfo, MemsetInfo, NameId, Payload,
 };
 use devtrace::registry::DeviceInfo;
 use devtrace::workload::{MetaRecord, LINE_MEMORY, LINE_OVERHEAD, LINE_SYNCHRONIZATION};
 
-/// A field of a record at `ptr`, copied out without forming a reference.
-macro_rules! field {
-    ($ptr:expr, $ty:ty, $field:ident) => {
-        // SAFETY: callers pass a pointer to a complete record of this type
-        // inside a buffer CUPTI filled; the read is unaligned-safe.
-        unsafe { std::ptr::addr_of!((*($ptr as *const $ty)).$field).read_unaligned() }
-    };
-}
-
-/// A 32-bit field read as a plain number (for fields cudarc types as enums).
-fn raw_u32(ptr: *const u8, offset: usize) -> u32 {
-    // SAFETY: as for `field!`; the offset lies inside the record.
-    unsafe { ptr.add(offset).cast::<u32>().read_unaligned() }
-}
-
-fn c_string(ptr: *const c_char) -> Option<String> {
-    // SAFETY: CUPTI's strings are NUL-terminated and live at least as long
-    // as the buffer being read.
-    (!ptr.is_null()).then(|| {
-        unsafe { CStr::from_ptr(ptr) }
-            .to_string_lossy()
-            .into_owned()
-    })
-}
+use crate::cupti::kind;
+use crate::cupti::layout::{self, RecordRef};
 
 /// CUPTI's clock to `CLOCK_REALTIME`, from a pair of readings.
 #[derive(Clone, Copy, Debug, Default)]
@@ -94,18 +67,6 @@ fn occupancy(limits: &Limits, threads: u32, registers: u32, shared: u32) -> f32 
     (blocks * warps) as f32 * 100.0 / limits.max_warps as f32
 }
 
-const KIND_MEMCPY: u32 = 1;
-const KIND_MEMSET: u32 = 2;
-const KIND_KERNEL: u32 = 3;
-const KIND_DRIVER: u32 = 4;
-const KIND_RUNTIME: u32 = 5;
-const KIND_DEVICE: u32 = 8;
-const KIND_CONCURRENT_KERNEL: u32 = 10;
-const KIND_MARKER: u32 = 12;
-const KIND_OVERHEAD: u32 = 17;
-const KIND_SYNCHRONIZATION: u32 = 38;
-const KIND_MEMORY2: u32 = 49;
-
 const MARKER_INSTANT: u32 = 1;
 const MARKER_START: u32 = 2;
 const MARKER_END: u32 = 4;
@@ -116,6 +77,8 @@ const OBJECT_KIND_THREAD: u32 = 2;
 /// use it are pushed.
 pub struct Converter {
     pid: u32,
+    /// The running libcupti's API version, which decides record layouts.
+    version: u32,
     pub clock: ClockMap,
     names: HashMap<String, u32>,
     api_names: HashMap<(bool, u32), NameId>,
@@ -129,9 +92,14 @@ pub struct Converter {
 }
 
 impl Converter {
-    pub fn new(pid: u32, callback_name: fn(bool, u32) -> Option<String>) -> Converter {
+    pub fn new(
+        pid: u32,
+        version: u32,
+        callback_name: fn(bool, u32) -> Option<String>,
+    ) -> Converter {
         Converter {
             pid,
+            version,
             clock: ClockMap::default(),
             names: HashMap::new(),
             api_names: HashMap::new(),
@@ -165,17 +133,20 @@ impl Converter {
     /// buffer) and appends what it becomes to `out`. Unknown kinds are
     /// skipped.
     pub fn convert(&mut self, record: *const u8, out: &mut Vec<Event>) {
-        match raw_u32(record, 0) {
-            KIND_KERNEL | KIND_CONCURRENT_KERNEL => self.kernel(record, out),
-            KIND_MEMCPY => self.memcpy(record, out),
-            KIND_MEMSET => self.memset(record, out),
-            KIND_MEMORY2 => self.memory(record, out),
-            KIND_DRIVER => self.api(record, false, out),
-            KIND_RUNTIME => self.api(record, true, out),
-            KIND_DEVICE => self.device(record),
-            KIND_OVERHEAD => self.overhead(record, out),
-            KIND_SYNCHRONIZATION => self.synchronization(record, out),
-            KIND_MARKER => self.marker(record, out),
+        // SAFETY: the caller passes a complete record of a buffer CUPTI of
+        // this version completed.
+        let r = unsafe { RecordRef::new(record, self.version) };
+        match r.kind() {
+            kind::KERNEL | kind::CONCURRENT_KERNEL => self.kernel(r, out),
+            kind::MEMCPY => self.memcpy(r, out),
+            kind::MEMSET => self.memset(r, out),
+            kind::MEMORY2 => self.memory(r, out),
+            kind::DRIVER => self.api(r, false, out),
+            kind::RUNTIME => self.api(r, true, out),
+            kind::DEVICE => self.device(r),
+            kind::OVERHEAD => self.overhead(r, out),
+            kind::SYNCHRONIZATION => self.synchronization(r, out),
+            kind::MARKER => self.marker(r, out),
             _ => {}
         }
     }
@@ -185,26 +156,20 @@ impl Converter {
         (start_ns, self.clock.realtime(end).saturating_sub(start_ns))
     }
 
-    fn kernel(&mut self, r: *const u8, out: &mut Vec<Event>) {
-        type K = CUpti_ActivityKernel9;
-        let name = c_string(field!(r, K, name)).unwrap_or_else(|| "<unnamed kernel>".into());
+    fn kernel(&mut self, r: RecordRef, out: &mut Vec<Event>) {
+        use layout::kernel as k;
+        let name = r
+            .string(k::NAME)
+            .map(|mangled| demangle(&mangled))
+            .unwrap_or_else(|| "<unnamed kernel>".into());
         let name = self.name(&name);
-        let device = field!(r, K, deviceId);
-        let grid = [
-            field!(r, K, gridX),
-            field!(r, K, gridY),
-            field!(r, K, gridZ),
-        ]
-        .map(|v| v.max(0) as u32);
-        let block = [
-            field!(r, K, blockX),
-            field!(r, K, blockY),
-            field!(r, K, blockZ),
-        ]
-        .map(|v| v.max(0) as u32);
-        let registers = u32::from(field!(r, K, registersPerThread));
-        let static_shared = field!(r, K, staticSharedMemory).max(0) as u32;
-        let dynamic_shared = field!(r, K, dynamicSharedMemory).max(0) as u32;
+        let device: u32 = r.read(k::DEVICE_ID);
+        let dims = |fields: [layout::Field; 3]| fields.map(|f| r.read::<i32>(f).max(0) as u32);
+        let grid = dims([k::GRID_X, k::GRID_Y, k::GRID_Z]);
+        let block = dims([k::BLOCK_X, k::BLOCK_Y, k::BLOCK_Z]);
+        let registers = u32::from(r.read::<u16>(k::REGISTERS_PER_THREAD));
+        let static_shared = r.read::<i32>(k::STATIC_SHARED_MEMORY).max(0) as u32;
+        let dynamic_shared = r.read::<i32>(k::DYNAMIC_SHARED_MEMORY).max(0) as u32;
         let occupancy_pct = self.limits.get(&device).map_or(0.0, |limits| {
             occupancy(
                 limits,
@@ -213,15 +178,15 @@ impl Converter {
                 static_shared + dynamic_shared,
             )
         });
-        let (start, duration) = self.span(field!(r, K, start), field!(r, K, end));
+        let (start, duration) = self.span(r.read(k::START), r.read(k::END));
         out.push(Event::new(
             start,
             duration,
             Device::Gpu(device as u16),
-            u64::from(field!(r, K, streamId)),
+            u64::from(r.read::<u32>(k::STREAM_ID)),
             name,
             Payload::Kernel(KernelInfo {
-                correlation_id: u64::from(field!(r, K, correlationId)),
+                correlation_id: u64::from(r.read::<u32>(k::CORRELATION_ID)),
                 registers_per_thread: registers,
                 static_shared_bytes: static_shared,
                 dynamic_shared_bytes: dynamic_shared,
@@ -229,13 +194,16 @@ impl Converter {
                 grid,
                 block,
                 tf_op: NameId(0),
+                graph_id: r.read(k::GRAPH_ID),
+                graph_node_id: r.read(k::GRAPH_NODE_ID),
+                device_launched: r.read_since::<u8>(k::IS_DEVICE_LAUNCHED).unwrap_or(0) != 0,
             }),
         ));
     }
 
-    fn memcpy(&mut self, r: *const u8, out: &mut Vec<Event>) {
-        type M = CUpti_ActivityMemcpy6;
-        let (kind, label) = match field!(r, M, copyKind) {
+    fn memcpy(&mut self, r: RecordRef, out: &mut Vec<Event>) {
+        use layout::memcpy as m;
+        let (kind, label) = match r.read::<u8>(m::COPY_KIND) {
             1 => (CopyKind::HostToDevice, "MemcpyH2D"),
             2 => (CopyKind::DeviceToHost, "MemcpyD2H"),
             8 => (CopyKind::DeviceToDevice, "MemcpyD2D"),
@@ -243,37 +211,37 @@ impl Converter {
             _ => (CopyKind::Other, "MemcpyOther"),
         };
         let name = self.name(label);
-        let (start, duration) = self.span(field!(r, M, start), field!(r, M, end));
+        let (start, duration) = self.span(r.read(m::START), r.read(m::END));
         out.push(Event::new(
             start,
             duration,
-            Device::Gpu(field!(r, M, deviceId) as u16),
-            u64::from(field!(r, M, streamId)),
+            Device::Gpu(r.read::<u32>(m::DEVICE_ID) as u16),
+            u64::from(r.read::<u32>(m::STREAM_ID)),
             name,
             Payload::Memcpy(CopyInfo {
-                correlation_id: u64::from(field!(r, M, correlationId)),
-                bytes: field!(r, M, bytes),
+                correlation_id: u64::from(r.read::<u32>(m::CORRELATION_ID)),
+                bytes: r.read(m::BYTES),
                 kind,
-                is_async: field!(r, M, flags) & 1 != 0,
+                is_async: r.read::<u8>(m::FLAGS) & 1 != 0,
                 tf_op: NameId(0),
             }),
         ));
     }
 
-    fn memset(&mut self, r: *const u8, out: &mut Vec<Event>) {
-        type M = CUpti_ActivityMemset4;
+    fn memset(&mut self, r: RecordRef, out: &mut Vec<Event>) {
+        use layout::memset as m;
         let name = self.name("Memset");
-        let (start, duration) = self.span(field!(r, M, start), field!(r, M, end));
+        let (start, duration) = self.span(r.read(m::START), r.read(m::END));
         out.push(Event::new(
             start,
             duration,
-            Device::Gpu(field!(r, M, deviceId) as u16),
-            u64::from(field!(r, M, streamId)),
+            Device::Gpu(r.read::<u32>(m::DEVICE_ID) as u16),
+            u64::from(r.read::<u32>(m::STREAM_ID)),
             name,
             Payload::Memset(MemsetInfo {
-                correlation_id: u64::from(field!(r, M, correlationId)),
-                bytes: field!(r, M, bytes),
-                is_async: field!(r, M, flags) & 1 != 0,
+                correlation_id: u64::from(r.read::<u32>(m::CORRELATION_ID)),
+                bytes: r.read(m::BYTES),
+                is_async: r.read::<u16>(m::FLAGS) & 1 != 0,
                 tf_op: NameId(0),
             }),
         ));
@@ -281,13 +249,12 @@ impl Converter {
 
     /// Allocations and frees per device, with the in-use and peak bytes
     /// XProf's memory profile plots.
-    fn memory(&mut self, r: *const u8, out: &mut Vec<Event>) {
-        type M = CUpti_ActivityMemory4;
-        let operation = raw_u32(r, offset_of!(M, memoryOperationType));
-        let device = field!(r, M, deviceId);
-        let bytes = field!(r, M, bytes);
-        let address = field!(r, M, address);
-        let allocating = match operation {
+    fn memory(&mut self, r: RecordRef, out: &mut Vec<Event>) {
+        use layout::memory as m;
+        let device: u32 = r.read(m::DEVICE_ID);
+        let bytes: u64 = r.read(m::BYTES);
+        let address: u64 = r.read(m::ADDRESS);
+        let allocating = match r.read::<u32>(m::OPERATION_TYPE) {
             1 => true,
             2 => false,
             _ => return,
@@ -308,7 +275,7 @@ impl Converter {
         };
         let name = self.name(name);
         out.push(Event::new(
-            self.clock.realtime(field!(r, M, timestamp)),
+            self.clock.realtime(r.read(m::TIMESTAMP)),
             0,
             Device::Host,
             LINE_MEMORY,
@@ -317,9 +284,13 @@ impl Converter {
         ));
     }
 
-    fn api(&mut self, r: *const u8, runtime: bool, out: &mut Vec<Event>) {
-        type A = CUpti_ActivityAPI;
-        let cbid = field!(r, A, cbid);
+    fn api(&mut self, r: RecordRef, runtime: bool, out: &mut Vec<Event>) {
+        use layout::api as a;
+        let cbid: u32 = r.read(a::CBID);
+        let thread: u32 = r.read(a::THREAD_ID);
+        if !runtime && crate::coexist::is_probe(cbid, thread) {
+            return;
+        }
         let name = match self.api_names.get(&(runtime, cbid)) {
             Some(name) => *name,
             None => {
@@ -334,55 +305,58 @@ impl Converter {
                 name
             }
         };
-        let (start, duration) = self.span(field!(r, A, start), field!(r, A, end));
+        let (start, duration) = self.span(r.read(a::START), r.read(a::END));
         out.push(Event::new(
             start,
             duration,
             Device::Host,
-            u64::from(field!(r, A, threadId)),
+            u64::from(thread),
             name,
             Payload::ApiCall {
-                correlation_id: u64::from(field!(r, A, correlationId)),
+                correlation_id: u64::from(r.read::<u32>(a::CORRELATION_ID)),
                 device_ordinal: 0,
             },
         ));
     }
 
-    fn device(&mut self, r: *const u8) {
-        type D = CUpti_ActivityDevice5;
-        let ordinal = field!(r, D, id);
+    fn device(&mut self, r: RecordRef) {
+        use layout::device as d;
+        let ordinal: u32 = r.read(d::ID);
         self.limits.insert(
             ordinal,
             Limits {
-                max_warps: field!(r, D, maxWarpsPerMultiprocessor),
-                max_blocks: field!(r, D, maxBlocksPerMultiprocessor),
-                max_registers: field!(r, D, maxRegistersPerMultiprocessor),
-                max_shared: field!(r, D, maxSharedMemoryPerMultiprocessor),
-                warp_size: field!(r, D, numThreadsPerWarp),
+                max_warps: r.read(d::MAX_WARPS_PER_MULTIPROCESSOR),
+                max_blocks: r.read(d::MAX_BLOCKS_PER_MULTIPROCESSOR),
+                max_registers: r.read(d::MAX_REGISTERS_PER_MULTIPROCESSOR),
+                max_shared: r.read(d::MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+                warp_size: r.read(d::NUM_THREADS_PER_WARP),
             },
         );
+        let uuid: [u8; 16] = r.read(d::UUID);
         self.pending_meta.push(MetaRecord::Device {
             ordinal: ordinal as u16,
+            uuid: (uuid != [0; 16]).then(|| devtrace::registry::gpu_uuid_text(&uuid)),
             info: DeviceInfo {
                 vendor: "Nvidia".into(),
-                model: c_string(field!(r, D, name)).unwrap_or_default(),
+                model: r.string(d::NAME).unwrap_or_default(),
                 compute_capability: (
-                    field!(r, D, computeCapabilityMajor),
-                    field!(r, D, computeCapabilityMinor),
+                    r.read(d::COMPUTE_CAPABILITY_MAJOR),
+                    r.read(d::COMPUTE_CAPABILITY_MINOR),
                 ),
-                core_count: field!(r, D, numMultiprocessors),
-                clock_rate_khz: u64::from(field!(r, D, coreClockRate)),
-                memory_bytes: field!(r, D, globalMemorySize),
+                core_count: r.read(d::NUM_MULTIPROCESSORS),
+                clock_rate_khz: u64::from(r.read::<u32>(d::CORE_CLOCK_RATE)),
+                memory_bytes: r.read(d::GLOBAL_MEMORY_SIZE),
                 // CUPTI reports KB/s.
-                memory_bandwidth_bytes_per_s: field!(r, D, globalMemoryBandwidth)
+                memory_bandwidth_bytes_per_s: r
+                    .read::<u64>(d::GLOBAL_MEMORY_BANDWIDTH)
                     .saturating_mul(1000),
             },
         });
     }
 
-    fn overhead(&mut self, r: *const u8, out: &mut Vec<Event>) {
-        type O = CUpti_ActivityOverhead3;
-        let kind = match raw_u32(r, offset_of!(O, overheadKind)) {
+    fn overhead(&mut self, r: RecordRef, out: &mut Vec<Event>) {
+        use layout::overhead as o;
+        let kind = match r.read::<u32>(o::OVERHEAD_KIND) {
             1 => "driver compiler".to_string(),
             0x10000 => "buffer flush".to_string(),
             0x20000 => "instrumentation".to_string(),
@@ -391,7 +365,7 @@ impl Converter {
             other => format!("0x{other:x}"),
         };
         let name = self.name(&format!("CUPTI overhead: {kind}"));
-        let (start, duration) = self.span(field!(r, O, start), field!(r, O, end));
+        let (start, duration) = self.span(r.read(o::START), r.read(o::END));
         out.push(Event::new(
             start,
             duration,
@@ -402,9 +376,9 @@ impl Converter {
         ));
     }
 
-    fn synchronization(&mut self, r: *const u8, out: &mut Vec<Event>) {
-        type S = CUpti_ActivitySynchronization2;
-        let label = match raw_u32(r, offset_of!(S, type_)) {
+    fn synchronization(&mut self, r: RecordRef, out: &mut Vec<Event>) {
+        use layout::synchronization as s;
+        let label = match r.read::<u32>(s::TYPE) {
             1 => "event synchronize",
             2 => "stream wait event",
             3 => "stream synchronize",
@@ -412,7 +386,7 @@ impl Converter {
             _ => "synchronize",
         };
         let name = self.name(label);
-        let (start, duration) = self.span(field!(r, S, start), field!(r, S, end));
+        let (start, duration) = self.span(r.read(s::START), r.read(s::END));
         out.push(Event::new(
             start,
             duration,
@@ -420,7 +394,7 @@ impl Converter {
             LINE_SYNCHRONIZATION,
             name,
             Payload::ApiCall {
-                correlation_id: u64::from(field!(r, S, correlationId)),
+                correlation_id: u64::from(r.read::<u32>(s::CORRELATION_ID)),
                 device_ordinal: 0,
             },
         ));
@@ -428,14 +402,17 @@ impl Converter {
 
     /// NVTX ranges: a start and an end record with one id become one span on
     /// the thread that opened it.
-    fn marker(&mut self, r: *const u8, out: &mut Vec<Event>) {
-        type M = CUpti_ActivityMarker2;
-        let flags = raw_u32(r, offset_of!(M, flags));
-        let id = field!(r, M, id);
-        let at = self.clock.realtime(field!(r, M, timestamp));
-        let thread = if raw_u32(r, offset_of!(M, objectKind)) == OBJECT_KIND_THREAD {
+    fn marker(&mut self, r: RecordRef, out: &mut Vec<Event>) {
+        use layout::marker as m;
+        let flags: u32 = r.read(m::FLAGS);
+        let id: u32 = r.read(m::ID);
+        let at = self.clock.realtime(r.read(m::TIMESTAMP));
+        let thread = if r.read::<u32>(m::OBJECT_KIND) == OBJECT_KIND_THREAD {
             // objectId.pt = { processId, threadId }.
-            raw_u32(r, offset_of!(M, objectId) + 4)
+            r.read::<u32>(layout::Field {
+                offset: m::OBJECT_ID.offset + 4,
+                since: 0,
+            })
         } else {
             0
         };
@@ -452,7 +429,9 @@ impl Converter {
             }
             return;
         }
-        let text = c_string(field!(r, M, name)).unwrap_or_else(|| format!("NVTX range {id}"));
+        let text = r
+            .string(m::NAME)
+            .unwrap_or_else(|| format!("NVTX range {id}"));
         let name = self.name(&text);
         if flags & MARKER_START != 0 {
             self.markers.insert(id, (at, name, thread));
@@ -467,6 +446,50 @@ impl Converter {
             ));
         }
     }
+}
+
+/// A C++ symbol as the C++ runtime demangles it, or as it is when the
+/// process has no C++ runtime or the name is not mangled.
+fn demangle(mangled: &str) -> String {
+    type CxaDemangle = unsafe extern "C" fn(
+        *const std::ffi::c_char,
+        *mut std::ffi::c_char,
+        *mut usize,
+        *mut std::ffi::c_int,
+    ) -> *mut std::ffi::c_char;
+    static DEMANGLER: std::sync::OnceLock<Option<CxaDemangle>> = std::sync::OnceLock::new();
+    if !mangled.starts_with("_Z") {
+        return mangled.to_string();
+    }
+    let demangler = DEMANGLER.get_or_init(|| {
+        // SAFETY: looks a symbol up in the process's global scope.
+        let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__cxa_demangle".as_ptr()) };
+        // SAFETY: `__cxa_demangle` has this C signature.
+        (!address.is_null())
+            .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, CxaDemangle>(address) })
+    });
+    let (Some(demangle), Ok(c_name)) = (demangler, std::ffi::CString::new(mangled)) else {
+        return mangled.to_string();
+    };
+    let mut status = 0;
+    // SAFETY: a NUL-terminated name; the runtime mallocs the result.
+    let out = unsafe {
+        demangle(
+            c_name.as_ptr(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut status,
+        )
+    };
+    if out.is_null() || status != 0 {
+        return mangled.to_string();
+    }
+    // SAFETY: a NUL-terminated string the runtime allocated with malloc.
+    let text = unsafe { std::ffi::CStr::from_ptr(out) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { libc::free(out.cast()) };
+    text
 }
 
 #[cfg(test)]
@@ -500,17 +523,25 @@ mod tests {
 
     #[test]
     fn an_api_record_becomes_a_named_call_with_its_correlation_id() {
-        // SAFETY: all-zero bytes are a valid API record (kind patched below).
-        let mut record: CUpti_ActivityAPI = unsafe { std::mem::zeroed() };
-        record.cbid = 307;
-        record.start = 100;
-        record.end = 250;
-        record.threadId = 77;
-        record.correlationId = 9;
-        let bytes = (&mut record as *mut CUpti_ActivityAPI).cast::<u8>();
-        // SAFETY: `kind` is the first u32 of the record.
-        unsafe { bytes.cast::<u32>().write(KIND_DRIVER) };
-        let mut converter = Converter::new(5, |_, cbid| Some(format!("cuLaunch{cbid}")));
+        use crate::cupti::layout::api;
+        let mut record = [0u8; 40];
+        let mut put = |field: layout::Field, value: u32| {
+            record[field.offset..field.offset + 4].copy_from_slice(&value.to_ne_bytes())
+        };
+        put(
+            layout::Field {
+                offset: 0,
+                since: 0,
+            },
+            kind::DRIVER,
+        );
+        put(api::CBID, 307);
+        put(api::THREAD_ID, 77);
+        put(api::CORRELATION_ID, 9);
+        record[api::START.offset..api::START.offset + 8].copy_from_slice(&100u64.to_ne_bytes());
+        record[api::END.offset..api::END.offset + 8].copy_from_slice(&250u64.to_ne_bytes());
+        let bytes = record.as_ptr();
+        let mut converter = Converter::new(5, 26, |_, cbid| Some(format!("cuLaunch{cbid}")));
         converter.clock = ClockMap { offset: 1_000 };
         let mut out = Vec::new();
         converter.convert(bytes, &mut out);

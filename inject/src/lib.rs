@@ -12,12 +12,16 @@
 //! It must never crash or stall the workload: every failure (no libcupti, a
 //! CUPTI error, a panic, an unwritable runtime directory) is logged once to
 //! stderr and recorded in the metadata file when there is one, and the
-//! library then stays quiet for the rest of the process.
+//! library then stays quiet for the rest of the process. Another CUPTI user
+//! in the process (a framework profiler) is stepped aside for, never fought
+//! ([`coexist`]).
 
+mod coexist;
 mod convert;
 mod cupti;
 
 use std::alloc::Layout;
+use std::collections::HashSet;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -27,6 +31,7 @@ use std::time::{Duration, Instant};
 use devtrace::ring::{DropPolicy, Producer, Ring};
 use devtrace::workload::{self, MetaRecord, MetaWriter};
 
+use coexist::Verdict;
 use convert::{ClockMap, Converter};
 
 /// Bytes of each activity buffer handed to CUPTI.
@@ -141,6 +146,10 @@ struct Session {
     meta: Mutex<MetaWriter>,
     converter: Mutex<Converter>,
     buffers: Mutex<Sender<(usize, usize)>>,
+    /// Buffers this library handed to CUPTI and has not got back. Another
+    /// CUPTI user's buffers may be handed to our callback: those are not
+    /// ours to read or free.
+    ours: Mutex<HashSet<usize>>,
     outstanding: AtomicUsize,
     dropped_total: AtomicU64,
 }
@@ -195,6 +204,28 @@ fn create_files(dir: &Path, pid: u32) -> Result<(Arc<Ring>, MetaWriter), String>
     Ok((ring, meta))
 }
 
+/// Loads libcupti and checks that its records are read right; the
+/// version is returned, a warning worth recording alongside.
+struct Loaded {
+    version: u32,
+    origin: &'static str,
+    warning: Option<&'static str>,
+}
+
+fn load_cupti() -> Result<Loaded, String> {
+    let origin = cupti::load()?;
+    let version = cupti::version().map_err(|e| format!("{origin}: {e}"))?;
+    let warning = match cupti::support(version).map_err(|e| format!("{origin}: {e}"))? {
+        cupti::Support::Supported => None,
+        cupti::Support::Warn(text) => Some(text),
+    };
+    Ok(Loaded {
+        version,
+        origin,
+        warning,
+    })
+}
+
 /// Waits for the driver and the runtime directory, sets up the session,
 /// then follows the agent's control word until the process ends.
 fn control_loop() {
@@ -206,10 +237,7 @@ fn control_loop() {
         std::thread::sleep(wait);
         wait = (wait * 2).min(Duration::from_secs(1));
     }
-    if !cupti::available() {
-        fail("libcupti was not found (add CUDA's extras/CUPTI/lib64 to LD_LIBRARY_PATH)");
-        return;
-    }
+    let loaded = load_cupti();
     let dir = workload::runtime_dir();
     // The agent makes the directory; a workload may start first.
     while !dir.is_dir() {
@@ -229,13 +257,34 @@ fn control_loop() {
         ring,
         producer: Mutex::new(producer),
         meta: Mutex::new(meta),
-        converter: Mutex::new(Converter::new(pid, cupti::callback_name)),
+        converter: Mutex::new(Converter::new(
+            pid,
+            loaded.as_ref().map_or(0, |loaded| loaded.version),
+            cupti::callback_name,
+        )),
         buffers: Mutex::new(sender),
+        ours: Mutex::new(HashSet::new()),
         outstanding: AtomicUsize::new(0),
         dropped_total: AtomicU64::new(0),
     };
     if SESSION.set(session).is_err() {
         return;
+    }
+    // Refused or missing CUPTI is told to the agent through the metadata.
+    let loaded = match loaded {
+        Ok(loaded) => loaded,
+        Err(error) => return fail(&error),
+    };
+    let Some(session) = SESSION.get() else { return };
+    session.write_meta(&MetaRecord::Cupti {
+        version: loaded.version,
+        origin: loaded.origin.to_string(),
+    });
+    if let Some(text) = loaded.warning {
+        eprintln!("devtrace-inject: {text}");
+        session.write_meta(&MetaRecord::Warning {
+            message: text.to_string(),
+        });
     }
     let converter = std::thread::Builder::new()
         .name("devtrace-convert".into())
@@ -247,30 +296,169 @@ fn control_loop() {
     if let Err(error) = converter {
         return fail(&format!("cannot start its converter thread: {error}"));
     }
-    let Some(session) = SESSION.get() else { return };
-    let mut enabled = false;
-    let mut registered = false;
-    let mut last_flush = Instant::now();
+    let mut tracer = Tracer::default();
     while !quiet() {
         std::thread::sleep(poll);
         let capture = session.ring.control().capture();
-        let step = if capture && !enabled {
-            enable(session, &mut registered).map(|()| enabled = true)
-        } else if !capture && enabled {
-            enabled = false;
-            disable(session)
-        } else if enabled && last_flush.elapsed() >= FLUSH_EVERY {
-            last_flush = Instant::now();
-            flush(session, false)
-        } else {
-            Ok(())
-        };
-        if let Err(error) = step {
-            if enabled {
-                let _ = disable(session);
-            }
+        if let Err(error) = tracer.tick(session, capture) {
+            tracer.stop(session);
             return fail(&error);
         }
+    }
+}
+
+/// Where this library stands with CUPTI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+enum Stream {
+    /// Nothing enabled (no capture).
+    #[default]
+    Off,
+    /// Enabled, and our records arrive.
+    Ours,
+    /// Another CUPTI user in the process has it; `seen` when its calls pass
+    /// through this library, so that its end is seen too.
+    Taken { seen: bool },
+}
+
+/// The control loop's state across ticks.
+#[derive(Default)]
+struct Tracer {
+    stream: Stream,
+    registered: bool,
+    /// The stream was taken from us and not yet taken back.
+    displaced: bool,
+    last_flush: Option<Instant>,
+}
+
+impl Tracer {
+    /// One poll of the control word.
+    fn tick(&mut self, session: &Session, capture: bool) -> Result<(), String> {
+        match (self.stream, capture) {
+            (Stream::Off, false) => Ok(()),
+            // Another user holds the stream as a capture starts: it is not
+            // taken from it.
+            (Stream::Off, true) => match coexist::foreign_holder() {
+                Some(_) => {
+                    self.displaced_at(session, true, devtrace::clock::now_ns());
+                    Ok(())
+                }
+                None => self.take(session),
+            },
+            (Stream::Ours, true) => self.keep(session),
+            (Stream::Ours, false) => {
+                self.stream = Stream::Off;
+                disable(session)
+            }
+            (Stream::Taken { seen: true }, true) if coexist::foreign_done() => self.take(session),
+            (Stream::Taken { .. }, true) => Ok(()),
+            // The other user keeps what it enabled: nothing is switched off.
+            // One whose end cannot be seen is taken back from at the next
+            // capture.
+            (Stream::Taken { seen }, false) => {
+                if !seen || coexist::foreign_done() {
+                    self.stream = Stream::Off;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Registers our callbacks (again: another user may have replaced them
+    /// or finalized CUPTI) and enables every kind.
+    fn take(&mut self, session: &Session) -> Result<(), String> {
+        if !self.registered {
+            // SAFETY: registers a plain `extern "C"` function.
+            unsafe { libc::atexit(flush_at_exit) };
+        }
+        cupti::use_system_thread_ids()?;
+        cupti::register_callbacks(buffer_requested, buffer_completed)?;
+        self.registered = true;
+        if self.displaced {
+            // Buffers CUPTI handed to the other user's callback are gone.
+            if let Ok(mut ours) = session.ours.lock() {
+                let lost = ours.len();
+                ours.clear();
+                let _ =
+                    session
+                        .outstanding
+                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                            Some(n.saturating_sub(lost))
+                        });
+            }
+            session.write_meta(&MetaRecord::Resumed {
+                at_ns: devtrace::clock::now_ns(),
+            });
+            self.displaced = false;
+        }
+        coexist::reset_probes();
+        set_clock(session)?;
+        for kind in cupti::KINDS {
+            cupti::enable(kind)?;
+        }
+        self.stream = Stream::Ours;
+        self.last_flush = Some(Instant::now());
+        Ok(())
+    }
+
+    /// While capturing: checks the stream is still ours (probing once per
+    /// flush) and flushes.
+    fn keep(&mut self, session: &Session) -> Result<(), String> {
+        if self
+            .last_flush
+            .is_some_and(|last| last.elapsed() < FLUSH_EVERY)
+        {
+            return Ok(());
+        }
+        self.last_flush = Some(Instant::now());
+        match coexist::check_ownership(probe_driver) {
+            Verdict::Ours => flush(session, true),
+            Verdict::Taken { seen, since_ns } => {
+                self.displaced_at(session, seen, since_ns);
+                Ok(())
+            }
+        }
+    }
+
+    fn displaced_at(&mut self, session: &Session, seen: bool, at_ns: u64) {
+        self.stream = Stream::Taken { seen };
+        self.displaced = true;
+        session.write_meta(&MetaRecord::Displaced { at_ns, seen });
+    }
+
+    /// After a failure: leaves CUPTI as the process needs it.
+    fn stop(&mut self, session: &Session) {
+        if self.stream == Stream::Ours {
+            let _ = disable(session);
+        }
+        self.stream = Stream::Off;
+    }
+}
+
+/// The driver call the ownership probe makes: cheap, no context needed,
+/// and recorded by CUPTI's DRIVER kind on this thread.
+fn probe_driver() {
+    type GetVersion = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
+    static ENTRY: OnceLock<Option<GetVersion>> = OnceLock::new();
+    let entry = ENTRY.get_or_init(|| {
+        ["libcuda.so.1", "libcuda.so"].iter().find_map(|name| {
+            let name = std::ffi::CString::new(*name).ok()?;
+            // SAFETY: RTLD_NOLOAD only finds the loaded driver; the
+            // reference is kept for the process's life.
+            let handle =
+                unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+            if handle.is_null() {
+                return None;
+            }
+            // SAFETY: the driver's cuDriverGetVersion has this signature.
+            let address = unsafe { libc::dlsym(handle, c"cuDriverGetVersion".as_ptr()) };
+            (!address.is_null())
+                .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, GetVersion>(address) })
+        })
+    });
+    if let Some(get_version) = entry {
+        let mut version = 0;
+        // SAFETY: writes one int.
+        unsafe { get_version(&mut version) };
     }
 }
 
@@ -286,22 +474,6 @@ fn set_clock(session: &Session) -> Result<(), String> {
     let clock = measure_clock()?;
     if let Ok(mut converter) = session.converter.lock() {
         converter.clock = clock;
-    }
-    Ok(())
-}
-
-fn enable(session: &Session, registered: &mut bool) -> Result<(), String> {
-    if !*registered {
-        cupti::check_version()?;
-        cupti::use_system_thread_ids()?;
-        cupti::register_callbacks(Some(buffer_requested), Some(buffer_completed))?;
-        *registered = true;
-        // SAFETY: registers a plain `extern "C"` function.
-        unsafe { libc::atexit(flush_at_exit) };
-    }
-    set_clock(session)?;
-    for kind in cupti::KINDS {
-        cupti::enable(kind)?;
     }
     Ok(())
 }
@@ -362,6 +534,9 @@ unsafe extern "C" fn buffer_requested(
                     session.outstanding.fetch_sub(1, Ordering::AcqRel);
                 } else {
                     bytes = BUFFER_BYTES;
+                    if let Ok(mut ours) = session.ours.lock() {
+                        ours.insert(out as usize);
+                    }
                 }
             } else if !quiet() {
                 session.outstanding.fetch_sub(1, Ordering::AcqRel);
@@ -378,7 +553,7 @@ unsafe extern "C" fn buffer_requested(
 
 /// CUPTI hands a buffer back: it goes to the converter thread.
 unsafe extern "C" fn buffer_completed(
-    _context: cudarc::driver::sys::CUcontext,
+    _context: *mut std::ffi::c_void,
     _stream: u32,
     buffer: *mut u8,
     _size: usize,
@@ -386,6 +561,14 @@ unsafe extern "C" fn buffer_completed(
 ) {
     let _ = std::panic::catch_unwind(|| {
         if buffer.is_null() {
+            return;
+        }
+        // Another CUPTI user's buffer: neither read nor freed here.
+        let ours = SESSION
+            .get()
+            .and_then(|s| s.ours.lock().ok())
+            .is_some_and(|mut ours| ours.remove(&(buffer as usize)));
+        if !ours {
             return;
         }
         let sent = SESSION
@@ -422,7 +605,7 @@ fn convert_loop(buffers: Receiver<(usize, usize)>) {
                 let mut record = std::ptr::null_mut();
                 // SAFETY: a buffer CUPTI completed with `valid` bytes.
                 while unsafe { cupti::next_record(buffer, valid, &mut record) } {
-                    converter.convert(record.cast::<u8>(), &mut events);
+                    converter.convert(record, &mut events);
                 }
                 converter.take_meta()
             };

@@ -63,13 +63,68 @@ struct Notice {
 
 const MAX_NOTICES: usize = 256;
 
+/// A span during which another CUPTI user in a process had the activity
+/// stream, so that process's GPU activity is missing from the trace.
+#[derive(Clone, Debug)]
+struct LostSpan {
+    pid: u32,
+    label: String,
+    from_ns: u64,
+    /// Open while the other user still has it.
+    to_ns: Option<u64>,
+    /// Whether the other user's calls were seen (else a probe noticed).
+    seen: bool,
+}
+
+impl LostSpan {
+    /// The warning for a window this span overlaps.
+    fn describe(&self, window: Window) -> Option<String> {
+        let to_ns = self.to_ns.unwrap_or(u64::MAX);
+        if self.from_ns > window.stop_ns || to_ns < window.start_ns {
+            return None;
+        }
+        let from = self.from_ns.max(window.start_ns);
+        let to = to_ns.min(window.stop_ns);
+        let seconds = |ns: u64| (ns - window.start_ns) as f64 / 1e9;
+        let how = if self.seen {
+            ""
+        } else {
+            " (noticed when the library's own probe records stopped arriving; it takes the \
+             stream back at the next capture)"
+        };
+        Some(format!(
+            "another CUPTI user in {} (a framework profiler such as torch.profiler) had the \
+             activity stream from {:.3} s to {:.3} s of this window: that process's GPU \
+             activity in those {:.0} ms is missing{how}",
+            self.label,
+            seconds(from),
+            seconds(to),
+            (to - from) as f64 / 1e6,
+        ))
+    }
+}
+
+const MAX_LOST_SPANS: usize = 256;
+
 /// A workload process and when it was attached.
 #[derive(Clone, Debug)]
 struct Traced {
     pid: u32,
     command: String,
+    /// The libcupti it loaded, as `API version from origin`.
+    cupti: Option<String>,
+    /// What its library said about itself (it stopped, its CUPTI has known
+    /// bugs): true for every capture while it runs.
+    states: Vec<String>,
     attached_ns: u64,
     detached_ns: Option<u64>,
+}
+
+impl Traced {
+    fn overlaps(&self, window: Window) -> bool {
+        self.attached_ns <= window.stop_ns
+            && self.detached_ns.is_none_or(|gone| gone >= window.start_ns)
+    }
 }
 
 /// Processes remembered for the properties of captures.
@@ -84,10 +139,47 @@ struct Status {
     cupti_dropped: u64,
     ring_dropped: u64,
     notices: VecDeque<Notice>,
+    lost_spans: VecDeque<LostSpan>,
     last_error: Option<String>,
 }
 
 impl Status {
+    fn lost_from(&mut self, pid: u32, label: String, from_ns: u64, seen: bool) {
+        if self.lost_spans.len() == MAX_LOST_SPANS {
+            self.lost_spans.pop_front();
+        }
+        info!("{label}: another CUPTI user took the activity stream");
+        self.lost_spans.push_back(LostSpan {
+            pid,
+            label,
+            from_ns,
+            to_ns: None,
+            seen,
+        });
+    }
+
+    fn lost_until(&mut self, pid: u32, to_ns: u64) {
+        for span in self.lost_spans.iter_mut().rev() {
+            if span.pid == pid && span.to_ns.is_none() {
+                span.to_ns = Some(to_ns.max(span.from_ns));
+            }
+        }
+    }
+
+    /// A lasting state of process `pid`, reported in every capture that
+    /// overlaps its life; `early` keeps it until the process is remembered.
+    fn state(&mut self, pid: u32, early: &mut Vec<String>, text: String) {
+        info!("{text}");
+        const MAX_STATES: usize = 8;
+        let states = match self.traced.iter_mut().rev().find(|t| t.pid == pid) {
+            Some(traced) => &mut traced.states,
+            None => early,
+        };
+        if states.len() < MAX_STATES && !states.contains(&text) {
+            states.push(text);
+        }
+    }
+
     fn notice(&mut self, text: String) {
         info!("{text}");
         if self.notices.len() == MAX_NOTICES {
@@ -234,26 +326,36 @@ impl Backend for CudaBackend {
             .lock()
             .traced
             .iter()
-            .filter(|t| {
-                t.attached_ns <= window.stop_ns
-                    && t.detached_ns.is_none_or(|gone| gone >= window.start_ns)
-            })
-            .map(|t| {
-                (
+            .filter(|t| t.overlaps(window))
+            .flat_map(|t| {
+                let command = (
                     format!("devtrace_cuda_process_{}", t.pid),
                     t.command.clone(),
-                )
+                );
+                let cupti = t
+                    .cupti
+                    .clone()
+                    .map(|text| (format!("devtrace_cuda_cupti_{}", t.pid), text));
+                std::iter::once(command).chain(cupti)
             })
             .collect()
     }
 
     fn notices(&self, window: Window) -> Vec<String> {
-        self.status
-            .lock()
+        let status = self.status.lock();
+        status
             .notices
             .iter()
             .filter(|n| n.at_ns >= window.start_ns && n.at_ns <= window.stop_ns)
             .map(|n| n.text.clone())
+            .chain(
+                status
+                    .traced
+                    .iter()
+                    .filter(|t| t.overlaps(window))
+                    .flat_map(|t| t.states.iter().cloned()),
+            )
+            .chain(status.lost_spans.iter().filter_map(|s| s.describe(window)))
             .collect()
     }
 }
@@ -279,6 +381,11 @@ struct Process {
     command: String,
     control: u32,
     cupti_dropped: u64,
+    /// Its CUDA ordinals to GPU planes (physical GPUs, by UUID).
+    planes: HashMap<u16, u16>,
+    cupti: Option<String>,
+    /// States read before the process was remembered in `Status::traced`.
+    states: Vec<String>,
 }
 
 impl Process {
@@ -393,6 +500,9 @@ impl Attachments {
             command: String::new(),
             control: u32::MAX,
             cupti_dropped: 0,
+            planes: HashMap::new(),
+            cupti: None,
+            states: Vec::new(),
         };
         self.processes.insert(pid, process);
         let mut status = self.status.lock();
@@ -400,7 +510,7 @@ impl Attachments {
         status.seen += 1;
         drop(status);
         self.read_meta(pid);
-        if let Some(process) = self.processes.get(&pid) {
+        if let Some(process) = self.processes.get_mut(&pid) {
             let text = format!("attached {}", process.label());
             let mut status = self.status.lock();
             if status.traced.len() == MAX_TRACED {
@@ -409,6 +519,8 @@ impl Attachments {
             status.traced.push_back(Traced {
                 pid,
                 command: process.command.clone(),
+                cupti: process.cupti.clone(),
+                states: std::mem::take(&mut process.states),
                 attached_ns: clock::now_ns(),
                 detached_ns: None,
             });
@@ -431,8 +543,16 @@ impl Attachments {
                 MetaRecord::Name { id, text } => {
                     process.names.insert(id, self.registry.intern(&text));
                 }
-                MetaRecord::Device { ordinal, info } => {
-                    self.registry.describe_device(Device::Gpu(ordinal), info);
+                MetaRecord::Device {
+                    ordinal,
+                    uuid,
+                    info,
+                } => {
+                    // Without a UUID (an older library) the ordinal is all
+                    // there is.
+                    let plane = uuid.map_or(ordinal, |uuid| self.registry.gpu_plane(&uuid));
+                    process.planes.insert(ordinal, plane);
+                    self.registry.describe_device(Device::Gpu(plane), info);
                 }
                 MetaRecord::Dropped { total } => {
                     let grew = total.saturating_sub(process.cupti_dropped);
@@ -442,6 +562,30 @@ impl Attachments {
                 MetaRecord::Error { message } => {
                     let text = format!(
                         "the injection library in {} stopped tracing: {message}",
+                        process.label()
+                    );
+                    self.status.lock().state(pid, &mut process.states, text);
+                }
+                MetaRecord::Warning { message } => {
+                    let text = format!("the injection library in {}: {message}", process.label());
+                    self.status.lock().state(pid, &mut process.states, text);
+                }
+                MetaRecord::Cupti { version, origin } => {
+                    let text = format!("API version {version} from {origin}");
+                    let mut status = self.status.lock();
+                    if let Some(traced) = status.traced.iter_mut().rev().find(|t| t.pid == pid) {
+                        traced.cupti = Some(text.clone());
+                    }
+                    process.cupti = Some(text);
+                }
+                MetaRecord::Displaced { at_ns, seen } => {
+                    let label = process.label();
+                    self.status.lock().lost_from(pid, label, at_ns, seen);
+                }
+                MetaRecord::Resumed { at_ns } => {
+                    self.status.lock().lost_until(pid, at_ns);
+                    let text = format!(
+                        "the injection library in {} has the CUPTI activity stream again",
                         process.label()
                     );
                     self.status.lock().notice(text);
@@ -505,6 +649,7 @@ impl Attachments {
         let mut status = self.status.lock();
         status.attached = self.processes.len();
         let now = clock::now_ns();
+        status.lost_until(pid, now);
         if let Some(traced) = status
             .traced
             .iter_mut()
@@ -532,6 +677,10 @@ fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Event
         None if local.0 == 0 => NameId(0),
         None => registry.intern(&format!("<name {} of pid {pid}>", local.0)),
     });
+    if let Device::Gpu(ordinal) = mapped.device() {
+        let plane = process.planes.get(&ordinal).copied().unwrap_or(ordinal);
+        mapped.set_device(Device::Gpu(plane));
+    }
     let device = mapped.device();
     let line = match device {
         Device::Gpu(_) => (process.slot << STREAM_BITS) | (mapped.line & ((1 << STREAM_BITS) - 1)),

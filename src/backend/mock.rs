@@ -427,6 +427,7 @@ impl Workload {
                 grid: kind.grid,
                 block: kind.block,
                 tf_op: op_name,
+                ..KernelInfo::default()
             }),
         ));
     }

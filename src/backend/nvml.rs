@@ -220,6 +220,11 @@ impl Backend for NvmlBackend {
         }
         for index in 0..count {
             let device = nvml.device_by_index(index).map_err(unavailable)?;
+            // NVML's index is the GPU's plane, so that the CUDA backend's
+            // kernels (keyed by UUID) land beside these counters.
+            if let Ok(uuid) = device.uuid() {
+                context.registry.register_gpu(&uuid, index as u16);
+            }
             context
                 .registry
                 .describe_device(Device::Gpu(index as u16), describe(&device));

@@ -423,9 +423,12 @@ enum Stat {
     Bytes,
     Function,
     Kernel,
+    CudaGraphId,
+    CudaGraphNodeId,
+    DeviceLaunched,
 }
 
-const STAT_COUNT: usize = Stat::Kernel as usize + 1;
+const STAT_COUNT: usize = Stat::DeviceLaunched as usize + 1;
 
 impl Stat {
     fn name(self) -> &'static str {
@@ -498,6 +501,9 @@ impl Stat {
             Stat::Bytes => stat::BYTES,
             Stat::Function => stat::FUNCTION,
             Stat::Kernel => stat::KERNEL,
+            Stat::CudaGraphId => stat::CUDA_GRAPH_ID,
+            Stat::CudaGraphNodeId => stat::CUDA_GRAPH_NODE_ID,
+            Stat::DeviceLaunched => stat::DEVICE_LAUNCHED,
         }
     }
 }
@@ -642,6 +648,21 @@ impl<'r> PlaneTables<'r> {
                 if kernel.tf_op != NameId(0) {
                     let op = self.name_ref(kernel.tf_op);
                     self.stat(out, Stat::TfOp, Value::Ref(op));
+                }
+                if kernel.graph_id != 0 {
+                    self.stat(
+                        out,
+                        Stat::CudaGraphId,
+                        Value::Uint(u64::from(kernel.graph_id)),
+                    );
+                    self.stat(
+                        out,
+                        Stat::CudaGraphNodeId,
+                        Value::Uint(kernel.graph_node_id),
+                    );
+                }
+                if kernel.device_launched {
+                    self.stat(out, Stat::DeviceLaunched, Value::Int(1));
                 }
             }
             Payload::Memcpy(copy) => {

@@ -80,6 +80,11 @@ pub mod stat {
     pub const MEMCPY_DETAILS: &str = "memcpy_details";
     pub const MEMSET_DETAILS: &str = "Memset_details";
     pub const TF_OP: &str = "tf_op";
+    /// The CUDA graph a kernel ran in (XLA's name for it) and its node.
+    pub const CUDA_GRAPH_ID: &str = "cuda_graph_id";
+    pub const CUDA_GRAPH_NODE_ID: &str = "cuda_graph_node_id";
+    /// A kernel launched from the device rather than the host.
+    pub const DEVICE_LAUNCHED: &str = "device_launched";
     pub const ALLOCATOR_NAME: &str = "allocator_name";
     pub const BYTES_RESERVED: &str = "bytes_reserved";
     pub const BYTES_ALLOCATED: &str = "bytes_allocated";

@@ -257,3 +257,33 @@ pub fn inject_library() -> std::path::PathBuf {
     assert!(library.exists(), "{} missing", library.display());
     library
 }
+
+/// The real libcupti of a pip wheel (`requirement`, e.g.
+/// `nvidia-cuda-cupti==13.0.85`), downloaded once into the test target
+/// directory; returns the unpacked `nvidia` package directory.
+pub fn real_cupti_wheel(requirement: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("cupti-wheels")
+        .join(requirement.replace(['=', '<', '>'], "_"));
+    let unpacked = dir.join("nvidia");
+    if unpacked.is_dir() {
+        return unpacked;
+    }
+    let partial = dir.with_extension(format!("{}.partial", std::process::id()));
+    let _ = std::fs::remove_dir_all(&partial);
+    std::fs::create_dir_all(&partial).expect("wheel directory");
+    let script = "import sys, zipfile, glob, subprocess\n\
+        subprocess.run([sys.executable, '-m', 'pip', 'download', '--quiet', '--no-deps',\n\
+                        '--only-binary=:all:', '-d', sys.argv[1], sys.argv[2]], check=True)\n\
+        for w in glob.glob(sys.argv[1] + '/*.whl'):\n    zipfile.ZipFile(w).extractall(sys.argv[1])";
+    let status = Command::new("python3")
+        .args(["-c", script])
+        .arg(&partial)
+        .arg(requirement)
+        .status()
+        .expect("python3 runs");
+    assert!(status.success(), "pip download {requirement} failed");
+    let _ = std::fs::rename(&partial, &dir);
+    let _ = std::fs::remove_dir_all(&partial);
+    unpacked
+}

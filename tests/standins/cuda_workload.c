@@ -12,6 +12,9 @@
  *   --extras               also memset, DtoD, HtoDAsync, event record/sync and context sync
  *   --cleanup              destroy streams, events and the context at the end
  *   --real-ptx             load real PTX (for the real driver on a GPU) instead of the stand-in's image
+ *   --graph                also capture a CUDA graph and replay it once per iteration (below)
+ *   --rival-at N           act as a second in-process CUPTI user from iteration N (0-based; below)
+ *   --rival-iterations M   ... for M iterations (default 1)
  *
  * Setup: cuInit, cuDeviceGet, cuCtxCreate_v2, cuModuleLoadData,
  * cuModuleGetFunction("vector_add"), cuModuleGetFunction("matmul_tiled"),
@@ -24,17 +27,51 @@
  *   [--extras: cuMemsetD8_v2(4096 bytes, 0x5a), cuMemcpyDtoD_v2(4096),
  *    cuMemcpyHtoDAsync_v2(4096, stream), cuEventRecord(stream),
  *    cuEventSynchronize, cuCtxSynchronize]
+ *   [--graph: cuGraphLaunch(exec, stream)]
  *   cuStreamSynchronize(stream)
  *   cuMemFree_v2
  * With --threads N > 1 each thread first calls cuCtxSetCurrent and
  * cuStreamCreate (and cuEventCreate with --extras) itself.
  *
+ * --graph: after its stream (and event) is made, each thread captures a
+ * graph on its stream: cuStreamBeginCapture_v2(stream, THREAD_LOCAL),
+ * cuLaunchKernel(vector_add, grid 128,1,1, block 256,1,1, shared 0) and
+ * cuLaunchKernelEx(matmul_tiled, grid 16,16,1, block 32,8,1, shared 4096),
+ * both with n=0 so that no memory is touched (printed with captured=1; they
+ * run nothing and, with the stand-ins, get a DRIVER record but no kernel
+ * record), cuStreamEndCapture, cuGraphInstantiateWithFlags(flags 0): 5 more
+ * setup calls per thread. Every iteration then adds one cuGraphLaunch, so
+ * per iteration and thread: 1 more call, 4 kernel records instead of 2 (the
+ * graph's two have graphNodeId 1 and 2, graphId = the exec's id, and the
+ * correlation id of the cuGraphLaunch), nothing else. With one thread the
+ * stand-in ids are CUgraph 1 and CUgraphExec 2 (printed as graph=/exec=).
+ * --cleanup adds cuGraphExecDestroy and cuGraphDestroy per thread, before
+ * the stream is destroyed.
+ *
+ * --rival-at N (needs --threads 1): before iteration N the program acts as
+ * a second profiler in the process would (PyTorch's Kineto): it resolves the
+ * CUPTI Activity API with dlsym(RTLD_DEFAULT, name), else from
+ * dlopen("libcupti.so.12", RTLD_NOW | RTLD_NOLOAD), else
+ * dlopen("libcupti.so", RTLD_NOW); takes t0 = CLOCK_REALTIME ns; calls
+ * cuptiActivityRegisterCallbacks with its own pair; enables
+ * CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, DRIVER and RUNTIME; runs
+ * iterations N .. N+M-1 as usual (fewer if ITERATIONS ends first; never if
+ * N >= ITERATIONS); disables the three kinds; cuptiActivityFlushAll(1);
+ * takes t1 (before the --sleep-ms pause of iteration N+M-1); and prints
+ *   rival: kernels=K start_ns=T0 end_ns=T1
+ * where K counts the kernel records (kind 3 or 10) its bufferCompleted got
+ * (2 per iteration, 4 with --graph). Its callbacks free only buffers it
+ * allocated (it keeps a table) and ignore others; it never calls
+ * cuptiSubscribe. A CUPTI call failing or missing is reported on stderr and
+ * makes the exit status 1. None of this prints `call` lines.
+ *
  * Output, one line per call, flushed at once:
  *   call NAME pid=P tid=T t0=NS t1=NS rt0=NS rt1=NS rc=R [thread=K iter=I] [key=value ...]
  * t0/t1 are CLOCK_MONOTONIC (bpf_ktime_get_ns) and rt0/rt1 CLOCK_REALTIME
  * around the call; tid is gettid(). Streams are printed by their stand-in
- * id (stream=13). Also `waiting pid=P file=PATH` before a wait and
- * `done pid=P calls=N` at the end. Exit status 1 if any call failed.
+ * id (stream=13). Also `waiting pid=P file=PATH` before a wait, the `rival:`
+ * line above and `done pid=P calls=N` at the end. Exit status 1 if any call
+ * failed.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -58,6 +95,9 @@ typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef enum { CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1 } CUstreamCaptureMode;
 
 typedef enum { CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4 } CUlaunchAttributeID;
 typedef union {
@@ -104,6 +144,20 @@ CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
 CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
 CUresult cuEventSynchronize(CUevent hEvent);
 CUresult cuEventDestroy_v2(CUevent hEvent);
+CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode);
+CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags);
+CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
+CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
+CUresult cuGraphDestroy(CUgraph hGraph);
+
+/* ---- the cupti_activity.h declarations the rival profiler uses ------------ */
+
+enum { RIVAL_KIND_KERNEL = 3, RIVAL_KIND_DRIVER = 4, RIVAL_KIND_RUNTIME = 5, RIVAL_KIND_CONCURRENT_KERNEL = 10 };
+typedef struct { uint32_t kind; } CUpti_Activity;
+typedef void (*CUpti_BuffersCallbackRequestFunc)(uint8_t **buffer, size_t *size, size_t *maxNumRecords);
+typedef void (*CUpti_BuffersCallbackCompleteFunc)(CUcontext context, uint32_t streamId, uint8_t *buffer,
+                                                  size_t size, size_t validSize);
 
 /* ---- the program ------------------------------------------------------------- */
 
@@ -140,9 +194,10 @@ static const char real_ptx[] =
     ".version 7.0\n.target sm_52\n.address_size 64\n" PTX_KERNEL("vector_add") PTX_KERNEL("matmul_tiled");
 
 static struct {
-    int iterations, threads, sleep_ms, extras, cleanup, real_ptx;
+    int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
+    int rival_at, rival_iterations;
     const char *wait_file, *init_wait_file;
-} options = {.threads = 1};
+} options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
 
 static CUcontext context;
 static CUfunction vector_add, matmul_tiled;
@@ -150,12 +205,16 @@ static unsigned long calls;
 static int failed;
 static pthread_mutex_t output_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned int (*stream_id_fn)(CUstream);
+static unsigned int (*graph_id_fn)(CUgraph);
+static unsigned int (*graph_exec_id_fn)(CUgraphExec);
 
 struct worker {
     int index;
     int own_setup; /* 1: make its own stream (threads > 1) */
     CUstream stream;
     CUevent event;
+    CUgraph graph;      /* --graph */
+    CUgraphExec exec;
 };
 
 static uint64_t now(clockid_t clock) {
@@ -265,6 +324,13 @@ static void iterate(struct worker *w, int iter) {
         report("cuCtxSynchronize", s, rc, "thread=%d iter=%d", w->index, iter);
     }
 
+    if (options.graph) {
+        s = start();
+        rc = cuGraphLaunch(w->exec, w->stream);
+        report("cuGraphLaunch", s, rc, "thread=%d iter=%d exec=%u stream=%u", w->index, iter,
+               graph_exec_id_fn ? graph_exec_id_fn(w->exec) : 0, sid);
+    }
+
     s = start();
     rc = cuStreamSynchronize(w->stream);
     report("cuStreamSynchronize", s, rc, "thread=%d iter=%d stream=%u", w->index, iter, sid);
@@ -285,6 +351,150 @@ static void make_stream(struct worker *w) {
     }
 }
 
+/* --graph: captures vector_add and matmul_tiled on the worker's stream. */
+static void make_graph(struct worker *w) {
+    unsigned sid = stream_id(w->stream);
+    struct stamp s = start();
+    CUresult rc = cuStreamBeginCapture_v2(w->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+    report("cuStreamBeginCapture_v2", s, rc, "thread=%d stream=%u mode=1", w->index, sid);
+    if (rc) return;
+
+    /* n = 0: every thread returns at once, so the pointers are never read. */
+    CUdeviceptr none = 0;
+    int n = 0;
+    void *args[] = {&none, &none, &none, &n};
+    s = start();
+    rc = cuLaunchKernel(vector_add, 128, 1, 1, 256, 1, 1, 0, w->stream, args, NULL);
+    report("cuLaunchKernel", s, rc,
+           "thread=%d func=vector_add grid=128,1,1 block=256,1,1 shmem=0 stream=%u captured=1", w->index, sid);
+    CUlaunchConfig config = {16, 16, 1, 32, 8, 1, 4096, w->stream, NULL, 0};
+    s = start();
+    rc = cuLaunchKernelEx(&config, matmul_tiled, args, NULL);
+    report("cuLaunchKernelEx", s, rc,
+           "thread=%d func=matmul_tiled grid=16,16,1 block=32,8,1 shmem=4096 stream=%u captured=1", w->index, sid);
+
+    s = start();
+    rc = cuStreamEndCapture(w->stream, &w->graph);
+    report("cuStreamEndCapture", s, rc, "thread=%d stream=%u graph=%u", w->index, sid,
+           rc == 0 && graph_id_fn ? graph_id_fn(w->graph) : 0);
+    if (rc) return;
+    s = start();
+    rc = cuGraphInstantiateWithFlags(&w->exec, w->graph, 0);
+    report("cuGraphInstantiateWithFlags", s, rc, "thread=%d graph=%u exec=%u flags=0", w->index,
+           graph_id_fn ? graph_id_fn(w->graph) : 0, rc == 0 && graph_exec_id_fn ? graph_exec_id_fn(w->exec) : 0);
+}
+
+/* ---- the rival profiler (--rival-at) ------------------------------------------ */
+
+static struct {
+    int (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc);
+    int (*enable)(int kind);
+    int (*disable)(int kind);
+    int (*flush_all)(uint32_t flag);
+    int (*next_record)(uint8_t *buffer, size_t valid, CUpti_Activity **record);
+} rival;
+static int rival_active;
+static uint64_t rival_t0;
+static pthread_mutex_t rival_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint8_t *rival_buffers[256]; /* the buffers it handed out and has not had back */
+static unsigned long rival_kernels;
+
+#define RIVAL_BUFFER_BYTES (256u << 10)
+
+static void rival_requested(uint8_t **buffer, size_t *size, size_t *max_records) {
+    *buffer = NULL;
+    *size = 0;
+    *max_records = 0;
+    pthread_mutex_lock(&rival_lock);
+    for (size_t i = 0; i < sizeof rival_buffers / sizeof rival_buffers[0]; i++) {
+        if (rival_buffers[i]) continue;
+        uint8_t *fresh = aligned_alloc(8, RIVAL_BUFFER_BYTES);
+        if (fresh) {
+            rival_buffers[i] = fresh;
+            *buffer = fresh;
+            *size = RIVAL_BUFFER_BYTES;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&rival_lock);
+}
+
+static void rival_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
+    (void)ctx;
+    (void)stream;
+    (void)size;
+    pthread_mutex_lock(&rival_lock);
+    size_t slot = sizeof rival_buffers / sizeof rival_buffers[0];
+    for (size_t i = 0; buffer && i < sizeof rival_buffers / sizeof rival_buffers[0]; i++)
+        if (rival_buffers[i] == buffer) slot = i;
+    if (slot == sizeof rival_buffers / sizeof rival_buffers[0]) { /* not ours: leave it alone */
+        pthread_mutex_unlock(&rival_lock);
+        return;
+    }
+    CUpti_Activity *record = NULL;
+    while (valid && rival.next_record(buffer, valid, &record) == 0)
+        if (record->kind == RIVAL_KIND_KERNEL || record->kind == RIVAL_KIND_CONCURRENT_KERNEL) rival_kernels++;
+    rival_buffers[slot] = NULL;
+    free(buffer);
+    pthread_mutex_unlock(&rival_lock);
+}
+
+static void *rival_symbol(const char *name) {
+    static void *library;
+    void *symbol = dlsym(RTLD_DEFAULT, name);
+    if (symbol) return symbol;
+    if (!library) library = dlopen("libcupti.so.12", RTLD_NOW | RTLD_NOLOAD);
+    if (!library) library = dlopen("libcupti.so", RTLD_NOW);
+    return library ? dlsym(library, name) : NULL;
+}
+
+static void rival_failed(const char *what, int code) {
+    fprintf(stderr, "cuda_workload: rival: %s failed with %d\n", what, code);
+    failed = 1;
+}
+
+static void rival_begin(void) {
+    rival.register_callbacks = (int (*)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc))
+        rival_symbol("cuptiActivityRegisterCallbacks");
+    rival.enable = (int (*)(int))rival_symbol("cuptiActivityEnable");
+    rival.disable = (int (*)(int))rival_symbol("cuptiActivityDisable");
+    rival.flush_all = (int (*)(uint32_t))rival_symbol("cuptiActivityFlushAll");
+    rival.next_record = (int (*)(uint8_t *, size_t, CUpti_Activity **))rival_symbol("cuptiActivityGetNextRecord");
+    if (!rival.register_callbacks || !rival.enable || !rival.disable || !rival.flush_all || !rival.next_record) {
+        fprintf(stderr, "cuda_workload: rival: no CUPTI Activity API: %s\n", dlerror());
+        failed = 1;
+        return;
+    }
+    rival_t0 = now(CLOCK_REALTIME);
+    int rc = rival.register_callbacks(rival_requested, rival_completed);
+    if (rc) {
+        rival_failed("cuptiActivityRegisterCallbacks", rc);
+        return;
+    }
+    static const int kinds[] = {RIVAL_KIND_CONCURRENT_KERNEL, RIVAL_KIND_DRIVER, RIVAL_KIND_RUNTIME};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        if ((rc = rival.enable(kinds[i])) != 0) rival_failed("cuptiActivityEnable", rc);
+    rival_active = 1;
+}
+
+static void rival_end(void) {
+    rival_active = 0;
+    static const int kinds[] = {RIVAL_KIND_CONCURRENT_KERNEL, RIVAL_KIND_DRIVER, RIVAL_KIND_RUNTIME};
+    int rc;
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        if ((rc = rival.disable(kinds[i])) != 0) rival_failed("cuptiActivityDisable", rc);
+    if ((rc = rival.flush_all(1)) != 0) rival_failed("cuptiActivityFlushAll", rc);
+    uint64_t t1 = now(CLOCK_REALTIME);
+    pthread_mutex_lock(&rival_lock);
+    unsigned long kernels = rival_kernels;
+    pthread_mutex_unlock(&rival_lock);
+    pthread_mutex_lock(&output_lock);
+    printf("rival: kernels=%lu start_ns=%llu end_ns=%llu\n", kernels, (unsigned long long)rival_t0,
+           (unsigned long long)t1);
+    fflush(stdout);
+    pthread_mutex_unlock(&output_lock);
+}
+
 static void *run_worker(void *arg) {
     struct worker *w = arg;
     if (w->own_setup) {
@@ -292,17 +502,32 @@ static void *run_worker(void *arg) {
         CUresult rc = cuCtxSetCurrent(context);
         report("cuCtxSetCurrent", s, rc, "thread=%d", w->index);
         make_stream(w);
+        if (options.graph && !failed) make_graph(w);
     }
+    int rival_last = options.rival_at + options.rival_iterations - 1;
     for (int i = 0; i < options.iterations && !failed; i++) {
+        if (i == options.rival_at) rival_begin();
         iterate(w, i);
+        if (rival_active && i == rival_last) rival_end();
         if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
     }
+    if (rival_active) rival_end();
     return NULL;
 }
 
 static void cleanup(struct worker *w) {
     struct stamp s;
     CUresult rc;
+    if (w->exec) {
+        s = start();
+        rc = cuGraphExecDestroy(w->exec);
+        report("cuGraphExecDestroy", s, rc, "thread=%d", w->index);
+    }
+    if (w->graph) {
+        s = start();
+        rc = cuGraphDestroy(w->graph);
+        report("cuGraphDestroy", s, rc, "thread=%d", w->index);
+    }
     if (w->event) {
         s = start();
         rc = cuEventDestroy_v2(w->event);
@@ -319,7 +544,8 @@ static void cleanup(struct worker *w) {
 static int usage(void) {
     fprintf(stderr,
             "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
-            "                     [--threads N] [--extras] [--cleanup] [--real-ptx]\n");
+            "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph]\n"
+            "                     [--rival-at N [--rival-iterations M]]\n");
     return 2;
 }
 
@@ -335,10 +561,16 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--extras") == 0) options.extras = 1;
         else if (strcmp(a, "--cleanup") == 0) options.cleanup = 1;
         else if (strcmp(a, "--real-ptx") == 0) options.real_ptx = 1;
+        else if (strcmp(a, "--graph") == 0) options.graph = 1;
+        else if (strcmp(a, "--rival-at") == 0 && i + 1 < argc) options.rival_at = atoi(argv[++i]);
+        else if (strcmp(a, "--rival-iterations") == 0 && i + 1 < argc) options.rival_iterations = atoi(argv[++i]);
         else return usage();
     }
     if (options.iterations < 0 || options.threads < 1 || options.threads > 64) return usage();
+    if (options.rival_iterations < 1 || (options.rival_at >= 0 && options.threads != 1)) return usage();
     stream_id_fn = (unsigned int (*)(CUstream))dlsym(RTLD_DEFAULT, "devtrace_standin_stream_id");
+    graph_id_fn = (unsigned int (*)(CUgraph))dlsym(RTLD_DEFAULT, "devtrace_standin_graph_id");
+    graph_exec_id_fn = (unsigned int (*)(CUgraphExec))dlsym(RTLD_DEFAULT, "devtrace_standin_graph_exec_id");
 
     if (options.init_wait_file) wait_for(options.init_wait_file);
 
@@ -381,7 +613,10 @@ int main(int argc, char **argv) {
         workers[t].index = t;
         workers[t].own_setup = options.threads > 1;
     }
-    if (options.threads == 1) make_stream(&workers[0]);
+    if (options.threads == 1) {
+        make_stream(&workers[0]);
+        if (options.graph && !failed) make_graph(&workers[0]);
+    }
     if (failed) return 1;
 
     if (options.wait_file) wait_for(options.wait_file);

@@ -1,18 +1,44 @@
 /*
- * A stand-in for libcupti.so (CUDA 12.8, CUPTI_API_VERSION 26) with the real
- * C ABI of the Activity API: same symbol names and signatures, and activity
- * records laid out byte for byte like cupti_activity.h (packed, 8-byte
- * aligned), which is also what cudarc's `cuda-12080` bindings read:
+ * A stand-in for libcupti.so (by default CUDA 12.8, CUPTI_API_VERSION 26)
+ * with the real C ABI of the Activity API: same symbol names and signatures,
+ * and activity records laid out byte for byte like cupti_activity.h (packed,
+ * 8-byte aligned), which for 12.8 is also what cudarc's `cuda-12080`
+ * bindings read.
  *
- *   DRIVER                  CUpti_ActivityAPI               40 bytes
- *   KERNEL/CONCURRENT_KERNEL CUpti_ActivityKernel9          208 bytes
- *   MEMCPY                  CUpti_ActivityMemcpy6           96 bytes
- *   MEMSET                  CUpti_ActivityMemset4           88 bytes
- *   MEMORY2                 CUpti_ActivityMemory4          128 bytes
- *   DEVICE                  CUpti_ActivityDevice5          184 bytes
- *   CONTEXT                 CUpti_ActivityContext3          32 bytes
- *   OVERHEAD                CUpti_ActivityOverhead3         56 bytes
- *   SYNCHRONIZATION         CUpti_ActivitySynchronization2  56 bytes
+ * $DEVTRACE_STANDIN_CUPTI_VERSION (read once, default 26) is the API version
+ * cuptiGetVersion returns, and records are written in the layout of that
+ * release: CUPTI writes the newest record version it has for each kind.
+ * Versions only append fields, so every field keeps its offset, and an older
+ * layout is a prefix of the newest one (CUpti_ActivityKernel13, Memcpy7,
+ * Memset5, Device6 below); cuptiActivityGetNextRecord steps by the size
+ * written. Kinds and sizes:
+ *
+ *   DRIVER                   CUpti_ActivityAPI                40 bytes
+ *   KERNEL/CONCURRENT_KERNEL CUpti_ActivityKernel9           208 bytes  < 130000
+ *                            Kernel10 (+isDeviceLaunched@208) 216 bytes  >= 130000 (13.0)
+ *                            Kernel11 (+int32 priority@216)   224 bytes  >= 130100 (13.1)
+ *                            Kernel12 (+executionModel@224)   232 bytes  >= 130300 (13.3)
+ *                            Kernel13 (+sourceGraphId@232,
+ *                                      sourceGraphNodeId@240) 248 bytes  >= 130400 (13.4)
+ *   MEMCPY                   CUpti_ActivityMemcpy6            96 bytes  < 130400
+ *                              (13.0+: byte 84 is isDeviceLaunched)
+ *                            Memcpy7 (+sourceGraphId@96,
+ *                                     sourceGraphNodeId@104) 112 bytes  >= 130400
+ *   MEMSET                   CUpti_ActivityMemset4            88 bytes  < 130400
+ *                              (13.0+: byte 84 is isDeviceLaunched)
+ *                            Memset5 (+sourceGraphId@88,
+ *                                     sourceGraphNodeId@96)  104 bytes  >= 130400
+ *   MEMORY2                  CUpti_ActivityMemory4           128 bytes
+ *   DEVICE                   CUpti_ActivityDevice5           184 bytes  < 130200
+ *                            Device6 (+numTpcs@184)          192 bytes  >= 130200 (13.2)
+ *   CONTEXT                  CUpti_ActivityContext3           32 bytes
+ *   OVERHEAD                 CUpti_ActivityOverhead3          56 bytes
+ *   SYNCHRONIZATION          CUpti_ActivitySynchronization2   56 bytes
+ *
+ * The newer fields hold: isDeviceLaunched 0 (all work is host-launched),
+ * priority 0, executionModel 0 (CUPTI_FUNC_EXECUTION_MODEL_UNKNOWN), numTpcs
+ * 66; graphId/graphNodeId (in every version) and sourceGraphId/
+ * sourceGraphNodeId are 0 except for kernels of a graph launch (below).
  *
  * Build it once and symlink the other names cudarc may open:
  *   cc -shared -fPIC -O2 -Wall -Werror -Wl,-soname,libcupti.so.12 \
@@ -24,8 +50,16 @@
  * Behaviour:
  * - All real kinds (1..54) can be enabled; records are written for the kinds
  *   listed above. Each driver call gets a correlation id (1, 2, ...) shared by
- *   its DRIVER record and its device record. Failed calls get only a DRIVER
- *   record.
+ *   its DRIVER record and its device record(s). Failed calls get only a DRIVER
+ *   record. Every call the driver stand-in reports gets a DRIVER record with
+ *   its cbid, cuDriverGetVersion (cbid 2, callable before cuInit) included.
+ * - CUDA graphs: each cuGraphLaunch (DRIVER cbid 514) writes one kernel record
+ *   per kernel node of the graph exec, in node order on the launch stream,
+ *   all with the correlation id of that cuGraphLaunch, graphId = the
+ *   CUgraphExec's id, graphNodeId = its node id (1, 2, ...),
+ *   sourceGraphId / sourceGraphNodeId (13.4 layout) = the CUgraph it was
+ *   instantiated from and that graph's node id. Launches captured into a
+ *   graph get only their DRIVER record (libcuda.c).
  * - Clock: CLOCK_REALTIME ns + $DEVTRACE_STANDIN_GPU_CLOCK_OFFSET_NS (signed,
  *   default 0). cuptiGetTimestamp, DRIVER/SYNCHRONIZATION records (host entry
  *   and return of the call) and device records all use it.
@@ -33,9 +67,13 @@
  *   same stream ends if that is later, and lasts
  *   $DEVTRACE_STANDIN_GPU_KERNEL_NS (default 5000), $DEVTRACE_STANDIN_GPU_MEMCPY_NS
  *   (default 2000) or $DEVTRACE_STANDIN_GPU_MEMSET_NS (default 1000) exactly.
- * - Enabling DEVICE writes one CUpti_ActivityDevice5 ("Standin GPU", sm_90,
- *   132 SMs, 80 GiB); enabling CONTEXT writes a record for each context made
- *   so far, and later contexts get one when made.
+ * - Enabling DEVICE writes one DEVICE record per CUDA ordinal the driver
+ *   stand-in makes visible (devtrace_standin_device_physical, standin_call.h;
+ *   $DEVTRACE_STANDIN_GPUS and $CUDA_VISIBLE_DEVICES): id = the ordinal,
+ *   uuid = STANDIN_GPU_UUID(physical index), "Standin GPU", sm_90, 132 SMs,
+ *   80 GiB (ordinal 0 on physical GPU 0 if the driver stand-in is not
+ *   loaded). Enabling CONTEXT writes a record for each context made so far,
+ *   and later contexts get one when made; deviceId is the context's ordinal.
  * - Buffers come from the client's bufferRequested callback when a record
  *   needs room; records sit at 8-byte-aligned offsets. A buffer is handed
  *   back when the next record does not fit or maxNumRecords is reached, and
@@ -45,6 +83,14 @@
  *   thread of this library; cuptiActivityFlushAll returns after it has
  *   delivered everything. cuptiActivityFlushPeriod(ms) makes the worker do a
  *   flag-0 flush every ms.
+ * - Several users in one process (a second profiler such as PyTorch's Kineto
+ *   next to devtrace): each buffer goes back to the bufferCompleted of the
+ *   callback pair whose bufferRequested supplied it. A later
+ *   cuptiActivityRegisterCallbacks replaces the pair for later buffer
+ *   requests, and the buffer being filled at that moment is closed at once
+ *   and handed back to the pair that supplied it. Enable/disable stay global
+ *   per kind: the Activity API is per process, not per user, so one user's
+ *   cuptiActivityDisable stops that kind for everyone.
  * - A NULL buffer, a zero size, a buffer smaller than the record, or a buffer
  *   not 8-byte aligned (handed straight back with validSize 0) drops records
  *   and counts them. $DEVTRACE_STANDIN_CUPTI_DROP=N adds N to the count when
@@ -127,7 +173,7 @@ typedef enum {
     CUPTI_ERROR_FORCE_INT = 0x7fffffff
 } CUptiResult;
 
-/* ---- cupti_activity.h (12.8) --------------------------------------------- */
+/* ---- cupti_activity.h (12.8; records up to 13.4) -------------------------- */
 
 typedef enum {
     CUPTI_ACTIVITY_KIND_INVALID = 0,
@@ -317,8 +363,17 @@ typedef struct PACKED_ALIGNMENT {
     uint32_t clusterSchedulingPolicy;
     uint64_t localMemoryTotal_v2;
     uint32_t maxPotentialClusterSize;
-    uint32_t maxActiveClusters;
-} CUpti_ActivityKernel9;
+    uint32_t maxActiveClusters;      /* CUpti_ActivityKernel9 (12.x) ends here: 208 */
+    uint8_t isDeviceLaunched;
+    uint8_t padding3[7];             /* Kernel10 (13.0): 216 */
+    int32_t priority;
+    uint32_t padding4;               /* Kernel11 (13.1): 224 */
+    uint32_t executionModel;         /* CUpti_FuncExecutionModel */
+    uint32_t padding5;               /* Kernel12 (13.3): 232 */
+    uint32_t sourceGraphId;
+    uint32_t padding6;
+    uint64_t sourceGraphNodeId;      /* Kernel13 (13.4): 248 */
+} CUpti_ActivityKernel13;
 
 typedef struct PACKED_ALIGNMENT {
     CUpti_ActivityKind kind;
@@ -340,9 +395,13 @@ typedef struct PACKED_ALIGNMENT {
     uint32_t graphId;
     uint32_t channelID;
     CUpti_ChannelType channelType;
-    uint32_t pad2;
-    uint64_t copyCount;
-} CUpti_ActivityMemcpy6;
+    uint8_t isDeviceLaunched;        /* padding before 13.0 */
+    uint8_t pad2[3];
+    uint64_t copyCount;              /* CUpti_ActivityMemcpy6 ends here: 96 */
+    uint32_t sourceGraphId;
+    uint32_t pad3;
+    uint64_t sourceGraphNodeId;      /* Memcpy7 (13.4): 112 */
+} CUpti_ActivityMemcpy7;
 
 typedef struct PACKED_ALIGNMENT {
     CUpti_ActivityKind kind;
@@ -362,8 +421,12 @@ typedef struct PACKED_ALIGNMENT {
     uint32_t graphId;
     uint32_t channelID;
     CUpti_ChannelType channelType;
-    uint32_t pad2;
-} CUpti_ActivityMemset4;
+    uint8_t isDeviceLaunched;        /* padding before 13.0 */
+    uint8_t pad2[3];                 /* CUpti_ActivityMemset4 ends here: 88 */
+    uint32_t sourceGraphId;
+    uint32_t pad3;
+    uint64_t sourceGraphNodeId;      /* Memset5 (13.4): 104 */
+} CUpti_ActivityMemset5;
 
 typedef struct PACKED_ALIGNMENT {
     CUpti_ActivityKind kind;
@@ -433,8 +496,10 @@ typedef struct PACKED_ALIGNMENT {
     uint32_t computeInstanceId;
     CUuuid migUuid;
     uint32_t isNumaNode;
-    uint32_t numaId;
-} CUpti_ActivityDevice5;
+    uint32_t numaId;                 /* CUpti_ActivityDevice5 ends here: 184 */
+    uint32_t numTpcs;
+    uint32_t reserved0;              /* Device6 (13.2): 192 */
+} CUpti_ActivityDevice6;
 
 typedef struct __attribute__((aligned(8))) {
     CUpti_ActivityKind kind;
@@ -487,48 +552,58 @@ typedef void (*CUpti_BuffersCallbackCompleteFunc)(CUcontext context, uint32_t st
 typedef struct CUpti_Subscriber_st *CUpti_SubscriberHandle;
 typedef void (*CUpti_CallbackFunc)(void *userdata, int domain, CUpti_CallbackId cbid, const void *cbdata);
 
-/* Offsets and sizes as cudarc 0.19 (`cuda-12080`) lays these records out. */
+/* Offsets and sizes as cudarc 0.19 (`cuda-12080`) lays these records out,
+ * and, for the fields CUPTI 13 added, as the 13.0.85, 13.1.115, 13.4.92 and
+ * 13.5.25 cupti_activity.h headers do. */
 #define AT(type, field, offset) _Static_assert(offsetof(type, field) == (offset), #type "." #field)
 #define SIZE(type, size) _Static_assert(sizeof(type) == (size), "sizeof " #type)
 SIZE(CUpti_Activity, 8);
 SIZE(CUpti_ActivityAPI, 40);
 AT(CUpti_ActivityAPI, start, 8); AT(CUpti_ActivityAPI, processId, 24);
 AT(CUpti_ActivityAPI, correlationId, 32); AT(CUpti_ActivityAPI, returnValue, 36);
-SIZE(CUpti_ActivityKernel9, 208);
-AT(CUpti_ActivityKernel9, registersPerThread, 6); AT(CUpti_ActivityKernel9, start, 16);
-AT(CUpti_ActivityKernel9, deviceId, 40); AT(CUpti_ActivityKernel9, streamId, 48);
-AT(CUpti_ActivityKernel9, gridX, 52); AT(CUpti_ActivityKernel9, blockX, 64);
-AT(CUpti_ActivityKernel9, staticSharedMemory, 76); AT(CUpti_ActivityKernel9, dynamicSharedMemory, 80);
-AT(CUpti_ActivityKernel9, correlationId, 92); AT(CUpti_ActivityKernel9, gridId, 96);
-AT(CUpti_ActivityKernel9, name, 104); AT(CUpti_ActivityKernel9, queued, 120);
-AT(CUpti_ActivityKernel9, launchType, 136); AT(CUpti_ActivityKernel9, sharedMemoryExecuted, 140);
-AT(CUpti_ActivityKernel9, graphNodeId, 144); AT(CUpti_ActivityKernel9, shmemLimitConfig, 152);
-AT(CUpti_ActivityKernel9, pAccessPolicyWindow, 160); AT(CUpti_ActivityKernel9, channelType, 172);
-AT(CUpti_ActivityKernel9, clusterX, 176); AT(CUpti_ActivityKernel9, localMemoryTotal_v2, 192);
-AT(CUpti_ActivityKernel9, maxActiveClusters, 204);
-SIZE(CUpti_ActivityMemcpy6, 96);
-AT(CUpti_ActivityMemcpy6, copyKind, 4); AT(CUpti_ActivityMemcpy6, flags, 7);
-AT(CUpti_ActivityMemcpy6, bytes, 8); AT(CUpti_ActivityMemcpy6, start, 16);
-AT(CUpti_ActivityMemcpy6, deviceId, 32); AT(CUpti_ActivityMemcpy6, correlationId, 44);
-AT(CUpti_ActivityMemcpy6, reserved0, 56); AT(CUpti_ActivityMemcpy6, channelType, 80);
-AT(CUpti_ActivityMemcpy6, copyCount, 88);
-SIZE(CUpti_ActivityMemset4, 88);
-AT(CUpti_ActivityMemset4, value, 4); AT(CUpti_ActivityMemset4, bytes, 8);
-AT(CUpti_ActivityMemset4, correlationId, 44); AT(CUpti_ActivityMemset4, flags, 48);
-AT(CUpti_ActivityMemset4, memoryKind, 50); AT(CUpti_ActivityMemset4, channelType, 80);
+SIZE(CUpti_ActivityKernel13, 248);
+AT(CUpti_ActivityKernel13, registersPerThread, 6); AT(CUpti_ActivityKernel13, start, 16);
+AT(CUpti_ActivityKernel13, deviceId, 40); AT(CUpti_ActivityKernel13, streamId, 48);
+AT(CUpti_ActivityKernel13, gridX, 52); AT(CUpti_ActivityKernel13, blockX, 64);
+AT(CUpti_ActivityKernel13, staticSharedMemory, 76); AT(CUpti_ActivityKernel13, dynamicSharedMemory, 80);
+AT(CUpti_ActivityKernel13, correlationId, 92); AT(CUpti_ActivityKernel13, gridId, 96);
+AT(CUpti_ActivityKernel13, name, 104); AT(CUpti_ActivityKernel13, queued, 120);
+AT(CUpti_ActivityKernel13, launchType, 136); AT(CUpti_ActivityKernel13, sharedMemoryExecuted, 140);
+AT(CUpti_ActivityKernel13, graphNodeId, 144); AT(CUpti_ActivityKernel13, shmemLimitConfig, 152);
+AT(CUpti_ActivityKernel13, pAccessPolicyWindow, 160); AT(CUpti_ActivityKernel13, channelType, 172);
+AT(CUpti_ActivityKernel13, clusterX, 176); AT(CUpti_ActivityKernel13, localMemoryTotal_v2, 192);
+AT(CUpti_ActivityKernel13, maxActiveClusters, 204); AT(CUpti_ActivityKernel13, graphId, 156);
+AT(CUpti_ActivityKernel13, isDeviceLaunched, 208); AT(CUpti_ActivityKernel13, priority, 216);
+AT(CUpti_ActivityKernel13, executionModel, 224); AT(CUpti_ActivityKernel13, sourceGraphId, 232);
+AT(CUpti_ActivityKernel13, sourceGraphNodeId, 240);
+SIZE(CUpti_ActivityMemcpy7, 112);
+AT(CUpti_ActivityMemcpy7, copyKind, 4); AT(CUpti_ActivityMemcpy7, flags, 7);
+AT(CUpti_ActivityMemcpy7, bytes, 8); AT(CUpti_ActivityMemcpy7, start, 16);
+AT(CUpti_ActivityMemcpy7, deviceId, 32); AT(CUpti_ActivityMemcpy7, correlationId, 44);
+AT(CUpti_ActivityMemcpy7, reserved0, 56); AT(CUpti_ActivityMemcpy7, channelType, 80);
+AT(CUpti_ActivityMemcpy7, copyCount, 88); AT(CUpti_ActivityMemcpy7, graphNodeId, 64);
+AT(CUpti_ActivityMemcpy7, graphId, 72); AT(CUpti_ActivityMemcpy7, isDeviceLaunched, 84);
+AT(CUpti_ActivityMemcpy7, sourceGraphId, 96); AT(CUpti_ActivityMemcpy7, sourceGraphNodeId, 104);
+SIZE(CUpti_ActivityMemset5, 104);
+AT(CUpti_ActivityMemset5, value, 4); AT(CUpti_ActivityMemset5, bytes, 8);
+AT(CUpti_ActivityMemset5, correlationId, 44); AT(CUpti_ActivityMemset5, flags, 48);
+AT(CUpti_ActivityMemset5, memoryKind, 50); AT(CUpti_ActivityMemset5, channelType, 80);
+AT(CUpti_ActivityMemset5, graphNodeId, 64); AT(CUpti_ActivityMemset5, graphId, 72);
+AT(CUpti_ActivityMemset5, isDeviceLaunched, 84); AT(CUpti_ActivityMemset5, sourceGraphId, 88);
+AT(CUpti_ActivityMemset5, sourceGraphNodeId, 96);
 SIZE(CUpti_ActivityMemory4, 128);
 AT(CUpti_ActivityMemory4, correlationId, 12); AT(CUpti_ActivityMemory4, address, 16);
 AT(CUpti_ActivityMemory4, timestamp, 32); AT(CUpti_ActivityMemory4, processId, 48);
 AT(CUpti_ActivityMemory4, streamId, 60); AT(CUpti_ActivityMemory4, name, 64);
 AT(CUpti_ActivityMemory4, isAsync, 72); AT(CUpti_ActivityMemory4, memoryPoolConfig, 80);
 AT(CUpti_ActivityMemory4, memoryPoolConfig.utilizedSize, 112); AT(CUpti_ActivityMemory4, source, 120);
-SIZE(CUpti_ActivityDevice5, 184);
-AT(CUpti_ActivityDevice5, globalMemoryBandwidth, 8); AT(CUpti_ActivityDevice5, coreClockRate, 36);
-AT(CUpti_ActivityDevice5, numMultiprocessors, 44); AT(CUpti_ActivityDevice5, computeCapabilityMajor, 104);
-AT(CUpti_ActivityDevice5, id, 112); AT(CUpti_ActivityDevice5, uuid, 120);
-AT(CUpti_ActivityDevice5, name, 136); AT(CUpti_ActivityDevice5, isCudaVisible, 144);
-AT(CUpti_ActivityDevice5, gpuInstanceId, 152); AT(CUpti_ActivityDevice5, migUuid, 160);
-AT(CUpti_ActivityDevice5, numaId, 180);
+SIZE(CUpti_ActivityDevice6, 192);
+AT(CUpti_ActivityDevice6, globalMemoryBandwidth, 8); AT(CUpti_ActivityDevice6, coreClockRate, 36);
+AT(CUpti_ActivityDevice6, numMultiprocessors, 44); AT(CUpti_ActivityDevice6, computeCapabilityMajor, 104);
+AT(CUpti_ActivityDevice6, id, 112); AT(CUpti_ActivityDevice6, uuid, 120);
+AT(CUpti_ActivityDevice6, name, 136); AT(CUpti_ActivityDevice6, isCudaVisible, 144);
+AT(CUpti_ActivityDevice6, gpuInstanceId, 152); AT(CUpti_ActivityDevice6, migUuid, 160);
+AT(CUpti_ActivityDevice6, numaId, 180); AT(CUpti_ActivityDevice6, numTpcs, 184);
 SIZE(CUpti_ActivityContext3, 32);
 AT(CUpti_ActivityContext3, computeApiKind, 12); AT(CUpti_ActivityContext3, nullStreamId, 14);
 AT(CUpti_ActivityContext3, isGreenContext, 20); AT(CUpti_ActivityContext3, numMultiprocessors, 22);
@@ -546,6 +621,7 @@ AT(CUpti_ActivitySynchronization2, returnValue, 48);
 struct completed {
     uint8_t *buffer;
     size_t size, valid;
+    CUpti_BuffersCallbackCompleteFunc complete; /* of the pair that supplied it */
     struct completed *next;
 };
 
@@ -561,6 +637,7 @@ static CUpti_BuffersCallbackRequestFunc request_cb;
 static CUpti_BuffersCallbackCompleteFunc complete_cb;
 
 static uint8_t *buffer;     /* the buffer being filled, or NULL */
+static CUpti_BuffersCallbackCompleteFunc buffer_complete; /* its owner's bufferCompleted */
 static size_t buffer_size, buffer_used, buffer_max_records, buffer_records;
 static uint64_t buffer_busy_until; /* latest end of device work in it */
 
@@ -578,6 +655,7 @@ static uint64_t next_event_sync_id = 1;
 static CUpti_ActivityThreadIdType thread_id_type = CUPTI_ACTIVITY_THREAD_ID_TYPE_DEFAULT;
 static struct stream_tail tails[64];
 static uint32_t contexts[64];
+static uint32_t context_devices[64];
 static uint8_t context_reported[64];
 static size_t ncontexts;
 static int subscribed;
@@ -587,6 +665,12 @@ static long long clock_offset_ns;
 static uint64_t kernel_ns = 5000, memcpy_ns = 2000, memset_ns = 1000;
 static char fail_spec[1024];
 static int driver_attached;
+static devtrace_standin_physical_fn physical_of; /* libcuda's, once attached */
+
+/* The emulated release ($DEVTRACE_STANDIN_CUPTI_VERSION) and the sizes of
+ * the records it writes; every later version only appends fields. */
+static uint32_t api_version = CUPTI_API_VERSION;
+static size_t kernel_bytes = 208, memcpy_bytes = 96, memset_bytes = 88, device_bytes = 184;
 
 /* ---- configuration ------------------------------------------------------------ */
 
@@ -606,6 +690,18 @@ static void setup(void) {
     memcpy_ns = (uint64_t)env_or("DEVTRACE_STANDIN_GPU_MEMCPY_NS", 2000);
     memset_ns = (uint64_t)env_or("DEVTRACE_STANDIN_GPU_MEMSET_NS", 1000);
     pending_env_drops = env_or("DEVTRACE_STANDIN_CUPTI_DROP", 0);
+    api_version = (uint32_t)env_or("DEVTRACE_STANDIN_CUPTI_VERSION", CUPTI_API_VERSION);
+    kernel_bytes = api_version >= 130400   ? sizeof(CUpti_ActivityKernel13)                     /* 248 */
+                   : api_version >= 130300 ? offsetof(CUpti_ActivityKernel13, sourceGraphId)    /* 232 */
+                   : api_version >= 130100 ? offsetof(CUpti_ActivityKernel13, executionModel)   /* 224 */
+                   : api_version >= 130000 ? offsetof(CUpti_ActivityKernel13, priority)         /* 216 */
+                                           : offsetof(CUpti_ActivityKernel13, isDeviceLaunched); /* 208 */
+    memcpy_bytes = api_version >= 130400 ? sizeof(CUpti_ActivityMemcpy7)                      /* 112 */
+                                         : offsetof(CUpti_ActivityMemcpy7, sourceGraphId);    /* 96 */
+    memset_bytes = api_version >= 130400 ? sizeof(CUpti_ActivityMemset5)                      /* 104 */
+                                         : offsetof(CUpti_ActivityMemset5, sourceGraphId);    /* 88 */
+    device_bytes = api_version >= 130200 ? sizeof(CUpti_ActivityDevice6)                      /* 192 */
+                                         : offsetof(CUpti_ActivityDevice6, numTpcs);          /* 184 */
     const char *fail = getenv("DEVTRACE_STANDIN_CUPTI_FAIL");
     if (fail) snprintf(fail_spec, sizeof fail_spec, "%s", fail);
 }
@@ -646,6 +742,7 @@ static void close_buffer(void) {
         c->buffer = buffer;
         c->size = buffer_size;
         c->valid = buffer_used;
+        c->complete = buffer_complete;
         if (queue_tail) queue_tail->next = c; else queue_head = c;
         queue_tail = c;
         if (pending_env_drops > 0) {
@@ -655,6 +752,7 @@ static void close_buffer(void) {
         pthread_cond_broadcast(&work_ready);
     }
     buffer = NULL;
+    buffer_complete = NULL;
     buffer_size = buffer_used = buffer_records = buffer_max_records = 0;
     buffer_busy_until = 0;
 }
@@ -685,6 +783,7 @@ static void *reserve(size_t size, const struct standin_call *call) {
         /* The client's callback runs without the lock, so it may take its own
          * locks, which another of its threads may hold while calling in here. */
         CUpti_BuffersCallbackRequestFunc request = request_cb;
+        CUpti_BuffersCallbackCompleteFunc complete = complete_cb;
         uint8_t *fresh = NULL;
         size_t fresh_size = 0, max_records = 0;
         uint64_t asked = gpu_now();
@@ -698,6 +797,7 @@ static void *reserve(size_t size, const struct standin_call *call) {
         }
         if (buffer) close_buffer(); /* another thread installed one meanwhile */
         buffer = fresh;
+        buffer_complete = complete;
         buffer_size = fresh_size;
         buffer_max_records = max_records;
         if ((uintptr_t)fresh % 8 != 0) {
@@ -742,7 +842,7 @@ static int deliver_one(void) {
     if (!c) return 0;
     queue_head = c->next;
     if (!queue_head) queue_tail = NULL;
-    CUpti_BuffersCallbackCompleteFunc cb = complete_cb;
+    CUpti_BuffersCallbackCompleteFunc cb = c->complete;
     delivering++;
     pthread_mutex_unlock(&lock);
     if (cb) cb(NULL, 0, c->buffer, c->size, c->valid);
@@ -828,23 +928,25 @@ static void device_interval(const struct standin_call *call, uint64_t duration, 
     if (*end > buffer_busy_until) buffer_busy_until = *end;
 }
 
-static void write_context(uint32_t context_id, const struct standin_call *call) {
+static void write_context(uint32_t context_id, uint32_t device_id, const struct standin_call *call) {
     CUpti_ActivityContext3 *r = reserve(sizeof *r, call);
     if (!r) return;
     r->kind = CUPTI_ACTIVITY_KIND_CONTEXT;
     r->contextId = context_id;
-    r->deviceId = 0;
+    r->deviceId = device_id;
     r->computeApiKind = CUPTI_ACTIVITY_COMPUTE_API_CUDA;
     r->nullStreamId = STANDIN_DEFAULT_STREAM_ID;
     r->numMultiprocessors = 132;
     r->cigMode = CUPTI_CONTEXT_CIG_MODE_NONE;
 }
 
-static void write_device(void) {
-    CUpti_ActivityDevice5 *r = reserve(sizeof *r, NULL);
-    if (!r) return;
-    static const char uuid[16] = {0x5e, 0x7a, 0x4d, 0x1b, 0x00, 0x00, 0x40, 0x00,
-                                  0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01};
+/* One DEVICE record for CUDA ordinal `ordinal`, physical GPU `physical`. */
+static void write_one_device(uint32_t ordinal, int physical) {
+    void *out = reserve(device_bytes, NULL);
+    if (!out) return;
+    const uint8_t uuid[16] = STANDIN_GPU_UUID(physical);
+    CUpti_ActivityDevice6 record, *r = &record;
+    memset(r, 0, sizeof *r);
     r->kind = CUPTI_ACTIVITY_KIND_DEVICE;
     r->flags = CUPTI_ACTIVITY_FLAG_DEVICE_CONCURRENT_KERNELS;
     r->globalMemoryBandwidth = 3352320000ULL; /* kB/s */
@@ -871,7 +973,7 @@ static void write_device(void) {
     r->maxGridDimZ = 65535;
     r->computeCapabilityMajor = 9;
     r->computeCapabilityMinor = 0;
-    r->id = 0;
+    r->id = ordinal;
     r->eccEnabled = 1;
     memcpy(r->uuid.bytes, uuid, sizeof uuid);
     r->name = "Standin GPU";
@@ -881,6 +983,23 @@ static void write_device(void) {
     r->computeInstanceId = 0xFFFFFFFFu;
     r->isNumaNode = 0;
     r->numaId = 0xFFFFFFFFu;
+    r->numTpcs = 66;
+    memcpy(out, r, device_bytes);
+}
+
+/* A DEVICE record per CUDA ordinal libcuda makes visible (just ordinal 0 on
+ * physical GPU 0 when libcuda is not there to ask). */
+static void write_devices(void) {
+    devtrace_standin_physical_fn physical_of_ordinal = __atomic_load_n(&physical_of, __ATOMIC_ACQUIRE);
+    if (!physical_of_ordinal) {
+        write_one_device(0, 0);
+        return;
+    }
+    for (int ordinal = 0;; ordinal++) {
+        int physical = physical_of_ordinal(ordinal);
+        if (physical < 0) break;
+        write_one_device((uint32_t)ordinal, physical);
+    }
 }
 
 static int kernel_kind(void) {
@@ -891,6 +1010,55 @@ static int kernel_kind(void) {
 
 static uint8_t host_or_device(int device) {
     return device ? CUPTI_ACTIVITY_MEMORY_KIND_DEVICE : CUPTI_ACTIVITY_MEMORY_KIND_PAGEABLE;
+}
+
+/* One kernel record, in the layout of the emulated release: a launch
+ * (graph_id 0) or node `k` of a launch of graph exec `graph_id`. */
+static void write_kernel(const struct standin_call *call, uint32_t correlation, const struct standin_graph_node *k,
+                         uint32_t graph_id, uint32_t source_graph_id) {
+    int kind = kernel_kind();
+    if (!kind) return;
+    void *out = reserve(kernel_bytes, call);
+    if (!out) return;
+    CUpti_ActivityKernel13 record, *r = &record;
+    memset(r, 0, sizeof *r);
+    r->kind = (CUpti_ActivityKind)kind;
+    r->cacheConfig.config.requested = 0;
+    r->cacheConfig.config.executed = 0;
+    r->registersPerThread = k->registers;
+    r->partitionedGlobalCacheRequested = CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_NOT_SUPPORTED;
+    r->partitionedGlobalCacheExecuted = CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_NOT_SUPPORTED;
+    device_interval(call, kernel_ns, &r->start, &r->end);
+    r->completed = r->end;
+    r->deviceId = call->device_id;
+    r->contextId = call->context_id;
+    r->streamId = call->stream_id;
+    r->gridX = (int32_t)k->grid[0];
+    r->gridY = (int32_t)k->grid[1];
+    r->gridZ = (int32_t)k->grid[2];
+    r->blockX = (int32_t)k->block[0];
+    r->blockY = (int32_t)k->block[1];
+    r->blockZ = (int32_t)k->block[2];
+    r->staticSharedMemory = (int32_t)k->static_shared;
+    r->dynamicSharedMemory = (int32_t)k->dynamic_shared;
+    r->correlationId = correlation;
+    r->gridId = next_grid_id++;
+    r->name = k->kernel_name;
+    r->sharedMemoryExecuted = k->static_shared + k->dynamic_shared;
+    r->graphNodeId = graph_id ? k->node_id : 0;
+    r->shmemLimitConfig = CUPTI_FUNC_SHMEM_LIMIT_DEFAULT;
+    r->graphId = graph_id;
+    r->channelID = 1;
+    r->channelType = CUPTI_CHANNEL_TYPE_COMPUTE;
+    r->clusterX = k->cluster[0];
+    r->clusterY = k->cluster[1];
+    r->clusterZ = k->cluster[2];
+    r->isDeviceLaunched = 0; /* launched from the host */
+    r->priority = 0;
+    r->executionModel = 0;   /* CUPTI_FUNC_EXECUTION_MODEL_UNKNOWN */
+    r->sourceGraphId = graph_id ? source_graph_id : 0;
+    r->sourceGraphNodeId = graph_id ? k->source_node_id : 0;
+    memcpy(out, r, kernel_bytes);
 }
 
 /* Driver API names by cbid, learned from the calls the stand-in driver
@@ -922,9 +1090,10 @@ CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
     if (call->kind == STANDIN_CALL_CTX_CREATE && call->result == 0 &&
         ncontexts < sizeof contexts / sizeof contexts[0]) {
         contexts[ncontexts] = call->context_id;
+        context_devices[ncontexts] = call->device_id;
         context_reported[ncontexts] = enabled[CUPTI_ACTIVITY_KIND_CONTEXT];
         ncontexts++;
-        if (enabled[CUPTI_ACTIVITY_KIND_CONTEXT]) write_context(call->context_id, call);
+        if (enabled[CUPTI_ACTIVITY_KIND_CONTEXT]) write_context(call->context_id, call->device_id, call);
     }
 
     if (enabled[CUPTI_ACTIVITY_KIND_DRIVER]) {
@@ -948,45 +1117,30 @@ CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
 
     switch (call->kind) {
     case STANDIN_CALL_KERNEL: {
-        int kind = kernel_kind();
-        if (!kind) break;
-        CUpti_ActivityKernel9 *r = reserve(sizeof *r, call);
-        if (!r) break;
-        r->kind = (CUpti_ActivityKind)kind;
-        r->cacheConfig.config.requested = 0;
-        r->cacheConfig.config.executed = 0;
-        r->registersPerThread = call->registers;
-        r->partitionedGlobalCacheRequested = CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_NOT_SUPPORTED;
-        r->partitionedGlobalCacheExecuted = CUPTI_ACTIVITY_PARTITIONED_GLOBAL_CACHE_CONFIG_NOT_SUPPORTED;
-        device_interval(call, kernel_ns, &r->start, &r->end);
-        r->completed = r->end;
-        r->deviceId = call->device_id;
-        r->contextId = call->context_id;
-        r->streamId = call->stream_id;
-        r->gridX = (int32_t)call->grid[0];
-        r->gridY = (int32_t)call->grid[1];
-        r->gridZ = (int32_t)call->grid[2];
-        r->blockX = (int32_t)call->block[0];
-        r->blockY = (int32_t)call->block[1];
-        r->blockZ = (int32_t)call->block[2];
-        r->staticSharedMemory = (int32_t)call->static_shared;
-        r->dynamicSharedMemory = (int32_t)call->dynamic_shared;
-        r->correlationId = correlation;
-        r->gridId = next_grid_id++;
-        r->name = call->kernel_name;
-        r->sharedMemoryExecuted = call->static_shared + call->dynamic_shared;
-        r->shmemLimitConfig = CUPTI_FUNC_SHMEM_LIMIT_DEFAULT;
-        r->channelID = 1;
-        r->channelType = CUPTI_CHANNEL_TYPE_COMPUTE;
-        r->clusterX = call->cluster[0];
-        r->clusterY = call->cluster[1];
-        r->clusterZ = call->cluster[2];
+        struct standin_graph_node launch;
+        memset(&launch, 0, sizeof launch);
+        launch.kernel_name = call->kernel_name;
+        memcpy(launch.grid, call->grid, sizeof launch.grid);
+        memcpy(launch.block, call->block, sizeof launch.block);
+        launch.dynamic_shared = call->dynamic_shared;
+        launch.static_shared = call->static_shared;
+        launch.registers = call->registers;
+        launch.launch_ex = call->launch_ex;
+        memcpy(launch.cluster, call->cluster, sizeof launch.cluster);
+        write_kernel(call, correlation, &launch, 0, 0);
         break;
     }
+    case STANDIN_CALL_GRAPH_LAUNCH:
+        /* Every kernel of the replay shares the cuGraphLaunch correlation id. */
+        for (uint32_t i = 0; i < call->nnodes; i++)
+            write_kernel(call, correlation, &call->nodes[i], call->graph_id, call->source_graph_id);
+        break;
     case STANDIN_CALL_MEMCPY: {
         if (!enabled[CUPTI_ACTIVITY_KIND_MEMCPY]) break;
-        CUpti_ActivityMemcpy6 *r = reserve(sizeof *r, call);
-        if (!r) break;
+        void *out = reserve(memcpy_bytes, call);
+        if (!out) break;
+        CUpti_ActivityMemcpy7 record, *r = &record;
+        memset(r, 0, sizeof *r);
         uint32_t k = call->copy_kind;
         r->kind = CUPTI_ACTIVITY_KIND_MEMCPY;
         r->copyKind = (uint8_t)k;
@@ -999,15 +1153,23 @@ CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
         r->contextId = call->context_id;
         r->streamId = call->stream_id;
         r->correlationId = correlation;
+        r->graphNodeId = 0; /* copies are never captured by the stand-in driver */
+        r->graphId = 0;
         r->channelID = 2;
         r->channelType = CUPTI_CHANNEL_TYPE_ASYNC_MEMCPY;
+        r->isDeviceLaunched = 0;
         r->copyCount = 1;
+        r->sourceGraphId = 0;
+        r->sourceGraphNodeId = 0;
+        memcpy(out, r, memcpy_bytes);
         break;
     }
     case STANDIN_CALL_MEMSET: {
         if (!enabled[CUPTI_ACTIVITY_KIND_MEMSET]) break;
-        CUpti_ActivityMemset4 *r = reserve(sizeof *r, call);
-        if (!r) break;
+        void *out = reserve(memset_bytes, call);
+        if (!out) break;
+        CUpti_ActivityMemset5 record, *r = &record;
+        memset(r, 0, sizeof *r);
         r->kind = CUPTI_ACTIVITY_KIND_MEMSET;
         r->value = call->memset_value;
         r->bytes = call->bytes;
@@ -1018,8 +1180,14 @@ CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
         r->correlationId = correlation;
         r->flags = call->is_async ? CUPTI_ACTIVITY_FLAG_MEMSET_ASYNC : 0;
         r->memoryKind = CUPTI_ACTIVITY_MEMORY_KIND_DEVICE;
+        r->graphNodeId = 0;
+        r->graphId = 0;
         r->channelID = 1;
         r->channelType = CUPTI_CHANNEL_TYPE_COMPUTE;
+        r->isDeviceLaunched = 0;
+        r->sourceGraphId = 0;
+        r->sourceGraphNodeId = 0;
+        memcpy(out, r, memset_bytes);
         break;
     }
     case STANDIN_CALL_ALLOC:
@@ -1070,15 +1238,19 @@ static void attach_driver(void) {
     if (__atomic_load_n(&driver_attached, __ATOMIC_ACQUIRE)) return;
     void (*set_hook)(devtrace_standin_hook) =
         (void (*)(devtrace_standin_hook))dlsym(RTLD_DEFAULT, "devtrace_standin_cuda_set_hook");
+    devtrace_standin_physical_fn physical =
+        (devtrace_standin_physical_fn)dlsym(RTLD_DEFAULT, "devtrace_standin_device_physical");
     if (!set_hook) {
         void *driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
         if (!driver) driver = dlopen("libcuda.so", RTLD_LAZY | RTLD_NOLOAD);
         if (driver) {
             set_hook = (void (*)(devtrace_standin_hook))dlsym(driver, "devtrace_standin_cuda_set_hook");
+            physical = (devtrace_standin_physical_fn)dlsym(driver, "devtrace_standin_device_physical");
             dlclose(driver);
         }
     }
     if (set_hook) {
+        __atomic_store_n(&physical_of, physical, __ATOMIC_RELEASE);
         set_hook(devtrace_standin_cupti_on_call);
         __atomic_store_n(&driver_attached, 1, __ATOMIC_RELEASE);
     }
@@ -1104,7 +1276,7 @@ CUPTIAPI CUptiResult cuptiGetVersion(uint32_t *version) {
     ENTER("cuptiGetVersion");
     if (!version) return CUPTI_ERROR_INVALID_PARAMETER;
     /* DEVTRACE_STANDIN_CUPTI_VERSION pretends to be another release. */
-    *version = (uint32_t)env_or("DEVTRACE_STANDIN_CUPTI_VERSION", CUPTI_API_VERSION);
+    *version = api_version;
     return CUPTI_SUCCESS;
 }
 
@@ -1122,6 +1294,7 @@ CUPTIAPI CUptiResult cuptiActivityRegisterCallbacks(CUpti_BuffersCallbackRequest
     pthread_mutex_lock(&lock);
     request_cb = funcBufferRequested;
     complete_cb = funcBufferCompleted;
+    close_buffer(); /* goes back to the pair that supplied it */
     start_worker();
     pthread_mutex_unlock(&lock);
     return CUPTI_SUCCESS;
@@ -1133,11 +1306,11 @@ CUPTIAPI CUptiResult cuptiActivityEnable(CUpti_ActivityKind kind) {
     pthread_mutex_lock(&lock);
     int was = enabled[kind];
     enabled[kind] = 1;
-    if (!was && kind == CUPTI_ACTIVITY_KIND_DEVICE) write_device();
+    if (!was && kind == CUPTI_ACTIVITY_KIND_DEVICE) write_devices();
     if (kind == CUPTI_ACTIVITY_KIND_CONTEXT) {
         for (size_t i = 0; i < ncontexts; i++) {
             if (!context_reported[i]) {
-                write_context(contexts[i], NULL);
+                write_context(contexts[i], context_devices[i], NULL);
                 context_reported[i] = 1;
             }
         }
@@ -1197,11 +1370,11 @@ static size_t record_size(uint32_t kind) {
     case CUPTI_ACTIVITY_KIND_RUNTIME:
     case CUPTI_ACTIVITY_KIND_INTERNAL_LAUNCH_API: return sizeof(CUpti_ActivityAPI);
     case CUPTI_ACTIVITY_KIND_KERNEL:
-    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: return sizeof(CUpti_ActivityKernel9);
-    case CUPTI_ACTIVITY_KIND_MEMCPY: return sizeof(CUpti_ActivityMemcpy6);
-    case CUPTI_ACTIVITY_KIND_MEMSET: return sizeof(CUpti_ActivityMemset4);
+    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: return kernel_bytes;
+    case CUPTI_ACTIVITY_KIND_MEMCPY: return memcpy_bytes;
+    case CUPTI_ACTIVITY_KIND_MEMSET: return memset_bytes;
     case CUPTI_ACTIVITY_KIND_MEMORY2: return sizeof(CUpti_ActivityMemory4);
-    case CUPTI_ACTIVITY_KIND_DEVICE: return sizeof(CUpti_ActivityDevice5);
+    case CUPTI_ACTIVITY_KIND_DEVICE: return device_bytes;
     case CUPTI_ACTIVITY_KIND_CONTEXT: return sizeof(CUpti_ActivityContext3);
     case CUPTI_ACTIVITY_KIND_OVERHEAD: return sizeof(CUpti_ActivityOverhead3);
     case CUPTI_ACTIVITY_KIND_SYNCHRONIZATION: return sizeof(CUpti_ActivitySynchronization2);

@@ -20,7 +20,18 @@
  * - Host-side durations: cuLaunchKernel/Ex busy-spin $DEVTRACE_STANDIN_KERNEL_US
  *   microseconds, cuStreamSynchronize/cuCtxSynchronize/cuEventSynchronize
  *   busy-spin $DEVTRACE_STANDIN_SYNC_US (both default 0, read once).
- * - One device ("Standin GPU", ordinal 0); driver version 12080.
+ * - Devices: $DEVTRACE_STANDIN_GPUS physical GPUs (default 1, at most 64),
+ *   all named "Standin GPU"; physical GPU i has the UUID bytes
+ *   STANDIN_GPU_UUID(i) = 5e7a4d1b-0000-4000-8000-0000000000ii
+ *   (standin_call.h), the same as the NVML stand-in's GPU i. $CUDA_VISIBLE_DEVICES
+ *   (read once) is a comma-separated list of physical indices: CUDA ordinal k
+ *   is the k-th entry. As in the real driver the list ends at the first
+ *   entry that is not a valid index (out of range, a repeat, not a number;
+ *   UUID entries are not understood here); unset means every physical GPU
+ *   in order. cuDeviceGetCount / cuDeviceGet / cuDeviceGetName /
+ *   cuCtxCreate_v2 follow it, and cuInit answers CUDA_ERROR_NO_DEVICE when no
+ *   GPU is visible. devtrace_standin_device_physical(ordinal) tells the CUPTI
+ *   stand-in the physical index (or -1). Driver version 12080.
  * - cuMemAlloc_v2 hands out increasing fake addresses from 0x7f0000000000,
  *   each rounded up to 256 bytes and never reused; the memory is not backed,
  *   so copies only check the device range and DtoH copies zero the host side.
@@ -31,9 +42,25 @@
  * - Streams: NULL / CU_STREAM_LEGACY / CU_STREAM_PER_THREAD are stream 7,
  *   created streams 13, 14, ... (standin_call.h). Contexts 1, 2, ...;
  *   events 1, 2, ...
+ * - CUDA graphs, by stream capture only: cuStreamBeginCapture_v2 (any mode;
+ *   on a created stream, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED on the
+ *   default streams), then cuLaunchKernel / cuLaunchKernelEx on that stream
+ *   add kernel nodes 1, 2, ... instead of running (their calls are reported
+ *   as host-only), cuStreamEndCapture returns the CUgraph. Other work on a
+ *   capturing stream (async copies, cuEventRecord, cuGraphLaunch) answers
+ *   CUDA_ERROR_NOT_SUPPORTED, cuStreamSynchronize
+ *   CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED. cuGraphInstantiateWithFlags makes
+ *   a CUgraphExec whose nodes are numbered 1, 2, ... again; cuGraphLaunch
+ *   runs its kernels in node order on the stream (one host-side
+ *   $DEVTRACE_STANDIN_KERNEL_US spin for the whole launch) and is reported as
+ *   one STANDIN_CALL_GRAPH_LAUNCH call. CUgraph and CUgraphExec ids come from
+ *   one counter (1, 2, ...); unknown or destroyed handles answer
+ *   CUDA_ERROR_INVALID_HANDLE. cuGraphDestroy / cuGraphExecDestroy free them.
  * - After each call the CUPTI stand-in, if attached, gets a
  *   `struct standin_call` (standin_call.h) describing it.
- * - devtrace_standin_stream_id(CUstream) tells a test program a stream's id.
+ * - devtrace_standin_stream_id(CUstream) tells a test program a stream's id,
+ *   devtrace_standin_graph_id(CUgraph) and devtrace_standin_graph_exec_id
+ *   (CUgraphExec) a graph's id (0 for an unknown handle).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -64,10 +91,12 @@ enum {
     CUDA_ERROR_INVALID_IMAGE = 200,
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_UNKNOWN = 999,
 };
 
@@ -78,6 +107,14 @@ typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
+
+typedef enum CUstreamCaptureMode_enum {
+    CU_STREAM_CAPTURE_MODE_GLOBAL = 0,
+    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2
+} CUstreamCaptureMode;
 
 #define CU_STREAM_LEGACY ((CUstream)0x1)
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
@@ -148,6 +185,12 @@ enum {
     CBID_cuEventDestroy_v2 = 325,
     CBID_cuStreamDestroy_v2 = 326,
     CBID_cuGetErrorString = 372,
+    CBID_cuStreamEndCapture = 497,
+    CBID_cuGraphLaunch = 514,
+    CBID_cuGraphExecDestroy = 516,
+    CBID_cuGraphDestroy = 517,
+    CBID_cuStreamBeginCapture_v2 = 539,
+    CBID_cuGraphInstantiateWithFlags = 643,
     CBID_cuLaunchKernelEx = 652,
 };
 
@@ -159,8 +202,8 @@ enum { SYNC_EVENT = 1, SYNC_STREAM = 3, SYNC_CONTEXT = 4 };
 
 /* ---- driver objects ---------------------------------------------------- */
 
-struct CUctx_st { uint32_t id; int destroyed; };
-struct CUstream_st { uint32_t id; uint32_t context_id; };
+struct CUctx_st { uint32_t id; int destroyed; int device; };
+struct CUstream_st { uint32_t id; uint32_t context_id; struct CUgraph_st *capture; };
 struct CUevent_st { uint32_t id; uint32_t stream_id; };
 
 struct kernel_decl { char *name; uint16_t registers; uint32_t static_shared; };
@@ -173,6 +216,23 @@ struct CUmod_st {
 
 struct allocation { CUdeviceptr ptr; size_t size; int live; };
 
+/* A captured graph and an instantiated one: kernel nodes in order. */
+struct CUgraph_st {
+    uint32_t id;
+    struct standin_graph_node *nodes;
+    size_t nnodes;
+    struct CUgraph_st *next; /* live graphs */
+};
+struct CUgraphExec_st {
+    uint32_t id;
+    uint32_t source_graph_id;
+    struct standin_graph_node *nodes;
+    size_t nnodes;
+    struct CUgraphExec_st *next; /* live executable graphs */
+};
+
+#define MAX_GPUS 64
+
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized;
 static uint32_t next_context_id = 1;
@@ -182,6 +242,14 @@ static CUdeviceptr next_address = 0x7f0000000000ULL;
 static struct allocation *allocations;
 static size_t nallocations, allocations_cap;
 static __thread CUcontext current_context;
+static uint32_t next_graph_id = 1;
+static struct CUgraph_st *graphs;
+static struct CUgraphExec_st *graph_execs;
+
+static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
+static int physical_gpus = 1;
+static int visible[MAX_GPUS]; /* CUDA ordinal -> physical index */
+static int nvisible;
 
 static devtrace_standin_hook hook;
 static long long kernel_us = -1, sync_us = -1;
@@ -226,6 +294,42 @@ static uint32_t context_id(void) {
     return current_context ? current_context->id : 0;
 }
 
+/* Reads $DEVTRACE_STANDIN_GPUS and $CUDA_VISIBLE_DEVICES (once). */
+static void read_devices(void) {
+    long long gpus = env_number("DEVTRACE_STANDIN_GPUS");
+    physical_gpus = gpus <= 0 ? 1 : gpus > MAX_GPUS ? MAX_GPUS : (int)gpus;
+    const char *list = getenv("CUDA_VISIBLE_DEVICES");
+    nvisible = 0;
+    if (!list) {
+        for (int i = 0; i < physical_gpus; i++) visible[nvisible++] = i;
+        return;
+    }
+    const char *p = list;
+    while (*p && nvisible < MAX_GPUS) {
+        while (*p == ' ') p++;
+        char *end;
+        long index = strtol(p, &end, 10);
+        if (end == p || index < 0 || index >= physical_gpus) break;
+        while (*end == ' ') end++;
+        if (*end != ',' && *end != '\0') break;
+        int repeated = 0;
+        for (int k = 0; k < nvisible; k++) repeated |= visible[k] == (int)index;
+        if (repeated) break;
+        visible[nvisible++] = (int)index;
+        if (*end == '\0') break;
+        p = end + 1;
+    }
+}
+
+static int visible_count(void) {
+    pthread_once(&devices_once, read_devices);
+    return nvisible;
+}
+
+static int current_device(void) {
+    return current_context ? current_context->device : 0;
+}
+
 /* A call record with the common fields filled in. */
 static struct standin_call begin_call(const char *api, uint32_t cbid, uint32_t kind) {
     struct standin_call call;
@@ -238,7 +342,7 @@ static struct standin_call begin_call(const char *api, uint32_t cbid, uint32_t k
     call.pid = (uint32_t)getpid();
     call.tid = (uint32_t)syscall(SYS_gettid);
     call.pthread_id = (uint64_t)pthread_self();
-    call.device_id = 0;
+    call.device_id = (uint32_t)current_device();
     call.context_id = context_id();
     call.stream_id = NO_ID;
     call.event_id = NO_ID;
@@ -291,6 +395,29 @@ CUAPI unsigned int devtrace_standin_stream_id(CUstream stream) {
     return stream_id_of(stream);
 }
 
+CUAPI int devtrace_standin_device_physical(int ordinal) {
+    if (ordinal < 0 || ordinal >= visible_count()) return -1;
+    return visible[ordinal];
+}
+
+CUAPI unsigned int devtrace_standin_graph_id(CUgraph graph) {
+    unsigned int id = 0;
+    pthread_mutex_lock(&lock);
+    for (struct CUgraph_st *g = graphs; g; g = g->next)
+        if (g == graph) id = g->id;
+    pthread_mutex_unlock(&lock);
+    return id;
+}
+
+CUAPI unsigned int devtrace_standin_graph_exec_id(CUgraphExec exec) {
+    unsigned int id = 0;
+    pthread_mutex_lock(&lock);
+    for (struct CUgraphExec_st *e = graph_execs; e; e = e->next)
+        if (e == exec) id = e->id;
+    pthread_mutex_unlock(&lock);
+    return id;
+}
+
 /* ---- initialisation ---------------------------------------------------- */
 
 /* Attaches a CUPTI stand-in loaded before the driver (it attaches itself otherwise). */
@@ -327,6 +454,7 @@ static void load_injection(void) {
 CUAPI CUresult cuInit(unsigned int Flags) {
     struct standin_call call = begin_call("cuInit", CBID_cuInit, STANDIN_CALL_API);
     if (Flags != 0) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (visible_count() == 0) return finish_call(&call, CUDA_ERROR_NO_DEVICE);
     pthread_mutex_lock(&lock);
     int first = !initialized;
     __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
@@ -349,7 +477,7 @@ CUAPI CUresult cuDeviceGetCount(int *count) {
     struct standin_call call = begin_call("cuDeviceGetCount", CBID_cuDeviceGetCount, STANDIN_CALL_API);
     if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
     if (!count) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
-    *count = 1;
+    *count = visible_count();
     return finish_call(&call, CUDA_SUCCESS);
 }
 
@@ -357,8 +485,8 @@ CUAPI CUresult cuDeviceGet(CUdevice *device, int ordinal) {
     struct standin_call call = begin_call("cuDeviceGet", CBID_cuDeviceGet, STANDIN_CALL_API);
     if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
     if (!device) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
-    if (ordinal != 0) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
-    *device = 0;
+    if (ordinal < 0 || ordinal >= visible_count()) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    *device = ordinal;
     return finish_call(&call, CUDA_SUCCESS);
 }
 
@@ -366,7 +494,7 @@ CUAPI CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
     struct standin_call call = begin_call("cuDeviceGetName", CBID_cuDeviceGetName, STANDIN_CALL_API);
     if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
     if (!name || len <= 0) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
-    if (dev != 0) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    if (dev < 0 || dev >= visible_count()) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
     snprintf(name, (size_t)len, "%s", "Standin GPU");
     return finish_call(&call, CUDA_SUCCESS);
 }
@@ -378,9 +506,11 @@ CUAPI CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
     struct standin_call call = begin_call("cuCtxCreate_v2", CBID_cuCtxCreate_v2, STANDIN_CALL_CTX_CREATE);
     if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
     if (!pctx) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
-    if (dev != 0) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    if (dev < 0 || dev >= visible_count()) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
     CUcontext ctx = calloc(1, sizeof *ctx);
     if (!ctx) return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+    ctx->device = dev;
+    call.device_id = (uint32_t)dev;
     pthread_mutex_lock(&lock);
     ctx->id = next_context_id++;
     pthread_mutex_unlock(&lock);
@@ -404,6 +534,7 @@ CUAPI CUresult cuCtxSetCurrent(CUcontext ctx) {
     if (ctx && ctx->destroyed) return finish_call(&call, CUDA_ERROR_INVALID_CONTEXT);
     current_context = ctx;
     call.context_id = context_id();
+    call.device_id = (uint32_t)current_device();
     return finish_call(&call, CUDA_SUCCESS);
 }
 
@@ -413,6 +544,7 @@ CUAPI CUresult cuCtxDestroy_v2(CUcontext ctx) {
     if (!ctx || ctx->destroyed) return finish_call(&call, CUDA_ERROR_INVALID_CONTEXT);
     ctx->destroyed = 1; /* kept allocated: stale handles stay detectable */
     call.context_id = ctx->id;
+    call.device_id = (uint32_t)ctx->device;
     if (current_context == ctx) current_context = NULL;
     return finish_call(&call, CUDA_SUCCESS);
 }
@@ -529,6 +661,32 @@ static CUresult launch(struct standin_call *call, CUfunction f, const unsigned g
     call->stream_id = stream_id_of(stream);
     memcpy(call->grid, grid, sizeof call->grid);
     memcpy(call->block, block, sizeof call->block);
+    if (stream_id_of(stream) != STANDIN_DEFAULT_STREAM_ID && stream->capture) {
+        /* Captured: becomes a node of the graph, runs on cuGraphLaunch. */
+        struct CUgraph_st *g = stream->capture;
+        pthread_mutex_lock(&lock);
+        struct standin_graph_node *grown = realloc(g->nodes, (g->nnodes + 1) * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&lock);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        g->nodes = grown;
+        struct standin_graph_node *node = &g->nodes[g->nnodes++];
+        memset(node, 0, sizeof *node);
+        node->node_id = g->nnodes;
+        node->source_node_id = g->nnodes;
+        node->kernel_name = f->name;
+        memcpy(node->grid, grid, sizeof node->grid);
+        memcpy(node->block, block, sizeof node->block);
+        node->dynamic_shared = shared;
+        node->static_shared = f->static_shared;
+        node->registers = f->registers;
+        node->launch_ex = call->launch_ex;
+        memcpy(node->cluster, call->cluster, sizeof node->cluster);
+        pthread_mutex_unlock(&lock);
+        call->kind = STANDIN_CALL_API;
+        return CUDA_SUCCESS;
+    }
     spin_us(kernel_spin());
     return CUDA_SUCCESS;
 }
@@ -633,6 +791,8 @@ static CUresult copy(struct standin_call *call, uint64_t dst, uint64_t src, size
         return CUDA_ERROR_INVALID_VALUE;
     if ((kind == COPY_DTOH || kind == COPY_DTOD) && bytes && !is_device(src, bytes))
         return CUDA_ERROR_INVALID_VALUE;
+    if (is_async && stream_id_of(stream) != STANDIN_DEFAULT_STREAM_ID && stream->capture)
+        return CUDA_ERROR_NOT_SUPPORTED; /* only kernels are captured */
     if (kind == COPY_DTOH && bytes) memset((void *)(uintptr_t)dst, 0, bytes);
     if (kind == COPY_HTOH && bytes) memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes);
     call->copy_kind = kind;
@@ -732,6 +892,10 @@ CUAPI CUresult cuStreamSynchronize(CUstream hStream) {
     if (ready) return finish_call(&call, ready);
     call.sync_type = SYNC_STREAM;
     call.stream_id = stream_id_of(hStream);
+    if (call.stream_id != STANDIN_DEFAULT_STREAM_ID && hStream->capture) {
+        call.kind = STANDIN_CALL_API;
+        return finish_call(&call, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    }
     spin_us(sync_spin());
     return finish_call(&call, CUDA_SUCCESS);
 }
@@ -758,6 +922,8 @@ CUAPI CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
     CUresult ready = check_ready();
     if (ready) return finish_call(&call, ready);
     if (!hEvent) return finish_call(&call, CUDA_ERROR_INVALID_HANDLE);
+    if (stream_id_of(hStream) != STANDIN_DEFAULT_STREAM_ID && hStream->capture)
+        return finish_call(&call, CUDA_ERROR_NOT_SUPPORTED);
     hEvent->stream_id = stream_id_of(hStream);
     call.event_id = hEvent->id;
     call.stream_id = hEvent->stream_id;
@@ -785,6 +951,131 @@ CUAPI CUresult cuEventDestroy_v2(CUevent hEvent) {
     return finish_call(&call, CUDA_SUCCESS);
 }
 
+/* ---- graphs --------------------------------------------------------------- */
+
+CUAPI CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode) {
+    struct standin_call call = begin_call("cuStreamBeginCapture_v2", CBID_cuStreamBeginCapture_v2, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    call.stream_id = stream_id_of(hStream);
+    if (mode != CU_STREAM_CAPTURE_MODE_GLOBAL && mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
+        mode != CU_STREAM_CAPTURE_MODE_RELAXED)
+        return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (call.stream_id == STANDIN_DEFAULT_STREAM_ID) return finish_call(&call, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    if (hStream->capture) return finish_call(&call, CUDA_ERROR_ILLEGAL_STATE);
+    struct CUgraph_st *g = calloc(1, sizeof *g);
+    if (!g) return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+    hStream->capture = g;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
+    struct standin_call call = begin_call("cuStreamEndCapture", CBID_cuStreamEndCapture, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!phGraph) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    call.stream_id = stream_id_of(hStream);
+    if (call.stream_id == STANDIN_DEFAULT_STREAM_ID || !hStream->capture)
+        return finish_call(&call, CUDA_ERROR_ILLEGAL_STATE);
+    struct CUgraph_st *g = hStream->capture;
+    hStream->capture = NULL;
+    pthread_mutex_lock(&lock);
+    g->id = next_graph_id++;
+    g->next = graphs;
+    graphs = g;
+    pthread_mutex_unlock(&lock);
+    *phGraph = g;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags) {
+    (void)flags;
+    struct standin_call call =
+        begin_call("cuGraphInstantiateWithFlags", CBID_cuGraphInstantiateWithFlags, STANDIN_CALL_API);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    if (!phGraphExec) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    struct CUgraphExec_st *e = calloc(1, sizeof *e);
+    if (!e) return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+    pthread_mutex_lock(&lock);
+    struct CUgraph_st *g = graphs;
+    while (g && g != hGraph) g = g->next;
+    if (!g) {
+        pthread_mutex_unlock(&lock);
+        free(e);
+        return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    }
+    e->nodes = calloc(g->nnodes ? g->nnodes : 1, sizeof *e->nodes);
+    if (!e->nodes) {
+        pthread_mutex_unlock(&lock);
+        free(e);
+        return finish_call(&call, CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    for (size_t i = 0; i < g->nnodes; i++) {
+        e->nodes[i] = g->nodes[i];
+        e->nodes[i].node_id = i + 1;
+        e->nodes[i].source_node_id = g->nodes[i].node_id;
+    }
+    e->nnodes = g->nnodes;
+    e->source_graph_id = g->id;
+    e->id = next_graph_id++;
+    e->next = graph_execs;
+    graph_execs = e;
+    pthread_mutex_unlock(&lock);
+    *phGraphExec = e;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    struct standin_call call = begin_call("cuGraphLaunch", CBID_cuGraphLaunch, STANDIN_CALL_GRAPH_LAUNCH);
+    CUresult ready = check_ready();
+    if (ready) return finish_call(&call, ready);
+    call.stream_id = stream_id_of(hStream);
+    if (call.stream_id != STANDIN_DEFAULT_STREAM_ID && hStream->capture)
+        return finish_call(&call, CUDA_ERROR_NOT_SUPPORTED);
+    pthread_mutex_lock(&lock);
+    struct CUgraphExec_st *e = graph_execs;
+    while (e && e != hGraphExec) e = e->next;
+    pthread_mutex_unlock(&lock);
+    if (!e) return finish_call(&call, CUDA_ERROR_INVALID_HANDLE);
+    call.graph_id = e->id;
+    call.source_graph_id = e->source_graph_id;
+    call.nnodes = (uint32_t)e->nnodes;
+    call.nodes = e->nodes;
+    spin_us(kernel_spin());
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
+    struct standin_call call = begin_call("cuGraphExecDestroy", CBID_cuGraphExecDestroy, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    pthread_mutex_lock(&lock);
+    struct CUgraphExec_st **link = &graph_execs;
+    while (*link && *link != hGraphExec) link = &(*link)->next;
+    struct CUgraphExec_st *e = *link;
+    if (e) *link = e->next;
+    pthread_mutex_unlock(&lock);
+    if (!e) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    free(e->nodes);
+    free(e);
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuGraphDestroy(CUgraph hGraph) {
+    struct standin_call call = begin_call("cuGraphDestroy", CBID_cuGraphDestroy, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    pthread_mutex_lock(&lock);
+    struct CUgraph_st **link = &graphs;
+    while (*link && *link != hGraph) link = &(*link)->next;
+    struct CUgraph_st *g = *link;
+    if (g) *link = g->next;
+    pthread_mutex_unlock(&lock);
+    if (!g) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    free(g->nodes);
+    free(g);
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
 /* ---- errors -------------------------------------------------------------- */
 
 CUAPI CUresult cuGetErrorString(CUresult error, const char **pStr) {
@@ -802,10 +1093,12 @@ CUAPI CUresult cuGetErrorString(CUresult error, const char **pStr) {
     case CUDA_ERROR_INVALID_IMAGE: text = "device kernel image is invalid"; break;
     case CUDA_ERROR_INVALID_CONTEXT: text = "invalid device context"; break;
     case CUDA_ERROR_INVALID_HANDLE: text = "invalid resource handle"; break;
+    case CUDA_ERROR_ILLEGAL_STATE: text = "the operation cannot be performed in the present state"; break;
     case CUDA_ERROR_NOT_FOUND: text = "named symbol not found"; break;
     case CUDA_ERROR_NOT_READY: text = "device not ready"; break;
     case CUDA_ERROR_LAUNCH_FAILED: text = "unspecified launch failure"; break;
     case CUDA_ERROR_NOT_SUPPORTED: text = "operation not supported"; break;
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: text = "operation not permitted when stream is capturing"; break;
     case CUDA_ERROR_UNKNOWN: text = "unknown error"; break;
     default:
         *pStr = NULL;

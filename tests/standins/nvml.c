@@ -3,6 +3,8 @@
  * argument types, struct layouts of NVML 12), for testing devtrace's NVML
  * backend on machines without an NVIDIA driver.
  *
+ * Build: cc -shared -fPIC -O2 -Wall -Werror -o libnvidia-ml.so.1 nvml.c
+ *
  * Values and failures are read on every call from the file named by
  * DEVTRACE_NVML_STANDIN, one `key=value` per line, so a test can change them
  * while the agent runs:
@@ -11,10 +13,23 @@
  *   pcie_rx=2000  ecc=0  throttle=0
  *   fail_power=3      (any metric: fail_<metric>=<nvmlReturn_t>, e.g. 3 = NOT_SUPPORTED)
  *   lost_gpu=1        (that GPU answers GPU_IS_LOST to everything)
+ *
+ * Device count: `gpus=` in that file when present, else $DEVTRACE_STANDIN_GPUS
+ * (the physical GPU count the driver stand-in libcuda.c uses), else 2; at
+ * most 16. Like the real NVML it ignores CUDA_VISIBLE_DEVICES: index i is
+ * physical GPU i.
+ *
+ * nvmlDeviceGetUUID(device, uuid, length) writes "GPU-" and the 16 bytes
+ * STANDIN_GPU_UUID(i) of standin_call.h in lower-case hex, grouped 4-2-2-2-6
+ * bytes (GPU i: "GPU-5e7a4d1b-0000-4000-8000-0000000000ii"), the UUID the
+ * CUPTI stand-in puts in its DEVICE records; NVML_ERROR_INSUFFICIENT_SIZE
+ * when length < 41 (fail key: fail_uuid).
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "standin_call.h"
 
 typedef int nvmlReturn_t;
 enum {
@@ -89,7 +104,9 @@ const char *nvmlErrorString(nvmlReturn_t result) {
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
-    long long gpus = setting("gpus", 2);
+    const char *standin_gpus = getenv("DEVTRACE_STANDIN_GPUS");
+    long long fallback = standin_gpus && *standin_gpus ? atoll(standin_gpus) : 2;
+    long long gpus = setting("gpus", fallback);
     *count = (unsigned int)(gpus < 0 ? 0 : gpus > MAX_GPUS ? MAX_GPUS : gpus);
     return NVML_SUCCESS;
 }
@@ -110,6 +127,21 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
     snprintf(text, sizeof text, "NVIDIA Stand-in H100 #%u", device->index);
     if (strlen(text) + 1 > length) return NVML_ERROR_INSUFFICIENT_SIZE;
     strcpy(name, text);
+    return NVML_SUCCESS;
+}
+
+/* "GPU-" + 32 hex digits + 4 dashes + NUL. */
+#define NVML_UUID_LENGTH 41
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    nvmlReturn_t r = check(device, "uuid");
+    if (r) return r;
+    if (!uuid) return NVML_ERROR_INVALID_ARGUMENT;
+    if (length < NVML_UUID_LENGTH) return NVML_ERROR_INSUFFICIENT_SIZE;
+    const uint8_t b[16] = STANDIN_GPU_UUID(device->index);
+    snprintf(uuid, length,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
     return NVML_SUCCESS;
 }
 

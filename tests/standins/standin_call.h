@@ -17,6 +17,14 @@
  * `devtrace_standin_cupti_on_call` itself: globally, then in an
  * already-loaded libcupti.so.12 or libcupti.so (dlopen RTLD_NOLOAD).
  *
+ * Devices: libcuda also exports
+ *   int devtrace_standin_device_physical(int ordinal);
+ * the physical GPU index (0 .. $DEVTRACE_STANDIN_GPUS-1) behind CUDA ordinal
+ * `ordinal` under $CUDA_VISIBLE_DEVICES, or -1 when there is no such ordinal.
+ * libcupti finds it the same way as the hook and writes one DEVICE record
+ * per visible ordinal; physical GPU i has the UUID bytes
+ * STANDIN_GPU_UUID(i), which the NVML stand-in (nvml.c) reports too.
+ *
  * Nothing here is part of the real CUDA ABI.
  */
 #ifndef DEVTRACE_STANDIN_CALL_H
@@ -24,7 +32,7 @@
 
 #include <stdint.h>
 
-#define STANDIN_CALL_VERSION 1
+#define STANDIN_CALL_VERSION 2
 
 /* Stream id the stand-ins give the legacy default stream (NULL,
  * CU_STREAM_LEGACY, CU_STREAM_PER_THREAD), as real CUPTI commonly reports. */
@@ -32,9 +40,13 @@
 /* Streams made by cuStreamCreate get 13, 14, 15, ... */
 #define STANDIN_FIRST_STREAM_ID 13u
 
+/* The 16 UUID bytes of physical GPU `i` (0..255), as an initializer. */
+#define STANDIN_GPU_UUID(i) \
+    {0x5e, 0x7a, 0x4d, 0x1b, 0x00, 0x00, 0x40, 0x00, 0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, (uint8_t)(i)}
+
 enum standin_call_kind {
     STANDIN_CALL_API = 0,         /* host-only call, no device activity */
-    STANDIN_CALL_KERNEL = 1,      /* cuLaunchKernel, cuLaunchKernelEx */
+    STANDIN_CALL_KERNEL = 1,      /* cuLaunchKernel, cuLaunchKernelEx (API when captured) */
     STANDIN_CALL_MEMCPY = 2,      /* every cuMemcpy* */
     STANDIN_CALL_MEMSET = 3,      /* cuMemsetD8_v2 */
     STANDIN_CALL_ALLOC = 4,       /* cuMemAlloc_v2 */
@@ -42,6 +54,21 @@ enum standin_call_kind {
     STANDIN_CALL_SYNC = 6,        /* cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize */
     STANDIN_CALL_CTX_CREATE = 7,  /* cuCtxCreate_v2 */
     STANDIN_CALL_CTX_DESTROY = 8, /* cuCtxDestroy_v2 */
+    STANDIN_CALL_GRAPH_LAUNCH = 9, /* cuGraphLaunch: `nodes` run in order on stream_id */
+};
+
+/* One kernel node of an instantiated graph (STANDIN_CALL_GRAPH_LAUNCH). */
+struct standin_graph_node {
+    uint64_t node_id;          /* 1, 2, ... within the CUgraphExec */
+    uint64_t source_node_id;   /* the node of the CUgraph it came from: 1, 2, ... */
+    const char *kernel_name;   /* lives until exit */
+    uint32_t grid[3];
+    uint32_t block[3];
+    uint32_t dynamic_shared;
+    uint32_t static_shared;
+    uint16_t registers;
+    uint16_t launch_ex;        /* captured from cuLaunchKernelEx */
+    uint32_t cluster[3];
 };
 
 struct standin_call {
@@ -55,7 +82,7 @@ struct standin_call {
     uint32_t pid;            /* getpid() */
     uint32_t tid;            /* gettid() */
     uint64_t pthread_id;     /* (uint64_t)pthread_self() */
-    uint32_t device_id;      /* always 0 */
+    uint32_t device_id;      /* CUDA ordinal of the current context's device (0 if none) */
     uint32_t context_id;     /* 1, 2, ... in creation order; 0 if none current */
     uint32_t stream_id;      /* see STANDIN_*_STREAM_ID; 0xFFFFFFFF if none */
     uint32_t event_id;       /* cuEvent* calls: 1, 2, ...; else 0xFFFFFFFF */
@@ -82,8 +109,15 @@ struct standin_call {
     /* STANDIN_CALL_SYNC: CUpti_ActivitySynchronizationType
      * (1 event, 3 stream, 4 context) */
     uint32_t sync_type;
+
+    /* STANDIN_CALL_GRAPH_LAUNCH (valid only during the hook call) */
+    uint32_t graph_id;         /* unique id of the CUgraphExec (nonzero) */
+    uint32_t source_graph_id;  /* unique id of the CUgraph it was instantiated from */
+    uint32_t nnodes;
+    const struct standin_graph_node *nodes;
 };
 
 typedef void (*devtrace_standin_hook)(const struct standin_call *call);
+typedef int (*devtrace_standin_physical_fn)(int ordinal);
 
 #endif

@@ -1,0 +1,216 @@
+//! Checks [`super::layout`] against the real CUPTI headers: the wheels of
+//! several releases are fetched with pip (cached under
+//! `target/cupti-headers`), and a C file of `_Static_assert`s made from the
+//! table is compiled against each release's `include/`. A field must lie at
+//! its offset in every release from its `since` version on, and must lie past
+//! the end of the record in every release before.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use super::layout::{fields, Record};
+
+/// One release: the CUPTI wheel, and the CUDA runtime (and, for 13, crt)
+/// wheels whose headers `cupti_activity.h` includes. A requirement such as
+/// `nvidia-cuda-cupti<14` takes the newest release of a major.
+struct Release {
+    name: &'static str,
+    wheels: &'static [&'static str],
+}
+
+const RELEASES: &[Release] = &[
+    Release {
+        name: "12.2",
+        wheels: &[
+            "nvidia-cuda-cupti-cu12==12.2.142",
+            "nvidia-cuda-runtime-cu12==12.2.140",
+        ],
+    },
+    Release {
+        name: "12.8",
+        wheels: &[
+            "nvidia-cuda-cupti-cu12==12.8.90",
+            "nvidia-cuda-runtime-cu12==12.8.90",
+        ],
+    },
+    Release {
+        name: "13.0",
+        wheels: &[
+            "nvidia-cuda-cupti==13.0.85",
+            "nvidia-cuda-runtime==13.0.96",
+            "nvidia-cuda-crt==13.0.88",
+        ],
+    },
+    Release {
+        name: "13.newest",
+        wheels: &[
+            "nvidia-cuda-cupti<14",
+            "nvidia-cuda-runtime<14",
+            "nvidia-cuda-crt<14",
+        ],
+    },
+];
+
+fn cache_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cupti-headers")
+}
+
+/// Downloads and unpacks a release's wheels once; returns the directory.
+fn fetch(release: &Release) -> PathBuf {
+    let dir = cache_dir().join(release.name);
+    let done = dir.join(".unpacked");
+    if done.exists() {
+        return dir;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("cache directory");
+    let status = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+        ])
+        .arg("-d")
+        .arg(&dir)
+        .args(release.wheels)
+        .status()
+        .expect("python3 -m pip runs");
+    assert!(status.success(), "pip download {:?} failed", release.wheels);
+    let unzip = "import sys, zipfile, glob\n\
+                 for w in glob.glob(sys.argv[1] + '/*.whl'):\n    zipfile.ZipFile(w).extractall(sys.argv[1])";
+    let status = Command::new("python3")
+        .args(["-c", unzip])
+        .arg(&dir)
+        .status()
+        .expect("python3 runs");
+    assert!(status.success(), "unpacking {:?} failed", release.wheels);
+    std::fs::write(&done, b"").expect("marker");
+    dir
+}
+
+/// Every `include` directory of the unpacked wheels, CUPTI's first.
+fn include_dirs(dir: &Path) -> Vec<PathBuf> {
+    let nvidia = dir.join("nvidia");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&nvidia)
+        .expect("nvidia/ in the wheels")
+        .flatten()
+        .map(|entry| entry.path().join("include"))
+        .filter(|include| include.is_dir())
+        .collect();
+    dirs.sort_by_key(|d| !d.join("cupti_activity.h").exists());
+    dirs
+}
+
+/// The 12.x runtime wheels lack `crt/host_defines.h`; it is plain macros, so
+/// the 13.0 release's copy serves.
+fn crt_fallback() -> PathBuf {
+    let release = RELEASES.iter().find(|r| r.name == "13.0").expect("13.0");
+    let dir = fetch(release);
+    include_dirs(&dir)
+        .into_iter()
+        .find(|d| d.join("crt/host_defines.h").exists())
+        .expect("crt/host_defines.h in the 13.0 wheels")
+}
+
+fn header_text(includes: &[PathBuf]) -> String {
+    let mut text = String::new();
+    for name in [
+        "cupti_version.h",
+        "cupti_activity.h",
+        "cupti_activity_deprecated.h",
+    ] {
+        for dir in includes {
+            if let Ok(part) = std::fs::read_to_string(dir.join(name)) {
+                text.push_str(&part);
+            }
+        }
+    }
+    text
+}
+
+/// The newest struct of a family in the headers: `CUpti_ActivityKernel13`.
+fn newest_struct(text: &str, record: Record) -> String {
+    let stem = record.c_stem();
+    let mut best: Option<(u32, String)> = None;
+    for (at, _) in text.match_indices(stem) {
+        let before = text[..at].trim_end();
+        if !before.ends_with('}') {
+            continue;
+        }
+        let rest = &text[at + stem.len()..];
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        if !rest[digits.len()..].trim_start().starts_with(';') {
+            continue;
+        }
+        let number = digits.parse().unwrap_or(0);
+        if best.as_ref().is_none_or(|(n, _)| number > *n) {
+            best = Some((number, format!("{stem}{digits}")));
+        }
+    }
+    best.map(|(_, name)| name)
+        .unwrap_or_else(|| panic!("no {stem} struct in the headers"))
+}
+
+fn api_version(text: &str) -> u32 {
+    text.lines()
+        .find_map(|line| {
+            line.trim()
+                .strip_prefix("#define CUPTI_API_VERSION")
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .expect("CUPTI_API_VERSION in the headers")
+}
+
+#[test]
+fn the_layout_table_matches_the_real_headers() {
+    let crt = crt_fallback();
+    for release in RELEASES {
+        let dir = fetch(release);
+        let mut includes = include_dirs(&dir);
+        let text = header_text(&includes);
+        let version = api_version(&text);
+        assert!(
+            super::support(version).is_ok(),
+            "{}: API version {version} refused",
+            release.name
+        );
+        includes.push(crt.clone());
+        let mut source = String::from("#include <stddef.h>\n#include <cupti_activity.h>\n");
+        for (record, field, at) in fields() {
+            let name = newest_struct(&text, record);
+            if version >= at.since {
+                source.push_str(&format!(
+                    "_Static_assert(offsetof({name}, {field}) == {}, \"{name}.{field} at {}\");\n",
+                    at.offset, at.offset
+                ));
+            } else {
+                source.push_str(&format!(
+                    "_Static_assert(sizeof({name}) <= {}, \"{name} has no {field} before API {}\");\n",
+                    at.offset, at.since
+                ));
+            }
+        }
+        let file = dir.join("layout_check.c");
+        std::fs::write(&file, source).expect("write the check");
+        let mut cc = Command::new("cc");
+        cc.args(["-fsyntax-only", "-std=c11"]);
+        for include in &includes {
+            cc.arg("-I").arg(include);
+        }
+        let output = cc.arg(&file).output().expect("cc runs");
+        assert!(
+            output.status.success(),
+            "CUPTI {} (API {version}): the layout table disagrees with the headers:\n{}",
+            release.name,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        eprintln!(
+            "CUPTI {} (API {version}): {} fields checked",
+            release.name,
+            fields().len()
+        );
+    }
+}

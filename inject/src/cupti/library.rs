@@ -1,0 +1,262 @@
+//! Finding libcupti at run time and the entry points this library calls.
+//!
+//! A process must never hold two copies of CUPTI (each would keep its own
+//! activity state, and the framework's profiler would see half of it), so a
+//! libcupti the process already has is reused: `RTLD_NOLOAD` on
+//! `libcupti.so.13`, then `.so.12`. Otherwise the candidates are, in order:
+//! `DEVTRACE_CUPTI_PATH` (a file, or a directory holding one), the pip
+//! layout beside the CUDA libraries the process has mapped
+//! (`.../nvidia/cu13/lib/libcupti.so.13`, `.../nvidia/cuda_cupti/lib/libcupti.so.12`),
+//! `$CUDA_HOME/extras/CUPTI/lib64` (default `/usr/local/cuda`), then the
+//! loader's own search path. A library without one of the entry points is
+//! refused with its name.
+
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::path::PathBuf;
+
+/// `CUptiResult`.
+pub type CuptiResult = c_int;
+pub const CUPTI_SUCCESS: CuptiResult = 0;
+/// What a call answers when CUPTI could not be reached at all.
+pub const CUPTI_ERROR_NOT_INITIALIZED: CuptiResult = 15;
+
+pub type BufferRequested = unsafe extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
+pub type BufferCompleted = unsafe extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
+
+/// The file names a loaded libcupti may have, newest first.
+pub const SONAMES: [&str; 2] = ["libcupti.so.13", "libcupti.so.12"];
+
+pub type GetVersion = unsafe extern "C" fn(*mut u32) -> CuptiResult;
+pub type GetResultString = unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult;
+pub type RegisterCallbacks =
+    unsafe extern "C" fn(Option<BufferRequested>, Option<BufferCompleted>) -> CuptiResult;
+pub type SetThreadIdType = unsafe extern "C" fn(c_int) -> CuptiResult;
+pub type Enable = unsafe extern "C" fn(c_int) -> CuptiResult;
+pub type Disable = unsafe extern "C" fn(c_int) -> CuptiResult;
+pub type FlushAll = unsafe extern "C" fn(u32) -> CuptiResult;
+pub type GetTimestamp = unsafe extern "C" fn(*mut u64) -> CuptiResult;
+pub type GetNumDroppedRecords = unsafe extern "C" fn(*mut c_void, u32, *mut usize) -> CuptiResult;
+pub type GetCallbackName = unsafe extern "C" fn(c_int, u32, *mut *const c_char) -> CuptiResult;
+pub type GetNextRecord = unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult;
+pub type Finalize = unsafe extern "C" fn() -> CuptiResult;
+
+/// The entry points used, resolved once from one loaded libcupti.
+pub struct Library {
+    /// Where it came from (a path, or the soname it was found loaded under).
+    pub origin: String,
+    pub get_version: GetVersion,
+    pub get_result_string: GetResultString,
+    pub register_callbacks: RegisterCallbacks,
+    pub set_thread_id_type: SetThreadIdType,
+    pub enable: Enable,
+    pub disable: Disable,
+    pub flush_all: FlushAll,
+    pub get_timestamp: GetTimestamp,
+    pub get_num_dropped_records: GetNumDroppedRecords,
+    pub get_callback_name: GetCallbackName,
+    pub get_next_record: GetNextRecord,
+    pub finalize: Option<Finalize>,
+}
+
+// SAFETY: plain function pointers into a library that is never unloaded.
+unsafe impl Send for Library {}
+unsafe impl Sync for Library {}
+
+/// Why no usable libcupti was found: every place tried, with what happened.
+#[derive(Debug)]
+pub struct NotFound {
+    pub tried: Vec<String>,
+}
+
+impl std::fmt::Display for NotFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "libcupti was not found (set DEVTRACE_CUPTI_PATH, or add CUDA's extras/CUPTI/lib64 \
+             to LD_LIBRARY_PATH; tried {})",
+            self.tried.join("; ")
+        )
+    }
+}
+
+fn dlerror_text() -> String {
+    // SAFETY: dlerror returns null or a NUL-terminated thread-local string.
+    let text = unsafe { libc::dlerror() };
+    if text.is_null() {
+        "unknown error".into()
+    } else {
+        unsafe { std::ffi::CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+fn dlopen(name: &str, flags: c_int) -> Result<*mut c_void, String> {
+    let c_name = CString::new(name).map_err(|_| format!("{name}: NUL in name"))?;
+    // SAFETY: a valid C string; the handle is kept for the process's life.
+    let handle = unsafe { libc::dlopen(c_name.as_ptr(), flags) };
+    if handle.is_null() {
+        Err(dlerror_text())
+    } else {
+        Ok(handle)
+    }
+}
+
+/// The libcupti this process already has loaded, if any.
+pub fn already_loaded() -> Option<(*mut c_void, &'static str)> {
+    SONAMES.iter().find_map(|soname| {
+        dlopen(soname, libc::RTLD_NOW | libc::RTLD_NOLOAD)
+            .ok()
+            .map(|handle| (handle, *soname))
+    })
+}
+
+/// The candidate files, in the order they are tried after a loaded copy.
+fn candidates(maps: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Some(path) = std::env::var_os("DEVTRACE_CUPTI_PATH").filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        if path.is_dir() {
+            out.extend(
+                SONAMES
+                    .iter()
+                    .chain(&["libcupti.so"])
+                    .map(|name| path.join(name)),
+            );
+        } else {
+            out.push(path);
+        }
+    }
+    for nvidia in pip_nvidia_dirs(maps) {
+        out.push(nvidia.join("cu13/lib/libcupti.so.13"));
+        out.push(nvidia.join("cuda_cupti/lib/libcupti.so.12"));
+    }
+    let cuda_home = std::env::var_os("CUDA_HOME")
+        .filter(|p| !p.is_empty())
+        .map_or_else(|| PathBuf::from("/usr/local/cuda"), PathBuf::from);
+    for name in SONAMES.iter().chain(&["libcupti.so"]) {
+        out.push(cuda_home.join("extras/CUPTI/lib64").join(name));
+    }
+    out
+}
+
+/// The `nvidia` package directories of pip's CUDA wheels that hold a
+/// library this process has mapped (`.../site-packages/nvidia`), each once.
+pub fn pip_nvidia_dirs(maps: &str) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for line in maps.lines() {
+        let Some(path) = line.split_whitespace().nth(5) else {
+            continue;
+        };
+        let Some(at) = path.rfind("/nvidia/") else {
+            continue;
+        };
+        let dir = PathBuf::from(&path[..at + "/nvidia".len()]);
+        if !dirs.contains(&dir) {
+            dirs.push(dir);
+        }
+    }
+    dirs
+}
+
+/// Finds and loads libcupti (see the module documentation).
+pub fn load() -> Result<Library, NotFound> {
+    let mut tried = Vec::new();
+    if let Some((handle, soname)) = already_loaded() {
+        match resolve(handle, format!("{soname} (already loaded)")) {
+            Ok(library) => return Ok(library),
+            Err(error) => tried.push(error),
+        }
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    for path in candidates(&maps) {
+        if !path.exists() {
+            continue;
+        }
+        let shown = path.display().to_string();
+        match dlopen(&shown, libc::RTLD_NOW | libc::RTLD_GLOBAL) {
+            Ok(handle) => match resolve(handle, shown) {
+                Ok(library) => return Ok(library),
+                Err(error) => tried.push(error),
+            },
+            Err(error) => tried.push(format!("{shown}: {error}")),
+        }
+    }
+    for name in SONAMES.iter().chain(&["libcupti.so"]) {
+        match dlopen(name, libc::RTLD_NOW | libc::RTLD_GLOBAL) {
+            Ok(handle) => match resolve(handle, (*name).to_string()) {
+                Ok(library) => return Ok(library),
+                Err(error) => tried.push(error),
+            },
+            Err(_) => tried.push(format!("{name} on the loader's path")),
+        }
+    }
+    Err(NotFound { tried })
+}
+
+fn symbol(handle: *mut c_void, name: &str) -> Option<*mut c_void> {
+    let c_name = CString::new(name).ok()?;
+    // SAFETY: a handle from dlopen and a valid C string.
+    let address = unsafe { libc::dlsym(handle, c_name.as_ptr()) };
+    (!address.is_null()).then_some(address)
+}
+
+fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
+    macro_rules! entry {
+        ($name:literal, $ty:ty) => {
+            match symbol(handle, $name) {
+                // SAFETY: the symbol is libcupti's function of that name,
+                // whose C signature the type spells out.
+                Some(address) => unsafe { std::mem::transmute::<*mut c_void, $ty>(address) },
+                None => return Err(format!("{origin}: no {} in it", $name)),
+            }
+        };
+    }
+    Ok(Library {
+        get_version: entry!("cuptiGetVersion", GetVersion),
+        get_result_string: entry!("cuptiGetResultString", GetResultString),
+        register_callbacks: entry!("cuptiActivityRegisterCallbacks", RegisterCallbacks),
+        set_thread_id_type: entry!("cuptiSetThreadIdType", SetThreadIdType),
+        enable: entry!("cuptiActivityEnable", Enable),
+        disable: entry!("cuptiActivityDisable", Disable),
+        flush_all: entry!("cuptiActivityFlushAll", FlushAll),
+        get_timestamp: entry!("cuptiGetTimestamp", GetTimestamp),
+        get_num_dropped_records: entry!("cuptiActivityGetNumDroppedRecords", GetNumDroppedRecords),
+        get_callback_name: entry!("cuptiGetCallbackName", GetCallbackName),
+        get_next_record: entry!("cuptiActivityGetNextRecord", GetNextRecord),
+        // SAFETY: as for `entry!`.
+        finalize: symbol(handle, "cuptiFinalize")
+            .map(|address| unsafe { std::mem::transmute::<*mut c_void, Finalize>(address) }),
+        origin,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pip_layouts_are_found_beside_mapped_cuda_libraries() {
+        let maps = "\
+7f0000000000-7f0000001000 r-xp 00000000 08:01 1 /venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13
+7f0000001000-7f0000002000 r--p 00000000 08:01 1 /venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13
+7f0000002000-7f0000003000 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f0000003000-7f0000004000 rw-p 00000000 00:00 0
+7f0000004000-7f0000005000 r-xp 00000000 08:01 3 /other/site-packages/nvidia/cublas/lib/libcublas.so.12
+";
+        assert_eq!(
+            pip_nvidia_dirs(maps),
+            vec![
+                PathBuf::from("/venv/lib/python3.12/site-packages/nvidia"),
+                PathBuf::from("/other/site-packages/nvidia"),
+            ]
+        );
+        let found = candidates(maps);
+        assert!(found.contains(&PathBuf::from(
+            "/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13"
+        )));
+        assert!(found.contains(&PathBuf::from(
+            "/other/site-packages/nvidia/cuda_cupti/lib/libcupti.so.12"
+        )));
+    }
+}

@@ -1,0 +1,262 @@
+//! The CUPTI calls this library makes, each checked and turned into a
+//! message that names the call and CUPTI's error, over the libcupti that
+//! [`library`] found. Nothing here panics when CUPTI is missing: every call
+//! before [`load`] succeeded answers an error.
+
+pub mod layout;
+pub mod library;
+
+#[cfg(test)]
+mod header_check;
+
+use std::ffi::{c_int, CStr};
+use std::sync::OnceLock;
+
+use library::{BufferCompleted, BufferRequested, CuptiResult, Library, CUPTI_SUCCESS};
+
+static LIBRARY: OnceLock<Library> = OnceLock::new();
+
+/// Activity kinds (`CUpti_ActivityKind`), unchanged from 12.x to 13.x.
+pub mod kind {
+    pub const MEMCPY: u32 = 1;
+    pub const MEMSET: u32 = 2;
+    pub const KERNEL: u32 = 3;
+    pub const DRIVER: u32 = 4;
+    pub const RUNTIME: u32 = 5;
+    pub const DEVICE: u32 = 8;
+    pub const CONTEXT: u32 = 9;
+    pub const CONCURRENT_KERNEL: u32 = 10;
+    pub const MARKER: u32 = 12;
+    pub const OVERHEAD: u32 = 17;
+    pub const SYNCHRONIZATION: u32 = 38;
+    pub const MEMORY2: u32 = 49;
+}
+
+/// The activity kinds a capture enables, in this order.
+pub const KINDS: [u32; 11] = [
+    kind::DEVICE,
+    kind::CONCURRENT_KERNEL,
+    kind::MEMCPY,
+    kind::MEMSET,
+    kind::MEMORY2,
+    kind::OVERHEAD,
+    kind::DRIVER,
+    kind::RUNTIME,
+    kind::SYNCHRONIZATION,
+    kind::MARKER,
+    kind::CONTEXT,
+];
+
+/// `CUPTI_DRIVER_TRACE_CBID_cuDriverGetVersion`, the call this library makes
+/// on its own thread to see that its records still reach it.
+pub const CBID_DRIVER_GET_VERSION: u32 = 2;
+
+/// Finds and loads libcupti once; later calls answer the first outcome.
+pub fn load() -> Result<&'static str, String> {
+    if let Some(library) = LIBRARY.get() {
+        return Ok(&library.origin);
+    }
+    let library = library::load().map_err(|e| e.to_string())?;
+    Ok(&LIBRARY.get_or_init(|| library).origin)
+}
+
+/// The loaded libcupti, once [`load`] succeeded.
+pub fn library_ref() -> Option<&'static Library> {
+    LIBRARY.get()
+}
+
+fn lib() -> Result<&'static Library, String> {
+    LIBRARY
+        .get()
+        .ok_or_else(|| "libcupti is not loaded".to_string())
+}
+
+/// CUPTI's name for a result, without trusting that the call works.
+fn result_name(result: CuptiResult) -> String {
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    let named = lib().is_ok_and(|lib| {
+        // SAFETY: CUPTI writes a pointer to a static string into `text`.
+        unsafe { (lib.get_result_string)(result, &mut text) == CUPTI_SUCCESS }
+    });
+    if named && !text.is_null() {
+        // SAFETY: a NUL-terminated string owned by libcupti.
+        let name = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+        format!("{name} ({result})")
+    } else {
+        format!("CUPTI error {result}")
+    }
+}
+
+pub fn check(call: &str, result: CuptiResult) -> Result<(), String> {
+    if result == CUPTI_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{call} failed: {}", result_name(result)))
+    }
+}
+
+pub fn register_callbacks(
+    requested: BufferRequested,
+    completed: BufferCompleted,
+) -> Result<(), String> {
+    let lib = lib()?;
+    // SAFETY: both are `extern "C"` functions living as long as the process.
+    check(
+        "cuptiActivityRegisterCallbacks",
+        crate::coexist::own(|| unsafe {
+            (lib.register_callbacks)(Some(requested), Some(completed))
+        }),
+    )
+}
+
+pub fn use_system_thread_ids() -> Result<(), String> {
+    const CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM: c_int = 1;
+    let lib = lib()?;
+    // SAFETY: plain call with a valid enum value.
+    check("cuptiSetThreadIdType", unsafe {
+        (lib.set_thread_id_type)(CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM)
+    })
+}
+
+pub fn enable(kind: u32) -> Result<(), String> {
+    let lib = lib()?;
+    // SAFETY: plain call with a valid enum value.
+    check(
+        &format!("cuptiActivityEnable({kind})"),
+        crate::coexist::own(|| unsafe { (lib.enable)(kind as c_int) }),
+    )
+}
+
+pub fn disable(kind: u32) -> Result<(), String> {
+    let lib = lib()?;
+    // SAFETY: plain call with a valid enum value.
+    check(
+        &format!("cuptiActivityDisable({kind})"),
+        crate::coexist::own(|| unsafe { (lib.disable)(kind as c_int) }),
+    )
+}
+
+/// Hands back finished buffers; `forced` also the partly filled ones.
+pub fn flush_all(forced: bool) -> Result<(), String> {
+    let lib = lib()?;
+    // SAFETY: plain call.
+    check("cuptiActivityFlushAll", unsafe {
+        (lib.flush_all)(u32::from(forced))
+    })
+}
+
+/// How this library stands with a libcupti's API version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Support {
+    /// Records are read by [`layout`] for this version.
+    Supported,
+    /// Read, but the release has bugs worth a warning (the text says which).
+    Warn(&'static str),
+}
+
+const WARN_13_0_GA: &str =
+    "libcupti 13.0 GA (API version 130000) has bugs fixed in 13.0 Update 1: \
+     no synchronization records for cudaDeviceSynchronize, a possible deadlock disabling \
+     concurrent kernel records and a possible crash in cuptiActivityFlushAll; use CUDA 13.0 \
+     Update 1 or later";
+
+/// Whether records of a libcupti with API `version` are read correctly: 12.2
+/// (20) and every later 12.x, and every 13.x. Older releases lay records
+/// out differently; a major after 13 is unknown and refused.
+pub fn support(version: u32) -> Result<Support, String> {
+    match version {
+        20..=99 => Ok(Support::Supported),
+        130000 => Ok(Support::Warn(WARN_13_0_GA)),
+        130001..=139999 => Ok(Support::Supported),
+        140000.. => Err(format!(
+            "libcupti has API version {version} (CUDA {}); this library reads the record \
+             layouts of CUDA 12.2 to 13.x only",
+            version / 10000
+        )),
+        _ => Err(format!(
+            "libcupti has API version {version}; this library reads the record layouts of \
+             CUDA 12.2 (API version 20) to 13.x only"
+        )),
+    }
+}
+
+/// The loaded libcupti's API version.
+pub fn version() -> Result<u32, String> {
+    let lib = lib()?;
+    let mut version = 0u32;
+    // SAFETY: CUPTI writes one u32.
+    check("cuptiGetVersion", unsafe {
+        (lib.get_version)(&mut version)
+    })?;
+    Ok(version)
+}
+
+/// CUPTI's clock, nanoseconds.
+pub fn timestamp() -> Result<u64, String> {
+    let lib = lib()?;
+    let mut ts = 0u64;
+    // SAFETY: CUPTI writes one u64.
+    check("cuptiGetTimestamp", unsafe { (lib.get_timestamp)(&mut ts) })?;
+    Ok(ts)
+}
+
+/// Records dropped from the global queue since the previous call.
+pub fn dropped_since_last() -> Result<u64, String> {
+    let lib = lib()?;
+    let mut dropped = 0usize;
+    // SAFETY: a null context asks for the global queue; CUPTI writes one size_t.
+    check("cuptiActivityGetNumDroppedRecords", unsafe {
+        (lib.get_num_dropped_records)(std::ptr::null_mut(), 0, &mut dropped)
+    })?;
+    Ok(dropped as u64)
+}
+
+/// The API's name for a driver (`runtime` false) or runtime callback id.
+pub fn callback_name(runtime: bool, cbid: u32) -> Option<String> {
+    const DRIVER_API: c_int = 1;
+    const RUNTIME_API: c_int = 2;
+    let lib = lib().ok()?;
+    let domain = if runtime { RUNTIME_API } else { DRIVER_API };
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: CUPTI writes a pointer to a static string.
+    let result = unsafe { (lib.get_callback_name)(domain, cbid, &mut name) };
+    if result != CUPTI_SUCCESS || name.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated string owned by libcupti.
+    Some(
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
+/// The next record of a completed buffer, or `None` at its end.
+///
+/// # Safety
+/// `buffer` must be a buffer CUPTI completed with `valid` bytes, and
+/// `record` the previous record returned for it (null at first).
+pub unsafe fn next_record(buffer: *mut u8, valid: usize, record: &mut *mut u8) -> bool {
+    let Ok(lib) = lib() else { return false };
+    // SAFETY: as the caller promises.
+    unsafe { (lib.get_next_record)(buffer, valid, record) == CUPTI_SUCCESS }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_12_and_13_release_is_read_and_other_majors_refused() {
+        for supported in [
+            20, 26, 28, 130001, 130101, 130200, 130202, 130301, 130401, 130500,
+        ] {
+            assert_eq!(support(supported), Ok(Support::Supported), "{supported}");
+        }
+        assert!(matches!(support(130000), Ok(Support::Warn(text)) if text.contains("Update 1")));
+        for refused in [0, 12, 19, 100, 120000, 140000, 150100] {
+            assert!(support(refused).is_err(), "{refused}");
+        }
+        assert!(support(140000).unwrap_err().contains("CUDA 14"));
+    }
+}
