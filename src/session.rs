@@ -37,9 +37,11 @@ pub fn host_file_name(host: &str) -> String {
 }
 
 /// Captures `request`'s window on every host at once. Each host gets the
-/// same absolute start, so the traces line up; each is asked to return its
-/// trace inline. A host that fails, times out or returns nothing is reported
-/// in its outcome; the others are unaffected.
+/// same absolute start, so the traces line up, and is called when that
+/// start comes (servers such as TensorFlow's record from when they are
+/// called); each is asked to return its trace inline. A host that fails,
+/// times out or returns nothing is reported in its outcome; the others are
+/// unaffected.
 pub async fn fan_out(
     hosts: &[String],
     request: &ProfileRequest,
@@ -51,7 +53,9 @@ pub async fn fan_out(
         request.host_name = host.clone();
         request.emit_xspace = true;
         let host = host.clone();
+        let start_ns = request.opts.as_ref().map_or(0, |o| o.start_timestamp_ns);
         tasks.spawn(async move {
+            tokio::time::sleep(crate::clock::until(start_ns)).await;
             let result = capture_host(&host, request, deadline).await;
             (index, HostOutcome { host, result })
         });

@@ -10,64 +10,23 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use common::*;
-use devtrace::proto::tensorflow::profiler::{
-    x_event, XEvent, XEventMetadata, XLine, XPlane, XSpace,
-};
+use devtrace::proto::tensorflow::profiler::x_event;
 use devtrace::xspace::read::{event_name, find_stat, StatValue};
-use prost::Message;
 
 fn standin() -> &'static Path {
     static LIBRARY: OnceLock<PathBuf> = OnceLock::new();
     LIBRARY.get_or_init(|| build_standin("libtpu.c", "libtpu.so"))
 }
 
-/// What the stand-in's libtpu recorded: one TPU core running an XLA op.
-fn tpu_trace(dir: &Path) -> PathBuf {
-    let mut plane = XPlane {
-        id: 0,
-        name: "/device:TPU:0".into(),
-        ..XPlane::default()
-    };
-    plane.event_metadata.insert(
-        1,
-        XEventMetadata {
-            id: 1,
-            name: "fusion.42".into(),
-            ..XEventMetadata::default()
-        },
-    );
-    plane.lines.push(XLine {
-        id: 1,
-        name: "XLA Ops".into(),
-        events: (0..3)
-            .map(|i| XEvent {
-                metadata_id: 1,
-                data: Some(x_event::Data::OffsetPs(i * 1_000_000)),
-                duration_ps: 500_000,
-                stats: Vec::new(),
-            })
-            .collect(),
-        ..XLine::default()
-    });
-    let space = XSpace {
-        planes: vec![plane],
-        ..XSpace::default()
-    };
-    let path = dir.join("tpu.xspace");
-    std::fs::write(&path, space.encode_to_vec()).unwrap();
-    path
-}
-
 fn start(failure: Option<&str>, backends: &[&str]) -> (tempfile::TempDir, AgentProcess) {
     let dir = tempfile::tempdir().unwrap();
-    let trace = tpu_trace(dir.path());
     let library = standin().to_str().unwrap().to_string();
     let mut args = vec!["--tpu-library", library.as_str()];
     for backend in backends {
         args.extend(["--backend", backend]);
     }
     let failure = failure.map(PathBuf::from);
-    let mut env: Vec<(&str, &Path)> = vec![("DEVTRACE_TPU_STANDIN_XSPACE", trace.as_path())];
+    let mut env: Vec<(&str, &Path)> = Vec::new();
     if let Some(failure) = &failure {
         env.push(("DEVTRACE_TPU_STANDIN_FAIL", failure.as_path()));
     }
@@ -75,25 +34,52 @@ fn start(failure: Option<&str>, backends: &[&str]) -> (tempfile::TempDir, AgentP
     (dir, agent)
 }
 
+/// The stand-in records one event per millisecond of its session, so its
+/// events show when libtpu's session ran: it must span the window itself,
+/// not start after it.
 #[tokio::test]
-async fn libtpu_planes_are_merged_into_the_capture() {
+async fn libtpu_records_the_window_of_the_capture_and_is_merged() {
     let (_dir, agent) = start(None, &["tpu", "mock"]);
     let reply = agent
         .client()
         .await
-        .profile(request(300, "tpu"))
+        .profile(request(500, "tpu"))
         .await
         .unwrap()
         .into_inner();
     let space = space_of(&reply);
     assert!(space.errors.is_empty(), "{:?}", space.errors);
+    let (start_ns, stop_ns) = common::window_of(&space);
     let tpu = plane(&space, "/device:TPU:0");
-    let events: Vec<&str> = tpu.lines[0]
+    let line = &tpu.lines[0];
+    let times: Vec<u64> = line
         .events
         .iter()
-        .map(|e| event_name(tpu, e))
+        .inspect(|e| assert_eq!(event_name(tpu, e), "fusion.42"))
+        .map(|e| match e.data {
+            // Lines are relative to the capture's start, as ours are.
+            Some(x_event::Data::OffsetPs(ps)) => {
+                start_ns + line.timestamp_ns as u64 + (ps / 1000) as u64
+            }
+            other => panic!("{other:?}"),
+        })
         .collect();
-    assert_eq!(events, vec!["fusion.42"; 3]);
+    // One per millisecond of the 500 ms window, give or take the session's
+    // start latency, and none outside it.
+    assert!(
+        (470..=502).contains(&times.len()),
+        "{} events: libtpu's session did not span the window",
+        times.len()
+    );
+    let slack = 20_000_000;
+    assert!(
+        times
+            .iter()
+            .all(|t| *t + slack >= start_ns && *t <= stop_ns + slack),
+        "events outside [{start_ns}, {stop_ns}]: first {:?}, last {:?}",
+        times.first(),
+        times.last()
+    );
     assert_eq!(
         find_stat(tpu, &tpu.stats, "devtrace_source"),
         Some(StatValue::Str("libtpu".into()))

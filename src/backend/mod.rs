@@ -117,7 +117,62 @@ pub struct Loss {
 /// XSpace, which the agent merges into its trace.
 pub trait SessionSource: Send + Sync {
     fn name(&self) -> &'static str;
-    /// Records `window` (waiting until it ends) and returns encoded XSpace
-    /// bytes, or why it could not.
-    fn capture(&self, window: crate::store::Window, options: &[u8]) -> Result<Vec<u8>, String>;
+    /// Records `window` from its start (called at once, it waits for a
+    /// start that lies ahead) until `end` says it is over, and returns
+    /// encoded XSpace bytes, or why it could not.
+    fn capture(
+        &self,
+        window: crate::store::Window,
+        options: &[u8],
+        end: &CaptureEnd,
+    ) -> Result<Vec<u8>, String>;
+}
+
+/// When one capture's recording ends: its window's stop, or earlier when it
+/// is terminated or its client goes away. Shared by the threads that record
+/// for it.
+#[derive(Clone, Debug)]
+pub struct CaptureEnd {
+    stop_ns: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl CaptureEnd {
+    pub fn at(stop_ns: u64) -> CaptureEnd {
+        CaptureEnd {
+            stop_ns: Arc::new(std::sync::atomic::AtomicU64::new(stop_ns)),
+        }
+    }
+
+    /// Ends the recording now (a later stop is moved forward, never back).
+    pub fn now(&self) {
+        self.stop_ns
+            .fetch_min(crate::clock::now_ns(), std::sync::atomic::Ordering::AcqRel);
+    }
+
+    pub fn stop_ns(&self) -> u64 {
+        self.stop_ns.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Sleeps until `at_ns` or the end, whichever comes first; true when
+    /// the end came first.
+    pub fn sleep_until(&self, at_ns: u64) -> bool {
+        loop {
+            let stop = self.stop_ns();
+            let now = crate::clock::now_ns();
+            if now >= stop {
+                return true;
+            }
+            if now >= at_ns {
+                return false;
+            }
+            // Short naps, so that an early end is seen within 10 ms.
+            let nap = (at_ns.min(stop) - now).min(10_000_000);
+            std::thread::sleep(std::time::Duration::from_nanos(nap));
+        }
+    }
+
+    /// Sleeps until the end.
+    pub fn wait(&self) {
+        while !self.sleep_until(u64::MAX) {}
+    }
 }

@@ -19,7 +19,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{Backend, BackendContext, BackendError, Capabilities, Health, SessionSource};
+use super::{
+    Backend, BackendContext, BackendError, Capabilities, CaptureEnd, Health, SessionSource,
+};
 use crate::store::Window;
 
 /// Where libtpu is looked for when no path is given.
@@ -373,11 +375,14 @@ impl SessionSource for TpuProfiler {
         "libtpu"
     }
 
-    fn capture(&self, window: Window, options: &[u8]) -> Result<Vec<u8>, String> {
+    fn capture(&self, window: Window, options: &[u8], end: &CaptureEnd) -> Result<Vec<u8>, String> {
+        // libtpu records from when its session starts: start it with the
+        // window, not before.
+        if end.sleep_until(window.start_ns) {
+            return Err("the capture ended before its window started".into());
+        }
         let bytes = self
-            .profile(options, || {
-                std::thread::sleep(crate::clock::until(window.stop_ns))
-            })
+            .profile(options, || end.wait())
             .map_err(|e| e.to_string())?;
         let space = decode_xspace(&bytes).map_err(|e| e.to_string())?;
         use prost::Message;

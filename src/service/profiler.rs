@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use crate::agent::Agent;
 use crate::analysis;
+use crate::backend::CaptureEnd;
 use crate::client;
 use crate::clock;
 use crate::proto::tensorflow::profile_options::advanced_config_value;
@@ -271,23 +272,20 @@ impl ProfilerService {
 
     /// Collects the window's events (after they have all arrived) and encodes
     /// the XSpace off the async runtime.
+    /// Builds the trace of `window` from the flight recorder alone (a
+    /// snapshot of the past: live-only sources cannot serve it).
     async fn build(&self, plan: &Plan, window: Window) -> Result<Encoded, Status> {
-        self.build_with(plan, window, &[]).await
+        self.build_with(plan, window, Remote::none(window)).await
     }
 
-    /// As [`Self::build`], also capturing `upstreams` over the same window
-    /// and merging their planes in. An upstream that fails or is slow makes
-    /// the trace partial (the reason is in its errors), never failed.
-    async fn build_with(
-        &self,
-        plan: &Plan,
-        window: Window,
-        upstreams: &[String],
-    ) -> Result<Encoded, Status> {
+    /// Starts capturing every upstream and per-capture source over the
+    /// plan's window: each is called when the window starts (at once when it
+    /// has), so that it records that window and not the one after it.
+    fn start_remote(&self, plan: &Plan, upstreams: &[String]) -> Remote {
+        let window = plan.window;
+        let end = CaptureEnd::at(window.stop_ns);
         let duration = Duration::from_nanos(window.duration_ns());
         let deadline = client::capture_deadline(duration) + clock::until(window.start_ns);
-        // Started now, so they run while the local window closes; a JoinSet
-        // aborts them if this capture is abandoned.
         let mut upstream_calls = tokio::task::JoinSet::new();
         for upstream in upstreams {
             let options =
@@ -296,22 +294,46 @@ impl ProfilerService {
             request.emit_xspace = true;
             let upstream = upstream.clone();
             upstream_calls.spawn(async move {
+                // Servers that record from the moment they are asked (TensorFlow's,
+                // JAX's) are asked when the window starts; a devtrace upstream
+                // would also wait for the start itself.
+                tokio::time::sleep(clock::until(window.start_ns)).await;
                 let result = session::capture_host(&upstream, request, deadline).await;
                 (upstream, result)
             });
         }
-        // Per-capture sources (libtpu) record the window on their own threads.
-        let mut session_calls = tokio::task::JoinSet::new();
+        let mut source_calls = tokio::task::JoinSet::new();
         for source in self.agent.session_sources() {
             let options = plan.options.clone();
-            session_calls.spawn_blocking(move || {
-                (source.name().to_string(), source.capture(window, &options))
+            let end = end.clone();
+            source_calls.spawn_blocking(move || {
+                let result = source.capture(window, &options, &end);
+                (source.name().to_string(), result)
             });
         }
+        Remote {
+            upstreams: upstreams.to_vec(),
+            upstream_calls,
+            source_calls,
+            end,
+        }
+    }
+
+    /// As [`Self::build`], with what `remote` recorded over the same window
+    /// merged in. An upstream that fails, is slow or recorded another window
+    /// makes the trace partial (the reason is in its errors), never failed.
+    async fn build_with(
+        &self,
+        plan: &Plan,
+        window: Window,
+        mut remote: Remote,
+    ) -> Result<Encoded, Status> {
         let local = self.agent.collect(window).await;
+        let upstream_calls = std::mem::take(&mut remote.upstream_calls);
+        let source_calls = std::mem::take(&mut remote.source_calls);
         let mut remote = upstream_calls.join_all().await;
         remote.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, result) in session_calls.join_all().await {
+        for (name, result) in source_calls.join_all().await {
             remote.push((name, result.map(Some)));
         }
         let (data, registry) = local.map_err(|e| Status::internal(e.to_string()))?;
@@ -348,6 +370,7 @@ impl ProfilerService {
         }
         let mut errors = Vec::new();
         let mut merged = Vec::new();
+        let mut properties = self.agent.properties(window);
         for (source, result) in remote {
             // Upstreams are named by address; per-capture backends by name.
             let label = if source.contains(':') {
@@ -357,7 +380,18 @@ impl ProfilerService {
             };
             match result {
                 Ok(Some(bytes)) => match XSpace::decode(bytes.as_slice()) {
-                    Ok(space) => merged.push((source, space)),
+                    Ok(space) => match upstream_start(&space, window) {
+                        Ok(offset) => {
+                            if let Some(offset_ns) = offset {
+                                properties.push((
+                                    format!("devtrace_upstream_start_offset_ns {source}"),
+                                    offset_ns.to_string(),
+                                ));
+                            }
+                            merged.push((source, space));
+                        }
+                        Err(why) => errors.push(format!("{label}: {why}")),
+                    },
                     Err(e) => errors.push(format!("{label}: unreadable trace: {e}")),
                 },
                 Ok(None) => warnings.push(format!("{label}: empty trace")),
@@ -373,7 +407,7 @@ impl ProfilerService {
             dropped_before_ring,
             warnings,
             errors,
-            properties: self.agent.properties(window),
+            properties,
         };
         tokio::task::spawn_blocking(move || {
             let encoded = xspace::encode_xspace(data.events(), &registry, &info);
@@ -498,6 +532,91 @@ pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
     (year, month, day)
 }
 
+/// How late an upstream may start its recording and still count as having
+/// recorded the window: the call's own latency.
+const UPSTREAM_START_SLACK_NS: u64 = 50_000_000;
+
+/// Checks that an upstream's trace covers `window`: its `profile_start_time`
+/// may lag the window's start by the call's latency, no more. Returns the
+/// offset (theirs minus ours, on their clock against ours) when it reports
+/// one. A server that cannot serve a window in the past records from when it
+/// was called: that trace is another window's and is refused.
+fn upstream_start(space: &XSpace, window: Window) -> Result<Option<i64>, String> {
+    let Some(their_start) = xspace::merge::profile_start_ns(space) else {
+        return Ok(None);
+    };
+    let offset = their_start as i128 - window.start_ns as i128;
+    if offset > i128::from(UPSTREAM_START_SLACK_NS) {
+        return Err(format!(
+            "it recorded from {:.3} s after this window's start, not the window itself (a \
+             server that cannot serve a window in the past, or a clock {:.3} s ahead of ours); \
+             its trace is left out",
+            offset as f64 / 1e9,
+            offset as f64 / 1e9
+        ));
+    }
+    Ok(Some(
+        offset.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64,
+    ))
+}
+
+/// One upstream's address and its trace (`None`: empty), or why not.
+type UpstreamOutcome = (String, Result<Option<Vec<u8>>, String>);
+/// One per-capture source's name and its trace, or why not.
+type SourceOutcome = (String, Result<Vec<u8>, String>);
+
+/// What records a capture besides the flight recorder: its upstreams' calls
+/// and its per-capture sources, and when they should stop.
+struct Remote {
+    upstreams: Vec<String>,
+    upstream_calls: tokio::task::JoinSet<UpstreamOutcome>,
+    source_calls: tokio::task::JoinSet<SourceOutcome>,
+    end: CaptureEnd,
+}
+
+impl Remote {
+    fn none(window: Window) -> Remote {
+        Remote {
+            upstreams: Vec::new(),
+            upstream_calls: tokio::task::JoinSet::new(),
+            source_calls: tokio::task::JoinSet::new(),
+            end: CaptureEnd::at(window.stop_ns),
+        }
+    }
+
+    /// A terminated capture ends its sources now and asks its upstreams to
+    /// end theirs (they still deliver what they have).
+    fn end_early(&self, session_id: &str) {
+        self.end.now();
+        for upstream in &self.upstreams {
+            let upstream = upstream.clone();
+            let request = TerminateRequest {
+                session_id: session_id.to_string(),
+            };
+            tokio::spawn(async move {
+                let call = async {
+                    let mut client = client::connect(&upstream, UPSTREAM_TERMINATE_TIMEOUT)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    client.terminate(request).await.map_err(|e| e.to_string())
+                };
+                if let Err(error) = call.await {
+                    info!(%upstream, %error, "could not end the upstream's capture early");
+                }
+            });
+        }
+    }
+}
+
+/// An abandoned capture (its client gone) stops its sources too.
+impl Drop for Remote {
+    fn drop(&mut self) {
+        self.end.now();
+    }
+}
+
+const UPSTREAM_TERMINATE_TIMEOUT: Duration = Duration::from_secs(2);
+
 #[tonic::async_trait]
 impl profiler_service_server::ProfilerService for ProfilerService {
     async fn profile(
@@ -514,15 +633,18 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         );
         let (_registration, terminate) = self.register(&plan.session_id);
         let _active = self.agent.capture_activity();
-        let upstreams = self.config.upstreams.clone();
+        // Upstreams and per-capture sources record alongside the local
+        // window; dropping `remote` (a client gone) ends them.
+        let remote = self.start_remote(&plan, &self.config.upstreams);
         let window = tokio::select! {
             _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => plan.window,
             _ = terminate.cancelled() => {
                 info!(session = %plan.session_id, "capture terminated early");
+                remote.end_early(&plan.session_id);
                 Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }
             }
         };
-        let encoded = self.build_with(&plan, window, &upstreams).await?;
+        let encoded = self.build_with(&plan, window, remote).await?;
         self.respond(&plan, encoded).map(Response::new)
     }
 

@@ -2,7 +2,9 @@
 //! server, another devtrace agent) into this agent's, on one time base.
 //!
 //! - Time: every line of theirs is shifted by the difference between the two
-//!   sides' `profile_start_time`, so both are relative to our start.
+//!   sides' `profile_start_time`, so both are relative to our start. A trace
+//!   without one (libtpu's plugin) whose lines carry times since the epoch
+//!   has them made relative to our start.
 //! - `/host:CPU`: their threads join ours in the one plane XProf reads for
 //!   host activity; their metadata ids are remapped, stat names deduplicated,
 //!   and their lines' display names say where they came from.
@@ -43,12 +45,19 @@ pub fn profile_start_ns(space: &XSpace) -> Option<u64> {
     })
 }
 
+const ONE_DAY_NS: i64 = 86_400 * 1_000_000_000;
+
 /// Merges `theirs`, captured by `source`, into `ours`.
 pub fn merge(ours: &mut XSpace, theirs: XSpace, source: &str) {
     let our_start = profile_start_ns(ours);
-    let shift_ns = match (profile_start_ns(&theirs), our_start) {
-        (Some(their), Some(our)) => their as i64 - our as i64,
-        _ => 0,
+    let their_start = profile_start_ns(&theirs);
+    let line_shift = |timestamp_ns: i64| -> i64 {
+        match (their_start, our_start) {
+            (Some(their), Some(our)) => their as i64 - our as i64,
+            // Times since the epoch (within a day of ours) are absolute.
+            (None, Some(our)) if (timestamp_ns - our as i64).abs() < ONE_DAY_NS => -(our as i64),
+            _ => 0,
+        }
     };
     ours.errors
         .extend(theirs.errors.iter().map(|e| format!("{source}: {e}")));
@@ -59,7 +68,9 @@ pub fn merge(ours: &mut XSpace, theirs: XSpace, source: &str) {
             continue;
         }
         for line in &mut plane.lines {
-            line.timestamp_ns = line.timestamp_ns.saturating_add(shift_ns);
+            line.timestamp_ns = line
+                .timestamp_ns
+                .saturating_add(line_shift(line.timestamp_ns));
         }
         if plane.name == conventions::HOST_PLANE {
             for line in &mut plane.lines {
