@@ -850,11 +850,13 @@ async fn processes_on_two_physical_gpus_get_the_planes_nvml_gives_them() {
 async fn capture_beside_a_rival(
     name: &str,
     variable: &str,
+    version: &str,
+    direct: bool,
 ) -> (XSpace, Vec<String>, Vec<(Seen, u64)>) {
     let setup = setup(name);
     let agent = setup.agent();
     let release = release_file(&setup, "rival");
-    let workload = rival_workload(&setup, variable, &release);
+    let workload = rival_workload(&setup, variable, version, direct, "150", &release);
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 2500, &release).await;
@@ -868,21 +870,41 @@ async fn capture_beside_a_rival(
     (space, lines, ours)
 }
 
-fn rival_workload(setup: &Setup, variable: &str, release: &std::path::Path) -> CudaWorkload {
+fn rival_workload(
+    setup: &Setup,
+    variable: &str,
+    version: &str,
+    direct: bool,
+    sleep_ms: &str,
+    release: &std::path::Path,
+) -> CudaWorkload {
+    // The probe only where a test wants it: direct binding on CUDA 13.
+    let probe = if direct && version != "26" {
+        "on"
+    } else {
+        "off"
+    };
+    let mut args: Vec<&str> = vec![
+        "6",
+        "--wait-file",
+        release.to_str().unwrap(),
+        "--sleep-ms",
+        sleep_ms,
+        "--rival-at",
+        "2",
+        "--rival-iterations",
+        "2",
+    ];
+    if direct {
+        args.push("--rival-direct");
+    }
     setup.workload_loading(
         variable,
+        &args,
         &[
-            "6",
-            "--wait-file",
-            release.to_str().unwrap(),
-            "--sleep-ms",
-            "150",
-            "--rival-at",
-            "2",
-            "--rival-iterations",
-            "2",
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", version),
+            ("DEVTRACE_INJECT_PROBE", probe),
         ],
-        &[],
     )
 }
 
@@ -922,12 +944,22 @@ fn lost_span(space: &XSpace) -> (f64, f64) {
     (numbers[0], numbers[1])
 }
 
-/// Preloaded, the library sees the other user's calls: it steps aside when
-/// its callbacks are replaced and takes the stream back as soon as the other
-/// user has switched its kinds off. Both get every kernel of their part.
+/// The library sees the other user's calls through the names it exports
+/// (preloaded, or put in the global scope when the driver loads it; here on
+/// CUDA 12's one global buffer, where no probe could tell): it steps aside
+/// when its callbacks are replaced and takes the stream back as soon as the
+/// other user has switched its kinds off and flushed. Both get every kernel
+/// of their part.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_cupti_user_is_stepped_aside_for_and_the_stream_taken_back() {
-    let (space, lines, ours) = capture_beside_a_rival("cuda_rival_seen", "LD_PRELOAD").await;
+    for variable in ["LD_PRELOAD", "CUDA_INJECTION64_PATH"] {
+        seen_rival(variable).await;
+    }
+}
+
+async fn seen_rival(variable: &str) {
+    let (space, lines, ours) =
+        capture_beside_a_rival("cuda_rival_seen", variable, "26", false).await;
     let (_, rival_start, rival_end) = rival_report(&lines);
     // Iterations 0, 1, 4 and 5 are ours; none of the rival's is.
     assert_eq!(ours.len(), 8, "{:?}", space.warnings);
@@ -950,12 +982,14 @@ async fn a_second_cupti_user_is_stepped_aside_for_and_the_stream_taken_back() {
         .any(|w| w.contains("has the CUPTI activity stream again")));
 }
 
-/// Loaded by the driver, the library cannot see the other user's calls: its
-/// probe notices that its records stopped, and the trace says from when.
+/// A user bound to libcupti directly passes the library by: with the probe
+/// on (`DEVTRACE_INJECT_PROBE=on`) and CUDA 13's buffer per thread, the
+/// library notices that its probe's buffer request went elsewhere, and the
+/// trace says from when.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unseen_second_cupti_user_is_noticed_and_the_loss_reported() {
     let (space, lines, ours) =
-        capture_beside_a_rival("cuda_rival_unseen", "CUDA_INJECTION64_PATH").await;
+        capture_beside_a_rival("cuda_rival_unseen", "CUDA_INJECTION64_PATH", "130001", true).await;
     let (_, rival_start, _) = rival_report(&lines);
     // Before the rival: iterations 0 and 1.
     assert_eq!(ours.len(), 4, "{:?}", space.warnings);
@@ -1158,4 +1192,33 @@ async fn devtrace_cupti_path_names_the_library_to_load() {
             .count(),
         2
     );
+}
+
+/// Without the probe (its default), a user bound to libcupti directly is
+/// still found out: a buffer of ours still being filled when it registered
+/// goes to its callbacks, and a forced flush (at the capture's end, or here
+/// at the process's exit) does not bring it back. The trace says from when
+/// (at the latest, the last buffer we got back) that process's GPU activity
+/// is missing; the other user's kinds are left on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hidden_second_cupti_user_is_found_out_by_the_buffers_it_kept() {
+    let setup = setup("cuda_rival_hidden");
+    let agent = setup.agent();
+    let release = release_file(&setup, "rival");
+    // Back to back: the rival registers while our buffer holds iterations
+    // 0 and 1.
+    let workload = rival_workload(&setup, "CUDA_INJECTION64_PATH", "26", true, "0", &release);
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    let lines = workload.read_until("done");
+    // The rival's own records that landed in our buffer are lost to it: CUPTI
+    // hands that buffer to its callback, which does not know it (as Kineto
+    // did on a real GPU). Only a library the registration passes through can
+    // hand its buffers back first.
+    let (_, rival_start, _) = rival_report(&lines);
+    let (start, _) = common::window_of(&space);
+    let (from, _) = lost_span(&space);
+    let rival_from = (rival_start - start) as f64 / 1e9;
+    assert!(from <= rival_from + 0.001, "{from} vs {rival_from}");
 }

@@ -16,13 +16,21 @@
 //!   unchanged: a foreign registration marks the stream as taken, and once
 //!   the other user has disabled every kind it enabled (or finalized CUPTI)
 //!   the stream is taken back at the next tick.
-//! - **A probe.** While it owns the stream, the control thread makes one
-//!   traced driver call (`cuDriverGetVersion`) per tick and forces a flush;
-//!   the converter recognises that record (and keeps it out of the trace).
-//!   Two probes in a row that never come back mean someone else has the
-//!   callbacks or switched the driver records off. Without interposition
-//!   there is no way to see the other user finish, so the stream is taken
-//!   back when the next capture starts.
+//! - **A probe** (CUDA 13, where CUPTI gives every thread its own activity
+//!   buffer). Every 500 ms a new short-lived thread of this library makes one
+//!   traced driver call (`cuDriverGetVersion`): a thread's first record makes
+//!   CUPTI ask the *registered* callbacks for that thread's buffer, on that
+//!   thread, before the call returns. A probe whose request did not reach
+//!   us means someone else has the callbacks (or switched the driver records
+//!   off). Probe threads get
+//!   4 KiB buffers (smaller ones make real CUPTI loop on its own overhead
+//!   records; a second request within one probe turns the probe off). No
+//!   flush is forced for it: a forced flush while kernels run loses their
+//!   records (seen on an H200 with CUDA 13.0), for this library and the other
+//!   user alike. Without interposition there is no way to see the other user
+//!   finish, so the stream is taken back when the next capture starts. With
+//!   CUDA 12's one global buffer the probe cannot work, and only
+//!   interposition tells.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -39,27 +47,131 @@ static FOREIGN_SINCE_NS: AtomicU64 = AtomicU64::new(0);
 static FOREIGN_KINDS: AtomicU64 = AtomicU64::new(0);
 /// A foreign user finished since the control loop last looked.
 static FOREIGN_DONE: AtomicBool = AtomicBool::new(false);
+/// When the foreign user switched its last kind off (0: it has some on).
+/// It is done once it has also flushed, or a second later: taking the
+/// stream back before its final flush would send its last buffers to us.
+static FOREIGN_IDLE_SINCE_NS: AtomicU64 = AtomicU64::new(0);
+const FOREIGN_FLUSH_GRACE_NS: u64 = 1_000_000_000;
 
-static PROBES_SENT: AtomicU64 = AtomicU64::new(0);
-static PROBES_SEEN: AtomicU64 = AtomicU64::new(0);
-/// When the newest probe that was answered was sent.
-static LAST_ANSWERED_NS: AtomicU64 = AtomicU64::new(0);
-static LAST_SENT_NS: AtomicU64 = AtomicU64::new(0);
-/// The thread id (as CUPTI reports system thread ids) that makes probes.
+/// Buffer requests made on the probe thread (each answered probe adds one).
+static PROBE_REQUESTS: AtomicU64 = AtomicU64::new(0);
+/// The probe thread's id (as CUPTI reports system thread ids).
 static PROBE_TID: AtomicU32 = AtomicU32::new(0);
 
-/// Whether the converter should count a driver record as this library's
-/// own probe and drop it.
+/// Bytes of each buffer handed to a probe thread. (With 64 bytes real CUPTI
+/// requested again for its own overhead record without end.)
+const PROBE_BUFFER_BYTES: usize = 4096;
+
+/// Requests during the probe call under way; more than one means CUPTI
+/// writes more than a probe buffer holds.
+static PROBE_CALL_REQUESTS: AtomicU32 = AtomicU32::new(0);
+/// The probe was found unusable in this process and is off.
+static PROBE_BROKEN: AtomicBool = AtomicBool::new(false);
+
+/// Whether the probe runs: only with `DEVTRACE_INJECT_PROBE=on`. On an H200
+/// with CUDA 13.0, a workload whose torch.profiler ran inside a capture
+/// aborted with a corrupted heap after CUPTI handed a probe thread's buffer
+/// to torch.profiler's callback; until that is understood it stays off.
+pub fn probe_enabled() -> bool {
+    std::env::var("DEVTRACE_INJECT_PROBE").is_ok_and(|v| v == "on")
+}
+
+/// Puts this library's exported names into the process's global symbol
+/// scope, so that interposition also works when the CUDA driver loaded it
+/// (`CUDA_INJECTION64_PATH` opens it with local scope). Names already bound,
+/// or found earlier in that scope, stay as they are.
+pub fn join_global_scope() {
+    // SAFETY: dladdr fills `info` for an address of this library; dlopen
+    // with RTLD_NOLOAD only changes the flags of the loaded copy.
+    unsafe {
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        let here = join_global_scope as *const libc::c_void;
+        if libc::dladdr(here, &mut info) != 0 && !info.dli_fname.is_null() {
+            libc::dlopen(
+                info.dli_fname,
+                libc::RTLD_NOW | libc::RTLD_NOLOAD | libc::RTLD_GLOBAL,
+            );
+        }
+    }
+}
+
+/// Whether a driver record is one of the probe's calls, which stay out of
+/// the trace.
 pub fn is_probe(cbid: u32, thread_id: u32) -> bool {
-    if cbid == crate::cupti::CBID_DRIVER_GET_VERSION
+    cbid == crate::cupti::CBID_DRIVER_GET_VERSION
         && thread_id != 0
         && thread_id == PROBE_TID.load(Ordering::Relaxed)
+}
+
+/// The size of buffer to hand out for a request on the calling thread:
+/// `Some` for the probe thread's first request of a probe call (an answer),
+/// `None` for a full-size buffer. A second request within one probe call
+/// gets a full-size buffer, which ends any loop of requests, and turns the
+/// probe off for the process.
+pub fn probe_buffer() -> Option<usize> {
+    let probe = PROBE_TID.load(Ordering::Relaxed);
+    if probe == 0 || probe != gettid() {
+        return None;
+    }
+    PROBE_REQUESTS.fetch_add(1, Ordering::AcqRel);
+    if PROBE_CALL_REQUESTS.fetch_add(1, Ordering::AcqRel) == 0
+        && !PROBE_BROKEN.load(Ordering::Acquire)
     {
-        PROBES_SEEN.fetch_add(1, Ordering::AcqRel);
-        LAST_ANSWERED_NS.store(LAST_SENT_NS.load(Ordering::Acquire), Ordering::Release);
-        true
+        Some(PROBE_BUFFER_BYTES)
     } else {
-        false
+        PROBE_BROKEN.store(true, Ordering::Release);
+        None
+    }
+}
+
+/// The probe's state across ticks; each probe runs on a thread of its own.
+pub struct Probe {
+    call: fn(),
+    /// Whether probes answer in this process (CUDA 13's per-thread buffers);
+    /// decided by the first probe after the stream was taken.
+    works: Option<bool>,
+    last_answered_ns: u64,
+}
+
+impl Probe {
+    /// `call` is the traced driver call a probe makes.
+    pub fn new(call: fn()) -> Probe {
+        Probe {
+            call,
+            works: None,
+            last_answered_ns: 0,
+        }
+    }
+
+    /// Called right after the stream is (re)taken, when it is surely ours:
+    /// one probe decides whether probes answer in this process (CUDA 13's
+    /// per-thread buffers) before any is trusted.
+    pub fn calibrate(&mut self, version: u32) {
+        self.last_answered_ns = devtrace::clock::now_ns();
+        self.works = (version >= 130000 && probe_enabled())
+            .then(|| self.ask())
+            .flatten()
+            .filter(|answered| *answered && !PROBE_BROKEN.load(Ordering::Acquire))
+            .map(|_| true)
+            .or(Some(false));
+    }
+
+    /// One probe on a new thread; `None` when no thread could be made.
+    fn ask(&self) -> Option<bool> {
+        let call = self.call;
+        std::thread::Builder::new()
+            .name("devtrace-probe".into())
+            .spawn(move || {
+                PROBE_CALL_REQUESTS.store(0, Ordering::Release);
+                let before = PROBE_REQUESTS.load(Ordering::Acquire);
+                PROBE_TID.store(gettid(), Ordering::Release);
+                call();
+                PROBE_TID.store(0, Ordering::Release);
+                PROBE_REQUESTS.load(Ordering::Acquire) > before
+            })
+            .ok()?
+            .join()
+            .ok()
     }
 }
 
@@ -81,45 +193,48 @@ pub fn foreign_holder() -> Option<u64> {
         .then(|| FOREIGN_SINCE_NS.load(Ordering::Acquire))
 }
 
-/// Asks at one tick of a capture: first what interposition saw, then what
-/// the last probes showed. `probe` makes the next probe call (the caller
-/// forces a flush after it).
-pub fn check_ownership(probe: impl FnOnce()) -> Verdict {
+/// Asks at one tick of a capture: first what interposition saw, then (for
+/// CUPTI with per-thread buffers, API version 130000 on) the probe.
+pub fn check_ownership(probe: &mut Probe, version: u32) -> Verdict {
     if let Some(since_ns) = foreign_holder() {
         return Verdict::Taken {
             seen: true,
             since_ns,
         };
     }
-    let sent = PROBES_SENT.load(Ordering::Acquire);
-    let seen = PROBES_SEEN.load(Ordering::Acquire);
-    // The newest probe may still sit in the converter's queue; two missing
-    // ones are not lag. The stream was lost at the first unanswered probe
-    // at the latest; when exactly is not known.
-    if sent.saturating_sub(seen) >= 2 {
-        return Verdict::Taken {
-            seen: false,
-            since_ns: LAST_ANSWERED_NS.load(Ordering::Acquire),
-        };
+    if PROBE_BROKEN.load(Ordering::Acquire) {
+        probe.works = Some(false);
     }
-    PROBE_TID.store(gettid(), Ordering::Relaxed);
-    LAST_SENT_NS.store(devtrace::clock::now_ns(), Ordering::Release);
-    PROBES_SENT.fetch_add(1, Ordering::AcqRel);
-    probe();
-    Verdict::Ours
+    if version < 130000 || probe.works != Some(true) || !probe_enabled() {
+        return Verdict::Ours;
+    }
+    let sent_ns = devtrace::clock::now_ns();
+    match probe.ask() {
+        Some(true) => {
+            probe.last_answered_ns = sent_ns;
+            Verdict::Ours
+        }
+        // The answer comes before the call returns, so a probe whose request
+        // went elsewhere is no lag: the callbacks (or the driver records) are
+        // someone else's. Lost after the last answered probe.
+        Some(false) => Verdict::Taken {
+            seen: false,
+            since_ns: probe.last_answered_ns,
+        },
+        None => Verdict::Ours,
+    }
 }
 
 /// Whether a foreign user seen through interposition has finished (read
 /// once: it is reset).
 pub fn foreign_done() -> bool {
+    let idle_since = FOREIGN_IDLE_SINCE_NS.load(Ordering::Acquire);
+    if idle_since != 0
+        && devtrace::clock::now_ns().saturating_sub(idle_since) > FOREIGN_FLUSH_GRACE_NS
+    {
+        foreign_finished();
+    }
     FOREIGN_DONE.swap(false, Ordering::AcqRel) && !FOREIGN_REGISTERED.load(Ordering::Acquire)
-}
-
-/// Forgets the probes so far; called when the stream is (re)taken.
-pub fn reset_probes() {
-    PROBES_SEEN.store(0, Ordering::Release);
-    PROBES_SENT.store(0, Ordering::Release);
-    LAST_ANSWERED_NS.store(devtrace::clock::now_ns(), Ordering::Release);
 }
 
 fn gettid() -> u32 {
@@ -152,6 +267,7 @@ fn real() -> Option<&'static crate::cupti::library::Library> {
 }
 
 fn foreign_finished() {
+    FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
     FOREIGN_REGISTERED.store(false, Ordering::Release);
     FOREIGN_DONE.store(true, Ordering::Release);
 }
@@ -175,10 +291,21 @@ pub unsafe extern "C" fn cuptiActivityRegisterCallbacks(
     let Some(lib) = real() else {
         return CUPTI_ERROR_NOT_INITIALIZED;
     };
+    let foreign = foreign();
+    if foreign {
+        // CUPTI keeps filling each thread's current buffer after new
+        // callbacks are registered, and hands it to the new callback, which
+        // discards a buffer it does not know: the other user would lose the
+        // start of its records and we the end of ours. Every buffer of ours
+        // comes back to us first.
+        // SAFETY: a plain CUPTI call.
+        let _ = own(|| unsafe { (lib.flush_all)(1) });
+    }
     // SAFETY: forwarded unchanged.
     let result = unsafe { (lib.register_callbacks)(requested, completed) };
-    if result == CUPTI_SUCCESS && foreign() {
+    if result == CUPTI_SUCCESS && foreign {
         FOREIGN_KINDS.store(0, Ordering::Release);
+        FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
         FOREIGN_SINCE_NS.store(devtrace::clock::now_ns(), Ordering::Release);
         FOREIGN_REGISTERED.store(true, Ordering::Release);
     }
@@ -198,6 +325,7 @@ pub unsafe extern "C" fn cuptiActivityEnable(kind: c_int) -> CuptiResult {
     let result = unsafe { (lib.enable)(kind) };
     if result == CUPTI_SUCCESS && foreign() {
         FOREIGN_KINDS.fetch_or(kind_bit(kind), Ordering::AcqRel);
+        FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
     }
     result
 }
@@ -216,8 +344,26 @@ pub unsafe extern "C" fn cuptiActivityDisable(kind: c_int) -> CuptiResult {
     if result == CUPTI_SUCCESS && foreign() {
         let left = FOREIGN_KINDS.fetch_and(!kind_bit(kind), Ordering::AcqRel) & !kind_bit(kind);
         if left == 0 && FOREIGN_REGISTERED.load(Ordering::Acquire) {
-            foreign_finished();
+            FOREIGN_IDLE_SINCE_NS.store(devtrace::clock::now_ns().max(1), Ordering::Release);
         }
+    }
+    result
+}
+
+/// Interposed `cuptiActivityFlushAll`: a foreign user that switched its
+/// kinds off and flushes has had its last buffers.
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuptiActivityFlushAll(flag: u32) -> CuptiResult {
+    let Some(lib) = real() else {
+        return CUPTI_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarded unchanged.
+    let result = unsafe { (lib.flush_all)(flag) };
+    if foreign() && FOREIGN_IDLE_SINCE_NS.load(Ordering::Acquire) != 0 {
+        foreign_finished();
     }
     result
 }

@@ -21,7 +21,7 @@ mod convert;
 mod cupti;
 
 use std::alloc::Layout;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -91,6 +91,7 @@ fn start() {
         // workload's stderr. (The hook is this library's own: the workload
         // and other Rust libraries keep theirs.)
         std::panic::set_hook(Box::new(|_| {}));
+        coexist::join_global_scope();
         let spawned = std::thread::Builder::new()
             .name("devtrace-inject".into())
             .spawn(|| {
@@ -145,13 +146,17 @@ struct Session {
     producer: Mutex<Producer>,
     meta: Mutex<MetaWriter>,
     converter: Mutex<Converter>,
-    buffers: Mutex<Sender<(usize, usize)>>,
+    buffers: Mutex<Sender<Completed>>,
     /// Buffers this library handed to CUPTI and has not got back. Another
     /// CUPTI user's buffers may be handed to our callback: those are not
     /// ours to read or free.
-    ours: Mutex<HashSet<usize>>,
+    /// Their sizes, by address.
+    ours: Mutex<HashMap<usize, usize>>,
     outstanding: AtomicUsize,
     dropped_total: AtomicU64,
+    /// When CUPTI last gave one of our buffers back (or the stream was
+    /// taken), `CLOCK_REALTIME` ns.
+    last_ours_ns: AtomicU64,
 }
 
 impl Session {
@@ -263,9 +268,10 @@ fn control_loop() {
             cupti::callback_name,
         )),
         buffers: Mutex::new(sender),
-        ours: Mutex::new(HashSet::new()),
+        ours: Mutex::new(HashMap::new()),
         outstanding: AtomicUsize::new(0),
         dropped_total: AtomicU64::new(0),
+        last_ours_ns: AtomicU64::new(0),
     };
     if SESSION.set(session).is_err() {
         return;
@@ -296,12 +302,21 @@ fn control_loop() {
     if let Err(error) = converter {
         return fail(&format!("cannot start its converter thread: {error}"));
     }
-    let mut tracer = Tracer::default();
+    let probe = coexist::Probe::new(probe_driver);
+    let mut tracer = Tracer {
+        stream: Stream::Off,
+        registered: false,
+        displaced: false,
+        last_flush: None,
+        probe,
+        version: loaded.version,
+        ticks: 0,
+    };
     while !quiet() {
         std::thread::sleep(poll);
         let capture = session.ring.control().capture();
         if let Err(error) = tracer.tick(session, capture) {
-            tracer.stop(session);
+            tracer.give_up(session);
             return fail(&error);
         }
     }
@@ -321,14 +336,21 @@ enum Stream {
 }
 
 /// The control loop's state across ticks.
-#[derive(Default)]
 struct Tracer {
     stream: Stream,
     registered: bool,
     /// The stream was taken from us and not yet taken back.
     displaced: bool,
     last_flush: Option<Instant>,
+    probe: coexist::Probe,
+    /// The libcupti's API version.
+    version: u32,
+    /// Flush ticks while the stream is ours.
+    ticks: u64,
 }
+
+/// The probe runs at every fifth flush (500 ms).
+const PROBE_EVERY_TICKS: u64 = 5;
 
 impl Tracer {
     /// One poll of the control word.
@@ -345,10 +367,7 @@ impl Tracer {
                 None => self.take(session),
             },
             (Stream::Ours, true) => self.keep(session),
-            (Stream::Ours, false) => {
-                self.stream = Stream::Off;
-                disable(session)
-            }
+            (Stream::Ours, false) => self.stop(session),
             (Stream::Taken { seen: true }, true) if coexist::foreign_done() => self.take(session),
             (Stream::Taken { .. }, true) => Ok(()),
             // The other user keeps what it enabled: nothing is switched off.
@@ -376,7 +395,7 @@ impl Tracer {
         if self.displaced {
             // Buffers CUPTI handed to the other user's callback are gone.
             if let Ok(mut ours) = session.ours.lock() {
-                let lost = ours.len();
+                let lost = ours.values().filter(|b| **b == BUFFER_BYTES).count();
                 ours.clear();
                 let _ =
                     session
@@ -390,11 +409,14 @@ impl Tracer {
             });
             self.displaced = false;
         }
-        coexist::reset_probes();
         set_clock(session)?;
         for kind in cupti::KINDS {
             cupti::enable(kind)?;
         }
+        self.probe.calibrate(self.version);
+        session
+            .last_ours_ns
+            .store(devtrace::clock::now_ns(), Ordering::Release);
         self.stream = Stream::Ours;
         self.last_flush = Some(Instant::now());
         Ok(())
@@ -410,8 +432,14 @@ impl Tracer {
             return Ok(());
         }
         self.last_flush = Some(Instant::now());
-        match coexist::check_ownership(probe_driver) {
-            Verdict::Ours => flush(session, true),
+        // Not forced: a forced flush while kernels run loses their records.
+        flush(session, false)?;
+        self.ticks += 1;
+        if !self.ticks.is_multiple_of(PROBE_EVERY_TICKS) && coexist::foreign_holder().is_none() {
+            return Ok(());
+        }
+        match coexist::check_ownership(&mut self.probe, self.version) {
+            Verdict::Ours => Ok(()),
             Verdict::Taken { seen, since_ns } => {
                 self.displaced_at(session, seen, since_ns);
                 Ok(())
@@ -425,8 +453,26 @@ impl Tracer {
         session.write_meta(&MetaRecord::Displaced { at_ns, seen });
     }
 
+    /// Ends a capture. Every buffer of ours is flushed back first: one that
+    /// does not come back went to another user's callbacks, which took the
+    /// stream during the capture without our seeing it. Its kinds then stay
+    /// on, and the trace says from when (at most) records are missing.
+    fn stop(&mut self, session: &Session) -> Result<(), String> {
+        self.stream = Stream::Off;
+        flush(session, true)?;
+        if let Some(last_ours_ns) = buffers_went_elsewhere(session) {
+            self.displaced = true;
+            session.write_meta(&MetaRecord::Displaced {
+                at_ns: last_ours_ns,
+                seen: false,
+            });
+            return Ok(());
+        }
+        disable(session)
+    }
+
     /// After a failure: leaves CUPTI as the process needs it.
-    fn stop(&mut self, session: &Session) {
+    fn give_up(&mut self, session: &Session) {
         if self.stream == Stream::Ours {
             let _ = disable(session);
         }
@@ -480,6 +526,25 @@ fn set_clock(session: &Session) -> Result<(), String> {
 
 /// Flushes what CUPTI holds and disables every kind; the clock is measured
 /// again so that records converted from here on use the stop reading.
+/// After a forced flush: waits (up to a second) for our full-size buffers
+/// to come back, and when some do not, returns when the last of ours did
+/// come back, the latest moment the stream was surely ours.
+fn buffers_went_elsewhere(session: &Session) -> Option<u64> {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let missing = session.ours.lock().map_or(0, |ours| {
+            ours.values().filter(|b| **b == BUFFER_BYTES).count()
+        });
+        if missing == 0 {
+            return None;
+        }
+        if Instant::now() >= deadline {
+            return Some(session.last_ours_ns.load(Ordering::Acquire));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn disable(session: &Session) -> Result<(), String> {
     for kind in cupti::KINDS {
         cupti::disable(kind)?;
@@ -504,7 +569,14 @@ extern "C" fn flush_at_exit() {
         if quiet() || flush(session, true).is_err() {
             return;
         }
-        // Give the converter a moment to push the last buffers.
+        // Give the converter a moment to push the last buffers; ours that
+        // never come back went to another CUPTI user's callbacks.
+        if let Some(last_ours_ns) = buffers_went_elsewhere(session) {
+            session.write_meta(&MetaRecord::Displaced {
+                at_ns: last_ours_ns,
+                seen: false,
+            });
+        }
         let deadline = Instant::now() + Duration::from_millis(200);
         while session.outstanding.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(2));
@@ -512,12 +584,14 @@ extern "C" fn flush_at_exit() {
     });
 }
 
-fn buffer_layout() -> Layout {
-    Layout::from_size_align(BUFFER_BYTES, 8).expect("a valid layout")
+fn layout(bytes: usize) -> Layout {
+    Layout::from_size_align(bytes, 8).expect("a valid layout")
 }
 
 /// CUPTI asks for a buffer. None is given past [`MAX_BUFFERS`] or when the
-/// library is quiet; CUPTI then drops records and counts them.
+/// library is quiet; CUPTI then drops records and counts them. The probe
+/// thread gets buffers with room for one record ([`coexist`]); they do not
+/// count towards the limit.
 unsafe extern "C" fn buffer_requested(
     buffer: *mut *mut u8,
     size: *mut usize,
@@ -526,19 +600,27 @@ unsafe extern "C" fn buffer_requested(
     let _ = std::panic::catch_unwind(|| {
         let mut out = std::ptr::null_mut();
         let mut bytes = 0;
-        if let Some(session) = SESSION.get() {
-            if !quiet() && session.outstanding.fetch_add(1, Ordering::AcqRel) < MAX_BUFFERS {
+        if let Some(session) = SESSION.get().filter(|_| !quiet()) {
+            let probe = coexist::probe_buffer();
+            let wanted = probe.unwrap_or(BUFFER_BYTES);
+            let counted = probe.is_none();
+            if !counted || session.outstanding.fetch_add(1, Ordering::AcqRel) < MAX_BUFFERS {
                 // SAFETY: a non-zero layout.
-                out = unsafe { std::alloc::alloc(buffer_layout()) };
-                if out.is_null() {
-                    session.outstanding.fetch_sub(1, Ordering::AcqRel);
-                } else {
-                    bytes = BUFFER_BYTES;
-                    if let Ok(mut ours) = session.ours.lock() {
-                        ours.insert(out as usize);
-                    }
+                out = unsafe { std::alloc::alloc(layout(wanted)) };
+                let kept = !out.is_null()
+                    && session.ours.lock().is_ok_and(|mut ours| {
+                        ours.insert(out as usize, wanted);
+                        true
+                    });
+                if kept {
+                    bytes = wanted;
+                } else if !out.is_null() {
+                    // SAFETY: allocated just above with this layout.
+                    unsafe { std::alloc::dealloc(out, layout(wanted)) };
+                    out = std::ptr::null_mut();
                 }
-            } else if !quiet() {
+            }
+            if counted && out.is_null() {
                 session.outstanding.fetch_sub(1, Ordering::AcqRel);
             }
         }
@@ -564,47 +646,69 @@ unsafe extern "C" fn buffer_completed(
             return;
         }
         // Another CUPTI user's buffer: neither read nor freed here.
-        let ours = SESSION
+        let Some(bytes) = SESSION
             .get()
             .and_then(|s| s.ours.lock().ok())
-            .is_some_and(|mut ours| ours.remove(&(buffer as usize)));
-        if !ours {
+            .and_then(|mut ours| ours.remove(&(buffer as usize)))
+        else {
             return;
+        };
+        if let Some(session) = SESSION.get() {
+            session
+                .last_ours_ns
+                .store(devtrace::clock::now_ns(), Ordering::Release);
         }
+        let completed = Completed {
+            address: buffer as usize,
+            bytes,
+            valid,
+        };
         let sent = SESSION
             .get()
             .and_then(|s| s.buffers.lock().ok())
-            .is_some_and(|sender| sender.send((buffer as usize, valid)).is_ok());
+            .is_some_and(|sender| sender.send(completed).is_ok());
         if !sent {
-            release(buffer);
+            release(completed);
         }
     });
 }
 
-fn release(buffer: *mut u8) {
-    // SAFETY: every buffer CUPTI holds came from `buffer_requested`.
-    unsafe { std::alloc::dealloc(buffer, buffer_layout()) };
-    if let Some(session) = SESSION.get() {
-        session.outstanding.fetch_sub(1, Ordering::AcqRel);
+/// A buffer CUPTI gave back: where, its size, and the bytes it filled.
+#[derive(Clone, Copy)]
+struct Completed {
+    address: usize,
+    bytes: usize,
+    valid: usize,
+}
+
+fn release(buffer: Completed) {
+    // SAFETY: every buffer in `ours` came from `buffer_requested` with this
+    // size.
+    unsafe { std::alloc::dealloc(buffer.address as *mut u8, layout(buffer.bytes)) };
+    // Probe buffers (smaller) never counted towards the limit.
+    if buffer.bytes == BUFFER_BYTES {
+        if let Some(session) = SESSION.get() {
+            session.outstanding.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
 /// Converts completed buffers into events: metadata first, then the events
 /// into the ring (a full ring counts what it refuses).
-fn convert_loop(buffers: Receiver<(usize, usize)>) {
+fn convert_loop(buffers: Receiver<Completed>) {
     let Some(session) = SESSION.get() else { return };
     let mut events = Vec::new();
-    for (address, valid) in buffers {
-        let buffer = address as *mut u8;
+    for completed in buffers {
+        let buffer = completed.address as *mut u8;
         if !quiet() {
             let meta = {
                 let Ok(mut converter) = session.converter.lock() else {
-                    release(buffer);
+                    release(completed);
                     continue;
                 };
                 let mut record = std::ptr::null_mut();
                 // SAFETY: a buffer CUPTI completed with `valid` bytes.
-                while unsafe { cupti::next_record(buffer, valid, &mut record) } {
+                while unsafe { cupti::next_record(buffer, completed.valid, &mut record) } {
                     converter.convert(record, &mut events);
                 }
                 converter.take_meta()
@@ -617,6 +721,6 @@ fn convert_loop(buffers: Receiver<(usize, usize)>) {
             }
         }
         events.clear();
-        release(buffer);
+        release(completed);
     }
 }

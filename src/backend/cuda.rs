@@ -89,8 +89,10 @@ impl LostSpan {
         let how = if self.seen {
             ""
         } else {
-            " (noticed when the library's own probe records stopped arriving; it takes the \
-             stream back at the next capture)"
+            " (found out after the fact: the span starts when the library last knew it had the \
+             stream, and it takes the stream back at the next capture; the other profiler may \
+             also have lost records it wrote into the library's buffers; load the library with \
+             LD_PRELOAD so that it sees the other profiler start and stop)"
         };
         Some(format!(
             "another CUPTI user in {} (a framework profiler such as torch.profiler) had the \

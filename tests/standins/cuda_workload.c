@@ -15,6 +15,8 @@
  *   --graph                also capture a CUDA graph and replay it once per iteration (below)
  *   --rival-at N           act as a second in-process CUPTI user from iteration N (0-based; below)
  *   --rival-iterations M   ... for M iterations (default 1)
+ *   --rival-direct         the rival binds to libcupti directly (its handle), never to
+ *                          a preloaded or global library that exports the same names
  *
  * Setup: cuInit, cuDeviceGet, cuCtxCreate_v2, cuModuleLoadData,
  * cuModuleGetFunction("vector_add"), cuModuleGetFunction("matmul_tiled"),
@@ -195,7 +197,7 @@ static const char real_ptx[] =
 
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
-    int rival_at, rival_iterations;
+    int rival_at, rival_iterations, rival_direct;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
 
@@ -441,7 +443,7 @@ static void rival_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, siz
 
 static void *rival_symbol(const char *name) {
     static void *library;
-    void *symbol = dlsym(RTLD_DEFAULT, name);
+    void *symbol = options.rival_direct ? NULL : dlsym(RTLD_DEFAULT, name);
     if (symbol) return symbol;
     if (!library) library = dlopen("libcupti.so.12", RTLD_NOW | RTLD_NOLOAD);
     if (!library) library = dlopen("libcupti.so", RTLD_NOW);
@@ -564,6 +566,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--graph") == 0) options.graph = 1;
         else if (strcmp(a, "--rival-at") == 0 && i + 1 < argc) options.rival_at = atoi(argv[++i]);
         else if (strcmp(a, "--rival-iterations") == 0 && i + 1 < argc) options.rival_iterations = atoi(argv[++i]);
+        else if (strcmp(a, "--rival-direct") == 0) options.rival_direct = 1;
         else return usage();
     }
     if (options.iterations < 0 || options.threads < 1 || options.threads > 64) return usage();

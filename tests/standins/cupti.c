@@ -6,8 +6,10 @@
  * bindings read.
  *
  * $DEVTRACE_STANDIN_CUPTI_VERSION (read once, default 26) is the API version
- * cuptiGetVersion returns, and records are written in the layout of that
- * release: CUPTI writes the newest record version it has for each kind.
+ * cuptiGetVersion returns, records are written in the layout of that
+ * release (CUPTI writes the newest record version it has for each kind), and
+ * buffered as that release does: one buffer for the process before 130000,
+ * one per thread from 130000 (Behaviour, below).
  * Versions only append fields, so every field keeps its offset, and an older
  * layout is a prefix of the newest one (CUpti_ActivityKernel13, Memcpy7,
  * Memset5, Device6 below); cuptiActivityGetNextRecord steps by the size
@@ -75,26 +77,48 @@
  *   loaded). Enabling CONTEXT writes a record for each context made so far,
  *   and later contexts get one when made; deviceId is the context's ordinal.
  * - Buffers come from the client's bufferRequested callback when a record
- *   needs room; records sit at 8-byte-aligned offsets. A buffer is handed
- *   back when the next record does not fit or maxNumRecords is reached, and
- *   on cuptiActivityFlushAll: flag 0 hands back the partly filled buffer once
- *   all device work in it has ended, CUPTI_ACTIVITY_FLAG_FLUSH_FORCED (1)
- *   always hands it back (even when empty). bufferCompleted runs on a worker
- *   thread of this library; cuptiActivityFlushAll returns after it has
- *   delivered everything. cuptiActivityFlushPeriod(ms) makes the worker do a
- *   flag-0 flush every ms.
+ *   needs room. Records sit at 8-byte-aligned offsets; a record fits when the
+ *   bytes used so far plus its size are at most the buffer's size, so a
+ *   buffer of exactly one record's size (40 bytes for DRIVER) holds one.
+ * - Which buffer: below API version 130000 (CUDA 12.x) one buffer is being
+ *   filled for the whole process. From 130000 (CUDA 13.0) each thread has its
+ *   own: the records of a driver call go into the buffer of the thread that
+ *   made it (standin_call.tid), records tied to no call (DEVICE and CONTEXT
+ *   records written by cuptiActivityEnable) into that of the thread calling
+ *   CUPTI. Threads are told apart by gettid() in a table of 256 slots; a slot
+ *   whose buffer was handed back may go to another thread, and threads
+ *   finding no slot share one more buffer.
+ * - When a record needs room and its buffer is missing, too full for it, or
+ *   at maxNumRecords, that buffer is handed back and bufferRequested (of the
+ *   pair registered now) is called at once, synchronously, on the thread
+ *   writing the record (the thread of the driver call, or the one calling
+ *   CUPTI), and the record then goes into the new buffer. So from 130000,
+ *   with buffers of one record's size, every record a thread writes after its
+ *   first makes one bufferRequested call on that thread.
+ * - cuptiActivityFlushAll (and the deprecated cuptiActivityFlush, whose
+ *   context and stream are ignored): flag 0 hands back each partly filled
+ *   buffer (every thread's, from 130000) once all device work in it has
+ *   ended; CUPTI_ACTIVITY_FLAG_FLUSH_FORCED (1) hands back every buffer being
+ *   filled (even an empty one). bufferCompleted runs on a worker thread of
+ *   this library; cuptiActivityFlushAll returns after it has delivered
+ *   everything handed back so far. cuptiActivityFlushPeriod(ms) makes
+ *   the worker do a flag-0 flush every ms; cuptiFinalize does a forced one.
  * - Several users in one process (a second profiler such as PyTorch's Kineto
- *   next to devtrace): each buffer goes back to the bufferCompleted of the
- *   callback pair whose bufferRequested supplied it. A later
+ *   next to devtrace), as real CUPTI 13.0 behaves (seen on an H200: Kineto
+ *   reported "bufferCompleted called with unknown buffer" for another user's
+ *   buffers, and lost records written into them): a later
  *   cuptiActivityRegisterCallbacks replaces the pair for later buffer
- *   requests, and the buffer being filled at that moment is closed at once
- *   and handed back to the pair that supplied it. Enable/disable stay global
- *   per kind: the Activity API is per process, not per user, so one user's
+ *   requests, buffers being filled at that moment stay and keep being
+ *   filled, and every buffer goes to the bufferCompleted registered when it
+ *   is delivered, whoever supplied it. Enable/disable stay global per kind:
+ *   the Activity API is per process, not per user, so one user's
  *   cuptiActivityDisable stops that kind for everyone.
  * - A NULL buffer, a zero size, a buffer smaller than the record, or a buffer
- *   not 8-byte aligned (handed straight back with validSize 0) drops records
- *   and counts them. $DEVTRACE_STANDIN_CUPTI_DROP=N adds N to the count when
- *   the first buffer is handed back. cuptiActivityGetNumDroppedRecords
+ *   not 8-byte aligned (the last two handed straight back with validSize 0)
+ *   drops the record it was requested for and counts it; the next record of
+ *   that thread (of any thread below 130000) asks again.
+ *   $DEVTRACE_STANDIN_CUPTI_DROP=N adds N to the count when the first buffer
+ *   is handed back. cuptiActivityGetNumDroppedRecords
  *   returns the count (one global count, whatever context/stream is asked)
  *   and resets it to zero, as documented for the real call.
  * - $DEVTRACE_STANDIN_CUPTI_FAIL="cuptiActivityEnable,cuptiActivityFlushAll=1"
@@ -113,7 +137,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "standin_call.h"
 
@@ -621,7 +647,6 @@ AT(CUpti_ActivitySynchronization2, returnValue, 48);
 struct completed {
     uint8_t *buffer;
     size_t size, valid;
-    CUpti_BuffersCallbackCompleteFunc complete; /* of the pair that supplied it */
     struct completed *next;
 };
 
@@ -636,10 +661,23 @@ static uint8_t enabled[CUPTI_ACTIVITY_KIND_COUNT];
 static CUpti_BuffersCallbackRequestFunc request_cb;
 static CUpti_BuffersCallbackCompleteFunc complete_cb;
 
-static uint8_t *buffer;     /* the buffer being filled, or NULL */
-static CUpti_BuffersCallbackCompleteFunc buffer_complete; /* its owner's bufferCompleted */
-static size_t buffer_size, buffer_used, buffer_max_records, buffer_records;
-static uint64_t buffer_busy_until; /* latest end of device work in it */
+/* A buffer being filled: the one of the process (API < 130000) or of one
+ * thread (>= 130000). */
+struct filling {
+    uint32_t tid;      /* gettid() of its thread (>= 130000); 0: slot unused */
+    int requesting;    /* threads of this slot inside bufferRequested */
+    uint8_t *buffer;   /* or NULL */
+    size_t size, used, max_records, records;
+    uint64_t busy_until; /* latest end of device work in it */
+};
+
+/* API < 130000: fillings[0] is the one buffer. >= 130000: one slot per
+ * thread, taken on its first record and reused for another thread once its
+ * buffer was handed back; threads past THREAD_SLOTS share the last slot. */
+#define THREAD_SLOTS 256
+static struct filling fillings[THREAD_SLOTS + 1];
+static int per_thread_buffers;     /* api_version >= 130000 */
+static struct filling *last_filled; /* where reserve() put the latest record */
 
 static struct completed *queue_head, *queue_tail;
 static int delivering;       /* buffers taken off the queue, not yet delivered */
@@ -691,6 +729,7 @@ static void setup(void) {
     memset_ns = (uint64_t)env_or("DEVTRACE_STANDIN_GPU_MEMSET_NS", 1000);
     pending_env_drops = env_or("DEVTRACE_STANDIN_CUPTI_DROP", 0);
     api_version = (uint32_t)env_or("DEVTRACE_STANDIN_CUPTI_VERSION", CUPTI_API_VERSION);
+    per_thread_buffers = api_version >= 130000;
     kernel_bytes = api_version >= 130400   ? sizeof(CUpti_ActivityKernel13)                     /* 248 */
                    : api_version >= 130300 ? offsetof(CUpti_ActivityKernel13, sourceGraphId)    /* 232 */
                    : api_version >= 130100 ? offsetof(CUpti_ActivityKernel13, executionModel)   /* 224 */
@@ -732,17 +771,16 @@ static uint64_t gpu_now(void) {
 
 /* ---- buffers ------------------------------------------------------------------ */
 
-/* Queues the buffer being filled for delivery. Caller holds lock. */
-static void close_buffer(void) {
-    if (!buffer) return;
+/* Queues buffer `f` for delivery. Caller holds lock. */
+static void close_buffer(struct filling *f) {
+    if (!f->buffer) return;
     struct completed *c = calloc(1, sizeof *c);
     if (!c) {
         fprintf(stderr, "standin cupti: out of memory, buffer lost\n");
     } else {
-        c->buffer = buffer;
-        c->size = buffer_size;
-        c->valid = buffer_used;
-        c->complete = buffer_complete;
+        c->buffer = f->buffer;
+        c->size = f->size;
+        c->valid = f->used;
         if (queue_tail) queue_tail->next = c; else queue_head = c;
         queue_tail = c;
         if (pending_env_drops > 0) {
@@ -751,16 +789,29 @@ static void close_buffer(void) {
         }
         pthread_cond_broadcast(&work_ready);
     }
-    buffer = NULL;
-    buffer_complete = NULL;
-    buffer_size = buffer_used = buffer_records = buffer_max_records = 0;
-    buffer_busy_until = 0;
+    f->buffer = NULL;
+    f->size = f->used = f->records = f->max_records = 0;
+    f->busy_until = 0;
 }
 
-static void *raw_reserve(size_t size) {
-    uint8_t *p = buffer + buffer_used;
-    buffer_used += (size + 7) & ~(size_t)7;
-    buffer_records++;
+/* The buffer records of thread `tid` go into. Caller holds lock. */
+static struct filling *filling_of(uint32_t tid) {
+    if (!per_thread_buffers) return &fillings[0];
+    struct filling *vacant = NULL;
+    for (size_t i = 0; i < THREAD_SLOTS; i++) {
+        struct filling *f = &fillings[i];
+        if (f->tid == tid) return f;
+        if (!vacant && (f->tid == 0 || (!f->buffer && !f->requesting))) vacant = f;
+    }
+    if (!vacant) return &fillings[THREAD_SLOTS]; /* shared overflow slot */
+    vacant->tid = tid;
+    return vacant;
+}
+
+static void *raw_reserve(struct filling *f, size_t size) {
+    uint8_t *p = f->buffer + f->used;
+    f->used += (size + 7) & ~(size_t)7;
+    f->records++;
     memset(p, 0, size);
     return p;
 }
@@ -769,50 +820,55 @@ static uint32_t current_tid(const struct standin_call *call) {
     return thread_id_type == CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM ? call->tid : (uint32_t)call->pthread_id;
 }
 
-/* Room for one record of `size` bytes, or NULL if it is dropped. Caller holds
- * lock once; it is released while the client's bufferRequested runs. */
+/* Room for one record of `size` bytes, or NULL if it is dropped, in the
+ * buffer of the thread that made `call` (NULL: of the calling thread; the
+ * hook runs on the thread of the driver call, so that is the same thread).
+ * Caller holds lock once; it is released while the client's bufferRequested
+ * runs, on the calling thread. Sets last_filled. */
 static void *reserve(size_t size, const struct standin_call *call) {
     if (!request_cb) {
         dropped++;
         return NULL;
     }
-    if (buffer && (buffer_used + size > buffer_size ||
-                   (buffer_max_records && buffer_records >= buffer_max_records)))
-        close_buffer();
-    if (!buffer) {
+    struct filling *f = filling_of(call ? call->tid : (uint32_t)syscall(SYS_gettid));
+    if (f->buffer && (f->used + size > f->size || (f->max_records && f->records >= f->max_records)))
+        close_buffer(f);
+    if (!f->buffer) {
         /* The client's callback runs without the lock, so it may take its own
          * locks, which another of its threads may hold while calling in here. */
         CUpti_BuffersCallbackRequestFunc request = request_cb;
-        CUpti_BuffersCallbackCompleteFunc complete = complete_cb;
         uint8_t *fresh = NULL;
         size_t fresh_size = 0, max_records = 0;
         uint64_t asked = gpu_now();
+        f->requesting++; /* keeps the slot this thread's meanwhile */
         pthread_mutex_unlock(&lock);
         request(&fresh, &fresh_size, &max_records);
         pthread_mutex_lock(&lock);
+        f->requesting--;
         uint64_t answered = gpu_now();
         if (!fresh || fresh_size == 0) {
             dropped++;
             return NULL;
         }
-        if (buffer) close_buffer(); /* another thread installed one meanwhile */
-        buffer = fresh;
-        buffer_complete = complete;
-        buffer_size = fresh_size;
-        buffer_max_records = max_records;
+        /* Another thread sharing the slot (the one buffer, the overflow slot),
+         * or this one from inside its bufferRequested, installed one meanwhile. */
+        if (f->buffer) close_buffer(f);
+        f->buffer = fresh;
+        f->size = fresh_size;
+        f->max_records = max_records;
         if ((uintptr_t)fresh % 8 != 0) {
             static int warned;
             if (!warned++)
                 fprintf(stderr, "standin cupti: activity buffer %p is not 8-byte aligned, handed back unused\n",
                         (void *)fresh);
-            close_buffer();
+            close_buffer(f);
             dropped++;
             return NULL;
         }
         if (enabled[CUPTI_ACTIVITY_KIND_OVERHEAD] &&
-            sizeof(CUpti_ActivityOverhead3) + size <= buffer_size &&
-            (buffer_max_records == 0 || buffer_max_records > 1)) {
-            CUpti_ActivityOverhead3 *o = raw_reserve(sizeof *o);
+            sizeof(CUpti_ActivityOverhead3) + size <= f->size &&
+            (f->max_records == 0 || f->max_records > 1)) {
+            CUpti_ActivityOverhead3 *o = raw_reserve(f, sizeof *o);
             o->kind = CUPTI_ACTIVITY_KIND_OVERHEAD;
             o->overheadKind = CUPTI_ACTIVITY_OVERHEAD_ACTIVITY_BUFFER_REQUEST;
             o->objectKind = CUPTI_ACTIVITY_OBJECT_THREAD;
@@ -822,12 +878,13 @@ static void *reserve(size_t size, const struct standin_call *call) {
             o->end = answered;
         }
     }
-    if (buffer_used + size > buffer_size) {
-        close_buffer(); /* too small even when empty */
+    if (f->used + size > f->size) {
+        close_buffer(f); /* too small even when empty */
         dropped++;
         return NULL;
     }
-    return raw_reserve(size);
+    last_filled = f;
+    return raw_reserve(f, size);
 }
 
 /* ---- the worker thread ---------------------------------------------------------- */
@@ -842,7 +899,8 @@ static int deliver_one(void) {
     if (!c) return 0;
     queue_head = c->next;
     if (!queue_head) queue_tail = NULL;
-    CUpti_BuffersCallbackCompleteFunc cb = c->complete;
+    /* The pair registered now, not the one that supplied the buffer. */
+    CUpti_BuffersCallbackCompleteFunc cb = complete_cb;
     delivering++;
     pthread_mutex_unlock(&lock);
     if (cb) cb(NULL, 0, c->buffer, c->size, c->valid);
@@ -869,9 +927,11 @@ static void *worker_main(void *unused) {
                     until.tv_sec++;
                     until.tv_nsec -= 1000000000L;
                 }
-                if (pthread_cond_timedwait(&work_ready, &lock, &until) == ETIMEDOUT && buffer &&
-                    buffer_used && gpu_now() >= buffer_busy_until)
-                    close_buffer();
+                if (pthread_cond_timedwait(&work_ready, &lock, &until) == ETIMEDOUT) {
+                    uint64_t now = gpu_now();
+                    for (size_t i = 0; i < sizeof fillings / sizeof fillings[0]; i++)
+                        if (fillings[i].used && now >= fillings[i].busy_until) close_buffer(&fillings[i]);
+                }
             } else {
                 pthread_cond_wait(&work_ready, &lock);
             }
@@ -892,9 +952,14 @@ static void start_worker(void) {
     }
 }
 
-/* Hands back buffers and waits until the client has them. Caller holds lock. */
+/* Hands back buffers (every thread's, >= 130000) and waits until the client
+ * has them. Caller holds lock. */
 static void flush_locked(int forced) {
-    if (buffer && (forced || (buffer_used && gpu_now() >= buffer_busy_until))) close_buffer();
+    uint64_t now = gpu_now();
+    for (size_t i = 0; i < sizeof fillings / sizeof fillings[0]; i++) {
+        struct filling *f = &fillings[i];
+        if (forced || (f->used && now >= f->busy_until)) close_buffer(f);
+    }
     if (on_worker() || !worker_started) {
         while (deliver_one()) {
         }
@@ -917,7 +982,8 @@ static uint64_t *tail_of(uint32_t stream_id) {
     return &tails[0].tail; /* more streams than slots: share one */
 }
 
-/* [start, end) of device work of `duration` ns issued by `call`. */
+/* [start, end) of device work of `duration` ns issued by `call`, whose
+ * record reserve() just placed (in last_filled). */
 static void device_interval(const struct standin_call *call, uint64_t duration, uint64_t *start, uint64_t *end) {
     uint64_t *tail = tail_of(call->stream_id);
     uint64_t s = gpu_time(call->start_ns);
@@ -925,7 +991,7 @@ static void device_interval(const struct standin_call *call, uint64_t duration, 
     *start = s;
     *end = s + duration;
     *tail = *end;
-    if (*end > buffer_busy_until) buffer_busy_until = *end;
+    if (*end > last_filled->busy_until) last_filled->busy_until = *end;
 }
 
 static void write_context(uint32_t context_id, uint32_t device_id, const struct standin_call *call) {
@@ -1294,7 +1360,7 @@ CUPTIAPI CUptiResult cuptiActivityRegisterCallbacks(CUpti_BuffersCallbackRequest
     pthread_mutex_lock(&lock);
     request_cb = funcBufferRequested;
     complete_cb = funcBufferCompleted;
-    close_buffer(); /* goes back to the pair that supplied it */
+    /* Buffers being filled stay and keep being filled. */
     start_worker();
     pthread_mutex_unlock(&lock);
     return CUPTI_SUCCESS;

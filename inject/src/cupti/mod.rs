@@ -140,9 +140,10 @@ pub fn disable(kind: u32) -> Result<(), String> {
 pub fn flush_all(forced: bool) -> Result<(), String> {
     let lib = lib()?;
     // SAFETY: plain call.
-    check("cuptiActivityFlushAll", unsafe {
-        (lib.flush_all)(u32::from(forced))
-    })
+    check(
+        "cuptiActivityFlushAll",
+        crate::coexist::own(|| unsafe { (lib.flush_all)(u32::from(forced)) }),
+    )
 }
 
 /// How this library stands with a libcupti's API version.
