@@ -851,12 +851,15 @@ async fn capture_beside_a_rival(
     name: &str,
     variable: &str,
     version: &str,
-    direct: bool,
+    binding: Binding,
 ) -> (XSpace, Vec<String>, Vec<(Seen, u64)>) {
-    let setup = setup(name);
+    let mut setup = setup(name);
+    if binding == Binding::Linked {
+        setup.program = rival_linked_program();
+    }
     let agent = setup.agent();
     let release = release_file(&setup, "rival");
-    let workload = rival_workload(&setup, variable, version, direct, "150", &release);
+    let workload = rival_workload(&setup, variable, version, binding, "150", &release);
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 2500, &release).await;
@@ -870,16 +873,48 @@ async fn capture_beside_a_rival(
     (space, lines, ours)
 }
 
+/// How the rival finds CUPTI's functions.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Binding {
+    /// `dlsym(RTLD_DEFAULT, ...)`: the global scope.
+    Lookup,
+    /// From libcupti's handle: nothing another library exports is seen.
+    Direct,
+    /// Imported by the program (linked with -lcupti), through its PLT and
+    /// GOT, as PyTorch's Kineto calls them.
+    Linked,
+}
+
+/// The workload linked against the stand-in libcupti as well.
+fn rival_linked_program() -> PathBuf {
+    let dir = cupti_standin();
+    let search = format!("-L{}", dir.display());
+    let rpath = format!("-Wl,-rpath,{}", dir.display());
+    common::build_program(
+        "cuda_workload.c",
+        "cuda_rival_linked",
+        // The program's references to CUPTI are weak: keep libcupti needed.
+        &[
+            "-pthread",
+            &search,
+            "-lcuda",
+            "-Wl,--no-as-needed",
+            "-lcupti",
+            &rpath,
+        ],
+    )
+}
+
 fn rival_workload(
     setup: &Setup,
     variable: &str,
     version: &str,
-    direct: bool,
+    binding: Binding,
     sleep_ms: &str,
     release: &std::path::Path,
 ) -> CudaWorkload {
     // The probe only where a test wants it: direct binding on CUDA 13.
-    let probe = if direct && version != "26" {
+    let probe = if binding == Binding::Direct && version != "26" {
         "on"
     } else {
         "off"
@@ -895,8 +930,10 @@ fn rival_workload(
         "--rival-iterations",
         "2",
     ];
-    if direct {
-        args.push("--rival-direct");
+    match binding {
+        Binding::Lookup => {}
+        Binding::Direct => args.push("--rival-direct"),
+        Binding::Linked => args.push("--rival-linked"),
     }
     setup.workload_loading(
         variable,
@@ -953,13 +990,22 @@ fn lost_span(space: &XSpace) -> (f64, f64) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_cupti_user_is_stepped_aside_for_and_the_stream_taken_back() {
     for variable in ["LD_PRELOAD", "CUDA_INJECTION64_PATH"] {
-        seen_rival(variable).await;
+        seen_rival(variable, Binding::Lookup).await;
     }
 }
 
-async fn seen_rival(variable: &str) {
+/// A framework linked against libcupti (PyTorch's Kineto) calls it through
+/// its own GOT, which the dynamic linker's lookup order never reaches: the
+/// library loaded by the driver redirects those slots to itself, and the
+/// other profiler is seen as well.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cupti_user_linked_against_libcupti_is_seen_through_its_got() {
+    seen_rival("CUDA_INJECTION64_PATH", Binding::Linked).await;
+}
+
+async fn seen_rival(variable: &str, binding: Binding) {
     let (space, lines, ours) =
-        capture_beside_a_rival("cuda_rival_seen", variable, "26", false).await;
+        capture_beside_a_rival("cuda_rival_seen", variable, "26", binding).await;
     let (_, rival_start, rival_end) = rival_report(&lines);
     // Iterations 0, 1, 4 and 5 are ours; none of the rival's is.
     assert_eq!(ours.len(), 8, "{:?}", space.warnings);
@@ -988,8 +1034,13 @@ async fn seen_rival(variable: &str) {
 /// trace says from when.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unseen_second_cupti_user_is_noticed_and_the_loss_reported() {
-    let (space, lines, ours) =
-        capture_beside_a_rival("cuda_rival_unseen", "CUDA_INJECTION64_PATH", "130001", true).await;
+    let (space, lines, ours) = capture_beside_a_rival(
+        "cuda_rival_unseen",
+        "CUDA_INJECTION64_PATH",
+        "130001",
+        Binding::Direct,
+    )
+    .await;
     let (_, rival_start, _) = rival_report(&lines);
     // Before the rival: iterations 0 and 1.
     assert_eq!(ours.len(), 4, "{:?}", space.warnings);
@@ -1207,7 +1258,14 @@ async fn a_hidden_second_cupti_user_is_found_out_by_the_buffers_it_kept() {
     let release = release_file(&setup, "rival");
     // Back to back: the rival registers while our buffer holds iterations
     // 0 and 1.
-    let workload = rival_workload(&setup, "CUDA_INJECTION64_PATH", "26", true, "0", &release);
+    let workload = rival_workload(
+        &setup,
+        "CUDA_INJECTION64_PATH",
+        "26",
+        Binding::Direct,
+        "0",
+        &release,
+    );
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 1500, &release).await;

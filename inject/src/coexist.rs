@@ -95,6 +95,31 @@ pub fn join_global_scope() {
     }
 }
 
+/// Sends other libraries' calls to the CUPTI entry points this library
+/// interposes through it, whoever bound them how (see `got.rs`). Run at
+/// start and again when a capture starts, for libraries loaded since. The
+/// slots get the private hooks: the address of an exported name, taken in
+/// this library, is whatever the dynamic linker bound that name to, which
+/// may be libcupti's.
+pub fn redirect_callers() -> usize {
+    use crate::got::Redirect;
+    let hooks: [(&'static std::ffi::CStr, *const ()); 5] = [
+        (
+            c"cuptiActivityRegisterCallbacks",
+            register_callbacks_hook as *const (),
+        ),
+        (c"cuptiActivityEnable", enable_hook as *const ()),
+        (c"cuptiActivityDisable", disable_hook as *const ()),
+        (c"cuptiActivityFlushAll", flush_all_hook as *const ()),
+        (c"cuptiFinalize", finalize_hook as *const ()),
+    ];
+    let redirects = hooks.map(|(name, hook)| Redirect {
+        name,
+        to: hook as usize,
+    });
+    crate::got::redirect(&redirects)
+}
+
 /// Whether a driver record is one of the probe's calls, which stay out of
 /// the trace.
 pub fn is_probe(cbid: u32, thread_id: u32) -> bool {
@@ -283,8 +308,7 @@ fn kind_bit(kind: c_int) -> u64 {
 ///
 /// # Safety
 /// Called by C code with CUPTI's contract.
-#[no_mangle]
-pub unsafe extern "C" fn cuptiActivityRegisterCallbacks(
+unsafe extern "C" fn register_callbacks_hook(
     requested: Option<BufferRequested>,
     completed: Option<BufferCompleted>,
 ) -> CuptiResult {
@@ -312,12 +336,24 @@ pub unsafe extern "C" fn cuptiActivityRegisterCallbacks(
     result
 }
 
-/// Interposed `cuptiActivityEnable`.
+/// The exported name of [`register_callbacks_hook`].
 ///
 /// # Safety
 /// Called by C code with CUPTI's contract.
 #[no_mangle]
-pub unsafe extern "C" fn cuptiActivityEnable(kind: c_int) -> CuptiResult {
+pub unsafe extern "C" fn cuptiActivityRegisterCallbacks(
+    requested: Option<BufferRequested>,
+    completed: Option<BufferCompleted>,
+) -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { register_callbacks_hook(requested, completed) }
+}
+
+/// Interposed `cuptiActivityEnable`.
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+unsafe extern "C" fn enable_hook(kind: c_int) -> CuptiResult {
     let Some(lib) = real() else {
         return CUPTI_ERROR_NOT_INITIALIZED;
     };
@@ -330,12 +366,21 @@ pub unsafe extern "C" fn cuptiActivityEnable(kind: c_int) -> CuptiResult {
     result
 }
 
-/// Interposed `cuptiActivityDisable`.
+/// The exported name of [`enable_hook`].
 ///
 /// # Safety
 /// Called by C code with CUPTI's contract.
 #[no_mangle]
-pub unsafe extern "C" fn cuptiActivityDisable(kind: c_int) -> CuptiResult {
+pub unsafe extern "C" fn cuptiActivityEnable(kind: c_int) -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { enable_hook(kind) }
+}
+
+/// Interposed `cuptiActivityDisable`.
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+unsafe extern "C" fn disable_hook(kind: c_int) -> CuptiResult {
     let Some(lib) = real() else {
         return CUPTI_ERROR_NOT_INITIALIZED;
     };
@@ -350,13 +395,22 @@ pub unsafe extern "C" fn cuptiActivityDisable(kind: c_int) -> CuptiResult {
     result
 }
 
+/// The exported name of [`disable_hook`].
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuptiActivityDisable(kind: c_int) -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { disable_hook(kind) }
+}
+
 /// Interposed `cuptiActivityFlushAll`: a foreign user that switched its
 /// kinds off and flushes has had its last buffers.
 ///
 /// # Safety
 /// Called by C code with CUPTI's contract.
-#[no_mangle]
-pub unsafe extern "C" fn cuptiActivityFlushAll(flag: u32) -> CuptiResult {
+unsafe extern "C" fn flush_all_hook(flag: u32) -> CuptiResult {
     let Some(lib) = real() else {
         return CUPTI_ERROR_NOT_INITIALIZED;
     };
@@ -368,12 +422,21 @@ pub unsafe extern "C" fn cuptiActivityFlushAll(flag: u32) -> CuptiResult {
     result
 }
 
-/// Interposed `cuptiFinalize`: everything CUPTI had is reset, ours too.
+/// The exported name of [`flush_all_hook`].
 ///
 /// # Safety
 /// Called by C code with CUPTI's contract.
 #[no_mangle]
-pub unsafe extern "C" fn cuptiFinalize() -> CuptiResult {
+pub unsafe extern "C" fn cuptiActivityFlushAll(flag: u32) -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { flush_all_hook(flag) }
+}
+
+/// Interposed `cuptiFinalize`: everything CUPTI had is reset, ours too.
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+unsafe extern "C" fn finalize_hook() -> CuptiResult {
     let Some(finalize) = real().and_then(|lib| lib.finalize) else {
         return CUPTI_ERROR_NOT_INITIALIZED;
     };
@@ -384,4 +447,14 @@ pub unsafe extern "C" fn cuptiFinalize() -> CuptiResult {
         foreign_finished();
     }
     result
+}
+
+/// The exported name of [`finalize_hook`].
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuptiFinalize() -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { finalize_hook() }
 }

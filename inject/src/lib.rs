@@ -19,6 +19,7 @@
 mod coexist;
 mod convert;
 mod cupti;
+mod got;
 
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -92,6 +93,7 @@ fn start() {
         // and other Rust libraries keep theirs.)
         std::panic::set_hook(Box::new(|_| {}));
         coexist::join_global_scope();
+        coexist::redirect_callers();
         let spawned = std::thread::Builder::new()
             .name("devtrace-inject".into())
             .spawn(|| {
@@ -389,6 +391,8 @@ impl Tracer {
             // SAFETY: registers a plain `extern "C"` function.
             unsafe { libc::atexit(flush_at_exit) };
         }
+        // Libraries loaded since the last look (a framework imported late).
+        coexist::redirect_callers();
         cupti::use_system_thread_ids()?;
         cupti::register_callbacks(buffer_requested, buffer_completed)?;
         self.registered = true;

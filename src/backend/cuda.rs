@@ -89,10 +89,10 @@ impl LostSpan {
         let how = if self.seen {
             ""
         } else {
-            " (found out after the fact: the span starts when the library last knew it had the \
-             stream, and it takes the stream back at the next capture; the other profiler may \
-             also have lost records it wrote into the library's buffers; load the library with \
-             LD_PRELOAD so that it sees the other profiler start and stop)"
+            " (found out after the fact, as that profiler reached CUPTI without passing through \
+             the library: the span starts when the library last knew it had the stream, it \
+             takes the stream back at the next capture, and the other profiler may have lost \
+             records it wrote into the library's buffers)"
         };
         Some(format!(
             "another CUPTI user in {} (a framework profiler such as torch.profiler) had the \

@@ -17,6 +17,9 @@
  *   --rival-iterations M   ... for M iterations (default 1)
  *   --rival-direct         the rival binds to libcupti directly (its handle), never to
  *                          a preloaded or global library that exports the same names
+ *   --rival-linked         the rival calls the CUPTI functions this program imports (it
+ *                          must be linked with -lcupti), through its PLT and GOT, as a
+ *                          framework linked against libcupti (PyTorch's Kineto) does
  *
  * Setup: cuInit, cuDeviceGet, cuCtxCreate_v2, cuModuleLoadData,
  * cuModuleGetFunction("vector_add"), cuModuleGetFunction("matmul_tiled"),
@@ -197,7 +200,7 @@ static const char real_ptx[] =
 
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
-    int rival_at, rival_iterations, rival_direct;
+    int rival_at, rival_iterations, rival_direct, rival_linked;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
 
@@ -388,6 +391,15 @@ static void make_graph(struct worker *w) {
 
 /* ---- the rival profiler (--rival-at) ------------------------------------------ */
 
+/* Imported from libcupti when the program is linked with it (--rival-linked);
+ * weak, so that programs built without it still link. */
+extern int cuptiActivityRegisterCallbacks(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc)
+    __attribute__((weak));
+extern int cuptiActivityEnable(int kind) __attribute__((weak));
+extern int cuptiActivityDisable(int kind) __attribute__((weak));
+extern int cuptiActivityFlushAll(uint32_t flag) __attribute__((weak));
+extern int cuptiActivityGetNextRecord(uint8_t *buffer, size_t valid, CUpti_Activity **record) __attribute__((weak));
+
 static struct {
     int (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc);
     int (*enable)(int kind);
@@ -456,12 +468,21 @@ static void rival_failed(const char *what, int code) {
 }
 
 static void rival_begin(void) {
-    rival.register_callbacks = (int (*)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc))
-        rival_symbol("cuptiActivityRegisterCallbacks");
-    rival.enable = (int (*)(int))rival_symbol("cuptiActivityEnable");
-    rival.disable = (int (*)(int))rival_symbol("cuptiActivityDisable");
-    rival.flush_all = (int (*)(uint32_t))rival_symbol("cuptiActivityFlushAll");
-    rival.next_record = (int (*)(uint8_t *, size_t, CUpti_Activity **))rival_symbol("cuptiActivityGetNextRecord");
+    if (options.rival_linked) {
+        rival.register_callbacks = cuptiActivityRegisterCallbacks;
+        rival.enable = cuptiActivityEnable;
+        rival.disable = cuptiActivityDisable;
+        rival.flush_all = cuptiActivityFlushAll;
+        rival.next_record = cuptiActivityGetNextRecord;
+    } else {
+        rival.register_callbacks = (int (*)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc))
+            rival_symbol("cuptiActivityRegisterCallbacks");
+        rival.enable = (int (*)(int))rival_symbol("cuptiActivityEnable");
+        rival.disable = (int (*)(int))rival_symbol("cuptiActivityDisable");
+        rival.flush_all = (int (*)(uint32_t))rival_symbol("cuptiActivityFlushAll");
+        rival.next_record =
+            (int (*)(uint8_t *, size_t, CUpti_Activity **))rival_symbol("cuptiActivityGetNextRecord");
+    }
     if (!rival.register_callbacks || !rival.enable || !rival.disable || !rival.flush_all || !rival.next_record) {
         fprintf(stderr, "cuda_workload: rival: no CUPTI Activity API: %s\n", dlerror());
         failed = 1;
@@ -567,6 +588,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-at") == 0 && i + 1 < argc) options.rival_at = atoi(argv[++i]);
         else if (strcmp(a, "--rival-iterations") == 0 && i + 1 < argc) options.rival_iterations = atoi(argv[++i]);
         else if (strcmp(a, "--rival-direct") == 0) options.rival_direct = 1;
+        else if (strcmp(a, "--rival-linked") == 0) options.rival_linked = 1;
         else return usage();
     }
     if (options.iterations < 0 || options.threads < 1 || options.threads > 64) return usage();
