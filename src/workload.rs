@@ -260,6 +260,34 @@ impl MetaWriter {
     }
 }
 
+/// Opens `path`, a file another user may have placed, for reading: no
+/// symlink is followed, nothing blocks, and only a regular file owned by
+/// `owner` is accepted (checked on the open descriptor, not the name).
+fn open_untrusted(path: &Path, owner: u32) -> io::Result<File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    let metadata = file.metadata()?;
+    if !metadata.file_type().is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a regular file",
+        ));
+    }
+    if metadata.uid() != owner {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "owned by uid {}, not by uid {owner} who owns the ring",
+                metadata.uid()
+            ),
+        ));
+    }
+    Ok(file)
+}
+
 /// The agent's side: reads what was appended since the last call.
 #[derive(Default)]
 pub struct MetaReader {
@@ -271,8 +299,13 @@ pub struct MetaReader {
 impl MetaReader {
     /// Records appended since the previous call; stops at
     /// [`MAX_META_BYTES`]. Malformed lines are counted and skipped.
-    pub fn read_new(&mut self, path: &Path) -> io::Result<Vec<MetaRecord>> {
-        let mut file = File::open(path)?;
+    ///
+    /// The runtime directory is writable by every user, so the file is
+    /// opened without following a symlink and without blocking (a FIFO
+    /// would stall the reader forever), and must be a regular file owned by
+    /// `owner`, the uid of the ring it describes.
+    pub fn read_new(&mut self, path: &Path, owner: u32) -> io::Result<Vec<MetaRecord>> {
+        let mut file = open_untrusted(path, owner)?;
         let size = file.metadata()?.len().min(MAX_META_BYTES);
         if size <= self.offset {
             return Ok(Vec::new());
@@ -310,6 +343,33 @@ impl MetaReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn own_uid() -> u32 {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() }
+    }
+
+    #[test]
+    fn metadata_that_is_not_a_regular_file_of_the_owner_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("cuda-1.meta");
+        let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid path; creates a FIFO no one writes to.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        let error = MetaReader::default()
+            .read_new(&fifo, own_uid())
+            .unwrap_err();
+        assert!(error.to_string().contains("not a regular file"), "{error}");
+        let target = dir.path().join("secret");
+        std::fs::write(&target, "name 1 x\n").unwrap();
+        let link = dir.path().join("cuda-2.meta");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(MetaReader::default().read_new(&link, own_uid()).is_err());
+        let error = MetaReader::default()
+            .read_new(&target, own_uid() + 1)
+            .unwrap_err();
+        assert!(error.to_string().contains("owned by uid"), "{error}");
+    }
 
     #[test]
     fn records_survive_their_line_form_with_awkward_strings() {
@@ -407,7 +467,7 @@ mod tests {
         raw.write_all(b"name 2 b").unwrap();
         let mut reader = MetaReader::default();
         assert_eq!(
-            reader.read_new(&path).unwrap(),
+            reader.read_new(&path, own_uid()).unwrap(),
             vec![MetaRecord::Name {
                 id: 1,
                 text: "a".into()
@@ -415,13 +475,13 @@ mod tests {
         );
         raw.write_all(b"c\ngarbage line\n").unwrap();
         assert_eq!(
-            reader.read_new(&path).unwrap(),
+            reader.read_new(&path, own_uid()).unwrap(),
             vec![MetaRecord::Name {
                 id: 2,
                 text: "bc".into()
             }]
         );
         assert_eq!(reader.malformed(), 1);
-        assert!(reader.read_new(&path).unwrap().is_empty());
+        assert!(reader.read_new(&path, own_uid()).unwrap().is_empty());
     }
 }

@@ -1280,3 +1280,66 @@ async fn a_hidden_second_cupti_user_is_found_out_by_the_buffers_it_kept() {
     let rival_from = (rival_start - start) as f64 / 1e9;
     assert!(from <= rival_from + 0.001, "{from} vs {rival_from}");
 }
+
+/// Any user can write the runtime directory. A FIFO or a symlink where a
+/// ring's metadata belongs neither stalls the agent (a blocking open of a
+/// FIFO never returned) nor makes it read another file; it names the file it
+/// ignored, and a real workload beside them is traced as usual.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() {
+    use devtrace::ring::{DropPolicy, Ring};
+    use devtrace::workload::{meta_path, ring_path};
+    let setup = setup("cuda_hostile_meta");
+    let dir = setup.runtime.path();
+    // Live processes whose pids name the planted files.
+    let mut sleepers: Vec<std::process::Child> = (0..2)
+        .map(|_| {
+            std::process::Command::new("sleep")
+                .arg("60")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let (fifo_pid, link_pid) = (sleepers[0].id(), sleepers[1].id());
+    let fifo = std::ffi::CString::new(meta_path(dir, fifo_pid).to_str().unwrap()).unwrap();
+    // SAFETY: a valid path; nobody ever writes the FIFO.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "name 1 stolen\n").unwrap();
+    std::os::unix::fs::symlink(&secret, meta_path(dir, link_pid)).unwrap();
+    let _rings: Vec<_> = [fifo_pid, link_pid]
+        .iter()
+        .map(|pid| {
+            Ring::create_shared(ring_path(dir, *pid), 1, 64, DropPolicy::DropNewest).unwrap()
+        })
+        .collect();
+    let agent = setup.agent();
+    let release = release_file(&setup, "hostile");
+    let workload = setup.workload(&["2", "--wait-file", release.to_str().unwrap()], &[]);
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 3).await;
+    let space = capture_while(&agent, 1500, &release).await;
+    calls_until_done(&workload);
+    for sleeper in &mut sleepers {
+        let _ = sleeper.kill();
+        let _ = sleeper.wait();
+    }
+    let kernels = timed(&space, "/device:GPU:0")
+        .iter()
+        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
+        .count();
+    assert_eq!(kernels, 4, "{:?}", space.warnings);
+    let ignored = |pid: u32, why: &str| {
+        space.warnings.iter().any(|w| {
+            w.contains(&format!("ignoring {}", meta_path(dir, pid).display())) && w.contains(why)
+        })
+    };
+    assert!(
+        ignored(fifo_pid, "not a regular file"),
+        "{:?}",
+        space.warnings
+    );
+    // O_NOFOLLOW: the symlink itself is refused (ELOOP).
+    assert!(ignored(link_pid, "symbolic links"), "{:?}", space.warnings);
+    assert!(!space.warnings.iter().any(|w| w.contains("stolen")));
+}

@@ -372,6 +372,10 @@ impl Drop for CudaBackend {
 struct Process {
     pid: u32,
     slot: u64,
+    /// The uid that owns its ring file.
+    owner: u32,
+    /// Its metadata file was refused (reported once).
+    meta_refused: bool,
     ring: Arc<Ring>,
     consumer: Consumer,
     meta_path: PathBuf,
@@ -490,9 +494,16 @@ impl Attachments {
             self.status.lock().last_error = Some("too many CUDA processes attached".into());
             return;
         };
+        // Who made the ring: its metadata file must be theirs too.
+        let owner = {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::symlink_metadata(path).map_or(u32::MAX, |m| m.uid())
+        };
         let process = Process {
             pid,
             slot,
+            owner,
+            meta_refused: false,
             ring,
             consumer,
             meta_path: workload::meta_path(&self.config.runtime_dir, pid),
@@ -535,9 +546,23 @@ impl Attachments {
         let Some(process) = self.processes.get_mut(&pid) else {
             return;
         };
-        let records = match process.meta.read_new(&process.meta_path) {
+        let records = match process.meta.read_new(&process.meta_path, process.owner) {
             Ok(records) => records,
-            Err(_) => return,
+            // Not there yet, or gone with its process.
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return,
+            Err(error) => {
+                if !process.meta_refused {
+                    process.meta_refused = true;
+                    let text = format!(
+                        "ignoring {} of {}: {error}; its names, devices and errors are unknown",
+                        process.meta_path.display(),
+                        process.label()
+                    );
+                    warn!("{text}");
+                    self.status.lock().state(pid, &mut process.states, text);
+                }
+                return;
+            }
         };
         for record in records {
             match record {
