@@ -112,6 +112,19 @@ fn timed(space: &XSpace, plane: &str) -> Vec<(Seen, u64)> {
         .collect()
 }
 
+/// Whether an event is one of the stand-in program's two kernels.
+fn is_program_kernel(event: &Seen) -> bool {
+    event.name == "vector_add" || event.name == "matmul_tiled"
+}
+
+/// The stand-in program's kernels on `/device:GPU:0`, with their times.
+fn program_kernels(space: &XSpace) -> Vec<(Seen, u64)> {
+    timed(space, "/device:GPU:0")
+        .into_iter()
+        .filter(|(e, _)| is_program_kernel(e))
+        .collect()
+}
+
 fn plane_stat(space: &XSpace, plane: &str, name: &str) -> Option<StatValue> {
     let plane = space.planes.iter().find(|p| p.name == plane)?;
     find_stat(plane, &plane.stats, name)
@@ -160,10 +173,7 @@ async fn exact_run(version: &str) {
     // duration, launch details and occupancy, inside the launch call's
     // interval on the host clock.
     let gpu = timed(&space, "/device:GPU:0");
-    let kernels: Vec<&(Seen, u64)> = gpu
-        .iter()
-        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
-        .collect();
+    let kernels: Vec<&(Seen, u64)> = gpu.iter().filter(|(e, _)| is_program_kernel(e)).collect();
     let launches: Vec<&Call> = calls
         .iter()
         .filter(|c| c.name == "cuLaunchKernel" || c.name == "cuLaunchKernelEx")
@@ -625,10 +635,7 @@ async fn ld_preload_loads_the_library_as_well() {
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 1500, &release).await;
     calls_until_done(&workload);
-    let kernels = timed(&space, "/device:GPU:0")
-        .iter()
-        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
-        .count();
+    let kernels = program_kernels(&space).len();
     assert_eq!(kernels, 4);
 }
 
@@ -680,10 +687,7 @@ async fn cupti_13_0_ga_is_read_with_a_warning_about_its_bugs() {
     let space = capture_while(&agent, 1500, &release).await;
     calls_until_done(&workload);
     assert!(workload.workload.child.wait().unwrap().success());
-    let kernels = timed(&space, "/device:GPU:0")
-        .iter()
-        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
-        .count();
+    let kernels = program_kernels(&space).len();
     assert_eq!(kernels, 4);
     assert!(stderr_of(&mut workload).contains("13.0 Update 1"));
     assert!(
@@ -741,7 +745,7 @@ async fn kernels_of_cuda_graph_replays_carry_their_graph_and_node() {
     let direct = gpu
         .iter()
         .filter(|(e, _)| !e.stats.contains_key("cuda_graph_id"))
-        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
+        .filter(|(e, _)| is_program_kernel(e))
         .count();
     assert_eq!(direct, 4);
 }
@@ -808,7 +812,7 @@ async fn processes_on_two_physical_gpus_get_the_planes_nvml_gives_them() {
     let kernels_by_pid = |plane: &str| -> BTreeMap<u32, usize> {
         let mut by_pid = BTreeMap::new();
         for (e, _) in timed(&space, plane) {
-            if e.name == "vector_add" || e.name == "matmul_tiled" {
+            if is_program_kernel(&e) {
                 let pid =
                     e.line.split("(pid ").nth(1).and_then(|rest| {
                         rest.split(':').next().and_then(|p| p.parse::<u32>().ok())
@@ -866,10 +870,7 @@ async fn capture_beside_a_rival(
     let lines = workload.read_until("done");
     let (rival_kernels, _, _) = rival_report(&lines);
     assert_eq!(rival_kernels, 4, "the other profiler keeps working");
-    let ours = timed(&space, "/device:GPU:0")
-        .into_iter()
-        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
-        .collect();
+    let ours = program_kernels(&space);
     (space, lines, ours)
 }
 
@@ -1183,10 +1184,7 @@ async fn a_libcupti_the_process_already_loaded_is_reused() {
         cupti_of(&space, pid),
         "API version 26 from libcupti.so.12 (already loaded)"
     );
-    let kernels = timed(&space, "/device:GPU:0")
-        .iter()
-        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
-        .count();
+    let kernels = program_kernels(&space).len();
     assert_eq!(kernels, 4);
 }
 
@@ -1324,10 +1322,7 @@ async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() 
         let _ = sleeper.kill();
         let _ = sleeper.wait();
     }
-    let kernels = timed(&space, "/device:GPU:0")
-        .iter()
-        .filter(|(e, _)| e.name == "vector_add" || e.name == "matmul_tiled")
-        .count();
+    let kernels = program_kernels(&space).len();
     assert_eq!(kernels, 4, "{:?}", space.warnings);
     let ignored = |pid: u32, why: &str| {
         space.warnings.iter().any(|w| {

@@ -7,30 +7,38 @@
 //! stops, disables its kinds (ours with them). This library never holds
 //! `cuptiSubscribe` (Kineto runs CPU-only when a subscriber exists), never
 //! fights for the stream, and says in the trace which part of a window it
-//! lost. It learns of the other user in two ways:
+//! lost. It learns of the other user in these ways:
 //!
-//! - **Interposition.** This library exports `cuptiActivityRegisterCallbacks`,
-//!   `cuptiActivityEnable`, `cuptiActivityDisable` and `cuptiFinalize`. When
-//!   its symbols come first in the process's lookup order (it is preloaded),
-//!   the other user's calls pass through them on their way to libcupti
-//!   unchanged: a foreign registration marks the stream as taken, and once
-//!   the other user has disabled every kind it enabled (or finalized CUPTI)
+//! - **Interposition.** Other users' calls to
+//!   `cuptiActivityRegisterCallbacks`, `cuptiActivityEnable`,
+//!   `cuptiActivityDisable`, `cuptiActivityFlushAll` and `cuptiFinalize` pass
+//!   through this library on their way to libcupti, unchanged: through the
+//!   names it exports (enough when it is preloaded; [`join_global_scope`]
+//!   adds them to the global scope when the driver loads it) and through
+//!   other libraries' GOT slots, redirected to its hooks
+//!   ([`redirect_callers`]; PyTorch binds to libcupti directly). Before a
+//!   foreign registration passes on, our buffers are flushed back to us; it
+//!   marks the stream as taken; once the other user has switched off every
+//!   kind it enabled and flushed (or a second later), or finalized CUPTI,
 //!   the stream is taken back at the next tick.
-//! - **A probe** (CUDA 13, where CUPTI gives every thread its own activity
-//!   buffer). Every 500 ms a new short-lived thread of this library makes one
-//!   traced driver call (`cuDriverGetVersion`): a thread's first record makes
-//!   CUPTI ask the *registered* callbacks for that thread's buffer, on that
-//!   thread, before the call returns. A probe whose request did not reach
-//!   us means someone else has the callbacks (or switched the driver records
-//!   off). Probe threads get
-//!   4 KiB buffers (smaller ones make real CUPTI loop on its own overhead
-//!   records; a second request within one probe turns the probe off). No
-//!   flush is forced for it: a forced flush while kernels run loses their
-//!   records (seen on an H200 with CUDA 13.0), for this library and the other
-//!   user alike. Without interposition there is no way to see the other user
-//!   finish, so the stream is taken back when the next capture starts. With
-//!   CUDA 12's one global buffer the probe cannot work, and only
-//!   interposition tells.
+//! - **Buffers that do not come back** (in `lib.rs`): a user that reaches
+//!   CUPTI some other way is found out when the forced flush at a capture's
+//!   end (or at exit) leaves buffers of ours elsewhere.
+//! - **A probe**, opt-in (`DEVTRACE_INJECT_PROBE=on`; CUDA 13, where CUPTI
+//!   gives every thread its own activity buffer). Every 500 ms a new
+//!   short-lived thread of this library makes one traced driver call
+//!   (`cuDriverGetVersion`): a thread's first record makes CUPTI ask the
+//!   *registered* callbacks for that thread's buffer, on that thread, before
+//!   the call returns. A probe whose request did not reach us means someone
+//!   else has the callbacks (or switched the driver records off). Probe
+//!   threads get 4 KiB buffers (smaller ones make real CUPTI loop on its own
+//!   overhead records; a second request within one probe turns the probe
+//!   off). No flush is forced for it: a forced flush while kernels run loses
+//!   their records (seen on an H200 with CUDA 13.0), for this library and
+//!   the other user alike.
+//!
+//! A user found out without interposition cannot be seen to finish, so the
+//! stream is taken back when the next capture starts.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -72,7 +80,7 @@ static PROBE_BROKEN: AtomicBool = AtomicBool::new(false);
 /// with CUDA 13.0, a workload whose torch.profiler ran inside a capture
 /// aborted with a corrupted heap after CUPTI handed a probe thread's buffer
 /// to torch.profiler's callback; until that is understood it stays off.
-pub fn probe_enabled() -> bool {
+fn probe_enabled() -> bool {
     std::env::var("DEVTRACE_INJECT_PROBE").is_ok_and(|v| v == "on")
 }
 
@@ -152,9 +160,9 @@ pub fn probe_buffer() -> Option<usize> {
 /// The probe's state across ticks; each probe runs on a thread of its own.
 pub struct Probe {
     call: fn(),
-    /// Whether probes answer in this process (CUDA 13's per-thread buffers);
-    /// decided by the first probe after the stream was taken.
-    works: Option<bool>,
+    /// Whether probes run and answer in this process (switched on, CUDA
+    /// 13's per-thread buffers); decided when the stream is taken.
+    works: bool,
     last_answered_ns: u64,
 }
 
@@ -163,7 +171,7 @@ impl Probe {
     pub fn new(call: fn()) -> Probe {
         Probe {
             call,
-            works: None,
+            works: false,
             last_answered_ns: 0,
         }
     }
@@ -173,12 +181,10 @@ impl Probe {
     /// per-thread buffers) before any is trusted.
     pub fn calibrate(&mut self, version: u32) {
         self.last_answered_ns = devtrace::clock::now_ns();
-        self.works = (version >= 130000 && probe_enabled())
-            .then(|| self.ask())
-            .flatten()
-            .filter(|answered| *answered && !PROBE_BROKEN.load(Ordering::Acquire))
-            .map(|_| true)
-            .or(Some(false));
+        self.works = version >= 130000
+            && probe_enabled()
+            && self.ask() == Some(true)
+            && !PROBE_BROKEN.load(Ordering::Acquire);
     }
 
     /// One probe on a new thread; `None` when no thread could be made.
@@ -218,9 +224,9 @@ pub fn foreign_holder() -> Option<u64> {
         .then(|| FOREIGN_SINCE_NS.load(Ordering::Acquire))
 }
 
-/// Asks at one tick of a capture: first what interposition saw, then (for
-/// CUPTI with per-thread buffers, API version 130000 on) the probe.
-pub fn check_ownership(probe: &mut Probe, version: u32) -> Verdict {
+/// Asks at one tick of a capture: first what interposition saw, then the
+/// probe where it works.
+pub fn check_ownership(probe: &mut Probe) -> Verdict {
     if let Some(since_ns) = foreign_holder() {
         return Verdict::Taken {
             seen: true,
@@ -228,9 +234,9 @@ pub fn check_ownership(probe: &mut Probe, version: u32) -> Verdict {
         };
     }
     if PROBE_BROKEN.load(Ordering::Acquire) {
-        probe.works = Some(false);
+        probe.works = false;
     }
-    if version < 130000 || probe.works != Some(true) || !probe_enabled() {
+    if !probe.works {
         return Verdict::Ours;
     }
     let sent_ns = devtrace::clock::now_ns();

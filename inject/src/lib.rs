@@ -107,20 +107,20 @@ fn start() {
     });
 }
 
+/// The CUDA driver this process has loaded, if any; the caller owns the
+/// reference the lookup takes.
+fn loaded_driver() -> Option<*mut libc::c_void> {
+    ["libcuda.so.1", "libcuda.so"]
+        .iter()
+        .find_map(|name| cupti::library::dlopen(name, libc::RTLD_LAZY | libc::RTLD_NOLOAD).ok())
+}
+
 /// Whether the CUDA driver is loaded in this process.
 fn cuda_loaded() -> bool {
-    ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
-        let name = std::ffi::CString::new(*name).expect("no NUL");
-        // SAFETY: RTLD_NOLOAD only looks the library up; the reference it
-        // takes is dropped at once.
-        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-        if handle.is_null() {
-            false
-        } else {
-            // SAFETY: a handle dlopen returned.
-            unsafe { libc::dlclose(handle) };
-            true
-        }
+    loaded_driver().is_some_and(|handle| {
+        // SAFETY: a handle dlopen returned; the lookup's reference is dropped.
+        unsafe { libc::dlclose(handle) };
+        true
     })
 }
 
@@ -149,10 +149,9 @@ struct Session {
     meta: Mutex<MetaWriter>,
     converter: Mutex<Converter>,
     buffers: Mutex<Sender<Completed>>,
-    /// Buffers this library handed to CUPTI and has not got back. Another
-    /// CUPTI user's buffers may be handed to our callback: those are not
-    /// ours to read or free.
-    /// Their sizes, by address.
+    /// Buffers this library handed to CUPTI and has not got back, with
+    /// their sizes, by address. Another CUPTI user's buffers may be handed
+    /// to our callback: those are not ours to read or free.
     ours: Mutex<HashMap<usize, usize>>,
     outstanding: AtomicUsize,
     dropped_total: AtomicU64,
@@ -162,6 +161,14 @@ struct Session {
 }
 
 impl Session {
+    /// How many full-size buffers of ours CUPTI still holds (probe buffers
+    /// aside).
+    fn full_buffers_held(&self) -> usize {
+        self.ours.lock().map_or(0, |ours| {
+            ours.values().filter(|b| **b == BUFFER_BYTES).count()
+        })
+    }
+
     /// Writes a metadata record; a failure silences the library.
     fn write_meta(&self, record: &MetaRecord) {
         let written = match self.meta.lock() {
@@ -211,14 +218,15 @@ fn create_files(dir: &Path, pid: u32) -> Result<(Arc<Ring>, MetaWriter), String>
     Ok((ring, meta))
 }
 
-/// Loads libcupti and checks that its records are read right; the
-/// version is returned, a warning worth recording alongside.
+/// The libcupti in use: its API version, where it came from, and a warning
+/// worth recording about that release.
 struct Loaded {
     version: u32,
     origin: &'static str,
     warning: Option<&'static str>,
 }
 
+/// Loads libcupti and checks that its records are read right.
 fn load_cupti() -> Result<Loaded, String> {
     let origin = cupti::load()?;
     let version = cupti::version().map_err(|e| format!("{origin}: {e}"))?;
@@ -307,7 +315,7 @@ fn control_loop() {
     let probe = coexist::Probe::new(probe_driver);
     let mut tracer = Tracer {
         stream: Stream::Off,
-        registered: false,
+        exit_flush_set: false,
         displaced: false,
         last_flush: None,
         probe,
@@ -325,10 +333,9 @@ fn control_loop() {
 }
 
 /// Where this library stands with CUPTI.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stream {
     /// Nothing enabled (no capture).
-    #[default]
     Off,
     /// Enabled, and our records arrive.
     Ours,
@@ -340,7 +347,8 @@ enum Stream {
 /// The control loop's state across ticks.
 struct Tracer {
     stream: Stream,
-    registered: bool,
+    /// `flush_at_exit` is registered with atexit (once, at the first take).
+    exit_flush_set: bool,
     /// The stream was taken from us and not yet taken back.
     displaced: bool,
     last_flush: Option<Instant>,
@@ -387,19 +395,19 @@ impl Tracer {
     /// Registers our callbacks (again: another user may have replaced them
     /// or finalized CUPTI) and enables every kind.
     fn take(&mut self, session: &Session) -> Result<(), String> {
-        if !self.registered {
+        if !self.exit_flush_set {
             // SAFETY: registers a plain `extern "C"` function.
             unsafe { libc::atexit(flush_at_exit) };
+            self.exit_flush_set = true;
         }
         // Libraries loaded since the last look (a framework imported late).
         coexist::redirect_callers();
         cupti::use_system_thread_ids()?;
         cupti::register_callbacks(buffer_requested, buffer_completed)?;
-        self.registered = true;
         if self.displaced {
             // Buffers CUPTI handed to the other user's callback are gone.
+            let lost = session.full_buffers_held();
             if let Ok(mut ours) = session.ours.lock() {
-                let lost = ours.values().filter(|b| **b == BUFFER_BYTES).count();
                 ours.clear();
                 let _ =
                     session
@@ -442,7 +450,7 @@ impl Tracer {
         if !self.ticks.is_multiple_of(PROBE_EVERY_TICKS) && coexist::foreign_holder().is_none() {
             return Ok(());
         }
-        match coexist::check_ownership(&mut self.probe, self.version) {
+        match coexist::check_ownership(&mut self.probe) {
             Verdict::Ours => Ok(()),
             Verdict::Taken { seen, since_ns } => {
                 self.displaced_at(session, seen, since_ns);
@@ -490,20 +498,10 @@ fn probe_driver() {
     type GetVersion = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
     static ENTRY: OnceLock<Option<GetVersion>> = OnceLock::new();
     let entry = ENTRY.get_or_init(|| {
-        ["libcuda.so.1", "libcuda.so"].iter().find_map(|name| {
-            let name = std::ffi::CString::new(*name).ok()?;
-            // SAFETY: RTLD_NOLOAD only finds the loaded driver; the
-            // reference is kept for the process's life.
-            let handle =
-                unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-            if handle.is_null() {
-                return None;
-            }
-            // SAFETY: the driver's cuDriverGetVersion has this signature.
-            let address = unsafe { libc::dlsym(handle, c"cuDriverGetVersion".as_ptr()) };
-            (!address.is_null())
-                .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, GetVersion>(address) })
-        })
+        // The driver's reference is kept for the process's life.
+        let address = cupti::library::symbol(loaded_driver()?, "cuDriverGetVersion")?;
+        // SAFETY: the driver's cuDriverGetVersion has this signature.
+        Some(unsafe { std::mem::transmute::<*mut libc::c_void, GetVersion>(address) })
     });
     if let Some(get_version) = entry {
         let mut version = 0;
@@ -528,18 +526,13 @@ fn set_clock(session: &Session) -> Result<(), String> {
     Ok(())
 }
 
-/// Flushes what CUPTI holds and disables every kind; the clock is measured
-/// again so that records converted from here on use the stop reading.
 /// After a forced flush: waits (up to a second) for our full-size buffers
 /// to come back, and when some do not, returns when the last of ours did
 /// come back, the latest moment the stream was surely ours.
 fn buffers_went_elsewhere(session: &Session) -> Option<u64> {
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
-        let missing = session.ours.lock().map_or(0, |ours| {
-            ours.values().filter(|b| **b == BUFFER_BYTES).count()
-        });
-        if missing == 0 {
+        if session.full_buffers_held() == 0 {
             return None;
         }
         if Instant::now() >= deadline {
@@ -549,6 +542,8 @@ fn buffers_went_elsewhere(session: &Session) -> Option<u64> {
     }
 }
 
+/// Flushes what CUPTI holds and disables every kind; the clock is measured
+/// again so that records converted from here on use the stop reading.
 fn disable(session: &Session) -> Result<(), String> {
     for kind in cupti::KINDS {
         cupti::disable(kind)?;

@@ -91,7 +91,8 @@ fn dlerror_text() -> String {
     }
 }
 
-fn dlopen(name: &str, flags: c_int) -> Result<*mut c_void, String> {
+/// `dlopen` of `name`, or the loader's error.
+pub fn dlopen(name: &str, flags: c_int) -> Result<*mut c_void, String> {
     let c_name = CString::new(name).map_err(|_| format!("{name}: NUL in name"))?;
     // SAFETY: a valid C string; the handle is kept for the process's life.
     let handle = unsafe { libc::dlopen(c_name.as_ptr(), flags) };
@@ -194,7 +195,8 @@ pub fn load() -> Result<Library, NotFound> {
     Err(NotFound { tried })
 }
 
-fn symbol(handle: *mut c_void, name: &str) -> Option<*mut c_void> {
+/// A symbol of a loaded library, if it has it.
+pub fn symbol(handle: *mut c_void, name: &str) -> Option<*mut c_void> {
     let c_name = CString::new(name).ok()?;
     // SAFETY: a handle from dlopen and a valid C string.
     let address = unsafe { libc::dlsym(handle, c_name.as_ptr()) };
