@@ -1055,10 +1055,11 @@ async fn an_unseen_second_cupti_user_is_noticed_and_the_loss_reported() {
         .max()
         .expect("calls");
     // It begins when the library last knew it had the stream: at most one
-    // probe interval (100 ms) before the rival took it.
+    // probe interval (every fifth 100 ms flush, so 500 ms, plus the lateness
+    // of ticks on a loaded machine) before the rival took it.
     let rival_from = seconds(rival_start);
     assert!(
-        from <= rival_from && from >= rival_from - 0.15,
+        from <= rival_from && from >= rival_from - 0.75,
         "{from} vs {rival_from}"
     );
     // Nothing told it the rival finished: lost until the process exited.
