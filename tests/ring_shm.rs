@@ -472,8 +472,11 @@ fn the_consumer_of_a_dead_process_is_taken_over() {
     assert_eq!(ring.consumer().err(), Some(RingError::ConsumerTaken));
     child.kill().unwrap();
     child.wait().unwrap();
-    assert!(ring.consumer().is_ok());
+    let consumer = ring.consumer().unwrap();
     assert_eq!(ring.consumer_pid(), Some(std::process::id()));
+    // Let go of, it is free for the next.
+    drop(consumer);
+    assert_eq!(ring.consumer_pid(), None);
 }
 
 #[test]
@@ -518,4 +521,76 @@ fn a_memfd_ring_is_shared_through_its_descriptor() {
     assert_eq!(consumer.drain(&mut out, usize::MAX).events, 30);
     let same = Ring::open_file(&file, Path::new("memfd")).unwrap();
     assert_eq!(same.stats().pushed, 30);
+}
+
+/// Files a peer may put where a ring is expected: a second name for its
+/// file (to swap or shrink behind it) and a FIFO (once a stalled open) are
+/// refused; so is a ring beyond the opener's limits.
+#[test]
+fn rings_in_files_a_peer_controls_are_refused() {
+    use devtrace::ring::OpenLimits;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linked.ring");
+    let _ring = Ring::create_shared(&path, 2, 8, DropPolicy::DropNewest).unwrap();
+    std::fs::hard_link(&path, dir.path().join("second-name")).unwrap();
+    let error = Ring::open_shared(&path).err().unwrap();
+    assert!(error.to_string().contains("2 links"), "{error}");
+
+    let fifo = dir.path().join("fifo.ring");
+    let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid path.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    let error = Ring::open_shared(&fifo).err().unwrap();
+    assert!(error.to_string().contains("not a regular file"), "{error}");
+
+    let path = dir.path().join("wide.ring");
+    let _ring = Ring::create_shared(&path, 2, 8, DropPolicy::DropNewest).unwrap();
+    let one_lane = OpenLimits {
+        lanes: 1,
+        bytes: 1 << 30,
+    };
+    let error = Ring::open_untrusted(&path, one_lane).err().unwrap();
+    assert!(error.to_string().contains("2 lanes (at most 1"), "{error}");
+    let small = OpenLimits {
+        lanes: 2,
+        bytes: 1024,
+    };
+    let error = Ring::open_untrusted(&path, small).err().unwrap();
+    assert!(
+        error.to_string().contains("at most 1024 accepted"),
+        "{error}"
+    );
+}
+
+/// A producer that truncates the ring's file after the consumer mapped it
+/// once killed the consumer's process with SIGBUS at the next drain.
+#[test]
+fn a_ring_whose_file_shrinks_is_survived_and_reported() {
+    use devtrace::ring::{Corruption, OpenLimits};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shrinking.ring");
+    let ring = Ring::create_shared(&path, 1, 64, DropPolicy::DropNewest).unwrap();
+    let mut producer = ring.producer().unwrap();
+    for i in 0..10 {
+        producer.push(&event(0, i));
+    }
+    // This side's mapping is not guarded: let go of the lane before the
+    // file shrinks under it.
+    drop(producer);
+    let (opened, identity) = Ring::open_untrusted(&path, OpenLimits::default()).unwrap();
+    assert_eq!(identity.uid, unsafe { libc::geteuid() });
+    let mut consumer = opened.consumer().unwrap();
+    let mut out = Vec::new();
+    assert_eq!(consumer.drain(&mut out, 5).events, 5);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    out.clear();
+    let report = consumer.drain(&mut out, 100);
+    assert_eq!(report.corrupt, Some(Corruption::Shrunk));
+    assert!(out.is_empty(), "events read from a shrunk file were kept");
+    assert_eq!(consumer.drain(&mut out, 100).events, 0);
 }

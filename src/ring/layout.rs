@@ -147,6 +147,14 @@ mod tests {
         assert_eq!(std::mem::size_of::<LaneHeader>() % 64, 0);
         assert_eq!(RingLayout::header_size(), 128);
         assert_eq!(std::mem::offset_of!(RingHeader, control), 64);
+        // Tests forge headers at these offsets (tests/common, tests/hostile.rs).
+        assert_eq!(std::mem::offset_of!(RingHeader, lane_count), 12);
+        assert_eq!(std::mem::offset_of!(RingHeader, total_size), 32);
+        assert_eq!(std::mem::offset_of!(RingHeader, creator_pid), 44);
+        assert_eq!(
+            RingLayout::header_size() + std::mem::offset_of!(LaneHeader, head),
+            192
+        );
         assert_eq!(std::mem::size_of::<Slot>(), 8 * EVENT_WORDS);
         for lane in 0..3 {
             assert_eq!(layout.lane_offset(lane) % REGION_ALIGN, 0);

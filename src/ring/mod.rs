@@ -28,10 +28,12 @@
 //!   no process ever opens a half-written ring. Opening checks magic, layout
 //!   version, clock, slot size, lane count, capacity, policy and the file's
 //!   size before any offset is trusted. Producers and the consumer then work
-//!   exactly as in process. Validation guards against stale or foreign
-//!   files, not against a hostile peer: processes sharing a ring trust each
-//!   other not to shrink the file (an access past its end faults with
-//!   `SIGBUS`) or rewrite its header.
+//!   exactly as in process. A consumer does not trust its producers: a
+//!   ring beyond the opener's limits, or in anything but a regular file with
+//!   one link, is refused; a file shrunk under the mapping is survived
+//!   (`guard.rs`); and counters that no honest producer writes (a head behind
+//!   the tail or further ahead than possible, a falling drop count) end the
+//!   ring as [`Corruption`] instead of being followed.
 //!
 //! The shared header carries the creating process's pid, the clock
 //! (`CLOCK_REALTIME` nanoseconds), per-lane drop counters and a control word
@@ -47,6 +49,7 @@
 //! leftover temporary files) of processes that are gone. Pids are those of
 //! the pid namespace the ring was created in.
 
+mod guard;
 mod layout;
 mod shared;
 
@@ -56,7 +59,9 @@ use std::sync::Arc;
 
 use layout::{LaneHeader, RingHeader, Slot, SlotSeq, REGION_ALIGN};
 pub use layout::{RingLayout, CLOCK_REALTIME_NS, LAYOUT_VERSION, RING_MAGIC};
-pub use shared::{pid_alive, remove_stale_rings, Control, CONTROL_CAPTURE};
+pub use shared::{
+    pid_alive, remove_stale_rings, Control, FileIdentity, OpenLimits, CONTROL_CAPTURE,
+};
 
 use crate::event::{Event, EVENT_WORDS};
 
@@ -130,7 +135,29 @@ pub enum RingError {
     },
     #[error("{path} has an invalid ring header: {reason}")]
     BadHeader { path: String, reason: String },
+    /// The file is not one a ring may live in (a FIFO, a second link).
+    #[error("{path} is refused as a ring: {reason}")]
+    Refused { path: String, reason: String },
 }
+
+/// Why a consumer gave up on a shared ring: its peer broke the protocol, by
+/// accident or on purpose. A ring in this state is never read again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Corruption {
+    #[error("its file shrank under the mapping")]
+    Shrunk,
+    #[error("lane {lane}'s head {head} is behind its tail {tail}")]
+    HeadBehindTail { lane: u32, head: u64, tail: u64 },
+    #[error("lane {lane}'s head is {ahead} events ahead of its tail, more than it can hold")]
+    HeadTooFarAhead { lane: u32, ahead: u64 },
+    #[error("lane {lane}'s count of refused events fell from {before} to {now}")]
+    DropCountFell { lane: u32, before: u64, now: u64 },
+}
+
+/// More than this many events ahead of the tail in one drain is no producer
+/// running ahead of a slow consumer but a forged head (drop-oldest lanes may
+/// legitimately be ahead by more than their capacity).
+const MAX_PLAUSIBLE_AHEAD: u64 = 1 << 32;
 
 /// Page-aligned memory that holds a ring: zeroed anonymous memory (pages
 /// become resident only when first written, so an idle lane costs next to
@@ -138,6 +165,8 @@ pub enum RingError {
 struct Region {
     base: NonNull<u8>,
     size: usize,
+    /// Set for mappings of another process's file, which it may shrink.
+    guard: Option<guard::Guard>,
 }
 
 // SAFETY: after initialisation the region is only accessed through atomics.
@@ -162,7 +191,11 @@ impl Region {
         }
         let base = NonNull::new(ptr.cast::<u8>())?;
         debug_assert_eq!(base.as_ptr() as usize % REGION_ALIGN, 0);
-        Some(Region { base, size })
+        Some(Region {
+            base,
+            size,
+            guard: None,
+        })
     }
 }
 
@@ -180,6 +213,9 @@ fn owner_word(token: u32) -> u64 {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        // The guard goes first: its handler must not match an address that
+        // is about to be unmapped (and perhaps reused).
+        self.guard.take();
         // SAFETY: mapped in `zeroed` or `shared.rs` with this base and size.
         unsafe {
             libc::munmap(self.base.as_ptr().cast(), self.size);
@@ -271,6 +307,15 @@ impl Ring {
 
     pub fn policy(&self) -> DropPolicy {
         self.policy
+    }
+
+    /// Whether the file under a shared ring shrank and its mapping now
+    /// holds zeroes (`guard.rs`).
+    fn shrunk(&self) -> bool {
+        self.region
+            .guard
+            .as_ref()
+            .is_some_and(|guard| guard.broken())
     }
 
     pub fn layout(&self) -> RingLayout {
@@ -384,6 +429,7 @@ impl Ring {
             newest_seen: (0..lanes)
                 .map(|lane| self.lane(lane).dropped_newest.0.load(Ordering::Relaxed))
                 .collect(),
+            corrupt: None,
         })
     }
 
@@ -391,9 +437,16 @@ impl Ring {
         let mut stats = RingStats::default();
         for lane in 0..self.layout.lanes {
             let header = self.lane(lane);
-            stats.pushed += header.head.0.load(Ordering::Relaxed);
-            stats.dropped_newest += header.dropped_newest.0.load(Ordering::Relaxed);
-            stats.dropped_oldest += header.dropped_oldest.0.load(Ordering::Relaxed);
+            // Wrapping: a peer's ring may hold any numbers.
+            stats.pushed = stats
+                .pushed
+                .wrapping_add(header.head.0.load(Ordering::Relaxed));
+            stats.dropped_newest = stats
+                .dropped_newest
+                .wrapping_add(header.dropped_newest.0.load(Ordering::Relaxed));
+            stats.dropped_oldest = stats
+                .dropped_oldest
+                .wrapping_add(header.dropped_oldest.0.load(Ordering::Relaxed));
         }
         stats
     }
@@ -504,6 +557,9 @@ pub struct DrainReport {
     pub events: u64,
     pub dropped_newest: u64,
     pub dropped_oldest: u64,
+    /// Set when the ring's peer broke the protocol: the ring is done with
+    /// (what the failing drain read is discarded, later drains read nothing).
+    pub corrupt: Option<Corruption>,
 }
 
 /// Reads every lane; the only reader of the ring.
@@ -511,39 +567,94 @@ pub struct Consumer {
     ring: Arc<Ring>,
     tails: Vec<u64>,
     newest_seen: Vec<u64>,
+    corrupt: Option<Corruption>,
 }
 
 impl Consumer {
     /// Moves up to `max` queued events into `out` and reports drops that
-    /// happened since the previous call.
+    /// happened since the previous call. Counters a peer forged, or a file
+    /// it shrank, end the ring: see [`DrainReport::corrupt`].
     pub fn drain(&mut self, out: &mut Vec<Event>, max: usize) -> DrainReport {
-        let mut report = DrainReport::default();
-        let mut budget = max as u64;
-        for lane in 0..self.ring.layout.lanes {
-            let header = self.ring.lane(lane);
-            let newest = header.dropped_newest.0.load(Ordering::Relaxed);
-            report.dropped_newest += newest - self.newest_seen[lane as usize];
-            self.newest_seen[lane as usize] = newest;
-            if budget == 0 {
-                continue;
-            }
-            let (read, overwritten) = self.drain_lane(lane, out, budget);
-            budget -= read;
-            report.events += read;
-            report.dropped_oldest += overwritten;
+        let mut report = DrainReport {
+            corrupt: self.corrupt,
+            ..DrainReport::default()
+        };
+        if self.corrupt.is_some() {
+            return report;
+        }
+        let read_from = out.len();
+        let outcome = self.drain_lanes(out, max as u64, &mut report);
+        let corrupt = if self.ring.shrunk() {
+            Some(Corruption::Shrunk)
+        } else {
+            outcome.err()
+        };
+        if let Some(corruption) = corrupt {
+            // What this pass read may be zero pages or forgeries.
+            out.truncate(read_from);
+            report.events = 0;
+            report.corrupt = Some(corruption);
+            self.corrupt = Some(corruption);
         }
         report
     }
 
-    fn drain_lane(&mut self, lane: u32, out: &mut Vec<Event>, budget: u64) -> (u64, u64) {
+    fn drain_lanes(
+        &mut self,
+        out: &mut Vec<Event>,
+        mut budget: u64,
+        report: &mut DrainReport,
+    ) -> Result<(), Corruption> {
+        for lane in 0..self.ring.layout.lanes {
+            let header = self.ring.lane(lane);
+            let newest = header.dropped_newest.0.load(Ordering::Relaxed);
+            let before = self.newest_seen[lane as usize];
+            if newest < before {
+                return Err(Corruption::DropCountFell {
+                    lane,
+                    before,
+                    now: newest,
+                });
+            }
+            report.dropped_newest += newest - before;
+            self.newest_seen[lane as usize] = newest;
+            if budget == 0 {
+                continue;
+            }
+            let (read, overwritten) = self.drain_lane(lane, out, budget)?;
+            budget -= read;
+            report.events += read;
+            report.dropped_oldest += overwritten;
+        }
+        Ok(())
+    }
+
+    fn drain_lane(
+        &mut self,
+        lane: u32,
+        out: &mut Vec<Event>,
+        budget: u64,
+    ) -> Result<(u64, u64), Corruption> {
         let ring = &*self.ring;
         let header = ring.lane(lane);
         let head = header.head.0.load(Ordering::Acquire);
         let mut tail = self.tails[lane as usize];
-        let mut overwritten = 0;
         let overwrite = ring.policy == DropPolicy::DropOldest;
-        if overwrite && head - tail > ring.layout.capacity {
-            overwritten += head - ring.layout.capacity - tail;
+        if head < tail {
+            return Err(Corruption::HeadBehindTail { lane, head, tail });
+        }
+        let ahead = head - tail;
+        let limit = if overwrite {
+            MAX_PLAUSIBLE_AHEAD
+        } else {
+            ring.layout.capacity
+        };
+        if ahead > limit {
+            return Err(Corruption::HeadTooFarAhead { lane, ahead });
+        }
+        let mut overwritten = 0;
+        if overwrite && ahead > ring.layout.capacity {
+            overwritten += ahead - ring.layout.capacity;
             tail = head - ring.layout.capacity;
         }
         let end = head.min(tail.saturating_add(budget));
@@ -583,9 +694,22 @@ impl Consumer {
             header
                 .dropped_oldest
                 .0
-                .store(total + overwritten, Ordering::Relaxed);
+                .store(total.wrapping_add(overwritten), Ordering::Relaxed);
         }
-        (read, overwritten)
+        Ok((read, overwritten))
+    }
+}
+
+impl Drop for Consumer {
+    /// Lets go of the ring, so that a later consumer (this agent attaching
+    /// again, or another) can take it.
+    fn drop(&mut self) {
+        let _ = self.ring.header().consumer_pid.compare_exchange(
+            std::process::id(),
+            0,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
     }
 }
 
@@ -688,8 +812,83 @@ mod tests {
         drop(first);
         let mut second = ring.producer().unwrap();
         assert!(second.push(&event(0, 1)));
-        assert!(ring.consumer().is_ok());
+        let consumer = ring.consumer().unwrap();
         assert_eq!(ring.consumer().err(), Some(RingError::ConsumerTaken));
+        // A consumer let go of frees the ring for the next.
+        drop(consumer);
+        assert!(ring.consumer().is_ok());
+    }
+
+    /// Writes `value` into a lane counter as a hostile peer would.
+    fn forge(counter: &std::sync::atomic::AtomicU64, value: u64) {
+        counter.store(value, Ordering::Release);
+    }
+
+    #[test]
+    fn forged_counters_end_the_ring_instead_of_being_followed() {
+        // A head far ahead of the tail (once a loop of 2^48 reads).
+        let ring = Ring::new(1, 8, DropPolicy::DropNewest).unwrap();
+        let mut producer = ring.producer().unwrap();
+        let mut consumer = ring.consumer().unwrap();
+        producer.push(&event(0, 0));
+        forge(&ring.lane(0).head.0, 1 << 48);
+        let mut out = Vec::new();
+        let report = consumer.drain(&mut out, usize::MAX);
+        assert_eq!(
+            report.corrupt,
+            Some(Corruption::HeadTooFarAhead {
+                lane: 0,
+                ahead: 1 << 48
+            })
+        );
+        assert!(out.is_empty());
+        // Once corrupt, never read again, even if the counters look sane.
+        forge(&ring.lane(0).head.0, 1);
+        assert_eq!(consumer.drain(&mut out, 10).events, 0);
+        assert!(consumer.drain(&mut out, 10).corrupt.is_some());
+
+        // A head behind the tail.
+        let ring = Ring::new(1, 8, DropPolicy::DropOldest).unwrap();
+        let mut producer = ring.producer().unwrap();
+        let mut consumer = ring.consumer().unwrap();
+        for i in 0..4 {
+            producer.push(&event(0, i));
+        }
+        assert_eq!(consumer.drain(&mut out, 10).events, 4);
+        forge(&ring.lane(0).head.0, 2);
+        assert_eq!(
+            consumer.drain(&mut out, 10).corrupt,
+            Some(Corruption::HeadBehindTail {
+                lane: 0,
+                head: 2,
+                tail: 4
+            })
+        );
+
+        // A count of refused events that falls.
+        let ring = Ring::new(1, 8, DropPolicy::DropNewest).unwrap();
+        let _producer = ring.producer().unwrap();
+        forge(&ring.lane(0).dropped_newest.0, 10);
+        let mut consumer = ring.consumer().unwrap();
+        forge(&ring.lane(0).dropped_newest.0, 3);
+        assert!(matches!(
+            consumer.drain(&mut out, 10).corrupt,
+            Some(Corruption::DropCountFell { .. })
+        ));
+    }
+
+    #[test]
+    fn a_drop_oldest_lane_may_run_ahead_by_more_than_its_capacity() {
+        let ring = Ring::new(1, 4, DropPolicy::DropOldest).unwrap();
+        let mut producer = ring.producer().unwrap();
+        let mut consumer = ring.consumer().unwrap();
+        for i in 0..100 {
+            producer.push(&event(0, i));
+        }
+        let mut out = Vec::new();
+        let report = consumer.drain(&mut out, 100);
+        assert_eq!((report.events, report.dropped_oldest), (4, 96));
+        assert_eq!(report.corrupt, None);
     }
 
     #[test]

@@ -70,8 +70,15 @@ pub fn pid_alive(pid: u32) -> bool {
 }
 
 impl Region {
-    /// Maps `size` bytes of `file` shared, readable and writable.
-    fn map_shared(file: &File, size: usize, path: &Path) -> Result<Region, RingError> {
+    /// Maps `size` bytes of `file` shared, readable and writable. A
+    /// `guarded` mapping survives the file shrinking under it (`guard.rs`):
+    /// for files another process made.
+    fn map_shared(
+        file: &File,
+        size: usize,
+        path: &Path,
+        guarded: bool,
+    ) -> Result<Region, RingError> {
         // SAFETY: a new shared mapping of a file we hold open; nothing existing
         // is touched. The mapping outlives the descriptor.
         let ptr = unsafe {
@@ -88,8 +95,76 @@ impl Region {
             return Err(io_error("mmap", path, io::Error::last_os_error()));
         }
         let base = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null here");
-        Ok(Region { base, size })
+        let mut region = Region {
+            base,
+            size,
+            guard: None,
+        };
+        if guarded {
+            region.guard = Some(
+                super::guard::Guard::register(base.as_ptr(), size).ok_or_else(|| {
+                    RingError::Refused {
+                        path: path.display().to_string(),
+                        reason: "no guard against the file shrinking could be set up (too many \
+                             shared rings open?)"
+                            .into(),
+                    }
+                })?,
+            );
+        }
+        Ok(region)
     }
+}
+
+/// Who a shared ring's file belongs to, as `fstat` saw it when the ring was
+/// opened: identity that a peer cannot forge by naming files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileIdentity {
+    pub uid: u32,
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// The largest ring a peer can make this process map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpenLimits {
+    pub lanes: u32,
+    pub bytes: u64,
+}
+
+impl Default for OpenLimits {
+    fn default() -> Self {
+        OpenLimits {
+            lanes: 256,
+            bytes: 4 << 30,
+        }
+    }
+}
+
+/// A file fit to be a ring: a regular file with one link (or a memfd, with
+/// none), so that nobody holds it under a second name.
+fn check_file(file: &File, path: &Path) -> Result<(u64, FileIdentity), RingError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata().map_err(|e| io_error("stat", path, e))?;
+    let refused = |reason: String| RingError::Refused {
+        path: path.display().to_string(),
+        reason,
+    };
+    if !meta.file_type().is_file() {
+        return Err(refused("not a regular file".into()));
+    }
+    // A memfd has no link at all.
+    if meta.nlink() > 1 {
+        return Err(refused(format!("{} links (one expected)", meta.nlink())));
+    }
+    Ok((
+        meta.len(),
+        FileIdentity {
+            uid: meta.uid(),
+            dev: meta.dev(),
+            ino: meta.ino(),
+        },
+    ))
 }
 
 /// Reads and validates a ring header from the first bytes of `file`, whose
@@ -98,6 +173,7 @@ fn validate(
     file: &File,
     file_size: u64,
     path: &Path,
+    limits: OpenLimits,
 ) -> Result<(RingLayout, DropPolicy, RingHeader), RingError> {
     let name = || path.display().to_string();
     let needed = RingLayout::header_size() as u64;
@@ -153,6 +229,12 @@ fn validate(
     if header.lane_count == 0 {
         return Err(bad("no lanes".into()));
     }
+    if header.lane_count > limits.lanes {
+        return Err(bad(format!(
+            "{} lanes (at most {} accepted)",
+            header.lane_count, limits.lanes
+        )));
+    }
     let layout = RingLayout {
         lanes: header.lane_count,
         capacity,
@@ -161,6 +243,12 @@ fn validate(
         .total_size()
         .ok_or_else(|| bad(format!("{} lanes do not fit in memory", layout.lanes)))?
         as u64;
+    if total > limits.bytes {
+        return Err(bad(format!(
+            "{total} bytes (at most {} accepted)",
+            limits.bytes
+        )));
+    }
     if header.total_size != total {
         return Err(bad(format!(
             "recorded size {} but its shape needs {total}",
@@ -180,13 +268,6 @@ fn validate(
     Ok((layout, policy, header))
 }
 
-fn file_size(file: &File, path: &Path) -> Result<u64, RingError> {
-    Ok(file
-        .metadata()
-        .map_err(|e| io_error("stat", path, e))?
-        .len())
-}
-
 /// Sizes `file` for `layout`, maps it and writes a fresh header.
 fn initialise(
     file: &File,
@@ -197,7 +278,7 @@ fn initialise(
     let size = layout.total_size().expect("checked by shape");
     file.set_len(size as u64)
         .map_err(|e| io_error("resize", path, e))?;
-    let region = Region::map_shared(file, size, path)?;
+    let region = Region::map_shared(file, size, path, false)?;
     // SAFETY: the file was just created and sized; nobody else can reach it
     // until it is linked under its final name (or its descriptor is passed on).
     unsafe { Ring::write_header(&region, layout, policy) };
@@ -257,25 +338,51 @@ impl Ring {
     }
 
     /// Opens and maps a ring that another process created, after checking its
-    /// header and size. A symbolic link at `path` is refused (ring directories
-    /// may be writable by others); use [`Ring::open_file`] for descriptors.
+    /// file and header: see [`Ring::open_untrusted`], with default limits.
     pub fn open_shared(path: impl AsRef<Path>) -> Result<Arc<Ring>, RingError> {
-        let path = path.as_ref();
+        Ring::open_untrusted(path.as_ref(), OpenLimits::default()).map(|(ring, _)| ring)
+    }
+
+    /// Opens and maps a ring file that a process the caller does not trust
+    /// created. A symbolic link at `path` is refused (ring directories may be
+    /// writable by others), as is anything but a regular file with one link
+    /// or a ring beyond `limits`. The mapping survives the file shrinking
+    /// (the consumer then reports
+    /// [`Corruption::Shrunk`](super::Corruption::Shrunk)). Returns the file's
+    /// owner and inode, by which the caller should know the ring.
+    pub fn open_untrusted(
+        path: &Path,
+        limits: OpenLimits,
+    ) -> Result<(Arc<Ring>, FileIdentity), RingError> {
+        // Non-blocking, so that a FIFO put in the ring's place cannot stall
+        // the open; `check_file` then refuses it.
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(path)
             .map_err(|e| io_error("open", path, e))?;
-        Ring::open_file(&file, path)
+        let (size, identity) = check_file(&file, path)?;
+        let ring = Ring::map_validated(&file, size, path, limits)?;
+        Ok((ring, identity))
     }
 
     /// Maps a ring from an open descriptor (a memfd received from another
-    /// process, say); `path` only names it in errors.
+    /// process, say); `path` only names it in errors. Checked as
+    /// [`Ring::open_untrusted`] checks files.
     pub fn open_file(file: &File, path: &Path) -> Result<Arc<Ring>, RingError> {
-        let size = file_size(file, path)?;
-        let (layout, policy, _) = validate(file, size, path)?;
-        let region = Region::map_shared(file, size as usize, path)?;
+        let (size, _) = check_file(file, path)?;
+        Ring::map_validated(file, size, path, OpenLimits::default())
+    }
+
+    fn map_validated(
+        file: &File,
+        size: u64,
+        path: &Path,
+        limits: OpenLimits,
+    ) -> Result<Arc<Ring>, RingError> {
+        let (layout, policy, _) = validate(file, size, path, limits)?;
+        let region = Region::map_shared(file, size as usize, path, true)?;
         Ok(Ring::from_region(region, layout, policy))
     }
 
@@ -406,13 +513,17 @@ pub fn remove_stale_rings(dir: impl AsRef<Path>) -> io::Result<Vec<PathBuf>> {
 
 /// Whether the ring file at `path` belongs to processes that are all gone.
 fn ring_is_stale(path: &Path) -> bool {
-    let Ok(file) = File::open(path) else {
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    else {
         return false;
     };
-    let Ok(size) = file.metadata().map(|m| m.len()) else {
+    let Ok((size, _)) = check_file(&file, path) else {
         return false;
     };
-    let Ok((layout, _, header)) = validate(&file, size, path) else {
+    let Ok((layout, _, header)) = validate(&file, size, path, OpenLimits::default()) else {
         return false;
     };
     if pid_alive(header.creator_pid) {
