@@ -252,16 +252,26 @@ impl Agent {
     }
 
     /// Running totals of what each backend lost before its events reached
-    /// the ring.
+    /// the ring, and of what the agent itself refused to keep.
     pub fn losses(&self) -> Vec<(&'static str, Loss)> {
-        self.backends
-            .lock()
-            .iter()
-            .flat_map(|b| {
-                let name = b.name();
-                b.losses().into_iter().map(move |loss| (name, loss))
-            })
-            .collect()
+        let own = [
+            Loss {
+                what:
+                    "events dropped for times outside what the flight recorder holds \
+                       (more than a minute ahead of the agent's clock, or older than its retention)",
+                count: self.store.misdated(),
+            },
+            Loss {
+                what: "names shown as a placeholder because the agent's name table was full",
+                count: self.registry.names_refused(),
+            },
+        ];
+        let mut losses: Vec<_> = own.into_iter().map(|loss| ("agent", loss)).collect();
+        losses.extend(self.backends.lock().iter().flat_map(|b| {
+            let name = b.name();
+            b.losses().into_iter().map(move |loss| (name, loss))
+        }));
+        losses
     }
 
     pub fn store_stats(&self) -> StoreStats {

@@ -9,6 +9,13 @@
 //! Backends fill the registry when they start or discover something new; the
 //! XSpace builder reads a [`RegistrySnapshot`] so that a capture sees one
 //! consistent view without holding locks while it builds.
+//!
+//! Many names come from peers (workload metadata, tapped RPCs), so the table
+//! is bounded: a name longer than [`MAX_NAME_BYTES`] is cut (marked with
+//! `…`), and once [`MAX_NAMES`] names or [`MAX_NAME_TABLE_BYTES`] bytes are
+//! held, new names read as [`TABLE_FULL_NAME`] and are counted
+//! ([`Registry::names_refused`]), which every capture reports. Ids are never
+//! reused, so an event can never show another event's name.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -29,10 +36,35 @@ pub struct DeviceInfo {
     pub memory_bandwidth_bytes_per_s: u64,
 }
 
+/// The longest name kept whole, in bytes.
+pub const MAX_NAME_BYTES: usize = 4096;
+/// How many names the table holds at most.
+pub const MAX_NAMES: usize = 1 << 20;
+/// How many bytes of names the table holds at most.
+pub const MAX_NAME_TABLE_BYTES: usize = 128 << 20;
+/// What a name reads as once the table is full.
+pub const TABLE_FULL_NAME: &str = "<name not kept: the agent's name table is full>";
+
 #[derive(Default)]
 struct Names {
     ids: HashMap<Arc<str>, NameId>,
     strings: Vec<Arc<str>>,
+    bytes: usize,
+    /// Names refused because the table was full.
+    refused: u64,
+    full: Option<NameId>,
+}
+
+/// `name` cut to at most [`MAX_NAME_BYTES`] at a character boundary.
+fn bounded(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.len() <= MAX_NAME_BYTES {
+        return name.into();
+    }
+    let mut end = MAX_NAME_BYTES - '…'.len_utf8();
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &name[..end]).into()
 }
 
 /// Shared by every backend and the collector of one agent.
@@ -77,25 +109,50 @@ impl Default for Registry {
     }
 }
 
+impl Names {
+    fn add(names: &mut Names, name: &str) -> NameId {
+        let id = NameId(names.strings.len() as u32);
+        let shared: Arc<str> = Arc::from(name);
+        names.bytes += shared.len();
+        names.strings.push(shared.clone());
+        names.ids.insert(shared, id);
+        id
+    }
+}
+
 impl Registry {
     pub fn new() -> Arc<Registry> {
         Arc::new(Registry::default())
     }
 
-    /// Returns the id of `name`, adding it the first time it is seen.
+    /// Returns the id of `name`, adding it the first time it is seen (cut
+    /// to [`MAX_NAME_BYTES`]; [`TABLE_FULL_NAME`]'s id once the table is full).
     pub fn intern(&self, name: &str) -> NameId {
-        if let Some(id) = self.names.read().ids.get(name) {
+        let name = bounded(name);
+        if let Some(id) = self.names.read().ids.get(&*name) {
             return *id;
         }
         let mut names = self.names.write();
-        if let Some(id) = names.ids.get(name) {
+        if let Some(id) = names.ids.get(&*name) {
             return *id;
         }
-        let id = NameId(names.strings.len() as u32);
-        let shared: Arc<str> = Arc::from(name);
-        names.strings.push(shared.clone());
-        names.ids.insert(shared, id);
-        id
+        if names.strings.len() >= MAX_NAMES || names.bytes + name.len() > MAX_NAME_TABLE_BYTES {
+            names.refused += 1;
+            if let Some(full) = names.full {
+                return full;
+            }
+            // The one name kept beyond the bounds.
+            let full = Names::add(&mut names, TABLE_FULL_NAME);
+            names.full = Some(full);
+            return full;
+        }
+        Names::add(&mut names, &name)
+    }
+
+    /// Names [`Registry::intern`] refused since the agent started because
+    /// the table was full.
+    pub fn names_refused(&self) -> u64 {
+        self.names.read().refused
     }
 
     /// Names a line (a thread on the host, a stream on a device).
@@ -107,6 +164,13 @@ impl Registry {
     /// Records what is known about a device; replaces earlier facts.
     pub fn describe_device(&self, device: Device, info: DeviceInfo) {
         self.devices.write().insert(device, info);
+    }
+
+    /// Records facts about a device only if none are known: for what a peer
+    /// says (a workload's metadata), which must not rewrite what NVML or
+    /// another process said first.
+    pub fn describe_device_if_unknown(&self, device: Device, info: DeviceInfo) {
+        self.devices.write().entry(device).or_insert(info);
     }
 
     /// Records that the GPU `uuid` is plane `plane` (NVML's index). A UUID
@@ -186,6 +250,60 @@ mod tests {
         assert_eq!(snapshot.name(NameId(9999)), "");
         assert_eq!(snapshot.line_name(Device::Host, 17), Some("python"));
         assert_eq!(snapshot.line_name(Device::Gpu(0), 17), None);
+    }
+
+    #[test]
+    fn long_names_are_cut_at_a_character_boundary() {
+        let registry = Registry::new();
+        let long = "é".repeat(MAX_NAME_BYTES);
+        let id = registry.intern(&long);
+        let snapshot = registry.snapshot();
+        let kept = snapshot.name(id);
+        assert!(
+            kept.len() <= MAX_NAME_BYTES && kept.ends_with('…'),
+            "{}",
+            kept.len()
+        );
+        assert!(long.starts_with(kept.trim_end_matches('…')));
+        // The same long name maps to the same id.
+        assert_eq!(registry.intern(&long), id);
+    }
+
+    #[test]
+    fn a_full_table_refuses_new_names_and_counts_them() {
+        let registry = Registry::new();
+        let first = registry.intern("kept");
+        for n in 0..MAX_NAMES {
+            registry.intern(&format!("n{n}"));
+        }
+        let refused = registry.names_refused();
+        assert!(refused > 0);
+        let late = registry.intern("late");
+        assert_eq!(registry.names_refused(), refused + 1);
+        let snapshot = registry.snapshot();
+        assert_eq!(snapshot.name(late), TABLE_FULL_NAME);
+        // Names already held keep their ids.
+        assert_eq!(registry.intern("kept"), first);
+        assert_eq!(snapshot.name(first), "kept");
+    }
+
+    #[test]
+    fn a_peer_cannot_rewrite_what_is_known_of_a_device() {
+        let registry = Registry::new();
+        let real = DeviceInfo {
+            model: "H200".into(),
+            ..DeviceInfo::default()
+        };
+        registry.describe_device(Device::Gpu(0), real.clone());
+        let forged = DeviceInfo {
+            model: "forged".into(),
+            ..DeviceInfo::default()
+        };
+        registry.describe_device_if_unknown(Device::Gpu(0), forged.clone());
+        registry.describe_device_if_unknown(Device::Gpu(1), forged.clone());
+        let snapshot = registry.snapshot();
+        assert_eq!(snapshot.device_info(Device::Gpu(0)), Some(&real));
+        assert_eq!(snapshot.device_info(Device::Gpu(1)), Some(&forged));
     }
 
     #[test]

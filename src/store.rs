@@ -6,6 +6,12 @@
 //! it under a lock. The store keeps at most `retention` of history and at most
 //! `max_bytes` of events, evicting whole chunks from the old end, and it keeps
 //! the log of drops so that a capture can report every loss in its window.
+//!
+//! Time is the agent's: retention is measured back from its own clock, not
+//! from the newest event, since event times come from peers. An event dated
+//! more than [`MAX_AHEAD`] after the agent's clock, or already older than the
+//! retention, is dropped and counted ([`Store::misdated`]): one event from ten
+//! years ahead must not push everything else out.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -122,10 +128,16 @@ struct Inner {
     recording_since_ns: u64,
 }
 
+/// How far after the agent's clock an event may start.
+pub const MAX_AHEAD: Duration = Duration::from_secs(60);
+
 /// See the module documentation.
 pub struct Store {
     config: StoreConfig,
     inner: RwLock<Inner>,
+    /// The agent's clock (replaced in tests).
+    now_ns: Box<dyn Fn() -> u64 + Send + Sync>,
+    misdated: std::sync::atomic::AtomicU64,
 }
 
 /// Totals for health reporting.
@@ -138,13 +150,25 @@ pub struct StoreStats {
 
 impl Store {
     pub fn new(config: StoreConfig) -> Store {
+        Store::with_clock(config, clock::now_ns)
+    }
+
+    fn with_clock(config: StoreConfig, now_ns: impl Fn() -> u64 + Send + Sync + 'static) -> Store {
         Store {
             config,
             inner: RwLock::new(Inner {
-                recording_since_ns: clock::now_ns(),
+                recording_since_ns: now_ns(),
                 ..Inner::default()
             }),
+            now_ns: Box::new(now_ns),
+            misdated: Default::default(),
         }
+    }
+
+    /// Events dropped since the agent started because their times lay
+    /// outside what the store can hold (see the module documentation).
+    pub fn misdated(&self) -> u64 {
+        self.misdated.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn config(&self) -> StoreConfig {
@@ -152,14 +176,29 @@ impl Store {
     }
 
     /// Adds a batch of events (any order) and evicts what falls out of bounds.
-    pub fn append(&self, events: Vec<Event>) {
+    pub fn append(&self, mut events: Vec<Event>) {
+        let now = (self.now_ns)();
+        let horizon = self.horizon(now);
+        let latest = now.saturating_add(clock::duration_ns(MAX_AHEAD));
+        let before = events.len();
+        events.retain(|e| (horizon..=latest).contains(&e.start_ns));
+        let misdated = before - events.len();
+        if misdated > 0 {
+            self.misdated
+                .fetch_add(misdated as u64, std::sync::atomic::Ordering::Relaxed);
+        }
         let Some(chunk) = Chunk::new(events) else {
             return;
         };
         let mut inner = self.inner.write();
         inner.bytes += chunk.bytes();
         inner.chunks.push_back(Arc::new(chunk));
-        self.evict(&mut inner);
+        self.evict(&mut inner, horizon);
+    }
+
+    /// The oldest start time the store keeps at `now`.
+    fn horizon(&self, now: u64) -> u64 {
+        now.saturating_sub(clock::duration_ns(self.config.retention))
     }
 
     /// Records events lost at `at_ns`.
@@ -170,14 +209,7 @@ impl Store {
         self.inner.write().drops.push_back(record);
     }
 
-    fn evict(&self, inner: &mut Inner) {
-        let newest = inner
-            .chunks
-            .iter()
-            .map(|c| c.last_start_ns)
-            .max()
-            .unwrap_or(0);
-        let horizon = newest.saturating_sub(clock::duration_ns(self.config.retention));
+    fn evict(&self, inner: &mut Inner, horizon: u64) {
         while let Some(front) = inner.chunks.front() {
             let too_old = front.last_start_ns < horizon;
             let too_big = inner.bytes > self.config.max_bytes && inner.chunks.len() > 1;
@@ -247,15 +279,27 @@ mod tests {
         v
     }
 
-    fn store(retention_s: u64, max_bytes: usize) -> Store {
-        let store = Store::new(StoreConfig {
-            retention: Duration::from_secs(retention_s),
-            max_bytes,
-        });
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A store whose clock reads `now`, which starts at 1000 ns.
+    fn store_at(retention_s: u64, max_bytes: usize) -> (Store, Arc<AtomicU64>) {
+        let now = Arc::new(AtomicU64::new(1000));
+        let clock = Arc::clone(&now);
+        let store = Store::with_clock(
+            StoreConfig {
+                retention: Duration::from_secs(retention_s),
+                max_bytes,
+            },
+            move || clock.load(Ordering::Relaxed),
+        );
         // Pretend recording started at the epoch so the tests' small
         // timestamps count as recorded history.
         store.inner.write().recording_since_ns = 0;
-        store
+        (store, now)
+    }
+
+    fn store(retention_s: u64, max_bytes: usize) -> Store {
+        store_at(retention_s, max_bytes).0
     }
 
     #[test]
@@ -292,9 +336,10 @@ mod tests {
 
     #[test]
     fn retention_evicts_old_chunks_and_reports_the_gap() {
-        let store = store(1, usize::MAX);
+        let (store, now) = store_at(1, usize::MAX);
         let second = 1_000_000_000;
         store.append(vec![at(0), at(10)]);
+        now.store(2 * second, Ordering::Relaxed);
         store.append(vec![at(2 * second)]);
         assert_eq!(store.stats().chunks, 1);
         let data = store.query(Window {
@@ -320,6 +365,30 @@ mod tests {
             stop_ns: 1000,
         });
         assert_eq!(starts(&data).first(), Some(&300));
+    }
+
+    #[test]
+    fn an_event_from_the_far_future_is_dropped_and_evicts_nothing() {
+        let (store, now) = store_at(10, usize::MAX);
+        let second = 1_000_000_000;
+        now.store(100 * second, Ordering::Relaxed);
+        store.append(vec![at(99 * second), at(100 * second)]);
+        let ten_years = 10 * 365 * 86_400 * second;
+        store.append(vec![at(ten_years), at(100 * second + 1)]);
+        // A minute ahead is a clock step, not a forgery: kept.
+        store.append(vec![at(100 * second + 59 * second)]);
+        assert_eq!(store.misdated(), 1);
+        let data = store.query(Window {
+            start_ns: 0,
+            stop_ns: u64::MAX,
+        });
+        assert_eq!(
+            starts(&data),
+            vec![99 * second, 100 * second, 100 * second + 1, 159 * second]
+        );
+        // And one from before the retention is not kept either.
+        store.append(vec![at(second)]);
+        assert_eq!(store.misdated(), 2);
     }
 
     #[test]

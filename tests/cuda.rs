@@ -1286,8 +1286,7 @@ async fn a_hidden_second_cupti_user_is_found_out_by_the_buffers_it_kept() {
 /// ignored, and a real workload beside them is traced as usual.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() {
-    use devtrace::ring::{DropPolicy, Ring};
-    use devtrace::workload::{meta_path, ring_path};
+    use devtrace::workload::meta_path;
     let setup = setup("cuda_hostile_meta");
     let dir = setup.runtime.path();
     // Live processes whose pids name the planted files.
@@ -1308,9 +1307,7 @@ async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() 
     std::os::unix::fs::symlink(&secret, meta_path(dir, link_pid)).unwrap();
     let _rings: Vec<_> = [fifo_pid, link_pid]
         .iter()
-        .map(|pid| {
-            Ring::create_shared(ring_path(dir, *pid), 1, 64, DropPolicy::DropNewest).unwrap()
-        })
+        .map(|pid| planted_ring(dir, *pid))
         .collect();
     let agent = setup.agent();
     let release = release_file(&setup, "hostile");

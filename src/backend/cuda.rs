@@ -11,6 +11,18 @@
 //! A process that exits is drained one last time and its files removed; the
 //! captures that overlap say so. Rings of a previous agent are picked up
 //! where it left them.
+//!
+//! The runtime directory is writable by every user, so nothing in it is
+//! trusted. A ring is known by its file's owner and inode, not by the pid in
+//! its name, and is attached only when it is a regular file with one link
+//! owned by the user of the process it names, which created it; each user
+//! may have [`MAX_RINGS_PER_UID`] rings attached. A ring's peer cannot
+//! make the agent map more than one lane of the library's largest capacity,
+//! read forever (each pass drains a bounded number of events) or crash it by
+//! shrinking the file: a ring whose counters no library writes is detached
+//! with a warning. Its events may only be the kinds the library makes, on its
+//! own threads, GPUs and lines; names, devices and lines it declares cannot
+//! replace what others declared.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::unix::fs::PermissionsExt;
@@ -25,9 +37,12 @@ use tracing::{info, warn};
 use super::worker::Worker;
 use super::{Backend, BackendContext, BackendError, Capabilities, Health, Loss};
 use crate::clock;
+use crate::event::Payload;
 use crate::event::{Device, Event, NameId};
 use crate::registry::Registry;
-use crate::ring::{pid_alive, remove_stale_rings, Consumer, Ring, CONTROL_CAPTURE};
+use crate::ring::{
+    pid_alive, remove_stale_rings, Consumer, FileIdentity, OpenLimits, Ring, CONTROL_CAPTURE,
+};
 use crate::store::Window;
 use crate::workload::{self, MetaReader, MetaRecord, SYNTHETIC_LINE_BASE};
 use crate::xspace::conventions::STREAM_BITS;
@@ -132,6 +147,32 @@ impl Traced {
 /// Processes remembered for the properties of captures.
 const MAX_TRACED: usize = 1024;
 
+/// The largest ring a workload can make the agent map: the library's one
+/// lane, with up to the 2^24 slots `DEVTRACE_INJECT_RING_CAPACITY` allows
+/// (136 bytes each).
+const WORKLOAD_RING_LIMITS: OpenLimits = OpenLimits {
+    lanes: 1,
+    bytes: 5 << 29,
+};
+
+/// Rings one user may have attached at once, so that no user takes every
+/// stream slot.
+pub const MAX_RINGS_PER_UID: usize = 32;
+
+/// Events read from one ring per pass, so that a ring that never empties
+/// cannot starve the others or the worker's stop.
+const MAX_EVENTS_PER_PASS: usize = 1 << 18;
+
+/// Names and lines one process may declare.
+const MAX_NAMES_PER_PROCESS: usize = 1 << 18;
+const MAX_LINES_PER_PROCESS: usize = 1 << 12;
+
+/// GPU ordinals a process may use (CUDA numbers its visible GPUs from 0).
+const MAX_GPU_ORDINAL: u16 = 255;
+
+/// Rings refused once, remembered so they are not reopened at every scan.
+const MAX_REFUSED: usize = 1024;
+
 #[derive(Default)]
 struct Status {
     traced: VecDeque<Traced>,
@@ -140,6 +181,8 @@ struct Status {
     events: u64,
     cupti_dropped: u64,
     ring_dropped: u64,
+    /// Events refused as no CUDA workload makes them.
+    foreign: u64,
     notices: VecDeque<Notice>,
     lost_spans: VecDeque<LostSpan>,
     last_error: Option<String>,
@@ -256,6 +299,7 @@ impl Backend for CudaBackend {
                 status,
                 processes: BTreeMap::new(),
                 slots_in_use: Vec::new(),
+                refused: HashSet::new(),
                 producer,
                 drained: Vec::new(),
                 scratch: Vec::new(),
@@ -317,6 +361,11 @@ impl Backend for CudaBackend {
             Loss {
                 what: "GPU events workload libraries could not queue because their ring was full",
                 count: status.ring_dropped,
+            },
+            Loss {
+                what: "events refused from workload rings: kinds, devices or threads that are \
+                       not the workload's",
+                count: status.foreign,
             },
         ]
     }
@@ -384,6 +433,8 @@ struct Process {
     names: HashMap<u32, NameId>,
     /// Lines already named, per device.
     named_lines: HashSet<(Device, u64)>,
+    /// Host lines (thread ids) checked to be the process's own, and not.
+    own_threads: HashMap<u64, bool>,
     command: String,
     control: u32,
     cupti_dropped: u64,
@@ -419,8 +470,10 @@ struct Attachments {
     config: CudaConfig,
     registry: Arc<Registry>,
     status: Arc<Mutex<Status>>,
-    processes: BTreeMap<u32, Process>,
+    processes: BTreeMap<FileIdentity, Process>,
     slots_in_use: Vec<u64>,
+    /// Ring files refused, by owner and inode.
+    refused: HashSet<FileIdentity>,
     producer: crate::ring::Producer,
     /// Events as drained from a workload's ring, and as translated.
     drained: Vec<Event>,
@@ -440,8 +493,12 @@ impl Attachments {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
             if let Some(pid) = workload::ring_pid(name) {
-                if !self.processes.contains_key(&pid) {
-                    self.attach(pid, &entry.path());
+                let path = entry.path();
+                let known = identity_at(&path).is_some_and(|identity| {
+                    self.processes.contains_key(&identity) || self.refused.contains(&identity)
+                });
+                if !known {
+                    self.attach(pid, &path);
                 }
             } else if let Some(pid) = workload::meta_pid(name) {
                 metadata.push((pid, entry.path()));
@@ -449,8 +506,9 @@ impl Attachments {
         }
         let _ = remove_stale_rings(&dir);
         // Metadata whose ring is gone and whose process has exited.
+        let attached: HashSet<u32> = self.processes.values().map(|p| p.pid).collect();
         for (pid, path) in metadata {
-            if !self.processes.contains_key(&pid)
+            if !attached.contains(&pid)
                 && !pid_alive(pid)
                 && !workload::ring_path(&dir, pid).exists()
             {
@@ -466,23 +524,33 @@ impl Attachments {
     }
 
     fn attach(&mut self, pid: u32, path: &Path) {
-        let ring = match Ring::open_shared(path) {
-            Ok(ring) => ring,
+        let (ring, identity) = match Ring::open_untrusted(path, WORKLOAD_RING_LIMITS) {
+            Ok(opened) => opened,
             Err(error) => {
-                // A ring being created, or not one of ours: tried again at
-                // the next scan, reported once.
-                let mut status = self.status.lock();
-                let text = format!("cannot open {}: {error}", path.display());
-                if status.last_error.as_deref() != Some(&text) {
-                    warn!("{text}");
-                    status.last_error = Some(text);
+                // Rings appear under their name complete, so this one is
+                // not one the library made: refused until it changes.
+                let text = format!("ignoring {}: {error}", path.display());
+                match identity_at(path) {
+                    Some(identity) => self.refuse(identity, text),
+                    None => self.status.lock().last_error = Some(text),
                 }
                 return;
             }
         };
+        if let Err(reason) = self.admissible(pid, &ring, identity) {
+            self.refuse(identity, format!("ignoring {}: {reason}", path.display()));
+            return;
+        }
+        // The slot first: a consumer taken and then dropped for want of one
+        // would be let go of, but there is no need to take it at all.
+        let Some(slot) = self.free_slot() else {
+            self.status.lock().last_error = Some("too many CUDA processes attached".into());
+            return;
+        };
         let consumer = match ring.consumer() {
             Ok(consumer) => consumer,
             Err(error) => {
+                self.slots_in_use.retain(|s| *s != slot);
                 self.status.lock().last_error = Some(format!(
                     "{}: {error} (another agent drains it)",
                     path.display()
@@ -490,19 +558,10 @@ impl Attachments {
                 return;
             }
         };
-        let Some(slot) = self.free_slot() else {
-            self.status.lock().last_error = Some("too many CUDA processes attached".into());
-            return;
-        };
-        // Who made the ring: its metadata file must be theirs too.
-        let owner = {
-            use std::os::unix::fs::MetadataExt;
-            std::fs::symlink_metadata(path).map_or(u32::MAX, |m| m.uid())
-        };
         let process = Process {
             pid,
             slot,
-            owner,
+            owner: identity.uid,
             meta_refused: false,
             ring,
             consumer,
@@ -510,6 +569,7 @@ impl Attachments {
             meta: MetaReader::default(),
             names: HashMap::new(),
             named_lines: HashSet::new(),
+            own_threads: HashMap::new(),
             command: String::new(),
             control: u32::MAX,
             cupti_dropped: 0,
@@ -517,13 +577,13 @@ impl Attachments {
             cupti: None,
             states: Vec::new(),
         };
-        self.processes.insert(pid, process);
+        self.processes.insert(identity, process);
         let mut status = self.status.lock();
         status.attached = self.processes.len();
         status.seen += 1;
         drop(status);
-        self.read_meta(pid);
-        if let Some(process) = self.processes.get_mut(&pid) {
+        self.read_meta(identity);
+        if let Some(process) = self.processes.get_mut(&identity) {
             let text = format!("attached {}", process.label());
             let mut status = self.status.lock();
             if status.traced.len() == MAX_TRACED {
@@ -541,11 +601,55 @@ impl Attachments {
         }
     }
 
+    /// Whether a ring that opened cleanly may be attached: made by the
+    /// process its name gives, in a file of that process's user, who has
+    /// room for another.
+    fn admissible(&self, pid: u32, ring: &Ring, identity: FileIdentity) -> Result<(), String> {
+        if ring.creator_pid() != pid {
+            return Err(format!(
+                "it was made by process {}, not {pid}",
+                ring.creator_pid()
+            ));
+        }
+        let uids = process_uids(pid).ok_or_else(|| format!("process {pid} is gone"))?;
+        if !uids.contains(&identity.uid) {
+            return Err(format!(
+                "its file belongs to uid {} but process {pid} runs as uid {}",
+                identity.uid, uids[0]
+            ));
+        }
+        let held = self
+            .processes
+            .values()
+            .filter(|p| p.owner == identity.uid)
+            .count();
+        if held >= MAX_RINGS_PER_UID {
+            return Err(format!(
+                "uid {} already has {held} rings attached, the most one user may have",
+                identity.uid
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reports a ring that will not be attached, once, and remembers it.
+    fn refuse(&mut self, identity: FileIdentity, text: String) {
+        if self.refused.len() >= MAX_REFUSED {
+            self.refused.clear();
+        }
+        self.refused.insert(identity);
+        warn!("{text}");
+        let mut status = self.status.lock();
+        status.last_error = Some(text.clone());
+        status.notice(text);
+    }
+
     /// Reads what the process appended to its metadata file.
-    fn read_meta(&mut self, pid: u32) {
-        let Some(process) = self.processes.get_mut(&pid) else {
+    fn read_meta(&mut self, key: FileIdentity) {
+        let Some(process) = self.processes.get_mut(&key) else {
             return;
         };
+        let pid = process.pid;
         let records = match process.meta.read_new(&process.meta_path, process.owner) {
             Ok(records) => records,
             // Not there yet, or gone with its process.
@@ -568,7 +672,11 @@ impl Attachments {
             match record {
                 MetaRecord::Process { command, .. } => process.command = command,
                 MetaRecord::Name { id, text } => {
-                    process.names.insert(id, self.registry.intern(&text));
+                    if process.names.len() < MAX_NAMES_PER_PROCESS
+                        || process.names.contains_key(&id)
+                    {
+                        process.names.insert(id, self.registry.intern(&text));
+                    }
                 }
                 MetaRecord::Device {
                     ordinal,
@@ -577,9 +685,14 @@ impl Attachments {
                 } => {
                     // Without a UUID (an older library) the ordinal is all
                     // there is.
+                    if ordinal > MAX_GPU_ORDINAL {
+                        continue;
+                    }
                     let plane = uuid.map_or(ordinal, |uuid| self.registry.gpu_plane(&uuid));
                     process.planes.insert(ordinal, plane);
-                    self.registry.describe_device(Device::Gpu(plane), info);
+                    // What NVML or another process said first stands.
+                    self.registry
+                        .describe_device_if_unknown(Device::Gpu(plane), info);
                 }
                 MetaRecord::Dropped { total } => {
                     let grew = total.saturating_sub(process.cupti_dropped);
@@ -622,57 +735,87 @@ impl Attachments {
     }
 
     /// Sets control words, drains every ring, and lets go of processes that
-    /// exited.
+    /// exited or broke their ring.
     fn service(&mut self, capturing: bool) {
         let flags = if capturing { CONTROL_CAPTURE } else { 0 };
-        let pids: Vec<u32> = self.processes.keys().copied().collect();
-        for pid in pids {
+        let keys: Vec<FileIdentity> = self.processes.keys().copied().collect();
+        for key in keys {
+            let Some(pid) = self.processes.get(&key).map(|p| p.pid) else {
+                continue;
+            };
             // Whether it is alive is asked before the last drain, so that
             // nothing it pushed before exiting is missed.
             let alive = pid_alive(pid);
-            self.read_meta(pid);
-            if let Some(process) = self.processes.get_mut(&pid) {
+            self.read_meta(key);
+            if let Some(process) = self.processes.get_mut(&key) {
                 if process.control != flags {
                     process.ring.set_control(flags);
                     process.control = flags;
                 }
             }
-            self.drain(pid);
-            if !alive {
-                self.detach(pid);
+            match self.drain(key) {
+                Err(corruption) => self.detach(key, Some(corruption)),
+                Ok(()) if !alive => self.detach(key, None),
+                Ok(()) => {}
             }
         }
     }
 
-    fn drain(&mut self, pid: u32) {
-        let Some(process) = self.processes.get_mut(&pid) else {
-            return;
+    /// Moves what the ring holds into the agent, up to a pass's worth.
+    fn drain(&mut self, key: FileIdentity) -> Result<(), crate::ring::Corruption> {
+        let Some(process) = self.processes.get_mut(&key) else {
+            return Ok(());
         };
-        loop {
+        let mut budget = MAX_EVENTS_PER_PASS;
+        while budget > 0 {
             self.drained.clear();
-            let report = process.consumer.drain(&mut self.drained, 1 << 16);
+            let report = process
+                .consumer
+                .drain(&mut self.drained, budget.min(1 << 16));
+            if let Some(corruption) = report.corrupt {
+                return Err(corruption);
+            }
             if report.dropped_newest + report.dropped_oldest > 0 {
                 self.status.lock().ring_dropped += report.dropped_newest + report.dropped_oldest;
             }
             if self.drained.is_empty() {
                 break;
             }
+            budget = budget.saturating_sub(self.drained.len());
             self.scratch.clear();
+            let mut foreign = 0;
             for event in &self.drained {
-                self.scratch.push(translate(&self.registry, process, event));
+                match translate(&self.registry, process, event) {
+                    Some(event) => self.scratch.push(event),
+                    None => foreign += 1,
+                }
             }
             let accepted = self.producer.push_batch(&self.scratch);
-            self.status.lock().events += accepted as u64;
+            let mut status = self.status.lock();
+            status.events += accepted as u64;
+            status.foreign += foreign;
         }
+        Ok(())
     }
 
-    fn detach(&mut self, pid: u32) {
-        let Some(process) = self.processes.remove(&pid) else {
+    /// Lets go of a process that exited, or whose ring broke.
+    fn detach(&mut self, key: FileIdentity, corruption: Option<crate::ring::Corruption>) {
+        let Some(process) = self.processes.remove(&key) else {
             return;
         };
+        let pid = process.pid;
         self.slots_in_use.retain(|s| *s != process.slot);
-        let _ = std::fs::remove_file(workload::ring_path(&self.config.runtime_dir, pid));
-        let _ = std::fs::remove_file(&process.meta_path);
+        let ring_path = workload::ring_path(&self.config.runtime_dir, pid);
+        // Only its own file: the name may be someone else's by now.
+        if identity_at(&ring_path).is_some_and(|at| same_file(at, key)) {
+            let _ = std::fs::remove_file(ring_path);
+            if corruption.is_none() {
+                let _ = std::fs::remove_file(&process.meta_path);
+            }
+        }
+        if corruption.is_some() {
+            self.refused.insert(key);
+        }
         let mut status = self.status.lock();
         status.attached = self.processes.len();
         let now = clock::now_ns();
@@ -685,24 +828,97 @@ impl Attachments {
         {
             traced.detached_ns = Some(now);
         }
-        status.notice(format!(
-            "{} exited; its GPU events up to then are in the trace",
-            process.label()
-        ));
+        let text = match corruption {
+            None => format!(
+                "{} exited; its GPU events up to then are in the trace",
+                process.label()
+            ),
+            Some(corruption) => {
+                let text = format!(
+                    "detached {}: its ring is corrupt ({corruption}); its GPU events from then \
+                     on are missing",
+                    process.label()
+                );
+                warn!("{text}");
+                text
+            }
+        };
+        status.notice(text);
     }
 }
 
+/// The owner and inode of the file at `path`, without following a link.
+fn identity_at(path: &Path) -> Option<FileIdentity> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    Some(FileIdentity {
+        uid: meta.uid(),
+        dev: meta.dev(),
+        ino: meta.ino(),
+    })
+}
+
+fn same_file(a: FileIdentity, b: FileIdentity) -> bool {
+    (a.dev, a.ino) == (b.dev, b.ino)
+}
+
+/// The real and effective uids of process `pid`.
+fn process_uids(pid: u32) -> Option<[u32; 2]> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    let mut ids = line.split_whitespace().map(|id| id.parse::<u32>().ok());
+    Some([ids.next()??, ids.next()??])
+}
+
+/// Whether a host line `tid` may carry process `pid`'s events: one of its
+/// threads, or a thread no process has now (one that ended before it was
+/// first drained); never a live thread of another process.
+fn may_be_thread_of(pid: u32, tid: u64) -> bool {
+    let Ok(tid) = u32::try_from(tid) else {
+        return false;
+    };
+    tid != 0
+        && (Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
+            || !Path::new(&format!("/proc/{tid}")).exists())
+}
+
+/// Whether a CUDA workload's library makes events like this one: its
+/// kinds, on the host or a GPU it can number.
+fn is_workload_kind(event: &Event) -> bool {
+    let device_ok = match event.device() {
+        Device::Host => true,
+        Device::Gpu(ordinal) => ordinal <= MAX_GPU_ORDINAL,
+        Device::HostCpus => false,
+    };
+    device_ok
+        && matches!(
+            event.payload(),
+            Payload::Plain
+                | Payload::ApiCall { .. }
+                | Payload::Kernel(_)
+                | Payload::Memcpy(_)
+                | Payload::Memset(_)
+                | Payload::MemoryAllocation(_)
+                | Payload::MemoryDeallocation(_)
+        )
+}
+
 /// An event of `process` as this agent's: registry names, its streams on
-/// lines of their own, its host lines named after it.
-fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Event {
+/// lines of their own, its host lines named after it; `None` for an event no
+/// CUDA workload makes, or on a thread that is not its own.
+fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Option<Event> {
+    if !is_workload_kind(event) {
+        return None;
+    }
     let pid = process.pid;
     let names = &process.names;
     // A name whose record was not read (the file past its size limit) says
-    // so rather than showing another name.
+    // so rather than showing another name; one name for all, so that ids a
+    // peer makes up cannot fill the registry.
     let mut mapped = event.map_names(|local| match names.get(&local.0) {
         Some(id) => *id,
         None if local.0 == 0 => NameId(0),
-        None => registry.intern(&format!("<name {} of pid {pid}>", local.0)),
+        None => registry.intern(UNKNOWN_NAME),
     });
     if let Device::Gpu(ordinal) = mapped.device() {
         let plane = process.planes.get(&ordinal).copied().unwrap_or(ordinal);
@@ -714,10 +930,29 @@ fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Event
         _ if mapped.line >= SYNTHETIC_LINE_BASE => {
             SYNTHETIC_LINE_BASE | (process.slot << 8) | (mapped.line & 0xff)
         }
-        _ => mapped.line,
+        // A host line is a thread id: only the process's own threads, so
+        // that it cannot write onto other processes' lines.
+        _ => {
+            let checked = process.own_threads.len() < MAX_LINES_PER_PROCESS;
+            let own = match process.own_threads.get(&mapped.line) {
+                Some(own) => *own,
+                None if checked => {
+                    let own = may_be_thread_of(pid, mapped.line);
+                    process.own_threads.insert(mapped.line, own);
+                    own
+                }
+                None => false,
+            };
+            if !own {
+                return None;
+            }
+            mapped.line
+        }
     };
     mapped.line = line;
-    if process.named_lines.insert((device, line)) {
+    if process.named_lines.len() < MAX_LINES_PER_PROCESS
+        && process.named_lines.insert((device, line))
+    {
         let name = match device {
             Device::Gpu(_) => format!("(pid {pid}: {})", process.short_name()),
             _ if line >= SYNTHETIC_LINE_BASE => {
@@ -733,5 +968,8 @@ fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Event
         };
         registry.name_line(device, line, &name);
     }
-    mapped
+    Some(mapped)
 }
+
+/// The name of an event whose name record was never read.
+const UNKNOWN_NAME: &str = "<name unknown: its record in the metadata file was not read>";

@@ -356,8 +356,12 @@ impl ProfilerService {
             let lost = loss.count.saturating_sub(before);
             dropped_before_ring += lost;
             if lost > 0 {
+                let source = match backend {
+                    "agent" => "the agent".to_string(),
+                    _ => format!("backend {backend}"),
+                };
                 warnings.push(format!(
-                    "backend {backend}: {lost} {} while this capture ran",
+                    "{source}: {lost} {} while this capture ran",
                     loss.what
                 ));
             }

@@ -95,6 +95,36 @@ impl AgentProcess {
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The agent's resident memory now, in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS");
+        kib * 1024
+    }
+
+    /// Sends SIGTERM and waits up to `limit` for the agent to exit; how long
+    /// it took, or `None` if it was still running (it is then killed).
+    pub fn stop_with_sigterm(&mut self, limit: Duration) -> Option<Duration> {
+        let started = std::time::Instant::now();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.pid() as libc::pid_t, libc::SIGTERM) };
+        while started.elapsed() < limit {
+            if !self.is_running() {
+                return Some(started.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
 }
 
 impl Drop for AgentProcess {

@@ -287,3 +287,20 @@ pub fn real_cupti_wheel(requirement: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&partial);
     unpacked
 }
+
+/// A ring in `dir` as process `pid`'s library would have made it (the
+/// header names its creator): for tests that plant files for other
+/// processes, as a user of the host could for processes of their own.
+pub fn planted_ring(dir: &std::path::Path, pid: u32) -> std::sync::Arc<devtrace::ring::Ring> {
+    use devtrace::ring::{DropPolicy, Ring};
+    use std::os::unix::fs::FileExt;
+    let path = devtrace::workload::ring_path(dir, pid);
+    let ring = Ring::create_shared(&path, 1, 64, DropPolicy::DropNewest).unwrap();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.write_all_at(&pid.to_ne_bytes(), CREATOR_PID_OFFSET)
+        .unwrap();
+    ring
+}
+
+/// Where `RingHeader::creator_pid` lies (`src/ring/layout.rs`).
+pub const CREATOR_PID_OFFSET: u64 = 44;
