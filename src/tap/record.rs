@@ -24,6 +24,14 @@ const LINE_TAG: u64 = 0x7461_7000_0000_0000;
 /// counted as undecoded.
 pub const DECODE_LIMIT: usize = 64 << 20;
 
+/// Sessions whose steps are counted at once; a peer that opens sessions and
+/// never closes them makes the oldest be forgotten (their numbering starts
+/// again), not the agent grow.
+const MAX_SESSIONS: usize = 4096;
+
+/// Enqueued batches of one call still waiting for their response.
+const MAX_PENDING: usize = 1024;
+
 /// gRPC status codes the tap produces itself.
 pub const CANCELLED: u32 = 1;
 pub const UNKNOWN: u32 = 2;
@@ -134,12 +142,28 @@ impl Recorder {
     }
 
     fn next_step(&self, session: &str) -> i64 {
+        let key = session_key(session);
         let mut steps = self.steps.lock();
-        let counter = steps.entry(session.to_owned()).or_insert(0);
+        if steps.len() >= MAX_SESSIONS && !steps.contains_key(key) {
+            if let Some(forgotten) = steps.keys().next().cloned() {
+                steps.remove(&forgotten);
+            }
+        }
+        let counter = steps.entry(key.to_owned()).or_insert(0);
         let step = *counter;
         *counter += 1;
         step
     }
+}
+
+/// What identifies a session in the step table: handles are opaque strings
+/// the peer chooses, so only a bounded prefix.
+fn session_key(session: &str) -> &str {
+    let mut end = session.len().min(256);
+    while !session.is_char_boundary(end) {
+        end -= 1;
+    }
+    &session[..end]
 }
 
 /// The methods whose messages the tap decodes.
@@ -420,7 +444,10 @@ impl Call {
                 let Ok(m) = decode::SessionHandle::decode(message) else {
                     return false;
                 };
-                self.recorder.steps.lock().remove(&m.session_handle);
+                self.recorder
+                    .steps
+                    .lock()
+                    .remove(session_key(&m.session_handle));
                 state.session = m.session_handle;
             }
             Kind::CreateContext => {
@@ -449,6 +476,16 @@ impl Call {
                             op_id: op.id,
                             device: registry.intern(&op.device),
                         });
+                    }
+                }
+                if state.pending.len() >= MAX_PENDING {
+                    // Responses that never come: the oldest batch's ops are
+                    // recorded without them.
+                    if let Some((_, lost)) = state.pending.pop_front() {
+                        self.recorder
+                            .counters
+                            .dropped_events
+                            .fetch_add(lost.len() as u64, Ordering::Relaxed);
                     }
                 }
                 state.pending.push_back((clock::now_ns(), ops));
@@ -529,6 +566,23 @@ fn graph(state: &mut State, graph_def: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sessions_never_closed_do_not_grow_the_step_table() {
+        let registry = Registry::new();
+        let ring = crate::ring::Ring::new(1, 4, crate::ring::DropPolicy::DropNewest).unwrap();
+        let recorder = Recorder::new(registry, ring.producer().unwrap());
+        assert_eq!(recorder.next_step("kept"), 0);
+        for n in 0..2 * MAX_SESSIONS {
+            recorder.next_step(&format!("session {n}"));
+        }
+        assert_eq!(recorder.steps.lock().len(), MAX_SESSIONS);
+        // A long handle is keyed by its prefix.
+        let long = "x".repeat(1 << 20);
+        assert_eq!(recorder.next_step(&long), 0);
+        assert_eq!(recorder.next_step(&long), 1);
+        assert!(recorder.steps.lock().keys().all(|k| k.len() <= 256));
+    }
 
     #[test]
     fn methods_are_classified_by_path() {
