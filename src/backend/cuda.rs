@@ -173,6 +173,9 @@ const MAX_GPU_ORDINAL: u16 = 255;
 /// Rings refused once, remembered so they are not reopened at every scan.
 const MAX_REFUSED: usize = 1024;
 
+/// How a refusal for a user's quota of rings reads.
+const QUOTA_REFUSAL: &str = "rings attached, the most one user may have";
+
 #[derive(Default)]
 struct Status {
     traced: VecDeque<Traced>,
@@ -300,6 +303,7 @@ impl Backend for CudaBackend {
                 processes: BTreeMap::new(),
                 slots_in_use: Vec::new(),
                 refused: HashSet::new(),
+                over_quota: HashSet::new(),
                 producer,
                 drained: Vec::new(),
                 scratch: Vec::new(),
@@ -474,6 +478,8 @@ struct Attachments {
     slots_in_use: Vec<u64>,
     /// Ring files refused, by owner and inode.
     refused: HashSet<FileIdentity>,
+    /// Rings waiting for their user to have fewer attached (reported once).
+    over_quota: HashSet<FileIdentity>,
     producer: crate::ring::Producer,
     /// Events as drained from a workload's ring, and as translated.
     drained: Vec<Event>,
@@ -538,9 +544,22 @@ impl Attachments {
             }
         };
         if let Err(reason) = self.admissible(pid, &ring, identity) {
-            self.refuse(identity, format!("ignoring {}: {reason}", path.display()));
+            let text = format!("ignoring {}: {reason}", path.display());
+            if reason.contains(QUOTA_REFUSAL) {
+                // Tried again at every scan, as the user's other rings go;
+                // reported once.
+                if self.over_quota.len() >= MAX_REFUSED {
+                    self.over_quota.clear();
+                }
+                if self.over_quota.insert(identity) {
+                    self.status.lock().notice(text);
+                }
+            } else {
+                self.refuse(identity, text);
+            }
             return;
         }
+        self.over_quota.remove(&identity);
         // The slot first: a consumer taken and then dropped for want of one
         // would be let go of, but there is no need to take it at all.
         let Some(slot) = self.free_slot() else {
@@ -625,7 +644,7 @@ impl Attachments {
             .count();
         if held >= MAX_RINGS_PER_UID {
             return Err(format!(
-                "uid {} already has {held} rings attached, the most one user may have",
+                "uid {} already has {held} {QUOTA_REFUSAL}",
                 identity.uid
             ));
         }
