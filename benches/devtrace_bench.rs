@@ -30,7 +30,7 @@ use devtrace::registry::{Registry, RegistrySnapshot};
 use devtrace::ring::{DropPolicy, Ring};
 use devtrace::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use devtrace::service::profiler::{ProfilerService, ServiceConfig, XPLANE_TOOL};
-use devtrace::service::MAX_MESSAGE_BYTES;
+use devtrace::service::MAX_REPLY_BYTES;
 use devtrace::store::Window;
 use devtrace::xspace::{encode_xspace, CaptureInfo};
 
@@ -607,11 +607,7 @@ fn bench_capture(settings: &Settings) {
             .await
             .expect("bind");
         let address = listener.local_addr().expect("address");
-        let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig {
-            allowed_roots: Default::default(),
-            max_duration: Duration::from_secs(600),
-            default_port: devtrace::client::DEFAULT_PORT,
-        }));
+        let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig::default()));
         let server = tokio::spawn(devtrace::service::serve(
             listener,
             service,
@@ -629,8 +625,8 @@ fn bench_capture(settings: &Settings) {
             .await
             .expect("connect");
         let mut client = ProfilerServiceClient::new(channel)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            .max_decoding_message_size(MAX_REPLY_BYTES)
+            .max_encoding_message_size(MAX_REPLY_BYTES);
         // Let the mock backend and collector reach steady state.
         tokio::time::sleep(Duration::from_millis(300)).await;
         capture_once(&mut client, small_ms, "warmup").await;

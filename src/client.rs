@@ -1,17 +1,26 @@
-//! The client side of the profiler protocol, shared by `devtrace capture` and
-//! the ProfileAnalysis fan-out: address handling, connecting with the limits
-//! real traces need, and the request TensorFlow's own client sends.
+//! The client side of the profiler protocol, shared by `devtrace capture`,
+//! the session fan-out and `--upstream`: addresses and how each is reached
+//! (plaintext, TLS, a UNIX socket), connecting with the limits a reply may
+//! reach, and the request TensorFlow's own client sends.
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
 
 use crate::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
-use crate::proto::tensorflow::{ProfileOptions, ProfileRequest, ProfileResponse};
-use crate::service::MAX_MESSAGE_BYTES;
+use crate::proto::tensorflow::{ProfileOptions, ProfileRequest, TerminateRequest};
+use crate::service::MAX_REPLY_BYTES;
+use crate::tls::ClientTls;
 
 /// Port of a profiler server when an address names none.
 pub const DEFAULT_PORT: u16 = 6009;
+
+/// Largest reply accepted from one server unless configured otherwise: real
+/// traces run to hundreds of MB, and a hostile server must not make this
+/// side hold gigabytes.
+pub const DEFAULT_MAX_REPLY_BYTES: usize = 512 << 20;
 
 /// The tools TensorFlow's client asks for; servers may use them as hints.
 pub const REQUESTED_TOOLS: &[&str] = &[
@@ -45,8 +54,8 @@ pub fn normalize_address(address: &str, default_port: u16) -> Result<String, Add
     if target.is_empty() {
         return Err(AddressError::Empty);
     }
-    let (host, port) = match target.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && (!host.contains(':') || host.ends_with(']')) => {
+    let (host, port) = match split_port(target) {
+        Some((host, port)) => {
             let port: u16 = port
                 .parse()
                 .ok()
@@ -54,7 +63,7 @@ pub fn normalize_address(address: &str, default_port: u16) -> Result<String, Add
                 .ok_or_else(|| AddressError::BadPort(address.to_string()))?;
             (host, port)
         }
-        _ => (target, default_port),
+        None => (target, default_port),
     };
     let allowed = |c: char| c.is_ascii_alphanumeric() || "-._[]:".contains(c);
     if host.is_empty() || !host.chars().all(allowed) {
@@ -63,20 +72,280 @@ pub fn normalize_address(address: &str, default_port: u16) -> Result<String, Add
     Ok(format!("{host}:{port}"))
 }
 
-/// Connects to a profiler server at `target` (`host:port`), allowing the
-/// whole call `deadline`.
+/// `(host, port)` of `host:port` or `[v6]:port`; `None` when no port is given.
+pub fn split_port(text: &str) -> Option<(&str, &str)> {
+    text.rsplit_once(':')
+        .filter(|(host, _)| !host.is_empty() && (!host.contains(':') || host.ends_with(']')))
+}
+
+/// How an address asks to be reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scheme {
+    /// `host:port`: TLS when this side has TLS settings, else plaintext.
+    Unspecified,
+    /// `grpc://host:port`: plaintext.
+    Plain,
+    /// `grpcs://host:port`: TLS.
+    Tls,
+    /// `unix:PATH`: a local socket, plaintext (its file permissions guard it).
+    Unix,
+}
+
+/// A profiler server to call: `host:port` (or a socket path) and how.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// `host:port`, or the socket's path for [`Scheme::Unix`].
+    pub address: String,
+    pub scheme: Scheme,
+}
+
+impl Target {
+    /// A TCP server: `host`, `host:port`, `grpc://host:port` or
+    /// `grpcs://host:port`.
+    pub fn tcp(text: &str, default_port: u16) -> Result<Target, AddressError> {
+        let trimmed = text.trim();
+        let (scheme, rest) = if let Some(rest) = trimmed.strip_prefix("grpcs://") {
+            (Scheme::Tls, rest)
+        } else if let Some(rest) = trimmed.strip_prefix("grpc://") {
+            (Scheme::Plain, rest)
+        } else {
+            (Scheme::Unspecified, trimmed)
+        };
+        Ok(Target {
+            address: normalize_address(rest, default_port)?,
+            scheme,
+        })
+    }
+
+    /// As [`Target::tcp`], or a local socket: `unix:PATH`.
+    pub fn any(text: &str, default_port: u16) -> Result<Target, AddressError> {
+        match text.trim().strip_prefix("unix:") {
+            Some("") => Err(AddressError::Empty),
+            Some(path) => Ok(Target {
+                address: path.to_string(),
+                scheme: Scheme::Unix,
+            }),
+            None => Target::tcp(text, default_port),
+        }
+    }
+
+    /// Whether calls to this target use TLS under `config`.
+    pub fn uses_tls(&self, config: &ClientConfig) -> bool {
+        match self.scheme {
+            Scheme::Tls => true,
+            Scheme::Plain | Scheme::Unix => false,
+            Scheme::Unspecified => config.tls.is_some(),
+        }
+    }
+
+    pub fn is_unix(&self) -> bool {
+        self.scheme == Scheme::Unix
+    }
+}
+
+/// `host:port` as given (the scheme is how, not who), `unix:PATH` for sockets.
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.scheme {
+            Scheme::Unix => write!(f, "unix:{}", self.address),
+            _ => f.write_str(&self.address),
+        }
+    }
+}
+
+/// How this side calls profiler servers.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// TLS for `grpcs://` and scheme-less addresses; `None`: plaintext.
+    pub tls: Option<ClientTls>,
+    /// Largest reply accepted from one server; a larger one is refused
+    /// while its length prefix is read, before its body is held.
+    pub max_reply_bytes: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            tls: None,
+            max_reply_bytes: DEFAULT_MAX_REPLY_BYTES,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("grpcs:// needs the CA certificate that signed the server's (--tls-ca); no system trust store is used")]
+    NoCa,
+    // The error is shown with its causes, so it is not also the source.
+    #[error("{}", describe_transport(.error, *.tls))]
+    Transport {
+        error: tonic::transport::Error,
+        tls: bool,
+    },
+}
+
+/// A transport error with its causes (tonic's own text is only "transport
+/// error"), and a hint when a plaintext call may have met a TLS server.
+fn describe_transport(error: &tonic::transport::Error, tls: bool) -> String {
+    with_hint(with_causes(error.to_string(), error), tls)
+}
+
+/// `text` followed by every cause of `error` that it does not already end with.
+fn with_causes(mut text: String, error: &dyn std::error::Error) -> String {
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// A connection the server dropped at once usually means the two sides
+/// disagree on TLS: a TLS server answers a plaintext HTTP/2 preface with an
+/// alert, and a server that requires client certificates drops a client
+/// without one after the handshake. Either reaches the client as an HTTP/2
+/// protocol error or a broken connection, so the likely cause is added.
+fn with_hint(mut text: String, tls: bool) -> String {
+    let dropped = [
+        "h2 protocol error",
+        "broken pipe",
+        "connection closed",
+        "connection reset",
+    ];
+    if dropped.iter().any(|d| text.contains(d)) {
+        text.push_str(if tls {
+            " (the server dropped the connection: one that requires client certificates needs --tls-cert and --tls-key signed by a CA it trusts)"
+        } else {
+            " (the call was plaintext; a TLS server needs grpcs:// or --tls-ca)"
+        });
+    }
+    text
+}
+
+/// Why a call failed: the server's status, or its reply over the limit.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("reply refused: {found} is more than --max-reply-size allows ({limit} bytes)")]
+    TooLarge { found: String, limit: usize },
+    #[error("{}", with_hint(with_causes(format!("{}: {}", .status.code(), .status.message()), .status), *.tls))]
+    Status { status: Status, tls: bool },
+}
+
+impl Connection {
+    fn call_error(&self, status: Status) -> CallError {
+        // tonic refuses an oversized message with OUT_OF_RANGE and "found N
+        // bytes" before reading its body.
+        let message = status.message();
+        if status.code() == Code::OutOfRange && message.contains("message length too large") {
+            let found = message
+                .split_once("found ")
+                .and_then(|(_, rest)| rest.split_once(','))
+                .map_or("the reply", |(found, _)| found)
+                .to_string();
+            return CallError::TooLarge {
+                found,
+                limit: self.max_reply_bytes,
+            };
+        }
+        CallError::Status {
+            status,
+            tls: self.tls,
+        }
+    }
+}
+
+/// A `ProfileResponse` with its trace left as the bytes it came in. Decoding
+/// an XSpace into messages multiplies its size many times over (an empty
+/// event is two bytes on the wire), so what a server sends is held as
+/// received, within [`ClientConfig::max_reply_bytes`].
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RawProfileResponse {
+    #[prost(message, repeated, tag = "6")]
+    pub tool_data: Vec<RawToolData>,
+    #[prost(bool, tag = "7")]
+    pub empty_trace: bool,
+    #[prost(bytes = "bytes", optional, tag = "8")]
+    pub xspace: Option<Bytes>,
+}
+
+/// `ProfileToolData` with its data as received.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RawToolData {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(bytes = "bytes", tag = "2")]
+    pub data: Bytes,
+}
+
+/// A connection to one profiler server.
+pub struct Connection {
+    channel: Channel,
+    max_reply_bytes: usize,
+    tls: bool,
+}
+
+/// Connects to `target` as `config` says, allowing each call `deadline`.
 pub async fn connect(
-    target: &str,
+    target: &Target,
+    config: &ClientConfig,
     deadline: Duration,
-) -> Result<ProfilerServiceClient<Channel>, tonic::transport::Error> {
-    let channel = Endpoint::from_shared(format!("http://{target}"))?
+) -> Result<Connection, ConnectError> {
+    let tls = target.uses_tls(config);
+    let transport = |error| ConnectError::Transport { error, tls };
+    let uri = match target.scheme {
+        Scheme::Unix => format!("unix:{}", target.address),
+        _ if tls => format!("https://{}", target.address),
+        _ => format!("http://{}", target.address),
+    };
+    let mut endpoint = Endpoint::from_shared(uri)
+        .map_err(transport)?
         .connect_timeout(Duration::from_secs(10))
-        .timeout(deadline)
-        .connect()
-        .await?;
-    Ok(ProfilerServiceClient::new(channel)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+        .timeout(deadline);
+    if tls {
+        let settings = config.tls.as_ref().ok_or(ConnectError::NoCa)?;
+        endpoint = endpoint.tls_config(settings.config()).map_err(transport)?;
+    }
+    let channel = endpoint.connect().await.map_err(transport)?;
+    Ok(Connection {
+        channel,
+        max_reply_bytes: config.max_reply_bytes,
+        tls,
+    })
+}
+
+impl Connection {
+    /// `Profile`, with the reply held as received (see [`RawProfileResponse`]).
+    pub async fn profile(&self, request: ProfileRequest) -> Result<RawProfileResponse, CallError> {
+        let limit = self.max_reply_bytes;
+        let mut grpc = tonic::client::Grpc::new(self.channel.clone())
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(MAX_REPLY_BYTES);
+        grpc.ready()
+            .await
+            .map_err(|e| self.call_error(Status::unavailable(e.to_string())))?;
+        let codec = tonic_prost::ProstCodec::<ProfileRequest, RawProfileResponse>::default();
+        let path = http::uri::PathAndQuery::from_static("/tensorflow.ProfilerService/Profile");
+        grpc.unary(tonic::Request::new(request), path, codec)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.call_error(status))
+    }
+
+    /// `Terminate`: ends the server's captures of `session_id` early.
+    pub async fn terminate(&self, session_id: &str) -> Result<(), CallError> {
+        ProfilerServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(self.max_reply_bytes)
+            .terminate(TerminateRequest {
+                session_id: session_id.to_string(),
+            })
+            .await
+            .map(|_| ())
+            .map_err(|status| self.call_error(status))
+    }
 }
 
 /// The deadline TensorFlow's client gives a capture: max(60 s, 2 x duration).
@@ -118,10 +387,9 @@ pub fn trace_request(
 }
 
 /// The trace bytes a reply carries, inline or as `xplane.pb` tool data.
-pub fn trace_bytes(reply: ProfileResponse) -> Option<Vec<u8>> {
-    use prost::Message;
+pub fn trace_bytes(reply: RawProfileResponse) -> Option<Bytes> {
     if let Some(space) = reply.xspace {
-        return Some(space.encode_to_vec());
+        return Some(space);
     }
     reply
         .tool_data
@@ -159,5 +427,28 @@ mod tests {
             Err(AddressError::BadHost(_))
         ));
         assert_eq!(normalize_address(" ", 1), Err(AddressError::Empty));
+    }
+
+    #[test]
+    fn schemes_say_how_a_target_is_reached() {
+        let tls = |text| Target::any(text, 6009).unwrap();
+        assert_eq!(
+            tls("grpcs://h:7"),
+            Target {
+                address: "h:7".into(),
+                scheme: Scheme::Tls
+            }
+        );
+        assert_eq!(tls("grpc://h").scheme, Scheme::Plain);
+        assert_eq!(tls("h").scheme, Scheme::Unspecified);
+        let socket = tls("unix:/run/devtrace.sock");
+        assert_eq!(socket.scheme, Scheme::Unix);
+        assert_eq!(socket.to_string(), "unix:/run/devtrace.sock");
+        assert_eq!(Target::any("unix:", 1), Err(AddressError::Empty));
+        // Sessions and upstreams reach TCP servers only.
+        assert!(Target::tcp("unix:/run/devtrace.sock", 6009).is_err());
+        let plain = ClientConfig::default();
+        assert!(!tls("h").uses_tls(&plain));
+        assert!(tls("grpcs://h").uses_tls(&plain));
     }
 }

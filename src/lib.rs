@@ -20,6 +20,7 @@ pub mod service;
 pub mod session;
 pub mod store;
 pub mod tap;
+pub mod tls;
 pub mod tools;
 pub mod workload;
 pub mod xspace;

@@ -4,11 +4,13 @@
 //! ProfileAnalysis service and by `devtrace session` / `devtrace sessions`.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
 use tokio::task::JoinSet;
 
-use crate::client;
+use crate::client::{self, ClientConfig, Target};
 use crate::proto::tensorflow::ProfileRequest;
 use crate::xspace::conventions;
 use crate::xspace::read::plane_names;
@@ -21,14 +23,8 @@ pub const XPLANE_SUFFIX: &str = ".xplane.pb";
 pub struct HostOutcome {
     /// `host:port` as addressed.
     pub host: String,
-    pub result: Result<Option<Vec<u8>>, String>,
-}
-
-impl HostOutcome {
-    /// File name of this host's trace: `host_port.xplane.pb`.
-    pub fn file_name(&self) -> String {
-        host_file_name(&self.host)
-    }
+    /// Where its trace was written, `None` for an empty trace, or why not.
+    pub result: Result<Option<PathBuf>, String>,
 }
 
 /// `10.0.0.2:8466` -> `10.0.0.2_8466.xplane.pb`, as TensorFlow names files.
@@ -36,27 +32,47 @@ pub fn host_file_name(host: &str) -> String {
     format!("{}{XPLANE_SUFFIX}", host.replace(':', "_"))
 }
 
+/// Writes one host's trace (its file name, its bytes) and says where.
+pub type Deliver = Arc<dyn Fn(&str, &[u8]) -> Result<PathBuf, String> + Send + Sync>;
+
 /// Captures `request`'s window on every host at once. Each host gets the
 /// same absolute start, so the traces line up, and is called when that
 /// start comes (servers such as TensorFlow's record from when they are
-/// called); each is asked to return its trace inline. A host that fails,
-/// times out or returns nothing is reported in its outcome; the others are
-/// unaffected.
+/// called); each is asked to return its trace inline, and each trace is
+/// handed to `deliver` as soon as it arrives, so that only the replies
+/// still in flight are held. A host that fails, times out, returns nothing
+/// or more than `client.max_reply_bytes` is reported in its outcome; the
+/// others are unaffected.
 pub async fn fan_out(
-    hosts: &[String],
+    hosts: &[Target],
     request: &ProfileRequest,
     deadline: Duration,
+    client: &ClientConfig,
+    deliver: Deliver,
 ) -> Vec<HostOutcome> {
     let mut tasks = JoinSet::new();
-    for (index, host) in hosts.iter().enumerate() {
+    for (index, target) in hosts.iter().enumerate() {
         let mut request = request.clone();
+        let host = target.to_string();
         request.host_name = host.clone();
         request.emit_xspace = true;
-        let host = host.clone();
+        let target = target.clone();
+        let client = client.clone();
+        let deliver = Arc::clone(&deliver);
         let start_ns = request.opts.as_ref().map_or(0, |o| o.start_timestamp_ns);
         tasks.spawn(async move {
             tokio::time::sleep(crate::clock::until(start_ns)).await;
-            let result = capture_host(&host, request, deadline).await;
+            let result = match capture_host(&target, request, deadline, &client).await {
+                Ok(Some(trace)) => {
+                    let file_name = host_file_name(&host);
+                    tokio::task::spawn_blocking(move || deliver(&file_name, &trace))
+                        .await
+                        .unwrap_or_else(|e| Err(format!("writing the trace failed: {e}")))
+                        .map(Some)
+                }
+                Ok(None) => Ok(None),
+                Err(error) => Err(error),
+            };
             (index, HostOutcome { host, result })
         });
     }
@@ -71,23 +87,24 @@ pub async fn fan_out(
     outcomes.into_iter().map(|(_, outcome)| outcome).collect()
 }
 
-/// Captures one host: its trace bytes, `None` for an empty trace, or why not.
+/// Captures one host: its trace bytes as received, `None` for an empty
+/// trace, or why not.
 pub async fn capture_host(
-    host: &str,
+    target: &Target,
     request: ProfileRequest,
     deadline: Duration,
-) -> Result<Option<Vec<u8>>, String> {
+    config: &ClientConfig,
+) -> Result<Option<Bytes>, String> {
     let call = async {
         // The channel's own timeout is a backstop: the timeout below fires
         // first and says which deadline passed.
-        let mut client = client::connect(host, deadline + Duration::from_secs(1))
+        let connection = client::connect(target, config, deadline + Duration::from_secs(1))
             .await
             .map_err(|e| format!("cannot connect: {e}"))?;
-        let reply = client
+        let reply = connection
             .profile(request)
             .await
-            .map_err(|status| format!("{}: {}", status.code(), status.message()))?
-            .into_inner();
+            .map_err(|e| e.to_string())?;
         if reply.empty_trace {
             return Ok(None);
         }

@@ -88,13 +88,6 @@ async fn an_upstream_that_is_down_makes_the_capture_partial() {
         .into_inner();
     assert!(!reply.empty_trace);
     let space = space_of(&reply);
-    assert!(
-        space
-            .errors
-            .iter()
-            .any(|e| e.starts_with(&format!("upstream {unused}: cannot connect"))),
-        "{:?}",
-        space.errors
-    );
+    assert_error_starting(&space, &format!("upstream {unused}: cannot connect"));
     assert!(event_count(&space) > 1000, "our own events are all there");
 }

@@ -15,7 +15,8 @@ use crate::service::profiler::XPLANE_TOOL;
 
 #[derive(Debug, Args)]
 pub struct CaptureArgs {
-    /// Profiler server address: grpc://host:port or host:port.
+    /// Profiler server address: host:port, grpc://host:port (plaintext),
+    /// grpcs://host:port (TLS) or unix:PATH (a local agent's --listen-unix).
     pub address: String,
 
     /// Length of the capture window (e.g. 2s, 500ms).
@@ -46,6 +47,9 @@ pub struct CaptureArgs {
     /// Do not draw a progress bar.
     #[arg(long)]
     pub quiet: bool,
+
+    #[command(flatten)]
+    pub client: super::client_args::ClientArgs,
 }
 
 pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
@@ -64,8 +68,9 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
 }
 
 async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
-    let target = &client::normalize_address(&args.address, client::DEFAULT_PORT)
+    let target = client::Target::any(&args.address, client::DEFAULT_PORT)
         .with_context(|| format!("invalid address {:?}", args.address))?;
+    let config = args.client.config_for_calls()?;
     let duration_ms = u64::try_from(args.duration.as_millis()).unwrap_or(u64::MAX);
     if duration_ms == 0 {
         bail!("--duration must be at least 1ms");
@@ -85,32 +90,36 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
     if let Some(name) = &args.override_hostname {
         options.override_hostname = name.clone();
     }
+    // The server names the trace after host_name; a local socket's server
+    // is this machine.
+    let host_name = if target.is_unix() {
+        crate::service::profiler::local_hostname()
+    } else {
+        target.address.clone()
+    };
     let request = client::trace_request(
         options,
         &repository_root.display().to_string(),
         &session_id,
-        target,
+        &host_name,
     );
     let deadline = client::capture_deadline(args.duration) + args.delay;
-    let mut client = client::connect(target, deadline)
+    let connection = client::connect(&target, &config, deadline)
         .await
         .with_context(|| format!("cannot reach a profiler server at {target}"))?;
     let progress = progress_bar(args, duration_ms);
-    let reply = client.profile(request).await;
+    let reply = connection.profile(request).await;
     if let Some(progress) = progress {
         progress.finish_and_clear();
     }
-    let reply = reply
-        .map_err(|status| anyhow::anyhow!("{}: {}", status.code(), status.message()))
-        .with_context(|| format!("capture from {target} failed"))?
-        .into_inner();
+    let reply = reply.with_context(|| format!("capture from {target} failed"))?;
     if reply.empty_trace {
         bail!("{target} collected no trace events in the window");
     }
     let host = args
         .override_hostname
         .clone()
-        .unwrap_or_else(|| target.replace(':', "_"));
+        .unwrap_or_else(|| host_name.replace(':', "_"));
     let session_dir = repository_root.join(&session_id);
     if reply.tool_data.is_empty() {
         // TensorFlow's own server writes the file on its filesystem.

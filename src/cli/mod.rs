@@ -1,6 +1,7 @@
 //! The command line: one module per subcommand.
 
 mod capture;
+mod client_args;
 mod inspect;
 mod serve;
 mod session;

@@ -4,24 +4,63 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use clap::Args;
 use tracing::info;
 
 use crate::agent::{Agent, AgentConfig, BackendChoice};
 use crate::backend::ebpf::{cgroup_id, AttachMode, EbpfConfig};
 use crate::backend::mock::MockConfig;
+use crate::client::{self, Target};
 use crate::ring::DropPolicy;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{local_hostname, ProfilerService, ServiceConfig};
 use crate::service::repository::AllowedRoots;
+use crate::service::session_hosts::{HostPattern, SessionHosts};
+use crate::service::Listeners;
 use crate::store::StoreConfig;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Address to listen on. Use 0.0.0.0:6009 to accept captures from other hosts.
+    /// Address to listen on. Use 0.0.0.0:6009 to accept captures from other
+    /// hosts; an address other hosts can reach needs --tls-cert (or
+    /// --insecure).
     #[arg(long, default_value = "127.0.0.1:6009")]
     pub listen: String,
+
+    /// Serve plaintext gRPC on an address other hosts can reach. Anyone who
+    /// reaches the port can then capture, and read and write sessions under
+    /// --allow-root; keep such a port on a private network. TensorFlow's and
+    /// XProf's clients speak only plaintext.
+    #[arg(long)]
+    pub insecure: bool,
+
+    /// Require every client of --listen to present a certificate signed by
+    /// this CA (PEM): mutual TLS. Needs --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Also serve on a UNIX socket at this path (plaintext; only users the
+    /// socket's mode lets in can connect), e.g. for local clients while
+    /// --listen uses TLS. Capture with `devtrace capture unix:PATH`.
+    #[arg(long, value_name = "PATH")]
+    pub listen_unix: Option<PathBuf>,
+
+    /// Mode of the --listen-unix socket: 0600 (the agent's user) or 0660
+    /// (also its group; change the socket's group after start).
+    #[arg(long, value_name = "MODE", default_value = "0600", value_parser = parse_socket_mode)]
+    pub listen_unix_mode: u32,
+
+    /// Hosts a NewSession may make this agent call (repeatable): host[:port]
+    /// glob patterns, e.g. `10.0.*:6009` or `*.cluster.local:*` (no port
+    /// means 6009). Default: any host.
+    #[arg(long = "session-hosts", value_name = "PATTERN", value_parser = parse_session_hosts)]
+    pub session_hosts: Vec<HostPattern>,
+
+    // --tls-ca, --tls-cert, --tls-key, --tls-domain, --max-reply-size: this
+    // agent's certificate, and how it calls session hosts and upstreams.
+    #[command(flatten)]
+    pub client: super::client_args::ClientArgs,
 
     /// Backends to run (repeatable). `auto` runs every backend that works on
     /// this machine and falls back to the mock when no device backend does.
@@ -136,9 +175,10 @@ pub struct ServeArgs {
 
     /// An in-process profiler server (TensorFlow's or JAX's, or another
     /// devtrace) whose trace every capture folds in, over the same window
-    /// (repeatable), e.g. `--upstream grpc://127.0.0.1:9999`.
+    /// (repeatable), e.g. `--upstream grpc://127.0.0.1:9999`. Reached with
+    /// TLS when --tls-ca is given, unless named grpc://.
     #[arg(long = "upstream", value_name = "ADDR", value_parser = parse_upstream)]
-    pub upstreams: Vec<String>,
+    pub upstreams: Vec<Target>,
 
     /// Host name recorded in traces (default: this machine's).
     #[arg(long)]
@@ -183,8 +223,20 @@ fn parse_comm(text: &str) -> Result<String, String> {
     Ok(text.to_string())
 }
 
-fn parse_upstream(text: &str) -> Result<String, String> {
-    crate::client::normalize_address(text, crate::client::DEFAULT_PORT).map_err(|e| e.to_string())
+fn parse_upstream(text: &str) -> Result<Target, String> {
+    Target::tcp(text, client::DEFAULT_PORT).map_err(|e| e.to_string())
+}
+
+fn parse_session_hosts(text: &str) -> Result<HostPattern, String> {
+    HostPattern::parse(text, client::DEFAULT_PORT).map_err(|e| e.to_string())
+}
+
+fn parse_socket_mode(text: &str) -> Result<u32, String> {
+    match text.trim_start_matches('0') {
+        "600" => Ok(0o600),
+        "660" => Ok(0o660),
+        _ => Err(format!("{text:?}: the socket's mode is 0600 or 0660")),
+    }
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -197,6 +249,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let listeners = listen(&args).await?;
+    let client_config = args.client.config()?;
     let allowed_roots = AllowedRoots::new(&args.allow_roots)
         .with_context(|| format!("preparing --allow-root {:?}", args.allow_roots))?;
     let config = AgentConfig {
@@ -258,18 +312,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             allowed_roots: allowed_roots.clone(),
             hostname: args.hostname.clone().unwrap_or_else(local_hostname),
             upstreams: args.upstreams.clone(),
+            client: client_config.clone(),
             ..ServiceConfig::default()
         },
     ));
     let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig {
         allowed_roots: allowed_roots.clone(),
         max_duration: args.max_duration,
-        default_port: crate::client::DEFAULT_PORT,
+        default_port: client::DEFAULT_PORT,
+        client: client_config,
+        session_hosts: SessionHosts::new(args.session_hosts.clone()),
     }));
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let address = listener.local_addr().context("reading the bound address")?;
+    let address = listeners
+        .tcp
+        .local_addr()
+        .context("reading the bound address")?;
     for (name, health) in agent.backend_health() {
         info!(backend = name, %health, "backend");
     }
@@ -281,11 +338,82 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     println!("devtrace listening on {address}");
     super::tap::start_taps(&agent, &args.taps).await?;
-    info!("capture with: devtrace capture grpc://{address} --logdir DIR");
-    crate::service::serve(listener, service, analysis, shutdown_signal()).await?;
+    let scheme = if listeners.tls.is_some() {
+        "grpcs"
+    } else {
+        "grpc"
+    };
+    info!("capture with: devtrace capture {scheme}://{address} --logdir DIR");
+    if let Some(path) = &args.listen_unix {
+        info!(socket = %path.display(), "also serving on a UNIX socket");
+    }
+    let served = crate::service::serve(listeners, service, analysis, shutdown_signal()).await;
+    if let Some(path) = &args.listen_unix {
+        let _ = std::fs::remove_file(path);
+    }
+    served?;
     info!("shutting down");
     agent.shutdown();
     Ok(())
+}
+
+/// Binds `--listen` (refusing plaintext other hosts could reach, unless
+/// `--insecure`) and `--listen-unix`, with the server's TLS when asked for.
+async fn listen(args: &ServeArgs) -> anyhow::Result<Listeners> {
+    let tls = match (&args.client.tls_cert, &args.client.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            crate::tls::server_config(cert, key, args.tls_client_ca.as_deref())
+                .context("loading the TLS files of --tls-cert/--tls-key/--tls-client-ca")?,
+        ),
+        _ => None,
+    };
+    let tcp = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let address = tcp.local_addr().context("reading the bound address")?;
+    if tls.is_none() && !args.insecure && !address.ip().is_loopback() {
+        bail!(
+            "--listen {} can be reached from other hosts and would serve plaintext: \
+             anyone reaching it could capture and use --allow-root. Give --tls-cert and \
+             --tls-key (and --tls-client-ca to require client certificates), or --insecure \
+             to serve plaintext anyway on a network you trust",
+            args.listen
+        );
+    }
+    let unix = match &args.listen_unix {
+        Some(path) => Some(bind_unix(path, args.listen_unix_mode)?),
+        None => None,
+    };
+    Ok(Listeners { tcp, tls, unix })
+}
+
+/// A UNIX socket at `path` with `mode`, never reachable with a wider mode:
+/// it is bound in a private directory, given its mode, then moved into
+/// place (replacing a stale socket, never another kind of file).
+fn bind_unix(path: &std::path::Path, mode: u32) -> anyhow::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let shown = path.display();
+    if matches!(std::fs::symlink_metadata(path), Ok(existing) if !existing.file_type().is_socket())
+    {
+        bail!("--listen-unix {shown}: a file that is not a socket is already there");
+    }
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let private = tempfile::Builder::new()
+        .prefix(".devtrace-socket.")
+        .tempdir_in(parent)
+        .with_context(|| format!("--listen-unix {shown}: preparing the socket"))?;
+    let staged = private.path().join("socket");
+    let listener = std::os::unix::net::UnixListener::bind(&staged)
+        .with_context(|| format!("--listen-unix {shown}: binding"))?;
+    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
+        .and_then(|()| std::fs::rename(&staged, path))
+        .and_then(|()| listener.set_nonblocking(true))
+        .with_context(|| format!("--listen-unix {shown}: putting the socket in place"))?;
+    tokio::net::UnixListener::from_std(listener)
+        .with_context(|| format!("--listen-unix {shown}: listening"))
 }
 
 pub(super) async fn shutdown_signal() {

@@ -29,7 +29,8 @@ pub enum SessionCommand {
 
 #[derive(Debug, Args)]
 pub struct NewSessionArgs {
-    /// Comma-separated profiler servers (host or host:port; default port 6009).
+    /// Comma-separated profiler servers (host or host:port; default port
+    /// 6009; grpc:// or grpcs:// to choose plaintext or TLS for one).
     #[arg(long, value_delimiter = ',', required = true)]
     pub hosts: Vec<String>,
     #[arg(long)]
@@ -40,6 +41,8 @@ pub struct NewSessionArgs {
     /// Session name; default: the current UTC time as YYYY_MM_DD_HH_MM_SS.
     #[arg(long)]
     pub session_id: Option<String>,
+    #[command(flatten)]
+    pub client: super::client_args::ClientArgs,
 }
 
 #[derive(Debug, Args)]
@@ -82,7 +85,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         .hosts
         .iter()
         .map(|h| {
-            client::normalize_address(h, client::DEFAULT_PORT)
+            client::Target::tcp(h, client::DEFAULT_PORT)
                 .with_context(|| format!("invalid host {h:?}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -97,19 +100,23 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let options = client::default_profile_options(duration_ms, clock::now_ns());
     let request = client::trace_request(options, &root.display().to_string(), &session_id, "");
     let deadline = client::capture_deadline(args.duration);
+    let config = args.client.config_for_calls()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     eprintln!("capturing {} hosts for {duration_ms} ms", hosts.len());
-    let outcomes = runtime.block_on(session::fan_out(&hosts, &request, deadline));
     let directory = root.join(&session_id);
+    let deliver: session::Deliver = std::sync::Arc::new(move |file_name, bytes| {
+        super::write_file(&directory, file_name, bytes).map_err(|e| format!("{e:#}"))
+    });
+    let outcomes = runtime.block_on(session::fan_out(
+        &hosts, &request, deadline, &config, deliver,
+    ));
     let mut delivered = 0;
     for outcome in outcomes {
-        let file_name = outcome.file_name();
         match outcome.result {
-            Ok(Some(bytes)) => {
-                let path = super::write_file(&directory, &file_name, &bytes)?;
+            Ok(Some(path)) => {
                 println!("{}", path.display());
                 delivered += 1;
             }

@@ -12,7 +12,6 @@ use crate::agent::{Agent, AgentConfig, BackendChoice};
 use crate::backend::mock::MockConfig;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{local_hostname, ProfilerService, ServiceConfig};
-use crate::service::repository::AllowedRoots;
 use crate::tap::{Recorder, Tap};
 
 #[derive(Debug, Args)]
@@ -106,11 +105,7 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
                 ..ServiceConfig::default()
             },
         ));
-        let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig {
-            allowed_roots: AllowedRoots::default(),
-            max_duration: ServiceConfig::default().max_duration,
-            default_port: crate::client::DEFAULT_PORT,
-        }));
+        let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig::default()));
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;

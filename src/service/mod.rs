@@ -4,41 +4,97 @@
 pub mod profile_analysis;
 pub mod profiler;
 pub mod repository;
+pub mod session_hosts;
 pub mod validate;
 
 use std::sync::Arc;
 
-use tonic::transport::server::TcpIncoming;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::server::{Router, TcpIncoming};
+use tonic::transport::ServerTlsConfig;
 
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysisServer;
 use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
 
-/// Largest message accepted or sent: real traces run to hundreds of MB and the
-/// TensorFlow client accepts up to 2 GiB.
-pub const MAX_MESSAGE_BYTES: usize = i32::MAX as usize;
+/// Largest request decoded. Requests are small (a `ProfileRequest`, a list
+/// of hosts); without a bound a caller could make the agent hold gigabytes
+/// (a billion empty `tools` entries decode to ~24 GB). A larger request is
+/// refused with OUT_OF_RANGE before its body is read.
+pub const MAX_REQUEST_BYTES: usize = 4 << 20;
 
-/// Serves ProfilerService and ProfileAnalysis on `listener` until `shutdown`
-/// resolves.
+/// Largest reply sent: real traces run to hundreds of MB and the TensorFlow
+/// client accepts up to 2 GiB.
+pub const MAX_REPLY_BYTES: usize = i32::MAX as usize;
+
+/// Where the services listen: a TCP listener, with TLS or without, and
+/// optionally a UNIX socket (plaintext, guarded by its file permissions).
+pub struct Listeners {
+    pub tcp: tokio::net::TcpListener,
+    pub tls: Option<ServerTlsConfig>,
+    pub unix: Option<tokio::net::UnixListener>,
+}
+
+impl From<tokio::net::TcpListener> for Listeners {
+    fn from(tcp: tokio::net::TcpListener) -> Listeners {
+        Listeners {
+            tcp,
+            tls: None,
+            unix: None,
+        }
+    }
+}
+
+/// Serves ProfilerService and ProfileAnalysis on every listener until
+/// `shutdown` resolves.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    listeners: impl Into<Listeners>,
     profiler: Arc<profiler::ProfilerService>,
     analysis: Arc<profile_analysis::ProfileAnalysisService>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
+    let listeners = listeners.into();
+    let stop = CancellationToken::new();
+    let trigger = stop.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        trigger.cancel();
+    });
     // Server::tcp_nodelay does not reach sockets from a caller's listener;
     // without it small replies wait on Nagle's algorithm.
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
+    let tcp = TcpIncoming::from(listeners.tcp).with_nodelay(Some(true));
+    let tcp = router(&profiler, &analysis, listeners.tls)?
+        .serve_with_incoming_shutdown(tcp, stop.clone().cancelled_owned());
+    let Some(unix) = listeners.unix else {
+        return tcp.await;
+    };
+    let unix = router(&profiler, &analysis, None)?.serve_with_incoming_shutdown(
+        tokio_stream::wrappers::UnixListenerStream::new(unix),
+        stop.clone().cancelled_owned(),
+    );
+    let result = tokio::try_join!(tcp, unix).map(|_| ());
+    // One listener failing ends the other too.
+    stop.cancel();
+    result
+}
+
+fn router(
+    profiler: &Arc<profiler::ProfilerService>,
+    analysis: &Arc<profile_analysis::ProfileAnalysisService>,
+    tls: Option<ServerTlsConfig>,
+) -> Result<Router, tonic::transport::Error> {
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls)?;
+    }
+    Ok(server
         .add_service(
-            ProfilerServiceServer::from_arc(profiler)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            ProfilerServiceServer::from_arc(Arc::clone(profiler))
+                .max_decoding_message_size(MAX_REQUEST_BYTES)
+                .max_encoding_message_size(MAX_REPLY_BYTES),
         )
         .add_service(
-            ProfileAnalysisServer::from_arc(analysis)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        )
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+            ProfileAnalysisServer::from_arc(Arc::clone(analysis))
+                .max_decoding_message_size(MAX_REQUEST_BYTES)
+                .max_encoding_message_size(MAX_REPLY_BYTES),
+        ))
 }

@@ -5,12 +5,13 @@
 //! allowed roots, for reading as for writing.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use crate::client;
+use crate::client::{self, ClientConfig, Target};
 use crate::clock;
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysis;
 use crate::proto::tensorflow::{
@@ -22,6 +23,7 @@ use crate::session::{self, SessionError, ToolDataError};
 
 use super::profiler::session_timestamp;
 use super::repository::AllowedRoots;
+use super::session_hosts::SessionHosts;
 use super::validate::{self, invalid};
 
 /// Most hosts one NewSession may name.
@@ -49,6 +51,23 @@ pub struct AnalysisConfig {
     pub allowed_roots: AllowedRoots,
     pub max_duration: Duration,
     pub default_port: u16,
+    /// How session hosts are called: TLS, and the largest reply accepted
+    /// from each.
+    pub client: ClientConfig,
+    /// Hosts a session may name (`--session-hosts`).
+    pub session_hosts: SessionHosts,
+}
+
+impl Default for AnalysisConfig {
+    fn default() -> Self {
+        AnalysisConfig {
+            allowed_roots: AllowedRoots::default(),
+            max_duration: Duration::from_secs(600),
+            default_port: client::DEFAULT_PORT,
+            client: ClientConfig::default(),
+            session_hosts: SessionHosts::default(),
+        }
+    }
 }
 
 pub struct ProfileAnalysisService {
@@ -70,6 +89,28 @@ impl ProfileAnalysisService {
             .allowed_roots
             .confine(Path::new(repository_root))
             .map_err(|e| Status::permission_denied(format!("repository_root: {e}")))
+    }
+}
+
+impl ProfileAnalysisService {
+    /// `hosts[index]` of a NewSession as a target, if the operator allows it.
+    fn session_host(&self, index: usize, host: &str) -> Result<Target, Status> {
+        let field = format!("hosts[{index}]");
+        let target = Target::tcp(host, self.config.default_port).map_err(|e| invalid(&field, e))?;
+        if !self.config.session_hosts.allows(&target.address) {
+            return Err(Status::permission_denied(format!(
+                "{field}: {} is not among the hosts this agent may call (--session-hosts {})",
+                target.address,
+                self.config.session_hosts.describe()
+            )));
+        }
+        if target.uses_tls(&self.config.client) && self.config.client.tls.is_none() {
+            return Err(invalid(
+                &field,
+                "grpcs:// needs the agent to be started with --tls-ca",
+            ));
+        }
+        Ok(target)
     }
 }
 
@@ -120,11 +161,8 @@ impl ProfileAnalysis for ProfileAnalysisService {
             .hosts
             .iter()
             .enumerate()
-            .map(|(i, host)| {
-                client::normalize_address(host, self.config.default_port)
-                    .map_err(|e| invalid(&format!("hosts[{i}]"), e))
-            })
-            .collect::<Result<Vec<String>, Status>>()?;
+            .map(|(i, host)| self.session_host(i, host))
+            .collect::<Result<Vec<Target>, Status>>()?;
         validate::name_component("session_id", &request.session_id)?;
         let root = self.root(&request.repository_root)?;
         let session_id = if request.session_id.is_empty() {
@@ -174,24 +212,25 @@ impl ProfileAnalysis for ProfileAnalysisService {
             deadline = deadline.min(caller.saturating_sub(caller / 10 + REPLY_MARGIN));
         }
         info!(session = %session_id, hosts = hosts.len(), duration_ms, "session requested");
-        let outcomes = session::fan_out(&hosts, &profile, deadline).await;
         let directory = root.join(&session_id);
+        let roots = self.config.allowed_roots.clone();
+        let deliver: session::Deliver = Arc::new(move |file_name, bytes| {
+            roots
+                .write_atomic(&directory, file_name, bytes)
+                .map_err(|e| e.to_string())
+        });
+        let outcomes =
+            session::fan_out(&hosts, &profile, deadline, &self.config.client, deliver).await;
         let mut errors = Vec::new();
         let mut delivered = 0;
         for outcome in &outcomes {
             match &outcome.result {
-                Ok(Some(bytes)) => {
-                    match self.config.allowed_roots.write_atomic(
-                        &directory,
-                        &outcome.file_name(),
-                        bytes,
-                    ) {
-                        Ok(_) => delivered += 1,
-                        Err(e) => errors.push(format!("{}: {e}", outcome.host)),
-                    }
-                }
+                Ok(Some(_)) => delivered += 1,
                 Ok(None) => errors.push(format!("{}: returned an empty trace", outcome.host)),
-                Err(e) => errors.push(format!("{}: {e}", outcome.host)),
+                Err(e) => {
+                    info!(session = %session_id, host = %outcome.host, error = %e, "host failed");
+                    errors.push(format!("{}: {e}", outcome.host));
+                }
             }
         }
         info!(session = %session_id, delivered, failed = errors.len(), "session done");

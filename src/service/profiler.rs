@@ -50,9 +50,11 @@ pub struct ServiceConfig {
     pub allowed_roots: AllowedRoots,
     /// Name of this host, recorded in every trace.
     pub hostname: String,
-    /// In-process profiler servers (`host:port`) whose traces every
-    /// `Profile` capture folds in.
-    pub upstreams: Vec<String>,
+    /// In-process profiler servers whose traces every `Profile` capture
+    /// folds in.
+    pub upstreams: Vec<client::Target>,
+    /// How upstreams are called: TLS, and the largest reply accepted.
+    pub client: client::ClientConfig,
 }
 
 impl Default for ServiceConfig {
@@ -63,6 +65,7 @@ impl Default for ServiceConfig {
             allowed_roots: AllowedRoots::default(),
             hostname: local_hostname(),
             upstreams: Vec::new(),
+            client: client::ClientConfig::default(),
         }
     }
 }
@@ -281,7 +284,7 @@ impl ProfilerService {
     /// Starts capturing every upstream and per-capture source over the
     /// plan's window: each is called when the window starts (at once when it
     /// has), so that it records that window and not the one after it.
-    fn start_remote(&self, plan: &Plan, upstreams: &[String]) -> Remote {
+    fn start_remote(&self, plan: &Plan, upstreams: &[client::Target]) -> Remote {
         let window = plan.window;
         let end = CaptureEnd::at(window.stop_ns);
         let duration = Duration::from_nanos(window.duration_ns());
@@ -290,16 +293,18 @@ impl ProfilerService {
         for upstream in upstreams {
             let options =
                 client::default_profile_options(duration.as_millis() as u64, window.start_ns);
-            let mut request = client::trace_request(options, "", &plan.session_id, upstream);
+            let name = upstream.to_string();
+            let mut request = client::trace_request(options, "", &plan.session_id, &name);
             request.emit_xspace = true;
             let upstream = upstream.clone();
+            let config = self.config.client.clone();
             upstream_calls.spawn(async move {
                 // Servers that record from the moment they are asked (TensorFlow's,
                 // JAX's) are asked when the window starts; a devtrace upstream
                 // would also wait for the start itself.
                 tokio::time::sleep(clock::until(window.start_ns)).await;
-                let result = session::capture_host(&upstream, request, deadline).await;
-                (upstream, result)
+                let result = session::capture_host(&upstream, request, deadline, &config).await;
+                (name, result)
             });
         }
         let mut source_calls = tokio::task::JoinSet::new();
@@ -313,6 +318,7 @@ impl ProfilerService {
         }
         Remote {
             upstreams: upstreams.to_vec(),
+            client: self.config.client.clone(),
             upstream_calls,
             source_calls,
             end,
@@ -334,7 +340,7 @@ impl ProfilerService {
         let mut remote = upstream_calls.join_all().await;
         remote.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, result) in source_calls.join_all().await {
-            remote.push((name, result.map(Some)));
+            remote.push((name, result.map(|trace| Some(trace.into()))));
         }
         let (data, registry) = local.map_err(|e| Status::internal(e.to_string()))?;
         let mut warnings = plan.warnings.clone();
@@ -383,7 +389,7 @@ impl ProfilerService {
                 source.clone()
             };
             match result {
-                Ok(Some(bytes)) => match XSpace::decode(bytes.as_slice()) {
+                Ok(Some(bytes)) => match XSpace::decode(bytes) {
                     Ok(space) => match upstream_start(&space, window) {
                         Ok(offset) => {
                             if let Some(offset_ns) = offset {
@@ -565,14 +571,15 @@ fn upstream_start(space: &XSpace, window: Window) -> Result<Option<i64>, String>
 }
 
 /// One upstream's address and its trace (`None`: empty), or why not.
-type UpstreamOutcome = (String, Result<Option<Vec<u8>>, String>);
+type UpstreamOutcome = (String, Result<Option<bytes::Bytes>, String>);
 /// One per-capture source's name and its trace, or why not.
 type SourceOutcome = (String, Result<Vec<u8>, String>);
 
 /// What records a capture besides the flight recorder: its upstreams' calls
 /// and its per-capture sources, and when they should stop.
 struct Remote {
-    upstreams: Vec<String>,
+    upstreams: Vec<client::Target>,
+    client: client::ClientConfig,
     upstream_calls: tokio::task::JoinSet<UpstreamOutcome>,
     source_calls: tokio::task::JoinSet<SourceOutcome>,
     end: CaptureEnd,
@@ -582,6 +589,7 @@ impl Remote {
     fn none(window: Window) -> Remote {
         Remote {
             upstreams: Vec::new(),
+            client: client::ClientConfig::default(),
             upstream_calls: tokio::task::JoinSet::new(),
             source_calls: tokio::task::JoinSet::new(),
             end: CaptureEnd::at(window.stop_ns),
@@ -594,15 +602,18 @@ impl Remote {
         self.end.now();
         for upstream in &self.upstreams {
             let upstream = upstream.clone();
-            let request = TerminateRequest {
-                session_id: session_id.to_string(),
-            };
+            let config = self.client.clone();
+            let session_id = session_id.to_string();
             tokio::spawn(async move {
                 let call = async {
-                    let mut client = client::connect(&upstream, UPSTREAM_TERMINATE_TIMEOUT)
+                    let connection =
+                        client::connect(&upstream, &config, UPSTREAM_TERMINATE_TIMEOUT)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    connection
+                        .terminate(&session_id)
                         .await
-                        .map_err(|e| e.to_string())?;
-                    client.terminate(request).await.map_err(|e| e.to_string())
+                        .map_err(|e| e.to_string())
                 };
                 if let Err(error) = call.await {
                     info!(%upstream, %error, "could not end the upstream's capture early");

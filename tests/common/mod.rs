@@ -176,6 +176,15 @@ pub fn space_of(reply: &ProfileResponse) -> XSpace {
     XSpace::decode(tool.data.as_slice()).expect("decoding the XSpace")
 }
 
+/// Asserts that one of the trace's errors starts with `prefix`.
+pub fn assert_error_starting(space: &XSpace, prefix: &str) {
+    assert!(
+        space.errors.iter().any(|e| e.starts_with(prefix)),
+        "no error starts with {prefix:?}: {:?}",
+        space.errors
+    );
+}
+
 pub fn plane<'s>(space: &'s XSpace, name: &str) -> &'s XPlane {
     space
         .planes

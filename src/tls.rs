@@ -1,0 +1,127 @@
+//! TLS for the control plane: the certificate a server presents, the CA its
+//! clients must be signed by (mutual TLS), and what a client trusts and
+//! presents. Every file is PEM and named explicitly: no system trust store
+//! is consulted, so a certificate is accepted only when it chains to a CA
+//! the operator gave.
+
+use std::path::Path;
+use std::time::Duration;
+
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+/// How long a peer may take over its TLS handshake: one that stalls holds a
+/// connection and a task, so it is cut off.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} holds no PEM {what} (a -----BEGIN {what}----- block)")]
+    NotPem { path: String, what: &'static str },
+}
+
+/// The contents of a PEM file that holds at least one `what` block
+/// (`CERTIFICATE`, or `PRIVATE KEY` of any kind).
+fn read_pem(path: &Path, what: &'static str) -> Result<Vec<u8>, TlsError> {
+    let shown = || path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
+        path: shown(),
+        source,
+    })?;
+    let text = String::from_utf8_lossy(&bytes);
+    // "PRIVATE KEY" also covers "RSA PRIVATE KEY" and "EC PRIVATE KEY".
+    let found = text
+        .lines()
+        .any(|line| line.starts_with("-----BEGIN ") && line.ends_with(&format!("{what}-----")));
+    if !found {
+        return Err(TlsError::NotPem {
+            path: shown(),
+            what,
+        });
+    }
+    Ok(bytes)
+}
+
+fn certificate(path: &Path) -> Result<Certificate, TlsError> {
+    read_pem(path, "CERTIFICATE").map(Certificate::from_pem)
+}
+
+fn identity(cert: &Path, key: &Path) -> Result<Identity, TlsError> {
+    Ok(Identity::from_pem(
+        read_pem(cert, "CERTIFICATE")?,
+        read_pem(key, "PRIVATE KEY")?,
+    ))
+}
+
+/// A server's TLS: its certificate chain and key and, when `client_ca` is
+/// given, mutual TLS: every client must present a certificate signed by it.
+pub fn server_config(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+) -> Result<ServerTlsConfig, TlsError> {
+    let mut config = ServerTlsConfig::new()
+        .identity(identity(cert, key)?)
+        .timeout(HANDSHAKE_TIMEOUT);
+    if let Some(ca) = client_ca {
+        config = config.client_ca_root(certificate(ca)?);
+    }
+    Ok(config)
+}
+
+/// A client's TLS: the CA servers' certificates must chain to, a certificate
+/// of its own for servers that require one, and a name to check servers'
+/// certificates against when it is not the host being called.
+#[derive(Clone, Debug)]
+pub struct ClientTls {
+    config: ClientTlsConfig,
+}
+
+impl ClientTls {
+    pub fn load(
+        ca: &Path,
+        own: Option<(&Path, &Path)>,
+        domain: Option<&str>,
+    ) -> Result<ClientTls, TlsError> {
+        let mut config = ClientTlsConfig::new()
+            .ca_certificate(certificate(ca)?)
+            .timeout(HANDSHAKE_TIMEOUT);
+        if let Some((cert, key)) = own {
+            config = config.identity(identity(cert, key)?);
+        }
+        if let Some(domain) = domain {
+            config = config.domain_name(domain);
+        }
+        Ok(ClientTls { config })
+    }
+
+    pub fn config(&self) -> ClientTlsConfig {
+        self.config.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_without_the_expected_pem_block_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key.pem");
+        std::fs::write(&key, "-----BEGIN EC PRIVATE KEY-----\nAAAA\n").unwrap();
+        let error = ClientTls::load(&key, None, None).unwrap_err().to_string();
+        assert!(
+            error.contains("key.pem holds no PEM CERTIFICATE"),
+            "{error}"
+        );
+        assert!(read_pem(&key, "PRIVATE KEY").is_ok());
+        let missing = ClientTls::load(&dir.path().join("none.pem"), None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(missing.starts_with("cannot read "), "{missing}");
+    }
+}

@@ -1,0 +1,609 @@
+//! The control plane under attack and over TLS, against real agents on
+//! loopback: requests too large to decode, a hostile profiler server that
+//! answers a session, an upstream or `devtrace capture` with more than the
+//! caller accepts, session targets outside `--session-hosts`, TLS and mutual
+//! TLS for the agent and every client, plaintext on an address other hosts
+//! can reach, and the UNIX socket listener.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::*;
+use devtrace::proto::tensorflow::profile_analysis_client::ProfileAnalysisClient;
+use devtrace::proto::tensorflow::profiler::XSpace;
+use devtrace::proto::tensorflow::profiler_service_server::{
+    ProfilerService, ProfilerServiceServer,
+};
+use devtrace::proto::tensorflow::{
+    ContinuousProfilingResponse, GetSnapshotRequest, MonitorRequest, MonitorResponse,
+    NewProfileSessionRequest, ProfileRequest, ProfileResponse, StopContinuousProfilingRequest,
+    StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
+};
+use prost::Message;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::{Code, Request, Response, Status};
+
+/// Runs `devtrace ARGS` off the async runtime, so that servers of the test
+/// keep answering it.
+async fn devtrace(args: Vec<String>) -> Output {
+    tokio::task::spawn_blocking(move || {
+        Command::new(BIN)
+            .args(&args)
+            .output()
+            .expect("running devtrace")
+    })
+    .await
+    .expect("the devtrace process")
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|a| a.to_string()).collect()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 path")
+}
+
+/// `devtrace capture TARGET --duration 300ms --logdir LOGDIR --quiet EXTRA`.
+async fn capture(target: &str, logdir: &Path, extra: &[&str]) -> Output {
+    let mut list = args(&[
+        "capture",
+        target,
+        "--duration",
+        "300ms",
+        "--session-id",
+        "run",
+        "--logdir",
+        path(logdir),
+        "--quiet",
+    ]);
+    list.extend(args(extra));
+    devtrace(list).await
+}
+
+/// Asserts that a devtrace command failed and said `words`.
+fn fails_saying(out: &Output, words: &str) {
+    let said = text(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains(words), "{said}");
+}
+
+/// The trace file `devtrace capture` printed, decoded.
+fn captured_trace(out: &Output) -> XSpace {
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let file = text(&out.stdout).trim().to_string();
+    XSpace::decode(std::fs::read(&file).expect("the trace file").as_slice()).expect("an XSpace")
+}
+
+async fn analysis(channel: Channel) -> ProfileAnalysisClient<Channel> {
+    ProfileAnalysisClient::new(channel).max_decoding_message_size(usize::MAX)
+}
+
+async fn plain_channel(address: &str) -> Channel {
+    Channel::from_shared(format!("http://{address}"))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connecting to the agent")
+}
+
+fn session_request(root: &Path, hosts: &[&str], session: &str) -> NewProfileSessionRequest {
+    NewProfileSessionRequest {
+        request: Some(request(300, "ignored")),
+        repository_root: root.display().to_string(),
+        hosts: hosts.iter().map(|h| h.to_string()).collect(),
+        session_id: session.to_string(),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Sizes
+
+#[tokio::test]
+async fn requests_over_the_limit_are_refused_and_the_agent_keeps_serving() {
+    let mut agent = AgentProcess::start(&["--mock-rate", "1000"]);
+    // 5 MiB of request: over the 4 MiB the agent decodes.
+    let mut huge = request(100, "huge");
+    huge.tools = vec!["x".repeat(5 << 20)];
+    let status = agent.client().await.profile(huge).await.unwrap_err();
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    assert!(status.message().contains("4194304"), "{}", status.message());
+
+    let mut session = session_request(Path::new("/tmp"), &["h"], "s");
+    session.hosts = vec!["h".repeat(5 << 20)];
+    let status = analysis(plain_channel(&agent.address).await)
+        .await
+        .new_session(session)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+
+    assert!(agent.is_running());
+    let monitor = agent.monitor(50).await;
+    assert!(!monitor.data.is_empty());
+}
+
+/// A profiler server that answers every `Profile` with an XSpace of `bytes`
+/// bytes, more than its callers accept.
+struct Hostile {
+    bytes: usize,
+}
+
+#[tonic::async_trait]
+impl ProfilerService for Hostile {
+    async fn profile(
+        &self,
+        _: Request<ProfileRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        let space = XSpace {
+            hostnames: vec!["h".repeat(self.bytes)],
+            ..XSpace::default()
+        };
+        Ok(Response::new(ProfileResponse {
+            tool_data: vec![devtrace::proto::tensorflow::ProfileToolData {
+                name: "xplane.pb".into(),
+                data: space.encode_to_vec(),
+            }],
+            empty_trace: false,
+            xspace: Some(space),
+        }))
+    }
+    async fn terminate(
+        &self,
+        _: Request<TerminateRequest>,
+    ) -> Result<Response<TerminateResponse>, Status> {
+        Ok(Response::new(TerminateResponse {}))
+    }
+    async fn monitor(
+        &self,
+        _: Request<MonitorRequest>,
+    ) -> Result<Response<MonitorResponse>, Status> {
+        Err(Status::unimplemented("hostile"))
+    }
+    async fn start_continuous_profiling(
+        &self,
+        _: Request<ProfileRequest>,
+    ) -> Result<Response<ContinuousProfilingResponse>, Status> {
+        Err(Status::unimplemented("hostile"))
+    }
+    async fn stop_continuous_profiling(
+        &self,
+        _: Request<StopContinuousProfilingRequest>,
+    ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
+        Err(Status::unimplemented("hostile"))
+    }
+    async fn get_snapshot(
+        &self,
+        _: Request<GetSnapshotRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        Err(Status::unimplemented("hostile"))
+    }
+}
+
+/// Starts a [`Hostile`] server on loopback; its address.
+async fn hostile_host(bytes: usize) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let service = ProfilerServiceServer::new(Hostile { bytes });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    address
+}
+
+const CAP: &str = "4MiB";
+const OVER_CAP: usize = 6 << 20;
+
+#[tokio::test]
+async fn a_hostile_session_host_is_refused_and_the_other_hosts_land() {
+    let hostile = hostile_host(OVER_CAP).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = AgentProcess::start(&[
+        "--allow-root",
+        path(dir.path()),
+        "--max-reply-size",
+        CAP,
+        "--mock-rate",
+        "2000",
+    ]);
+    let reply = analysis(plain_channel(&agent.address).await)
+        .await
+        .new_session(session_request(
+            dir.path(),
+            &[hostile.as_str(), agent.address.as_str()],
+            "fleet",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let errors = reply.error_message;
+    assert!(
+        errors.contains(&format!("{hostile}: reply refused: ")),
+        "{errors}"
+    );
+    assert!(errors.contains("--max-reply-size"), "{errors}");
+    assert!(!reply.empty_trace);
+    let files: Vec<String> = std::fs::read_dir(dir.path().join("fleet"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(
+        files,
+        vec![format!("{}.xplane.pb", agent.address.replace(':', "_"))]
+    );
+    assert!(agent.is_running());
+    assert!(!agent.monitor(50).await.data.is_empty());
+}
+
+#[tokio::test]
+async fn a_hostile_upstream_makes_the_capture_partial() {
+    let hostile = hostile_host(OVER_CAP).await;
+    let mut agent = AgentProcess::start(&["--upstream", &hostile, "--max-reply-size", CAP]);
+    let reply = agent
+        .client()
+        .await
+        .profile(request(300, "partial"))
+        .await
+        .unwrap()
+        .into_inner();
+    let space = space_of(&reply);
+    assert_error_starting(&space, &format!("upstream {hostile}: reply refused: "));
+    assert!(event_count(&space) > 0, "our own events are all there");
+    assert!(agent.is_running());
+}
+
+#[tokio::test]
+async fn clients_refuse_a_hostile_reply_and_name_the_host() {
+    let hostile = hostile_host(OVER_CAP).await;
+    let agent = AgentProcess::start(&["--mock-rate", "2000"]);
+    let logdir = tempfile::tempdir().unwrap();
+    let out = devtrace(args(&[
+        "session",
+        "new",
+        "--hosts",
+        &format!("{hostile},{}", agent.address),
+        "--duration",
+        "300ms",
+        "--session-id",
+        "fleet",
+        "--logdir",
+        path(logdir.path()),
+        "--max-reply-size",
+        CAP,
+    ]))
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains(&format!("{hostile}: reply refused: ")),
+        "{}",
+        text(&out.stderr)
+    );
+    let landed = logdir.path().join(format!(
+        "plugins/profile/fleet/{}.xplane.pb",
+        agent.address.replace(':', "_")
+    ));
+    assert_eq!(text(&out.stdout).trim(), landed.display().to_string());
+
+    let out = capture(&hostile, logdir.path(), &["--max-reply-size", CAP]).await;
+    fails_saying(&out, "reply refused: ");
+}
+
+// ---------------------------------------------------------------------------
+// Session targets
+
+#[tokio::test]
+async fn sessions_reach_only_the_hosts_the_operator_allows() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = AgentProcess::start(&[
+        "--allow-root",
+        path(dir.path()),
+        "--session-hosts",
+        "127.0.0.1:*",
+        "--session-hosts",
+        "*.cluster.local",
+        "--mock-rate",
+        "2000",
+    ]);
+    let mut client = analysis(plain_channel(&agent.address).await).await;
+    let status = client
+        .new_session(session_request(
+            dir.path(),
+            &[agent.address.as_str(), "169.254.169.254:80"],
+            "outside",
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert!(
+        status
+            .message()
+            .starts_with("hosts[1]: 169.254.169.254:80 "),
+        "{}",
+        status.message()
+    );
+    assert!(
+        status.message().contains("--session-hosts"),
+        "{}",
+        status.message()
+    );
+    assert!(!dir.path().join("outside").exists());
+
+    let reply = client
+        .new_session(session_request(
+            dir.path(),
+            &[agent.address.as_str()],
+            "inside",
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.error_message.is_empty(), "{}", reply.error_message);
+    assert!(dir.path().join("inside").is_dir());
+}
+
+// ---------------------------------------------------------------------------
+// TLS
+
+/// Certificates made for one test: a CA that signs the agents' certificate
+/// (for localhost and 127.0.0.1, good for serving and for calling), a
+/// second CA that signs client certificates, and an unrelated CA.
+struct Pki {
+    _dir: tempfile::TempDir,
+    ca: PathBuf,
+    agent_cert: PathBuf,
+    agent_key: PathBuf,
+    client_ca: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+    other_ca: PathBuf,
+}
+
+fn new_ca(name: &str) -> (rcgen::Certificate, rcgen::Issuer<'static, rcgen::KeyPair>) {
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    (cert, rcgen::Issuer::new(params, key))
+}
+
+fn new_leaf(
+    names: &[&str],
+    usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
+    issuer: &rcgen::Issuer<'static, rcgen::KeyPair>,
+) -> (String, String) {
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let mut params = rcgen::CertificateParams::new(names).unwrap();
+    params.extended_key_usages = usages;
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, issuer).unwrap();
+    (cert.pem(), key.serialize_pem())
+}
+
+impl Pki {
+    fn new() -> Pki {
+        use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, pem: &str| {
+            let file = dir.path().join(name);
+            std::fs::write(&file, pem).unwrap();
+            file
+        };
+        let (ca, ca_issuer) = new_ca("devtrace test CA");
+        let (client_ca, client_issuer) = new_ca("devtrace test client CA");
+        let (other_ca, _) = new_ca("someone else's CA");
+        let (agent_cert, agent_key) = new_leaf(
+            &["localhost", "127.0.0.1"],
+            vec![ServerAuth, ClientAuth],
+            &ca_issuer,
+        );
+        let (client_cert, client_key) = new_leaf(&["operator"], vec![ClientAuth], &client_issuer);
+        Pki {
+            ca: write("ca.pem", &ca.pem()),
+            agent_cert: write("agent.pem", &agent_cert),
+            agent_key: write("agent.key", &agent_key),
+            client_ca: write("client-ca.pem", &client_ca.pem()),
+            client_cert: write("client.pem", &client_cert),
+            client_key: write("client.key", &client_key),
+            other_ca: write("other-ca.pem", &other_ca.pem()),
+            _dir: dir,
+        }
+    }
+
+    /// `serve` flags: TLS with the agent's certificate.
+    fn serving(&self) -> Vec<&str> {
+        vec![
+            "--tls-cert",
+            path(&self.agent_cert),
+            "--tls-key",
+            path(&self.agent_key),
+        ]
+    }
+}
+
+#[tokio::test]
+async fn captures_over_tls_work_for_clients_that_trust_the_agent_only() {
+    let pki = Pki::new();
+    let agent = AgentProcess::start(&pki.serving());
+    let logdir = tempfile::tempdir().unwrap();
+    let tls_address = format!("grpcs://{}", agent.address);
+
+    let out = capture(&tls_address, logdir.path(), &["--tls-ca", path(&pki.ca)]).await;
+    assert!(event_count(&captured_trace(&out)) > 0);
+
+    let plaintext = capture(&agent.address, logdir.path(), &[]).await;
+    fails_saying(&plaintext, "--tls-ca");
+    let no_ca = capture(&tls_address, logdir.path(), &[]).await;
+    fails_saying(&no_ca, "grpcs:// needs the CA certificate");
+    let wrong_ca = capture(
+        &tls_address,
+        logdir.path(),
+        &["--tls-ca", path(&pki.other_ca)],
+    )
+    .await;
+    fails_saying(&wrong_ca, "invalid peer certificate");
+}
+
+#[tokio::test]
+async fn mutual_tls_admits_only_clients_signed_by_the_client_ca() {
+    let pki = Pki::new();
+    let mut flags = pki.serving();
+    flags.extend(["--tls-client-ca", path(&pki.client_ca)]);
+    let agent = AgentProcess::start(&flags);
+    let logdir = tempfile::tempdir().unwrap();
+    let tls_address = format!("grpcs://{}", agent.address);
+    let ca = ["--tls-ca", path(&pki.ca)];
+
+    let anonymous = capture(&tls_address, logdir.path(), &ca).await;
+    fails_saying(&anonymous, "--tls-cert");
+    // Signed, but by the CA of servers, not of clients.
+    let mut wrong = ca.to_vec();
+    wrong.extend(pki.serving());
+    let wrong_signer = capture(&tls_address, logdir.path(), &wrong).await;
+    fails_saying(&wrong_signer, "signed by a CA it trusts");
+
+    let mut good = ca.to_vec();
+    good.extend([
+        "--tls-cert",
+        path(&pki.client_cert),
+        "--tls-key",
+        path(&pki.client_key),
+    ]);
+    let out = capture(&tls_address, logdir.path(), &good).await;
+    assert!(event_count(&captured_trace(&out)) > 0);
+}
+
+async fn tls_channel(address: &str, ca: &Path, own: (&Path, &Path)) -> Channel {
+    let read = |p: &Path| std::fs::read(p).unwrap();
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read(ca)))
+        .identity(Identity::from_pem(read(own.0), read(own.1)));
+    Endpoint::from_shared(format!("https://{address}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("connecting over mutual TLS")
+}
+
+#[tokio::test]
+async fn a_session_between_two_agents_runs_over_mutual_tls() {
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().unwrap();
+    // Each agent requires client certificates from the CA that signed both,
+    // and calls other agents with TLS and its own certificate.
+    let mut flags = pki.serving();
+    flags.extend([
+        "--tls-client-ca",
+        path(&pki.ca),
+        "--tls-ca",
+        path(&pki.ca),
+        "--mock-rate",
+        "2000",
+    ]);
+    let worker = AgentProcess::start(&flags);
+    flags.extend(["--allow-root", path(dir.path())]);
+    let coordinator = AgentProcess::start(&flags);
+    let hosts = [coordinator.address.as_str(), worker.address.as_str()];
+    let channel = tls_channel(
+        &coordinator.address,
+        &pki.ca,
+        (&pki.agent_cert, &pki.agent_key),
+    )
+    .await;
+    let reply = analysis(channel)
+        .await
+        .new_session(session_request(dir.path(), &hosts, "fleet"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.error_message.is_empty(), "{}", reply.error_message);
+    let landed = |root: &Path, host: &str| {
+        root.join(format!("fleet/{}.xplane.pb", host.replace(':', "_")))
+            .is_file()
+    };
+    assert!(hosts.iter().all(|h| landed(dir.path(), h)));
+
+    // The same session from the command line.
+    let logdir = tempfile::tempdir().unwrap();
+    let out = devtrace(args(&[
+        "session",
+        "new",
+        "--hosts",
+        &hosts.join(","),
+        "--duration",
+        "300ms",
+        "--session-id",
+        "fleet",
+        "--logdir",
+        path(logdir.path()),
+        "--tls-ca",
+        path(&pki.ca),
+        "--tls-cert",
+        path(&pki.agent_cert),
+        "--tls-key",
+        path(&pki.agent_key),
+    ]))
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let root = logdir.path().join("plugins/profile");
+    assert!(hosts.iter().all(|h| landed(&root, h)));
+}
+
+// ---------------------------------------------------------------------------
+// Listeners
+
+#[test]
+fn plaintext_other_hosts_can_reach_needs_insecure() {
+    let serve = |extra: &[&str]| {
+        Command::new(BIN)
+            .args(["serve", "--listen", "0.0.0.0:0", "--backend", "mock"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting devtrace serve")
+    };
+    let refused = serve(&[]).wait_with_output().unwrap();
+    fails_saying(&refused, "--insecure");
+    let mut allowed = AgentProcess::adopt(serve(&["--insecure", "--log-level", "warn"]));
+    assert!(
+        allowed.address.starts_with("0.0.0.0:"),
+        "{}",
+        allowed.address
+    );
+    assert!(allowed.is_running());
+}
+
+#[tokio::test]
+async fn a_unix_socket_serves_local_clients_with_its_mode() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let agent = AgentProcess::start(&["--listen-unix", path(&socket), "--mock-rate", "2000"]);
+    let meta = std::fs::symlink_metadata(&socket).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    // Nothing else was left beside it.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+
+    let logdir = tempfile::tempdir().unwrap();
+    let out = capture(&format!("unix:{}", socket.display()), logdir.path(), &[]).await;
+    assert!(event_count(&captured_trace(&out)) > 0);
+    drop(agent);
+}
