@@ -210,11 +210,15 @@ fn with_causes(mut text: String, error: &dyn std::error::Error) -> String {
 /// without one after the handshake. Either reaches the client as an HTTP/2
 /// protocol error or a broken connection, so the likely cause is added.
 fn with_hint(mut text: String, tls: bool) -> String {
+    // TLS 1.3 servers send the refusal of a client certificate after the
+    // client already counts the handshake done, so it arrives as a dropped
+    // connection or, when read in time, as the alert itself.
     let dropped = [
         "h2 protocol error",
         "broken pipe",
         "connection closed",
         "connection reset",
+        "received fatal alert",
     ];
     if dropped.iter().any(|d| text.contains(d)) {
         text.push_str(if tls {
