@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod analysis;
 pub mod backend;
+pub mod beneath;
 pub mod cli;
 pub mod client;
 pub mod clock;

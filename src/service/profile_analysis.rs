@@ -4,7 +4,7 @@
 //! from them (`GetSessionToolData`). Every path is confined to the operator's
 //! allowed roots, for reading as for writing.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use tonic::{Request, Response, Status};
@@ -21,7 +21,7 @@ use crate::proto::tensorflow::{
 use crate::session::{self, SessionError, ToolDataError};
 
 use super::profiler::session_timestamp;
-use super::repository::AllowedRoots;
+use super::repository::{AllowedRoots, Confined, RepositoryError};
 use super::validate::{self, invalid};
 
 /// Most hosts one NewSession may name.
@@ -60,8 +60,8 @@ impl ProfileAnalysisService {
         ProfileAnalysisService { config }
     }
 
-    /// The repository root of a request, resolved inside an allowed root.
-    fn root(&self, repository_root: &str) -> Result<PathBuf, Status> {
+    /// The repository root of a request, matched to an allowed root.
+    fn root(&self, repository_root: &str) -> Result<Confined, Status> {
         validate::client_path("repository_root", repository_root)?;
         if repository_root.is_empty() {
             return Err(invalid("repository_root", "is required"));
@@ -70,6 +70,15 @@ impl ProfileAnalysisService {
             .allowed_roots
             .confine(Path::new(repository_root))
             .map_err(|e| Status::permission_denied(format!("repository_root: {e}")))
+    }
+}
+
+/// The status of a directory of `field` that cannot be opened.
+fn open_status(field: &str, error: RepositoryError) -> Status {
+    if error.is_not_found() {
+        Status::not_found(format!("{field}: {error}"))
+    } else {
+        Status::permission_denied(format!("{field}: {error}"))
     }
 }
 
@@ -82,6 +91,7 @@ fn tool_status(error: ToolDataError) -> Status {
         ToolDataError::UnknownHost { .. }
         | ToolDataError::EmptySession { .. }
         | ToolDataError::Session(SessionError::Missing { .. }) => Status::not_found(message),
+        ToolDataError::Session(SessionError::Refused(_)) => Status::permission_denied(message),
         ToolDataError::Session(SessionError::Io { .. }) | ToolDataError::Read(_) => {
             Status::internal(message)
         }
@@ -127,7 +137,8 @@ impl ProfileAnalysis for ProfileAnalysisService {
             .collect::<Result<Vec<String>, Status>>()?;
         validate::name_component("session_id", &request.session_id)?;
         let root = self.root(&request.repository_root)?;
-        let session_id = if request.session_id.is_empty() {
+        let generated_id = request.session_id.is_empty();
+        let session_id = if generated_id {
             session_timestamp()
         } else {
             request.session_id.clone()
@@ -175,17 +186,30 @@ impl ProfileAnalysis for ProfileAnalysisService {
         }
         info!(session = %session_id, hosts = hosts.len(), duration_ms, "session requested");
         let outcomes = session::fan_out(&hosts, &profile, deadline).await;
-        let directory = root.join(&session_id);
+        let traces = outcomes
+            .iter()
+            .filter(|o| matches!(o.result, Ok(Some(_))))
+            .count();
         let mut errors = Vec::new();
+        let directory = if traces == 0 {
+            None
+        } else {
+            match super::profiler::session_directory(&root, &session_id, generated_id) {
+                Ok((directory, _)) => Some(directory),
+                Err(e) => {
+                    errors.push(format!("repository_root: {e}"));
+                    None
+                }
+            }
+        };
         let mut delivered = 0;
         for outcome in &outcomes {
             match &outcome.result {
                 Ok(Some(bytes)) => {
-                    match self.config.allowed_roots.write_atomic(
-                        &directory,
-                        &outcome.file_name(),
-                        bytes,
-                    ) {
+                    let Some(directory) = &directory else {
+                        continue;
+                    };
+                    match directory.write_atomic(&outcome.file_name(), bytes) {
                         Ok(_) => delivered += 1,
                         Err(e) => errors.push(format!("{}: {e}", outcome.host)),
                     }
@@ -206,13 +230,20 @@ impl ProfileAnalysis for ProfileAnalysisService {
         request: Request<EnumProfileSessionsAndToolsRequest>,
     ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
         let root = self.root(&request.into_inner().repository_root)?;
-        let sessions = tokio::task::spawn_blocking(move || session::list_sessions(&root))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| match e {
+        let sessions = tokio::task::spawn_blocking(move || {
+            let root = root
+                .open_dir()
+                .map_err(|e| open_status("repository_root", e))?;
+            session::list_sessions(&root).map_err(|e| match e {
                 SessionError::Missing { .. } => Status::not_found(format!("repository_root: {e}")),
+                SessionError::Refused(_) => {
+                    Status::permission_denied(format!("repository_root: {e}"))
+                }
                 SessionError::Io { .. } => Status::internal(e.to_string()),
-            })?;
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(EnumProfileSessionsAndToolsResponse {
             error_message: String::new(),
             sessions: sessions
@@ -242,23 +273,25 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 format!("is required (one of: {})", session::TOOLS.join(", ")),
             ));
         }
-        let directory = root.join(&request.session_id);
-        if !directory.is_dir() {
-            return Err(Status::not_found(format!(
-                "session_id: no session {:?} under {}",
-                request.session_id,
-                root.display()
-            )));
-        }
+        let session_id = request.session_id;
         let host = (!request.host_name.is_empty()).then_some(request.host_name);
         let tool = request.tool_name;
         let parameters = request.parameters;
         let output = tokio::task::spawn_blocking(move || {
-            session::tool_data(&directory, host.as_deref(), &tool, &parameters)
+            let directory = root.join(&session_id).open_dir().map_err(|e| {
+                if e.is_not_found() {
+                    Status::not_found(format!(
+                        "session_id: no session {session_id:?} under {}",
+                        root.display_path().display()
+                    ))
+                } else {
+                    open_status("session_id", e)
+                }
+            })?;
+            session::tool_data(&directory, host.as_deref(), &tool, &parameters).map_err(tool_status)
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(tool_status)?;
+        .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(ProfileSessionDataResponse {
             error_message: String::new(),
             output_format: output.format().to_string(),

@@ -23,13 +23,20 @@ pub enum ReadError {
     },
 }
 
-/// Reads and decodes an `.xplane.pb` file.
+/// Reads and decodes an `.xplane.pb` file a local user named (`devtrace
+/// inspect`); files a client names are read beneath their allowed root and
+/// decoded with [`decode_xspace`].
 pub fn read_xspace(path: &Path) -> Result<XSpace, ReadError> {
     let bytes = std::fs::read(path).map_err(|source| ReadError::Io {
         path: path.display().to_string(),
         source,
     })?;
-    XSpace::decode(bytes.as_slice()).map_err(|source| ReadError::Decode {
+    decode_xspace(&bytes, path)
+}
+
+/// Decodes the bytes of the `.xplane.pb` file at `path` (named in errors).
+pub fn decode_xspace(bytes: &[u8], path: &Path) -> Result<XSpace, ReadError> {
+    XSpace::decode(bytes).map_err(|source| ReadError::Decode {
         path: path.display().to_string(),
         source,
     })
