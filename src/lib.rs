@@ -15,6 +15,8 @@ pub mod client;
 pub mod clock;
 pub mod collect;
 pub mod event;
+#[cfg(test)]
+mod fuzz;
 pub mod registry;
 pub mod ring;
 pub mod service;

@@ -153,7 +153,15 @@ impl MetaRecord {
                 info.clock_rate_khz,
                 info.memory_bytes,
                 info.memory_bandwidth_bytes_per_s,
-                uuid.as_deref().map_or_else(|| "-".to_string(), escape)
+                // "-" stands for no UUID, so a UUID that is "-" is escaped.
+                uuid.as_deref().map_or_else(
+                    || "-".to_string(),
+                    |uuid| if uuid == "-" {
+                        "%2D".into()
+                    } else {
+                        escape(uuid)
+                    }
+                )
             ),
             MetaRecord::Dropped { total } => format!("dropped {total}\n"),
             MetaRecord::Error { message } => format!("error {}\n", escape(message)),
@@ -391,6 +399,59 @@ impl MetaReader {
     }
 }
 
+/// One record of every kind, with awkward strings: for tests and fuzzing.
+#[cfg(test)]
+pub(crate) fn sample_records() -> Vec<MetaRecord> {
+    vec![
+        MetaRecord::Process {
+            pid: 42,
+            command: "python train.py --lr 0.1 100%\nnext".into(),
+        },
+        MetaRecord::Name {
+            id: 7,
+            text: "void kernel<float, 3>(float*, int) · ünïcode".into(),
+        },
+        MetaRecord::Device {
+            ordinal: 1,
+            uuid: Some("GPU-5e7a4d1b-0000-4000-8000-000000000003".into()),
+            info: DeviceInfo {
+                vendor: "Nvidia".into(),
+                model: "NVIDIA H100 80GB HBM3".into(),
+                compute_capability: (9, 0),
+                core_count: 132,
+                clock_rate_khz: 1_980_000,
+                memory_bytes: 80 << 30,
+                memory_bandwidth_bytes_per_s: 3_350_000_000_000,
+            },
+        },
+        MetaRecord::Device {
+            ordinal: 0,
+            uuid: None,
+            info: DeviceInfo::default(),
+        },
+        MetaRecord::Dropped { total: 12 },
+        MetaRecord::Error {
+            message: "cuptiActivityEnable failed: CUPTI_ERROR_NOT_INITIALIZED".into(),
+        },
+        MetaRecord::Warning {
+            message: "libcupti 13.0 GA has bugs".into(),
+        },
+        MetaRecord::Displaced {
+            at_ns: 1_700_000_000_000_000_000,
+            seen: true,
+        },
+        MetaRecord::Displaced {
+            at_ns: 5,
+            seen: false,
+        },
+        MetaRecord::Resumed { at_ns: 6 },
+        MetaRecord::Cupti {
+            version: 130001,
+            origin: "/venv/site-packages/nvidia/cu13/lib/libcupti.so.13".into(),
+        },
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -424,54 +485,7 @@ mod tests {
 
     #[test]
     fn records_survive_their_line_form_with_awkward_strings() {
-        let records = [
-            MetaRecord::Process {
-                pid: 42,
-                command: "python train.py --lr 0.1 100%\nnext".into(),
-            },
-            MetaRecord::Name {
-                id: 7,
-                text: "void kernel<float, 3>(float*, int) · ünïcode".into(),
-            },
-            MetaRecord::Device {
-                ordinal: 1,
-                uuid: Some("GPU-5e7a4d1b-0000-4000-8000-000000000003".into()),
-                info: DeviceInfo {
-                    vendor: "Nvidia".into(),
-                    model: "NVIDIA H100 80GB HBM3".into(),
-                    compute_capability: (9, 0),
-                    core_count: 132,
-                    clock_rate_khz: 1_980_000,
-                    memory_bytes: 80 << 30,
-                    memory_bandwidth_bytes_per_s: 3_350_000_000_000,
-                },
-            },
-            MetaRecord::Device {
-                ordinal: 0,
-                uuid: None,
-                info: DeviceInfo::default(),
-            },
-            MetaRecord::Dropped { total: 12 },
-            MetaRecord::Error {
-                message: "cuptiActivityEnable failed: CUPTI_ERROR_NOT_INITIALIZED".into(),
-            },
-            MetaRecord::Warning {
-                message: "libcupti 13.0 GA has bugs".into(),
-            },
-            MetaRecord::Displaced {
-                at_ns: 1_700_000_000_000_000_000,
-                seen: true,
-            },
-            MetaRecord::Displaced {
-                at_ns: 5,
-                seen: false,
-            },
-            MetaRecord::Resumed { at_ns: 6 },
-            MetaRecord::Cupti {
-                version: 130001,
-                origin: "/venv/site-packages/nvidia/cu13/lib/libcupti.so.13".into(),
-            },
-        ];
+        let records = sample_records();
         // A device record of an older library, without the UUID field.
         assert!(matches!(
             MetaRecord::decode("device 0 Nvidia GPU 9.0 132 1980000 1024 2048"),
