@@ -407,6 +407,15 @@ async fn sessions_are_read_without_following_links_out_of_the_root() {
     .unwrap();
     std::os::unix::fs::symlink(outside.join("session"), root.join("elsewhere")).unwrap();
     std::os::unix::fs::symlink(&outside, allowed.join("linked")).unwrap();
+    // A FIFO named like a trace: reading it would wait for a writer forever.
+    let fifo = std::ffi::CString::new(
+        root.join("leak/stalled.xplane.pb")
+            .into_os_string()
+            .into_encoded_bytes(),
+    )
+    .unwrap();
+    // SAFETY: a valid path; makes a FIFO no one writes to.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
 
     let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
     let mut client = analysis(&agent).await;
@@ -436,6 +445,14 @@ async fn sessions_are_read_without_following_links_out_of_the_root() {
             status.message()
         );
     }
+    let mut stalled = ask("leak");
+    stalled.host_name = "stalled".into();
+    let status = client.get_session_tool_data(stalled).await.unwrap_err();
+    assert!(
+        status.message().contains("not a regular file"),
+        "{}",
+        status.message()
+    );
     let listed = client
         .enum_sessions(EnumProfileSessionsAndToolsRequest {
             repository_root: root.display().to_string(),
