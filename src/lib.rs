@@ -9,11 +9,14 @@
 pub mod agent;
 pub mod analysis;
 pub mod backend;
+pub mod beneath;
 pub mod cli;
 pub mod client;
 pub mod clock;
 pub mod collect;
 pub mod event;
+#[cfg(test)]
+mod fuzz;
 pub mod registry;
 pub mod ring;
 pub mod service;

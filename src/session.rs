@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use tokio::task::JoinSet;
 
+use crate::beneath::{BeneathError, Dir, EntryKind};
 use crate::client::{self, ClientConfig, Target};
 use crate::proto::tensorflow::ProfileRequest;
 use crate::xspace::conventions;
@@ -137,6 +138,8 @@ pub const BASE_TOOLS: &[&str] = &["trace_viewer", "overview", "xplane"];
 pub enum SessionError {
     #[error("{path} does not exist")]
     Missing { path: String },
+    #[error(transparent)]
+    Refused(BeneathError),
     #[error("cannot read {path}: {source}")]
     Io {
         path: String,
@@ -144,45 +147,41 @@ pub enum SessionError {
     },
 }
 
-/// The sessions under `root`, newest first.
-pub fn list_sessions(root: &Path) -> Result<Vec<SessionInfo>, SessionError> {
-    let io = |path: &Path| {
-        let path = path.display().to_string();
-        move |source| SessionError::Io { path, source }
-    };
-    if !root.exists() {
-        return Err(SessionError::Missing {
-            path: root.display().to_string(),
-        });
+impl From<BeneathError> for SessionError {
+    fn from(error: BeneathError) -> SessionError {
+        match error {
+            BeneathError::NotFound { path } => SessionError::Missing { path },
+            BeneathError::Io { path, source } => SessionError::Io { path, source },
+            refused => SessionError::Refused(refused),
+        }
     }
+}
+
+/// The sessions in `root`, newest first. Every file is opened beneath
+/// `root` without following links; entries that are links are skipped.
+pub fn list_sessions(root: &Dir) -> Result<Vec<SessionInfo>, SessionError> {
     let mut sessions = Vec::new();
-    for entry in std::fs::read_dir(root).map_err(io(root))? {
-        let entry = entry.map_err(io(root))?;
-        let path = entry.path();
-        if !path.is_dir() {
+    for entry in root.entries()? {
+        if entry.kind != EntryKind::Directory {
             continue;
         }
-        let Some(session_id) = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .map(str::to_string)
-        else {
+        let Some(session_id) = entry.name.to_str().map(str::to_string) else {
             continue;
         };
-        let hosts = session_hosts(&path)?;
+        // Removed or swapped for a link since it was listed: not a session.
+        let Ok(session) = root.open_dir(Path::new(&session_id)) else {
+            continue;
+        };
+        let hosts = session_hosts(&session)?;
         if hosts.is_empty() {
             continue;
         }
-        let tools = session_tools(&path, &hosts);
-        let modified = entry
-            .metadata()
-            .and_then(|m| m.modified())
-            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let tools = session_tools(&session, &hosts);
         sessions.push(SessionInfo {
             session_id,
             hosts,
             tools,
-            modified,
+            modified: entry.modified,
         });
     }
     sessions.sort_by(|a, b| {
@@ -193,16 +192,19 @@ pub fn list_sessions(root: &Path) -> Result<Vec<SessionInfo>, SessionError> {
     Ok(sessions)
 }
 
-/// Hosts with a trace in a session directory, sorted.
-pub fn session_hosts(session: &Path) -> Result<Vec<String>, SessionError> {
+/// Hosts with a trace in a session directory, sorted. A link or FIFO named
+/// like a trace counts, so that asking for it is refused by name.
+pub fn session_hosts(session: &Dir) -> Result<Vec<String>, SessionError> {
     let mut hosts = Vec::new();
-    let entries = std::fs::read_dir(session).map_err(|source| SessionError::Io {
-        path: session.display().to_string(),
-        source,
-    })?;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        if let Some(host) = name.to_str().and_then(|n| n.strip_suffix(XPLANE_SUFFIX)) {
+    for entry in session.entries()? {
+        if entry.kind == EntryKind::Directory {
+            continue;
+        }
+        if let Some(host) = entry
+            .name
+            .to_str()
+            .and_then(|n| n.strip_suffix(XPLANE_SUFFIX))
+        {
             if !host.is_empty() && !host.starts_with('.') {
                 hosts.push(host.to_string());
             }
@@ -212,16 +214,16 @@ pub fn session_hosts(session: &Path) -> Result<Vec<String>, SessionError> {
     Ok(hosts)
 }
 
-/// The trace file of `host` in `session`.
-pub fn host_path(session: &Path, host: &str) -> PathBuf {
-    session.join(format!("{host}{XPLANE_SUFFIX}"))
+/// The trace file name of `host` in a session.
+pub fn host_file(host: &str) -> PathBuf {
+    PathBuf::from(format!("{host}{XPLANE_SUFFIX}"))
 }
 
-fn session_tools(session: &Path, hosts: &[String]) -> Vec<String> {
+fn session_tools(session: &Dir, hosts: &[String]) -> Vec<String> {
     let mut tools: Vec<String> = BASE_TOOLS.iter().map(|t| t.to_string()).collect();
     let (mut host_plane, mut gpu_plane) = (false, false);
     for host in hosts {
-        let Ok(bytes) = std::fs::read(host_path(session, host)) else {
+        let Ok(bytes) = session.read(&host_file(host)) else {
             continue;
         };
         for name in plane_names(&bytes).unwrap_or_default() {
@@ -333,7 +335,7 @@ fn check_parameters(
 /// Computes `tool` for one host of a session, or for every host (a JSON
 /// object keyed by host) when `host` is `None`.
 pub fn tool_data(
-    session: &Path,
+    session: &Dir,
     host: Option<&str>,
     tool: &str,
     parameters: &std::collections::HashMap<String, String>,
@@ -347,7 +349,7 @@ pub fn tool_data(
     let hosts = session_hosts(session)?;
     if hosts.is_empty() {
         return Err(ToolDataError::EmptySession {
-            path: session.display().to_string(),
+            path: session.path().display().to_string(),
         });
     }
     let selected: Vec<String> = match host {
@@ -376,11 +378,9 @@ pub fn tool_data(
                 hosts,
             });
         }
-        let path = host_path(session, &selected[0]);
-        let bytes = std::fs::read(&path).map_err(|source| SessionError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let bytes = session
+            .read(&host_file(&selected[0]))
+            .map_err(SessionError::from)?;
         return Ok(ToolOutput::Blob(bytes));
     }
     let viewer = tools::trace_viewer::TraceViewerOptions {
@@ -392,7 +392,9 @@ pub fn tool_data(
     let top: usize = parameter(parameters, "top")?.unwrap_or(10);
     let mut per_host = Vec::with_capacity(selected.len());
     for name in &selected {
-        let space = crate::xspace::read::read_xspace(&host_path(session, name))?;
+        let file = host_file(name);
+        let bytes = session.read(&file).map_err(SessionError::from)?;
+        let space = crate::xspace::read::decode_xspace(&bytes, &session.path().join(&file))?;
         let json = match tool {
             "trace_viewer" => tools::trace_viewer::trace_viewer(&space, &viewer)?.to_json(),
             "memory_profile" => tools::memory_profile::memory_profile_json(&space)?,

@@ -153,7 +153,15 @@ impl MetaRecord {
                 info.clock_rate_khz,
                 info.memory_bytes,
                 info.memory_bandwidth_bytes_per_s,
-                uuid.as_deref().map_or_else(|| "-".to_string(), escape)
+                // "-" stands for no UUID, so a UUID that is "-" is escaped.
+                uuid.as_deref().map_or_else(
+                    || "-".to_string(),
+                    |uuid| if uuid == "-" {
+                        "%2D".into()
+                    } else {
+                        escape(uuid)
+                    }
+                )
             ),
             MetaRecord::Dropped { total } => format!("dropped {total}\n"),
             MetaRecord::Error { message } => format!("error {}\n", escape(message)),
@@ -289,16 +297,38 @@ fn open_untrusted(path: &Path, owner: u32) -> io::Result<File> {
 }
 
 /// The agent's side: reads what was appended since the last call.
-#[derive(Default)]
 pub struct MetaReader {
     offset: u64,
     partial: Vec<u8>,
     malformed: u64,
+    /// Bytes read at most ([`MAX_META_BYTES`]).
+    limit: u64,
+    /// Bytes of the file beyond `limit`, as last seen.
+    cut: u64,
+}
+
+impl Default for MetaReader {
+    fn default() -> MetaReader {
+        MetaReader::with_limit(MAX_META_BYTES)
+    }
 }
 
 impl MetaReader {
-    /// Records appended since the previous call; stops at
-    /// [`MAX_META_BYTES`]. Malformed lines are counted and skipped.
+    /// A reader that stops at `limit` bytes instead of [`MAX_META_BYTES`].
+    pub fn with_limit(limit: u64) -> MetaReader {
+        MetaReader {
+            offset: 0,
+            partial: Vec::new(),
+            malformed: 0,
+            limit,
+            cut: 0,
+        }
+    }
+
+    /// Records appended since the previous call; stops at the limit
+    /// ([`MAX_META_BYTES`]), and the first call that finds the file past it
+    /// adds a [`MetaRecord::Warning`] saying how much is not read.
+    /// Malformed lines are counted and skipped.
     ///
     /// The runtime directory is writable by every user, so the file is
     /// opened without following a symlink and without blocking (a FIFO
@@ -306,38 +336,120 @@ impl MetaReader {
     /// `owner`, the uid of the ring it describes.
     pub fn read_new(&mut self, path: &Path, owner: u32) -> io::Result<Vec<MetaRecord>> {
         let mut file = open_untrusted(path, owner)?;
-        let size = file.metadata()?.len().min(MAX_META_BYTES);
-        if size <= self.offset {
-            return Ok(Vec::new());
+        let length = file.metadata()?.len();
+        let size = length.min(self.limit);
+        let mut records = Vec::new();
+        if size > self.offset {
+            file.seek(SeekFrom::Start(self.offset))?;
+            let mut bytes = Vec::new();
+            file.take(size - self.offset).read_to_end(&mut bytes)?;
+            self.offset += bytes.len() as u64;
+            records = self.absorb(&bytes);
         }
-        file.seek(SeekFrom::Start(self.offset))?;
-        let mut bytes = Vec::new();
-        file.take(size - self.offset).read_to_end(&mut bytes)?;
-        self.offset += bytes.len() as u64;
-        self.partial.extend_from_slice(&bytes);
+        let beyond = length.saturating_sub(self.limit);
+        if beyond > 0 && self.cut == 0 {
+            records.push(MetaRecord::Warning {
+                message: format!(
+                    "its metadata file {} outgrew the {} bytes the agent reads; the {beyond} \
+                     bytes beyond them and all appended later are not read (names, devices and \
+                     errors recorded there are missing)",
+                    path.display(),
+                    self.limit
+                ),
+            });
+        }
+        self.cut = self.cut.max(beyond);
+        Ok(records)
+    }
+
+    /// Takes the next bytes of the file: the whole lines they complete, as
+    /// records; a partial line waits for the rest.
+    pub fn absorb(&mut self, bytes: &[u8]) -> Vec<MetaRecord> {
+        self.partial.extend_from_slice(bytes);
         let complete = match self.partial.iter().rposition(|b| *b == b'\n') {
             Some(end) => end + 1,
-            None => return Ok(Vec::new()),
+            None => return Vec::new(),
         };
-        let lines: Vec<u8> = self.partial.drain(..complete).collect();
         let mut records = Vec::new();
-        for line in lines.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+        for line in self.partial[..complete]
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+        {
             match std::str::from_utf8(line).ok().and_then(MetaRecord::decode) {
                 Some(record) => records.push(record),
                 None => self.malformed += 1,
             }
         }
-        Ok(records)
+        self.partial.drain(..complete);
+        records
     }
 
     /// Whether the file grew past what is read ([`MAX_META_BYTES`]).
     pub fn full(&self) -> bool {
-        self.offset >= MAX_META_BYTES
+        self.offset >= self.limit
+    }
+
+    /// Bytes of the file beyond what is read, when last looked at.
+    pub fn cut_bytes(&self) -> u64 {
+        self.cut
     }
 
     pub fn malformed(&self) -> u64 {
         self.malformed
     }
+}
+
+/// One record of every kind, with awkward strings: for tests and fuzzing.
+#[cfg(test)]
+pub(crate) fn sample_records() -> Vec<MetaRecord> {
+    vec![
+        MetaRecord::Process {
+            pid: 42,
+            command: "python train.py --lr 0.1 100%\nnext".into(),
+        },
+        MetaRecord::Name {
+            id: 7,
+            text: "void kernel<float, 3>(float*, int) · ünïcode".into(),
+        },
+        MetaRecord::Device {
+            ordinal: 1,
+            uuid: Some("GPU-5e7a4d1b-0000-4000-8000-000000000003".into()),
+            info: DeviceInfo {
+                vendor: "Nvidia".into(),
+                model: "NVIDIA H100 80GB HBM3".into(),
+                compute_capability: (9, 0),
+                core_count: 132,
+                clock_rate_khz: 1_980_000,
+                memory_bytes: 80 << 30,
+                memory_bandwidth_bytes_per_s: 3_350_000_000_000,
+            },
+        },
+        MetaRecord::Device {
+            ordinal: 0,
+            uuid: None,
+            info: DeviceInfo::default(),
+        },
+        MetaRecord::Dropped { total: 12 },
+        MetaRecord::Error {
+            message: "cuptiActivityEnable failed: CUPTI_ERROR_NOT_INITIALIZED".into(),
+        },
+        MetaRecord::Warning {
+            message: "libcupti 13.0 GA has bugs".into(),
+        },
+        MetaRecord::Displaced {
+            at_ns: 1_700_000_000_000_000_000,
+            seen: true,
+        },
+        MetaRecord::Displaced {
+            at_ns: 5,
+            seen: false,
+        },
+        MetaRecord::Resumed { at_ns: 6 },
+        MetaRecord::Cupti {
+            version: 130001,
+            origin: "/venv/site-packages/nvidia/cu13/lib/libcupti.so.13".into(),
+        },
+    ]
 }
 
 #[cfg(test)]
@@ -373,54 +485,7 @@ mod tests {
 
     #[test]
     fn records_survive_their_line_form_with_awkward_strings() {
-        let records = [
-            MetaRecord::Process {
-                pid: 42,
-                command: "python train.py --lr 0.1 100%\nnext".into(),
-            },
-            MetaRecord::Name {
-                id: 7,
-                text: "void kernel<float, 3>(float*, int) · ünïcode".into(),
-            },
-            MetaRecord::Device {
-                ordinal: 1,
-                uuid: Some("GPU-5e7a4d1b-0000-4000-8000-000000000003".into()),
-                info: DeviceInfo {
-                    vendor: "Nvidia".into(),
-                    model: "NVIDIA H100 80GB HBM3".into(),
-                    compute_capability: (9, 0),
-                    core_count: 132,
-                    clock_rate_khz: 1_980_000,
-                    memory_bytes: 80 << 30,
-                    memory_bandwidth_bytes_per_s: 3_350_000_000_000,
-                },
-            },
-            MetaRecord::Device {
-                ordinal: 0,
-                uuid: None,
-                info: DeviceInfo::default(),
-            },
-            MetaRecord::Dropped { total: 12 },
-            MetaRecord::Error {
-                message: "cuptiActivityEnable failed: CUPTI_ERROR_NOT_INITIALIZED".into(),
-            },
-            MetaRecord::Warning {
-                message: "libcupti 13.0 GA has bugs".into(),
-            },
-            MetaRecord::Displaced {
-                at_ns: 1_700_000_000_000_000_000,
-                seen: true,
-            },
-            MetaRecord::Displaced {
-                at_ns: 5,
-                seen: false,
-            },
-            MetaRecord::Resumed { at_ns: 6 },
-            MetaRecord::Cupti {
-                version: 130001,
-                origin: "/venv/site-packages/nvidia/cu13/lib/libcupti.so.13".into(),
-            },
-        ];
+        let records = sample_records();
         // A device record of an older library, without the UUID field.
         assert!(matches!(
             MetaRecord::decode("device 0 Nvidia GPU 9.0 132 1980000 1024 2048"),
@@ -483,5 +548,40 @@ mod tests {
         );
         assert_eq!(reader.malformed(), 1);
         assert!(reader.read_new(&path, own_uid()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_file_past_the_limit_is_cut_with_a_warning_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = meta_path(dir.path(), 11);
+        let mut writer = MetaWriter::create(&path).unwrap();
+        let name = |id| MetaRecord::Name {
+            id,
+            text: "kernel".into(),
+        };
+        for id in 0..3 {
+            writer.write(&name(id)).unwrap();
+        }
+        let line = name(0).encode().len() as u64;
+        // Room for two records; the third is past the limit.
+        let mut reader = MetaReader::with_limit(2 * line);
+        let records = reader.read_new(&path, own_uid()).unwrap();
+        assert_eq!(&records[..2], &[name(0), name(1)]);
+        let Some(MetaRecord::Warning { message }) = records.get(2) else {
+            panic!("no warning of the cut: {records:?}");
+        };
+        assert!(
+            message.contains(&format!("the {line} bytes beyond")),
+            "{message}"
+        );
+        assert!(message.contains("cuda-11.meta"), "{message}");
+        assert_eq!(records.len(), 3);
+        assert_eq!(reader.cut_bytes(), line);
+        writer.write(&name(3)).unwrap();
+        assert!(
+            reader.read_new(&path, own_uid()).unwrap().is_empty(),
+            "warned once"
+        );
+        assert_eq!(reader.cut_bytes(), 2 * line, "the count follows the file");
     }
 }

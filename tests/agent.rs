@@ -279,8 +279,17 @@ async fn traces_are_written_only_inside_allowed_roots() {
     assert!(!dir.path().join("elsewhere").exists());
 }
 
+/// The warnings of a reply's trace that say it could not be written.
+fn write_failures(space: &devtrace::proto::tensorflow::profiler::XSpace) -> Vec<&String> {
+    space
+        .warnings
+        .iter()
+        .filter(|w| w.contains("could not write this trace"))
+        .collect()
+}
+
 #[tokio::test]
-async fn an_unwritable_allowed_root_is_a_clear_error_with_no_partial_file() {
+async fn a_trace_the_agent_cannot_write_is_returned_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let allowed = dir.path().join("allowed");
     let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
@@ -289,16 +298,91 @@ async fn an_unwritable_allowed_root_is_a_clear_error_with_no_partial_file() {
     std::fs::write(allowed.join("blocked"), b"not a directory").unwrap();
     let mut req = request(200, "blocked");
     req.repository_root = allowed.display().to_string();
-    let status = agent.client().await.profile(req).await.unwrap_err();
-    assert_eq!(status.code(), Code::PermissionDenied);
-    assert!(
-        status.message().contains("repository_root"),
-        "{}",
-        status.message()
-    );
-    assert!(status.message().contains("blocked"), "{}", status.message());
+    let space = space_of(&agent.profile(req).await);
+    assert!(event_count(&space) > 0, "the trace itself is kept");
+    let failures = write_failures(&space);
+    assert_eq!(failures.len(), 1, "{:?}", space.warnings);
+    assert!(failures[0].contains("blocked"), "{}", failures[0]);
     let entries: Vec<_> = std::fs::read_dir(&allowed).unwrap().collect();
     assert_eq!(entries.len(), 1, "nothing but the blocking file");
+}
+
+#[tokio::test]
+async fn symlinks_under_an_allowed_root_never_redirect_a_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let allowed = dir.path().join("allowed");
+    let outside = dir.path().join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
+    let mut client = agent.client().await;
+
+    // A directory link in the middle of the repository root.
+    std::os::unix::fs::symlink(&outside, allowed.join("logs")).unwrap();
+    let mut through_directory = request(200, "run1");
+    through_directory.repository_root = allowed.join("logs/plugins/profile").display().to_string();
+    let reply = client
+        .profile(through_directory)
+        .await
+        .unwrap()
+        .into_inner();
+    let space = space_of(&reply);
+    let failures = write_failures(&space);
+    assert_eq!(failures.len(), 1, "{:?}", space.warnings);
+    assert!(failures[0].contains("symbolic link"), "{}", failures[0]);
+    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+
+    // A link where the trace file goes, placed by another user.
+    let victim = outside.join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let session = allowed.join("run/s1");
+    std::fs::create_dir_all(&session).unwrap();
+    std::os::unix::fs::symlink(&victim, session.join("worker.xplane.pb")).unwrap();
+    let mut onto_file = request(200, "s1");
+    onto_file.repository_root = allowed.join("run").display().to_string();
+    onto_file.host_name = "worker".into();
+    let reply = client.profile(onto_file).await.unwrap().into_inner();
+    let space = space_of(&reply);
+    let failures = write_failures(&space);
+    assert_eq!(failures.len(), 1, "{:?}", space.warnings);
+    assert!(failures[0].contains("worker.xplane.pb"), "{}", failures[0]);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    assert!(std::fs::symlink_metadata(session.join("worker.xplane.pb"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+}
+
+#[tokio::test]
+async fn captures_of_the_same_second_without_a_session_id_keep_both_traces() {
+    let dir = tempfile::tempdir().unwrap();
+    let allowed = dir.path().join("allowed");
+    let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
+    let root = allowed.join("plugins/profile");
+    let unnamed = || {
+        let mut req = request(100, "");
+        req.repository_root = root.display().to_string();
+        req
+    };
+    // Sent together, both are named after the same second (the rare pair
+    // that straddles a second lands in two directories all the same).
+    let (mut first, mut second) = (agent.client().await, agent.client().await);
+    let (a, b) = tokio::join!(first.profile(unnamed()), second.profile(unnamed()));
+    for reply in [a.unwrap().into_inner(), b.unwrap().into_inner()] {
+        assert!(reply.tool_data.is_empty(), "written on the agent's side");
+    }
+    let mut sessions: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    sessions.sort();
+    assert_eq!(sessions.len(), 2, "{sessions:?}");
+    if sessions[0].len() != sessions[1].len() {
+        assert_eq!(sessions[1], format!("{}_2", sessions[0]));
+    }
+    for session in &sessions {
+        let files: Vec<_> = std::fs::read_dir(root.join(session)).unwrap().collect();
+        assert_eq!(files.len(), 1, "{session}");
+    }
 }
 
 #[tokio::test]

@@ -382,3 +382,100 @@ async fn tool_data_serves_every_tool_and_refuses_what_it_cannot() {
         Code::NotFound
     );
 }
+
+#[tokio::test]
+async fn sessions_are_read_without_following_links_out_of_the_root() {
+    let dir = tempfile::tempdir().unwrap();
+    let allowed = dir.path().join("allowed");
+    let root = allowed.join("plugins/profile");
+    let outside = dir.path().join("outside");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::create_dir_all(outside.join("session")).unwrap();
+    let secret = XSpace {
+        hostnames: vec!["secret".into()],
+        ..XSpace::default()
+    }
+    .encode_to_vec();
+    std::fs::write(outside.join("secret.xplane.pb"), &secret).unwrap();
+    std::fs::write(outside.join("session/worker.xplane.pb"), &secret).unwrap();
+    // A trace file that is a link, and a session directory that is one.
+    std::fs::create_dir_all(root.join("leak")).unwrap();
+    std::os::unix::fs::symlink(
+        outside.join("secret.xplane.pb"),
+        root.join("leak/worker.xplane.pb"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(outside.join("session"), root.join("elsewhere")).unwrap();
+    std::os::unix::fs::symlink(&outside, allowed.join("linked")).unwrap();
+    // A FIFO named like a trace: reading it would wait for a writer forever.
+    let fifo = std::ffi::CString::new(
+        root.join("leak/stalled.xplane.pb")
+            .into_os_string()
+            .into_encoded_bytes(),
+    )
+    .unwrap();
+    // SAFETY: a valid path; makes a FIFO no one writes to.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+
+    let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
+    let mut client = analysis(&agent).await;
+    let ask = |session: &str| ProfileSessionDataRequest {
+        repository_root: root.display().to_string(),
+        session_id: session.to_string(),
+        host_name: "worker".into(),
+        tool_name: "xplane".into(),
+        parameters: HashMap::new(),
+    };
+    for (session, link) in [
+        ("leak", "leak/worker.xplane.pb"),
+        ("elsewhere", "elsewhere"),
+    ] {
+        let status = client
+            .get_session_tool_data(ask(session))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::PermissionDenied,
+            "{session}: {status:?}"
+        );
+        assert!(
+            status.message().contains("symbolic link") && status.message().contains(link),
+            "{}",
+            status.message()
+        );
+    }
+    let mut stalled = ask("leak");
+    stalled.host_name = "stalled".into();
+    let status = client.get_session_tool_data(stalled).await.unwrap_err();
+    assert!(
+        status.message().contains("not a regular file"),
+        "{}",
+        status.message()
+    );
+    let listed = client
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: root.display().to_string(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .sessions;
+    assert_eq!(listed.len(), 1, "a linked directory is not a session");
+    assert_eq!(listed[0].session_id, "leak");
+    // A repository root reached through a link is refused as a whole.
+    let status = client
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: allowed.join("linked").display().to_string(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    let mut through_link = ask("session");
+    through_link.repository_root = allowed.join("linked").display().to_string();
+    let status = client
+        .get_session_tool_data(through_link)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+}

@@ -150,7 +150,7 @@ const MAX_TRACED: usize = 1024;
 /// The largest ring a workload can make the agent map: the library's one
 /// lane, with up to the 2^24 slots `DEVTRACE_INJECT_RING_CAPACITY` allows
 /// (136 bytes each).
-const WORKLOAD_RING_LIMITS: OpenLimits = OpenLimits {
+pub(crate) const WORKLOAD_RING_LIMITS: OpenLimits = OpenLimits {
     lanes: 1,
     bytes: 5 << 29,
 };

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 
+use crate::beneath::{BeneathError, Dir};
 use crate::client;
 use crate::clock;
 use crate::service::profiler::session_timestamp;
@@ -133,7 +134,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
 
 pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
     let root = repository_root(&args.dir);
-    let sessions = session::list_sessions(&root)?;
+    let sessions = session::list_sessions(&Dir::open(&root)?)?;
     if sessions.is_empty() {
         eprintln!("no sessions under {}", root.display());
     }
@@ -156,14 +157,14 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
         };
         parameters.insert(key.trim().to_string(), value.trim().to_string());
     }
-    let session = repository_root(&args.dir).join(&args.session);
-    if !session.is_dir() {
-        bail!(
-            "no session {:?} in {}",
-            args.session,
-            repository_root(&args.dir).display()
-        );
-    }
+    let root = Dir::open(&repository_root(&args.dir))?;
+    let session = match root.open_dir(Path::new(&args.session)) {
+        Ok(session) => session,
+        Err(BeneathError::NotFound { .. }) => {
+            bail!("no session {:?} in {}", args.session, root.path().display())
+        }
+        Err(error) => return Err(error.into()),
+    };
     let output = session::tool_data(&session, args.host.as_deref(), &args.tool, &parameters)?;
     let bytes = output.into_bytes();
     match &args.output {

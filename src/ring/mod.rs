@@ -501,12 +501,12 @@ impl Producer {
         if self.overwrite {
             let slot = self.ring.slot(self.lane, position);
             let seq = self.ring.seq(self.lane, position);
-            seq.store(2 * position + 1, Ordering::Relaxed);
+            seq.store(position.wrapping_mul(2) + 1, Ordering::Relaxed);
             fence(Ordering::Release);
             for (cell, word) in slot.words.iter().zip(words) {
                 cell.store(word, Ordering::Relaxed);
             }
-            seq.store(2 * position + 2, Ordering::Release);
+            seq.store(position.wrapping_mul(2).wrapping_add(2), Ordering::Release);
         } else {
             if position - self.cached_tail >= self.capacity {
                 self.cached_tail = lane.tail.0.load(Ordering::Acquire);
@@ -663,7 +663,8 @@ impl Consumer {
         for position in tail..end {
             let slot = ring.slot(lane, position);
             let seq = ring.seq(lane, position);
-            let expected = 2 * position + 2;
+            // Wrapping: a forged head may put positions anywhere.
+            let expected = position.wrapping_mul(2).wrapping_add(2);
             if overwrite && seq.load(Ordering::Acquire) != expected {
                 overwritten += 1;
                 continue;

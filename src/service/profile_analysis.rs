@@ -4,7 +4,7 @@
 //! from them (`GetSessionToolData`). Every path is confined to the operator's
 //! allowed roots, for reading as for writing.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use crate::proto::tensorflow::{
 use crate::session::{self, SessionError, ToolDataError};
 
 use super::profiler::session_timestamp;
-use super::repository::AllowedRoots;
+use super::repository::{AllowedRoots, Confined, RepositoryError};
 use super::session_hosts::SessionHosts;
 use super::validate::{self, invalid};
 
@@ -79,8 +79,8 @@ impl ProfileAnalysisService {
         ProfileAnalysisService { config }
     }
 
-    /// The repository root of a request, resolved inside an allowed root.
-    fn root(&self, repository_root: &str) -> Result<PathBuf, Status> {
+    /// The repository root of a request, matched to an allowed root.
+    fn root(&self, repository_root: &str) -> Result<Confined, Status> {
         validate::client_path("repository_root", repository_root)?;
         if repository_root.is_empty() {
             return Err(invalid("repository_root", "is required"));
@@ -114,6 +114,15 @@ impl ProfileAnalysisService {
     }
 }
 
+/// The status of a directory of `field` that cannot be opened.
+fn open_status(field: &str, error: RepositoryError) -> Status {
+    if error.is_not_found() {
+        Status::not_found(format!("{field}: {error}"))
+    } else {
+        Status::permission_denied(format!("{field}: {error}"))
+    }
+}
+
 fn tool_status(error: ToolDataError) -> Status {
     let message = error.to_string();
     match error {
@@ -123,6 +132,7 @@ fn tool_status(error: ToolDataError) -> Status {
         ToolDataError::UnknownHost { .. }
         | ToolDataError::EmptySession { .. }
         | ToolDataError::Session(SessionError::Missing { .. }) => Status::not_found(message),
+        ToolDataError::Session(SessionError::Refused(_)) => Status::permission_denied(message),
         ToolDataError::Session(SessionError::Io { .. }) | ToolDataError::Read(_) => {
             Status::internal(message)
         }
@@ -165,7 +175,8 @@ impl ProfileAnalysis for ProfileAnalysisService {
             .collect::<Result<Vec<Target>, Status>>()?;
         validate::name_component("session_id", &request.session_id)?;
         let root = self.root(&request.repository_root)?;
-        let session_id = if request.session_id.is_empty() {
+        let generated_id = request.session_id.is_empty();
+        let session_id = if generated_id {
             session_timestamp()
         } else {
             request.session_id.clone()
@@ -212,13 +223,29 @@ impl ProfileAnalysis for ProfileAnalysisService {
             deadline = deadline.min(caller.saturating_sub(caller / 10 + REPLY_MARGIN));
         }
         info!(session = %session_id, hosts = hosts.len(), duration_ms, "session requested");
-        let directory = root.join(&session_id);
-        let roots = self.config.allowed_roots.clone();
-        let deliver: session::Deliver = Arc::new(move |file_name, bytes| {
-            roots
-                .write_atomic(&directory, file_name, bytes)
-                .map_err(|e| e.to_string())
-        });
+        // Each host's trace is written as it arrives, in a session
+        // directory made when the first one does (a unique name for a
+        // generated id, so that two sessions in one second keep both).
+        let made: Arc<parking_lot::Mutex<Option<crate::beneath::Dir>>> = Arc::default();
+        let deliver: session::Deliver = {
+            let made = Arc::clone(&made);
+            let (root, session_id) = (root.clone(), session_id.clone());
+            Arc::new(move |file_name, bytes| {
+                let mut made = made.lock();
+                if made.is_none() {
+                    let (directory, _) =
+                        super::profiler::session_directory(&root, &session_id, generated_id)
+                            .map_err(|e| format!("repository_root: {e}"))?;
+                    *made = Some(directory);
+                }
+                let Some(directory) = made.as_ref() else {
+                    return Err("no session directory".into());
+                };
+                directory
+                    .write_atomic(file_name, bytes)
+                    .map_err(|e| e.to_string())
+            })
+        };
         let outcomes =
             session::fan_out(&hosts, &profile, deadline, &self.config.client, deliver).await;
         let mut errors = Vec::new();
@@ -245,13 +272,20 @@ impl ProfileAnalysis for ProfileAnalysisService {
         request: Request<EnumProfileSessionsAndToolsRequest>,
     ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
         let root = self.root(&request.into_inner().repository_root)?;
-        let sessions = tokio::task::spawn_blocking(move || session::list_sessions(&root))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| match e {
+        let sessions = tokio::task::spawn_blocking(move || {
+            let root = root
+                .open_dir()
+                .map_err(|e| open_status("repository_root", e))?;
+            session::list_sessions(&root).map_err(|e| match e {
                 SessionError::Missing { .. } => Status::not_found(format!("repository_root: {e}")),
+                SessionError::Refused(_) => {
+                    Status::permission_denied(format!("repository_root: {e}"))
+                }
                 SessionError::Io { .. } => Status::internal(e.to_string()),
-            })?;
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(EnumProfileSessionsAndToolsResponse {
             error_message: String::new(),
             sessions: sessions
@@ -281,23 +315,25 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 format!("is required (one of: {})", session::TOOLS.join(", ")),
             ));
         }
-        let directory = root.join(&request.session_id);
-        if !directory.is_dir() {
-            return Err(Status::not_found(format!(
-                "session_id: no session {:?} under {}",
-                request.session_id,
-                root.display()
-            )));
-        }
+        let session_id = request.session_id;
         let host = (!request.host_name.is_empty()).then_some(request.host_name);
         let tool = request.tool_name;
         let parameters = request.parameters;
         let output = tokio::task::spawn_blocking(move || {
-            session::tool_data(&directory, host.as_deref(), &tool, &parameters)
+            let directory = root.join(&session_id).open_dir().map_err(|e| {
+                if e.is_not_found() {
+                    Status::not_found(format!(
+                        "session_id: no session {session_id:?} under {}",
+                        root.display_path().display()
+                    ))
+                } else {
+                    open_status("session_id", e)
+                }
+            })?;
+            session::tool_data(&directory, host.as_deref(), &tool, &parameters).map_err(tool_status)
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(tool_status)?;
+        .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(ProfileSessionDataResponse {
             error_message: String::new(),
             output_format: output.format().to_string(),

@@ -32,7 +32,7 @@ use crate::session;
 use crate::store::Window;
 use crate::xspace::{self, CaptureInfo, Encoded};
 
-use super::repository::AllowedRoots;
+use super::repository::{AllowedRoots, Confined, RepositoryError};
 use super::validate::{self, invalid};
 
 /// Name of the tool entry that carries the trace back to the client.
@@ -84,6 +84,9 @@ pub fn local_hostname() -> String {
 struct Plan {
     window: Window,
     session_id: String,
+    /// The client named no session: `session_id` is a timestamp, and the
+    /// directory gets a suffix when another capture took that name.
+    generated_session_id: bool,
     /// Base name of the trace file (`<host>.xplane.pb`).
     file_host: String,
     repository_root: String,
@@ -243,6 +246,7 @@ impl ProfilerService {
                     request.host_name.replace(':', "_")
                 }
             });
+        let generated_session_id = request.session_id.is_empty() && options.session_id.is_empty();
         let session_id = if !request.session_id.is_empty() {
             request.session_id.clone()
         } else if !options.session_id.is_empty() {
@@ -264,6 +268,7 @@ impl ProfilerService {
                 stop_ns: start_ns.saturating_add(duration_ms.saturating_mul(1_000_000)),
             },
             session_id,
+            generated_session_id,
             file_host,
             repository_root: request.repository_root.clone(),
             emit_xspace: request.emit_xspace,
@@ -448,8 +453,9 @@ impl ProfilerService {
     }
 
     /// Delivers a built trace the way the request asked: inline XSpace, a file
-    /// under an allowed root, or `tool_data` for the client to write.
-    fn respond(&self, plan: &Plan, encoded: Encoded) -> Result<ProfileResponse, Status> {
+    /// under an allowed root, or `tool_data` for the client to write. A trace
+    /// the agent fails to write goes to the client instead, saying why.
+    fn respond(&self, plan: &Plan, mut encoded: Encoded) -> Result<ProfileResponse, Status> {
         let empty_trace = encoded.events == 0;
         if plan.emit_xspace {
             return Ok(ProfileResponse {
@@ -458,46 +464,80 @@ impl ProfilerService {
                 xspace: Some(decode(&encoded.bytes)?),
             });
         }
-        let bytes = encoded.bytes;
-        if let Some(directory) = self.server_side_directory(plan) {
-            let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
-            let path = self
-                .config
-                .allowed_roots
-                .write_atomic(&directory, &file_name, &bytes)
-                .map_err(|e| Status::permission_denied(format!("repository_root: {e}")))?;
-            info!(path = %path.display(), bytes = bytes.len(), "trace written");
-            return Ok(ProfileResponse {
-                tool_data: Vec::new(),
-                empty_trace,
-                xspace: None,
-            });
+        if let Some(root) = self.server_side_root(plan) {
+            match write_trace(&root, plan, &encoded.bytes) {
+                Ok(path) => {
+                    info!(path = %path.display(), bytes = encoded.bytes.len(), "trace written");
+                    return Ok(ProfileResponse {
+                        tool_data: Vec::new(),
+                        empty_trace,
+                        xspace: None,
+                    });
+                }
+                Err(error) => {
+                    warn!(%error, "trace not written; returning it to the client instead");
+                    xspace::append_warning(
+                        &mut encoded,
+                        &format!(
+                            "the agent could not write this trace under repository_root ({error}); \
+                             it was returned to the client instead"
+                        ),
+                    );
+                }
+            }
         }
         Ok(ProfileResponse {
             tool_data: vec![ProfileToolData {
                 name: XPLANE_TOOL.to_string(),
-                data: bytes,
+                data: encoded.bytes,
             }],
             empty_trace,
             xspace: None,
         })
     }
 
-    /// The session directory to write into, when the request's repository
-    /// root lies inside an allowed root; otherwise the trace goes inline.
-    fn server_side_directory(&self, plan: &Plan) -> Option<PathBuf> {
+    /// The repository root to write into, when the request's lies inside an
+    /// allowed root; otherwise the trace goes inline.
+    fn server_side_root(&self, plan: &Plan) -> Option<Confined> {
         if plan.repository_root.is_empty() || self.config.allowed_roots.is_empty() {
             return None;
         }
         let root = Path::new(&plan.repository_root);
         match self.config.allowed_roots.confine(root) {
-            Ok(root) => Some(root.join(&plan.session_id)),
+            Ok(root) => Some(root),
             Err(reason) => {
                 info!(%reason, "repository_root not writable by policy; returning the trace inline");
                 None
             }
         }
     }
+}
+
+/// The directory of session `session_id` under `root`, made beneath its
+/// allowed root. A generated id (a timestamp) names a new directory,
+/// suffixed when another capture of the same second has it, so that the
+/// two never overwrite each other; a client's id names its directory as is.
+/// Returns the directory and the session's final name.
+pub fn session_directory(
+    root: &Confined,
+    session_id: &str,
+    generated: bool,
+) -> Result<(crate::beneath::Dir, String), RepositoryError> {
+    if generated {
+        Ok(root.create_dir_all()?.create_unique_dir(session_id)?)
+    } else {
+        Ok((
+            root.join(session_id).create_dir_all()?,
+            session_id.to_string(),
+        ))
+    }
+}
+
+/// Writes a capture's trace as `<root>/<session>/<host>.xplane.pb`.
+fn write_trace(root: &Confined, plan: &Plan, bytes: &[u8]) -> Result<PathBuf, RepositoryError> {
+    let (directory, _) = session_directory(root, &plan.session_id, plan.generated_session_id)?;
+    let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
+    Ok(directory.write_atomic(&file_name, bytes)?)
 }
 
 /// Mean sampled SM utilisation over all GPUs, when a counter backend reports it.
@@ -857,16 +897,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         plan.warnings.clear();
         if !snapshot_id.is_empty() {
             plan.session_id = snapshot_id;
+            plan.generated_session_id = false;
         }
         let encoded = self.build(&plan, plan.window).await?;
-        if let Some(directory) = self.server_side_directory(&plan) {
-            let bytes = &encoded.bytes;
-            let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
-            if let Err(error) = self
-                .config
-                .allowed_roots
-                .write_atomic(&directory, &file_name, bytes)
-            {
+        if let Some(root) = self.server_side_root(&plan) {
+            if let Err(error) = write_trace(&root, &plan, &encoded.bytes) {
                 warn!(%error, "snapshot not written; returned inline only");
             }
         }

@@ -67,7 +67,7 @@ impl Framer {
                     self.buffer[4],
                 ]) as usize;
                 if compressed || length > self.decode_limit {
-                    self.messages += 1;
+                    self.messages = self.messages.saturating_add(1);
                     out.push(Frame::Skipped {
                         bytes: length as u64,
                     });
@@ -81,12 +81,13 @@ impl Framer {
                     continue;
                 }
                 if self.buffer.len() < PREFIX_BYTES + length {
-                    self.buffer
-                        .reserve(PREFIX_BYTES + length - self.buffer.len());
+                    // Nothing is reserved for the announced length: five
+                    // bytes from a peer must not make the tap hold 64 MiB.
+                    // The buffer grows with what arrives.
                     break;
                 }
                 self.buffer.advance(PREFIX_BYTES);
-                self.messages += 1;
+                self.messages = self.messages.saturating_add(1);
                 out.push(Frame::Message(self.buffer.split_to(length).freeze()));
             }
         }
@@ -272,6 +273,42 @@ pub struct SendTensorRequest {
     pub device_name: String,
 }
 
+/// A RunStep request as TensorFlow sends one: for tests and fuzzing.
+#[cfg(test)]
+pub(crate) fn sample_run_step() -> RunStepRequest {
+    RunStepRequest {
+        session_handle: "s1".into(),
+        feed: vec![NamedTensor { name: "x:0".into() }],
+        fetch: vec!["y:0".into()],
+        target: vec!["train".into()],
+        partial_run_handle: String::new(),
+    }
+}
+
+/// An eager Enqueue of an operation and a released handle with a tensor.
+#[cfg(test)]
+pub(crate) fn sample_enqueue() -> EnqueueRequest {
+    EnqueueRequest {
+        context_id: 9,
+        queue: vec![
+            QueueItem {
+                handle_to_decref: None,
+                operation: Some(Operation {
+                    id: 3,
+                    name: "MatMul".into(),
+                    device: "/job:a/task:0/device:CPU:0".into(),
+                }),
+                send_tensor: None,
+            },
+            QueueItem {
+                handle_to_decref: Some(RemoteTensorHandle { op_id: 2 }),
+                operation: None,
+                send_tensor: Some(Bytes::from_static(b"tensor")),
+            },
+        ],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,29 +351,25 @@ mod tests {
 
     #[test]
     fn partial_protos_read_tensorflow_messages() {
-        let full = RunStepRequest {
-            session_handle: "s1".into(),
-            feed: vec![NamedTensor { name: "x:0".into() }],
-            fetch: vec!["y:0".into()],
-            target: vec!["train".into()],
-            partial_run_handle: String::new(),
-        };
+        let full = sample_run_step();
         let decoded = RunStepRequest::decode(full.encode_to_vec().as_slice()).unwrap();
         assert_eq!(decoded, full);
-        let enqueue = EnqueueRequest {
-            context_id: 9,
-            queue: vec![QueueItem {
-                handle_to_decref: None,
-                operation: Some(Operation {
-                    id: 3,
-                    name: "MatMul".into(),
-                    device: "/job:a/task:0/device:CPU:0".into(),
-                }),
-                send_tensor: None,
-            }],
-        };
+        let enqueue = sample_enqueue();
         let decoded = EnqueueRequest::decode(enqueue.encode_to_vec().as_slice()).unwrap();
         assert_eq!(decoded, enqueue);
         assert!(RunStepRequest::decode(&b"\xff\xff\xff"[..]).is_err());
+    }
+
+    #[test]
+    fn an_announced_length_holds_no_memory_until_the_bytes_arrive() {
+        let mut framer = Framer::new(64 << 20);
+        let mut out = Vec::new();
+        framer.push(&[0, 0x03, 0xff, 0xff, 0xff], &mut out);
+        assert!(out.is_empty());
+        assert!(
+            framer.buffer.capacity() < 4096,
+            "{} bytes held for a 5-byte prefix",
+            framer.buffer.capacity()
+        );
     }
 }

@@ -275,7 +275,9 @@ impl Call {
         }
         for frame in frames {
             match frame {
-                Frame::Skipped { .. } if self.kind != Kind::Other => state.info.undecoded += 1,
+                Frame::Skipped { .. } if self.kind != Kind::Other => {
+                    state.info.undecoded = state.info.undecoded.saturating_add(1);
+                }
                 Frame::Skipped { .. } => {}
                 Frame::Message(message) => {
                     let decoded = match direction {
@@ -283,7 +285,7 @@ impl Call {
                         Direction::Response => self.response(&mut state, &message, &mut events),
                     };
                     if !decoded {
-                        state.info.undecoded += 1;
+                        state.info.undecoded = state.info.undecoded.saturating_add(1);
                     }
                 }
             }
@@ -463,14 +465,17 @@ impl Call {
                 state.context_id = m.context_id;
                 let mut ops = Vec::new();
                 for item in m.queue {
+                    // A streaming call lives as long as its eager context:
+                    // its counts saturate rather than wrap.
+                    let info = &mut state.info;
                     if item.handle_to_decref.is_some() {
-                        state.info.handles_released += 1;
+                        info.handles_released = info.handles_released.saturating_add(1);
                     }
                     if let Some(bytes) = item.send_tensor {
-                        state.info.payload_bytes += bytes.len() as u64;
+                        info.payload_bytes = info.payload_bytes.saturating_add(bytes.len() as u64);
                     }
                     if let Some(op) = item.operation {
-                        state.info.ops_enqueued += 1;
+                        info.ops_enqueued = info.ops_enqueued.saturating_add(1);
                         ops.push(PendingOp {
                             name: registry.intern(&op.name),
                             op_id: op.id,
@@ -495,14 +500,16 @@ impl Call {
                     return false;
                 };
                 state.context_id = m.context_id;
-                state.info.waited_ops += m.op_id.len() as u32;
+                let waited = u32::try_from(m.op_id.len()).unwrap_or(u32::MAX);
+                state.info.waited_ops = state.info.waited_ops.saturating_add(waited);
             }
             Kind::SendTensor => {
                 let Ok(m) = decode::SendTensorRequest::decode(message) else {
                     return false;
                 };
                 state.context_id = m.context_id;
-                state.info.payload_bytes += m.tensors.iter().map(|t| t.len() as u64).sum::<u64>();
+                let tensors = m.tensors.iter().map(|t| t.len() as u64).sum::<u64>();
+                state.info.payload_bytes = state.info.payload_bytes.saturating_add(tensors);
             }
             Kind::EagerContext => {
                 let Ok(m) = decode::ContextId::decode(message) else {

@@ -353,7 +353,9 @@ fn downsample(mut candidates: Vec<Candidate>, limit: usize, window: (i64, i64)) 
     let lo = window.0.max(first);
     let hi = window.1.min(last).max(lo);
     let buckets = limit.clamp(1, MAX_BUCKETS);
-    let width = ((hi - lo) as u128 / buckets as u128 + 1) as i128;
+    // In i128: a window from i64::MIN to i64::MAX spans more than an i64.
+    let span = (i128::from(hi) - i128::from(lo)) as u128;
+    let width = (span / buckets as u128 + 1) as i128;
     let bucket_of = |c: &Candidate| -> usize {
         let offset = (i128::from(c.start) - i128::from(lo)).max(0);
         ((offset / width) as usize).min(buckets - 1)
@@ -637,5 +639,48 @@ mod tests {
             })
         ));
         assert!(bad(None, None).is_ok());
+    }
+
+    #[test]
+    fn one_event_of_a_trace_spanning_all_of_time_is_kept() {
+        use crate::proto::tensorflow::profiler::XEventMetadata;
+        let mut plane = XPlane {
+            name: HOST_PLANE.into(),
+            ..XPlane::default()
+        };
+        plane.event_metadata.insert(
+            1,
+            XEventMetadata {
+                id: 1,
+                name: "step".into(),
+                ..XEventMetadata::default()
+            },
+        );
+        for (id, timestamp_ns) in [(1, i64::MIN), (2, 0), (3, i64::MAX)] {
+            plane.lines.push(XLine {
+                id,
+                timestamp_ns,
+                events: vec![XEvent {
+                    metadata_id: 1,
+                    duration_ps: 1,
+                    ..XEvent::default()
+                }],
+                ..XLine::default()
+            });
+        }
+        let space = XSpace {
+            planes: vec![plane],
+            ..XSpace::default()
+        };
+        let trace = trace_viewer(
+            &space,
+            &TraceViewerOptions {
+                resolution: 1,
+                ..TraceViewerOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(trace.events_in_window, 3);
+        assert_eq!(trace.events.len(), 1);
     }
 }

@@ -112,6 +112,14 @@ pub fn encode_xspace<'e>(
     }
 }
 
+/// Adds `warning` to an encoded XSpace: a repeated field appended to a
+/// message's bytes is read as one more element, so nothing is re-encoded.
+pub fn append_warning(encoded: &mut Encoded, warning: &str) {
+    let mut out = Writer::default();
+    out.text(field::SPACE_WARNINGS, warning);
+    encoded.bytes.extend_from_slice(&out.into_bytes());
+}
+
 /// Events per (device, line), devices in plane order; the host plane is
 /// always present.
 type Lines<'e> = BTreeMap<Device, BTreeMap<u64, Vec<&'e Event>>>;

@@ -51,11 +51,16 @@ const ONE_DAY_NS: i64 = 86_400 * 1_000_000_000;
 pub fn merge(ours: &mut XSpace, theirs: XSpace, source: &str) {
     let our_start = profile_start_ns(ours);
     let their_start = profile_start_ns(&theirs);
-    let line_shift = |timestamp_ns: i64| -> i64 {
+    // In i128: both starts are theirs to choose, and any u64 is a start.
+    let line_shift = |timestamp_ns: i64| -> i128 {
         match (their_start, our_start) {
-            (Some(their), Some(our)) => their as i64 - our as i64,
+            (Some(their), Some(our)) => i128::from(their) - i128::from(our),
             // Times since the epoch (within a day of ours) are absolute.
-            (None, Some(our)) if (timestamp_ns - our as i64).abs() < ONE_DAY_NS => -(our as i64),
+            (None, Some(our))
+                if (i128::from(timestamp_ns) - i128::from(our)).abs() < i128::from(ONE_DAY_NS) =>
+            {
+                -i128::from(our)
+            }
             _ => 0,
         }
     };
@@ -68,9 +73,8 @@ pub fn merge(ours: &mut XSpace, theirs: XSpace, source: &str) {
             continue;
         }
         for line in &mut plane.lines {
-            line.timestamp_ns = line
-                .timestamp_ns
-                .saturating_add(line_shift(line.timestamp_ns));
+            let shifted = i128::from(line.timestamp_ns) + line_shift(line.timestamp_ns);
+            line.timestamp_ns = shifted.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
         }
         if plane.name == conventions::HOST_PLANE {
             for line in &mut plane.lines {
@@ -121,7 +125,7 @@ fn rename_to_free(ours: &XSpace, plane: &mut XPlane) {
 }
 
 fn add_stat(plane: &mut XPlane, name: &str, value: &str) {
-    let id = plane.stat_metadata.keys().max().copied().unwrap_or(0) + 1;
+    let id = FreshIds::new(plane.stat_metadata.keys().copied()).next();
     plane.stat_metadata.insert(
         id,
         XStatMetadata {
@@ -136,58 +140,105 @@ fn add_stat(plane: &mut XPlane, name: &str, value: &str) {
     });
 }
 
-/// Moves `theirs`' lines into `ours`, remapping metadata ids. Stat metadata
-/// is matched by name (names must be unique within a plane; ref values point
-/// at stat metadata, so they are remapped too).
+/// Hands out ids that no existing entry of a metadata map uses, nor any
+/// id handed out before: upstream ids of any value (negative, sparse, at
+/// the top of the range) can never land on ours.
+struct FreshIds {
+    taken: std::collections::HashSet<i64>,
+    next: i64,
+}
+
+impl FreshIds {
+    fn new(taken: impl IntoIterator<Item = i64>) -> FreshIds {
+        let taken: std::collections::HashSet<i64> = taken.into_iter().collect();
+        let next = taken
+            .iter()
+            .max()
+            .map_or(1, |max| max.checked_add(1).unwrap_or(1));
+        FreshIds { taken, next }
+    }
+
+    fn next(&mut self) -> i64 {
+        while self.taken.contains(&self.next) {
+            self.next = self.next.checked_add(1).unwrap_or(i64::MIN);
+        }
+        let id = self.next;
+        self.taken.insert(id);
+        id
+    }
+}
+
+/// Their ids to the fresh ids that replace them, each given out once.
+struct Remap {
+    fresh: FreshIds,
+    map: HashMap<i64, i64>,
+}
+
+impl Remap {
+    fn new(ours: impl IntoIterator<Item = i64>) -> Remap {
+        Remap {
+            fresh: FreshIds::new(ours),
+            map: HashMap::new(),
+        }
+    }
+
+    fn get(&mut self, theirs: i64) -> i64 {
+        *self.map.entry(theirs).or_insert_with(|| self.fresh.next())
+    }
+}
+
+/// Moves `theirs`' lines into `ours`, giving their metadata ids that none
+/// of ours has. Stat metadata is matched by name (names must be unique
+/// within a plane; ref values point at stat metadata, so they are remapped
+/// too). An id of theirs with no metadata still gets an id of its own, so
+/// it can never take on the meaning of one of ours.
 fn merge_plane(ours: &mut XPlane, theirs: XPlane) {
-    let mut stat_by_name: HashMap<String, i64> = ours
+    let stat_by_name: HashMap<String, i64> = ours
         .stat_metadata
         .values()
         .map(|m| (m.name.clone(), m.id))
         .collect();
-    let mut next_stat = ours.stat_metadata.keys().max().copied().unwrap_or(0) + 1;
-    let mut stat_map: HashMap<i64, i64> = HashMap::new();
-    for (id, metadata) in &theirs.stat_metadata {
-        let mapped = *stat_by_name
-            .entry(metadata.name.clone())
-            .or_insert_with(|| {
-                let new = next_stat;
-                next_stat += 1;
-                ours.stat_metadata.insert(
-                    new,
-                    XStatMetadata {
-                        id: new,
-                        ..metadata.clone()
-                    },
-                );
-                new
-            });
-        stat_map.insert(*id, mapped);
+    let mut stats = Remap::new(ours.stat_metadata.keys().copied());
+    let mut their_stats: Vec<_> = theirs.stat_metadata.into_iter().collect();
+    their_stats.sort_by_key(|(id, _)| *id);
+    for (id, metadata) in their_stats {
+        if let Some(existing) = stat_by_name.get(&metadata.name) {
+            stats.map.insert(id, *existing);
+            continue;
+        }
+        let new = stats.get(id);
+        ours.stat_metadata.insert(
+            new,
+            XStatMetadata {
+                id: new,
+                ..metadata
+            },
+        );
     }
-    let remap_stats = |stats: &mut Vec<XStat>| {
-        for s in stats.iter_mut() {
-            s.metadata_id = stat_map
-                .get(&s.metadata_id)
-                .copied()
-                .unwrap_or(s.metadata_id);
+    let remap_stats = |stats_of: &mut Vec<XStat>, stats: &mut Remap| {
+        for s in stats_of.iter_mut() {
+            s.metadata_id = stats.get(s.metadata_id);
             if let Some(x_stat::Value::RefValue(target)) = &mut s.value {
-                if let Some(mapped) = stat_map.get(&(*target as i64)) {
-                    *target = *mapped as u64;
-                }
+                *target = stats.get(*target as i64) as u64;
             }
         }
     };
-    let offset = ours.event_metadata.keys().max().copied().unwrap_or(0);
-    for (id, mut metadata) in theirs.event_metadata {
-        metadata.id = id + offset;
-        metadata.child_id.iter_mut().for_each(|c| *c += offset);
-        remap_stats(&mut metadata.stats);
-        ours.event_metadata.insert(id + offset, metadata);
+    let mut events = Remap::new(ours.event_metadata.keys().copied());
+    let mut their_events: Vec<_> = theirs.event_metadata.into_iter().collect();
+    their_events.sort_by_key(|(id, _)| *id);
+    for (id, mut metadata) in their_events {
+        let new = events.get(id);
+        metadata.id = new;
+        for child in &mut metadata.child_id {
+            *child = events.get(*child);
+        }
+        remap_stats(&mut metadata.stats, &mut stats);
+        ours.event_metadata.insert(new, metadata);
     }
     for mut line in theirs.lines {
         for event in &mut line.events {
-            event.metadata_id += offset;
-            remap_stats(&mut event.stats);
+            event.metadata_id = events.get(event.metadata_id);
+            remap_stats(&mut event.stats, &mut stats);
         }
         ours.lines.push(line);
     }
@@ -337,5 +388,69 @@ mod tests {
             find_stat(moved, &moved.stats, ORIGINAL_NAME_STAT),
             Some(StatValue::Str("/device:GPU:0".into()))
         );
+    }
+
+    #[test]
+    fn upstream_metadata_ids_of_any_value_never_land_on_ours() {
+        let mut ours = XSpace {
+            planes: vec![plane("/host:CPU", 49, "ours", "a:A"), environment(1_000)],
+            ..XSpace::default()
+        };
+        let host = &mut ours.planes[0];
+        host.event_metadata.insert(
+            2,
+            XEventMetadata {
+                id: 2,
+                name: "ours_two".into(),
+                ..XEventMetadata::default()
+            },
+        );
+        let mut theirs_host = plane("/host:CPU", 49, "theirs", "b:B");
+        // With the old offset (our largest id, 2), -1 became 1 and -2 became
+        // 0; an id at the top of the range overflowed.
+        for (id, name) in [(-1, "minus_one"), (i64::MAX, "top"), (i64::MIN, "bottom")] {
+            theirs_host.event_metadata.insert(
+                id,
+                XEventMetadata {
+                    id,
+                    name: name.into(),
+                    child_id: vec![1, -1],
+                    ..XEventMetadata::default()
+                },
+            );
+            let mut event = theirs_host.lines[0].events[0].clone();
+            event.metadata_id = id;
+            theirs_host.lines[0].events.push(event);
+        }
+        // An event whose metadata they never sent.
+        let mut orphan = theirs_host.lines[0].events[0].clone();
+        orphan.metadata_id = -2;
+        theirs_host.lines[0].events.push(orphan);
+        let theirs = XSpace {
+            planes: vec![theirs_host, environment(1_000)],
+            ..XSpace::default()
+        };
+        merge(&mut ours, theirs, "up");
+        let host = &ours.planes[0];
+        assert_eq!(host.event_metadata.len(), 6);
+        for (id, metadata) in &host.event_metadata {
+            assert_eq!(*id, metadata.id);
+        }
+        assert_eq!(host.event_metadata[&1].name, "ours");
+        assert_eq!(host.event_metadata[&2].name, "ours_two");
+        assert_eq!(event_name(host, &host.lines[0].events[0]), "ours");
+        let merged: Vec<&str> = host.lines[1]
+            .events
+            .iter()
+            .map(|e| event_name(host, e))
+            .collect();
+        assert_eq!(merged, vec!["theirs", "minus_one", "top", "bottom", ""]);
+        let orphan = host.lines[1].events[4].metadata_id;
+        assert!(!host.event_metadata.contains_key(&orphan));
+        assert!(![0, 1, 2].contains(&orphan), "{orphan}");
+        let theirs_one = host.lines[1].events[0].metadata_id;
+        let minus_one = host.lines[1].events[1].metadata_id;
+        let top = &host.event_metadata[&host.lines[1].events[2].metadata_id];
+        assert_eq!(top.child_id, vec![theirs_one, minus_one], "children follow");
     }
 }

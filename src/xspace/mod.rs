@@ -7,4 +7,4 @@ pub mod merge;
 pub mod read;
 mod wire;
 
-pub use builder::{build_xspace, encode_xspace, is_empty, CaptureInfo, Encoded};
+pub use builder::{append_warning, build_xspace, encode_xspace, is_empty, CaptureInfo, Encoded};

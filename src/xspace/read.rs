@@ -23,13 +23,20 @@ pub enum ReadError {
     },
 }
 
-/// Reads and decodes an `.xplane.pb` file.
+/// Reads and decodes an `.xplane.pb` file a local user named (`devtrace
+/// inspect`); files a client names are read beneath their allowed root and
+/// decoded with [`decode_xspace`].
 pub fn read_xspace(path: &Path) -> Result<XSpace, ReadError> {
     let bytes = std::fs::read(path).map_err(|source| ReadError::Io {
         path: path.display().to_string(),
         source,
     })?;
-    XSpace::decode(bytes.as_slice()).map_err(|source| ReadError::Decode {
+    decode_xspace(&bytes, path)
+}
+
+/// Decodes the bytes of the `.xplane.pb` file at `path` (named in errors).
+pub fn decode_xspace(bytes: &[u8], path: &Path) -> Result<XSpace, ReadError> {
+    XSpace::decode(bytes).map_err(|source| ReadError::Decode {
         path: path.display().to_string(),
         source,
     })
@@ -262,11 +269,14 @@ pub fn plane_names(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
     while let Some((field, value)) = space.next_field()? {
         if let (1, WireValue::Bytes(plane)) = (field, value) {
             let mut plane = WireReader(plane);
+            // A field that occurs twice takes its last value, as in protobuf.
+            let mut plane_name = None;
             while let Some((field, value)) = plane.next_field()? {
                 if let (2, WireValue::Bytes(name)) = (field, value) {
-                    names.push(String::from_utf8_lossy(name).into_owned());
+                    plane_name = Some(name);
                 }
             }
+            names.extend(plane_name.map(|n| String::from_utf8_lossy(n).into_owned()));
         }
     }
     Ok(names)
@@ -329,8 +339,42 @@ impl<'b> WireReader<'b> {
                 self.take(4)?;
                 WireValue::Scalar
             }
+            // A group (deprecated, but valid): skipped up to its end.
+            3 => {
+                self.skip_group(key >> 3, 1)?;
+                WireValue::Scalar
+            }
             other => return Err(Malformed(format!("unsupported wire type {other}"))),
         };
         Ok(Some((key >> 3, value)))
+    }
+
+    /// Skips the fields of group `field` up to its end marker; `depth` is
+    /// bounded as prost bounds it, so nested groups cannot exhaust the stack.
+    fn skip_group(&mut self, field: u64, depth: u32) -> Result<(), Malformed> {
+        const MAX_DEPTH: u32 = 100;
+        if depth > MAX_DEPTH {
+            return Err(Malformed::new("groups nested too deeply"));
+        }
+        loop {
+            if self.0.is_empty() {
+                return Err(Malformed::new("unterminated group"));
+            }
+            let key = self.varint()?;
+            match key & 7 {
+                4 if key >> 3 == field => return Ok(()),
+                4 => return Err(Malformed::new("mismatched end of group")),
+                3 => self.skip_group(key >> 3, depth + 1)?,
+                0 => drop(self.varint()?),
+                1 => drop(self.take(8)?),
+                2 => {
+                    let length = usize::try_from(self.varint()?)
+                        .map_err(|_| Malformed::new("length too large"))?;
+                    self.take(length)?;
+                }
+                5 => drop(self.take(4)?),
+                other => return Err(Malformed(format!("unsupported wire type {other}"))),
+            }
+        }
     }
 }

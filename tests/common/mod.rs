@@ -78,6 +78,16 @@ impl AgentProcess {
         ProfilerServiceClient::new(channel).max_decoding_message_size(usize::MAX)
     }
 
+    /// A `Profile` call that must succeed.
+    pub async fn profile(&self, request: ProfileRequest) -> ProfileResponse {
+        self.client()
+            .await
+            .profile(request)
+            .await
+            .expect("Profile")
+            .into_inner()
+    }
+
     /// A level-2 `Monitor` over `duration_ms`, without a timestamp.
     pub async fn monitor(&self, duration_ms: u64) -> devtrace::proto::tensorflow::MonitorResponse {
         self.client()

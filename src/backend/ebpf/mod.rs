@@ -9,11 +9,11 @@
 //! starts, so a kernel that refuses them is reported at once; they are
 //! attached while a capture runs, or always with [`AttachMode::Always`].
 
-mod cuda;
+pub(crate) mod cuda;
 #[cfg(devtrace_bpf)]
 mod programs;
-mod records;
-mod sched;
+pub(crate) mod records;
+pub(crate) mod sched;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,0 +1,643 @@
+//! Files beneath a directory descriptor, for every path a client names.
+//!
+//! The agent runs as root and the directories it serves (`--allow-root`)
+//! are shared with other users, so a path is never checked and then opened
+//! by name: anyone able to write there could swap a component for a
+//! symbolic link between the two. Instead each path is resolved beneath the
+//! descriptor of a directory the agent already holds, and no symbolic link
+//! on the way is followed: `openat2` with `RESOLVE_BENEATH |
+//! RESOLVE_NO_SYMLINKS`, or, where the kernel lacks `openat2` (before Linux
+//! 5.6, or filtered out by a seccomp policy), a walk one component at a time
+//! with `openat(O_NOFOLLOW)`. Directories made for writes are made beneath
+//! the same descriptor (`mkdirat`), and files are written under a temporary
+//! name and renamed into place (`renameat`), both relative to it.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, RenameFlags, ResolveFlags};
+use rustix::io::Errno;
+
+/// Set once `openat2` answered ENOSYS: every later open walks instead.
+static OPENAT2_MISSING: AtomicBool = AtomicBool::new(false);
+
+/// Most suffixes tried for a directory name that is taken.
+const MAX_UNIQUE_ATTEMPTS: u32 = 10_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BeneathError {
+    #[error("{path} does not exist")]
+    NotFound { path: String },
+    #[error(
+        "{path} passes through a symbolic link; links are not followed beneath an allowed root"
+    )]
+    Symlink { path: String },
+    #[error("{path} is not a plain path beneath its root ('..' and absolute parts are refused)")]
+    Escapes { path: String },
+    #[error("{path} is not a regular file")]
+    NotFile { path: String },
+    #[error("{path}: {source}")]
+    Io { path: String, source: io::Error },
+}
+
+/// How paths are resolved: the kernel's `openat2`, or the walk that stands
+/// in for it. Chosen at run time; tests run both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolver {
+    Openat2,
+    Walk,
+}
+
+impl Resolver {
+    /// `openat2` until the kernel has said it does not have it.
+    pub fn detect() -> Resolver {
+        if OPENAT2_MISSING.load(Ordering::Relaxed) {
+            Resolver::Walk
+        } else {
+            Resolver::Openat2
+        }
+    }
+}
+
+/// What a directory entry is, seen without following links.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryKind {
+    Directory,
+    File,
+    /// A symbolic link, FIFO, socket or device: never opened.
+    Other,
+}
+
+/// One entry of a [`Dir`].
+#[derive(Clone, Debug)]
+pub struct Entry {
+    pub name: OsString,
+    pub kind: EntryKind,
+    pub modified: SystemTime,
+}
+
+/// An open directory that paths are resolved beneath.
+#[derive(Debug)]
+pub struct Dir {
+    fd: OwnedFd,
+    /// Where it is, for messages only: never opened by name again.
+    path: PathBuf,
+    resolver: Resolver,
+}
+
+impl Dir {
+    /// Opens a directory the operator or the local user named; links in
+    /// `path` itself are followed, as they chose it.
+    pub fn open(path: &Path) -> Result<Dir, BeneathError> {
+        let fd = rfs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|errno| io_error(path, errno))?;
+        Ok(Dir {
+            fd,
+            path: path.to_path_buf(),
+            resolver: Resolver::detect(),
+        })
+    }
+
+    /// The same directory resolving with `resolver` (tests of the walk).
+    pub fn with_resolver(mut self, resolver: Resolver) -> Dir {
+        self.resolver = resolver;
+        self
+    }
+
+    /// Where this directory is, for messages.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The directory at `relative` beneath this one.
+    pub fn open_dir(&self, relative: &Path) -> Result<Dir, BeneathError> {
+        let components = plain_components(relative, &self.path)?;
+        let fd = self.open_components(&components, OFlags::RDONLY | OFlags::DIRECTORY)?;
+        Ok(self.child(fd, relative))
+    }
+
+    /// The directory at `relative`, made (mode 0755) where missing, each
+    /// level beneath the one before.
+    pub fn create_dir_all(&self, relative: &Path) -> Result<Dir, BeneathError> {
+        let components = plain_components(relative, &self.path)?;
+        let mut current = self.duplicate()?;
+        for name in components {
+            current = current.create_dir(name)?;
+        }
+        Ok(current)
+    }
+
+    /// The subdirectory `name`, made when missing.
+    fn create_dir(&self, name: &OsStr) -> Result<Dir, BeneathError> {
+        match rfs::mkdirat(&self.fd, name, Mode::from_raw_mode(0o755)) {
+            Ok(()) | Err(Errno::EXIST) => {}
+            Err(errno) => return Err(io_error(&self.path.join(name), errno)),
+        }
+        self.open_dir(Path::new(name))
+    }
+
+    /// A new subdirectory named `base`, or `base_2`, `base_3`, ... when
+    /// that is taken: never one that existed before.
+    pub fn create_unique_dir(&self, base: &str) -> Result<(Dir, String), BeneathError> {
+        single_component(base, &self.path)?;
+        for attempt in 1..=MAX_UNIQUE_ATTEMPTS {
+            let name = if attempt == 1 {
+                base.to_string()
+            } else {
+                format!("{base}_{attempt}")
+            };
+            match rfs::mkdirat(&self.fd, name.as_str(), Mode::from_raw_mode(0o755)) {
+                Ok(()) => return Ok((self.open_dir(Path::new(&name))?, name)),
+                Err(Errno::EXIST) => continue,
+                Err(errno) => return Err(io_error(&self.path.join(&name), errno)),
+            }
+        }
+        Err(BeneathError::Io {
+            path: self.path.join(base).display().to_string(),
+            source: io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{MAX_UNIQUE_ATTEMPTS} names in a row are taken"),
+            ),
+        })
+    }
+
+    /// The regular file at `relative`, opened for reading. A FIFO or device
+    /// is refused without blocking on it.
+    pub fn open_file(&self, relative: &Path) -> Result<File, BeneathError> {
+        let components = plain_components(relative, &self.path)?;
+        let fd = self.open_components(&components, OFlags::RDONLY | OFlags::NONBLOCK)?;
+        let shown = self.path.join(relative);
+        let stat = rfs::fstat(&fd).map_err(|errno| io_error(&shown, errno))?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+            return Err(BeneathError::NotFile {
+                path: shown.display().to_string(),
+            });
+        }
+        Ok(File::from(fd))
+    }
+
+    /// The contents of the regular file at `relative`.
+    pub fn read(&self, relative: &Path) -> Result<Vec<u8>, BeneathError> {
+        let mut bytes = Vec::new();
+        self.open_file(relative)?
+            .read_to_end(&mut bytes)
+            .map_err(|source| BeneathError::Io {
+                path: self.path.join(relative).display().to_string(),
+                source,
+            })?;
+        Ok(bytes)
+    }
+
+    /// The entries of this directory (without `.` and `..`), each looked at
+    /// without following links.
+    pub fn entries(&self) -> Result<Vec<Entry>, BeneathError> {
+        let io = |errno| io_error(&self.path, errno);
+        let mut entries = Vec::new();
+        for entry in rfs::Dir::read_from(&self.fd).map_err(io)? {
+            let entry = entry.map_err(io)?;
+            let name = OsStr::from_bytes(entry.file_name().to_bytes());
+            if name == "." || name == ".." {
+                continue;
+            }
+            // Gone since it was listed: skip it.
+            let Ok(stat) = rfs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) else {
+                continue;
+            };
+            let kind = match FileType::from_raw_mode(stat.st_mode) {
+                FileType::Directory => EntryKind::Directory,
+                FileType::RegularFile => EntryKind::File,
+                _ => EntryKind::Other,
+            };
+            let modified =
+                u64::try_from(stat.st_mtime)
+                    .ok()
+                    .map_or(SystemTime::UNIX_EPOCH, |secs| {
+                        SystemTime::UNIX_EPOCH
+                            + Duration::new(secs, u32::try_from(stat.st_mtime_nsec).unwrap_or(0))
+                    });
+            entries.push(Entry {
+                name: name.to_os_string(),
+                kind,
+                modified,
+            });
+        }
+        Ok(entries)
+    }
+
+    /// Writes `bytes` as `name` in this directory (mode 0644): written and
+    /// synced under a temporary name, then renamed over the file `name` was.
+    /// A symbolic link there is refused (a rename would only replace the
+    /// link, but whoever placed it meant something else).
+    pub fn write_atomic(&self, name: &str, bytes: &[u8]) -> Result<PathBuf, BeneathError> {
+        single_component(name, &self.path)?;
+        let target = self.path.join(name);
+        if is_symlink(self.fd.as_fd(), OsStr::new(name)) {
+            return Err(BeneathError::Symlink {
+                path: target.display().to_string(),
+            });
+        }
+        let (temporary, file) = self.create_temporary(name)?;
+        let written = (|| -> io::Result<()> {
+            let mut file = file;
+            file.write_all(bytes)?;
+            // Traces are for reading by the people who asked for them.
+            rfs::fchmod(&file, Mode::from_raw_mode(0o644))?;
+            file.sync_all()?;
+            rfs::renameat_with(
+                &self.fd,
+                temporary.as_str(),
+                &self.fd,
+                name,
+                RenameFlags::empty(),
+            )?;
+            Ok(())
+        })();
+        if let Err(source) = written {
+            let _ = rfs::unlinkat(&self.fd, temporary.as_str(), AtFlags::empty());
+            return Err(BeneathError::Io {
+                path: target.display().to_string(),
+                source,
+            });
+        }
+        Ok(target)
+    }
+
+    /// A new file `.{name}.{unique}.tmp` (mode 0600) that no one else opened.
+    fn create_temporary(&self, name: &str) -> Result<(String, File), BeneathError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        loop {
+            let temporary = format!(
+                ".{name}.{}.{}.tmp",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            let flags =
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+            match rfs::openat(
+                &self.fd,
+                temporary.as_str(),
+                flags,
+                Mode::from_raw_mode(0o600),
+            ) {
+                Ok(fd) => return Ok((temporary, File::from(fd))),
+                // Left by an agent of the same pid before a restart.
+                Err(Errno::EXIST) => continue,
+                Err(errno) => return Err(io_error(&self.path.join(name), errno)),
+            }
+        }
+    }
+
+    fn duplicate(&self) -> Result<Dir, BeneathError> {
+        let fd = self.fd.try_clone().map_err(|source| BeneathError::Io {
+            path: self.path.display().to_string(),
+            source,
+        })?;
+        Ok(Dir {
+            fd,
+            path: self.path.clone(),
+            resolver: self.resolver,
+        })
+    }
+
+    fn child(&self, fd: OwnedFd, relative: &Path) -> Dir {
+        Dir {
+            fd,
+            path: self.path.join(relative),
+            resolver: self.resolver,
+        }
+    }
+
+    /// Opens `components` beneath this directory; the last is opened with
+    /// `flags`, and nothing on the way may be a symbolic link.
+    fn open_components(
+        &self,
+        components: &[&OsStr],
+        flags: OFlags,
+    ) -> Result<OwnedFd, BeneathError> {
+        let Some((last, parents)) = components.split_last() else {
+            return rfs::openat(&self.fd, ".", flags | OFlags::CLOEXEC, Mode::empty())
+                .map_err(|errno| io_error(&self.path, errno));
+        };
+        if self.resolver == Resolver::Openat2 && !OPENAT2_MISSING.load(Ordering::Relaxed) {
+            let relative: PathBuf = components.iter().collect();
+            match rfs::openat2(
+                &self.fd,
+                &relative,
+                flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+                ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS,
+            ) {
+                Ok(fd) => return Ok(fd),
+                Err(Errno::NOSYS) => OPENAT2_MISSING.store(true, Ordering::Relaxed),
+                Err(errno) => return Err(self.classify(components, errno)),
+            }
+        }
+        let mut current: Option<OwnedFd> = None;
+        let mut walked = self.path.clone();
+        for (name, component_flags) in parents
+            .iter()
+            .map(|name| (name, OFlags::RDONLY | OFlags::DIRECTORY))
+            .chain(std::iter::once((last, flags)))
+        {
+            let at: BorrowedFd<'_> = current.as_ref().map_or(self.fd.as_fd(), |fd| fd.as_fd());
+            walked.push(name);
+            let opened = rfs::openat(
+                at,
+                *name,
+                component_flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|errno| classify_at(at, name, &walked, errno))?;
+            current = Some(opened);
+        }
+        current.ok_or_else(|| io_error(&self.path, Errno::NOENT))
+    }
+
+    /// Names the component an `openat2` failure was about: the first that is
+    /// a link, when the failure was a link refused.
+    fn classify(&self, components: &[&OsStr], errno: Errno) -> BeneathError {
+        let whole = components.iter().fold(self.path.clone(), |p, c| p.join(c));
+        if errno != Errno::LOOP && errno != Errno::XDEV && errno != Errno::NOTDIR {
+            return io_error(&whole, errno);
+        }
+        // Find which component is the link, for the message.
+        let mut current: Option<OwnedFd> = None;
+        let mut walked = self.path.clone();
+        for name in components {
+            let at: BorrowedFd<'_> = current.as_ref().map_or(self.fd.as_fd(), |fd| fd.as_fd());
+            walked.push(name);
+            if is_symlink(at, name) {
+                return BeneathError::Symlink {
+                    path: walked.display().to_string(),
+                };
+            }
+            match rfs::openat(
+                at,
+                *name,
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            ) {
+                Ok(fd) => current = Some(fd),
+                Err(_) => break,
+            }
+        }
+        if errno == Errno::XDEV {
+            BeneathError::Escapes {
+                path: whole.display().to_string(),
+            }
+        } else if errno == Errno::LOOP {
+            // Swapped back between the open and this look: still a link.
+            BeneathError::Symlink {
+                path: whole.display().to_string(),
+            }
+        } else {
+            io_error(&whole, errno)
+        }
+    }
+}
+
+fn is_symlink(at: BorrowedFd<'_>, name: &OsStr) -> bool {
+    rfs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)
+        .is_ok_and(|stat| FileType::from_raw_mode(stat.st_mode) == FileType::Symlink)
+}
+
+/// An `openat(O_NOFOLLOW)` failure of the walk: a link when the component
+/// is one (ELOOP, or ENOTDIR for a link where a directory was wanted).
+fn classify_at(at: BorrowedFd<'_>, name: &OsStr, walked: &Path, errno: Errno) -> BeneathError {
+    if (errno == Errno::LOOP || errno == Errno::NOTDIR) && is_symlink(at, name) {
+        BeneathError::Symlink {
+            path: walked.display().to_string(),
+        }
+    } else {
+        io_error(walked, errno)
+    }
+}
+
+fn io_error(path: &Path, errno: Errno) -> BeneathError {
+    let path = path.display().to_string();
+    if errno == Errno::NOENT {
+        BeneathError::NotFound { path }
+    } else {
+        BeneathError::Io {
+            path,
+            source: io::Error::from_raw_os_error(errno.raw_os_error()),
+        }
+    }
+}
+
+/// The components of a relative path, all plain names (`.` dropped);
+/// `..`, a root or an empty name is refused.
+fn plain_components<'p>(relative: &'p Path, base: &Path) -> Result<Vec<&'p OsStr>, BeneathError> {
+    relative
+        .components()
+        .filter(|c| *c != Component::CurDir)
+        .map(|component| match component {
+            Component::Normal(name) => Ok(name),
+            _ => Err(BeneathError::Escapes {
+                path: base.join(relative).display().to_string(),
+            }),
+        })
+        .collect()
+}
+
+/// `name` as one plain path component.
+fn single_component(name: &str, base: &Path) -> Result<(), BeneathError> {
+    let path = Path::new(name);
+    match plain_components(path, base)?.as_slice() {
+        [only] if *only == OsStr::new(name) => Ok(()),
+        _ => Err(BeneathError::Escapes {
+            path: base.join(name).display().to_string(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    /// A root with `inside/file` and, outside it, `secret` and `outside/`.
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        root: PathBuf,
+        outside: PathBuf,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(root.join("inside")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(root.join("inside/file"), b"ours").unwrap();
+        std::fs::write(dir.path().join("secret"), b"secret").unwrap();
+        std::fs::write(outside.join("file"), b"outside").unwrap();
+        Fixture {
+            _dir: dir,
+            root,
+            outside,
+        }
+    }
+
+    fn both() -> [Resolver; 2] {
+        [Resolver::Openat2, Resolver::Walk]
+    }
+
+    #[test]
+    fn plain_paths_read_and_write() {
+        for resolver in both() {
+            let f = fixture();
+            let root = Dir::open(&f.root).unwrap().with_resolver(resolver);
+            assert_eq!(root.read(Path::new("inside/file")).unwrap(), b"ours");
+            assert_eq!(root.read(Path::new("./inside/./file")).unwrap(), b"ours");
+            let made = root.create_dir_all(Path::new("a/b/c")).unwrap();
+            let path = made.write_atomic("t.xplane.pb", b"trace").unwrap();
+            assert_eq!(path, f.root.join("a/b/c/t.xplane.pb"));
+            assert_eq!(std::fs::read(&path).unwrap(), b"trace");
+            made.write_atomic("t.xplane.pb", b"again").unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), b"again");
+            let names: Vec<OsString> = made
+                .entries()
+                .unwrap()
+                .into_iter()
+                .map(|e| e.name)
+                .collect();
+            assert_eq!(
+                names,
+                vec![OsString::from("t.xplane.pb")],
+                "no temporary left"
+            );
+            assert!(matches!(
+                root.read(Path::new("inside/missing")),
+                Err(BeneathError::NotFound { .. })
+            ));
+        }
+    }
+
+    /// Asserts that `result` refused the link at `link`.
+    fn refused_as_link<T: std::fmt::Debug>(
+        result: Result<T, BeneathError>,
+        link: &str,
+        resolver: Resolver,
+    ) {
+        let error = result.unwrap_err();
+        assert!(
+            matches!(error, BeneathError::Symlink { .. }),
+            "{resolver:?}: {error}"
+        );
+        assert!(error.to_string().contains(link), "{resolver:?}: {error}");
+    }
+
+    #[test]
+    fn a_symlinked_file_is_refused_for_reading_and_writing() {
+        for resolver in both() {
+            let f = fixture();
+            let secret = f.root.parent().unwrap().join("secret");
+            symlink(&secret, f.root.join("inside/link")).unwrap();
+            let root = Dir::open(&f.root).unwrap().with_resolver(resolver);
+            refused_as_link(root.read(Path::new("inside/link")), "inside/link", resolver);
+            let inside = root.open_dir(Path::new("inside")).unwrap();
+            refused_as_link(
+                inside.write_atomic("link", b"written"),
+                "inside/link",
+                resolver,
+            );
+            assert_eq!(std::fs::read(secret).unwrap(), b"secret");
+        }
+    }
+
+    #[test]
+    fn a_symlinked_directory_in_the_middle_is_refused_for_reading_and_writing() {
+        for resolver in both() {
+            let f = fixture();
+            symlink(&f.outside, f.root.join("inside/escape")).unwrap();
+            let root = Dir::open(&f.root).unwrap().with_resolver(resolver);
+            let link = "inside/escape";
+            refused_as_link(root.read(Path::new("inside/escape/file")), link, resolver);
+            refused_as_link(root.open_dir(Path::new(link)), link, resolver);
+            refused_as_link(
+                root.create_dir_all(Path::new("inside/escape/session")),
+                link,
+                resolver,
+            );
+            let names: Vec<_> = std::fs::read_dir(&f.outside).unwrap().collect();
+            assert_eq!(names.len(), 1, "nothing made outside the root");
+        }
+    }
+
+    #[test]
+    fn parent_and_absolute_components_are_refused() {
+        for resolver in both() {
+            let f = fixture();
+            let root = Dir::open(&f.root).unwrap().with_resolver(resolver);
+            for bad in ["../secret", "inside/../../secret", "/etc/passwd"] {
+                let error = root.read(Path::new(bad)).unwrap_err();
+                assert!(
+                    matches!(error, BeneathError::Escapes { .. }),
+                    "{bad}: {error}"
+                );
+            }
+            assert!(matches!(
+                root.create_dir_all(Path::new("a/../../up")),
+                Err(BeneathError::Escapes { .. })
+            ));
+            assert!(matches!(
+                root.write_atomic("../up", b"x"),
+                Err(BeneathError::Escapes { .. })
+            ));
+            assert!(!f.root.parent().unwrap().join("up").exists());
+        }
+    }
+
+    #[test]
+    fn fifos_are_refused_without_blocking() {
+        let f = fixture();
+        let fifo = f.root.join("inside/fifo");
+        rfs::mknodat(
+            rfs::CWD,
+            &fifo,
+            FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let root = Dir::open(&f.root).unwrap();
+        assert!(matches!(
+            root.read(Path::new("inside/fifo")),
+            Err(BeneathError::NotFile { .. })
+        ));
+        let kinds: Vec<(OsString, EntryKind)> = root
+            .open_dir(Path::new("inside"))
+            .unwrap()
+            .entries()
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.name, e.kind))
+            .collect();
+        assert!(kinds.contains(&(OsString::from("fifo"), EntryKind::Other)));
+        assert!(kinds.contains(&(OsString::from("file"), EntryKind::File)));
+    }
+
+    #[test]
+    fn unique_directories_never_reuse_a_name() {
+        let f = fixture();
+        let root = Dir::open(&f.root).unwrap();
+        let (_, first) = root.create_unique_dir("2026_01_01_00_00_00").unwrap();
+        let (_, second) = root.create_unique_dir("2026_01_01_00_00_00").unwrap();
+        let (_, third) = root.create_unique_dir("2026_01_01_00_00_00").unwrap();
+        assert_eq!(first, "2026_01_01_00_00_00");
+        assert_eq!(second, "2026_01_01_00_00_00_2");
+        assert_eq!(third, "2026_01_01_00_00_00_3");
+        assert!(root.create_unique_dir("a/b").is_err());
+    }
+}
