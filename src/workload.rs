@@ -26,6 +26,14 @@ pub const RUNTIME_DIR_ENV: &str = "DEVTRACE_RUNTIME_DIR";
 /// The agent stops reading a metadata file beyond this size.
 pub const MAX_META_BYTES: u64 = 64 << 20;
 
+/// Bytes of a metadata file read in one call, so that one pass over the
+/// workloads holds little whatever each file holds.
+pub const MAX_META_READ: u64 = 1 << 20;
+
+/// The longest metadata line kept; a longer one is skipped as malformed,
+/// so that a file without newlines is never held whole.
+pub const MAX_META_LINE: usize = 64 << 10;
+
 /// Host lines of a workload that are not threads (stream ids and thread ids
 /// never reach this range): what CUPTI reports without a thread.
 pub const SYNTHETIC_LINE_BASE: u64 = 0xf000_0000;
@@ -305,6 +313,10 @@ pub struct MetaReader {
     limit: u64,
     /// Bytes of the file beyond `limit`, as last seen.
     cut: u64,
+    /// Inside a line too long to keep, until its newline.
+    skipping: bool,
+    /// Whether malformed lines were reported.
+    malformed_reported: bool,
 }
 
 impl Default for MetaReader {
@@ -322,6 +334,8 @@ impl MetaReader {
             malformed: 0,
             limit,
             cut: 0,
+            skipping: false,
+            malformed_reported: false,
         }
     }
 
@@ -342,7 +356,8 @@ impl MetaReader {
         if size > self.offset {
             file.seek(SeekFrom::Start(self.offset))?;
             let mut bytes = Vec::new();
-            file.take(size - self.offset).read_to_end(&mut bytes)?;
+            file.take((size - self.offset).min(MAX_META_READ))
+                .read_to_end(&mut bytes)?;
             self.offset += bytes.len() as u64;
             records = self.absorb(&bytes);
         }
@@ -364,13 +379,22 @@ impl MetaReader {
 
     /// Takes the next bytes of the file: the whole lines they complete, as
     /// records; a partial line waits for the rest.
-    pub fn absorb(&mut self, bytes: &[u8]) -> Vec<MetaRecord> {
+    pub fn absorb(&mut self, mut bytes: &[u8]) -> Vec<MetaRecord> {
+        let mut records = Vec::new();
+        if self.skipping {
+            match bytes.iter().position(|b| *b == b'\n') {
+                Some(end) => {
+                    bytes = &bytes[end + 1..];
+                    self.skipping = false;
+                }
+                None => return records,
+            }
+        }
         self.partial.extend_from_slice(bytes);
         let complete = match self.partial.iter().rposition(|b| *b == b'\n') {
             Some(end) => end + 1,
-            None => return Vec::new(),
+            None => 0,
         };
-        let mut records = Vec::new();
         for line in self.partial[..complete]
             .split(|b| *b == b'\n')
             .filter(|l| !l.is_empty())
@@ -381,6 +405,20 @@ impl MetaReader {
             }
         }
         self.partial.drain(..complete);
+        if self.partial.len() > MAX_META_LINE {
+            self.partial = Vec::new();
+            self.skipping = true;
+            self.malformed += 1;
+        }
+        if self.malformed > 0 && !self.malformed_reported {
+            self.malformed_reported = true;
+            records.push(MetaRecord::Warning {
+                message: format!(
+                    "its metadata file has malformed lines (or lines over {MAX_META_LINE} \
+                     bytes), which are skipped: names or devices recorded there are missing"
+                ),
+            });
+        }
         records
     }
 
@@ -539,15 +577,50 @@ mod tests {
             }]
         );
         raw.write_all(b"c\ngarbage line\n").unwrap();
+        let records = reader.read_new(&path, own_uid()).unwrap();
         assert_eq!(
-            reader.read_new(&path, own_uid()).unwrap(),
-            vec![MetaRecord::Name {
+            records[0],
+            MetaRecord::Name {
                 id: 2,
                 text: "bc".into()
-            }]
+            }
+        );
+        // The first malformed line is reported, once.
+        assert!(
+            matches!(&records[1], MetaRecord::Warning { message } if message.contains("malformed"))
         );
         assert_eq!(reader.malformed(), 1);
+        raw.write_all(b"more garbage\n").unwrap();
         assert!(reader.read_new(&path, own_uid()).unwrap().is_empty());
+        assert_eq!(reader.malformed(), 2);
+    }
+
+    #[test]
+    fn a_file_without_newlines_is_never_held_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = meta_path(dir.path(), 10);
+        let mut raw = std::fs::File::create(&path).unwrap();
+        raw.write_all(&vec![b'x'; 8 << 20]).unwrap();
+        raw.write_all(b"\nname 1 after\n").unwrap();
+        let mut reader = MetaReader::default();
+        let mut records = Vec::new();
+        let mut calls = 0;
+        while records
+            .iter()
+            .all(|r| !matches!(r, MetaRecord::Name { .. }))
+        {
+            records.extend(reader.read_new(&path, own_uid()).unwrap());
+            calls += 1;
+            // Each call reads at most MAX_META_READ and keeps at most a line.
+            assert!(reader.partial.capacity() <= MAX_META_LINE + MAX_META_READ as usize);
+            assert!(calls <= 9, "never got past the long line");
+        }
+        assert!(calls >= 8, "read in one go: {calls}");
+        assert!(records.contains(&MetaRecord::Name {
+            id: 1,
+            text: "after".into()
+        }));
+        assert_eq!(reader.malformed(), 1);
     }
 
     #[test]
