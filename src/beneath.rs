@@ -42,9 +42,14 @@ pub enum BeneathError {
     Escapes { path: String },
     #[error("{path} is not a regular file")]
     NotFile { path: String },
+    #[error("{path} is larger than the {limit} bytes the agent reads")]
+    TooLarge { path: String, limit: u64 },
     #[error("{path}: {source}")]
     Io { path: String, source: io::Error },
 }
+
+/// The largest file [`Dir::read`] returns: 1 GiB.
+pub const MAX_READ_BYTES: u64 = 1 << 30;
 
 /// How paths are resolved: the kernel's `openat2`, or the walk that stands
 /// in for it. Chosen at run time; tests run both.
@@ -186,15 +191,30 @@ impl Dir {
         Ok(File::from(fd))
     }
 
-    /// The contents of the regular file at `relative`.
+    /// The contents of the regular file at `relative`, refused beyond
+    /// [`MAX_READ_BYTES`] (files under a root are anyone's who can write
+    /// there; a trace is decoded in several times its size).
     pub fn read(&self, relative: &Path) -> Result<Vec<u8>, BeneathError> {
+        let path = || self.path.join(relative).display().to_string();
+        let too_large = || BeneathError::TooLarge {
+            path: path(),
+            limit: MAX_READ_BYTES,
+        };
+        let file = self.open_file(relative)?;
+        if file.metadata().is_ok_and(|m| m.len() > MAX_READ_BYTES) {
+            return Err(too_large());
+        }
         let mut bytes = Vec::new();
-        self.open_file(relative)?
+        // One byte past the limit tells a file that grew since.
+        file.take(MAX_READ_BYTES + 1)
             .read_to_end(&mut bytes)
             .map_err(|source| BeneathError::Io {
-                path: self.path.join(relative).display().to_string(),
+                path: path(),
                 source,
             })?;
+        if bytes.len() as u64 > MAX_READ_BYTES {
+            return Err(too_large());
+        }
         Ok(bytes)
     }
 
@@ -491,6 +511,19 @@ mod tests {
 
     fn both() -> [Resolver; 2] {
         [Resolver::Openat2, Resolver::Walk]
+    }
+
+    #[test]
+    fn a_file_too_large_to_decode_is_refused_unread() {
+        let f = fixture();
+        // Sparse: costs nothing to make, would cost a gigabyte to read.
+        std::fs::File::create(f.root.join("inside/huge"))
+            .unwrap()
+            .set_len(MAX_READ_BYTES + 1)
+            .unwrap();
+        let root = Dir::open(&f.root).unwrap();
+        let error = root.read(Path::new("inside/huge")).unwrap_err();
+        assert!(matches!(error, BeneathError::TooLarge { .. }), "{error}");
     }
 
     #[test]
