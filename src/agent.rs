@@ -16,7 +16,7 @@ use crate::backend::nvml::{NvmlBackend, NvmlConfig};
 use crate::backend::perf::{PerfBackend, PerfConfig};
 use crate::backend::tpu::{TpuBackend, TpuConfig};
 use crate::backend::SessionSource;
-use crate::backend::{Backend, BackendContext, BackendError, Health, Loss};
+use crate::backend::{Backend, BackendContext, BackendError, GpuReading, Health, Loss};
 use crate::clock;
 use crate::collect::{Collector, CollectorError};
 use crate::registry::{Registry, RegistrySnapshot};
@@ -133,6 +133,7 @@ impl Agent {
             ring: Arc::clone(&ring),
             captures: Arc::clone(&captures),
             traces: Arc::clone(&traces),
+            source: "",
         };
         let (backends, unavailable) = start_backends(config, &context)?;
         let max_delay = backends
@@ -256,12 +257,14 @@ impl Agent {
     pub fn losses(&self) -> Vec<(&'static str, Loss)> {
         let own = [
             Loss {
+                place: "misdated",
                 what:
                     "events dropped for times outside what the flight recorder holds \
                        (more than a minute ahead of the agent's clock, or older than its retention)",
                 count: self.store.misdated(),
             },
             Loss {
+                place: "name_table",
                 what: "names shown as a placeholder because the agent's name table was full",
                 count: self.registry.names_refused(),
             },
@@ -282,9 +285,24 @@ impl Agent {
         self.ring.stats()
     }
 
+    /// Events each backend (and the tap) put into the ring and lost there,
+    /// since the agent started.
+    pub fn ring_sources(&self) -> Vec<(&'static str, crate::ring::SourceCounts)> {
+        self.ring.source_counts()
+    }
+
+    /// The latest reading of every GPU a sampling backend watches.
+    pub fn gpu_readings(&self) -> Vec<GpuReading> {
+        self.backends
+            .lock()
+            .iter()
+            .flat_map(|b| b.gpu_readings())
+            .collect()
+    }
+
     /// Claims a ring lane for a producer outside the backends (the tap).
     pub fn producer(&self) -> Result<crate::ring::Producer, RingError> {
-        self.ring.producer()
+        self.ring.producer_for("tap")
     }
 
     pub fn registry(&self) -> &Arc<Registry> {
@@ -321,7 +339,11 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
         if started.iter().any(|b| b.name() == name) || unavailable.iter().any(|(n, _)| *n == name) {
             return;
         }
-        match backend.start(context.clone()) {
+        let context = BackendContext {
+            source: name,
+            ..context.clone()
+        };
+        match backend.start(context) {
             Ok(()) => {
                 info!(backend = backend.name(), records = ?backend.capabilities().records, "backend started");
                 started.push(backend);

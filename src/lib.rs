@@ -23,6 +23,7 @@ pub mod service;
 pub mod session;
 pub mod store;
 pub mod tap;
+pub mod telemetry;
 pub mod tls;
 pub mod tools;
 pub mod workload;

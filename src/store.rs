@@ -146,6 +146,8 @@ pub struct StoreStats {
     pub chunks: usize,
     pub events: usize,
     pub bytes: usize,
+    /// From the earliest to the latest start time held.
+    pub span_ns: u64,
 }
 
 impl Store {
@@ -256,10 +258,16 @@ impl Store {
 
     pub fn stats(&self) -> StoreStats {
         let inner = self.inner.read();
+        let first = inner.chunks.iter().map(|c| c.first_start_ns).min();
+        let last = inner.chunks.iter().map(|c| c.last_start_ns).max();
         StoreStats {
             chunks: inner.chunks.len(),
             events: inner.chunks.iter().map(|c| c.events.len()).sum(),
             bytes: inner.bytes,
+            span_ns: match (first, last) {
+                (Some(first), Some(last)) => last - first,
+                _ => 0,
+            },
         }
     }
 }
@@ -360,6 +368,8 @@ mod tests {
         let stats = store.stats();
         assert_eq!(stats.chunks, 2);
         assert!(stats.bytes <= 2 * one_chunk);
+        // Chunks of 300..309 and 400..409 are left.
+        assert_eq!(stats.span_ns, 409 - 300);
         let data = store.query(Window {
             start_ns: 0,
             stop_ns: 1000,

@@ -2,8 +2,9 @@
 //! loopback: requests too large to decode, a hostile profiler server that
 //! answers a session, an upstream or `devtrace capture` with more than the
 //! caller accepts, session targets outside `--session-hosts`, TLS and mutual
-//! TLS for the agent and every client, plaintext on an address other hosts
-//! can reach, and the UNIX socket listener.
+//! TLS for the agent and every client (the health service included),
+//! plaintext on an address other hosts can reach, and the UNIX socket
+//! listener.
 
 mod common;
 
@@ -485,6 +486,18 @@ async fn mutual_tls_admits_only_clients_signed_by_the_client_ca() {
     ]);
     let out = capture(&tls_address, logdir.path(), &good).await;
     assert!(event_count(&captured_trace(&out)) > 0);
+
+    // The standard health service answers on the TLS listener too.
+    let channel = tls_channel(&agent.address, &pki.ca, (&pki.client_cert, &pki.client_key)).await;
+    let health = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        health.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
 }
 
 async fn tls_channel(address: &str, ca: &Path, own: (&Path, &Path)) -> Channel {

@@ -289,7 +289,7 @@ impl Backend for CudaBackend {
                 reason,
             }
         })?;
-        let producer = context.ring.producer().map_err(|e| BackendError::Start {
+        let producer = context.producer().map_err(|e| BackendError::Start {
             backend: "cuda",
             reason: format!("no ring lane: {e}"),
         })?;
@@ -359,14 +359,17 @@ impl Backend for CudaBackend {
         let status = self.status.lock();
         vec![
             Loss {
+                place: "cupti",
                 what: "GPU activity records CUPTI dropped in workload processes",
                 count: status.cupti_dropped,
             },
             Loss {
+                place: "workload_ring",
                 what: "GPU events workload libraries could not queue because their ring was full",
                 count: status.ring_dropped,
             },
             Loss {
+                place: "workload_foreign",
                 what: "events refused from workload rings: kinds, devices or threads that are \
                        not the workload's",
                 count: status.foreign,

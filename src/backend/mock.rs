@@ -563,7 +563,7 @@ impl Backend for MockBackend {
         if self.running.is_some() {
             return Ok(());
         }
-        let mut producer = context.ring.producer().map_err(|e| BackendError::Start {
+        let mut producer = context.producer().map_err(|e| BackendError::Start {
             backend: "mock",
             reason: e.to_string(),
         })?;

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::registry::Registry;
-use crate::ring::Ring;
+use crate::ring::{Producer, Ring, RingError};
 
 /// What a backend can observe.
 #[derive(Clone, Debug, PartialEq)]
@@ -58,6 +58,15 @@ pub struct BackendContext {
     /// that trace (kernel hooks, CUPTI in workloads) switch on while it is
     /// non-zero.
     pub traces: Arc<std::sync::atomic::AtomicUsize>,
+    /// The backend's name, under which its events are counted.
+    pub source: &'static str,
+}
+
+impl BackendContext {
+    /// Claims a lane of the ring whose events count as this backend's.
+    pub fn producer(&self) -> Result<Producer, RingError> {
+        self.ring.producer_for(self.source)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -104,11 +113,36 @@ pub trait Backend: Send + Sync {
     fn properties(&self, _window: crate::store::Window) -> Vec<(String, String)> {
         Vec::new()
     }
+    /// The latest reading of each GPU a sampling backend (NVML) watches,
+    /// for the metrics endpoint.
+    fn gpu_readings(&self) -> Vec<GpuReading> {
+        Vec::new()
+    }
+}
+
+/// The latest sampled values of one GPU; a value not read (unsupported, or
+/// not sampled yet) is `None`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GpuReading {
+    /// The backend's index of the GPU (NVML's, nvidia-smi's order).
+    pub index: u32,
+    /// `GPU-...`, or empty when the driver did not say.
+    pub uuid: String,
+    pub sm_utilization_percent: Option<f64>,
+    pub memory_utilization_percent: Option<f64>,
+    pub memory_used_bytes: Option<f64>,
+    pub memory_total_bytes: Option<f64>,
+    pub power_watts: Option<f64>,
+    pub temperature_celsius: Option<f64>,
+    pub sm_clock_mhz: Option<f64>,
+    pub memory_clock_mhz: Option<f64>,
 }
 
 /// A running total of events a backend lost, and what they were.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Loss {
+    /// Where they were lost, as a short metric label (`bpf_ring_sched`).
+    pub place: &'static str,
     pub what: &'static str,
     pub count: u64,
 }

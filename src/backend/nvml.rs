@@ -26,7 +26,7 @@ use nvml_wrapper::{Device as NvmlDevice, Nvml};
 use parking_lot::Mutex;
 
 use super::worker::{pace, Worker};
-use super::{Backend, BackendContext, BackendError, Capabilities, Health};
+use super::{Backend, BackendContext, BackendError, Capabilities, GpuReading, Health};
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
 use crate::registry::{DeviceInfo, Registry};
@@ -167,6 +167,8 @@ pub struct NvmlBackend {
     running: Option<Worker>,
     samples: Arc<AtomicU64>,
     status: Arc<Mutex<Status>>,
+    /// The latest values of each GPU, published after each round.
+    readings: Arc<Mutex<Vec<GpuReading>>>,
 }
 
 impl NvmlBackend {
@@ -176,6 +178,7 @@ impl NvmlBackend {
             running: None,
             samples: Arc::default(),
             status: Arc::default(),
+            readings: Arc::default(),
         }
     }
 }
@@ -218,24 +221,32 @@ impl Backend for NvmlBackend {
         if count == 0 {
             return Err(unavailable("NVML reports no GPU"));
         }
+        let mut latest = Vec::new();
         for index in 0..count {
             let device = nvml.device_by_index(index).map_err(unavailable)?;
             // NVML's index is the GPU's plane, so that the CUDA backend's
             // kernels (keyed by UUID) land beside these counters.
-            if let Ok(uuid) = device.uuid() {
+            let uuid = device.uuid().unwrap_or_default();
+            if !uuid.is_empty() {
                 context.registry.register_gpu(&uuid, index as u16);
             }
+            latest.push(GpuReading {
+                index,
+                uuid,
+                ..GpuReading::default()
+            });
             context
                 .registry
                 .describe_device(Device::Gpu(index as u16), describe(&device));
         }
-        let mut producer = context.ring.producer().map_err(|e| BackendError::Start {
+        let mut producer = context.producer().map_err(|e| BackendError::Start {
             backend: "nvml",
             reason: e.to_string(),
         })?;
         self.status.lock().devices = count;
         let names = CounterNames::new(&context.registry);
         let (samples, status) = (Arc::clone(&self.samples), Arc::clone(&self.status));
+        let published = Arc::clone(&self.readings);
         let (interval, idle_interval) = (self.config.interval, self.config.idle_interval);
         let captures = Arc::clone(&context.captures);
         let worker = Worker::spawn("nvml", move |stop| {
@@ -244,6 +255,7 @@ impl Backend for NvmlBackend {
                 names,
                 status,
                 batch: Vec::new(),
+                latest,
                 gpm_previous: (0..count).map(|_| None).collect(),
                 gpm: (0..count)
                     .map(|i| {
@@ -255,6 +267,11 @@ impl Backend for NvmlBackend {
             };
             while !stop.is_set() {
                 sampler.sample_all(count);
+                // A scrape holding the lock costs this round's publication,
+                // never a wait: the next round publishes again.
+                if let Some(mut shared) = published.try_lock() {
+                    shared.clone_from(&sampler.latest);
+                }
                 samples.fetch_add(sampler.batch.len() as u64, Ordering::Relaxed);
                 producer.push_batch(&sampler.batch);
                 sampler.batch.clear();
@@ -302,6 +319,10 @@ impl Backend for NvmlBackend {
         }
         Health::Running { detail }
     }
+
+    fn gpu_readings(&self) -> Vec<GpuReading> {
+        self.readings.lock().clone()
+    }
 }
 
 impl Drop for NvmlBackend {
@@ -315,6 +336,8 @@ struct Sampler<'n> {
     names: CounterNames,
     status: Arc<Mutex<Status>>,
     batch: Vec<Event>,
+    /// The values last read, per device.
+    latest: Vec<GpuReading>,
     /// Whether each device supports GPM (Hopper and newer).
     gpm: Vec<bool>,
     /// The previous GPM sample per device: metrics cover the interval
@@ -355,6 +378,12 @@ impl<'n> Sampler<'n> {
                             "NVML: GPU has fallen off the bus; no longer sampled"
                         );
                         self.status.lock().lost.push(index);
+                        let reading = &mut self.latest[index as usize];
+                        *reading = GpuReading {
+                            index,
+                            uuid: std::mem::take(&mut reading.uuid),
+                            ..GpuReading::default()
+                        };
                         break;
                     }
                     Err(error) => {
@@ -403,24 +432,40 @@ impl<'n> Sampler<'n> {
     fn read(&mut self, index: u32, metric: Metric) -> Result<(), NvmlError> {
         let device = self.nvml.device_by_index(index)?;
         let n = &self.names;
+        let latest = &mut self.latest[index as usize];
         let values: Vec<(NameId, f64)> = match metric {
             Metric::Utilization => {
                 let u = device.utilization_rates()?;
+                latest.sm_utilization_percent = Some(f64::from(u.gpu));
+                latest.memory_utilization_percent = Some(f64::from(u.memory));
                 vec![
                     (n.sm_util, f64::from(u.gpu)),
                     (n.mem_util, f64::from(u.memory)),
                 ]
             }
-            Metric::Memory => vec![(n.mem_used, device.memory_info()?.used as f64)],
-            Metric::Power => vec![(n.power, f64::from(device.power_usage()?) / 1000.0)],
-            Metric::Temperature => vec![(
-                n.temperature,
-                f64::from(device.temperature(TemperatureSensor::Gpu)?),
-            )],
-            Metric::Clocks => vec![
-                (n.sm_clock, f64::from(device.clock_info(Clock::SM)?)),
-                (n.mem_clock, f64::from(device.clock_info(Clock::Memory)?)),
-            ],
+            Metric::Memory => {
+                let memory = device.memory_info()?;
+                latest.memory_used_bytes = Some(memory.used as f64);
+                latest.memory_total_bytes = Some(memory.total as f64);
+                vec![(n.mem_used, memory.used as f64)]
+            }
+            Metric::Power => {
+                let watts = f64::from(device.power_usage()?) / 1000.0;
+                latest.power_watts = Some(watts);
+                vec![(n.power, watts)]
+            }
+            Metric::Temperature => {
+                let celsius = f64::from(device.temperature(TemperatureSensor::Gpu)?);
+                latest.temperature_celsius = Some(celsius);
+                vec![(n.temperature, celsius)]
+            }
+            Metric::Clocks => {
+                let sm = f64::from(device.clock_info(Clock::SM)?);
+                let memory = f64::from(device.clock_info(Clock::Memory)?);
+                latest.sm_clock_mhz = Some(sm);
+                latest.memory_clock_mhz = Some(memory);
+                vec![(n.sm_clock, sm), (n.mem_clock, memory)]
+            }
             Metric::Pcie => vec![
                 (
                     n.pcie_tx,

@@ -183,7 +183,7 @@ impl Backend for PerfBackend {
             status.tracks = tracks.len();
             status.hardware = hardware_error;
         }
-        let mut producer = context.ring.producer().map_err(|e| BackendError::Start {
+        let mut producer = context.producer().map_err(|e| BackendError::Start {
             backend: "perf",
             reason: e.to_string(),
         })?;

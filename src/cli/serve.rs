@@ -19,6 +19,8 @@ use crate::service::repository::AllowedRoots;
 use crate::service::session_hosts::{HostPattern, SessionHosts};
 use crate::service::Listeners;
 use crate::store::StoreConfig;
+use crate::telemetry::http::MetricsListen;
+use crate::telemetry::Telemetry;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -189,6 +191,16 @@ pub struct ServeArgs {
     /// captures, e.g. `--tap 127.0.0.1:2223=127.0.0.1:2222`.
     #[arg(long = "tap", value_name = "LISTEN=UPSTREAM", value_parser = super::tap::parse_tap_spec)]
     pub taps: Vec<(String, String)>,
+
+    /// HTTP endpoint for probes and monitoring: /metrics (Prometheus),
+    /// /healthz (liveness), /readyz (readiness); `off` for none. Default
+    /// 127.0.0.1:6010, skipped with a warning when that port is taken; an
+    /// address given here must be free. Metrics are not secret, so an
+    /// address other hosts reach (0.0.0.0:6010, for a Prometheus elsewhere)
+    /// needs no TLS, but tells whoever reaches it what this host's GPUs and
+    /// the agent are doing.
+    #[arg(long, value_name = "ADDR|off")]
+    pub metrics_listen: Option<MetricsListen>,
 }
 
 /// Kernel hooks of the eBPF backend.
@@ -250,6 +262,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let listeners = listen(&args).await?;
+    // Up while the backends start, so that probes see the process alive.
+    let telemetry = Telemetry::new();
+    let metrics = crate::telemetry::http::start(args.metrics_listen.as_ref(), &telemetry).await?;
     let client_config = args.client.config()?;
     let allowed_roots = AllowedRoots::new(&args.allow_roots)
         .with_context(|| format!("preparing --allow-root {:?}", args.allow_roots))?;
@@ -305,6 +320,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ..AgentConfig::default()
     };
     let agent = Agent::start(&config).context("starting the agent")?;
+    telemetry.agent_started(&agent);
     let service = Arc::new(ProfilerService::new(
         Arc::clone(&agent),
         ServiceConfig {
@@ -313,6 +329,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             hostname: args.hostname.clone().unwrap_or_else(local_hostname),
             upstreams: args.upstreams.clone(),
             client: client_config.clone(),
+            telemetry,
             ..ServiceConfig::default()
         },
     ));
@@ -338,6 +355,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     println!("devtrace listening on {address}");
     super::tap::start_taps(&agent, &args.taps).await?;
+    if let Some(address) = metrics {
+        // After the lines above, which scripts read first; a reader that is
+        // gone is no reason to stop.
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout(), "devtrace metrics on http://{address}");
+        info!("metrics on http://{address}/metrics, probes on /healthz and /readyz");
+    }
     let scheme = if listeners.tls.is_some() {
         "grpcs"
     } else {

@@ -52,6 +52,7 @@
 mod guard;
 mod layout;
 mod shared;
+mod sources;
 
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
@@ -62,6 +63,7 @@ pub use layout::{RingLayout, CLOCK_REALTIME_NS, LAYOUT_VERSION, RING_MAGIC};
 pub use shared::{
     pid_alive, remove_stale_rings, Control, FileIdentity, OpenLimits, CONTROL_CAPTURE,
 };
+pub use sources::SourceCounts;
 
 use crate::event::{Event, EVENT_WORDS};
 
@@ -237,6 +239,8 @@ pub struct Ring {
     layout: RingLayout,
     policy: DropPolicy,
     next_token: AtomicU32,
+    /// Which named source holds which lane (in this process only).
+    sources: sources::Sources,
 }
 
 impl Ring {
@@ -302,6 +306,7 @@ impl Ring {
             layout,
             policy,
             next_token: AtomicU32::new(1),
+            sources: sources::Sources::new(layout.lanes),
         })
     }
 
@@ -399,10 +404,37 @@ impl Ring {
                     cached_tail: header.tail.0.load(Ordering::Acquire),
                     capacity: self.layout.capacity,
                     overwrite: self.policy == DropPolicy::DropOldest,
+                    named: false,
                 });
             }
         }
         Err(RingError::AllLanesBusy(self.layout.lanes))
+    }
+
+    /// Claims a free lane for a producer whose events count as `source`'s
+    /// in [`Ring::source_counts`].
+    pub fn producer_for(self: &Arc<Self>, source: &'static str) -> Result<Producer, RingError> {
+        let mut producer = self.producer()?;
+        self.sources
+            .claimed(producer.lane, source, self.lane_counts(producer.lane));
+        producer.named = true;
+        Ok(producer)
+    }
+
+    /// Events each source named in [`Ring::producer_for`] has pushed and
+    /// lost in this ring since it was created.
+    pub fn source_counts(&self) -> Vec<(&'static str, SourceCounts)> {
+        self.sources.totals(|lane| self.lane_counts(lane))
+    }
+
+    /// One lane's running totals.
+    fn lane_counts(&self, lane: u32) -> SourceCounts {
+        let header = self.lane(lane);
+        SourceCounts {
+            pushed: header.head.0.load(Ordering::Acquire),
+            dropped_newest: header.dropped_newest.0.load(Ordering::Relaxed),
+            dropped_oldest: header.dropped_oldest.0.load(Ordering::Relaxed),
+        }
     }
 
     /// Takes the ring's single consumer. Once taken it stays taken while the
@@ -461,6 +493,8 @@ pub struct Producer {
     cached_tail: u64,
     capacity: u64,
     overwrite: bool,
+    /// Claimed with [`Ring::producer_for`]: its lane is in the source book.
+    named: bool,
 }
 
 impl Producer {
@@ -543,6 +577,12 @@ impl Producer {
 
 impl Drop for Producer {
     fn drop(&mut self) {
+        if self.named {
+            // Before the lane is free: the next owner's counts start here.
+            self.ring
+                .sources
+                .released(self.lane, self.ring.lane_counts(self.lane));
+        }
         self.ring
             .lane(self.lane)
             .owner
@@ -768,6 +808,48 @@ mod tests {
         let kept: Vec<u64> = out.iter().map(|e| e.start_ns).collect();
         assert_eq!(kept, (12..20).collect::<Vec<_>>());
         assert_eq!(ring.stats().dropped_oldest, 12);
+    }
+
+    #[test]
+    fn events_count_for_the_source_that_held_the_lane() {
+        let ring = Ring::new(1, 8, DropPolicy::DropNewest).unwrap();
+        let counts = |name: &str| {
+            ring.source_counts()
+                .into_iter()
+                .find(|(source, _)| *source == name)
+                .map(|(_, counts)| counts)
+                .unwrap_or_default()
+        };
+        // An unnamed producer before: its events belong to no source.
+        let mut unnamed = ring.producer().unwrap();
+        unnamed.push_batch(&[event(0, 0), event(0, 1)]);
+        drop(unnamed);
+        let mut consumer = ring.consumer().unwrap();
+        consumer.drain(&mut Vec::new(), usize::MAX);
+
+        let mut first = ring.producer_for("first").unwrap();
+        let accepted = (0..10).filter(|i| first.push(&event(0, *i))).count();
+        assert_eq!(accepted, 8);
+        // Counted while the lane is held, and kept once it is let go.
+        let held = counts("first");
+        assert_eq!((held.pushed, held.dropped_newest), (8, 2));
+        drop(first);
+        assert_eq!(counts("first"), held);
+
+        // The same lane under a second source counts from its claim.
+        consumer.drain(&mut Vec::new(), usize::MAX);
+        let mut second = ring.producer_for("second").unwrap();
+        assert_eq!(
+            second.push_batch(&[event(0, 20), event(0, 21), event(0, 22)]),
+            3
+        );
+        assert_eq!(counts("second").pushed, 3);
+        assert_eq!(counts("first"), held);
+        drop(second);
+        let mut again = ring.producer_for("first").unwrap();
+        again.push(&event(0, 30));
+        assert_eq!(counts("first").pushed, 9);
+        assert_eq!(ring.stats().pushed, 2 + 8 + 3 + 1);
     }
 
     #[test]

@@ -12,6 +12,10 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::{Router, TcpIncoming};
 use tonic::transport::ServerTlsConfig;
+use tower_layer::{Identity, Stack};
+
+use crate::telemetry::rpc::CountRpcsLayer;
+use crate::telemetry::Telemetry;
 
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysisServer;
 use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
@@ -44,8 +48,9 @@ impl From<tokio::net::TcpListener> for Listeners {
     }
 }
 
-/// Serves ProfilerService and ProfileAnalysis on every listener until
-/// `shutdown` resolves.
+/// Serves ProfilerService, ProfileAnalysis and the gRPC health service on
+/// every listener until `shutdown` resolves. The profiler service's
+/// telemetry learns when serving starts and stops, and counts the calls.
 pub async fn serve(
     listeners: impl Into<Listeners>,
     profiler: Arc<profiler::ProfilerService>,
@@ -53,21 +58,25 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let listeners = listeners.into();
+    let telemetry = Arc::clone(profiler.telemetry());
+    telemetry.serving().await;
     let stop = CancellationToken::new();
     let trigger = stop.clone();
+    let stopping = Arc::clone(&telemetry);
     tokio::spawn(async move {
         shutdown.await;
+        stopping.stopping().await;
         trigger.cancel();
     });
     // Server::tcp_nodelay does not reach sockets from a caller's listener;
     // without it small replies wait on Nagle's algorithm.
     let tcp = TcpIncoming::from(listeners.tcp).with_nodelay(Some(true));
-    let tcp = router(&profiler, &analysis, listeners.tls)?
+    let tcp = router(&profiler, &analysis, &telemetry, listeners.tls)?
         .serve_with_incoming_shutdown(tcp, stop.clone().cancelled_owned());
     let Some(unix) = listeners.unix else {
         return tcp.await;
     };
-    let unix = router(&profiler, &analysis, None)?.serve_with_incoming_shutdown(
+    let unix = router(&profiler, &analysis, &telemetry, None)?.serve_with_incoming_shutdown(
         tokio_stream::wrappers::UnixListenerStream::new(unix),
         stop.clone().cancelled_owned(),
     );
@@ -80,13 +89,16 @@ pub async fn serve(
 fn router(
     profiler: &Arc<profiler::ProfilerService>,
     analysis: &Arc<profile_analysis::ProfileAnalysisService>,
+    telemetry: &Telemetry,
     tls: Option<ServerTlsConfig>,
-) -> Result<Router, tonic::transport::Error> {
+) -> Result<Router<Stack<CountRpcsLayer, Identity>>, tonic::transport::Error> {
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         server = server.tls_config(tls)?;
     }
     Ok(server
+        .layer(telemetry.rpc_layer())
+        .add_service(telemetry.health_service())
         .add_service(
             ProfilerServiceServer::from_arc(Arc::clone(profiler))
                 .max_decoding_message_size(MAX_REQUEST_BYTES)

@@ -30,6 +30,7 @@ use crate::proto::tensorflow::{
 };
 use crate::session;
 use crate::store::Window;
+use crate::telemetry::Telemetry;
 use crate::xspace::{self, CaptureInfo, Encoded};
 
 use super::repository::{AllowedRoots, Confined, RepositoryError};
@@ -55,6 +56,8 @@ pub struct ServiceConfig {
     pub upstreams: Vec<client::Target>,
     /// How upstreams are called: TLS, and the largest reply accepted.
     pub client: client::ClientConfig,
+    /// Health and metrics of the server these services run in.
+    pub telemetry: Arc<Telemetry>,
 }
 
 impl Default for ServiceConfig {
@@ -66,6 +69,7 @@ impl Default for ServiceConfig {
             hostname: local_hostname(),
             upstreams: Vec::new(),
             client: client::ClientConfig::default(),
+            telemetry: Telemetry::new(),
         }
     }
 }
@@ -147,6 +151,19 @@ impl ProfilerService {
             next_capture: Default::default(),
             continuous: Mutex::new(None),
         }
+    }
+
+    /// Health and metrics of the server these services run in.
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.config.telemetry
+    }
+
+    /// A capture of `window` has its reply ready now.
+    fn capture_ready(&self, rpc: &'static str, window: Window) {
+        let late_ns = clock::now_ns().saturating_sub(window.stop_ns);
+        self.config
+            .telemetry
+            .capture_ready(rpc, Duration::from_nanos(late_ns));
     }
 
     fn register(&self, session_id: &str) -> (Registration<'_>, CancellationToken) {
@@ -700,7 +717,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             }
         };
         let encoded = self.build_with(&plan, window, remote).await?;
-        self.respond(&plan, encoded).map(Response::new)
+        let reply = self.respond(&plan, encoded)?;
+        self.capture_ready("Profile", window);
+        Ok(Response::new(reply))
     }
 
     async fn terminate(
@@ -905,11 +924,13 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 warn!(%error, "snapshot not written; returned inline only");
             }
         }
-        Ok(Response::new(ProfileResponse {
+        let reply = ProfileResponse {
             tool_data: Vec::new(),
             empty_trace: encoded.events == 0,
             xspace: Some(decode(&encoded.bytes)?),
-        }))
+        };
+        self.capture_ready("GetSnapshot", plan.window);
+        Ok(Response::new(reply))
     }
 }
 

@@ -34,23 +34,64 @@ impl AgentProcess {
     /// As [`AgentProcess::start`], with extra environment variables. Without
     /// a `--backend` in `extra` the agent runs the mock alone, so that the
     /// host's own activity (the eBPF backend under `auto`) stays out of
-    /// tests that count events; tests of `auto` ask for it.
+    /// tests that count events; tests of `auto` ask for it. Without a
+    /// `--metrics-listen` it serves no metrics endpoint (agents of tests
+    /// running at once would compete for the default port).
     pub fn start_with_env(extra: &[&str], env: &[(&str, &std::path::Path)]) -> AgentProcess {
+        Self::adopt(Self::spawn(extra, env))
+    }
+
+    fn spawn(extra: &[&str], env: &[(&str, &std::path::Path)]) -> Child {
         let default_backend: &[&str] = if extra.contains(&"--backend") {
             &[]
         } else {
             &["--backend", "mock"]
         };
-        let child = Command::new(BIN)
+        let default_metrics: &[&str] = if extra.contains(&"--metrics-listen") {
+            &[]
+        } else {
+            &["--metrics-listen", "off"]
+        };
+        Command::new(BIN)
             .args(["serve", "--listen", "127.0.0.1:0", "--log-level", "warn"])
             .args(default_backend)
+            .args(default_metrics)
             .args(extra)
             .envs(env.iter().map(|(k, v)| (*k, *v)))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("starting devtrace serve");
-        Self::adopt(child)
+            .expect("starting devtrace serve")
+    }
+
+    /// As [`AgentProcess::start_with_env`], with the metrics endpoint on a
+    /// free loopback port; also returns that endpoint's address.
+    pub fn start_with_metrics(
+        extra: &[&str],
+        env: &[(&str, &std::path::Path)],
+    ) -> (AgentProcess, String) {
+        let mut args = vec!["--metrics-listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let mut child = Self::spawn(&args, env);
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = || {
+            let mut line = String::new();
+            stdout
+                .read_line(&mut line)
+                .expect("reading the agent's output");
+            line.trim().to_string()
+        };
+        let address = line();
+        let address = address
+            .strip_prefix("devtrace listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line: {address:?}"))
+            .to_string();
+        let metrics = line();
+        let metrics = metrics
+            .strip_prefix("devtrace metrics on http://")
+            .unwrap_or_else(|| panic!("unexpected second line: {metrics:?}"))
+            .to_string();
+        (AgentProcess { child, address }, metrics)
     }
 
     /// Takes over an agent started some other way (with its stdout piped),
@@ -142,6 +183,29 @@ impl Drop for AgentProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// An HTTP/1.0 GET of `path` from `address`: the status and the body.
+pub fn http_get(address: &str, path: &str) -> (u16, String) {
+    try_http_get(address, path).unwrap_or_else(|e| panic!("GET http://{address}{path}: {e}"))
+}
+
+/// As [`http_get`], with connection errors returned.
+pub fn try_http_get(address: &str, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address)?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply)?;
+    let (head, body) = reply
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no end of headers in {reply:?}"));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    Ok((status, body.to_string()))
 }
 
 pub fn now_ns() -> u64 {

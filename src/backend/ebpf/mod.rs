@@ -268,14 +268,17 @@ impl Backend for EbpfBackend {
         let [sched_ring, cuda_ring, inflight] = status.losses;
         vec![
             Loss {
+                place: "bpf_ring_sched",
                 what: "scheduler records lost because the BPF ring buffer was full",
                 count: sched_ring,
             },
             Loss {
+                place: "bpf_ring_cuda",
                 what: "CUDA call records lost because the BPF ring buffer was full",
                 count: cuda_ring,
             },
             Loss {
+                place: "bpf_inflight_table",
                 what: "CUDA calls lost because the in-flight call table was full",
                 count: inflight,
             },

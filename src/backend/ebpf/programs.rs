@@ -297,7 +297,7 @@ pub(super) fn run(
             return;
         }
     };
-    let producer = match context.ring.producer() {
+    let producer = match context.producer() {
         Ok(producer) => producer,
         Err(error) => {
             let _ = ready.send(Err(format!("no ring lane for the eBPF backend: {error}")));

@@ -1,0 +1,173 @@
+//! Health and metrics of a running agent, for the operator's probes and
+//! monitoring: the standard gRPC health service on every gRPC listener
+//! (`health.rs`), and an HTTP server on a separate address
+//! (`--metrics-listen`, `http.rs`) with `/metrics` in Prometheus's
+//! (OpenMetrics) text format, `/healthz` and `/readyz`.
+//!
+//! [`Telemetry`] is what they share: the serving phase (starting, serving,
+//! stopping), the agent once its backends have started, the metrics of gRPC
+//! calls (`rpc.rs`, counted as they end) and the registry `/metrics`
+//! encodes. Everything the agent itself knows (events, drops, the flight
+//! recorder, backends, GPUs) is read at scrape time (`agent_metrics.rs`),
+//! so no hot path updates a metric.
+
+mod agent_metrics;
+pub mod health;
+pub mod http;
+pub mod rpc;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use prometheus_client::registry::Registry;
+
+use crate::agent::Agent;
+
+/// Where the gRPC server is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Backends starting, listeners not yet served.
+    Starting = 0,
+    /// The gRPC server accepts calls.
+    Serving = 1,
+    /// Shutting down: no new calls, captures in flight finishing.
+    Stopping = 2,
+}
+
+/// See the module documentation.
+pub struct Telemetry {
+    phase: AtomicU8,
+    agent: Arc<OnceLock<Arc<Agent>>>,
+    health: health::ServingHealth,
+    rpcs: Arc<rpc::RpcMetrics>,
+    registry: Registry,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("phase", &self.phase())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Telemetry {
+    pub fn new() -> Arc<Telemetry> {
+        let agent = Arc::new(OnceLock::new());
+        let rpcs = Arc::new(rpc::RpcMetrics::default());
+        let mut registry = Registry::default();
+        rpcs.register(&mut registry);
+        registry.register_collector(Box::new(agent_metrics::AgentMetrics::new(Arc::clone(
+            &agent,
+        ))));
+        Arc::new(Telemetry {
+            phase: AtomicU8::new(Phase::Starting as u8),
+            agent,
+            health: health::ServingHealth::default(),
+            rpcs,
+            registry,
+        })
+    }
+
+    pub fn phase(&self) -> Phase {
+        match self.phase.load(Ordering::Acquire) {
+            0 => Phase::Starting,
+            1 => Phase::Serving,
+            _ => Phase::Stopping,
+        }
+    }
+
+    /// Every backend asked for has started or said why not.
+    pub fn agent_started(&self, agent: &Arc<Agent>) {
+        let _ = self.agent.set(Arc::clone(agent));
+    }
+
+    /// The gRPC server accepts calls: health SERVING.
+    pub async fn serving(&self) {
+        self.health.serving().await;
+        self.phase.store(Phase::Serving as u8, Ordering::Release);
+    }
+
+    /// The gRPC server stops accepting calls: health NOT_SERVING, and
+    /// readiness fails, while the captures in flight finish.
+    pub async fn stopping(&self) {
+        self.phase.store(Phase::Stopping as u8, Ordering::Release);
+        self.health.not_serving().await;
+    }
+
+    /// What `/readyz` answers: the backends' states when ready, else why not.
+    pub fn readiness(&self) -> Result<String, String> {
+        let agent = self.agent.get();
+        match (self.phase(), agent) {
+            (Phase::Stopping, _) => {
+                Err("shutting down: the gRPC server accepts no new calls".into())
+            }
+            (_, None) => Err("starting: the backends are starting".into()),
+            (Phase::Starting, Some(_)) => {
+                Err("starting: the gRPC server is not serving yet".into())
+            }
+            (Phase::Serving, Some(agent)) => {
+                let mut text = String::from("ready\n");
+                for (name, health) in agent.backend_health() {
+                    text.push_str(&format!("backend {name}: {health}\n"));
+                }
+                Ok(text)
+            }
+        }
+    }
+
+    /// The grpc.health.v1 service, for one gRPC listener.
+    pub fn health_service(&self) -> health::HealthServer {
+        self.health.service()
+    }
+
+    /// Counts and times the gRPC calls of the router it wraps.
+    pub fn rpc_layer(&self) -> rpc::CountRpcsLayer {
+        rpc::CountRpcsLayer::new(Arc::clone(&self.rpcs))
+    }
+
+    /// A capture's reply was ready `latency` after its window closed.
+    pub fn capture_ready(&self, rpc: &'static str, latency: std::time::Duration) {
+        self.rpcs.capture_ready(rpc, latency);
+    }
+
+    /// The metrics in the OpenMetrics text format.
+    pub fn encode_metrics(&self) -> Result<String, std::fmt::Error> {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
+        Ok(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn readiness_names_what_is_missing_until_serving_and_while_stopping() {
+        let telemetry = Telemetry::new();
+        let reason = telemetry.readiness().unwrap_err();
+        assert!(reason.contains("backends are starting"), "{reason}");
+
+        let agent = Agent::start(&crate::agent::AgentConfig {
+            backends: vec![crate::agent::BackendChoice::Mock],
+            mock: crate::backend::mock::MockConfig {
+                events_per_second: 0,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        telemetry.agent_started(&agent);
+        let reason = telemetry.readiness().unwrap_err();
+        assert!(reason.contains("not serving yet"), "{reason}");
+
+        telemetry.serving().await;
+        let ready = telemetry.readiness().unwrap();
+        assert!(ready.starts_with("ready\nbackend mock: running"), "{ready}");
+
+        telemetry.stopping().await;
+        let reason = telemetry.readiness().unwrap_err();
+        assert!(reason.contains("shutting down"), "{reason}");
+    }
+}
