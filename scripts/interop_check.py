@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Interop check: the UNMODIFIED TensorFlow profiler client and XProf converters vs devtrace.
 
-Run through scripts/interop (which provides a venv with tensorflow-cpu==2.21.0 and
-xprof==2.24.2), or directly with such a venv's python:
+Run through scripts/interop (which provides a venv with tensorflow-cpu==2.21.0,
+xprof==2.24.2 and grpcio-health-checking), or directly with such a venv's python:
 
     python scripts/interop_check.py --bin target/debug/devtrace   # the agent (mock backend)
     python scripts/interop_check.py --tf-server                   # TensorFlow's own profiler server
@@ -11,9 +11,10 @@ Each check is a named test function. The last line printed is `N passed, M faile
 the exit status is 0 only when nothing failed.
 
 Modes:
-  agent       `<bin> serve --listen 127.0.0.1:<port> --backend mock`. The agent is expected to
-              return the XSpace as ProfileResponse.tool_data "xplane.pb" so that the client
-              writes it; GPU planes, kernels and GPU allocators are expected.
+  agent       `<bin> serve --listen 127.0.0.1:<port> --backend mock --metrics-listen ...`. The
+              agent is expected to return the XSpace as ProfileResponse.tool_data "xplane.pb"
+              so that the client writes it; GPU planes, kernels and GPU allocators are
+              expected; grpcio's health client gets SERVING.
   tf-server   a subprocess running a small Keras training loop with
               tf.profiler.experimental.server.start(port) (the server writes the file itself;
               no GPU plane; Monitor answers UNIMPLEMENTED). Used to validate this harness.
@@ -258,6 +259,7 @@ class Run:
         self.workdir = tempfile.mkdtemp(prefix="devtrace-interop-")
         self.port = free_port()
         self.addr = "127.0.0.1:%d" % self.port
+        self.metrics_addr = "127.0.0.1:%d" % free_port()
         self.server_log = os.path.join(self.workdir, "server.log")
         self.proc = None
         self.tf = None
@@ -282,7 +284,8 @@ class Run:
     def server_cmd(self):
         if self.mode == "tf-server":
             return [sys.executable, "-c", TF_SERVER_CODE, str(self.port)]
-        cmd = [self.args.bin, "serve", "--listen", self.addr, "--backend", "mock"]
+        cmd = [self.args.bin, "serve", "--listen", self.addr, "--backend", "mock",
+               "--metrics-listen", self.metrics_addr]
         if self.expects_sched:
             cmd += ["--backend", "ebpf"]
         return cmd
@@ -624,6 +627,40 @@ def test_monitor(run):
     check(isinstance(out, str), "monitor returned %s, not str" % type(out).__name__)
     check(out.strip(), "monitor returned empty text %r" % out)
     return "%d chars: %s" % (len(out), short(out.strip(), 200))
+
+
+def test_grpc_health_and_metrics(run):
+    """grpcio's own health client, and the TF client's calls in /metrics."""
+    if run.mode != "agent":
+        raise SkipTest("agent mode only: TensorFlow's server has no health service")
+    import grpc  # noqa: PLC0415 - from tensorflow's dependencies
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    statuses = {}
+    with grpc.insecure_channel(run.addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "tensorflow.ProfilerService", "tensorflow.ProfileAnalysis"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            statuses[service] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        try:
+            stub.Check(health_pb2.HealthCheckRequest(service="tensorflow.Unknown"), timeout=10)
+            raise CheckFailed("an unknown service was answered")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.NOT_FOUND, "unknown service: %s" % e.code())
+    check(set(statuses.values()) == {"SERVING"}, "expected SERVING everywhere: %s" % statuses)
+
+    import urllib.request  # noqa: PLC0415
+
+    base = "http://" + run.metrics_addr
+    with urllib.request.urlopen(base + "/readyz", timeout=10) as reply:
+        check(reply.status == 200, "/readyz answered %d" % reply.status)
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    profiles = [line for line in text.splitlines()
+                if line.startswith('devtrace_rpcs_total{rpc="Profile",code="OK"} ')]
+    check(profiles and float(profiles[0].split()[-1]) >= 1,
+          "no successful Profile calls of the TF client counted in /metrics:\n%s" % short(text, 2000))
+    return "health %s; %s" % (statuses, profiles[0])
 
 
 def test_server_survived(run):
@@ -1113,6 +1150,7 @@ TESTS = [
     test_memory_profile,
     test_kernel_stats,
     test_monitor,
+    test_grpc_health_and_metrics,
     test_devtrace_capture_against_tf_server,
     test_devtrace_tools_on_tf_trace,
     test_worker_list_new_session,

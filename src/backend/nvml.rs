@@ -3,7 +3,9 @@
 //! (`_counters_` line): SM and memory utilisation, memory used, power,
 //! temperature, SM and memory clocks, PCIe throughput, ECC errors and
 //! throttle reasons. Device facts (name, compute capability, SMs, clocks,
-//! memory size and bandwidth) become plane stats.
+//! memory size and bandwidth) become plane stats. The latest value of each
+//! metric per GPU is also kept for the metrics endpoint
+//! ([`Backend::gpu_readings`]).
 //!
 //! The library is loaded at run time (`nvml-wrapper` uses `libloading`), so a
 //! machine without an NVIDIA driver builds and runs devtrace; the backend then
