@@ -266,23 +266,21 @@ fn fill_in(
 
 /// A setting's values on their way to becoming words.
 enum Values {
+    /// Whether a switch is given.
     Switch(bool),
     List(Vec<OsString>),
 }
 
 impl Values {
-    /// `--name=value` for each value; `--name` for a switch set away from
-    /// its default, nothing for one left at it.
+    /// `--name=value` for each value; `--name` for a switch that is given
+    /// (true), nothing for one that is not.
     fn into_words(self, arg: &Arg) -> Vec<OsString> {
         let long = arg.get_long().unwrap_or_default();
         match self {
-            Values::Switch(on) => {
-                let away_from_default = on == matches!(arg.get_action(), ArgAction::SetTrue);
-                away_from_default
-                    .then(|| OsString::from(format!("--{long}")))
-                    .into_iter()
-                    .collect()
-            }
+            Values::Switch(given) => given
+                .then(|| OsString::from(format!("--{long}")))
+                .into_iter()
+                .collect(),
             Values::List(values) => values
                 .into_iter()
                 .map(|value| {
@@ -324,8 +322,8 @@ fn from_environment(arg: &Arg, text: &OsStr) -> Result<Values, String> {
 /// (or one value), any other flag one string or number.
 fn from_file(arg: &Arg, value: &toml::Value) -> Result<Values, String> {
     match (arg.get_action(), value) {
-        (ArgAction::SetTrue | ArgAction::SetFalse, toml::Value::Boolean(on)) => {
-            Ok(Values::Switch(*on))
+        (ArgAction::SetTrue | ArgAction::SetFalse, toml::Value::Boolean(given)) => {
+            Ok(Values::Switch(*given))
         }
         (ArgAction::SetTrue | ArgAction::SetFalse, _) => {
             Err("a switch is true or false, unquoted".into())
@@ -515,9 +513,10 @@ fn render(subcommand: &Command, matches: &ArgMatches, sources: &Sources) -> Stri
         };
         let mut raw = raw.map(|value| value.to_string_lossy().into_owned());
         let value = match arg.get_action() {
-            ArgAction::SetTrue | ArgAction::SetFalse => {
-                toml::Value::Boolean(raw.next().is_some_and(|value| value == "true"))
-            }
+            // True when the switch is given: it then holds the opposite of
+            // its default.
+            ArgAction::SetTrue => toml::Value::Boolean(raw.next().is_some_and(|v| v == "true")),
+            ArgAction::SetFalse => toml::Value::Boolean(raw.next().is_some_and(|v| v == "false")),
             ArgAction::Append => toml::Value::Array(raw.map(toml::Value::String).collect()),
             _ => toml::Value::String(raw.next().unwrap_or_default()),
         };
