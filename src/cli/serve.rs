@@ -144,7 +144,7 @@ pub struct ServeArgs {
     /// Where CUDA workloads' injection libraries put their rings (the same
     /// DEVTRACE_RUNTIME_DIR must reach the workloads; share it as a volume
     /// with containers). Created world-writable and sticky when missing.
-    #[arg(long, env = "DEVTRACE_RUNTIME_DIR", default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
+    #[arg(long, default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
     pub runtime_dir: PathBuf,
 
     /// How much history the flight recorder keeps (e.g. 120s, 10m).
