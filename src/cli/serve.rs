@@ -335,6 +335,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         info!(roots = ?allowed_roots.roots(), "traces may be written under these roots");
     }
+    let shutdown = shutdown_signal();
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     println!("devtrace listening on {address}");
     super::tap::start_taps(&agent, &args.taps).await?;
@@ -347,7 +348,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.listen_unix {
         info!(socket = %path.display(), "also serving on a UNIX socket");
     }
-    let served = crate::service::serve(listeners, service, analysis, shutdown_signal()).await;
+    let served = crate::service::serve(listeners, service, analysis, shutdown).await;
     if let Some(path) = &args.listen_unix {
         let _ = std::fs::remove_file(path);
     }
@@ -416,23 +417,34 @@ fn bind_unix(path: &std::path::Path, mode: u32) -> anyhow::Result<tokio::net::Un
         .with_context(|| format!("--listen-unix {shown}: listening"))
 }
 
-pub(super) async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
+pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    // Registered now, not when first polled: a SIGTERM right after the
+    // agent says it listens must stop it cleanly, not kill it.
     #[cfg(unix)]
     {
-        let mut terminate =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(signal) => signal,
-                Err(_) => {
-                    let _ = interrupt.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = interrupt => {}
-            _ = terminate.recv() => {}
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut interrupt = signal(SignalKind::interrupt()).ok();
+        let mut terminate = signal(SignalKind::terminate()).ok();
+        async move {
+            tokio::select! {
+                _ = next_signal(&mut interrupt) => {}
+                _ = next_signal(&mut terminate) => {}
+            }
         }
     }
     #[cfg(not(unix))]
-    let _ = interrupt.await;
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The next delivery of `signal`; never, where it could not be registered.
+#[cfg(unix)]
+async fn next_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(signal) => {
+            signal.recv().await;
+        }
+        None => std::future::pending().await,
+    }
 }
