@@ -1,9 +1,8 @@
-//! The `devtrace` command: parses the command line and hands over to the library.
-
-use clap::Parser;
+//! The `devtrace` command: parses the command line (over its environment
+//! and configuration file) and hands over to the library.
 
 fn main() -> std::process::ExitCode {
-    let cli = devtrace::cli::Cli::parse();
+    let cli = devtrace::cli::parse();
     match devtrace::cli::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {

@@ -447,3 +447,16 @@ async fn a_full_ring_drops_are_counted_in_the_trace() {
         Some(StatValue::Uint(dropped as u64))
     );
 }
+
+/// SIGTERM at once after the agent says where it listens stops it cleanly
+/// (its handler is in place by then), not by the signal's default action.
+#[test]
+fn sigterm_right_after_the_listening_line_is_a_clean_stop() {
+    for _ in 0..3 {
+        let mut agent = AgentProcess::start(&[]);
+        let status = agent
+            .stop_with_sigterm(std::time::Duration::from_secs(5))
+            .expect("SIGTERM did not stop the agent within 5 s");
+        assert!(status.success(), "{status:?}");
+    }
+}

@@ -123,8 +123,11 @@ impl Host {
         );
         let rss = self.agent.rss_bytes();
         assert!(rss < 512 << 20, "the agent holds {} MiB", rss >> 20);
-        let took = self.agent.stop_with_sigterm(Duration::from_secs(5));
-        assert!(took.is_some(), "SIGTERM did not stop the agent within 5 s");
+        let stopped = self.agent.stop_with_sigterm(Duration::from_secs(5));
+        assert!(
+            stopped.is_some(),
+            "SIGTERM did not stop the agent within 5 s"
+        );
         for process in &mut self.processes {
             let _ = process.kill();
             let _ = process.wait();

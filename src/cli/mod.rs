@@ -2,7 +2,9 @@
 
 mod capture;
 mod client_args;
+mod config;
 mod inspect;
+mod logging;
 mod serve;
 mod session;
 mod tap;
@@ -12,7 +14,9 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 pub use capture::CaptureArgs;
+pub use config::{command, parse};
 pub use inspect::InspectArgs;
+pub use logging::LogFormat;
 pub use serve::ServeArgs;
 pub use session::{SessionArgs, SessionsArgs, ToolArgs};
 pub use tap::TapArgs;
@@ -25,9 +29,14 @@ pub use tap::TapArgs;
 #[command(name = "devtrace", version, propagate_version = true)]
 pub struct Cli {
     /// Log filter: error, warn, info, debug, trace, or a tracing directive
-    /// such as `devtrace=debug`. RUST_LOG overrides it.
+    /// such as `devtrace=debug`. RUST_LOG overrides it. Also
+    /// DEVTRACE_LOG_LEVEL, for every subcommand.
     #[arg(long, global = true, default_value = "info")]
     pub log_level: String,
+    /// Log lines on standard error as text, or as one JSON object per line
+    /// for log collectors. Also DEVTRACE_LOG_FORMAT, for every subcommand.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -51,7 +60,7 @@ pub enum Command {
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
-    init_logging(&cli.log_level);
+    logging::init(&cli.log_level, cli.log_format);
     match cli.command {
         Command::Serve(args) => serve::run(*args),
         Command::Capture(args) => capture::run(args),
@@ -61,21 +70,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tool(args) => session::run_tool(args),
         Command::Tap(args) => tap::run(args),
     }
-}
-
-fn init_logging(level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        // A log that can no longer be written (a closed pipe) must not take
-        // the agent down: by default a failed write is reported with
-        // eprintln!, which panics when stderr itself is the problem.
-        .log_internal_errors(false)
-        .try_init();
 }
 
 /// Writes atomically: a temporary file beside the target, then rename.

@@ -146,7 +146,7 @@ pub struct ServeArgs {
     /// Where CUDA workloads' injection libraries put their rings (the same
     /// DEVTRACE_RUNTIME_DIR must reach the workloads; share it as a volume
     /// with containers). Created world-writable and sticky when missing.
-    #[arg(long, env = "DEVTRACE_RUNTIME_DIR", default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
+    #[arg(long, default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
     pub runtime_dir: PathBuf,
 
     /// How much history the flight recorder keeps (e.g. 120s, 10m).
@@ -352,6 +352,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         info!(roots = ?allowed_roots.roots(), "traces may be written under these roots");
     }
+    let shutdown = shutdown_signal();
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     println!("devtrace listening on {address}");
     super::tap::start_taps(&agent, &args.taps).await?;
@@ -371,7 +372,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.listen_unix {
         info!(socket = %path.display(), "also serving on a UNIX socket");
     }
-    let served = crate::service::serve(listeners, service, analysis, shutdown_signal()).await;
+    let served = crate::service::serve(listeners, service, analysis, shutdown).await;
     if let Some(path) = &args.listen_unix {
         let _ = std::fs::remove_file(path);
     }
@@ -440,23 +441,34 @@ fn bind_unix(path: &std::path::Path, mode: u32) -> anyhow::Result<tokio::net::Un
         .with_context(|| format!("--listen-unix {shown}: listening"))
 }
 
-pub(super) async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
+pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    // Registered now, not when first polled: a SIGTERM right after the
+    // agent says it listens must stop it cleanly, not kill it.
     #[cfg(unix)]
     {
-        let mut terminate =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(signal) => signal,
-                Err(_) => {
-                    let _ = interrupt.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = interrupt => {}
-            _ = terminate.recv() => {}
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut interrupt = signal(SignalKind::interrupt()).ok();
+        let mut terminate = signal(SignalKind::terminate()).ok();
+        async move {
+            tokio::select! {
+                _ = next_signal(&mut interrupt) => {}
+                _ = next_signal(&mut terminate) => {}
+            }
         }
     }
     #[cfg(not(unix))]
-    let _ = interrupt.await;
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The next delivery of `signal`; never, where it could not be registered.
+#[cfg(unix)]
+async fn next_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(signal) => {
+            signal.recv().await;
+        }
+        None => std::future::pending().await,
+    }
 }

@@ -82,6 +82,7 @@ pub fn run(args: TapArgs) -> anyhow::Result<()> {
 }
 
 async fn tap(args: TapArgs) -> anyhow::Result<()> {
+    let shutdown = super::serve::shutdown_signal();
     // An idle mock backend: the agent then holds only the tap's events.
     let config = AgentConfig {
         backends: vec![BackendChoice::Mock],
@@ -133,7 +134,6 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
             "tap summary"
         );
     };
-    let shutdown = super::serve::shutdown_signal();
     tokio::pin!(shutdown);
     loop {
         if args.summary_every.is_zero() {

@@ -162,15 +162,15 @@ impl AgentProcess {
         kib * 1024
     }
 
-    /// Sends SIGTERM and waits up to `limit` for the agent to exit; how long
-    /// it took, or `None` if it was still running (it is then killed).
-    pub fn stop_with_sigterm(&mut self, limit: Duration) -> Option<Duration> {
+    /// Sends SIGTERM and waits up to `limit` for the agent to exit; how it
+    /// exited, or `None` if it was still running (it is then killed).
+    pub fn stop_with_sigterm(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
         let started = std::time::Instant::now();
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.pid() as libc::pid_t, libc::SIGTERM) };
         while started.elapsed() < limit {
-            if !self.is_running() {
-                return Some(started.elapsed());
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
             }
             std::thread::sleep(Duration::from_millis(20));
         }

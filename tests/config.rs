@@ -1,0 +1,376 @@
+//! Configuration as an operator meets it, against the real binary: every
+//! flag of `devtrace serve` round-trips through a `--config` file, the
+//! command line wins over DEVTRACE_* variables and they over the file,
+//! mistakes are named with the key or variable that made them, and
+//! `--log-format json` writes one JSON object per line.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use common::*;
+
+/// A value away from its default for every flag of `devtrace serve`, as
+/// TOML. A flag missing here fails the round trip, which names it.
+const SAMPLES: &[(&str, &str)] = &[
+    ("listen", r#""127.0.0.2:7009""#),
+    ("insecure", "true"),
+    ("tls-client-ca", r#""/etc/devtrace/clients-ca.pem""#),
+    ("listen-unix", r#""/run/devtrace.sock""#),
+    ("listen-unix-mode", r#""0660""#),
+    ("session-hosts", r#"["10.0.*:6009", "*.cluster.local:*"]"#),
+    ("tls-ca", r#""/etc/devtrace/fleet-ca.pem""#),
+    ("tls-cert", r#""/etc/devtrace/agent.pem""#),
+    ("tls-key", r#""/etc/devtrace/agent.key""#),
+    ("tls-domain", r#""agents.example""#),
+    ("max-reply-size", r#""1GiB""#),
+    ("backend", r#"["mock", "nvml"]"#),
+    ("mock-rate", "1000"),
+    ("mock-seed", "7"),
+    ("mock-gpus", "4"),
+    ("nvml-library", r#""/opt/nvidia/libnvidia-ml.so.1""#),
+    ("nvml-interval", r#""20ms""#),
+    ("nvml-idle-interval", r#""2s""#),
+    ("tpu-library", r#""/opt/tpu/libtpu.so""#),
+    ("perf-pid", "[1, 2]"),
+    ("perf-interval", r#""50ms""#),
+    ("ebpf-attach", r#""always""#),
+    ("ebpf-hooks", r#"["sched"]"#),
+    ("ebpf-pid", "[3]"),
+    ("ebpf-cgroup", r#""/sys/fs/cgroup/kubepods.slice""#),
+    ("ebpf-comm", r#""python""#),
+    ("ebpf-ring-size", r#""8MiB""#),
+    (
+        "cuda-library",
+        r#"["/usr/lib/x86_64-linux-gnu/libcuda.so.1"]"#,
+    ),
+    ("runtime-dir", r#""/var/run/devtrace-test""#),
+    ("store-retention", r#""5m""#),
+    ("store-size", r#""1GiB""#),
+    ("ring-capacity", "4096"),
+    ("drop-policy", r#""drop-oldest""#),
+    ("allow-root", r#"["/srv/tb", "/srv/tb, with a comma"]"#),
+    ("max-duration", r#""1m""#),
+    ("upstream", r#"["grpc://127.0.0.1:9999"]"#),
+    ("hostname", r#""worker-7""#),
+    ("tap", r#"["127.0.0.1:2223=127.0.0.1:2222"]"#),
+    ("metrics-listen", r#""0.0.0.0:7010""#),
+    ("log-level", r#""debug""#),
+    ("log-format", r#""json""#),
+];
+
+/// `devtrace <args>` with only `env` in its environment, so that variables
+/// of the machine running the tests stay out.
+fn devtrace_with(args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut command = Command::new(BIN);
+    command.args(args).env_clear().envs(env.iter().copied());
+    command
+}
+
+fn devtrace(args: &[&str], env: &[(&str, &str)]) -> Output {
+    devtrace_with(args, env).output().expect("running devtrace")
+}
+
+/// `devtrace serve --print-config ...`, which must succeed, as a table.
+fn effective(args: &[&str], env: &[(&str, &str)]) -> toml::Table {
+    let out = devtrace(&[&["serve", "--print-config"], args].concat(), env);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .parse()
+        .expect("--print-config writes TOML")
+}
+
+/// The names of `devtrace serve`'s flags that a file may hold, from the
+/// command's own definition.
+fn serve_keys() -> Vec<String> {
+    let mut command = devtrace::cli::command();
+    command.build();
+    let serve = command.find_subcommand("serve").expect("serve");
+    serve
+        .get_arguments()
+        .filter_map(|arg| arg.get_long())
+        .filter(|long| !["help", "version", "config", "print-config"].contains(long))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A value as a flag sees it: numbers as their text.
+fn as_flag_sees_it(value: &toml::Value) -> toml::Value {
+    match value {
+        toml::Value::Integer(number) => toml::Value::String(number.to_string()),
+        toml::Value::Array(items) => {
+            toml::Value::Array(items.iter().map(as_flag_sees_it).collect())
+        }
+        other => other.clone(),
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+#[test]
+fn every_serve_flag_round_trips_through_a_config_file() {
+    let keys = serve_keys();
+    let missing: Vec<&String> = keys
+        .iter()
+        .filter(|key| !SAMPLES.iter().any(|(name, _)| name == key))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "flags of devtrace serve without a sample value in SAMPLES: {missing:?}"
+    );
+    let stale: Vec<&str> = SAMPLES
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|name| !keys.iter().any(|key| key == name))
+        .collect();
+    assert!(stale.is_empty(), "SAMPLES names no flag: {stale:?}");
+
+    let defaults = effective(&[], &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let text: String = SAMPLES
+        .iter()
+        .map(|(key, value)| format!("{key} = {value}\n"))
+        .collect();
+    let file = write(dir.path(), "every-flag.toml", &text);
+    let expected: toml::Table = text.parse().unwrap();
+    let printed = effective(&["--config", &file], &[]);
+
+    let mut printed_keys: Vec<&String> = printed.keys().collect();
+    let mut all_keys: Vec<&String> = keys.iter().collect();
+    printed_keys.sort();
+    all_keys.sort();
+    assert_eq!(
+        printed_keys, all_keys,
+        "--print-config shows every flag set"
+    );
+    for key in &keys {
+        let sample = as_flag_sees_it(&expected[key]);
+        assert_ne!(
+            defaults.get(key).map(as_flag_sees_it),
+            Some(sample.clone()),
+            "the sample of {key} is its default, so it proves nothing"
+        );
+        assert_eq!(
+            as_flag_sees_it(&printed[key]),
+            sample,
+            "{key} did not round-trip"
+        );
+    }
+
+    // The defaults, printed, read back as themselves.
+    let out = devtrace(&["serve", "--print-config"], &[]);
+    let file = write(
+        dir.path(),
+        "defaults.toml",
+        &String::from_utf8_lossy(&out.stdout),
+    );
+    assert_eq!(effective(&["--config", &file], &[]), defaults);
+}
+
+/// Starts `devtrace serve` with only `env` and returns the IP address it
+/// listens on, once it has said so; a connection there must succeed.
+fn listening_ip(args: &[&str], env: &[(&str, &str)]) -> String {
+    let child = devtrace_with(&[&["serve"], args].concat(), env)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("starting devtrace serve");
+    let agent = AgentProcess::adopt(child);
+    std::net::TcpStream::connect(&agent.address).expect("connecting to the agent");
+    let (ip, _port) = agent.address.rsplit_once(':').expect("ip:port");
+    ip.to_owned()
+}
+
+#[test]
+fn command_line_beats_environment_beats_file() {
+    let dir = tempfile::tempdir().unwrap();
+    // Three loopback addresses tell the layers apart.
+    let file = write(
+        dir.path(),
+        "agent.toml",
+        "listen = \"127.0.0.3:0\"\nbackend = [\"mock\"]\nmock-rate = 0\nlog-level = \"warn\"\n",
+    );
+    assert_eq!(listening_ip(&["--config", &file], &[]), "127.0.0.3");
+    let from_env = [
+        ("DEVTRACE_CONFIG", file.as_str()),
+        ("DEVTRACE_LISTEN", "127.0.0.2:0"),
+    ];
+    assert_eq!(listening_ip(&[], &from_env), "127.0.0.2");
+    assert_eq!(
+        listening_ip(&["--listen", "127.0.0.1:0"], &from_env),
+        "127.0.0.1"
+    );
+
+    // A repeatable flag (a comma-separated list in its variable) and a switch.
+    let file = write(
+        dir.path(),
+        "lists.toml",
+        "backend = [\"nvml\"]\ninsecure = true\n",
+    );
+    let only_file = effective(&["--config", &file], &[]);
+    assert_eq!(only_file["backend"], toml::Value::from(vec!["nvml"]));
+    assert_eq!(only_file["insecure"], toml::Value::Boolean(true));
+    let env = [
+        ("DEVTRACE_BACKEND", "mock, perf"),
+        ("DEVTRACE_INSECURE", "false"),
+    ];
+    let over_file = effective(&["--config", &file], &env);
+    assert_eq!(
+        over_file["backend"],
+        toml::Value::from(vec!["mock", "perf"])
+    );
+    assert_eq!(over_file["insecure"], toml::Value::Boolean(false));
+    let over_env = effective(&["--config", &file, "--backend", "tpu", "--insecure"], &env);
+    assert_eq!(over_env["backend"], toml::Value::from(vec!["tpu"]));
+    assert_eq!(over_env["insecure"], toml::Value::Boolean(true));
+
+    // --print-config says where each value came from.
+    let out = devtrace(&["serve", "--print-config", "--config", &file], &env);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("backend = [\"mock\", \"perf\"]  # from DEVTRACE_BACKEND"),
+        "{text}"
+    );
+}
+
+/// `devtrace serve --config FILE` (or with `env`) must fail as a usage
+/// error, with every one of `needles` in its message.
+fn refused(file_text: Option<&str>, env: &[(&str, &str)], needles: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = vec!["serve".to_owned()];
+    if let Some(text) = file_text {
+        args.push("--config".into());
+        args.push(write(dir.path(), "agent.toml", text));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = devtrace(&args, env);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for needle in needles {
+        assert!(
+            stderr.contains(needle),
+            "{needle:?} missing from:\n{stderr}"
+        );
+    }
+    if file_text.is_some() {
+        assert!(stderr.contains(args[2]), "the file is not named:\n{stderr}");
+    }
+}
+
+#[test]
+fn an_unknown_key_or_a_bad_value_is_named() {
+    refused(
+        Some("lisen = \"127.0.0.1:6009\"\nrun_time_dir = \"/run/devtrace\"\n"),
+        &[],
+        &[
+            "unknown keys",
+            "\"lisen\" (did you mean \"listen\"?)",
+            "\"run_time_dir\" (did you mean \"runtime-dir\"?)",
+        ],
+    );
+    refused(
+        Some("[serve]\nlisten = \"127.0.0.1:6009\"\n"),
+        &[],
+        &["\"serve\" (a table: flags go at the top level"],
+    );
+    refused(
+        Some("store-size = \"lots\"\n"),
+        &[],
+        &["store-size = \"lots\": \"lots\" is not a size"],
+    );
+    refused(
+        Some("backend = [\"cuda\", \"gpu\"]\n"),
+        &[],
+        &["backend = [\"cuda\", \"gpu\"]: \"gpu\" is not a possible value (one of auto, mock,"],
+    );
+    refused(
+        Some("insecure = \"yes\"\n"),
+        &[],
+        &["insecure = \"yes\": a switch is true or false"],
+    );
+    refused(Some("listen = \n"), &[], &["TOML parse error at line 1"]);
+    refused(
+        None,
+        &[("DEVTRACE_MOCK_GPUS", "100")],
+        &["DEVTRACE_MOCK_GPUS=\"100\": 100 is not in 1..=64"],
+    );
+    refused(
+        None,
+        &[("DEVTRACE_CONFIG", "/nonexistent/devtrace.toml")],
+        &["--config /nonexistent/devtrace.toml: No such file or directory"],
+    );
+}
+
+/// Runs `devtrace <args>` until it logs a line `wanted` accepts, checking
+/// that every line before is a JSON object with the fields log collectors
+/// read, then kills it.
+fn json_log_until(
+    args: &[&str],
+    env: &[(&str, &str)],
+    wanted: impl Fn(&serde_json::Value) -> bool,
+) {
+    let mut child = devtrace_with(args, env)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting devtrace");
+    let stderr = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut seen = Vec::new();
+    for line in stderr.lines() {
+        let line = line.expect("reading the log");
+        let object: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|error| panic!("{error}: not JSON: {line:?}"));
+        for field in ["timestamp", "level", "message", "target"] {
+            assert!(object.get(field).is_some(), "{field} missing from {line}");
+        }
+        if wanted(&object) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return;
+        }
+        seen.push(line);
+    }
+    let _ = child.wait();
+    panic!("the line wanted never came; the log:\n{}", seen.join("\n"));
+}
+
+#[test]
+fn log_format_json_writes_one_object_per_line() {
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--backend",
+        "mock",
+        "--log-format",
+        "json",
+    ];
+    // The event's own fields sit beside the message.
+    json_log_until(&args, &[], |line| {
+        line["message"] == "backend" && line["backend"] == "mock" && line["level"] == "INFO"
+    });
+
+    // From the environment, for another subcommand too.
+    let args = [
+        "tap",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "127.0.0.1:1",
+        "--summary-every",
+        "100ms",
+    ];
+    json_log_until(&args, &[("DEVTRACE_LOG_FORMAT", "json")], |line| {
+        line["message"] == "tap summary" && line["calls"] == 0
+    });
+}
