@@ -306,7 +306,7 @@ impl Ring {
             layout,
             policy,
             next_token: AtomicU32::new(1),
-            sources: sources::Sources::new(layout.lanes),
+            sources: sources::Sources::default(),
         })
     }
 

@@ -49,31 +49,30 @@ struct Claim {
 
 #[derive(Default)]
 struct Book {
-    /// Per lane, the named source holding it.
+    /// Per lane, the named source holding it; as long as the highest lane
+    /// ever claimed by name (rings nobody names, such as the shared rings
+    /// of workloads, keep it empty).
     held: Vec<Option<Claim>>,
     /// Totals of lanes their sources have let go, per source.
     released: Vec<(&'static str, SourceCounts)>,
 }
 
 /// See the module documentation.
+#[derive(Default)]
 pub(super) struct Sources(Mutex<Book>);
 
 impl Sources {
-    pub(super) fn new(lanes: u32) -> Sources {
-        Sources(Mutex::new(Book {
-            held: vec![None; lanes as usize],
-            released: Vec::new(),
-        }))
-    }
-
     /// `source` claimed `lane`, whose counters read `now`.
     pub(super) fn claimed(&self, lane: u32, source: &'static str, now: SourceCounts) {
-        if let Some(slot) = self.0.lock().held.get_mut(lane as usize) {
-            *slot = Some(Claim {
-                source,
-                at_claim: now,
-            });
+        let mut book = self.0.lock();
+        let lane = lane as usize;
+        if book.held.len() <= lane {
+            book.held.resize(lane + 1, None);
         }
+        book.held[lane] = Some(Claim {
+            source,
+            at_claim: now,
+        });
     }
 
     /// The source holding `lane` let it go; its counters read `now`.

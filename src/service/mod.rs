@@ -14,11 +14,10 @@ use tonic::transport::server::{Router, TcpIncoming};
 use tonic::transport::ServerTlsConfig;
 use tower_layer::{Identity, Stack};
 
-use crate::telemetry::rpc::CountRpcsLayer;
-use crate::telemetry::Telemetry;
-
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysisServer;
 use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
+use crate::telemetry::rpc::CountRpcsLayer;
+use crate::telemetry::Telemetry;
 
 /// Largest request decoded. Requests are small (a `ProfileRequest`, a list
 /// of hosts); without a bound a caller could make the agent hold gigabytes
