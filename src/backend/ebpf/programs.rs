@@ -227,6 +227,7 @@ fn probe_library(
 ) -> Result<(ProbedLibrary, Vec<&'static str>), String> {
     let mut links = Vec::new();
     let mut missing = Vec::new();
+    let mut first_error = None;
     for (index, probe) in CUDA_PROBES.iter().enumerate() {
         let cookie = probe.cookie(index);
         let opts = |retprobe| UprobeOpts {
@@ -245,12 +246,26 @@ fn probe_library(
                 .attach_uprobe_with_opts(-1, &library.path, 0, opts(true));
         match (entry, exit) {
             (Ok(entry), Ok(exit)) => links.extend([entry, exit]),
-            _ => missing.push(probe.symbol),
+            (Err(error), _) | (_, Err(error)) => {
+                first_error.get_or_insert(error);
+                missing.push(probe.symbol);
+            }
         }
     }
     if links.is_empty() {
+        let why = first_error.map_or_else(String::new, |error| {
+            let denied = error.kind() == libbpf_rs::ErrorKind::PermissionDenied;
+            // Since Linux 6.16 a uprobe needs CAP_SYS_ADMIN; CAP_PERFMON
+            // alone gets EACCES.
+            let hint = if denied {
+                " (uprobes need CAP_SYS_ADMIN on Linux 6.16 and later, CAP_PERFMON before)"
+            } else {
+                ""
+            };
+            format!(": {error}{hint}")
+        });
         return Err(format!(
-            "{}: none of the driver entry points could be probed",
+            "{}: none of the driver entry points could be probed{why}",
             library.path.display()
         ));
     }
