@@ -82,17 +82,6 @@ impl Setup {
 }
 
 /// Waits until the agent reports `count` attached workload processes.
-async fn wait_for_attached(agent: &AgentProcess, count: usize) {
-    let wanted = format!("backend cuda: running ({count} processes attached");
-    for _ in 0..100 {
-        if agent.monitor(100).await.data.contains(&wanted) {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    panic!("the agent never attached {count} processes");
-}
-
 fn release_file(setup: &Setup, name: &str) -> PathBuf {
     setup.runtime.path().join(format!("{name}.go"))
 }

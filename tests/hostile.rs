@@ -15,7 +15,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use common::workload::{capture, planted_ring};
+use common::workload::{capture, planted_ring, wait_for_attached};
 use common::AgentProcess;
 use devtrace::event::{Device, Event, NameId, Payload};
 use devtrace::proto::tensorflow::profiler::XSpace;
@@ -91,14 +91,7 @@ impl Host {
     }
 
     async fn wait_until_attached(&self, count: usize) {
-        let wanted = format!("backend cuda: running ({count} processes attached");
-        for _ in 0..100 {
-            if self.agent.monitor(100).await.data.contains(&wanted) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        panic!("the agent never attached {count} processes");
+        wait_for_attached(&self.agent, count).await;
     }
 
     /// A capture of `ms` during which `attack` runs, 300 ms in.

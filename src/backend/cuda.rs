@@ -173,8 +173,13 @@ const MAX_GPU_ORDINAL: u16 = 255;
 /// Rings refused once, remembered so they are not reopened at every scan.
 const MAX_REFUSED: usize = 1024;
 
-/// How a refusal for a user's quota of rings reads.
-const QUOTA_REFUSAL: &str = "rings attached, the most one user may have";
+/// Why a ring that opened cleanly is not attached.
+enum Refusal {
+    /// It is not the process's, or the process is gone: for good.
+    Lasting(String),
+    /// Its user has [`MAX_RINGS_PER_UID`] attached: until one goes.
+    OverQuota(String),
+}
 
 #[derive(Default)]
 struct Status {
@@ -546,21 +551,24 @@ impl Attachments {
                 return;
             }
         };
-        if let Err(reason) = self.admissible(pid, &ring, identity) {
-            let text = format!("ignoring {}: {reason}", path.display());
-            if reason.contains(QUOTA_REFUSAL) {
+        match self.admissible(pid, &ring, identity) {
+            Ok(()) => {}
+            Err(Refusal::Lasting(reason)) => {
+                self.refuse(identity, format!("ignoring {}: {reason}", path.display()));
+                return;
+            }
+            Err(Refusal::OverQuota(reason)) => {
                 // Tried again at every scan, as the user's other rings go;
                 // reported once.
                 if self.over_quota.len() >= MAX_REFUSED {
                     self.over_quota.clear();
                 }
                 if self.over_quota.insert(identity) {
+                    let text = format!("ignoring {}: {reason}", path.display());
                     self.status.lock().notice(text);
                 }
-            } else {
-                self.refuse(identity, text);
+                return;
             }
-            return;
         }
         self.over_quota.remove(&identity);
         // The slot first: a consumer taken and then dropped for want of one
@@ -626,19 +634,20 @@ impl Attachments {
     /// Whether a ring that opened cleanly may be attached: made by the
     /// process its name gives, in a file of that process's user, who has
     /// room for another.
-    fn admissible(&self, pid: u32, ring: &Ring, identity: FileIdentity) -> Result<(), String> {
+    fn admissible(&self, pid: u32, ring: &Ring, identity: FileIdentity) -> Result<(), Refusal> {
         if ring.creator_pid() != pid {
-            return Err(format!(
+            return Err(Refusal::Lasting(format!(
                 "it was made by process {}, not {pid}",
                 ring.creator_pid()
-            ));
+            )));
         }
-        let uids = process_uids(pid).ok_or_else(|| format!("process {pid} is gone"))?;
+        let uids =
+            process_uids(pid).ok_or_else(|| Refusal::Lasting(format!("process {pid} is gone")))?;
         if !uids.contains(&identity.uid) {
-            return Err(format!(
+            return Err(Refusal::Lasting(format!(
                 "its file belongs to uid {} but process {pid} runs as uid {}",
                 identity.uid, uids[0]
-            ));
+            )));
         }
         let held = self
             .processes
@@ -646,10 +655,10 @@ impl Attachments {
             .filter(|p| p.owner == identity.uid)
             .count();
         if held >= MAX_RINGS_PER_UID {
-            return Err(format!(
-                "uid {} already has {held} {QUOTA_REFUSAL}",
+            return Err(Refusal::OverQuota(format!(
+                "uid {} already has {held} rings attached, the most one user may have",
                 identity.uid
-            ));
+            )));
         }
         Ok(())
     }
@@ -829,7 +838,7 @@ impl Attachments {
         self.slots_in_use.retain(|s| *s != process.slot);
         let ring_path = workload::ring_path(&self.config.runtime_dir, pid);
         // Only its own file: the name may be someone else's by now.
-        if identity_at(&ring_path).is_some_and(|at| same_file(at, key)) {
+        if identity_at(&ring_path).is_some_and(|at| at.same_file(key)) {
             let _ = std::fs::remove_file(ring_path);
             if corruption.is_none() {
                 let _ = std::fs::remove_file(&process.meta_path);
@@ -871,17 +880,9 @@ impl Attachments {
 
 /// The owner and inode of the file at `path`, without following a link.
 fn identity_at(path: &Path) -> Option<FileIdentity> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::symlink_metadata(path).ok()?;
-    Some(FileIdentity {
-        uid: meta.uid(),
-        dev: meta.dev(),
-        ino: meta.ino(),
-    })
-}
-
-fn same_file(a: FileIdentity, b: FileIdentity) -> bool {
-    (a.dev, a.ino) == (b.dev, b.ino)
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|meta| FileIdentity::of(&meta))
 }
 
 /// The real and effective uids of process `pid`.

@@ -125,6 +125,22 @@ pub struct FileIdentity {
     pub ino: u64,
 }
 
+impl FileIdentity {
+    pub fn of(meta: &std::fs::Metadata) -> FileIdentity {
+        use std::os::unix::fs::MetadataExt;
+        FileIdentity {
+            uid: meta.uid(),
+            dev: meta.dev(),
+            ino: meta.ino(),
+        }
+    }
+
+    /// Whether both name the same file (owners aside).
+    pub fn same_file(self, other: FileIdentity) -> bool {
+        (self.dev, self.ino) == (other.dev, other.ino)
+    }
+}
+
 /// The largest ring a peer can make this process map.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OpenLimits {
@@ -157,14 +173,7 @@ fn check_file(file: &File, path: &Path) -> Result<(u64, FileIdentity), RingError
     if meta.nlink() > 1 {
         return Err(refused(format!("{} links (one expected)", meta.nlink())));
     }
-    Ok((
-        meta.len(),
-        FileIdentity {
-            uid: meta.uid(),
-            dev: meta.dev(),
-            ino: meta.ino(),
-        },
-    ))
+    Ok((meta.len(), FileIdentity::of(&meta)))
 }
 
 /// Reads and validates a ring header from the first bytes of `file`, whose

@@ -304,3 +304,15 @@ pub fn planted_ring(dir: &std::path::Path, pid: u32) -> std::sync::Arc<devtrace:
 
 /// Where `RingHeader::creator_pid` lies (`src/ring/layout.rs`).
 pub const CREATOR_PID_OFFSET: u64 = 44;
+
+/// Waits until the agent's CUDA backend reports `count` attached processes.
+pub async fn wait_for_attached(agent: &AgentProcess, count: usize) {
+    let wanted = format!("backend cuda: running ({count} processes attached");
+    for _ in 0..100 {
+        if agent.monitor(100).await.data.contains(&wanted) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the agent never attached {count} processes");
+}
