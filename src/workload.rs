@@ -2,9 +2,13 @@
 //! share besides the ring: where the files live, what they are called, and
 //! the metadata file beside each ring.
 //!
-//! A workload process `P` creates, in the runtime directory, `cuda-P.meta`
-//! and then `cuda-P.ring` (so that the agent, which discovers rings, always
-//! finds the metadata there). The metadata file is append-only text, one
+//! A workload process creates, in the runtime directory, `cuda-P-T.meta`
+//! and then `cuda-P-T.ring` (so that the agent, which discovers rings, always
+//! finds the metadata there): `P` is its pid as its own pid namespace
+//! numbers it and `T` a random tag, so that the processes of two containers,
+//! each pid 1 in its own namespace, never want the same names. It holds a
+//! shared lock on both files while it lives (see `crate::host_process`).
+//! The metadata file is append-only text, one
 //! record per line, written with one `write` per record, so a reader sees
 //! whole records followed at most by a partial one it reads again later.
 //! Strings are percent-escaped, so a record never holds a space or newline
@@ -48,30 +52,99 @@ pub fn runtime_dir() -> PathBuf {
         .map_or_else(|| PathBuf::from(DEFAULT_RUNTIME_DIR), PathBuf::from)
 }
 
-pub fn ring_path(dir: &Path, pid: u32) -> PathBuf {
-    dir.join(format!("cuda-{pid}.ring"))
+/// The two files of one workload process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkloadFiles {
+    pub ring: PathBuf,
+    pub meta: PathBuf,
 }
 
-pub fn meta_path(dir: &Path, pid: u32) -> PathBuf {
-    dir.join(format!("cuda-{pid}.meta"))
+impl WorkloadFiles {
+    /// New names in `dir` for the process that its namespace calls `pid`.
+    pub fn new(dir: &Path, pid: u32) -> WorkloadFiles {
+        WorkloadFiles::named(dir, pid, random_tag())
+    }
+
+    pub fn named(dir: &Path, pid: u32, tag: u64) -> WorkloadFiles {
+        let stem = format!("cuda-{pid}-{tag:016x}");
+        WorkloadFiles {
+            ring: dir.join(format!("{stem}.ring")),
+            meta: dir.join(format!("{stem}.meta")),
+        }
+    }
+
+    /// The files whose ring is at `ring`.
+    pub fn of_ring(ring: &Path) -> WorkloadFiles {
+        WorkloadFiles {
+            ring: ring.to_path_buf(),
+            meta: ring.with_extension("meta"),
+        }
+    }
 }
 
-/// The pid in a ring file name made by [`ring_path`].
-pub fn ring_pid(file_name: &str) -> Option<u32> {
-    pid_in(file_name, ".ring")
+/// What a file name in the runtime directory says it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileName {
+    /// A ring of the process its namespace calls `pid`.
+    Ring {
+        pid: u32,
+    },
+    /// A ring named as libraries before per-namespace names did
+    /// (`cuda-P.ring`), which this agent cannot use.
+    OlderRing {
+        pid: u32,
+    },
+    Meta {
+        pid: u32,
+    },
 }
 
-/// The pid in a metadata file name made by [`meta_path`].
-pub fn meta_pid(file_name: &str) -> Option<u32> {
-    pid_in(file_name, ".meta")
+impl FileName {
+    pub fn parse(file_name: &str) -> Option<FileName> {
+        let (stem, is_ring) = if let Some(stem) = file_name.strip_suffix(".ring") {
+            (stem, true)
+        } else {
+            (file_name.strip_suffix(".meta")?, false)
+        };
+        let rest = stem.strip_prefix("cuda-")?;
+        match rest.split_once('-') {
+            Some((pid, tag)) => {
+                let pid = parse_decimal(pid)?;
+                let tag_ok = tag.len() == 16 && tag.bytes().all(|b| b.is_ascii_hexdigit());
+                if !tag_ok {
+                    return None;
+                }
+                Some(if is_ring {
+                    FileName::Ring { pid }
+                } else {
+                    FileName::Meta { pid }
+                })
+            }
+            None if is_ring => parse_decimal(rest).map(|pid| FileName::OlderRing { pid }),
+            None => None,
+        }
+    }
 }
 
-fn pid_in(file_name: &str, suffix: &str) -> Option<u32> {
-    file_name
-        .strip_prefix("cuda-")?
-        .strip_suffix(suffix)?
-        .parse()
-        .ok()
+/// Only plain digits: `+1` or `01` would give two names for one pid.
+fn parse_decimal(text: &str) -> Option<u32> {
+    let canonical = !text.is_empty()
+        && text.bytes().all(|b| b.is_ascii_digit())
+        && (text == "0" || !text.starts_with('0'));
+    canonical.then(|| text.parse().ok()).flatten()
+}
+
+/// 64 random bits from the kernel; the clock where `getrandom` fails (a
+/// tag only has to differ between processes, not be secret).
+fn random_tag() -> u64 {
+    let mut bytes = [0u8; 8];
+    // SAFETY: writes at most 8 bytes into an 8-byte buffer.
+    let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), 8, libc::GRND_NONBLOCK) };
+    if got == 8 {
+        u64::from_ne_bytes(bytes)
+    } else {
+        crate::clock::now_ns() ^ (u64::from(std::process::id()) << 40)
+    }
 }
 
 /// One line of a metadata file.
@@ -258,7 +331,8 @@ pub struct MetaWriter {
 }
 
 impl MetaWriter {
-    /// Creates `path` (mode 0600); an existing file is refused.
+    /// Creates `path` (mode 0600), locked for as long as the writer lives;
+    /// an existing file is refused.
     pub fn create(path: &Path) -> io::Result<MetaWriter> {
         use std::os::unix::fs::OpenOptionsExt;
         let file = std::fs::OpenOptions::new()
@@ -267,6 +341,7 @@ impl MetaWriter {
             .mode(0o600)
             .custom_flags(libc::O_CLOEXEC)
             .open(path)?;
+        crate::host_process::hold_shared(&file)?;
         Ok(MetaWriter { file })
     }
 
@@ -544,17 +619,44 @@ mod tests {
         assert_eq!(MetaRecord::decode("name x y"), None);
         assert_eq!(MetaRecord::decode("name 1 a b"), None);
         assert_eq!(MetaRecord::decode("bogus 1"), None);
-        assert_eq!(ring_pid("cuda-123.ring"), Some(123));
-        assert_eq!(ring_pid("cuda-12x.ring"), None);
-        assert_eq!(ring_pid("other-1.ring"), None);
-        assert_eq!(meta_pid("cuda-123.meta"), Some(123));
-        assert_eq!(meta_pid("cuda-123.ring"), None);
+    }
+
+    #[test]
+    fn file_names_carry_the_namespace_pid_and_a_tag() {
+        let dir = Path::new("/run/devtrace");
+        let files = WorkloadFiles::named(dir, 1, 0xab);
+        assert_eq!(
+            files.ring,
+            Path::new("/run/devtrace/cuda-1-00000000000000ab.ring")
+        );
+        assert_eq!(WorkloadFiles::of_ring(&files.ring), files);
+        let name = |path: &Path| FileName::parse(path.file_name().unwrap().to_str().unwrap());
+        assert_eq!(name(&files.ring), Some(FileName::Ring { pid: 1 }));
+        assert_eq!(name(&files.meta), Some(FileName::Meta { pid: 1 }));
+        // Two processes that are both pid 1 get different names.
+        assert_ne!(WorkloadFiles::new(dir, 1), WorkloadFiles::new(dir, 1));
+        assert_eq!(
+            FileName::parse("cuda-123.ring"),
+            Some(FileName::OlderRing { pid: 123 })
+        );
+        for bad in [
+            "cuda-12x-00000000000000ab.ring",
+            "cuda-+1-00000000000000ab.ring",
+            "cuda-01-00000000000000ab.ring",
+            "cuda-1-ab.ring",
+            "cuda-1-00000000000000zz.ring",
+            "cuda-123.meta",
+            "other-1.ring",
+            "cuda-99999999999-00000000000000ab.ring",
+        ] {
+            assert_eq!(FileName::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]
     fn a_reader_takes_whole_lines_and_waits_for_the_rest() {
         let dir = tempfile::tempdir().unwrap();
-        let path = meta_path(dir.path(), 9);
+        let path = WorkloadFiles::named(dir.path(), 9, 1).meta;
         let mut writer = MetaWriter::create(&path).unwrap();
         assert!(MetaWriter::create(&path).is_err(), "never replaced");
         writer
@@ -598,7 +700,7 @@ mod tests {
     #[test]
     fn a_file_without_newlines_is_never_held_whole() {
         let dir = tempfile::tempdir().unwrap();
-        let path = meta_path(dir.path(), 10);
+        let path = WorkloadFiles::named(dir.path(), 10, 1).meta;
         let mut raw = std::fs::File::create(&path).unwrap();
         raw.write_all(&vec![b'x'; 8 << 20]).unwrap();
         raw.write_all(b"\nname 1 after\n").unwrap();
@@ -626,7 +728,7 @@ mod tests {
     #[test]
     fn a_file_past_the_limit_is_cut_with_a_warning_once() {
         let dir = tempfile::tempdir().unwrap();
-        let path = meta_path(dir.path(), 11);
+        let path = WorkloadFiles::named(dir.path(), 11, 1).meta;
         let mut writer = MetaWriter::create(&path).unwrap();
         let name = |id| MetaRecord::Name {
             id,
@@ -647,7 +749,10 @@ mod tests {
             message.contains(&format!("the {line} bytes beyond")),
             "{message}"
         );
-        assert!(message.contains("cuda-11.meta"), "{message}");
+        assert!(
+            message.contains("cuda-11-0000000000000001.meta"),
+            "{message}"
+        );
         assert_eq!(records.len(), 3);
         assert_eq!(reader.cut_bytes(), line);
         writer.write(&name(3)).unwrap();

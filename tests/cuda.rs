@@ -54,6 +54,35 @@ impl Setup {
         self.workload_loading("CUDA_INJECTION64_PATH", args, extra_env)
     }
 
+    /// As [`Setup::workload`], in a pid namespace of its own.
+    fn contained_workload(&self, args: &[&str]) -> CudaWorkload {
+        let env = self.environment("CUDA_INJECTION64_PATH");
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        CudaWorkload::start_in_namespace(&self.program, args, &env)
+    }
+
+    /// What a workload is started with: the stand-ins, the library named by
+    /// `variable`, the runtime directory and the stand-in GPU's timing.
+    fn environment(&self, variable: &str) -> Vec<(String, String)> {
+        [
+            ("LD_LIBRARY_PATH", self.libraries.display().to_string()),
+            (variable, self.inject.display().to_string()),
+            (
+                "DEVTRACE_RUNTIME_DIR",
+                self.runtime.path().display().to_string(),
+            ),
+            (
+                "DEVTRACE_STANDIN_GPU_CLOCK_OFFSET_NS",
+                GPU_CLOCK_OFFSET_NS.to_string(),
+            ),
+            ("DEVTRACE_STANDIN_GPU_KERNEL_NS", KERNEL_NS.to_string()),
+            ("DEVTRACE_STANDIN_GPU_MEMCPY_NS", MEMCPY_NS.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
     /// As [`Setup::workload`], the library named by `variable`
     /// (`CUDA_INJECTION64_PATH` or `LD_PRELOAD`).
     fn workload_loading(
@@ -62,20 +91,9 @@ impl Setup {
         args: &[&str],
         extra_env: &[(&str, &str)],
     ) -> CudaWorkload {
-        let offset = GPU_CLOCK_OFFSET_NS.to_string();
-        let kernel = KERNEL_NS.to_string();
-        let memcpy = MEMCPY_NS.to_string();
-        let mut env = vec![
-            ("LD_LIBRARY_PATH", self.libraries.to_str().unwrap()),
-            (variable, self.inject.to_str().unwrap()),
-            (
-                "DEVTRACE_RUNTIME_DIR",
-                self.runtime.path().to_str().unwrap(),
-            ),
-            ("DEVTRACE_STANDIN_GPU_CLOCK_OFFSET_NS", offset.as_str()),
-            ("DEVTRACE_STANDIN_GPU_KERNEL_NS", kernel.as_str()),
-            ("DEVTRACE_STANDIN_GPU_MEMCPY_NS", memcpy.as_str()),
-        ];
+        let base = self.environment(variable);
+        let mut env: Vec<(&str, &str)> =
+            base.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         env.extend_from_slice(extra_env);
         CudaWorkload::start(&self.program, args, &env)
     }
@@ -397,6 +415,134 @@ async fn two_workloads_keep_their_own_stream_lines() {
         })
         .collect();
     assert_eq!(per_line, expected);
+}
+
+/// Two containers' workloads are both pid 1 in their own pid namespaces:
+/// their files must not collide, and the agent, in the host's namespace,
+/// must find them by their host pids and put their calls on the lines of
+/// their host thread ids.
+#[tokio::test(flavor = "multi_thread")]
+async fn workloads_in_pid_namespaces_of_their_own_are_traced_under_host_pids() {
+    if !common::is_root() {
+        eprintln!("skipped: making pid namespaces needs root");
+        return;
+    }
+    let setup = setup("cuda_contained");
+    let agent = setup.agent();
+    let release = release_file(&setup, "contained");
+    let wait = ["--wait-file", release.to_str().unwrap()];
+    let a = setup.contained_workload(&["2", wait[0], wait[1]]);
+    let b = setup.contained_workload(&["3", wait[0], wait[1]]);
+    for workload in [&a, &b] {
+        let lines = workload.read_until("waiting");
+        assert!(
+            lines.last().unwrap().starts_with("waiting pid=1 "),
+            "{lines:?}"
+        );
+    }
+    let (host_a, host_b) = (a.host_pid(), b.host_pid());
+    wait_for_attached(&agent, 2).await;
+    let rings = std::fs::read_dir(setup.runtime.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name().into_string().unwrap();
+            name.starts_with("cuda-1-") && name.ends_with(".ring")
+        })
+        .count();
+    assert_eq!(rings, 2);
+    let space = capture_while(&agent, 2000, &release).await;
+    let calls = calls_until_done(&a);
+    calls_until_done(&b);
+    assert!(calls.iter().all(|c| c.pid == 1 && c.tid == 1), "{calls:?}");
+
+    let mut per_line: BTreeMap<String, usize> = BTreeMap::new();
+    for (e, _) in timed(&space, "/device:GPU:0") {
+        if e.name == "vector_add" {
+            *per_line.entry(e.line.clone()).or_default() += 1;
+        }
+    }
+    let expected: BTreeMap<String, usize> = [(host_a, 2), (host_b, 3)]
+        .into_iter()
+        .map(|(pid, n)| {
+            (
+                format!("Stream #13(Compute,MemcpyD2H) (pid {pid}: cuda_contained)"),
+                n,
+            )
+        })
+        .collect();
+    assert_eq!(per_line, expected, "{:?}", space.warnings);
+
+    // The calls of A's one thread (1 in its namespace) are on the line of
+    // its host thread id, which for a main thread is the host pid.
+    let host = common::plane(&space, "/host:CPU");
+    let line_of = |id: u32| host.lines.iter().find(|l| l.id == i64::from(id));
+    let names: Vec<(i64, &str)> = host.lines.iter().map(|l| (l.id, l.name.as_str())).collect();
+    let own = line_of(host_a).unwrap_or_else(|| panic!("no line for A's thread: {names:?}"));
+    assert_eq!(own.name, format!("cuda_contained {host_a} (pid {host_a})"));
+    let launches = own
+        .events
+        .iter()
+        .filter(|e| host.event_metadata[&e.metadata_id].name == "cuLaunchKernel")
+        .count();
+    let launched = calls.iter().filter(|c| c.name == "cuLaunchKernel").count();
+    assert_eq!(launches, launched);
+    assert!(line_of(1).is_none_or(|l| !l.name.contains("cuda_contained")));
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains(&format!("process {host_a} (pid 1 in its namespace; "))),
+        "{:?}",
+        space.warnings
+    );
+}
+
+/// An agent in a pid namespace of its own (a container without hostPID)
+/// cannot see the host's processes: it says so, and how to run it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_that_cannot_see_a_workloads_namespace_says_how_to_run_it() {
+    if !common::is_root() {
+        eprintln!("skipped: making pid namespaces needs root");
+        return;
+    }
+    let setup = setup("cuda_unseen");
+    let runtime = setup.runtime.path().to_str().unwrap();
+    let agent = AgentProcess::adopt(
+        std::process::Command::new("unshare")
+            .args(["--pid", "--fork", "--kill-child", "--mount-proc"])
+            .arg(common::BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--log-level", "error"])
+            .args([
+                "--metrics-listen",
+                "off",
+                "--backend",
+                "cuda",
+                "--backend",
+                "mock",
+            ])
+            .args(["--runtime-dir", runtime])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting the agent in a pid namespace"),
+    );
+    let release = release_file(&setup, "unseen");
+    // Its ring appears during the capture, which then names the refusal.
+    let started = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let workload = setup.workload(&["1", "--wait-file", release.to_str().unwrap()], &[]);
+        workload.read_until("waiting");
+        workload
+    };
+    let (space, workload) = tokio::join!(capture(&agent, 3000), started);
+    let seen = space.warnings;
+    assert!(
+        seen.iter()
+            .any(|w| w.contains("a pid namespace this agent cannot see") && w.contains("hostPID")),
+        "{seen:?}"
+    );
+    std::fs::write(&release, b"go").unwrap();
+    calls_until_done(&workload);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1275,29 +1421,21 @@ async fn a_hidden_second_cupti_user_is_found_out_by_the_buffers_it_kept() {
 /// ignored, and a real workload beside them is traced as usual.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() {
-    use devtrace::workload::meta_path;
     let setup = setup("cuda_hostile_meta");
     let dir = setup.runtime.path();
-    // Live processes whose pids name the planted files.
-    let mut sleepers: Vec<std::process::Child> = (0..2)
-        .map(|_| {
-            std::process::Command::new("sleep")
-                .arg("60")
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let (fifo_pid, link_pid) = (sleepers[0].id(), sleepers[1].id());
-    let fifo = std::ffi::CString::new(meta_path(dir, fifo_pid).to_str().unwrap()).unwrap();
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    // Rings of live processes, with their metadata planted before them.
+    let fifo_ring = PlantedRing::staged(dir, me, None);
+    let link_ring = PlantedRing::staged(dir, me, None);
+    let (fifo_meta, link_meta) = (fifo_ring.files.meta.clone(), link_ring.files.meta.clone());
+    let fifo = std::ffi::CString::new(fifo_meta.to_str().unwrap()).unwrap();
     // SAFETY: a valid path; nobody ever writes the FIFO.
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
     let secret = dir.join("secret");
     std::fs::write(&secret, "name 1 stolen\n").unwrap();
-    std::os::unix::fs::symlink(&secret, meta_path(dir, link_pid)).unwrap();
-    let _rings: Vec<_> = [fifo_pid, link_pid]
-        .iter()
-        .map(|pid| planted_ring(dir, *pid))
-        .collect();
+    std::os::unix::fs::symlink(&secret, &link_meta).unwrap();
+    let _rings = [fifo_ring.placed(), link_ring.placed()];
     let agent = setup.agent();
     let release = release_file(&setup, "hostile");
     let workload = setup.workload(&["2", "--wait-file", release.to_str().unwrap()], &[]);
@@ -1305,23 +1443,24 @@ async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() 
     wait_for_attached(&agent, 3).await;
     let space = capture_while(&agent, 1500, &release).await;
     calls_until_done(&workload);
-    for sleeper in &mut sleepers {
-        let _ = sleeper.kill();
-        let _ = sleeper.wait();
-    }
     let kernels = program_kernels(&space).len();
     assert_eq!(kernels, 4, "{:?}", space.warnings);
-    let ignored = |pid: u32, why: &str| {
-        space.warnings.iter().any(|w| {
-            w.contains(&format!("ignoring {}", meta_path(dir, pid).display())) && w.contains(why)
-        })
+    let ignored = |meta: &std::path::Path, why: &str| {
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains(&format!("ignoring {}", meta.display())) && w.contains(why))
     };
     assert!(
-        ignored(fifo_pid, "not a regular file"),
+        ignored(&fifo_meta, "not a regular file"),
         "{:?}",
         space.warnings
     );
     // O_NOFOLLOW: the symlink itself is refused (ELOOP).
-    assert!(ignored(link_pid, "symbolic links"), "{:?}", space.warnings);
+    assert!(
+        ignored(&link_meta, "symbolic links"),
+        "{:?}",
+        space.warnings
+    );
     assert!(!space.warnings.iter().any(|w| w.contains("stolen")));
 }

@@ -12,14 +12,14 @@ mod common;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::Duration;
 
-use common::workload::{capture, planted_ring, wait_for_attached};
+use common::workload::{capture, wait_for_attached, PlantedRing};
 use common::AgentProcess;
 use devtrace::event::{Device, Event, NameId, Payload};
 use devtrace::proto::tensorflow::profiler::XSpace;
-use devtrace::workload::{meta_path, ring_path, MetaRecord};
+use devtrace::workload::MetaRecord;
 
 const NOBODY: u32 = 65534;
 
@@ -32,7 +32,6 @@ const LANE0_HEAD_OFFSET: u64 = 192;
 struct Host {
     runtime: tempfile::TempDir,
     agent: AgentProcess,
-    processes: Vec<Child>,
 }
 
 impl Host {
@@ -52,42 +51,16 @@ impl Host {
             "--runtime-dir",
             runtime.path().to_str().unwrap(),
         ]);
-        Some(Host {
-            runtime,
-            agent,
-            processes: Vec::new(),
-        })
+        Some(Host { runtime, agent })
     }
 
     fn dir(&self) -> &Path {
         self.runtime.path()
     }
 
-    /// A long-running process of `uid`; its pid.
-    fn process_of(&mut self, uid: u32) -> u32 {
-        let child = Command::new("sleep")
-            .arg("600")
-            .uid(uid)
-            .gid(uid)
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        self.processes.push(child);
-        pid
-    }
-
-    /// A ring for process `pid`, in a file of `uid`.
-    fn ring_for(&self, pid: u32, uid: u32) -> std::sync::Arc<devtrace::ring::Ring> {
-        ring_in(self.dir(), pid, uid)
-    }
-
-    /// Writes `value` at `offset` of process `pid`'s ring file.
-    fn forge(&self, pid: u32, offset: u64, value: &[u8]) {
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .open(ring_path(self.dir(), pid))
-            .unwrap();
-        file.write_all_at(value, offset).unwrap();
+    /// A ring in place for a long-running process of `uid` that holds it.
+    fn plant(&self, uid: u32) -> PlantedRing {
+        PlantedRing::new(self.dir(), uid)
     }
 
     async fn wait_until_attached(&self, count: usize) {
@@ -121,18 +94,16 @@ impl Host {
             stopped.is_some(),
             "SIGTERM did not stop the agent within 5 s"
         );
-        for process in &mut self.processes {
-            let _ = process.kill();
-            let _ = process.wait();
-        }
     }
 }
 
-/// A ring for process `pid` in `dir`, in a file of `uid`.
-fn ring_in(dir: &Path, pid: u32, uid: u32) -> std::sync::Arc<devtrace::ring::Ring> {
-    let ring = planted_ring(dir, pid);
-    std::os::unix::fs::chown(ring_path(dir, pid), Some(uid), Some(uid)).unwrap();
-    ring
+/// Writes `value` at `offset` of a planted ring's file.
+fn forge(planted: &PlantedRing, offset: u64, value: &[u8]) {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&planted.path)
+        .unwrap();
+    file.write_all_at(value, offset).unwrap();
 }
 
 fn warned(space: &XSpace, parts: &[&str]) -> bool {
@@ -145,13 +116,13 @@ fn warned(space: &XSpace, parts: &[&str]) -> bool {
 /// Truncating a ring file the agent has mapped once killed it with SIGBUS.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_ring_shrunk_under_the_agent_is_detached_and_the_agent_lives() {
-    let Some(mut host) = Host::start() else {
+    let Some(host) = Host::start() else {
         return;
     };
-    let pid = host.process_of(NOBODY);
-    let _ring = host.ring_for(pid, NOBODY);
+    let planted = host.plant(NOBODY);
+    let pid = planted.pid;
     host.wait_until_attached(1).await;
-    let path = ring_path(host.dir(), pid);
+    let path = planted.path.clone();
     let space = host
         .capture_during(1500, || {
             let status = Command::new("truncate")
@@ -176,15 +147,15 @@ async fn a_ring_shrunk_under_the_agent_is_detached_and_the_agent_lives() {
 /// its own ring with forged events, and ignore SIGTERM.
 #[tokio::test(flavor = "multi_thread")]
 async fn forged_ring_counters_are_detached_not_followed() {
-    let Some(mut host) = Host::start() else {
+    let Some(host) = Host::start() else {
         return;
     };
-    let pid = host.process_of(NOBODY);
-    let _ring = host.ring_for(pid, NOBODY);
+    let planted = host.plant(NOBODY);
+    let pid = planted.pid;
     host.wait_until_attached(1).await;
     let space = host
         .capture_during(1500, || {
-            host.forge(pid, LANE0_HEAD_OFFSET, &(1u64 << 48).to_ne_bytes())
+            forge(&planted, LANE0_HEAD_OFFSET, &(1u64 << 48).to_ne_bytes())
         })
         .await;
     assert!(
@@ -209,19 +180,19 @@ async fn forged_ring_counters_are_detached_not_followed() {
 /// and allocate per lane.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_ring_of_billions_of_lanes_is_refused_before_it_is_mapped() {
-    let Some(mut host) = Host::start() else {
+    let Some(host) = Host::start() else {
         return;
     };
-    let pid = host.process_of(NOBODY);
+    let mut placed = None;
     let space = host
         .capture_during(1000, || {
             // Prepared under another name, then put in place whole, as the
             // library does.
-            let staging = host.dir().join("staging");
-            std::fs::create_dir(&staging).unwrap();
-            let _ring = ring_in(&staging, pid, NOBODY);
-            let path = ring_path(&staging, pid);
-            let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            let staged = PlantedRing::staged(host.dir(), NOBODY, None);
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&staged.path)
+                .unwrap();
             let lanes: u32 = 1 << 31;
             file.write_all_at(&lanes.to_ne_bytes(), LANE_COUNT_OFFSET)
                 .unwrap();
@@ -231,14 +202,15 @@ async fn a_ring_of_billions_of_lanes_is_refused_before_it_is_mapped() {
             // Sparse: costs the attacker nothing (where the file system
             // allows a file this large).
             let _ = file.set_len(total);
-            std::fs::rename(&path, ring_path(host.dir(), pid)).unwrap();
+            placed = Some(staged.placed());
         })
         .await;
+    let planted = placed.expect("planted");
     assert!(
         warned(
             &space,
             &[
-                &ring_path(host.dir(), pid).display().to_string(),
+                &planted.path.display().to_string(),
                 "2147483648 lanes (at most 1 accepted)"
             ]
         ),
@@ -255,16 +227,14 @@ async fn a_ring_for_another_users_process_is_refused() {
     let Some(host) = Host::start() else {
         return;
     };
+    let mut planted = None;
     let space = host
         .capture_during(1000, || {
-            let _ = host.ring_for(1, NOBODY);
+            planted = Some(PlantedRing::staged(host.dir(), NOBODY, Some(1)).placed());
         })
         .await;
     assert!(
-        warned(
-            &space,
-            &["belongs to uid 65534 but process 1 runs as uid 0"]
-        ),
+        warned(&space, &["names process 1 as its maker, but process"]),
         "{:?}",
         space.warnings
     );
@@ -280,16 +250,14 @@ async fn a_ring_for_another_users_process_is_refused() {
 /// 255 rings of one user once took every stream slot.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_user_cannot_take_every_stream_slot() {
-    let Some(mut host) = Host::start() else {
+    let Some(host) = Host::start() else {
         return;
     };
     let limit = 32;
-    let pids: Vec<u32> = (0..limit + 2).map(|_| host.process_of(NOBODY)).collect();
-    let root_pid = host.process_of(0);
     let mut rings = Vec::new();
     let space = host
         .capture_during(2000, || {
-            rings.extend(pids.iter().map(|pid| host.ring_for(*pid, NOBODY)));
+            rings.extend((0..limit + 2).map(|_| host.plant(NOBODY)));
         })
         .await;
     assert!(
@@ -299,7 +267,7 @@ async fn one_user_cannot_take_every_stream_slot() {
     );
     host.wait_until_attached(limit).await;
     // Another user still gets in.
-    rings.push(host.ring_for(root_pid, 0));
+    rings.push(host.plant(0));
     host.wait_until_attached(limit + 1).await;
     host.assert_survived().await;
 }
@@ -310,12 +278,12 @@ async fn one_user_cannot_take_every_stream_slot() {
 /// event dated ten years ahead does not evict the flight recorder.
 #[tokio::test(flavor = "multi_thread")]
 async fn forged_events_stay_off_other_lines_and_devices() {
-    let Some(mut host) = Host::start() else {
+    let Some(host) = Host::start() else {
         return;
     };
-    let pid = host.process_of(NOBODY);
-    let ring = host.ring_for(pid, NOBODY);
-    let meta = meta_path(host.dir(), pid);
+    let planted = host.plant(NOBODY);
+    let (pid, ring) = (planted.pid, &planted.ring);
+    let meta = planted.files.meta.clone();
     let forged_gpu = MetaRecord::Device {
         ordinal: 0,
         uuid: None,

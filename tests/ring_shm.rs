@@ -487,24 +487,35 @@ fn stale_ring_files_are_removed() {
     assert_eq!(result(&mut stdout), "created");
     let creator = child.id();
     finish(child);
-    assert_eq!(Ring::open_shared(&stale).unwrap().creator_pid(), creator);
+    // A producer that opened it holds it too.
+    let producing = Ring::open_shared(&stale).unwrap();
+    assert_eq!(producing.creator_pid(), creator);
     let live_path = dir.path().join("live.ring");
     let _live = Ring::create_shared(&live_path, 1, 8, DropPolicy::DropNewest).unwrap();
     let other = dir.path().join("notes.ring");
     std::fs::write(&other, b"not a ring").unwrap();
+    let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
     let leftover = dir.path().join(format!(".half.ring.{creator}-0.tmp"));
-    std::fs::write(&leftover, b"").unwrap();
+    std::fs::File::create(&leftover)
+        .unwrap()
+        .set_modified(an_hour_ago)
+        .unwrap();
+    // Just made, not yet locked.
     let mine = dir
         .path()
         .join(format!(".mine.ring.{}-0.tmp", std::process::id()));
     std::fs::write(&mine, b"").unwrap();
+    let old_but_held = dir.path().join(".held.ring.1-0.tmp");
+    let holder = std::fs::File::create(&old_but_held).unwrap();
+    holder.set_modified(an_hour_ago).unwrap();
+    devtrace::host_process::hold_shared(&holder).unwrap();
 
+    assert_eq!(remove_stale_rings(dir.path()).unwrap(), vec![leftover]);
+    drop(producing);
     let mut removed = remove_stale_rings(dir.path()).unwrap();
     removed.sort();
-    let mut expected = vec![leftover, stale];
-    expected.sort();
-    assert_eq!(removed, expected);
-    assert!(live_path.exists() && other.exists() && mine.exists());
+    assert_eq!(removed, vec![stale]);
+    assert!(live_path.exists() && other.exists() && mine.exists() && old_but_held.exists());
     assert!(remove_stale_rings(dir.path()).unwrap().is_empty());
 }
 

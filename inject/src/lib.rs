@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use devtrace::ring::{DropPolicy, Producer, Ring};
-use devtrace::workload::{self, MetaRecord, MetaWriter};
+use devtrace::workload::{self, MetaRecord, MetaWriter, WorkloadFiles};
 
 use coexist::Verdict;
 use convert::{ClockMap, Converter};
@@ -198,23 +198,20 @@ fn command_line() -> String {
 }
 
 /// Creates the metadata file, then the ring (the agent discovers rings, so
-/// the metadata is always there first). Files left by an earlier process
-/// with this pid are removed: no live process can own them.
+/// the metadata is always there first), under names no other process wants,
+/// whatever pid namespace it is in. Both stay locked while the process lives,
+/// which is how the agent finds it from the host (`host_process`).
 fn create_files(dir: &Path, pid: u32) -> Result<(Arc<Ring>, MetaWriter), String> {
-    let meta_path = workload::meta_path(dir, pid);
-    let ring_path = workload::ring_path(dir, pid);
-    for stale in [&ring_path, &meta_path] {
-        let _ = std::fs::remove_file(stale);
-    }
-    let mut meta = MetaWriter::create(&meta_path)
-        .map_err(|e| format!("cannot create {}: {e}", meta_path.display()))?;
+    let files = WorkloadFiles::new(dir, pid);
+    let mut meta = MetaWriter::create(&files.meta)
+        .map_err(|e| format!("cannot create {}: {e}", files.meta.display()))?;
     meta.write(&MetaRecord::Process {
         pid,
         command: command_line(),
     })
-    .map_err(|e| format!("cannot write {}: {e}", meta_path.display()))?;
-    let ring = Ring::create_shared(&ring_path, 1, ring_capacity(), DropPolicy::DropNewest)
-        .map_err(|e| format!("cannot create {}: {e}", ring_path.display()))?;
+    .map_err(|e| format!("cannot write {}: {e}", files.meta.display()))?;
+    let ring = Ring::create_shared(&files.ring, 1, ring_capacity(), DropPolicy::DropNewest)
+        .map_err(|e| format!("cannot create {}: {e}", files.ring.display()))?;
     Ok((ring, meta))
 }
 

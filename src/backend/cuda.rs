@@ -12,10 +12,16 @@
 //! captures that overlap say so. Rings of a previous agent are picked up
 //! where it left them.
 //!
+//! Workloads may run in pid namespaces of their own (containers) while the
+//! agent runs in the host's: a ring's process is found through the lock its
+//! library holds on the file (`crate::host_process`), and its thread ids are
+//! turned into the host's, so that its lines are those the other backends
+//! draw for the same threads.
+//!
 //! The runtime directory is writable by every user, so nothing in it is
 //! trusted. A ring is known by its file's owner and inode, not by the pid in
 //! its name, and is attached only when it is a regular file with one link
-//! owned by the user of the process it names, which created it; each user
+//! owned by the user of the process that holds it and created it; each user
 //! may have [`MAX_RINGS_PER_UID`] rings attached. A ring's peer cannot
 //! make the agent map more than one lane of the library's largest capacity,
 //! read forever (each pass drains a bounded number of events) or crash it by
@@ -39,12 +45,13 @@ use super::{Backend, BackendContext, BackendError, Capabilities, Health, Loss};
 use crate::clock;
 use crate::event::Payload;
 use crate::event::{Device, Event, NameId};
+use crate::host_process::{self, Threads};
 use crate::registry::Registry;
 use crate::ring::{
     pid_alive, remove_stale_rings, Consumer, FileIdentity, OpenLimits, Ring, CONTROL_CAPTURE,
 };
 use crate::store::Window;
-use crate::workload::{self, MetaReader, MetaRecord, SYNTHETIC_LINE_BASE};
+use crate::workload::{self, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE};
 use crate::xspace::conventions::STREAM_BITS;
 
 #[derive(Clone, Debug)]
@@ -172,6 +179,14 @@ const MAX_GPU_ORDINAL: u16 = 255;
 
 /// Rings refused once, remembered so they are not reopened at every scan.
 const MAX_REFUSED: usize = 1024;
+
+/// How long a metadata file without its ring may lie unheld before it is
+/// taken to be left by a process that died while making its files.
+const ABANDONED_GRACE: Duration = Duration::from_secs(60);
+
+/// The synthetic host line (in a process's range) of calls from threads of
+/// a namespaced process that ended before the host's id for them was read.
+const LINE_ENDED_THREADS: u64 = 4;
 
 /// Why a ring that opened cleanly is not attached.
 enum Refusal {
@@ -431,7 +446,13 @@ impl Drop for CudaBackend {
 
 /// One workload process whose ring is attached.
 struct Process {
+    /// Its pid on the host (in the agent's pid namespace).
     pid: u32,
+    /// Its pid in a pid namespace of its own, when it runs in one.
+    own_pid: Option<u32>,
+    /// Host ids of its threads, when it runs in a namespace of its own.
+    threads: Threads,
+    files: WorkloadFiles,
     slot: u64,
     /// The uid that owns its ring file.
     owner: u32,
@@ -439,14 +460,14 @@ struct Process {
     meta_refused: bool,
     ring: Arc<Ring>,
     consumer: Consumer,
-    meta_path: PathBuf,
     meta: MetaReader,
     /// Its name ids to the registry's.
     names: HashMap<u32, NameId>,
     /// Lines already named, per device.
     named_lines: HashSet<(Device, u64)>,
-    /// Host lines (thread ids) checked to be the process's own, and not.
-    own_threads: HashMap<u64, bool>,
+    /// The host line of each thread id its events carried; `None` for one
+    /// that is not its own.
+    host_lines: HashMap<u64, Option<u64>>,
     command: String,
     control: u32,
     cupti_dropped: u64,
@@ -469,10 +490,17 @@ impl Process {
     }
 
     fn label(&self) -> String {
-        if self.command.is_empty() {
+        let mut about: Vec<String> = Vec::new();
+        if let Some(own) = self.own_pid {
+            about.push(format!("pid {own} in its namespace"));
+        }
+        if !self.command.is_empty() {
+            about.push(self.command.clone());
+        }
+        if about.is_empty() {
             format!("process {}", self.pid)
         } else {
-            format!("process {} ({})", self.pid, self.command)
+            format!("process {} ({})", self.pid, about.join("; "))
         }
     }
 }
@@ -505,26 +533,38 @@ impl Attachments {
         let mut metadata = Vec::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            if let Some(pid) = workload::ring_pid(name) {
-                let path = entry.path();
-                let known = identity_at(&path).is_some_and(|identity| {
-                    self.processes.contains_key(&identity) || self.refused.contains(&identity)
-                });
-                if !known {
-                    self.attach(pid, &path);
+            let Some(name) = name.to_str().and_then(FileName::parse) else {
+                continue;
+            };
+            let path = entry.path();
+            match name {
+                FileName::Ring { pid } | FileName::OlderRing { pid } => {
+                    let known = identity_at(&path).is_some_and(|identity| {
+                        self.processes.contains_key(&identity) || self.refused.contains(&identity)
+                    });
+                    if known {
+                        continue;
+                    }
+                    if matches!(name, FileName::Ring { .. }) {
+                        self.attach(pid, &path);
+                    } else if let Some(identity) = identity_at(&path) {
+                        let text = format!(
+                            "ignoring {}: it was made by an injection library older than this                              agent; restart the workload with this agent's library",
+                            path.display()
+                        );
+                        self.refuse(identity, text);
+                    }
                 }
-            } else if let Some(pid) = workload::meta_pid(name) {
-                metadata.push((pid, entry.path()));
+                FileName::Meta { .. } => metadata.push(path),
             }
         }
         let _ = remove_stale_rings(&dir);
-        // Metadata whose ring is gone and whose process has exited.
-        let attached: HashSet<u32> = self.processes.values().map(|p| p.pid).collect();
-        for (pid, path) in metadata {
-            if !attached.contains(&pid)
-                && !pid_alive(pid)
-                && !workload::ring_path(&dir, pid).exists()
+        // Metadata whose ring is gone and whose process has let go of it.
+        for path in metadata {
+            let attached = self.processes.values().any(|p| p.files.meta == path);
+            if !attached
+                && !path.with_extension("ring").exists()
+                && host_process::abandoned(&path, ABANDONED_GRACE)
             {
                 let _ = std::fs::remove_file(path);
             }
@@ -537,7 +577,9 @@ impl Attachments {
         Some(slot)
     }
 
-    fn attach(&mut self, pid: u32, path: &Path) {
+    /// Attaches the ring at `path`, whose name gives the pid its process has
+    /// in its own namespace.
+    fn attach(&mut self, own_pid: u32, path: &Path) {
         let (ring, identity) = match Ring::open_untrusted(path, WORKLOAD_RING_LIMITS) {
             Ok(opened) => opened,
             Err(error) => {
@@ -551,8 +593,8 @@ impl Attachments {
                 return;
             }
         };
-        match self.admissible(pid, &ring, identity) {
-            Ok(()) => {}
+        let pid = match self.admissible(path, own_pid, &ring, identity) {
+            Ok(pid) => pid,
             Err(Refusal::Lasting(reason)) => {
                 self.refuse(identity, format!("ignoring {}: {reason}", path.display()));
                 return;
@@ -569,7 +611,7 @@ impl Attachments {
                 }
                 return;
             }
-        }
+        };
         self.over_quota.remove(&identity);
         // The slot first: a consumer taken and then dropped for want of one
         // would be let go of, but there is no need to take it at all.
@@ -590,16 +632,22 @@ impl Attachments {
         };
         let process = Process {
             pid,
+            own_pid: (own_pid != pid).then_some(own_pid),
+            threads: if own_pid == pid {
+                Threads::default()
+            } else {
+                Threads::of(pid, own_pid)
+            },
+            files: WorkloadFiles::of_ring(path),
             slot,
             owner: identity.uid,
             meta_refused: false,
             ring,
             consumer,
-            meta_path: workload::meta_path(&self.config.runtime_dir, pid),
             meta: MetaReader::default(),
             names: HashMap::new(),
             named_lines: HashSet::new(),
-            own_threads: HashMap::new(),
+            host_lines: HashMap::new(),
             command: String::new(),
             control: u32::MAX,
             cupti_dropped: 0,
@@ -632,23 +680,24 @@ impl Attachments {
     }
 
     /// Whether a ring that opened cleanly may be attached: made by the
-    /// process its name gives, in a file of that process's user, who has
-    /// room for another.
-    fn admissible(&self, pid: u32, ring: &Ring, identity: FileIdentity) -> Result<(), Refusal> {
-        if ring.creator_pid() != pid {
+    /// process its name gives, which holds it, in a file of that process's
+    /// user, who has room for another. Returns the process's host pid.
+    fn admissible(
+        &self,
+        path: &Path,
+        own_pid: u32,
+        ring: &Ring,
+        identity: FileIdentity,
+    ) -> Result<u32, Refusal> {
+        if ring.creator_pid() != own_pid {
             return Err(Refusal::Lasting(format!(
-                "it was made by process {}, not {pid}",
+                "it was made by process {}, not {own_pid}",
                 ring.creator_pid()
             )));
         }
-        let uids =
-            process_uids(pid).ok_or_else(|| Refusal::Lasting(format!("process {pid} is gone")))?;
-        if !uids.contains(&identity.uid) {
-            return Err(Refusal::Lasting(format!(
-                "its file belongs to uid {} but process {pid} runs as uid {}",
-                identity.uid, uids[0]
-            )));
-        }
+        let at = (identity.dev, identity.ino);
+        let pid = host_process::holder_of(path, at, identity.uid, own_pid)
+            .map_err(|why| Refusal::Lasting(why.to_string()))?;
         let held = self
             .processes
             .values()
@@ -660,7 +709,7 @@ impl Attachments {
                 identity.uid
             )));
         }
-        Ok(())
+        Ok(pid)
     }
 
     /// Reports a ring that will not be attached, once, and remembers it.
@@ -681,7 +730,7 @@ impl Attachments {
             return;
         };
         let pid = process.pid;
-        let records = match process.meta.read_new(&process.meta_path, process.owner) {
+        let records = match process.meta.read_new(&process.files.meta, process.owner) {
             Ok(records) => records,
             // Not there yet, or gone with its process.
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => return,
@@ -690,7 +739,7 @@ impl Attachments {
                     process.meta_refused = true;
                     let text = format!(
                         "ignoring {} of {}: {error}; its names, devices and errors are unknown",
-                        process.meta_path.display(),
+                        process.files.meta.display(),
                         process.label()
                     );
                     warn!("{text}");
@@ -836,12 +885,11 @@ impl Attachments {
         };
         let pid = process.pid;
         self.slots_in_use.retain(|s| *s != process.slot);
-        let ring_path = workload::ring_path(&self.config.runtime_dir, pid);
         // Only its own file: the name may be someone else's by now.
-        if identity_at(&ring_path).is_some_and(|at| at.same_file(key)) {
-            let _ = std::fs::remove_file(ring_path);
+        if identity_at(&process.files.ring).is_some_and(|at| at.same_file(key)) {
+            let _ = std::fs::remove_file(&process.files.ring);
             if corruption.is_none() {
-                let _ = std::fs::remove_file(&process.meta_path);
+                let _ = std::fs::remove_file(&process.files.meta);
             }
         }
         if corruption.is_some() {
@@ -885,14 +933,6 @@ fn identity_at(path: &Path) -> Option<FileIdentity> {
         .map(|meta| FileIdentity::of(&meta))
 }
 
-/// The real and effective uids of process `pid`.
-fn process_uids(pid: u32) -> Option<[u32; 2]> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
-    let mut ids = line.split_whitespace().map(|id| id.parse::<u32>().ok());
-    Some([ids.next()??, ids.next()??])
-}
-
 /// Whether a host line `tid` may carry process `pid`'s events: one of its
 /// threads, or a thread no process has now (one that ended before it was
 /// first drained); never a live thread of another process.
@@ -903,6 +943,21 @@ fn may_be_thread_of(pid: u32, tid: u64) -> bool {
     tid != 0
         && (Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
             || !Path::new(&format!("/proc/{tid}")).exists())
+}
+
+/// The host line for thread `tid` as `process` numbers it: the host's id of
+/// that thread, or `None` for a thread that is another process's. A thread
+/// of a namespaced process that has ended has no host id left to find, and
+/// shares one line of the process with others like it.
+fn host_line_of(process: &mut Process, tid: u64) -> Option<u64> {
+    if process.own_pid.is_none() {
+        return may_be_thread_of(process.pid, tid).then_some(tid);
+    }
+    let tid = u32::try_from(tid).ok().filter(|tid| *tid != 0)?;
+    Some(match process.threads.host_tid(process.pid, tid) {
+        Some(host) => u64::from(host),
+        None => SYNTHETIC_LINE_BASE | (process.slot << 8) | LINE_ENDED_THREADS,
+    })
 }
 
 /// Whether a CUDA workload's library makes events like this one: its
@@ -956,20 +1011,17 @@ fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Optio
         // A host line is a thread id: only the process's own threads, so
         // that it cannot write onto other processes' lines.
         _ => {
-            let checked = process.own_threads.len() < MAX_LINES_PER_PROCESS;
-            let own = match process.own_threads.get(&mapped.line) {
-                Some(own) => *own,
+            let checked = process.host_lines.len() < MAX_LINES_PER_PROCESS;
+            let host_line = match process.host_lines.get(&mapped.line) {
+                Some(line) => *line,
                 None if checked => {
-                    let own = may_be_thread_of(pid, mapped.line);
-                    process.own_threads.insert(mapped.line, own);
-                    own
+                    let line = host_line_of(process, mapped.line);
+                    process.host_lines.insert(mapped.line, line);
+                    line
                 }
-                None => false,
+                None => None,
             };
-            if !own {
-                return None;
-            }
-            mapped.line
+            host_line?
         }
     };
     mapped.line = line;
@@ -983,6 +1035,7 @@ fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Optio
                     1 => "CUDA memory",
                     2 => "CUDA synchronization",
                     3 => "CUPTI overhead",
+                    LINE_ENDED_THREADS => "CUDA threads that ended",
                     _ => "CUDA",
                 };
                 format!("{what} (pid {pid}: {})", process.short_name())

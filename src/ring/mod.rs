@@ -169,6 +169,9 @@ struct Region {
     size: usize,
     /// Set for mappings of another process's file, which it may shrink.
     guard: Option<guard::Guard>,
+    /// The file, locked shared, for a ring this process made or produces
+    /// into: it is in use while the lock is held (`shared::remove_stale_rings`).
+    held: Option<std::fs::File>,
 }
 
 // SAFETY: after initialisation the region is only accessed through atomics.
@@ -197,6 +200,7 @@ impl Region {
             base,
             size,
             guard: None,
+            held: None,
         })
     }
 }

@@ -99,6 +99,7 @@ impl Region {
             base,
             size,
             guard: None,
+            held: None,
         };
         if guarded {
             region.guard = Some(
@@ -277,17 +278,20 @@ fn validate(
     Ok((layout, policy, header))
 }
 
-/// Sizes `file` for `layout`, maps it and writes a fresh header.
+/// Sizes `file` for `layout`, maps it and writes a fresh header; `held` is
+/// the file again, locked, when the ring should keep it.
 fn initialise(
     file: &File,
     path: &Path,
     layout: RingLayout,
     policy: DropPolicy,
+    held: Option<File>,
 ) -> Result<Arc<Ring>, RingError> {
     let size = layout.total_size().expect("checked by shape");
     file.set_len(size as u64)
         .map_err(|e| io_error("resize", path, e))?;
-    let region = Region::map_shared(file, size, path, false)?;
+    let mut region = Region::map_shared(file, size, path, false)?;
+    region.held = held;
     // SAFETY: the file was just created and sized; nobody else can reach it
     // until it is linked under its final name (or its descriptor is passed on).
     unsafe { Ring::write_header(&region, layout, policy) };
@@ -303,14 +307,44 @@ fn temp_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.{}-{n}.tmp", std::process::id()))
 }
 
-/// The creator's pid in a temporary ring file's name, if it is one.
-fn temp_creator(name: &str) -> Option<u32> {
-    let rest = name.strip_prefix('.')?.strip_suffix(".tmp")?;
-    let (ring, id) = rest.rsplit_once('.')?;
-    let (pid, n) = id.split_once('-')?;
-    n.parse::<u32>().ok()?;
-    ring.ends_with(".ring").then(|| pid.parse().ok())?
+/// Opens a ring file another process may have placed: no symlink is
+/// followed, and nothing blocks (a FIFO in the ring's place cannot stall the
+/// open; `check_file` then refuses it). Returns the file and its size.
+fn open_ring_file(path: &Path) -> Result<(File, u64), RingError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| io_error("open", path, e))?;
+    let (size, _) = check_file(&file, path)?;
+    Ok((file, size))
 }
+
+/// A second descriptor of `file`, holding a shared lock on it.
+fn hold_shared(file: &File, path: &Path) -> Result<File, RingError> {
+    let held = file.try_clone().map_err(|e| io_error("dup", path, e))?;
+    crate::host_process::hold_shared(&held).map_err(|e| io_error("lock", path, e))?;
+    Ok(held)
+}
+
+/// Whether `name` is that of a temporary ring file.
+fn is_temp_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+        return false;
+    };
+    let Some((ring, id)) = rest.rsplit_once('.') else {
+        return false;
+    };
+    let numbers = id
+        .split_once('-')
+        .is_some_and(|(pid, n)| pid.parse::<u32>().is_ok() && n.parse::<u32>().is_ok());
+    numbers && ring.ends_with(".ring")
+}
+
+/// How long a temporary ring file may lie unlocked before it counts as left
+/// by a creator that died: between its creation and its lock, it is too.
+const TEMP_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Ring {
     /// Creates a ring in a new file at `path` (mode 0600), mapped shared, for
@@ -336,7 +370,8 @@ impl Ring {
             .custom_flags(libc::O_CLOEXEC)
             .open(&temp)
             .map_err(|e| io_error("create", &temp, e))?;
-        let ring = initialise(&file, &temp, layout, policy).and_then(|ring| {
+        let held = hold_shared(&file, &temp)?;
+        let ring = initialise(&file, &temp, layout, policy, Some(held)).and_then(|ring| {
             // A hard link, unlike rename, fails instead of replacing `path`.
             std::fs::hard_link(&temp, path)
                 .map(|()| ring)
@@ -348,8 +383,13 @@ impl Ring {
 
     /// Opens and maps a ring that another process created, after checking its
     /// file and header: see [`Ring::open_untrusted`], with default limits.
+    /// The file stays locked while the ring is open, so that it is not
+    /// removed as stale while this process uses it.
     pub fn open_shared(path: impl AsRef<Path>) -> Result<Arc<Ring>, RingError> {
-        Ring::open_untrusted(path.as_ref(), OpenLimits::default()).map(|(ring, _)| ring)
+        let path = path.as_ref();
+        let (file, size) = open_ring_file(path)?;
+        let held = hold_shared(&file, path)?;
+        Ring::map_validated(&file, size, path, OpenLimits::default(), Some(held))
     }
 
     /// Opens and maps a ring file that a process the caller does not trust
@@ -363,16 +403,9 @@ impl Ring {
         path: &Path,
         limits: OpenLimits,
     ) -> Result<(Arc<Ring>, FileIdentity), RingError> {
-        // Non-blocking, so that a FIFO put in the ring's place cannot stall
-        // the open; `check_file` then refuses it.
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(path)
-            .map_err(|e| io_error("open", path, e))?;
-        let (size, identity) = check_file(&file, path)?;
-        let ring = Ring::map_validated(&file, size, path, limits)?;
+        let (file, size) = open_ring_file(path)?;
+        let (_, identity) = check_file(&file, path)?;
+        let ring = Ring::map_validated(&file, size, path, limits, None)?;
         Ok((ring, identity))
     }
 
@@ -381,7 +414,7 @@ impl Ring {
     /// [`Ring::open_untrusted`] checks files.
     pub fn open_file(file: &File, path: &Path) -> Result<Arc<Ring>, RingError> {
         let (size, _) = check_file(file, path)?;
-        Ring::map_validated(file, size, path, OpenLimits::default())
+        Ring::map_validated(file, size, path, OpenLimits::default(), None)
     }
 
     fn map_validated(
@@ -389,9 +422,11 @@ impl Ring {
         size: u64,
         path: &Path,
         limits: OpenLimits,
+        held: Option<File>,
     ) -> Result<Arc<Ring>, RingError> {
         let (layout, policy, _) = validate(file, size, path, limits)?;
-        let region = Region::map_shared(file, size as usize, path, true)?;
+        let mut region = Region::map_shared(file, size as usize, path, true)?;
+        region.held = held;
         Ok(Ring::from_region(region, layout, policy))
     }
 
@@ -419,7 +454,7 @@ impl Ring {
         }
         // SAFETY: `fd` is a fresh descriptor nobody else owns.
         let file = unsafe { File::from_raw_fd(fd) };
-        let ring = initialise(&file, path, layout, policy)?;
+        let ring = initialise(&file, path, layout, policy, None)?;
         Ok((ring, file))
     }
 
@@ -492,18 +527,21 @@ impl Ring {
     }
 }
 
-/// Removes ring files in `dir` (names ending in `.ring`) whose creator and
-/// lane owners have all exited, and temporary files left by creators that
-/// died while preparing one. Files that are not rings of this layout version
-/// are left alone. Returns the paths removed.
+/// Removes ring files in `dir` (names ending in `.ring`) that no process
+/// holds any more, and temporary files left by creators that died while
+/// preparing one. A ring is in use while a process that made it or produces
+/// into it holds its shared lock ([`Ring::create_shared`],
+/// [`Ring::open_shared`]), which needs no pid and so holds across pid
+/// namespaces. Files that are not rings of this layout version are left
+/// alone. Returns the paths removed.
 pub fn remove_stale_rings(dir: impl AsRef<Path>) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let path = entry.path();
         let name = entry.file_name().to_string_lossy().into_owned();
-        let stale = if let Some(pid) = temp_creator(&name) {
-            !pid_alive(pid)
+        let stale = if is_temp_name(&name) {
+            crate::host_process::abandoned(&path, TEMP_GRACE)
         } else if name.ends_with(".ring") && entry.file_type()?.is_file() {
             ring_is_stale(&path)
         } else {
@@ -520,35 +558,18 @@ pub fn remove_stale_rings(dir: impl AsRef<Path>) -> io::Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
-/// Whether the ring file at `path` belongs to processes that are all gone.
+/// Whether the ring file at `path` is a ring no process holds.
 fn ring_is_stale(path: &Path) -> bool {
-    let Ok(file) = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-    else {
+    let Some(file) = crate::host_process::open_to_ask(path) else {
         return false;
     };
     let Ok((size, _)) = check_file(&file, path) else {
         return false;
     };
-    let Ok((layout, _, header)) = validate(&file, size, path, OpenLimits::default()) else {
-        return false;
-    };
-    if pid_alive(header.creator_pid) {
+    if validate(&file, size, path, OpenLimits::default()).is_err() {
         return false;
     }
-    (0..layout.lanes).all(|lane| {
-        let mut word = [0u8; 8];
-        if file
-            .read_exact_at(&mut word, layout.lane_offset(lane) as u64)
-            .is_err()
-        {
-            return false;
-        }
-        let owner = u64::from_ne_bytes(word);
-        owner == 0 || !pid_alive((owner >> 32) as u32)
-    })
+    matches!(crate::host_process::in_use(&file), Ok(false))
 }
 
 #[cfg(test)]
@@ -598,11 +619,11 @@ mod tests {
             name.starts_with(&prefix) && name.ends_with(".tmp"),
             "{name}"
         );
-        assert_eq!(temp_creator(&name), Some(std::process::id()));
+        assert!(is_temp_name(&name));
         assert_ne!(temp_path(Path::new("/run/devtrace/7.ring")), temp);
-        assert_eq!(temp_creator(".a.ring.12-0.tmp"), Some(12));
-        assert_eq!(temp_creator(".a.ring.12.tmp"), None);
-        assert_eq!(temp_creator(".a.txt.12-0.tmp"), None);
-        assert_eq!(temp_creator("a.ring"), None);
+        assert!(is_temp_name(".a.ring.12-0.tmp"));
+        assert!(!is_temp_name(".a.ring.12.tmp"));
+        assert!(!is_temp_name(".a.txt.12-0.tmp"));
+        assert!(!is_temp_name("a.ring"));
     }
 }

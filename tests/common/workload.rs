@@ -157,8 +157,41 @@ pub struct CudaWorkload {
 
 impl CudaWorkload {
     pub fn start(program: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> CudaWorkload {
-        let mut child = Command::new(program)
-            .args(args)
+        let mut command = Command::new(program);
+        command.args(args);
+        CudaWorkload::spawn(command, env)
+    }
+
+    /// As [`CudaWorkload::start`], in a pid namespace of its own (as in a
+    /// container), where it is pid 1; `pid` is then `unshare`'s, and
+    /// [`CudaWorkload::host_pid`] the program's. Needs root.
+    pub fn start_in_namespace(
+        program: &std::path::Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> CudaWorkload {
+        let mut command = Command::new("unshare");
+        command
+            .args(["--pid", "--fork", "--kill-child"])
+            .arg(program)
+            .args(args);
+        CudaWorkload::spawn(command, env)
+    }
+
+    /// The host's pid of a workload started in a namespace, once it runs.
+    pub fn host_pid(&self) -> u32 {
+        let pid = self.workload.pid;
+        let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .expect("reading unshare's children");
+        children
+            .split_whitespace()
+            .next()
+            .and_then(|child| child.parse().ok())
+            .expect("unshare has started the workload")
+    }
+
+    fn spawn(mut command: Command, env: &[(&str, &str)]) -> CudaWorkload {
+        let mut child = command
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -288,18 +321,84 @@ pub fn real_cupti_wheel(requirement: &str) -> std::path::PathBuf {
     unpacked
 }
 
-/// A ring in `dir` as process `pid`'s library would have made it (the
-/// header names its creator): for tests that plant files for other
-/// processes, as a user of the host could for processes of their own.
-pub fn planted_ring(dir: &std::path::Path, pid: u32) -> std::sync::Arc<devtrace::ring::Ring> {
-    use devtrace::ring::{DropPolicy, Ring};
-    use std::os::unix::fs::FileExt;
-    let path = devtrace::workload::ring_path(dir, pid);
-    let ring = Ring::create_shared(&path, 1, 64, DropPolicy::DropNewest).unwrap();
-    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    file.write_all_at(&pid.to_ne_bytes(), CREATOR_PID_OFFSET)
-        .unwrap();
-    ring
+/// A ring planted in a runtime directory for a process of `uid`, as a user
+/// of the host could make one for a process of their own: the process (a
+/// `sleep`) takes the ring file's lock before it runs, the header names it as
+/// the creator, and the file appears under its name complete, as the
+/// library's do. The process is killed when this is dropped.
+pub struct PlantedRing {
+    pub ring: std::sync::Arc<devtrace::ring::Ring>,
+    /// The holding process.
+    pub pid: u32,
+    /// Where the ring file is now: in a staging directory until placed.
+    pub path: std::path::PathBuf,
+    /// Its names in the runtime directory.
+    pub files: devtrace::workload::WorkloadFiles,
+    holder: Child,
+    _staging: tempfile::TempDir,
+}
+
+impl PlantedRing {
+    /// Planted and in place, naming its holder.
+    pub fn new(dir: &std::path::Path, uid: u32) -> PlantedRing {
+        PlantedRing::staged(dir, uid, None).placed()
+    }
+
+    /// Prepared beside `dir` and not yet in it; its name and header name
+    /// `claimed` as the process, if given, instead of the holder.
+    pub fn staged(dir: &std::path::Path, uid: u32, claimed: Option<u32>) -> PlantedRing {
+        use devtrace::ring::{DropPolicy, Ring};
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::FileExt;
+        use std::os::unix::process::CommandExt;
+        let staging = tempfile::tempdir_in(dir).unwrap();
+        let path = staging.path().join("ring");
+        let ring = Ring::create_shared(&path, 1, 64, DropPolicy::DropNewest).unwrap();
+        std::os::unix::fs::chown(&path, Some(uid), Some(uid)).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let fd = file.as_raw_fd();
+        let mut command = Command::new("sleep");
+        command.arg("600").uid(uid).gid(uid);
+        // SAFETY: flock and fcntl are async-signal-safe; the descriptor is
+        // the child's copy of one the parent holds open until spawn returns.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::flock(fd, libc::LOCK_SH) != 0 || libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let holder = command.spawn().expect("starting the ring's holder");
+        drop(file);
+        let pid = holder.id();
+        let named = claimed.unwrap_or(pid);
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.write_all_at(&named.to_ne_bytes(), CREATOR_PID_OFFSET)
+            .unwrap();
+        PlantedRing {
+            ring,
+            pid,
+            path,
+            files: devtrace::workload::WorkloadFiles::new(dir, named),
+            holder,
+            _staging: staging,
+        }
+    }
+
+    /// Puts the ring under its name in the runtime directory.
+    pub fn placed(mut self) -> PlantedRing {
+        std::fs::rename(&self.path, &self.files.ring).unwrap();
+        self.path = self.files.ring.clone();
+        self
+    }
+}
+
+impl Drop for PlantedRing {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
 }
 
 /// Where `RingHeader::creator_pid` lies (`src/ring/layout.rs`).
