@@ -8,7 +8,7 @@
 //! Environment:
 //! - `DEVTRACE_BENCH_QUICK=1`: small sizes, for smoke testing (numbers are
 //!   then only indicative).
-//! - `DEVTRACE_BENCH_ONLY=ring,xspace,capture,tap`: run a subset.
+//! - `DEVTRACE_BENCH_ONLY=ring,xspace,store,capture,tap`: run a subset.
 //! - `DEVTRACE_BENCH_REPEAT=N`: repetitions of each ring run (default 5; the
 //!   median is reported).
 
@@ -31,7 +31,7 @@ use devtrace::ring::{DropPolicy, Ring};
 use devtrace::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use devtrace::service::profiler::{ProfilerService, ServiceConfig, XPLANE_TOOL};
 use devtrace::service::MAX_REPLY_BYTES;
-use devtrace::store::Window;
+use devtrace::store::{Store, StoreConfig, Window};
 use devtrace::xspace::{encode_xspace, CaptureInfo};
 
 // ---------------------------------------------------------------- settings --
@@ -458,7 +458,7 @@ fn bench_xspace(settings: &Settings) {
     drop(copy);
 
     let t = Instant::now();
-    let encoded = encode_xspace(events.iter(), &snapshot, &info);
+    let encoded = encode_xspace(events.iter().copied(), &snapshot, &info);
     let total = t.elapsed();
     let bytes = encoded.bytes;
     // Checked outside the timing: the bytes decode to every event.
@@ -485,6 +485,86 @@ fn bench_xspace(settings: &Settings) {
         "   output {:.1} MiB, {:.1} bytes/event (ring record: 128 bytes/event)",
         bytes.len() as f64 / (1 << 20) as f64,
         bytes.len() as f64 / count as f64
+    );
+    println!();
+}
+
+// ------------------------------------------------------------------ store --
+
+/// The flight recorder's footprint and window reads: mock events at 1 M
+/// events/s stored as the collector stores them, against the same events
+/// held as 128-byte records (the store's form before it was compacted).
+fn bench_store(settings: &Settings) {
+    println!("== 2b. flight recorder: bytes per stored event and window reads ==");
+    let rate: u64 = 1_000_000;
+    let count = if settings.quick { 500_000 } else { 2_000_000 };
+    let registry = Registry::new();
+    let config = MockConfig {
+        events_per_second: rate,
+        ..MockConfig::default()
+    };
+    // Recorded over the last seconds, so that the store keeps all of it.
+    let start_ns = clock::now_ns() - count as u64 * 1_000_000_000 / rate - 1_000_000_000;
+    let mut workload = Workload::new(&config, &registry, start_ns);
+    let mut events = Vec::with_capacity(count + 64);
+    while events.len() < count {
+        workload.emit_next(&mut |e| events.push(e));
+    }
+    events.truncate(count);
+    let store = Store::new(StoreConfig {
+        retention: Duration::from_secs(600),
+        max_bytes: usize::MAX,
+    });
+    let t = Instant::now();
+    for chunk in events.chunks(1 << 16) {
+        store.append(chunk.to_vec());
+    }
+    let append = t.elapsed();
+    let stats = store.stats();
+    let per_event = stats.bytes as f64 / stats.events as f64;
+    let baseline_per_event = std::mem::size_of::<Event>() as f64;
+    let depth_s = (512u64 << 20) as f64 / (per_event * rate as f64);
+    let baseline_depth_s = (512u64 << 20) as f64 / (baseline_per_event * rate as f64);
+    println!(
+        "store depth at 1 M events/s in 512 MiB: {depth_s:.1} s ({per_event:.1} bytes per stored event; {:.1}x the \
+         uncompressed baseline: {baseline_depth_s:.1} s at {baseline_per_event:.0} bytes; target >= 20 s) {}",
+        depth_s / baseline_depth_s,
+        verdict(depth_s >= 20.0)
+    );
+    println!(
+        "   {} events stored in {:.0} ms ({}/s of collector time to compact)",
+        stats.events,
+        ms(append),
+        mega(stats.events as f64 / append.as_secs_f64())
+    );
+
+    let window = Window {
+        start_ns,
+        stop_ns: clock::now_ns(),
+    };
+    let snapshot = registry.snapshot();
+    let info = CaptureInfo {
+        window,
+        hostname: "bench".into(),
+        ..CaptureInfo::default()
+    };
+    let mut from_store = Vec::new();
+    let mut from_records = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let data = store.query(window);
+        black_box(encode_xspace(data.events(), &snapshot, &info));
+        from_store.push(ms(t.elapsed()));
+        let t = Instant::now();
+        black_box(encode_xspace(events.iter().copied(), &snapshot, &info));
+        from_records.push(ms(t.elapsed()));
+    }
+    let (store_ms, records_ms) = (median(&mut from_store), median(&mut from_records));
+    println!(
+        "window read + XSpace of {count} events: {store_ms:.0} ms from the compact store ({:.2}x the same from \
+         128-byte records: {records_ms:.0} ms; target <= 1.10x) {}",
+        store_ms / records_ms,
+        verdict(store_ms <= records_ms * 1.10)
     );
     println!();
 }
@@ -730,6 +810,9 @@ fn main() {
     }
     if settings.wants("xspace") {
         bench_xspace(&settings);
+    }
+    if settings.wants("store") {
+        bench_store(&settings);
     }
     if settings.wants("capture") {
         bench_capture(&settings);

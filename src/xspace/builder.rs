@@ -80,8 +80,8 @@ pub struct Encoded {
 }
 
 /// Encodes the XSpace for `events` (any order) recorded during `info.window`.
-pub fn encode_xspace<'e>(
-    events: impl IntoIterator<Item = &'e Event>,
+pub fn encode_xspace(
+    events: impl IntoIterator<Item = Event>,
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Encoded {
@@ -122,9 +122,9 @@ pub fn append_warning(encoded: &mut Encoded, warning: &str) {
 
 /// Events per (device, line), devices in plane order; the host plane is
 /// always present.
-type Lines<'e> = BTreeMap<Device, BTreeMap<u64, Vec<&'e Event>>>;
+type Lines = BTreeMap<Device, BTreeMap<u64, Vec<Event>>>;
 
-fn group_by_line<'e>(events: impl IntoIterator<Item = &'e Event>) -> (Lines<'e>, usize) {
+fn group_by_line(events: impl IntoIterator<Item = Event>) -> (Lines, usize) {
     let mut lines: Lines = BTreeMap::new();
     lines.entry(Device::Host).or_default();
     let mut count = 0;
@@ -146,8 +146,8 @@ fn group_by_line<'e>(events: impl IntoIterator<Item = &'e Event>) -> (Lines<'e>,
 }
 
 /// The same XSpace as a message, for replies that carry it inline.
-pub fn build_xspace<'e>(
-    events: impl IntoIterator<Item = &'e Event>,
+pub fn build_xspace(
+    events: impl IntoIterator<Item = Event>,
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Result<XSpace, prost::DecodeError> {
@@ -179,7 +179,7 @@ pub fn is_empty(space: &XSpace) -> bool {
 fn encode_plane(
     out: &mut Writer,
     device: Device,
-    lines: BTreeMap<u64, Vec<&Event>>,
+    lines: BTreeMap<u64, Vec<Event>>,
     registry: &RegistrySnapshot,
     window: Window,
 ) {
@@ -197,7 +197,7 @@ fn encode_plane(
     for (line_id, mut events) in lines {
         // XProf walks lines in order: start ascending, enclosing spans first.
         // Events usually arrive in that order already; check before sorting.
-        let order = |e: &&Event| (e.start_ns, Reverse(e.duration_ns));
+        let order = |e: &Event| (e.start_ns, Reverse(e.duration_ns));
         if !events.is_sorted_by_key(order) {
             events.sort_by_key(order);
         }
@@ -235,7 +235,7 @@ fn encode_plane(
         out.int_nonzero(field::LINE_ID, xline_id);
         out.text(field::LINE_NAME, &line_name);
         // timestamp_ns stays 0: offsets are relative to the capture start.
-        for event in events {
+        for event in &events {
             plane.event(out, event, window.start_ns);
         }
         out.end(line);
@@ -246,7 +246,7 @@ fn encode_plane(
     plane.finish(out);
 }
 
-fn stream_kinds(events: &[&Event]) -> Vec<&'static str> {
+fn stream_kinds(events: &[Event]) -> Vec<&'static str> {
     let mut present = [false; names::STREAM_KIND_ORDER.len()];
     for event in events {
         let kind = match event.payload() {
@@ -996,7 +996,10 @@ mod tests {
             ..CaptureInfo::default()
         };
         let window = info.window;
-        let inside = events.iter().filter(|e| window.contains(e.start_ns));
+        let inside = events
+            .iter()
+            .copied()
+            .filter(|e| window.contains(e.start_ns));
         build_xspace(inside, &registry.snapshot(), &info).expect("decodes")
     }
 

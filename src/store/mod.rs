@@ -7,6 +7,9 @@
 //! `max_bytes` of events, evicting whole chunks from the old end, and it keeps
 //! the log of drops so that a capture can report every loss in its window.
 //!
+//! Sealed chunks are kept in a compact form ([`compact`]): a few bytes per
+//! event instead of 128, decoded only for the windows captures ask for.
+//!
 //! Time is the agent's: retention is measured back from its own clock, not
 //! from the newest event, since event times come from peers. An event dated
 //! more than [`MAX_AHEAD`] after the agent's clock, or already older than the
@@ -21,6 +24,10 @@ use parking_lot::RwLock;
 
 use crate::clock;
 use crate::event::Event;
+
+pub mod compact;
+
+use compact::CompactEvents;
 
 /// Limits of the flight recorder.
 #[derive(Clone, Copy, Debug)]
@@ -43,24 +50,25 @@ impl Default for StoreConfig {
 /// An immutable batch of events with the range of their start times.
 #[derive(Debug)]
 pub struct Chunk {
-    events: Vec<Event>,
+    events: CompactEvents,
     first_start_ns: u64,
     last_start_ns: u64,
 }
 
 impl Chunk {
-    fn new(events: Vec<Event>) -> Option<Chunk> {
+    fn new(mut events: Vec<Event>) -> Option<Chunk> {
         let first_start_ns = events.iter().map(|e| e.start_ns).min()?;
         let last_start_ns = events.iter().map(|e| e.start_ns).max()?;
         Some(Chunk {
-            events,
+            events: CompactEvents::encode(&mut events),
             first_start_ns,
             last_start_ns,
         })
     }
 
+    /// Bytes the chunk holds, its bookkeeping included.
     fn bytes(&self) -> usize {
-        self.events.capacity() * std::mem::size_of::<Event>()
+        self.events.bytes() + std::mem::size_of::<Chunk>()
     }
 }
 
@@ -103,13 +111,23 @@ pub struct WindowData {
 }
 
 impl WindowData {
-    /// Events whose start lies inside the window, in no particular order.
-    pub fn events(&self) -> impl Iterator<Item = &Event> + '_ {
+    /// Events whose start lies inside the window, decoded as they are
+    /// read, in start order within each chunk.
+    pub fn events(&self) -> impl Iterator<Item = Event> + '_ {
         let window = self.window;
-        self.chunks
-            .iter()
-            .flat_map(|chunk| chunk.events.iter())
-            .filter(move |e| window.contains(e.start_ns))
+        self.chunks.iter().flat_map(move |chunk| {
+            chunk
+                .events
+                .iter()
+                .skip_while(move |e| e.start_ns < window.start_ns)
+                .take_while(move |e| e.start_ns < window.stop_ns)
+        })
+    }
+
+    /// How many events the window's chunks hold (an upper bound on
+    /// [`WindowData::events`]).
+    pub fn held(&self) -> usize {
+        self.chunks.iter().map(|c| c.events.len()).sum()
     }
 
     pub fn dropped(&self) -> u64 {
@@ -360,10 +378,11 @@ mod tests {
 
     #[test]
     fn byte_bound_evicts_oldest_first() {
-        let one_chunk = 10 * std::mem::size_of::<Event>();
+        let chunk_of = |c: u64| (0..10).map(move |i| at(c * 100 + i)).collect::<Vec<_>>();
+        let one_chunk = Chunk::new(chunk_of(4)).unwrap().bytes();
         let store = store(1000, 2 * one_chunk);
         for c in 0..5u64 {
-            store.append((0..10).map(|i| at(c * 100 + i)).collect());
+            store.append(chunk_of(c));
         }
         let stats = store.stats();
         assert_eq!(stats.chunks, 2);
