@@ -22,6 +22,7 @@ pub mod registry;
 pub mod ring;
 pub mod service;
 pub mod session;
+pub mod storage;
 pub mod store;
 pub mod tap;
 pub mod telemetry;

@@ -3,16 +3,16 @@
 //! (`<repository_root>/<session>/<host>.xplane.pb`). Used by the
 //! ProfileAnalysis service and by `devtrace session` / `devtrace sessions`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use tokio::task::JoinSet;
 
-use crate::beneath::{BeneathError, Dir, EntryKind};
 use crate::client::{self, ClientConfig, Target};
 use crate::proto::tensorflow::ProfileRequest;
+use crate::storage::{Folder, StorageError};
 use crate::xspace::conventions;
 use crate::xspace::read::plane_names;
 
@@ -134,54 +134,25 @@ pub struct SessionInfo {
 /// Tools every trace supports.
 pub const BASE_TOOLS: &[&str] = &["trace_viewer", "overview", "xplane"];
 
-#[derive(Debug, thiserror::Error)]
-pub enum SessionError {
-    #[error("{path} does not exist")]
-    Missing { path: String },
-    #[error(transparent)]
-    Refused(BeneathError),
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-}
-
-impl From<BeneathError> for SessionError {
-    fn from(error: BeneathError) -> SessionError {
-        match error {
-            BeneathError::NotFound { path } => SessionError::Missing { path },
-            BeneathError::Io { path, source } => SessionError::Io { path, source },
-            refused => SessionError::Refused(refused),
-        }
-    }
-}
-
-/// The sessions in `root`, newest first. Every file is opened beneath
+/// The sessions in `root`, newest first. Local files are opened beneath
 /// `root` without following links; entries that are links are skipped.
-pub fn list_sessions(root: &Dir) -> Result<Vec<SessionInfo>, SessionError> {
+pub fn list_sessions(root: &Folder) -> Result<Vec<SessionInfo>, StorageError> {
     let mut sessions = Vec::new();
-    for entry in root.entries()? {
-        if entry.kind != EntryKind::Directory {
-            continue;
-        }
-        let Some(session_id) = entry.name.to_str().map(str::to_string) else {
-            continue;
-        };
+    for subfolder in root.subfolders()? {
+        let session = root.join(&subfolder.name);
         // Removed or swapped for a link since it was listed: not a session.
-        let Ok(session) = root.open_dir(Path::new(&session_id)) else {
+        let Ok(hosts) = session_hosts(&session) else {
             continue;
         };
-        let hosts = session_hosts(&session)?;
         if hosts.is_empty() {
             continue;
         }
         let tools = session_tools(&session, &hosts);
         sessions.push(SessionInfo {
-            session_id,
+            session_id: subfolder.name,
             hosts,
             tools,
-            modified: entry.modified,
+            modified: subfolder.modified,
         });
     }
     sessions.sort_by(|a, b| {
@@ -194,17 +165,10 @@ pub fn list_sessions(root: &Dir) -> Result<Vec<SessionInfo>, SessionError> {
 
 /// Hosts with a trace in a session directory, sorted. A link or FIFO named
 /// like a trace counts, so that asking for it is refused by name.
-pub fn session_hosts(session: &Dir) -> Result<Vec<String>, SessionError> {
+pub fn session_hosts(session: &Folder) -> Result<Vec<String>, StorageError> {
     let mut hosts = Vec::new();
-    for entry in session.entries()? {
-        if entry.kind == EntryKind::Directory {
-            continue;
-        }
-        if let Some(host) = entry
-            .name
-            .to_str()
-            .and_then(|n| n.strip_suffix(XPLANE_SUFFIX))
-        {
+    for name in session.files()? {
+        if let Some(host) = name.strip_suffix(XPLANE_SUFFIX) {
             if !host.is_empty() && !host.starts_with('.') {
                 hosts.push(host.to_string());
             }
@@ -215,11 +179,11 @@ pub fn session_hosts(session: &Dir) -> Result<Vec<String>, SessionError> {
 }
 
 /// The trace file name of `host` in a session.
-pub fn host_file(host: &str) -> PathBuf {
-    PathBuf::from(format!("{host}{XPLANE_SUFFIX}"))
+pub fn host_file(host: &str) -> String {
+    format!("{host}{XPLANE_SUFFIX}")
 }
 
-fn session_tools(session: &Dir, hosts: &[String]) -> Vec<String> {
+fn session_tools(session: &Folder, hosts: &[String]) -> Vec<String> {
     let mut tools: Vec<String> = BASE_TOOLS.iter().map(|t| t.to_string()).collect();
     let (mut host_plane, mut gpu_plane) = (false, false);
     for host in hosts {
@@ -287,7 +251,7 @@ pub enum ToolDataError {
     #[error("parameters[{name}]: {reason}")]
     Parameter { name: String, reason: String },
     #[error(transparent)]
-    Session(#[from] SessionError),
+    Storage(#[from] StorageError),
     #[error(transparent)]
     Read(#[from] crate::xspace::read::ReadError),
     #[error(transparent)]
@@ -335,7 +299,7 @@ fn check_parameters(
 /// Computes `tool` for one host of a session, or for every host (a JSON
 /// object keyed by host) when `host` is `None`.
 pub fn tool_data(
-    session: &Dir,
+    session: &Folder,
     host: Option<&str>,
     tool: &str,
     parameters: &std::collections::HashMap<String, String>,
@@ -349,7 +313,7 @@ pub fn tool_data(
     let hosts = session_hosts(session)?;
     if hosts.is_empty() {
         return Err(ToolDataError::EmptySession {
-            path: session.path().display().to_string(),
+            path: session.display(),
         });
     }
     let selected: Vec<String> = match host {
@@ -378,9 +342,7 @@ pub fn tool_data(
                 hosts,
             });
         }
-        let bytes = session
-            .read(&host_file(&selected[0]))
-            .map_err(SessionError::from)?;
+        let bytes = session.read(&host_file(&selected[0]))?;
         return Ok(ToolOutput::Blob(bytes));
     }
     let viewer = tools::trace_viewer::TraceViewerOptions {
@@ -393,8 +355,9 @@ pub fn tool_data(
     let mut per_host = Vec::with_capacity(selected.len());
     for name in &selected {
         let file = host_file(name);
-        let bytes = session.read(&file).map_err(SessionError::from)?;
-        let space = crate::xspace::read::decode_xspace(&bytes, &session.path().join(&file))?;
+        let bytes = session.read(&file)?;
+        let shown = PathBuf::from(format!("{}/{file}", session.display()));
+        let space = crate::xspace::read::decode_xspace(&bytes, &shown)?;
         let json = match tool {
             "trace_viewer" => tools::trace_viewer::trace_viewer(&space, &viewer)?.to_json(),
             "memory_profile" => tools::memory_profile::memory_profile_json(&space)?,

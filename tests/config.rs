@@ -51,7 +51,11 @@ const SAMPLES: &[(&str, &str)] = &[
     ("store-size", r#""1GiB""#),
     ("ring-capacity", "4096"),
     ("drop-policy", r#""drop-oldest""#),
-    ("allow-root", r#"["/srv/tb", "/srv/tb, with a comma"]"#),
+    (
+        "allow-root",
+        r#"["/srv/tb", "/srv/tb, with a comma", "s3://traces/team"]"#,
+    ),
+    ("unsent-dir", r#""/var/lib/devtrace/unsent""#),
     ("max-duration", r#""1m""#),
     ("upstream", r#"["grpc://127.0.0.1:9999"]"#),
     ("hostname", r#""worker-7""#),

@@ -9,9 +9,11 @@ use anyhow::{bail, Context};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use super::logdir::SessionOutput;
 use crate::client;
 use crate::clock;
 use crate::service::profiler::XPLANE_TOOL;
+use crate::storage::Location;
 
 #[derive(Debug, Args)]
 pub struct CaptureArgs {
@@ -23,7 +25,10 @@ pub struct CaptureArgs {
     #[arg(long, default_value = "2s", value_parser = super::parse_duration)]
     pub duration: Duration,
 
-    /// Log directory; the trace lands in LOGDIR/plugins/profile/SESSION/.
+    /// Log directory, or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (with the
+    /// environment's credentials); the trace lands in
+    /// LOGDIR/plugins/profile/SESSION/. An upload that fails keeps the
+    /// trace in the temporary directory and says where.
     #[arg(long)]
     pub logdir: PathBuf,
 
@@ -57,17 +62,33 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let path = runtime.block_on(capture(&args))?;
-    println!("{}", path.display());
-    eprintln!(
-        "view it with: xprof --logdir {} (then open the Profile tab), or devtrace inspect {}",
-        args.logdir.display(),
-        path.display()
-    );
+    let captured = runtime.block_on(capture(&args))?;
+    let in_bucket = matches!(captured.session_dir, Location::Object(_));
+    let path = store(captured)?;
+    println!("{path}");
+    let logdir = args.logdir.display();
+    if in_bucket {
+        eprintln!(
+            "view it with: xprof --logdir {logdir} (then open the Profile tab), or devtrace sessions {logdir}"
+        );
+    } else {
+        eprintln!(
+            "view it with: xprof --logdir {logdir} (then open the Profile tab), or devtrace inspect {path}"
+        );
+    }
     Ok(())
 }
 
-async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
+/// A reply and where its files go.
+struct Captured {
+    reply: client::RawProfileResponse,
+    output: SessionOutput,
+    session_dir: Location,
+    session_id: String,
+    host: String,
+}
+
+async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
     let target = client::Target::any(&args.address, client::DEFAULT_PORT)
         .with_context(|| format!("invalid address {:?}", args.address))?;
     let config = args.client.config_for_calls()?;
@@ -75,17 +96,19 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
     if duration_ms == 0 {
         bail!("--duration must be at least 1ms");
     }
-    let logdir = std::path::absolute(&args.logdir)
-        .with_context(|| format!("resolving --logdir {}", args.logdir.display()))?;
+    let logdir = super::logdir::parse(&args.logdir)?;
     let repository_root = logdir.join("plugins").join("profile");
     let session_id = args
         .session_id
         .clone()
         .unwrap_or_else(crate::service::profiler::session_timestamp);
+    let session_dir = repository_root.join(&session_id);
+    // Before capturing, so that a bucket's settings are checked first.
+    let output = SessionOutput::new(&session_dir)?;
     let start_ns =
         clock::now_ns() + clock::duration_ns(args.delay) - clock::duration_ns(args.delay_back);
     let mut options = client::default_profile_options(duration_ms, start_ns);
-    options.repository_path = logdir.display().to_string();
+    options.repository_path = logdir.to_string();
     options.session_id = session_id.clone();
     if let Some(name) = &args.override_hostname {
         options.override_hostname = name.clone();
@@ -99,7 +122,7 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
     };
     let request = client::trace_request(
         options,
-        &repository_root.display().to_string(),
+        &repository_root.to_string(),
         &session_id,
         &host_name,
     );
@@ -120,19 +143,39 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
         .override_hostname
         .clone()
         .unwrap_or_else(|| host_name.replace(':', "_"));
-    let session_dir = repository_root.join(&session_id);
+    Ok(Captured {
+        reply,
+        output,
+        session_dir,
+        session_id,
+        host,
+    })
+}
+
+/// Writes the reply's files into the session (blocking: an upload runs
+/// here) and says where the trace is.
+fn store(captured: Captured) -> anyhow::Result<String> {
+    let Captured {
+        reply,
+        output,
+        session_dir,
+        session_id,
+        host,
+    } = captured;
     if reply.tool_data.is_empty() {
-        // TensorFlow's own server writes the file on its filesystem.
-        let path = session_dir.join(format!("{host}.xplane.pb"));
-        eprintln!("the server wrote the trace itself, on its own filesystem");
-        return Ok(path);
+        // TensorFlow's own server, or an agent allowed to write there,
+        // wrote the file itself.
+        eprintln!("the server wrote the trace itself, on its own filesystem or bucket");
+        return Ok(session_dir.join(&format!("{host}.xplane.pb")).to_string());
     }
     let mut written = None;
     for tool in &reply.tool_data {
         if tool.name.ends_with("tf_stats_helper_result") {
             continue;
         }
-        let path = super::write_file(&session_dir, &format!("{host}.{}", tool.name), &tool.data)?;
+        let path = output
+            .write(&session_id, &format!("{host}.{}", tool.name), &tool.data)
+            .map_err(anyhow::Error::msg)?;
         if tool.name == XPLANE_TOOL {
             written = Some(path);
         }

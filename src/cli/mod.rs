@@ -4,6 +4,7 @@ mod capture;
 mod client_args;
 mod config;
 mod inspect;
+mod logdir;
 mod logging;
 mod serve;
 mod session;

@@ -165,11 +165,20 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = DropPolicy::DropNewest)]
     pub drop_policy: DropPolicy,
 
-    /// Directory the agent may write traces into when a request's
-    /// repository_root lies inside it (repeatable). Without it, traces are
-    /// always returned to the client, which writes them on its own machine.
-    #[arg(long = "allow-root", value_name = "DIR")]
+    /// Directory or bucket prefix (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX)
+    /// the agent may write traces into, and read sessions from, when a
+    /// request's repository_root lies inside it (repeatable). Buckets are
+    /// reached with the credentials of the environment (AWS_*, GOOGLE_*,
+    /// instance roles). Without it, traces are always returned to the
+    /// client, which writes them on its own machine.
+    #[arg(long = "allow-root", value_name = "DIR|URL")]
     pub allow_roots: Vec<PathBuf>,
+
+    /// Where a session host's trace is kept when its upload to object
+    /// storage fails (a new private directory per trace, named in the
+    /// session's error); default: the temporary directory ($TMPDIR or /tmp).
+    #[arg(long, value_name = "DIR")]
+    pub unsent_dir: Option<PathBuf>,
 
     /// Longest capture window a request may ask for.
     #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
@@ -339,6 +348,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         default_port: client::DEFAULT_PORT,
         client: client_config,
         session_hosts: SessionHosts::new(args.session_hosts.clone()),
+        unsent_dir: args.unsent_dir.clone().unwrap_or_else(std::env::temp_dir),
     }));
     let address = listeners
         .tcp

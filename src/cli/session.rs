@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 
-use crate::beneath::{BeneathError, Dir};
+use super::logdir::{self, SessionOutput};
 use crate::client;
 use crate::clock;
 use crate::service::profiler::session_timestamp;
@@ -34,6 +34,9 @@ pub struct NewSessionArgs {
     /// 6009; grpc:// or grpcs:// to choose plaintext or TLS for one).
     #[arg(long, value_delimiter = ',', required = true)]
     pub hosts: Vec<String>,
+    /// Log directory, or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (with the
+    /// environment's credentials). A host whose upload fails has its trace
+    /// kept in the temporary directory, named in its error.
     #[arg(long)]
     pub logdir: PathBuf,
     /// Length of the shared capture window.
@@ -48,13 +51,15 @@ pub struct NewSessionArgs {
 
 #[derive(Debug, Args)]
 pub struct SessionsArgs {
-    /// A logdir (its plugins/profile is read) or a repository root.
+    /// A logdir (its plugins/profile is read) or a repository root; a
+    /// directory, or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX.
     pub dir: PathBuf,
 }
 
 #[derive(Debug, Args)]
 pub struct ToolArgs {
-    /// A logdir (its plugins/profile is read) or a repository root.
+    /// A logdir (its plugins/profile is read) or a repository root; a
+    /// directory, or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX.
     pub dir: PathBuf,
     pub session: String,
     /// kernel_stats, memory_profile, overview, trace_viewer or xplane.
@@ -68,16 +73,6 @@ pub struct ToolArgs {
     /// Write the output here instead of standard output.
     #[arg(long, short)]
     pub output: Option<PathBuf>,
-}
-
-/// A logdir's repository root, or `dir` itself when it is one.
-fn repository_root(dir: &Path) -> PathBuf {
-    let nested = dir.join("plugins").join("profile");
-    if nested.is_dir() {
-        nested
-    } else {
-        dir.to_path_buf()
-    }
 }
 
 pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
@@ -95,11 +90,10 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         bail!("--duration must be at least 1ms");
     }
     let session_id = args.session_id.clone().unwrap_or_else(session_timestamp);
-    let logdir = std::path::absolute(&args.logdir)
-        .with_context(|| format!("resolving --logdir {}", args.logdir.display()))?;
-    let root = logdir.join("plugins").join("profile");
+    let root = logdir::parse(&args.logdir)?.join("plugins").join("profile");
+    let output = SessionOutput::new(&root.join(&session_id))?;
     let options = client::default_profile_options(duration_ms, clock::now_ns());
-    let request = client::trace_request(options, &root.display().to_string(), &session_id, "");
+    let request = client::trace_request(options, &root.to_string(), &session_id, "");
     let deadline = client::capture_deadline(args.duration);
     let config = args.client.config_for_calls()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -107,10 +101,14 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     eprintln!("capturing {} hosts for {duration_ms} ms", hosts.len());
-    let directory = root.join(&session_id);
-    let deliver: session::Deliver = std::sync::Arc::new(move |file_name, bytes| {
-        super::write_file(&directory, file_name, bytes).map_err(|e| format!("{e:#}"))
-    });
+    let deliver: session::Deliver = {
+        let session_id = session_id.clone();
+        std::sync::Arc::new(move |file_name, bytes| {
+            output
+                .write(&session_id, file_name, bytes)
+                .map(PathBuf::from)
+        })
+    };
     let outcomes = runtime.block_on(session::fan_out(
         &hosts, &request, deadline, &config, deliver,
     ));
@@ -133,8 +131,8 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
 }
 
 pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
-    let root = repository_root(&args.dir);
-    let sessions = session::list_sessions(&Dir::open(&root)?)?;
+    let root = logdir::repository_root(&args.dir)?;
+    let sessions = session::list_sessions(&root)?;
     if sessions.is_empty() {
         eprintln!("no sessions under {}", root.display());
     }
@@ -157,14 +155,11 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
         };
         parameters.insert(key.trim().to_string(), value.trim().to_string());
     }
-    let root = Dir::open(&repository_root(&args.dir))?;
-    let session = match root.open_dir(Path::new(&args.session)) {
-        Ok(session) => session,
-        Err(BeneathError::NotFound { .. }) => {
-            bail!("no session {:?} in {}", args.session, root.path().display())
-        }
-        Err(error) => return Err(error.into()),
-    };
+    let root = logdir::repository_root(&args.dir)?;
+    let session = root.join(&args.session);
+    if !session.exists()? {
+        bail!("no session {:?} in {}", args.session, root.display());
+    }
     let output = session::tool_data(&session, args.host.as_deref(), &args.tool, &parameters)?;
     let bytes = output.into_bytes();
     match &args.output {

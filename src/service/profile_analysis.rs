@@ -2,9 +2,10 @@
 //! (`NewSession`, which TensorFlow's client sends when given a worker list),
 //! list the sessions of a repository (`EnumSessions`) and serve tool data
 //! from them (`GetSessionToolData`). Every path is confined to the operator's
-//! allowed roots, for reading as for writing.
+//! allowed roots (directories or bucket prefixes), for reading as for
+//! writing.
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,10 +20,11 @@ use crate::proto::tensorflow::{
     NewProfileSessionRequest, NewProfileSessionResponse, ProfileSessionDataRequest,
     ProfileSessionDataResponse, ProfileSessionInfo,
 };
-use crate::session::{self, SessionError, ToolDataError};
+use crate::session::{self, ToolDataError};
+use crate::storage::{self, Folder, StorageError};
 
 use super::profiler::session_timestamp;
-use super::repository::{AllowedRoots, Confined, RepositoryError};
+use super::repository::AllowedRoots;
 use super::session_hosts::SessionHosts;
 use super::validate::{self, invalid};
 
@@ -56,6 +58,9 @@ pub struct AnalysisConfig {
     pub client: ClientConfig,
     /// Hosts a session may name (`--session-hosts`).
     pub session_hosts: SessionHosts,
+    /// Where a host's trace is kept when its upload to object storage
+    /// fails (`--unsent-dir`).
+    pub unsent_dir: PathBuf,
 }
 
 impl Default for AnalysisConfig {
@@ -66,6 +71,7 @@ impl Default for AnalysisConfig {
             default_port: client::DEFAULT_PORT,
             client: ClientConfig::default(),
             session_hosts: SessionHosts::default(),
+            unsent_dir: std::env::temp_dir(),
         }
     }
 }
@@ -80,14 +86,14 @@ impl ProfileAnalysisService {
     }
 
     /// The repository root of a request, matched to an allowed root.
-    fn root(&self, repository_root: &str) -> Result<Confined, Status> {
+    fn root(&self, repository_root: &str) -> Result<Folder, Status> {
         validate::client_path("repository_root", repository_root)?;
         if repository_root.is_empty() {
             return Err(invalid("repository_root", "is required"));
         }
         self.config
             .allowed_roots
-            .confine(Path::new(repository_root))
+            .confine(repository_root)
             .map_err(|e| Status::permission_denied(format!("repository_root: {e}")))
     }
 }
@@ -114,13 +120,22 @@ impl ProfileAnalysisService {
     }
 }
 
-/// The status of a directory of `field` that cannot be opened.
-fn open_status(field: &str, error: RepositoryError) -> Status {
-    if error.is_not_found() {
-        Status::not_found(format!("{field}: {error}"))
-    } else {
-        Status::permission_denied(format!("{field}: {error}"))
+/// The status of reading or opening what `field` named; `message` is the
+/// whole text.
+fn storage_status(error: &StorageError, message: String) -> Status {
+    match error {
+        StorageError::NotFound { .. } => Status::not_found(message),
+        StorageError::Refused(_) | StorageError::TooLarge { .. } | StorageError::Url(_) => {
+            Status::permission_denied(message)
+        }
+        StorageError::Io { .. } => Status::internal(message),
+        // The bucket's server or credentials failed, not this agent.
+        StorageError::Object { .. } => Status::unavailable(message),
     }
+}
+
+fn field_status(field: &str, error: StorageError) -> Status {
+    storage_status(&error, format!("{field}: {error}"))
 }
 
 fn tool_status(error: ToolDataError) -> Status {
@@ -129,13 +144,11 @@ fn tool_status(error: ToolDataError) -> Status {
         ToolDataError::UnknownTool { .. }
         | ToolDataError::NeedsHost { .. }
         | ToolDataError::Parameter { .. } => Status::invalid_argument(message),
-        ToolDataError::UnknownHost { .. }
-        | ToolDataError::EmptySession { .. }
-        | ToolDataError::Session(SessionError::Missing { .. }) => Status::not_found(message),
-        ToolDataError::Session(SessionError::Refused(_)) => Status::permission_denied(message),
-        ToolDataError::Session(SessionError::Io { .. }) | ToolDataError::Read(_) => {
-            Status::internal(message)
+        ToolDataError::UnknownHost { .. } | ToolDataError::EmptySession { .. } => {
+            Status::not_found(message)
         }
+        ToolDataError::Storage(error) => storage_status(&error, message),
+        ToolDataError::Read(_) => Status::internal(message),
         ToolDataError::Tool(_) => Status::failed_precondition(message),
     }
 }
@@ -223,27 +236,39 @@ impl ProfileAnalysis for ProfileAnalysisService {
             deadline = deadline.min(caller.saturating_sub(caller / 10 + REPLY_MARGIN));
         }
         info!(session = %session_id, hosts = hosts.len(), duration_ms, "session requested");
-        // Each host's trace is written as it arrives, in a session
-        // directory made when the first one does (a unique name for a
-        // generated id, so that two sessions in one second keep both).
-        let made: Arc<parking_lot::Mutex<Option<crate::beneath::Dir>>> = Arc::default();
+        // Each host's trace is written as it arrives, in a session folder
+        // made when the first one does (a unique name for a generated id, so
+        // that two sessions in one second keep both). A trace whose upload
+        // fails is kept on this host's disk, and the error says where.
+        let made: Arc<parking_lot::Mutex<Option<Folder>>> = Arc::default();
         let deliver: session::Deliver = {
             let made = Arc::clone(&made);
             let (root, session_id) = (root.clone(), session_id.clone());
+            let unsent_dir = self.config.unsent_dir.clone();
             Arc::new(move |file_name, bytes| {
-                let mut made = made.lock();
-                if made.is_none() {
-                    let (directory, _) =
-                        super::profiler::session_directory(&root, &session_id, generated_id)
-                            .map_err(|e| format!("repository_root: {e}"))?;
-                    *made = Some(directory);
-                }
-                let Some(directory) = made.as_ref() else {
-                    return Err("no session directory".into());
+                let folder = {
+                    let mut made = made.lock();
+                    match made.as_ref() {
+                        Some(folder) => folder.clone(),
+                        None => match root.create_session(&session_id, generated_id) {
+                            Ok((folder, _)) => made.insert(folder).clone(),
+                            Err(error) if root.is_object() => {
+                                let target = format!("{}/{session_id}", root.display());
+                                return Err(storage::keep_failed_upload(
+                                    &target,
+                                    &error,
+                                    &unsent_dir,
+                                    &session_id,
+                                    file_name,
+                                    bytes,
+                                ));
+                            }
+                            Err(error) => return Err(format!("repository_root: {error}")),
+                        },
+                    }
                 };
-                directory
-                    .write_atomic(file_name, bytes)
-                    .map_err(|e| e.to_string())
+                storage::write_or_keep(&folder, &session_id, file_name, bytes, &unsent_dir)
+                    .map(PathBuf::from)
             })
         };
         let outcomes =
@@ -273,16 +298,15 @@ impl ProfileAnalysis for ProfileAnalysisService {
     ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
         let root = self.root(&request.into_inner().repository_root)?;
         let sessions = tokio::task::spawn_blocking(move || {
-            let root = root
-                .open_dir()
-                .map_err(|e| open_status("repository_root", e))?;
-            session::list_sessions(&root).map_err(|e| match e {
-                SessionError::Missing { .. } => Status::not_found(format!("repository_root: {e}")),
-                SessionError::Refused(_) => {
-                    Status::permission_denied(format!("repository_root: {e}"))
-                }
-                SessionError::Io { .. } => Status::internal(e.to_string()),
-            })
+            let missing = || StorageError::NotFound {
+                path: root.display(),
+            };
+            match root.exists() {
+                Ok(true) => {}
+                Ok(false) => return Err(field_status("repository_root", missing())),
+                Err(error) => return Err(field_status("repository_root", error)),
+            }
+            session::list_sessions(&root).map_err(|e| field_status("repository_root", e))
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
@@ -320,16 +344,17 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let tool = request.tool_name;
         let parameters = request.parameters;
         let output = tokio::task::spawn_blocking(move || {
-            let directory = root.join(&session_id).open_dir().map_err(|e| {
-                if e.is_not_found() {
-                    Status::not_found(format!(
+            let directory = root.join(&session_id);
+            match directory.exists() {
+                Ok(true) => {}
+                Ok(false) | Err(StorageError::NotFound { .. }) => {
+                    return Err(Status::not_found(format!(
                         "session_id: no session {session_id:?} under {}",
-                        root.display_path().display()
-                    ))
-                } else {
-                    open_status("session_id", e)
+                        root.display()
+                    )))
                 }
-            })?;
+                Err(error) => return Err(field_status("session_id", error)),
+            }
             session::tool_data(&directory, host.as_deref(), &tool, &parameters).map_err(tool_status)
         })
         .await

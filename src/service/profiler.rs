@@ -3,7 +3,6 @@
 //! (`StartContinuousProfiling`, `GetSnapshot`, `StopContinuousProfiling`).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,7 +32,9 @@ use crate::store::Window;
 use crate::telemetry::Telemetry;
 use crate::xspace::{self, CaptureInfo, Encoded};
 
-use super::repository::{AllowedRoots, Confined, RepositoryError};
+use crate::storage::{Folder, StorageError};
+
+use super::repository::AllowedRoots;
 use super::validate::{self, invalid};
 
 /// Name of the tool entry that carries the trace back to the client.
@@ -472,7 +473,7 @@ impl ProfilerService {
     /// Delivers a built trace the way the request asked: inline XSpace, a file
     /// under an allowed root, or `tool_data` for the client to write. A trace
     /// the agent fails to write goes to the client instead, saying why.
-    fn respond(&self, plan: &Plan, mut encoded: Encoded) -> Result<ProfileResponse, Status> {
+    async fn respond(&self, plan: &Plan, mut encoded: Encoded) -> Result<ProfileResponse, Status> {
         let empty_trace = encoded.events == 0;
         if plan.emit_xspace {
             return Ok(ProfileResponse {
@@ -482,9 +483,11 @@ impl ProfilerService {
             });
         }
         if let Some(root) = self.server_side_root(plan) {
-            match write_trace(&root, plan, &encoded.bytes) {
+            let written;
+            (written, encoded.bytes) = write_trace(root, plan, encoded.bytes).await?;
+            match written {
                 Ok(path) => {
-                    info!(path = %path.display(), bytes = encoded.bytes.len(), "trace written");
+                    info!(%path, bytes = encoded.bytes.len(), "trace written");
                     return Ok(ProfileResponse {
                         tool_data: Vec::new(),
                         empty_trace,
@@ -515,12 +518,11 @@ impl ProfilerService {
 
     /// The repository root to write into, when the request's lies inside an
     /// allowed root; otherwise the trace goes inline.
-    fn server_side_root(&self, plan: &Plan) -> Option<Confined> {
+    fn server_side_root(&self, plan: &Plan) -> Option<Folder> {
         if plan.repository_root.is_empty() || self.config.allowed_roots.is_empty() {
             return None;
         }
-        let root = Path::new(&plan.repository_root);
-        match self.config.allowed_roots.confine(root) {
+        match self.config.allowed_roots.confine(&plan.repository_root) {
             Ok(root) => Some(root),
             Err(reason) => {
                 info!(%reason, "repository_root not writable by policy; returning the trace inline");
@@ -530,31 +532,25 @@ impl ProfilerService {
     }
 }
 
-/// The directory of session `session_id` under `root`, made beneath its
-/// allowed root. A generated id (a timestamp) names a new directory,
-/// suffixed when another capture of the same second has it, so that the
-/// two never overwrite each other; a client's id names its directory as is.
-/// Returns the directory and the session's final name.
-pub fn session_directory(
-    root: &Confined,
-    session_id: &str,
-    generated: bool,
-) -> Result<(crate::beneath::Dir, String), RepositoryError> {
-    if generated {
-        Ok(root.create_dir_all()?.create_unique_dir(session_id)?)
-    } else {
-        Ok((
-            root.join(session_id).create_dir_all()?,
-            session_id.to_string(),
-        ))
-    }
-}
-
-/// Writes a capture's trace as `<root>/<session>/<host>.xplane.pb`.
-fn write_trace(root: &Confined, plan: &Plan, bytes: &[u8]) -> Result<PathBuf, RepositoryError> {
-    let (directory, _) = session_directory(root, &plan.session_id, plan.generated_session_id)?;
+/// Writes a capture's trace as `<root>/<session>/<host>.xplane.pb`, off
+/// the async runtime (a disk write or an upload); hands the bytes back
+/// with where they went or why not.
+async fn write_trace(
+    root: Folder,
+    plan: &Plan,
+    bytes: Vec<u8>,
+) -> Result<(Result<String, StorageError>, Vec<u8>), Status> {
+    let session_id = plan.session_id.clone();
+    let generated = plan.generated_session_id;
     let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
-    Ok(directory.write_atomic(&file_name, bytes)?)
+    tokio::task::spawn_blocking(move || {
+        let written = root
+            .create_session(&session_id, generated)
+            .and_then(|(session, _)| session.write(&file_name, &bytes));
+        (written, bytes)
+    })
+    .await
+    .map_err(|e| Status::internal(format!("writing the trace failed: {e}")))
 }
 
 /// Mean sampled SM utilisation over all GPUs, when a counter backend reports it.
@@ -717,7 +713,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             }
         };
         let encoded = self.build_with(&plan, window, remote).await?;
-        let reply = self.respond(&plan, encoded)?;
+        let reply = self.respond(&plan, encoded).await?;
         self.capture_ready("Profile", window);
         Ok(Response::new(reply))
     }
@@ -918,9 +914,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             plan.session_id = snapshot_id;
             plan.generated_session_id = false;
         }
-        let encoded = self.build(&plan, plan.window).await?;
+        let mut encoded = self.build(&plan, plan.window).await?;
         if let Some(root) = self.server_side_root(&plan) {
-            if let Err(error) = write_trace(&root, &plan, &encoded.bytes) {
+            let written;
+            (written, encoded.bytes) = write_trace(root, &plan, encoded.bytes).await?;
+            if let Err(error) = written {
                 warn!(%error, "snapshot not written; returned inline only");
             }
         }

@@ -1,25 +1,43 @@
-//! Where traces are read and written on the agent's machine: only beneath
-//! directories the operator allowed (`--allow-root`). A requested path is
-//! matched to a root by its text, and the rest of it is resolved beneath
-//! that root's open directory, following no symbolic link
-//! ([`crate::beneath`]); writes are atomic (a temporary file in the target
-//! directory, then rename).
+//! Where traces are read and written for clients: only beneath the
+//! directories and bucket prefixes the operator allowed (`--allow-root`).
+//! A requested path is matched to a root by its text. Beneath a directory
+//! the rest of it is resolved beneath that root's open directory, following
+//! no symbolic link ([`crate::beneath`]); writes are atomic (a temporary
+//! file in the target directory, then rename). A requested `s3://` or
+//! `gs://` URL lies in an allowed prefix when provider and bucket are the
+//! same and the allowed prefix's segments begin its own.
 
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use crate::beneath::{BeneathError, Dir};
+use crate::storage::{
+    scheme_of, Folder, LocalFolder, ObjectFolder, ObjectUrl, StorageError, UrlError,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RepositoryError {
-    #[error("{path} is not inside any directory allowed with --allow-root")]
+    #[error("{path} is not inside any directory or bucket prefix allowed with --allow-root")]
     NotAllowed { path: String },
     #[error("{path} is relative; only absolute paths can be matched to --allow-root")]
     Relative { path: String },
     #[error("{path} contains '..'")]
     Traversal { path: String },
     #[error(transparent)]
-    Beneath(#[from] BeneathError),
+    Url(#[from] UrlError),
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    #[error("--allow-root {path}: {source}")]
+    Prepare {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+impl From<BeneathError> for RepositoryError {
+    fn from(error: BeneathError) -> RepositoryError {
+        RepositoryError::Storage(error.into())
+    }
 }
 
 impl RepositoryError {
@@ -27,65 +45,102 @@ impl RepositoryError {
     pub fn is_not_found(&self) -> bool {
         matches!(
             self,
-            RepositoryError::Beneath(BeneathError::NotFound { .. })
+            RepositoryError::Storage(StorageError::NotFound { .. })
         )
     }
 }
 
-/// One allowed root: the names it may be requested by and its directory.
+/// One allowed directory: the names it may be requested by and the open
+/// directory.
 #[derive(Debug)]
 struct AllowedRoot {
     /// As the operator gave it (made absolute), and with links resolved.
     names: Vec<PathBuf>,
-    dir: Dir,
+    dir: Arc<Dir>,
 }
 
-/// The directories the operator allowed, opened once at start.
+/// One allowed bucket prefix and its connection.
+#[derive(Debug)]
+struct AllowedPrefix {
+    url: ObjectUrl,
+    folder: ObjectFolder,
+}
+
+/// The directories and bucket prefixes the operator allowed, opened (or
+/// connected) once at start.
 #[derive(Clone, Debug, Default)]
 pub struct AllowedRoots {
     roots: Vec<Arc<AllowedRoot>>,
-}
-
-/// A requested path inside an allowed root, not yet opened.
-#[derive(Clone, Debug)]
-pub struct Confined {
-    root: Arc<AllowedRoot>,
-    /// Beneath the root: plain names only.
-    relative: PathBuf,
+    prefixes: Vec<Arc<AllowedPrefix>>,
 }
 
 impl AllowedRoots {
-    /// Opens each root; a root that does not exist is created first, so
-    /// `--allow-root /var/lib/devtrace/traces` works on a fresh host.
-    pub fn new(roots: &[PathBuf]) -> std::io::Result<AllowedRoots> {
-        let mut opened = Vec::with_capacity(roots.len());
+    /// Opens each directory, creating a missing one first, so that
+    /// `--allow-root /var/lib/devtrace/traces` works on a fresh host; and
+    /// connects to each bucket (`s3://bucket/prefix`, `gs://bucket/prefix`)
+    /// with the environment's credentials.
+    pub fn new(roots: &[PathBuf]) -> Result<AllowedRoots, RepositoryError> {
+        let mut allowed = AllowedRoots::default();
         for root in roots {
-            std::fs::create_dir_all(root)?;
-            let given = lexical(&std::path::absolute(root)?).unwrap_or_else(|| root.clone());
-            let canonical = std::fs::canonicalize(root)?;
-            let dir = Dir::open(&canonical).map_err(std::io::Error::other)?;
+            if let Some(url) = root.to_str().map(ObjectUrl::parse).transpose()?.flatten() {
+                let folder = ObjectFolder::connect(&url)?;
+                allowed
+                    .prefixes
+                    .push(Arc::new(AllowedPrefix { url, folder }));
+                continue;
+            }
+            let prepare = |source| RepositoryError::Prepare {
+                path: root.display().to_string(),
+                source,
+            };
+            std::fs::create_dir_all(root).map_err(prepare)?;
+            let absolute = std::path::absolute(root).map_err(prepare)?;
+            let given = lexical(&absolute).unwrap_or_else(|| root.clone());
+            let canonical = std::fs::canonicalize(root).map_err(prepare)?;
+            let dir = Arc::new(Dir::open(&canonical)?);
             let mut names = vec![canonical];
             if !names.contains(&given) {
                 names.push(given);
             }
-            opened.push(Arc::new(AllowedRoot { names, dir }));
+            allowed.roots.push(Arc::new(AllowedRoot { names, dir }));
         }
-        Ok(AllowedRoots { roots: opened })
+        Ok(allowed)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.roots.is_empty()
+        self.roots.is_empty() && self.prefixes.is_empty()
     }
 
-    /// The roots, with links resolved.
-    pub fn roots(&self) -> Vec<&Path> {
-        self.roots.iter().map(|r| r.names[0].as_path()).collect()
+    /// The roots: directories with links resolved, then bucket prefixes.
+    pub fn roots(&self) -> Vec<String> {
+        let directories = self.roots.iter().map(|r| r.names[0].display().to_string());
+        directories
+            .chain(self.prefixes.iter().map(|p| p.url.to_string()))
+            .collect()
     }
 
-    /// Matches `requested` to the allowed root it lies in, by its text:
-    /// nothing is opened or resolved here.
-    pub fn confine(&self, requested: &Path) -> Result<Confined, RepositoryError> {
-        let shown = || requested.display().to_string();
+    /// Matches `requested` (an absolute path or an `s3://`/`gs://` URL) to
+    /// the allowed root it lies in, by its text: nothing is opened or
+    /// resolved here.
+    pub fn confine(&self, requested: &str) -> Result<Folder, RepositoryError> {
+        let shown = || requested.to_string();
+        if scheme_of(requested).is_some() {
+            let url = ObjectUrl::parse(requested)?
+                .ok_or_else(|| RepositoryError::NotAllowed { path: shown() })?;
+            return self
+                .prefixes
+                .iter()
+                .filter_map(|allowed| Some((allowed, allowed.url.relative(&url)?)))
+                .min_by_key(|(_, relative)| relative.len())
+                .map(|(allowed, relative)| {
+                    let folder = relative
+                        .iter()
+                        .fold(allowed.folder.clone(), |folder, name| folder.join(name));
+                    Folder::Object(folder)
+                })
+                .ok_or(RepositoryError::NotAllowed { path: shown() });
+        }
+        let requested = Path::new(requested);
         if !requested.is_absolute() {
             return Err(RepositoryError::Relative { path: shown() });
         }
@@ -99,9 +154,8 @@ impl AllowedRoots {
                 Some((name.components().count(), root, relative.to_path_buf()))
             })
             .max_by_key(|(depth, _, _)| *depth)
-            .map(|(_, root, relative)| Confined {
-                root: Arc::clone(root),
-                relative,
+            .map(|(_, root, relative)| {
+                Folder::Local(LocalFolder::beneath(Arc::clone(&root.dir), relative))
             })
             .ok_or(RepositoryError::NotAllowed { path: shown() })
     }
@@ -110,37 +164,11 @@ impl AllowedRoots {
     /// its allowed root.
     pub fn write_atomic(
         &self,
-        directory: &Path,
+        directory: &str,
         file_name: &str,
         bytes: &[u8],
-    ) -> Result<PathBuf, RepositoryError> {
-        let directory = self.confine(directory)?.create_dir_all()?;
-        Ok(directory.write_atomic(file_name, bytes)?)
-    }
-}
-
-impl Confined {
-    /// The path beneath `self` named by one more component.
-    pub fn join(&self, name: &str) -> Confined {
-        Confined {
-            root: Arc::clone(&self.root),
-            relative: self.relative.join(name),
-        }
-    }
-
-    /// The path as it would be shown to a person.
-    pub fn display_path(&self) -> PathBuf {
-        self.root.dir.path().join(&self.relative)
-    }
-
-    /// Opens the directory, which must exist.
-    pub fn open_dir(&self) -> Result<Dir, RepositoryError> {
-        Ok(self.root.dir.open_dir(&self.relative)?)
-    }
-
-    /// Opens the directory, making what is missing of it.
-    pub fn create_dir_all(&self) -> Result<Dir, RepositoryError> {
-        Ok(self.root.dir.create_dir_all(&self.relative)?)
+    ) -> Result<String, RepositoryError> {
+        Ok(self.confine(directory)?.write(file_name, bytes)?)
     }
 }
 
@@ -163,27 +191,31 @@ mod tests {
     use super::*;
     use std::fs;
 
+    fn text(path: &Path) -> &str {
+        path.to_str().unwrap()
+    }
+
     #[test]
     fn paths_inside_allowed_roots_are_accepted_even_before_they_exist() {
         let dir = tempfile::tempdir().unwrap();
         let roots = AllowedRoots::new(&[dir.path().join("traces")]).unwrap();
         let inside = dir.path().join("traces/run1/plugins/profile");
-        assert!(roots.confine(&inside).is_ok());
+        assert!(roots.confine(text(&inside)).is_ok());
         assert!(matches!(
-            roots.confine(&dir.path().join("elsewhere")),
+            roots.confine(text(&dir.path().join("elsewhere"))),
             Err(RepositoryError::NotAllowed { .. })
         ));
         assert!(matches!(
-            roots.confine(&dir.path().join("traces/../elsewhere")),
+            roots.confine(text(&dir.path().join("traces/../elsewhere"))),
             Err(RepositoryError::Traversal { .. })
         ));
         assert!(matches!(
-            roots.confine(Path::new("traces/x")),
+            roots.confine("traces/x"),
             Err(RepositoryError::Relative { .. })
         ));
         // A sibling whose name starts like the root is not inside it.
         assert!(matches!(
-            roots.confine(&dir.path().join("traces2/x")),
+            roots.confine(text(&dir.path().join("traces2/x"))),
             Err(RepositoryError::NotAllowed { .. })
         ));
     }
@@ -197,9 +229,9 @@ mod tests {
         let roots = AllowedRoots::new(&[dir.path().join("alias")]).unwrap();
         for name in ["alias", "real"] {
             let written = roots
-                .write_atomic(&dir.path().join(name).join("s"), "h.xplane.pb", b"x")
+                .write_atomic(text(&dir.path().join(name).join("s")), "h.xplane.pb", b"x")
                 .unwrap();
-            assert!(written.starts_with(&real), "{}", written.display());
+            assert!(Path::new(&written).starts_with(&real), "{written}");
         }
     }
 
@@ -212,12 +244,12 @@ mod tests {
         let roots = AllowedRoots::new(std::slice::from_ref(&root)).unwrap();
         std::os::unix::fs::symlink(&outside, root.join("escape")).unwrap();
         let error = roots
-            .write_atomic(&root.join("escape/session"), "h.xplane.pb", b"x")
+            .write_atomic(text(&root.join("escape/session")), "h.xplane.pb", b"x")
             .unwrap_err();
         assert!(
             matches!(
                 error,
-                RepositoryError::Beneath(BeneathError::Symlink { .. })
+                RepositoryError::Storage(StorageError::Refused(BeneathError::Symlink { .. }))
             ),
             "{error}"
         );
@@ -230,7 +262,7 @@ mod tests {
         let roots = AllowedRoots::new(&[dir.path().to_path_buf()]).unwrap();
         let session = dir.path().join("plugins/profile/s1");
         let path = roots
-            .write_atomic(&session, "host.xplane.pb", b"trace")
+            .write_atomic(text(&session), "host.xplane.pb", b"trace")
             .unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"trace");
         let names: Vec<_> = fs::read_dir(&session)
@@ -238,5 +270,61 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("host.xplane.pb")]);
+    }
+
+    #[test]
+    fn bucket_prefixes_confine_by_provider_bucket_and_whole_segments() {
+        let roots = AllowedRoots::new(&[
+            PathBuf::from("s3://traces/team"),
+            PathBuf::from("gs://other/x/"),
+        ])
+        .unwrap();
+        let inside = roots
+            .confine("s3://traces/team/run1/plugins/profile")
+            .unwrap();
+        assert_eq!(inside.display(), "s3://traces/team/run1/plugins/profile");
+        assert_eq!(
+            roots.confine("s3://traces/team").unwrap().display(),
+            "s3://traces/team"
+        );
+        assert_eq!(
+            roots.confine("gs://other/x/y").unwrap().display(),
+            "gs://other/x/y"
+        );
+        // Segments, buckets and providers as in `storage::url`, across roots.
+        for outside in ["s3://traces/tea", "gs://traces/team", "s3://other/x/y"] {
+            assert!(
+                matches!(
+                    roots.confine(outside),
+                    Err(RepositoryError::NotAllowed { .. })
+                ),
+                "{outside}"
+            );
+        }
+        for malformed in [
+            "s3://traces/team/../x",
+            "s3://traces/team//x",
+            "s3://traces/team/./x",
+        ] {
+            assert!(
+                matches!(roots.confine(malformed), Err(RepositoryError::Url(_))),
+                "{malformed}"
+            );
+        }
+        assert!(matches!(
+            roots.confine("http://traces/team/x"),
+            Err(RepositoryError::Url(UrlError::UnsupportedScheme { .. }))
+        ));
+        // A bucket root allows no directory, nor a directory a bucket.
+        let dir = tempfile::tempdir().unwrap();
+        let directories = AllowedRoots::new(&[dir.path().to_path_buf()]).unwrap();
+        assert!(matches!(
+            directories.confine("s3://traces/team"),
+            Err(RepositoryError::NotAllowed { .. })
+        ));
+        assert!(matches!(
+            roots.confine("/traces/team"),
+            Err(RepositoryError::NotAllowed { .. })
+        ));
     }
 }

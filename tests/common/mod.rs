@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use devtrace::proto::tensorflow::profile_analysis_client::ProfileAnalysisClient;
 use devtrace::proto::tensorflow::profiler::{XPlane, XSpace};
 use devtrace::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
 use devtrace::proto::tensorflow::{ProfileOptions, ProfileRequest, ProfileResponse};
@@ -110,13 +111,21 @@ impl AgentProcess {
         AgentProcess { child, address }
     }
 
-    pub async fn client(&self) -> ProfilerServiceClient<Channel> {
-        let channel = Channel::from_shared(format!("http://{}", self.address))
+    async fn channel(&self) -> Channel {
+        Channel::from_shared(format!("http://{}", self.address))
             .expect("uri")
             .connect()
             .await
-            .expect("connecting to the agent");
-        ProfilerServiceClient::new(channel).max_decoding_message_size(usize::MAX)
+            .expect("connecting to the agent")
+    }
+
+    pub async fn client(&self) -> ProfilerServiceClient<Channel> {
+        ProfilerServiceClient::new(self.channel().await).max_decoding_message_size(usize::MAX)
+    }
+
+    /// A client of the agent's `tensorflow.ProfileAnalysis` service.
+    pub async fn analysis(&self) -> ProfileAnalysisClient<Channel> {
+        ProfileAnalysisClient::new(self.channel().await).max_decoding_message_size(usize::MAX)
     }
 
     /// A `Profile` call that must succeed.

@@ -1,0 +1,110 @@
+//! A directory as a folder: a path beneath an open root directory, resolved
+//! beneath it at every use without following links ([`crate::beneath`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::beneath::{Dir, EntryKind};
+
+use super::{StorageError, Subfolder};
+
+#[derive(Clone, Debug)]
+pub struct LocalFolder {
+    root: Arc<Dir>,
+    /// Beneath the root: plain names only.
+    relative: PathBuf,
+}
+
+impl LocalFolder {
+    /// The root directory itself.
+    pub fn new(root: Arc<Dir>) -> LocalFolder {
+        LocalFolder {
+            root,
+            relative: PathBuf::new(),
+        }
+    }
+
+    /// `relative` beneath `root` (plain names; the resolution refuses the rest).
+    pub fn beneath(root: Arc<Dir>, relative: PathBuf) -> LocalFolder {
+        LocalFolder { root, relative }
+    }
+
+    pub fn join(&self, name: &str) -> LocalFolder {
+        LocalFolder {
+            root: Arc::clone(&self.root),
+            relative: self.relative.join(name),
+        }
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.root.path().join(&self.relative)
+    }
+
+    fn open(&self) -> Result<Dir, StorageError> {
+        Ok(self.root.open_dir(&self.relative)?)
+    }
+
+    pub fn exists(&self) -> Result<bool, StorageError> {
+        match self.open() {
+            Ok(_) => Ok(true),
+            Err(StorageError::NotFound { .. }) => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Directories in this one; links are not directories here.
+    pub fn subfolders(&self) -> Result<Vec<Subfolder>, StorageError> {
+        Ok(self
+            .open()?
+            .entries()?
+            .into_iter()
+            .filter(|entry| entry.kind == EntryKind::Directory)
+            .filter_map(|entry| {
+                Some(Subfolder {
+                    name: entry.name.into_string().ok()?,
+                    modified: entry.modified,
+                })
+            })
+            .collect())
+    }
+
+    /// Everything in this directory that is not a directory: a link or FIFO
+    /// named like a trace counts, so that asking for it is refused by name.
+    pub fn files(&self) -> Result<Vec<String>, StorageError> {
+        Ok(self
+            .open()?
+            .entries()?
+            .into_iter()
+            .filter(|entry| entry.kind != EntryKind::Directory)
+            .filter_map(|entry| entry.name.into_string().ok())
+            .collect())
+    }
+
+    pub fn read(&self, name: &str) -> Result<Vec<u8>, StorageError> {
+        Ok(self.root.read(&self.relative.join(name))?)
+    }
+
+    /// Writes atomically (a temporary file, then rename), making the
+    /// directory first. Says where it went.
+    pub fn write(&self, name: &str, bytes: &[u8]) -> Result<String, StorageError> {
+        let directory = self.root.create_dir_all(&self.relative)?;
+        let written = directory.write_atomic(name, bytes)?;
+        Ok(written.display().to_string())
+    }
+
+    /// Makes a new directory named `base`, or `base_2`, `base_3`, ... when
+    /// taken; returns it and its name.
+    pub fn create_unique(&self, base: &str) -> Result<(LocalFolder, String), StorageError> {
+        let (_, name) = self
+            .root
+            .create_dir_all(&self.relative)?
+            .create_unique_dir(base)?;
+        Ok((self.join(&name), name))
+    }
+
+    /// Makes this directory and what is missing above it.
+    pub fn create(&self) -> Result<(), StorageError> {
+        self.root.create_dir_all(&self.relative)?;
+        Ok(())
+    }
+}

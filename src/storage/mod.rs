@@ -1,0 +1,342 @@
+//! Where sessions are kept: a local directory or a prefix in object storage
+//! (`s3://bucket/prefix`, `gs://bucket/prefix`), behind one [`Folder`] type
+//! that the agent's services and the CLI read and write through.
+//!
+//! A local folder is resolved beneath an open root directory without
+//! following links ([`crate::beneath`]); an object folder is a key prefix
+//! (see [`object`] for credentials). The methods block: async code calls
+//! them from `spawn_blocking`.
+
+mod local;
+mod object;
+mod url;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+pub use crate::beneath::MAX_READ_BYTES;
+use crate::beneath::{BeneathError, Dir};
+pub use local::LocalFolder;
+pub use object::ObjectFolder;
+pub use url::{scheme_of, ObjectUrl, Provider, UrlError};
+
+/// Most names tried for a generated session name that is taken.
+const MAX_UNIQUE_ATTEMPTS: u32 = 1000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("{path} does not exist")]
+    NotFound { path: String },
+    /// A local path the agent does not follow (a link, `..`, not a file).
+    #[error(transparent)]
+    Refused(BeneathError),
+    #[error("{path} is larger than the {limit} bytes the agent reads")]
+    TooLarge { path: String, limit: u64 },
+    #[error("{path}: {source}")]
+    Io { path: String, source: io::Error },
+    /// The object store's own error, which names its request and cause
+    /// (kept out of the error chain, which would repeat them).
+    #[error("{path}: {reason}")]
+    Object {
+        path: String,
+        reason: object_store::Error,
+    },
+    #[error(transparent)]
+    Url(#[from] UrlError),
+}
+
+impl From<BeneathError> for StorageError {
+    fn from(error: BeneathError) -> StorageError {
+        match error {
+            BeneathError::NotFound { path } => StorageError::NotFound { path },
+            BeneathError::Io { path, source } => StorageError::Io { path, source },
+            BeneathError::TooLarge { path, limit } => StorageError::TooLarge { path, limit },
+            refused => StorageError::Refused(refused),
+        }
+    }
+}
+
+/// A folder one level down, with the newest modification time in it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Subfolder {
+    pub name: String,
+    pub modified: SystemTime,
+}
+
+/// A logdir or repository root as a person or a request names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Location {
+    Local(PathBuf),
+    Object(ObjectUrl),
+}
+
+impl Location {
+    /// `s3://...` and `gs://...` are object storage; any other
+    /// `scheme://` is refused; everything else is a local path.
+    pub fn parse(path: &Path) -> Result<Location, UrlError> {
+        match path.to_str().map(ObjectUrl::parse).transpose()?.flatten() {
+            Some(url) => Ok(Location::Object(url)),
+            None => Ok(Location::Local(path.to_path_buf())),
+        }
+    }
+
+    /// One more path segment.
+    pub fn join(&self, name: &str) -> Location {
+        match self {
+            Location::Local(path) => Location::Local(path.join(name)),
+            Location::Object(url) => Location::Object(url.join(name)),
+        }
+    }
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Location::Local(path) => write!(f, "{}", path.display()),
+            Location::Object(url) => write!(f, "{url}"),
+        }
+    }
+}
+
+/// A directory of a repository, local or in object storage.
+#[derive(Clone, Debug)]
+pub enum Folder {
+    Local(LocalFolder),
+    Object(ObjectFolder),
+}
+
+impl Folder {
+    /// An open local directory.
+    pub fn local(dir: Dir) -> Folder {
+        Folder::Local(LocalFolder::new(Arc::new(dir)))
+    }
+
+    /// Opens what `location` names: a local directory that must exist
+    /// (links in its own path are followed, as its owner chose them), or a
+    /// bucket prefix, connected with the environment's credentials.
+    pub fn open(location: &Location) -> Result<Folder, StorageError> {
+        match location {
+            Location::Local(path) => Ok(Folder::local(Dir::open(path)?)),
+            Location::Object(url) => Ok(Folder::Object(ObjectFolder::connect(url)?)),
+        }
+    }
+
+    pub fn join(&self, name: &str) -> Folder {
+        match self {
+            Folder::Local(local) => Folder::Local(local.join(name)),
+            Folder::Object(object) => Folder::Object(object.join(name)),
+        }
+    }
+
+    /// The path or URL, for messages.
+    pub fn display(&self) -> String {
+        match self {
+            Folder::Local(local) => local.path().display().to_string(),
+            Folder::Object(object) => object.url().to_string(),
+        }
+    }
+
+    /// Whether it exists: a directory, or a prefix with objects under it.
+    pub fn exists(&self) -> Result<bool, StorageError> {
+        match self {
+            Folder::Local(local) => local.exists(),
+            Folder::Object(object) => object.exists(),
+        }
+    }
+
+    /// The folders in this one. An object prefix counts when objects lie
+    /// under it.
+    pub fn subfolders(&self) -> Result<Vec<Subfolder>, StorageError> {
+        match self {
+            Folder::Local(local) => local.subfolders(),
+            Folder::Object(object) => object.subfolders(),
+        }
+    }
+
+    /// The names of the files directly in this folder.
+    pub fn files(&self) -> Result<Vec<String>, StorageError> {
+        match self {
+            Folder::Local(local) => local.files(),
+            Folder::Object(object) => object.files(),
+        }
+    }
+
+    /// A file's bytes, up to [`MAX_READ_BYTES`].
+    pub fn read(&self, name: &str) -> Result<Vec<u8>, StorageError> {
+        match self {
+            Folder::Local(local) => local.read(name),
+            Folder::Object(object) => object.read(name),
+        }
+    }
+
+    /// Writes a whole file (never a partial one), making the folder first
+    /// where folders exist. Returns where it went.
+    pub fn write(&self, name: &str, bytes: &[u8]) -> Result<String, StorageError> {
+        match self {
+            Folder::Local(local) => local.write(name, bytes),
+            Folder::Object(object) => object.write(name, bytes),
+        }
+    }
+
+    /// The folder of session `session_id` in this repository root, and the
+    /// session's final name. A generated id (a timestamp) names a new
+    /// folder, `_2`, `_3`, ... appended when the name is taken, so that two
+    /// captures of one second never overwrite each other (in object storage
+    /// its writes also refuse to replace an object); a client's id names
+    /// its folder as is.
+    pub fn create_session(
+        &self,
+        session_id: &str,
+        generated: bool,
+    ) -> Result<(Folder, String), StorageError> {
+        match (self, generated) {
+            (Folder::Local(local), true) => {
+                let (folder, name) = local.create_unique(session_id)?;
+                Ok((Folder::Local(folder), name))
+            }
+            (Folder::Local(local), false) => {
+                let folder = local.join(session_id);
+                folder.create()?;
+                Ok((Folder::Local(folder), session_id.to_string()))
+            }
+            (Folder::Object(object), true) => {
+                for attempt in 1..=MAX_UNIQUE_ATTEMPTS {
+                    let name = match attempt {
+                        1 => session_id.to_string(),
+                        n => format!("{session_id}_{n}"),
+                    };
+                    let folder = object.join(&name);
+                    if !folder.exists()? {
+                        return Ok((Folder::Object(folder.create_only()), name));
+                    }
+                }
+                Err(StorageError::Io {
+                    path: object.url().join(session_id).to_string(),
+                    source: io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        format!("{MAX_UNIQUE_ATTEMPTS} session names are taken"),
+                    ),
+                })
+            }
+            (Folder::Object(object), false) => Ok((
+                Folder::Object(object.join(session_id)),
+                session_id.to_string(),
+            )),
+        }
+    }
+
+    pub fn is_object(&self) -> bool {
+        matches!(self, Folder::Object(_))
+    }
+}
+
+/// Keeps a trace that could not be written to its repository on local disk,
+/// so that it is not lost: `<dir>/devtrace-unsent-XXXXXX/<session>/<file>`,
+/// in a new directory only this user can open. Returns the file's path.
+pub fn keep_unsent(
+    dir: &Path,
+    session_id: &str,
+    file_name: &str,
+    bytes: &[u8],
+) -> io::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    // Traces name the host's processes and files: not for other users of
+    // a shared temporary directory.
+    let kept = tempfile::Builder::new()
+        .prefix("devtrace-unsent-")
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir_in(dir)?
+        .keep();
+    let session = kept.join(session_id);
+    std::fs::create_dir_all(&session)?;
+    let path = session.join(file_name);
+    std::fs::write(&path, bytes)?;
+    Ok(path)
+}
+
+/// Writes `name` into `folder`; when an upload to object storage fails, the
+/// trace is kept under `unsent_dir` instead and the error says where.
+pub fn write_or_keep(
+    folder: &Folder,
+    session_id: &str,
+    name: &str,
+    bytes: &[u8],
+    unsent_dir: &Path,
+) -> Result<String, String> {
+    match folder.write(name, bytes) {
+        Ok(written) => Ok(written),
+        Err(error) if folder.is_object() => {
+            let target = format!("{}/{name}", folder.display());
+            Err(keep_failed_upload(
+                &target, &error, unsent_dir, session_id, name, bytes,
+            ))
+        }
+        Err(error) => Err(error.to_string()),
+    }
+}
+
+/// Keeps a trace whose upload to `target` failed with `error` (see
+/// [`keep_unsent`]); returns the message that says both.
+pub fn keep_failed_upload(
+    target: &str,
+    error: &StorageError,
+    unsent_dir: &Path,
+    session_id: &str,
+    name: &str,
+    bytes: &[u8],
+) -> String {
+    match keep_unsent(unsent_dir, session_id, name, bytes) {
+        Ok(kept) => format!(
+            "uploading to {target} failed ({error}); the trace is kept at {}",
+            kept.display()
+        ),
+        Err(keep) => format!(
+            "uploading to {target} failed ({error}), and keeping it under {} failed too ({keep})",
+            unsent_dir.display()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locations_tell_object_urls_from_paths() {
+        assert!(matches!(
+            Location::parse(Path::new("s3://b/logs")),
+            Ok(Location::Object(_))
+        ));
+        assert_eq!(
+            Location::parse(Path::new("logs/run1")).unwrap(),
+            Location::Local(PathBuf::from("logs/run1"))
+        );
+        assert!(Location::parse(Path::new("file:///tmp/x")).is_err());
+        assert_eq!(
+            Location::parse(Path::new("gs://b/logs"))
+                .unwrap()
+                .join("plugins")
+                .to_string(),
+            "gs://b/logs/plugins"
+        );
+    }
+
+    #[test]
+    fn unsent_traces_are_kept_whole_in_a_private_directory() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let kept = keep_unsent(dir.path(), "s1", "h.xplane.pb", b"trace").unwrap();
+        assert_eq!(std::fs::read(&kept).unwrap(), b"trace");
+        let private = kept.parent().unwrap().parent().unwrap();
+        assert!(private.starts_with(dir.path()));
+        let mode = std::fs::metadata(private).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "{mode:o}");
+        // A second one gets a directory of its own.
+        let again = keep_unsent(dir.path(), "s1", "h.xplane.pb", b"other").unwrap();
+        assert_ne!(kept, again);
+        assert_eq!(std::fs::read(&kept).unwrap(), b"trace");
+    }
+}

@@ -1,0 +1,242 @@
+//! A key prefix in a bucket as a folder, through the `object_store` crate.
+//!
+//! Credentials and endpoints come from the provider's standard environment
+//! and instance chains (`AmazonS3Builder::from_env`,
+//! `GoogleCloudStorageBuilder::from_env`: `AWS_ACCESS_KEY_ID`,
+//! `AWS_ENDPOINT_URL`, `AWS_ALLOW_HTTP`, instance roles;
+//! `GOOGLE_APPLICATION_CREDENTIALS`, `GOOGLE_SERVICE_ACCOUNT`, the metadata
+//! server). Its calls are async; the folder's blocking methods run them on
+//! one small runtime of their own, so that every caller (a CLI command, a
+//! blocking task of the agent) uses the same methods for local and object
+//! folders.
+
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use object_store::aws::AmazonS3Builder;
+use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::path::Path as Key;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig};
+use tokio_stream::StreamExt;
+
+use super::url::{ObjectUrl, Provider};
+use super::{StorageError, Subfolder, MAX_READ_BYTES};
+
+/// Retries of one request: a few, within a bound that keeps a session's
+/// answer in time (the crate's default retries for three minutes).
+const MAX_RETRIES: usize = 3;
+const RETRY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A prefix in a connected bucket.
+#[derive(Clone, Debug)]
+pub struct ObjectFolder {
+    store: Arc<dyn ObjectStore>,
+    url: ObjectUrl,
+    /// Writes fail rather than replace an object (a session whose name was
+    /// generated, so that two captures never overwrite each other).
+    create_only: bool,
+}
+
+impl ObjectFolder {
+    /// Connects to `url`'s bucket with the credentials of the environment.
+    /// Nothing is sent yet: a missing bucket or refused credentials show at
+    /// the first call.
+    pub fn connect(url: &ObjectUrl) -> Result<ObjectFolder, StorageError> {
+        // reqwest takes the process's TLS provider; ring is the one built.
+        // Installed already (an earlier bucket) is as good.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let retry = RetryConfig {
+            max_retries: MAX_RETRIES,
+            retry_timeout: RETRY_TIMEOUT,
+            ..RetryConfig::default()
+        };
+        let built: object_store::Result<Arc<dyn ObjectStore>> = match url.provider {
+            Provider::S3 => AmazonS3Builder::from_env()
+                .with_bucket_name(&url.bucket)
+                .with_retry(retry)
+                .build()
+                .map(|s| Arc::new(s) as _),
+            Provider::Gcs => GoogleCloudStorageBuilder::from_env()
+                .with_bucket_name(&url.bucket)
+                .with_retry(retry)
+                .build()
+                .map(|s| Arc::new(s) as _),
+        };
+        let store = built.map_err(|source| StorageError::Object {
+            path: url.to_string(),
+            reason: source,
+        })?;
+        Ok(ObjectFolder {
+            store,
+            url: url.clone(),
+            create_only: false,
+        })
+    }
+
+    pub fn url(&self) -> &ObjectUrl {
+        &self.url
+    }
+
+    pub fn join(&self, name: &str) -> ObjectFolder {
+        ObjectFolder {
+            store: Arc::clone(&self.store),
+            url: self.url.join(name),
+            create_only: self.create_only,
+        }
+    }
+
+    /// The same folder, whose writes never replace an object.
+    pub fn create_only(mut self) -> ObjectFolder {
+        self.create_only = true;
+        self
+    }
+
+    fn key(&self) -> Key {
+        Key::from_iter(self.url.segments.iter().map(String::as_str))
+    }
+
+    fn error(&self, name: Option<&str>, source: object_store::Error) -> StorageError {
+        let path = match name {
+            Some(name) => self.url.join(name).to_string(),
+            None => self.url.to_string(),
+        };
+        match source {
+            object_store::Error::NotFound { .. } => StorageError::NotFound { path },
+            reason => StorageError::Object { path, reason },
+        }
+    }
+
+    /// Whether any object lies under this prefix.
+    pub fn exists(&self) -> Result<bool, StorageError> {
+        let key = self.key();
+        let first = block_on(async { self.store.list(Some(&key)).next().await })?;
+        match first {
+            None => Ok(false),
+            Some(Ok(_)) => Ok(true),
+            Some(Err(source)) => Err(self.error(None, source)),
+        }
+    }
+
+    /// The names one level down that hold objects further down, each with
+    /// the newest modification time beneath it.
+    pub fn subfolders(&self) -> Result<Vec<Subfolder>, StorageError> {
+        let key = self.key();
+        let listed = block_on(async {
+            let mut newest: Vec<Subfolder> = Vec::new();
+            let mut objects = self.store.list(Some(&key));
+            while let Some(meta) = objects.next().await {
+                let meta = meta?;
+                let Some(mut parts) = meta.location.prefix_match(&key) else {
+                    continue;
+                };
+                let (Some(first), Some(_)) = (parts.next(), parts.next()) else {
+                    continue;
+                };
+                let modified = SystemTime::from(meta.last_modified);
+                match newest.iter_mut().find(|s| s.name == first.as_ref()) {
+                    Some(known) => known.modified = known.modified.max(modified),
+                    None => newest.push(Subfolder {
+                        name: first.as_ref().to_string(),
+                        modified,
+                    }),
+                }
+            }
+            Ok(newest)
+        })?;
+        listed.map_err(|source| self.error(None, source))
+    }
+
+    /// The names of the objects directly under this prefix.
+    pub fn files(&self) -> Result<Vec<String>, StorageError> {
+        let key = self.key();
+        let listed = block_on(self.store.list_with_delimiter(Some(&key)))?
+            .map_err(|source| self.error(None, source))?;
+        Ok(listed
+            .objects
+            .iter()
+            .filter_map(|meta| meta.location.filename().map(str::to_string))
+            .collect())
+    }
+
+    pub fn read(&self, name: &str) -> Result<Vec<u8>, StorageError> {
+        let key = self.key().join(name);
+        let read = block_on(async {
+            let object = self.store.get(&key).await?;
+            if object.meta.size > MAX_READ_BYTES {
+                return Ok(Err(object.meta.size));
+            }
+            object.bytes().await.map(Ok)
+        })?
+        .map_err(|source| self.error(Some(name), source))?;
+        match read {
+            Ok(bytes) if bytes.len() as u64 <= MAX_READ_BYTES => Ok(Vec::from(bytes)),
+            _ => Err(StorageError::TooLarge {
+                path: self.url.join(name).to_string(),
+                limit: MAX_READ_BYTES,
+            }),
+        }
+    }
+
+    /// Uploads `bytes` as `name`; an object is only whole or absent. Says
+    /// where it went.
+    pub fn write(&self, name: &str, bytes: &[u8]) -> Result<String, StorageError> {
+        let key = self.key().join(name);
+        let payload = PutPayload::from(Bytes::copy_from_slice(bytes));
+        let mode = if self.create_only {
+            PutMode::Create
+        } else {
+            PutMode::Overwrite
+        };
+        let options = PutOptions {
+            mode,
+            ..PutOptions::default()
+        };
+        let put = block_on(async {
+            match self.store.put_opts(&key, payload.clone(), options).await {
+                // A store configured without conditional writes
+                // (AWS_CONDITIONAL_PUT=disabled) cannot refuse to replace;
+                // the session's name was checked free when it was chosen.
+                Err(object_store::Error::NotImplemented { .. }) => {
+                    self.store.put(&key, payload).await
+                }
+                other => other,
+            }
+        })?;
+        // Not "does not exist": a missing bucket answers a write that way.
+        put.map_err(|reason| StorageError::Object {
+            path: self.url.join(name).to_string(),
+            reason,
+        })?;
+        Ok(self.url.join(name).to_string())
+    }
+}
+
+/// The runtime object-store calls run on, started at the first call.
+static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+
+/// Runs `future` to completion on the object-store runtime. Must not be
+/// called from async code (use `spawn_blocking` there).
+fn block_on<F: Future>(future: F) -> Result<F::Output, StorageError> {
+    if RUNTIME.get().is_none() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("devtrace-storage")
+            .enable_all()
+            .build()
+            .map_err(|source| StorageError::Io {
+                path: "the object-storage runtime".into(),
+                source,
+            })?;
+        // Another thread may have won the race; its runtime is as good.
+        let _ = RUNTIME.set(runtime);
+    }
+    match RUNTIME.get() {
+        Some(runtime) => Ok(runtime.block_on(future)),
+        None => Err(StorageError::Io {
+            path: "the object-storage runtime".into(),
+            source: std::io::Error::other("not started"),
+        }),
+    }
+}
