@@ -18,6 +18,7 @@ pub mod event;
 #[cfg(test)]
 mod fuzz;
 pub mod registry;
+pub mod riegeli;
 pub mod ring;
 pub mod service;
 pub mod session;
