@@ -53,6 +53,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ("drop-policy", r#""drop-oldest""#),
     ("allow-root", r#"["/srv/tb", "/srv/tb, with a comma"]"#),
     ("max-duration", r#""1m""#),
+    ("chunk-traces-over", r#""256MiB""#),
     ("upstream", r#"["grpc://127.0.0.1:9999"]"#),
     ("hostname", r#""worker-7""#),
     ("tap", r#"["127.0.0.1:2223=127.0.0.1:2222"]"#),

@@ -11,7 +11,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::client;
 use crate::clock;
-use crate::service::profiler::XPLANE_TOOL;
+use crate::service::profiler::{RIEGELI_TOOL, XPLANE_SUFFIX, XPLANE_TOOL};
+use crate::xspace::chunks::RIEGELI_SUFFIX;
 
 #[derive(Debug, Args)]
 pub struct CaptureArgs {
@@ -122,8 +123,15 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
         .unwrap_or_else(|| host_name.replace(':', "_"));
     let session_dir = repository_root.join(&session_id);
     if reply.tool_data.is_empty() {
-        // TensorFlow's own server writes the file on its filesystem.
-        let path = session_dir.join(format!("{host}.xplane.pb"));
+        // TensorFlow's own server writes the file on its filesystem, as
+        // does an agent allowed to (--allow-root); the agent's is Riegeli
+        // chunks when the trace is large.
+        let chunked = session_dir.join(format!("{host}{RIEGELI_SUFFIX}"));
+        let path = if chunked.is_file() {
+            chunked
+        } else {
+            session_dir.join(format!("{host}{XPLANE_SUFFIX}"))
+        };
         eprintln!("the server wrote the trace itself, on its own filesystem");
         return Ok(path);
     }
@@ -133,11 +141,12 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<PathBuf> {
             continue;
         }
         let path = super::write_file(&session_dir, &format!("{host}.{}", tool.name), &tool.data)?;
-        if tool.name == XPLANE_TOOL {
+        // A large trace comes as Riegeli chunks (`xplane.riegeli`).
+        if tool.name == XPLANE_TOOL || tool.name == RIEGELI_TOOL {
             written = Some(path);
         }
     }
-    written.context("the reply carried no xplane.pb")
+    written.context("the reply carried no trace (xplane.pb or xplane.riegeli)")
 }
 
 fn progress_bar(args: &CaptureArgs, duration_ms: u64) -> Option<ProgressBar> {
