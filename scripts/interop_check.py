@@ -14,7 +14,8 @@ Modes:
   agent       `<bin> serve --listen 127.0.0.1:<port> --backend mock --metrics-listen ...`. The
               agent is expected to return the XSpace as ProfileResponse.tool_data "xplane.pb"
               so that the client writes it; GPU planes, kernels and GPU allocators are
-              expected; grpcio's health client gets SERVING.
+              expected; grpcio's health client gets SERVING. A second agent with a low
+              --chunk-traces-over checks traces stored as .xplane.riegeli chunks.
   tf-server   a subprocess running a small Keras training loop with
               tf.profiler.experimental.server.start(port) (the server writes the file itself;
               no GPU plane; Monitor answers UNIMPLEMENTED). Used to validate this harness.
@@ -784,6 +785,101 @@ def test_devtrace_tools_on_tf_trace(run):
 
 
 # ---------------------------------------------------------------------------------------
+# Traces past --chunk-traces-over: Riegeli chunks of XSpace, as XProf 2.23+ reads them.
+
+# A 1 s capture of the mock is about 3.4 MB as one XSpace and 0.6 MB as chunks: over
+# this, and its chunks within it (so that a reply may carry them).
+CHUNK_THRESHOLD = "1MiB"
+INSPECT_TOP_RE = re.compile(r"^\s+[\d.]+ ms\s+(\d+)x\s+(.*)$")
+
+
+def _riegeli_agent(run, root):
+    port = free_port()
+    log = os.path.join(run.workdir, "riegeli-agent.log")
+    with open(log, "wb") as logf:
+        agent = subprocess.Popen([run.args.bin, "serve", "--listen", "127.0.0.1:%d" % port,
+                                  "--backend", "mock", "--metrics-listen", "off",
+                                  "--allow-root", root, "--chunk-traces-over", CHUNK_THRESHOLD],
+                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                 preexec_fn=_set_pdeathsig)
+    run.extra_procs.append(agent)
+    deadline = time.monotonic() + 30
+    while not port_open(port):
+        check(agent.poll() is None, "the agent exited:\n" + tail(log))
+        check(time.monotonic() < deadline, "the agent did not listen within 30 s:\n" + tail(log))
+        time.sleep(0.1)
+    return "127.0.0.1:%d" % port, log
+
+
+def _check_chunked_in_xprof(run, path, label):
+    """XProf opens `path` (an .xplane.riegeli) and shows every chunk of it: the
+    counts of its events by name equal what `devtrace inspect` reads."""
+    out = subprocess.run([run.args.bin, "inspect", path, "--top", "40"], capture_output=True,
+                         text=True, timeout=120)
+    check(out.returncode == 0, "devtrace inspect %s failed: %s" % (path, out.stderr.strip()))
+    first = out.stdout.splitlines()[0] if out.stdout else ""
+    check(first.startswith("chunks: ") and int(first.split()[1]) > 1,
+          "devtrace inspect does not see several chunks: %r" % first)
+    ours = {}
+    for line in out.stdout.splitlines():
+        m = INSPECT_TOP_RE.match(line)
+        if m:
+            ours[m.group(2)] = int(m.group(1))
+    session = os.path.basename(os.path.dirname(path))
+    conv_dir = os.path.join(run.workdir, "conv-%s" % label, "plugins", "profile", session)
+    os.makedirs(conv_dir)
+    conv = Converter(os.path.dirname(os.path.dirname(conv_dir)))
+    conv.xplane = os.path.join(conv_dir, os.path.basename(path))
+    shutil.copyfile(path, conv.xplane)
+    names = conv.tool_names()
+    for tool in ("overview_page", "kernel_stats"):
+        check(tool in names, "%s not offered for the chunked trace; offered: %s" % (tool, names))
+    doc = conv.tool_json("trace_viewer")
+    counts = collections.Counter(e.get("name") for e in doc.get("traceEvents", []) if e.get("ph") == "X")
+    procs, _ = _trace_processes(doc, "trace_viewer")
+    for name in ("cudaLaunchKernel", "volta_h884gemm_64x64_ldg8_nn"):
+        check(ours.get(name, 0) > 0, "devtrace inspect lists no %s: %s" % (name, short(out.stdout)))
+        check(counts[name] == ours[name], "XProf shows %d %s events, devtrace inspect %d: not every "
+              "chunk was merged" % (counts[name], name, ours[name]))
+    overview = conv.tool_json("overview_page")
+    steps = [t.get("rows", []) for t in overview if isinstance(t, dict)
+             and any(c.get("id") == "stepnum" for c in t.get("cols", []))]
+    check(steps and steps[0], "overview_page of the chunked trace has no steps")
+    return "%s (%d chunks): XProf processes %s, %d steps; cudaLaunchKernel %d as devtrace reads" % (
+        os.path.basename(path), int(first.split()[1]), procs, len(steps[0]), counts["cudaLaunchKernel"])
+
+
+def test_chunked_trace_in_xprof(run):
+    """A trace past --chunk-traces-over, captured with TensorFlow's client: written as
+    .xplane.riegeli by the agent under --allow-root, and by the client itself from the
+    reply's `xplane.riegeli` tool data elsewhere; XProf serves tool data from both."""
+    if run.mode != "agent":
+        raise SkipTest("needs devtrace serve")
+    root = os.path.join(run.workdir, "riegeli-root")
+    address, log = _riegeli_agent(run, root)
+    results = []
+    for label, logdir in (("agent-written", os.path.join(root, "logdir")),
+                          ("client-written", os.path.join(run.workdir, "riegeli-client"))):
+        tf = run.import_tf()
+        try:
+            call_with_timeout(lambda: tf.profiler.experimental.client.trace(
+                "grpc://" + address, logdir, 1000), TRACE_TIMEOUT_S, "client.trace")
+        except CheckFailed:
+            raise
+        except Exception as e:
+            raise CheckFailed("client.trace (%s) raised %s: %s\nagent log:\n%s"
+                              % (label, type(e).__name__, e, tail(log, 15)))
+        files = list_files(logdir)
+        host = address.replace(":", "_")
+        check(len(files) == 1 and files[0][0].endswith(os.sep + host + ".xplane.riegeli"),
+              "%s: expected plugins/profile/<session>/%s.xplane.riegeli, found %s\nagent log:\n%s"
+              % (label, host, files, tail(log, 15)))
+        results.append("%s: %s" % (label, _check_chunked_in_xprof(run, os.path.join(logdir, files[0][0]),
+                                                                  label)))
+    return "; ".join(results)
+
+
+# ---------------------------------------------------------------------------------------
 # The tap: TensorFlow's distributed runtime through `devtrace serve --tap`.
 
 TF_DIST_SERVER_CODE = r"""
@@ -1149,6 +1245,7 @@ TESTS = [
     test_overview_page,
     test_memory_profile,
     test_kernel_stats,
+    test_chunked_trace_in_xprof,
     test_monitor,
     test_grpc_health_and_metrics,
     test_devtrace_capture_against_tf_server,

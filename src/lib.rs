@@ -19,6 +19,7 @@ pub mod event;
 mod fuzz;
 pub mod host_process;
 pub mod registry;
+pub mod riegeli;
 pub mod ring;
 pub mod service;
 pub mod session;

@@ -57,6 +57,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ),
     ("unsent-dir", r#""/var/lib/devtrace/unsent""#),
     ("max-duration", r#""1m""#),
+    ("chunk-traces-over", r#""256MiB""#),
     ("upstream", r#"["grpc://127.0.0.1:9999"]"#),
     ("hostname", r#""worker-7""#),
     ("tap", r#"["127.0.0.1:2223=127.0.0.1:2222"]"#),

@@ -12,8 +12,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::logdir::SessionOutput;
 use crate::client;
 use crate::clock;
-use crate::service::profiler::XPLANE_TOOL;
-use crate::storage::Location;
+use crate::service::profiler::{RIEGELI_TOOL, XPLANE_SUFFIX, XPLANE_TOOL};
+use crate::storage::{Folder, Location};
+use crate::xspace::chunks::RIEGELI_SUFFIX;
 
 #[derive(Debug, Args)]
 pub struct CaptureArgs {
@@ -163,10 +164,20 @@ fn store(captured: Captured) -> anyhow::Result<String> {
         host,
     } = captured;
     if reply.tool_data.is_empty() {
-        // TensorFlow's own server, or an agent allowed to write there,
-        // wrote the file itself.
+        // TensorFlow's own server writes the file itself, as does an agent
+        // allowed to (--allow-root); the agent's is Riegeli chunks when the
+        // trace is large.
+        let chunked = format!("{host}{RIEGELI_SUFFIX}");
+        let is_chunked = Folder::open(&session_dir)
+            .and_then(|folder| folder.files())
+            .is_ok_and(|files| files.contains(&chunked));
+        let name = if is_chunked {
+            chunked
+        } else {
+            format!("{host}{XPLANE_SUFFIX}")
+        };
         eprintln!("the server wrote the trace itself, on its own filesystem or bucket");
-        return Ok(session_dir.join(&format!("{host}.xplane.pb")).to_string());
+        return Ok(session_dir.join(&name).to_string());
     }
     let mut written = None;
     for tool in &reply.tool_data {
@@ -176,11 +187,12 @@ fn store(captured: Captured) -> anyhow::Result<String> {
         let path = output
             .write(&session_id, &format!("{host}.{}", tool.name), &tool.data)
             .map_err(anyhow::Error::msg)?;
-        if tool.name == XPLANE_TOOL {
+        // A large trace comes as Riegeli chunks (`xplane.riegeli`).
+        if tool.name == XPLANE_TOOL || tool.name == RIEGELI_TOOL {
             written = Some(path);
         }
     }
-    written.context("the reply carried no xplane.pb")
+    written.context("the reply carried no trace (xplane.pb or xplane.riegeli)")
 }
 
 fn progress_bar(args: &CaptureArgs, duration_ms: u64) -> Option<ProgressBar> {

@@ -1,14 +1,16 @@
-//! `devtrace inspect`: a summary of an `.xplane.pb` file.
+//! `devtrace inspect`: a summary of a trace file, `.xplane.pb` or the
+//! Riegeli chunks of a large one (`.xplane.riegeli`).
 
 use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::xspace::read::{read_xspace, summarize};
+use crate::xspace::read::{read_trace, summarize};
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// The trace file (`<host>.xplane.pb`).
+    /// The trace file (`<host>.xplane.pb`, or `<host>.xplane.riegeli`,
+    /// whose chunks are merged as XProf merges them).
     pub file: PathBuf,
     /// How many of the heaviest event names to list.
     #[arg(long, default_value_t = 10)]
@@ -16,7 +18,10 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
-    let space = read_xspace(&args.file)?;
-    print!("{}", summarize(&space, args.top));
+    let trace = read_trace(&args.file)?;
+    if trace.chunks != 1 {
+        println!("chunks: {}", trace.chunks);
+    }
+    print!("{}", summarize(&trace.space, args.top));
     Ok(())
 }

@@ -48,7 +48,8 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Capture a trace from a running profiler server into a logdir.
     Capture(CaptureArgs),
-    /// Summarise an .xplane.pb file: planes, lines, events, time span.
+    /// Summarise a trace file (.xplane.pb or .xplane.riegeli): planes,
+    /// lines, events, time span.
     Inspect(InspectArgs),
     /// Profile several hosts at once into one session of a logdir.
     Session(SessionArgs),

@@ -184,6 +184,18 @@ pub struct ServeArgs {
     #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
     pub max_duration: Duration,
 
+    /// Store a trace larger than this (encoded) as Riegeli chunks of XSpace,
+    /// `<host>.xplane.riegeli`, instead of one `.xplane.pb` message, which
+    /// protobuf caps at 2 GiB; XProf 2.23 and later and `devtrace inspect`
+    /// read them. Under --allow-root the agent writes that file; otherwise
+    /// the reply carries it as `xplane.riegeli` tool data (TensorFlow's
+    /// client and `devtrace capture` write it) when the file is within this
+    /// size too. A client that needs the XSpace itself (emit_xspace,
+    /// GetSnapshot) gets RESOURCE_EXHAUSTED saying where the trace was
+    /// written or how to get it. 1KiB to 2GiB - 1.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_chunk_size)]
+    pub chunk_traces_over: usize,
+
     /// An in-process profiler server (TensorFlow's or JAX's, or another
     /// devtrace) whose trace every capture folds in, over the same window
     /// (repeatable), e.g. `--upstream grpc://127.0.0.1:9999`. Reached with
@@ -229,6 +241,16 @@ fn parse_ring_size(text: &str) -> Result<u32, String> {
         ));
     }
     Ok(bytes as u32)
+}
+
+fn parse_chunk_size(text: &str) -> Result<usize, String> {
+    let bytes = super::parse_size(text)?;
+    if !(1 << 10..=i32::MAX as usize).contains(&bytes) {
+        return Err(format!(
+            "{bytes} bytes; chunking starts between 1KiB and 2GiB - 1 (one protobuf message)"
+        ));
+    }
+    Ok(bytes)
 }
 
 fn parse_comm(text: &str) -> Result<String, String> {
@@ -339,6 +361,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             upstreams: args.upstreams.clone(),
             client: client_config.clone(),
             telemetry,
+            chunk_traces_over: args.chunk_traces_over,
             ..ServiceConfig::default()
         },
     ));

@@ -30,6 +30,7 @@ use crate::proto::tensorflow::{
 use crate::session;
 use crate::store::Window;
 use crate::telemetry::Telemetry;
+use crate::xspace::chunks::{ChunkedTrace, RIEGELI_SUFFIX};
 use crate::xspace::{self, CaptureInfo, Encoded};
 
 use crate::storage::{Folder, StorageError};
@@ -39,8 +40,15 @@ use super::validate::{self, invalid};
 
 /// Name of the tool entry that carries the trace back to the client.
 pub const XPLANE_TOOL: &str = "xplane.pb";
+/// Name of the tool entry that carries a chunked trace back (the client
+/// writes it as `<host>.xplane.riegeli`).
+pub const RIEGELI_TOOL: &str = "xplane.riegeli";
 /// Suffix of trace files in a repository.
 pub const XPLANE_SUFFIX: &str = ".xplane.pb";
+/// Traces larger than this are stored as Riegeli chunks unless configured
+/// otherwise: well below protobuf's 2 GiB, so that replies that still carry
+/// one message stay readable by every client.
+pub const DEFAULT_CHUNK_TRACES_OVER: usize = 1 << 30;
 
 /// Operator settings of the service.
 #[derive(Clone, Debug)]
@@ -59,6 +67,9 @@ pub struct ServiceConfig {
     pub client: client::ClientConfig,
     /// Health and metrics of the server these services run in.
     pub telemetry: Arc<Telemetry>,
+    /// Size of an encoded trace above which it is stored as Riegeli chunks
+    /// (`<host>.xplane.riegeli`) instead of one XSpace message.
+    pub chunk_traces_over: usize,
 }
 
 impl Default for ServiceConfig {
@@ -71,6 +82,7 @@ impl Default for ServiceConfig {
             upstreams: Vec::new(),
             client: client::ClientConfig::default(),
             telemetry: Telemetry::new(),
+            chunk_traces_over: DEFAULT_CHUNK_TRACES_OVER,
         }
     }
 }
@@ -470,10 +482,22 @@ impl ProfilerService {
         })
     }
 
-    /// Delivers a built trace the way the request asked: inline XSpace, a file
-    /// under an allowed root, or `tool_data` for the client to write. A trace
-    /// the agent fails to write goes to the client instead, saying why.
-    async fn respond(&self, plan: &Plan, mut encoded: Encoded) -> Result<ProfileResponse, Status> {
+    /// Delivers the built trace of `window` the way the request asked:
+    /// inline XSpace, a file under an allowed root, or `tool_data` for the
+    /// client to write. A trace the agent fails to write goes to the client
+    /// instead, saying why. A trace over `--chunk-traces-over` goes as
+    /// Riegeli chunks ([`Self::respond_chunked`]).
+    async fn respond(
+        &self,
+        plan: &Plan,
+        window: Window,
+        mut encoded: Encoded,
+    ) -> Result<ProfileResponse, Status> {
+        if encoded.bytes.len() > self.config.chunk_traces_over {
+            return self
+                .respond_chunked(plan, window, encoded, plan.emit_xspace)
+                .await;
+        }
         let empty_trace = encoded.events == 0;
         if plan.emit_xspace {
             return Ok(ProfileResponse {
@@ -484,36 +508,108 @@ impl ProfilerService {
         }
         if let Some(root) = self.server_side_root(plan) {
             let written;
-            (written, encoded.bytes) = write_trace(root, plan, encoded.bytes).await?;
+            (written, encoded.bytes) =
+                write_trace(root, plan, XPLANE_SUFFIX, encoded.bytes).await?;
             match written {
-                Ok(path) => {
-                    info!(%path, bytes = encoded.bytes.len(), "trace written");
-                    return Ok(ProfileResponse {
-                        tool_data: Vec::new(),
-                        empty_trace,
-                        xspace: None,
-                    });
-                }
-                Err(error) => {
-                    warn!(%error, "trace not written; returning it to the client instead");
-                    xspace::append_warning(
-                        &mut encoded,
-                        &format!(
-                            "the agent could not write this trace under repository_root ({error}); \
-                             it was returned to the client instead"
-                        ),
-                    );
-                }
+                Ok(_) => return Ok(written_reply(empty_trace)),
+                Err(error) => xspace::append_warning(&mut encoded, &unwritten_warning(&error)),
             }
         }
-        Ok(ProfileResponse {
-            tool_data: vec![ProfileToolData {
-                name: XPLANE_TOOL.to_string(),
-                data: encoded.bytes,
-            }],
-            empty_trace,
-            xspace: None,
-        })
+        Ok(tool_reply(XPLANE_TOOL, encoded.bytes, empty_trace))
+    }
+
+    /// Delivers a trace too large for one message (over
+    /// `--chunk-traces-over`) as Riegeli chunks of XSpace: written as
+    /// `<host>.xplane.riegeli` where the agent writes traces, else returned
+    /// as `xplane.riegeli` tool data when the file is within the limit. A
+    /// client that needs the XSpace itself (`needs_xspace`: emit_xspace,
+    /// GetSnapshot), or whose trace is too large even chunked, gets
+    /// RESOURCE_EXHAUSTED saying where the trace was written, or how to
+    /// get it.
+    async fn respond_chunked(
+        &self,
+        plan: &Plan,
+        window: Window,
+        encoded: Encoded,
+        needs_xspace: bool,
+    ) -> Result<ProfileResponse, Status> {
+        let limit = self.config.chunk_traces_over;
+        let size = encoded.bytes.len();
+        let empty_trace = encoded.events == 0;
+        let failed = |e: &dyn std::fmt::Display| {
+            Status::internal(format!("storing the trace as Riegeli chunks failed: {e}"))
+        };
+        let mut chunked =
+            tokio::task::spawn_blocking(move || ChunkedTrace::encode(&encoded.bytes, limit))
+                .await
+                .map_err(|e| failed(&e))?
+                .map_err(|e| failed(&e))?;
+        info!(
+            bytes = size,
+            chunks = chunked.chunks(),
+            file_bytes = chunked.bytes().len(),
+            "trace over --chunk-traces-over stored as Riegeli chunks"
+        );
+        let mut not_written = None;
+        if let Some(root) = self.server_side_root(plan) {
+            let written;
+            (written, chunked) = write_trace(root, plan, RIEGELI_SUFFIX, chunked).await?;
+            match written {
+                Ok(path) if needs_xspace => {
+                    return Err(Status::resource_exhausted(format!(
+                        "this capture's trace is {size} bytes, more than one XSpace may hold \
+                         (--chunk-traces-over is {limit} bytes); the agent wrote it as {} \
+                         (Riegeli chunks of XSpace, which XProf 2.23 and later and \
+                         `devtrace inspect` read)",
+                        path
+                    )));
+                }
+                Ok(_) => return Ok(written_reply(empty_trace)),
+                Err(error) => not_written = Some(error),
+            }
+        }
+        if !needs_xspace && chunked.bytes().len() <= limit {
+            if let Some(error) = &not_written {
+                chunked
+                    .append_warning(&unwritten_warning(error))
+                    .map_err(|e| failed(&e))?;
+            }
+            return Ok(tool_reply(RIEGELI_TOOL, chunked.into_bytes(), empty_trace));
+        }
+        let why = if needs_xspace {
+            "the request asks for it as one XSpace (emit_xspace, or GetSnapshot), which \
+             cannot hold it"
+                .to_string()
+        } else {
+            format!(
+                "even as compressed Riegeli chunks it is {} bytes, too large to return",
+                chunked.bytes().len()
+            )
+        };
+        let failure = not_written.map_or_else(String::new, |error| {
+            format!(" Writing it under repository_root failed: {error}.")
+        });
+        let roots = self.config.allowed_roots.roots();
+        let where_to = if roots.is_empty() {
+            "from an agent started with --allow-root DIR (or a bucket URL), with \
+             repository_root inside it"
+                .into()
+        } else {
+            let roots: Vec<String> = roots.iter().map(|r| r.to_string()).collect();
+            format!(
+                "with repository_root inside a directory or bucket prefix this agent writes ({})",
+                roots.join(", ")
+            )
+        };
+        Err(Status::resource_exhausted(format!(
+            "this capture's trace is {size} bytes, over --chunk-traces-over ({limit} bytes), and \
+             {why}.{failure} To get the whole trace, ask for the same window again \
+             (opts.start_timestamp_ns {}, opts.duration_ms {}) while the flight recorder still \
+             holds it, {where_to} and emit_xspace unset: the agent then writes it as \
+             <repository_root>/<session>/<host>.xplane.riegeli, which XProf reads.",
+            window.start_ns,
+            window.duration_ns().div_ceil(1_000_000)
+        )))
     }
 
     /// The repository root to write into, when the request's lies inside an
@@ -532,25 +628,62 @@ impl ProfilerService {
     }
 }
 
-/// Writes a capture's trace as `<root>/<session>/<host>.xplane.pb`, off
-/// the async runtime (a disk write or an upload); hands the bytes back
-/// with where they went or why not.
-async fn write_trace(
+/// Writes a capture's trace file, `<root>/<session>/<host><suffix>` (one
+/// XSpace, `.xplane.pb`, or its Riegeli chunks, `.xplane.riegeli`), off the
+/// async runtime (a disk write or an upload); hands the bytes back with
+/// where they went or why not.
+async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
     root: Folder,
     plan: &Plan,
-    bytes: Vec<u8>,
-) -> Result<(Result<String, StorageError>, Vec<u8>), Status> {
+    suffix: &'static str,
+    bytes: B,
+) -> Result<(Result<String, StorageError>, B), Status> {
     let session_id = plan.session_id.clone();
     let generated = plan.generated_session_id;
-    let file_name = format!("{}{XPLANE_SUFFIX}", plan.file_host);
-    tokio::task::spawn_blocking(move || {
+    let file_name = format!("{}{suffix}", plan.file_host);
+    let (written, bytes) = tokio::task::spawn_blocking(move || {
         let written = root
             .create_session(&session_id, generated)
-            .and_then(|(session, _)| session.write(&file_name, &bytes));
+            .and_then(|(session, _)| session.write(&file_name, bytes.as_ref()));
         (written, bytes)
     })
     .await
-    .map_err(|e| Status::internal(format!("writing the trace failed: {e}")))
+    .map_err(|e| Status::internal(format!("writing the trace failed: {e}")))?;
+    match &written {
+        Ok(path) => info!(%path, bytes = bytes.as_ref().len(), "trace written"),
+        Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
+    }
+    Ok((written, bytes))
+}
+
+/// The reply to a capture whose trace the agent wrote itself.
+fn written_reply(empty_trace: bool) -> ProfileResponse {
+    ProfileResponse {
+        tool_data: Vec::new(),
+        empty_trace,
+        xspace: None,
+    }
+}
+
+/// The reply carrying a trace as tool data `name`, which the client writes
+/// as `<host>.<name>`.
+fn tool_reply(name: &str, data: Vec<u8>, empty_trace: bool) -> ProfileResponse {
+    ProfileResponse {
+        tool_data: vec![ProfileToolData {
+            name: name.to_string(),
+            data,
+        }],
+        empty_trace,
+        xspace: None,
+    }
+}
+
+/// The warning a trace the agent failed to write carries to the client.
+fn unwritten_warning(error: &StorageError) -> String {
+    format!(
+        "the agent could not write this trace under repository_root ({error}); \
+         it was returned to the client instead"
+    )
 }
 
 /// Mean sampled SM utilisation over all GPUs, when a counter backend reports it.
@@ -713,7 +846,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             }
         };
         let encoded = self.build_with(&plan, window, remote).await?;
-        let reply = self.respond(&plan, encoded).await?;
+        let reply = self.respond(&plan, window, encoded).await?;
         self.capture_ready("Profile", window);
         Ok(Response::new(reply))
     }
@@ -915,12 +1048,15 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             plan.generated_session_id = false;
         }
         let mut encoded = self.build(&plan, plan.window).await?;
+        if encoded.bytes.len() > self.config.chunk_traces_over {
+            let reply = self
+                .respond_chunked(&plan, plan.window, encoded, true)
+                .await?;
+            return Ok(Response::new(reply));
+        }
         if let Some(root) = self.server_side_root(&plan) {
-            let written;
-            (written, encoded.bytes) = write_trace(root, &plan, encoded.bytes).await?;
-            if let Err(error) = written {
-                warn!(%error, "snapshot not written; returned inline only");
-            }
+            // A failure is logged; the snapshot goes inline either way.
+            (_, encoded.bytes) = write_trace(root, &plan, XPLANE_SUFFIX, encoded.bytes).await?;
         }
         let reply = ProfileResponse {
             tool_data: Vec::new(),

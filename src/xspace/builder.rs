@@ -41,7 +41,7 @@ pub struct CaptureInfo {
 }
 
 /// Field numbers of xplane.proto.
-mod field {
+pub(super) mod field {
     pub const SPACE_PLANES: u32 = 1;
     pub const SPACE_ERRORS: u32 = 2;
     pub const SPACE_WARNINGS: u32 = 3;

@@ -143,13 +143,13 @@ fn add_stat(plane: &mut XPlane, name: &str, value: &str) {
 /// Hands out ids that no existing entry of a metadata map uses, nor any
 /// id handed out before: upstream ids of any value (negative, sparse, at
 /// the top of the range) can never land on ours.
-struct FreshIds {
+pub(super) struct FreshIds {
     taken: std::collections::HashSet<i64>,
     next: i64,
 }
 
 impl FreshIds {
-    fn new(taken: impl IntoIterator<Item = i64>) -> FreshIds {
+    pub(super) fn new(taken: impl IntoIterator<Item = i64>) -> FreshIds {
         let taken: std::collections::HashSet<i64> = taken.into_iter().collect();
         let next = taken
             .iter()
@@ -158,7 +158,7 @@ impl FreshIds {
         FreshIds { taken, next }
     }
 
-    fn next(&mut self) -> i64 {
+    pub(super) fn next(&mut self) -> i64 {
         while self.taken.contains(&self.next) {
             self.next = self.next.checked_add(1).unwrap_or(i64::MIN);
         }

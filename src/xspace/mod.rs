@@ -1,7 +1,9 @@
-//! XSpace: building it from events, the conventions XProf relies on, and
-//! reading it back for `devtrace inspect` and tests.
+//! XSpace: building it from events, the conventions XProf relies on,
+//! storing traces past protobuf's 2 GiB as chunks, and reading them back
+//! for `devtrace inspect` and tests.
 
 pub mod builder;
+pub mod chunks;
 pub mod conventions;
 pub mod merge;
 pub mod read;

@@ -1,5 +1,6 @@
-//! Reading an XSpace back: decoding a `.xplane.pb` file and summarising it
-//! (planes, lines, event counts, time span, heaviest events).
+//! Reading an XSpace back: decoding a `.xplane.pb` or `.xplane.riegeli`
+//! file and summarising it (planes, lines, event counts, time span,
+//! heaviest events).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -21,17 +22,47 @@ pub enum ReadError {
         path: String,
         source: prost::DecodeError,
     },
+    #[error("{path} is not a chunked trace (.xplane.riegeli): {source}")]
+    Chunked {
+        path: String,
+        source: super::chunks::ChunkError,
+    },
 }
 
-/// Reads and decodes an `.xplane.pb` file a local user named (`devtrace
-/// inspect`); files a client names are read beneath their allowed root and
-/// decoded with [`decode_xspace`].
-pub fn read_xspace(path: &Path) -> Result<XSpace, ReadError> {
+/// A trace file as read: its XSpace, and how many chunks it was stored in
+/// (1 for `.xplane.pb`).
+pub struct TraceFile {
+    pub space: XSpace,
+    pub chunks: usize,
+}
+
+/// Reads a trace file a local user named (`devtrace inspect`): an
+/// `.xplane.riegeli` file has its chunks merged, any other is decoded as
+/// one XSpace. Files a client names are read beneath their allowed root
+/// and decoded with [`decode_xspace`].
+pub fn read_trace(path: &Path) -> Result<TraceFile, ReadError> {
     let bytes = std::fs::read(path).map_err(|source| ReadError::Io {
         path: path.display().to_string(),
         source,
     })?;
-    decode_xspace(&bytes, path)
+    let chunked = path
+        .file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| name.ends_with(super::chunks::RIEGELI_SUFFIX));
+    if !chunked {
+        let space = decode_xspace(&bytes, path)?;
+        return Ok(TraceFile { space, chunks: 1 });
+    }
+    let (space, chunks) = super::chunks::decode(&bytes).map_err(|source| ReadError::Chunked {
+        path: path.display().to_string(),
+        source,
+    })?;
+    Ok(TraceFile { space, chunks })
+}
+
+/// The XSpace of a trace file, as [`read_trace`] reads it.
+pub fn read_xspace(path: &Path) -> Result<XSpace, ReadError> {
+    Ok(read_trace(path)?.space)
 }
 
 /// Decodes the bytes of the `.xplane.pb` file at `path` (named in errors).
@@ -256,7 +287,7 @@ impl fmt::Display for Summary {
 pub struct Malformed(String);
 
 impl Malformed {
-    fn new(what: &str) -> Malformed {
+    pub(super) fn new(what: &str) -> Malformed {
         Malformed(what.to_string())
     }
 }
@@ -282,13 +313,13 @@ pub fn plane_names(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
     Ok(names)
 }
 
-enum WireValue<'b> {
+pub(super) enum WireValue<'b> {
     Scalar,
     Bytes(&'b [u8]),
 }
 
 /// Walks the top-level fields of one protobuf message.
-struct WireReader<'b>(&'b [u8]);
+pub(super) struct WireReader<'b>(pub(super) &'b [u8]);
 
 impl<'b> WireReader<'b> {
     fn varint(&mut self) -> Result<u64, Malformed> {
@@ -316,7 +347,7 @@ impl<'b> WireReader<'b> {
         Ok(taken)
     }
 
-    fn next_field(&mut self) -> Result<Option<(u64, WireValue<'b>)>, Malformed> {
+    pub(super) fn next_field(&mut self) -> Result<Option<(u64, WireValue<'b>)>, Malformed> {
         if self.0.is_empty() {
             return Ok(None);
         }

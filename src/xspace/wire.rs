@@ -117,6 +117,13 @@ impl Writer {
         self.double(second_field, second);
     }
 
+    /// The key and length of a nested message whose `length` bytes of
+    /// fields follow (written with [`Writer::raw`] and the like).
+    pub fn message_prefix(&mut self, field: u32, length: usize) {
+        self.key(field, WIRE_LEN);
+        self.varint(length as u64);
+    }
+
     /// Bytes that are already encoded fields of the current message.
     pub fn raw(&mut self, encoded: &[u8]) {
         self.buf.extend_from_slice(encoded);
@@ -155,7 +162,7 @@ impl Writer {
     }
 }
 
-fn varint_len(value: u64) -> usize {
+pub(super) fn varint_len(value: u64) -> usize {
     (64 - (value | 1).leading_zeros() as usize).div_ceil(7)
 }
 
