@@ -3,6 +3,7 @@
 //! (`<repository_root>/<session>/<host>.xplane.pb`). Used by the
 //! ProfileAnalysis service and by `devtrace session` / `devtrace sessions`.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -13,6 +14,7 @@ use tokio::task::JoinSet;
 use crate::client::{self, ClientConfig, Target};
 use crate::proto::tensorflow::ProfileRequest;
 use crate::storage::{Folder, StorageError};
+use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::conventions;
 use crate::xspace::read::plane_names;
 
@@ -141,13 +143,14 @@ pub fn list_sessions(root: &Folder) -> Result<Vec<SessionInfo>, StorageError> {
     for subfolder in root.subfolders()? {
         let session = root.join(&subfolder.name);
         // Removed or swapped for a link since it was listed: not a session.
-        let Ok(hosts) = session_hosts(&session) else {
+        let Ok(traces) = session_traces(&session) else {
             continue;
         };
-        if hosts.is_empty() {
+        if traces.is_empty() {
             continue;
         }
-        let tools = session_tools(&session, &hosts);
+        let tools = session_tools(&session, &traces);
+        let hosts = traces.into_keys().collect();
         sessions.push(SessionInfo {
             session_id: subfolder.name,
             hosts,
@@ -163,34 +166,52 @@ pub fn list_sessions(root: &Folder) -> Result<Vec<SessionInfo>, StorageError> {
     Ok(sessions)
 }
 
-/// Hosts with a trace in a session directory, sorted. A link or FIFO named
-/// like a trace counts, so that asking for it is refused by name.
-pub fn session_hosts(session: &Folder) -> Result<Vec<String>, StorageError> {
-    let mut hosts = Vec::new();
+/// The trace file of each host in a session directory, by host:
+/// `<host>.xplane.pb`, or for a trace too large for one XSpace
+/// `<host>.xplane.riegeli` (the `.pb` when both are there). A link or FIFO
+/// named like a trace counts, so that asking for it is refused by name.
+pub fn session_traces(session: &Folder) -> Result<BTreeMap<String, String>, StorageError> {
+    let mut traces = BTreeMap::new();
     for name in session.files()? {
-        if let Some(host) = name.strip_suffix(XPLANE_SUFFIX) {
-            if !host.is_empty() && !host.starts_with('.') {
-                hosts.push(host.to_string());
+        let whole = name.ends_with(XPLANE_SUFFIX);
+        let host = name
+            .strip_suffix(XPLANE_SUFFIX)
+            .or_else(|| name.strip_suffix(RIEGELI_SUFFIX));
+        if let Some(host) = host.filter(|h| !h.is_empty() && !h.starts_with('.')) {
+            let file = traces
+                .entry(host.to_string())
+                .or_insert_with(|| name.clone());
+            if whole {
+                *file = name.clone();
             }
         }
     }
-    hosts.sort();
-    Ok(hosts)
+    Ok(traces)
 }
 
-/// The trace file name of `host` in a session.
-pub fn host_file(host: &str) -> String {
-    format!("{host}{XPLANE_SUFFIX}")
+/// Hosts with a trace in a session directory, sorted.
+pub fn session_hosts(session: &Folder) -> Result<Vec<String>, StorageError> {
+    Ok(session_traces(session)?.into_keys().collect())
 }
 
-fn session_tools(session: &Folder, hosts: &[String]) -> Vec<String> {
+/// The planes of a session's trace file `file`, by its suffix.
+fn trace_planes(file: &str, bytes: &[u8]) -> Vec<String> {
+    if file.ends_with(RIEGELI_SUFFIX) {
+        return crate::xspace::chunks::decode(bytes)
+            .map(|(space, _)| space.planes.into_iter().map(|p| p.name).collect())
+            .unwrap_or_default();
+    }
+    plane_names(bytes).unwrap_or_default()
+}
+
+fn session_tools(session: &Folder, traces: &BTreeMap<String, String>) -> Vec<String> {
     let mut tools: Vec<String> = BASE_TOOLS.iter().map(|t| t.to_string()).collect();
     let (mut host_plane, mut gpu_plane) = (false, false);
-    for host in hosts {
-        let Ok(bytes) = session.read(&host_file(host)) else {
+    for file in traces.values() {
+        let Ok(bytes) = session.read(file) else {
             continue;
         };
-        for name in plane_names(&bytes).unwrap_or_default() {
+        for name in trace_planes(file, &bytes) {
             host_plane |= name == conventions::HOST_PLANE;
             gpu_plane |= name.starts_with("/device:GPU:");
         }
@@ -246,6 +267,11 @@ pub enum ToolDataError {
     UnknownHost { host: String, hosts: Vec<String> },
     #[error("host_name: {tool} returns one host's file; name one of: {}", hosts.join(", "))]
     NeedsHost { tool: String, hosts: Vec<String> },
+    #[error(
+        "host_name: this host's trace is stored as Riegeli chunks ({file}), too large for one \
+         XSpace; read that file itself (XProf 2.23 and later, devtrace inspect)"
+    )]
+    Chunked { file: String },
     #[error("session_id: no traces in {path}")]
     EmptySession { path: String },
     #[error("parameters[{name}]: {reason}")]
@@ -310,7 +336,8 @@ pub fn tool_data(
             tool: tool.to_string(),
         });
     }
-    let hosts = session_hosts(session)?;
+    let traces = session_traces(session)?;
+    let hosts: Vec<String> = traces.keys().cloned().collect();
     if hosts.is_empty() {
         return Err(ToolDataError::EmptySession {
             path: session.display(),
@@ -342,8 +369,13 @@ pub fn tool_data(
                 hosts,
             });
         }
-        let bytes = session.read(&host_file(&selected[0]))?;
-        return Ok(ToolOutput::Blob(bytes));
+        let file = &traces[&selected[0]];
+        if file.ends_with(RIEGELI_SUFFIX) {
+            return Err(ToolDataError::Chunked {
+                file: format!("{}/{file}", session.display()),
+            });
+        }
+        return Ok(ToolOutput::Blob(session.read(file)?));
     }
     let viewer = tools::trace_viewer::TraceViewerOptions {
         start_time_ms: parameter(parameters, "start_time_ms")?,
@@ -354,10 +386,10 @@ pub fn tool_data(
     let top: usize = parameter(parameters, "top")?.unwrap_or(10);
     let mut per_host = Vec::with_capacity(selected.len());
     for name in &selected {
-        let file = host_file(name);
-        let bytes = session.read(&file)?;
+        let file = &traces[name];
+        let bytes = session.read(file)?;
         let shown = PathBuf::from(format!("{}/{file}", session.display()));
-        let space = crate::xspace::read::decode_xspace(&bytes, &shown)?;
+        let space = crate::xspace::read::decode_trace(&bytes, &shown)?.space;
         let json = match tool {
             "trace_viewer" => tools::trace_viewer::trace_viewer(&space, &viewer)?.to_json(),
             "memory_profile" => tools::memory_profile::memory_profile_json(&space)?,

@@ -119,6 +119,47 @@ async fn a_large_trace_is_written_as_riegeli_chunks_under_an_allowed_root() {
     );
     assert!(text.contains("plane /device:GPU:0"), "{text}");
 
+    // `sessions` lists it with its host and tools; `tool` reads its chunks.
+    let logdir = allowed.join("logs");
+    let devtrace = |args: &[&str]| {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let logdir_arg = logdir.to_str().unwrap();
+    let listing = devtrace(&["sessions", logdir_arg]);
+    let line = listing
+        .lines()
+        .find(|l| l.starts_with("big\t"))
+        .unwrap_or_else(|| panic!("{listing}"));
+    assert!(
+        line.contains("10.0.0.2_8466") && line.contains("kernel_stats"),
+        "{line}"
+    );
+    let overview = devtrace(&["tool", logdir_arg, "big", "overview"]);
+    assert!(overview.contains("\"hosts\""), "{overview}");
+    let out = Command::new(BIN)
+        .args([
+            "tool",
+            logdir_arg,
+            "big",
+            "xplane",
+            "--host",
+            "10.0.0.2:8466",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Riegeli chunks"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // A client that needs the XSpace itself learns where the trace went.
     let mut needs_xspace = inside(&allowed, "inline");
     needs_xspace.emit_xspace = true;

@@ -149,7 +149,9 @@ fn tool_status(error: ToolDataError) -> Status {
         }
         ToolDataError::Storage(error) => storage_status(&error, message),
         ToolDataError::Read(_) => Status::internal(message),
-        ToolDataError::Tool(_) => Status::failed_precondition(message),
+        ToolDataError::Tool(_) | ToolDataError::Chunked { .. } => {
+            Status::failed_precondition(message)
+        }
     }
 }
 

@@ -45,15 +45,21 @@ pub fn read_trace(path: &Path) -> Result<TraceFile, ReadError> {
         path: path.display().to_string(),
         source,
     })?;
+    decode_trace(&bytes, path)
+}
+
+/// Decodes the bytes of the trace file at `path` (named in errors), by its
+/// suffix: Riegeli chunks merged for `.xplane.riegeli`, one XSpace otherwise.
+pub fn decode_trace(bytes: &[u8], path: &Path) -> Result<TraceFile, ReadError> {
     let chunked = path
         .file_name()
         .and_then(|name| name.to_str())
         .is_some_and(|name| name.ends_with(super::chunks::RIEGELI_SUFFIX));
     if !chunked {
-        let space = decode_xspace(&bytes, path)?;
+        let space = decode_xspace(bytes, path)?;
         return Ok(TraceFile { space, chunks: 1 });
     }
-    let (space, chunks) = super::chunks::decode(&bytes).map_err(|source| ReadError::Chunked {
+    let (space, chunks) = super::chunks::decode(bytes).map_err(|source| ReadError::Chunked {
         path: path.display().to_string(),
         source,
     })?;
