@@ -79,7 +79,7 @@ pub fn split_port(text: &str) -> Option<(&str, &str)> {
 }
 
 /// How an address asks to be reached.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Scheme {
     /// `host:port`: TLS when this side has TLS settings, else plaintext.
     Unspecified,
@@ -92,7 +92,7 @@ pub enum Scheme {
 }
 
 /// A profiler server to call: `host:port` (or a socket path) and how.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Target {
     /// `host:port`, or the socket's path for [`Scheme::Unix`].
     pub address: String,

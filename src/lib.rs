@@ -17,6 +17,7 @@ pub mod collect;
 pub mod event;
 #[cfg(test)]
 mod fuzz;
+pub mod hosts;
 pub mod registry;
 pub mod ring;
 pub mod service;
