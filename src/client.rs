@@ -191,7 +191,7 @@ fn describe_transport(error: &tonic::transport::Error, tls: bool) -> String {
 }
 
 /// `text` followed by every cause of `error` that it does not already end with.
-fn with_causes(mut text: String, error: &dyn std::error::Error) -> String {
+pub(crate) fn with_causes(mut text: String, error: &dyn std::error::Error) -> String {
     let mut source = error.source();
     while let Some(cause) = source {
         let cause_text = cause.to_string();
@@ -240,7 +240,18 @@ pub enum CallError {
 }
 
 impl Connection {
-    fn call_error(&self, status: Status) -> CallError {
+    /// The channel, for calls made without tonic's codec (the session
+    /// fan-out's, which writes the trace out as it arrives).
+    pub(crate) fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
+    pub(crate) fn max_reply_bytes(&self) -> usize {
+        self.max_reply_bytes
+    }
+
+    /// A call's failure as the server's status says it.
+    pub(crate) fn call_error(&self, status: Status) -> CallError {
         // tonic refuses an oversized message with OUT_OF_RANGE and "found N
         // bytes" before reading its body.
         let message = status.message();

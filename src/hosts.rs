@@ -14,6 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use hickory_resolver::config::{LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig};
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
@@ -129,6 +130,11 @@ impl HostList {
     /// Adds every entry of `text` (comma-separated, outside brackets).
     pub fn add(&mut self, text: &str) -> Result<(), HostsError> {
         self.add_list(text, false)
+    }
+
+    /// The entries so far.
+    pub fn entries(&self) -> &[HostEntry] {
+        &self.entries
     }
 
     /// The entries, or [`HostsError::NoHosts`] when every list was blank.
@@ -529,13 +535,15 @@ pub struct Resolved {
     pub failures: Vec<(String, String)>,
 }
 
-/// Resolves the `dns:` entries (concurrently) and drops repeated hosts. A
-/// name that cannot be resolved, or whose answer would take the list past
-/// `limit` hosts, is a failure of that entry; the others stand.
+/// Resolves the `dns:` entries (concurrently, each within `within`) and
+/// drops repeated hosts. A name that cannot be resolved in time, or whose
+/// answer would take the list past `limit` hosts, is a failure of that
+/// entry; the others stand.
 pub async fn resolve(
     entries: Vec<HostEntry>,
     resolver: &Arc<HostResolver>,
     limit: usize,
+    within: Duration,
 ) -> Resolved {
     let mut lookups = tokio::task::JoinSet::new();
     let mut names: Vec<&str> = Vec::new();
@@ -545,7 +553,14 @@ pub async fn resolve(
                 names.push(name);
                 let (resolver, name) = (Arc::clone(resolver), name.clone());
                 lookups.spawn(async move {
-                    let answer = resolver.lookup(&name).await;
+                    let answer = tokio::time::timeout(within, resolver.lookup(&name))
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(format!(
+                                "no answer for {name} within {:.1} s",
+                                within.as_secs_f64()
+                            ))
+                        });
                     (name, answer)
                 });
             }
@@ -864,7 +879,13 @@ mod tests {
         let mut hosts = HostList::new(Origin::Peer, 6009, 8);
         hosts.add("a,b,a,grpc://a,c").unwrap();
         let resolver = Arc::new(HostResolver::default());
-        let resolved = resolve(hosts.finish().unwrap(), &resolver, 3).await;
+        let resolved = resolve(
+            hosts.finish().unwrap(),
+            &resolver,
+            3,
+            Duration::from_secs(1),
+        )
+        .await;
         let targets: Vec<String> = resolved.targets.iter().map(|t| t.to_string()).collect();
         // grpc://a is the same address asked for in plaintext: another target.
         assert_eq!(targets, ["a:6009", "b:6009", "a:6009"]);

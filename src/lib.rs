@@ -23,6 +23,7 @@ pub mod ring;
 pub mod service;
 pub mod session;
 pub mod store;
+pub mod streaming;
 pub mod tap;
 pub mod telemetry;
 pub mod tls;
