@@ -149,10 +149,12 @@ pub async fn fan_out(
         let concurrency = plan.concurrent_hosts;
         tasks.spawn(async move {
             tokio::time::sleep(crate::clock::until(start_ns)).await;
-            let result = match tokio::time::timeout_at(session_end, slots.acquire_owned()).await {
-                Ok(Ok(_slot)) => {
-                    let left = session_end.saturating_duration_since(Instant::now());
-                    capture_host_to_file(&target, &request, left, &client, sink).await
+            let slot = tokio::time::timeout_at(session_end, slots.acquire_owned()).await;
+            // A slot freed by a host that ran out of time comes when no time
+            // is left: nothing is called then.
+            let result = match slot {
+                Ok(Ok(_slot)) if Instant::now() < session_end => {
+                    capture_host_to_file(&target, &request, session_end, &client, sink).await
                 }
                 _ => Err(HostError::NoSlot(concurrency)),
             };
@@ -170,15 +172,16 @@ pub async fn fan_out(
     outcomes.into_iter().map(|(_, outcome)| outcome).collect()
 }
 
-/// Captures one host into `sink` within `deadline`: where its trace was
-/// written, `None` for an empty trace, or why not.
+/// Captures one host into `sink` by `until`: where its trace was written,
+/// `None` for an empty trace, or why not.
 async fn capture_host_to_file(
     target: &Target,
     request: &ProfileRequest,
-    deadline: Duration,
+    until: Instant,
     config: &ClientConfig,
     sink: Arc<dyn TraceSink>,
 ) -> Result<Option<PathBuf>, HostError> {
+    let deadline = until.saturating_duration_since(Instant::now());
     let call = async {
         // The channel's own timeout is a backstop: the timeout below fires
         // first and says which deadline passed.
@@ -188,7 +191,7 @@ async fn capture_host_to_file(
         let file_name = host_file_name(&target.to_string());
         Ok(streaming::profile_to_file(&connection, request, sink, &file_name).await?)
     };
-    match tokio::time::timeout(deadline, call).await {
+    match tokio::time::timeout_at(until, call).await {
         Ok(result) => result,
         Err(_) => Err(HostError::Deadline(deadline)),
     }
