@@ -108,25 +108,41 @@ pub async fn profile_to_file(
             head.status
         )));
     }
+    let refused = |status| connection.call_error(status);
+    let trace = read_reply(body, connection.max_reply_bytes(), sink, file_name, refused).await?;
+    match trace {
+        Some(file) => blocking(move || file.commit()).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Reads a reply's body: its trace written through `sink` as `file_name`,
+/// not yet committed, or `None` when the reply holds none or says it is
+/// empty. A status other than OK in the trailers is turned into an error by
+/// `refused`, whatever the body held.
+pub(crate) async fn read_reply(
+    body: tonic::body::Body,
+    limit: usize,
+    sink: Arc<dyn TraceSink>,
+    file_name: &str,
+    refused: impl Fn(Status) -> CallError,
+) -> Result<Option<Box<dyn TraceFile>>, ReceiveError> {
     let mut reader = Reader::new(body);
     let mut trace = TraceOut::new(sink, file_name);
-    let received = receive(&mut reader, connection.max_reply_bytes(), &mut trace).await;
+    let received = receive(&mut reader, limit, &mut trace).await;
     let status = match &received {
         Ok(_) => reader.status().await,
         Err(_) => Ok(reader.trailers.as_ref().and_then(Status::from_header_map)),
     };
-    // The status outranks whatever the body looked like.
     if let Ok(Some(status)) = &status {
         if status.code() != Code::Ok {
-            return Err(connection.call_error(status.clone()).into());
+            return Err(refused(status.clone()).into());
         }
     }
     let empty = received?;
     status?.ok_or_else(|| ReceiveError::Malformed("no grpc-status in the trailers".into()))?;
-    match trace.finish().await? {
-        Some(file) if !empty => blocking(move || file.commit()).await.map(Some),
-        _ => Ok(None),
-    }
+    let file = trace.finish().await?;
+    Ok(file.filter(|_| !empty))
 }
 
 /// `request` as one uncompressed gRPC message.
@@ -446,5 +462,262 @@ impl Reader {
             }
         }
         Ok(self.trailers.as_ref().and_then(Status::from_header_map))
+    }
+}
+
+/// Stand-ins for a session's files and a server's reply body, for the
+/// tests here and the fuzz target of replies.
+#[cfg(test)]
+pub(crate) mod stand_in {
+    use super::*;
+    use http_body::Frame;
+    use parking_lot::Mutex;
+
+    /// Files kept in memory (tests and fuzzing): what was committed, by name.
+    #[derive(Default)]
+    pub(crate) struct MemorySink {
+        pub(crate) committed: Mutex<Vec<(String, Vec<u8>)>>,
+    }
+
+    struct MemoryFile {
+        name: String,
+        bytes: Vec<u8>,
+        sink: Arc<MemorySink>,
+    }
+
+    impl TraceSink for Arc<MemorySink> {
+        fn create(&self, file_name: &str) -> Result<Box<dyn TraceFile>, String> {
+            Ok(Box::new(MemoryFile {
+                name: file_name.to_string(),
+                bytes: Vec::new(),
+                sink: Arc::clone(self),
+            }))
+        }
+    }
+
+    impl TraceFile for MemoryFile {
+        fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
+            self.bytes.extend_from_slice(bytes);
+            Ok(())
+        }
+
+        fn commit(self: Box<Self>) -> Result<PathBuf, String> {
+            let MemoryFile { name, bytes, sink } = *self;
+            sink.committed.lock().push((name.clone(), bytes));
+            Ok(PathBuf::from(name))
+        }
+    }
+
+    /// `body` as a reply body arriving in pieces of `piece` bytes, ended by
+    /// trailers with `status` (none when `None`).
+    pub(crate) fn body_in_pieces(
+        body: Vec<u8>,
+        piece: usize,
+        status: Option<Code>,
+    ) -> tonic::body::Body {
+        // Frames are cut as they are read, each a slice of one buffer, so
+        // that the stand-in holds no more than the body.
+        let body = Bytes::from(body);
+        let piece = piece.max(1);
+        let data = (0..body.len()).step_by(piece).map(move |at| {
+            let end = (at + piece).min(body.len());
+            Ok::<_, Status>(Frame::data(body.slice(at..end)))
+        });
+        let trailers = status.map(|code| {
+            let mut trailers = HeaderMap::new();
+            Status::new(code, "said the server")
+                .add_header(&mut trailers)
+                .expect("a status as headers");
+            Ok(Frame::trailers(trailers))
+        });
+        let frames = tokio_stream::iter(data.chain(trailers));
+        tonic::body::Body::new(http_body_util::StreamBody::new(frames))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stand_in::{body_in_pieces, MemorySink};
+    use super::*;
+    use crate::client::RawToolData;
+
+    fn framed(message: &[u8], flag: u8) -> Vec<u8> {
+        let mut body = vec![flag];
+        body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        body.extend_from_slice(message);
+        body
+    }
+
+    fn tool(name: &str, data: &[u8]) -> RawToolData {
+        RawToolData {
+            name: name.into(),
+            data: Bytes::copy_from_slice(data),
+        }
+    }
+
+    /// What a reply of `body` ending with `status` comes to (read 1, 7 and
+    /// all bytes at a time, so that every field crosses frames): the
+    /// committed trace, or the error.
+    async fn received_with(
+        body: Vec<u8>,
+        limit: usize,
+        status: Option<Code>,
+    ) -> Result<Option<Vec<u8>>, String> {
+        let mut outcomes = Vec::new();
+        for piece in [1, 7, 1 << 30] {
+            let sink = Arc::new(MemorySink::default());
+            let refused = |status| CallError::Status { status, tls: false };
+            let reply = body_in_pieces(body.clone(), piece, status);
+            let outcome =
+                match read_reply(reply, limit, Arc::new(Arc::clone(&sink)), "h", refused).await {
+                    Err(e) => Err(e.to_string()),
+                    Ok(file) => {
+                        if let Some(file) = file {
+                            file.commit()?;
+                        }
+                        Ok(sink.committed.lock().pop().map(|(_, bytes)| bytes))
+                    }
+                };
+            assert!(
+                outcome.is_ok() || sink.committed.lock().is_empty(),
+                "a failed reply left a file"
+            );
+            outcomes.push(outcome);
+        }
+        assert!(outcomes.windows(2).all(|w| w[0] == w[1]), "{outcomes:?}");
+        outcomes.remove(0)
+    }
+
+    async fn received(body: Vec<u8>, limit: usize) -> Result<Option<Vec<u8>>, String> {
+        received_with(body, limit, Some(Code::Ok)).await
+    }
+
+    fn reply(tool_data: Vec<RawToolData>, xspace: Option<&[u8]>, empty: bool) -> Vec<u8> {
+        crate::client::RawProfileResponse {
+            tool_data,
+            empty_trace: empty,
+            xspace: xspace.map(Bytes::copy_from_slice),
+        }
+        .encode_to_vec()
+    }
+
+    #[tokio::test]
+    async fn the_first_trace_field_of_a_reply_is_its_trace() {
+        let big: Vec<u8> = (0..(BATCH_BYTES * 2 + 17)).map(|i| i as u8).collect();
+        let only_xspace = reply(vec![], Some(&big), false);
+        assert_eq!(
+            received(framed(&only_xspace, 0), 1 << 30).await,
+            Ok(Some(big.clone()))
+        );
+        // Tool data first (field 6 before 8), as TensorFlow's servers send
+        // both: the tool data is the trace, the xspace is skipped.
+        let both = reply(
+            vec![tool("trace_viewer", b"json"), tool("xplane.pb", b"first")],
+            Some(b"second"),
+            false,
+        );
+        assert_eq!(
+            received(framed(&both, 0), 1 << 20).await,
+            Ok(Some(b"first".to_vec()))
+        );
+        let other_tools_only = reply(vec![tool("trace_viewer", b"json")], None, false);
+        assert_eq!(
+            received(framed(&other_tools_only, 0), 1 << 20).await,
+            Ok(None)
+        );
+        let empty = reply(vec![], Some(b"ignored"), true);
+        assert_eq!(received(framed(&empty, 0), 1 << 20).await, Ok(None));
+    }
+
+    #[tokio::test]
+    async fn tool_data_before_its_name_is_kept_only_when_the_name_says_trace() {
+        // ProfileToolData { data: "not it", name: "memory_viewer" } (fields
+        // in reverse order), then an xspace.
+        let mut reversed = Vec::new();
+        prost::encoding::bytes::encode(2, &b"not it".to_vec(), &mut reversed);
+        prost::encoding::string::encode(1, &"memory_viewer".to_string(), &mut reversed);
+        let mut message = Vec::new();
+        prost::encoding::bytes::encode(6, &reversed, &mut message);
+        prost::encoding::bytes::encode(8, &b"the trace".to_vec(), &mut message);
+        assert_eq!(
+            received(framed(&message, 0), 1 << 20).await,
+            Ok(Some(b"the trace".to_vec()))
+        );
+        let mut named_late = Vec::new();
+        prost::encoding::bytes::encode(2, &b"late name".to_vec(), &mut named_late);
+        prost::encoding::string::encode(1, &XPLANE_TOOL.to_string(), &mut named_late);
+        let mut message = Vec::new();
+        prost::encoding::bytes::encode(6, &named_late, &mut message);
+        assert_eq!(
+            received(framed(&message, 0), 1 << 20).await,
+            Ok(Some(b"late name".to_vec()))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reply_over_the_limit_is_refused_from_its_length_alone() {
+        // Only the prefix arrives: the refusal cannot have read the body.
+        let prefix = framed(&[], 0)[..1]
+            .iter()
+            .copied()
+            .chain(600_000_000u32.to_be_bytes())
+            .collect();
+        let error = received(prefix, 512 << 20).await.unwrap_err();
+        assert_eq!(
+            error,
+            "reply refused: 600000000 bytes is more than --max-reply-size allows (536870912 bytes)"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_status_in_the_trailers_decides() {
+        let good = framed(&reply(vec![], Some(b"trace"), false), 0);
+        let error = received_with(good.clone(), 1 << 20, Some(Code::ResourceExhausted))
+            .await
+            .unwrap_err();
+        assert_eq!(error, "Some resource has been exhausted: said the server");
+        let error = received_with(good, 1 << 20, None).await.unwrap_err();
+        assert_eq!(error, "malformed reply: no grpc-status in the trailers");
+        // A status that ends the reply early is what is reported.
+        let cut = framed(&reply(vec![], Some(b"trace"), false), 0)[..9].to_vec();
+        let error = received_with(cut, 1 << 20, Some(Code::Internal))
+            .await
+            .unwrap_err();
+        assert_eq!(error, "Internal error: said the server");
+        let two = [framed(b"", 0), framed(b"", 0)].concat();
+        let error = received(two, 1 << 20).await.unwrap_err();
+        assert_eq!(error, "malformed reply: more than one message");
+    }
+
+    #[tokio::test]
+    async fn malformed_replies_are_named_and_leave_no_file() {
+        let good = reply(vec![], Some(b"trace"), false);
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (
+                framed(&good, 1),
+                "malformed reply: the message is compressed",
+            ),
+            (framed(&good, 0)[..10].to_vec(), "the reply ended early"),
+            (
+                // xspace of 100 bytes in a message of 10.
+                framed(&[0x42, 100, 1, 2, 3, 4, 5, 6, 7, 8], 0),
+                "malformed reply: a field runs past its message",
+            ),
+            (framed(&[0x0b], 0), "malformed reply: wire type 3"),
+            (
+                // empty_trace with a value of 11 continued bytes.
+                framed(
+                    &[
+                        0x38, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 1,
+                    ],
+                    0,
+                ),
+                "malformed reply: a varint longer than 10 bytes",
+            ),
+        ];
+        for (body, expected) in cases {
+            let error = received(body, 1 << 20).await.unwrap_err();
+            assert!(error.starts_with(expected), "{error} (expected {expected})");
+        }
     }
 }
