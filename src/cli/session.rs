@@ -37,7 +37,7 @@ pub struct NewSessionArgs {
     /// rack[1-2]-n[1,3-5]:6010; dns:NAME[:PORT] for every A and AAAA record
     /// of NAME (a Kubernetes headless Service); @FILE for one entry per
     /// line (# starts a comment). grpc:// or grpcs:// in front of an entry
-    /// chooses plaintext or TLS for its hosts.
+    /// chooses plaintext or TLS for its hosts. At most 65,536 hosts.
     #[arg(long, required = true, value_name = "HOSTS")]
     pub hosts: Vec<String>,
     #[arg(long)]
