@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
 """Session and tool benchmarks, printed as ratios measured in the same run.
 
-1. `devtrace session new` over 8 agents (separate ports on loopback) against
-   the slowest of the same 8 hosts captured one at a time: the fan-out should
-   cost about one capture, not eight.
+1. `devtrace session new` over 8, 32 and 128 agents, each on its own loopback
+   address (127.91.0.x, one port), named by one Slurm hostlist: the session's
+   time against the slowest of the same hosts captured one at a time (the
+   fan-out should cost about one capture, not one per host; target at most
+   1.5x), and the coordinator's peak RSS against that of the 8-host session
+   (traces are written as they arrive, so it should stay flat; target at
+   most 1.5x). 128 agents keep two cores busy by themselves, so the largest
+   session is then run once more against one agent listening on 0.0.0.0,
+   reached through 128 addresses: the same calls and traces for the
+   coordinator, without 128 processes competing for the CPU.
 2. devtrace's trace_viewer and memory_profile converters against XProf's own
    (`xprof.convert.raw_to_tool_data`) on the same large trace, when the
    interop venv has xprof.
@@ -11,6 +18,7 @@ Nothing here fails on a number; it reports.
 """
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,14 +26,30 @@ import time
 
 binary = sys.argv[1]
 quick = "--quick" in sys.argv
-HOSTS = 8
+SIZES = [4, 8] if quick else [8, 32, 128]
 duration = "300ms" if quick else "1s"
+# 128 agents share this machine: the mock backend alone, a few events per
+# second each, a small flight recorder and no metrics endpoint.
+FLEET_RATE = 2_000
+FLEET_AGENT = ("--backend", "mock", "--store-size", "8MiB", "--metrics-listen", "off")
+FLEET_NET = "127.91.0"
+SHARED_NET = "127.92.0"
+# Hosts of each size captured alone for the baseline: all of a small fleet,
+# an even sample of a large one (one at a time, each takes a window).
+SINGLES = 16
 
 
-def start_agent(rate, extra=()):
-    proc = subprocess.Popen([binary, "serve", "--listen", "127.0.0.1:0", "--log-level", "warn",
+def start_agent(rate, extra=(), listen="127.0.0.1:0"):
+    return read_address(spawn_agent(rate, extra, listen))
+
+
+def spawn_agent(rate, extra=(), listen="127.0.0.1:0"):
+    return subprocess.Popen([binary, "serve", "--listen", listen, "--log-level", "warn",
                              "--mock-rate", str(rate), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def read_address(proc):
     line = proc.stdout.readline().strip()
     prefix = "devtrace listening on "
     if not line.startswith(prefix):
@@ -43,23 +67,111 @@ def timed(args):
     return elapsed, out.stdout
 
 
+def port_free_on(hosts):
+    for _ in range(50):
+        probe = socket.socket()
+        probe.bind((hosts[0], 0))
+        port = probe.getsockname()[1]
+        held, ok = [probe], True
+        for host in hosts[1:]:
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+                held.append(s)
+            except OSError:
+                ok = False
+                break
+        for s in held:
+            s.close()
+        if ok:
+            return port
+    sys.exit("no port free on all of %s.x" % FLEET_NET)
+
+
+def verdict(met):
+    return "MET" if met else "MISSED"
+
+
+def run_session(hosts_arg, logdir):
+    """`session new` alone, reaped with wait4 for its own peak RSS: seconds,
+    stdout, MiB. Its output goes to files, so that it never waits on a pipe."""
+    args = [binary, "session", "new", "--hosts", hosts_arg, "--logdir", logdir,
+            "--duration", duration]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(args, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        elapsed = time.monotonic() - t0
+        proc.returncode = status
+        out.seek(0)
+        err.seek(0)
+        if status != 0:
+            sys.exit("session new over %s failed: %s" % (hosts_arg, err.read().decode()[-2000:]))
+        return elapsed, out.read().decode(), usage.ru_maxrss / 1024
+
+
 work = tempfile.mkdtemp(prefix="devtrace-bench-sessions-")
 agents = []
 try:
-    agents = [start_agent(50_000) for _ in range(HOSTS)]
-    addresses = [a for _, a in agents]
-    singles = []
-    for address in addresses:
-        elapsed, _ = timed([binary, "capture", "grpc://" + address, "--duration", duration,
-                            "--logdir", os.path.join(work, "single"), "--quiet"])
-        singles.append(elapsed)
-    slowest = max(singles)
-    elapsed, out = timed([binary, "session", "new", "--hosts", ",".join(addresses),
-                          "--logdir", os.path.join(work, "fleet"), "--duration", duration])
-    landed = len(out.split())
-    print("NewSession over %d hosts (%s window): %.0f ms  (%.2fx the slowest single host: %.0f ms; "
-          "target: close to 1x) %d traces landed" % (HOSTS, duration, elapsed * 1e3, elapsed / slowest,
-                                                     slowest * 1e3, landed))
+    count = max(SIZES)
+    addresses = ["%s.%d" % (FLEET_NET, i) for i in range(1, count + 1)]
+    port = port_free_on(addresses)
+    children = [spawn_agent(FLEET_RATE, FLEET_AGENT, "%s:%d" % (a, port)) for a in addresses]
+    agents = [read_address(child) for child in children]
+    # Let every flight recorder hold more than a window.
+    time.sleep(1.5)
+    singles = {}
+
+    def single(index):
+        if index not in singles:
+            target = "grpc://%s:%d" % (addresses[index], port)
+            singles[index], _ = timed([binary, "capture", target, "--duration", duration,
+                                       "--logdir", os.path.join(work, "single"), "--quiet"])
+        return singles[index]
+
+    baseline_mib = None
+    for size in SIZES:
+        sample = range(0, size, max(1, size // SINGLES))
+        slowest = max(single(i) for i in sample)
+        hosts_arg = "%s.[1-%d]:%d" % (FLEET_NET, size, port)
+        elapsed, out, peak_mib = run_session(hosts_arg, os.path.join(work, "fleet%d" % size))
+        landed = len(out.split())
+        ratio = elapsed / slowest
+        print("session over %3d hosts (%s window, %d events/s each): %.0f ms  (%.2fx the slowest "
+              "single host: %.0f ms, of %d captured alone; target: at most 1.5x) %s; %d traces landed"
+              % (size, duration, FLEET_RATE, elapsed * 1e3, ratio, slowest * 1e3, len(sample),
+                 verdict(ratio <= 1.5), landed))
+        if baseline_mib is None:
+            baseline_mib = peak_mib
+        rss_ratio = peak_mib / baseline_mib
+        print("   coordinator peak RSS over %3d hosts: %.1f MiB  (%.2fx that over %d hosts: %.1f MiB;"
+              " target: flat, at most 1.5x) %s" % (size, peak_mib, rss_ratio, SIZES[0],
+                                                  baseline_mib, verdict(rss_ratio <= 1.5)))
+finally:
+    for proc, _ in agents:
+        proc.kill()
+        proc.wait()
+    agents = []
+
+# The largest session again, every address served by one agent.
+try:
+    count = max(SIZES)
+    addresses = ["%s.%d" % (SHARED_NET, i) for i in range(1, count + 1)]
+    port = port_free_on(["0.0.0.0"])
+    agents = [start_agent(FLEET_RATE, (*FLEET_AGENT, "--insecure"), "0.0.0.0:%d" % port)]
+    time.sleep(1.5)
+    sample = range(0, count, max(1, count // SINGLES))
+    slowest = max(timed([binary, "capture", "grpc://%s:%d" % (addresses[i], port), "--duration",
+                         duration, "--logdir", os.path.join(work, "single"), "--quiet"])[0]
+                  for i in sample)
+    hosts_arg = "%s.[1-%d]:%d" % (SHARED_NET, count, port)
+    elapsed, out, peak_mib = run_session(hosts_arg, os.path.join(work, "shared"))
+    ratio = elapsed / slowest
+    print("   the %d-host session against one agent behind %s.[1-%d]: %.0f ms  (%.2fx the slowest "
+          "single host: %.0f ms, of %d captured alone; target: at most 1.5x) %s; %d traces landed;"
+          " coordinator peak RSS %.1f MiB" % (count, SHARED_NET, count, elapsed * 1e3, ratio,
+                                               slowest * 1e3, len(sample), verdict(ratio <= 1.5),
+                                               len(out.split()), peak_mib))
 finally:
     for proc, _ in agents:
         proc.kill()

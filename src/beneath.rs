@@ -259,6 +259,16 @@ impl Dir {
     /// A symbolic link there is refused (a rename would only replace the
     /// link, but whoever placed it meant something else).
     pub fn write_atomic(&self, name: &str, bytes: &[u8]) -> Result<PathBuf, BeneathError> {
+        let mut file = self.create_atomic(name)?;
+        file.write_all(bytes)?;
+        file.commit()
+    }
+
+    /// Starts writing `name` in this directory as [`Dir::write_atomic`]
+    /// does, for content that arrives in parts: nothing appears under
+    /// `name` until [`AtomicFile::commit`], and a file dropped before that
+    /// is removed.
+    pub fn create_atomic(&self, name: &str) -> Result<AtomicFile, BeneathError> {
         single_component(name, &self.path)?;
         let target = self.path.join(name);
         if is_symlink(self.fd.as_fd(), OsStr::new(name)) {
@@ -266,30 +276,18 @@ impl Dir {
                 path: target.display().to_string(),
             });
         }
+        let directory = self.fd.try_clone().map_err(|source| BeneathError::Io {
+            path: self.path.display().to_string(),
+            source,
+        })?;
         let (temporary, file) = self.create_temporary(name)?;
-        let written = (|| -> io::Result<()> {
-            let mut file = file;
-            file.write_all(bytes)?;
-            // Traces are for reading by the people who asked for them.
-            rfs::fchmod(&file, Mode::from_raw_mode(0o644))?;
-            file.sync_all()?;
-            rfs::renameat_with(
-                &self.fd,
-                temporary.as_str(),
-                &self.fd,
-                name,
-                RenameFlags::empty(),
-            )?;
-            Ok(())
-        })();
-        if let Err(source) = written {
-            let _ = rfs::unlinkat(&self.fd, temporary.as_str(), AtFlags::empty());
-            return Err(BeneathError::Io {
-                path: target.display().to_string(),
-                source,
-            });
-        }
-        Ok(target)
+        Ok(AtomicFile {
+            directory,
+            temporary,
+            name: name.to_string(),
+            target,
+            file: Some(file),
+        })
     }
 
     /// A new file `.{name}.{unique}.tmp` (mode 0600) that no one else opened.
@@ -426,6 +424,71 @@ impl Dir {
     }
 }
 
+/// A file being written beneath a [`Dir`] under a temporary name
+/// ([`Dir::create_atomic`]).
+#[derive(Debug)]
+pub struct AtomicFile {
+    directory: OwnedFd,
+    temporary: String,
+    name: String,
+    target: PathBuf,
+    /// `None` once committed.
+    file: Option<File>,
+}
+
+impl AtomicFile {
+    fn io_error(&self, source: io::Error) -> BeneathError {
+        BeneathError::Io {
+            path: self.target.display().to_string(),
+            source,
+        }
+    }
+
+    /// Appends `bytes`.
+    pub fn write_all(&mut self, bytes: &[u8]) -> Result<(), BeneathError> {
+        let written = match self.file.as_mut() {
+            Some(file) => file.write_all(bytes),
+            None => Err(io::Error::other("already committed")),
+        };
+        written.map_err(|source| self.io_error(source))
+    }
+
+    /// Syncs the file and renames it over `name` (mode 0644); where it is.
+    pub fn commit(mut self) -> Result<PathBuf, BeneathError> {
+        let Some(file) = self.file.take() else {
+            return Err(self.io_error(io::Error::other("already committed")));
+        };
+        let done = (|| -> io::Result<()> {
+            // Traces are for reading by the people who asked for them.
+            rfs::fchmod(&file, Mode::from_raw_mode(0o644))?;
+            file.sync_all()?;
+            rfs::renameat_with(
+                &self.directory,
+                self.temporary.as_str(),
+                &self.directory,
+                self.name.as_str(),
+                RenameFlags::empty(),
+            )?;
+            Ok(())
+        })();
+        match done {
+            Ok(()) => Ok(std::mem::take(&mut self.target)),
+            Err(source) => {
+                let _ = rfs::unlinkat(&self.directory, self.temporary.as_str(), AtFlags::empty());
+                Err(self.io_error(source))
+            }
+        }
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = rfs::unlinkat(&self.directory, self.temporary.as_str(), AtFlags::empty());
+        }
+    }
+}
+
 fn is_symlink(at: BorrowedFd<'_>, name: &OsStr) -> bool {
     rfs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)
         .is_ok_and(|stat| FileType::from_raw_mode(stat.st_mode) == FileType::Symlink)
@@ -524,6 +587,30 @@ mod tests {
         let root = Dir::open(&f.root).unwrap();
         let error = root.read(Path::new("inside/huge")).unwrap_err();
         assert!(matches!(error, BeneathError::TooLarge { .. }), "{error}");
+    }
+
+    #[test]
+    fn a_file_written_in_parts_appears_only_when_committed() {
+        let f = fixture();
+        let root = Dir::open(&f.root).unwrap();
+        let mut file = root.create_atomic("t.xplane.pb").unwrap();
+        file.write_all(b"first ").unwrap();
+        file.write_all(b"second").unwrap();
+        assert!(!f.root.join("t.xplane.pb").exists());
+        let path = file.commit().unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"first second");
+
+        let mut abandoned = root.create_atomic("gone.xplane.pb").unwrap();
+        abandoned.write_all(b"half").unwrap();
+        drop(abandoned);
+        let mut names: Vec<OsString> = root
+            .entries()
+            .unwrap()
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        names.sort();
+        assert_eq!(names, ["inside", "t.xplane.pb"], "no temporary left");
     }
 
     #[test]

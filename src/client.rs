@@ -79,7 +79,7 @@ pub fn split_port(text: &str) -> Option<(&str, &str)> {
 }
 
 /// How an address asks to be reached.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Scheme {
     /// `host:port`: TLS when this side has TLS settings, else plaintext.
     Unspecified,
@@ -92,7 +92,7 @@ pub enum Scheme {
 }
 
 /// A profiler server to call: `host:port` (or a socket path) and how.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Target {
     /// `host:port`, or the socket's path for [`Scheme::Unix`].
     pub address: String,
@@ -191,7 +191,7 @@ fn describe_transport(error: &tonic::transport::Error, tls: bool) -> String {
 }
 
 /// `text` followed by every cause of `error` that it does not already end with.
-fn with_causes(mut text: String, error: &dyn std::error::Error) -> String {
+pub(crate) fn with_causes(mut text: String, error: &dyn std::error::Error) -> String {
     let mut source = error.source();
     while let Some(cause) = source {
         let cause_text = cause.to_string();
@@ -240,7 +240,18 @@ pub enum CallError {
 }
 
 impl Connection {
-    fn call_error(&self, status: Status) -> CallError {
+    /// The channel, for calls made without tonic's codec (the session
+    /// fan-out's, which writes the trace out as it arrives).
+    pub(crate) fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
+    pub(crate) fn max_reply_bytes(&self) -> usize {
+        self.max_reply_bytes
+    }
+
+    /// A call's failure as the server's status says it.
+    pub(crate) fn call_error(&self, status: Status) -> CallError {
         // tonic refuses an oversized message with OUT_OF_RANGE and "found N
         // bytes" before reading its body.
         let message = status.message();

@@ -18,6 +18,7 @@ pub mod event;
 #[cfg(test)]
 mod fuzz;
 pub mod host_process;
+pub mod hosts;
 pub mod registry;
 pub mod riegeli;
 pub mod ring;
@@ -25,6 +26,7 @@ pub mod service;
 pub mod session;
 pub mod storage;
 pub mod store;
+pub mod streaming;
 pub mod tap;
 pub mod telemetry;
 pub mod tls;

@@ -9,11 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 
 use crate::client::{self, ClientConfig, Target};
 use crate::proto::tensorflow::ProfileRequest;
 use crate::storage::{Folder, StorageError};
+use crate::streaming::{self, ReceiveError};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::conventions;
 use crate::xspace::read::plane_names;
@@ -24,10 +27,52 @@ pub const XPLANE_SUFFIX: &str = ".xplane.pb";
 /// What one host of a fan-out gave back.
 #[derive(Debug)]
 pub struct HostOutcome {
-    /// `host:port` as addressed.
+    /// `host:port` as addressed (or the entry that stood for no host).
     pub host: String,
     /// Where its trace was written, `None` for an empty trace, or why not.
-    pub result: Result<Option<PathBuf>, String>,
+    pub result: Result<Option<PathBuf>, HostError>,
+}
+
+impl HostOutcome {
+    /// The outcomes of host entries that stood for no host (`dns:` names
+    /// that did not resolve), from [`crate::hosts::Resolved::failures`].
+    pub fn unresolved(failures: Vec<(String, String)>) -> Vec<HostOutcome> {
+        failures
+            .into_iter()
+            .map(|(entry, why)| HostOutcome {
+                host: entry,
+                result: Err(HostError::Unresolved(why)),
+            })
+            .collect()
+    }
+}
+
+/// Why a host of a session gave no trace.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// A `dns:` entry that stands for no host.
+    #[error("{0}")]
+    Unresolved(String),
+    #[error("cannot connect: {0}")]
+    Connect(client::ConnectError),
+    #[error("not called: the session's deadline passed while {0} other hosts were being called (--concurrent-hosts)")]
+    NoSlot(usize),
+    #[error("no reply within {:.0} s", .0.as_secs_f64())]
+    Deadline(Duration),
+    #[error(transparent)]
+    Receive(#[from] ReceiveError),
+}
+
+impl HostError {
+    /// A word or two for summaries that group hosts by what went wrong.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            HostError::Unresolved(_) => "not resolved",
+            HostError::Connect(_) => "cannot connect",
+            HostError::NoSlot(_) | HostError::Deadline(_) => "no reply in time",
+            HostError::Receive(error) => error.kind(),
+        }
+    }
 }
 
 /// `10.0.0.2:8466` -> `10.0.0.2_8466.xplane.pb`, as TensorFlow names files.
@@ -35,46 +80,84 @@ pub fn host_file_name(host: &str) -> String {
     format!("{}{XPLANE_SUFFIX}", host.replace(':', "_"))
 }
 
-/// Writes one host's trace (its file name, its bytes) and says where.
-pub type Deliver = Arc<dyn Fn(&str, &[u8]) -> Result<PathBuf, String> + Send + Sync>;
+/// Where a session's traces go: one file per host, each written as its
+/// reply arrives.
+pub trait TraceSink: Send + Sync {
+    /// Starts the file `file_name`; nothing appears under that name until
+    /// it is committed.
+    fn create(&self, file_name: &str) -> Result<Box<dyn TraceFile>, String>;
+}
 
-/// Captures `request`'s window on every host at once. Each host gets the
-/// same absolute start, so the traces line up, and is called when that
-/// start comes (servers such as TensorFlow's record from when they are
-/// called); each is asked to return its trace inline, and each trace is
-/// handed to `deliver` as soon as it arrives, so that only the replies
-/// still in flight are held. A host that fails, times out, returns nothing
-/// or more than `client.max_reply_bytes` is reported in its outcome; the
-/// others are unaffected.
+/// One host's trace file while it is written. Dropped uncommitted, it
+/// leaves nothing behind.
+pub trait TraceFile: Send {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), String>;
+    /// Puts the file in place; where it is.
+    fn commit(self: Box<Self>) -> Result<PathBuf, String>;
+}
+
+impl TraceFile for crate::storage::NewFile {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
+        crate::storage::NewFile::write(self, bytes)
+    }
+
+    fn commit(self: Box<Self>) -> Result<PathBuf, String> {
+        crate::storage::NewFile::commit(*self).map(PathBuf::from)
+    }
+}
+/// Most hosts called at once unless configured otherwise.
+pub const DEFAULT_CONCURRENT_HOSTS: usize = 64;
+
+/// How a fan-out runs.
+#[derive(Clone, Debug)]
+pub struct FanOut {
+    /// How long the whole session may take, from the call of [`fan_out`]:
+    /// every host's reply must have arrived by then.
+    pub deadline: Duration,
+    /// Most hosts called at once; the others wait for a free slot.
+    pub concurrent_hosts: usize,
+    pub client: ClientConfig,
+}
+
+/// Captures `request`'s window on every host. Each host gets the same
+/// absolute start, so the traces line up, and is called when that start
+/// comes (servers such as TensorFlow's record from when they are called),
+/// at most `concurrent_hosts` at once: a host called later, once another
+/// has answered, is still asked for the same window, which devtrace agents
+/// serve from their flight recorder (other servers record from when they
+/// are called). Each reply's trace is written through `sink` as it arrives
+/// ([`crate::streaming`]), so what is held is a batch per host being
+/// called, whatever the number of hosts. A host that fails, times out,
+/// returns nothing or more than `client.max_reply_bytes` is reported in its
+/// outcome; the others are unaffected. Outcomes come in the order of `hosts`.
 pub async fn fan_out(
     hosts: &[Target],
     request: &ProfileRequest,
-    deadline: Duration,
-    client: &ClientConfig,
-    deliver: Deliver,
+    plan: &FanOut,
+    sink: Arc<dyn TraceSink>,
 ) -> Vec<HostOutcome> {
+    let session_end = Instant::now() + plan.deadline;
+    let slots = Arc::new(Semaphore::new(plan.concurrent_hosts.max(1)));
+    let start_ns = request.opts.as_ref().map_or(0, |o| o.start_timestamp_ns);
     let mut tasks = JoinSet::new();
     for (index, target) in hosts.iter().enumerate() {
         let mut request = request.clone();
         let host = target.to_string();
         request.host_name = host.clone();
         request.emit_xspace = true;
-        let target = target.clone();
-        let client = client.clone();
-        let deliver = Arc::clone(&deliver);
-        let start_ns = request.opts.as_ref().map_or(0, |o| o.start_timestamp_ns);
+        let (target, client) = (target.clone(), plan.client.clone());
+        let (slots, sink) = (Arc::clone(&slots), Arc::clone(&sink));
+        let concurrency = plan.concurrent_hosts;
         tasks.spawn(async move {
             tokio::time::sleep(crate::clock::until(start_ns)).await;
-            let result = match capture_host(&target, request, deadline, &client).await {
-                Ok(Some(trace)) => {
-                    let file_name = host_file_name(&host);
-                    tokio::task::spawn_blocking(move || deliver(&file_name, &trace))
-                        .await
-                        .unwrap_or_else(|e| Err(format!("writing the trace failed: {e}")))
-                        .map(Some)
+            let slot = tokio::time::timeout_at(session_end, slots.acquire_owned()).await;
+            // A slot freed by a host that ran out of time comes when no time
+            // is left: nothing is called then.
+            let result = match slot {
+                Ok(Ok(_slot)) if Instant::now() < session_end => {
+                    capture_host_to_file(&target, &request, session_end, &client, sink).await
                 }
-                Ok(None) => Ok(None),
-                Err(error) => Err(error),
+                _ => Err(HostError::NoSlot(concurrency)),
             };
             (index, HostOutcome { host, result })
         });
@@ -88,6 +171,62 @@ pub async fn fan_out(
     }
     outcomes.sort_by_key(|(index, _)| *index);
     outcomes.into_iter().map(|(_, outcome)| outcome).collect()
+}
+
+/// Captures one host into `sink` by `until`: where its trace was written,
+/// `None` for an empty trace, or why not.
+async fn capture_host_to_file(
+    target: &Target,
+    request: &ProfileRequest,
+    until: Instant,
+    config: &ClientConfig,
+    sink: Arc<dyn TraceSink>,
+) -> Result<Option<PathBuf>, HostError> {
+    let deadline = until.saturating_duration_since(Instant::now());
+    let call = async {
+        // The channel's own timeout is a backstop: the timeout below fires
+        // first and says which deadline passed.
+        let connection = client::connect(target, config, deadline + Duration::from_secs(1))
+            .await
+            .map_err(HostError::Connect)?;
+        let file_name = host_file_name(&target.to_string());
+        Ok(streaming::profile_to_file(&connection, request, sink, &file_name).await?)
+    };
+    match tokio::time::timeout_at(until, call).await {
+        Ok(result) => result,
+        Err(_) => Err(HostError::Deadline(deadline)),
+    }
+}
+
+/// The failures of a session's outcomes, for people: how many hosts gave
+/// no trace out of how many, grouped by what went wrong, then each host
+/// with its reason (`host: reason`).
+pub fn failure_summary(outcomes: &[HostOutcome]) -> Option<(String, Vec<String>)> {
+    let mut kinds: Vec<(&str, usize)> = Vec::new();
+    let mut lines = Vec::new();
+    for outcome in outcomes {
+        let (kind, reason) = match &outcome.result {
+            Ok(Some(_)) => continue,
+            Ok(None) => ("empty", "returned an empty trace".to_string()),
+            Err(error) => (error.kind(), error.to_string()),
+        };
+        match kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, count)) => *count += 1,
+            None => kinds.push((kind, 1)),
+        }
+        lines.push(format!("{}: {reason}", outcome.host));
+    }
+    if lines.is_empty() {
+        return None;
+    }
+    let groups: Vec<String> = kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
+    let headline = format!(
+        "{} of {} hosts gave no trace ({})",
+        lines.len(),
+        outcomes.len(),
+        groups.join(", ")
+    );
+    Some((headline, lines))
 }
 
 /// Captures one host: its trace bytes as received, `None` for an empty

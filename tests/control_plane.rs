@@ -11,41 +11,14 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use common::bulky::bulky_host;
 use common::*;
 use devtrace::proto::tensorflow::profile_analysis_client::ProfileAnalysisClient;
 use devtrace::proto::tensorflow::profiler::XSpace;
-use devtrace::proto::tensorflow::profiler_service_server::{
-    ProfilerService, ProfilerServiceServer,
-};
-use devtrace::proto::tensorflow::{
-    ContinuousProfilingResponse, GetSnapshotRequest, MonitorRequest, MonitorResponse,
-    NewProfileSessionRequest, ProfileRequest, ProfileResponse, StopContinuousProfilingRequest,
-    StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
-};
+use devtrace::proto::tensorflow::NewProfileSessionRequest;
 use prost::Message;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
-use tonic::{Code, Request, Response, Status};
-
-/// Runs `devtrace ARGS` off the async runtime, so that servers of the test
-/// keep answering it.
-async fn devtrace(args: Vec<String>) -> Output {
-    tokio::task::spawn_blocking(move || {
-        Command::new(BIN)
-            .args(&args)
-            .output()
-            .expect("running devtrace")
-    })
-    .await
-    .expect("the devtrace process")
-}
-
-fn args(list: &[&str]) -> Vec<String> {
-    list.iter().map(|a| a.to_string()).collect()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+use tonic::Code;
 
 fn path(p: &Path) -> &str {
     p.to_str().expect("a UTF-8 path")
@@ -130,82 +103,12 @@ async fn requests_over_the_limit_are_refused_and_the_agent_keeps_serving() {
     assert!(!monitor.data.is_empty());
 }
 
-/// A profiler server that answers every `Profile` with an XSpace of `bytes`
-/// bytes, more than its callers accept.
-struct Hostile {
-    bytes: usize,
-}
-
-#[tonic::async_trait]
-impl ProfilerService for Hostile {
-    async fn profile(
-        &self,
-        _: Request<ProfileRequest>,
-    ) -> Result<Response<ProfileResponse>, Status> {
-        let space = XSpace {
-            hostnames: vec!["h".repeat(self.bytes)],
-            ..XSpace::default()
-        };
-        Ok(Response::new(ProfileResponse {
-            tool_data: vec![devtrace::proto::tensorflow::ProfileToolData {
-                name: "xplane.pb".into(),
-                data: space.encode_to_vec(),
-            }],
-            empty_trace: false,
-            xspace: Some(space),
-        }))
-    }
-    async fn terminate(
-        &self,
-        _: Request<TerminateRequest>,
-    ) -> Result<Response<TerminateResponse>, Status> {
-        Ok(Response::new(TerminateResponse {}))
-    }
-    async fn monitor(
-        &self,
-        _: Request<MonitorRequest>,
-    ) -> Result<Response<MonitorResponse>, Status> {
-        Err(Status::unimplemented("hostile"))
-    }
-    async fn start_continuous_profiling(
-        &self,
-        _: Request<ProfileRequest>,
-    ) -> Result<Response<ContinuousProfilingResponse>, Status> {
-        Err(Status::unimplemented("hostile"))
-    }
-    async fn stop_continuous_profiling(
-        &self,
-        _: Request<StopContinuousProfilingRequest>,
-    ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
-        Err(Status::unimplemented("hostile"))
-    }
-    async fn get_snapshot(
-        &self,
-        _: Request<GetSnapshotRequest>,
-    ) -> Result<Response<ProfileResponse>, Status> {
-        Err(Status::unimplemented("hostile"))
-    }
-}
-
-/// Starts a [`Hostile`] server on loopback; its address.
-async fn hostile_host(bytes: usize) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap().to_string();
-    let service = ProfilerServiceServer::new(Hostile { bytes });
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-    );
-    address
-}
-
 const CAP: &str = "4MiB";
 const OVER_CAP: usize = 6 << 20;
 
 #[tokio::test]
 async fn a_hostile_session_host_is_refused_and_the_other_hosts_land() {
-    let hostile = hostile_host(OVER_CAP).await;
+    let hostile = bulky_host(OVER_CAP).await;
     let dir = tempfile::tempdir().unwrap();
     let mut agent = AgentProcess::start(&[
         "--allow-root",
@@ -246,7 +149,7 @@ async fn a_hostile_session_host_is_refused_and_the_other_hosts_land() {
 
 #[tokio::test]
 async fn a_hostile_upstream_makes_the_capture_partial() {
-    let hostile = hostile_host(OVER_CAP).await;
+    let hostile = bulky_host(OVER_CAP).await;
     let mut agent = AgentProcess::start(&["--upstream", &hostile, "--max-reply-size", CAP]);
     let reply = agent
         .client()
@@ -263,7 +166,7 @@ async fn a_hostile_upstream_makes_the_capture_partial() {
 
 #[tokio::test]
 async fn clients_refuse_a_hostile_reply_and_name_the_host() {
-    let hostile = hostile_host(OVER_CAP).await;
+    let hostile = bulky_host(OVER_CAP).await;
     let agent = AgentProcess::start(&["--mock-rate", "2000"]);
     let logdir = tempfile::tempdir().unwrap();
     let out = devtrace(args(&[

@@ -7,36 +7,12 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
-use devtrace::proto::tensorflow::profile_analysis_client::ProfileAnalysisClient;
 use devtrace::proto::tensorflow::profiler::XSpace;
 use devtrace::proto::tensorflow::{
     EnumProfileSessionsAndToolsRequest, NewProfileSessionRequest, ProfileSessionDataRequest,
 };
 use prost::Message;
-use tonic::transport::Channel;
 use tonic::Code;
-
-async fn analysis(agent: &AgentProcess) -> ProfileAnalysisClient<Channel> {
-    let channel = Channel::from_shared(format!("http://{}", agent.address))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    ProfileAnalysisClient::new(channel).max_decoding_message_size(usize::MAX)
-}
-
-fn session_request(
-    root: &std::path::Path,
-    hosts: &[&str],
-    session: &str,
-) -> NewProfileSessionRequest {
-    NewProfileSessionRequest {
-        request: Some(request(500, "ignored")),
-        repository_root: root.display().to_string(),
-        hosts: hosts.iter().map(|h| h.to_string()).collect(),
-        session_id: session.to_string(),
-    }
-}
 
 /// Accepts connections and never answers: a host past its deadline.
 fn silent_host() -> (std::net::TcpListener, String) {
@@ -66,14 +42,12 @@ async fn a_session_lands_every_good_host_and_names_each_failure() {
         slow.as_str(),
         down.as_str(),
     ];
-    let mut call = tonic::Request::new(session_request(&root, &hosts, "fleet"));
-    call.set_timeout(Duration::from_secs(6));
-    let reply = analysis(&coordinator)
-        .await
-        .new_session(call)
-        .await
-        .unwrap()
-        .into_inner();
+    let reply = coordinator
+        .new_session_within(
+            session_request(&root, &hosts, "fleet"),
+            Duration::from_secs(6),
+        )
+        .await;
     assert!(!reply.empty_trace);
     let errors = reply.error_message;
     assert!(
@@ -124,7 +98,8 @@ async fn only_empty_hosts_make_an_empty_session() {
         "--mock-rate",
         "0",
     ]);
-    let reply = analysis(&agent)
+    let reply = agent
+        .analysis()
         .await
         .new_session(session_request(
             dir.path(),
@@ -143,7 +118,7 @@ async fn session_paths_and_hosts_are_checked() {
     let dir = tempfile::tempdir().unwrap();
     let allowed = dir.path().join("allowed");
     let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
-    let mut client = analysis(&agent).await;
+    let mut client = agent.analysis().await;
     let host = agent.address.as_str();
     let outside = client
         .new_session(session_request(&dir.path().join("elsewhere"), &[host], "s"))
@@ -198,7 +173,7 @@ async fn sessions_are_listed_newest_first_with_their_tools() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("plugins/profile");
     let agent = AgentProcess::start(&["--allow-root", dir.path().to_str().unwrap()]);
-    let mut client = analysis(&agent).await;
+    let mut client = agent.analysis().await;
 
     let missing = client
         .enum_sessions(EnumProfileSessionsAndToolsRequest {
@@ -274,7 +249,7 @@ async fn tool_data_serves_every_tool_and_refuses_what_it_cannot() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("plugins/profile");
     let agent = AgentProcess::start(&["--allow-root", dir.path().to_str().unwrap()]);
-    let mut client = analysis(&agent).await;
+    let mut client = agent.analysis().await;
     client
         .new_session(session_request(&root, &[agent.address.as_str()], "run"))
         .await
@@ -418,7 +393,7 @@ async fn sessions_are_read_without_following_links_out_of_the_root() {
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
 
     let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
-    let mut client = analysis(&agent).await;
+    let mut client = agent.analysis().await;
     let ask = |session: &str| ProfileSessionDataRequest {
         repository_root: root.display().to_string(),
         session_id: session.to_string(),

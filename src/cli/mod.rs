@@ -3,6 +3,7 @@
 mod capture;
 mod client_args;
 mod config;
+mod fleet_args;
 mod inspect;
 mod logdir;
 mod logging;
@@ -80,24 +81,53 @@ pub(crate) fn write_file(
     name: &str,
     data: &[u8],
 ) -> anyhow::Result<std::path::PathBuf> {
-    use anyhow::Context;
-    use std::io::Write;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(directory)
-        .with_context(|| format!("creating {}", directory.display()))?;
-    let target = directory.join(name);
-    let mut file = tempfile::NamedTempFile::new_in(directory)
-        .with_context(|| format!("writing into {}", directory.display()))?;
-    file.write_all(data)
-        .and_then(|()| {
-            file.as_file()
-                .set_permissions(std::fs::Permissions::from_mode(0o644))
+    let mut file = PendingFile::create(directory, name)?;
+    file.write(data)?;
+    file.commit()
+}
+
+/// A file written in parts under a temporary name beside its target, and
+/// renamed into place once complete; dropped before that, it is removed.
+pub(crate) struct PendingFile {
+    file: tempfile::NamedTempFile,
+    target: std::path::PathBuf,
+}
+
+impl PendingFile {
+    /// Starts `directory/name`, making the directory when needed.
+    pub(crate) fn create(directory: &std::path::Path, name: &str) -> anyhow::Result<PendingFile> {
+        use anyhow::Context;
+        std::fs::create_dir_all(directory)
+            .with_context(|| format!("creating {}", directory.display()))?;
+        let file = tempfile::NamedTempFile::new_in(directory)
+            .with_context(|| format!("writing into {}", directory.display()))?;
+        Ok(PendingFile {
+            file,
+            target: directory.join(name),
         })
-        .and_then(|()| file.as_file().sync_all())
-        .with_context(|| format!("writing {}", target.display()))?;
-    file.persist(&target)
-        .with_context(|| format!("writing {}", target.display()))?;
-    Ok(target)
+    }
+
+    pub(crate) fn write(&mut self, data: &[u8]) -> anyhow::Result<()> {
+        use anyhow::Context;
+        use std::io::Write;
+        self.file
+            .write_all(data)
+            .with_context(|| format!("writing {}", self.target.display()))
+    }
+
+    /// Puts the file in place (mode 0644); where it is.
+    pub(crate) fn commit(self) -> anyhow::Result<std::path::PathBuf> {
+        use anyhow::Context;
+        use std::os::unix::fs::PermissionsExt;
+        let PendingFile { file, target } = self;
+        file.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(0o644))
+            .and_then(|()| file.as_file().sync_all())
+            .with_context(|| format!("writing {}", target.display()))?;
+        file.persist(&target)
+            .with_context(|| format!("writing {}", target.display()))?;
+        Ok(target)
+    }
 }
 
 /// Parses durations such as `2s`, `500ms`, `1.5s`, `10m`, `1h`; a bare number

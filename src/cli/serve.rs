@@ -64,6 +64,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub client: super::client_args::ClientArgs,
 
+    // --dns-server, --concurrent-hosts: how NewSession finds and calls hosts.
+    #[command(flatten)]
+    pub fleet: super::fleet_args::FleetArgs,
+
     /// Backends to run (repeatable). `auto` runs every backend that works on
     /// this machine and falls back to the mock when no device backend does.
     #[arg(long = "backend", value_enum, default_values_t = [BackendChoice::Auto])]
@@ -372,6 +376,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         client: client_config,
         session_hosts: SessionHosts::new(args.session_hosts.clone()),
         unsent_dir: args.unsent_dir.clone().unwrap_or_else(std::env::temp_dir),
+        resolver: Arc::new(args.fleet.resolver()),
+        concurrent_hosts: args.fleet.concurrent_hosts,
     }));
     let address = listeners
         .tcp

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -12,8 +13,9 @@ use clap::{Args, Subcommand};
 use super::logdir::{self, SessionOutput};
 use crate::client;
 use crate::clock;
+use crate::hosts::{self, HostList, Origin, COMMAND_LINE_LIMIT};
 use crate::service::profiler::session_timestamp;
-use crate::session;
+use crate::session::{self, HostOutcome};
 
 #[derive(Debug, Args)]
 pub struct SessionArgs {
@@ -30,9 +32,13 @@ pub enum SessionCommand {
 
 #[derive(Debug, Args)]
 pub struct NewSessionArgs {
-    /// Comma-separated profiler servers (host or host:port; default port
-    /// 6009; grpc:// or grpcs:// to choose plaintext or TLS for one).
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Profiler servers, comma-separated (repeatable): host or host:port
+    /// (default port 6009); Slurm hostlists such as gpu[001-128] or
+    /// rack[1-2]-n[1,3-5]:6010; dns:NAME[:PORT] for every A and AAAA record
+    /// of NAME (a Kubernetes headless Service); @FILE for one entry per
+    /// line (# starts a comment). grpc:// or grpcs:// in front of an entry
+    /// chooses plaintext or TLS for its hosts. At most 65,536 hosts.
+    #[arg(long, required = true, value_name = "HOSTS")]
     pub hosts: Vec<String>,
     /// Log directory, or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (with the
     /// environment's credentials). A host whose upload fails has its trace
@@ -47,6 +53,8 @@ pub struct NewSessionArgs {
     pub session_id: Option<String>,
     #[command(flatten)]
     pub client: super::client_args::ClientArgs,
+    #[command(flatten)]
+    pub fleet: super::fleet_args::FleetArgs,
 }
 
 #[derive(Debug, Args)]
@@ -77,14 +85,15 @@ pub struct ToolArgs {
 
 pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let SessionCommand::New(args) = args.command;
-    let hosts = args
-        .hosts
-        .iter()
-        .map(|h| {
-            client::Target::tcp(h, client::DEFAULT_PORT)
-                .with_context(|| format!("invalid host {h:?}"))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut list = HostList::new(
+        Origin::CommandLine,
+        client::DEFAULT_PORT,
+        COMMAND_LINE_LIMIT,
+    );
+    for text in &args.hosts {
+        list.add(text).context("--hosts")?;
+    }
+    let entries = list.finish().context("--hosts")?;
     let duration_ms = u64::try_from(args.duration.as_millis()).unwrap_or(u64::MAX);
     if duration_ms == 0 {
         bail!("--duration must be at least 1ms");
@@ -92,42 +101,92 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let session_id = args.session_id.clone().unwrap_or_else(session_timestamp);
     let root = logdir::parse(&args.logdir)?.join("plugins").join("profile");
     let output = SessionOutput::new(&root.join(&session_id))?;
-    let options = client::default_profile_options(duration_ms, clock::now_ns());
-    let request = client::trace_request(options, &root.to_string(), &session_id, "");
-    let deadline = client::capture_deadline(args.duration);
     let config = args.client.config_for_calls()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    eprintln!("capturing {} hosts for {duration_ms} ms", hosts.len());
-    let deliver: session::Deliver = {
-        let session_id = session_id.clone();
-        std::sync::Arc::new(move |file_name, bytes| {
-            output
-                .write(&session_id, file_name, bytes)
-                .map(PathBuf::from)
-        })
-    };
-    let outcomes = runtime.block_on(session::fan_out(
-        &hosts, &request, deadline, &config, deliver,
+    let resolver = Arc::new(args.fleet.resolver());
+    let resolved = runtime.block_on(hosts::resolve(
+        entries,
+        &resolver,
+        COMMAND_LINE_LIMIT,
+        client::capture_deadline(args.duration),
     ));
+    let mut outcomes = HostOutcome::unresolved(resolved.failures);
+    let hosts = resolved.targets;
+    if !hosts.is_empty() {
+        // The window starts once the hosts are known, so that lookups do
+        // not eat into it.
+        let options = client::default_profile_options(duration_ms, clock::now_ns());
+        let request = client::trace_request(options, &root.to_string(), &session_id, "");
+        let plan = session::FanOut {
+            deadline: client::capture_deadline(args.duration),
+            concurrent_hosts: args.fleet.concurrent_hosts,
+            client: config,
+        };
+        eprintln!("capturing {} hosts for {duration_ms} ms", hosts.len());
+        let sink = Arc::new(LogdirSink {
+            output,
+            session_id: session_id.clone(),
+        });
+        outcomes.extend(runtime.block_on(session::fan_out(&hosts, &request, &plan, sink)));
+    }
     let mut delivered = 0;
-    for outcome in outcomes {
-        match outcome.result {
-            Ok(Some(path)) => {
-                println!("{}", path.display());
-                delivered += 1;
-            }
-            Ok(None) => eprintln!("{}: returned an empty trace", outcome.host),
-            Err(error) => eprintln!("{}: {error}", outcome.host),
+    for outcome in &outcomes {
+        if let Ok(Some(path)) = &outcome.result {
+            println!("{}", path.display());
+            delivered += 1;
         }
+    }
+    if let Some((headline, lines)) = session::failure_summary(&outcomes) {
+        for line in lines {
+            eprintln!("{line}");
+        }
+        eprintln!("{headline}");
     }
     if delivered == 0 {
         bail!("no host returned a trace");
     }
-    eprintln!("session {session_id}: {delivered} of {} hosts", hosts.len());
+    eprintln!(
+        "session {session_id}: {delivered} of {} hosts",
+        outcomes.len()
+    );
     Ok(())
+}
+
+/// A session directory or bucket prefix under `--logdir`, made when the
+/// first trace arrives.
+struct LogdirSink {
+    output: SessionOutput,
+    session_id: String,
+}
+
+impl session::TraceSink for LogdirSink {
+    fn create(&self, file_name: &str) -> Result<Box<dyn session::TraceFile>, String> {
+        match &self.output {
+            SessionOutput::Local(directory) => super::PendingFile::create(directory, file_name)
+                .map(|file| Box::new(file) as Box<dyn session::TraceFile>)
+                .map_err(|e| format!("{e:#}")),
+            SessionOutput::Object(folder) => crate::storage::create_file(
+                Ok(folder),
+                &self.session_id,
+                file_name,
+                &std::env::temp_dir(),
+            )
+            .map(|file| Box::new(file) as Box<dyn session::TraceFile>),
+        }
+    }
+}
+
+impl session::TraceFile for super::PendingFile {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
+        super::PendingFile::write(self, bytes).map_err(|e| format!("{e:#}"))
+    }
+
+    fn commit(self: Box<Self>) -> Result<PathBuf, String> {
+        super::PendingFile::commit(*self).map_err(|e| format!("{e:#}"))
+    }
 }
 
 pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {

@@ -11,6 +11,7 @@
 //! | `libtpu_collect_data` | libtpu's `collect_data` buffer | `tpu::decode_xspace`, then merging |
 //! | `bpf_records` | BPF ring buffers | record reads, scheduler timeline, driver calls |
 //! | `shared_ring` | ring files in the runtime directory | `Ring::open_file`, then draining |
+//! | `session_replies` | session hosts | a `Profile` reply read as it streams in, its trace written out |
 
 use std::sync::Arc;
 
@@ -663,6 +664,90 @@ static SHARED_RING: Target = Target {
     bytes_per_input_byte: 64,
 };
 
+// ---- session replies ----------------------------------------------------
+
+/// Replies as servers send them: the trace as `xspace`, as `xplane.pb`
+/// tool data beside another tool's, and an empty one. The first byte is
+/// the size of the pieces the body arrives in.
+fn reply_seeds() -> Vec<Vec<u8>> {
+    use crate::client::{RawProfileResponse, RawToolData};
+    let trace = bytes::Bytes::from(mock_trace(20, 1, "host"));
+    let tool = |name: &str, data: &bytes::Bytes| RawToolData {
+        name: name.into(),
+        data: data.clone(),
+    };
+    [
+        RawProfileResponse {
+            xspace: Some(trace.clone()),
+            ..RawProfileResponse::default()
+        },
+        RawProfileResponse {
+            tool_data: vec![
+                tool("trace_viewer", &"{}".into()),
+                tool("xplane.pb", &trace),
+            ],
+            xspace: Some(trace.clone()),
+            ..RawProfileResponse::default()
+        },
+        RawProfileResponse {
+            empty_trace: true,
+            ..RawProfileResponse::default()
+        },
+    ]
+    .iter()
+    .map(|reply| {
+        let message = reply.encode_to_vec();
+        let mut input = vec![61, 0];
+        input.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        input.extend_from_slice(&message);
+        input
+    })
+    .collect()
+}
+
+thread_local! {
+    static RUNTIME: tokio::runtime::Runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime for the fuzz target");
+}
+
+/// The body ends with an OK status: whatever is refused, the bytes did it.
+fn reply(input: &[u8]) -> Option<u64> {
+    use crate::streaming::stand_in::{body_in_pieces, MemorySink};
+    let (&piece, body) = input.split_first()?;
+    let body = body_in_pieces(
+        body.to_vec(),
+        usize::from(piece).max(1),
+        Some(tonic::Code::Ok),
+    );
+    let sink = Arc::new(MemorySink::default());
+    let refused = |status| crate::client::CallError::Status { status, tls: false };
+    let file = RUNTIME.with(|runtime| {
+        runtime.block_on(crate::streaming::read_reply(
+            body,
+            1 << 20,
+            Arc::new(Arc::clone(&sink)),
+            "host.xplane.pb",
+            refused,
+        ))
+    });
+    file.ok()?.map(|file| file.commit()).transpose().ok()?;
+    let written = sink
+        .committed
+        .lock()
+        .pop()
+        .map_or(0, |(_, bytes)| bytes.len());
+    Some(1 + bucket(written))
+}
+
+static SESSION_REPLIES: Target = Target {
+    name: "session_replies",
+    seeds: reply_seeds,
+    run: reply,
+    dictionary: PROTOBUF_TOKENS,
+    bytes_per_input_byte: 16,
+};
+
 #[test]
 fn workload_metadata() {
     check(&WORKLOAD_METADATA);
@@ -701,4 +786,9 @@ fn bpf_records() {
 #[test]
 fn shared_ring() {
     check(&SHARED_RING);
+}
+
+#[test]
+fn session_replies() {
+    check(&SESSION_REPLIES);
 }

@@ -9,18 +9,20 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
 use crate::client::{self, ClientConfig, Target};
 use crate::clock;
+use crate::hosts::{self, HostEntry, HostList, HostResolver, HostsError, Origin};
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysis;
 use crate::proto::tensorflow::{
     EnumProfileSessionsAndToolsRequest, EnumProfileSessionsAndToolsResponse,
     NewProfileSessionRequest, NewProfileSessionResponse, ProfileSessionDataRequest,
     ProfileSessionDataResponse, ProfileSessionInfo,
 };
-use crate::session::{self, ToolDataError};
+use crate::session::{self, HostOutcome, ToolDataError};
 use crate::storage::{self, Folder, StorageError};
 
 use super::profiler::session_timestamp;
@@ -32,6 +34,8 @@ use super::validate::{self, invalid};
 pub const MAX_HOSTS: usize = 1024;
 /// Time kept back from the caller's deadline to write files and reply.
 const REPLY_MARGIN: Duration = Duration::from_millis(200);
+/// Longest wait for the addresses of `dns:` entries.
+const LOOKUP_LIMIT: Duration = Duration::from_secs(30);
 
 /// The `grpc-timeout` header: an integer and a unit (H, M, S, m, u, n).
 pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
@@ -61,6 +65,10 @@ pub struct AnalysisConfig {
     /// Where a host's trace is kept when its upload to object storage
     /// fails (`--unsent-dir`).
     pub unsent_dir: PathBuf,
+    /// How `dns:` entries are looked up (`--dns-server`).
+    pub resolver: Arc<HostResolver>,
+    /// Most hosts called at once (`--concurrent-hosts`).
+    pub concurrent_hosts: usize,
 }
 
 impl Default for AnalysisConfig {
@@ -72,6 +80,8 @@ impl Default for AnalysisConfig {
             client: ClientConfig::default(),
             session_hosts: SessionHosts::default(),
             unsent_dir: std::env::temp_dir(),
+            resolver: Arc::default(),
+            concurrent_hosts: session::DEFAULT_CONCURRENT_HOSTS,
         }
     }
 }
@@ -99,24 +109,94 @@ impl ProfileAnalysisService {
 }
 
 impl ProfileAnalysisService {
-    /// `hosts[index]` of a NewSession as a target, if the operator allows it.
-    fn session_host(&self, index: usize, host: &str) -> Result<Target, Status> {
-        let field = format!("hosts[{index}]");
-        let target = Target::tcp(host, self.config.default_port).map_err(|e| invalid(&field, e))?;
+    /// The hosts of a NewSession, each entry checked against what the
+    /// operator allows before any lookup or connection.
+    fn session_hosts(&self, hosts: &[String]) -> Result<Vec<HostEntry>, Status> {
+        if hosts.is_empty() {
+            return Err(invalid("hosts", "name at least one host to profile"));
+        }
+        let mut list = HostList::new(Origin::Peer, self.config.default_port, MAX_HOSTS);
+        let mut checked = 0;
+        for (index, text) in hosts.iter().enumerate() {
+            let field = format!("hosts[{index}]");
+            list.add(text).map_err(|e| match e {
+                HostsError::TooMany { .. } => invalid(
+                    "hosts",
+                    format!("at most {MAX_HOSTS} hosts per session ({e})"),
+                ),
+                e => invalid(&field, e),
+            })?;
+            for entry in &list.entries()[checked..] {
+                self.check_host(&field, entry)?;
+            }
+            checked = list.entries().len();
+        }
+        list.finish().map_err(|e| invalid("hosts", e))
+    }
+
+    /// Whether the operator lets this agent call `entry`. A `dns:` entry is
+    /// judged by its name, as a plain host name is: DNS is trusted alike.
+    fn check_host(&self, field: &str, entry: &HostEntry) -> Result<(), Status> {
+        let target = match entry {
+            HostEntry::Host(target) => target.clone(),
+            HostEntry::Dns { name, port, scheme } => Target {
+                address: format!("{name}:{port}"),
+                scheme: *scheme,
+            },
+        };
         if !self.config.session_hosts.allows(&target.address) {
             return Err(Status::permission_denied(format!(
-                "{field}: {} is not among the hosts this agent may call (--session-hosts {})",
-                target.address,
+                "{field}: {entry} is not among the hosts this agent may call (--session-hosts {})",
                 self.config.session_hosts.describe()
             )));
         }
         if target.uses_tls(&self.config.client) && self.config.client.tls.is_none() {
             return Err(invalid(
-                &field,
+                field,
                 "grpcs:// needs the agent to be started with --tls-ca",
             ));
         }
-        Ok(target)
+        Ok(())
+    }
+}
+
+/// A NewSession's folder under an allowed root (a directory or a bucket
+/// prefix), made when the first trace arrives.
+struct SessionSink {
+    root: Folder,
+    session_id: String,
+    generated_id: bool,
+    unsent_dir: PathBuf,
+    made: parking_lot::Mutex<Option<Folder>>,
+}
+
+impl session::TraceSink for SessionSink {
+    fn create(&self, file_name: &str) -> Result<Box<dyn session::TraceFile>, String> {
+        let folder = {
+            let mut made = self.made.lock();
+            match made.as_ref() {
+                Some(folder) => Ok(folder.clone()),
+                None => match self
+                    .root
+                    .create_session(&self.session_id, self.generated_id)
+                {
+                    Ok((folder, _)) => Ok(made.insert(folder).clone()),
+                    Err(error) if self.root.is_object() => Err(format!(
+                        "{}/{}: {error}",
+                        self.root.display(),
+                        self.session_id
+                    )),
+                    Err(error) => return Err(format!("repository_root: {error}")),
+                },
+            }
+        };
+        let file = storage::create_file(
+            folder.as_ref().map_err(Clone::clone),
+            &self.session_id,
+            file_name,
+            &self.unsent_dir,
+        )?;
+        Ok(Box::new(file))
     }
 }
 
@@ -161,6 +241,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         &self,
         request: Request<NewProfileSessionRequest>,
     ) -> Result<Response<NewProfileSessionResponse>, Status> {
+        let arrived = Instant::now();
         let caller_deadline = request
             .metadata()
             .get("grpc-timeout")
@@ -173,21 +254,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 "the ProfileRequest to send to every host is missing",
             ));
         };
-        if request.hosts.is_empty() {
-            return Err(invalid("hosts", "name at least one host to profile"));
-        }
-        if request.hosts.len() > MAX_HOSTS {
-            return Err(invalid(
-                "hosts",
-                format!("at most {MAX_HOSTS} hosts per session"),
-            ));
-        }
-        let hosts = request
-            .hosts
-            .iter()
-            .enumerate()
-            .map(|(i, host)| self.session_host(i, host))
-            .collect::<Result<Vec<Target>, Status>>()?;
+        let entries = self.session_hosts(&request.hosts)?;
         validate::name_component("session_id", &request.session_id)?;
         let root = self.root(&request.repository_root)?;
         let generated_id = request.session_id.is_empty();
@@ -216,6 +283,21 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 format!("{duration_ms} ms exceeds this agent's maximum of {max_ms} ms"),
             ));
         }
+        // Answer our caller in time with whatever hosts made it, rather than
+        // letting one slow host (or name server) turn the whole session
+        // into a timeout.
+        let caller_end = caller_deadline
+            .map(|caller| arrived + caller.saturating_sub(caller / 10 + REPLY_MARGIN));
+        // Names are looked up before the window is placed, so that lookups
+        // do not eat into it.
+        let lookup_limit = caller_end.map_or(LOOKUP_LIMIT, |end| {
+            end.saturating_duration_since(Instant::now())
+                .min(LOOKUP_LIMIT)
+        });
+        let resolved =
+            hosts::resolve(entries, &self.config.resolver, MAX_HOSTS, lookup_limit).await;
+        let mut outcomes = HostOutcome::unresolved(resolved.failures);
+        let hosts = resolved.targets;
         // One absolute start for every host, so that the traces line up.
         let now = clock::now_ns();
         let start_ns = if modern && options.start_timestamp_ns > now {
@@ -230,66 +312,47 @@ impl ProfileAnalysis for ProfileAnalysisService {
         profile.duration_ms = duration_ms;
         profile.session_id = session_id.clone();
         profile.repository_root = request.repository_root.clone();
-        let mut deadline =
-            client::capture_deadline(Duration::from_millis(duration_ms)) + clock::until(start_ns);
-        // Answer our caller in time with whatever hosts made it, rather than
-        // letting one slow host turn the whole session into a timeout.
-        if let Some(caller) = caller_deadline {
-            deadline = deadline.min(caller.saturating_sub(caller / 10 + REPLY_MARGIN));
+        let mut session_end = Instant::now()
+            + client::capture_deadline(Duration::from_millis(duration_ms))
+            + clock::until(start_ns);
+        if let Some(caller_end) = caller_end {
+            session_end = session_end.min(caller_end);
         }
         info!(session = %session_id, hosts = hosts.len(), duration_ms, "session requested");
         // Each host's trace is written as it arrives, in a session folder
         // made when the first one does (a unique name for a generated id, so
         // that two sessions in one second keep both). A trace whose upload
         // fails is kept on this host's disk, and the error says where.
-        let made: Arc<parking_lot::Mutex<Option<Folder>>> = Arc::default();
-        let deliver: session::Deliver = {
-            let made = Arc::clone(&made);
-            let (root, session_id) = (root.clone(), session_id.clone());
-            let unsent_dir = self.config.unsent_dir.clone();
-            Arc::new(move |file_name, bytes| {
-                let folder = {
-                    let mut made = made.lock();
-                    match made.as_ref() {
-                        Some(folder) => folder.clone(),
-                        None => match root.create_session(&session_id, generated_id) {
-                            Ok((folder, _)) => made.insert(folder).clone(),
-                            Err(error) if root.is_object() => {
-                                let target = format!("{}/{session_id}", root.display());
-                                return Err(storage::keep_failed_upload(
-                                    &target,
-                                    &error,
-                                    &unsent_dir,
-                                    &session_id,
-                                    file_name,
-                                    bytes,
-                                ));
-                            }
-                            Err(error) => return Err(format!("repository_root: {error}")),
-                        },
-                    }
-                };
-                storage::write_or_keep(&folder, &session_id, file_name, bytes, &unsent_dir)
-                    .map(PathBuf::from)
-            })
+        let sink = Arc::new(SessionSink {
+            root: root.clone(),
+            session_id: session_id.clone(),
+            generated_id,
+            unsent_dir: self.config.unsent_dir.clone(),
+            made: parking_lot::Mutex::new(None),
+        });
+        let plan = session::FanOut {
+            deadline: session_end.saturating_duration_since(Instant::now()),
+            concurrent_hosts: self.config.concurrent_hosts,
+            client: self.config.client.clone(),
         };
-        let outcomes =
-            session::fan_out(&hosts, &profile, deadline, &self.config.client, deliver).await;
-        let mut errors = Vec::new();
-        let mut delivered = 0;
+        if !hosts.is_empty() {
+            outcomes.extend(session::fan_out(&hosts, &profile, &plan, sink).await);
+        }
+        let delivered = outcomes
+            .iter()
+            .filter(|o| matches!(o.result, Ok(Some(_))))
+            .count();
         for outcome in &outcomes {
-            match &outcome.result {
-                Ok(Some(_)) => delivered += 1,
-                Ok(None) => errors.push(format!("{}: returned an empty trace", outcome.host)),
-                Err(e) => {
-                    info!(session = %session_id, host = %outcome.host, error = %e, "host failed");
-                    errors.push(format!("{}: {e}", outcome.host));
-                }
+            if let Err(e) = &outcome.result {
+                info!(session = %session_id, host = %outcome.host, error = %e, "host failed");
             }
         }
-        info!(session = %session_id, delivered, failed = errors.len(), "session done");
+        info!(session = %session_id, delivered, failed = outcomes.len() - delivered, "session done");
+        let error_message = session::failure_summary(&outcomes)
+            .map(|(headline, lines)| format!("{headline}: {}", lines.join("; ")))
+            .unwrap_or_default();
         Ok(Response::new(NewProfileSessionResponse {
-            error_message: errors.join("; "),
+            error_message,
             empty_trace: delivered == 0,
         }))
     }

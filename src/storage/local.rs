@@ -92,6 +92,13 @@ impl LocalFolder {
         Ok(written.display().to_string())
     }
 
+    /// Starts `name` in this directory (made first), written in parts and
+    /// renamed into place on commit.
+    pub fn create_atomic(&self, name: &str) -> Result<crate::beneath::AtomicFile, StorageError> {
+        let directory = self.root.create_dir_all(&self.relative)?;
+        Ok(directory.create_atomic(name)?)
+    }
+
     /// Makes a new directory named `base`, or `base_2`, `base_3`, ... when
     /// taken; returns it and its name.
     pub fn create_unique(&self, base: &str) -> Result<(LocalFolder, String), StorageError> {

@@ -232,6 +232,110 @@ impl Folder {
     }
 }
 
+/// A file of a session written in parts as it arrives, in place only once
+/// committed; dropped before that, it leaves nothing behind.
+pub enum NewFile {
+    /// A local file beneath its root, renamed into place on commit.
+    Local(crate::beneath::AtomicFile),
+    /// An upload, spooled on local disk (a private temporary file) until
+    /// complete, then sent whole. When it fails, the spooled trace is kept
+    /// (see [`keep_unsent`]) and the error says where.
+    Object(Spooled),
+}
+
+/// The local part of an upload in progress.
+pub struct Spooled {
+    spool: tempfile::NamedTempFile,
+    /// Where it goes, or why it cannot (the session's folder could not be
+    /// made): it is then kept at commit.
+    target: Result<Folder, String>,
+    name: String,
+    session_id: String,
+    unsent_dir: PathBuf,
+}
+
+impl NewFile {
+    pub fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
+        use std::io::Write;
+        match self {
+            NewFile::Local(file) => file.write_all(bytes).map_err(|e| e.to_string()),
+            NewFile::Object(spooled) => spooled
+                .spool
+                .write_all(bytes)
+                .map_err(|e| format!("spooling to {}: {e}", spooled.spool.path().display())),
+        }
+    }
+
+    /// Puts the file in place; where it went, or why not (and where the
+    /// trace is kept instead).
+    pub fn commit(self) -> Result<String, String> {
+        match self {
+            NewFile::Local(file) => file
+                .commit()
+                .map(|path| path.display().to_string())
+                .map_err(|e| e.to_string()),
+            NewFile::Object(spooled) => spooled.upload(),
+        }
+    }
+}
+
+impl Spooled {
+    fn upload(self) -> Result<String, String> {
+        let bytes = std::fs::read(self.spool.path()).map_err(|e| {
+            format!(
+                "reading back the spooled trace {}: {e}",
+                self.spool.path().display()
+            )
+        })?;
+        let (target, error) = match &self.target {
+            Ok(folder) => match folder.write(&self.name, &bytes) {
+                Ok(written) => return Ok(written),
+                Err(error) => (
+                    format!("{}/{}", folder.display(), self.name),
+                    error.to_string(),
+                ),
+            },
+            Err(why) => (self.name.clone(), why.clone()),
+        };
+        Err(keep_failed_upload(
+            &target,
+            &error,
+            &self.unsent_dir,
+            &self.session_id,
+            &self.name,
+            &bytes,
+        ))
+    }
+}
+
+/// Starts `name` in `session` (a folder of session `session_id`, or why it
+/// could not be made), spooling uploads under `unsent_dir`.
+pub fn create_file(
+    session: Result<&Folder, String>,
+    session_id: &str,
+    name: &str,
+    unsent_dir: &Path,
+) -> Result<NewFile, String> {
+    if let Ok(Folder::Local(local)) = session {
+        return local
+            .create_atomic(name)
+            .map(NewFile::Local)
+            .map_err(|e| e.to_string());
+    }
+    std::fs::create_dir_all(unsent_dir)
+        .and_then(|()| tempfile::NamedTempFile::new_in(unsent_dir))
+        .map(|spool| {
+            NewFile::Object(Spooled {
+                spool,
+                target: session.cloned(),
+                name: name.to_string(),
+                session_id: session_id.to_string(),
+                unsent_dir: unsent_dir.to_path_buf(),
+            })
+        })
+        .map_err(|e| format!("spooling {name} under {}: {e}", unsent_dir.display()))
+}
+
 /// Keeps a trace that could not be written to its repository on local disk,
 /// so that it is not lost: `<dir>/devtrace-unsent-XXXXXX/<session>/<file>`,
 /// in a new directory only this user can open. Returns the file's path.
@@ -282,7 +386,7 @@ pub fn write_or_keep(
 /// [`keep_unsent`]); returns the message that says both.
 pub fn keep_failed_upload(
     target: &str,
-    error: &StorageError,
+    error: &dyn std::fmt::Display,
     unsent_dir: &Path,
     session_id: &str,
     name: &str,

@@ -10,11 +10,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use devtrace::proto::tensorflow::profile_analysis_client::ProfileAnalysisClient;
 use devtrace::proto::tensorflow::profiler::{XPlane, XSpace};
 use devtrace::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
-use devtrace::proto::tensorflow::{ProfileOptions, ProfileRequest, ProfileResponse};
+use devtrace::proto::tensorflow::{
+    NewProfileSessionRequest, NewProfileSessionResponse, ProfileOptions, ProfileRequest,
+    ProfileResponse,
+};
 use devtrace::xspace::read::{find_stat, StatValue};
 use prost::Message;
 use tonic::transport::Channel;
 
+pub mod bulky;
 pub mod workload;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_devtrace");
@@ -42,7 +46,17 @@ impl AgentProcess {
         Self::adopt(Self::spawn(extra, env))
     }
 
+    /// Starts `devtrace serve --listen LISTEN <extra>` without waiting for
+    /// it: [`AgentProcess::adopt`] waits, so that many start at once.
+    pub fn spawn_listening(listen: &str, extra: &[&str]) -> Child {
+        Self::spawn_on(listen, extra, &[])
+    }
+
     fn spawn(extra: &[&str], env: &[(&str, &std::path::Path)]) -> Child {
+        Self::spawn_on("127.0.0.1:0", extra, env)
+    }
+
+    fn spawn_on(listen: &str, extra: &[&str], env: &[(&str, &std::path::Path)]) -> Child {
         let default_backend: &[&str] = if extra.contains(&"--backend") {
             &[]
         } else {
@@ -54,7 +68,7 @@ impl AgentProcess {
             &["--metrics-listen", "off"]
         };
         Command::new(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--log-level", "warn"])
+            .args(["serve", "--listen", listen, "--log-level", "warn"])
             .args(default_backend)
             .args(default_metrics)
             .args(extra)
@@ -123,11 +137,6 @@ impl AgentProcess {
         ProfilerServiceClient::new(self.channel().await).max_decoding_message_size(usize::MAX)
     }
 
-    /// A client of the agent's `tensorflow.ProfileAnalysis` service.
-    pub async fn analysis(&self) -> ProfileAnalysisClient<Channel> {
-        ProfileAnalysisClient::new(self.channel().await).max_decoding_message_size(usize::MAX)
-    }
-
     /// A `Profile` call that must succeed.
     pub async fn profile(&self, request: ProfileRequest) -> ProfileResponse {
         self.client()
@@ -162,13 +171,45 @@ impl AgentProcess {
 
     /// The agent's resident memory now, in bytes.
     pub fn rss_bytes(&self) -> u64 {
+        self.memory_bytes("VmRSS:")
+    }
+
+    /// The most resident memory the agent has had, in bytes.
+    pub fn peak_rss_bytes(&self) -> u64 {
+        self.memory_bytes("VmHWM:")
+    }
+
+    /// A `kB` field of /proc/PID/status, in bytes.
+    fn memory_bytes(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
         let kib: u64 = status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("VmRSS");
+            .unwrap_or_else(|| panic!("{field} in /proc/PID/status"));
         kib * 1024
+    }
+
+    /// A ProfileAnalysis client of the agent.
+    pub async fn analysis(&self) -> ProfileAnalysisClient<Channel> {
+        ProfileAnalysisClient::new(self.channel().await).max_decoding_message_size(usize::MAX)
+    }
+
+    /// A NewSession that must be answered, with the deadline a caller sets
+    /// (the agent answers in time with the hosts that made it).
+    pub async fn new_session_within(
+        &self,
+        request: NewProfileSessionRequest,
+        deadline: Duration,
+    ) -> NewProfileSessionResponse {
+        let mut call = tonic::Request::new(request);
+        call.set_timeout(deadline);
+        self.analysis()
+            .await
+            .new_session(call)
+            .await
+            .expect("NewSession")
+            .into_inner()
     }
 
     /// Sends SIGTERM and waits up to `limit` for the agent to exit; how it
@@ -192,6 +233,27 @@ impl Drop for AgentProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Runs `devtrace ARGS` off the async runtime, so that servers of the test
+/// keep answering it.
+pub async fn devtrace(args: Vec<String>) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        Command::new(BIN)
+            .args(&args)
+            .output()
+            .expect("running devtrace")
+    })
+    .await
+    .expect("the devtrace process")
+}
+
+pub fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|a| a.to_string()).collect()
+}
+
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// An HTTP/1.0 GET of `path` from `address`: the status and the body.
@@ -222,6 +284,20 @@ pub fn now_ns() -> u64 {
         .duration_since(UNIX_EPOCH)
         .expect("clock")
         .as_nanos() as u64
+}
+
+/// A NewSession of a 500 ms window over `hosts` into `root/session`.
+pub fn session_request(
+    root: &std::path::Path,
+    hosts: &[&str],
+    session: &str,
+) -> NewProfileSessionRequest {
+    NewProfileSessionRequest {
+        request: Some(request(500, "ignored")),
+        repository_root: root.display().to_string(),
+        hosts: hosts.iter().map(|h| h.to_string()).collect(),
+        session_id: session.to_string(),
+    }
 }
 
 /// A request shaped like TensorFlow's `client.trace`.

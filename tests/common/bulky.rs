@@ -1,0 +1,86 @@
+//! A profiler server that speaks the protocol but answers with a trace as
+//! large as a test asks for, from inside the test process.
+
+use devtrace::proto::tensorflow::profiler::XSpace;
+use devtrace::proto::tensorflow::profiler_service_server::{
+    ProfilerService, ProfilerServiceServer,
+};
+use devtrace::proto::tensorflow::{
+    ContinuousProfilingResponse, GetSnapshotRequest, MonitorRequest, MonitorResponse,
+    ProfileRequest, ProfileResponse, StopContinuousProfilingRequest,
+    StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
+};
+use prost::Message;
+use tonic::{Request, Response, Status};
+
+/// A profiler server that answers every `Profile` with an XSpace of about
+/// `bytes` bytes, carried twice (as `xplane.pb` tool data and as `xspace`,
+/// as some servers do): a hostile one when that is more than its callers
+/// accept, a busy host's otherwise.
+struct Bulky {
+    bytes: usize,
+}
+
+#[tonic::async_trait]
+impl ProfilerService for Bulky {
+    async fn profile(
+        &self,
+        _: Request<ProfileRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        let space = XSpace {
+            hostnames: vec!["h".repeat(self.bytes)],
+            ..XSpace::default()
+        };
+        Ok(Response::new(ProfileResponse {
+            tool_data: vec![devtrace::proto::tensorflow::ProfileToolData {
+                name: "xplane.pb".into(),
+                data: space.encode_to_vec(),
+            }],
+            empty_trace: false,
+            xspace: Some(space),
+        }))
+    }
+    async fn terminate(
+        &self,
+        _: Request<TerminateRequest>,
+    ) -> Result<Response<TerminateResponse>, Status> {
+        Ok(Response::new(TerminateResponse {}))
+    }
+    async fn monitor(
+        &self,
+        _: Request<MonitorRequest>,
+    ) -> Result<Response<MonitorResponse>, Status> {
+        Err(Status::unimplemented("bulky"))
+    }
+    async fn start_continuous_profiling(
+        &self,
+        _: Request<ProfileRequest>,
+    ) -> Result<Response<ContinuousProfilingResponse>, Status> {
+        Err(Status::unimplemented("bulky"))
+    }
+    async fn stop_continuous_profiling(
+        &self,
+        _: Request<StopContinuousProfilingRequest>,
+    ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
+        Err(Status::unimplemented("bulky"))
+    }
+    async fn get_snapshot(
+        &self,
+        _: Request<GetSnapshotRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        Err(Status::unimplemented("bulky"))
+    }
+}
+
+/// Starts a [`Bulky`] server on loopback; its address.
+pub async fn bulky_host(bytes: usize) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let service = ProfilerServiceServer::new(Bulky { bytes });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    address
+}
