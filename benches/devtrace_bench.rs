@@ -458,7 +458,7 @@ fn bench_xspace(settings: &Settings) {
     drop(copy);
 
     let t = Instant::now();
-    let encoded = encode_xspace(events.iter().copied(), &snapshot, &info);
+    let encoded = encode_xspace(&events, &snapshot, &info);
     let total = t.elapsed();
     let bytes = encoded.bytes;
     // Checked outside the timing: the bytes decode to every event.
@@ -553,10 +553,10 @@ fn bench_store(settings: &Settings) {
     for _ in 0..3 {
         let t = Instant::now();
         let data = store.query(window);
-        black_box(encode_xspace(data.events(), &snapshot, &info));
+        black_box(encode_xspace(&data.decoded(), &snapshot, &info));
         from_store.push(ms(t.elapsed()));
         let t = Instant::now();
-        black_box(encode_xspace(events.iter().copied(), &snapshot, &info));
+        black_box(encode_xspace(&events, &snapshot, &info));
         from_records.push(ms(t.elapsed()));
     }
     let (store_ms, records_ms) = (median(&mut from_store), median(&mut from_records));
@@ -645,7 +645,7 @@ async fn direct_capture(agent: &Agent, duration_ms: u64) -> Phases {
     };
     // Run on this (block_on) thread: it is not one of the runtime's workers.
     let t = Instant::now();
-    let encoded = encode_xspace(data.events(), &registry, &info);
+    let encoded = encode_xspace(&data.decoded(), &registry, &info);
     let encode = t.elapsed();
     Phases {
         collect,

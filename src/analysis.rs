@@ -42,7 +42,7 @@ impl Utilization {
 }
 
 /// Computes utilisation of `events` clipped to `window`.
-pub fn utilization(events: impl IntoIterator<Item = Event>, window: Window) -> Utilization {
+pub fn utilization<'e>(events: impl IntoIterator<Item = &'e Event>, window: Window) -> Utilization {
     let mut intervals: BTreeMap<u16, Vec<(u64, u64)>> = BTreeMap::new();
     let mut counters: BTreeMap<(u16, NameId), (f64, u32)> = BTreeMap::new();
     let mut result = Utilization::default();
@@ -134,7 +134,7 @@ mod tests {
                 Payload::Step { step_num: 1 },
             ),
         ];
-        let u = utilization(events, window);
+        let u = utilization(&events, window);
         assert!((u.device_busy[&0] - 0.4).abs() < 1e-9);
         assert!((u.device_busy[&1] - 1.0).abs() < 1e-9);
         assert!((u.idle_percent().unwrap() - 30.0).abs() < 1e-9);
@@ -161,7 +161,7 @@ mod tests {
             sample(0, 2, 1.0),
         ];
         let u = utilization(
-            events,
+            &events,
             Window {
                 start_ns: 0,
                 stop_ns: 10,
@@ -175,7 +175,7 @@ mod tests {
 
     #[test]
     fn nothing_seen_means_no_numbers() {
-        let u = utilization([], Window::default());
+        let u = utilization(&[], Window::default());
         assert_eq!(u.idle_percent(), None);
         assert_eq!(u.step_times_ms(), None);
     }

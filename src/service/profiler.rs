@@ -455,7 +455,7 @@ impl ProfilerService {
             properties,
         };
         tokio::task::spawn_blocking(move || {
-            let encoded = xspace::encode_xspace(data.events(), &registry, &info);
+            let encoded = xspace::encode_xspace(&data.decoded(), &registry, &info);
             if merged.is_empty() {
                 return Ok(encoded);
             }
@@ -904,7 +904,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             .collect(window)
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
-        let usage = analysis::utilization(data.events(), window);
+        let usage = analysis::utilization(&data.decoded(), window);
         let mut result = ProfilerServiceMonitorResult::default();
         let mut text = String::new();
         if request.timestamp {

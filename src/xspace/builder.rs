@@ -80,8 +80,8 @@ pub struct Encoded {
 }
 
 /// Encodes the XSpace for `events` (any order) recorded during `info.window`.
-pub fn encode_xspace(
-    events: impl IntoIterator<Item = Event>,
+pub fn encode_xspace<'e>(
+    events: impl IntoIterator<Item = &'e Event>,
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Encoded {
@@ -91,10 +91,13 @@ pub fn encode_xspace(
         lines.entry(device).or_default();
     }
     let mut out = Writer::with_capacity(4096 + count * 72);
-    for (device, device_lines) in lines {
-        let plane = out.begin(field::SPACE_PLANES, 5);
-        encode_plane(&mut out, device, device_lines, registry, info.window);
-        out.end(plane);
+    let threads = if count < PARALLEL_FROM_EVENTS {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    };
+    for plane in encode_planes(lines, registry, info.window, threads) {
+        out.bytes(field::SPACE_PLANES, &plane);
     }
     let plane = out.begin(field::SPACE_PLANES, 5);
     task_environment(&mut out, info);
@@ -112,6 +115,65 @@ pub fn encode_xspace(
     }
 }
 
+/// Below this many events a trace's planes are encoded on the calling
+/// thread: starting threads would cost more than they save.
+const PARALLEL_FROM_EVENTS: usize = 100_000;
+
+/// Each plane's encoded `XPlane` message, in plane order. Planes are
+/// independent (each has its own metadata tables), so they are encoded on
+/// up to `threads` threads at once, the largest first.
+fn encode_planes(
+    lines: Lines<'_>,
+    registry: &RegistrySnapshot,
+    window: Window,
+    threads: usize,
+) -> Vec<Vec<u8>> {
+    let planes: Vec<(Device, PlaneLines<'_>)> = lines.into_iter().collect();
+    let encode = |device: Device, device_lines: PlaneLines<'_>| {
+        let events: usize = device_lines.values().map(Vec::len).sum();
+        let mut out = Writer::with_capacity(1024 + events * 72);
+        encode_plane(&mut out, device, device_lines, registry, window);
+        out.into_bytes()
+    };
+    let threads = threads.min(planes.len());
+    if threads < 2 {
+        return planes
+            .into_iter()
+            .map(|(device, device_lines)| encode(device, device_lines))
+            .collect();
+    }
+    // Largest first, taken by whichever thread is free.
+    let mut order: Vec<usize> = (0..planes.len()).collect();
+    let sizes: Vec<usize> = planes
+        .iter()
+        .map(|(_, l)| l.values().map(Vec::len).sum())
+        .collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let work: Vec<parking_lot::Mutex<Option<(Device, PlaneLines<'_>)>>> = planes
+        .into_iter()
+        .map(|plane| parking_lot::Mutex::new(Some(plane)))
+        .collect();
+    let done: Vec<parking_lot::Mutex<Vec<u8>>> =
+        (0..work.len()).map(|_| Default::default()).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let taken = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&index) = order.get(taken) else {
+                    break;
+                };
+                if let Some((device, device_lines)) = work[index].lock().take() {
+                    *done[index].lock() = encode(device, device_lines);
+                }
+            });
+        }
+    });
+    done.into_iter()
+        .map(parking_lot::Mutex::into_inner)
+        .collect()
+}
+
 /// Adds `warning` to an encoded XSpace: a repeated field appended to a
 /// message's bytes is read as one more element, so nothing is re-encoded.
 pub fn append_warning(encoded: &mut Encoded, warning: &str) {
@@ -122,9 +184,12 @@ pub fn append_warning(encoded: &mut Encoded, warning: &str) {
 
 /// Events per (device, line), devices in plane order; the host plane is
 /// always present.
-type Lines = BTreeMap<Device, BTreeMap<u64, Vec<Event>>>;
+type Lines<'e> = BTreeMap<Device, PlaneLines<'e>>;
 
-fn group_by_line(events: impl IntoIterator<Item = Event>) -> (Lines, usize) {
+/// One plane's events per line.
+type PlaneLines<'e> = BTreeMap<u64, Vec<&'e Event>>;
+
+fn group_by_line<'e>(events: impl IntoIterator<Item = &'e Event>) -> (Lines<'e>, usize) {
     let mut lines: Lines = BTreeMap::new();
     lines.entry(Device::Host).or_default();
     let mut count = 0;
@@ -146,8 +211,8 @@ fn group_by_line(events: impl IntoIterator<Item = Event>) -> (Lines, usize) {
 }
 
 /// The same XSpace as a message, for replies that carry it inline.
-pub fn build_xspace(
-    events: impl IntoIterator<Item = Event>,
+pub fn build_xspace<'e>(
+    events: impl IntoIterator<Item = &'e Event>,
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Result<XSpace, prost::DecodeError> {
@@ -179,7 +244,7 @@ pub fn is_empty(space: &XSpace) -> bool {
 fn encode_plane(
     out: &mut Writer,
     device: Device,
-    lines: BTreeMap<u64, Vec<Event>>,
+    lines: PlaneLines<'_>,
     registry: &RegistrySnapshot,
     window: Window,
 ) {
@@ -197,7 +262,7 @@ fn encode_plane(
     for (line_id, mut events) in lines {
         // XProf walks lines in order: start ascending, enclosing spans first.
         // Events usually arrive in that order already; check before sorting.
-        let order = |e: &Event| (e.start_ns, Reverse(e.duration_ns));
+        let order = |e: &&Event| (e.start_ns, Reverse(e.duration_ns));
         if !events.is_sorted_by_key(order) {
             events.sort_by_key(order);
         }
@@ -235,7 +300,7 @@ fn encode_plane(
         out.int_nonzero(field::LINE_ID, xline_id);
         out.text(field::LINE_NAME, &line_name);
         // timestamp_ns stays 0: offsets are relative to the capture start.
-        for event in &events {
+        for event in events {
             plane.event(out, event, window.start_ns);
         }
         out.end(line);
@@ -246,7 +311,7 @@ fn encode_plane(
     plane.finish(out);
 }
 
-fn stream_kinds(events: &[Event]) -> Vec<&'static str> {
+fn stream_kinds(events: &[&Event]) -> Vec<&'static str> {
     let mut present = [false; names::STREAM_KIND_ORDER.len()];
     for event in events {
         let kind = match event.payload() {
@@ -996,11 +1061,36 @@ mod tests {
             ..CaptureInfo::default()
         };
         let window = info.window;
-        let inside = events
-            .iter()
-            .copied()
-            .filter(|e| window.contains(e.start_ns));
+        let inside = events.iter().filter(|e| window.contains(e.start_ns));
         build_xspace(inside, &registry.snapshot(), &info).expect("decodes")
+    }
+
+    #[test]
+    fn planes_encoded_on_several_threads_are_the_bytes_one_thread_makes() {
+        let registry = Registry::new();
+        let config = MockConfig {
+            gpus: 3,
+            ..MockConfig::default()
+        };
+        let mut workload = Workload::new(&config, &registry, START);
+        let mut events = Vec::new();
+        while events.len() < 20_000 {
+            workload.emit_next(&mut |e| events.push(e));
+        }
+        let (lines, _) = group_by_line(&events);
+        let window = Window {
+            start_ns: START,
+            stop_ns: START + 10_000_000_000,
+        };
+        let snapshot = registry.snapshot();
+        let one = encode_planes(lines.clone(), &snapshot, window, 1);
+        assert_eq!(one.len(), 4, "host and three GPUs");
+        for threads in [2, 3, 8] {
+            assert_eq!(
+                encode_planes(lines.clone(), &snapshot, window, threads),
+                one
+            );
+        }
     }
 
     fn plane<'s>(space: &'s XSpace, name: &str) -> &'s XPlane {

@@ -716,7 +716,7 @@ mod tests {
             warnings: vec!["a warning".into()],
             ..CaptureInfo::default()
         };
-        let encoded = encode_xspace(events.iter().copied(), &registry.snapshot(), &info);
+        let encoded = encode_xspace(&events, &registry.snapshot(), &info);
         let whole = XSpace::decode(encoded.bytes.as_slice()).unwrap();
         let chunked = ChunkedTrace::encode(&encoded.bytes, 8 << 10).unwrap();
         assert!(chunked.chunks() > 10, "{} chunks", chunked.chunks());
