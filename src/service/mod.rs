@@ -5,6 +5,7 @@ pub mod profile_analysis;
 pub mod profiler;
 pub mod repository;
 pub mod session_hosts;
+pub mod shared_builds;
 pub mod validate;
 
 use std::sync::Arc;

@@ -36,6 +36,7 @@ use crate::xspace::{self, CaptureInfo, Encoded};
 use crate::storage::{Folder, StorageError};
 
 use super::repository::AllowedRoots;
+use super::shared_builds::{BuildKey, SharedBuilds};
 use super::validate::{self, invalid};
 
 /// Name of the tool entry that carries the trace back to the client.
@@ -134,6 +135,7 @@ pub struct ProfilerService {
     running: Mutex<HashMap<String, Vec<(u64, CancellationToken)>>>,
     next_capture: std::sync::atomic::AtomicU64,
     continuous: Mutex<Option<Continuous>>,
+    shared_builds: SharedBuilds,
 }
 
 /// Removes a capture from the Terminate table when it ends, however it ends.
@@ -163,6 +165,7 @@ impl ProfilerService {
             running: Mutex::new(HashMap::new()),
             next_capture: Default::default(),
             continuous: Mutex::new(None),
+            shared_builds: SharedBuilds::default(),
         }
     }
 
@@ -491,7 +494,7 @@ impl ProfilerService {
         &self,
         plan: &Plan,
         window: Window,
-        mut encoded: Encoded,
+        encoded: Arc<Encoded>,
     ) -> Result<ProfileResponse, Status> {
         if encoded.bytes.len() > self.config.chunk_traces_over {
             return self
@@ -506,16 +509,23 @@ impl ProfilerService {
                 xspace: Some(decode(&encoded.bytes)?),
             });
         }
+        let mut encoded = encoded;
         if let Some(root) = self.server_side_root(plan) {
             let written;
-            (written, encoded.bytes) =
-                write_trace(root, plan, XPLANE_SUFFIX, encoded.bytes).await?;
+            (written, SharedTrace(encoded)) =
+                write_trace(root, plan, XPLANE_SUFFIX, SharedTrace(encoded)).await?;
             match written {
                 Ok(_) => return Ok(written_reply(empty_trace)),
-                Err(error) => xspace::append_warning(&mut encoded, &unwritten_warning(&error)),
+                Err(error) => {
+                    encoded = with_warnings(encoded, &[unwritten_warning(&error)]);
+                }
             }
         }
-        Ok(tool_reply(XPLANE_TOOL, encoded.bytes, empty_trace))
+        // Tool data is a message field of its own: the one copy of a
+        // shared trace each reply makes.
+        let bytes =
+            Arc::try_unwrap(encoded).map_or_else(|shared| shared.bytes.clone(), |own| own.bytes);
+        Ok(tool_reply(XPLANE_TOOL, bytes, empty_trace))
     }
 
     /// Delivers a trace too large for one message (over
@@ -530,7 +540,7 @@ impl ProfilerService {
         &self,
         plan: &Plan,
         window: Window,
-        encoded: Encoded,
+        encoded: Arc<Encoded>,
         needs_xspace: bool,
     ) -> Result<ProfileResponse, Status> {
         let limit = self.config.chunk_traces_over;
@@ -656,6 +666,28 @@ async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
     Ok((written, bytes))
 }
 
+/// A trace with `warnings` added: the same bytes when there are none, else a
+/// copy of a trace other captures share.
+fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<Encoded> {
+    if warnings.is_empty() {
+        return encoded;
+    }
+    let mut own = Arc::unwrap_or_clone(encoded);
+    for warning in warnings {
+        xspace::append_warning(&mut own, warning);
+    }
+    Arc::new(own)
+}
+
+/// A shared trace written to a file as it is.
+struct SharedTrace(Arc<Encoded>);
+
+impl AsRef<[u8]> for SharedTrace {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.bytes
+    }
+}
+
 /// The reply to a capture whose trace the agent wrote itself.
 fn written_reply(empty_trace: bool) -> ProfileResponse {
     ProfileResponse {
@@ -772,6 +804,12 @@ struct Remote {
 }
 
 impl Remote {
+    /// Nothing but the flight recorder serves this capture, so its trace
+    /// is the same as any other capture's of the same window.
+    fn records_nothing(&self) -> bool {
+        self.upstreams.is_empty() && self.source_calls.is_empty()
+    }
+
     fn none(window: Window) -> Remote {
         Remote {
             upstreams: Vec::new(),
@@ -837,15 +875,34 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         // Upstreams and per-capture sources record alongside the local
         // window; dropping `remote` (a client gone) ends them.
         let remote = self.start_remote(&plan, &self.config.upstreams);
-        let window = tokio::select! {
-            _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => plan.window,
+        // Joined on arrival, so that captures arriving during the window
+        // find each other however late each one wakes at its end.
+        let shared_slot = remote.records_nothing().then(|| {
+            let key = BuildKey::new(plan.window, &plan.options, &plan.losses_at_start);
+            self.shared_builds.join(key)
+        });
+        let (window, terminated) = tokio::select! {
+            _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => (plan.window, false),
             _ = terminate.cancelled() => {
                 info!(session = %plan.session_id, "capture terminated early");
                 remote.end_early(&plan.session_id);
-                Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }
+                (Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }, true)
             }
         };
-        let encoded = self.build_with(&plan, window, remote).await?;
+        // The request's own warnings go onto the reply, so that the build
+        // itself is the same for every capture of this window.
+        let common = Plan {
+            warnings: Vec::new(),
+            ..plan.clone()
+        };
+        let encoded = if let Some(slot) = shared_slot.filter(|_| !terminated) {
+            self.shared_builds
+                .get_or_build(&slot, self.build_with(&common, window, remote))
+                .await?
+        } else {
+            Arc::new(self.build_with(&common, window, remote).await?)
+        };
+        let encoded = with_warnings(encoded, &plan.warnings);
         let reply = self.respond(&plan, window, encoded).await?;
         self.capture_ready("Profile", window);
         Ok(Response::new(reply))
@@ -962,6 +1019,10 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             }
             let captures: usize = self.running.lock().values().map(Vec::len).sum();
             text.push_str(&format!("captures in progress: {captures}\n"));
+            let (builds, reuses) = self.shared_builds.counts();
+            text.push_str(&format!(
+                "traces built: {builds}; captures that shared another's build: {reuses}\n"
+            ));
             let store = self.agent.store_stats();
             text.push_str(&format!(
                 "flight recorder: {} events in {} chunks, {:.1} MiB\n",
@@ -1050,7 +1111,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let mut encoded = self.build(&plan, plan.window).await?;
         if encoded.bytes.len() > self.config.chunk_traces_over {
             let reply = self
-                .respond_chunked(&plan, plan.window, encoded, true)
+                .respond_chunked(&plan, plan.window, Arc::new(encoded), true)
                 .await?;
             return Ok(Response::new(reply));
         }
