@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{now_ns, request, AgentProcess};
+use common::{now_ns, request, space_of, AgentProcess};
 use devtrace::proto::tensorflow::ProfileRequest;
 
 /// A capture of `duration_ms` from `start_ns`, in a session of its own.
@@ -52,5 +52,58 @@ async fn captures_of_one_window_share_one_build_and_other_windows_do_not() {
     assert_eq!(
         build_counts(&agent).await,
         "traces built: 2; captures that shared another's build: 1"
+    );
+}
+
+/// Waits until the agent has a capture in progress (one holding capture
+/// memory: a capture registers once it has its memory).
+async fn until_capturing(agent: &AgentProcess) {
+    while !agent
+        .monitor(10)
+        .await
+        .data
+        .contains("captures in progress: 1")
+    {}
+}
+
+#[tokio::test]
+async fn a_capture_over_the_memory_budget_waits_and_says_so() {
+    let agent = AgentProcess::start(&["--capture-memory", "1KiB"]);
+    let mut client = agent.client().await;
+    let request = capture_of(now_ns(), 1500, "holder");
+    let holder = tokio::spawn(async move { client.profile(request).await.unwrap().into_inner() });
+    until_capturing(&agent).await;
+    let waiter = space_of(&agent.profile(capture_of(now_ns(), 100, "waiter")).await);
+    let holder = space_of(&holder.await.unwrap());
+    let waited = |space: &devtrace::proto::tensorflow::profiler::XSpace| {
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains("waited") && w.contains("--capture-memory"))
+    };
+    assert!(waited(&waiter), "{:?}", waiter.warnings);
+    assert!(!waited(&holder), "{:?}", holder.warnings);
+}
+
+#[tokio::test]
+async fn a_capture_whose_deadline_passes_while_waiting_fails_saying_why() {
+    let agent = AgentProcess::start(&["--capture-memory", "1KiB"]);
+    let mut client = agent.client().await;
+    let request = capture_of(now_ns(), 3000, "holder");
+    let holder = tokio::spawn(async move { client.profile(request).await.map(|_| ()) });
+    until_capturing(&agent).await;
+    let mut request = tonic::Request::new(capture_of(now_ns(), 100, "late"));
+    request.set_timeout(std::time::Duration::from_secs(1));
+    let status = agent
+        .client()
+        .await
+        .profile(request)
+        .await
+        .expect_err("no memory before its deadline");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("--capture-memory"), "{status:?}");
+    assert!(
+        holder.await.unwrap().is_ok(),
+        "the holder still gets its trace"
     );
 }

@@ -35,8 +35,9 @@ use crate::xspace::{self, CaptureInfo, Encoded};
 
 use crate::storage::{Folder, StorageError};
 
+use super::capture_memory::{CaptureMemory, DEFAULT_CAPTURE_MEMORY};
 use super::repository::AllowedRoots;
-use super::shared_builds::{BuildKey, SharedBuilds};
+use super::shared_builds::{BuildKey, SharedBuilds, Slot};
 use super::validate::{self, invalid};
 
 /// Name of the tool entry that carries the trace back to the client.
@@ -71,6 +72,9 @@ pub struct ServiceConfig {
     /// Size of an encoded trace above which it is stored as Riegeli chunks
     /// (`<host>.xplane.riegeli`) instead of one XSpace message.
     pub chunk_traces_over: usize,
+    /// Budget for traces being built and replied at once
+    /// (`--capture-memory`).
+    pub capture_memory: usize,
 }
 
 impl Default for ServiceConfig {
@@ -84,6 +88,7 @@ impl Default for ServiceConfig {
             client: client::ClientConfig::default(),
             telemetry: Telemetry::new(),
             chunk_traces_over: DEFAULT_CHUNK_TRACES_OVER,
+            capture_memory: DEFAULT_CAPTURE_MEMORY,
         }
     }
 }
@@ -136,6 +141,7 @@ pub struct ProfilerService {
     next_capture: std::sync::atomic::AtomicU64,
     continuous: Mutex<Option<Continuous>>,
     shared_builds: SharedBuilds,
+    capture_memory: CaptureMemory,
 }
 
 /// Removes a capture from the Terminate table when it ends, however it ends.
@@ -161,6 +167,7 @@ impl ProfilerService {
     pub fn new(agent: Arc<Agent>, config: ServiceConfig) -> ProfilerService {
         ProfilerService {
             agent,
+            capture_memory: CaptureMemory::new(config.capture_memory),
             config,
             running: Mutex::new(HashMap::new()),
             next_capture: Default::default(),
@@ -666,6 +673,36 @@ async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
     Ok((written, bytes))
 }
 
+/// Until when a capture may wait for capture memory: a little before the
+/// client's own deadline (`grpc-timeout`), so that it hears why rather than
+/// its own timeout; without one, as long as a client would wait for a
+/// capture of the longest window.
+fn memory_wait_deadline(metadata: &tonic::metadata::MetadataMap) -> std::time::Instant {
+    let timeout = metadata
+        .get("grpc-timeout")
+        .and_then(|value| value.to_str().ok())
+        .and_then(parse_grpc_timeout)
+        .map_or(client::capture_deadline(Duration::from_secs(600)), |t| {
+            t.mul_f64(0.9)
+        });
+    std::time::Instant::now() + timeout
+}
+
+/// A `grpc-timeout` header: up to eight digits and a unit (H, M, S, m, u, n).
+fn parse_grpc_timeout(text: &str) -> Option<Duration> {
+    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
+    let value: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(value.saturating_mul(3600)),
+        "M" => Duration::from_secs(value.saturating_mul(60)),
+        "S" => Duration::from_secs(value),
+        "m" => Duration::from_millis(value),
+        "u" => Duration::from_micros(value),
+        "n" => Duration::from_nanos(value),
+        _ => return None,
+    })
+}
+
 /// A trace with `warnings` added: the same bytes when there are none, else a
 /// copy of a trace other captures share.
 fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<Encoded> {
@@ -804,12 +841,6 @@ struct Remote {
 }
 
 impl Remote {
-    /// Nothing but the flight recorder serves this capture, so its trace
-    /// is the same as any other capture's of the same window.
-    fn records_nothing(&self) -> bool {
-        self.upstreams.is_empty() && self.source_calls.is_empty()
-    }
-
     fn none(window: Window) -> Remote {
         Remote {
             upstreams: Vec::new(),
@@ -862,25 +893,44 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
+        let deadline = memory_wait_deadline(request.metadata());
         let request = request.into_inner();
-        let plan = self.plan(&request, true)?;
+        let mut plan = self.plan(&request, true)?;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
             duration_ms = plan.window.duration_ns() / 1_000_000,
             "capture requested"
         );
+        // Joined on arrival, so that captures arriving during the window
+        // find each other however late each one wakes at its end. Captures
+        // with upstreams or per-capture sources record their own.
+        let shareable = self.config.upstreams.is_empty() && self.agent.session_sources().is_empty();
+        let slot = if shareable {
+            let key = BuildKey::new(plan.window, &plan.options, &plan.losses_at_start);
+            self.shared_builds.join(key)
+        } else {
+            Arc::new(Slot::default())
+        };
+        let memory_was_reserved = slot.memory.initialized();
+        let reservation = slot
+            .memory
+            .get_or_try_init(|| self.capture_memory.reserve(plan.window, deadline))
+            .await
+            .map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        if let Some(waited) = reservation.waited.filter(|_| !memory_was_reserved) {
+            plan.warnings.push(format!(
+                "this capture waited {:.3} s for capture memory: other captures' traces held \
+                 --capture-memory ({} bytes)",
+                waited.as_secs_f64(),
+                self.capture_memory.budget()
+            ));
+        }
         let (_registration, terminate) = self.register(&plan.session_id);
         let _active = self.agent.capture_activity();
         // Upstreams and per-capture sources record alongside the local
         // window; dropping `remote` (a client gone) ends them.
         let remote = self.start_remote(&plan, &self.config.upstreams);
-        // Joined on arrival, so that captures arriving during the window
-        // find each other however late each one wakes at its end.
-        let shared_slot = remote.records_nothing().then(|| {
-            let key = BuildKey::new(plan.window, &plan.options, &plan.losses_at_start);
-            self.shared_builds.join(key)
-        });
         let (window, terminated) = tokio::select! {
             _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => (plan.window, false),
             _ = terminate.cancelled() => {
@@ -895,13 +945,14 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             warnings: Vec::new(),
             ..plan.clone()
         };
-        let encoded = if let Some(slot) = shared_slot.filter(|_| !terminated) {
+        let encoded = if !terminated {
             self.shared_builds
                 .get_or_build(&slot, self.build_with(&common, window, remote))
                 .await?
         } else {
             Arc::new(self.build_with(&common, window, remote).await?)
         };
+        self.capture_memory.built(window, encoded.bytes.len());
         let encoded = with_warnings(encoded, &plan.warnings);
         let reply = self.respond(&plan, window, encoded).await?;
         self.capture_ready("Profile", window);
@@ -1138,5 +1189,16 @@ mod tests {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(20_413), (2025, 11, 21));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn grpc_timeouts_are_read() {
+        assert_eq!(
+            parse_grpc_timeout("1500m"),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_grpc_timeout("2x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
     }
 }

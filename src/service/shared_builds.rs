@@ -13,6 +13,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
+use super::capture_memory::Reservation;
 use crate::store::Window;
 use crate::xspace::Encoded;
 
@@ -44,9 +45,14 @@ impl BuildKey {
     }
 }
 
-/// One shared build: empty until its first capture has built the trace.
-/// Held by every capture using it; gone when the last one has replied.
-pub type Slot = OnceCell<Arc<Encoded>>;
+/// One shared build: the memory reserved for it, and its trace once its
+/// first capture has built it. Held by every capture using it; gone when
+/// the last one has replied.
+#[derive(Default)]
+pub struct Slot {
+    pub memory: OnceCell<Reservation>,
+    trace: OnceCell<Arc<Encoded>>,
+}
 
 /// The builds in progress or being replied from, by key.
 #[derive(Default)]
@@ -64,7 +70,7 @@ impl SharedBuilds {
         if let Some(slot) = slots.get(&key).and_then(Weak::upgrade) {
             return slot;
         }
-        let slot = Arc::new(Slot::new());
+        let slot = Arc::new(Slot::default());
         slots.insert(key, Arc::downgrade(&slot));
         slot
     }
@@ -78,6 +84,7 @@ impl SharedBuilds {
     {
         let mut built = false;
         let encoded = slot
+            .trace
             .get_or_try_init(|| async {
                 built = true;
                 build.await.map(Arc::new)
