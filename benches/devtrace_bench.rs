@@ -8,7 +8,8 @@
 //! Environment:
 //! - `DEVTRACE_BENCH_QUICK=1`: small sizes, for smoke testing (numbers are
 //!   then only indicative).
-//! - `DEVTRACE_BENCH_ONLY=ring,xspace,store,capture,tap`: run a subset.
+//! - `DEVTRACE_BENCH_ONLY=ring,xspace,store,capture,concurrent,tap`: run a
+//!   subset.
 //! - `DEVTRACE_BENCH_REPEAT=N`: repetitions of each ring run (default 5; the
 //!   median is reported).
 
@@ -583,7 +584,16 @@ async fn capture_once(
     duration_ms: u64,
     session: &str,
 ) -> Capture {
-    let start_ns = clock::now_ns();
+    capture_at(client, clock::now_ns(), duration_ms, session).await
+}
+
+/// A capture of the window from `start_ns`, which may lie ahead.
+async fn capture_at(
+    client: &mut ProfilerServiceClient<tonic::transport::Channel>,
+    start_ns: u64,
+    duration_ms: u64,
+    session: &str,
+) -> Capture {
     let stop_ns = start_ns + duration_ms * 1_000_000;
     let request = ProfileRequest {
         duration_ms,
@@ -661,54 +671,10 @@ fn bench_capture(settings: &Settings) {
     let big_ms: u64 = if settings.quick { 200 } else { 1000 };
     let small_ms: u64 = 10;
     let (big_runs, small_runs) = if settings.quick { (1, 3) } else { (3, 5) };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    let config = AgentConfig {
-        backends: vec![BackendChoice::Mock],
-        mock: MockConfig {
-            events_per_second: rate,
-            ..MockConfig::default()
-        },
-        ..AgentConfig::default()
-    };
-    let agent = Agent::start(&config).expect("agent");
-    let service = Arc::new(ProfilerService::new(
-        Arc::clone(&agent),
-        ServiceConfig {
-            hostname: "bench".into(),
-            ..ServiceConfig::default()
-        },
-    ));
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let (address, server) = runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let address = listener.local_addr().expect("address");
-        let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig::default()));
-        let server = tokio::spawn(devtrace::service::serve(
-            listener,
-            service,
-            analysis,
-            async {
-                let _ = stop_rx.await;
-            },
-        ));
-        (address, server)
-    });
+    let server = InProcessAgent::start(rate);
+    let (runtime, agent) = (&server.runtime, &server.agent);
     let (big, small, phases) = runtime.block_on(async {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-            .expect("endpoint")
-            .connect()
-            .await
-            .expect("connect");
-        let mut client = ProfilerServiceClient::new(channel)
-            .max_decoding_message_size(MAX_REPLY_BYTES)
-            .max_encoding_message_size(MAX_REPLY_BYTES);
-        // Let the mock backend and collector reach steady state.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut client = server.client().await;
         capture_once(&mut client, small_ms, "warmup").await;
         let mut big = Vec::new();
         for i in 0..big_runs {
@@ -719,15 +685,14 @@ fn bench_capture(settings: &Settings) {
             small.push(capture_once(&mut client, small_ms, &format!("small{i}")).await);
         }
         let phases = vec![
-            direct_capture(&agent, big_ms).await,
-            direct_capture(&agent, small_ms).await,
+            direct_capture(agent, big_ms).await,
+            direct_capture(agent, small_ms).await,
         ];
         (big, small, phases)
     });
     let ring = agent.ring_stats();
-    let _ = stop_tx.send(());
-    let _ = runtime.block_on(server);
-    agent.shutdown();
+    let max_delay = agent.max_delay();
+    server.stop();
 
     let lat =
         |runs: &[Capture]| median(&mut runs.iter().map(|c| ms(c.latency)).collect::<Vec<_>>());
@@ -775,7 +740,7 @@ fn bench_capture(settings: &Settings) {
     );
     println!(
         "   (includes the agent's fixed wait of max_delay = {:?} after the window, for late events)",
-        agent.max_delay()
+        max_delay
     );
     for p in &phases {
         println!(
@@ -788,6 +753,244 @@ fn bench_capture(settings: &Settings) {
             ms(p.collect + p.encode)
         );
     }
+    println!();
+}
+
+/// An agent and its gRPC service in this process, on a loopback port.
+struct InProcessAgent {
+    runtime: tokio::runtime::Runtime,
+    agent: Arc<Agent>,
+    address: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl InProcessAgent {
+    /// Starts an agent recording the mock workload at `rate` events/s.
+    fn start(rate: u64) -> InProcessAgent {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        let config = AgentConfig {
+            backends: vec![BackendChoice::Mock],
+            mock: MockConfig {
+                events_per_second: rate,
+                ..MockConfig::default()
+            },
+            ..AgentConfig::default()
+        };
+        let agent = Agent::start(&config).expect("agent");
+        let service = Arc::new(ProfilerService::new(
+            Arc::clone(&agent),
+            ServiceConfig {
+                hostname: "bench".into(),
+                ..ServiceConfig::default()
+            },
+        ));
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (address, server) = runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let address = listener.local_addr().expect("address");
+            let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig::default()));
+            let server = tokio::spawn(devtrace::service::serve(
+                listener,
+                service,
+                analysis,
+                async {
+                    let _ = stop_rx.await;
+                },
+            ));
+            (address, server)
+        });
+        InProcessAgent {
+            runtime,
+            agent,
+            address,
+            stop,
+            server,
+        }
+    }
+
+    /// A client of the agent, once its workload has reached steady state.
+    async fn client(&self) -> ProfilerServiceClient<tonic::transport::Channel> {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", self.address))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        ProfilerServiceClient::new(channel)
+            .max_decoding_message_size(MAX_REPLY_BYTES)
+            .max_encoding_message_size(MAX_REPLY_BYTES)
+    }
+
+    fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.runtime.block_on(self.server);
+        self.agent.shutdown();
+    }
+}
+
+/// A line of /proc/PID/status in bytes (`VmRSS`, `VmHWM`).
+fn process_memory(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with(field))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib << 10)
+}
+
+/// The real `devtrace serve` recording the mock workload at `rate`
+/// events/s, and the address it listens on; killed when dropped.
+struct AgentBinary {
+    child: std::process::Child,
+    address: String,
+}
+
+impl AgentBinary {
+    fn start(rate: u64) -> AgentBinary {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_devtrace"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--log-level", "warn"])
+            .args(["--metrics-listen", "off", "--backend", "mock"])
+            .args(["--mock-rate", &rate.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting devtrace serve");
+        // Its first line is `devtrace listening on ADDRESS`.
+        let first = std::io::BufReader::new(child.stdout.take().expect("stdout"))
+            .lines()
+            .next()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let address = first.rsplit(' ').next().unwrap_or_default().to_string();
+        AgentBinary { child, address }
+    }
+}
+
+impl Drop for AgentBinary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One of many concurrent captures: when its reply came, and a digest of
+/// its trace (decoding 32 traces here would compete with the agent).
+async fn fanned_capture(
+    mut client: ProfilerServiceClient<tonic::transport::Channel>,
+    start_ns: u64,
+    duration_ms: u64,
+    session: String,
+) -> (Duration, u64) {
+    use std::hash::{Hash, Hasher};
+    let mut request = ProfileRequest {
+        duration_ms,
+        opts: Some(devtrace::client::default_profile_options(
+            duration_ms,
+            start_ns,
+        )),
+        session_id: session,
+        host_name: "bench".to_string(),
+        ..ProfileRequest::default()
+    };
+    request.tools.push(XPLANE_TOOL.to_string());
+    let reply = client.profile(request).await;
+    let replied_ns = clock::now_ns();
+    let reply = reply.expect("Profile failed").into_inner();
+    let mut digest = std::collections::hash_map::DefaultHasher::new();
+    for tool in &reply.tool_data {
+        tool.data.hash(&mut digest);
+    }
+    let stop_ns = start_ns + duration_ms * 1_000_000;
+    (
+        Duration::from_nanos(replied_ns.saturating_sub(stop_ns)),
+        digest.finish(),
+    )
+}
+
+fn bench_concurrent(settings: &Settings) {
+    const CAPTURES: usize = 32;
+    let rate: u64 = 1_000_000;
+    let window_ms: u64 = if settings.quick { 500 } else { 2000 };
+    println!(
+        "== 3b. {CAPTURES} concurrent captures of one {window_ms} ms window at {} events/s (devtrace serve, gRPC over loopback) ==",
+        mega(rate as f64)
+    );
+    let agent = AgentBinary::start(rate);
+    let pid = agent.child.id();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let (alone, together, rss_before, rss_peak) = runtime.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", agent.address))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect");
+        let client = ProfilerServiceClient::new(channel)
+            .max_decoding_message_size(MAX_REPLY_BYTES)
+            .max_encoding_message_size(MAX_REPLY_BYTES);
+        // Let the workload fill the flight recorder's first seconds.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let alone = capture_once(&mut client.clone(), window_ms, "alone").await;
+        let rss_before = process_memory(pid, "VmRSS:");
+        // Peak RSS from here on: writing 5 to clear_refs resets VmHWM.
+        let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+        let start_ns = clock::now_ns() + 200_000_000;
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 0..CAPTURES {
+            calls.spawn(fanned_capture(
+                client.clone(),
+                start_ns,
+                window_ms,
+                format!("fanned{i}"),
+            ));
+        }
+        let together = calls.join_all().await;
+        (alone, together, rss_before, process_memory(pid, "VmHWM:"))
+    });
+    drop(agent);
+    let slowest = together
+        .iter()
+        .map(|(latency, _)| *latency)
+        .max()
+        .unwrap_or_default();
+    let ratio = ms(slowest) / ms(alone.latency).max(1e-3);
+    println!(
+        "{CAPTURES} concurrent captures: slowest reply {:.1} ms after the window ({ratio:.1}x one capture alone: {:.1} ms; target <= 2x) {}",
+        ms(slowest),
+        ms(alone.latency),
+        verdict(ratio <= 2.0)
+    );
+    let mib = |bytes: u64| bytes as f64 / (1 << 20) as f64;
+    let trace = alone.reply_bytes as u64;
+    let target = rss_before + 2 * trace;
+    println!(
+        "   agent peak RSS during them {:.1} MiB (its RSS before them, flight recorder included, {:.1} MiB \
+         plus 2x one trace of {:.1} MiB: {:.1} MiB; target <= that) {}",
+        mib(rss_peak),
+        mib(rss_before),
+        mib(trace),
+        mib(target),
+        verdict(rss_peak <= target)
+    );
+    let mut digests: Vec<u64> = together.iter().map(|(_, digest)| *digest).collect();
+    digests.sort_unstable();
+    digests.dedup();
+    println!(
+        "   {} distinct trace(s) among the {CAPTURES} replies (one expected: they share one build)",
+        digests.len()
+    );
     println!();
 }
 
@@ -816,6 +1019,9 @@ fn main() {
     }
     if settings.wants("capture") {
         bench_capture(&settings);
+    }
+    if settings.wants("concurrent") {
+        bench_concurrent(&settings);
     }
     if settings.wants("tap") {
         bench_tap(&settings);

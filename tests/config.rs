@@ -26,6 +26,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ("tls-key", r#""/etc/devtrace/agent.key""#),
     ("tls-domain", r#""agents.example""#),
     ("max-reply-size", r#""1GiB""#),
+    ("capture-memory", r#""1GiB""#),
     ("dns-server", r#""10.96.0.10:53""#),
     ("concurrent-hosts", "128"),
     ("backend", r#"["mock", "nvml"]"#),

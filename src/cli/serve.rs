@@ -200,6 +200,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_chunk_size)]
     pub chunk_traces_over: usize,
 
+    /// Memory for traces being built and replied at once. A capture reserves
+    /// its trace's expected size (learnt from the last trace built, never
+    /// more than this) when it arrives; captures of one window share one
+    /// trace and one reservation (each reply's own copy of it for gRPC is
+    /// not counted). Past it, captures wait for earlier ones
+    /// to reply, within their deadline, and say so in their trace's
+    /// warnings; one whose deadline passes first fails with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = super::parse_size)]
+    pub capture_memory: usize,
+
     /// An in-process profiler server (TensorFlow's or JAX's, or another
     /// devtrace) whose trace every capture folds in, over the same window
     /// (repeatable), e.g. `--upstream grpc://127.0.0.1:9999`. Reached with
@@ -366,6 +377,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             client: client_config.clone(),
             telemetry,
             chunk_traces_over: args.chunk_traces_over,
+            capture_memory: args.capture_memory,
             ..ServiceConfig::default()
         },
     ));

@@ -35,7 +35,9 @@ use crate::xspace::{self, CaptureInfo, Encoded};
 
 use crate::storage::{Folder, StorageError};
 
+use super::capture_memory::{CaptureMemory, DEFAULT_CAPTURE_MEMORY};
 use super::repository::AllowedRoots;
+use super::shared_builds::{BuildKey, SharedBuilds, Slot};
 use super::validate::{self, invalid};
 
 /// Name of the tool entry that carries the trace back to the client.
@@ -70,6 +72,9 @@ pub struct ServiceConfig {
     /// Size of an encoded trace above which it is stored as Riegeli chunks
     /// (`<host>.xplane.riegeli`) instead of one XSpace message.
     pub chunk_traces_over: usize,
+    /// Budget for traces being built and replied at once
+    /// (`--capture-memory`).
+    pub capture_memory: usize,
 }
 
 impl Default for ServiceConfig {
@@ -83,6 +88,7 @@ impl Default for ServiceConfig {
             client: client::ClientConfig::default(),
             telemetry: Telemetry::new(),
             chunk_traces_over: DEFAULT_CHUNK_TRACES_OVER,
+            capture_memory: DEFAULT_CAPTURE_MEMORY,
         }
     }
 }
@@ -134,6 +140,8 @@ pub struct ProfilerService {
     running: Mutex<HashMap<String, Vec<(u64, CancellationToken)>>>,
     next_capture: std::sync::atomic::AtomicU64,
     continuous: Mutex<Option<Continuous>>,
+    shared_builds: SharedBuilds,
+    capture_memory: CaptureMemory,
 }
 
 /// Removes a capture from the Terminate table when it ends, however it ends.
@@ -159,10 +167,12 @@ impl ProfilerService {
     pub fn new(agent: Arc<Agent>, config: ServiceConfig) -> ProfilerService {
         ProfilerService {
             agent,
+            capture_memory: CaptureMemory::new(config.capture_memory),
             config,
             running: Mutex::new(HashMap::new()),
             next_capture: Default::default(),
             continuous: Mutex::new(None),
+            shared_builds: SharedBuilds::default(),
         }
     }
 
@@ -491,7 +501,7 @@ impl ProfilerService {
         &self,
         plan: &Plan,
         window: Window,
-        mut encoded: Encoded,
+        encoded: Arc<Encoded>,
     ) -> Result<ProfileResponse, Status> {
         if encoded.bytes.len() > self.config.chunk_traces_over {
             return self
@@ -506,16 +516,23 @@ impl ProfilerService {
                 xspace: Some(decode(&encoded.bytes)?),
             });
         }
+        let mut encoded = encoded;
         if let Some(root) = self.server_side_root(plan) {
             let written;
-            (written, encoded.bytes) =
-                write_trace(root, plan, XPLANE_SUFFIX, encoded.bytes).await?;
+            (written, SharedTrace(encoded)) =
+                write_trace(root, plan, XPLANE_SUFFIX, SharedTrace(encoded)).await?;
             match written {
                 Ok(_) => return Ok(written_reply(empty_trace)),
-                Err(error) => xspace::append_warning(&mut encoded, &unwritten_warning(&error)),
+                Err(error) => {
+                    encoded = with_warnings(encoded, &[unwritten_warning(&error)]);
+                }
             }
         }
-        Ok(tool_reply(XPLANE_TOOL, encoded.bytes, empty_trace))
+        // Tool data is a message field of its own: the one copy of a
+        // shared trace each reply makes.
+        let bytes =
+            Arc::try_unwrap(encoded).map_or_else(|shared| shared.bytes.clone(), |own| own.bytes);
+        Ok(tool_reply(XPLANE_TOOL, bytes, empty_trace))
     }
 
     /// Delivers a trace too large for one message (over
@@ -530,7 +547,7 @@ impl ProfilerService {
         &self,
         plan: &Plan,
         window: Window,
-        encoded: Encoded,
+        encoded: Arc<Encoded>,
         needs_xspace: bool,
     ) -> Result<ProfileResponse, Status> {
         let limit = self.config.chunk_traces_over;
@@ -654,6 +671,58 @@ async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
         Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
     }
     Ok((written, bytes))
+}
+
+/// Until when a capture may wait for capture memory: a little before the
+/// client's own deadline (`grpc-timeout`), so that it hears why rather than
+/// its own timeout; without one, as long as a client would wait for a
+/// capture of the longest window.
+fn memory_wait_deadline(metadata: &tonic::metadata::MetadataMap) -> std::time::Instant {
+    let timeout = metadata
+        .get("grpc-timeout")
+        .and_then(|value| value.to_str().ok())
+        .and_then(parse_grpc_timeout)
+        .map_or(client::capture_deadline(Duration::from_secs(600)), |t| {
+            t.mul_f64(0.9)
+        });
+    std::time::Instant::now() + timeout
+}
+
+/// A `grpc-timeout` header: up to eight digits and a unit (H, M, S, m, u, n).
+fn parse_grpc_timeout(text: &str) -> Option<Duration> {
+    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
+    let value: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(value.saturating_mul(3600)),
+        "M" => Duration::from_secs(value.saturating_mul(60)),
+        "S" => Duration::from_secs(value),
+        "m" => Duration::from_millis(value),
+        "u" => Duration::from_micros(value),
+        "n" => Duration::from_nanos(value),
+        _ => return None,
+    })
+}
+
+/// A trace with `warnings` added: the same bytes when there are none, else a
+/// copy of a trace other captures share.
+fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<Encoded> {
+    if warnings.is_empty() {
+        return encoded;
+    }
+    let mut own = Arc::unwrap_or_clone(encoded);
+    for warning in warnings {
+        xspace::append_warning(&mut own, warning);
+    }
+    Arc::new(own)
+}
+
+/// A shared trace written to a file as it is.
+struct SharedTrace(Arc<Encoded>);
+
+impl AsRef<[u8]> for SharedTrace {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.bytes
+    }
 }
 
 /// The reply to a capture whose trace the agent wrote itself.
@@ -824,28 +893,67 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
+        let deadline = memory_wait_deadline(request.metadata());
         let request = request.into_inner();
-        let plan = self.plan(&request, true)?;
+        let mut plan = self.plan(&request, true)?;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
             duration_ms = plan.window.duration_ns() / 1_000_000,
             "capture requested"
         );
+        // Joined on arrival, so that captures arriving during the window
+        // find each other however late each one wakes at its end. Captures
+        // with upstreams or per-capture sources record their own.
+        let shareable = self.config.upstreams.is_empty() && self.agent.session_sources().is_empty();
+        let slot = if shareable {
+            let key = BuildKey::new(plan.window, &plan.options, &plan.losses_at_start);
+            self.shared_builds.join(key)
+        } else {
+            Arc::new(Slot::default())
+        };
+        let memory_was_reserved = slot.memory.initialized();
+        let reservation = slot
+            .memory
+            .get_or_try_init(|| self.capture_memory.reserve(plan.window, deadline))
+            .await
+            .map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        if let Some(waited) = reservation.waited.filter(|_| !memory_was_reserved) {
+            plan.warnings.push(format!(
+                "this capture waited {:.3} s for capture memory: other captures' traces held \
+                 --capture-memory ({} bytes)",
+                waited.as_secs_f64(),
+                self.capture_memory.budget()
+            ));
+        }
         let (_registration, terminate) = self.register(&plan.session_id);
         let _active = self.agent.capture_activity();
         // Upstreams and per-capture sources record alongside the local
         // window; dropping `remote` (a client gone) ends them.
         let remote = self.start_remote(&plan, &self.config.upstreams);
-        let window = tokio::select! {
-            _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => plan.window,
+        let (window, terminated) = tokio::select! {
+            _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => (plan.window, false),
             _ = terminate.cancelled() => {
                 info!(session = %plan.session_id, "capture terminated early");
                 remote.end_early(&plan.session_id);
-                Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }
+                (Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }, true)
             }
         };
-        let encoded = self.build_with(&plan, window, remote).await?;
+        // The request's own warnings go onto the reply, so that the build
+        // itself is the same for every capture of this window.
+        let common = Plan {
+            warnings: Vec::new(),
+            ..plan.clone()
+        };
+        let encoded = if !terminated {
+            self.shared_builds
+                .get_or_build(&slot, self.build_with(&common, window, remote))
+                .await?
+        } else {
+            Arc::new(self.build_with(&common, window, remote).await?)
+        };
+        self.capture_memory.built(window, encoded.bytes.len());
+        let encoded = with_warnings(encoded, &plan.warnings);
         let reply = self.respond(&plan, window, encoded).await?;
         self.capture_ready("Profile", window);
         Ok(Response::new(reply))
@@ -962,6 +1070,10 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             }
             let captures: usize = self.running.lock().values().map(Vec::len).sum();
             text.push_str(&format!("captures in progress: {captures}\n"));
+            let (builds, reuses) = self.shared_builds.counts();
+            text.push_str(&format!(
+                "traces built: {builds}; captures that shared another's build: {reuses}\n"
+            ));
             let store = self.agent.store_stats();
             text.push_str(&format!(
                 "flight recorder: {} events in {} chunks, {:.1} MiB\n",
@@ -1050,7 +1162,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let mut encoded = self.build(&plan, plan.window).await?;
         if encoded.bytes.len() > self.config.chunk_traces_over {
             let reply = self
-                .respond_chunked(&plan, plan.window, encoded, true)
+                .respond_chunked(&plan, plan.window, Arc::new(encoded), true)
                 .await?;
             return Ok(Response::new(reply));
         }
@@ -1077,5 +1189,16 @@ mod tests {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(20_413), (2025, 11, 21));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn grpc_timeouts_are_read() {
+        assert_eq!(
+            parse_grpc_timeout("1500m"),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_grpc_timeout("2x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
     }
 }
