@@ -574,9 +574,7 @@ impl Backend for MockBackend {
             let (mut ok, mut full) = (0u64, 0u64);
             if config.events_per_second == 0 {
                 // Rate 0: an idle agent, for measuring its own footprint.
-                while !stop.is_set() {
-                    std::thread::sleep(TICK * 50);
-                }
+                stop.wait();
                 return;
             }
             while !stop.is_set() {

@@ -3,19 +3,45 @@
 //! capture runs.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::BackendError;
 
-/// Tells a worker's loop to end.
+/// Tells a worker's loop to end; a loop with nothing to do waits on it.
 #[derive(Clone, Default)]
-pub struct StopFlag(Arc<AtomicBool>);
+pub struct StopFlag(Arc<StopState>);
+
+#[derive(Default)]
+struct StopState {
+    set: AtomicBool,
+    lock: Mutex<()>,
+    changed: Condvar,
+}
 
 impl StopFlag {
     pub fn is_set(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.0.set.load(Ordering::Relaxed)
+    }
+
+    /// Blocks until the flag is set, without waking in between.
+    pub fn wait(&self) {
+        let mut guard = self.0.lock.lock().unwrap_or_else(|e| e.into_inner());
+        while !self.is_set() {
+            guard = self
+                .0
+                .changed
+                .wait(guard)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn set(&self) {
+        // Set under the lock so that a waiter cannot miss the notification.
+        let _guard = self.0.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.0.set.store(true, Ordering::Relaxed);
+        self.0.changed.notify_all();
     }
 }
 
@@ -61,7 +87,7 @@ impl Worker {
     }
 
     pub fn stop(self) {
-        self.stop.0.store(true, Ordering::Relaxed);
+        self.stop.set();
         let _ = self.thread.join();
     }
 }
@@ -107,6 +133,14 @@ mod tests {
     }
 
     #[test]
+    fn a_waiting_worker_ends_when_stopped() {
+        let worker = Worker::spawn("test", |stop| stop.wait()).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!worker.exited(), "waiting is not ending");
+        worker.stop();
+    }
+
+    #[test]
     fn pacing_follows_capture_activity_and_stops_promptly() {
         let stop = StopFlag::default();
         let captures = AtomicUsize::new(1);
@@ -122,7 +156,7 @@ mod tests {
             "busy pacing uses the short interval"
         );
         captures.store(0, Ordering::Relaxed);
-        stop.0.store(true, Ordering::Relaxed);
+        stop.set();
         let started = Instant::now();
         pace(
             &stop,

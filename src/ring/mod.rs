@@ -49,6 +49,7 @@
 //! leftover temporary files) of processes that are gone. Pids are those of
 //! the pid namespace the ring was created in.
 
+mod doorbell;
 mod guard;
 mod layout;
 mod shared;
@@ -58,6 +59,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Arc;
 
+pub use doorbell::Doorbell;
 use layout::{LaneHeader, RingHeader, Slot, SlotSeq, REGION_ALIGN};
 pub use layout::{RingLayout, CLOCK_REALTIME_NS, LAYOUT_VERSION, RING_MAGIC};
 pub use shared::{
@@ -245,6 +247,10 @@ pub struct Ring {
     next_token: AtomicU32,
     /// Which named source holds which lane (in this process only).
     sources: sources::Sources,
+    /// Wakes this process's sleeping consumer on a push.
+    doorbell: Doorbell,
+    /// Every producer is in this process, so every push rings `doorbell`.
+    local_producers_only: bool,
 }
 
 impl Ring {
@@ -256,7 +262,7 @@ impl Ring {
         let region = Region::zeroed(size).ok_or(RingError::TooLarge { lanes, capacity })?;
         // SAFETY: a fresh region of `layout`'s size, not yet shared.
         unsafe { Ring::write_header(&region, layout, policy) };
-        Ok(Ring::from_region(region, layout, policy))
+        Ok(Ring::from_region(region, layout, policy, true))
     }
 
     /// Checks a requested shape and rounds the capacity up.
@@ -304,14 +310,32 @@ impl Ring {
         }
     }
 
-    fn from_region(region: Region, layout: RingLayout, policy: DropPolicy) -> Arc<Ring> {
+    fn from_region(
+        region: Region,
+        layout: RingLayout,
+        policy: DropPolicy,
+        local_producers_only: bool,
+    ) -> Arc<Ring> {
         Arc::new(Ring {
             region,
             layout,
             policy,
             next_token: AtomicU32::new(1),
             sources: sources::Sources::default(),
+            doorbell: Doorbell::default(),
+            local_producers_only,
         })
+    }
+
+    /// What this process's producers ring after each push.
+    pub fn doorbell(&self) -> &Doorbell {
+        &self.doorbell
+    }
+
+    /// True when every push rings [`Ring::doorbell`]: an in-process ring.
+    /// Producers of a shared ring may live in other processes and do not.
+    pub fn wakes_its_consumer(&self) -> bool {
+        self.local_producers_only
     }
 
     pub fn policy(&self) -> DropPolicy {
@@ -572,6 +596,7 @@ impl Producer {
             .head
             .0
             .store(self.head, Ordering::Release);
+        self.ring.doorbell.ring();
     }
 
     pub fn lane(&self) -> u32 {
@@ -615,6 +640,11 @@ pub struct Consumer {
 }
 
 impl Consumer {
+    /// The ring this consumer reads.
+    pub fn ring(&self) -> &Arc<Ring> {
+        &self.ring
+    }
+
     /// Moves up to `max` queued events into `out` and reports drops that
     /// happened since the previous call. Counters a peer forged, or a file
     /// it shrank, end the ring: see [`DrainReport::corrupt`].

@@ -295,7 +295,7 @@ fn initialise(
     // SAFETY: the file was just created and sized; nobody else can reach it
     // until it is linked under its final name (or its descriptor is passed on).
     unsafe { Ring::write_header(&region, layout, policy) };
-    Ok(Ring::from_region(region, layout, policy))
+    Ok(Ring::from_region(region, layout, policy, false))
 }
 
 /// The temporary name a ring file is prepared under, unique to this process
@@ -427,7 +427,7 @@ impl Ring {
         let (layout, policy, _) = validate(file, size, path, limits)?;
         let mut region = Region::map_shared(file, size as usize, path, true)?;
         region.held = held;
-        Ok(Ring::from_region(region, layout, policy))
+        Ok(Ring::from_region(region, layout, policy, false))
     }
 
     /// Creates a ring in an anonymous memfd named `name` (visible only in
