@@ -42,9 +42,10 @@ pub struct CompactEvents {
 
 impl CompactEvents {
     /// Encodes `events`, sorting them by start time first (the longer of
-    /// two that start together first).
+    /// two that start together first; events alike in both keep the order
+    /// they came in, as a tap's ops of one request do).
     pub fn encode(events: &mut [Event]) -> CompactEvents {
-        events.sort_unstable_by_key(|e| (e.start_ns, std::cmp::Reverse(e.duration_ns)));
+        events.sort_by_key(|e| (e.start_ns, std::cmp::Reverse(e.duration_ns)));
         let mut out = Vec::with_capacity(events.len() * 24);
         let mut state = State::new();
         for event in events.iter() {
@@ -324,6 +325,20 @@ mod tests {
         events.push(Event::new(5, 1, Device::Host, 1, NameId(0), Payload::Plain));
         round_trip(events);
         round_trip(Vec::new());
+    }
+
+    #[test]
+    fn events_that_start_and_end_together_keep_their_order() {
+        let mut events: Vec<Event> = (0..1000u32)
+            .map(|i| Event::new(7, 3, Device::Host, 1, NameId(1000 - i), Payload::Plain))
+            .collect();
+        events.push(Event::new(7, 9, Device::Host, 1, NameId(5), Payload::Plain));
+        events.push(Event::new(2, 0, Device::Host, 1, NameId(6), Payload::Plain));
+        let compact = CompactEvents::encode(&mut events.clone());
+        let names: Vec<u32> = compact.iter().map(|e| e.name().0).collect();
+        let mut expected = vec![6, 5];
+        expected.extend((0..1000u32).map(|i| 1000 - i));
+        assert_eq!(names, expected);
     }
 
     #[test]
