@@ -1,6 +1,7 @@
 //! Numbers derived from the events of a window: how busy each device was and
 //! how long training steps took. `Monitor` reports them.
 
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 
 use crate::event::{Device, Event, NameId, Payload};
@@ -42,11 +43,15 @@ impl Utilization {
 }
 
 /// Computes utilisation of `events` clipped to `window`.
-pub fn utilization<'e>(events: impl IntoIterator<Item = &'e Event>, window: Window) -> Utilization {
+pub fn utilization<E: Borrow<Event>>(
+    events: impl IntoIterator<Item = E>,
+    window: Window,
+) -> Utilization {
     let mut intervals: BTreeMap<u16, Vec<(u64, u64)>> = BTreeMap::new();
     let mut counters: BTreeMap<(u16, NameId), (f64, u32)> = BTreeMap::new();
     let mut result = Utilization::default();
     for event in events {
+        let event = event.borrow();
         match (event.device(), event.payload()) {
             (Device::Gpu(ordinal), Payload::Counter { value }) => {
                 let entry = counters.entry((ordinal, event.name())).or_default();
@@ -134,7 +139,7 @@ mod tests {
                 Payload::Step { step_num: 1 },
             ),
         ];
-        let u = utilization(&events, window);
+        let u = utilization(events, window);
         assert!((u.device_busy[&0] - 0.4).abs() < 1e-9);
         assert!((u.device_busy[&1] - 1.0).abs() < 1e-9);
         assert!((u.idle_percent().unwrap() - 30.0).abs() < 1e-9);
@@ -161,7 +166,7 @@ mod tests {
             sample(0, 2, 1.0),
         ];
         let u = utilization(
-            &events,
+            events,
             Window {
                 start_ns: 0,
                 stop_ns: 10,
@@ -175,7 +180,7 @@ mod tests {
 
     #[test]
     fn nothing_seen_means_no_numbers() {
-        let u = utilization(&[], Window::default());
+        let u = utilization(std::iter::empty::<Event>(), Window::default());
         assert_eq!(u.idle_percent(), None);
         assert_eq!(u.step_times_ms(), None);
     }

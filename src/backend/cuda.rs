@@ -539,7 +539,8 @@ impl Attachments {
             let path = entry.path();
             match name {
                 FileName::Ring { pid } | FileName::OlderRing { pid } => {
-                    let known = identity_at(&path).is_some_and(|identity| {
+                    let identity = identity_at(&path);
+                    let known = identity.is_some_and(|identity| {
                         self.processes.contains_key(&identity) || self.refused.contains(&identity)
                     });
                     if known {
@@ -547,7 +548,7 @@ impl Attachments {
                     }
                     if matches!(name, FileName::Ring { .. }) {
                         self.attach(pid, &path);
-                    } else if let Some(identity) = identity_at(&path) {
+                    } else if let Some(identity) = identity {
                         let text = format!(
                             "ignoring {}: it was made by an injection library older than this                              agent; restart the workload with this agent's library",
                             path.display()

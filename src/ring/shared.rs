@@ -309,16 +309,17 @@ fn temp_path(path: &Path) -> PathBuf {
 
 /// Opens a ring file another process may have placed: no symlink is
 /// followed, and nothing blocks (a FIFO in the ring's place cannot stall the
-/// open; `check_file` then refuses it). Returns the file and its size.
-fn open_ring_file(path: &Path) -> Result<(File, u64), RingError> {
+/// open; `check_file` then refuses it). Returns the file, its size and who
+/// it belongs to.
+fn open_ring_file(path: &Path) -> Result<(File, u64, FileIdentity), RingError> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| io_error("open", path, e))?;
-    let (size, _) = check_file(&file, path)?;
-    Ok((file, size))
+    let (size, identity) = check_file(&file, path)?;
+    Ok((file, size, identity))
 }
 
 /// A second descriptor of `file`, holding a shared lock on it.
@@ -387,7 +388,7 @@ impl Ring {
     /// removed as stale while this process uses it.
     pub fn open_shared(path: impl AsRef<Path>) -> Result<Arc<Ring>, RingError> {
         let path = path.as_ref();
-        let (file, size) = open_ring_file(path)?;
+        let (file, size, _) = open_ring_file(path)?;
         let held = hold_shared(&file, path)?;
         Ring::map_validated(&file, size, path, OpenLimits::default(), Some(held))
     }
@@ -403,8 +404,7 @@ impl Ring {
         path: &Path,
         limits: OpenLimits,
     ) -> Result<(Arc<Ring>, FileIdentity), RingError> {
-        let (file, size) = open_ring_file(path)?;
-        let (_, identity) = check_file(&file, path)?;
+        let (file, size, identity) = open_ring_file(path)?;
         let ring = Ring::map_validated(&file, size, path, limits, None)?;
         Ok((ring, identity))
     }

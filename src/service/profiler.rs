@@ -46,7 +46,7 @@ pub const XPLANE_TOOL: &str = "xplane.pb";
 /// writes it as `<host>.xplane.riegeli`).
 pub const RIEGELI_TOOL: &str = "xplane.riegeli";
 /// Suffix of trace files in a repository.
-pub const XPLANE_SUFFIX: &str = ".xplane.pb";
+pub use crate::session::XPLANE_SUFFIX;
 /// Traces larger than this are stored as Riegeli chunks unless configured
 /// otherwise: well below protobuf's 2 GiB, so that replies that still carry
 /// one message stay readable by every client.
@@ -1012,7 +1012,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             .collect(window)
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
-        let usage = analysis::utilization(&data.decoded(), window);
+        let usage = analysis::utilization(data.events(), window);
         let mut result = ProfilerServiceMonitorResult::default();
         let mut text = String::new();
         if request.timestamp {

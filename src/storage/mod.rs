@@ -287,24 +287,23 @@ impl Spooled {
                 self.spool.path().display()
             )
         })?;
-        let (target, error) = match &self.target {
-            Ok(folder) => match folder.write(&self.name, &bytes) {
-                Ok(written) => return Ok(written),
-                Err(error) => (
-                    format!("{}/{}", folder.display(), self.name),
-                    error.to_string(),
-                ),
-            },
-            Err(why) => (self.name.clone(), why.clone()),
-        };
-        Err(keep_failed_upload(
-            &target,
-            &error,
-            &self.unsent_dir,
-            &self.session_id,
-            &self.name,
-            &bytes,
-        ))
+        match &self.target {
+            Ok(folder) => write_or_keep(
+                folder,
+                &self.session_id,
+                &self.name,
+                &bytes,
+                &self.unsent_dir,
+            ),
+            Err(why) => Err(keep_failed_upload(
+                &self.name,
+                why,
+                &self.unsent_dir,
+                &self.session_id,
+                &self.name,
+                &bytes,
+            )),
+        }
     }
 }
 

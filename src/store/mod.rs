@@ -57,12 +57,12 @@ pub struct Chunk {
 
 impl Chunk {
     fn new(mut events: Vec<Event>) -> Option<Chunk> {
-        let first_start_ns = events.iter().map(|e| e.start_ns).min()?;
-        let last_start_ns = events.iter().map(|e| e.start_ns).max()?;
+        // Encoding sorts them by start.
+        let compact = CompactEvents::encode(&mut events);
         Some(Chunk {
-            events: CompactEvents::encode(&mut events),
-            first_start_ns,
-            last_start_ns,
+            first_start_ns: events.first()?.start_ns,
+            last_start_ns: events.last()?.start_ns,
+            events: compact,
         })
     }
 
