@@ -518,7 +518,7 @@ fn bench_store(settings: &Settings) {
     });
     let t = Instant::now();
     for chunk in events.chunks(1 << 16) {
-        store.append(chunk.to_vec());
+        store.append(&mut chunk.to_vec());
     }
     let append = t.elapsed();
     let stats = store.stats();
