@@ -461,9 +461,9 @@ fn bench_xspace(settings: &Settings) {
     let t = Instant::now();
     let encoded = encode_xspace(&events, &snapshot, &info);
     let total = t.elapsed();
-    let bytes = encoded.bytes;
+    let bytes = encoded.contiguous();
     // Checked outside the timing: the bytes decode to every event.
-    let emitted = XSpace::decode(bytes.as_slice())
+    let emitted = XSpace::decode(bytes.clone())
         .map(|space| count_events(&space))
         .unwrap_or(0);
 
@@ -661,7 +661,7 @@ async fn direct_capture(agent: &Agent, duration_ms: u64) -> Phases {
         collect,
         encode,
         events: encoded.events,
-        bytes: encoded.bytes.len(),
+        bytes: encoded.len(),
     }
 }
 

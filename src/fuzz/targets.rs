@@ -288,7 +288,9 @@ fn mock_trace(millis: u64, gpus: u16, hostname: &str) -> Vec<u8> {
         properties: vec![("key".into(), "value".into())],
         ..CaptureInfo::default()
     };
-    xspace::encode_xspace(&events, &registry.snapshot(), &info).bytes
+    xspace::encode_xspace(&events, &registry.snapshot(), &info)
+        .contiguous()
+        .to_vec()
 }
 
 fn xspace_seeds() -> Vec<Vec<u8>> {

@@ -1,15 +1,15 @@
-//! Capture replies sent from one encoded gRPC message.
+//! Capture replies sent from the trace's own bytes.
 //!
 //! tonic encodes every reply into a buffer of its own and holds it until the
-//! client has read it. For a trace that is a copy of the whole trace per
-//! capture: 32 clients of one 129 MiB window held 4 GB at once. A capture
-//! instead encodes its reply once, as the length-prefixed gRPC message, and
-//! attaches it to the reply's extensions ([`FramedReply`]); captures sharing
-//! a build share that message. [`FramedRepliesLayer`] then sends those bytes
-//! in place of tonic's body, in slices, so that HTTP/2 flow control paces
-//! each slice and nothing is copied per client. What the message needs to
-//! stay alive (its build's memory reservation) is held until the last slice
-//! is handed to the connection.
+//! client has read it: for a trace, a copy of the whole trace per capture
+//! (32 clients of one 129 MiB window held 4 GB at once). A capture instead
+//! frames its reply as a gRPC message whose few bytes of fields lead into
+//! the parts of the encoded trace ([`crate::xspace::Encoded`]), shared, not
+//! copied, and attaches it to the reply's extensions ([`FramedReply`]).
+//! [`FramedRepliesLayer`] then sends those bytes in place of tonic's body,
+//! in slices, so that HTTP/2 flow control paces each slice. What the trace
+//! needs to stay alive (its build's memory reservation) is held until the
+//! last slice is handed to the connection.
 
 use std::any::Any;
 use std::future::Future;
@@ -17,37 +17,73 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes};
 use http_body::Frame;
-use prost::Message;
+use prost::encoding::{encode_key, encode_varint, encoded_len_varint, WireType};
 
-/// How much of a message is handed to the connection at a time: small
-/// enough that a slow reader holds back little beyond the shared message,
-/// large enough that slicing costs nothing measurable.
+/// How much of a part is handed to the connection at a time: small enough
+/// that a slow reader holds back little beyond the shared trace, large
+/// enough that slicing costs nothing measurable.
 const SLICE_BYTES: usize = 1 << 20;
 
-/// One reply's message, framed for gRPC (an uncompressed flag byte and a
-/// big-endian length before the encoded message), and whatever must live
-/// until it is sent.
+/// Field numbers of `ProfileResponse` and `ProfileToolData`
+/// (profiler_service.proto).
+const RESPONSE_TOOL_DATA: u32 = 6;
+const RESPONSE_EMPTY_TRACE: u32 = 7;
+const TOOL_DATA_NAME: u32 = 1;
+const TOOL_DATA_DATA: u32 = 2;
+
+/// One reply, framed for gRPC (an uncompressed flag byte and a big-endian
+/// length before the message), as parts sent one after another, and
+/// whatever must live until it is sent.
 #[derive(Clone)]
 pub struct FramedReply {
-    framed: Bytes,
+    parts: Vec<Bytes>,
     _keep_alive: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 impl FramedReply {
-    /// Frames `message`: one copy of it, however many replies send it.
-    pub fn encode(message: &impl Message) -> FramedReply {
-        let length = message.encoded_len();
-        let mut framed = BytesMut::with_capacity(5 + length);
-        framed.put_u8(0);
+    /// A `ProfileResponse` carrying one tool's data, `data` one part after
+    /// another: `{ tool_data: [{ name, data }], empty_trace }`.
+    pub fn tool_data(name: &str, data: &[Bytes], empty_trace: bool) -> FramedReply {
+        let data_len: usize = data.iter().map(Bytes::len).sum();
+        let field = |number: u32, len: usize| {
+            encoded_len_varint(u64::from(number) << 3) + encoded_len_varint(len as u64) + len
+        };
+        // Empty fields are left out, as proto3 encoders do.
+        let field_if_any = |number: u32, len: usize| if len > 0 { field(number, len) } else { 0 };
+        let tool_len =
+            field_if_any(TOOL_DATA_NAME, name.len()) + field_if_any(TOOL_DATA_DATA, data_len);
+        let mut message_len = field(RESPONSE_TOOL_DATA, tool_len);
+        if empty_trace {
+            message_len += 2;
+        }
+        let mut head = Vec::with_capacity(64 + name.len());
+        head.put_u8(0);
         // The caller keeps replies under `MAX_REPLY_BYTES` (i32::MAX).
-        framed.put_u32(u32::try_from(length).unwrap_or(u32::MAX));
-        message
-            .encode(&mut framed)
-            .unwrap_or_else(|_| unreachable!("the buffer was sized by encoded_len"));
+        head.put_u32(u32::try_from(message_len).unwrap_or(u32::MAX));
+        encode_key(RESPONSE_TOOL_DATA, WireType::LengthDelimited, &mut head);
+        encode_varint(tool_len as u64, &mut head);
+        if !name.is_empty() {
+            encode_key(TOOL_DATA_NAME, WireType::LengthDelimited, &mut head);
+            encode_varint(name.len() as u64, &mut head);
+            head.put_slice(name.as_bytes());
+        }
+        if data_len > 0 {
+            encode_key(TOOL_DATA_DATA, WireType::LengthDelimited, &mut head);
+            encode_varint(data_len as u64, &mut head);
+        }
+        let mut parts = Vec::with_capacity(data.len() + 2);
+        parts.push(Bytes::from(head));
+        parts.extend(data.iter().filter(|part| !part.is_empty()).cloned());
+        if empty_trace {
+            let mut tail = Vec::with_capacity(2);
+            encode_key(RESPONSE_EMPTY_TRACE, WireType::Varint, &mut tail);
+            encode_varint(1, &mut tail);
+            parts.push(Bytes::from(tail));
+        }
         FramedReply {
-            framed: framed.freeze(),
+            parts,
             _keep_alive: None,
         }
     }
@@ -58,15 +94,6 @@ impl FramedReply {
             _keep_alive: Some(owner),
             ..self
         }
-    }
-
-    /// The framed message's size.
-    pub fn len(&self) -> usize {
-        self.framed.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.framed.is_empty()
     }
 
     /// Attaches the reply to `response`, whose own message is then not sent.
@@ -118,16 +145,21 @@ where
     }
 }
 
-/// The body of a framed reply: its slices, then the OK status.
+/// The body of a framed reply: its parts in slices, then the OK status.
 struct FramedBody {
-    rest: Bytes,
+    /// The part being sent, what is left of it.
+    current: Bytes,
+    /// The parts after it, in order.
+    next: std::vec::IntoIter<Bytes>,
+    /// Held until every part is with the connection.
     reply: Option<FramedReply>,
 }
 
 impl FramedBody {
     fn new(reply: FramedReply) -> FramedBody {
         FramedBody {
-            rest: reply.framed.clone(),
+            current: Bytes::new(),
+            next: reply.parts.clone().into_iter(),
             reply: Some(reply),
         }
     }
@@ -141,9 +173,15 @@ impl http_body::Body for FramedBody {
         mut self: Pin<&mut Self>,
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        if !self.rest.is_empty() {
-            let take = self.rest.len().min(SLICE_BYTES);
-            let slice = self.rest.split_to(take);
+        while self.current.is_empty() {
+            match self.next.next() {
+                Some(part) => self.current = part,
+                None => break,
+            }
+        }
+        if !self.current.is_empty() {
+            let take = self.current.len().min(SLICE_BYTES);
+            let slice = self.current.split_to(take);
             return Poll::Ready(Some(Ok(Frame::data(slice))));
         }
         // Every slice is with the connection: what they came from may go.
@@ -160,7 +198,8 @@ impl http_body::Body for FramedBody {
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        http_body::SizeHint::with_exact(self.rest.len() as u64)
+        let left = self.current.len() + self.next.as_slice().iter().map(Bytes::len).sum::<usize>();
+        http_body::SizeHint::with_exact(left as u64)
     }
 }
 
@@ -169,36 +208,49 @@ mod tests {
     use super::*;
     use crate::proto::tensorflow::{ProfileResponse, ProfileToolData};
     use http_body_util::BodyExt;
+    use prost::Message;
 
-    fn reply_of(size: usize) -> ProfileResponse {
-        ProfileResponse {
-            tool_data: vec![ProfileToolData {
-                name: "xplane.pb".into(),
-                data: Bytes::from(vec![7u8; size]),
-            }],
-            empty_trace: false,
-            xspace: None,
-        }
+    fn parts_of(sizes: &[usize]) -> Vec<Bytes> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &size)| Bytes::from(vec![i as u8; size]))
+            .collect()
     }
 
     #[tokio::test]
-    async fn the_body_is_the_framed_message_then_an_ok_status() {
-        let message = reply_of(3 * SLICE_BYTES + 5);
-        let framed = FramedReply::encode(&message);
-        let collected = FramedBody::new(framed).collect().await.unwrap();
-        let status = collected.trailers().and_then(|t| t.get("grpc-status"));
-        assert_eq!(status.map(|s| s.as_bytes()), Some(&b"0"[..]));
-        let bytes = collected.to_bytes();
-        assert_eq!(bytes[0], 0, "uncompressed");
-        let length = u32::from_be_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
-        assert_eq!(length, bytes.len() - 5);
-        assert_eq!(ProfileResponse::decode(&bytes[5..]).unwrap(), message);
+    async fn the_body_is_the_message_prost_would_send_then_an_ok_status() {
+        for (sizes, empty_trace) in [
+            (vec![3 * SLICE_BYTES + 5, 0, 17, SLICE_BYTES], false),
+            (vec![], true),
+            (vec![200], true),
+        ] {
+            let parts = parts_of(&sizes);
+            let framed = FramedReply::tool_data("xplane.pb", &parts, empty_trace);
+            let collected = FramedBody::new(framed).collect().await.unwrap();
+            let status = collected.trailers().and_then(|t| t.get("grpc-status"));
+            assert_eq!(status.map(|s| s.as_bytes()), Some(&b"0"[..]));
+            let bytes = collected.to_bytes();
+            assert_eq!(bytes[0], 0, "uncompressed");
+            let length = u32::from_be_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
+            assert_eq!(length, bytes.len() - 5);
+            let expected = ProfileResponse {
+                tool_data: vec![ProfileToolData {
+                    name: "xplane.pb".into(),
+                    data: parts.concat().into(),
+                }],
+                empty_trace,
+                xspace: None,
+            };
+            assert_eq!(&bytes[5..], &expected.encode_to_vec()[..]);
+        }
     }
 
     #[tokio::test]
     async fn what_the_reply_keeps_alive_lives_until_the_last_slice_is_out() {
         let owner: Arc<dyn Any + Send + Sync> = Arc::new(());
-        let framed = FramedReply::encode(&reply_of(2 * SLICE_BYTES)).keeping(Arc::clone(&owner));
+        let parts = parts_of(&[2 * SLICE_BYTES, 10]);
+        let framed = FramedReply::tool_data("xplane.pb", &parts, false).keeping(Arc::clone(&owner));
         let mut body = FramedBody::new(framed);
         while let Some(frame) = body.frame().await {
             if frame.unwrap().is_data() {
@@ -206,5 +258,12 @@ mod tests {
             }
         }
         assert_eq!(Arc::strong_count(&owner), 1);
+    }
+
+    #[test]
+    fn a_reply_shares_the_traces_bytes() {
+        let parts = parts_of(&[1 << 16]);
+        let framed = FramedReply::tool_data("xplane.pb", &parts, false);
+        assert!(framed.parts.iter().any(|p| p.as_ptr() == parts[0].as_ptr()));
     }
 }

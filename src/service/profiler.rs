@@ -471,7 +471,7 @@ impl ProfilerService {
             if merged.is_empty() {
                 return Ok(encoded);
             }
-            let mut space = XSpace::decode(encoded.bytes.as_slice())?;
+            let mut space = XSpace::decode(encoded.contiguous())?;
             let mut events = encoded.events;
             for (upstream, theirs) in merged {
                 events += theirs
@@ -482,10 +482,7 @@ impl ProfilerService {
                     .sum::<usize>();
                 xspace::merge::merge(&mut space, theirs, &upstream);
             }
-            Ok(Encoded {
-                bytes: space.encode_to_vec(),
-                events,
-            })
+            Ok(Encoded::whole(space.encode_to_vec(), events))
         })
         .await
         .map_err(|e| Status::internal(format!("building the trace failed: {e}")))?
@@ -500,18 +497,16 @@ impl ProfilerService {
     /// instead, saying why. A trace over `--chunk-traces-over` goes as
     /// Riegeli chunks ([`Self::respond_chunked`]).
     ///
-    /// `slot` is the build the trace came from; `shared` says the trace is
-    /// that build's own bytes (no warnings of this request added), whose
-    /// framed reply every capture of the build can send.
+    /// `slot` is the build the trace came from, held until the reply is
+    /// sent.
     async fn respond(
         &self,
         plan: &Plan,
         window: Window,
         encoded: Arc<Encoded>,
         slot: &Arc<Slot>,
-        shared: bool,
     ) -> Result<Response<ProfileResponse>, Status> {
-        if encoded.bytes.len() > self.config.chunk_traces_over {
+        if encoded.len() > self.config.chunk_traces_over {
             return self
                 .respond_chunked(plan, window, encoded, plan.emit_xspace)
                 .await
@@ -522,32 +517,23 @@ impl ProfilerService {
             return Ok(Response::new(ProfileResponse {
                 tool_data: Vec::new(),
                 empty_trace,
-                xspace: Some(decode(&encoded.bytes)?),
+                xspace: Some(decode(&encoded.contiguous())?),
             }));
         }
         let mut encoded = encoded;
-        let mut shared = shared;
         if let Some(root) = self.server_side_root(plan) {
-            let written;
-            (written, SharedTrace(encoded)) =
-                write_trace(root, plan, XPLANE_SUFFIX, SharedTrace(encoded)).await?;
+            let (written, _) = write_trace(root, plan, XPLANE_SUFFIX, encoded.contiguous()).await?;
             match written {
                 Ok(_) => return Ok(Response::new(written_reply(empty_trace))),
                 Err(error) => {
                     encoded = with_warnings(encoded, &[unwritten_warning(&error)]);
-                    shared = false;
                 }
             }
         }
-        let framed = if shared {
-            slot.framed_reply(|| frame_trace(encoded)).await?
-        } else {
-            frame_trace(encoded).await?
-        };
-        // Sent from the framed bytes by `FramedRepliesLayer`; the build's
-        // memory stays reserved until they are out.
+        // Sent from the trace's own parts by `FramedRepliesLayer`; the
+        // build's memory stays reserved until they are out.
         let mut response = Response::new(ProfileResponse::default());
-        framed
+        frame_trace(&encoded)
             .keeping(Arc::clone(slot) as Arc<dyn std::any::Any + Send + Sync>)
             .attach(&mut response);
         Ok(response)
@@ -569,13 +555,13 @@ impl ProfilerService {
         needs_xspace: bool,
     ) -> Result<ProfileResponse, Status> {
         let limit = self.config.chunk_traces_over;
-        let size = encoded.bytes.len();
+        let size = encoded.len();
         let empty_trace = encoded.events == 0;
         let failed = |e: &dyn std::fmt::Display| {
             Status::internal(format!("storing the trace as Riegeli chunks failed: {e}"))
         };
         let mut chunked =
-            tokio::task::spawn_blocking(move || ChunkedTrace::encode(&encoded.bytes, limit))
+            tokio::task::spawn_blocking(move || ChunkedTrace::encode(&encoded.contiguous(), limit))
                 .await
                 .map_err(|e| failed(&e))?
                 .map_err(|e| failed(&e))?;
@@ -725,8 +711,8 @@ fn parse_grpc_timeout(text: &str) -> Option<Duration> {
     })
 }
 
-/// A trace with `warnings` added: the same bytes when there are none, else a
-/// copy of a trace other captures share.
+/// A trace with `warnings` added: the same trace when there are none, else
+/// one sharing its parts and adding one.
 fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<Encoded> {
     if warnings.is_empty() {
         return encoded;
@@ -736,15 +722,6 @@ fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<Encoded> {
         xspace::append_warning(&mut own, warning);
     }
     Arc::new(own)
-}
-
-/// A shared trace written to a file as it is.
-struct SharedTrace(Arc<Encoded>);
-
-impl AsRef<[u8]> for SharedTrace {
-    fn as_ref(&self) -> &[u8] {
-        &self.0.bytes
-    }
 }
 
 /// The reply to a capture whose trace the agent wrote itself.
@@ -769,16 +746,10 @@ fn tool_reply(name: &str, data: Bytes, empty_trace: bool) -> ProfileResponse {
     }
 }
 
-/// The reply carrying `encoded` as XSpace tool data, framed for sending
-/// (off the async runtime: framing copies the trace once).
-async fn frame_trace(encoded: Arc<Encoded>) -> Result<FramedReply, Status> {
-    tokio::task::spawn_blocking(move || {
-        let empty_trace = encoded.events == 0;
-        let data = Bytes::from_owner(SharedTrace(encoded));
-        FramedReply::encode(&tool_reply(XPLANE_TOOL, data, empty_trace))
-    })
-    .await
-    .map_err(|e| Status::internal(format!("framing the reply failed: {e}")))
+/// The reply carrying `encoded` as XSpace tool data, framed for sending:
+/// the trace's own parts behind a few bytes of message fields.
+fn frame_trace(encoded: &Encoded) -> FramedReply {
+    FramedReply::tool_data(XPLANE_TOOL, encoded.parts(), encoded.events == 0)
 }
 
 /// The warning a trace the agent failed to write carries to the client.
@@ -986,10 +957,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         } else {
             Arc::new(self.build_with(&common, window, remote).await?)
         };
-        self.capture_memory.built(window, encoded.bytes.len());
-        let shared = !terminated && plan.warnings.is_empty();
+        self.capture_memory.built(window, encoded.len());
         let encoded = with_warnings(encoded, &plan.warnings);
-        let reply = self.respond(&plan, window, encoded, &slot, shared).await?;
+        let reply = self.respond(&plan, window, encoded, &slot).await?;
         self.capture_ready("Profile", window);
         Ok(reply)
     }
@@ -1194,21 +1164,22 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             plan.session_id = snapshot_id;
             plan.generated_session_id = false;
         }
-        let mut encoded = self.build(&plan, plan.window).await?;
-        if encoded.bytes.len() > self.config.chunk_traces_over {
+        let encoded = self.build(&plan, plan.window).await?;
+        if encoded.len() > self.config.chunk_traces_over {
             let reply = self
                 .respond_chunked(&plan, plan.window, Arc::new(encoded), true)
                 .await?;
             return Ok(Response::new(reply));
         }
+        let whole = encoded.contiguous();
         if let Some(root) = self.server_side_root(&plan) {
             // A failure is logged; the snapshot goes inline either way.
-            (_, encoded.bytes) = write_trace(root, &plan, XPLANE_SUFFIX, encoded.bytes).await?;
+            let _ = write_trace(root, &plan, XPLANE_SUFFIX, whole.clone()).await?;
         }
         let reply = ProfileResponse {
             tool_data: Vec::new(),
             empty_trace: encoded.events == 0,
-            xspace: Some(decode(&encoded.bytes)?),
+            xspace: Some(decode(&whole)?),
         };
         self.capture_ready("GetSnapshot", plan.window);
         Ok(Response::new(reply))

@@ -14,7 +14,6 @@ use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
 use super::capture_memory::Reservation;
-use super::framed_reply::FramedReply;
 use crate::store::Window;
 use crate::xspace::Encoded;
 
@@ -53,19 +52,6 @@ impl BuildKey {
 pub struct Slot {
     pub memory: OnceCell<Reservation>,
     trace: OnceCell<Arc<Encoded>>,
-    /// The reply every capture of the build sends, framed once.
-    reply: OnceCell<FramedReply>,
-}
-
-impl Slot {
-    /// The build's framed reply, made by `frame` for the first capture to
-    /// reply.
-    pub async fn framed_reply<E, F>(&self, frame: impl FnOnce() -> F) -> Result<FramedReply, E>
-    where
-        F: Future<Output = Result<FramedReply, E>>,
-    {
-        self.reply.get_or_try_init(frame).await.cloned()
-    }
 }
 
 /// The builds in progress or being replied from, by key.
@@ -131,10 +117,7 @@ mod tests {
     }
 
     fn trace(byte: u8) -> Encoded {
-        Encoded {
-            bytes: vec![byte; 4],
-            events: 1,
-        }
+        Encoded::whole(vec![byte; 4], 1)
     }
 
     #[tokio::test]
@@ -156,7 +139,7 @@ mod tests {
             .await
             .unwrap();
         assert!(Arc::ptr_eq(&a, &b));
-        assert_eq!(c.bytes, vec![2; 4]);
+        assert_eq!(c.contiguous(), vec![2; 4]);
         assert_eq!(shared.counts(), (2, 1));
     }
 
@@ -172,7 +155,7 @@ mod tests {
             .get_or_build(&slot, async { Ok::<_, &str>(trace(3)) })
             .await
             .unwrap();
-        assert_eq!(encoded.bytes, vec![3; 4]);
+        assert_eq!(encoded.contiguous(), vec![3; 4]);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 
+use bytes::Bytes;
 use prost::Message;
 
 use crate::event::{
@@ -72,11 +73,56 @@ pub(super) mod field {
     pub const METADATA_NAME: u32 = 2;
 }
 
-/// An encoded XSpace and how many events it holds.
+/// An encoded XSpace, kept as the parts it was written in (each plane's
+/// field, then the space's own fields), and how many events it holds. The
+/// parts one after another are the message: a reply sends them as they are,
+/// so a trace is never copied into one buffer on its way to a client.
 #[derive(Clone, Debug, Default)]
 pub struct Encoded {
-    pub bytes: Vec<u8>,
+    parts: Vec<Bytes>,
+    len: usize,
     pub events: usize,
+}
+
+impl Encoded {
+    /// The XSpace of `parts` (one after another), holding `events` events.
+    pub fn from_parts(parts: Vec<Bytes>, events: usize) -> Encoded {
+        let len = parts.iter().map(Bytes::len).sum();
+        Encoded { parts, len, events }
+    }
+
+    /// An XSpace already in one buffer.
+    pub fn whole(bytes: impl Into<Bytes>, events: usize) -> Encoded {
+        Encoded::from_parts(vec![bytes.into()], events)
+    }
+
+    /// The encoded length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn parts(&self) -> &[Bytes] {
+        &self.parts
+    }
+
+    /// The message in one buffer: the part itself when there is one, else
+    /// a copy of them all.
+    pub fn contiguous(&self) -> Bytes {
+        match self.parts.as_slice() {
+            [one] => one.clone(),
+            parts => {
+                let mut whole = Vec::with_capacity(self.len);
+                for part in parts {
+                    whole.extend_from_slice(part);
+                }
+                whole.into()
+            }
+        }
+    }
 }
 
 /// Encodes the XSpace for `events` (any order) recorded during `info.window`.
@@ -90,15 +136,19 @@ pub fn encode_xspace<'e>(
     for device in registry.devices() {
         lines.entry(device).or_default();
     }
-    let mut out = Writer::with_capacity(4096 + count * 72);
     let threads = if count < PARALLEL_FROM_EVENTS {
         1
     } else {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     };
+    let mut parts = Vec::new();
     for plane in encode_planes(lines, registry, info.window, threads) {
-        out.bytes(field::SPACE_PLANES, &plane);
+        let mut prefix = Writer::default();
+        prefix.message_prefix(field::SPACE_PLANES, plane.len());
+        parts.push(Bytes::from(prefix.into_bytes()));
+        parts.push(Bytes::from(plane));
     }
+    let mut out = Writer::with_capacity(4096);
     let plane = out.begin(field::SPACE_PLANES, 5);
     task_environment(&mut out, info);
     out.end(plane);
@@ -109,10 +159,8 @@ pub fn encode_xspace<'e>(
         out.text(field::SPACE_WARNINGS, &warning);
     }
     out.bytes(field::SPACE_HOSTNAMES, info.hostname.as_bytes());
-    Encoded {
-        bytes: out.into_bytes(),
-        events: count,
-    }
+    parts.push(Bytes::from(out.into_bytes()));
+    Encoded::from_parts(parts, count)
 }
 
 /// Below this many events a trace's planes are encoded on the calling
@@ -179,7 +227,9 @@ fn encode_planes(
 pub fn append_warning(encoded: &mut Encoded, warning: &str) {
     let mut out = Writer::default();
     out.text(field::SPACE_WARNINGS, warning);
-    encoded.bytes.extend_from_slice(&out.into_bytes());
+    let part = Bytes::from(out.into_bytes());
+    encoded.len += part.len();
+    encoded.parts.push(part);
 }
 
 /// Events per (device, line), devices in plane order; the host plane is
@@ -216,7 +266,7 @@ pub fn build_xspace<'e>(
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Result<XSpace, prost::DecodeError> {
-    XSpace::decode(encode_xspace(events, registry, info).bytes.as_slice())
+    XSpace::decode(encode_xspace(events, registry, info).contiguous())
 }
 
 fn warnings(info: &CaptureInfo) -> Vec<String> {

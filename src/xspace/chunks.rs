@@ -717,13 +717,10 @@ mod tests {
             ..CaptureInfo::default()
         };
         let encoded = encode_xspace(&events, &registry.snapshot(), &info);
-        let whole = XSpace::decode(encoded.bytes.as_slice()).unwrap();
-        let chunked = ChunkedTrace::encode(&encoded.bytes, 8 << 10).unwrap();
+        let whole = XSpace::decode(encoded.contiguous()).unwrap();
+        let chunked = ChunkedTrace::encode(&encoded.contiguous(), 8 << 10).unwrap();
         assert!(chunked.chunks() > 10, "{} chunks", chunked.chunks());
-        assert!(
-            chunked.bytes().len() < encoded.bytes.len() / 3,
-            "compressed"
-        );
+        assert!(chunked.bytes().len() < encoded.len() / 3, "compressed");
         let (merged, _) = decode(chunked.bytes()).unwrap();
         assert_eq!(merged, whole);
     }
