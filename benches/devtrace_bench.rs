@@ -554,7 +554,7 @@ fn bench_store(settings: &Settings) {
     for _ in 0..3 {
         let t = Instant::now();
         let data = store.query(window);
-        black_box(encode_xspace(&data.decoded(), &snapshot, &info));
+        black_box(encode_xspace(data.events(), &snapshot, &info));
         from_store.push(ms(t.elapsed()));
         let t = Instant::now();
         black_box(encode_xspace(&events, &snapshot, &info));
@@ -655,7 +655,7 @@ async fn direct_capture(agent: &Agent, duration_ms: u64) -> Phases {
     };
     // Run on this (block_on) thread: it is not one of the runtime's workers.
     let t = Instant::now();
-    let encoded = encode_xspace(&data.decoded(), &registry, &info);
+    let encoded = encode_xspace(data.events(), &registry, &info);
     let encode = t.elapsed();
     Phases {
         collect,

@@ -467,7 +467,7 @@ impl ProfilerService {
             properties,
         };
         tokio::task::spawn_blocking(move || {
-            let encoded = xspace::encode_xspace(&data.decoded(), &registry, &info);
+            let encoded = xspace::encode_xspace(data.events(), &registry, &info);
             if merged.is_empty() {
                 return Ok(encoded);
             }

@@ -125,14 +125,6 @@ impl WindowData {
         })
     }
 
-    /// The window's events decoded into one vector, which builders group
-    /// by reference.
-    pub fn decoded(&self) -> Vec<Event> {
-        let mut events = Vec::with_capacity(self.held());
-        events.extend(self.events());
-        events
-    }
-
     /// How many events the window's chunks hold (an upper bound on
     /// [`WindowData::events`]).
     pub fn held(&self) -> usize {

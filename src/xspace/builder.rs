@@ -3,6 +3,7 @@
 //! written in one pass with [`super::wire`] (no message tree in between).
 //! Every naming rule comes from [`super::conventions`].
 
+use std::borrow::Borrow;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 
@@ -126,8 +127,8 @@ impl Encoded {
 }
 
 /// Encodes the XSpace for `events` (any order) recorded during `info.window`.
-pub fn encode_xspace<'e>(
-    events: impl IntoIterator<Item = &'e Event>,
+pub fn encode_xspace<E: Borrow<Event> + Send>(
+    events: impl IntoIterator<Item = E>,
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Encoded {
@@ -170,14 +171,14 @@ const PARALLEL_FROM_EVENTS: usize = 100_000;
 /// Each plane's encoded `XPlane` message, in plane order. Planes are
 /// independent (each has its own metadata tables), so they are encoded on
 /// up to `threads` threads at once, the largest first.
-fn encode_planes(
-    lines: Lines<'_>,
+fn encode_planes<E: Borrow<Event> + Send>(
+    lines: Lines<E>,
     registry: &RegistrySnapshot,
     window: Window,
     threads: usize,
 ) -> Vec<Vec<u8>> {
-    let planes: Vec<(Device, PlaneLines<'_>)> = lines.into_iter().collect();
-    let encode = |device: Device, device_lines: PlaneLines<'_>| {
+    let planes: Vec<(Device, PlaneLines<E>)> = lines.into_iter().collect();
+    let encode = |device: Device, device_lines: PlaneLines<E>| {
         let events: usize = device_lines.values().map(Vec::len).sum();
         let mut out = Writer::with_capacity(1024 + events * 72);
         encode_plane(&mut out, device, device_lines, registry, window);
@@ -197,7 +198,8 @@ fn encode_planes(
         .map(|(_, l)| l.values().map(Vec::len).sum())
         .collect();
     order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
-    let work: Vec<parking_lot::Mutex<Option<(Device, PlaneLines<'_>)>>> = planes
+    type Work<E> = parking_lot::Mutex<Option<(Device, PlaneLines<E>)>>;
+    let work: Vec<Work<E>> = planes
         .into_iter()
         .map(|plane| parking_lot::Mutex::new(Some(plane)))
         .collect();
@@ -234,23 +236,24 @@ pub fn append_warning(encoded: &mut Encoded, warning: &str) {
 
 /// Events per (device, line), devices in plane order; the host plane is
 /// always present.
-type Lines<'e> = BTreeMap<Device, PlaneLines<'e>>;
+type Lines<E> = BTreeMap<Device, PlaneLines<E>>;
 
 /// One plane's events per line.
-type PlaneLines<'e> = BTreeMap<u64, Vec<&'e Event>>;
+type PlaneLines<E> = BTreeMap<u64, Vec<E>>;
 
-fn group_by_line<'e>(events: impl IntoIterator<Item = &'e Event>) -> (Lines<'e>, usize) {
-    let mut lines: Lines = BTreeMap::new();
+fn group_by_line<E: Borrow<Event>>(events: impl IntoIterator<Item = E>) -> (Lines<E>, usize) {
+    let mut lines: Lines<E> = BTreeMap::new();
     lines.entry(Device::Host).or_default();
     let mut count = 0;
     for event in events {
-        let line = if event.is_counter() {
+        let e = event.borrow();
+        let line = if e.is_counter() {
             COUNTER_TRACK
         } else {
-            event.line
+            e.line
         };
         lines
-            .entry(event.device())
+            .entry(e.device())
             .or_default()
             .entry(line)
             .or_default()
@@ -261,8 +264,8 @@ fn group_by_line<'e>(events: impl IntoIterator<Item = &'e Event>) -> (Lines<'e>,
 }
 
 /// The same XSpace as a message, for replies that carry it inline.
-pub fn build_xspace<'e>(
-    events: impl IntoIterator<Item = &'e Event>,
+pub fn build_xspace<E: Borrow<Event> + Send>(
+    events: impl IntoIterator<Item = E>,
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Result<XSpace, prost::DecodeError> {
@@ -291,10 +294,10 @@ pub fn is_empty(space: &XSpace) -> bool {
         .all(|p| p.lines.iter().all(|l| l.events.is_empty()))
 }
 
-fn encode_plane(
+fn encode_plane<E: Borrow<Event>>(
     out: &mut Writer,
     device: Device,
-    lines: PlaneLines<'_>,
+    lines: PlaneLines<E>,
     registry: &RegistrySnapshot,
     window: Window,
 ) {
@@ -312,7 +315,10 @@ fn encode_plane(
     for (line_id, mut events) in lines {
         // XProf walks lines in order: start ascending, enclosing spans first.
         // Events usually arrive in that order already; check before sorting.
-        let order = |e: &&Event| (e.start_ns, Reverse(e.duration_ns));
+        let order = |e: &E| {
+            let e = e.borrow();
+            (e.start_ns, Reverse(e.duration_ns))
+        };
         if !events.is_sorted_by_key(order) {
             events.sort_by_key(order);
         }
@@ -351,7 +357,7 @@ fn encode_plane(
         out.text(field::LINE_NAME, &line_name);
         // timestamp_ns stays 0: offsets are relative to the capture start.
         for event in events {
-            plane.event(out, event, window.start_ns);
+            plane.event(out, event.borrow(), window.start_ns);
         }
         out.end(line);
     }
@@ -361,10 +367,10 @@ fn encode_plane(
     plane.finish(out);
 }
 
-fn stream_kinds(events: &[&Event]) -> Vec<&'static str> {
+fn stream_kinds<E: Borrow<Event>>(events: &[E]) -> Vec<&'static str> {
     let mut present = [false; names::STREAM_KIND_ORDER.len()];
     for event in events {
-        let kind = match event.payload() {
+        let kind = match event.borrow().payload() {
             Payload::Kernel(_) => names::STREAM_COMPUTE,
             Payload::Memcpy(copy) => copy_label(copy.kind),
             Payload::Memset(_) => names::STREAM_MEMSET,
@@ -1362,8 +1368,12 @@ mod tests {
             hostname: "h".into(),
             ..CaptureInfo::default()
         };
-        let space =
-            build_xspace(std::iter::empty(), &RegistrySnapshot::default(), &info).expect("decodes");
+        let space = build_xspace(
+            std::iter::empty::<Event>(),
+            &RegistrySnapshot::default(),
+            &info,
+        )
+        .expect("decodes");
         assert!(is_empty(&space));
         assert_eq!(space.planes[0].name, "/host:CPU");
     }
