@@ -248,6 +248,22 @@ pub async fn devtrace(args: Vec<String>) -> std::process::Output {
     .expect("the devtrace process")
 }
 
+/// Runs `devtrace serve --listen 127.0.0.1:0 --metrics-listen off <extra>`
+/// to its end: for settings the agent must refuse before it serves.
+pub fn serve_to_end(extra: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "off",
+        ])
+        .args(extra)
+        .output()
+        .expect("running devtrace serve")
+}
+
 pub fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|a| a.to_string()).collect()
 }
