@@ -3,7 +3,8 @@
 //! a tiny ring, an explicit `devtrace trigger`) exactly once, the saved
 //! session holds the flight recorder's events from before the firing with
 //! the rule, value and time in its Task Environment, cool-down and hourly
-//! cap hold, and a bad rule is refused naming its bad part.
+//! cap hold and are counted in Monitor and the metrics, and a bad rule is
+//! refused naming its bad part.
 
 mod common;
 
@@ -476,4 +477,33 @@ fn a_bad_rule_or_repository_is_refused_naming_what_is_wrong() {
         "name=w; when=explicit; before=10m",
     ];
     assert!(refused(&too_far).contains("--store-retention"));
+}
+
+#[tokio::test]
+async fn firings_and_held_ones_are_counted_in_the_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = path_text(dir.path());
+    let repository = path_text(&dir.path().join("plugins/profile"));
+    let (agent, metrics) = AgentProcess::start_with_metrics(
+        &[
+            "--allow-root",
+            &root,
+            "--trigger-repository",
+            &repository,
+            "--trigger",
+            "name=watchdog; when=explicit; before=200ms; after=0s; cooldown=1h",
+        ],
+        &[],
+    );
+    fire(&agent, "watchdog").await.expect("the first firing");
+    fire(&agent, "watchdog").await.unwrap_err();
+    let (status, text) = http_get(&metrics, "/metrics");
+    assert_eq!(status, 200);
+    for line in [
+        "devtrace_trigger_firings_total{rule=\"watchdog\"} 1",
+        "devtrace_trigger_suppressed_total{rule=\"watchdog\",reason=\"cooldown\"} 1",
+        "devtrace_trigger_suppressed_total{rule=\"watchdog\",reason=\"max_per_hour\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
 }

@@ -101,17 +101,6 @@ impl std::str::FromStr for Dip {
     }
 }
 
-impl std::fmt::Display for Dip {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}ms+{}ms",
-            self.after.as_millis(),
-            self.length.as_millis()
-        )
-    }
-}
-
 /// SplitMix64: tiny, fast, and the same sequence on every platform.
 struct Rng(u64);
 

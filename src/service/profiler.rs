@@ -690,11 +690,27 @@ impl ProfilerService {
     }
 }
 
-/// Writes a capture's trace file, `<root>/<session>/<host><suffix>` (one
-/// XSpace, `.xplane.pb`, or its Riegeli chunks, `.xplane.riegeli`), off the
-/// async runtime (a disk write or an upload); hands the bytes back with
-/// where they went or why not.
+/// Writes a capture's trace file as [`store_trace`] does, and logs where
+/// it went or why it is returned to the client instead.
 async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
+    root: Folder,
+    plan: &Plan,
+    suffix: &'static str,
+    bytes: B,
+) -> Result<(Result<String, StorageError>, B), Status> {
+    let (written, bytes) = store_trace(root, plan, suffix, bytes).await?;
+    match &written {
+        Ok(path) => info!(%path, bytes = bytes.as_ref().len(), "trace written"),
+        Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
+    }
+    Ok((written, bytes))
+}
+
+/// Writes a trace file, `<root>/<session>/<host><suffix>` (one XSpace,
+/// `.xplane.pb`, or its Riegeli chunks, `.xplane.riegeli`), off the async
+/// runtime (a disk write or an upload); hands the bytes back with where
+/// they went or why not.
+async fn store_trace<B: AsRef<[u8]> + Send + 'static>(
     root: Folder,
     plan: &Plan,
     suffix: &'static str,
@@ -703,19 +719,14 @@ async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
     let session_id = plan.session_id.clone();
     let generated = plan.generated_session_id;
     let file_name = format!("{}{suffix}", plan.file_host);
-    let (written, bytes) = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         let written = root
             .create_session(&session_id, generated)
             .and_then(|(session, _)| session.write(&file_name, bytes.as_ref()));
         (written, bytes)
     })
     .await
-    .map_err(|e| Status::internal(format!("writing the trace failed: {e}")))?;
-    match &written {
-        Ok(path) => info!(%path, bytes = bytes.as_ref().len(), "trace written"),
-        Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
-    }
-    Ok((written, bytes))
+    .map_err(|e| Status::internal(format!("writing the trace failed: {e}")))
 }
 
 /// Until when a capture may wait for capture memory: a little before the

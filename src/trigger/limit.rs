@@ -17,16 +17,6 @@ pub enum Held {
     HourlyCap { fired: u32 },
 }
 
-impl Held {
-    /// The label metrics use.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            Held::CoolingDown { .. } => "cooldown",
-            Held::HourlyCap { .. } => "max_per_hour",
-        }
-    }
-}
-
 /// The firings of one rule that count against its limits.
 #[derive(Debug)]
 pub struct Limit {

@@ -13,6 +13,11 @@ use crate::event::{Device, Event, NameId, Payload};
 use crate::registry::Registry;
 use crate::xspace::builder::COUNTER_TRACK;
 
+/// Lines whose step lengths a slow-step rule keeps at once; past it the
+/// history starts over, so that a stream of new lines (tap connections)
+/// cannot grow it without bound.
+const MAX_STEP_LINES: usize = 4096;
+
 /// A condition met: which rule, when, and the value that met it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Firing {
@@ -131,7 +136,11 @@ impl Watcher {
                     },
                     Payload::Step { step_num },
                 ) => {
-                    let history = recent.entry((event.device(), event.line)).or_default();
+                    let key = (event.device(), event.line);
+                    if recent.len() >= MAX_STEP_LINES && !recent.contains_key(&key) {
+                        recent.clear();
+                    }
+                    let history = recent.entry(key).or_default();
                     slow_step(history, *steps, *factor, event.duration_ns, step_num)
                         .map(|text| (event.end_ns(), text))
                 }
