@@ -23,6 +23,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        // Trace replies share their bytes rather than copy them.
+        .bytes(".tensorflow.ProfileToolData.data")
         .compile_fds(descriptors)?;
     build_bpf()
 }

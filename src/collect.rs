@@ -252,15 +252,13 @@ impl Worker {
     }
 }
 
-/// Moves `pending` into the store as one chunk.
+/// Moves `pending` into the store as one chunk; `pending` keeps its
+/// memory for the next one.
 fn seal(store: &Store, pending: &mut Vec<Event>) {
     if pending.is_empty() {
         return;
     }
-    let mut batch = std::mem::take(pending);
-    // Chunks are accounted by capacity: do not hold slack for long.
-    batch.shrink_to_fit();
-    store.append(batch);
+    store.append(pending);
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ fn capture_of(start_ns: u64, duration_ms: u64, session: &str) -> ProfileRequest 
 /// The trace bytes of a reply that carries them as tool data.
 fn trace_bytes(reply: &devtrace::proto::tensorflow::ProfileResponse) -> Vec<u8> {
     assert_eq!(reply.tool_data.len(), 1, "one trace as tool data");
-    reply.tool_data[0].data.clone()
+    reply.tool_data[0].data.to_vec()
 }
 
 /// The "traces built" line of a level-2 Monitor.

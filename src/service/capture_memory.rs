@@ -1,8 +1,9 @@
 //! `--capture-memory`: a budget for the traces being built and replied at
-//! once. A capture reserves its trace's expected size when it arrives
-//! (captures sharing a build share its reservation) and holds it until it
-//! has replied; past the budget, later captures wait for earlier ones,
-//! within their deadline, instead of piling up.
+//! once. A capture reserves what its trace is expected to take when it
+//! arrives (the trace and the reply framed from it; captures sharing a build
+//! share its reservation) and holds it until its reply has been sent; past
+//! the budget, later captures wait for earlier ones, within their deadline,
+//! instead of piling up.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,6 +23,10 @@ const UNIT: usize = 1 << 10;
 /// What a second of window is expected to encode to before any trace has
 /// been built: a busy host at a million events a second.
 const INITIAL_BYTES_PER_SECOND: u64 = 32 << 20;
+
+/// Copies of its trace a capture holds at most: the trace, and the reply
+/// framed from it while that is sent.
+const COPIES_PER_TRACE: f64 = 2.0;
 
 /// A capture waited for memory longer than its deadline allowed.
 #[derive(Debug, thiserror::Error)]
@@ -108,7 +113,8 @@ impl CaptureMemory {
 
     fn expected_units(&self, window: Window) -> u32 {
         let seconds = window.duration_ns() as f64 / 1e9;
-        let bytes = self.bytes_per_second.load(Ordering::Relaxed) as f64 * seconds;
+        let bytes =
+            self.bytes_per_second.load(Ordering::Relaxed) as f64 * seconds * COPIES_PER_TRACE;
         let whole = (self.budget / UNIT).clamp(1, Semaphore::MAX_PERMITS);
         ((bytes as usize) / UNIT)
             .clamp(1, whole)
@@ -155,9 +161,9 @@ mod tests {
     }
 
     #[test]
-    fn small_traces_reserve_what_they_take() {
+    fn small_traces_reserve_what_they_and_their_replies_take() {
         let memory = CaptureMemory::new(1 << 30);
         memory.built(window(1), 10 << 20);
-        assert_eq!(memory.expected_units(window(2)), (20 << 20) / UNIT as u32);
+        assert_eq!(memory.expected_units(window(2)), (40 << 20) / UNIT as u32);
     }
 }

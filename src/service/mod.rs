@@ -2,6 +2,7 @@
 //! the [`crate::agent::Agent`], and the results turned into replies or files.
 
 pub mod capture_memory;
+pub mod framed_reply;
 pub mod profile_analysis;
 pub mod profiler;
 pub mod repository;
@@ -22,6 +23,7 @@ use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysisServer;
 use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
 use crate::telemetry::rpc::CountRpcsLayer;
 use crate::telemetry::Telemetry;
+use framed_reply::FramedRepliesLayer;
 
 /// Largest request decoded. Requests are small (a `ProfileRequest`, a list
 /// of hosts); without a bound a caller could make the agent hold gigabytes
@@ -91,19 +93,23 @@ pub async fn serve(
     result
 }
 
+/// What every route passes through, outermost first.
+type Layers = Stack<FramedRepliesLayer, Stack<CountRpcsLayer, Identity>>;
+
 fn router(
     profiler: &Arc<profiler::ProfilerService>,
     analysis: &Arc<profile_analysis::ProfileAnalysisService>,
     triggers: &Arc<trigger::TriggerService>,
     telemetry: &Telemetry,
     tls: Option<ServerTlsConfig>,
-) -> Result<Router<Stack<CountRpcsLayer, Identity>>, tonic::transport::Error> {
+) -> Result<Router<Layers>, tonic::transport::Error> {
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         server = server.tls_config(tls)?;
     }
     Ok(server
         .layer(telemetry.rpc_layer())
+        .layer(FramedRepliesLayer)
         .add_service(telemetry.health_service())
         .add_service(
             ProfilerServiceServer::from_arc(Arc::clone(profiler))

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 use prost::Message;
 use tokio_util::sync::CancellationToken;
@@ -36,6 +37,7 @@ use crate::xspace::{self, CaptureInfo, Encoded};
 use crate::storage::{Folder, StorageError};
 
 use super::capture_memory::{CaptureMemory, DEFAULT_CAPTURE_MEMORY};
+use super::framed_reply::FramedReply;
 use super::repository::AllowedRoots;
 use super::shared_builds::{BuildKey, SharedBuilds, Slot};
 use super::validate::{self, invalid};
@@ -501,42 +503,58 @@ impl ProfilerService {
     /// client to write. A trace the agent fails to write goes to the client
     /// instead, saying why. A trace over `--chunk-traces-over` goes as
     /// Riegeli chunks ([`Self::respond_chunked`]).
+    ///
+    /// `slot` is the build the trace came from; `shared` says the trace is
+    /// that build's own bytes (no warnings of this request added), whose
+    /// framed reply every capture of the build can send.
     async fn respond(
         &self,
         plan: &Plan,
         window: Window,
         encoded: Arc<Encoded>,
-    ) -> Result<ProfileResponse, Status> {
+        slot: &Arc<Slot>,
+        shared: bool,
+    ) -> Result<Response<ProfileResponse>, Status> {
         if encoded.bytes.len() > self.config.chunk_traces_over {
             return self
                 .respond_chunked(plan, window, encoded, plan.emit_xspace)
-                .await;
+                .await
+                .map(Response::new);
         }
         let empty_trace = encoded.events == 0;
         if plan.emit_xspace {
-            return Ok(ProfileResponse {
+            return Ok(Response::new(ProfileResponse {
                 tool_data: Vec::new(),
                 empty_trace,
                 xspace: Some(decode(&encoded.bytes)?),
-            });
+            }));
         }
         let mut encoded = encoded;
+        let mut shared = shared;
         if let Some(root) = self.server_side_root(plan) {
             let written;
             (written, SharedTrace(encoded)) =
                 write_trace(root, plan, XPLANE_SUFFIX, SharedTrace(encoded)).await?;
             match written {
-                Ok(_) => return Ok(written_reply(empty_trace)),
+                Ok(_) => return Ok(Response::new(written_reply(empty_trace))),
                 Err(error) => {
                     encoded = with_warnings(encoded, &[unwritten_warning(&error)]);
+                    shared = false;
                 }
             }
         }
-        // Tool data is a message field of its own: the one copy of a
-        // shared trace each reply makes.
-        let bytes =
-            Arc::try_unwrap(encoded).map_or_else(|shared| shared.bytes.clone(), |own| own.bytes);
-        Ok(tool_reply(XPLANE_TOOL, bytes, empty_trace))
+        let framed = if shared {
+            slot.framed_reply(|| frame_trace(encoded)).await?
+        } else {
+            frame_trace(encoded).await?
+        };
+        // Sent from the framed bytes by `FramedRepliesLayer`; the build's
+        // memory stays reserved until they are out.
+        let mut response = Response::new(ProfileResponse::default());
+        framed
+            .keeping(Arc::clone(slot) as Arc<dyn std::any::Any + Send + Sync>)
+            .attach(&mut response);
+        Ok(response)
     }
 
     /// Delivers a trace too large for one message (over
@@ -595,7 +613,11 @@ impl ProfilerService {
                     .append_warning(&unwritten_warning(error))
                     .map_err(|e| failed(&e))?;
             }
-            return Ok(tool_reply(RIEGELI_TOOL, chunked.into_bytes(), empty_trace));
+            return Ok(tool_reply(
+                RIEGELI_TOOL,
+                Bytes::from(chunked.into_bytes()),
+                empty_trace,
+            ));
         }
         let why = if needs_xspace {
             "the request asks for it as one XSpace (emit_xspace, or GetSnapshot), which \
@@ -792,7 +814,7 @@ fn written_reply(empty_trace: bool) -> ProfileResponse {
 
 /// The reply carrying a trace as tool data `name`, which the client writes
 /// as `<host>.<name>`.
-fn tool_reply(name: &str, data: Vec<u8>, empty_trace: bool) -> ProfileResponse {
+fn tool_reply(name: &str, data: Bytes, empty_trace: bool) -> ProfileResponse {
     ProfileResponse {
         tool_data: vec![ProfileToolData {
             name: name.to_string(),
@@ -801,6 +823,18 @@ fn tool_reply(name: &str, data: Vec<u8>, empty_trace: bool) -> ProfileResponse {
         empty_trace,
         xspace: None,
     }
+}
+
+/// The reply carrying `encoded` as XSpace tool data, framed for sending
+/// (off the async runtime: framing copies the trace once).
+async fn frame_trace(encoded: Arc<Encoded>) -> Result<FramedReply, Status> {
+    tokio::task::spawn_blocking(move || {
+        let empty_trace = encoded.events == 0;
+        let data = Bytes::from_owner(SharedTrace(encoded));
+        FramedReply::encode(&tool_reply(XPLANE_TOOL, data, empty_trace))
+    })
+    .await
+    .map_err(|e| Status::internal(format!("framing the reply failed: {e}")))
 }
 
 /// The warning a trace the agent failed to write carries to the client.
@@ -1029,10 +1063,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             Arc::new(self.build_with(&common, window, remote).await?)
         };
         self.capture_memory.built(window, encoded.bytes.len());
+        let shared = !terminated && plan.warnings.is_empty();
         let encoded = with_warnings(encoded, &plan.warnings);
-        let reply = self.respond(&plan, window, encoded).await?;
+        let reply = self.respond(&plan, window, encoded, &slot, shared).await?;
         self.capture_ready("Profile", window);
-        Ok(Response::new(reply))
+        Ok(reply)
     }
 
     async fn terminate(

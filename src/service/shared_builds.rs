@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
 use super::capture_memory::Reservation;
+use super::framed_reply::FramedReply;
 use crate::store::Window;
 use crate::xspace::Encoded;
 
@@ -52,6 +53,19 @@ impl BuildKey {
 pub struct Slot {
     pub memory: OnceCell<Reservation>,
     trace: OnceCell<Arc<Encoded>>,
+    /// The reply every capture of the build sends, framed once.
+    reply: OnceCell<FramedReply>,
+}
+
+impl Slot {
+    /// The build's framed reply, made by `frame` for the first capture to
+    /// reply.
+    pub async fn framed_reply<E, F>(&self, frame: impl FnOnce() -> F) -> Result<FramedReply, E>
+    where
+        F: Future<Output = Result<FramedReply, E>>,
+    {
+        self.reply.get_or_try_init(frame).await.cloned()
+    }
 }
 
 /// The builds in progress or being replied from, by key.

@@ -38,23 +38,52 @@ const DIFFERENCED: [usize; EVENT_WORDS - 2] = [1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 1
 pub struct CompactEvents {
     bytes: Box<[u8]>,
     count: usize,
+    /// The first and last start, when there are events.
+    starts: Option<(u64, u64)>,
 }
 
 impl CompactEvents {
-    /// Encodes `events`, sorting them by start time first (the longer of
-    /// two that start together first; events alike in both keep the order
-    /// they came in, as a tap's ops of one request do).
-    pub fn encode(events: &mut [Event]) -> CompactEvents {
-        events.sort_by_key(|e| (e.start_ns, std::cmp::Reverse(e.duration_ns)));
-        let mut out = Vec::with_capacity(events.len() * 24);
+    /// Encodes the `events` that `keep` accepts, sorted by start time (the
+    /// longer of two that start together first; events alike in both keep
+    /// the order they came in, as a tap's ops of one request do).
+    pub fn encode(events: &[Event], keep: impl Fn(&Event) -> bool) -> CompactEvents {
+        // Sorting small keys, not the 128-byte events, moves a fifth of
+        // the memory; the index keeps equal events in arrival order. A
+        // stable sort, as it finds the sorted runs each producer's events
+        // arrive in.
+        let mut order: Vec<(u64, std::cmp::Reverse<u64>, u32)> = events
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| keep(e))
+            .map(|(index, e)| (e.start_ns, std::cmp::Reverse(e.duration_ns), index as u32))
+            .collect();
+        order.sort();
+        // Room for the longest encoding of every event, so that events are
+        // written in place; the pages past what they take are never touched
+        // (the zeroed allocation maps them lazily) and are handed back when
+        // the buffer is cut to its length.
+        let mut out = vec![0u8; order.len() * MAX_ENCODED_EVENT];
+        let mut written = 0;
         let mut state = State::new();
-        for event in events.iter() {
-            state.encode(&event.to_words(), &mut out);
+        for &(_, _, index) in &order {
+            let mut at = Cursor {
+                out: &mut out,
+                at: written,
+            };
+            state.encode(&events[index as usize].to_words(), &mut at);
+            written = at.at;
         }
+        out.truncate(written);
         CompactEvents {
             bytes: out.into_boxed_slice(),
-            count: events.len(),
+            count: order.len(),
+            starts: order.first().zip(order.last()).map(|(f, l)| (f.0, l.0)),
         }
+    }
+
+    /// The first and last start time, when there are events.
+    pub fn starts(&self) -> Option<(u64, u64)> {
+        self.starts
     }
 
     pub fn len(&self) -> usize {
@@ -97,17 +126,17 @@ impl State {
         }
     }
 
-    fn encode(&mut self, words: &[u64; EVENT_WORDS], out: &mut Vec<u8>) {
+    fn encode(&mut self, words: &[u64; EVENT_WORDS], out: &mut Cursor<'_>) {
         let kind = words[KIND_WORD];
         let place = kind_place(kind);
         if self.kinds[place] == kind {
-            out.push(place as u8);
+            out.byte(place as u8);
         } else {
-            out.push(LITERAL);
-            put_varint(out, kind);
+            out.byte(LITERAL);
+            out.varint(kind);
             self.kinds[place] = kind;
         }
-        put_varint(out, words[0].wrapping_sub(self.previous_start));
+        out.varint(words[0].wrapping_sub(self.previous_start));
         self.previous_start = words[0];
         let last = &mut self.last_of_kind[context(kind)];
         let mut mask = 0u64;
@@ -116,13 +145,39 @@ impl State {
                 mask |= 1 << bit;
             }
         }
-        put_varint(out, mask);
+        out.varint(mask);
         while mask != 0 {
             let word = DIFFERENCED[mask.trailing_zeros() as usize];
             mask &= mask - 1;
-            put_varint(out, zigzag(words[word].wrapping_sub(last[word])));
+            out.varint(zigzag(words[word].wrapping_sub(last[word])));
         }
         *last = *words;
+    }
+}
+
+/// The longest encoded event: the kind byte and word, the start delta and
+/// the mask, and every differenced word, each varint at most 10 bytes.
+const MAX_ENCODED_EVENT: usize = 1 + 10 * (3 + DIFFERENCED.len());
+
+/// Where the next byte of a chunk's encoding goes, in a buffer sized for
+/// the longest encodings: no growth checks on the collector's hottest loop.
+struct Cursor<'o> {
+    out: &'o mut [u8],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn byte(&mut self, byte: u8) {
+        self.out[self.at] = byte;
+        self.at += 1;
+    }
+
+    fn varint(&mut self, mut value: u64) {
+        while value >= 0x80 {
+            self.byte((value as u8) | 0x80);
+            value >>= 7;
+        }
+        self.byte(value as u8);
     }
 }
 
@@ -203,14 +258,6 @@ impl Iterator for Decoder<'_> {
     }
 }
 
-fn put_varint(out: &mut Vec<u8>, mut value: u64) {
-    while value >= 0x80 {
-        out.push((value as u8) | 0x80);
-        value >>= 7;
-    }
-    out.push(value as u8);
-}
-
 /// Small differences either way as small numbers.
 fn zigzag(delta: u64) -> u64 {
     let signed = delta as i64;
@@ -228,8 +275,8 @@ mod tests {
         CopyInfo, CopyKind, Device, KernelInfo, MemoryInfo, MemsetInfo, NameId, Payload,
     };
 
-    fn round_trip(mut events: Vec<Event>) -> CompactEvents {
-        let compact = CompactEvents::encode(&mut events);
+    fn round_trip(events: Vec<Event>) -> CompactEvents {
+        let compact = CompactEvents::encode(&events, |_| true);
         let decoded: Vec<Event> = compact.iter().collect();
         assert_eq!(decoded.len(), compact.len());
         // Sorted by start; ties keep no particular order.
@@ -334,7 +381,7 @@ mod tests {
             .collect();
         events.push(Event::new(7, 9, Device::Host, 1, NameId(5), Payload::Plain));
         events.push(Event::new(2, 0, Device::Host, 1, NameId(6), Payload::Plain));
-        let compact = CompactEvents::encode(&mut events.clone());
+        let compact = CompactEvents::encode(&events, |_| true);
         let names: Vec<u32> = compact.iter().map(|e| e.name().0).collect();
         let mut expected = vec![6, 5];
         expected.extend((0..1000u32).map(|i| 1000 - i));

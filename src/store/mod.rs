@@ -56,12 +56,13 @@ pub struct Chunk {
 }
 
 impl Chunk {
-    fn new(mut events: Vec<Event>) -> Option<Chunk> {
-        // Encoding sorts them by start.
-        let compact = CompactEvents::encode(&mut events);
+    /// The chunk of the `events` that `keep` accepts, if any.
+    fn new(events: &[Event], keep: impl Fn(&Event) -> bool) -> Option<Chunk> {
+        let compact = CompactEvents::encode(events, keep);
+        let (first_start_ns, last_start_ns) = compact.starts()?;
         Some(Chunk {
-            first_start_ns: events.first()?.start_ns,
-            last_start_ns: events.last()?.start_ns,
+            first_start_ns,
+            last_start_ns,
             events: compact,
         })
     }
@@ -222,18 +223,20 @@ impl Store {
     }
 
     /// Adds a batch of events (any order) and evicts what falls out of bounds.
-    pub fn append(&self, mut events: Vec<Event>) {
+    /// Seals `events` into a chunk, leaving the vector empty for the
+    /// caller to fill again.
+    pub fn append(&self, events: &mut Vec<Event>) {
         let now = (self.now_ns)();
         let horizon = self.horizon(now);
         let latest = now.saturating_add(clock::duration_ns(MAX_AHEAD));
-        let before = events.len();
-        events.retain(|e| (horizon..=latest).contains(&e.start_ns));
-        let misdated = before - events.len();
+        let chunk = Chunk::new(events, |e| (horizon..=latest).contains(&e.start_ns));
+        let misdated = events.len() - chunk.as_ref().map_or(0, |c| c.events.len());
+        events.clear();
         if misdated > 0 {
             self.misdated
                 .fetch_add(misdated as u64, std::sync::atomic::Ordering::Relaxed);
         }
-        let Some(chunk) = Chunk::new(events) else {
+        let Some(chunk) = chunk else {
             return;
         };
         let mut inner = self.inner.write();
@@ -372,8 +375,8 @@ mod tests {
     #[test]
     fn windows_return_exactly_the_events_that_start_inside() {
         let store = store(1000, usize::MAX);
-        store.append((0..100).map(|i| at(i * 10)).collect());
-        store.append((100..200).map(|i| at(i * 10)).collect());
+        store.append(&mut (0..100).map(|i| at(i * 10)).collect());
+        store.append(&mut (100..200).map(|i| at(i * 10)).collect());
         let data = store.query(Window {
             start_ns: 950,
             stop_ns: 1050,
@@ -390,13 +393,13 @@ mod tests {
         let store = store(1000, usize::MAX);
         let first = store.arrivals(0);
         assert_eq!(first.events().count(), 0);
-        store.append(vec![at(500), at(400)]);
+        store.append(&mut vec![at(500), at(400)]);
         // Arrives later but starts earlier than what came before.
-        store.append(vec![at(100)]);
+        store.append(&mut vec![at(100)]);
         let seen = store.arrivals(first.next);
         let starts: Vec<u64> = seen.events().map(|e| e.start_ns).collect();
         assert_eq!(starts, vec![400, 500, 100]);
-        store.append(vec![at(600)]);
+        store.append(&mut vec![at(600)]);
         let next = store.arrivals(seen.next);
         assert_eq!(
             next.events().map(|e| e.start_ns).collect::<Vec<_>>(),
@@ -408,7 +411,7 @@ mod tests {
     #[test]
     fn overlapping_windows_both_see_full_data() {
         let store = store(1000, usize::MAX);
-        store.append((0..50).map(at).collect());
+        store.append(&mut (0..50).map(at).collect());
         let a = store.query(Window {
             start_ns: 0,
             stop_ns: 30,
@@ -425,9 +428,9 @@ mod tests {
     fn retention_evicts_old_chunks_and_reports_the_gap() {
         let (store, now) = store_at(1, usize::MAX);
         let second = 1_000_000_000;
-        store.append(vec![at(0), at(10)]);
+        store.append(&mut vec![at(0), at(10)]);
         now.store(2 * second, Ordering::Relaxed);
-        store.append(vec![at(2 * second)]);
+        store.append(&mut vec![at(2 * second)]);
         assert_eq!(store.stats().chunks, 1);
         let data = store.query(Window {
             start_ns: 0,
@@ -440,10 +443,10 @@ mod tests {
     #[test]
     fn byte_bound_evicts_oldest_first() {
         let chunk_of = |c: u64| (0..10).map(move |i| at(c * 100 + i)).collect::<Vec<_>>();
-        let one_chunk = Chunk::new(chunk_of(4)).unwrap().bytes();
+        let one_chunk = Chunk::new(&chunk_of(4), |_| true).unwrap().bytes();
         let store = store(1000, 2 * one_chunk);
         for c in 0..5u64 {
-            store.append(chunk_of(c));
+            store.append(&mut chunk_of(c));
         }
         let stats = store.stats();
         assert_eq!(stats.chunks, 2);
@@ -462,11 +465,11 @@ mod tests {
         let (store, now) = store_at(10, usize::MAX);
         let second = 1_000_000_000;
         now.store(100 * second, Ordering::Relaxed);
-        store.append(vec![at(99 * second), at(100 * second)]);
+        store.append(&mut vec![at(99 * second), at(100 * second)]);
         let ten_years = 10 * 365 * 86_400 * second;
-        store.append(vec![at(ten_years), at(100 * second + 1)]);
+        store.append(&mut vec![at(ten_years), at(100 * second + 1)]);
         // A minute ahead is a clock step, not a forgery: kept.
-        store.append(vec![at(100 * second + 59 * second)]);
+        store.append(&mut vec![at(100 * second + 59 * second)]);
         assert_eq!(store.misdated(), 1);
         let data = store.query(Window {
             start_ns: 0,
@@ -477,7 +480,7 @@ mod tests {
             vec![99 * second, 100 * second, 100 * second + 1, 159 * second]
         );
         // And one from before the retention is not kept either.
-        store.append(vec![at(second)]);
+        store.append(&mut vec![at(second)]);
         assert_eq!(store.misdated(), 2);
     }
 

@@ -34,7 +34,7 @@ impl ProfilerService for Bulky {
         Ok(Response::new(ProfileResponse {
             tool_data: vec![devtrace::proto::tensorflow::ProfileToolData {
                 name: "xplane.pb".into(),
-                data: space.encode_to_vec(),
+                data: space.encode_to_vec().into(),
             }],
             empty_trace: false,
             xspace: Some(space),

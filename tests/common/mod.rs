@@ -348,7 +348,7 @@ pub fn space_of(reply: &ProfileResponse) -> XSpace {
         .iter()
         .find(|t| t.name == "xplane.pb")
         .expect("xplane.pb tool data");
-    XSpace::decode(tool.data.as_slice()).expect("decoding the XSpace")
+    XSpace::decode(&tool.data[..]).expect("decoding the XSpace")
 }
 
 /// Asserts that one of the trace's errors starts with `prefix`.
