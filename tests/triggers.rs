@@ -1,6 +1,7 @@
 //! Triggers against the real binary: each kind of rule fires at the moment
-//! its condition is met (the mock's slow step and utilisation dip, drops in
-//! a tiny ring, an explicit `devtrace trigger`) exactly once, the saved
+//! its condition is met (the mock's slow step and utilisation dip, an ECC
+//! error from the NVML stand-in, drops in a tiny ring, an explicit
+//! `devtrace trigger`) exactly once, the saved
 //! session holds the flight recorder's events from before the firing with
 //! the rule, value and time in its Task Environment, cool-down and hourly
 //! cap hold and are counted in Monitor and the metrics, and a bad rule is
@@ -33,6 +34,10 @@ struct Armed {
 }
 
 fn armed(rules: &[&str], extra: &[&str]) -> Armed {
+    armed_with_env(rules, extra, &[])
+}
+
+fn armed_with_env(rules: &[&str], extra: &[&str], env: &[(&str, &Path)]) -> Armed {
     let dir = tempfile::tempdir().unwrap();
     let logdir = dir.path().to_path_buf();
     let repository = logdir.join("plugins").join("profile");
@@ -50,7 +55,7 @@ fn armed(rules: &[&str], extra: &[&str]) -> Armed {
     }
     args.extend_from_slice(extra);
     Armed {
-        agent: AgentProcess::start(&args),
+        agent: AgentProcess::start_with_env(&args, env),
         _dir: dir,
         logdir,
         repository,
@@ -326,6 +331,58 @@ async fn dropped_events_fire_once_and_the_cooldown_holds_the_rest() {
         "{steps:?}"
     );
     let line = wait_until_held(&armed.agent, "lossy", 1).await;
+    assert_eq!(count_of(&line, "fired "), 1, "{line}");
+    assert_eq!(sessions(&armed.repository).len(), 1);
+}
+
+#[tokio::test]
+async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
+    let library = build_standin("nvml.c", "libnvidia-ml.so.1");
+    let control_dir = tempfile::tempdir().unwrap();
+    let control = control_dir.path().join("nvml.ctl");
+    std::fs::write(&control, "gpus=1\necc=0\n").unwrap();
+    let rule = "name=ecc; when=ecc changes; before=1s; after=100ms";
+    let nvml = [
+        "--backend",
+        "nvml",
+        "--nvml-library",
+        library.to_str().unwrap(),
+        "--nvml-idle-interval",
+        "20ms",
+    ];
+    let armed = armed_with_env(&[rule], &nvml, &[("DEVTRACE_NVML_STANDIN", &control)]);
+    // History for the window before the error.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    std::fs::write(&control, "gpus=1\necc=2\n").unwrap();
+    let found = wait_for_sessions(&armed.repository, 1);
+    let saved = saved(&found[0].1);
+    assert!(
+        saved
+            .value
+            .contains("ECC uncorrected errors changed from 0 to 2"),
+        "{}",
+        saved.value
+    );
+    assert_window(&saved, Duration::from_secs(1), Duration::from_millis(100));
+    let samples = timed(&saved.space, "/device:GPU:0", "ECC uncorrected errors");
+    let first_error = samples
+        .iter()
+        .filter(|(_, _, value)| *value == Some(2.0))
+        .map(|(at, _, _)| *at)
+        .min()
+        .expect("samples of the error");
+    assert_eq!(saved.fired_at_ns, first_error);
+    let clean_before = samples
+        .iter()
+        .filter(|(at, _, value)| *at < first_error && *value == Some(0.0))
+        .count();
+    assert!(
+        clean_before >= 10,
+        "{clean_before} clean samples before the error"
+    );
+    // A second change meets the cool-down.
+    std::fs::write(&control, "gpus=1\necc=3\n").unwrap();
+    let line = wait_until_held(&armed.agent, "ecc", 1).await;
     assert_eq!(count_of(&line, "fired "), 1, "{line}");
     assert_eq!(sessions(&armed.repository).len(), 1);
 }
