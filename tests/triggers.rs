@@ -13,8 +13,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
-use devtrace::proto::devtrace::trigger_client::TriggerClient;
-use devtrace::proto::devtrace::FireRequest;
 use devtrace::proto::tensorflow::profiler::XSpace;
 use devtrace::xspace::read::{event_name, event_start_ps, find_stat, read_xspace, StatValue};
 use tonic::Code;
@@ -387,21 +385,6 @@ async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
     assert_eq!(sessions(&armed.repository).len(), 1);
 }
 
-async fn fire(agent: &AgentProcess, name: &str) -> Result<u64, tonic::Status> {
-    let channel = tonic::transport::Channel::from_shared(format!("http://{}", agent.address))
-        .unwrap()
-        .connect()
-        .await
-        .expect("connecting");
-    TriggerClient::new(channel)
-        .fire(FireRequest {
-            name: name.into(),
-            reason: String::new(),
-        })
-        .await
-        .map(|reply| reply.into_inner().fired_at_ns)
-}
-
 #[tokio::test]
 async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap() {
     let watchdog =
@@ -421,25 +404,31 @@ async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap()
     .await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).starts_with("trigger watchdog fired at "));
-    fire(&armed.agent, "watchdog")
+    armed
+        .agent
+        .fire_trigger("watchdog")
         .await
         .expect("the second of two an hour");
-    let capped = fire(&armed.agent, "watchdog").await.unwrap_err();
+    let capped = armed.agent.fire_trigger("watchdog").await.unwrap_err();
     assert_eq!(capped.code(), Code::ResourceExhausted);
     assert!(
         capped.message().contains("max-per-hour"),
         "{}",
         capped.message()
     );
-    fire(&armed.agent, "careful").await.expect("the first");
-    let cooling = fire(&armed.agent, "careful").await.unwrap_err();
+    armed
+        .agent
+        .fire_trigger("careful")
+        .await
+        .expect("the first");
+    let cooling = armed.agent.fire_trigger("careful").await.unwrap_err();
     assert_eq!(cooling.code(), Code::ResourceExhausted);
     assert!(
         cooling.message().contains("cooldown"),
         "{}",
         cooling.message()
     );
-    let unknown = fire(&armed.agent, "nope").await.unwrap_err();
+    let unknown = armed.agent.fire_trigger("nope").await.unwrap_err();
     assert_eq!(unknown.code(), Code::NotFound);
     assert!(
         unknown.message().contains("watchdog, careful"),
@@ -552,8 +541,11 @@ async fn firings_and_held_ones_are_counted_in_the_metrics() {
         ],
         &[],
     );
-    fire(&agent, "watchdog").await.expect("the first firing");
-    fire(&agent, "watchdog").await.unwrap_err();
+    agent
+        .fire_trigger("watchdog")
+        .await
+        .expect("the first firing");
+    agent.fire_trigger("watchdog").await.unwrap_err();
     let (status, text) = http_get(&metrics, "/metrics");
     assert_eq!(status, 200);
     for line in [

@@ -137,6 +137,17 @@ impl AgentProcess {
         ProfilerServiceClient::new(self.channel().await).max_decoding_message_size(usize::MAX)
     }
 
+    /// `devtrace.Trigger/Fire` of rule `name`: when it fired.
+    pub async fn fire_trigger(&self, name: &str) -> Result<u64, tonic::Status> {
+        devtrace::proto::devtrace::trigger_client::TriggerClient::new(self.channel().await)
+            .fire(devtrace::proto::devtrace::FireRequest {
+                name: name.into(),
+                reason: String::new(),
+            })
+            .await
+            .map(|reply| reply.into_inner().fired_at_ns)
+    }
+
     /// A `Profile` call that must succeed.
     pub async fn profile(&self, request: ProfileRequest) -> ProfileResponse {
         self.client()
