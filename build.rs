@@ -10,6 +10,7 @@ const PROTOS: &[&str] = &[
     "tensorflow/core/profiler/profiler_service.proto",
     "tensorflow/core/profiler/profiler_analysis.proto",
     "tensorflow/core/profiler/protobuf/memory_profile.proto",
+    "devtrace/trigger.proto",
 ];
 
 /// BPF programs, each built into `<name>.skel.rs` in OUT_DIR.

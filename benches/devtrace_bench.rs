@@ -795,10 +795,12 @@ impl InProcessAgent {
                 .expect("bind");
             let address = listener.local_addr().expect("address");
             let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig::default()));
+            let trigger = Arc::new(devtrace::service::trigger::TriggerService::new(None));
             let server = tokio::spawn(devtrace::service::serve(
                 listener,
                 service,
                 analysis,
+                trigger,
                 async {
                     let _ = stop_rx.await;
                 },

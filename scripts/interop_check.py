@@ -793,13 +793,13 @@ CHUNK_THRESHOLD = "1MiB"
 INSPECT_TOP_RE = re.compile(r"^\s+[\d.]+ ms\s+(\d+)x\s+(.*)$")
 
 
-def _riegeli_agent(run, root):
+def _side_agent(run, label, extra):
+    """A second agent on the mock with `extra` flags; its address and log."""
     port = free_port()
-    log = os.path.join(run.workdir, "riegeli-agent.log")
+    log = os.path.join(run.workdir, "%s-agent.log" % label)
     with open(log, "wb") as logf:
         agent = subprocess.Popen([run.args.bin, "serve", "--listen", "127.0.0.1:%d" % port,
-                                  "--backend", "mock", "--metrics-listen", "off",
-                                  "--allow-root", root, "--chunk-traces-over", CHUNK_THRESHOLD],
+                                  "--backend", "mock", "--metrics-listen", "off"] + extra,
                                  stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                  preexec_fn=_set_pdeathsig)
     run.extra_procs.append(agent)
@@ -809,6 +809,10 @@ def _riegeli_agent(run, root):
         check(time.monotonic() < deadline, "the agent did not listen within 30 s:\n" + tail(log))
         time.sleep(0.1)
     return "127.0.0.1:%d" % port, log
+
+
+def _riegeli_agent(run, root):
+    return _side_agent(run, "riegeli", ["--allow-root", root, "--chunk-traces-over", CHUNK_THRESHOLD])
 
 
 def _check_chunked_in_xprof(run, path, label):
@@ -877,6 +881,52 @@ def test_chunked_trace_in_xprof(run):
         results.append("%s: %s" % (label, _check_chunked_in_xprof(run, os.path.join(logdir, files[0][0]),
                                                                   label)))
     return "; ".join(results)
+
+
+def test_trigger_session_in_xprof(run):
+    """A trigger on the mock's slow step saves the seconds before it as a session of its
+    own; `devtrace sessions` lists it and XProf's converters read it, steps included."""
+    if run.mode != "agent":
+        raise SkipTest("needs devtrace serve")
+    logdir = os.path.join(run.workdir, "trigger-logdir")
+    repository = os.path.join(logdir, "plugins", "profile")
+    rule = "name=slow-step; when=step > 3x median(10); before=2s; after=200ms"
+    _, log = _side_agent(run, "trigger", [
+        "--mock-slow-step", "2s", "--allow-root", logdir, "--trigger-repository", repository,
+        "--trigger", rule])
+    deadline = time.monotonic() + 60
+    while not any(name.endswith(".xplane.pb") for name, _ in list_files(logdir)):
+        check(time.monotonic() < deadline, "no trigger session within 60 s:\n" + tail(log))
+        time.sleep(0.2)
+    files = list_files(logdir)
+    check(len(files) == 1 and files[0][0].endswith(".xplane.pb"),
+          "expected one <session>/<host>.xplane.pb, found %s" % files)
+    session = files[0][0].split(os.sep)[-2]
+    check(session.endswith("_slow-step"), "session %r is not named after its rule" % session)
+    listed = subprocess.run([run.args.bin, "sessions", logdir], capture_output=True, text=True,
+                            timeout=60)
+    check(listed.returncode == 0 and session in listed.stdout,
+          "devtrace sessions does not list %s: %s%s" % (session, listed.stdout, listed.stderr))
+    conv = Converter(os.path.join(run.workdir, "conv-trigger"))
+    os.makedirs(conv.workdir)
+    conv.xplane = os.path.join(logdir, files[0][0])
+    names = conv.tool_names()
+    check("overview_page" in names, "overview_page not offered for the trigger's trace: %s" % names)
+    doc = conv.tool_json("trace_viewer")
+    # XProf names each step root after its step: "train 12".
+    steps = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X"
+             and "step_num" in e.get("args", {})]
+    check(len(steps) >= 10, "XProf shows %d train steps before the slow one" % len(steps))
+    longest = max(e.get("dur", 0) for e in steps)
+    typical = sorted(e.get("dur", 0) for e in steps)[len(steps) // 2]
+    check(longest > 3 * typical, "the slow step (%s us) is not in the trace (median %s us)"
+          % (longest, typical))
+    overview = conv.tool_json("overview_page")
+    rows = [t.get("rows", []) for t in overview if isinstance(t, dict)
+            and any(c.get("id") == "stepnum" for c in t.get("cols", []))]
+    check(rows and rows[0], "overview_page of the trigger's trace has no steps")
+    return "session %s: %d steps in XProf's trace viewer, the slow one %.1fx the median" % (
+        session, len(steps), longest / max(typical, 1))
 
 
 # ---------------------------------------------------------------------------------------
@@ -1246,6 +1296,7 @@ TESTS = [
     test_memory_profile,
     test_kernel_stats,
     test_chunked_trace_in_xprof,
+    test_trigger_session_in_xprof,
     test_monitor,
     test_grpc_health_and_metrics,
     test_devtrace_capture_against_tf_server,

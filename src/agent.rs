@@ -21,7 +21,7 @@ use crate::clock;
 use crate::collect::{Collector, CollectorError};
 use crate::registry::{Registry, RegistrySnapshot};
 use crate::ring::{DropPolicy, Ring, RingError};
-use crate::store::{Store, StoreConfig, StoreStats, Window, WindowData};
+use crate::store::{Arrivals, Store, StoreConfig, StoreStats, Window, WindowData};
 
 /// Which backends `serve` starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -180,6 +180,24 @@ impl Agent {
         tokio::time::sleep(clock::until(ready_at)).await;
         self.flush().await?;
         Ok((self.store.query(window), self.registry.snapshot()))
+    }
+
+    /// What reached the flight recorder from arrival `cursor` on, for
+    /// readers that watch events as they arrive rather than by window.
+    pub fn arrivals(&self, cursor: u64) -> Arrivals {
+        self.store.arrivals(cursor)
+    }
+
+    /// Events lost anywhere since the agent started: in its ring, before
+    /// it (each backend's losses) and in the agent itself.
+    pub fn dropped_total(&self) -> u64 {
+        let ring: u64 = self
+            .ring_sources()
+            .iter()
+            .map(|(_, counts)| counts.dropped_newest + counts.dropped_oldest)
+            .sum();
+        let elsewhere: u64 = self.losses().iter().map(|(_, loss)| loss.count).sum();
+        ring + elsewhere
     }
 
     /// Backends that were asked for but could not start, with the reason.

@@ -350,6 +350,22 @@ impl Connection {
             .map_err(|status| self.call_error(status))
     }
 
+    /// `devtrace.Trigger/Fire`: fires the agent's trigger rule `name`.
+    pub async fn fire_trigger(
+        &self,
+        name: &str,
+        reason: &str,
+    ) -> Result<crate::proto::devtrace::FireResponse, CallError> {
+        crate::proto::devtrace::trigger_client::TriggerClient::new(self.channel.clone())
+            .fire(crate::proto::devtrace::FireRequest {
+                name: name.to_string(),
+                reason: reason.to_string(),
+            })
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.call_error(status))
+    }
+
     /// `Terminate`: ends the server's captures of `session_id` early.
     pub async fn terminate(&self, session_id: &str) -> Result<(), CallError> {
         ProfilerServiceClient::new(self.channel.clone())

@@ -31,11 +31,16 @@ pub mod tap;
 pub mod telemetry;
 pub mod tls;
 pub mod tools;
+pub mod trigger;
 pub mod workload;
 pub mod xspace;
 
 /// Types generated from `proto/`.
 pub mod proto {
+    pub mod devtrace {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("devtrace");
+    }
     pub mod tensorflow {
         #![allow(clippy::all, missing_docs)]
         tonic::include_proto!("tensorflow");

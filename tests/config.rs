@@ -33,6 +33,8 @@ const SAMPLES: &[(&str, &str)] = &[
     ("mock-rate", "1000"),
     ("mock-seed", "7"),
     ("mock-gpus", "4"),
+    ("mock-slow-step", r#""8s""#),
+    ("mock-utilization-dip", r#""10s+5s""#),
     ("nvml-library", r#""/opt/nvidia/libnvidia-ml.so.1""#),
     ("nvml-interval", r#""20ms""#),
     ("nvml-idle-interval", r#""2s""#),
@@ -65,6 +67,11 @@ const SAMPLES: &[(&str, &str)] = &[
     ("hostname", r#""worker-7""#),
     ("tap", r#"["127.0.0.1:2223=127.0.0.1:2222"]"#),
     ("metrics-listen", r#""0.0.0.0:7010""#),
+    (
+        "trigger",
+        r#"["name=slow-step; when=step > 3x median(20); before=5s", "name=watchdog; when=explicit"]"#,
+    ),
+    ("trigger-repository", r#""/srv/tb/plugins/profile""#),
     ("log-level", r#""debug""#),
     ("log-format", r#""json""#),
 ];
@@ -316,6 +323,68 @@ fn an_unknown_key_or_a_bad_value_is_named() {
         None,
         &[("DEVTRACE_CONFIG", "/nonexistent/devtrace.toml")],
         &["--config /nonexistent/devtrace.toml: No such file or directory"],
+    );
+}
+
+#[test]
+fn a_trigger_table_in_the_file_is_a_trigger_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "agent.toml",
+        "[[trigger]]\nname = \"slow-step\"\nwhen = \"step > 3x median(20)\"\nmax-per-hour = 2\n\n\
+         [[trigger]]\nname = \"watchdog\"\nwhen = \"explicit\"\n",
+    );
+    let printed = effective(&["--config", &file], &[]);
+    let rules: Vec<devtrace::trigger::rule::Rule> = printed["trigger"]
+        .as_array()
+        .expect("trigger is a list")
+        .iter()
+        .map(|rule| {
+            rule.as_str()
+                .expect("a rule")
+                .parse()
+                .expect("a rule that parses")
+        })
+        .collect();
+    let names: Vec<&str> = rules.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["slow-step", "watchdog"]);
+    assert_eq!(rules[0].max_per_hour, 2);
+    assert_eq!(
+        rules[0].condition,
+        devtrace::trigger::rule::Condition::SlowStep {
+            factor: 3.0,
+            steps: 20
+        }
+    );
+    // The flag's form works in the file and in the variable too.
+    let printed = effective(
+        &[],
+        &[(
+            "DEVTRACE_TRIGGER",
+            "name=a; when=dropped,name=b; when=explicit",
+        )],
+    );
+    assert_eq!(printed["trigger"].as_array().map(Vec::len), Some(2));
+}
+
+#[test]
+fn a_bad_trigger_rule_is_named_with_its_bad_part() {
+    refused(
+        Some("[[trigger]]\nname = \"slow\"\nwhen = \"step > 3 median(20)\"\n"),
+        &[],
+        &["trigger = ", "in \"3\": a factor of at least 1"],
+    );
+    refused(
+        None,
+        &[(
+            "DEVTRACE_TRIGGER",
+            "name=slow; when=step > 3x median(20); befor=1s",
+        )],
+        &[
+            "DEVTRACE_TRIGGER=",
+            "in \"befor=1s\": unknown key \"befor\"",
+        ],
     );
 }
 

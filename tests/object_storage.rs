@@ -3,7 +3,8 @@
 //! starts on loopback: the agent writing into an allowed bucket prefix and
 //! refusing every other, sessions listed and read from a bucket, the CLI's
 //! `capture`, `session new`, `sessions` and `tool` with `s3://` logdirs,
-//! and traces kept when their upload fails.
+//! a trigger's session saved into a bucket prefix, and traces kept when
+//! their upload fails.
 
 mod common;
 
@@ -590,6 +591,54 @@ async fn a_failed_upload_keeps_the_trace() {
 }
 
 /// The agent refuses a malformed or foreign `--allow-root` URL at start.
+#[tokio::test]
+async fn a_trigger_saves_its_session_into_an_allowed_bucket_prefix() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("traces");
+    let agent = agent_in(
+        &server,
+        &[
+            "--allow-root",
+            "s3://traces/team",
+            "--trigger-repository",
+            "s3://traces/team/plugins/profile",
+            "--trigger",
+            "name=watchdog; when=explicit; before=500ms; after=100ms",
+        ],
+    );
+    // History for the window before the firing.
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    let fired_at_ns = agent.fire_trigger("watchdog").await.expect("firing");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let key = loop {
+        let keys = server.keys("traces");
+        if let Some(key) = keys.iter().find(|k| k.ends_with(".xplane.pb")) {
+            break key.clone();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no trace in the bucket: {keys:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert!(
+        key.starts_with("team/plugins/profile/") && key.contains("_watchdog/"),
+        "{key}"
+    );
+    let space = decodes(&server.object("traces", &key));
+    let env = plane(&space, "Task Environment");
+    assert_eq!(
+        devtrace::xspace::read::find_stat(env, &env.stats, "trigger.fired_at_ns"),
+        Some(devtrace::xspace::read::StatValue::Str(
+            fired_at_ns.to_string()
+        ))
+    );
+    assert_eq!(window_of(&space).0, fired_at_ns - 500_000_000);
+    assert!(event_count(&space) > 0);
+}
+
 #[test]
 fn malformed_bucket_roots_are_refused_at_start() {
     for bad in ["s3://", "s3://b/a/../c", "ftp://b/x"] {

@@ -1,7 +1,8 @@
 //! The tap between a raw HTTP/2 gRPC client and a real gRPC upstream (an
 //! in-process hyper server): bytes, metadata, deadlines, statuses and
 //! trailers pass unchanged; failures get the right status; and the agent's
-//! captures through `devtrace serve --tap` show steps and eager ops.
+//! captures through `devtrace serve --tap` show steps and eager ops, and a
+//! slow step through it fires a slow-step trigger.
 
 mod common;
 
@@ -148,9 +149,18 @@ fn handle(
         return response.body(body).unwrap();
     }
     let reset = path == "/test.Echo/Reset";
+    // A slow call: the echo waits this long before its first frame.
+    let delay = request
+        .headers()
+        .get("x-delay-ms")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .map(Duration::from_millis);
     let (tx, body) = channel();
     let mut incoming = request.into_body();
     tokio::spawn(async move {
+        if let Some(delay) = delay {
+            tokio::time::sleep(delay).await;
+        }
         while let Some(frame) = incoming.frame().await {
             let Ok(frame) = frame else { return };
             if let Ok(data) = frame.into_data() {
@@ -596,13 +606,24 @@ async fn a_client_cancel_reaches_the_upstream_and_others_are_served() {
     assert_eq!(tap.recorder.stats().failed, 1, "the cancelled call");
 }
 
-#[tokio::test]
-async fn serve_tap_captures_show_steps_and_enqueued_ops() {
-    let upstream = upstream().await;
+/// `devtrace serve` (killed when dropped).
+struct Kill(std::process::Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `devtrace serve --tap` in front of `upstream`, with `extra` flags: the
+/// process, the agent's address and the tap's.
+fn serve_with_tap(upstream: &Upstream, extra: &[&str]) -> (Kill, String, SocketAddr) {
     let mut child = Command::new(BIN)
         .args(["serve", "--listen", "127.0.0.1:0", "--log-level", "warn"])
-        .args(["--mock-rate", "0", "--tap"])
+        .args(["--metrics-listen", "off", "--mock-rate", "0", "--tap"])
         .arg(format!("127.0.0.1:0={}", upstream.address))
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -620,15 +641,13 @@ async fn serve_tap_captures_show_steps_and_enqueued_ops() {
         .unwrap()
         .parse()
         .unwrap();
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = Kill(child);
+    (Kill(child), agent, tap_address)
+}
 
+#[tokio::test]
+async fn serve_tap_captures_show_steps_and_enqueued_ops() {
+    let upstream = upstream().await;
+    let (_agent, agent, tap_address) = serve_with_tap(&upstream, &[]);
     let channel = tonic::transport::Channel::from_shared(format!("http://{agent}"))
         .unwrap()
         .connect()
@@ -769,4 +788,85 @@ async fn standalone_tap_serves_captures_of_its_own_events() {
         .flat_map(|l| l.events.iter().map(|e| event_name(host, e)))
         .collect();
     assert_eq!(names, vec!["test.Echo/Unary"]);
+}
+
+#[tokio::test]
+async fn a_slow_run_step_through_the_tap_fires_a_slow_step_trigger() {
+    let upstream = upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_str().unwrap();
+    let repository = dir.path().join("plugins/profile");
+    let (_agent, _, tap_address) = serve_with_tap(
+        &upstream,
+        &[
+            "--allow-root",
+            root,
+            "--trigger-repository",
+            repository.to_str().unwrap(),
+            "--trigger",
+            "name=slow-run; when=step > 3x median(5); before=5s; after=100ms",
+        ],
+    );
+    let mut client = connect(tap_address).await;
+    let request = RunStepRequest {
+        session_handle: "sess".into(),
+        fetch: vec!["loss:0".into()],
+        ..RunStepRequest::default()
+    };
+    let message = grpc(false, &request.encode_to_vec());
+    for delay in ["20", "20", "20", "20", "20", "20", "300", "20"] {
+        let path = "/tensorflow.MasterService/RunStep";
+        let reply = unary(&mut client, path, &[("x-delay-ms", delay)], message.clone()).await;
+        assert_eq!(reply.status(), 0);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let trace = loop {
+        let found = std::fs::read_dir(&repository)
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .flat_map(|session| std::fs::read_dir(session.path()).into_iter().flatten())
+            .filter_map(Result::ok)
+            .map(|file| file.path())
+            .find(|path| path.to_string_lossy().ends_with(".xplane.pb"));
+        if let Some(trace) = found {
+            break trace;
+        }
+        assert!(std::time::Instant::now() < deadline, "no trigger session");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let space = devtrace::xspace::read::read_xspace(&trace).unwrap();
+    let env = plane(&space, "Task Environment");
+    let Some(StatValue::Str(value)) = find_stat(env, &env.stats, "trigger.value") else {
+        panic!("no trigger.value");
+    };
+    // The seventh step, the slow one: steps are numbered from 0.
+    assert!(value.starts_with("step 6 took "), "{value}");
+    let Some(StatValue::Str(fired_at)) = find_stat(env, &env.stats, "trigger.fired_at_ns") else {
+        panic!("no trigger.fired_at_ns");
+    };
+    let fired_at: u64 = fired_at.parse().unwrap();
+    let (start, _) = window_of(&space);
+    let host = plane(&space, "/host:CPU");
+    let mut ends: Vec<u64> = host
+        .lines
+        .iter()
+        .flat_map(|line| line.events.iter().map(move |event| (line, event)))
+        .filter(|(_, event)| find_stat(host, &event.stats, "step_num").is_some())
+        .map(|(line, event)| {
+            let begin = devtrace::xspace::read::event_start_ps(line.timestamp_ns, event);
+            start + ((begin + event.duration_ps) / 1000) as u64
+        })
+        .collect();
+    ends.sort_unstable();
+    // Six steps before the slow one, which ends at the firing.
+    assert_eq!(
+        ends.iter().filter(|end| **end < fired_at).count(),
+        6,
+        "{ends:?}"
+    );
+    assert!(
+        ends.contains(&fired_at),
+        "no step ends at the firing: {ends:?}"
+    );
 }

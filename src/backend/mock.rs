@@ -11,6 +11,12 @@
 //! every stat the memory profile reads). Each step also copies its input batch
 //! to every GPU (stream 13), copies results back (stream 14) and clears a
 //! buffer with a memset (stream 7).
+//!
+//! Scenarios, off unless configured, stage what triggers watch for: one slow
+//! step ([`SLOW_STEP_FACTOR`] times as long as the others) and a dip in
+//! utilisation (SM utilisation samples on each GPU's counter track at every
+//! step's start, [`BUSY_PERCENT`] normally and [`DIP_PERCENT`] during the
+//! dip).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +32,7 @@ use crate::event::{
     CopyInfo, CopyKind, Device, Event, KernelInfo, MemoryInfo, MemsetInfo, NameId, Payload,
 };
 use crate::registry::{DeviceInfo, Registry};
+use crate::xspace::builder::COUNTER_TRACK;
 
 /// Thread id of the training loop's thread.
 pub const PYTHON_TID: u64 = 4242;
@@ -42,12 +49,22 @@ const EVENTS_PER_OP: u64 = 5;
 const LIVE_TENSORS_PER_ALLOCATOR: usize = 6;
 const GPU_MEMORY_LIMIT: i64 = 38 << 30;
 
+/// How many times longer than the others the scenario's slow step lasts.
+pub const SLOW_STEP_FACTOR: u64 = 4;
+/// SM utilisation the dip scenario samples outside the dip, and within it.
+pub const BUSY_PERCENT: f64 = 92.0;
+pub const DIP_PERCENT: f64 = 3.0;
+
 #[derive(Clone, Copy, Debug)]
 pub struct MockConfig {
     pub seed: u64,
     /// Target event rate.
     pub events_per_second: u64,
     pub gpus: u16,
+    /// The first step starting this long after the backend starts is slow.
+    pub slow_step_after: Option<Duration>,
+    /// Utilisation is sampled, and dips for a while from some time on.
+    pub utilization_dip: Option<Dip>,
 }
 
 impl Default for MockConfig {
@@ -56,7 +73,31 @@ impl Default for MockConfig {
             seed: 1,
             events_per_second: 50_000,
             gpus: 2,
+            slow_step_after: None,
+            utilization_dip: None,
         }
+    }
+}
+
+/// A dip in utilisation: from `after` the backend's start, for `length`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dip {
+    pub after: Duration,
+    pub length: Duration,
+}
+
+impl std::str::FromStr for Dip {
+    type Err = String;
+
+    /// `AFTER+LENGTH`, e.g. `10s+5s`.
+    fn from_str(text: &str) -> Result<Dip, String> {
+        let (after, length) = text
+            .split_once('+')
+            .ok_or_else(|| format!("{text:?}: a dip is AFTER+LENGTH, e.g. 10s+5s"))?;
+        Ok(Dip {
+            after: crate::cli::parse_duration(after)?,
+            length: crate::cli::parse_duration(length)?,
+        })
     }
 }
 
@@ -164,6 +205,9 @@ const OPS: &[OpKind] = &[
 /// Interned names the workload uses, resolved once.
 struct Names {
     train: NameId,
+    /// Only with the utilisation scenario, so that names are numbered as
+    /// before without it.
+    sm_util: Option<NameId>,
     launch: NameId,
     memcpy_api: NameId,
     memcpy_h2d: NameId,
@@ -200,6 +244,12 @@ pub struct Workload {
     ops_per_step: u64,
     slot_ns: u64,
     step_start_ns: u64,
+    /// Length of the current step.
+    period_ns: u64,
+    /// When the slow step may start, until it has.
+    slow_step_from_ns: Option<u64>,
+    /// The utilisation dip, `[from, to)`.
+    dip_ns: Option<(u64, u64)>,
     step: i64,
     op_index: u64,
     correlation: u64,
@@ -218,6 +268,9 @@ impl Workload {
         }
         let names = Names {
             train: registry.intern("train"),
+            sm_util: config
+                .utilization_dip
+                .map(|_| registry.intern(crate::backend::nvml::SM_UTILIZATION)),
             launch: registry.intern("cudaLaunchKernel"),
             memcpy_api: registry.intern("cudaMemcpyAsync"),
             memcpy_h2d: registry.intern("MemcpyHToD"),
@@ -261,8 +314,16 @@ impl Workload {
             names,
             gpus,
             ops_per_step,
-            slot_ns: (STEP_PERIOD_NS * 9 / 10 / ops_per_step).max(1),
+            slot_ns: slot_ns(STEP_PERIOD_NS, ops_per_step),
             step_start_ns: start_ns,
+            period_ns: STEP_PERIOD_NS,
+            slow_step_from_ns: config
+                .slow_step_after
+                .map(|after| start_ns + clock::duration_ns(after)),
+            dip_ns: config.utilization_dip.map(|dip| {
+                let from = start_ns + clock::duration_ns(dip.after);
+                (from, from + clock::duration_ns(dip.length))
+            }),
             step: 0,
             op_index: 0,
             correlation: 0,
@@ -287,7 +348,7 @@ impl Workload {
             self.emit_step_end(sink);
             self.step += 1;
             self.op_index = 0;
-            self.step_start_ns += STEP_PERIOD_NS;
+            self.step_start_ns += self.period_ns;
         }
     }
 
@@ -298,9 +359,17 @@ impl Workload {
 
     fn emit_step_start(&mut self, sink: &mut impl FnMut(Event)) {
         let start = self.step_start_ns;
+        self.period_ns = match self.slow_step_from_ns {
+            Some(from) if start >= from => {
+                self.slow_step_from_ns = None;
+                STEP_PERIOD_NS * SLOW_STEP_FACTOR
+            }
+            _ => STEP_PERIOD_NS,
+        };
+        self.slot_ns = slot_ns(self.period_ns, self.ops_per_step);
         sink(Event::new(
             start,
-            STEP_PERIOD_NS * 95 / 100,
+            self.period_ns * 95 / 100,
             Device::Host,
             PYTHON_TID,
             self.names.train,
@@ -313,16 +382,33 @@ impl Workload {
             let at = start + u64::from(gpu) * 20_000;
             self.emit_copy(sink, gpu, at, bytes, CopyKind::HostToDevice);
         }
+        if let (Some(name), Some((from, to))) = (self.names.sm_util, self.dip_ns) {
+            let value = if (from..to).contains(&start) {
+                DIP_PERCENT
+            } else {
+                BUSY_PERCENT
+            };
+            for gpu in 0..self.gpus {
+                sink(Event::new(
+                    start,
+                    0,
+                    Device::Gpu(gpu),
+                    COUNTER_TRACK,
+                    name,
+                    Payload::Counter { value },
+                ));
+            }
+        }
     }
 
     fn emit_step_end(&mut self, sink: &mut impl FnMut(Event)) {
-        let end = self.step_start_ns + STEP_PERIOD_NS * 9 / 10;
+        let end = self.step_start_ns + self.period_ns * 9 / 10;
         for gpu in 0..self.gpus {
             let at = end + u64::from(gpu) * 20_000;
             self.emit_copy(sink, gpu, at, 1 << 20, CopyKind::DeviceToHost);
             let correlation = self.next_correlation();
             sink(Event::new(
-                end + STEP_PERIOD_NS / 50,
+                end + self.period_ns / 50,
                 8_000,
                 Device::Gpu(gpu),
                 COMPUTE_STREAM,
@@ -505,6 +591,11 @@ impl Workload {
     }
 }
 
+/// Time given to each op of a step of `period_ns`.
+fn slot_ns(period_ns: u64, ops_per_step: u64) -> u64 {
+    (period_ns * 9 / 10 / ops_per_step).max(1)
+}
+
 fn mock_device_info() -> DeviceInfo {
     DeviceInfo {
         vendor: "Nvidia".into(),
@@ -662,6 +753,59 @@ mod tests {
         assert_eq!(a, b);
         let (c, _) = generate(MockConfig { seed: 2, ..config }, 3);
         assert_ne!(a, c);
+    }
+
+    #[test]
+    fn the_slow_step_scenario_makes_one_step_slow_and_leaves_the_rest() {
+        let config = MockConfig {
+            slow_step_after: Some(Duration::from_millis(120)),
+            ..MockConfig::default()
+        };
+        let (events, _) = generate(config, 8);
+        let durations: Vec<(i64, u64)> = events
+            .iter()
+            .filter_map(|e| match e.payload() {
+                Payload::Step { step_num } => Some((step_num, e.duration_ns)),
+                _ => None,
+            })
+            .collect();
+        let normal = STEP_PERIOD_NS * 95 / 100;
+        let slow: Vec<i64> = durations
+            .iter()
+            .filter(|(_, d)| *d != normal)
+            .map(|(n, _)| *n)
+            .collect();
+        // Steps start at 0, 50 and 100 ms; the one at 150 ms is the first after 120 ms.
+        assert_eq!(slow, vec![3]);
+        assert_eq!(durations[3].1, normal * SLOW_STEP_FACTOR);
+        let (plain, _) = generate(MockConfig::default(), 3);
+        assert_eq!(&events[..plain.len()], &plain[..]);
+    }
+
+    #[test]
+    fn the_dip_scenario_samples_utilisation_low_only_within_the_dip() {
+        let config = MockConfig {
+            utilization_dip: Some("100ms+100ms".parse().unwrap()),
+            ..MockConfig::default()
+        };
+        let (events, _) = generate(config, 6);
+        let samples: Vec<(u64, f64)> = events
+            .iter()
+            .filter_map(|e| match e.payload() {
+                Payload::Counter { value } => Some((e.start_ns - 1_000_000_000, value)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(samples.len(), 6 * 2);
+        for (at, value) in samples {
+            let in_dip = (100_000_000..200_000_000).contains(&at);
+            assert_eq!(
+                value,
+                if in_dip { DIP_PERCENT } else { BUSY_PERCENT },
+                "at {at}"
+            );
+        }
+        assert!("10s".parse::<Dip>().is_err());
     }
 
     #[test]

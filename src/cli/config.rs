@@ -34,6 +34,9 @@ const ENV_PREFIX: &str = "DEVTRACE_";
 /// Separates the values of a repeatable flag in its variable.
 const LIST_SEPARATOR: char = ',';
 
+/// Separates the fields of a value written as a table (`[[trigger]]`).
+const FIELD_SEPARATOR: char = ';';
+
 const CONFIG: &str = "config";
 const PRINT_CONFIG: &str = "print_config";
 
@@ -319,7 +322,8 @@ fn from_environment(arg: &Arg, text: &OsStr) -> Result<Values, String> {
 }
 
 /// A file value's values: a switch is a boolean, a repeatable flag an array
-/// (or one value), any other flag one string or number.
+/// (or one value), any other flag one string or number; a table (an array
+/// of tables for a repeatable flag) stands for `key=value; ...` values.
 fn from_file(arg: &Arg, value: &toml::Value) -> Result<Values, String> {
     match (arg.get_action(), value) {
         (ArgAction::SetTrue | ArgAction::SetFalse, toml::Value::Boolean(given)) => {
@@ -341,9 +345,29 @@ fn file_scalar(value: &toml::Value) -> Result<OsString, String> {
     match value {
         toml::Value::String(text) => Ok(text.into()),
         toml::Value::Array(_) => Err("this flag takes one value, not a list".into()),
-        toml::Value::Table(_) => Err("this flag takes a value, not a table".into()),
+        toml::Value::Table(table) => table_fields(table).map(OsString::from),
         number_or_other => Ok(number_or_other.to_string().into()),
     }
+}
+
+/// A table's keys and values as one value of `key=value` fields separated
+/// by `;`, the form `--trigger` takes: `[[trigger]]` tables read as the
+/// flag's values (a flag of another form refuses what this makes).
+fn table_fields(table: &toml::Table) -> Result<String, String> {
+    let fields: Result<Vec<String>, String> = table
+        .iter()
+        .map(|(key, value)| match value {
+            toml::Value::String(text) if !text.contains(FIELD_SEPARATOR) => {
+                Ok(format!("{key}={text}"))
+            }
+            toml::Value::String(_) => Err(format!("{key}: a value here cannot hold ';'")),
+            toml::Value::Array(_) | toml::Value::Table(_) => {
+                Err(format!("{key}: a value here is a string or a number"))
+            }
+            number_or_other => Ok(format!("{key}={number_or_other}")),
+        })
+        .collect();
+    Ok(fields?.join(&format!("{FIELD_SEPARATOR} ")))
 }
 
 /// Whether clap takes these words for one flag of `subcommand`, and if not

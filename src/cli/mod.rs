@@ -10,6 +10,7 @@ mod logging;
 mod serve;
 mod session;
 mod tap;
+mod trigger;
 
 use std::time::Duration;
 
@@ -22,6 +23,7 @@ pub use logging::LogFormat;
 pub use serve::ServeArgs;
 pub use session::{SessionArgs, SessionsArgs, ToolArgs};
 pub use tap::TapArgs;
+pub use trigger::TriggerArgs;
 
 /// Device-tracing agent for machine-learning hosts. It speaks TensorFlow's
 /// profiler protocol, so `tf.profiler.experimental.client.trace`, the XProf
@@ -60,6 +62,9 @@ pub enum Command {
     Tool(ToolArgs),
     /// Forward a TensorFlow server's gRPC traffic and record its steps and ops.
     Tap(TapArgs),
+    /// Fire a running agent's trigger rule: it saves the flight recorder's
+    /// window around now as a new session.
+    Trigger(TriggerArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -72,6 +77,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Sessions(args) => session::run_sessions(args),
         Command::Tool(args) => session::run_tool(args),
         Command::Tap(args) => tap::run(args),
+        Command::Trigger(args) => trigger::run(args),
     }
 }
 

@@ -17,10 +17,13 @@ use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{local_hostname, ProfilerService, ServiceConfig};
 use crate::service::repository::AllowedRoots;
 use crate::service::session_hosts::{HostPattern, SessionHosts};
+use crate::service::trigger::TriggerService;
 use crate::service::Listeners;
 use crate::store::StoreConfig;
 use crate::telemetry::http::MetricsListen;
 use crate::telemetry::Telemetry;
+use crate::trigger::rule::Rule;
+use crate::trigger::Triggers;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -84,6 +87,18 @@ pub struct ServeArgs {
     /// Number of GPUs the mock backend simulates.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub mock_gpus: u16,
+
+    /// Scenario: the first mock step starting this long after the agent
+    /// starts lasts four times as long as the others (for trying a
+    /// slow-step trigger).
+    #[arg(long, value_name = "AFTER", value_parser = super::parse_duration)]
+    pub mock_slow_step: Option<Duration>,
+
+    /// Scenario: the mock samples each GPU's SM utilisation at every step,
+    /// 92% except from AFTER the agent starts for LENGTH, when it reads 3%
+    /// (for trying a utilisation trigger), e.g. `10s+5s`.
+    #[arg(long, value_name = "AFTER+LENGTH")]
+    pub mock_utilization_dip: Option<crate::backend::mock::Dip>,
 
     /// The NVML library for the nvml backend (a path, or a name the dynamic
     /// loader resolves).
@@ -228,6 +243,24 @@ pub struct ServeArgs {
     #[arg(long = "tap", value_name = "LISTEN=UPSTREAM", value_parser = super::tap::parse_tap_spec)]
     pub taps: Vec<(String, String)>,
 
+    /// A trigger rule (repeatable): when its condition is met, the flight
+    /// recorder's window around that moment is saved as a new session in
+    /// --trigger-repository. `;`-separated fields: name=NAME;
+    /// when=CONDITION; before=10s; after=2s; cooldown=5m; max-per-hour=6
+    /// (only name and when are required). Conditions: `utilization < 20%
+    /// for 30s`, `ecc changes`, `throttle changes`, `counter NAME changes`,
+    /// `step > 3x median(20)`, `dropped`, `explicit` (only `devtrace
+    /// trigger NAME` fires it; any rule can be fired so). In a --config
+    /// file, a `[[trigger]]` table per rule with the same keys.
+    #[arg(long = "trigger", value_name = "RULE", value_parser = parse_trigger)]
+    pub triggers: Vec<Rule>,
+
+    /// Where triggers save their sessions: a directory or bucket prefix
+    /// inside an --allow-root (a logdir's plugins/profile, so that XProf and
+    /// `devtrace sessions` list them). Needed with --trigger.
+    #[arg(long, value_name = "DIR|URL")]
+    pub trigger_repository: Option<PathBuf>,
+
     /// HTTP endpoint for probes and monitoring: /metrics (Prometheus),
     /// /healthz (liveness), /readyz (readiness); `off` for none. Default
     /// 127.0.0.1:6010, skipped with a warning when that port is taken; an
@@ -246,6 +279,11 @@ pub enum EbpfHook {
     Sched,
     /// Uprobes on the CUDA driver library's entry points.
     Cuda,
+}
+
+fn parse_trigger(text: &str) -> Result<Rule, String> {
+    text.parse()
+        .map_err(|e: crate::trigger::rule::RuleError| e.to_string())
 }
 
 fn parse_ring_size(text: &str) -> Result<u32, String> {
@@ -320,6 +358,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             seed: args.mock_seed,
             events_per_second: args.mock_rate,
             gpus: args.mock_gpus,
+            slow_step_after: args.mock_slow_step,
+            utilization_dip: args.mock_utilization_dip,
         },
         nvml: crate::backend::nvml::NvmlConfig {
             library: args.nvml_library.clone(),
@@ -375,7 +415,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             hostname: args.hostname.clone().unwrap_or_else(local_hostname),
             upstreams: args.upstreams.clone(),
             client: client_config.clone(),
-            telemetry,
+            telemetry: Arc::clone(&telemetry),
             chunk_traces_over: args.chunk_traces_over,
             capture_memory: args.capture_memory,
             ..ServiceConfig::default()
@@ -391,6 +431,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         resolver: Arc::new(args.fleet.resolver()),
         concurrent_hosts: args.fleet.concurrent_hosts,
     }));
+    let triggers = start_triggers(&args, &agent, &service, &allowed_roots)?;
+    if let Some(triggers) = &triggers {
+        telemetry.triggers_started(triggers);
+    }
+    let trigger_service = Arc::new(TriggerService::new(triggers));
     let address = listeners
         .tcp
         .local_addr()
@@ -423,7 +468,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.listen_unix {
         info!(socket = %path.display(), "also serving on a UNIX socket");
     }
-    let served = crate::service::serve(listeners, service, analysis, shutdown).await;
+    let served =
+        crate::service::serve(listeners, service, analysis, trigger_service, shutdown).await;
     if let Some(path) = &args.listen_unix {
         let _ = std::fs::remove_file(path);
     }
@@ -431,6 +477,47 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     info!("shutting down");
     agent.shutdown();
     Ok(())
+}
+
+/// Arms the `--trigger` rules, saving into `--trigger-repository`; none
+/// without rules.
+fn start_triggers(
+    args: &ServeArgs,
+    agent: &Arc<Agent>,
+    service: &Arc<ProfilerService>,
+    allowed_roots: &AllowedRoots,
+) -> anyhow::Result<Option<Arc<Triggers>>> {
+    if args.triggers.is_empty() {
+        return Ok(None);
+    }
+    let Some(repository) = &args.trigger_repository else {
+        bail!("--trigger needs --trigger-repository, the directory or bucket prefix its sessions go to");
+    };
+    let shown = repository.display();
+    let folder = repository
+        .to_str()
+        .context("--trigger-repository is not UTF-8")
+        .and_then(|path| Ok(allowed_roots.confine(path)?))
+        .with_context(|| format!("--trigger-repository {shown} must lie inside an --allow-root"))?;
+    for (index, rule) in args.triggers.iter().enumerate() {
+        if args.triggers[..index].iter().any(|r| r.name == rule.name) {
+            bail!("--trigger {rule}: another rule is named {:?}", rule.name);
+        }
+        if rule.before > args.store_retention {
+            bail!(
+                "--trigger {rule}: before={}s reaches past what the flight recorder keeps \
+                 (--store-retention {}s)",
+                rule.before.as_secs_f64(),
+                args.store_retention.as_secs_f64()
+            );
+        }
+    }
+    let triggers = Triggers::start(args.triggers.clone(), agent, Arc::clone(service), folder)
+        .context("starting the trigger watcher")?;
+    for rule in &args.triggers {
+        info!(rule = %rule, repository = %shown, "trigger armed");
+    }
+    Ok(Some(triggers))
 }
 
 /// Binds `--listen` (refusing plaintext other hosts could reach, unless

@@ -112,10 +112,11 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen on {listen}"))?;
         let address = listener.local_addr().context("reading the bound address")?;
         println!("devtrace listening on {address}");
+        let trigger = Arc::new(crate::service::trigger::TriggerService::new(None));
         tokio::spawn(async move {
-            if let Err(error) =
-                crate::service::serve(listener, service, analysis, std::future::pending()).await
-            {
+            let serve =
+                crate::service::serve(listener, service, analysis, trigger, std::future::pending());
+            if let Err(error) = serve.await {
                 tracing::error!(%error, "profiler service stopped");
             }
         });

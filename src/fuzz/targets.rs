@@ -271,6 +271,7 @@ fn mock_trace(millis: u64, gpus: u16, hostname: &str) -> Vec<u8> {
         seed: 3,
         events_per_second: 2_000,
         gpus,
+        ..MockConfig::default()
     };
     let mut workload = Workload::new(&config, &registry, START_NS);
     let mut events = Vec::new();

@@ -8,6 +8,7 @@ pub mod profiler;
 pub mod repository;
 pub mod session_hosts;
 pub mod shared_builds;
+pub mod trigger;
 pub mod validate;
 
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use tonic::transport::server::{Router, TcpIncoming};
 use tonic::transport::ServerTlsConfig;
 use tower_layer::{Identity, Stack};
 
+use crate::proto::devtrace::trigger_server::TriggerServer;
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysisServer;
 use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
 use crate::telemetry::rpc::CountRpcsLayer;
@@ -51,13 +53,14 @@ impl From<tokio::net::TcpListener> for Listeners {
     }
 }
 
-/// Serves ProfilerService, ProfileAnalysis and the gRPC health service on
-/// every listener until `shutdown` resolves. The profiler service's
+/// Serves ProfilerService, ProfileAnalysis, devtrace's Trigger and the gRPC
+/// health service on every listener until `shutdown` resolves. The profiler service's
 /// telemetry learns when serving starts and stops, and counts the calls.
 pub async fn serve(
     listeners: impl Into<Listeners>,
     profiler: Arc<profiler::ProfilerService>,
     analysis: Arc<profile_analysis::ProfileAnalysisService>,
+    triggers: Arc<trigger::TriggerService>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let listeners = listeners.into();
@@ -74,15 +77,16 @@ pub async fn serve(
     // Server::tcp_nodelay does not reach sockets from a caller's listener;
     // without it small replies wait on Nagle's algorithm.
     let tcp = TcpIncoming::from(listeners.tcp).with_nodelay(Some(true));
-    let tcp = router(&profiler, &analysis, &telemetry, listeners.tls)?
+    let tcp = router(&profiler, &analysis, &triggers, &telemetry, listeners.tls)?
         .serve_with_incoming_shutdown(tcp, stop.clone().cancelled_owned());
     let Some(unix) = listeners.unix else {
         return tcp.await;
     };
-    let unix = router(&profiler, &analysis, &telemetry, None)?.serve_with_incoming_shutdown(
-        tokio_stream::wrappers::UnixListenerStream::new(unix),
-        stop.clone().cancelled_owned(),
-    );
+    let unix = router(&profiler, &analysis, &triggers, &telemetry, None)?
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::UnixListenerStream::new(unix),
+            stop.clone().cancelled_owned(),
+        );
     let result = tokio::try_join!(tcp, unix).map(|_| ());
     // One listener failing ends the other too.
     stop.cancel();
@@ -95,6 +99,7 @@ type Layers = Stack<FramedRepliesLayer, Stack<CountRpcsLayer, Identity>>;
 fn router(
     profiler: &Arc<profiler::ProfilerService>,
     analysis: &Arc<profile_analysis::ProfileAnalysisService>,
+    triggers: &Arc<trigger::TriggerService>,
     telemetry: &Telemetry,
     tls: Option<ServerTlsConfig>,
 ) -> Result<Router<Layers>, tonic::transport::Error> {
@@ -115,5 +120,9 @@ fn router(
             ProfileAnalysisServer::from_arc(Arc::clone(analysis))
                 .max_decoding_message_size(MAX_REQUEST_BYTES)
                 .max_encoding_message_size(MAX_REPLY_BYTES),
+        )
+        .add_service(
+            TriggerServer::from_arc(Arc::clone(triggers))
+                .max_decoding_message_size(MAX_REQUEST_BYTES),
         ))
 }

@@ -120,6 +120,8 @@ struct Plan {
     warnings: Vec<String>,
     /// Backends' running loss totals when the request arrived.
     losses_at_start: Vec<(&'static str, crate::backend::Loss)>,
+    /// Facts for the Task Environment beyond the backends' (a trigger's).
+    properties: Vec<(String, String)>,
 }
 
 /// The message form of an encoded trace, for replies that carry it inline.
@@ -317,6 +319,7 @@ impl ProfilerService {
             options: options.encode_to_vec(),
             warnings,
             losses_at_start: self.agent.losses(),
+            properties: Vec::new(),
         })
     }
 
@@ -428,6 +431,7 @@ impl ProfilerService {
         let mut errors = Vec::new();
         let mut merged = Vec::new();
         let mut properties = self.agent.properties(window);
+        properties.extend(plan.properties.iter().cloned());
         for (source, result) in remote {
             // Upstreams are named by address; per-capture backends by name.
             let label = if source.contains(':') {
@@ -637,6 +641,47 @@ impl ProfilerService {
         )))
     }
 
+    /// Builds the trace of `window` from the flight recorder and writes it
+    /// under `root` as a new session named `session_id` (with a suffix when
+    /// the name is taken), `properties` in its Task Environment: how a
+    /// trigger saves the past. Where it went.
+    pub async fn save_window(
+        &self,
+        window: Window,
+        session_id: &str,
+        properties: Vec<(String, String)>,
+        root: Folder,
+    ) -> Result<String, Status> {
+        let duration_ms = window.duration_ns().div_ceil(1_000_000);
+        let plan = Plan {
+            window,
+            session_id: session_id.to_string(),
+            generated_session_id: true,
+            file_host: self.config.hostname.clone(),
+            repository_root: String::new(),
+            emit_xspace: false,
+            options: client::default_profile_options(duration_ms, window.start_ns).encode_to_vec(),
+            warnings: Vec::new(),
+            losses_at_start: self.agent.losses(),
+            properties,
+        };
+        let encoded = self.build(&plan, window).await?;
+        let limit = self.config.chunk_traces_over;
+        let written = if encoded.bytes.len() > limit {
+            let chunked =
+                tokio::task::spawn_blocking(move || ChunkedTrace::encode(&encoded.bytes, limit))
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))?
+                    .map_err(|e| Status::internal(e.to_string()))?;
+            write_trace(root, &plan, RIEGELI_SUFFIX, chunked).await?.0
+        } else {
+            write_trace(root, &plan, XPLANE_SUFFIX, encoded.bytes)
+                .await?
+                .0
+        };
+        written.map_err(|e| Status::internal(e.to_string()))
+    }
+
     /// The repository root to write into, when the request's lies inside an
     /// allowed root; otherwise the trace goes inline.
     fn server_side_root(&self, plan: &Plan) -> Option<Folder> {
@@ -653,11 +698,27 @@ impl ProfilerService {
     }
 }
 
-/// Writes a capture's trace file, `<root>/<session>/<host><suffix>` (one
-/// XSpace, `.xplane.pb`, or its Riegeli chunks, `.xplane.riegeli`), off the
-/// async runtime (a disk write or an upload); hands the bytes back with
-/// where they went or why not.
+/// Writes a capture's trace file as [`store_trace`] does, and logs where
+/// it went or why it is returned to the client instead.
 async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
+    root: Folder,
+    plan: &Plan,
+    suffix: &'static str,
+    bytes: B,
+) -> Result<(Result<String, StorageError>, B), Status> {
+    let (written, bytes) = store_trace(root, plan, suffix, bytes).await?;
+    match &written {
+        Ok(path) => info!(%path, bytes = bytes.as_ref().len(), "trace written"),
+        Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
+    }
+    Ok((written, bytes))
+}
+
+/// Writes a trace file, `<root>/<session>/<host><suffix>` (one XSpace,
+/// `.xplane.pb`, or its Riegeli chunks, `.xplane.riegeli`), off the async
+/// runtime (a disk write or an upload); hands the bytes back with where
+/// they went or why not.
+async fn store_trace<B: AsRef<[u8]> + Send + 'static>(
     root: Folder,
     plan: &Plan,
     suffix: &'static str,
@@ -666,19 +727,14 @@ async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
     let session_id = plan.session_id.clone();
     let generated = plan.generated_session_id;
     let file_name = format!("{}{suffix}", plan.file_host);
-    let (written, bytes) = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         let written = root
             .create_session(&session_id, generated)
             .and_then(|(session, _)| session.write(&file_name, bytes.as_ref()));
         (written, bytes)
     })
     .await
-    .map_err(|e| Status::internal(format!("writing the trace failed: {e}")))?;
-    match &written {
-        Ok(path) => info!(%path, bytes = bytes.as_ref().len(), "trace written"),
-        Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
-    }
-    Ok((written, bytes))
+    .map_err(|e| Status::internal(format!("writing the trace failed: {e}")))
 }
 
 /// Until when a capture may wait for capture memory: a little before the
@@ -776,7 +832,12 @@ fn sampled_busy_percent(
 
 /// `YYYY_MM_DD_HH_MM_SS` in UTC, as session directories are named.
 pub fn session_timestamp() -> String {
-    let secs = (clock::now_ns() / 1_000_000_000) as i64;
+    session_timestamp_at(clock::now_ns())
+}
+
+/// [`session_timestamp`] of the moment `ns` (Unix nanoseconds).
+pub fn session_timestamp_at(ns: u64) -> String {
+    let secs = (ns / 1_000_000_000) as i64;
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);
     let (year, month, day) = civil_from_days(days);
@@ -785,6 +846,21 @@ pub fn session_timestamp() -> String {
         rem / 3600,
         rem % 3600 / 60,
         rem % 60
+    )
+}
+
+/// The moment `ns` (Unix nanoseconds) as ISO 8601 UTC with milliseconds,
+/// `YYYY-MM-DDTHH:MM:SS.mmmZ`.
+pub fn utc_text(ns: u64) -> String {
+    let secs = (ns / 1_000_000_000) as i64;
+    let (year, month, day) = civil_from_days(secs.div_euclid(86_400));
+    let rem = secs.rem_euclid(86_400);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ns % 1_000_000_000 / 1_000_000
     )
 }
 
@@ -1079,6 +1155,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             text.push_str(&format!(
                 "traces built: {builds}; captures that shared another's build: {reuses}\n"
             ));
+            if let Some(triggers) = self.config.telemetry.triggers() {
+                text.push_str(&triggers.summary());
+            }
             let store = self.agent.store_stats();
             text.push_str(&format!(
                 "flight recorder: {} events in {} chunks, {:.1} MiB\n",
@@ -1193,6 +1272,10 @@ mod tests {
     #[test]
     fn civil_dates_are_right() {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(
+            utc_text(1_763_731_845_123_456_789),
+            "2025-11-21T13:30:45.123Z"
+        );
         assert_eq!(civil_from_days(20_413), (2025, 11, 21));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
     }

@@ -136,6 +136,21 @@ impl WindowData {
     }
 }
 
+/// Chunks in the order they arrived: see [`Store::arrivals`].
+pub struct Arrivals {
+    chunks: Vec<Arc<Chunk>>,
+    /// The cursor that asks for what arrives after these.
+    pub next: u64,
+}
+
+impl Arrivals {
+    /// The events, decoded as they are read: chunk by chunk in arrival
+    /// order, by start within a chunk.
+    pub fn events(&self) -> impl Iterator<Item = Event> + '_ {
+        self.chunks.iter().flat_map(|chunk| chunk.events.iter())
+    }
+}
+
 #[derive(Default)]
 struct Inner {
     chunks: VecDeque<Arc<Chunk>>,
@@ -145,6 +160,9 @@ struct Inner {
     evicted_before_ns: u64,
     /// When the store started recording.
     recording_since_ns: u64,
+    /// Chunks appended since the store started: the arrival number of the
+    /// next one.
+    appended: u64,
 }
 
 /// How far after the agent's clock an event may start.
@@ -216,6 +234,7 @@ impl Store {
         let mut inner = self.inner.write();
         inner.bytes += chunk.bytes();
         inner.chunks.push_back(Arc::new(chunk));
+        inner.appended += 1;
         self.evict(&mut inner, horizon);
     }
 
@@ -274,6 +293,20 @@ impl Store {
             dropped_newest,
             dropped_oldest,
             history_starts_ns: (window.start_ns < history_start).then_some(history_start),
+        }
+    }
+
+    /// The chunks appended from arrival number `cursor` on (those evicted
+    /// meanwhile are gone), and the cursor of the next: a reader that keeps
+    /// the cursor sees each event once, in the order it arrived, late
+    /// events included.
+    pub fn arrivals(&self, cursor: u64) -> Arrivals {
+        let inner = self.inner.read();
+        let held_from = inner.appended - inner.chunks.len() as u64;
+        let skip = cursor.saturating_sub(held_from) as usize;
+        Arrivals {
+            chunks: inner.chunks.iter().skip(skip).cloned().collect(),
+            next: inner.appended,
         }
     }
 
@@ -345,6 +378,26 @@ mod tests {
             vec![950, 960, 970, 980, 990, 1000, 1010, 1020, 1030, 1040]
         );
         assert_eq!(data.history_starts_ns, None);
+    }
+
+    #[test]
+    fn arrivals_come_once_in_arrival_order_late_ones_too() {
+        let store = store(1000, usize::MAX);
+        let first = store.arrivals(0);
+        assert_eq!(first.events().count(), 0);
+        store.append(&mut vec![at(500), at(400)]);
+        // Arrives later but starts earlier than what came before.
+        store.append(&mut vec![at(100)]);
+        let seen = store.arrivals(first.next);
+        let starts: Vec<u64> = seen.events().map(|e| e.start_ns).collect();
+        assert_eq!(starts, vec![400, 500, 100]);
+        store.append(&mut vec![at(600)]);
+        let next = store.arrivals(seen.next);
+        assert_eq!(
+            next.events().map(|e| e.start_ns).collect::<Vec<_>>(),
+            vec![600]
+        );
+        assert_eq!(store.arrivals(next.next).events().count(), 0);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! What the agent knows, read at scrape time: events each backend put into
 //! the ring, events lost and where, the flight recorder's contents, each
 //! backend's state, and the latest NVML reading of every GPU (named after
-//! dcgm-exporter's fields, with its `gpu` label and the GPU's `uuid`).
+//! dcgm-exporter's fields, with its `gpu` label and the GPU's `uuid`);
+//! and how often each trigger rule fired, was held back, and saved.
 //!
 //! Every figure is a running total or a current value the agent keeps
 //! anyway; a scrape only reads them (short locks the backends also take
@@ -17,6 +18,7 @@ use prometheus_client::metrics::MetricType;
 
 use crate::agent::Agent;
 use crate::backend::{GpuReading, Health};
+use crate::trigger::Triggers;
 
 /// See the module documentation.
 pub(super) struct AgentMetrics {
@@ -32,6 +34,91 @@ impl AgentMetrics {
 impl std::fmt::Debug for AgentMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AgentMetrics").finish_non_exhaustive()
+    }
+}
+
+/// The trigger rules' counts, once the rules are armed.
+pub(super) struct TriggerMetrics {
+    triggers: Arc<OnceLock<Arc<Triggers>>>,
+}
+
+impl TriggerMetrics {
+    pub(super) fn new(triggers: Arc<OnceLock<Arc<Triggers>>>) -> TriggerMetrics {
+        TriggerMetrics { triggers }
+    }
+}
+
+impl std::fmt::Debug for TriggerMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TriggerMetrics").finish_non_exhaustive()
+    }
+}
+
+impl Collector for TriggerMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(triggers) = self.triggers.get() else {
+            return Ok(());
+        };
+        let counter = |value: &std::sync::atomic::AtomicU64| ConstCounter::new(value.load(Relaxed));
+        family(
+            &mut encoder,
+            "devtrace_trigger_firings",
+            "Firings of each trigger rule that passed its cool-down and hourly cap",
+            triggers
+                .counts()
+                .map(|(rule, counts)| ([("rule", rule.to_string())], counter(&counts.fired)))
+                .collect(),
+        )?;
+        family(
+            &mut encoder,
+            "devtrace_trigger_suppressed",
+            "Firings of each trigger rule held back, by reason (cooldown, max_per_hour)",
+            triggers
+                .counts()
+                .flat_map(|(rule, counts)| {
+                    [
+                        (
+                            [
+                                ("rule", rule.to_string()),
+                                ("reason", "cooldown".to_string()),
+                            ],
+                            counter(&counts.held_cooldown),
+                        ),
+                        (
+                            [
+                                ("rule", rule.to_string()),
+                                ("reason", "max_per_hour".to_string()),
+                            ],
+                            counter(&counts.held_hourly_cap),
+                        ),
+                    ]
+                })
+                .collect(),
+        )?;
+        family(
+            &mut encoder,
+            "devtrace_trigger_saves",
+            "Traces of trigger firings, by outcome (saved, failed)",
+            triggers
+                .counts()
+                .flat_map(|(rule, counts)| {
+                    [
+                        (
+                            [("rule", rule.to_string()), ("outcome", "saved".to_string())],
+                            counter(&counts.saved),
+                        ),
+                        (
+                            [
+                                ("rule", rule.to_string()),
+                                ("outcome", "failed".to_string()),
+                            ],
+                            counter(&counts.failed),
+                        ),
+                    ]
+                })
+                .collect(),
+        )
     }
 }
 

@@ -22,6 +22,7 @@ use std::sync::{Arc, OnceLock};
 use prometheus_client::registry::Registry;
 
 use crate::agent::Agent;
+use crate::trigger::Triggers;
 
 /// Where the gRPC server is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +39,7 @@ pub enum Phase {
 pub struct Telemetry {
     phase: AtomicU8,
     agent: Arc<OnceLock<Arc<Agent>>>,
+    triggers: Arc<OnceLock<Arc<Triggers>>>,
     health: health::ServingHealth,
     rpcs: Arc<rpc::RpcMetrics>,
     registry: Registry,
@@ -60,9 +62,14 @@ impl Telemetry {
         registry.register_collector(Box::new(agent_metrics::AgentMetrics::new(Arc::clone(
             &agent,
         ))));
+        let triggers = Arc::new(OnceLock::new());
+        registry.register_collector(Box::new(agent_metrics::TriggerMetrics::new(Arc::clone(
+            &triggers,
+        ))));
         Arc::new(Telemetry {
             phase: AtomicU8::new(Phase::Starting as u8),
             agent,
+            triggers,
             health: health::ServingHealth::default(),
             rpcs,
             registry,
@@ -80,6 +87,16 @@ impl Telemetry {
     /// Every backend asked for has started or said why not.
     pub fn agent_started(&self, agent: &Arc<Agent>) {
         let _ = self.agent.set(Arc::clone(agent));
+    }
+
+    /// The trigger rules are armed: their counts are reported from now on.
+    pub fn triggers_started(&self, triggers: &Arc<Triggers>) {
+        let _ = self.triggers.set(Arc::clone(triggers));
+    }
+
+    /// The armed trigger rules, if any.
+    pub fn triggers(&self) -> Option<&Arc<Triggers>> {
+        self.triggers.get()
     }
 
     /// The gRPC server accepts calls: health SERVING.

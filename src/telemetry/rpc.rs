@@ -1,9 +1,10 @@
 //! Metrics of the profiler's gRPC calls: a tower layer in front of every
-//! gRPC listener's routes counts each call of `ProfilerService` and
-//! `ProfileAnalysis` by method and gRPC status and times it, from its
-//! arrival to its status (the trailers, or the headers of an error); a
-//! call whose client goes away first counts as CANCELLED. The services
-//! add how long after its window each capture's reply was ready.
+//! gRPC listener's routes counts each call of `ProfilerService`,
+//! `ProfileAnalysis` and devtrace's `Trigger` by method and gRPC status and
+//! times it, from its arrival to its status (the trailers, or the headers
+//! of an error); a call whose client goes away first counts as CANCELLED.
+//! The services add how long after its window each capture's reply was
+//! ready.
 //!
 //! Labels come from a fixed table of methods, never from the request
 //! itself, so that no caller can grow the number of series.
@@ -22,10 +23,11 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tonic::Code;
 
+use crate::proto::devtrace::trigger_server;
 use crate::proto::tensorflow::{profile_analysis_server, profiler_service_server};
 
 /// Every method counted, as (service, method).
-const METHODS: [(&str, &str); 9] = [
+const METHODS: [(&str, &str); 10] = [
     (profiler_service_server::SERVICE_NAME, "Profile"),
     (profiler_service_server::SERVICE_NAME, "Terminate"),
     (profiler_service_server::SERVICE_NAME, "Monitor"),
@@ -41,6 +43,7 @@ const METHODS: [(&str, &str); 9] = [
     (profile_analysis_server::SERVICE_NAME, "NewSession"),
     (profile_analysis_server::SERVICE_NAME, "EnumSessions"),
     (profile_analysis_server::SERVICE_NAME, "GetSessionToolData"),
+    (trigger_server::SERVICE_NAME, "Fire"),
 ];
 
 /// The method a request path (`/tensorflow.ProfilerService/Profile`)
@@ -291,6 +294,7 @@ mod tests {
             method_of("/tensorflow.ProfileAnalysis/NewSession"),
             Some("NewSession")
         );
+        assert_eq!(method_of("/devtrace.Trigger/Fire"), Some("Fire"));
         for path in [
             "/grpc.health.v1.Health/Check",
             "/tensorflow.ProfilerService/Profile/extra",

@@ -137,6 +137,17 @@ impl AgentProcess {
         ProfilerServiceClient::new(self.channel().await).max_decoding_message_size(usize::MAX)
     }
 
+    /// `devtrace.Trigger/Fire` of rule `name`: when it fired.
+    pub async fn fire_trigger(&self, name: &str) -> Result<u64, tonic::Status> {
+        devtrace::proto::devtrace::trigger_client::TriggerClient::new(self.channel().await)
+            .fire(devtrace::proto::devtrace::FireRequest {
+                name: name.into(),
+                reason: String::new(),
+            })
+            .await
+            .map(|reply| reply.into_inner().fired_at_ns)
+    }
+
     /// A `Profile` call that must succeed.
     pub async fn profile(&self, request: ProfileRequest) -> ProfileResponse {
         self.client()
@@ -246,6 +257,22 @@ pub async fn devtrace(args: Vec<String>) -> std::process::Output {
     })
     .await
     .expect("the devtrace process")
+}
+
+/// Runs `devtrace serve --listen 127.0.0.1:0 --metrics-listen off <extra>`
+/// to its end: for settings the agent must refuse before it serves.
+pub fn serve_to_end(extra: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "off",
+        ])
+        .args(extra)
+        .output()
+        .expect("running devtrace serve")
 }
 
 pub fn args(list: &[&str]) -> Vec<String> {

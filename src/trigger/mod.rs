@@ -1,0 +1,289 @@
+//! Triggers: rules that save the flight recorder's past when something goes
+//! wrong, as a session like any capture's.
+//!
+//! A watcher thread reads what reached the flight recorder since it last
+//! looked ([`crate::agent::Agent::arrivals`], every [`LOOK_EVERY`]), so the
+//! collector does no work for it, and hands each event to the rules that
+//! watch events ([`watch`]); it also compares the agent's drop totals. An
+//! explicit firing comes from the `devtrace.Trigger` service. Every firing
+//! passes its rule's cool-down and hourly cap ([`limit`]) and is then saved
+//! by a task of its own: it waits until `fire + after` has passed and the
+//! events have arrived, builds `[fire - before, fire + after]` from the
+//! flight recorder like a capture of the past, and writes
+//! `<repository>/<timestamp>_<rule>/<host>.xplane.pb` with the rule, the
+//! value and the time in the trace's Task Environment. Nothing a capture
+//! waits on is held meanwhile.
+
+pub mod limit;
+pub mod rule;
+pub mod watch;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tracing::{debug, info, warn};
+
+use crate::agent::Agent;
+use crate::clock;
+use crate::service::profiler::{session_timestamp_at, utc_text, ProfilerService};
+use crate::storage::Folder;
+use crate::store::Window;
+use limit::{Held, Limit};
+use rule::{Condition, Rule};
+use watch::{Firing, Watcher};
+
+/// How often the watcher looks at new events and drop totals.
+pub const LOOK_EVERY: Duration = Duration::from_millis(100);
+
+/// Longest reason an explicit firing may give.
+pub const MAX_REASON: usize = 1024;
+
+/// A firing that was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum FireError {
+    #[error("no trigger rule is named {name:?} (this agent's rules: {known})")]
+    NotFound { name: String, known: String },
+    #[error("trigger {name:?} did not fire: {held}")]
+    Held { name: String, held: Held },
+}
+
+/// A firing that was accepted: when it fired, and when its trace is due.
+#[derive(Clone, Copy, Debug)]
+pub struct Fired {
+    pub at_ns: u64,
+    pub window: Window,
+}
+
+/// How often one rule fired, was held back, and saved.
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub fired: AtomicU64,
+    pub held_cooldown: AtomicU64,
+    pub held_hourly_cap: AtomicU64,
+    pub saved: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+struct Armed {
+    rule: Rule,
+    limit: Mutex<Limit>,
+    counts: Counts,
+}
+
+/// See the module documentation.
+pub struct Triggers {
+    rules: Vec<Armed>,
+    service: Arc<ProfilerService>,
+    repository: Folder,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Triggers {
+    /// Arms `rules`, saving into `repository` through `service`, and starts
+    /// the watcher (it ends when the returned value is dropped). Must be
+    /// called within the Tokio runtime that saves run on.
+    pub fn start(
+        rules: Vec<Rule>,
+        agent: &Arc<Agent>,
+        service: Arc<ProfilerService>,
+        repository: Folder,
+    ) -> std::io::Result<Arc<Triggers>> {
+        let watcher = Watcher::new(&rules, agent.registry());
+        let watches_drops = rules.iter().any(|r| r.condition == Condition::Dropped);
+        let triggers = Arc::new(Triggers {
+            rules: rules
+                .into_iter()
+                .map(|rule| Armed {
+                    limit: Mutex::new(Limit::new(rule.cooldown, rule.max_per_hour)),
+                    rule,
+                    counts: Counts::default(),
+                })
+                .collect(),
+            service,
+            repository,
+            runtime: tokio::runtime::Handle::current(),
+        });
+        if !watcher.is_idle() || watches_drops {
+            let weak = Arc::downgrade(&triggers);
+            let agent = Arc::clone(agent);
+            std::thread::Builder::new()
+                .name("devtrace-trigger".into())
+                .spawn(move || watch_loop(weak, &agent, watcher, watches_drops))?;
+        }
+        Ok(triggers)
+    }
+
+    /// Fires rule `name` now, as `devtrace trigger NAME` asks, with the
+    /// caller's `reason` as the value.
+    pub fn fire(self: &Arc<Self>, name: &str, reason: &str) -> Result<Fired, FireError> {
+        let Some(index) = self.rules.iter().position(|armed| armed.rule.name == name) else {
+            let known: Vec<&str> = self.rules.iter().map(|a| a.rule.name.as_str()).collect();
+            return Err(FireError::NotFound {
+                name: name.to_string(),
+                known: if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                },
+            });
+        };
+        let value = if reason.is_empty() {
+            "fired explicitly".to_string()
+        } else {
+            format!("fired explicitly: {reason}")
+        };
+        let firing = Firing {
+            rule: index,
+            at_ns: clock::now_ns(),
+            value,
+        };
+        self.offer(firing).map_err(|held| FireError::Held {
+            name: name.to_string(),
+            held,
+        })
+    }
+
+    /// Each rule's name and counts.
+    pub fn counts(&self) -> impl Iterator<Item = (&str, &Counts)> {
+        self.rules
+            .iter()
+            .map(|armed| (armed.rule.name.as_str(), &armed.counts))
+    }
+
+    /// One line per rule with its counts, as Monitor shows them.
+    pub fn summary(&self) -> String {
+        self.counts()
+            .map(|(name, counts)| {
+                let load = |value: &AtomicU64| value.load(Ordering::Relaxed);
+                format!(
+                    "trigger {name}: fired {}, held back {} (cooldown) and {} (max-per-hour), \
+                     saved {}, failed {}\n",
+                    load(&counts.fired),
+                    load(&counts.held_cooldown),
+                    load(&counts.held_hourly_cap),
+                    load(&counts.saved),
+                    load(&counts.failed)
+                )
+            })
+            .collect()
+    }
+
+    /// Passes a firing through its rule's limits and, if they let it, sets
+    /// off its save.
+    fn offer(self: &Arc<Self>, firing: Firing) -> Result<Fired, Held> {
+        let armed = &self.rules[firing.rule];
+        let admitted = armed.limit.lock().admit(firing.at_ns);
+        if let Err(held) = admitted {
+            let counter = match held {
+                Held::CoolingDown { .. } => &armed.counts.held_cooldown,
+                Held::HourlyCap { .. } => &armed.counts.held_hourly_cap,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            debug!(rule = %armed.rule.name, value = %firing.value, %held, "trigger held back");
+            return Err(held);
+        }
+        armed.counts.fired.fetch_add(1, Ordering::Relaxed);
+        let rule = &armed.rule;
+        let window = Window {
+            start_ns: firing.at_ns.saturating_sub(clock::duration_ns(rule.before)),
+            // Closed at fire + after: the event that fired is in.
+            stop_ns: firing
+                .at_ns
+                .saturating_add(clock::duration_ns(rule.after))
+                .saturating_add(1),
+        };
+        let at_ns = firing.at_ns;
+        let triggers = Arc::clone(self);
+        self.runtime
+            .spawn(async move { triggers.save(firing, window).await });
+        Ok(Fired { at_ns, window })
+    }
+
+    async fn save(&self, firing: Firing, window: Window) {
+        let armed = &self.rules[firing.rule];
+        let rule = &armed.rule;
+        let session = format!("{}_{}", session_timestamp_at(firing.at_ns), rule.name);
+        let properties = vec![
+            ("trigger.name".to_string(), rule.name.clone()),
+            ("trigger.rule".to_string(), rule.text.clone()),
+            ("trigger.value".to_string(), firing.value.clone()),
+            ("trigger.fired_at_ns".to_string(), firing.at_ns.to_string()),
+            ("trigger.fired_at".to_string(), utc_text(firing.at_ns)),
+        ];
+        let saved = self
+            .service
+            .save_window(window, &session, properties, self.repository.clone())
+            .await;
+        match saved {
+            Ok(path) => {
+                armed.counts.saved.fetch_add(1, Ordering::Relaxed);
+                info!(
+                    rule = %rule.name,
+                    value = %firing.value,
+                    fired_at = %utc_text(firing.at_ns),
+                    %path,
+                    "trigger fired; the flight recorder's window around it is saved"
+                );
+            }
+            Err(status) => {
+                armed.counts.failed.fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    rule = %rule.name,
+                    value = %firing.value,
+                    error = %status.message(),
+                    "trigger fired but its trace could not be saved"
+                );
+            }
+        }
+    }
+}
+
+/// The watcher thread: new events to the watching rules, drop totals to
+/// the `dropped` rules, until the triggers are dropped.
+fn watch_loop(triggers: Weak<Triggers>, agent: &Agent, mut watcher: Watcher, watches_drops: bool) {
+    let mut cursor = agent.arrivals(u64::MAX).next;
+    let mut dropped = agent.dropped_total();
+    let mut fired = Vec::new();
+    loop {
+        std::thread::sleep(LOOK_EVERY);
+        let Some(triggers) = triggers.upgrade() else {
+            return;
+        };
+        if !watcher.is_idle() {
+            let arrivals = agent.arrivals(cursor);
+            cursor = arrivals.next;
+            for event in arrivals.events() {
+                watcher.observe(&event, &mut fired);
+            }
+        }
+        if watches_drops {
+            let total = agent.dropped_total();
+            if total > dropped {
+                let at_ns = clock::now_ns();
+                let value = format!(
+                    "{} events dropped ({total} since the agent started)",
+                    total - dropped
+                );
+                fired.extend(
+                    triggers
+                        .rules
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, armed)| armed.rule.condition == Condition::Dropped)
+                        .map(|(rule, _)| Firing {
+                            rule,
+                            at_ns,
+                            value: value.clone(),
+                        }),
+                );
+            }
+            dropped = total;
+        }
+        for firing in fired.drain(..) {
+            // Held firings are counted and logged where they are held.
+            let _ = triggers.offer(firing);
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! Conditions evaluated over events as they arrive: each rule that watches
+//! events keeps the little state it needs (a GPU's low spell, a counter's
+//! last value, a line's recent step lengths) and says when it fires.
+//! Pure: events in, firings out, so that every rule is tested without an
+//! agent.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use super::rule::{Condition, Rule};
+use crate::clock;
+use crate::event::{Device, Event, NameId, Payload};
+use crate::registry::Registry;
+use crate::xspace::builder::COUNTER_TRACK;
+
+/// Lines whose step lengths a slow-step rule keeps at once; past it the
+/// history starts over, so that a stream of new lines (tap connections)
+/// cannot grow it without bound.
+const MAX_STEP_LINES: usize = 4096;
+
+/// A condition met: which rule, when, and the value that met it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Firing {
+    pub rule: usize,
+    pub at_ns: u64,
+    pub value: String,
+}
+
+/// The state of one rule that watches events.
+enum Watch {
+    UtilizationBelow {
+        counter: NameId,
+        percent: f64,
+        for_ns: u64,
+        /// Per GPU: since when it has been low, and whether this spell fired.
+        low: HashMap<u16, (u64, bool)>,
+    },
+    CounterChanges {
+        counter: NameId,
+        name: String,
+        last: HashMap<Device, f64>,
+    },
+    SlowStep {
+        factor: f64,
+        steps: usize,
+        /// Per (device, line): the lengths of the last `steps` steps.
+        recent: HashMap<(Device, u64), VecDeque<u64>>,
+    },
+}
+
+/// Every event-watching rule of an agent.
+pub struct Watcher {
+    watches: Vec<(usize, Watch)>,
+}
+
+impl Watcher {
+    /// Watches for the rules whose conditions are about events; names are
+    /// interned in `registry` so that events are matched by id.
+    pub fn new(rules: &[Rule], registry: &Registry) -> Watcher {
+        let watches = rules
+            .iter()
+            .enumerate()
+            .filter_map(|(index, rule)| {
+                let watch = match &rule.condition {
+                    Condition::UtilizationBelow { percent, for_ } => Watch::UtilizationBelow {
+                        counter: registry.intern(crate::backend::nvml::SM_UTILIZATION),
+                        percent: *percent,
+                        for_ns: clock::duration_ns(*for_),
+                        low: HashMap::new(),
+                    },
+                    Condition::CounterChanges { counter } => Watch::CounterChanges {
+                        counter: registry.intern(counter),
+                        name: counter.clone(),
+                        last: HashMap::new(),
+                    },
+                    Condition::SlowStep { factor, steps } => Watch::SlowStep {
+                        factor: *factor,
+                        steps: *steps,
+                        recent: HashMap::new(),
+                    },
+                    Condition::Dropped | Condition::Explicit => return None,
+                };
+                Some((index, watch))
+            })
+            .collect();
+        Watcher { watches }
+    }
+
+    /// Whether any rule needs to see events at all.
+    pub fn is_idle(&self) -> bool {
+        self.watches.is_empty()
+    }
+
+    /// Looks at one event; what it makes fire goes to `fired`.
+    pub fn observe(&mut self, event: &Event, fired: &mut Vec<Firing>) {
+        let payload = event.payload();
+        for (rule, watch) in &mut self.watches {
+            let firing = match (watch, payload) {
+                (
+                    Watch::UtilizationBelow {
+                        counter,
+                        percent,
+                        for_ns,
+                        low,
+                    },
+                    Payload::Counter { value },
+                ) if event.name() == *counter && event.line == COUNTER_TRACK => {
+                    let Device::Gpu(gpu) = event.device() else {
+                        continue;
+                    };
+                    utilization(low, gpu, event.start_ns, value, *percent, *for_ns)
+                }
+                (
+                    Watch::CounterChanges {
+                        counter,
+                        name,
+                        last,
+                    },
+                    Payload::Counter { value },
+                ) if event.name() == *counter && event.line == COUNTER_TRACK => {
+                    let previous = last.insert(event.device(), value);
+                    match previous {
+                        Some(previous) if previous != value => Some(format!(
+                            "{} {name} changed from {previous} to {value}",
+                            device_label(event.device())
+                        )),
+                        _ => None,
+                    }
+                    .map(|text| (event.start_ns, text))
+                }
+                (
+                    Watch::SlowStep {
+                        factor,
+                        steps,
+                        recent,
+                    },
+                    Payload::Step { step_num },
+                ) => {
+                    let key = (event.device(), event.line);
+                    if recent.len() >= MAX_STEP_LINES && !recent.contains_key(&key) {
+                        recent.clear();
+                    }
+                    let history = recent.entry(key).or_default();
+                    slow_step(history, *steps, *factor, event.duration_ns, step_num)
+                        .map(|text| (event.end_ns(), text))
+                }
+                _ => None,
+            };
+            if let Some((at_ns, value)) = firing {
+                fired.push(Firing {
+                    rule: *rule,
+                    at_ns,
+                    value,
+                });
+            }
+        }
+    }
+}
+
+/// One utilisation sample of one GPU: fires once per low spell, when it
+/// has lasted `for_ns`.
+fn utilization(
+    low: &mut HashMap<u16, (u64, bool)>,
+    gpu: u16,
+    at_ns: u64,
+    value: f64,
+    percent: f64,
+    for_ns: u64,
+) -> Option<(u64, String)> {
+    if value >= percent {
+        low.remove(&gpu);
+        return None;
+    }
+    let (since, fired) = low.entry(gpu).or_insert((at_ns, false));
+    let lasted = at_ns.saturating_sub(*since);
+    if *fired || lasted < for_ns {
+        return None;
+    }
+    *fired = true;
+    Some((
+        at_ns,
+        format!(
+            "GPU {gpu} SM utilization {value:.1}% below {percent}% for {:.3} s",
+            Duration::from_nanos(lasted).as_secs_f64()
+        ),
+    ))
+}
+
+/// One step of a line: slow when it lasts more than `factor` times the
+/// median of the `steps` before it (judged once that many were seen).
+fn slow_step(
+    history: &mut VecDeque<u64>,
+    steps: usize,
+    factor: f64,
+    duration_ns: u64,
+    step_num: i64,
+) -> Option<String> {
+    let verdict = (history.len() == steps)
+        .then(|| median(history))
+        .filter(|median| duration_ns as f64 > factor * *median as f64)
+        .map(|median| {
+            format!(
+                "step {step_num} took {:.3} ms, {:.1}x the median {:.3} ms of the last {steps}",
+                duration_ns as f64 / 1e6,
+                duration_ns as f64 / median.max(1) as f64,
+                median as f64 / 1e6
+            )
+        });
+    if history.len() == steps {
+        history.pop_front();
+    }
+    history.push_back(duration_ns);
+    verdict
+}
+
+fn median(values: &VecDeque<u64>) -> u64 {
+    let mut sorted: Vec<u64> = values.iter().copied().collect();
+    sorted.sort_unstable();
+    sorted[sorted.len() / 2]
+}
+
+fn device_label(device: Device) -> String {
+    match device {
+        Device::Gpu(gpu) => format!("GPU {gpu}"),
+        Device::Host | Device::HostCpus => "host".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(texts: &[&str]) -> Vec<Rule> {
+        texts.iter().map(|t| t.parse().unwrap()).collect()
+    }
+
+    fn sample(registry: &Registry, name: &str, gpu: u16, at_ms: u64, value: f64) -> Event {
+        Event::new(
+            at_ms * 1_000_000,
+            0,
+            Device::Gpu(gpu),
+            COUNTER_TRACK,
+            registry.intern(name),
+            Payload::Counter { value },
+        )
+    }
+
+    fn step(num: i64, at_ms: u64, length_ms: u64) -> Event {
+        Event::new(
+            at_ms * 1_000_000,
+            length_ms * 1_000_000,
+            Device::Host,
+            1,
+            NameId(1),
+            Payload::Step { step_num: num },
+        )
+    }
+
+    fn run(watcher: &mut Watcher, events: &[Event]) -> Vec<Firing> {
+        let mut fired = Vec::new();
+        for event in events {
+            watcher.observe(event, &mut fired);
+        }
+        fired
+    }
+
+    #[test]
+    fn low_utilisation_fires_once_per_spell_after_its_duration() {
+        let registry = Registry::new();
+        let mut watcher = Watcher::new(&rules(&["name=u; when=util < 20% for 100ms"]), &registry);
+        let util = crate::backend::nvml::SM_UTILIZATION;
+        let events: Vec<Event> = [(0, 90.0), (50, 5.0), (100, 5.0), (150, 5.0), (200, 5.0)]
+            .iter()
+            .map(|(at, v)| sample(&registry, util, 0, *at, *v))
+            .collect();
+        let fired = run(&mut watcher, &events);
+        assert_eq!(fired.len(), 1, "{fired:?}");
+        assert_eq!(fired[0].at_ns, 150_000_000);
+        // Busy again, then a new spell: one more.
+        let again: Vec<Event> = [(300, 95.0), (400, 1.0), (500, 1.0), (600, 1.0)]
+            .iter()
+            .map(|(at, v)| sample(&registry, util, 0, *at, *v))
+            .collect();
+        let fired = run(&mut watcher, &again);
+        assert_eq!(
+            fired.iter().map(|f| f.at_ns).collect::<Vec<_>>(),
+            vec![500_000_000]
+        );
+        // Another counter's low values are not utilisation.
+        let other = [
+            sample(&registry, "Power (W)", 1, 700, 0.0),
+            sample(&registry, "Power (W)", 1, 900, 0.0),
+        ];
+        assert!(run(&mut watcher, &other).is_empty());
+    }
+
+    #[test]
+    fn a_counter_fires_when_it_changes_not_on_its_first_value() {
+        let registry = Registry::new();
+        let mut watcher = Watcher::new(&rules(&["name=e; when=ecc changes"]), &registry);
+        let ecc = "ECC uncorrected errors";
+        let events = [
+            sample(&registry, ecc, 0, 0, 2.0),
+            sample(&registry, ecc, 1, 0, 0.0),
+            sample(&registry, ecc, 0, 10, 2.0),
+            sample(&registry, ecc, 1, 20, 1.0),
+            sample(&registry, ecc, 1, 30, 1.0),
+        ];
+        let fired = run(&mut watcher, &events);
+        assert_eq!(fired.len(), 1, "{fired:?}");
+        assert_eq!(fired[0].at_ns, 20_000_000);
+        assert!(fired[0].value.contains("GPU 1"), "{}", fired[0].value);
+    }
+
+    #[test]
+    fn a_step_fires_past_the_factor_times_the_median_of_the_steps_before() {
+        let registry = Registry::new();
+        let mut watcher = Watcher::new(&rules(&["name=s; when=step > 3x median(4)"]), &registry);
+        // Too few steps yet to judge the long first one.
+        let mut events = vec![step(0, 0, 500)];
+        events.extend((1..6).map(|n| step(n, 500 + n as u64 * 50, 50)));
+        events.push(step(6, 900, 140));
+        events.push(step(7, 1040, 160));
+        events.push(step(8, 1200, 50));
+        let fired = run(&mut watcher, &events);
+        assert_eq!(fired.len(), 1, "{fired:?}");
+        assert_eq!(fired[0].at_ns, 1_200_000_000);
+        assert!(fired[0].value.starts_with("step 7 "), "{}", fired[0].value);
+    }
+
+    #[test]
+    fn rules_that_do_not_watch_events_leave_the_watcher_idle() {
+        let registry = Registry::new();
+        let watcher = Watcher::new(
+            &rules(&["name=d; when=dropped", "name=x; when=explicit"]),
+            &registry,
+        );
+        assert!(watcher.is_idle());
+    }
+}

@@ -1,0 +1,558 @@
+//! Triggers against the real binary: each kind of rule fires at the moment
+//! its condition is met (the mock's slow step and utilisation dip, an ECC
+//! error from the NVML stand-in, drops in a tiny ring, an explicit
+//! `devtrace trigger`) exactly once, the saved
+//! session holds the flight recorder's events from before the firing with
+//! the rule, value and time in its Task Environment, cool-down and hourly
+//! cap hold and are counted in Monitor and the metrics, and a bad rule is
+//! refused naming its bad part.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use devtrace::proto::tensorflow::profiler::XSpace;
+use devtrace::xspace::read::{event_name, event_start_ps, find_stat, read_xspace, StatValue};
+use tonic::Code;
+
+/// Longest wait for a trigger's session; the conditions are met within a
+/// few seconds of the agent's start.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+const SM_UTILIZATION: &str = devtrace::backend::nvml::SM_UTILIZATION;
+
+/// An agent on the mock with `rules`, saving into `<dir>/plugins/profile`.
+struct Armed {
+    agent: AgentProcess,
+    _dir: tempfile::TempDir,
+    logdir: PathBuf,
+    repository: PathBuf,
+}
+
+fn armed(rules: &[&str], extra: &[&str]) -> Armed {
+    armed_with_env(rules, extra, &[])
+}
+
+fn armed_with_env(rules: &[&str], extra: &[&str], env: &[(&str, &Path)]) -> Armed {
+    let dir = tempfile::tempdir().unwrap();
+    let logdir = dir.path().to_path_buf();
+    let repository = logdir.join("plugins").join("profile");
+    let (root, repo) = (path_text(&logdir), path_text(&repository));
+    let mut args = vec![
+        "--mock-rate",
+        "20000",
+        "--allow-root",
+        &root,
+        "--trigger-repository",
+        &repo,
+    ];
+    for rule in rules {
+        args.extend(["--trigger", rule]);
+    }
+    args.extend_from_slice(extra);
+    Armed {
+        agent: AgentProcess::start_with_env(&args, env),
+        _dir: dir,
+        logdir,
+        repository,
+    }
+}
+
+fn path_text(path: &Path) -> String {
+    path.to_str().unwrap().to_string()
+}
+
+/// The trace files of the sessions in `repository`, by session name.
+fn sessions(repository: &Path) -> Vec<(String, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(repository) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(String, PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|session| {
+            let trace = std::fs::read_dir(session.path())
+                .ok()?
+                .filter_map(Result::ok)
+                .map(|f| f.path())
+                .find(|p| p.to_string_lossy().ends_with(".xplane.pb"))?;
+            Some((session.file_name().to_string_lossy().into_owned(), trace))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// Waits until `repository` holds `count` sessions; panics past PATIENCE.
+fn wait_for_sessions(repository: &Path, count: usize) -> Vec<(String, PathBuf)> {
+    let started = Instant::now();
+    loop {
+        let found = sessions(repository);
+        if found.len() >= count {
+            return found;
+        }
+        assert!(
+            started.elapsed() < PATIENCE,
+            "{} of {count} trigger sessions after {PATIENCE:?}",
+            found.len()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Monitor's line for `rule`.
+async fn counts_line(agent: &AgentProcess, rule: &str) -> String {
+    let text = agent.monitor(50).await.data;
+    let prefix = format!("trigger {rule}: ");
+    text.lines()
+        .find(|line| line.starts_with(&prefix))
+        .unwrap_or_else(|| panic!("no {prefix:?} line in Monitor:\n{text}"))
+        .to_string()
+}
+
+/// The number after `what` in a counts line ("fired 1, ...").
+fn count_of(line: &str, what: &str) -> u64 {
+    let at = line
+        .find(what)
+        .unwrap_or_else(|| panic!("{what:?} in {line:?}"))
+        + what.len();
+    line[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .find(|s| !s.is_empty())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count after {what:?} in {line:?}"))
+}
+
+/// Waits until Monitor shows `rule` held back (by cool-down) at least
+/// `held` times.
+async fn wait_until_held(agent: &AgentProcess, rule: &str, held: u64) -> String {
+    let started = Instant::now();
+    loop {
+        let line = counts_line(agent, rule).await;
+        if count_of(&line, "held back ") >= held {
+            return line;
+        }
+        assert!(
+            started.elapsed() < PATIENCE,
+            "never held back {held}: {line}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A saved trace and what its Task Environment says about the trigger.
+struct Saved {
+    space: XSpace,
+    fired_at_ns: u64,
+    rule: String,
+    value: String,
+}
+
+fn saved(path: &Path) -> Saved {
+    let space = read_xspace(path).expect("reading the saved trace");
+    let env = plane(&space, "Task Environment");
+    let text = |name: &str| match find_stat(env, &env.stats, name) {
+        Some(StatValue::Str(text)) => text,
+        other => panic!("{name}: {other:?}"),
+    };
+    let fired_at_ns = text("trigger.fired_at_ns").parse().expect("a time");
+    assert!(text("trigger.fired_at").ends_with('Z'));
+    let (rule, value) = (text("trigger.rule"), text("trigger.value"));
+    Saved {
+        space,
+        fired_at_ns,
+        rule,
+        value,
+    }
+}
+
+/// Every event of `plane_name` named `name`: (start, end) Unix ns and its
+/// `value` stat when it has one.
+fn timed(space: &XSpace, plane_name: &str, name: &str) -> Vec<(u64, u64, Option<f64>)> {
+    let (start, _) = window_of(space);
+    let plane = plane(space, plane_name);
+    plane
+        .lines
+        .iter()
+        .flat_map(|line| line.events.iter().map(move |event| (line, event)))
+        .filter(|(_, event)| event_name(plane, event) == name)
+        .map(|(line, event)| {
+            let begin = start + (event_start_ps(line.timestamp_ns, event) / 1000) as u64;
+            let value = match find_stat(plane, &event.stats, "value") {
+                Some(StatValue::Double(v)) => Some(v),
+                _ => None,
+            };
+            (begin, begin + (event.duration_ps / 1000) as u64, value)
+        })
+        .collect()
+}
+
+/// The saved window is `[fire - before, fire + after]`.
+fn assert_window(saved: &Saved, before: Duration, after: Duration) {
+    let fired = saved.fired_at_ns;
+    let (start, stop) = window_of(&saved.space);
+    assert_eq!(start, fired - before.as_nanos() as u64);
+    assert_eq!(stop, fired + after.as_nanos() as u64 + 1);
+}
+
+/// Steps in the first half of the window's part before the firing: the
+/// trace holds the past, not only what followed the firing.
+fn assert_steps_long_before(saved: &Saved) {
+    let (start, _) = window_of(&saved.space);
+    let halfway = start + (saved.fired_at_ns - start) / 2;
+    let early = timed(&saved.space, "/host:CPU", "train")
+        .iter()
+        .filter(|(begin, _, _)| (start..halfway).contains(begin))
+        .count();
+    assert!(
+        early > 0,
+        "no step in the first half of the window before the firing"
+    );
+}
+
+#[tokio::test]
+async fn a_slow_step_fires_once_at_its_end_and_the_trace_holds_the_steps_before() {
+    let rule = "name=slow-step; when=step > 3x median(10); before=2s; after=300ms";
+    let armed = armed(&[rule], &["--mock-slow-step", "2s"]);
+    let found = wait_for_sessions(&armed.repository, 1);
+    let (session, trace) = &found[0];
+    assert!(session.ends_with("_slow-step"), "{session}");
+    let saved = saved(trace);
+    assert_eq!(saved.rule, rule);
+    assert!(saved.value.starts_with("step "), "{}", saved.value);
+    assert_window(&saved, Duration::from_secs(2), Duration::from_millis(300));
+    assert_steps_long_before(&saved);
+    let steps = timed(&saved.space, "/host:CPU", "train");
+    let longest = steps.iter().map(|(b, e, _)| e - b).max().unwrap();
+    let slow: Vec<_> = steps.iter().filter(|(b, e, _)| e - b == longest).collect();
+    assert_eq!(slow.len(), 1, "{steps:?}");
+    assert_eq!(slow[0].1, saved.fired_at_ns, "fires at the slow step's end");
+    assert!(steps.iter().filter(|(_, e, _)| *e < slow[0].0).count() >= 10);
+
+    let line = counts_line(&armed.agent, "slow-step").await;
+    assert_eq!(count_of(&line, "fired "), 1, "{line}");
+    assert_eq!(sessions(&armed.repository).len(), 1);
+    // Listed like any other session.
+    let listed = devtrace(args(&["sessions", &path_text(&armed.logdir)])).await;
+    assert!(
+        text(&listed.stdout).contains(session.as_str()),
+        "{}",
+        text(&listed.stdout)
+    );
+}
+
+/// The SM utilisation samples of GPU 0 in a saved trace: (time, value).
+fn utilisation(saved: &Saved) -> Vec<(u64, f64)> {
+    let mut samples: Vec<(u64, f64)> = timed(&saved.space, "/device:GPU:0", SM_UTILIZATION)
+        .into_iter()
+        .map(|(at, _, value)| (at, value.expect("a counter value")))
+        .collect();
+    samples.sort_by_key(|(at, _)| *at);
+    samples
+}
+
+#[tokio::test]
+async fn low_utilisation_fires_once_after_its_duration_and_the_other_gpu_is_held() {
+    let rule = "name=idle-gpu; when=utilization < 20% for 400ms; before=1500ms; after=200ms";
+    let armed = armed(&[rule], &["--mock-utilization-dip", "2s+1500ms"]);
+    let found = wait_for_sessions(&armed.repository, 1);
+    let saved = saved(&found[0].1);
+    assert!(saved.value.contains("below 20%"), "{}", saved.value);
+    let samples = utilisation(&saved);
+    let first_low = samples
+        .iter()
+        .find(|(_, v)| *v < 20.0)
+        .expect("low samples in the trace")
+        .0;
+    // Fired by the sample 400 ms into the spell, not before, not later.
+    assert_eq!(saved.fired_at_ns - first_low, 400_000_000);
+    assert!(
+        samples.iter().any(|(at, v)| *at < first_low && *v > 20.0),
+        "busy before the dip"
+    );
+    assert_window(
+        &saved,
+        Duration::from_millis(1500),
+        Duration::from_millis(200),
+    );
+    assert_steps_long_before(&saved);
+    assert!(samples
+        .iter()
+        .filter(|(at, _)| *at >= first_low)
+        .all(|(_, v)| *v < 20.0));
+    // Both GPUs dip together: the second firing meets the cool-down.
+    let line = wait_until_held(&armed.agent, "idle-gpu", 1).await;
+    assert_eq!(count_of(&line, "fired "), 1, "{line}");
+    assert_eq!(sessions(&armed.repository).len(), 1);
+}
+
+#[tokio::test]
+async fn a_counter_change_fires_once_at_the_change_and_the_cooldown_holds_the_rest() {
+    let rule = "name=util-change; when=counter SM utilization (%) changes; before=1s; after=100ms";
+    let armed = armed(&[rule], &["--mock-utilization-dip", "2s+1s"]);
+    let found = wait_for_sessions(&armed.repository, 1);
+    let saved = saved(&found[0].1);
+    assert!(
+        saved.value.contains("changed from 92 to 3"),
+        "{}",
+        saved.value
+    );
+    let samples = utilisation(&saved);
+    let first_low = samples
+        .iter()
+        .find(|(_, v)| *v < 20.0)
+        .expect("the change")
+        .0;
+    assert_eq!(saved.fired_at_ns, first_low);
+    assert!(samples.iter().filter(|(at, _)| *at < first_low).count() >= 5);
+    assert_window(&saved, Duration::from_secs(1), Duration::from_millis(100));
+    // Two GPUs change into the dip and two out of it: one firing, three held.
+    let line = wait_until_held(&armed.agent, "util-change", 3).await;
+    assert_eq!(count_of(&line, "fired "), 1, "{line}");
+    assert_eq!(sessions(&armed.repository).len(), 1);
+}
+
+#[tokio::test]
+async fn dropped_events_fire_once_and_the_cooldown_holds_the_rest() {
+    let rule = "name=lossy; when=dropped; before=1s; after=100ms";
+    // A ring of 16 slots a lane cannot hold the mock's bursts.
+    let armed = armed(&[rule], &["--ring-capacity", "16"]);
+    let found = wait_for_sessions(&armed.repository, 1);
+    let saved = saved(&found[0].1);
+    assert!(saved.value.contains("events dropped"), "{}", saved.value);
+    assert_window(&saved, Duration::from_secs(1), Duration::from_millis(100));
+    // Drops start with the agent: only what came before the firing is there.
+    let steps = timed(&saved.space, "/host:CPU", "train");
+    assert!(
+        steps.iter().any(|(begin, _, _)| *begin < saved.fired_at_ns),
+        "{steps:?}"
+    );
+    let line = wait_until_held(&armed.agent, "lossy", 1).await;
+    assert_eq!(count_of(&line, "fired "), 1, "{line}");
+    assert_eq!(sessions(&armed.repository).len(), 1);
+}
+
+#[tokio::test]
+async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
+    let library = build_standin("nvml.c", "libnvidia-ml.so.1");
+    let control_dir = tempfile::tempdir().unwrap();
+    let control = control_dir.path().join("nvml.ctl");
+    std::fs::write(&control, "gpus=1\necc=0\n").unwrap();
+    let rule = "name=ecc; when=ecc changes; before=1s; after=100ms";
+    let nvml = [
+        "--backend",
+        "nvml",
+        "--nvml-library",
+        library.to_str().unwrap(),
+        "--nvml-idle-interval",
+        "20ms",
+    ];
+    let armed = armed_with_env(&[rule], &nvml, &[("DEVTRACE_NVML_STANDIN", &control)]);
+    // History for the window before the error.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    std::fs::write(&control, "gpus=1\necc=2\n").unwrap();
+    let found = wait_for_sessions(&armed.repository, 1);
+    let saved = saved(&found[0].1);
+    assert!(
+        saved
+            .value
+            .contains("ECC uncorrected errors changed from 0 to 2"),
+        "{}",
+        saved.value
+    );
+    assert_window(&saved, Duration::from_secs(1), Duration::from_millis(100));
+    let samples = timed(&saved.space, "/device:GPU:0", "ECC uncorrected errors");
+    let first_error = samples
+        .iter()
+        .filter(|(_, _, value)| *value == Some(2.0))
+        .map(|(at, _, _)| *at)
+        .min()
+        .expect("samples of the error");
+    assert_eq!(saved.fired_at_ns, first_error);
+    let clean_before = samples
+        .iter()
+        .filter(|(at, _, value)| *at < first_error && *value == Some(0.0))
+        .count();
+    assert!(
+        clean_before >= 10,
+        "{clean_before} clean samples before the error"
+    );
+    // A second change meets the cool-down.
+    std::fs::write(&control, "gpus=1\necc=3\n").unwrap();
+    let line = wait_until_held(&armed.agent, "ecc", 1).await;
+    assert_eq!(count_of(&line, "fired "), 1, "{line}");
+    assert_eq!(sessions(&armed.repository).len(), 1);
+}
+
+#[tokio::test]
+async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap() {
+    let watchdog =
+        "name=watchdog; when=explicit; before=1s; after=100ms; cooldown=0s; max-per-hour=2";
+    let careful = "name=careful; when=explicit; before=1s; after=0s; cooldown=1h";
+    let armed = armed(&[watchdog, careful], &[]);
+    // Enough history for the window before the first firing.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let out = devtrace(args(&[
+        "trigger",
+        "watchdog",
+        "--agent",
+        &armed.agent.address,
+        "--reason",
+        "loss is NaN",
+    ]))
+    .await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).starts_with("trigger watchdog fired at "));
+    armed
+        .agent
+        .fire_trigger("watchdog")
+        .await
+        .expect("the second of two an hour");
+    let capped = armed.agent.fire_trigger("watchdog").await.unwrap_err();
+    assert_eq!(capped.code(), Code::ResourceExhausted);
+    assert!(
+        capped.message().contains("max-per-hour"),
+        "{}",
+        capped.message()
+    );
+    armed
+        .agent
+        .fire_trigger("careful")
+        .await
+        .expect("the first");
+    let cooling = armed.agent.fire_trigger("careful").await.unwrap_err();
+    assert_eq!(cooling.code(), Code::ResourceExhausted);
+    assert!(
+        cooling.message().contains("cooldown"),
+        "{}",
+        cooling.message()
+    );
+    let unknown = armed.agent.fire_trigger("nope").await.unwrap_err();
+    assert_eq!(unknown.code(), Code::NotFound);
+    assert!(
+        unknown.message().contains("watchdog, careful"),
+        "{}",
+        unknown.message()
+    );
+    let out = devtrace(args(&["trigger", "nope", "--agent", &armed.agent.address])).await;
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("no trigger rule is named \"nope\""),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let found = wait_for_sessions(&armed.repository, 3);
+    assert_eq!(found.len(), 3, "{found:?}");
+    let traces: Vec<Saved> = found.iter().map(|(_, path)| saved(path)).collect();
+    let with_reason = traces
+        .iter()
+        .filter(|s| s.value == "fired explicitly: loss is NaN")
+        .count();
+    assert_eq!(with_reason, 1);
+    for trace in &traces {
+        let after = if trace.rule == careful { 0 } else { 100 };
+        assert_window(trace, Duration::from_secs(1), Duration::from_millis(after));
+        assert_steps_long_before(trace);
+    }
+    let line = counts_line(&armed.agent, "watchdog").await;
+    assert_eq!(count_of(&line, "fired "), 2, "{line}");
+    assert_eq!(count_of(&line, "(cooldown) and "), 1, "{line}");
+}
+
+/// `devtrace serve --backend mock <extra>`, which must fail at once; its
+/// standard error.
+fn refused(extra: &[&str]) -> String {
+    let out = serve_to_end(&[&["--backend", "mock"], extra].concat());
+    assert!(!out.status.success(), "{extra:?} was accepted");
+    text(&out.stderr)
+}
+
+#[test]
+fn a_bad_rule_or_repository_is_refused_naming_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = path_text(dir.path());
+    let repository = path_text(&dir.path().join("plugins/profile"));
+    let stderr = refused(&["--trigger", "name=slow; when=step > 3 median(20)"]);
+    assert!(
+        stderr.contains("in \"3\": a factor of at least 1"),
+        "{stderr}"
+    );
+    let stderr = refused(&[
+        "--trigger",
+        "name=slow; when=step > 3x median(20); afterwards=2s",
+    ]);
+    assert!(
+        stderr.contains("in \"afterwards=2s\": unknown key"),
+        "{stderr}"
+    );
+    let stderr = refused(&["--trigger", "name=w; when=explicit"]);
+    assert!(
+        stderr.contains("--trigger needs --trigger-repository"),
+        "{stderr}"
+    );
+    let outside = [
+        "--trigger",
+        "name=w; when=explicit",
+        "--trigger-repository",
+        "/tmp",
+    ];
+    let stderr = refused(&[&outside[..], &["--allow-root", &root]].concat());
+    assert!(
+        stderr.contains("must lie inside an --allow-root"),
+        "{stderr}"
+    );
+    let twice = [
+        "--allow-root",
+        &root,
+        "--trigger-repository",
+        &repository,
+        "--trigger",
+        "name=w; when=explicit",
+        "--trigger",
+        "name=w; when=dropped",
+    ];
+    assert!(refused(&twice).contains("another rule is named \"w\""));
+    let too_far = [
+        "--allow-root",
+        &root,
+        "--trigger-repository",
+        &repository,
+        "--trigger",
+        "name=w; when=explicit; before=10m",
+    ];
+    assert!(refused(&too_far).contains("--store-retention"));
+}
+
+#[tokio::test]
+async fn firings_and_held_ones_are_counted_in_the_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = path_text(dir.path());
+    let repository = path_text(&dir.path().join("plugins/profile"));
+    let (agent, metrics) = AgentProcess::start_with_metrics(
+        &[
+            "--allow-root",
+            &root,
+            "--trigger-repository",
+            &repository,
+            "--trigger",
+            "name=watchdog; when=explicit; before=200ms; after=0s; cooldown=1h",
+        ],
+        &[],
+    );
+    agent
+        .fire_trigger("watchdog")
+        .await
+        .expect("the first firing");
+    agent.fire_trigger("watchdog").await.unwrap_err();
+    let (status, text) = http_get(&metrics, "/metrics");
+    assert_eq!(status, 200);
+    for line in [
+        "devtrace_trigger_firings_total{rule=\"watchdog\"} 1",
+        "devtrace_trigger_suppressed_total{rule=\"watchdog\",reason=\"cooldown\"} 1",
+        "devtrace_trigger_suppressed_total{rule=\"watchdog\",reason=\"max_per_hour\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
+}
