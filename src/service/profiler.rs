@@ -667,15 +667,16 @@ impl ProfilerService {
         };
         let encoded = self.build(&plan, window).await?;
         let limit = self.config.chunk_traces_over;
-        let written = if encoded.bytes.len() > limit {
-            let chunked =
-                tokio::task::spawn_blocking(move || ChunkedTrace::encode(&encoded.bytes, limit))
-                    .await
-                    .map_err(|e| Status::internal(e.to_string()))?
-                    .map_err(|e| Status::internal(e.to_string()))?;
+        let written = if encoded.len() > limit {
+            let chunked = tokio::task::spawn_blocking(move || {
+                ChunkedTrace::encode(&encoded.contiguous(), limit)
+            })
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| Status::internal(e.to_string()))?;
             write_trace(root, &plan, RIEGELI_SUFFIX, chunked).await?.0
         } else {
-            write_trace(root, &plan, XPLANE_SUFFIX, encoded.bytes)
+            write_trace(root, &plan, XPLANE_SUFFIX, encoded.contiguous())
                 .await?
                 .0
         };
