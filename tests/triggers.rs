@@ -461,6 +461,58 @@ async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap()
     assert_eq!(count_of(&line, "(cooldown) and "), 1, "{line}");
 }
 
+#[tokio::test]
+async fn a_stopping_agent_saves_the_firings_it_can_and_names_those_it_cannot() {
+    let soon = "name=soon; when=explicit; before=1s; after=500ms";
+    let late = "name=late; when=explicit; before=1s; after=10m";
+    let dir = tempfile::tempdir().unwrap();
+    let repository = dir.path().join("plugins").join("profile");
+    let log = dir.path().join("agent.log");
+    let (root, repo) = (path_text(dir.path()), path_text(&repository));
+    let child = std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+        .args(["--metrics-listen", "off", "--log-level", "warn"])
+        .args(["--mock-rate", "20000", "--allow-root", &root])
+        .args([
+            "--trigger-repository",
+            &repo,
+            "--trigger",
+            soon,
+            "--trigger",
+            late,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("starting devtrace serve");
+    let mut agent = AgentProcess::adopt(child);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Fired from other processes: a connection of this test's own would
+    // keep the stopping agent waiting for it.
+    for rule in ["soon", "late"] {
+        let out = devtrace(args(&["trigger", rule, "--agent", &agent.address])).await;
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    // Stopped before either window has ended.
+    let status = agent.stop_with_sigterm(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    let found = sessions(&repository);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].0.ends_with("_soon"), "{found:?}");
+    assert_window(
+        &saved(&found[0].1),
+        Duration::from_secs(1),
+        Duration::from_millis(500),
+    );
+    let log = std::fs::read_to_string(&log).unwrap();
+    let abandoned: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("stopped before its window could be saved"))
+        .collect();
+    assert_eq!(abandoned.len(), 1, "{log}");
+    assert!(abandoned[0].contains("rule=late"), "{log}");
+}
+
 /// `devtrace serve --backend mock <extra>`, which must fail at once; its
 /// standard error.
 fn refused(extra: &[&str]) -> String {

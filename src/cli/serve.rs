@@ -435,7 +435,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(triggers) = &triggers {
         telemetry.triggers_started(triggers);
     }
-    let trigger_service = Arc::new(TriggerService::new(triggers));
+    let trigger_service = Arc::new(TriggerService::new(triggers.clone()));
     let address = listeners
         .tcp
         .local_addr()
@@ -475,9 +475,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     served?;
     info!("shutting down");
+    if let Some(triggers) = &triggers {
+        triggers.finish(TRIGGER_SAVE_GRACE).await;
+    }
     agent.shutdown();
     Ok(())
 }
+
+/// How long a stopping agent waits for trigger saves in progress: a firing
+/// just before the stop is saved once its `after` has passed (2 s by
+/// default), within what service managers allow a stop.
+const TRIGGER_SAVE_GRACE: Duration = Duration::from_secs(10);
 
 /// Arms the `--trigger` rules, saving into `--trigger-repository`; none
 /// without rules.

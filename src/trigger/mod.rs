@@ -72,12 +72,20 @@ struct Armed {
     counts: Counts,
 }
 
+/// A save set off and not yet done: its rule, when it fired, its task.
+struct Pending {
+    rule: usize,
+    at_ns: u64,
+    task: tokio::task::JoinHandle<()>,
+}
+
 /// See the module documentation.
 pub struct Triggers {
     rules: Vec<Armed>,
     service: Arc<ProfilerService>,
     repository: Folder,
     runtime: tokio::runtime::Handle,
+    pending: Mutex<Vec<Pending>>,
 }
 
 impl Triggers {
@@ -104,6 +112,7 @@ impl Triggers {
             service,
             repository,
             runtime: tokio::runtime::Handle::current(),
+            pending: Mutex::new(Vec::new()),
         });
         if !watcher.is_idle() || watches_drops {
             let weak = Arc::downgrade(&triggers);
@@ -194,11 +203,37 @@ impl Triggers {
                 .saturating_add(clock::duration_ns(rule.after))
                 .saturating_add(1),
         };
-        let at_ns = firing.at_ns;
+        let (rule, at_ns) = (firing.rule, firing.at_ns);
         let triggers = Arc::clone(self);
-        self.runtime
+        let task = self
+            .runtime
             .spawn(async move { triggers.save(firing, window).await });
+        let mut pending = self.pending.lock();
+        pending.retain(|save| !save.task.is_finished());
+        pending.push(Pending { rule, at_ns, task });
         Ok(Fired { at_ns, window })
+    }
+
+    /// At shutdown: lets the saves in progress finish within `grace`, and
+    /// names those that cannot, so that no firing is lost unsaid.
+    pub async fn finish(&self, grace: Duration) {
+        let pending = std::mem::take(&mut *self.pending.lock());
+        let deadline = tokio::time::Instant::now() + grace;
+        for save in pending {
+            let mut task = save.task;
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                task.abort();
+                self.rules[save.rule]
+                    .counts
+                    .failed
+                    .fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    rule = %self.rules[save.rule].rule.name,
+                    fired_at = %utc_text(save.at_ns),
+                    "trigger fired but the agent stopped before its window could be saved"
+                );
+            }
+        }
     }
 
     async fn save(&self, firing: Firing, window: Window) {
