@@ -149,6 +149,11 @@ impl Registry {
         Names::add(&mut names, &name)
     }
 
+    /// The string behind `id`, if it was interned.
+    pub fn name_of(&self, id: NameId) -> Option<Arc<str>> {
+        self.names.read().strings.get(id.0 as usize).cloned()
+    }
+
     /// Names [`Registry::intern`] refused since the agent started because
     /// the table was full.
     pub fn names_refused(&self) -> u64 {

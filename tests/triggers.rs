@@ -211,6 +211,18 @@ fn assert_steps_long_before(saved: &Saved) {
     );
 }
 
+/// The mock's steps in a saved trace, and the start of the one slow step,
+/// at whose end the firing must be.
+fn assert_fired_at_the_one_slow_step(saved: &Saved) -> (Vec<(u64, u64, Option<f64>)>, u64) {
+    let steps = timed(&saved.space, "/host:CPU", "train");
+    let longest = steps.iter().map(|(b, e, _)| e - b).max().unwrap();
+    let slow: Vec<_> = steps.iter().filter(|(b, e, _)| e - b == longest).collect();
+    assert_eq!(slow.len(), 1, "{steps:?}");
+    assert_eq!(slow[0].1, saved.fired_at_ns, "fires at the slow step's end");
+    let start = slow[0].0;
+    (steps, start)
+}
+
 #[tokio::test]
 async fn a_slow_step_fires_once_at_its_end_and_the_trace_holds_the_steps_before() {
     let rule = "name=slow-step; when=step > 3x median(10); before=2s; after=300ms";
@@ -223,12 +235,8 @@ async fn a_slow_step_fires_once_at_its_end_and_the_trace_holds_the_steps_before(
     assert!(saved.value.starts_with("step "), "{}", saved.value);
     assert_window(&saved, Duration::from_secs(2), Duration::from_millis(300));
     assert_steps_long_before(&saved);
-    let steps = timed(&saved.space, "/host:CPU", "train");
-    let longest = steps.iter().map(|(b, e, _)| e - b).max().unwrap();
-    let slow: Vec<_> = steps.iter().filter(|(b, e, _)| e - b == longest).collect();
-    assert_eq!(slow.len(), 1, "{steps:?}");
-    assert_eq!(slow[0].1, saved.fired_at_ns, "fires at the slow step's end");
-    assert!(steps.iter().filter(|(_, e, _)| *e < slow[0].0).count() >= 10);
+    let (steps, slow_start) = assert_fired_at_the_one_slow_step(&saved);
+    assert!(steps.iter().filter(|(_, e, _)| *e < slow_start).count() >= 10);
 
     let line = counts_line(&armed.agent, "slow-step").await;
     assert_eq!(count_of(&line, "fired "), 1, "{line}");
@@ -240,6 +248,30 @@ async fn a_slow_step_fires_once_at_its_end_and_the_trace_holds_the_steps_before(
         "{}",
         text(&listed.stdout)
     );
+}
+
+#[tokio::test]
+async fn a_slow_span_fires_by_its_name_once_at_its_end() {
+    // The mock's steps are spans named `train`; timed here by name, as an
+    // injected workload's NVTX ranges are. `tra*` also matches only them.
+    let rule =
+        "name=slow-span; when=span tra* > 3x median(10); before=2s; after=300ms; cooldown=0s";
+    let armed = armed(&[rule], &["--mock-slow-step", "2s"]);
+    let found = wait_for_sessions(&armed.repository, 1);
+    let saved = saved(&found[0].1);
+    assert!(
+        saved.value.starts_with("span \"train\" took "),
+        "{}",
+        saved.value
+    );
+    assert_window(&saved, Duration::from_secs(2), Duration::from_millis(300));
+    assert_steps_long_before(&saved);
+    assert_fired_at_the_one_slow_step(&saved);
+    // No cool-down: a second firing would be counted, not held. Steps
+    // after the slow one pass as normal again.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let line = counts_line(&armed.agent, "slow-span").await;
+    assert_eq!(count_of(&line, "fired "), 1, "{line}");
 }
 
 /// The SM utilisation samples of GPU 0 in a saved trace: (time, value).

@@ -37,6 +37,14 @@ pub enum Condition {
     /// A step marker lasts more than `factor` times the median of the
     /// `steps` before it on the same line.
     SlowStep { factor: f64, steps: usize },
+    /// A span named `name` (an NVTX range of an injected workload, a
+    /// framework op, any span) lasts more than `factor` times the median of
+    /// the `steps` spans of that name before it on its line.
+    SlowSpan {
+        name: SpanName,
+        factor: f64,
+        steps: usize,
+    },
     /// Events are lost anywhere (rings, backends, the agent).
     Dropped,
     /// Only `devtrace trigger NAME` (the Trigger service's Fire) fires it.
@@ -48,6 +56,36 @@ const COUNTER_ALIASES: &[(&str, &str)] = &[
     ("ecc", "ECC uncorrected errors"),
     ("throttle", "Throttle reasons (bitmask)"),
 ];
+
+/// Which spans a `span NAME > ...` rule times: one name, or every name
+/// with a prefix (`step_*`, as NVTX ranges numbered per step are named).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SpanName {
+    Exactly(String),
+    StartingWith(String),
+}
+
+impl SpanName {
+    fn parse(text: &str) -> Result<SpanName, RuleError> {
+        match text.strip_suffix('*') {
+            Some(prefix) if !prefix.is_empty() && !prefix.contains('*') => {
+                Ok(SpanName::StartingWith(prefix.to_string()))
+            }
+            None if !text.is_empty() && !text.contains('*') => Ok(SpanName::Exactly(text.into())),
+            _ => Err(bad(
+                text,
+                "a span name, or a prefix ending in * (step_*); no other wildcards",
+            )),
+        }
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        match self {
+            SpanName::Exactly(exact) => name == exact,
+            SpanName::StartingWith(prefix) => name.starts_with(prefix.as_str()),
+        }
+    }
+}
 
 /// One parsed rule.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,7 +170,7 @@ impl std::str::FromStr for Rule {
             bad(
                 text,
                 "the rule has no when=CONDITION (utilization < 20% for 30s, ecc changes, \
-                 step > 3x median(20), dropped, explicit)",
+                 step > 3x median(20), span NAME > 3x median(20), dropped, explicit)",
             )
         })?;
         if before.is_zero() && after.is_zero() {
@@ -213,30 +251,48 @@ fn parse_condition(text: &str) -> Result<Condition, RuleError> {
             Ok(Condition::UtilizationBelow { percent, for_ })
         }
         ["step", ">", factor, median] => {
-            let factor = factor
-                .strip_suffix('x')
-                .and_then(|f| f.parse::<f64>().ok())
-                .filter(|f| f.is_finite() && *f >= 1.0)
-                .ok_or_else(|| bad(factor, "a factor of at least 1, written like 3x"))?;
-            let steps = median
-                .strip_prefix("median(")
-                .and_then(|m| m.strip_suffix(')'))
-                .and_then(|n| n.parse::<usize>().ok())
-                .filter(|n| (1..=MAX_MEDIAN_STEPS).contains(n))
-                .ok_or_else(|| {
-                    bad(
-                        median,
-                        format!("median(N): the median of the last N steps, N from 1 to {MAX_MEDIAN_STEPS}"),
-                    )
-                })?;
+            let (factor, steps) = slower_than(factor, median)?;
             Ok(Condition::SlowStep { factor, steps })
+        }
+        ["span", .., ">", factor, median] if words.len() > 4 => {
+            let name = SpanName::parse(&words[1..words.len() - 3].join(" "))?;
+            let (factor, steps) = slower_than(factor, median)?;
+            Ok(Condition::SlowSpan {
+                name,
+                factor,
+                steps,
+            })
         }
         _ => Err(bad(
             text,
             "unknown condition; one of: utilization < PERCENT% for DURATION, ecc changes, \
-             throttle changes, counter NAME changes, step > FACTORx median(N), dropped, explicit",
+             throttle changes, counter NAME changes, step > FACTORx median(N), \
+             span NAME > FACTORx median(N), dropped, explicit",
         )),
     }
+}
+
+/// `FACTORx median(N)`: the factor, and N.
+fn slower_than(factor: &str, median: &str) -> Result<(f64, usize), RuleError> {
+    let factor_value = factor
+        .strip_suffix('x')
+        .and_then(|f| f.parse::<f64>().ok())
+        .filter(|f| f.is_finite() && *f >= 1.0)
+        .ok_or_else(|| bad(factor, "a factor of at least 1, written like 3x"))?;
+    let steps = median
+        .strip_prefix("median(")
+        .and_then(|m| m.strip_suffix(')'))
+        .and_then(|n| n.parse::<usize>().ok())
+        .filter(|n| (1..=MAX_MEDIAN_STEPS).contains(n))
+        .ok_or_else(|| {
+            bad(
+                median,
+                format!(
+                    "median(N): the median of the last N steps, N from 1 to {MAX_MEDIAN_STEPS}"
+                ),
+            )
+        })?;
+    Ok((factor_value, steps))
 }
 
 #[cfg(test)]
@@ -295,6 +351,26 @@ mod tests {
             }
         );
         assert_eq!(
+            parse("name=n; when=span step_* > 2.5x median(10)")
+                .unwrap()
+                .condition,
+            Condition::SlowSpan {
+                name: SpanName::StartingWith("step_".into()),
+                factor: 2.5,
+                steps: 10
+            }
+        );
+        assert_eq!(
+            parse("name=n; when=span optimizer step > 3x median(5)")
+                .unwrap()
+                .condition,
+            Condition::SlowSpan {
+                name: SpanName::Exactly("optimizer step".into()),
+                factor: 3.0,
+                steps: 5
+            }
+        );
+        assert_eq!(
             parse("name=d; when=dropped").unwrap().condition,
             Condition::Dropped
         );
@@ -312,6 +388,9 @@ mod tests {
         assert_eq!(part("name=x; when=utilization < 120% for 1s"), "120%");
         assert_eq!(part("name=x; when=utilization < 20% for soon"), "soon");
         assert_eq!(part("name=x; when=gpu melts"), "gpu melts");
+        assert_eq!(part("name=x; when=span * > 3x median(5)"), "*");
+        assert_eq!(part("name=x; when=span a*b* > 3x median(5)"), "a*b*");
+        assert_eq!(part("name=x; when=span fwd > 0.5x median(5)"), "0.5x");
         assert_eq!(
             part("name=x; when=dropped; before=2 weeks"),
             "before=2 weeks"

@@ -5,9 +5,10 @@
 //! agent.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::rule::{Condition, Rule};
+use super::rule::{Condition, Rule, SpanName};
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
 use crate::registry::Registry;
@@ -44,8 +45,35 @@ enum Watch {
         factor: f64,
         steps: usize,
         /// Per (device, line): the lengths of the last `steps` steps.
-        recent: HashMap<(Device, u64), VecDeque<u64>>,
+        recent: Recent,
     },
+    SlowSpan {
+        spans: SpanNames,
+        factor: f64,
+        steps: usize,
+        recent: Recent,
+    },
+}
+
+/// Per (device, line): the lengths of the last steps (or spans) timed.
+type Recent = HashMap<(Device, u64), VecDeque<u64>>;
+
+/// Which names a span rule times, decided once per name.
+struct SpanNames {
+    pattern: SpanName,
+    registry: Arc<Registry>,
+    decided: HashMap<NameId, Option<Arc<str>>>,
+}
+
+impl SpanNames {
+    /// The span's name when the rule times it.
+    fn timed(&mut self, id: NameId) -> Option<Arc<str>> {
+        let (pattern, registry) = (&self.pattern, &self.registry);
+        self.decided
+            .entry(id)
+            .or_insert_with(|| registry.name_of(id).filter(|name| pattern.matches(name)))
+            .clone()
+    }
 }
 
 /// Every event-watching rule of an agent.
@@ -56,7 +84,7 @@ pub struct Watcher {
 impl Watcher {
     /// Watches for the rules whose conditions are about events; names are
     /// interned in `registry` so that events are matched by id.
-    pub fn new(rules: &[Rule], registry: &Registry) -> Watcher {
+    pub fn new(rules: &[Rule], registry: &Arc<Registry>) -> Watcher {
         let watches = rules
             .iter()
             .enumerate()
@@ -74,6 +102,20 @@ impl Watcher {
                         last: HashMap::new(),
                     },
                     Condition::SlowStep { factor, steps } => Watch::SlowStep {
+                        factor: *factor,
+                        steps: *steps,
+                        recent: HashMap::new(),
+                    },
+                    Condition::SlowSpan {
+                        name,
+                        factor,
+                        steps,
+                    } => Watch::SlowSpan {
+                        spans: SpanNames {
+                            pattern: name.clone(),
+                            registry: Arc::clone(registry),
+                            decided: HashMap::new(),
+                        },
                         factor: *factor,
                         steps: *steps,
                         recent: HashMap::new(),
@@ -136,13 +178,29 @@ impl Watcher {
                     },
                     Payload::Step { step_num },
                 ) => {
-                    let key = (event.device(), event.line);
-                    if recent.len() >= MAX_STEP_LINES && !recent.contains_key(&key) {
-                        recent.clear();
-                    }
-                    let history = recent.entry(key).or_default();
-                    slow_step(history, *steps, *factor, event.duration_ns, step_num)
-                        .map(|text| (event.end_ns(), text))
+                    let history = history_of(recent, event);
+                    slow_step(history, *steps, *factor, event.duration_ns, || {
+                        format!("step {step_num}")
+                    })
+                    .map(|text| (event.end_ns(), text))
+                }
+                (
+                    Watch::SlowSpan {
+                        spans,
+                        factor,
+                        steps,
+                        recent,
+                    },
+                    _,
+                ) if event.duration_ns > 0 && event.line != COUNTER_TRACK => {
+                    let Some(name) = spans.timed(event.name()) else {
+                        continue;
+                    };
+                    let history = history_of(recent, event);
+                    slow_step(history, *steps, *factor, event.duration_ns, || {
+                        format!("span {name:?}")
+                    })
+                    .map(|text| (event.end_ns(), text))
                 }
                 _ => None,
             };
@@ -186,21 +244,32 @@ fn utilization(
     ))
 }
 
-/// One step of a line: slow when it lasts more than `factor` times the
-/// median of the `steps` before it (judged once that many were seen).
+/// The recent lengths of the line `event` is on.
+fn history_of<'r>(recent: &'r mut Recent, event: &Event) -> &'r mut VecDeque<u64> {
+    let key = (event.device(), event.line);
+    if recent.len() >= MAX_STEP_LINES && !recent.contains_key(&key) {
+        recent.clear();
+    }
+    recent.entry(key).or_default()
+}
+
+/// One step (or timed span) of a line: slow when it lasts more than
+/// `factor` times the median of the `steps` before it (judged once that
+/// many were seen); `what` names it in the value.
 fn slow_step(
     history: &mut VecDeque<u64>,
     steps: usize,
     factor: f64,
     duration_ns: u64,
-    step_num: i64,
+    what: impl FnOnce() -> String,
 ) -> Option<String> {
     let verdict = (history.len() == steps)
         .then(|| median(history))
         .filter(|median| duration_ns as f64 > factor * *median as f64)
         .map(|median| {
             format!(
-                "step {step_num} took {:.3} ms, {:.1}x the median {:.3} ms of the last {steps}",
+                "{} took {:.3} ms, {:.1}x the median {:.3} ms of the last {steps}",
+                what(),
                 duration_ns as f64 / 1e6,
                 duration_ns as f64 / median.max(1) as f64,
                 median as f64 / 1e6
@@ -326,6 +395,49 @@ mod tests {
         assert_eq!(fired.len(), 1, "{fired:?}");
         assert_eq!(fired[0].at_ns, 1_200_000_000);
         assert!(fired[0].value.starts_with("step 7 "), "{}", fired[0].value);
+    }
+
+    fn span(registry: &Registry, name: &str, thread: u64, at_ms: u64, length_ms: u64) -> Event {
+        Event::new(
+            at_ms * 1_000_000,
+            length_ms * 1_000_000,
+            Device::Host,
+            thread,
+            registry.intern(name),
+            Payload::Plain,
+        )
+    }
+
+    #[test]
+    fn a_span_fires_past_the_factor_times_the_median_of_its_names_before() {
+        let registry = Registry::new();
+        let mut watcher = Watcher::new(
+            &rules(&["name=s; when=span step_* > 3x median(3)"]),
+            &registry,
+        );
+        // NVTX ranges `step_<i>` on thread 7, with other spans between
+        // them that must not count, and the same names on thread 8 timed
+        // apart.
+        let mut events = Vec::new();
+        for i in 0..4u64 {
+            events.push(span(&registry, &format!("step_{i}"), 7, i * 100, 40));
+            events.push(span(&registry, "forward", 7, i * 100 + 5, 500));
+            events.push(span(&registry, "other_step", 7, i * 100 + 6, 900));
+        }
+        events.push(span(&registry, "step_4", 8, 400, 300));
+        events.push(span(&registry, "step_4", 7, 400, 110));
+        events.push(span(&registry, "step_5", 7, 600, 20));
+        assert!(run(&mut watcher, &events).is_empty());
+        let fired = run(&mut watcher, &[span(&registry, "step_6", 7, 700, 150)]);
+        assert_eq!(fired.len(), 1, "{fired:?}");
+        assert_eq!(fired[0].at_ns, 850_000_000);
+        assert!(
+            fired[0]
+                .value
+                .starts_with("span \"step_6\" took 150.000 ms"),
+            "{}",
+            fired[0].value
+        );
     }
 
     #[test]
