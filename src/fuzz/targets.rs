@@ -227,7 +227,7 @@ fn tap(input: &[u8]) -> Option<u64> {
         } else {
             Direction::Response
         };
-        call.observe(direction, &after[..length]);
+        call.observe(direction, &bytes::Bytes::copy_from_slice(&after[..length]));
         rest = &after[length..];
     }
     call.finish(0);

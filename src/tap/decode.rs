@@ -1,32 +1,135 @@
 //! gRPC message framing and the partial protos the tap decodes.
 //!
-//! The tap never changes what it forwards; it reads a copy. [`Framer`]
+//! The tap never changes what it forwards; it reads the same bytes. [`Framer`]
 //! reassembles gRPC messages (1-byte compressed flag, 4-byte big-endian
-//! length, then the message) from HTTP/2 data frames of any size. The structs
-//! below declare only the fields the tap records, with TensorFlow's field
-//! numbers (`master.proto`, `eager_service.proto`); prost skips the rest.
+//! length, then the message) from HTTP/2 data frames of any size, holding
+//! the frames themselves rather than copies, so that a 6 MiB tensor costs
+//! the tap no memcpy; the partial protos decode straight from them
+//! ([`Body::buf`]). The structs below declare only the fields the tap
+//! records, with TensorFlow's field numbers (`master.proto`,
+//! `eager_service.proto`); prost skips the rest.
+
+use std::collections::VecDeque;
 
 use bytes::{Buf, Bytes, BytesMut};
 
 /// Length of the gRPC message prefix.
 pub const PREFIX_BYTES: usize = 5;
 
+/// Data frames shorter than this are copied together rather than held:
+/// a peer sending a message a byte per frame must not make the tap hold a
+/// queue entry (and the receive buffer behind it) per byte.
+const HELD_FRAME_BYTES: usize = 4096;
+
 /// One complete gRPC message seen on the wire.
 #[derive(Debug, PartialEq)]
 pub enum Frame {
     /// An uncompressed message body, ready to decode (up to the decode limit).
-    Message(Bytes),
+    Message(Body),
     /// A message the tap does not decode: compressed, or larger than the
     /// decode limit. `bytes` is its length without the prefix.
     Skipped { bytes: u64 },
 }
 
+/// A message's body as the pieces of the frames it arrived in.
+#[derive(Clone, Debug, Default)]
+pub struct Body {
+    pieces: Vec<Bytes>,
+    len: usize,
+}
+
+impl Body {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The body to decode from, without joining its pieces.
+    pub fn buf(&self) -> Pieces<'_> {
+        Pieces {
+            pieces: &self.pieces,
+            at: 0,
+            remaining: self.len,
+        }
+    }
+}
+
+impl From<Bytes> for Body {
+    fn from(bytes: Bytes) -> Body {
+        let len = bytes.len();
+        let pieces = if len > 0 { vec![bytes] } else { Vec::new() };
+        Body { pieces, len }
+    }
+}
+
+impl PartialEq for Body {
+    /// Equal bodies, however they were cut.
+    fn eq(&self, other: &Body) -> bool {
+        let mut ours = self.buf();
+        ours.remaining() == other.len
+            && other.pieces.iter().all(|piece| {
+                let mine = ours.copy_to_bytes(piece.len());
+                mine == *piece
+            })
+    }
+}
+
+/// A [`Body`]'s pieces read in order, as one buffer.
+pub struct Pieces<'m> {
+    pieces: &'m [Bytes],
+    /// Offset into the first piece.
+    at: usize,
+    remaining: usize,
+}
+
+impl Buf for Pieces<'_> {
+    fn remaining(&self) -> usize {
+        self.remaining
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.pieces.first().map_or(&[], |piece| &piece[self.at..])
+    }
+
+    fn advance(&mut self, mut count: usize) {
+        assert!(count <= self.remaining, "advanced past the message's end");
+        self.remaining -= count;
+        while count > 0 {
+            let left = self.pieces[0].len() - self.at;
+            if count < left {
+                self.at += count;
+                return;
+            }
+            count -= left;
+            self.pieces = &self.pieces[1..];
+            self.at = 0;
+        }
+        while self
+            .pieces
+            .first()
+            .is_some_and(|piece| piece.len() == self.at)
+        {
+            self.pieces = &self.pieces[1..];
+            self.at = 0;
+        }
+    }
+}
+
 /// Reassembles gRPC messages from the data frames of one direction of a call.
-/// Messages larger than `decode_limit` are counted but not buffered.
+/// Messages larger than `decode_limit` are counted but not held.
 #[derive(Debug)]
 pub struct Framer {
-    buffer: BytesMut,
-    /// Bytes still to skip of a message that is not being buffered.
+    /// What arrived and is not yet framed, in order: frames held as they
+    /// came, small ones copied together.
+    pending: VecDeque<Bytes>,
+    /// Small frames being copied together, after `pending`.
+    small: BytesMut,
+    /// Bytes in `pending` and `small`.
+    pending_len: usize,
+    /// Bytes still to skip of a message that is not being held.
     skipping: u64,
     decode_limit: usize,
     /// Every byte seen, prefixes included.
@@ -38,7 +141,9 @@ pub struct Framer {
 impl Framer {
     pub fn new(decode_limit: usize) -> Framer {
         Framer {
-            buffer: BytesMut::new(),
+            pending: VecDeque::new(),
+            small: BytesMut::new(),
+            pending_len: 0,
             skipping: 0,
             decode_limit,
             bytes: 0,
@@ -47,55 +152,105 @@ impl Framer {
     }
 
     /// Feeds one data frame; complete messages go to `out`.
-    pub fn push(&mut self, mut data: &[u8], out: &mut Vec<Frame>) {
+    pub fn push(&mut self, data: &Bytes, out: &mut Vec<Frame>) {
         self.bytes += data.len() as u64;
-        while !data.is_empty() {
-            if self.skipping > 0 {
-                let take = (self.skipping as usize).min(data.len());
-                self.skipping -= take as u64;
-                data = &data[take..];
+        let mut data = data.clone();
+        // What a skipped message still has to come is never held.
+        let skipped = (self.skipping as usize).min(data.len());
+        data.advance(skipped);
+        self.skipping -= skipped as u64;
+        if data.is_empty() {
+            return;
+        }
+        self.pending_len += data.len();
+        if data.len() < HELD_FRAME_BYTES {
+            self.small.extend_from_slice(&data);
+        } else {
+            self.seal_small();
+            self.pending.push_back(data);
+        }
+        while self.pending_len >= PREFIX_BYTES {
+            let prefix = self.peek_prefix();
+            let compressed = prefix[0] != 0;
+            let length = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+            if compressed || length > self.decode_limit {
+                self.messages = self.messages.saturating_add(1);
+                out.push(Frame::Skipped {
+                    bytes: length as u64,
+                });
+                self.discard(PREFIX_BYTES);
+                let here = length.min(self.pending_len);
+                self.discard(here);
+                self.skipping = (length - here) as u64;
                 continue;
             }
-            self.buffer.extend_from_slice(data);
-            data = &[];
-            while self.buffer.len() >= PREFIX_BYTES {
-                let compressed = self.buffer[0] != 0;
-                let length = u32::from_be_bytes([
-                    self.buffer[1],
-                    self.buffer[2],
-                    self.buffer[3],
-                    self.buffer[4],
-                ]) as usize;
-                if compressed || length > self.decode_limit {
-                    self.messages = self.messages.saturating_add(1);
-                    out.push(Frame::Skipped {
-                        bytes: length as u64,
-                    });
-                    self.buffer.advance(PREFIX_BYTES);
-                    let here = length.min(self.buffer.len());
-                    self.buffer.advance(here);
-                    self.skipping = (length - here) as u64;
-                    if self.skipping > 0 {
-                        break;
-                    }
-                    continue;
-                }
-                if self.buffer.len() < PREFIX_BYTES + length {
-                    // Nothing is reserved for the announced length: five
-                    // bytes from a peer must not make the tap hold 64 MiB.
-                    // The buffer grows with what arrives.
-                    break;
-                }
-                self.buffer.advance(PREFIX_BYTES);
-                self.messages = self.messages.saturating_add(1);
-                out.push(Frame::Message(self.buffer.split_to(length).freeze()));
+            if self.pending_len < PREFIX_BYTES + length {
+                // Nothing is reserved for the announced length: five bytes
+                // from a peer must not make the tap hold 64 MiB. What is
+                // held is what arrived.
+                break;
             }
+            self.discard(PREFIX_BYTES);
+            self.messages = self.messages.saturating_add(1);
+            out.push(Frame::Message(self.take(length)));
         }
     }
 
     /// Bytes of an incomplete message left when the stream ended.
     pub fn leftover(&self) -> usize {
-        self.buffer.len() + self.skipping as usize
+        self.pending_len + self.skipping as usize
+    }
+
+    /// Moves the small frames copied so far into the queue.
+    fn seal_small(&mut self) {
+        if !self.small.is_empty() {
+            self.pending.push_back(self.small.split().freeze());
+        }
+    }
+
+    fn peek_prefix(&self) -> [u8; PREFIX_BYTES] {
+        let mut prefix = [0u8; PREFIX_BYTES];
+        let mut filled = 0;
+        let pieces = self.pending.iter().map(|piece| &piece[..]);
+        for piece in pieces.chain(std::iter::once(&self.small[..])) {
+            let take = (PREFIX_BYTES - filled).min(piece.len());
+            prefix[filled..filled + take].copy_from_slice(&piece[..take]);
+            filled += take;
+            if filled == PREFIX_BYTES {
+                break;
+            }
+        }
+        prefix
+    }
+
+    /// Drops the next `count` pending bytes.
+    fn discard(&mut self, count: usize) {
+        self.take(count);
+    }
+
+    /// The next `count` pending bytes, as the pieces they are in.
+    fn take(&mut self, mut count: usize) -> Body {
+        self.pending_len -= count;
+        let mut message = Body {
+            pieces: Vec::new(),
+            len: count,
+        };
+        while count > 0 {
+            let Some(front) = self.pending.front_mut() else {
+                break;
+            };
+            if front.len() <= count {
+                count -= front.len();
+                message.pieces.extend(self.pending.pop_front());
+            } else {
+                message.pieces.push(front.split_to(count));
+                count = 0;
+            }
+        }
+        if count > 0 {
+            message.pieces.push(self.small.split_to(count).freeze());
+        }
+        message
     }
 }
 
@@ -331,15 +486,15 @@ mod tests {
             let mut framer = Framer::new(100);
             let mut out = Vec::new();
             for piece in wire.chunks(chunk) {
-                framer.push(piece, &mut out);
+                framer.push(&Bytes::copy_from_slice(piece), &mut out);
             }
             assert_eq!(
                 out,
                 vec![
-                    Frame::Message(Bytes::from_static(b"hello")),
+                    Frame::Message(Bytes::from_static(b"hello").into()),
                     Frame::Skipped { bytes: 2 },
                     Frame::Skipped { bytes: 300 },
-                    Frame::Message(Bytes::new()),
+                    Frame::Message(Body::default()),
                 ],
                 "chunk {chunk}"
             );
@@ -364,12 +519,68 @@ mod tests {
     fn an_announced_length_holds_no_memory_until_the_bytes_arrive() {
         let mut framer = Framer::new(64 << 20);
         let mut out = Vec::new();
-        framer.push(&[0, 0x03, 0xff, 0xff, 0xff], &mut out);
+        framer.push(&Bytes::from_static(&[0, 0x03, 0xff, 0xff, 0xff]), &mut out);
         assert!(out.is_empty());
+        let held: usize = framer.pending.iter().map(Bytes::len).sum();
         assert!(
-            framer.buffer.capacity() < 4096,
-            "{} bytes held for a 5-byte prefix",
-            framer.buffer.capacity()
+            held + framer.small.capacity() < 4096,
+            "{held} bytes held for a 5-byte prefix"
+        );
+    }
+
+    #[test]
+    fn large_frames_are_held_not_copied_and_decode_across_their_pieces() {
+        let run_step = sample_run_step().encode_to_vec();
+        // A body far larger than the fields decoded: a feed tensor's bytes
+        // the partial proto skips, then the fields after it.
+        let mut body = Vec::new();
+        prost::encoding::bytes::encode(5, &vec![7u8; 3 * HELD_FRAME_BYTES], &mut body);
+        body.extend_from_slice(&run_step);
+        let wire = Bytes::from(framed(false, &body));
+        let mut framer = Framer::new(1 << 20);
+        let mut out = Vec::new();
+        let frames: Vec<Bytes> = (0..wire.len())
+            .step_by(HELD_FRAME_BYTES + 1)
+            .map(|at| wire.slice(at..wire.len().min(at + HELD_FRAME_BYTES + 1)))
+            .collect();
+        for frame in &frames {
+            framer.push(frame, &mut out);
+        }
+        let [Frame::Message(message)] = out.as_slice() else {
+            panic!("{out:?}");
+        };
+        assert_eq!(message.len(), body.len());
+        assert!(message.pieces.len() > 2, "{} pieces", message.pieces.len());
+        // The pieces are the frames' own memory, but for the last frame,
+        // short enough to be copied.
+        let inside = |piece: &&Bytes| {
+            let range = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
+            range.contains(&(piece.as_ptr() as usize))
+        };
+        let held: usize = message.pieces.iter().filter(inside).map(Bytes::len).sum();
+        assert!(
+            held > body.len() - HELD_FRAME_BYTES,
+            "{held} of {}",
+            body.len()
+        );
+        let decoded = RunStepRequest::decode(message.buf()).unwrap();
+        assert_eq!(decoded, sample_run_step());
+    }
+
+    #[test]
+    fn a_message_a_byte_per_frame_is_copied_together() {
+        let wire = framed(false, &[9u8; 10_000]);
+        let mut framer = Framer::new(1 << 20);
+        let mut out = Vec::new();
+        for byte in &wire[..wire.len() - 1] {
+            framer.push(&Bytes::copy_from_slice(&[*byte]), &mut out);
+        }
+        assert!(out.is_empty());
+        assert!(framer.pending.len() <= 2, "{} held", framer.pending.len());
+        framer.push(&Bytes::copy_from_slice(&wire[wire.len() - 1..]), &mut out);
+        assert_eq!(
+            out,
+            vec![Frame::Message(Bytes::from(vec![9u8; 10_000]).into())]
         );
     }
 }

@@ -6,9 +6,9 @@
 //! frames passed on one by one as they arrive, in both directions, so unary
 //! and streaming calls (`EagerService/StreamingEnqueue`) behave as without
 //! it. Response headers, data and trailers (status, message, metadata) come
-//! back unchanged. A copy of each data frame is reassembled into gRPC
-//! messages and decoded with partial protos ([`decode`]); [`record`] turns
-//! the calls into events in the agent's ring.
+//! back unchanged. The data frames themselves (shared, not copied) are
+//! reassembled into gRPC messages and decoded with partial protos
+//! ([`decode`]); [`record`] turns the calls into events in the agent's ring.
 //!
 //! What the tap says itself: `UNAVAILABLE` when the upstream cannot be reached
 //! or resets a call before its end. A client that cancels resets the upstream

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 use prost::Message;
 
@@ -16,7 +17,7 @@ use crate::event::{Device, Event, NameId, Payload, RpcInfo};
 use crate::registry::Registry;
 use crate::ring::Producer;
 
-use super::decode::{self, Frame, Framer};
+use super::decode::{self, Body, Frame, Framer};
 
 /// Tap lines carry this tag in their upper bits, apart from host thread ids.
 const LINE_TAG: u64 = 0x7461_7000_0000_0000;
@@ -265,7 +266,7 @@ pub struct Call {
 
 impl Call {
     /// A copy of one data frame, in order, for one direction.
-    pub fn observe(&self, direction: Direction, data: &[u8]) {
+    pub fn observe(&self, direction: Direction, data: &Bytes) {
         let mut frames = Vec::new();
         let mut events = Vec::new();
         let mut state = self.state.lock();
@@ -395,11 +396,11 @@ impl Call {
     }
 
     /// Decodes one request message; false when it does not parse.
-    fn request(&self, state: &mut State, message: &[u8]) -> bool {
+    fn request(&self, state: &mut State, message: &Body) -> bool {
         let registry = &self.recorder.registry;
         match self.kind {
             Kind::RunStep => {
-                let Ok(m) = decode::RunStepRequest::decode(message) else {
+                let Ok(m) = decode::RunStepRequest::decode(message.buf()) else {
                     return false;
                 };
                 self.step(state, &m.session_handle);
@@ -407,14 +408,14 @@ impl Call {
                 state.targets = m.target;
             }
             Kind::RunCallable => {
-                let Ok(m) = decode::RunCallableRequest::decode(message) else {
+                let Ok(m) = decode::RunCallableRequest::decode(message.buf()) else {
                     return false;
                 };
                 self.step(state, &m.session_handle);
                 state.fetches = vec![format!("callable:{}", m.handle)];
             }
             Kind::MakeCallable => {
-                let Ok(m) = decode::MakeCallableRequest::decode(message) else {
+                let Ok(m) = decode::MakeCallableRequest::decode(message.buf()) else {
                     return false;
                 };
                 state.session = m.session_handle;
@@ -424,26 +425,26 @@ impl Call {
                 }
             }
             Kind::CreateSession => {
-                let Ok(m) = decode::CreateSessionRequest::decode(message) else {
+                let Ok(m) = decode::CreateSessionRequest::decode(message.buf()) else {
                     return false;
                 };
                 graph(state, &m.graph_def);
             }
             Kind::ExtendSession => {
-                let Ok(m) = decode::ExtendSessionRequest::decode(message) else {
+                let Ok(m) = decode::ExtendSessionRequest::decode(message.buf()) else {
                     return false;
                 };
                 state.session = m.session_handle;
                 graph(state, &m.graph_def);
             }
             Kind::MasterSession => {
-                let Ok(m) = decode::SessionHandle::decode(message) else {
+                let Ok(m) = decode::SessionHandle::decode(message.buf()) else {
                     return false;
                 };
                 state.session = m.session_handle;
             }
             Kind::CloseSession => {
-                let Ok(m) = decode::SessionHandle::decode(message) else {
+                let Ok(m) = decode::SessionHandle::decode(message.buf()) else {
                     return false;
                 };
                 self.recorder
@@ -453,13 +454,13 @@ impl Call {
                 state.session = m.session_handle;
             }
             Kind::CreateContext => {
-                let Ok(m) = decode::CreateContextRequest::decode(message) else {
+                let Ok(m) = decode::CreateContextRequest::decode(message.buf()) else {
                     return false;
                 };
                 state.context_id = m.context_id;
             }
             Kind::Enqueue => {
-                let Ok(m) = decode::EnqueueRequest::decode(message) else {
+                let Ok(m) = decode::EnqueueRequest::decode(message.buf()) else {
                     return false;
                 };
                 state.context_id = m.context_id;
@@ -496,7 +497,7 @@ impl Call {
                 state.pending.push_back((clock::now_ns(), ops));
             }
             Kind::WaitQueueDone => {
-                let Ok(m) = decode::WaitQueueDoneRequest::decode(message) else {
+                let Ok(m) = decode::WaitQueueDoneRequest::decode(message.buf()) else {
                     return false;
                 };
                 state.context_id = m.context_id;
@@ -504,7 +505,7 @@ impl Call {
                 state.info.waited_ops = state.info.waited_ops.saturating_add(waited);
             }
             Kind::SendTensor => {
-                let Ok(m) = decode::SendTensorRequest::decode(message) else {
+                let Ok(m) = decode::SendTensorRequest::decode(message.buf()) else {
                     return false;
                 };
                 state.context_id = m.context_id;
@@ -512,7 +513,7 @@ impl Call {
                 state.info.payload_bytes = state.info.payload_bytes.saturating_add(tensors);
             }
             Kind::EagerContext => {
-                let Ok(m) = decode::ContextId::decode(message) else {
+                let Ok(m) = decode::ContextId::decode(message.buf()) else {
                     return false;
                 };
                 state.context_id = m.context_id;
@@ -523,22 +524,22 @@ impl Call {
     }
 
     /// Decodes one response message; false when it does not parse.
-    fn response(&self, state: &mut State, message: &[u8], events: &mut Vec<Event>) -> bool {
+    fn response(&self, state: &mut State, message: &Body, events: &mut Vec<Event>) -> bool {
         match self.kind {
             Kind::RunStep => {
-                let Ok(m) = decode::RunStepResponse::decode(message) else {
+                let Ok(m) = decode::RunStepResponse::decode(message.buf()) else {
                     return false;
                 };
                 state.body_status = u32::try_from(m.status_code).unwrap_or(UNKNOWN);
             }
             Kind::CreateSession => {
-                let Ok(m) = decode::SessionHandle::decode(message) else {
+                let Ok(m) = decode::SessionHandle::decode(message.buf()) else {
                     return false;
                 };
                 state.session = m.session_handle;
             }
             Kind::CreateContext => {
-                let Ok(m) = decode::ContextId::decode(message) else {
+                let Ok(m) = decode::ContextId::decode(message.buf()) else {
                     return false;
                 };
                 if state.context_id == 0 {
