@@ -1,7 +1,8 @@
 //! The NVML backend against a stand-in `libnvidia-ml.so` built from
 //! `tests/standins/nvml.c` with the real NVML C ABI: counters and device
-//! stats in the trace, Monitor's summary, unsupported metrics, a GPU that
-//! falls off the bus, and a machine without NVML.
+//! stats in the trace, Monitor's summary, unsupported metrics, XID errors
+//! (and drivers without them), a GPU that falls off the bus, and a machine
+//! without NVML.
 
 mod common;
 
@@ -26,11 +27,25 @@ struct Gpu {
     agent: AgentProcess,
 }
 
+/// The stand-in built without its event functions, like a driver that
+/// predates them.
+fn standin_without_events() -> PathBuf {
+    build_program(
+        "nvml.c",
+        "libnvidia-ml-without-events.so.1",
+        &["-shared", "-fPIC", "-DSTANDIN_WITHOUT_EVENTS"],
+    )
+}
+
 fn agent_with(settings: &str) -> Gpu {
+    agent_on(standin(), settings)
+}
+
+fn agent_on(library: &Path, settings: &str) -> Gpu {
     let dir = tempfile::tempdir().unwrap();
     let control = dir.path().join("nvml.ctl");
     std::fs::write(&control, settings).unwrap();
-    let library = standin().to_str().unwrap().to_string();
+    let library = library.to_str().unwrap().to_string();
     let agent = AgentProcess::start_with_env(
         &[
             "--backend",
@@ -190,6 +205,112 @@ async fn monitor_summarises_the_sampled_health() {
     );
     let result = reply.monitor_result.unwrap();
     assert_eq!(result.device_idle_time_percent, 75.0);
+}
+
+/// The names of the instants on a GPU plane's `XID errors` line.
+fn xid_instants(space: &XSpace, gpu: u16) -> Vec<String> {
+    let plane = plane(space, &format!("/device:GPU:{gpu}"));
+    plane
+        .lines
+        .iter()
+        .filter(|l| l.name == "XID errors")
+        .flat_map(|l| l.events.iter().map(|e| event_name(plane, e).to_string()))
+        .collect()
+}
+
+fn values_of(samples: &[(String, f64)], name: &str) -> Vec<f64> {
+    samples
+        .iter()
+        .filter(|(n, _)| n == name)
+        .map(|(_, v)| *v)
+        .collect()
+}
+
+#[tokio::test]
+async fn an_xid_error_is_an_instant_on_its_gpu_and_a_count_from_zero() {
+    let gpu = agent_with("gpus=2\n");
+    let script = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::fs::write(&gpu.control, "gpus=2\nxid=79\nxid_gpu=1\n").unwrap();
+    };
+    let (space, ()) = tokio::join!(capture(&gpu.agent, 500), script);
+    assert_eq!(xid_instants(&space, 1), vec!["XID 79".to_string()]);
+    assert!(xid_instants(&space, 0).is_empty());
+
+    let errors = values_of(&counters(&space, 1), "XID errors");
+    let (before, after): (Vec<f64>, Vec<f64>) = errors.iter().partition(|v| **v == 0.0);
+    assert!(before.len() >= 10, "{errors:?}: samples before the XID");
+    assert!(
+        after.len() >= 10 && after.iter().all(|v| *v == 1.0),
+        "{errors:?}"
+    );
+    assert!(
+        errors.windows(2).all(|w| w[0] <= w[1]),
+        "a running count: {errors:?}"
+    );
+    assert_eq!(values_of(&counters(&space, 1), "Last XID"), vec![79.0]);
+    let other = values_of(&counters(&space, 0), "XID errors");
+    assert!(
+        !other.is_empty() && other.iter().all(|v| *v == 0.0),
+        "{other:?}"
+    );
+    assert!(values_of(&counters(&space, 0), "Last XID").is_empty());
+
+    // A second XID adds to the count.
+    let script = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        std::fs::write(&gpu.control, "gpus=2\nxid=31\nxid_gpu=1\n").unwrap();
+    };
+    let (space, ()) = tokio::join!(capture(&gpu.agent, 400), script);
+    assert_eq!(xid_instants(&space, 1), vec!["XID 31".to_string()]);
+    let errors = values_of(&counters(&space, 1), "XID errors");
+    assert!(
+        errors.contains(&1.0) && errors.last() == Some(&2.0),
+        "{errors:?}"
+    );
+}
+
+#[tokio::test]
+async fn gpus_and_drivers_without_xid_events_still_sample_their_counters() {
+    let without_events = standin_without_events();
+    let cases = [
+        (without_events.as_path(), "gpus=2\n"),
+        (standin(), "gpus=2\nfail_event_set=999\n"),
+        (standin(), "gpus=2\nfail_events=3\n"),
+        // A supported-event-types mask with both ECC kinds but no XID.
+        (standin(), "gpus=2\nevent_types=3\n"),
+    ];
+    for (library, settings) in cases {
+        let gpu = agent_on(library, settings);
+        let space = capture(&gpu.agent, 200).await;
+        for ordinal in 0..2 {
+            let samples = counters(&space, ordinal);
+            assert!(
+                !values_of(&samples, "SM utilization (%)").is_empty(),
+                "{settings}: GPU {ordinal} {samples:?}"
+            );
+            assert!(values_of(&samples, "XID errors").is_empty(), "{settings}");
+        }
+        let reply = gpu.agent.monitor(50).await;
+        assert!(
+            reply.data.contains("not supported: GPU 0 Xid, GPU 1 Xid"),
+            "{settings}: {}",
+            reply.data
+        );
+        assert!(
+            reply.data.contains("backend nvml: running"),
+            "{}",
+            reply.data
+        );
+        // A scripted XID has no set to arrive through.
+        std::fs::write(&gpu.control, format!("{settings}xid=79\n")).unwrap();
+        let space = capture(&gpu.agent, 100).await;
+        for ordinal in 0..2 {
+            assert!(xid_instants(&space, ordinal).is_empty(), "{settings}");
+            let samples = counters(&space, ordinal);
+            assert!(values_of(&samples, "XID errors").is_empty(), "{settings}");
+        }
+    }
 }
 
 #[tokio::test]

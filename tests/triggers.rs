@@ -1,6 +1,6 @@
 //! Triggers against the real binary: each kind of rule fires at the moment
 //! its condition is met (the mock's slow step and utilisation dip, an ECC
-//! error from the NVML stand-in, drops in a tiny ring, an explicit
+//! error and an XID error from the NVML stand-in, drops in a tiny ring, an explicit
 //! `devtrace trigger`) exactly once, the saved
 //! session holds the flight recorder's events from before the firing with
 //! the rule, value and time in its Task Environment, cool-down and hourly
@@ -365,13 +365,21 @@ async fn dropped_events_fire_once_and_the_cooldown_holds_the_rest() {
     assert_eq!(sessions(&armed.repository).len(), 1);
 }
 
-#[tokio::test]
-async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
+/// An agent on the NVML stand-in, sampling every 20 ms, with one rule.
+struct OnNvml {
+    armed: Armed,
+    /// The stand-in's settings file, for the test to script errors.
+    control: PathBuf,
+    _control_dir: tempfile::TempDir,
+}
+
+/// Starts an agent on the NVML stand-in with `settings` and `rule`, and
+/// gives it the history a window before a firing holds.
+async fn armed_on_nvml(rule: &str, settings: &str) -> OnNvml {
     let library = build_standin("nvml.c", "libnvidia-ml.so.1");
     let control_dir = tempfile::tempdir().unwrap();
     let control = control_dir.path().join("nvml.ctl");
-    std::fs::write(&control, "gpus=1\necc=0\n").unwrap();
-    let rule = "name=ecc; when=ecc changes; before=1s; after=100ms";
+    std::fs::write(&control, settings).unwrap();
     let nvml = [
         "--backend",
         "nvml",
@@ -381,8 +389,22 @@ async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
         "20ms",
     ];
     let armed = armed_with_env(&[rule], &nvml, &[("DEVTRACE_NVML_STANDIN", &control)]);
-    // History for the window before the error.
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    OnNvml {
+        armed,
+        control,
+        _control_dir: control_dir,
+    }
+}
+
+#[tokio::test]
+async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
+    let rule = "name=ecc; when=ecc changes; before=1s; after=100ms";
+    let OnNvml {
+        armed,
+        control,
+        _control_dir,
+    } = armed_on_nvml(rule, "gpus=1\necc=0\n").await;
     std::fs::write(&control, "gpus=1\necc=2\n").unwrap();
     let found = wait_for_sessions(&armed.repository, 1);
     let saved = saved(&found[0].1);
@@ -415,6 +437,53 @@ async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
     let line = wait_until_held(&armed.agent, "ecc", 1).await;
     assert_eq!(count_of(&line, "fired "), 1, "{line}");
     assert_eq!(sessions(&armed.repository).len(), 1);
+}
+
+#[tokio::test]
+async fn an_xid_error_through_nvml_fires_once_and_the_trace_names_it() {
+    // No cool-down: a second firing for the same XID would be saved too.
+    let rule = "name=xid; when=xid; before=1s; after=100ms; cooldown=0s";
+    let OnNvml {
+        armed,
+        control,
+        _control_dir,
+    } = armed_on_nvml(rule, "gpus=2\n").await;
+    let scripted_at = now_ns();
+    std::fs::write(&control, "gpus=2\nxid=79\nxid_gpu=1\n").unwrap();
+    let found = wait_for_sessions(&armed.repository, 1);
+    let first = saved(&found[0].1);
+    assert_eq!(
+        first.value,
+        "GPU 1 XID 79 (1 error since the agent started)"
+    );
+    assert!(
+        first.fired_at_ns >= scripted_at,
+        "fired {} ns before the XID was scripted",
+        scripted_at - first.fired_at_ns
+    );
+    assert_window(&first, Duration::from_secs(1), Duration::from_millis(100));
+    let instants = timed(&first.space, "/device:GPU:1", "XID 79");
+    assert_eq!(instants.len(), 1, "{instants:?}");
+    assert_eq!(instants[0].0, first.fired_at_ns, "fires at the XID");
+    assert!(timed(&first.space, "/device:GPU:0", "XID 79").is_empty());
+    let clean_before = timed(&first.space, "/device:GPU:1", "XID errors")
+        .iter()
+        .filter(|(at, _, value)| *at < first.fired_at_ns && *value == Some(0.0))
+        .count();
+    assert!(clean_before >= 10, "{clean_before} samples before the XID");
+
+    // A new XID fires again and is named; the first fired only once.
+    std::fs::write(&control, "gpus=2\nxid=31\nxid_gpu=1\n").unwrap();
+    let found = wait_for_sessions(&armed.repository, 2);
+    let second = saved(&found[1].1);
+    assert_eq!(
+        second.value,
+        "GPU 1 XID 31 (2 errors since the agent started)"
+    );
+    assert!(second.fired_at_ns > first.fired_at_ns);
+    let line = counts_line(&armed.agent, "xid").await;
+    assert_eq!(count_of(&line, "fired "), 2, "{line}");
+    assert_eq!(sessions(&armed.repository).len(), 2);
 }
 
 #[tokio::test]

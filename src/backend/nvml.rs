@@ -2,29 +2,35 @@
 //! sampled at a fixed interval into counter tracks on each GPU's plane
 //! (`_counters_` line): SM and memory utilisation, memory used, power,
 //! temperature, SM and memory clocks, PCIe throughput, ECC errors and
-//! throttle reasons. Device facts (name, compute capability, SMs, clocks,
-//! memory size and bandwidth) become plane stats. The latest value of each
-//! metric per GPU is also kept for the metrics endpoint
-//! ([`Backend::gpu_readings`]).
+//! throttle reasons. XID errors (the driver's GPU error reports) come from
+//! an NVML event set per GPU, drained without waiting each round: each one
+//! is an instant named `XID <code>` on the GPU's `XID errors` line, a
+//! `Last XID` sample with its code and an `XID errors` sample with the
+//! GPU's running count since the agent started. Device facts (name, compute
+//! capability, SMs, clocks, memory size and bandwidth) become plane stats.
+//! The latest value of each metric per GPU is also kept for the metrics
+//! endpoint ([`Backend::gpu_readings`]).
 //!
 //! The library is loaded at run time (`nvml-wrapper` uses `libloading`), so a
 //! machine without an NVIDIA driver builds and runs devtrace; the backend then
 //! reports that it is unavailable and stays off. A metric a device does not
-//! support is skipped for that device from then on; a device that falls off
-//! the bus is reported and no longer sampled.
+//! support (XID events included) is skipped for that device from then on; a
+//! device that falls off the bus is reported and no longer sampled.
 
 use std::ffi::OsString;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{
     Clock, EccCounter, MemoryError, PcieUtilCounter, TemperatureSensor,
 };
+use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::enums::gpm::GpmMetricId;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::gpm::{gpm_metrics_get, GpmSample};
-use nvml_wrapper::{Device as NvmlDevice, Nvml};
+use nvml_wrapper::{Device as NvmlDevice, EventSet, Nvml};
 use parking_lot::Mutex;
 
 use super::worker::{pace, Worker};
@@ -32,10 +38,31 @@ use super::{Backend, BackendContext, BackendError, Capabilities, GpuReading, Hea
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
 use crate::registry::{DeviceInfo, Registry};
-use crate::xspace::builder::COUNTER_TRACK;
+use crate::xspace::builder::{COUNTER_TRACK, XID_TRACK};
 
 /// Name of the SM utilisation counter track (percent).
 pub const SM_UTILIZATION: &str = "SM utilization (%)";
+
+/// Counter tracks of XID errors: the running count since the agent
+/// started, and the code of the latest.
+pub const XID_ERRORS: &str = "XID errors";
+pub const LAST_XID: &str = "Last XID";
+
+/// The code NVML reports for an XID it cannot name.
+const UNKNOWN_XID: u64 = 999;
+
+/// XID events drained from one GPU's set in one round, at most: a library
+/// that never stops reporting must not keep the sampler from sampling.
+const MAX_XIDS_PER_ROUND: usize = 64;
+
+/// How an XID error is named: the instant's name and in trigger firings.
+pub fn xid_label(code: u64) -> String {
+    if code == UNKNOWN_XID {
+        "XID unknown".into()
+    } else {
+        format!("XID {code}")
+    }
+}
 
 /// Where NVML is looked for when no path is given.
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
@@ -71,6 +98,8 @@ enum Metric {
     Pcie,
     Ecc,
     Throttle,
+    /// XID error events; read from the GPU's event set, not in [`METRICS`].
+    Xid,
 }
 
 const METRICS: [Metric; 8] = [
@@ -97,6 +126,8 @@ struct CounterNames {
     pcie_rx: NameId,
     ecc: NameId,
     throttle: NameId,
+    xid_errors: NameId,
+    last_xid: NameId,
     gpm_sm_util: NameId,
     gpm_sm_occupancy: NameId,
     gpm_tensor_util: NameId,
@@ -117,6 +148,8 @@ impl CounterNames {
             pcie_rx: registry.intern("PCIe RX (KB/s)"),
             ecc: registry.intern("ECC uncorrected errors"),
             throttle: registry.intern("Throttle reasons (bitmask)"),
+            xid_errors: registry.intern(XID_ERRORS),
+            last_xid: registry.intern(LAST_XID),
             gpm_sm_util: registry.intern("GPM SM utilization (%)"),
             gpm_sm_occupancy: registry.intern("GPM SM occupancy (%)"),
             gpm_tensor_util: registry.intern("GPM tensor activity (%)"),
@@ -200,7 +233,7 @@ impl Backend for NvmlBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             records: vec![
-                "GPU utilisation, memory, power, temperature, clocks, PCIe, ECC, throttling",
+                "GPU utilisation, memory, power, temperature, clocks, PCIe, ECC, throttling, XID errors",
             ],
             max_delay: self.config.interval * 2,
         }
@@ -251,11 +284,17 @@ impl Backend for NvmlBackend {
         let published = Arc::clone(&self.readings);
         let (interval, idle_interval) = (self.config.interval, self.config.idle_interval);
         let captures = Arc::clone(&context.captures);
+        let registry = Arc::clone(&context.registry);
         let worker = Worker::spawn("nvml", move |stop| {
+            let xids = (0..count)
+                .filter_map(|gpu| watch_xids(&nvml, gpu, &status))
+                .collect();
             let mut sampler = Sampler {
                 nvml: &nvml,
+                registry,
                 names,
                 status,
+                xids,
                 batch: Vec::new(),
                 latest,
                 gpm_previous: (0..count).map(|_| None).collect(),
@@ -333,10 +372,55 @@ impl Drop for NvmlBackend {
     }
 }
 
+/// One GPU's XID errors: the event set it is registered with, and how many
+/// it has reported since the agent started.
+struct XidWatch<'n> {
+    gpu: u32,
+    set: EventSet<'n>,
+    count: u64,
+}
+
+/// An event set with `gpu` registered for XID errors, or `None` (said once
+/// in the log and in health) when the GPU or driver cannot report them: the
+/// counters are sampled all the same.
+fn watch_xids<'n>(nvml: &'n Nvml, gpu: u32, status: &Mutex<Status>) -> Option<XidWatch<'n>> {
+    let registered = nvml.device_by_index(gpu).and_then(|device| {
+        if !device
+            .supported_event_types()?
+            .contains(EventTypes::CRITICAL_XID_ERROR)
+        {
+            return Err(NvmlError::NotSupported);
+        }
+        let set = nvml.create_event_set()?;
+        device
+            .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+            .map_err(|e| e.error)
+    });
+    match registered {
+        Ok(set) => Some(XidWatch { gpu, set, count: 0 }),
+        Err(NvmlError::NotSupported) => {
+            tracing::info!(
+                gpu,
+                "NVML: XID error events not supported on this GPU; not recorded"
+            );
+            status.lock().unsupported.push((gpu, Metric::Xid));
+            None
+        }
+        Err(error) => {
+            tracing::warn!(gpu, %error, "NVML: cannot watch this GPU's XID errors; not recorded");
+            status.lock().unsupported.push((gpu, Metric::Xid));
+            None
+        }
+    }
+}
+
 struct Sampler<'n> {
     nvml: &'n Nvml,
+    /// For the names of XID instants, one per code seen.
+    registry: Arc<Registry>,
     names: CounterNames,
     status: Arc<Mutex<Status>>,
+    xids: Vec<XidWatch<'n>>,
     batch: Vec<Event>,
     /// The values last read, per device.
     latest: Vec<GpuReading>,
@@ -395,17 +479,81 @@ impl<'n> Sampler<'n> {
                 }
             }
         }
+        // After the counters, which find the GPUs that fell off the bus.
+        self.drain_xids(count);
     }
 
     fn counter(&mut self, gpu: u32, name: NameId, value: f64) {
+        self.counter_at(clock::now_ns(), gpu, name, value);
+    }
+
+    fn counter_at(&mut self, at_ns: u64, gpu: u32, name: NameId, value: f64) {
         self.batch.push(Event::new(
-            clock::now_ns(),
+            at_ns,
             0,
             Device::Gpu(gpu as u16),
             COUNTER_TRACK,
             name,
             Payload::Counter { value },
         ));
+    }
+
+    /// The XID errors each watched GPU reported since the last round, and
+    /// its running count, which a trigger compares sample to sample.
+    fn drain_xids(&mut self, count: u32) {
+        let mut xids = std::mem::take(&mut self.xids);
+        for watch in &mut xids {
+            if self.status.lock().lost.contains(&watch.gpu) {
+                continue;
+            }
+            let mut reported = false;
+            for _ in 0..MAX_XIDS_PER_ROUND {
+                let data = match watch.set.wait(0) {
+                    Ok(data) => data,
+                    // Nothing pending; a lost GPU is found by the counters.
+                    Err(NvmlError::Timeout | NvmlError::GpuLost) => break,
+                    Err(error) => {
+                        tracing::debug!(gpu = watch.gpu, %error, "NVML event wait failed");
+                        self.status.lock().errors += 1;
+                        break;
+                    }
+                };
+                let Some(xid) = data.event_data else {
+                    continue;
+                };
+                let code = match xid {
+                    XidError::Value(code) => code,
+                    XidError::Unknown => UNKNOWN_XID,
+                };
+                // The event names its device; the set's own GPU stands in
+                // for a handle NVML cannot place.
+                let gpu = data
+                    .device
+                    .index()
+                    .ok()
+                    .filter(|index| *index < count)
+                    .unwrap_or(watch.gpu);
+                watch.count += 1;
+                reported = true;
+                let at_ns = clock::now_ns();
+                let name = self.registry.intern(&xid_label(code));
+                self.batch.push(Event::new(
+                    at_ns,
+                    0,
+                    Device::Gpu(gpu as u16),
+                    XID_TRACK,
+                    name,
+                    Payload::Plain,
+                ));
+                // The code before the count: a trigger on the count names it.
+                self.counter_at(at_ns, gpu, self.names.last_xid, code as f64);
+                self.counter_at(at_ns, gpu, self.names.xid_errors, watch.count as f64);
+            }
+            if !reported {
+                self.counter(watch.gpu, self.names.xid_errors, watch.count as f64);
+            }
+        }
+        self.xids = xids;
     }
 
     /// GPM metrics over the interval since this device's previous sample.
@@ -485,6 +633,8 @@ impl<'n> Sampler<'n> {
             Metric::Throttle => {
                 vec![(n.throttle, device.current_throttle_reasons()?.bits() as f64)]
             }
+            // Drained from the GPU's event set each round instead.
+            Metric::Xid => Vec::new(),
         };
         for (name, value) in values {
             self.counter(index, name, value);

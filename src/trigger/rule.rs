@@ -34,6 +34,8 @@ pub enum Condition {
     /// A counter track (NVML's ECC errors, throttle reasons, or any named
     /// one) changes value on some GPU.
     CounterChanges { counter: String },
+    /// A GPU reports an XID error (NVML's `XID errors` count changes).
+    Xid,
     /// A step marker lasts more than `factor` times the median of the
     /// `steps` before it on the same line.
     SlowStep { factor: f64, steps: usize },
@@ -230,6 +232,7 @@ fn parse_condition(text: &str) -> Result<Condition, RuleError> {
     match words.as_slice() {
         ["explicit"] => Ok(Condition::Explicit),
         ["dropped"] => Ok(Condition::Dropped),
+        ["xid"] | ["xid", "changes"] => Ok(Condition::Xid),
         [alias, "changes"] if COUNTER_ALIASES.iter().any(|(a, _)| a == alias) => {
             let counter = COUNTER_ALIASES
                 .iter()
@@ -266,7 +269,7 @@ fn parse_condition(text: &str) -> Result<Condition, RuleError> {
         _ => Err(bad(
             text,
             "unknown condition; one of: utilization < PERCENT% for DURATION, ecc changes, \
-             throttle changes, counter NAME changes, step > FACTORx median(N), \
+             throttle changes, xid, counter NAME changes, step > FACTORx median(N), \
              span NAME > FACTORx median(N), dropped, explicit",
         )),
     }
@@ -378,6 +381,19 @@ mod tests {
             parse("when=explicit;name=w").unwrap().condition,
             Condition::Explicit
         );
+    }
+
+    #[test]
+    fn xid_is_a_condition_of_its_own_and_takes_no_arguments() {
+        for text in ["name=x; when=xid", "name=x; when= xid changes ; after=0"] {
+            assert_eq!(parse(text).unwrap().condition, Condition::Xid, "{text}");
+        }
+        assert_eq!(parse("name=x; when=xid 79").unwrap_err().part, "xid 79");
+        assert_eq!(parse("name=x; when=xids").unwrap_err().part, "xids");
+        assert!(parse("name=x; when=gpu melts")
+            .unwrap_err()
+            .reason
+            .contains("xid"));
     }
 
     #[test]

@@ -41,6 +41,14 @@ enum Watch {
         name: String,
         last: HashMap<Device, f64>,
     },
+    /// NVML's XID count per GPU, and the code of its latest XID (sampled
+    /// just before the count that includes it).
+    Xid {
+        count: NameId,
+        code: NameId,
+        last: HashMap<Device, f64>,
+        codes: HashMap<Device, f64>,
+    },
     SlowStep {
         factor: f64,
         steps: usize,
@@ -100,6 +108,12 @@ impl Watcher {
                         counter: registry.intern(counter),
                         name: counter.clone(),
                         last: HashMap::new(),
+                    },
+                    Condition::Xid => Watch::Xid {
+                        count: registry.intern(crate::backend::nvml::XID_ERRORS),
+                        code: registry.intern(crate::backend::nvml::LAST_XID),
+                        last: HashMap::new(),
+                        codes: HashMap::new(),
                     },
                     Condition::SlowStep { factor, steps } => Watch::SlowStep {
                         factor: *factor,
@@ -169,6 +183,24 @@ impl Watcher {
                         _ => None,
                     }
                     .map(|text| (event.start_ns, text))
+                }
+                (
+                    Watch::Xid {
+                        count,
+                        code,
+                        last,
+                        codes,
+                    },
+                    Payload::Counter { value },
+                ) if event.line == COUNTER_TRACK => {
+                    if event.name() == *code {
+                        codes.insert(event.device(), value);
+                        continue;
+                    }
+                    if event.name() != *count {
+                        continue;
+                    }
+                    xid(last, codes, event.device(), value).map(|text| (event.start_ns, text))
                 }
                 (
                     Watch::SlowStep {
@@ -242,6 +274,30 @@ fn utilization(
             Duration::from_nanos(lasted).as_secs_f64()
         ),
     ))
+}
+
+/// One XID count sample of one GPU: fires when it changes, naming the code
+/// of the latest XID.
+fn xid(
+    last: &mut HashMap<Device, f64>,
+    codes: &HashMap<Device, f64>,
+    device: Device,
+    count: f64,
+) -> Option<String> {
+    let previous = last.insert(device, count)?;
+    if previous == count {
+        return None;
+    }
+    let errors = if count == 1.0 { "error" } else { "errors" };
+    let since = format!("({count} {errors} since the agent started)");
+    Some(match codes.get(&device) {
+        Some(code) => format!(
+            "{} {} {since}",
+            device_label(device),
+            crate::backend::nvml::xid_label(*code as u64)
+        ),
+        None => format!("{} XID {since}", device_label(device)),
+    })
 }
 
 /// The recent lengths of the line `event` is on.
@@ -379,6 +435,53 @@ mod tests {
         assert_eq!(fired.len(), 1, "{fired:?}");
         assert_eq!(fired[0].at_ns, 20_000_000);
         assert!(fired[0].value.contains("GPU 1"), "{}", fired[0].value);
+    }
+
+    #[test]
+    fn an_xid_fires_when_the_count_changes_naming_the_gpu_and_code() {
+        let registry = Registry::new();
+        let mut watcher = Watcher::new(&rules(&["name=x; when=xid"]), &registry);
+        let (count, code) = (
+            crate::backend::nvml::XID_ERRORS,
+            crate::backend::nvml::LAST_XID,
+        );
+        let ecc = "ECC uncorrected errors";
+        // (counter, GPU, ms, value); the code is sampled before its count.
+        let samples = [
+            (count, 0, 0, 0.0),
+            (count, 1, 0, 0.0),
+            (count, 1, 10, 0.0),
+            // Another counter's change is not an XID.
+            (ecc, 1, 15, 3.0),
+            (code, 1, 20, 79.0),
+            (count, 1, 20, 1.0),
+            (count, 1, 30, 1.0),
+            (count, 0, 30, 0.0),
+            (code, 0, 40, 999.0),
+            (count, 0, 40, 1.0),
+            (code, 1, 50, 31.0),
+            (count, 1, 50, 2.0),
+        ];
+        let events: Vec<Event> = samples
+            .iter()
+            .map(|(name, gpu, at, value)| sample(&registry, name, *gpu, *at, *value))
+            .collect();
+        let fired = run(&mut watcher, &events);
+        let seen: Vec<(u64, &str)> = fired.iter().map(|f| (f.at_ns, f.value.as_str())).collect();
+        assert_eq!(
+            seen,
+            vec![
+                (20_000_000, "GPU 1 XID 79 (1 error since the agent started)"),
+                (
+                    40_000_000,
+                    "GPU 0 XID unknown (1 error since the agent started)"
+                ),
+                (
+                    50_000_000,
+                    "GPU 1 XID 31 (2 errors since the agent started)"
+                ),
+            ]
+        );
     }
 
     #[test]

@@ -22,6 +22,8 @@ use super::wire::{Open, Writer};
 
 /// Line id under which counter samples are grouped.
 pub const COUNTER_TRACK: u64 = u64::MAX;
+/// Line id of a GPU's XID error instants.
+pub const XID_TRACK: u64 = u64::MAX - 1;
 
 /// Everything about the capture that is not an event.
 #[derive(Clone, Debug, Default)]
@@ -324,6 +326,7 @@ fn encode_plane<E: Borrow<Event>>(
         }
         let line_name = match device {
             _ if line_id == COUNTER_TRACK => names::COUNTERS_LINE.to_string(),
+            _ if line_id == XID_TRACK => names::XID_LINE.to_string(),
             Device::Host => registry
                 .line_name(device, line_id)
                 .map_or_else(|| format!("Thread {line_id}"), str::to_string),
@@ -347,10 +350,10 @@ fn encode_plane<E: Borrow<Event>>(
                 }
             }
         };
-        let xline_id = if line_id == COUNTER_TRACK {
-            names::COUNTERS_LINE_ID
-        } else {
-            line_id as i64
+        let xline_id = match line_id {
+            COUNTER_TRACK => names::COUNTERS_LINE_ID,
+            XID_TRACK => names::XID_LINE_ID,
+            _ => line_id as i64,
         };
         let line = out.begin(field::PLANE_LINES, 5);
         out.int_nonzero(field::LINE_ID, xline_id);

@@ -32,6 +32,9 @@ pub fn gpu_plane_name(ordinal: u16) -> String {
 /// Counter tracks live on a line with this name and id.
 pub const COUNTERS_LINE: &str = "_counters_";
 pub const COUNTERS_LINE_ID: i64 = i64::MAX;
+/// A GPU's line of XID error instants (NVML).
+pub const XID_LINE: &str = "XID errors";
+pub const XID_LINE_ID: i64 = i64::MAX - 1;
 
 /// Stream line labels for each kind of device activity, in display order.
 pub const STREAM_COMPUTE: &str = "Compute";

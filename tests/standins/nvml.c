@@ -4,6 +4,7 @@
  * backend on machines without an NVIDIA driver.
  *
  * Build: cc -shared -fPIC -O2 -Wall -Werror -o libnvidia-ml.so.1 nvml.c
+ * (-DSTANDIN_WITHOUT_EVENTS leaves the event functions out, like an old driver)
  *
  * Values and failures are read on every call from the file named by
  * DEVTRACE_NVML_STANDIN, one `key=value` per line, so a test can change them
@@ -13,6 +14,10 @@
  *   pcie_rx=2000  ecc=0  throttle=0
  *   fail_power=3      (any metric: fail_<metric>=<nvmlReturn_t>, e.g. 3 = NOT_SUPPORTED)
  *   lost_gpu=1        (that GPU answers GPU_IS_LOST to everything)
+ *   xid=79  xid_gpu=1 (an XID error: see below)
+ *   event_types=11    (the supported-event-types mask; default XID and both ECC kinds)
+ *   fail_events=3     (nvmlDeviceGetSupportedEventTypes and nvmlDeviceRegisterEvents)
+ *   fail_event_set=3  (nvmlEventSetCreate)
  *
  * Device count: `gpus=` in that file when present, else $DEVTRACE_STANDIN_GPUS
  * (the physical GPU count the driver stand-in libcuda.c uses), else 2; at
@@ -24,6 +29,13 @@
  * bytes (GPU i: "GPU-5e7a4d1b-0000-4000-8000-0000000000ii"), the UUID the
  * CUPTI stand-in puts in its DEVICE records; NVML_ERROR_INSUFFICIENT_SIZE
  * when length < 41 (fail key: fail_uuid).
+ *
+ * Events: an event set delivers one nvmlEventTypeXidCriticalError event of
+ * code `xid=` (1 or more) on GPU `xid_gpu=` (default 0) each time either
+ * setting changes from what the set last saw, when that GPU is registered
+ * with the set for XID events; what the file says when the set is created
+ * is the past, as with the real NVML, which only reports events after
+ * registration.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +50,7 @@ enum {
     NVML_ERROR_INVALID_ARGUMENT = 2,
     NVML_ERROR_NOT_SUPPORTED = 3,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_GPU_IS_LOST = 15,
 };
 
@@ -98,6 +111,7 @@ const char *nvmlErrorString(nvmlReturn_t result) {
     case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
     case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
     case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
     default: return "Unknown Error";
     }
 }
@@ -117,6 +131,13 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
     if (index >= count) return NVML_ERROR_INVALID_ARGUMENT;
     *device = &devices[index];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    nvmlReturn_t r = check(device, "index");
+    if (r) return r;
+    *index = device->index;
     return NVML_SUCCESS;
 }
 
@@ -297,3 +318,95 @@ nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *request) {
     }
     return NVML_SUCCESS;
 }
+
+#ifndef STANDIN_WITHOUT_EVENTS
+/*
+ * Events, as nvml.h of NVML API version 12 declares them (checked against
+ * the header of the nvidia-nvml-dev-cu12 12.9.79 wheel): the event set is
+ * an opaque pointer, nvmlEventSetWait is nvmlEventSetWait_v2 under its
+ * unversioned name.
+ */
+#define nvmlEventTypeSingleBitEccError 0x0000000000000001LL
+#define nvmlEventTypeDoubleBitEccError 0x0000000000000002LL
+#define nvmlEventTypeXidCriticalError 0x0000000000000008LL
+
+typedef struct nvmlEventSet_st {
+    unsigned long long registered[MAX_GPUS];
+    /* The xid and xid_gpu settings this set last saw. */
+    long long seen_xid;
+    long long seen_gpu;
+} *nvmlEventSet_t;
+
+typedef struct nvmlEventData_st {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t r = (nvmlReturn_t)setting("fail_event_set", NVML_SUCCESS);
+    if (r) return r;
+    *set = calloc(1, sizeof **set);
+    if (!*set) return NVML_ERROR_INVALID_ARGUMENT;
+    (*set)->seen_xid = setting("xid", 0);
+    (*set)->seen_gpu = setting("xid_gpu", 0);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes) {
+    nvmlReturn_t r = check(device, "events");
+    if (r) return r;
+    if (!eventTypes) return NVML_ERROR_INVALID_ARGUMENT;
+    *eventTypes = (unsigned long long)setting(
+        "event_types",
+        nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypeXidCriticalError);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                      nvmlEventSet_t set) {
+    nvmlReturn_t r = check(device, "events");
+    if (r) return r;
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned long long supported;
+    nvmlDeviceGetSupportedEventTypes(device, &supported);
+    if (eventTypes & ~supported) return NVML_ERROR_NOT_SUPPORTED;
+    set->registered[device->index] |= eventTypes;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
+    /* Scripted events are there or not: waiting would not bring one. */
+    (void)timeoutms;
+    long long xid = setting("xid", 0), gpu = setting("xid_gpu", 0);
+    /* No xid (or a file caught while a test rewrites it) is no news. */
+    if (xid <= 0 || (xid == set->seen_xid && gpu == set->seen_gpu)) return NVML_ERROR_TIMEOUT;
+    set->seen_xid = xid;
+    set->seen_gpu = gpu;
+    if (gpu < 0 || gpu >= MAX_GPUS || !(set->registered[gpu] & nvmlEventTypeXidCriticalError))
+        return NVML_ERROR_TIMEOUT;
+    if (setting("lost_gpu", -1) == gpu) return NVML_ERROR_GPU_IS_LOST;
+    data->device = &devices[gpu];
+    data->eventType = nvmlEventTypeXidCriticalError;
+    data->eventData = (unsigned long long)xid;
+    data->gpuInstanceId = 0xFFFFFFFFu;
+    data->computeInstanceId = 0xFFFFFFFFu;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    return nvmlEventSetWait_v2(set, data, timeoutms);
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    free(set);
+    return NVML_SUCCESS;
+}
+#endif /* STANDIN_WITHOUT_EVENTS */
