@@ -21,7 +21,7 @@ use crate::clock;
 use crate::collect::{Collector, CollectorError};
 use crate::registry::{Registry, RegistrySnapshot};
 use crate::ring::{DropPolicy, Ring, RingError};
-use crate::store::{Arrivals, Store, StoreConfig, StoreStats, Window, WindowData};
+use crate::store::{ArrivalTap, Store, StoreConfig, StoreStats, Window, WindowData};
 
 /// Which backends `serve` starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -182,10 +182,11 @@ impl Agent {
         Ok((self.store.query(window), self.registry.snapshot()))
     }
 
-    /// What reached the flight recorder from arrival `cursor` on, for
-    /// readers that watch events as they arrive rather than by window.
-    pub fn arrivals(&self, cursor: u64) -> Arrivals {
-        self.store.arrivals(cursor)
+    /// Shows each chunk reaching the flight recorder to `tap`, for readers
+    /// that watch events as they arrive rather than by window (one per
+    /// agent; false when one is set already).
+    pub fn tap_arrivals(&self, tap: ArrivalTap) -> bool {
+        self.store.tap_arrivals(tap)
     }
 
     /// Events lost anywhere since the agent started: in its ring, before

@@ -680,6 +680,11 @@ impl Event {
         self.tag == Payload::Counter { value: 0.0 }.tag()
     }
 
+    /// True for step markers, without decoding the payload.
+    pub fn is_step(&self) -> bool {
+        self.tag == Payload::Step { step_num: 0 }.tag()
+    }
+
     /// End of the event, Unix nanoseconds.
     pub fn end_ns(&self) -> u64 {
         self.start_ns.saturating_add(self.duration_ns)

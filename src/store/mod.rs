@@ -136,21 +136,6 @@ impl WindowData {
     }
 }
 
-/// Chunks in the order they arrived: see [`Store::arrivals`].
-pub struct Arrivals {
-    chunks: Vec<Arc<Chunk>>,
-    /// The cursor that asks for what arrives after these.
-    pub next: u64,
-}
-
-impl Arrivals {
-    /// The events, decoded as they are read: chunk by chunk in arrival
-    /// order, by start within a chunk.
-    pub fn events(&self) -> impl Iterator<Item = Event> + '_ {
-        self.chunks.iter().flat_map(|chunk| chunk.events.iter())
-    }
-}
-
 #[derive(Default)]
 struct Inner {
     chunks: VecDeque<Arc<Chunk>>,
@@ -160,13 +145,16 @@ struct Inner {
     evicted_before_ns: u64,
     /// When the store started recording.
     recording_since_ns: u64,
-    /// Chunks appended since the store started: the arrival number of the
-    /// next one.
-    appended: u64,
 }
 
 /// How far after the agent's clock an event may start.
 pub const MAX_AHEAD: Duration = Duration::from_secs(60);
+
+/// Sees the events of each chunk as it is appended, before it is
+/// compacted: how a reader that watches events as they arrive (trigger
+/// rules) gets each once, late ones too, without decoding the store. It
+/// runs on the collector, so it must only pick out what it wants.
+pub type ArrivalTap = Box<dyn Fn(&mut dyn Iterator<Item = &Event>) + Send + Sync>;
 
 /// See the module documentation.
 pub struct Store {
@@ -175,6 +163,7 @@ pub struct Store {
     /// The agent's clock (replaced in tests).
     now_ns: Box<dyn Fn() -> u64 + Send + Sync>,
     misdated: std::sync::atomic::AtomicU64,
+    tap: std::sync::OnceLock<ArrivalTap>,
 }
 
 /// Totals for health reporting.
@@ -201,6 +190,7 @@ impl Store {
             }),
             now_ns: Box::new(now_ns),
             misdated: Default::default(),
+            tap: std::sync::OnceLock::new(),
         }
     }
 
@@ -221,7 +211,11 @@ impl Store {
         let now = (self.now_ns)();
         let horizon = self.horizon(now);
         let latest = now.saturating_add(clock::duration_ns(MAX_AHEAD));
-        let chunk = Chunk::new(events, |e| (horizon..=latest).contains(&e.start_ns));
+        let kept = |e: &Event| (horizon..=latest).contains(&e.start_ns);
+        if let Some(tap) = self.tap.get() {
+            tap(&mut events.iter().filter(|e| kept(e)));
+        }
+        let chunk = Chunk::new(events, kept);
         let misdated = events.len() - chunk.as_ref().map_or(0, |c| c.events.len());
         events.clear();
         if misdated > 0 {
@@ -234,8 +228,13 @@ impl Store {
         let mut inner = self.inner.write();
         inner.bytes += chunk.bytes();
         inner.chunks.push_back(Arc::new(chunk));
-        inner.appended += 1;
         self.evict(&mut inner, horizon);
+    }
+
+    /// Shows every chunk appended from now on to `tap` (one tap per store;
+    /// false when one is set already).
+    pub fn tap_arrivals(&self, tap: ArrivalTap) -> bool {
+        self.tap.set(tap).is_ok()
     }
 
     /// The oldest start time the store keeps at `now`.
@@ -293,20 +292,6 @@ impl Store {
             dropped_newest,
             dropped_oldest,
             history_starts_ns: (window.start_ns < history_start).then_some(history_start),
-        }
-    }
-
-    /// The chunks appended from arrival number `cursor` on (those evicted
-    /// meanwhile are gone), and the cursor of the next: a reader that keeps
-    /// the cursor sees each event once, in the order it arrived, late
-    /// events included.
-    pub fn arrivals(&self, cursor: u64) -> Arrivals {
-        let inner = self.inner.read();
-        let held_from = inner.appended - inner.chunks.len() as u64;
-        let skip = cursor.saturating_sub(held_from) as usize;
-        Arrivals {
-            chunks: inner.chunks.iter().skip(skip).cloned().collect(),
-            next: inner.appended,
         }
     }
 
@@ -381,23 +366,21 @@ mod tests {
     }
 
     #[test]
-    fn arrivals_come_once_in_arrival_order_late_ones_too() {
-        let store = store(1000, usize::MAX);
-        let first = store.arrivals(0);
-        assert_eq!(first.events().count(), 0);
+    fn a_tap_sees_each_kept_event_once_as_it_arrives_late_ones_too() {
+        let store = Arc::new(store(1000, usize::MAX));
+        let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let into = Arc::clone(&seen);
+        let tapped = store.tap_arrivals(Box::new(move |events| {
+            into.lock().extend(events.map(|e| e.start_ns));
+        }));
+        assert!(tapped);
+        assert!(!store.tap_arrivals(Box::new(|_| {})), "one tap per store");
         store.append(&mut vec![at(500), at(400)]);
         // Arrives later but starts earlier than what came before.
         store.append(&mut vec![at(100)]);
-        let seen = store.arrivals(first.next);
-        let starts: Vec<u64> = seen.events().map(|e| e.start_ns).collect();
-        assert_eq!(starts, vec![400, 500, 100]);
-        store.append(&mut vec![at(600)]);
-        let next = store.arrivals(seen.next);
-        assert_eq!(
-            next.events().map(|e| e.start_ns).collect::<Vec<_>>(),
-            vec![600]
-        );
-        assert_eq!(store.arrivals(next.next).events().count(), 0);
+        // Too far ahead of the clock: not kept, not shown.
+        store.append(&mut vec![at(600), at(u64::MAX / 2)]);
+        assert_eq!(*seen.lock(), vec![500, 400, 100, 600]);
     }
 
     #[test]

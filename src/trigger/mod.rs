@@ -1,10 +1,12 @@
 //! Triggers: rules that save the flight recorder's past when something goes
 //! wrong, as a session like any capture's.
 //!
-//! A watcher thread reads what reached the flight recorder since it last
-//! looked ([`crate::agent::Agent::arrivals`], every [`LOOK_EVERY`]), so the
-//! collector does no work for it, and hands each event to the rules that
-//! watch events ([`watch`]); it also compares the agent's drop totals. An
+//! As each chunk reaches the flight recorder, the collector picks out the
+//! few events the rules look at ([`watch::Filter`]: counter samples, step
+//! markers, named spans) and hands them to the rules' thread over a bounded
+//! queue (a full queue drops the batch and counts it, never waits); that
+//! thread evaluates them ([`watch`]) and, every [`LOOK_EVERY`], compares the
+//! agent's drop totals. An
 //! explicit firing comes from the `devtrace.Trigger` service. Every firing
 //! passes its rule's cool-down and hourly cap ([`limit`]) and is then saved
 //! by a task of its own: it waits until `fire + after` has passed and the
@@ -19,6 +21,7 @@ pub mod rule;
 pub mod watch;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TrySendError};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -86,6 +89,9 @@ pub struct Triggers {
     repository: Folder,
     runtime: tokio::runtime::Handle,
     pending: Mutex<Vec<Pending>>,
+    /// Events picked for the rules that the rules' thread fell too far
+    /// behind to take.
+    unevaluated: AtomicU64,
 }
 
 impl Triggers {
@@ -113,13 +119,19 @@ impl Triggers {
             repository,
             runtime: tokio::runtime::Handle::current(),
             pending: Mutex::new(Vec::new()),
+            unevaluated: AtomicU64::new(0),
         });
-        if !watcher.is_idle() || watches_drops {
+        let arrivals = if watcher.is_idle() {
+            None
+        } else {
+            Some(tap_arrivals(agent, &watcher, &triggers)?)
+        };
+        if arrivals.is_some() || watches_drops {
             let weak = Arc::downgrade(&triggers);
             let agent = Arc::clone(agent);
             std::thread::Builder::new()
                 .name("devtrace-trigger".into())
-                .spawn(move || watch_loop(weak, &agent, watcher, watches_drops))?;
+                .spawn(move || watch_loop(weak, &agent, watcher, arrivals, watches_drops))?;
         }
         Ok(triggers)
     }
@@ -163,6 +175,12 @@ impl Triggers {
 
     /// One line per rule with its counts, as Monitor shows them.
     pub fn summary(&self) -> String {
+        let unevaluated = self.unevaluated.load(Ordering::Relaxed);
+        let behind = (unevaluated > 0).then(|| {
+            format!(
+                "triggers: {unevaluated} events arrived faster than the rules could look at them\n"
+            )
+        });
         self.counts()
             .map(|(name, counts)| {
                 let load = |value: &AtomicU64| value.load(Ordering::Relaxed);
@@ -176,6 +194,7 @@ impl Triggers {
                     load(&counts.failed)
                 )
             })
+            .chain(behind)
             .collect()
     }
 
@@ -275,46 +294,107 @@ impl Triggers {
     }
 }
 
+/// Batches of picked events waiting for the rules' thread, at most: past
+/// them the collector drops what it picked rather than wait, counting it.
+const WAITING_BATCHES: usize = 256;
+
+/// Has the collector pick what the rules look at out of every chunk that
+/// reaches the flight recorder ([`watch::Filter`]) and hand it to the
+/// rules' thread.
+fn tap_arrivals(
+    agent: &Agent,
+    watcher: &Watcher,
+    triggers: &Arc<Triggers>,
+) -> std::io::Result<Receiver<Vec<crate::event::Event>>> {
+    let filter = watcher.filter(agent.registry());
+    let (sender, receiver) = sync_channel(WAITING_BATCHES);
+    let weak = Arc::downgrade(triggers);
+    let tapped = agent.tap_arrivals(Box::new(move |events| {
+        let mut wanted = Vec::new();
+        filter.pick(events, &mut wanted);
+        if wanted.is_empty() {
+            return;
+        }
+        let picked = wanted.len() as u64;
+        if let Err(TrySendError::Full(_)) = sender.try_send(wanted) {
+            if let Some(triggers) = weak.upgrade() {
+                triggers.unevaluated.fetch_add(picked, Ordering::Relaxed);
+            }
+        }
+    }));
+    if !tapped {
+        return Err(std::io::Error::other(
+            "the agent's arrivals are watched already",
+        ));
+    }
+    Ok(receiver)
+}
+
 /// The watcher thread: new events to the watching rules, drop totals to
 /// the `dropped` rules, until the triggers are dropped.
-fn watch_loop(triggers: Weak<Triggers>, agent: &Agent, mut watcher: Watcher, watches_drops: bool) {
-    let mut cursor = agent.arrivals(u64::MAX).next;
+fn watch_loop(
+    triggers: Weak<Triggers>,
+    agent: &Agent,
+    mut watcher: Watcher,
+    arrivals: Option<Receiver<Vec<crate::event::Event>>>,
+    watches_drops: bool,
+) {
     let mut dropped = agent.dropped_total();
+    let mut unevaluated = 0;
     let mut fired = Vec::new();
+    let mut next_look = std::time::Instant::now() + LOOK_EVERY;
     loop {
-        std::thread::sleep(LOOK_EVERY);
+        let wait = next_look.saturating_duration_since(std::time::Instant::now());
+        let batch = match &arrivals {
+            Some(arrivals) => match arrivals.recv_timeout(wait) {
+                Ok(batch) => Some(batch),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            },
+            None => {
+                std::thread::sleep(wait);
+                None
+            }
+        };
         let Some(triggers) = triggers.upgrade() else {
             return;
         };
-        if !watcher.is_idle() {
-            let arrivals = agent.arrivals(cursor);
-            cursor = arrivals.next;
-            for event in arrivals.events() {
-                watcher.observe(&event, &mut fired);
-            }
+        for event in batch.iter().flatten() {
+            watcher.observe(event, &mut fired);
         }
-        if watches_drops {
-            let total = agent.dropped_total();
-            if total > dropped {
-                let at_ns = clock::now_ns();
-                let value = format!(
-                    "{} events dropped ({total} since the agent started)",
-                    total - dropped
-                );
-                fired.extend(
-                    triggers
-                        .rules
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, armed)| armed.rule.condition == Condition::Dropped)
-                        .map(|(rule, _)| Firing {
-                            rule,
-                            at_ns,
-                            value: value.clone(),
-                        }),
-                );
+        if std::time::Instant::now() >= next_look {
+            next_look = std::time::Instant::now() + LOOK_EVERY;
+            if watches_drops {
+                let total = agent.dropped_total();
+                if total > dropped {
+                    let at_ns = clock::now_ns();
+                    let value = format!(
+                        "{} events dropped ({total} since the agent started)",
+                        total - dropped
+                    );
+                    fired.extend(
+                        triggers
+                            .rules
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, armed)| armed.rule.condition == Condition::Dropped)
+                            .map(|(rule, _)| Firing {
+                                rule,
+                                at_ns,
+                                value: value.clone(),
+                            }),
+                    );
+                }
+                dropped = total;
             }
-            dropped = total;
+            let behind = triggers.unevaluated.load(Ordering::Relaxed);
+            if behind > unevaluated {
+                warn!(
+                    events = behind - unevaluated,
+                    "trigger rules fell behind the events arriving; these were not evaluated"
+                );
+                unevaluated = behind;
+            }
         }
         for firing in fired.drain(..) {
             // Held firings are counted and logged where they are held.

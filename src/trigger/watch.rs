@@ -8,6 +8,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
+
 use super::rule::{Condition, Rule, SpanName};
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
@@ -84,6 +86,62 @@ impl SpanNames {
     }
 }
 
+/// Picks out of every event that arrives what the rules look at: samples
+/// of the counters they compare, step markers, and spans whose names a span
+/// rule times. It runs on the collector's thread
+/// ([`crate::store::ArrivalTap`]), so each event costs an id compare or an
+/// index, and a span name is matched once, the first time it is seen.
+pub struct Filter {
+    counters: Vec<NameId>,
+    steps: bool,
+    spans: Vec<SpanName>,
+    registry: Arc<Registry>,
+    /// Per name id: not decided yet, timed by a span rule, or not.
+    timed: Mutex<Vec<Timed>>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Timed {
+    Undecided,
+    Yes,
+    No,
+}
+
+impl Filter {
+    /// The events of `events` the rules look at, added to `wanted`.
+    pub fn pick(&self, events: &mut dyn Iterator<Item = &Event>, wanted: &mut Vec<Event>) {
+        let mut timed = self.timed.lock();
+        for event in events {
+            if self.wants(event, &mut timed) {
+                wanted.push(*event);
+            }
+        }
+    }
+
+    fn wants(&self, event: &Event, timed: &mut Vec<Timed>) -> bool {
+        if event.is_counter() {
+            return event.line == COUNTER_TRACK && self.counters.contains(&event.name());
+        }
+        if self.steps && event.is_step() {
+            return true;
+        }
+        if self.spans.is_empty() || event.duration_ns == 0 {
+            return false;
+        }
+        let id = event.name().0 as usize;
+        if id >= timed.len() {
+            // Ids are dense and bounded by the registry's name table.
+            timed.resize(id + 1, Timed::Undecided);
+        }
+        if timed[id] == Timed::Undecided {
+            let name = self.registry.name_of(event.name());
+            let matched = name.is_some_and(|name| self.spans.iter().any(|p| p.matches(&name)));
+            timed[id] = if matched { Timed::Yes } else { Timed::No };
+        }
+        timed[id] == Timed::Yes
+    }
+}
+
 /// Every event-watching rule of an agent.
 pub struct Watcher {
     watches: Vec<(usize, Watch)>,
@@ -145,6 +203,28 @@ impl Watcher {
     /// Whether any rule needs to see events at all.
     pub fn is_idle(&self) -> bool {
         self.watches.is_empty()
+    }
+
+    /// What picks the events these rules look at out of all that arrive.
+    pub fn filter(&self, registry: &Arc<Registry>) -> Filter {
+        let mut filter = Filter {
+            counters: Vec::new(),
+            steps: false,
+            spans: Vec::new(),
+            registry: Arc::clone(registry),
+            timed: Mutex::new(Vec::new()),
+        };
+        for (_, watch) in &self.watches {
+            match watch {
+                Watch::UtilizationBelow { counter, .. } | Watch::CounterChanges { counter, .. } => {
+                    filter.counters.push(*counter)
+                }
+                Watch::Xid { count, code, .. } => filter.counters.extend([*count, *code]),
+                Watch::SlowStep { .. } => filter.steps = true,
+                Watch::SlowSpan { spans, .. } => filter.spans.push(spans.pattern.clone()),
+            }
+        }
+        filter
     }
 
     /// Looks at one event; what it makes fire goes to `fired`.
@@ -541,6 +621,45 @@ mod tests {
             "{}",
             fired[0].value
         );
+    }
+
+    #[test]
+    fn the_filter_picks_only_what_some_rule_looks_at() {
+        let registry = Registry::new();
+        let util = crate::backend::nvml::SM_UTILIZATION;
+        let events = [
+            sample(&registry, util, 0, 0, 50.0),
+            sample(&registry, "Power (W)", 0, 0, 300.0),
+            step(1, 10, 50),
+            span(&registry, "step_1", 7, 10, 40),
+            span(&registry, "step_1", 7, 60, 0),
+            span(&registry, "forward", 7, 10, 40),
+        ];
+        let picked = |texts: &[&str]| {
+            let watcher = Watcher::new(&rules(texts), &registry);
+            let mut wanted = Vec::new();
+            watcher
+                .filter(&registry)
+                .pick(&mut events.iter(), &mut wanted);
+            wanted
+                .iter()
+                .map(|e| events.iter().position(|x| x == e).unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(picked(&["name=u; when=util < 20% for 1s"]), vec![0]);
+        assert_eq!(picked(&["name=s; when=step > 3x median(4)"]), vec![2]);
+        assert_eq!(
+            picked(&["name=n; when=span step_* > 3x median(4)"]),
+            vec![3]
+        );
+        assert_eq!(
+            picked(&[
+                "name=c; when=counter Power (W) changes",
+                "name=n; when=span forward > 3x median(4)"
+            ]),
+            vec![1, 5]
+        );
+        assert!(picked(&["name=d; when=dropped"]).is_empty());
     }
 
     #[test]
