@@ -248,8 +248,8 @@ pub struct ServeArgs {
     /// --trigger-repository. `;`-separated fields: name=NAME;
     /// when=CONDITION; before=10s; after=2s; cooldown=5m; max-per-hour=6
     /// (only name and when are required). Conditions: `utilization < 20%
-    /// for 30s`, `ecc changes`, `throttle changes`, `counter NAME changes`,
-    /// `step > 3x median(20)`, `span step_* > 3x median(20)` (spans by
+    /// for 30s`, `ecc changes`, `throttle changes`, `xid` (a GPU's XID
+    /// errors), `counter NAME changes`, `step > 3x median(20)`, `span step_* > 3x median(20)` (spans by
     /// name or prefix: NVTX ranges, ops), `dropped`, `explicit` (only `devtrace
     /// trigger NAME` fires it; any rule can be fired so). In a --config
     /// file, a `[[trigger]]` table per rule with the same keys.
