@@ -561,14 +561,7 @@ impl ProfilerService {
         let limit = self.config.chunk_traces_over;
         let size = encoded.len();
         let empty_trace = encoded.events == 0;
-        let failed = |e: &dyn std::fmt::Display| {
-            Status::internal(format!("storing the trace as Riegeli chunks failed: {e}"))
-        };
-        let mut chunked =
-            tokio::task::spawn_blocking(move || ChunkedTrace::encode(&encoded.contiguous(), limit))
-                .await
-                .map_err(|e| failed(&e))?
-                .map_err(|e| failed(&e))?;
+        let mut chunked = chunk_trace(encoded, limit).await?;
         info!(
             bytes = size,
             chunks = chunked.chunks(),
@@ -597,7 +590,7 @@ impl ProfilerService {
             if let Some(error) = &not_written {
                 chunked
                     .append_warning(&unwritten_warning(error))
-                    .map_err(|e| failed(&e))?;
+                    .map_err(|e| chunking_failed(&e))?;
             }
             return Ok(tool_reply(
                 RIEGELI_TOOL,
@@ -667,16 +660,12 @@ impl ProfilerService {
         };
         let encoded = self.build(&plan, window).await?;
         let limit = self.config.chunk_traces_over;
+        // Stored without a log line of its own: the trigger logs the save.
         let written = if encoded.len() > limit {
-            let chunked = tokio::task::spawn_blocking(move || {
-                ChunkedTrace::encode(&encoded.contiguous(), limit)
-            })
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| Status::internal(e.to_string()))?;
-            write_trace(root, &plan, RIEGELI_SUFFIX, chunked).await?.0
+            let chunked = chunk_trace(Arc::new(encoded), limit).await?;
+            store_trace(root, &plan, RIEGELI_SUFFIX, chunked).await?.0
         } else {
-            write_trace(root, &plan, XPLANE_SUFFIX, encoded.contiguous())
+            store_trace(root, &plan, XPLANE_SUFFIX, encoded.contiguous())
                 .await?
                 .0
         };
@@ -736,6 +725,21 @@ async fn store_trace<B: AsRef<[u8]> + Send + 'static>(
     })
     .await
     .map_err(|e| Status::internal(format!("writing the trace failed: {e}")))
+}
+
+/// `encoded` as Riegeli chunks of at most `limit` bytes, off the async
+/// runtime.
+async fn chunk_trace(encoded: Arc<Encoded>, limit: usize) -> Result<ChunkedTrace, Status> {
+    tokio::task::spawn_blocking(move || ChunkedTrace::encode(&encoded.contiguous(), limit))
+        .await
+        .map_err(|e| chunking_failed(&e))?
+        .map_err(|e| chunking_failed(&e))
+}
+
+fn chunking_failed(error: &dyn std::fmt::Display) -> Status {
+    Status::internal(format!(
+        "storing the trace as Riegeli chunks failed: {error}"
+    ))
 }
 
 /// Until when a capture may wait for capture memory: a little before the
@@ -838,31 +842,24 @@ pub fn session_timestamp() -> String {
 
 /// [`session_timestamp`] of the moment `ns` (Unix nanoseconds).
 pub fn session_timestamp_at(ns: u64) -> String {
-    let secs = (ns / 1_000_000_000) as i64;
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
-    format!(
-        "{year:04}_{month:02}_{day:02}_{:02}_{:02}_{:02}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    let (year, month, day, hour, minute, second) = utc_fields(ns);
+    format!("{year:04}_{month:02}_{day:02}_{hour:02}_{minute:02}_{second:02}")
 }
 
 /// The moment `ns` (Unix nanoseconds) as ISO 8601 UTC with milliseconds,
 /// `YYYY-MM-DDTHH:MM:SS.mmmZ`.
 pub fn utc_text(ns: u64) -> String {
+    let (year, month, day, hour, minute, second) = utc_fields(ns);
+    let millis = ns % 1_000_000_000 / 1_000_000;
+    format!("{year:04}-{month:02}-{day:02}T{hour:02}:{minute:02}:{second:02}.{millis:03}Z")
+}
+
+/// Year, month, day, hour, minute and second (UTC) of the moment `ns`.
+fn utc_fields(ns: u64) -> (i64, u32, u32, i64, i64, i64) {
     let secs = (ns / 1_000_000_000) as i64;
     let (year, month, day) = civil_from_days(secs.div_euclid(86_400));
     let rem = secs.rem_euclid(86_400);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        ns % 1_000_000_000 / 1_000_000
-    )
+    (year, month, day, rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 /// Proleptic Gregorian date of a day count since 1970-01-01.
