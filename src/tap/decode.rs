@@ -225,32 +225,42 @@ impl Framer {
 
     /// Drops the next `count` pending bytes.
     fn discard(&mut self, count: usize) {
-        self.take(count);
+        self.consume(count, None);
     }
 
     /// The next `count` pending bytes, as the pieces they are in.
-    fn take(&mut self, mut count: usize) -> Body {
+    fn take(&mut self, count: usize) -> Body {
+        let mut pieces = Vec::new();
+        self.consume(count, Some(&mut pieces));
+        Body { pieces, len: count }
+    }
+
+    /// Moves past the next `count` pending bytes, handing their pieces to
+    /// `into` when one is given (a skipped message's are only dropped).
+    fn consume(&mut self, mut count: usize, mut into: Option<&mut Vec<Bytes>>) {
         self.pending_len -= count;
-        let mut message = Body {
-            pieces: Vec::new(),
-            len: count,
-        };
         while count > 0 {
             let Some(front) = self.pending.front_mut() else {
                 break;
             };
-            if front.len() <= count {
+            let piece = if front.len() <= count {
                 count -= front.len();
-                message.pieces.extend(self.pending.pop_front());
+                self.pending.pop_front()
             } else {
-                message.pieces.push(front.split_to(count));
+                let piece = front.split_to(count);
                 count = 0;
+                Some(piece)
+            };
+            if let (Some(piece), Some(into)) = (piece, into.as_deref_mut()) {
+                into.push(piece);
             }
         }
         if count > 0 {
-            message.pieces.push(self.small.split_to(count).freeze());
+            match into {
+                Some(into) => into.push(self.small.split_to(count).freeze()),
+                None => self.small.advance(count),
+            }
         }
-        message
     }
 }
 
