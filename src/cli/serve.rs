@@ -217,11 +217,11 @@ pub struct ServeArgs {
 
     /// Memory for traces being built and replied at once. A capture reserves
     /// its trace's expected size (learnt from the last trace built, never
-    /// more than this) when it arrives; captures of one window share one
-    /// trace and one reservation (each reply's own copy of it for gRPC is
-    /// not counted). Past it, captures wait for earlier ones
-    /// to reply, within their deadline, and say so in their trace's
-    /// warnings; one whose deadline passes first fails with
+    /// more than this) when it arrives and holds it until its reply has been
+    /// sent; captures of one window share one trace, whose bytes their
+    /// replies send without copying, and one reservation. Past it, captures
+    /// wait for earlier ones to reply, within their deadline, and say so in
+    /// their trace's warnings; one whose deadline passes first fails with
     /// RESOURCE_EXHAUSTED.
     #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = super::parse_size)]
     pub capture_memory: usize,
