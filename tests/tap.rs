@@ -21,7 +21,7 @@ use devtrace::event::{Event, Payload};
 use devtrace::registry::Registry;
 use devtrace::ring::{Consumer, DropPolicy, Ring};
 use devtrace::tap::decode::{EnqueueRequest, NamedTensor, Operation, QueueItem, RunStepRequest};
-use devtrace::tap::{Recorder, Tap};
+use devtrace::tap::{Recorder, Tap, TapStats};
 use devtrace::xspace::read::{event_name, find_stat, StatValue};
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::{Body, Frame};
@@ -214,7 +214,20 @@ async fn tap_to(upstream: &str) -> TapUnderTest {
 }
 
 impl TapUnderTest {
+    /// What the tap recorded of the calls that ended, once decoded.
+    fn stats(&self) -> TapStats {
+        assert!(
+            self.recorder.settle(Duration::from_secs(10)),
+            "decoded in time"
+        );
+        self.recorder.stats()
+    }
+
     fn events(&mut self) -> Vec<Event> {
+        assert!(
+            self.recorder.settle(Duration::from_secs(10)),
+            "decoded in time"
+        );
         let mut out = Vec::new();
         self.consumer.drain(&mut out, usize::MAX);
         out
@@ -317,7 +330,7 @@ async fn unary_calls_pass_bytes_metadata_deadlines_and_trailers_unchanged() {
     assert_eq!(reply.headers["grpc-message"], "denied%20here");
     assert!(reply.data.is_empty());
 
-    let stats = tap.recorder.stats();
+    let stats = tap.stats();
     assert_eq!(stats.calls, 3);
     assert_eq!(stats.failed, 1);
     let rpcs: Vec<_> = tap
@@ -399,9 +412,9 @@ async fn bidirectional_streams_interleave_and_their_ops_are_recorded() {
     }
     // The ops are in the ring while the stream is still open (an eager
     // context keeps its StreamingEnqueue open for its whole life).
+    let events = tap.events();
     let snapshot = tap.registry.snapshot();
-    let ops: Vec<(String, i64)> = tap
-        .events()
+    let ops: Vec<(String, i64)> = events
         .into_iter()
         .filter_map(|e| match e.payload() {
             Payload::EagerOp {
@@ -429,7 +442,7 @@ async fn bidirectional_streams_interleave_and_their_ops_are_recorded() {
         echoed.len(),
         messages.iter().map(|m| m.len()).sum::<usize>()
     );
-    assert_eq!(tap.recorder.stats().eager_ops, 3);
+    assert_eq!(tap.stats().eager_ops, 3);
 }
 
 #[tokio::test]
@@ -473,7 +486,7 @@ async fn run_steps_are_numbered_per_session_and_garbage_is_forwarded_and_counted
         assert_eq!(reply.data, message);
         assert_eq!(reply.status(), 0);
     }
-    let stats = tap.recorder.stats();
+    let stats = tap.stats();
     // The echoed RunStepRequests do not parse as RunStepResponses (field 3 is
     // a string there, an enum here): 4; the garbage request and its echo: 2;
     // the compressed request and its echo: 2.
@@ -554,7 +567,7 @@ async fn an_unreachable_upstream_is_unavailable_and_the_tap_keeps_serving() {
         let message = reply.headers["grpc-message"].to_str().unwrap();
         assert!(message.contains("unavailable"), "{message}");
     }
-    assert_eq!(tap.recorder.stats().failed, 2);
+    assert_eq!(tap.stats().failed, 2);
 }
 
 #[tokio::test]
@@ -599,11 +612,11 @@ async fn a_client_cancel_reaches_the_upstream_and_others_are_served() {
     let reply = unary(&mut other, "/test.Echo/Unary", &[], grpc(false, b"ok")).await;
     assert_eq!(reply.status(), 0);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while tap.recorder.stats().calls < 2 {
+    while tap.stats().calls < 2 {
         assert!(tokio::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(tap.recorder.stats().failed, 1, "the cancelled call");
+    assert_eq!(tap.stats().failed, 1, "the cancelled call");
 }
 
 /// `devtrace serve` (killed when dropped).

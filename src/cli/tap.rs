@@ -130,6 +130,7 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
             steps = s.steps,
             eager_ops = s.eager_ops,
             undecoded = s.undecoded,
+            decode_queue_overflow = s.queue_overflow,
             request_bytes = s.request_bytes,
             response_bytes = s.response_bytes,
             "tap summary"

@@ -214,23 +214,27 @@ fn tap_seeds() -> Vec<Vec<u8>> {
 }
 
 fn tap(input: &[u8]) -> Option<u64> {
-    use crate::tap::record::{Direction, Recorder};
+    use crate::tap::record::Recorder;
     let (&method, mut rest) = input.split_first()?;
     let ring = Ring::new(1, 64, DropPolicy::DropNewest).expect("a small ring");
     let recorder = Recorder::new(Registry::new(), ring.producer().expect("a lane"));
     let line = recorder.connection("127.0.0.1:1".parse().expect("an address"), "upstream");
-    let call = recorder.call(line, TAP_METHODS[usize::from(method) % TAP_METHODS.len()]);
+    let (call, mut request, mut response) =
+        recorder.call(line, TAP_METHODS[usize::from(method) % TAP_METHODS.len()]);
     while let Some((&control, after)) = rest.split_first() {
         let length = (usize::from(control >> 1) + 1).min(after.len());
-        let direction = if control & 1 == 0 {
-            Direction::Request
+        let observer = if control & 1 == 0 {
+            &mut request
         } else {
-            Direction::Response
+            &mut response
         };
-        call.observe(direction, &bytes::Bytes::copy_from_slice(&after[..length]));
+        observer.observe(&bytes::Bytes::copy_from_slice(&after[..length]));
         rest = &after[length..];
     }
     call.finish(0);
+    if !recorder.settle(std::time::Duration::from_secs(10)) {
+        return None;
+    }
     let stats = recorder.stats();
     let counts = [
         stats.steps,

@@ -6,15 +6,19 @@
 //! frames passed on one by one as they arrive, in both directions, so unary
 //! and streaming calls (`EagerService/StreamingEnqueue`) behave as without
 //! it. Response headers, data and trailers (status, message, metadata) come
-//! back unchanged. The data frames themselves (shared, not copied) are
-//! reassembled into gRPC messages and decoded with partial protos
-//! ([`decode`]); [`record`] turns the calls into events in the agent's ring.
+//! back unchanged. On the forwarding path the data frames themselves
+//! (shared, not copied) are only framed into gRPC messages ([`decode`]);
+//! the messages a call's record needs go to a bounded decode queue whose
+//! thread parses them with partial protos, and [`record`] turns the calls
+//! into events in the agent's ring. Methods nothing is recorded from
+//! (`RecvTensor`'s payloads) are counted, never held or parsed.
 //!
 //! What the tap says itself: `UNAVAILABLE` when the upstream cannot be reached
 //! or resets a call before its end. A client that cancels resets the upstream
 //! call. Payloads are never changed.
 
 pub mod decode;
+mod queue;
 pub mod record;
 
 use std::convert::Infallible;
@@ -34,7 +38,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tracing::{debug, info, warn};
 
-use record::{Call, Direction, CANCELLED, UNAVAILABLE, UNKNOWN};
+use record::{Call, Direction, Observer, CANCELLED, UNAVAILABLE, UNKNOWN};
 pub use record::{Recorder, TapStats};
 
 /// HTTP/2 flow-control windows and frame size on both sides of the tap:
@@ -158,7 +162,7 @@ impl Upstream {
     async fn forward(&self, line: u64, request: Request<Incoming>) -> Response<TapBody> {
         let (mut parts, body) = request.into_parts();
         let path = parts.uri.path().to_owned();
-        let call = self.recorder.call(line, &path);
+        let (call, request_observer, response_observer) = self.recorder.call(line, &path);
         let path_and_query = parts
             .uri
             .path_and_query()
@@ -176,14 +180,14 @@ impl Upstream {
                 return status_only(UNKNOWN, &format!("devtrace tap: bad path: {error}"));
             }
         };
-        let body = Tapped::new(body, Arc::clone(&call), Direction::Request).boxed();
+        let body = Tapped::new(body, request_observer).boxed();
         match self.client.request(Request::from_parts(parts, body)).await {
             Ok(response) => {
                 let (parts, body) = response.into_parts();
                 if let Some(status) = grpc_status(&parts.headers) {
                     call.set_status(status);
                 }
-                let body = Tapped::new(body, call, Direction::Response).boxed();
+                let body = Tapped::new(body, response_observer).boxed();
                 Response::from_parts(parts, body)
             }
             Err(error) => {
@@ -200,22 +204,26 @@ impl Upstream {
     }
 }
 
-/// A body forwarded frame by frame while its data is copied to the call.
+/// A body forwarded frame by frame while its call observes its data.
 struct Tapped {
     inner: Incoming,
-    call: Arc<Call>,
-    direction: Direction,
+    observer: Observer,
+    is_response: bool,
     done: bool,
 }
 
 impl Tapped {
-    fn new(inner: Incoming, call: Arc<Call>, direction: Direction) -> Tapped {
+    fn new(inner: Incoming, observer: Observer) -> Tapped {
         Tapped {
             inner,
-            call,
-            direction,
+            is_response: observer.direction() == Direction::Response,
+            observer,
             done: false,
         }
+    }
+
+    fn call(&self) -> &Call {
+        self.observer.call()
     }
 }
 
@@ -235,11 +243,11 @@ impl Body for Tapped {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    self.call.observe(self.direction, data);
+                    self.observer.observe(data);
                 } else if let Some(trailers) = frame.trailers_ref() {
-                    if self.direction == Direction::Response {
+                    if self.is_response {
                         if let Some(status) = grpc_status(trailers) {
-                            self.call.set_status(status);
+                            self.call().set_status(status);
                         }
                     }
                 }
@@ -247,29 +255,27 @@ impl Body for Tapped {
             }
             Poll::Ready(Some(Err(error))) => {
                 self.done = true;
-                match self.direction {
-                    Direction::Request => Poll::Ready(Some(Err(error.into()))),
-                    Direction::Response => {
-                        // The upstream reset the call or dropped the
-                        // connection: end it with a status the client reads.
-                        let message = format!(
-                            "devtrace tap: upstream ended the call: {}",
-                            error_chain(&error)
-                        );
-                        self.call.set_status(UNAVAILABLE);
-                        self.call.finish(UNAVAILABLE);
-                        Poll::Ready(Some(Ok(Frame::trailers(status_headers(
-                            UNAVAILABLE,
-                            &message,
-                        )))))
-                    }
+                if !self.is_response {
+                    return Poll::Ready(Some(Err(error.into())));
                 }
+                // The upstream reset the call or dropped the connection: end
+                // it with a status the client reads.
+                let message = format!(
+                    "devtrace tap: upstream ended the call: {}",
+                    error_chain(&error)
+                );
+                self.call().set_status(UNAVAILABLE);
+                self.call().finish(UNAVAILABLE);
+                Poll::Ready(Some(Ok(Frame::trailers(status_headers(
+                    UNAVAILABLE,
+                    &message,
+                )))))
             }
             Poll::Ready(None) => {
                 self.done = true;
-                if self.direction == Direction::Response {
+                if self.is_response {
                     // No status anywhere is a protocol error of the upstream.
-                    self.call.finish(UNKNOWN);
+                    self.call().finish(UNKNOWN);
                 }
                 Poll::Ready(None)
             }
@@ -289,8 +295,8 @@ impl Drop for Tapped {
     fn drop(&mut self) {
         // A response dropped before its end: the client went away. A
         // trailers-only response ends here too, with its status already set.
-        if self.direction == Direction::Response {
-            self.call.finish(CANCELLED);
+        if self.is_response {
+            self.call().finish(CANCELLED);
         }
     }
 }

@@ -5,8 +5,9 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -18,6 +19,7 @@ use crate::registry::Registry;
 use crate::ring::Producer;
 
 use super::decode::{self, Body, Frame, Framer};
+use super::queue::{Bounds, DecodeQueue, Job};
 
 /// Tap lines carry this tag in their upper bits, apart from host thread ids.
 const LINE_TAG: u64 = 0x7461_7000_0000_0000;
@@ -47,8 +49,11 @@ pub struct TapStats {
     pub failed: u64,
     pub steps: u64,
     pub eager_ops: u64,
-    /// Messages forwarded without being decoded.
+    /// Messages forwarded without being decoded (compressed, over the
+    /// decode limit, unparsable, or no room in the decode queue).
     pub undecoded: u64,
+    /// Of those, the messages the decode queue had no room for.
+    pub queue_overflow: u64,
     pub request_bytes: u64,
     pub response_bytes: u64,
     /// Events the ring refused (full lane).
@@ -63,6 +68,7 @@ struct Counters {
     steps: AtomicU64,
     eager_ops: AtomicU64,
     undecoded: AtomicU64,
+    queue_overflow: AtomicU64,
     request_bytes: AtomicU64,
     response_bytes: AtomicU64,
     dropped_events: AtomicU64,
@@ -74,15 +80,29 @@ pub struct Recorder {
     producer: Mutex<Producer>,
     steps: Mutex<HashMap<String, i64>>,
     counters: Counters,
+    queue: DecodeQueue,
 }
 
 impl Recorder {
     pub fn new(registry: Arc<Registry>, producer: Producer) -> Arc<Recorder> {
+        Recorder::with_queue(
+            registry,
+            producer,
+            DecodeQueue::start(Bounds::default(), Call::decoded),
+        )
+    }
+
+    fn with_queue(
+        registry: Arc<Registry>,
+        producer: Producer,
+        queue: DecodeQueue,
+    ) -> Arc<Recorder> {
         Arc::new(Recorder {
             registry,
             producer: Mutex::new(producer),
             steps: Mutex::default(),
             counters: Counters::default(),
+            queue,
         })
     }
 
@@ -108,28 +128,37 @@ impl Recorder {
             steps: load(&c.steps),
             eager_ops: load(&c.eager_ops),
             undecoded: load(&c.undecoded),
+            queue_overflow: load(&c.queue_overflow),
             request_bytes: load(&c.request_bytes),
             response_bytes: load(&c.response_bytes),
             dropped_events: load(&c.dropped_events),
         }
     }
 
-    /// Starts recording one call of `path` (`/package.Service/Method`).
-    pub fn call(self: &Arc<Self>, line: u64, path: &str) -> Arc<Call> {
+    /// Starts recording one call of `path` (`/package.Service/Method`):
+    /// returns the call and the observers of its two directions.
+    pub fn call(self: &Arc<Self>, line: u64, path: &str) -> (Arc<Call>, Observer, Observer) {
         let kind = Kind::of(path);
-        let limit = if kind == Kind::Other { 0 } else { DECODE_LIMIT };
-        Arc::new(Call {
+        let call = Arc::new(Call {
             recorder: Arc::clone(self),
             line,
             name: self.registry.intern(path.trim_start_matches('/')),
             kind,
             start_ns: clock::now_ns(),
-            state: Mutex::new(State {
-                request: Framer::new(limit),
-                response: Framer::new(limit),
-                ..State::default()
-            }),
-        })
+            queued: AtomicU32::new(0),
+            traffic: Default::default(),
+            undecoded: AtomicU32::new(0),
+            state: Mutex::default(),
+        });
+        let observer = |direction| Observer::new(Arc::clone(&call), direction);
+        let (request, response) = (observer(Direction::Request), observer(Direction::Response));
+        (call, request, response)
+    }
+
+    /// Waits up to `limit` for the messages forwarded so far to be decoded
+    /// and the calls that ended to be recorded; false if some still wait.
+    pub fn settle(&self, limit: Duration) -> bool {
+        self.queue.settle(limit)
     }
 
     fn push(&self, events: &[Event]) {
@@ -228,22 +257,52 @@ struct PendingOp {
     device: NameId,
 }
 
+/// What the tap needs of one direction's messages for a kind of call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Needs {
+    /// Nothing: the messages are only counted.
+    Nothing,
+    /// When each message arrives (an Enqueue response ends its batch's ops).
+    Arrival,
+    /// The decoded message.
+    Decoded,
+}
+
+impl Kind {
+    fn needs(self, direction: Direction) -> Needs {
+        match (self, direction) {
+            (Kind::Other, _) => Needs::Nothing,
+            (_, Direction::Request) => Needs::Decoded,
+            (Kind::RunStep | Kind::CreateSession | Kind::CreateContext, Direction::Response) => {
+                Needs::Decoded
+            }
+            (Kind::Enqueue, Direction::Response) => Needs::Arrival,
+            (_, Direction::Response) => Needs::Nothing,
+        }
+    }
+}
+
+/// What the decoded messages of a call said, and how it ends.
 #[derive(Default)]
 struct State {
-    request: Framer,
-    response: Framer,
     info: RpcInfo,
     session: String,
     context_id: u64,
     step: Option<i64>,
     fetches: Vec<String>,
     targets: Vec<String>,
-    /// Enqueue messages waiting for their response: arrival time and ops.
-    pending: VecDeque<(u64, Vec<PendingOp>)>,
+    /// Enqueue messages waiting for their response: arrival time and ops
+    /// (none for a request that was not decoded).
+    pending: VecDeque<(u64, Option<Vec<PendingOp>>)>,
+    /// The number the next message of each direction should have.
+    next_seq: [u32; 2],
     status: Option<u32>,
     /// A failure reported inside an OK response (RunStep).
     body_status: u32,
-    finished: bool,
+    /// The status to use when the upstream sent none, and when the call
+    /// ended: set once it ended, recorded once its messages are decoded.
+    ending: Option<(u32, u64)>,
+    recorded: bool,
 }
 
 /// Which way a message travels.
@@ -253,50 +312,195 @@ pub enum Direction {
     Response,
 }
 
-/// One forwarded call being recorded. Finished exactly once, by whichever
-/// comes first: the response's end, an error, or the response being dropped.
+impl Direction {
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Bytes and messages one direction of a call carried.
+#[derive(Default)]
+struct Traffic {
+    bytes: AtomicU64,
+    messages: AtomicU32,
+}
+
+/// One forwarded call being recorded. It ends exactly once, by whichever
+/// comes first: the response's end, an error, or the response being
+/// dropped; it is recorded once its messages still in the decode queue are
+/// decoded.
 pub struct Call {
     recorder: Arc<Recorder>,
     line: u64,
     name: NameId,
     kind: Kind,
     start_ns: u64,
+    /// Its messages in the decode queue.
+    queued: AtomicU32,
+    traffic: [Traffic; 2],
+    undecoded: AtomicU32,
     state: Mutex<State>,
 }
 
+/// Frames one direction of a call on the forwarding path and hands what
+/// the call needs of its messages to the decode queue.
+pub struct Observer {
+    call: Arc<Call>,
+    direction: Direction,
+    needs: Needs,
+    framer: Framer,
+    frames: Vec<Frame>,
+}
+
+impl Observer {
+    fn new(call: Arc<Call>, direction: Direction) -> Observer {
+        let needs = call.kind.needs(direction);
+        let limit = if needs == Needs::Decoded {
+            DECODE_LIMIT
+        } else {
+            0
+        };
+        Observer {
+            call,
+            direction,
+            needs,
+            framer: Framer::new(limit),
+            frames: Vec::new(),
+        }
+    }
+
+    /// One data frame, in order.
+    pub fn observe(&mut self, data: &Bytes) {
+        let first_seq = self.framer.messages;
+        self.framer.push(data, &mut self.frames);
+        let traffic = &self.call.traffic[self.direction.index()];
+        traffic.bytes.store(self.framer.bytes, Ordering::Relaxed);
+        traffic
+            .messages
+            .store(self.framer.messages, Ordering::Relaxed);
+        if self.needs == Needs::Nothing {
+            self.frames.clear();
+            return;
+        }
+        let arrived_ns = clock::now_ns();
+        for (seq, frame) in (first_seq..).zip(self.frames.drain(..)) {
+            let body = match frame {
+                Frame::Message(body) => Some(body),
+                Frame::Skipped { .. } if self.needs == Needs::Decoded => {
+                    self.call.undecoded.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                Frame::Skipped { .. } => None,
+            };
+            self.call.offer(Job {
+                call: Arc::clone(&self.call),
+                direction: self.direction,
+                seq,
+                arrived_ns,
+                body,
+            });
+        }
+    }
+
+    /// The call this observes.
+    pub fn call(&self) -> &Arc<Call> {
+        &self.call
+    }
+
+    pub fn direction(&self) -> Direction {
+        self.direction
+    }
+}
+
 impl Call {
-    /// A copy of one data frame, in order, for one direction.
-    pub fn observe(&self, direction: Direction, data: &Bytes) {
-        let mut frames = Vec::new();
-        let mut events = Vec::new();
+    /// Hands a message to the decode queue, or counts it when there is no room.
+    fn offer(&self, job: Job) {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        if self.recorder.queue.offer(job).is_ok() {
+            return;
+        }
+        self.recorder
+            .counters
+            .queue_overflow
+            .fetch_add(1, Ordering::Relaxed);
+        self.undecoded.fetch_add(1, Ordering::Relaxed);
+        // The gap in the message numbers says what is missing.
         let mut state = self.state.lock();
-        match direction {
-            Direction::Request => state.request.push(data, &mut frames),
-            Direction::Response => state.response.push(data, &mut frames),
+        self.release(&mut state);
+    }
+
+    /// Runs on the decoding thread: applies one message of a call.
+    fn decoded(job: Job) {
+        let call = &job.call;
+        let mut events = Vec::new();
+        let mut state = call.state.lock();
+        if !state.recorded {
+            call.apply(&mut state, &job, &mut events);
         }
-        for frame in frames {
-            match frame {
-                Frame::Skipped { .. } if self.kind != Kind::Other => {
-                    state.info.undecoded = state.info.undecoded.saturating_add(1);
-                }
-                Frame::Skipped { .. } => {}
-                Frame::Message(message) => {
-                    let decoded = match direction {
-                        Direction::Request => self.request(&mut state, &message),
-                        Direction::Response => self.response(&mut state, &message, &mut events),
-                    };
-                    if !decoded {
-                        state.info.undecoded = state.info.undecoded.saturating_add(1);
-                    }
-                }
-            }
-        }
+        call.release(&mut state);
         drop(state);
         // Ops of a long-lived StreamingEnqueue are recorded as they complete,
         // not when the stream (the eager context) ends.
         if !events.is_empty() {
-            self.recorder.push(&events);
+            call.recorder.push(&events);
         }
+    }
+
+    /// One queued message is done with: the call is recorded when it had
+    /// ended and this was its last.
+    fn release(&self, state: &mut State) {
+        if self.queued.fetch_sub(1, Ordering::AcqRel) == 1 && state.ending.is_some() {
+            self.record(state);
+        }
+    }
+
+    fn apply(&self, state: &mut State, job: &Job, events: &mut Vec<Event>) {
+        let side = job.direction.index();
+        let missed = job.seq.saturating_sub(state.next_seq[side]);
+        state.next_seq[side] = job.seq.saturating_add(1);
+        match job.direction {
+            Direction::Request => {
+                if self.kind == Kind::Enqueue {
+                    // Requests never decoded still get their response.
+                    for _ in 0..missed {
+                        self.queue_batch(state, job.arrived_ns, None);
+                    }
+                }
+                let decoded = job
+                    .body
+                    .as_ref()
+                    .is_some_and(|body| self.request(state, body, job.arrived_ns));
+                if !decoded {
+                    self.undecoded.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Direction::Response => {
+                if self.kind == Kind::Enqueue {
+                    // Responses the queue had no room for end their batches
+                    // at an unknown time: their ops are counted as lost.
+                    for _ in 0..missed {
+                        if let Some((_, Some(lost))) = state.pending.pop_front() {
+                            self.lose_ops(lost.len());
+                        }
+                    }
+                    if let Some((start, ops)) = state.pending.pop_front() {
+                        let ops = ops.unwrap_or_default();
+                        self.op_events(events, start, job.arrived_ns, state.context_id, ops);
+                    }
+                } else if let Some(body) = &job.body {
+                    if !self.response(state, body) {
+                        self.undecoded.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+
+    fn lose_ops(&self, count: usize) {
+        self.recorder
+            .counters
+            .dropped_events
+            .fetch_add(count as u64, Ordering::Relaxed);
     }
 
     /// The status the upstream sent (headers of a trailers-only response, or
@@ -305,25 +509,42 @@ impl Call {
         self.state.lock().status = Some(status);
     }
 
-    /// Ends the call: `status` is used when the upstream sent none.
+    /// Ends the call: `status` is used when the upstream sent none. It is
+    /// recorded now, or once its messages still queued are decoded.
     pub fn finish(&self, status: u32) {
         let end_ns = clock::now_ns();
         let mut state = self.state.lock();
-        if state.finished {
+        if state.ending.is_some() {
             return;
         }
-        state.finished = true;
-        let mut status = *state.status.get_or_insert(status);
+        state.ending = Some((status, end_ns));
+        if self.queued.load(Ordering::Acquire) == 0 {
+            self.record(&mut state);
+        }
+    }
+
+    /// Writes the call's events; once.
+    fn record(&self, state: &mut State) {
+        let Some((default_status, end_ns)) = state.ending else {
+            return;
+        };
+        if state.recorded {
+            return;
+        }
+        state.recorded = true;
+        let mut status = *state.status.get_or_insert(default_status);
         if status == 0 {
             status = state.body_status;
         }
         let registry = &self.recorder.registry;
+        let [request, response] = &self.traffic;
         let mut info = state.info;
         info.status = status;
-        info.request_bytes = state.request.bytes;
-        info.response_bytes = state.response.bytes;
-        info.request_messages = state.request.messages;
-        info.response_messages = state.response.messages;
+        info.undecoded = self.undecoded.load(Ordering::Relaxed);
+        info.request_bytes = request.bytes.load(Ordering::Relaxed);
+        info.response_bytes = response.bytes.load(Ordering::Relaxed);
+        info.request_messages = request.messages.load(Ordering::Relaxed);
+        info.response_messages = response.messages.load(Ordering::Relaxed);
         if !state.session.is_empty() {
             info.session = registry.intern(&state.session);
         } else if state.context_id != 0 {
@@ -352,9 +573,9 @@ impl Call {
         }
         events.push(span(self.name, Payload::Rpc(info)));
         while let Some((start, ops)) = state.pending.pop_front() {
+            let ops = ops.unwrap_or_default();
             self.op_events(&mut events, start, end_ns, state.context_id, ops);
         }
-        drop(state);
         let c = &self.recorder.counters;
         c.calls.fetch_add(1, Ordering::Relaxed);
         if status != 0 {
@@ -369,6 +590,17 @@ impl Call {
         c.eager_ops
             .fetch_add(u64::from(info.ops_enqueued), Ordering::Relaxed);
         self.recorder.push(&events);
+    }
+
+    /// Queues one Enqueue batch to wait for its response, the oldest's
+    /// ops counted as lost when responses never come.
+    fn queue_batch(&self, state: &mut State, arrived_ns: u64, ops: Option<Vec<PendingOp>>) {
+        if state.pending.len() >= MAX_PENDING {
+            if let Some((_, Some(lost))) = state.pending.pop_front() {
+                self.lose_ops(lost.len());
+            }
+        }
+        state.pending.push_back((arrived_ns, ops));
     }
 
     fn op_events(
@@ -396,7 +628,7 @@ impl Call {
     }
 
     /// Decodes one request message; false when it does not parse.
-    fn request(&self, state: &mut State, message: &Body) -> bool {
+    fn request(&self, state: &mut State, message: &Body, arrived_ns: u64) -> bool {
         let registry = &self.recorder.registry;
         match self.kind {
             Kind::RunStep => {
@@ -484,17 +716,7 @@ impl Call {
                         });
                     }
                 }
-                if state.pending.len() >= MAX_PENDING {
-                    // Responses that never come: the oldest batch's ops are
-                    // recorded without them.
-                    if let Some((_, lost)) = state.pending.pop_front() {
-                        self.recorder
-                            .counters
-                            .dropped_events
-                            .fetch_add(lost.len() as u64, Ordering::Relaxed);
-                    }
-                }
-                state.pending.push_back((clock::now_ns(), ops));
+                self.queue_batch(state, arrived_ns, Some(ops));
             }
             Kind::WaitQueueDone => {
                 let Ok(m) = decode::WaitQueueDoneRequest::decode(message.buf()) else {
@@ -524,7 +746,7 @@ impl Call {
     }
 
     /// Decodes one response message; false when it does not parse.
-    fn response(&self, state: &mut State, message: &Body, events: &mut Vec<Event>) -> bool {
+    fn response(&self, state: &mut State, message: &Body) -> bool {
         match self.kind {
             Kind::RunStep => {
                 let Ok(m) = decode::RunStepResponse::decode(message.buf()) else {
@@ -544,12 +766,6 @@ impl Call {
                 };
                 if state.context_id == 0 {
                     state.context_id = m.context_id;
-                }
-            }
-            Kind::Enqueue => {
-                // One response per request message, in order.
-                if let Some((start, ops)) = state.pending.pop_front() {
-                    self.op_events(events, start, clock::now_ns(), state.context_id, ops);
                 }
             }
             _ => {}
@@ -590,6 +806,93 @@ mod tests {
         assert_eq!(recorder.next_step(&long), 0);
         assert_eq!(recorder.next_step(&long), 1);
         assert!(recorder.steps.lock().keys().all(|k| k.len() <= 256));
+    }
+
+    fn grpc_message(body: &[u8]) -> Bytes {
+        let mut out = vec![0u8];
+        out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        out.extend_from_slice(body);
+        Bytes::from(out)
+    }
+
+    fn enqueue_one_op(op_id: i64) -> Bytes {
+        let request = decode::EnqueueRequest {
+            context_id: 7,
+            queue: vec![decode::QueueItem {
+                operation: Some(decode::Operation {
+                    id: op_id,
+                    name: "MatMul".into(),
+                    device: "/job:worker/replica:0/task:0/device:GPU:0".into(),
+                }),
+                ..Default::default()
+            }],
+        };
+        grpc_message(&request.encode_to_vec())
+    }
+
+    #[test]
+    fn a_full_decode_queue_counts_the_message_and_keeps_ops_paired_with_their_responses() {
+        let registry = Registry::new();
+        let ring = crate::ring::Ring::new(1, 256, crate::ring::DropPolicy::DropNewest).unwrap();
+        let body_bytes = enqueue_one_op(10).len() - decode::PREFIX_BYTES;
+        // The decoding thread waits until the gate is dropped; the queue
+        // holds two requests' bytes.
+        let (gate, waiting) = std::sync::mpsc::channel::<()>();
+        let waiting = Mutex::new(waiting);
+        let bounds = Bounds {
+            messages: 64,
+            bytes: 2 * body_bytes,
+        };
+        let queue = DecodeQueue::start(bounds, move |job| {
+            let _ = waiting.lock().recv();
+            Call::decoded(job);
+        });
+        let recorder = Recorder::with_queue(registry, ring.producer().unwrap(), queue);
+        let (call, mut requests, mut responses) = recorder.call(
+            LINE_TAG | 1,
+            "/tensorflow.eager.EagerService/StreamingEnqueue",
+        );
+        for op_id in 10..13 {
+            requests.observe(&enqueue_one_op(op_id));
+        }
+        assert_eq!(recorder.stats().queue_overflow, 1, "the third had no room");
+        drop(gate);
+        assert!(recorder.settle(Duration::from_secs(10)));
+        requests.observe(&enqueue_one_op(13));
+        let mut response_times = Vec::new();
+        for _ in 0..4 {
+            response_times.push(clock::now_ns());
+            responses.observe(&grpc_message(b""));
+        }
+        call.finish(0);
+        assert!(recorder.settle(Duration::from_secs(10)));
+
+        let stats = recorder.stats();
+        assert_eq!((stats.calls, stats.undecoded, stats.eager_ops), (1, 1, 3));
+        let mut events = Vec::new();
+        ring.consumer().unwrap().drain(&mut events, usize::MAX);
+        let ends: Vec<(i64, u64)> = events
+            .iter()
+            .filter_map(|event| match event.payload() {
+                Payload::EagerOp { op_id, .. } => Some((op_id, event.start_ns + event.duration_ns)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            ends.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+            [10, 11, 13]
+        );
+        // Each op ends at its own response: op 13 at the fourth, although the
+        // third request was never decoded.
+        let ended_between = |end: u64, response: usize| {
+            end >= response_times[response]
+                && response_times
+                    .get(response + 1)
+                    .is_none_or(|next| end < *next)
+        };
+        assert!(ended_between(ends[0].1, 0), "{ends:?} {response_times:?}");
+        assert!(ended_between(ends[1].1, 1), "{ends:?} {response_times:?}");
+        assert!(ended_between(ends[2].1, 3), "{ends:?} {response_times:?}");
     }
 
     #[test]
