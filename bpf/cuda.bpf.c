@@ -1,9 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0
-/* Uprobes on the CUDA driver library's entry points. One entry and one
- * return program serve every function: the attach cookie says which function
- * it is and what to read beyond the integer arguments. A call in flight is
- * kept per thread (the driver's entry points do not nest) and handed to user
- * space whole when it returns. */
+/* Uprobes on the CUDA driver library's entry points. The attach cookie says
+ * which function a probe is on and what to read beyond the integer
+ * arguments. A call whose duration or result is recorded has an entry and a
+ * return probe (on_cuda_entry, on_cuda_return): the call in flight is kept
+ * per thread (the driver's entry points do not nest) and handed to user
+ * space whole when it returns. A call probed at entry only (on_cuda_call:
+ * launches and asynchronous copies by default) costs one trap, not two, and
+ * its record is written straight into the ring buffer. Records end before
+ * the symbol field unless they carry one. */
 #include "kernel_types.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
@@ -56,24 +60,14 @@ static __always_inline void read_stack_args(struct pt_regs *ctx, u64 *args)
 #endif
 }
 
-SEC("uprobe")
-int on_cuda_entry(struct pt_regs *ctx)
+/* Everything of a call known at its entry, but the symbol. The caller has
+ * checked the filters and read `comm`. */
+static __always_inline void fill_head(struct pt_regs *ctx, struct cuda_call *call, u64 id,
+				      u32 cookie, const char *comm)
 {
-	u64 id = bpf_get_current_pid_tgid();
-	u32 pid = id >> 32;
-	char comm[COMM_LEN];
-	bpf_get_current_comm(comm, COMM_LEN);
-	if (!passes(pid, filter_cgroup ? bpf_get_current_cgroup_id() : 0, comm))
-		return 0;
-
-	u32 zero = 0;
-	struct cuda_call *call = bpf_map_lookup_elem(&scratch, &zero);
-	if (!call)
-		return 0;
-	u32 cookie = (u32)bpf_get_attach_cookie(ctx);
 	call->start_ns = bpf_ktime_get_ns();
 	call->end_ns = 0;
-	call->pid = pid;
+	call->pid = id >> 32;
 	call->tid = (u32)id;
 	call->cookie = cookie;
 	call->result = 0;
@@ -88,6 +82,7 @@ int on_cuda_entry(struct pt_regs *ctx)
 	else
 		call->args[6] = call->args[7] = call->args[8] = 0;
 	__builtin_memset(call->launch, 0, sizeof(call->launch));
+	call->reserved = 0;
 	call->launch_stream = 0;
 	if (cookie & CALL_FLAG_LAUNCH_CONFIG) {
 		struct launch_config config = {};
@@ -98,6 +93,54 @@ int on_cuda_entry(struct pt_regs *ctx)
 	}
 	call->out_value = 0;
 	__builtin_memcpy(call->comm, comm, COMM_LEN);
+}
+
+/* The reader is woken early only when the buffer fills up; otherwise it
+ * drains on its timer, as for scheduler records. */
+static __always_inline long wakeup_flags(void)
+{
+	return bpf_ringbuf_query(&cuda_events, BPF_RB_AVAIL_DATA) > 512 * 1024 ?
+		       BPF_RB_FORCE_WAKEUP :
+		       BPF_RB_NO_WAKEUP;
+}
+
+/* The filters, then the thread's command name (read once for both). */
+static __always_inline bool wanted(u64 id, char *comm)
+{
+	bpf_get_current_comm(comm, COMM_LEN);
+	return passes(id >> 32, filter_cgroup ? bpf_get_current_cgroup_id() : 0, comm);
+}
+
+SEC("uprobe")
+int on_cuda_call(struct pt_regs *ctx)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	char comm[COMM_LEN];
+	if (!wanted(id, comm))
+		return 0;
+	struct cuda_call *call = bpf_ringbuf_reserve(&cuda_events, CUDA_CALL_HEAD_BYTES, 0);
+	if (!call) {
+		count_loss(LOSS_CUDA_RING);
+		return 0;
+	}
+	fill_head(ctx, call, id, (u32)bpf_get_attach_cookie(ctx), comm);
+	bpf_ringbuf_submit(call, wakeup_flags());
+	return 0;
+}
+
+SEC("uprobe")
+int on_cuda_entry(struct pt_regs *ctx)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	char comm[COMM_LEN];
+	if (!wanted(id, comm))
+		return 0;
+	u32 zero = 0;
+	struct cuda_call *call = bpf_map_lookup_elem(&scratch, &zero);
+	if (!call)
+		return 0;
+	u32 cookie = (u32)bpf_get_attach_cookie(ctx);
+	fill_head(ctx, call, id, cookie, comm);
 	call->symbol[0] = 0;
 	if (cookie & CALL_FLAG_SYMBOL_ARG2)
 		bpf_probe_read_user_str(call->symbol, SYMBOL_LEN, (void *)call->args[2]);
@@ -123,12 +166,11 @@ int on_cuda_return(struct pt_regs *ctx)
 	call->result = (s32)PT_REGS_RC(ctx);
 	if (cookie & CALL_FLAG_OUT_ARG0)
 		bpf_probe_read_user(&call->out_value, sizeof(u64), (void *)call->args[0]);
-	/* As for scheduler records, the reader is woken early only when the
-	 * buffer fills up; otherwise it drains on its timer. */
-	long flags = bpf_ringbuf_query(&cuda_events, BPF_RB_AVAIL_DATA) > 512 * 1024 ?
-			     BPF_RB_FORCE_WAKEUP :
-			     BPF_RB_NO_WAKEUP;
-	if (bpf_ringbuf_output(&cuda_events, call, sizeof(*call), flags))
+	long written = cookie & CALL_FLAG_SYMBOL_ARG2 ?
+			       bpf_ringbuf_output(&cuda_events, call, sizeof(*call), wakeup_flags()) :
+			       bpf_ringbuf_output(&cuda_events, call, CUDA_CALL_HEAD_BYTES,
+						  wakeup_flags());
+	if (written)
 		count_loss(LOSS_CUDA_RING);
 	bpf_map_delete_elem(&inflight, &id);
 	return 0;

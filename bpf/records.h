@@ -72,6 +72,9 @@ enum cuda_fn {
 #define CALL_FLAG_OUT_ARG0 (1u << 17)
 /* Read a NUL-terminated string at argument 2 on entry. */
 #define CALL_FLAG_SYMBOL_ARG2 (1u << 18)
+/* Probed at entry only: the record is written there, with no end time and
+ * no result (on_cuda_call). */
+#define CALL_FLAG_ENTRY_ONLY (1u << 19)
 
 struct cuda_call {
 	u64 start_ns; /* CLOCK_MONOTONIC */
@@ -94,5 +97,8 @@ struct cuda_call {
 
 _Static_assert(sizeof(struct sched_record) == 72, "records.rs mirrors this size");
 _Static_assert(sizeof(struct cuda_call) == 264, "records.rs mirrors this size");
+/* A record without CALL_FLAG_SYMBOL_ARG2 ends before its symbol. */
+#define CUDA_CALL_HEAD_BYTES __builtin_offsetof(struct cuda_call, symbol)
+_Static_assert(CUDA_CALL_HEAD_BYTES == 168, "records.rs mirrors this size");
 
 #endif

@@ -218,7 +218,7 @@ pub struct RpcInfo {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct DriverCallInfo {
     pub pid: u32,
-    /// The `CUresult` it returned.
+    /// The `CUresult` it returned, or [`DriverCallInfo::NOT_RETURNED`].
     pub result: i32,
     pub grid: [u32; 3],
     pub block: [u32; 3],
@@ -231,6 +231,11 @@ pub struct DriverCallInfo {
     pub address: u64,
     /// `CUfunction` handle of a launch.
     pub function: u64,
+}
+
+impl DriverCallInfo {
+    /// The result of a call probed at entry only: not known.
+    pub const NOT_RETURNED: i32 = i32::MIN;
 }
 
 /// What an event is, with the fields that kind carries.

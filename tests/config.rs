@@ -42,6 +42,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ("perf-pid", "[1, 2]"),
     ("perf-interval", r#""50ms""#),
     ("ebpf-attach", r#""always""#),
+    ("ebpf-cuda-returns", r#""all""#),
     ("ebpf-hooks", r#"["sched"]"#),
     ("ebpf-pid", "[3]"),
     ("ebpf-cgroup", r#""/sys/fs/cgroup/kubepods.slice""#),

@@ -173,7 +173,7 @@ fn driver_calls(space: &XSpace, pid: u32) -> Vec<(Seen, u64)> {
     let (start, _) = common::window_of(space);
     events(common::plane(space, "/host:CPU"))
         .into_iter()
-        .filter(|e| e.name.starts_with("cu") && e.stats.contains_key("result"))
+        .filter(|e| e.name.starts_with("cu") && e.stats.contains_key("pid"))
         .filter(|e| uint(e, "pid") == u64::from(pid))
         .map(|e| {
             let at = start + (e.offset_ps / 1000) as u64;
@@ -184,7 +184,9 @@ fn driver_calls(space: &XSpace, pid: u32) -> Vec<(Seen, u64)> {
 
 /// Every probed call the workload printed is in the trace once, on its
 /// thread's line, inside the interval the workload measured around it, with
-/// its arguments; and nothing else of that process is.
+/// its arguments; and nothing else of that process is. Launches and
+/// asynchronous copies have their duration and result only when
+/// `every_call_returns` (`--ebpf-cuda-returns all`).
 fn assert_calls_match(
     space: &XSpace,
     calls: &[Call],
@@ -192,6 +194,7 @@ fn assert_calls_match(
     kernel_us: u64,
     sync_us: u64,
     lookups_seen: bool,
+    every_call_returns: bool,
 ) {
     const PROBED: [&str; 12] = [
         "cuMemcpyDtoD_v2",
@@ -244,15 +247,24 @@ fn assert_calls_match(
         );
         assert_eq!(uint(event, "pid"), u64::from(pid));
         assert_eq!(call.pid, pid);
+        let entry_only = !every_call_returns
+            && matches!(
+                call.name.as_str(),
+                "cuLaunchKernel"
+                    | "cuLaunchKernelEx"
+                    | "cuMemcpyHtoDAsync_v2"
+                    | "cuMemcpyDtoHAsync_v2"
+            );
         match event.stats.get("result") {
-            Some(StatValue::Int(0)) => {}
+            None if entry_only => assert_eq!(event.duration_ps, 0, "{}", call.name),
+            Some(StatValue::Int(0)) if !entry_only => {}
             other => panic!("{}: result {other:?}", call.name),
         }
         let duration_us = (event.duration_ps / 1_000_000) as u64;
         match call.name.as_str() {
             "cuLaunchKernel" | "cuLaunchKernelEx" => {
                 assert!(
-                    duration_us >= kernel_us,
+                    entry_only || duration_us >= kernel_us,
                     "{} took {duration_us} us",
                     call.name
                 );
@@ -354,7 +366,7 @@ async fn driver_calls_of_a_program_started_before_the_agent_carry_their_argument
         calls.iter().filter(|c| c.name == "cuLaunchKernel").count(),
         3
     );
-    assert_calls_match(&space, &calls, pid, kernel_us, sync_us, false);
+    assert_calls_match(&space, &calls, pid, kernel_us, sync_us, false, false);
 
     // Allocations and frees feed the memory profile, per process.
     let memory = memory_events(&space, pid);
@@ -383,7 +395,14 @@ async fn driver_calls_of_a_program_started_after_the_agent_are_seen_from_cu_init
     let program = cuda_programs("cuda_late");
     let agent = ebpf_agent(
         "cuda",
-        &["--ebpf-attach", "always", "--ebpf-comm", "cuda_late"],
+        &[
+            "--ebpf-attach",
+            "always",
+            "--ebpf-comm",
+            "cuda_late",
+            "--ebpf-cuda-returns",
+            "all",
+        ],
     );
     let dir = tempfile::tempdir().unwrap();
     let release = dir.path().join("go");
@@ -410,7 +429,7 @@ async fn driver_calls_of_a_program_started_after_the_agent_are_seen_from_cu_init
         2,
         "setup ran inside the window"
     );
-    assert_calls_match(&space, &calls, workload.workload.pid, 0, 0, true);
+    assert_calls_match(&space, &calls, workload.workload.pid, 0, 0, true, true);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -9,7 +9,7 @@ use clap::Args;
 use tracing::info;
 
 use crate::agent::{Agent, AgentConfig, BackendChoice};
-use crate::backend::ebpf::{cgroup_id, AttachMode, EbpfConfig};
+use crate::backend::ebpf::{cgroup_id, AttachMode, CudaReturns, EbpfConfig};
 use crate::backend::mock::MockConfig;
 use crate::client::{self, Target};
 use crate::ring::DropPolicy;
@@ -135,6 +135,16 @@ pub struct ServeArgs {
     /// Which kernel hooks the eBPF backend uses (comma-separated).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [EbpfHook::Sched, EbpfHook::Cuda])]
     pub ebpf_hooks: Vec<EbpfHook>,
+
+    /// Which probed CUDA driver calls also get a return probe (a second trap
+    /// into the kernel per call). `needed`: only those whose duration or
+    /// returned value is recorded (synchronizations, synchronous copies,
+    /// allocations, frees, module lookups); launches and asynchronous copies
+    /// are then instants with their arguments but no API duration or
+    /// CUresult. `all`: every probed call, at about twice the cost of a
+    /// launch.
+    #[arg(long, value_enum, default_value_t = CudaReturns::Needed)]
+    pub ebpf_cuda_returns: CudaReturns,
 
     /// Limit the eBPF backend to this process (repeatable).
     #[arg(long = "ebpf-pid", value_name = "PID")]
@@ -381,6 +391,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ebpf: EbpfConfig {
             sched: args.ebpf_hooks.contains(&EbpfHook::Sched),
             cuda: args.ebpf_hooks.contains(&EbpfHook::Cuda),
+            cuda_returns: args.ebpf_cuda_returns,
             attach: args.ebpf_attach,
             pids: args.ebpf_pids.clone(),
             cgroup_id: match &args.ebpf_cgroup {

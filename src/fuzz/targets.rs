@@ -510,7 +510,7 @@ fn comm(name: &str) -> [u8; 16] {
 /// Samples behind a byte saying which ring they came from (bit 0: the
 /// CUDA ring) and whether the timeline is cut after them (bit 1).
 fn bpf_seeds() -> Vec<Vec<u8>> {
-    use crate::backend::ebpf::cuda::CUDA_PROBES;
+    use crate::backend::ebpf::cuda::{CudaReturns, CUDA_PROBES};
     let sched = |kind, time_ns, matched| SchedRecord {
         time_ns,
         kind,
@@ -537,6 +537,7 @@ fn bpf_seeds() -> Vec<Vec<u8>> {
         sched_seed.extend(record_bytes(record));
     }
     let mut cuda_seed = Vec::new();
+    let returns = [CudaReturns::All, CudaReturns::Needed];
     for (index, probe) in CUDA_PROBES.iter().enumerate() {
         let mut symbol = [0u8; 96];
         symbol[..6].copy_from_slice(b"kernel");
@@ -545,7 +546,7 @@ fn bpf_seeds() -> Vec<Vec<u8>> {
             end_ns: 2_000 + index as u64,
             pid: 7,
             tid: 8,
-            cookie: probe.cookie(index) as u32,
+            cookie: probe.cookie(index, returns[index % 2]) as u32,
             result: 0,
             args: [0x7000, 2, 1, 1, 128, 1, 1, 0, 7],
             launch: [1, 1, 1, 64, 1, 1, 0],

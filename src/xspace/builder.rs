@@ -895,7 +895,9 @@ impl<'r> PlaneTables<'r> {
     /// and addresses only where the call has them.
     fn driver_call_stats(&mut self, out: &mut Writer, call: &DriverCallInfo) {
         self.stat(out, Stat::Pid, Value::Uint(u64::from(call.pid)));
-        self.stat(out, Stat::CudaResult, Value::Int(i64::from(call.result)));
+        if call.result != DriverCallInfo::NOT_RETURNED {
+            self.stat(out, Stat::CudaResult, Value::Int(i64::from(call.result)));
+        }
         if call.grid != [0; 3] || call.block != [0; 3] {
             let [gx, gy, gz] = call.grid;
             let [bx, by, bz] = call.block;

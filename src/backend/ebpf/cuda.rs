@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::records::{
-    c_str, CudaCall, CALL_FLAG_LAUNCH_CONFIG, CALL_FLAG_OUT_ARG0, CALL_FLAG_SYMBOL_ARG2,
+    c_str, CudaCall, CALL_FLAG_ENTRY_ONLY, CALL_FLAG_LAUNCH_CONFIG, CALL_FLAG_OUT_ARG0,
+    CALL_FLAG_SYMBOL_ARG2,
 };
 use crate::event::{AllocatorTally, Device, DriverCallInfo, Event, NameId, Payload};
 use crate::registry::Registry;
@@ -71,11 +72,45 @@ pub const CUDA_PROBES: [CudaProbe; 27] = [
     probe("cuModuleGetFunction", MODULE_GET_FUNCTION),
 ];
 
+/// Which probed driver calls also get a return probe. A uprobe is a trap
+/// into the kernel on each call; a return probe is a second one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum CudaReturns {
+    /// Only the calls whose duration or returned value is recorded:
+    /// synchronizations, synchronous copies, allocations, frees (which may
+    /// wait for the device) and module lookups (the kernel's name). Launches
+    /// and asynchronous copies are recorded at entry: an instant with their
+    /// arguments, without their API duration or `CUresult`.
+    #[default]
+    Needed,
+    /// Every probed call, launches and asynchronous copies included.
+    All,
+}
+
 impl CudaProbe {
+    /// Whether this call gets a return probe under `returns`.
+    pub fn has_return(&self, returns: CudaReturns) -> bool {
+        returns == CudaReturns::All
+            || !matches!(
+                self.function,
+                LAUNCH_KERNEL
+                    | LAUNCH_KERNEL_EX
+                    | MEMCPY_ASYNC
+                    | MEMCPY_HTOD_ASYNC
+                    | MEMCPY_DTOH_ASYNC
+                    | MEMCPY_DTOD_ASYNC
+            )
+    }
+
     /// The attach cookie: function in bits 0-7, probe index in 8-15, flags
     /// from bit 16.
-    pub fn cookie(&self, index: usize) -> u64 {
-        self.function as u64 | ((index as u64) << 8) | u64::from(self.flags)
+    pub fn cookie(&self, index: usize, returns: CudaReturns) -> u64 {
+        let entry_only = if self.has_return(returns) {
+            0
+        } else {
+            CALL_FLAG_ENTRY_ONLY
+        };
+        self.function as u64 | ((index as u64) << 8) | u64::from(self.flags | entry_only)
     }
 }
 
@@ -209,8 +244,8 @@ impl DriverCalls {
         }
     }
 
-    /// Turns one returned call into events; `start_ns` and `end_ns` are on
-    /// the agent's clock.
+    /// Turns one call into events; `start_ns` and `end_ns` are on the
+    /// agent's clock (equal for a call probed at entry only).
     pub fn record(&mut self, call: &CudaCall, start_ns: u64, end_ns: u64, out: &mut Vec<Event>) {
         let function = (call.cookie & 0xff) as usize;
         let Some(&name) = self.probe_names.get(((call.cookie >> 8) & 0xff) as usize) else {
@@ -219,9 +254,14 @@ impl DriverCalls {
         self.name_thread(call);
         let a = &call.args;
         let ok = call.result == 0;
+        let returned = call.cookie & CALL_FLAG_ENTRY_ONLY == 0;
         let mut info = DriverCallInfo {
             pid: call.pid,
-            result: call.result,
+            result: if returned {
+                call.result
+            } else {
+                DriverCallInfo::NOT_RETURNED
+            },
             ..DriverCallInfo::default()
         };
         match function {
@@ -382,7 +422,7 @@ mod tests {
             end_ns: 0,
             pid: 100,
             tid: 101,
-            cookie: CUDA_PROBES[index].cookie(index) as u32,
+            cookie: CUDA_PROBES[index].cookie(index, CudaReturns::All) as u32,
             result: 0,
             args: [0; 9],
             launch: [0; 7],
@@ -466,6 +506,52 @@ mod tests {
     }
 
     #[test]
+    fn by_default_only_calls_whose_end_is_recorded_get_a_return_probe() {
+        let returning: Vec<&str> = CUDA_PROBES
+            .iter()
+            .filter(|p| p.has_return(CudaReturns::Needed))
+            .map(|p| p.symbol)
+            .filter(|s| !s.ends_with("_ptsz") && !s.ends_with("_ptds"))
+            .collect();
+        assert_eq!(
+            returning,
+            [
+                "cuMemAlloc_v2",
+                "cuMemFree_v2",
+                "cuMemcpy",
+                "cuMemcpyHtoD_v2",
+                "cuMemcpyDtoH_v2",
+                "cuMemcpyDtoD_v2",
+                "cuStreamSynchronize",
+                "cuCtxSynchronize",
+                "cuEventSynchronize",
+                "cuModuleGetFunction",
+            ]
+        );
+        assert!(CUDA_PROBES.iter().all(|p| p.has_return(CudaReturns::All)));
+
+        // A launch probed at entry only: an instant, its arguments, no result.
+        let registry = Registry::new();
+        let mut calls = DriverCalls::new(Arc::clone(&registry));
+        let mut launch = call(LAUNCH_KERNEL, &[0xf00, 2, 1, 1, 128, 1, 1, 0, 0x77]);
+        launch.cookie = CUDA_PROBES[0].cookie(0, CudaReturns::Needed) as u32;
+        let mut out = Vec::new();
+        calls.record(&launch, 5, 5, &mut out);
+        let Payload::DriverCall(info) = out[0].payload() else {
+            panic!()
+        };
+        assert_eq!(out[0].duration_ns, 0);
+        assert_eq!(info.result, DriverCallInfo::NOT_RETURNED);
+        assert_eq!((info.grid, info.stream), ([2, 1, 1], 0x77));
+        launch.cookie = CUDA_PROBES[0].cookie(0, CudaReturns::All) as u32;
+        calls.record(&launch, 5, 9, &mut out);
+        let Payload::DriverCall(info) = out[1].payload() else {
+            panic!()
+        };
+        assert_eq!((out[1].duration_ns, info.result), (4, 0));
+    }
+
+    #[test]
     fn per_thread_stream_variants_decode_like_their_function_under_their_own_name() {
         let registry = Registry::new();
         let mut calls = DriverCalls::new(Arc::clone(&registry));
@@ -474,7 +560,7 @@ mod tests {
             .position(|p| p.symbol == "cuMemcpyDtoHAsync_v2_ptsz")
             .unwrap();
         let mut copy = call(MEMCPY_DTOH_ASYNC, &[0x1000, 0xd000, 4096, 0x77]);
-        copy.cookie = CUDA_PROBES[index].cookie(index) as u32;
+        copy.cookie = CUDA_PROBES[index].cookie(index, CudaReturns::All) as u32;
         let mut out = Vec::new();
         calls.record(&copy, 1, 2, &mut out);
         assert_eq!(

@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use super::worker::Worker;
 use super::{Backend, BackendContext, BackendError, Capabilities, Health, Loss};
 
-pub use cuda::{find_driver_libraries, DriverLibrary, CUDA_PROBES};
+pub use cuda::{find_driver_libraries, CudaReturns, DriverLibrary, CUDA_PROBES};
 
 /// When the programs are attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -42,6 +42,8 @@ pub struct EbpfConfig {
     pub sched: bool,
     /// Probe the CUDA driver library's entry points.
     pub cuda: bool,
+    /// Which probed driver calls also get a return probe.
+    pub cuda_returns: CudaReturns,
     pub attach: AttachMode,
     /// Only these processes (none = all).
     pub pids: Vec<u32>,
@@ -66,6 +68,7 @@ impl Default for EbpfConfig {
         EbpfConfig {
             sched: true,
             cuda: true,
+            cuda_returns: CudaReturns::Needed,
             attach: AttachMode::Capture,
             pids: Vec::new(),
             cgroup_id: None,

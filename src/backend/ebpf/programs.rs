@@ -18,7 +18,7 @@ use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, RingBufferBuilder, UprobeOp
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
-use super::cuda::{find_driver_libraries, DriverCalls, DriverLibrary, CUDA_PROBES};
+use super::cuda::{find_driver_libraries, CudaReturns, DriverCalls, DriverLibrary, CUDA_PROBES};
 use super::records::{
     CudaCall, Record, SchedRecord, LOSS_CUDA_INFLIGHT, LOSS_CUDA_RING, LOSS_KINDS, LOSS_SCHED_RING,
 };
@@ -112,7 +112,8 @@ impl Decoder {
         match CudaCall::read(sample) {
             Some(call) => {
                 let start = self.clock.realtime(call.start_ns);
-                let end = self.clock.realtime(call.end_ns);
+                // A call probed at entry only has no end.
+                let end = self.clock.realtime(call.end_ns.max(call.start_ns));
                 self.cuda.record(&call, start, end, &mut self.pending);
             }
             None => self.malformed += 1,
@@ -215,8 +216,8 @@ fn attach_sched(skel: &SchedSkel<'_>) -> Result<Vec<Link>, libbpf_rs::Error> {
     ])
 }
 
-/// Uprobes on one driver library: an entry and a return probe per function
-/// it exports.
+/// Uprobes on one driver library: per function it exports, an entry probe,
+/// and a return probe where `CudaReturns` asks for one.
 struct ProbedLibrary {
     _links: Vec<Link>,
 }
@@ -224,29 +225,38 @@ struct ProbedLibrary {
 fn probe_library(
     skel: &CudaSkel<'_>,
     library: &DriverLibrary,
+    returns: CudaReturns,
 ) -> Result<(ProbedLibrary, Vec<&'static str>), String> {
     let mut links = Vec::new();
     let mut missing = Vec::new();
     let mut first_error = None;
     for (index, probe) in CUDA_PROBES.iter().enumerate() {
-        let cookie = probe.cookie(index);
+        let cookie = probe.cookie(index, returns);
         let opts = |retprobe| UprobeOpts {
             func_name: Some(probe.symbol.to_string()),
             retprobe,
             cookie,
             ..UprobeOpts::default()
         };
-        let entry =
+        let attached = if probe.has_return(returns) {
+            let entry =
+                skel.progs
+                    .on_cuda_entry
+                    .attach_uprobe_with_opts(-1, &library.path, 0, opts(false));
+            let exit =
+                skel.progs
+                    .on_cuda_return
+                    .attach_uprobe_with_opts(-1, &library.path, 0, opts(true));
+            entry.and_then(|entry| Ok(vec![entry, exit?]))
+        } else {
             skel.progs
-                .on_cuda_entry
-                .attach_uprobe_with_opts(-1, &library.path, 0, opts(false));
-        let exit =
-            skel.progs
-                .on_cuda_return
-                .attach_uprobe_with_opts(-1, &library.path, 0, opts(true));
-        match (entry, exit) {
-            (Ok(entry), Ok(exit)) => links.extend([entry, exit]),
-            (Err(error), _) | (_, Err(error)) => {
+                .on_cuda_call
+                .attach_uprobe_with_opts(-1, &library.path, 0, opts(false))
+                .map(|entry| vec![entry])
+        };
+        match attached {
+            Ok(probes) => links.extend(probes),
+            Err(error) => {
                 first_error.get_or_insert(error);
                 missing.push(probe.symbol);
             }
@@ -475,7 +485,7 @@ impl Tracer<'_> {
             if self.probed.contains(&key) || self.refused.contains(&key) {
                 continue;
             }
-            match probe_library(skel, &library) {
+            match probe_library(skel, &library, self.config.cuda_returns) {
                 Ok((probes, missing)) => {
                     info!(library = %library.path.display(), ?missing, "CUDA driver probed");
                     self.libraries.push(probes);

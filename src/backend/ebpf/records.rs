@@ -21,6 +21,7 @@ pub const LOSS_KINDS: u32 = 3;
 pub const CALL_FLAG_LAUNCH_CONFIG: u32 = 1 << 16;
 pub const CALL_FLAG_OUT_ARG0: u32 = 1 << 17;
 pub const CALL_FLAG_SYMBOL_ARG2: u32 = 1 << 18;
+pub const CALL_FLAG_ENTRY_ONLY: u32 = 1 << 19;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -58,6 +59,9 @@ pub struct CudaCall {
 
 const _: () = assert!(std::mem::size_of::<SchedRecord>() == 72);
 const _: () = assert!(std::mem::size_of::<CudaCall>() == 264);
+/// A call record without a symbol ends where the symbol would start.
+pub const CUDA_CALL_HEAD_BYTES: usize = std::mem::offset_of!(CudaCall, symbol);
+const _: () = assert!(CUDA_CALL_HEAD_BYTES == 168);
 
 /// Plain-integer records that any bytes of the right length form.
 pub trait Record: Copy {
@@ -74,7 +78,22 @@ pub trait Record: Copy {
 }
 
 impl Record for SchedRecord {}
-impl Record for CudaCall {}
+
+impl Record for CudaCall {
+    /// A record may end before its symbol (`CUDA_CALL_HEAD_BYTES`); the
+    /// symbol is then empty.
+    fn read(sample: &[u8]) -> Option<CudaCall> {
+        if sample.len() < CUDA_CALL_HEAD_BYTES {
+            return None;
+        }
+        let mut whole = [0u8; std::mem::size_of::<CudaCall>()];
+        let present = sample.len().min(whole.len());
+        whole[..present].copy_from_slice(&sample[..present]);
+        // SAFETY: as for the default `read`: plain integers and byte
+        // arrays, a full-length buffer, an unaligned read.
+        Some(unsafe { std::ptr::read_unaligned(whole.as_ptr().cast::<CudaCall>()) })
+    }
+}
 
 /// A kernel-style fixed-size name up to its first NUL.
 pub fn c_str(bytes: &[u8]) -> String {
@@ -96,5 +115,18 @@ mod tests {
         assert_eq!(record.kind, SCHED_SWITCH);
         assert_eq!(c_str(&record.prev_comm), "abc");
         assert_eq!(c_str(b"full-sixteen-chr"), "full-sixteen-chr");
+    }
+
+    #[test]
+    fn call_records_may_end_before_their_symbol() {
+        assert!(CudaCall::read(&[0u8; CUDA_CALL_HEAD_BYTES - 1]).is_none());
+        let mut bytes = [0u8; CUDA_CALL_HEAD_BYTES];
+        bytes[16..20].copy_from_slice(&7u32.to_ne_bytes());
+        let call = CudaCall::read(&bytes).expect("a head is a record");
+        assert_eq!(call.pid, 7);
+        assert_eq!(c_str(&call.symbol), "");
+        let mut whole = [0u8; 264];
+        whole[CUDA_CALL_HEAD_BYTES..CUDA_CALL_HEAD_BYTES + 3].copy_from_slice(b"abc");
+        assert_eq!(c_str(&CudaCall::read(&whole).expect("whole").symbol), "abc");
     }
 }
