@@ -22,14 +22,18 @@ struct {
 	__uint(max_entries, 4 * 1024 * 1024);
 } cuda_events SEC(".maps");
 
+/* Each thread's call in flight, filled in place: a slot stays with its
+ * thread between calls (start_ns 0 when none is in flight), so a call costs
+ * a lookup rather than an insert and a delete. Slots of threads gone are
+ * the first evicted. */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 16384);
 	__type(key, u64); /* pid_tgid */
 	__type(value, struct cuda_call);
 } inflight SEC(".maps");
 
-/* Scratch space for building a record: too big for the BPF stack. */
+/* A zeroed record to make a thread's slot from: too big for the BPF stack. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
@@ -135,17 +139,24 @@ int on_cuda_entry(struct pt_regs *ctx)
 	char comm[COMM_LEN];
 	if (!wanted(id, comm))
 		return 0;
-	u32 zero = 0;
-	struct cuda_call *call = bpf_map_lookup_elem(&scratch, &zero);
-	if (!call)
-		return 0;
+	struct cuda_call *call = bpf_map_lookup_elem(&inflight, &id);
+	if (!call) {
+		u32 zero = 0;
+		struct cuda_call *blank = bpf_map_lookup_elem(&scratch, &zero);
+		if (!blank)
+			return 0;
+		bpf_map_update_elem(&inflight, &id, blank, BPF_NOEXIST);
+		call = bpf_map_lookup_elem(&inflight, &id);
+		if (!call) {
+			count_loss(LOSS_CUDA_INFLIGHT);
+			return 0;
+		}
+	}
 	u32 cookie = (u32)bpf_get_attach_cookie(ctx);
 	fill_head(ctx, call, id, cookie, comm);
 	call->symbol[0] = 0;
 	if (cookie & CALL_FLAG_SYMBOL_ARG2)
 		bpf_probe_read_user_str(call->symbol, SYMBOL_LEN, (void *)call->args[2]);
-	if (bpf_map_update_elem(&inflight, &id, call, BPF_ANY))
-		count_loss(LOSS_CUDA_INFLIGHT);
 	return 0;
 }
 
@@ -154,12 +165,12 @@ int on_cuda_return(struct pt_regs *ctx)
 {
 	u64 id = bpf_get_current_pid_tgid();
 	struct cuda_call *call = bpf_map_lookup_elem(&inflight, &id);
-	if (!call)
+	if (!call || call->start_ns == 0)
 		return 0;
 	u32 cookie = (u32)bpf_get_attach_cookie(ctx);
 	if (call->cookie != cookie) {
 		/* A return we did not see enter (attached mid-call). */
-		bpf_map_delete_elem(&inflight, &id);
+		call->start_ns = 0;
 		return 0;
 	}
 	call->end_ns = bpf_ktime_get_ns();
@@ -172,6 +183,6 @@ int on_cuda_return(struct pt_regs *ctx)
 						  wakeup_flags());
 	if (written)
 		count_loss(LOSS_CUDA_RING);
-	bpf_map_delete_elem(&inflight, &id);
+	call->start_ns = 0;
 	return 0;
 }
