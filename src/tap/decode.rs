@@ -13,6 +13,8 @@ use std::collections::VecDeque;
 
 use bytes::{Buf, Bytes, BytesMut};
 
+use super::fields::FieldFilter;
+
 /// Length of the gRPC message prefix.
 pub const PREFIX_BYTES: usize = 5;
 
@@ -119,7 +121,9 @@ impl Buf for Pieces<'_> {
 }
 
 /// Reassembles gRPC messages from the data frames of one direction of a call.
-/// Messages larger than `decode_limit` are counted but not held.
+/// Messages larger than `decode_limit` are counted but not held. A framer
+/// made [`Framer::keeping`] some top-level fields holds nothing of a
+/// message but those, whatever its size.
 #[derive(Debug)]
 pub struct Framer {
     /// What arrived and is not yet framed, in order: frames held as they
@@ -132,6 +136,10 @@ pub struct Framer {
     /// Bytes still to skip of a message that is not being held.
     skipping: u64,
     decode_limit: usize,
+    /// The top-level fields kept of each message; `None` keeps it whole.
+    fields: Option<&'static [u32]>,
+    /// The message being filtered as it arrives.
+    filtering: Option<(FieldFilter, u64)>,
     /// Every byte seen, prefixes included.
     pub bytes: u64,
     /// Complete messages seen.
@@ -146,8 +154,19 @@ impl Framer {
             pending_len: 0,
             skipping: 0,
             decode_limit,
+            fields: None,
+            filtering: None,
             bytes: 0,
             messages: 0,
+        }
+    }
+
+    /// A framer whose messages keep only the top-level fields numbered in
+    /// `fields` (up to `decode_limit` bytes of them), of any message size.
+    pub fn keeping(fields: &'static [u32], decode_limit: usize) -> Framer {
+        Framer {
+            fields: Some(fields),
+            ..Framer::new(decode_limit)
         }
     }
 
@@ -159,6 +178,13 @@ impl Framer {
         let skipped = (self.skipping as usize).min(data.len());
         data.advance(skipped);
         self.skipping -= skipped as u64;
+        if let Some((filter, _)) = &mut self.filtering {
+            data.advance(filter.feed(&data));
+            if !filter.is_done() {
+                return;
+            }
+            self.end_filtering(out);
+        }
         if data.is_empty() {
             return;
         }
@@ -173,6 +199,19 @@ impl Framer {
             let prefix = self.peek_prefix();
             let compressed = prefix[0] != 0;
             let length = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+            if let (false, Some(fields)) = (compressed, self.fields) {
+                self.discard(PREFIX_BYTES);
+                self.filter_pending(FieldFilter::new(fields, length as u64, self.decode_limit));
+                if self
+                    .filtering
+                    .as_ref()
+                    .is_some_and(|(filter, _)| filter.is_done())
+                {
+                    self.end_filtering(out);
+                    continue;
+                }
+                break;
+            }
             if compressed || length > self.decode_limit {
                 self.messages = self.messages.saturating_add(1);
                 out.push(Frame::Skipped {
@@ -198,7 +237,39 @@ impl Framer {
 
     /// Bytes of an incomplete message left when the stream ended.
     pub fn leftover(&self) -> usize {
-        self.pending_len + self.skipping as usize
+        let filtering = self
+            .filtering
+            .as_ref()
+            .map_or(0, |(filter, _)| filter.remaining());
+        self.pending_len + self.skipping as usize + filtering as usize
+    }
+
+    /// Starts filtering a message with what is pending; it goes on with
+    /// the frames to come when they are not enough.
+    fn filter_pending(&mut self, mut filter: FieldFilter) {
+        let length = filter.remaining();
+        let mut used = 0;
+        let pieces = self.pending.iter().map(|piece| &piece[..]);
+        for piece in pieces.chain(std::iter::once(&self.small[..])) {
+            used += filter.feed(piece);
+            if filter.is_done() {
+                break;
+            }
+        }
+        self.discard(used);
+        self.filtering = Some((filter, length));
+    }
+
+    /// The filtered message has passed: its kept fields are the message.
+    fn end_filtering(&mut self, out: &mut Vec<Frame>) {
+        let Some((filter, length)) = self.filtering.take() else {
+            return;
+        };
+        self.messages = self.messages.saturating_add(1);
+        out.push(match filter.finish() {
+            Some(kept) => Frame::Message(kept.into()),
+            None => Frame::Skipped { bytes: length },
+        });
     }
 
     /// Moves the small frames copied so far into the queue.
@@ -575,6 +646,41 @@ mod tests {
         );
         let decoded = RunStepRequest::decode(message.buf()).unwrap();
         assert_eq!(decoded, sample_run_step());
+    }
+
+    #[test]
+    fn a_keeping_framer_holds_only_the_kept_fields_of_messages_of_any_size() {
+        let mut request = sample_run_step();
+        request.feed = vec![NamedTensor {
+            name: "t".repeat(6 << 20),
+        }];
+        let mut wire = framed(false, &request.encode_to_vec());
+        wire.extend(framed(true, b"zz"));
+        wire.extend(framed(false, &sample_run_step().encode_to_vec()));
+        // Beyond the decode limit, which bounds only what is kept.
+        let limit = 1 << 20;
+        for frame in [1000, 65_536, wire.len()] {
+            let mut framer = Framer::keeping(&[1, 3, 4, 6], limit);
+            let mut out = Vec::new();
+            let mut most_held = 0;
+            for piece in wire.chunks(frame) {
+                framer.push(&Bytes::copy_from_slice(piece), &mut out);
+                most_held = most_held.max(framer.pending_len);
+            }
+            assert!(most_held <= frame.min(64 << 10), "{most_held} bytes held");
+            let [Frame::Message(first), Frame::Skipped { bytes: 2 }, Frame::Message(last)] =
+                out.as_slice()
+            else {
+                panic!("{out:?}");
+            };
+            let decoded = RunStepRequest::decode(first.buf()).unwrap();
+            assert_eq!(decoded.fetch, request.fetch);
+            assert!(decoded.feed.is_empty());
+            let mut expected = sample_run_step();
+            expected.feed.clear();
+            assert_eq!(RunStepRequest::decode(last.buf()).unwrap(), expected);
+            assert_eq!((framer.messages, framer.leftover()), (3, 0));
+        }
     }
 
     #[test]

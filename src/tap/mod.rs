@@ -18,6 +18,7 @@
 //! call. Payloads are never changed.
 
 pub mod decode;
+mod fields;
 mod queue;
 pub mod record;
 

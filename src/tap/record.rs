@@ -280,6 +280,21 @@ impl Kind {
             (_, Direction::Response) => Needs::Nothing,
         }
     }
+
+    /// The top-level fields of a message the record reads, where the rest
+    /// carries tensors (`feed`, `tensor`) that are neither held nor parsed;
+    /// `None` keeps the message whole.
+    fn kept_fields(self, direction: Direction) -> Option<&'static [u32]> {
+        match (self, direction) {
+            // session_handle, fetch, target, partial_run_handle.
+            (Kind::RunStep, Direction::Request) => Some(&[1, 3, 4, 6]),
+            // session_handle, handle.
+            (Kind::RunCallable, Direction::Request) => Some(&[1, 2]),
+            // status_code.
+            (Kind::RunStep, Direction::Response) => Some(&[3]),
+            _ => None,
+        }
+    }
 }
 
 /// What the decoded messages of a call said, and how it ends.
@@ -355,16 +370,16 @@ pub struct Observer {
 impl Observer {
     fn new(call: Arc<Call>, direction: Direction) -> Observer {
         let needs = call.kind.needs(direction);
-        let limit = if needs == Needs::Decoded {
-            DECODE_LIMIT
-        } else {
-            0
+        let framer = match (needs, call.kind.kept_fields(direction)) {
+            (Needs::Decoded, Some(fields)) => Framer::keeping(fields, DECODE_LIMIT),
+            (Needs::Decoded, None) => Framer::new(DECODE_LIMIT),
+            _ => Framer::new(0),
         };
         Observer {
             call,
             direction,
             needs,
-            framer: Framer::new(limit),
+            framer,
             frames: Vec::new(),
         }
     }
