@@ -89,7 +89,7 @@ pub enum ApiRecords {
     /// Launches (kernels, cooperative kernels, graphs, host functions),
     /// copies, memsets, allocations and frees: what draws the timeline and
     /// its flows. Other calls (synchronizations, queries, module loads, ...)
-    /// cost nothing while capturing.
+    /// get no API record.
     Timeline,
     /// Every call, as CUPTI's DRIVER and RUNTIME kinds record them.
     All,

@@ -171,14 +171,14 @@ pub struct ServeArgs {
     /// Which CUDA driver and runtime API calls injected workloads record
     /// during captures. `timeline` (the default) records the calls that put
     /// work on the GPU timeline: kernel, cooperative, graph and host-function
-    /// launches, copies, memsets, allocations and frees; the calls' records
-    /// draw the flows to their kernels. Every other call (cuCtxSynchronize,
-    /// cuStreamSynchronize, queries, module loads, ...) then costs the
-    /// workload nothing extra, but has no API record in the trace (the
-    /// synchronizations themselves are still recorded, on the process's
-    /// synchronization line). `all` records every call, at CUPTI's full cost
-    /// on each (about 1.4x a plain stand-in driver call). A capture asks for
-    /// `all` with ProfileOptions.device_tracer_level 2 or more.
+    /// launches, copies, memsets, allocations and frees, whose records draw
+    /// the flows to their kernels. Every other call (cuCtxSynchronize,
+    /// cuStreamSynchronize, queries, module loads, ...) gets no API record
+    /// and costs nothing extra (what a synchronization waited for is still
+    /// recorded, on the process's synchronization line). `all` records every
+    /// call, at CUPTI's cost on each (scripts/bench_inject measures both).
+    /// A capture asks for `all` with ProfileOptions.device_tracer_level 2 or
+    /// more (devtrace capture --device-tracer-level 2).
     #[arg(long, value_enum, default_value_t = crate::backend::cuda::ApiRecords::Timeline)]
     pub cuda_api_records: crate::backend::cuda::ApiRecords,
 
