@@ -358,10 +358,8 @@ fn api_records_of(space: &XSpace, pid: u32) -> String {
     }
 }
 
-/// What one capture of a workload with every kind of call (`--extras`:
-/// memsets, event and context synchronizations) records of its API calls,
-/// the agent started with `agent_args`, the capture asking for
-/// `device_tracer_level`, the workload with `extra_env`.
+/// What [`api_run`] saw: the calls of two iterations of an [`ApiWorkload`]
+/// and what one capture recorded of them.
 struct ApiRun {
     calls: Vec<Call>,
     recorded: Vec<String>,
@@ -373,43 +371,79 @@ struct ApiRun {
     stderr: String,
 }
 
+/// A workload of the stand-in program with every kind of call
+/// (`--extras`: memsets, event and context synchronizations) and `args`,
+/// waiting for `release`, attached to an agent started with `agent_args`.
+struct ApiWorkload {
+    _setup: Setup,
+    agent: AgentProcess,
+    workload: CudaWorkload,
+    release: PathBuf,
+    pid: u32,
+}
+
+async fn api_workload(
+    agent_args: &[&str],
+    args: &[&str],
+    extra_env: &[(&str, &str)],
+) -> ApiWorkload {
+    let setup = setup("cuda_api_records");
+    let runtime = setup.runtime.path().to_str().unwrap().to_string();
+    let mut all_args = vec!["--backend", "cuda", "--runtime-dir", &runtime];
+    all_args.extend_from_slice(agent_args);
+    let agent = AgentProcess::start(&all_args);
+    let release = release_file(&setup, "api");
+    let mut program_args = args.to_vec();
+    program_args.extend(["--extras", "--wait-file", release.to_str().unwrap()]);
+    let workload = setup.workload(&program_args, extra_env);
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    ApiWorkload {
+        _setup: setup,
+        agent,
+        workload,
+        release,
+        pid,
+    }
+}
+
+/// A capture of `duration_ms` asking for `device_tracer_level`.
+async fn capture_at_level(
+    agent: &AgentProcess,
+    duration_ms: u64,
+    device_tracer_level: u32,
+) -> XSpace {
+    let mut request = common::request(duration_ms, "api");
+    if let Some(options) = request.opts.as_mut() {
+        options.device_tracer_level = device_tracer_level;
+    }
+    let reply = agent
+        .client()
+        .await
+        .profile(request)
+        .await
+        .expect("Profile");
+    common::space_of(&reply.into_inner())
+}
+
+/// Two iterations of an [`ApiWorkload`] (the agent started with
+/// `agent_args`, the workload with `extra_env`) in one capture asking for
+/// `device_tracer_level`.
 async fn api_run(
     agent_args: &[&str],
     device_tracer_level: u32,
     extra_env: &[(&str, &str)],
 ) -> ApiRun {
-    let setup = setup("cuda_api_records");
-    let runtime = setup.runtime.path().to_str().unwrap().to_string();
-    let mut args = vec!["--backend", "cuda", "--runtime-dir", &runtime];
-    args.extend_from_slice(agent_args);
-    let agent = AgentProcess::start(&args);
-    let release = release_file(&setup, "api");
-    let mut workload = setup.workload(
-        &["2", "--extras", "--wait-file", release.to_str().unwrap()],
-        extra_env,
-    );
-    workload.read_until("waiting");
-    let pid = workload.workload.pid;
-    wait_for_attached(&agent, 1).await;
-    let mut request = common::request(2000, "api");
-    if let Some(options) = request.opts.as_mut() {
-        options.device_tracer_level = device_tracer_level;
-    }
-    let capture = async {
-        let reply = agent
-            .client()
-            .await
-            .profile(request)
-            .await
-            .expect("Profile");
-        common::space_of(&reply.into_inner())
-    };
+    let mut started = api_workload(agent_args, &["2"], extra_env).await;
+    let capture = capture_at_level(&started.agent, 2000, device_tracer_level);
     let go = async {
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        std::fs::write(&release, b"go").expect("releasing the workload");
+        std::fs::write(&started.release, b"go").expect("releasing the workload");
     };
     let (space, ()) = tokio::join!(capture, go);
-    let calls = calls_until_done(&workload);
+    let (pid, workload) = (started.pid, &mut started.workload);
+    let calls = calls_until_done(workload);
     let synchronizations = timed(&space, "/host:CPU")
         .iter()
         .filter(|(e, _)| {
@@ -426,7 +460,7 @@ async fn api_run(
         set: api_records_of(&space, pid),
         synchronizations,
         warnings: space.warnings.clone(),
-        stderr: stderr_of(&mut workload),
+        stderr: stderr_of(workload),
         calls,
     }
 }
@@ -497,6 +531,37 @@ async fn a_libcupti_without_per_call_enables_records_every_call_and_says_so() {
         run.warnings.iter().any(|w| w.contains(said)),
         "{:?}",
         run.warnings
+    );
+}
+
+/// A capture asking for every call, inside a longer default one, switches
+/// the workload to every call and back: the longer trace has some
+/// cuCtxSynchronize calls, not all, and names both sets.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_detailed_capture_inside_a_default_one_switches_the_records_and_back() {
+    let started = api_workload(&[], &["30", "--sleep-ms", "100"], &[]).await;
+    let outer = capture_at_level(&started.agent, 5000, 1);
+    let inner = async {
+        std::fs::write(&started.release, b"go").expect("releasing the workload");
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        capture_at_level(&started.agent, 1000, 2).await;
+    };
+    let (space, ()) = tokio::join!(outer, inner);
+    let (pid, workload) = (started.pid, &started.workload);
+    let calls = calls_until_done(workload);
+    let made = calls
+        .iter()
+        .filter(|c| c.name == "cuCtxSynchronize")
+        .count();
+    let recorded = api_calls_of(&space, pid)
+        .iter()
+        .filter(|name| *name == "cuCtxSynchronize")
+        .count();
+    assert!(recorded > 0 && recorded < made, "{recorded} of {made}");
+    let set = api_records_of(&space, pid);
+    assert!(
+        set.starts_with("timeline: ") && set.contains("; then all: "),
+        "{set}"
     );
 }
 
