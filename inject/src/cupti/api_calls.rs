@@ -6,7 +6,7 @@
 //! host): the callback ids of [`DRIVER_FAMILIES`] and [`RUNTIME_FAMILIES`],
 //! listed in [`DRIVER`] and [`RUNTIME`]. CUPTI selects them one by one with
 //! `cuptiActivityEnableDriverApi` and `cuptiActivityEnableRuntimeApi`
-//! (declared from CUDA 12.8's headers on, not 12.2's), called *without*
+//! (declared in CUDA 12.8's headers and 13.x's, not in 12.2's), called *without*
 //! enabling the DRIVER and RUNTIME kinds, which would record every call and
 //! override the selection. A capture that asks for every call gets the two
 //! kinds, as does any capture where the libcupti lacks the per-call entry
@@ -350,13 +350,16 @@ pub fn switch(
     }
 }
 
-/// Stops recording API calls of `current`.
+/// Stops recording API calls of `current`. The selection is cleared after
+/// the kinds as well, so that none of it outlives a capture whatever the
+/// kinds' override left of it.
 pub fn disable(current: ApiRecordSet, extra_driver: &[u32]) -> Result<(), String> {
-    match (current, per_call_entry_points()) {
-        (ApiRecordSet::Timeline, Some((driver, runtime))) => {
-            clear_calls(driver, runtime, extra_driver)
-        }
-        _ => disable_kinds(),
+    if current != ApiRecordSet::Timeline {
+        disable_kinds()?;
+    }
+    match per_call_entry_points() {
+        Some((driver, runtime)) => clear_calls(driver, runtime, extra_driver),
+        None => Ok(()),
     }
 }
 
@@ -388,7 +391,7 @@ fn set_calls(entry: EnableApi, ids: impl Iterator<Item = u32>, on: bool) -> Resu
         // SAFETY: plain call with a callback id and a flag.
         let result = unsafe { entry(id, u8::from(on)) };
         if result != CUPTI_SUCCESS && result != CUPTI_ERROR_INVALID_PARAMETER {
-            check(&format!("enabling API records of callback {id}"), result)?;
+            check(&format!("switching API records of callback {id}"), result)?;
         }
     }
     Ok(())
