@@ -105,6 +105,7 @@ pub struct Agent {
     unavailable: Vec<(&'static str, String)>,
     captures: Arc<AtomicUsize>,
     traces: Arc<AtomicUsize>,
+    detailed_traces: Arc<AtomicUsize>,
     max_delay: Duration,
 }
 
@@ -128,11 +129,13 @@ impl Agent {
         collector.attach(&ring)?;
         let captures = Arc::new(AtomicUsize::new(0));
         let traces = Arc::new(AtomicUsize::new(0));
+        let detailed_traces = Arc::new(AtomicUsize::new(0));
         let context = BackendContext {
             registry: Arc::clone(&registry),
             ring: Arc::clone(&ring),
             captures: Arc::clone(&captures),
             traces: Arc::clone(&traces),
+            detailed_traces: Arc::clone(&detailed_traces),
             source: "",
         };
         let (backends, unavailable) = start_backends(config, &context)?;
@@ -150,6 +153,7 @@ impl Agent {
             unavailable,
             captures,
             traces,
+            detailed_traces,
             max_delay,
         }))
     }
@@ -208,11 +212,17 @@ impl Agent {
 
     /// Tells the backends a capture is running until the guard is dropped:
     /// samplers sample faster and tracers (eBPF hooks, CUPTI in workloads)
-    /// switch on.
-    pub fn capture_activity(&self) -> CaptureActivity {
-        self.captures.fetch_add(1, Ordering::Relaxed);
-        self.traces.fetch_add(1, Ordering::Relaxed);
-        CaptureActivity(vec![Arc::clone(&self.captures), Arc::clone(&self.traces)])
+    /// switch on; `detailed` when it asked for device-specific detail
+    /// (`ProfileOptions.device_tracer_level` 2 or more).
+    pub fn capture_activity(&self, detailed: bool) -> CaptureActivity {
+        let mut counters = vec![Arc::clone(&self.captures), Arc::clone(&self.traces)];
+        if detailed {
+            counters.push(Arc::clone(&self.detailed_traces));
+        }
+        for counter in &counters {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        CaptureActivity(counters)
     }
 
     /// As [`Agent::capture_activity`] for a Monitor: samplers sample faster,

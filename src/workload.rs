@@ -177,6 +177,57 @@ pub enum MetaRecord {
     Displaced { at_ns: u64, seen: bool },
     /// The library has the activity stream again from `at_ns`.
     Resumed { at_ns: u64 },
+    /// From `at_ns` on, the library records the driver and runtime API
+    /// calls of `set`.
+    ApiRecords { at_ns: u64, set: ApiRecordSet },
+}
+
+/// Which driver and runtime API calls CUPTI records while a capture runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApiRecordSet {
+    /// Only the calls that place work on the timeline (launches, copies,
+    /// memsets, allocations and frees).
+    Timeline,
+    /// Every call, as a capture asked.
+    All,
+    /// Every call, because the libcupti cannot select calls one by one.
+    AllUnselectable,
+}
+
+impl ApiRecordSet {
+    fn word(self) -> &'static str {
+        match self {
+            ApiRecordSet::Timeline => "timeline",
+            ApiRecordSet::All => "all",
+            ApiRecordSet::AllUnselectable => "all-unselectable",
+        }
+    }
+
+    fn from_word(word: &str) -> Option<ApiRecordSet> {
+        [
+            ApiRecordSet::Timeline,
+            ApiRecordSet::All,
+            ApiRecordSet::AllUnselectable,
+        ]
+        .into_iter()
+        .find(|set| set.word() == word)
+    }
+
+    /// What the set holds, for the trace.
+    pub fn describe(self) -> &'static str {
+        match self {
+            ApiRecordSet::Timeline => {
+                "timeline: API calls that launch kernels or graphs, copy, set, allocate or free \
+                 memory (others, such as cuCtxSynchronize, are left out: ProfileOptions.\
+                 device_tracer_level 2 or serve --cuda-api-records all records every call)"
+            }
+            ApiRecordSet::All => "all: every driver and runtime API call",
+            ApiRecordSet::AllUnselectable => {
+                "all: every driver and runtime API call (this libcupti cannot select calls one \
+                 by one: it has no cuptiActivityEnableDriverApi and cuptiActivityEnableRuntimeApi)"
+            }
+        }
+    }
 }
 
 fn escape(text: &str) -> String {
@@ -257,6 +308,9 @@ impl MetaRecord {
                 )
             }
             MetaRecord::Resumed { at_ns } => format!("resumed {at_ns}\n"),
+            MetaRecord::ApiRecords { at_ns, set } => {
+                format!("api-records {at_ns} {}\n", set.word())
+            }
         }
     }
 
@@ -318,6 +372,10 @@ impl MetaRecord {
             },
             "resumed" => MetaRecord::Resumed {
                 at_ns: fields.next()?.parse().ok()?,
+            },
+            "api-records" => MetaRecord::ApiRecords {
+                at_ns: fields.next()?.parse().ok()?,
+                set: ApiRecordSet::from_word(fields.next()?)?,
             },
             _ => return None,
         };
@@ -558,6 +616,14 @@ pub(crate) fn sample_records() -> Vec<MetaRecord> {
             seen: false,
         },
         MetaRecord::Resumed { at_ns: 6 },
+        MetaRecord::ApiRecords {
+            at_ns: 7,
+            set: ApiRecordSet::Timeline,
+        },
+        MetaRecord::ApiRecords {
+            at_ns: 8,
+            set: ApiRecordSet::AllUnselectable,
+        },
         MetaRecord::Cupti {
             version: 130001,
             origin: "/venv/site-packages/nvidia/cu13/lib/libcupti.so.13".into(),

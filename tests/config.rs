@@ -53,6 +53,7 @@ const SAMPLES: &[(&str, &str)] = &[
         r#"["/usr/lib/x86_64-linux-gnu/libcuda.so.1"]"#,
     ),
     ("runtime-dir", r#""/var/run/devtrace-test""#),
+    ("cuda-api-records", r#""all""#),
     ("store-retention", r#""5m""#),
     ("store-size", r#""1GiB""#),
     ("ring-capacity", "4096"),

@@ -244,19 +244,24 @@ async fn exact_run(version: &str) {
             .collect()
     );
 
-    // Every driver call the program made is an API call on the host.
-    let api_names: Vec<&str> = host
-        .iter()
-        .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
-        .map(|(e, _)| e.name.as_str())
-        .collect();
+    // The driver calls that put work on the timeline are API calls on the
+    // host; the others (cuStreamSynchronize) have no API record by default,
+    // and the trace says so.
+    let api_names = api_calls_of(&space, pid);
     for call in calls.iter().filter(|c| c.name != "cuInit") {
-        assert!(
-            api_names.contains(&call.name.as_str()),
-            "{} missing",
+        assert_eq!(
+            api_names.contains(&call.name),
+            on_timeline(&call.name),
+            "{}: recorded {api_names:?}",
             call.name
         );
     }
+    assert!(calls.iter().any(|c| !on_timeline(&c.name)));
+    assert!(
+        api_records_of(&space, pid).starts_with("timeline: "),
+        "{}",
+        api_records_of(&space, pid)
+    );
 
     // Allocations feed the memory profile, per device and process.
     let allocator = format!("GPU_0_cuda (pid {pid})");
@@ -319,6 +324,257 @@ async fn exact_run(version: &str) {
         5,
         "CUPTI's drops count as dropped traces"
     );
+}
+
+/// Whether the injection library records the stand-in program's `call` by
+/// default: all but its synchronizations and event records put work on the
+/// timeline (launches, copies, memsets, allocations and frees).
+fn on_timeline(call: &str) -> bool {
+    ![
+        "cuStreamSynchronize",
+        "cuCtxSynchronize",
+        "cuEventSynchronize",
+        "cuEventRecord",
+    ]
+    .contains(&call)
+}
+
+/// The names of process `pid`'s API calls on the host.
+fn api_calls_of(space: &XSpace, pid: u32) -> Vec<String> {
+    timed(space, "/host:CPU")
+        .into_iter()
+        .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
+        .filter(|(e, _)| e.stats.contains_key("correlation_id"))
+        .map(|(e, _)| e.name)
+        .collect()
+}
+
+/// Which API calls process `pid` recorded, as the trace says.
+fn api_records_of(space: &XSpace, pid: u32) -> String {
+    let env = common::plane(space, "Task Environment");
+    match find_stat(env, &env.stats, &format!("devtrace_cuda_api_records_{pid}")) {
+        Some(StatValue::Str(text)) => text,
+        other => panic!("no API records named for {pid}: {other:?}"),
+    }
+}
+
+/// What [`api_run`] saw: the calls of two iterations of an [`ApiWorkload`]
+/// and what one capture recorded of them.
+struct ApiRun {
+    calls: Vec<Call>,
+    recorded: Vec<String>,
+    /// `devtrace_cuda_api_records_<pid>`.
+    set: String,
+    /// Synchronization records on the process's synchronization line.
+    synchronizations: usize,
+    warnings: Vec<String>,
+    stderr: String,
+}
+
+/// A workload of the stand-in program with every kind of call
+/// (`--extras`: memsets, event and context synchronizations) and `args`,
+/// waiting for `release`, attached to an agent started with `agent_args`.
+struct ApiWorkload {
+    _setup: Setup,
+    agent: AgentProcess,
+    workload: CudaWorkload,
+    release: PathBuf,
+    pid: u32,
+}
+
+async fn api_workload(
+    agent_args: &[&str],
+    args: &[&str],
+    extra_env: &[(&str, &str)],
+) -> ApiWorkload {
+    let setup = setup("cuda_api_records");
+    let runtime = setup.runtime.path().to_str().unwrap().to_string();
+    let mut all_args = vec!["--backend", "cuda", "--runtime-dir", &runtime];
+    all_args.extend_from_slice(agent_args);
+    let agent = AgentProcess::start(&all_args);
+    let release = release_file(&setup, "api");
+    let mut program_args = args.to_vec();
+    program_args.extend(["--extras", "--wait-file", release.to_str().unwrap()]);
+    let workload = setup.workload(&program_args, extra_env);
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    ApiWorkload {
+        _setup: setup,
+        agent,
+        workload,
+        release,
+        pid,
+    }
+}
+
+/// A capture of `duration_ms` asking for `device_tracer_level`.
+async fn capture_at_level(
+    agent: &AgentProcess,
+    duration_ms: u64,
+    device_tracer_level: u32,
+) -> XSpace {
+    let mut request = common::request(duration_ms, "api");
+    if let Some(options) = request.opts.as_mut() {
+        options.device_tracer_level = device_tracer_level;
+    }
+    let reply = agent
+        .client()
+        .await
+        .profile(request)
+        .await
+        .expect("Profile");
+    common::space_of(&reply.into_inner())
+}
+
+/// Two iterations of an [`ApiWorkload`] (the agent started with
+/// `agent_args`, the workload with `extra_env`) in one capture asking for
+/// `device_tracer_level`.
+async fn api_run(
+    agent_args: &[&str],
+    device_tracer_level: u32,
+    extra_env: &[(&str, &str)],
+) -> ApiRun {
+    let mut started = api_workload(agent_args, &["2"], extra_env).await;
+    let capture = capture_at_level(&started.agent, 2000, device_tracer_level);
+    let go = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        std::fs::write(&started.release, b"go").expect("releasing the workload");
+    };
+    let (space, ()) = tokio::join!(capture, go);
+    let (pid, workload) = (started.pid, &mut started.workload);
+    let calls = calls_until_done(workload);
+    let synchronizations = timed(&space, "/host:CPU")
+        .iter()
+        .filter(|(e, _)| {
+            [
+                "event synchronize",
+                "stream synchronize",
+                "context synchronize",
+            ]
+            .contains(&e.name.as_str())
+        })
+        .count();
+    ApiRun {
+        recorded: api_calls_of(&space, pid),
+        set: api_records_of(&space, pid),
+        synchronizations,
+        warnings: space.warnings.clone(),
+        stderr: stderr_of(workload),
+        calls,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_default_capture_records_launch_calls_but_no_synchronize_calls() {
+    let run = api_run(&[], 1, &[]).await;
+    assert!(run.set.starts_with("timeline: "), "{}", run.set);
+    for call in run.calls.iter().filter(|c| c.name != "cuInit") {
+        assert_eq!(
+            run.recorded.contains(&call.name),
+            on_timeline(&call.name),
+            "{}: recorded {:?}",
+            call.name,
+            run.recorded
+        );
+    }
+    assert!(run.recorded.iter().any(|c| c == "cuLaunchKernel"));
+    assert!(run.calls.iter().any(|c| c.name == "cuCtxSynchronize"));
+    assert!(!run.recorded.iter().any(|c| c == "cuCtxSynchronize"));
+    // What the synchronizations did is still there, without their calls.
+    assert_eq!(
+        run.synchronizations,
+        3 * 2,
+        "event, context and stream, twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_capture_asking_for_device_detail_records_every_call() {
+    let run = api_run(&[], 2, &[]).await;
+    assert!(run.set.starts_with("all: "), "{}", run.set);
+    assert_every_call_recorded(&run);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_can_record_every_call_for_every_capture() {
+    let run = api_run(&["--cuda-api-records", "all"], 1, &[]).await;
+    assert!(run.set.starts_with("all: "), "{}", run.set);
+    assert_every_call_recorded(&run);
+}
+
+/// A libcupti without cuptiActivityEnableDriverApi (before CUDA 12.8's)
+/// cannot select calls: every call is recorded, and the workload's stderr
+/// and the trace say why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_libcupti_without_per_call_enables_records_every_call_and_says_so() {
+    let dir = cupti_standin();
+    let older = common::build_program(
+        "cupti.c",
+        "libcupti-without-per-call-enables.so",
+        &[
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcupti.so.12",
+            "-ldl",
+            "-pthread",
+            "-DSTANDIN_CUPTI_WITHOUT_PER_CALL_ENABLES",
+        ],
+    );
+    assert_eq!(older.parent(), Some(dir.as_path()));
+    let run = api_run(&[], 1, &[("DEVTRACE_CUPTI_PATH", older.to_str().unwrap())]).await;
+    assert!(run.set.contains("cannot select calls"), "{}", run.set);
+    assert_every_call_recorded(&run);
+    let said = "no cuptiActivityEnableDriverApi and cuptiActivityEnableRuntimeApi";
+    assert!(run.stderr.contains(said), "{}", run.stderr);
+    assert!(
+        run.warnings.iter().any(|w| w.contains(said)),
+        "{:?}",
+        run.warnings
+    );
+}
+
+/// A capture asking for every call, inside a longer default one, switches
+/// the workload to every call and back: the longer trace has some
+/// cuCtxSynchronize calls, not all, and names both sets.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_detailed_capture_inside_a_default_one_switches_the_records_and_back() {
+    let started = api_workload(&[], &["30", "--sleep-ms", "100"], &[]).await;
+    let outer = capture_at_level(&started.agent, 5000, 1);
+    let inner = async {
+        std::fs::write(&started.release, b"go").expect("releasing the workload");
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        capture_at_level(&started.agent, 1000, 2).await;
+    };
+    let (space, ()) = tokio::join!(outer, inner);
+    let (pid, workload) = (started.pid, &started.workload);
+    let calls = calls_until_done(workload);
+    let made = calls
+        .iter()
+        .filter(|c| c.name == "cuCtxSynchronize")
+        .count();
+    let recorded = api_calls_of(&space, pid)
+        .iter()
+        .filter(|name| *name == "cuCtxSynchronize")
+        .count();
+    assert!(recorded > 0 && recorded < made, "{recorded} of {made}");
+    let set = api_records_of(&space, pid);
+    assert!(
+        set.starts_with("timeline: ") && set.contains("; then all: "),
+        "{set}"
+    );
+}
+
+fn assert_every_call_recorded(run: &ApiRun) {
+    for call in run.calls.iter().filter(|c| c.name != "cuInit") {
+        assert!(
+            run.recorded.contains(&call.name),
+            "{} missing from {:?}",
+            call.name,
+            run.recorded
+        );
+    }
+    assert!(run.recorded.iter().any(|c| c == "cuCtxSynchronize"));
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -80,7 +80,7 @@ static PROBE_BROKEN: AtomicBool = AtomicBool::new(false);
 /// with CUDA 13.0, a workload whose torch.profiler ran inside a capture
 /// aborted with a corrupted heap after CUPTI handed a probe thread's buffer
 /// to torch.profiler's callback; until that is understood it stays off.
-fn probe_enabled() -> bool {
+pub fn probe_enabled() -> bool {
     std::env::var("DEVTRACE_INJECT_PROBE").is_ok_and(|v| v == "on")
 }
 

@@ -29,8 +29,8 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
-use devtrace::ring::{DropPolicy, Producer, Ring};
-use devtrace::workload::{self, MetaRecord, MetaWriter, WorkloadFiles};
+use devtrace::ring::{Control, DropPolicy, Producer, Ring};
+use devtrace::workload::{self, ApiRecordSet, MetaRecord, MetaWriter, WorkloadFiles};
 
 use coexist::Verdict;
 use convert::{ClockMap, Converter};
@@ -318,11 +318,14 @@ fn control_loop() {
         probe,
         version: loaded.version,
         ticks: 0,
+        api: None,
+        all_api: false,
+        unselectable_told: false,
     };
     while !quiet() {
         std::thread::sleep(poll);
-        let capture = session.ring.control().capture();
-        if let Err(error) = tracer.tick(session, capture) {
+        let control = session.ring.control();
+        if let Err(error) = tracer.tick(session, control) {
             tracer.give_up(session);
             return fail(&error);
         }
@@ -354,6 +357,12 @@ struct Tracer {
     version: u32,
     /// Flush ticks while the stream is ours.
     ticks: u64,
+    /// The API calls whose records are enabled (`None`: none).
+    api: Option<ApiRecordSet>,
+    /// The agent asks for every API call's records.
+    all_api: bool,
+    /// Why the timeline's calls cannot be selected was said.
+    unselectable_told: bool,
 }
 
 /// The probe runs at every fifth flush (500 ms).
@@ -361,7 +370,9 @@ const PROBE_EVERY_TICKS: u64 = 5;
 
 impl Tracer {
     /// One poll of the control word.
-    fn tick(&mut self, session: &Session, capture: bool) -> Result<(), String> {
+    fn tick(&mut self, session: &Session, control: Control) -> Result<(), String> {
+        let capture = control.capture();
+        self.all_api = control.all_api_records();
         match (self.stream, capture) {
             (Stream::Off, false) => Ok(()),
             // Another user holds the stream as a capture starts: it is not
@@ -422,6 +433,10 @@ impl Tracer {
         for kind in cupti::KINDS {
             cupti::enable(kind)?;
         }
+        // Another user may have changed the selection while it had the
+        // stream: it is made again.
+        let current = self.api.filter(|set| *set != ApiRecordSet::Timeline);
+        self.switch_api(session, current)?;
         self.probe.calibrate(self.version);
         session
             .last_ours_ns
@@ -431,9 +446,37 @@ impl Tracer {
         Ok(())
     }
 
-    /// While capturing: checks the stream is still ours (probing once per
-    /// flush) and flushes.
+    /// Enables the API records the agent asks for, from `current`, and
+    /// tells the agent which (and, once, why not the timeline's alone).
+    fn switch_api(
+        &mut self,
+        session: &Session,
+        current: Option<ApiRecordSet>,
+    ) -> Result<(), String> {
+        let (set, unselectable) = cupti::api_calls::switch(current, self.all_api, probe_calls())?;
+        if let Some(why) = unselectable.filter(|_| !self.unselectable_told) {
+            self.unselectable_told = true;
+            eprintln!("devtrace-inject: {why}");
+            session.write_meta(&MetaRecord::Warning { message: why });
+        }
+        session.write_meta(&MetaRecord::ApiRecords {
+            at_ns: devtrace::clock::now_ns(),
+            set,
+        });
+        self.api = Some(set);
+        Ok(())
+    }
+
+    /// While capturing: follows the API records asked for, checks the
+    /// stream is still ours (probing once per flush) and flushes.
     fn keep(&mut self, session: &Session) -> Result<(), String> {
+        let all_now = matches!(
+            self.api,
+            Some(ApiRecordSet::All | ApiRecordSet::AllUnselectable)
+        );
+        if self.all_api != all_now && self.api != Some(ApiRecordSet::AllUnselectable) {
+            self.switch_api(session, self.api)?;
+        }
         if self
             .last_flush
             .is_some_and(|last| last.elapsed() < FLUSH_EVERY)
@@ -477,15 +520,28 @@ impl Tracer {
             });
             return Ok(());
         }
-        disable(session)
+        self.disable(session)
     }
 
     /// After a failure: leaves CUPTI as the process needs it.
     fn give_up(&mut self, session: &Session) {
         if self.stream == Stream::Ours {
-            let _ = disable(session);
+            let _ = self.disable(session);
         }
         self.stream = Stream::Off;
+    }
+
+    /// Disables every kind and the API records, then flushes what CUPTI
+    /// holds; the clock is measured again so that records converted from
+    /// here on use the stop reading.
+    fn disable(&mut self, session: &Session) -> Result<(), String> {
+        for kind in cupti::KINDS {
+            cupti::disable(kind)?;
+        }
+        if let Some(set) = self.api.take() {
+            cupti::api_calls::disable(set, probe_calls())?;
+        }
+        flush(session, true)
     }
 }
 
@@ -539,13 +595,14 @@ fn buffers_went_elsewhere(session: &Session) -> Option<u64> {
     }
 }
 
-/// Flushes what CUPTI holds and disables every kind; the clock is measured
-/// again so that records converted from here on use the stop reading.
-fn disable(session: &Session) -> Result<(), String> {
-    for kind in cupti::KINDS {
-        cupti::disable(kind)?;
+/// Driver calls recorded for this library's own sake: the probe's, when it
+/// may run.
+fn probe_calls() -> &'static [u32] {
+    if coexist::probe_enabled() {
+        &[cupti::CBID_DRIVER_GET_VERSION]
+    } else {
+        &[]
     }
-    flush(session, true)
 }
 
 fn flush(session: &Session, forced: bool) -> Result<(), String> {

@@ -48,10 +48,13 @@ use crate::event::{Device, Event, NameId};
 use crate::host_process::{self, Threads};
 use crate::registry::Registry;
 use crate::ring::{
-    pid_alive, remove_stale_rings, Consumer, FileIdentity, OpenLimits, Ring, CONTROL_CAPTURE,
+    pid_alive, remove_stale_rings, Consumer, FileIdentity, OpenLimits, Ring,
+    CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE,
 };
 use crate::store::Window;
-use crate::workload::{self, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE};
+use crate::workload::{
+    self, ApiRecordSet, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE,
+};
 use crate::xspace::conventions::STREAM_BITS;
 
 #[derive(Clone, Debug)]
@@ -64,6 +67,9 @@ pub struct CudaConfig {
     /// How often rings are drained while a capture runs (ten times less
     /// often otherwise).
     pub drain_interval: Duration,
+    /// Which API calls workloads record for captures that do not ask for
+    /// detail (`device_tracer_level` 2 asks for every call).
+    pub api_records: ApiRecords,
 }
 
 impl Default for CudaConfig {
@@ -72,7 +78,29 @@ impl Default for CudaConfig {
             runtime_dir: workload::runtime_dir(),
             scan_interval: Duration::from_millis(250),
             drain_interval: Duration::from_millis(10),
+            api_records: ApiRecords::Timeline,
         }
+    }
+}
+
+/// The driver and runtime API calls CUPTI records in workloads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ApiRecords {
+    /// Launches (kernels, cooperative kernels, graphs, host functions),
+    /// copies, memsets, allocations and frees: what draws the timeline and
+    /// its flows. Other calls (synchronizations, queries, module loads, ...)
+    /// get no API record.
+    Timeline,
+    /// Every call, as CUPTI's DRIVER and RUNTIME kinds record them.
+    All,
+}
+
+/// The control word for a capture (or none) and the API calls to record.
+fn control_flags(capturing: bool, all_api_records: bool) -> u32 {
+    match (capturing, all_api_records) {
+        (false, _) => 0,
+        (true, false) => CONTROL_CAPTURE,
+        (true, true) => CONTROL_CAPTURE | CONTROL_ALL_API_RECORDS,
     }
 }
 
@@ -137,6 +165,8 @@ struct Traced {
     command: String,
     /// The libcupti it loaded, as `API version from origin`.
     cupti: Option<String>,
+    /// The API records it switched to, and when.
+    api_records: VecDeque<(u64, ApiRecordSet)>,
     /// What its library said about itself (it stopped, its CUPTI has known
     /// bugs): true for every capture while it runs.
     states: Vec<String>,
@@ -149,6 +179,40 @@ impl Traced {
         self.attached_ns <= window.stop_ns
             && self.detached_ns.is_none_or(|gone| gone >= window.start_ns)
     }
+
+    /// The API record sets in force during `window`, in order: those
+    /// switched to inside it, else the last before it.
+    fn api_records_during(&self, window: Window) -> Vec<ApiRecordSet> {
+        let inside: Vec<ApiRecordSet> = self
+            .api_records
+            .iter()
+            .filter(|(at, _)| (window.start_ns..=window.stop_ns).contains(at))
+            .map(|(_, set)| *set)
+            .collect();
+        let mut sets = if inside.is_empty() {
+            self.api_records
+                .iter()
+                .rev()
+                .find(|(at, _)| *at < window.start_ns)
+                .map(|(_, set)| *set)
+                .into_iter()
+                .collect()
+        } else {
+            inside
+        };
+        sets.dedup();
+        sets
+    }
+}
+
+/// Switches of API record sets remembered per process.
+const MAX_API_RECORD_SWITCHES: usize = 64;
+
+fn remember_switch(switches: &mut VecDeque<(u64, ApiRecordSet)>, at_ns: u64, set: ApiRecordSet) {
+    if switches.len() == MAX_API_RECORD_SWITCHES {
+        switches.pop_front();
+    }
+    switches.push_back((at_ns, set));
 }
 
 /// Processes remembered for the properties of captures.
@@ -331,11 +395,13 @@ impl Backend for CudaBackend {
             let mut last_scan: Option<Instant> = None;
             while !stop.is_set() {
                 let capturing = context.traces.load(Ordering::Relaxed) > 0;
+                let all_api_records = attach.config.api_records == ApiRecords::All
+                    || context.detailed_traces.load(Ordering::Relaxed) > 0;
                 if last_scan.is_none_or(|at| at.elapsed() >= attach.config.scan_interval) {
                     last_scan = Some(Instant::now());
                     attach.scan();
                 }
-                attach.service(capturing);
+                attach.service(control_flags(capturing, all_api_records));
                 let pause = if capturing {
                     attach.config.drain_interval
                 } else {
@@ -398,7 +464,9 @@ impl Backend for CudaBackend {
     }
 
     /// Every workload process attached during the window, with its command
-    /// line: `devtrace_cuda_process_<pid>`.
+    /// line (`devtrace_cuda_process_<pid>`), its libcupti
+    /// (`devtrace_cuda_cupti_<pid>`) and the API calls it recorded
+    /// (`devtrace_cuda_api_records_<pid>`).
     fn properties(&self, window: Window) -> Vec<(String, String)> {
         self.status
             .lock()
@@ -414,7 +482,15 @@ impl Backend for CudaBackend {
                     .cupti
                     .clone()
                     .map(|text| (format!("devtrace_cuda_cupti_{}", t.pid), text));
-                std::iter::once(command).chain(cupti)
+                let sets = t.api_records_during(window);
+                let api_records = (!sets.is_empty()).then(|| {
+                    let text: Vec<&str> = sets.iter().map(|set| set.describe()).collect();
+                    (
+                        format!("devtrace_cuda_api_records_{}", t.pid),
+                        text.join("; then "),
+                    )
+                });
+                std::iter::once(command).chain(cupti).chain(api_records)
             })
             .collect()
     }
@@ -474,6 +550,9 @@ struct Process {
     /// Its CUDA ordinals to GPU planes (physical GPUs, by UUID).
     planes: HashMap<u16, u16>,
     cupti: Option<String>,
+    /// API record sets read before the process was remembered in
+    /// `Status::traced`.
+    api_records: VecDeque<(u64, ApiRecordSet)>,
     /// States read before the process was remembered in `Status::traced`.
     states: Vec<String>,
 }
@@ -654,6 +733,7 @@ impl Attachments {
             cupti_dropped: 0,
             planes: HashMap::new(),
             cupti: None,
+            api_records: VecDeque::new(),
             states: Vec::new(),
         };
         self.processes.insert(identity, process);
@@ -672,6 +752,7 @@ impl Attachments {
                 pid,
                 command: process.command.clone(),
                 cupti: process.cupti.clone(),
+                api_records: std::mem::take(&mut process.api_records),
                 states: std::mem::take(&mut process.states),
                 attached_ns: clock::now_ns(),
                 detached_ns: None,
@@ -803,6 +884,13 @@ impl Attachments {
                     let label = process.label();
                     self.status.lock().lost_from(pid, label, at_ns, seen);
                 }
+                MetaRecord::ApiRecords { at_ns, set } => {
+                    let mut status = self.status.lock();
+                    match status.traced.iter_mut().rev().find(|t| t.pid == pid) {
+                        Some(traced) => remember_switch(&mut traced.api_records, at_ns, set),
+                        None => remember_switch(&mut process.api_records, at_ns, set),
+                    }
+                }
                 MetaRecord::Resumed { at_ns } => {
                     self.status.lock().lost_until(pid, at_ns);
                     let text = format!(
@@ -815,10 +903,9 @@ impl Attachments {
         }
     }
 
-    /// Sets control words, drains every ring, and lets go of processes that
-    /// exited or broke their ring.
-    fn service(&mut self, capturing: bool) {
-        let flags = if capturing { CONTROL_CAPTURE } else { 0 };
+    /// Sets control words to `flags`, drains every ring, and lets go of
+    /// processes that exited or broke their ring.
+    fn service(&mut self, flags: u32) {
         let keys: Vec<FileIdentity> = self.processes.keys().copied().collect();
         for key in keys {
             let Some(pid) = self.processes.get(&key).map(|p| p.pid) else {
@@ -1050,3 +1137,33 @@ fn translate(registry: &Registry, process: &mut Process, event: &Event) -> Optio
 
 /// The name of an event whose name record was never read.
 const UNKNOWN_NAME: &str = "<name unknown: its record in the metadata file was not read>";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_window_names_the_api_records_switched_to_in_it_else_the_last_before() {
+        let traced = Traced {
+            pid: 7,
+            command: String::new(),
+            cupti: None,
+            api_records: [
+                (10, ApiRecordSet::Timeline),
+                (100, ApiRecordSet::All),
+                (150, ApiRecordSet::All),
+                (200, ApiRecordSet::Timeline),
+            ]
+            .into_iter()
+            .collect(),
+            states: Vec::new(),
+            attached_ns: 0,
+            detached_ns: None,
+        };
+        let during = |start_ns, stop_ns| traced.api_records_during(Window { start_ns, stop_ns });
+        assert_eq!(during(20, 90), [ApiRecordSet::Timeline]);
+        assert_eq!(during(90, 160), [ApiRecordSet::All]);
+        assert_eq!(during(90, 250), [ApiRecordSet::All, ApiRecordSet::Timeline]);
+        assert_eq!(during(0, 5), []);
+    }
+}

@@ -58,6 +58,10 @@ pub struct BackendContext {
     /// that trace (kernel hooks, CUPTI in workloads) switch on while it is
     /// non-zero.
     pub traces: Arc<std::sync::atomic::AtomicUsize>,
+    /// Those of `traces` that asked for device-specific detail
+    /// (`ProfileOptions.device_tracer_level` 2 or more): CUPTI in workloads
+    /// then records every API call, not only the timeline's.
+    pub detailed_traces: Arc<std::sync::atomic::AtomicUsize>,
     /// The backend's name, under which its events are counted.
     pub source: &'static str,
 }

@@ -50,6 +50,12 @@ pub struct CaptureArgs {
     #[arg(long)]
     pub override_hostname: Option<String>,
 
+    /// ProfileOptions.device_tracer_level: 0 off, 1 on (TensorFlow's
+    /// default); devtrace records every CUDA API call of injected workloads
+    /// at 2 or more, not only those that put work on the timeline.
+    #[arg(long, default_value_t = 1)]
+    pub device_tracer_level: u32,
+
     /// Do not draw a progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -114,6 +120,7 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
     if let Some(name) = &args.override_hostname {
         options.override_hostname = name.clone();
     }
+    options.device_tracer_level = args.device_tracer_level;
     // The server names the trace after host_name; a local socket's server
     // is this machine.
     let host_name = if target.is_unix() {

@@ -178,6 +178,20 @@ pub struct ServeArgs {
     #[arg(long, default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
     pub runtime_dir: PathBuf,
 
+    /// Which CUDA driver and runtime API calls injected workloads record
+    /// during captures. `timeline` (the default) records the calls that put
+    /// work on the GPU timeline: kernel, cooperative, graph and host-function
+    /// launches, copies, memsets, allocations and frees, whose records draw
+    /// the flows to their kernels. Every other call (cuCtxSynchronize,
+    /// cuStreamSynchronize, queries, module loads, ...) gets no API record
+    /// and costs nothing extra (what a synchronization waited for is still
+    /// recorded, on the process's synchronization line). `all` records every
+    /// call, at CUPTI's cost on each (scripts/bench_inject measures both).
+    /// A capture asks for `all` with ProfileOptions.device_tracer_level 2 or
+    /// more (devtrace capture --device-tracer-level 2).
+    #[arg(long, value_enum, default_value_t = crate::backend::cuda::ApiRecords::Timeline)]
+    pub cuda_api_records: crate::backend::cuda::ApiRecords,
+
     /// How much history the flight recorder keeps (e.g. 120s, 10m).
     #[arg(long, default_value = "120s", value_parser = super::parse_duration)]
     pub store_retention: Duration,
@@ -407,6 +421,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         cuda: crate::backend::cuda::CudaConfig {
             runtime_dir: args.runtime_dir.clone(),
+            api_records: args.cuda_api_records,
             ..Default::default()
         },
         store: StoreConfig {

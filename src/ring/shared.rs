@@ -15,6 +15,10 @@ use super::{DropPolicy, Region, Ring, RingError};
 
 /// Control flag: the agent has a capture running; producers should record.
 pub const CONTROL_CAPTURE: u32 = 1;
+/// Control flag, with [`CONTROL_CAPTURE`]: a capture asked for every API
+/// call to be recorded, not only those that place work on the timeline. A
+/// library that does not know it records as it always did.
+pub const CONTROL_ALL_API_RECORDS: u32 = 2;
 
 /// The control word of a ring: flags set by the agent, and a generation that
 /// changes with every [`Ring::set_control`], so a producer that polls can tell
@@ -35,6 +39,10 @@ impl Control {
 
     pub fn capture(self) -> bool {
         self.flags & CONTROL_CAPTURE != 0
+    }
+
+    pub fn all_api_records(self) -> bool {
+        self.flags & CONTROL_ALL_API_RECORDS != 0
     }
 }
 
@@ -585,8 +593,12 @@ mod tests {
         assert_eq!(first.generation, 1);
         let second = ring.set_control(CONTROL_CAPTURE);
         assert_eq!((second.flags, second.generation), (CONTROL_CAPTURE, 2));
+        assert!(!second.all_api_records());
+        let all = ring.set_control(CONTROL_CAPTURE | CONTROL_ALL_API_RECORDS);
+        assert!(all.capture() && all.all_api_records());
+        assert!(ring.control().all_api_records());
         assert!(!ring.set_control(0).capture());
-        assert_eq!(ring.control().generation, 3);
+        assert_eq!(ring.control().generation, 4);
     }
 
     #[test]

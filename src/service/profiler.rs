@@ -122,6 +122,9 @@ struct Plan {
     losses_at_start: Vec<(&'static str, crate::backend::Loss)>,
     /// Facts for the Task Environment beyond the backends' (a trigger's).
     properties: Vec<(String, String)>,
+    /// The client asked for device-specific detail
+    /// (`device_tracer_level` 2 or more).
+    detailed_device: bool,
 }
 
 /// The message form of an encoded trace, for replies that carry it inline.
@@ -320,6 +323,8 @@ impl ProfilerService {
             warnings,
             losses_at_start: self.agent.losses(),
             properties: Vec::new(),
+            // TensorFlow reads no option of a version-0 request but this one.
+            detailed_device: modern && options.device_tracer_level >= 2,
         })
     }
 
@@ -657,6 +662,7 @@ impl ProfilerService {
             warnings: Vec::new(),
             losses_at_start: self.agent.losses(),
             properties,
+            detailed_device: false,
         };
         let encoded = self.build(&plan, window).await?;
         let limit = self.config.chunk_traces_over;
@@ -1006,7 +1012,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             ));
         }
         let (_registration, terminate) = self.register(&plan.session_id);
-        let _active = self.agent.capture_activity();
+        let _active = self.agent.capture_activity(plan.detailed_device);
         // Upstreams and per-capture sources record alongside the local
         // window; dropping `remote` (a client gone) ends them.
         let remote = self.start_remote(&plan, &self.config.upstreams);
@@ -1185,7 +1191,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let duration = plan.window.duration_ns();
         info!(session = %plan.session_id, "continuous profiling started");
         *continuous = Some(Continuous {
-            _active: self.agent.capture_activity(),
+            _active: self.agent.capture_activity(plan.detailed_device),
             request,
             duration: (duration > 0).then(|| Duration::from_nanos(duration)),
             last_snapshot_ns: clock::now_ns(),

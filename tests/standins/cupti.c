@@ -124,6 +124,19 @@
  * - $DEVTRACE_STANDIN_CUPTI_FAIL="cuptiActivityEnable,cuptiActivityFlushAll=1"
  *   makes the named entry points fail, with CUPTI_ERROR_NOT_INITIALIZED (15)
  *   or the code after '='.
+ * - Which calls get a DRIVER record, as cupti_activity.h documents: enabling
+ *   the DRIVER kind records every call, disabling it none, and
+ *   cuptiActivityEnableDriverApi(cbid, on) switches one callback id without
+ *   the kind (a later cuptiActivityEnable(DRIVER) overrides the selection).
+ *   Ids from 1 up to the release's CUPTI_DRIVER_TRACE_CBID_SIZE are taken
+ *   (782 below 130000, as in 12.8; 877 from it, as in 13.5); others answer
+ *   CUPTI_ERROR_INVALID_PARAMETER. cuptiActivityEnableRuntimeApi is the same
+ *   for runtime ids (sizes 487 and 567), though no call here is a runtime
+ *   one. Built with -DSTANDIN_CUPTI_WITHOUT_PER_CALL_ENABLES the library has
+ *   neither entry point, as libcupti before them.
+ * - A driver call for which nothing is enabled (no DRIVER record for its id,
+ *   no kind its device work or synchronization would be recorded under)
+ *   costs the call only a few loads: no lock, no correlation id.
  * - cuptiSubscribe allows one subscriber (a second gets
  *   CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED) but never calls its
  *   callback.
@@ -658,6 +671,11 @@ static pthread_cond_t work_done = PTHREAD_COND_INITIALIZER;  /* a delivery finis
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
 static uint8_t enabled[CUPTI_ACTIVITY_KIND_COUNT];
+/* Which driver and runtime callback ids get a DRIVER (RUNTIME) record. */
+#define MAX_CALLBACK_IDS 1024
+static uint8_t driver_calls[MAX_CALLBACK_IDS];
+static uint8_t runtime_calls[MAX_CALLBACK_IDS];
+static uint32_t driver_cbid_size = 782, runtime_cbid_size = 487;
 static CUpti_BuffersCallbackRequestFunc request_cb;
 static CUpti_BuffersCallbackCompleteFunc complete_cb;
 
@@ -730,6 +748,8 @@ static void setup(void) {
     pending_env_drops = env_or("DEVTRACE_STANDIN_CUPTI_DROP", 0);
     api_version = (uint32_t)env_or("DEVTRACE_STANDIN_CUPTI_VERSION", CUPTI_API_VERSION);
     per_thread_buffers = api_version >= 130000;
+    driver_cbid_size = api_version >= 130000 ? 877 : 782;
+    runtime_cbid_size = api_version >= 130000 ? 567 : 487;
     kernel_bytes = api_version >= 130400   ? sizeof(CUpti_ActivityKernel13)                     /* 248 */
                    : api_version >= 130300 ? offsetof(CUpti_ActivityKernel13, sourceGraphId)    /* 232 */
                    : api_version >= 130100 ? offsetof(CUpti_ActivityKernel13, executionModel)   /* 224 */
@@ -1145,10 +1165,35 @@ static void learn_callback_name(uint32_t cbid, const char *name) {
     }
 }
 
+static int on(const uint8_t *flag) {
+    return __atomic_load_n(flag, __ATOMIC_RELAXED);
+}
+
+/* Whether a call records anything: its DRIVER record, or the kind its
+ * device work or synchronization is recorded under. Contexts are always
+ * followed, for the CONTEXT records of a later enable. */
+static int records_anything(const struct standin_call *call) {
+    if (call->cbid < MAX_CALLBACK_IDS && on(&driver_calls[call->cbid])) return 1;
+    if (call->result != 0) return 0;
+    switch (call->kind) {
+    case STANDIN_CALL_KERNEL:
+    case STANDIN_CALL_GRAPH_LAUNCH:
+        return on(&enabled[CUPTI_ACTIVITY_KIND_KERNEL]) || on(&enabled[CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL]);
+    case STANDIN_CALL_MEMCPY: return on(&enabled[CUPTI_ACTIVITY_KIND_MEMCPY]);
+    case STANDIN_CALL_MEMSET: return on(&enabled[CUPTI_ACTIVITY_KIND_MEMSET]);
+    case STANDIN_CALL_ALLOC:
+    case STANDIN_CALL_FREE: return on(&enabled[CUPTI_ACTIVITY_KIND_MEMORY2]);
+    case STANDIN_CALL_SYNC: return on(&enabled[CUPTI_ACTIVITY_KIND_SYNCHRONIZATION]);
+    case STANDIN_CALL_API: return 0;
+    default: return 1;
+    }
+}
+
 /* The handler libcuda calls after each driver call. */
 CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
     if (!call || call->version != STANDIN_CALL_VERSION) return;
     pthread_once(&setup_once, setup);
+    if (!records_anything(call)) return;
     pthread_mutex_lock(&lock);
     learn_callback_name(call->cbid, call->api_name);
     uint32_t correlation = next_correlation++;
@@ -1162,7 +1207,7 @@ CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
         if (enabled[CUPTI_ACTIVITY_KIND_CONTEXT]) write_context(call->context_id, call->device_id, call);
     }
 
-    if (enabled[CUPTI_ACTIVITY_KIND_DRIVER]) {
+    if (call->cbid < MAX_CALLBACK_IDS && driver_calls[call->cbid]) {
         CUpti_ActivityAPI *r = reserve(sizeof *r, call);
         if (r) {
             r->kind = CUPTI_ACTIVITY_KIND_DRIVER;
@@ -1371,7 +1416,9 @@ CUPTIAPI CUptiResult cuptiActivityEnable(CUpti_ActivityKind kind) {
     if (kind <= CUPTI_ACTIVITY_KIND_INVALID || kind >= CUPTI_ACTIVITY_KIND_COUNT) return CUPTI_ERROR_INVALID_KIND;
     pthread_mutex_lock(&lock);
     int was = enabled[kind];
-    enabled[kind] = 1;
+    __atomic_store_n(&enabled[kind], 1, __ATOMIC_RELAXED);
+    if (kind == CUPTI_ACTIVITY_KIND_DRIVER) memset(driver_calls, 1, sizeof driver_calls);
+    if (kind == CUPTI_ACTIVITY_KIND_RUNTIME) memset(runtime_calls, 1, sizeof runtime_calls);
     if (!was && kind == CUPTI_ACTIVITY_KIND_DEVICE) write_devices();
     if (kind == CUPTI_ACTIVITY_KIND_CONTEXT) {
         for (size_t i = 0; i < ncontexts; i++) {
@@ -1389,10 +1436,32 @@ CUPTIAPI CUptiResult cuptiActivityDisable(CUpti_ActivityKind kind) {
     ENTER("cuptiActivityDisable");
     if (kind <= CUPTI_ACTIVITY_KIND_INVALID || kind >= CUPTI_ACTIVITY_KIND_COUNT) return CUPTI_ERROR_INVALID_KIND;
     pthread_mutex_lock(&lock);
-    enabled[kind] = 0;
+    __atomic_store_n(&enabled[kind], 0, __ATOMIC_RELAXED);
+    if (kind == CUPTI_ACTIVITY_KIND_DRIVER) memset(driver_calls, 0, sizeof driver_calls);
+    if (kind == CUPTI_ACTIVITY_KIND_RUNTIME) memset(runtime_calls, 0, sizeof runtime_calls);
     pthread_mutex_unlock(&lock);
     return CUPTI_SUCCESS;
 }
+
+#ifndef STANDIN_CUPTI_WITHOUT_PER_CALL_ENABLES
+static CUptiResult enable_call(uint8_t *calls, uint32_t size, CUpti_CallbackId cbid, uint8_t enable) {
+    if (cbid == 0 || cbid >= size || cbid >= MAX_CALLBACK_IDS) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    __atomic_store_n(&calls[cbid], enable ? 1 : 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiActivityEnableDriverApi(CUpti_CallbackId cbid, uint8_t enable) {
+    ENTER("cuptiActivityEnableDriverApi");
+    return enable_call(driver_calls, driver_cbid_size, cbid, enable);
+}
+
+CUPTIAPI CUptiResult cuptiActivityEnableRuntimeApi(CUpti_CallbackId cbid, uint8_t enable) {
+    ENTER("cuptiActivityEnableRuntimeApi");
+    return enable_call(runtime_calls, runtime_cbid_size, cbid, enable);
+}
+#endif
 
 CUPTIAPI CUptiResult cuptiActivityFlushAll(uint32_t flag) {
     ENTER("cuptiActivityFlushAll");
@@ -1526,6 +1595,8 @@ CUPTIAPI CUptiResult cuptiFinalize(void) {
     pthread_mutex_lock(&lock);
     if (request_cb) flush_locked(1);
     memset(enabled, 0, sizeof enabled);
+    memset(driver_calls, 0, sizeof driver_calls);
+    memset(runtime_calls, 0, sizeof runtime_calls);
     pthread_mutex_unlock(&lock);
     return CUPTI_SUCCESS;
 }

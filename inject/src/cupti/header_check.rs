@@ -1,13 +1,16 @@
-//! Checks [`super::layout`] against the real CUPTI headers: the wheels of
-//! several releases are fetched with pip (cached under
-//! `target/cupti-headers`), and a C file of `_Static_assert`s made from the
-//! table is compiled against each release's `include/`. A field must lie at
-//! its offset in every release from its `since` version on, and must lie past
-//! the end of the record in every release before.
+//! Checks [`super::layout`] and [`super::api_calls`] against the real CUPTI
+//! headers: the wheels of several releases are fetched with pip (cached
+//! under `target/cupti-headers`), and a C file of `_Static_assert`s made from
+//! the table is compiled against each release's `include/`. A field must lie
+//! at its offset in every release from its `since` version on, and must lie
+//! past the end of the record in every release before. Each callback id of
+//! the timeline's API calls must be that call's in every release that has
+//! it, and past the last id of every release that does not.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use super::api_calls;
 use super::layout::{fields, Record};
 
 /// One release: the CUPTI wheel, and the CUDA runtime (and, for 13, crt)
@@ -164,12 +167,40 @@ fn api_version(text: &str) -> u32 {
         .expect("CUPTI_API_VERSION in the headers")
 }
 
+/// Compiles `source` (written to `file`) against `includes` and the crt
+/// fallback (GNU C11, for `__builtin_types_compatible_p`); when the compiler
+/// complains, fails with `what` and its complaints.
+fn assert_compiles(file: &Path, source: &str, includes: &[PathBuf], what: &str) {
+    std::fs::write(file, source).expect("write the check");
+    let mut cc = Command::new("cc");
+    cc.args(["-fsyntax-only", "-std=gnu11"]);
+    for include in includes.iter().chain([&crt_fallback()]) {
+        cc.arg("-I").arg(include);
+    }
+    let output = cc.arg(file).output().expect("cc runs");
+    assert!(
+        output.status.success(),
+        "{what}:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Every release, unpacked: its directory and its `include` directories
+/// (CUPTI's first).
+fn unpacked() -> Vec<(&'static Release, PathBuf, Vec<PathBuf>)> {
+    RELEASES
+        .iter()
+        .map(|release| {
+            let dir = fetch(release);
+            let includes = include_dirs(&dir);
+            (release, dir, includes)
+        })
+        .collect()
+}
+
 #[test]
 fn the_layout_table_matches_the_real_headers() {
-    let crt = crt_fallback();
-    for release in RELEASES {
-        let dir = fetch(release);
-        let mut includes = include_dirs(&dir);
+    for (release, dir, includes) in unpacked() {
         let text = header_text(&includes);
         let version = api_version(&text);
         assert!(
@@ -177,7 +208,6 @@ fn the_layout_table_matches_the_real_headers() {
             "{}: API version {version} refused",
             release.name
         );
-        includes.push(crt.clone());
         let mut source = String::from("#include <stddef.h>\n#include <cupti_activity.h>\n");
         for (record, field, at) in fields() {
             let name = newest_struct(&text, record);
@@ -193,24 +223,107 @@ fn the_layout_table_matches_the_real_headers() {
                 ));
             }
         }
-        let file = dir.join("layout_check.c");
-        std::fs::write(&file, source).expect("write the check");
-        let mut cc = Command::new("cc");
-        cc.args(["-fsyntax-only", "-std=c11"]);
-        for include in &includes {
-            cc.arg("-I").arg(include);
-        }
-        let output = cc.arg(&file).output().expect("cc runs");
-        assert!(
-            output.status.success(),
-            "CUPTI {} (API {version}): the layout table disagrees with the headers:\n{}",
-            release.name,
-            String::from_utf8_lossy(&output.stderr)
+        let what = format!(
+            "CUPTI {} (API {version}): the layout table disagrees with the headers",
+            release.name
         );
+        assert_compiles(&dir.join("layout_check.c"), &source, &includes, &what);
         eprintln!(
             "CUPTI {} (API {version}): {} fields checked",
             release.name,
             fields().len()
         );
+    }
+}
+
+/// `CUPTI_<domain>_TRACE_CBID_<name> = <id>` of a cbid header, by name
+/// (`SIZE`, one past the last id, among them).
+fn callback_ids(text: &str, domain: &str) -> std::collections::BTreeMap<String, u32> {
+    let prefix = format!("CUPTI_{domain}_TRACE_CBID_");
+    text.lines()
+        .filter_map(|line| {
+            let (name, id) = line.trim().strip_prefix(&prefix)?.split_once('=')?;
+            let id = id.trim().trim_end_matches(',').trim().parse().ok()?;
+            Some((name.trim().to_string(), id))
+        })
+        .collect()
+}
+
+#[test]
+fn the_timeline_calls_and_their_entry_points_match_the_real_headers() {
+    for (release, dir, includes) in unpacked() {
+        for (domain, file, table, families) in [
+            (
+                "DRIVER",
+                "cupti_driver_cbid.h",
+                api_calls::DRIVER,
+                &api_calls::DRIVER_FAMILIES,
+            ),
+            (
+                "RUNTIME",
+                "cupti_runtime_cbid.h",
+                api_calls::RUNTIME,
+                &api_calls::RUNTIME_FAMILIES,
+            ),
+        ] {
+            let text = std::fs::read_to_string(includes[0].join(file)).expect(file);
+            let ids = callback_ids(&text, domain);
+            let size = ids["SIZE"];
+            for (name, id) in table {
+                match ids.get(*name) {
+                    Some(declared) => assert_eq!(
+                        declared, id,
+                        "CUPTI {}: {name} is callback {declared}, not {id}",
+                        release.name
+                    ),
+                    None => assert!(
+                        *id >= size,
+                        "CUPTI {}: callback {id} ({name} in later releases) is another call here",
+                        release.name
+                    ),
+                }
+            }
+            if release.name == "13.newest" {
+                let missing: Vec<&String> = ids
+                    .keys()
+                    .filter(|name| families.iter().any(|family| name.starts_with(family)))
+                    .filter(|name| !table.iter().any(|(known, _)| known == name))
+                    .collect();
+                assert!(
+                    missing.is_empty(),
+                    "CUPTI {}: {domain} callbacks of the timeline's families missing from \
+                     api_calls: {missing:?}",
+                    release.name
+                );
+            }
+        }
+        let declared = header_text(&includes).contains("cuptiActivityEnableDriverApi(");
+        if release.name == "12.2" {
+            // Where the library falls back to every call's records.
+            assert!(!declared, "12.2 declares the per-call enables");
+            continue;
+        }
+        assert!(
+            declared,
+            "CUPTI {} lacks the per-call enables",
+            release.name
+        );
+        let mut source = String::from("#include <stdint.h>\n#include <cupti_activity.h>\n");
+        for name in [
+            "cuptiActivityEnableDriverApi",
+            "cuptiActivityEnableRuntimeApi",
+        ] {
+            // `EnableApi`: (u32, u8) -> CUptiResult.
+            source.push_str(&format!(
+                "_Static_assert(__builtin_types_compatible_p(__typeof__(&{name}), \
+                 CUptiResult (*)(uint32_t, uint8_t)), \"{name}\");\n"
+            ));
+        }
+        source.push_str("_Static_assert(sizeof(CUptiResult) == 4, \"CUptiResult\");\n");
+        let what = format!(
+            "CUPTI {}: the per-call enables are not declared as EnableApi",
+            release.name
+        );
+        assert_compiles(&dir.join("api_calls_check.c"), &source, &includes, &what);
     }
 }

@@ -9,7 +9,8 @@
 //! (`.../nvidia/cu13/lib/libcupti.so.13`, `.../nvidia/cuda_cupti/lib/libcupti.so.12`),
 //! `$CUDA_HOME/extras/CUPTI/lib64` (default `/usr/local/cuda`), then the
 //! loader's own search path. A library without one of the entry points is
-//! refused with its name.
+//! refused with its name, except those only newer releases have, which are
+//! optional.
 
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::path::PathBuf;
@@ -39,6 +40,9 @@ pub type GetNumDroppedRecords = unsafe extern "C" fn(*mut c_void, u32, *mut usiz
 pub type GetCallbackName = unsafe extern "C" fn(c_int, u32, *mut *const c_char) -> CuptiResult;
 pub type GetNextRecord = unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult;
 pub type Finalize = unsafe extern "C" fn() -> CuptiResult;
+/// `cuptiActivityEnableDriverApi` and `cuptiActivityEnableRuntimeApi`:
+/// a callback id and whether its calls are recorded.
+pub type EnableApi = unsafe extern "C" fn(u32, u8) -> CuptiResult;
 
 /// The entry points used, resolved once from one loaded libcupti.
 pub struct Library {
@@ -56,6 +60,9 @@ pub struct Library {
     pub get_callback_name: GetCallbackName,
     pub get_next_record: GetNextRecord,
     pub finalize: Option<Finalize>,
+    /// Absent before CUDA 12.8's libcupti: every API call is then recorded.
+    pub enable_driver_api: Option<EnableApi>,
+    pub enable_runtime_api: Option<EnableApi>,
 }
 
 // SAFETY: plain function pointers into a library that is never unloaded.
@@ -204,6 +211,14 @@ pub fn symbol(handle: *mut c_void, name: &str) -> Option<*mut c_void> {
 }
 
 fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
+    macro_rules! optional {
+        ($name:literal, $ty:ty) => {
+            // SAFETY: the symbol, where there is one, is libcupti's function
+            // of that name, whose C signature the type spells out.
+            symbol(handle, $name)
+                .map(|address| unsafe { std::mem::transmute::<*mut c_void, $ty>(address) })
+        };
+    }
     macro_rules! entry {
         ($name:literal, $ty:ty) => {
             match symbol(handle, $name) {
@@ -226,9 +241,9 @@ fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
         get_num_dropped_records: entry!("cuptiActivityGetNumDroppedRecords", GetNumDroppedRecords),
         get_callback_name: entry!("cuptiGetCallbackName", GetCallbackName),
         get_next_record: entry!("cuptiActivityGetNextRecord", GetNextRecord),
-        // SAFETY: as for `entry!`.
-        finalize: symbol(handle, "cuptiFinalize")
-            .map(|address| unsafe { std::mem::transmute::<*mut c_void, Finalize>(address) }),
+        finalize: optional!("cuptiFinalize", Finalize),
+        enable_driver_api: optional!("cuptiActivityEnableDriverApi", EnableApi),
+        enable_runtime_api: optional!("cuptiActivityEnableRuntimeApi", EnableApi),
         origin,
     })
 }

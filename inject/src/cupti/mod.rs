@@ -3,6 +3,7 @@
 //! [`library`] found. Nothing here panics when CUPTI is missing: every call
 //! before [`load`] succeeded answers an error.
 
+pub mod api_calls;
 pub mod layout;
 pub mod library;
 
@@ -32,16 +33,16 @@ pub mod kind {
     pub const MEMORY2: u32 = 49;
 }
 
-/// The activity kinds a capture enables, in this order.
-pub const KINDS: [u32; 11] = [
+/// The activity kinds a capture enables, in this order; the API calls'
+/// records (the DRIVER and RUNTIME kinds, or a selection) are
+/// [`api_calls`]'s.
+pub const KINDS: [u32; 9] = [
     kind::DEVICE,
     kind::CONCURRENT_KERNEL,
     kind::MEMCPY,
     kind::MEMSET,
     kind::MEMORY2,
     kind::OVERHEAD,
-    kind::DRIVER,
-    kind::RUNTIME,
     kind::SYNCHRONIZATION,
     kind::MARKER,
     kind::CONTEXT,
