@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use common::workload::*;
 use common::{build_program, is_root, AgentProcess};
 use devtrace::proto::tensorflow::profiler::XSpace;
-use devtrace::xspace::read::StatValue;
+use devtrace::xspace::read::{find_stat, StatValue};
 
 fn skip_without_root(test: &str) -> bool {
     if is_root() {
@@ -367,6 +367,12 @@ async fn driver_calls_of_a_program_started_before_the_agent_carry_their_argument
         3
     );
     assert_calls_match(&space, &calls, pid, kernel_us, sync_us, false, false);
+    // The trace says why its launches are instants.
+    let env = common::plane(&space, "Task Environment");
+    match find_stat(env, &env.stats, "devtrace_ebpf_cuda_returns") {
+        Some(StatValue::Str(text)) => assert!(text.starts_with("needed: launches"), "{text}"),
+        other => panic!("no probe mode in the trace: {other:?}"),
+    }
 
     // Allocations and frees feed the memory profile, per process.
     let memory = memory_events(&space, pid);

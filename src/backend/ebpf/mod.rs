@@ -266,6 +266,22 @@ impl Backend for EbpfBackend {
         }
     }
 
+    /// Which CUDA calls have a duration and result, so that a trace whose
+    /// launches are instants says why.
+    fn properties(&self, _window: crate::store::Window) -> Vec<(String, String)> {
+        if !self.config.cuda {
+            return Vec::new();
+        }
+        let returns = match self.config.cuda_returns {
+            CudaReturns::Needed => {
+                "needed: launches and asynchronous copies are instants at their entry, \
+                 without API duration or result (--ebpf-cuda-returns all records them)"
+            }
+            CudaReturns::All => "all: every probed call has its duration and result",
+        };
+        vec![("devtrace_ebpf_cuda_returns".into(), returns.into())]
+    }
+
     fn losses(&self) -> Vec<Loss> {
         let status = self.status.lock();
         let [sched_ring, cuda_ring, inflight] = status.losses;
