@@ -59,7 +59,13 @@ fn cache_dir() -> PathBuf {
 }
 
 /// Downloads and unpacks a release's wheels once; returns the directory.
+/// The tests run on parallel threads and share the cache: one unpacks at a
+/// time, and the others then find it done.
 fn fetch(release: &Release) -> PathBuf {
+    static UNPACKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = UNPACKING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = cache_dir().join(release.name);
     let done = dir.join(".unpacked");
     if done.exists() {
