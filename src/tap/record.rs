@@ -149,6 +149,7 @@ impl Recorder {
             traffic: Default::default(),
             undecoded: AtomicU32::new(0),
             state: Mutex::default(),
+            ending: Mutex::default(),
         });
         let observer = |direction| Observer::new(Arc::clone(&call), direction);
         let (request, response) = (observer(Direction::Request), observer(Direction::Response));
@@ -311,13 +312,21 @@ struct State {
     pending: VecDeque<(u64, Option<Vec<PendingOp>>)>,
     /// The number the next message of each direction should have.
     next_seq: [u32; 2],
-    status: Option<u32>,
     /// A failure reported inside an OK response (RunStep).
     body_status: u32,
+    recorded: bool,
+}
+
+/// How a call ended, as the forwarding side saw it: apart from [`State`],
+/// which the decoding thread holds while it parses, so that a response
+/// never waits on the decoding of a large request.
+#[derive(Default)]
+struct Ending {
+    /// The status the upstream sent.
+    status: Option<u32>,
     /// The status to use when the upstream sent none, and when the call
     /// ended: set once it ended, recorded once its messages are decoded.
-    ending: Option<(u32, u64)>,
-    recorded: bool,
+    ended: Option<(u32, u64)>,
 }
 
 /// Which way a message travels.
@@ -343,7 +352,8 @@ struct Traffic {
 /// One forwarded call being recorded. It ends exactly once, by whichever
 /// comes first: the response's end, an error, or the response being
 /// dropped; it is recorded once its messages still in the decode queue are
-/// decoded.
+/// decoded. The forwarding side touches only `ending` and atomics, never
+/// what the decoding thread holds.
 pub struct Call {
     recorder: Arc<Recorder>,
     line: u64,
@@ -355,6 +365,7 @@ pub struct Call {
     traffic: [Traffic; 2],
     undecoded: AtomicU32,
     state: Mutex<State>,
+    ending: Mutex<Ending>,
 }
 
 /// Frames one direction of a call on the forwarding path and hands what
@@ -440,8 +451,7 @@ impl Call {
             .fetch_add(1, Ordering::Relaxed);
         self.undecoded.fetch_add(1, Ordering::Relaxed);
         // The gap in the message numbers says what is missing.
-        let mut state = self.state.lock();
-        self.release(&mut state);
+        self.release();
     }
 
     /// Runs on the decoding thread: applies one message of a call.
@@ -452,20 +462,20 @@ impl Call {
         if !state.recorded {
             call.apply(&mut state, &job, &mut events);
         }
-        call.release(&mut state);
         drop(state);
         // Ops of a long-lived StreamingEnqueue are recorded as they complete,
         // not when the stream (the eager context) ends.
         if !events.is_empty() {
             call.recorder.push(&events);
         }
+        call.release();
     }
 
     /// One queued message is done with: the call is recorded when it had
     /// ended and this was its last.
-    fn release(&self, state: &mut State) {
-        if self.queued.fetch_sub(1, Ordering::AcqRel) == 1 && state.ending.is_some() {
-            self.record(state);
+    fn release(&self) {
+        if self.queued.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.record();
         }
     }
 
@@ -521,33 +531,41 @@ impl Call {
     /// The status the upstream sent (headers of a trailers-only response, or
     /// the trailers).
     pub fn set_status(&self, status: u32) {
-        self.state.lock().status = Some(status);
+        self.ending.lock().status = Some(status);
     }
 
     /// Ends the call: `status` is used when the upstream sent none. It is
     /// recorded now, or once its messages still queued are decoded.
     pub fn finish(&self, status: u32) {
         let end_ns = clock::now_ns();
-        let mut state = self.state.lock();
-        if state.ending.is_some() {
-            return;
+        {
+            let mut ending = self.ending.lock();
+            if ending.ended.is_some() {
+                return;
+            }
+            ending.ended = Some((status, end_ns));
         }
-        state.ending = Some((status, end_ns));
         if self.queued.load(Ordering::Acquire) == 0 {
-            self.record(&mut state);
+            self.record();
         }
     }
 
-    /// Writes the call's events; once.
-    fn record(&self, state: &mut State) {
-        let Some((default_status, end_ns)) = state.ending else {
-            return;
-        };
+    /// Writes the call's events once it has ended; once.
+    fn record(&self) {
+        let mut state = self.state.lock();
+        let state = &mut *state;
         if state.recorded {
             return;
         }
+        let (sent_status, ended) = {
+            let ending = self.ending.lock();
+            (ending.status, ending.ended)
+        };
+        let Some((default_status, end_ns)) = ended else {
+            return;
+        };
         state.recorded = true;
-        let mut status = *state.status.get_or_insert(default_status);
+        let mut status = sent_status.unwrap_or(default_status);
         if status == 0 {
             status = state.body_status;
         }
@@ -908,6 +926,41 @@ mod tests {
         assert!(ended_between(ends[0].1, 0), "{ends:?} {response_times:?}");
         assert!(ended_between(ends[1].1, 1), "{ends:?} {response_times:?}");
         assert!(ended_between(ends[2].1, 3), "{ends:?} {response_times:?}");
+    }
+
+    #[test]
+    fn a_call_ends_without_waiting_for_its_messages_to_be_decoded() {
+        let registry = Registry::new();
+        let ring = crate::ring::Ring::new(1, 64, crate::ring::DropPolicy::DropNewest).unwrap();
+        let (gate, waiting) = std::sync::mpsc::channel::<()>();
+        let waiting = Mutex::new(waiting);
+        let queue = DecodeQueue::start(Bounds::default(), move |job| {
+            let _ = waiting.lock().recv();
+            Call::decoded(job);
+        });
+        let recorder = Recorder::with_queue(registry, ring.producer().unwrap(), queue);
+        let (call, mut requests, _responses) =
+            recorder.call(LINE_TAG | 1, "/tensorflow.MasterService/RunStep");
+        requests.observe(&grpc_message(&decode::sample_run_step().encode_to_vec()));
+        // The decoding thread holds what the messages said while it parses;
+        // the response's status and end do not wait for it.
+        let parsing = call.state.lock();
+        let (ended, ends) = std::sync::mpsc::channel();
+        let forwarding = Arc::clone(&call);
+        std::thread::spawn(move || {
+            forwarding.set_status(0);
+            forwarding.finish(UNKNOWN);
+            let _ = ended.send(());
+        });
+        assert!(
+            ends.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "the call's end waited on its decoding"
+        );
+        drop(parsing);
+        drop(gate);
+        assert!(recorder.settle(Duration::from_secs(10)));
+        let stats = recorder.stats();
+        assert_eq!((stats.calls, stats.steps, stats.failed), (1, 1, 0));
     }
 
     #[test]
