@@ -177,6 +177,8 @@ int on_cuda_return(struct pt_regs *ctx)
 	call->result = (s32)PT_REGS_RC(ctx);
 	if (cookie & CALL_FLAG_OUT_ARG0)
 		bpf_probe_read_user(&call->out_value, sizeof(u64), (void *)call->args[0]);
+	/* Two constant sizes rather than one computed: the verifier checks a
+	 * constant against the map value. */
 	long written = cookie & CALL_FLAG_SYMBOL_ARG2 ?
 			       bpf_ringbuf_output(&cuda_events, call, sizeof(*call), wakeup_flags()) :
 			       bpf_ringbuf_output(&cuda_events, call, CUDA_CALL_HEAD_BYTES,

@@ -139,7 +139,7 @@ pub struct Framer {
     /// The top-level fields kept of each message; `None` keeps it whole.
     fields: Option<&'static [u32]>,
     /// The message being filtered as it arrives.
-    filtering: Option<(FieldFilter, u64)>,
+    filtering: Option<FieldFilter>,
     /// Every byte seen, prefixes included.
     pub bytes: u64,
     /// Complete messages seen.
@@ -178,7 +178,7 @@ impl Framer {
         let skipped = (self.skipping as usize).min(data.len());
         data.advance(skipped);
         self.skipping -= skipped as u64;
-        if let Some((filter, _)) = &mut self.filtering {
+        if let Some(filter) = &mut self.filtering {
             data.advance(filter.feed(&data));
             if !filter.is_done() {
                 return;
@@ -202,11 +202,7 @@ impl Framer {
             if let (false, Some(fields)) = (compressed, self.fields) {
                 self.discard(PREFIX_BYTES);
                 self.filter_pending(FieldFilter::new(fields, length as u64, self.decode_limit));
-                if self
-                    .filtering
-                    .as_ref()
-                    .is_some_and(|(filter, _)| filter.is_done())
-                {
+                if self.filtering.as_ref().is_some_and(FieldFilter::is_done) {
                     self.end_filtering(out);
                     continue;
                 }
@@ -237,17 +233,13 @@ impl Framer {
 
     /// Bytes of an incomplete message left when the stream ended.
     pub fn leftover(&self) -> usize {
-        let filtering = self
-            .filtering
-            .as_ref()
-            .map_or(0, |(filter, _)| filter.remaining());
+        let filtering = self.filtering.as_ref().map_or(0, FieldFilter::remaining);
         self.pending_len + self.skipping as usize + filtering as usize
     }
 
     /// Starts filtering a message with what is pending; it goes on with
     /// the frames to come when they are not enough.
     fn filter_pending(&mut self, mut filter: FieldFilter) {
-        let length = filter.remaining();
         let mut used = 0;
         let pieces = self.pending.iter().map(|piece| &piece[..]);
         for piece in pieces.chain(std::iter::once(&self.small[..])) {
@@ -257,15 +249,16 @@ impl Framer {
             }
         }
         self.discard(used);
-        self.filtering = Some((filter, length));
+        self.filtering = Some(filter);
     }
 
     /// The filtered message has passed: its kept fields are the message.
     fn end_filtering(&mut self, out: &mut Vec<Frame>) {
-        let Some((filter, length)) = self.filtering.take() else {
+        let Some(filter) = self.filtering.take() else {
             return;
         };
         self.messages = self.messages.saturating_add(1);
+        let length = filter.length();
         out.push(match filter.finish() {
             Some(kept) => Frame::Message(kept.into()),
             None => Frame::Skipped { bytes: length },

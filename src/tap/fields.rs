@@ -18,6 +18,8 @@ const MAX_VARINT: usize = 10;
 #[derive(Debug)]
 pub struct FieldFilter {
     keep: &'static [u32],
+    /// The message's length.
+    length: u64,
     /// Message bytes not yet seen.
     remaining: u64,
     /// Most bytes kept before the message counts as undecodable.
@@ -74,6 +76,7 @@ impl FieldFilter {
     pub fn new(keep: &'static [u32], length: u64, keep_limit: usize) -> FieldFilter {
         FieldFilter {
             keep,
+            length,
             remaining: length,
             keep_limit,
             kept: BytesMut::new(),
@@ -92,6 +95,11 @@ impl FieldFilter {
             at += self.step(&data[at..mine]);
         }
         mine
+    }
+
+    /// The message's length.
+    pub fn length(&self) -> u64 {
+        self.length
     }
 
     /// Message bytes not yet seen.

@@ -209,7 +209,6 @@ impl Upstream {
 struct Tapped {
     inner: Incoming,
     observer: Observer,
-    is_response: bool,
     done: bool,
 }
 
@@ -217,7 +216,6 @@ impl Tapped {
     fn new(inner: Incoming, observer: Observer) -> Tapped {
         Tapped {
             inner,
-            is_response: observer.direction() == Direction::Response,
             observer,
             done: false,
         }
@@ -225,6 +223,10 @@ impl Tapped {
 
     fn call(&self) -> &Call {
         self.observer.call()
+    }
+
+    fn is_response(&self) -> bool {
+        self.observer.direction() == Direction::Response
     }
 }
 
@@ -246,7 +248,7 @@ impl Body for Tapped {
                 if let Some(data) = frame.data_ref() {
                     self.observer.observe(data);
                 } else if let Some(trailers) = frame.trailers_ref() {
-                    if self.is_response {
+                    if self.is_response() {
                         if let Some(status) = grpc_status(trailers) {
                             self.call().set_status(status);
                         }
@@ -256,7 +258,7 @@ impl Body for Tapped {
             }
             Poll::Ready(Some(Err(error))) => {
                 self.done = true;
-                if !self.is_response {
+                if !self.is_response() {
                     return Poll::Ready(Some(Err(error.into())));
                 }
                 // The upstream reset the call or dropped the connection: end
@@ -274,7 +276,7 @@ impl Body for Tapped {
             }
             Poll::Ready(None) => {
                 self.done = true;
-                if self.is_response {
+                if self.is_response() {
                     // No status anywhere is a protocol error of the upstream.
                     self.call().finish(UNKNOWN);
                 }
@@ -296,7 +298,7 @@ impl Drop for Tapped {
     fn drop(&mut self) {
         // A response dropped before its end: the client went away. A
         // trailers-only response ends here too, with its status already set.
-        if self.is_response {
+        if self.is_response() {
             self.call().finish(CANCELLED);
         }
     }

@@ -408,6 +408,9 @@ impl Observer {
             self.frames.clear();
             return;
         }
+        if self.frames.is_empty() {
+            return;
+        }
         let arrived_ns = clock::now_ns();
         for (seq, frame) in (first_seq..).zip(self.frames.drain(..)) {
             let body = match frame {
@@ -552,8 +555,8 @@ impl Call {
 
     /// Writes the call's events once it has ended; once.
     fn record(&self) {
-        let mut state = self.state.lock();
-        let state = &mut *state;
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
         if state.recorded {
             return;
         }
@@ -609,6 +612,7 @@ impl Call {
             let ops = ops.unwrap_or_default();
             self.op_events(&mut events, start, end_ns, state.context_id, ops);
         }
+        drop(guard);
         let c = &self.recorder.counters;
         c.calls.fetch_add(1, Ordering::Relaxed);
         if status != 0 {
