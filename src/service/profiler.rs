@@ -531,7 +531,8 @@ impl ProfilerService {
         }
         let mut encoded = encoded;
         if let Some(root) = self.server_side_root(plan) {
-            let (written, _) = write_trace(root, plan, XPLANE_SUFFIX, encoded.contiguous()).await?;
+            let written;
+            (written, encoded) = write_trace(root, plan, XPLANE_SUFFIX, encoded).await?;
             match written {
                 Ok(_) => return Ok(Response::new(written_reply(empty_trace))),
                 Err(error) => {
@@ -671,7 +672,7 @@ impl ProfilerService {
             let chunked = chunk_trace(Arc::new(encoded), limit).await?;
             store_trace(root, &plan, RIEGELI_SUFFIX, chunked).await?.0
         } else {
-            store_trace(root, &plan, XPLANE_SUFFIX, encoded.contiguous())
+            store_trace(root, &plan, XPLANE_SUFFIX, Arc::new(encoded))
                 .await?
                 .0
         };
@@ -694,9 +695,36 @@ impl ProfilerService {
     }
 }
 
+/// A trace file's content, written from the memory it is held in.
+trait TraceFile: Send + 'static {
+    fn len(&self) -> usize;
+    fn write_to(&self, session: &Folder, name: &str) -> Result<String, StorageError>;
+}
+
+impl TraceFile for ChunkedTrace {
+    fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    fn write_to(&self, session: &Folder, name: &str) -> Result<String, StorageError> {
+        session.write(name, self.bytes())
+    }
+}
+
+/// An XSpace is written from the parts it was encoded in, not joined.
+impl TraceFile for Arc<Encoded> {
+    fn len(&self) -> usize {
+        Encoded::len(self)
+    }
+
+    fn write_to(&self, session: &Folder, name: &str) -> Result<String, StorageError> {
+        session.write_parts(name, self.parts())
+    }
+}
+
 /// Writes a capture's trace file as [`store_trace`] does, and logs where
 /// it went or why it is returned to the client instead.
-async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
+async fn write_trace<B: TraceFile>(
     root: Folder,
     plan: &Plan,
     suffix: &'static str,
@@ -704,7 +732,7 @@ async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
 ) -> Result<(Result<String, StorageError>, B), Status> {
     let (written, bytes) = store_trace(root, plan, suffix, bytes).await?;
     match &written {
-        Ok(path) => info!(%path, bytes = bytes.as_ref().len(), "trace written"),
+        Ok(path) => info!(%path, bytes = bytes.len(), "trace written"),
         Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
     }
     Ok((written, bytes))
@@ -714,7 +742,7 @@ async fn write_trace<B: AsRef<[u8]> + Send + 'static>(
 /// `.xplane.pb`, or its Riegeli chunks, `.xplane.riegeli`), off the async
 /// runtime (a disk write or an upload); hands the bytes back with where
 /// they went or why not.
-async fn store_trace<B: AsRef<[u8]> + Send + 'static>(
+async fn store_trace<B: TraceFile>(
     root: Folder,
     plan: &Plan,
     suffix: &'static str,
@@ -726,7 +754,7 @@ async fn store_trace<B: AsRef<[u8]> + Send + 'static>(
     tokio::task::spawn_blocking(move || {
         let written = root
             .create_session(&session_id, generated)
-            .and_then(|(session, _)| session.write(&file_name, bytes.as_ref()));
+            .and_then(|(session, _)| bytes.write_to(&session, &file_name));
         (written, bytes)
     })
     .await
@@ -1254,11 +1282,12 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 .await?;
             return Ok(Response::new(reply));
         }
-        let whole = encoded.contiguous();
+        let encoded = Arc::new(encoded);
         if let Some(root) = self.server_side_root(&plan) {
             // A failure is logged; the snapshot goes inline either way.
-            let _ = write_trace(root, &plan, XPLANE_SUFFIX, whole.clone()).await?;
+            let _ = write_trace(root, &plan, XPLANE_SUFFIX, Arc::clone(&encoded)).await?;
         }
+        let whole = encoded.contiguous();
         let reply = ProfileResponse {
             tool_data: Vec::new(),
             empty_trace: encoded.events == 0,

@@ -92,6 +92,15 @@ impl LocalFolder {
         Ok(written.display().to_string())
     }
 
+    /// Writes as [`LocalFolder::write`] does, the content given in parts.
+    pub fn write_parts(&self, name: &str, parts: &[bytes::Bytes]) -> Result<String, StorageError> {
+        let mut file = self.create_atomic(name)?;
+        for part in parts {
+            file.write_all(part)?;
+        }
+        Ok(file.commit()?.display().to_string())
+    }
+
     /// Starts `name` in this directory (made first), written in parts and
     /// renamed into place on commit.
     pub fn create_atomic(&self, name: &str) -> Result<crate::beneath::AtomicFile, StorageError> {

@@ -180,6 +180,15 @@ impl Folder {
         }
     }
 
+    /// Writes as [`Folder::write`] does, the content given in parts (a
+    /// trace as it was encoded), without joining them.
+    pub fn write_parts(&self, name: &str, parts: &[bytes::Bytes]) -> Result<String, StorageError> {
+        match self {
+            Folder::Local(local) => local.write_parts(name, parts),
+            Folder::Object(object) => object.put(name, parts.iter().cloned().collect()),
+        }
+    }
+
     /// The folder of session `session_id` in this repository root, and the
     /// session's final name. A generated id (a timestamp) names a new
     /// folder, `_2`, `_3`, ... appended when the name is taken, so that two

@@ -182,8 +182,12 @@ impl ObjectFolder {
     /// Uploads `bytes` as `name`; an object is only whole or absent. Says
     /// where it went.
     pub fn write(&self, name: &str, bytes: &[u8]) -> Result<String, StorageError> {
+        self.put(name, PutPayload::from(Bytes::copy_from_slice(bytes)))
+    }
+
+    /// Writes `payload` (one buffer or several) as [`ObjectFolder::write`].
+    pub fn put(&self, name: &str, payload: PutPayload) -> Result<String, StorageError> {
         let key = self.key().join(name);
-        let payload = PutPayload::from(Bytes::copy_from_slice(bytes));
         let mode = if self.create_only {
             PutMode::Create
         } else {
