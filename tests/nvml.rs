@@ -104,11 +104,7 @@ async fn samples_become_counters_and_device_facts_become_plane_stats() {
     for ordinal in 0..2 {
         let samples = counters(&space, ordinal);
         let value_of = |name: &str| {
-            let values: Vec<f64> = samples
-                .iter()
-                .filter(|(n, _)| n == name)
-                .map(|(_, v)| *v)
-                .collect();
+            let values = values_of(&samples, name);
             assert!(
                 values.len() >= 10,
                 "{name}: {} samples in 300 ms at 5 ms",
@@ -159,19 +155,13 @@ async fn sampling_is_slow_while_no_capture_runs() {
         .unwrap()
         .into_inner();
     let idle = space_of(&reply);
-    let samples = counters(&idle, 0)
-        .iter()
-        .filter(|(n, _)| n == "SM utilization (%)")
-        .count();
+    let samples = values_of(&counters(&idle, 0), "SM utilization (%)").len();
     assert!(
         samples <= 3,
         "{samples} samples in an idle second at --nvml-idle-interval 1s"
     );
     let busy = capture(&gpu.agent, 300).await;
-    let fast = counters(&busy, 0)
-        .iter()
-        .filter(|(n, _)| n == "SM utilization (%)")
-        .count();
+    let fast = values_of(&counters(&busy, 0), "SM utilization (%)").len();
     assert!(fast >= 10, "{fast} samples in 300 ms during a capture");
 }
 

@@ -298,12 +298,17 @@ impl Status {
         }
     }
 
+    /// The remembered process `pid` (the latest of that pid).
+    fn traced_mut(&mut self, pid: u32) -> Option<&mut Traced> {
+        self.traced.iter_mut().rev().find(|t| t.pid == pid)
+    }
+
     /// A lasting state of process `pid`, reported in every capture that
     /// overlaps its life; `early` keeps it until the process is remembered.
     fn state(&mut self, pid: u32, early: &mut Vec<String>, text: String) {
         info!("{text}");
         const MAX_STATES: usize = 8;
-        let states = match self.traced.iter_mut().rev().find(|t| t.pid == pid) {
+        let states = match self.traced_mut(pid) {
             Some(traced) => &mut traced.states,
             None => early,
         };
@@ -875,7 +880,7 @@ impl Attachments {
                 MetaRecord::Cupti { version, origin } => {
                     let text = format!("API version {version} from {origin}");
                     let mut status = self.status.lock();
-                    if let Some(traced) = status.traced.iter_mut().rev().find(|t| t.pid == pid) {
+                    if let Some(traced) = status.traced_mut(pid) {
                         traced.cupti = Some(text.clone());
                     }
                     process.cupti = Some(text);
@@ -886,7 +891,7 @@ impl Attachments {
                 }
                 MetaRecord::ApiRecords { at_ns, set } => {
                     let mut status = self.status.lock();
-                    match status.traced.iter_mut().rev().find(|t| t.pid == pid) {
+                    match status.traced_mut(pid) {
                         Some(traced) => remember_switch(&mut traced.api_records, at_ns, set),
                         None => remember_switch(&mut process.api_records, at_ns, set),
                     }

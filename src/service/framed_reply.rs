@@ -152,15 +152,18 @@ struct FramedBody {
     /// The parts after it, in order.
     next: std::vec::IntoIter<Bytes>,
     /// Held until every part is with the connection.
-    reply: Option<FramedReply>,
+    keep_alive: Option<Arc<dyn Any + Send + Sync>>,
+    /// The trailers are sent.
+    done: bool,
 }
 
 impl FramedBody {
     fn new(reply: FramedReply) -> FramedBody {
         FramedBody {
             current: Bytes::new(),
-            next: reply.parts.clone().into_iter(),
-            reply: Some(reply),
+            next: reply.parts.into_iter(),
+            keep_alive: reply._keep_alive,
+            done: false,
         }
     }
 }
@@ -184,17 +187,19 @@ impl http_body::Body for FramedBody {
             let slice = self.current.split_to(take);
             return Poll::Ready(Some(Ok(Frame::data(slice))));
         }
-        // Every slice is with the connection: what they came from may go.
-        if self.reply.take().is_none() {
+        if self.done {
             return Poll::Ready(None);
         }
+        // Every slice is with the connection: what they came from may go.
+        self.done = true;
+        self.keep_alive = None;
         let mut trailers = http::HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         Poll::Ready(Some(Ok(Frame::trailers(trailers))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.reply.is_none()
+        self.done
     }
 
     fn size_hint(&self) -> http_body::SizeHint {

@@ -93,7 +93,8 @@ pub async fn serve(
     result
 }
 
-/// What every route passes through, outermost first.
+/// What every route passes through, innermost first: replies are framed
+/// inside the RPC counter, which reads their status.
 type Layers = Stack<FramedRepliesLayer, Stack<CountRpcsLayer, Identity>>;
 
 fn router(

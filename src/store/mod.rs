@@ -204,9 +204,9 @@ impl Store {
         self.config
     }
 
-    /// Adds a batch of events (any order) and evicts what falls out of bounds.
-    /// Seals `events` into a chunk, leaving the vector empty for the
-    /// caller to fill again.
+    /// Seals a batch of events (any order) into a chunk and evicts what
+    /// falls out of bounds, leaving `events` empty for the caller to fill
+    /// again.
     pub fn append(&self, events: &mut Vec<Event>) {
         let now = (self.now_ns)();
         let horizon = self.horizon(now);

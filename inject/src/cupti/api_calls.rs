@@ -331,13 +331,10 @@ pub fn switch(
         // The kinds record every call; they go first, then the selection.
         disable_kinds()?;
     }
-    let selected = set_calls(driver, DRIVER.iter().map(|(_, id)| *id), true)
-        .and_then(|()| set_calls(driver, extra_driver.iter().copied(), true))
-        .and_then(|()| set_calls(runtime, RUNTIME.iter().map(|(_, id)| *id), true));
-    match selected {
+    match select_calls(driver, runtime, extra_driver, true) {
         Ok(()) => Ok((ApiRecordSet::Timeline, None)),
         Err(error) => {
-            let _ = clear_calls(driver, runtime, extra_driver);
+            let _ = select_calls(driver, runtime, extra_driver, false);
             enable_kinds()?;
             Ok((
                 ApiRecordSet::AllUnselectable,
@@ -358,7 +355,7 @@ pub fn disable(current: ApiRecordSet, extra_driver: &[u32]) -> Result<(), String
         disable_kinds()?;
     }
     match per_call_entry_points() {
-        Some((driver, runtime)) => clear_calls(driver, runtime, extra_driver),
+        Some((driver, runtime)) => select_calls(driver, runtime, extra_driver, false),
         None => Ok(()),
     }
 }
@@ -378,10 +375,16 @@ fn disable_kinds() -> Result<(), String> {
     super::disable(kind::RUNTIME)
 }
 
-fn clear_calls(driver: EnableApi, runtime: EnableApi, extra_driver: &[u32]) -> Result<(), String> {
-    set_calls(driver, DRIVER.iter().map(|(_, id)| *id), false)?;
-    set_calls(driver, extra_driver.iter().copied(), false)?;
-    set_calls(runtime, RUNTIME.iter().map(|(_, id)| *id), false)
+/// Selects (`on`) or clears the timeline's calls and `extra_driver`.
+fn select_calls(
+    driver: EnableApi,
+    runtime: EnableApi,
+    extra_driver: &[u32],
+    on: bool,
+) -> Result<(), String> {
+    set_calls(driver, DRIVER.iter().map(|(_, id)| *id), on)?;
+    set_calls(driver, extra_driver.iter().copied(), on)?;
+    set_calls(runtime, RUNTIME.iter().map(|(_, id)| *id), on)
 }
 
 /// Enables or disables the records of each callback id; ids the release
