@@ -17,9 +17,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{BufMut, Bytes};
+use bytes::Bytes;
 use http_body::Frame;
-use prost::encoding::{encode_key, encode_varint, encoded_len_varint, WireType};
+
+use crate::xspace::wire::{varint_len, Writer};
 
 /// How much of a part is handed to the connection at a time: small enough
 /// that a slow reader holds back little beyond the shared trace, large
@@ -47,39 +48,33 @@ impl FramedReply {
     /// another: `{ tool_data: [{ name, data }], empty_trace }`.
     pub fn tool_data(name: &str, data: &[Bytes], empty_trace: bool) -> FramedReply {
         let data_len: usize = data.iter().map(Bytes::len).sum();
+        // Lengths first: the gRPC prefix and the nested message state them.
         let field = |number: u32, len: usize| {
-            encoded_len_varint(u64::from(number) << 3) + encoded_len_varint(len as u64) + len
+            varint_len(u64::from(number) << 3) + varint_len(len as u64) + len
         };
         // Empty fields are left out, as proto3 encoders do.
         let field_if_any = |number: u32, len: usize| if len > 0 { field(number, len) } else { 0 };
         let tool_len =
             field_if_any(TOOL_DATA_NAME, name.len()) + field_if_any(TOOL_DATA_DATA, data_len);
-        let mut message_len = field(RESPONSE_TOOL_DATA, tool_len);
+        let mut tail = Writer::default();
         if empty_trace {
-            message_len += 2;
+            tail.uint(RESPONSE_EMPTY_TRACE, 1);
         }
-        let mut head = Vec::with_capacity(64 + name.len());
-        head.put_u8(0);
+        let tail = tail.into_bytes();
+        let message_len = field(RESPONSE_TOOL_DATA, tool_len) + tail.len();
+        let mut head = Writer::with_capacity(64 + name.len());
+        head.raw(&[0]);
         // The caller keeps replies under `MAX_REPLY_BYTES` (i32::MAX).
-        head.put_u32(u32::try_from(message_len).unwrap_or(u32::MAX));
-        encode_key(RESPONSE_TOOL_DATA, WireType::LengthDelimited, &mut head);
-        encode_varint(tool_len as u64, &mut head);
-        if !name.is_empty() {
-            encode_key(TOOL_DATA_NAME, WireType::LengthDelimited, &mut head);
-            encode_varint(name.len() as u64, &mut head);
-            head.put_slice(name.as_bytes());
-        }
+        head.raw(&u32::try_from(message_len).unwrap_or(u32::MAX).to_be_bytes());
+        head.message_prefix(RESPONSE_TOOL_DATA, tool_len);
+        head.text(TOOL_DATA_NAME, name);
         if data_len > 0 {
-            encode_key(TOOL_DATA_DATA, WireType::LengthDelimited, &mut head);
-            encode_varint(data_len as u64, &mut head);
+            head.message_prefix(TOOL_DATA_DATA, data_len);
         }
         let mut parts = Vec::with_capacity(data.len() + 2);
-        parts.push(Bytes::from(head));
+        parts.push(Bytes::from(head.into_bytes()));
         parts.extend(data.iter().filter(|part| !part.is_empty()).cloned());
-        if empty_trace {
-            let mut tail = Vec::with_capacity(2);
-            encode_key(RESPONSE_EMPTY_TRACE, WireType::Varint, &mut tail);
-            encode_varint(1, &mut tail);
+        if !tail.is_empty() {
             parts.push(Bytes::from(tail));
         }
         FramedReply {

@@ -7,6 +7,6 @@ pub mod chunks;
 pub mod conventions;
 pub mod merge;
 pub mod read;
-mod wire;
+pub(crate) mod wire;
 
 pub use builder::{append_warning, build_xspace, encode_xspace, is_empty, CaptureInfo, Encoded};

@@ -162,7 +162,7 @@ impl Writer {
     }
 }
 
-pub(super) fn varint_len(value: u64) -> usize {
+pub(crate) fn varint_len(value: u64) -> usize {
     (64 - (value | 1).leading_zeros() as usize).div_ceil(7)
 }
 
