@@ -21,7 +21,7 @@ use tonic::Code;
 /// few seconds of the agent's start.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-const SM_UTILIZATION: &str = devtrace::backend::nvml::SM_UTILIZATION;
+use devtrace::backend::nvml::{ECC_ERRORS, SM_UTILIZATION};
 
 /// An agent on the mock with `rules`, saving into `<dir>/plugins/profile`.
 struct Armed {
@@ -411,12 +411,12 @@ async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
     assert!(
         saved
             .value
-            .contains("ECC uncorrected errors changed from 0 to 2"),
+            .contains(&format!("{ECC_ERRORS} changed from 0 to 2")),
         "{}",
         saved.value
     );
     assert_window(&saved, Duration::from_secs(1), Duration::from_millis(100));
-    let samples = timed(&saved.space, "/device:GPU:0", "ECC uncorrected errors");
+    let samples = timed(&saved.space, "/device:GPU:0", ECC_ERRORS);
     let first_error = samples
         .iter()
         .filter(|(_, _, value)| *value == Some(2.0))

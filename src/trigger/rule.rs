@@ -11,6 +11,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::backend::nvml;
 use crate::cli::parse_duration;
 
 /// Defaults of the optional fields.
@@ -55,8 +56,8 @@ pub enum Condition {
 
 /// Counter names NVML's backend samples, by the short names rules use.
 const COUNTER_ALIASES: &[(&str, &str)] = &[
-    ("ecc", "ECC uncorrected errors"),
-    ("throttle", "Throttle reasons (bitmask)"),
+    ("ecc", nvml::ECC_ERRORS),
+    ("throttle", nvml::THROTTLE_REASONS),
 ];
 
 /// Which spans a `span NAME > ...` rule times: one name, or every name
@@ -342,7 +343,7 @@ mod tests {
         assert_eq!(
             parse("name=e; when=ecc changes").unwrap().condition,
             Condition::CounterChanges {
-                counter: "ECC uncorrected errors".into()
+                counter: nvml::ECC_ERRORS.into()
             }
         );
         assert_eq!(

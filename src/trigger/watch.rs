@@ -503,7 +503,7 @@ mod tests {
     fn a_counter_fires_when_it_changes_not_on_its_first_value() {
         let registry = Registry::new();
         let mut watcher = Watcher::new(&rules(&["name=e; when=ecc changes"]), &registry);
-        let ecc = "ECC uncorrected errors";
+        let ecc = crate::backend::nvml::ECC_ERRORS;
         let events = [
             sample(&registry, ecc, 0, 0, 2.0),
             sample(&registry, ecc, 1, 0, 0.0),
@@ -525,7 +525,7 @@ mod tests {
             crate::backend::nvml::XID_ERRORS,
             crate::backend::nvml::LAST_XID,
         );
-        let ecc = "ECC uncorrected errors";
+        let ecc = crate::backend::nvml::ECC_ERRORS;
         // (counter, GPU, ms, value); the code is sampled before its count.
         let samples = [
             (count, 0, 0, 0.0),
