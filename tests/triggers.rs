@@ -536,6 +536,10 @@ async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap()
         "{}",
         unknown.message()
     );
+    // Longer than any rule's name can be: refused as such, not looked up.
+    let too_long = "n".repeat(devtrace::trigger::rule::MAX_NAME + 1);
+    let refused = armed.agent.fire_trigger(&too_long).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
     let out = devtrace(args(&["trigger", "nope", "--agent", &armed.agent.address])).await;
     assert!(!out.status.success());
     assert!(

@@ -23,7 +23,9 @@ pub const DEFAULT_MAX_PER_HOUR: u32 = 6;
 /// Bounds that keep one rule from asking for what no agent holds.
 const MAX_BEFORE: Duration = Duration::from_secs(3600);
 const MAX_AFTER: Duration = Duration::from_secs(600);
-const MAX_NAME: usize = 64;
+/// The longest rule name, in bytes (names are ASCII); the Trigger service
+/// refuses a longer one as invalid, since no rule can have it.
+pub const MAX_NAME: usize = 64;
 /// Steps a median is taken over, at most (the history is kept per line).
 const MAX_MEDIAN_STEPS: usize = 1000;
 
