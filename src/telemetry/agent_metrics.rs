@@ -8,7 +8,7 @@
 //! anyway; a scrape only reads them (short locks the backends also take
 //! briefly), so scraping never slows the event path.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
@@ -37,13 +37,13 @@ impl std::fmt::Debug for AgentMetrics {
     }
 }
 
-/// The trigger rules' counts, once the rules are armed.
+/// The trigger rules' counts, once the rules are armed and while they run.
 pub(super) struct TriggerMetrics {
-    triggers: Arc<OnceLock<Arc<Triggers>>>,
+    triggers: Arc<OnceLock<Weak<Triggers>>>,
 }
 
 impl TriggerMetrics {
-    pub(super) fn new(triggers: Arc<OnceLock<Arc<Triggers>>>) -> TriggerMetrics {
+    pub(super) fn new(triggers: Arc<OnceLock<Weak<Triggers>>>) -> TriggerMetrics {
         TriggerMetrics { triggers }
     }
 }
@@ -57,7 +57,7 @@ impl std::fmt::Debug for TriggerMetrics {
 impl Collector for TriggerMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         use std::sync::atomic::Ordering::Relaxed;
-        let Some(triggers) = self.triggers.get() else {
+        let Some(triggers) = self.triggers.get().and_then(Weak::upgrade) else {
             return Ok(());
         };
         let counter = |value: &std::sync::atomic::AtomicU64| ConstCounter::new(value.load(Relaxed));
