@@ -21,7 +21,7 @@ use tonic::Code;
 /// few seconds of the agent's start.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-const SM_UTILIZATION: &str = devtrace::backend::nvml::SM_UTILIZATION;
+use devtrace::backend::nvml::{ECC_ERRORS, SM_UTILIZATION};
 
 /// An agent on the mock with `rules`, saving into `<dir>/plugins/profile`.
 struct Armed {
@@ -141,6 +141,14 @@ async fn wait_until_held(agent: &AgentProcess, rule: &str, held: u64) -> String 
     }
 }
 
+/// Waits until `rule` was held back `held` times, then checks that it
+/// fired once and saved one session.
+async fn assert_fired_once_then_held(armed: &Armed, rule: &str, held: u64) {
+    let line = wait_until_held(&armed.agent, rule, held).await;
+    assert_eq!(count_of(&line, "fired "), 1, "{line}");
+    assert_eq!(sessions(&armed.repository).len(), 1);
+}
+
 /// A saved trace and what its Task Environment says about the trigger.
 struct Saved {
     space: XSpace,
@@ -165,6 +173,12 @@ fn saved(path: &Path) -> Saved {
         rule,
         value,
     }
+}
+
+/// Waits for the first session and reads its trace.
+fn first_saved(repository: &Path) -> Saved {
+    let found = wait_for_sessions(repository, 1);
+    saved(&found[0].1)
 }
 
 /// Every event of `plane_name` named `name`: (start, end) Unix ns and its
@@ -257,8 +271,7 @@ async fn a_slow_span_fires_by_its_name_once_at_its_end() {
     let rule =
         "name=slow-span; when=span tra* > 3x median(10); before=2s; after=300ms; cooldown=0s";
     let armed = armed(&[rule], &["--mock-slow-step", "2s"]);
-    let found = wait_for_sessions(&armed.repository, 1);
-    let saved = saved(&found[0].1);
+    let saved = first_saved(&armed.repository);
     assert!(
         saved.value.starts_with("span \"train\" took "),
         "{}",
@@ -288,8 +301,7 @@ fn utilisation(saved: &Saved) -> Vec<(u64, f64)> {
 async fn low_utilisation_fires_once_after_its_duration_and_the_other_gpu_is_held() {
     let rule = "name=idle-gpu; when=utilization < 20% for 400ms; before=1500ms; after=200ms";
     let armed = armed(&[rule], &["--mock-utilization-dip", "2s+1500ms"]);
-    let found = wait_for_sessions(&armed.repository, 1);
-    let saved = saved(&found[0].1);
+    let saved = first_saved(&armed.repository);
     assert!(saved.value.contains("below 20%"), "{}", saved.value);
     let samples = utilisation(&saved);
     let first_low = samples
@@ -314,17 +326,14 @@ async fn low_utilisation_fires_once_after_its_duration_and_the_other_gpu_is_held
         .filter(|(at, _)| *at >= first_low)
         .all(|(_, v)| *v < 20.0));
     // Both GPUs dip together: the second firing meets the cool-down.
-    let line = wait_until_held(&armed.agent, "idle-gpu", 1).await;
-    assert_eq!(count_of(&line, "fired "), 1, "{line}");
-    assert_eq!(sessions(&armed.repository).len(), 1);
+    assert_fired_once_then_held(&armed, "idle-gpu", 1).await;
 }
 
 #[tokio::test]
 async fn a_counter_change_fires_once_at_the_change_and_the_cooldown_holds_the_rest() {
     let rule = "name=util-change; when=counter SM utilization (%) changes; before=1s; after=100ms";
     let armed = armed(&[rule], &["--mock-utilization-dip", "2s+1s"]);
-    let found = wait_for_sessions(&armed.repository, 1);
-    let saved = saved(&found[0].1);
+    let saved = first_saved(&armed.repository);
     assert!(
         saved.value.contains("changed from 92 to 3"),
         "{}",
@@ -340,9 +349,7 @@ async fn a_counter_change_fires_once_at_the_change_and_the_cooldown_holds_the_re
     assert!(samples.iter().filter(|(at, _)| *at < first_low).count() >= 5);
     assert_window(&saved, Duration::from_secs(1), Duration::from_millis(100));
     // Two GPUs change into the dip and two out of it: one firing, three held.
-    let line = wait_until_held(&armed.agent, "util-change", 3).await;
-    assert_eq!(count_of(&line, "fired "), 1, "{line}");
-    assert_eq!(sessions(&armed.repository).len(), 1);
+    assert_fired_once_then_held(&armed, "util-change", 3).await;
 }
 
 #[tokio::test]
@@ -350,8 +357,7 @@ async fn dropped_events_fire_once_and_the_cooldown_holds_the_rest() {
     let rule = "name=lossy; when=dropped; before=1s; after=100ms";
     // A ring of 16 slots a lane cannot hold the mock's bursts.
     let armed = armed(&[rule], &["--ring-capacity", "16"]);
-    let found = wait_for_sessions(&armed.repository, 1);
-    let saved = saved(&found[0].1);
+    let saved = first_saved(&armed.repository);
     assert!(saved.value.contains("events dropped"), "{}", saved.value);
     assert_window(&saved, Duration::from_secs(1), Duration::from_millis(100));
     // Drops start with the agent: only what came before the firing is there.
@@ -360,9 +366,7 @@ async fn dropped_events_fire_once_and_the_cooldown_holds_the_rest() {
         steps.iter().any(|(begin, _, _)| *begin < saved.fired_at_ns),
         "{steps:?}"
     );
-    let line = wait_until_held(&armed.agent, "lossy", 1).await;
-    assert_eq!(count_of(&line, "fired "), 1, "{line}");
-    assert_eq!(sessions(&armed.repository).len(), 1);
+    assert_fired_once_then_held(&armed, "lossy", 1).await;
 }
 
 /// An agent on the NVML stand-in, sampling every 20 ms, with one rule.
@@ -406,17 +410,16 @@ async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
         _control_dir,
     } = armed_on_nvml(rule, "gpus=1\necc=0\n").await;
     std::fs::write(&control, "gpus=1\necc=2\n").unwrap();
-    let found = wait_for_sessions(&armed.repository, 1);
-    let saved = saved(&found[0].1);
+    let saved = first_saved(&armed.repository);
     assert!(
         saved
             .value
-            .contains("ECC uncorrected errors changed from 0 to 2"),
+            .contains(&format!("{ECC_ERRORS} changed from 0 to 2")),
         "{}",
         saved.value
     );
     assert_window(&saved, Duration::from_secs(1), Duration::from_millis(100));
-    let samples = timed(&saved.space, "/device:GPU:0", "ECC uncorrected errors");
+    let samples = timed(&saved.space, "/device:GPU:0", ECC_ERRORS);
     let first_error = samples
         .iter()
         .filter(|(_, _, value)| *value == Some(2.0))
@@ -434,9 +437,7 @@ async fn an_ecc_error_through_nvml_fires_once_at_the_sample_that_shows_it() {
     );
     // A second change meets the cool-down.
     std::fs::write(&control, "gpus=1\necc=3\n").unwrap();
-    let line = wait_until_held(&armed.agent, "ecc", 1).await;
-    assert_eq!(count_of(&line, "fired "), 1, "{line}");
-    assert_eq!(sessions(&armed.repository).len(), 1);
+    assert_fired_once_then_held(&armed, "ecc", 1).await;
 }
 
 #[tokio::test]
@@ -450,8 +451,7 @@ async fn an_xid_error_through_nvml_fires_once_and_the_trace_names_it() {
     } = armed_on_nvml(rule, "gpus=2\n").await;
     let scripted_at = now_ns();
     std::fs::write(&control, "gpus=2\nxid=79\nxid_gpu=1\n").unwrap();
-    let found = wait_for_sessions(&armed.repository, 1);
-    let first = saved(&found[0].1);
+    let first = first_saved(&armed.repository);
     assert_eq!(
         first.value,
         "GPU 1 XID 79 (1 error since the agent started)"
@@ -536,6 +536,10 @@ async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap()
         "{}",
         unknown.message()
     );
+    // Longer than any rule's name can be: refused as such, not looked up.
+    let too_long = "n".repeat(devtrace::trigger::rule::MAX_NAME + 1);
+    let refused = armed.agent.fire_trigger(&too_long).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
     let out = devtrace(args(&["trigger", "nope", "--agent", &armed.agent.address])).await;
     assert!(!out.status.success());
     assert!(

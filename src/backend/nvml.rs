@@ -48,6 +48,11 @@ pub const SM_UTILIZATION: &str = "SM utilization (%)";
 pub const XID_ERRORS: &str = "XID errors";
 pub const LAST_XID: &str = "Last XID";
 
+/// Counter tracks of uncorrected ECC errors and of the throttle reasons
+/// (NVML's bitmask, as a number).
+pub const ECC_ERRORS: &str = "ECC uncorrected errors";
+pub const THROTTLE_REASONS: &str = "Throttle reasons (bitmask)";
+
 /// The code NVML reports for an XID it cannot name.
 const UNKNOWN_XID: u64 = 999;
 
@@ -146,8 +151,8 @@ impl CounterNames {
             mem_clock: registry.intern("Memory clock (MHz)"),
             pcie_tx: registry.intern("PCIe TX (KB/s)"),
             pcie_rx: registry.intern("PCIe RX (KB/s)"),
-            ecc: registry.intern("ECC uncorrected errors"),
-            throttle: registry.intern("Throttle reasons (bitmask)"),
+            ecc: registry.intern(ECC_ERRORS),
+            throttle: registry.intern(THROTTLE_REASONS),
             xid_errors: registry.intern(XID_ERRORS),
             last_xid: registry.intern(LAST_XID),
             gpm_sm_util: registry.intern("GPM SM utilization (%)"),

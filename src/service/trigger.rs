@@ -9,10 +9,8 @@ use tonic::{Request, Response, Status};
 use super::validate::invalid;
 use crate::proto::devtrace::trigger_server;
 use crate::proto::devtrace::{FireRequest, FireResponse};
+use crate::trigger::rule::MAX_NAME;
 use crate::trigger::{FireError, Triggers, MAX_REASON};
-
-/// The longest rule name a request may carry; longer ones name no rule.
-const MAX_NAME: usize = 256;
 
 /// See the module documentation; without rules every name is NOT_FOUND.
 pub struct TriggerService {

@@ -8,7 +8,8 @@
 //! anyway; a scrape only reads them (short locks the backends also take
 //! briefly), so scraping never slows the event path.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock, Weak};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
@@ -18,7 +19,7 @@ use prometheus_client::metrics::MetricType;
 
 use crate::agent::Agent;
 use crate::backend::{GpuReading, Health};
-use crate::trigger::Triggers;
+use crate::trigger::{Counts, Triggers};
 
 /// See the module documentation.
 pub(super) struct AgentMetrics {
@@ -37,13 +38,13 @@ impl std::fmt::Debug for AgentMetrics {
     }
 }
 
-/// The trigger rules' counts, once the rules are armed.
+/// The trigger rules' counts, once the rules are armed and while they run.
 pub(super) struct TriggerMetrics {
-    triggers: Arc<OnceLock<Arc<Triggers>>>,
+    triggers: Arc<OnceLock<Weak<Triggers>>>,
 }
 
 impl TriggerMetrics {
-    pub(super) fn new(triggers: Arc<OnceLock<Arc<Triggers>>>) -> TriggerMetrics {
+    pub(super) fn new(triggers: Arc<OnceLock<Weak<Triggers>>>) -> TriggerMetrics {
         TriggerMetrics { triggers }
     }
 }
@@ -54,70 +55,58 @@ impl std::fmt::Debug for TriggerMetrics {
     }
 }
 
+/// One of a rule's counts: the label value that names it, and where it is.
+type Kind = (&'static str, fn(&Counts) -> &AtomicU64);
+
 impl Collector for TriggerMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
-        use std::sync::atomic::Ordering::Relaxed;
-        let Some(triggers) = self.triggers.get() else {
+        let Some(triggers) = self.triggers.get().and_then(Weak::upgrade) else {
             return Ok(());
         };
-        let counter = |value: &std::sync::atomic::AtomicU64| ConstCounter::new(value.load(Relaxed));
+        let counter = |value: &AtomicU64| ConstCounter::new(value.load(Relaxed));
+        // Two series per rule, told apart by `label`.
+        let by = |label: &'static str, kinds: [Kind; 2]| {
+            triggers
+                .counts()
+                .flat_map(|(rule, counts)| {
+                    kinds.map(|(kind, value)| {
+                        ([("rule", rule), (label, kind)], counter(value(counts)))
+                    })
+                })
+                .collect::<Series<_, _>>()
+        };
         family(
             &mut encoder,
             "devtrace_trigger_firings",
             "Firings of each trigger rule that passed its cool-down and hourly cap",
             triggers
                 .counts()
-                .map(|(rule, counts)| ([("rule", rule.to_string())], counter(&counts.fired)))
+                .map(|(rule, counts)| ([("rule", rule)], counter(&counts.fired)))
                 .collect(),
         )?;
         family(
             &mut encoder,
             "devtrace_trigger_suppressed",
             "Firings of each trigger rule held back, by reason (cooldown, max_per_hour)",
-            triggers
-                .counts()
-                .flat_map(|(rule, counts)| {
-                    [
-                        (
-                            [
-                                ("rule", rule.to_string()),
-                                ("reason", "cooldown".to_string()),
-                            ],
-                            counter(&counts.held_cooldown),
-                        ),
-                        (
-                            [
-                                ("rule", rule.to_string()),
-                                ("reason", "max_per_hour".to_string()),
-                            ],
-                            counter(&counts.held_hourly_cap),
-                        ),
-                    ]
-                })
-                .collect(),
+            by(
+                "reason",
+                [
+                    ("cooldown", |counts| &counts.held_cooldown),
+                    ("max_per_hour", |counts| &counts.held_hourly_cap),
+                ],
+            ),
         )?;
         family(
             &mut encoder,
             "devtrace_trigger_saves",
             "Traces of trigger firings, by outcome (saved, failed)",
-            triggers
-                .counts()
-                .flat_map(|(rule, counts)| {
-                    [
-                        (
-                            [("rule", rule.to_string()), ("outcome", "saved".to_string())],
-                            counter(&counts.saved),
-                        ),
-                        (
-                            [
-                                ("rule", rule.to_string()),
-                                ("outcome", "failed".to_string()),
-                            ],
-                            counter(&counts.failed),
-                        ),
-                    ]
-                })
-                .collect(),
+            by(
+                "outcome",
+                [
+                    ("saved", |counts| &counts.saved),
+                    ("failed", |counts| &counts.failed),
+                ],
+            ),
         )
     }
 }

@@ -17,7 +17,7 @@ pub mod http;
 pub mod rpc;
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 use prometheus_client::registry::Registry;
 
@@ -39,7 +39,9 @@ pub enum Phase {
 pub struct Telemetry {
     phase: AtomicU8,
     agent: Arc<OnceLock<Arc<Agent>>>,
-    triggers: Arc<OnceLock<Arc<Triggers>>>,
+    /// Weak: the triggers hold the profiler service, which holds this;
+    /// a strong reference would keep them (and their watcher) alive forever.
+    triggers: Arc<OnceLock<Weak<Triggers>>>,
     health: health::ServingHealth,
     rpcs: Arc<rpc::RpcMetrics>,
     registry: Registry,
@@ -91,12 +93,12 @@ impl Telemetry {
 
     /// The trigger rules are armed: their counts are reported from now on.
     pub fn triggers_started(&self, triggers: &Arc<Triggers>) {
-        let _ = self.triggers.set(Arc::clone(triggers));
+        let _ = self.triggers.set(Arc::downgrade(triggers));
     }
 
-    /// The armed trigger rules, if any.
-    pub fn triggers(&self) -> Option<&Arc<Triggers>> {
-        self.triggers.get()
+    /// The armed trigger rules, if any and still running.
+    pub fn triggers(&self) -> Option<Arc<Triggers>> {
+        self.triggers.get().and_then(Weak::upgrade)
     }
 
     /// The gRPC server accepts calls: health SERVING.

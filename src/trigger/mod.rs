@@ -105,7 +105,12 @@ impl Triggers {
         repository: Folder,
     ) -> std::io::Result<Arc<Triggers>> {
         let watcher = Watcher::new(&rules, agent.registry());
-        let watches_drops = rules.iter().any(|r| r.condition == Condition::Dropped);
+        let dropped_rules: Vec<usize> = rules
+            .iter()
+            .enumerate()
+            .filter(|(_, rule)| rule.condition == Condition::Dropped)
+            .map(|(index, _)| index)
+            .collect();
         let triggers = Arc::new(Triggers {
             rules: rules
                 .into_iter()
@@ -126,12 +131,12 @@ impl Triggers {
         } else {
             Some(tap_arrivals(agent, &watcher, &triggers)?)
         };
-        if arrivals.is_some() || watches_drops {
+        if arrivals.is_some() || !dropped_rules.is_empty() {
             let weak = Arc::downgrade(&triggers);
             let agent = Arc::clone(agent);
             std::thread::Builder::new()
                 .name("devtrace-trigger".into())
-                .spawn(move || watch_loop(weak, &agent, watcher, arrivals, watches_drops))?;
+                .spawn(move || watch_loop(weak, &agent, watcher, arrivals, dropped_rules))?;
         }
         Ok(triggers)
     }
@@ -143,11 +148,7 @@ impl Triggers {
             let known: Vec<&str> = self.rules.iter().map(|a| a.rule.name.as_str()).collect();
             return Err(FireError::NotFound {
                 name: name.to_string(),
-                known: if known.is_empty() {
-                    "none".into()
-                } else {
-                    known.join(", ")
-                },
+                known: known.join(", "),
             });
         };
         let value = if reason.is_empty() {
@@ -331,13 +332,14 @@ fn tap_arrivals(
 }
 
 /// The watcher thread: new events to the watching rules, drop totals to
-/// the `dropped` rules, until the triggers are dropped.
+/// the `dropped` rules (`dropped_rules`, by index), until the triggers are
+/// dropped.
 fn watch_loop(
     triggers: Weak<Triggers>,
     agent: &Agent,
     mut watcher: Watcher,
     arrivals: Option<Receiver<Vec<crate::event::Event>>>,
-    watches_drops: bool,
+    dropped_rules: Vec<usize>,
 ) {
     let mut dropped = agent.dropped_total();
     let mut unevaluated = 0;
@@ -364,7 +366,7 @@ fn watch_loop(
         }
         if std::time::Instant::now() >= next_look {
             next_look = std::time::Instant::now() + LOOK_EVERY;
-            if watches_drops {
+            if !dropped_rules.is_empty() {
                 let total = agent.dropped_total();
                 if total > dropped {
                     let at_ns = clock::now_ns();
@@ -372,18 +374,11 @@ fn watch_loop(
                         "{} events dropped ({total} since the agent started)",
                         total - dropped
                     );
-                    fired.extend(
-                        triggers
-                            .rules
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, armed)| armed.rule.condition == Condition::Dropped)
-                            .map(|(rule, _)| Firing {
-                                rule,
-                                at_ns,
-                                value: value.clone(),
-                            }),
-                    );
+                    fired.extend(dropped_rules.iter().map(|&rule| Firing {
+                        rule,
+                        at_ns,
+                        value: value.clone(),
+                    }));
                 }
                 dropped = total;
             }

@@ -11,6 +11,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::backend::nvml;
 use crate::cli::parse_duration;
 
 /// Defaults of the optional fields.
@@ -22,7 +23,9 @@ pub const DEFAULT_MAX_PER_HOUR: u32 = 6;
 /// Bounds that keep one rule from asking for what no agent holds.
 const MAX_BEFORE: Duration = Duration::from_secs(3600);
 const MAX_AFTER: Duration = Duration::from_secs(600);
-const MAX_NAME: usize = 64;
+/// The longest rule name, in bytes (names are ASCII); the Trigger service
+/// refuses a longer one as invalid, since no rule can have it.
+pub const MAX_NAME: usize = 64;
 /// Steps a median is taken over, at most (the history is kept per line).
 const MAX_MEDIAN_STEPS: usize = 1000;
 
@@ -55,8 +58,8 @@ pub enum Condition {
 
 /// Counter names NVML's backend samples, by the short names rules use.
 const COUNTER_ALIASES: &[(&str, &str)] = &[
-    ("ecc", "ECC uncorrected errors"),
-    ("throttle", "Throttle reasons (bitmask)"),
+    ("ecc", nvml::ECC_ERRORS),
+    ("throttle", nvml::THROTTLE_REASONS),
 ];
 
 /// Which spans a `span NAME > ...` rule times: one name, or every name
@@ -342,7 +345,7 @@ mod tests {
         assert_eq!(
             parse("name=e; when=ecc changes").unwrap().condition,
             Condition::CounterChanges {
-                counter: "ECC uncorrected errors".into()
+                counter: nvml::ECC_ERRORS.into()
             }
         );
         assert_eq!(

@@ -254,15 +254,13 @@ impl Watcher {
                     },
                     Payload::Counter { value },
                 ) if event.name() == *counter && event.line == COUNTER_TRACK => {
-                    let previous = last.insert(event.device(), value);
-                    match previous {
-                        Some(previous) if previous != value => Some(format!(
+                    changed(last, event.device(), value).map(|previous| {
+                        let text = format!(
                             "{} {name} changed from {previous} to {value}",
                             device_label(event.device())
-                        )),
-                        _ => None,
-                    }
-                    .map(|text| (event.start_ns, text))
+                        );
+                        (event.start_ns, text)
+                    })
                 }
                 (
                     Watch::Xid {
@@ -356,6 +354,13 @@ fn utilization(
     ))
 }
 
+/// Remembers `value` as `device`'s latest and gives the value it replaces
+/// when that differs; a device's first value is no change.
+fn changed(last: &mut HashMap<Device, f64>, device: Device, value: f64) -> Option<f64> {
+    let previous = last.insert(device, value)?;
+    (previous != value).then_some(previous)
+}
+
 /// One XID count sample of one GPU: fires when it changes, naming the code
 /// of the latest XID.
 fn xid(
@@ -364,10 +369,7 @@ fn xid(
     device: Device,
     count: f64,
 ) -> Option<String> {
-    let previous = last.insert(device, count)?;
-    if previous == count {
-        return None;
-    }
+    changed(last, device, count)?;
     let errors = if count == 1.0 { "error" } else { "errors" };
     let since = format!("({count} {errors} since the agent started)");
     Some(match codes.get(&device) {
@@ -503,7 +505,7 @@ mod tests {
     fn a_counter_fires_when_it_changes_not_on_its_first_value() {
         let registry = Registry::new();
         let mut watcher = Watcher::new(&rules(&["name=e; when=ecc changes"]), &registry);
-        let ecc = "ECC uncorrected errors";
+        let ecc = crate::backend::nvml::ECC_ERRORS;
         let events = [
             sample(&registry, ecc, 0, 0, 2.0),
             sample(&registry, ecc, 1, 0, 0.0),
@@ -525,7 +527,7 @@ mod tests {
             crate::backend::nvml::XID_ERRORS,
             crate::backend::nvml::LAST_XID,
         );
-        let ecc = "ECC uncorrected errors";
+        let ecc = crate::backend::nvml::ECC_ERRORS;
         // (counter, GPU, ms, value); the code is sampled before its count.
         let samples = [
             (count, 0, 0, 0.0),
