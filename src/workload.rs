@@ -177,6 +177,10 @@ pub enum MetaRecord {
     Displaced { at_ns: u64, seen: bool },
     /// The library has the activity stream again from `at_ns`.
     Resumed { at_ns: u64 },
+    /// The library was asked to capture and records from `at_ns` on (CUPTI
+    /// takes a while to start): the process's GPU activity between the
+    /// request and then is missing.
+    Recording { at_ns: u64 },
     /// From `at_ns` on, the library records the driver and runtime API
     /// calls of `set`.
     ApiRecords { at_ns: u64, set: ApiRecordSet },
@@ -308,6 +312,7 @@ impl MetaRecord {
                 )
             }
             MetaRecord::Resumed { at_ns } => format!("resumed {at_ns}\n"),
+            MetaRecord::Recording { at_ns } => format!("recording {at_ns}\n"),
             MetaRecord::ApiRecords { at_ns, set } => {
                 format!("api-records {at_ns} {}\n", set.word())
             }
@@ -371,6 +376,9 @@ impl MetaRecord {
                 },
             },
             "resumed" => MetaRecord::Resumed {
+                at_ns: fields.next()?.parse().ok()?,
+            },
+            "recording" => MetaRecord::Recording {
                 at_ns: fields.next()?.parse().ok()?,
             },
             "api-records" => MetaRecord::ApiRecords {
@@ -616,6 +624,7 @@ pub(crate) fn sample_records() -> Vec<MetaRecord> {
             seen: false,
         },
         MetaRecord::Resumed { at_ns: 6 },
+        MetaRecord::Recording { at_ns: 9 },
         MetaRecord::ApiRecords {
             at_ns: 7,
             set: ApiRecordSet::Timeline,

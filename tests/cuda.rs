@@ -1270,8 +1270,6 @@ async fn capture_beside_a_rival(
 enum Binding {
     /// `dlsym(RTLD_DEFAULT, ...)`: the global scope.
     Lookup,
-    /// From libcupti's handle: nothing another library exports is seen.
-    Direct,
     /// Imported by the program (linked with -lcupti), through its PLT and
     /// GOT, as PyTorch's Kineto calls them.
     Linked,
@@ -1305,12 +1303,6 @@ fn rival_workload(
     sleep_ms: &str,
     release: &std::path::Path,
 ) -> CudaWorkload {
-    // The probe only where a test wants it: direct binding on CUDA 13.
-    let probe = if binding == Binding::Direct && version != "26" {
-        "on"
-    } else {
-        "off"
-    };
     let mut args: Vec<&str> = vec![
         "6",
         "--wait-file",
@@ -1324,16 +1316,12 @@ fn rival_workload(
     ];
     match binding {
         Binding::Lookup => {}
-        Binding::Direct => args.push("--rival-direct"),
         Binding::Linked => args.push("--rival-linked"),
     }
     setup.workload_loading(
         variable,
         &args,
-        &[
-            ("DEVTRACE_STANDIN_CUPTI_VERSION", version),
-            ("DEVTRACE_INJECT_PROBE", probe),
-        ],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", version)],
     )
 }
 
@@ -1418,43 +1406,6 @@ async fn seen_rival(variable: &str, binding: Binding) {
         .warnings
         .iter()
         .any(|w| w.contains("has the CUPTI activity stream again")));
-}
-
-/// A user bound to libcupti directly passes the library by: with the probe
-/// on (`DEVTRACE_INJECT_PROBE=on`) and CUDA 13's buffer per thread, the
-/// library notices that its probe's buffer request went elsewhere, and the
-/// trace says from when.
-#[tokio::test(flavor = "multi_thread")]
-async fn an_unseen_second_cupti_user_is_noticed_and_the_loss_reported() {
-    let (space, lines, ours) = capture_beside_a_rival(
-        "cuda_rival_unseen",
-        "CUDA_INJECTION64_PATH",
-        "130001",
-        Binding::Direct,
-    )
-    .await;
-    let (_, rival_start, _) = rival_report(&lines);
-    // Before the rival: iterations 0 and 1.
-    assert_eq!(ours.len(), 4, "{:?}", space.warnings);
-    let (start, _) = common::window_of(&space);
-    let (from, to) = lost_span(&space);
-    let seconds = |ns: u64| (ns - start) as f64 / 1e9;
-    let last_call = lines
-        .iter()
-        .filter_map(|l| parse_call(l))
-        .map(|c| c.realtime.1)
-        .max()
-        .expect("calls");
-    // It begins when the library last knew it had the stream: at most one
-    // probe interval (every fifth 100 ms flush, so 500 ms, plus the lateness
-    // of ticks on a loaded machine) before the rival took it.
-    let rival_from = seconds(rival_start);
-    assert!(
-        from <= rival_from && from >= rival_from - 0.75,
-        "{from} vs {rival_from}"
-    );
-    // Nothing told it the rival finished: lost until the process exited.
-    assert!(to >= seconds(last_call), "{to} vs {}", seconds(last_call));
 }
 
 /// The libcupti a process of this test loaded, as the trace names it.
@@ -1633,42 +1584,6 @@ async fn devtrace_cupti_path_names_the_library_to_load() {
             .count(),
         2
     );
-}
-
-/// Without the probe (its default), a user bound to libcupti directly is
-/// still found out: a buffer of ours still being filled when it registered
-/// goes to its callbacks, and a forced flush (at the capture's end, or here
-/// at the process's exit) does not bring it back. The trace says from when
-/// (at the latest, the last buffer we got back) that process's GPU activity
-/// is missing; the other user's kinds are left on.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_hidden_second_cupti_user_is_found_out_by_the_buffers_it_kept() {
-    let setup = setup("cuda_rival_hidden");
-    let agent = setup.agent();
-    let release = release_file(&setup, "rival");
-    // Back to back: the rival registers while our buffer holds iterations
-    // 0 and 1.
-    let workload = rival_workload(
-        &setup,
-        "CUDA_INJECTION64_PATH",
-        "26",
-        Binding::Direct,
-        "0",
-        &release,
-    );
-    workload.read_until("waiting");
-    wait_for_attached(&agent, 1).await;
-    let space = capture_while(&agent, 1500, &release).await;
-    let lines = workload.read_until("done");
-    // The rival's own records that landed in our buffer are lost to it: CUPTI
-    // hands that buffer to its callback, which does not know it (as Kineto
-    // did on a real GPU). Only a library the registration passes through can
-    // hand its buffers back first.
-    let (_, rival_start, _) = rival_report(&lines);
-    let (start, _) = common::window_of(&space);
-    let (from, _) = lost_span(&space);
-    let rival_from = (rival_start - start) as f64 / 1e9;
-    assert!(from <= rival_from + 0.001, "{from} vs {rival_from}");
 }
 
 /// Any user can write the runtime directory. A FIFO or a symlink where a

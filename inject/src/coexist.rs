@@ -2,50 +2,54 @@
 //! behind `torch.profiler`, `jax.profiler`, Nsight's injection).
 //!
 //! CUPTI's activity API is per process, not per user: one pair of buffer
-//! callbacks, one set of enabled kinds. A framework profiler that starts
-//! registers its own callbacks (ours stop receiving records) and, when it
-//! stops, disables its kinds (ours with them). This library never holds
-//! `cuptiSubscribe` (Kineto runs CPU-only when a subscriber exists), never
-//! fights for the stream, and says in the trace which part of a window it
-//! lost. It learns of the other user in these ways:
+//! callbacks, one set of enabled kinds, one Callback API subscriber (before
+//! CUDA 13.3). A framework profiler that starts registers its own callbacks
+//! (ours stop receiving records) and, when it stops, disables its kinds
+//! (ours with them). This library never fights for the stream, holds a
+//! subscriber only briefly to detach ([`crate::detach`]), never finalizes
+//! CUPTI while another user may need it, and says in the trace which part
+//! of a window it lost. What it knows of other users is evidence, never a
+//! guess from timing:
 //!
 //! - **Interposition.** Other users' calls to
 //!   `cuptiActivityRegisterCallbacks`, `cuptiActivityEnable`,
-//!   `cuptiActivityDisable`, `cuptiActivityFlushAll` and `cuptiFinalize` pass
-//!   through this library on their way to libcupti, unchanged: through the
-//!   names it exports (enough when it is preloaded; [`join_global_scope`]
-//!   adds them to the global scope when the driver loads it) and through
-//!   other libraries' GOT slots, redirected to its hooks
-//!   ([`redirect_callers`]; PyTorch binds to libcupti directly). Before a
-//!   foreign registration passes on, our buffers are flushed back to us; it
-//!   marks the stream as taken; once the other user has switched off every
-//!   kind it enabled and flushed (or a second later), or finalized CUPTI,
-//!   the stream is taken back at the next tick.
-//! - **Buffers that do not come back** (in `lib.rs`): a user that reaches
-//!   CUPTI some other way is found out when the forced flush at a capture's
-//!   end (or at exit) leaves buffers of ours elsewhere.
-//! - **A probe**, opt-in (`DEVTRACE_INJECT_PROBE=on`; CUDA 13, where CUPTI
-//!   gives every thread its own activity buffer). Every 500 ms a new
-//!   short-lived thread of this library makes one traced driver call
-//!   (`cuDriverGetVersion`): a thread's first record makes CUPTI ask the
-//!   *registered* callbacks for that thread's buffer, on that thread, before
-//!   the call returns. A probe whose request did not reach us means someone
-//!   else has the callbacks (or switched the driver records off). Probe
-//!   threads get 4 KiB buffers (smaller ones make real CUPTI loop on its own
-//!   overhead records; a second request within one probe turns the probe
-//!   off). No flush is forced for it: a forced flush while kernels run loses
-//!   their records (seen on an H200 with CUDA 13.0), for this library and
-//!   the other user alike.
+//!   `cuptiActivityDisable`, `cuptiActivityFlushAll`, `cuptiFinalize`,
+//!   `cuptiSubscribe` and `cuptiUnsubscribe` pass through this library on
+//!   their way to libcupti, unchanged: through the names it exports (enough
+//!   when it is preloaded; [`join_global_scope`] adds them to the global
+//!   scope when the driver loads it) and through other libraries' GOT
+//!   slots, redirected to its hooks ([`redirect_callers`]; PyTorch binds to
+//!   libcupti directly). Before a foreign registration passes on, our
+//!   buffers are flushed back to us; it marks the stream as taken; once the
+//!   other user has switched off every kind it enabled and flushed (or a
+//!   second later), or finalized CUPTI, the stream is taken back at the
+//!   next tick.
+//! - **A buffer that is not ours** reaching our callback
+//!   ([`foreign_buffer_arrived`]): some user registered callbacks before
+//!   ours and had buffers in flight. When no user was seen through
+//!   interposition, that one reaches CUPTI some other way (`dlsym` on
+//!   libcupti's handle, as XLA's CUPTI wrapper does): its end cannot be
+//!   seen, so CUPTI is never finalized in the process again.
 //!
-//! A user found out without interposition cannot be seen to finish, so the
-//! stream is taken back when the next capture starts.
+//! Buffers of ours that CUPTI never hands back are not taken for another
+//! user: real CUPTI keeps per-thread buffers and hands them back late.
 
-use std::ffi::c_int;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::cupti::library::{
-    BufferCompleted, BufferRequested, CuptiResult, CUPTI_ERROR_NOT_INITIALIZED, CUPTI_SUCCESS,
+    BufferCompleted, BufferRequested, CallbackFunc, CuptiResult, SubscriberHandle,
+    CUPTI_ERROR_NOT_INITIALIZED, CUPTI_SUCCESS,
 };
+use crate::detach::{self, Attachment};
+
+/// What a hook answers when this library failed inside it (`CUPTI_ERROR_UNKNOWN`).
+const CUPTI_ERROR_UNKNOWN: CuptiResult = 999;
+
+// What interposition saw of other users. Each flag is one fact, set and
+// cleared by the hooks (on the other user's threads) and read by the
+// control thread; no fact is derived from two flags read at different times
+// except in `foreign_done`, whose grace period makes the order moot.
 
 /// Set while a foreign user's callbacks are registered.
 static FOREIGN_REGISTERED: AtomicBool = AtomicBool::new(false);
@@ -60,29 +64,12 @@ static FOREIGN_DONE: AtomicBool = AtomicBool::new(false);
 /// stream back before its final flush would send its last buffers to us.
 static FOREIGN_IDLE_SINCE_NS: AtomicU64 = AtomicU64::new(0);
 const FOREIGN_FLUSH_GRACE_NS: u64 = 1_000_000_000;
-
-/// Buffer requests made on the probe thread (each answered probe adds one).
-static PROBE_REQUESTS: AtomicU64 = AtomicU64::new(0);
-/// The probe thread's id (as CUPTI reports system thread ids).
-static PROBE_TID: AtomicU32 = AtomicU32::new(0);
-
-/// Bytes of each buffer handed to a probe thread. (With 64 bytes real CUPTI
-/// requested again for its own overhead record without end.)
-const PROBE_BUFFER_BYTES: usize = 4096;
-
-/// Requests during the probe call under way; more than one means CUPTI
-/// writes more than a probe buffer holds.
-static PROBE_CALL_REQUESTS: AtomicU32 = AtomicU32::new(0);
-/// The probe was found unusable in this process and is off.
-static PROBE_BROKEN: AtomicBool = AtomicBool::new(false);
-
-/// Whether the probe runs: only with `DEVTRACE_INJECT_PROBE=on`. On an H200
-/// with CUDA 13.0, a workload whose torch.profiler ran inside a capture
-/// aborted with a corrupted heap after CUPTI handed a probe thread's buffer
-/// to torch.profiler's callback; until that is understood it stays off.
-pub fn probe_enabled() -> bool {
-    std::env::var("DEVTRACE_INJECT_PROBE").is_ok_and(|v| v == "on")
-}
+/// Set while a foreign user holds a Callback API subscriber.
+static FOREIGN_SUBSCRIBED: AtomicBool = AtomicBool::new(false);
+/// A foreign user was seen through interposition at some time.
+static FOREIGN_EVER_SEEN: AtomicBool = AtomicBool::new(false);
+/// Buffers that were not ours reached our callback.
+static FOREIGN_BUFFERS: AtomicU64 = AtomicU64::new(0);
 
 /// Puts this library's exported names into the process's global symbol
 /// scope, so that interposition also works when the CUDA driver loaded it
@@ -105,13 +92,13 @@ pub fn join_global_scope() {
 
 /// Sends other libraries' calls to the CUPTI entry points this library
 /// interposes through it, whoever bound them how (see `got.rs`). Run at
-/// start and again when a capture starts, for libraries loaded since. The
-/// slots get the private hooks: the address of an exported name, taken in
-/// this library, is whatever the dynamic linker bound that name to, which
-/// may be libcupti's.
+/// start and again when a capture starts and ends, for libraries loaded
+/// since. The slots get the private hooks: the address of an exported name,
+/// taken in this library, is whatever the dynamic linker bound that name
+/// to, which may be libcupti's.
 pub fn redirect_callers() -> usize {
     use crate::got::Redirect;
-    let hooks: [(&'static std::ffi::CStr, *const ()); 5] = [
+    let hooks: [(&'static std::ffi::CStr, *const ()); 7] = [
         (
             c"cuptiActivityRegisterCallbacks",
             register_callbacks_hook as *const (),
@@ -120,6 +107,8 @@ pub fn redirect_callers() -> usize {
         (c"cuptiActivityDisable", disable_hook as *const ()),
         (c"cuptiActivityFlushAll", flush_all_hook as *const ()),
         (c"cuptiFinalize", finalize_hook as *const ()),
+        (c"cuptiSubscribe", subscribe_hook as *const ()),
+        (c"cuptiUnsubscribe", unsubscribe_hook as *const ()),
     ];
     let redirects = hooks.map(|(name, hook)| Redirect {
         name,
@@ -128,132 +117,12 @@ pub fn redirect_callers() -> usize {
     crate::got::redirect(&redirects)
 }
 
-/// Whether a driver record is one of the probe's calls, which stay out of
-/// the trace.
-pub fn is_probe(cbid: u32, thread_id: u32) -> bool {
-    cbid == crate::cupti::CBID_DRIVER_GET_VERSION
-        && thread_id != 0
-        && thread_id == PROBE_TID.load(Ordering::Relaxed)
-}
-
-/// The size of buffer to hand out for a request on the calling thread:
-/// `Some` for the probe thread's first request of a probe call (an answer),
-/// `None` for a full-size buffer. A second request within one probe call
-/// gets a full-size buffer, which ends any loop of requests, and turns the
-/// probe off for the process.
-pub fn probe_buffer() -> Option<usize> {
-    let probe = PROBE_TID.load(Ordering::Relaxed);
-    if probe == 0 || probe != gettid() {
-        return None;
-    }
-    PROBE_REQUESTS.fetch_add(1, Ordering::AcqRel);
-    if PROBE_CALL_REQUESTS.fetch_add(1, Ordering::AcqRel) == 0
-        && !PROBE_BROKEN.load(Ordering::Acquire)
-    {
-        Some(PROBE_BUFFER_BYTES)
-    } else {
-        PROBE_BROKEN.store(true, Ordering::Release);
-        None
-    }
-}
-
-/// The probe's state across ticks; each probe runs on a thread of its own.
-pub struct Probe {
-    call: fn(),
-    /// Whether probes run and answer in this process (switched on, CUDA
-    /// 13's per-thread buffers); decided when the stream is taken.
-    works: bool,
-    last_answered_ns: u64,
-}
-
-impl Probe {
-    /// `call` is the traced driver call a probe makes.
-    pub fn new(call: fn()) -> Probe {
-        Probe {
-            call,
-            works: false,
-            last_answered_ns: 0,
-        }
-    }
-
-    /// Called right after the stream is (re)taken, when it is surely ours:
-    /// one probe decides whether probes answer in this process (CUDA 13's
-    /// per-thread buffers) before any is trusted.
-    pub fn calibrate(&mut self, version: u32) {
-        self.last_answered_ns = devtrace::clock::now_ns();
-        self.works = version >= 130000
-            && probe_enabled()
-            && self.ask() == Some(true)
-            && !PROBE_BROKEN.load(Ordering::Acquire);
-    }
-
-    /// One probe on a new thread; `None` when no thread could be made.
-    fn ask(&self) -> Option<bool> {
-        let call = self.call;
-        std::thread::Builder::new()
-            .name("devtrace-probe".into())
-            .spawn(move || {
-                PROBE_CALL_REQUESTS.store(0, Ordering::Release);
-                let before = PROBE_REQUESTS.load(Ordering::Acquire);
-                PROBE_TID.store(gettid(), Ordering::Release);
-                call();
-                PROBE_TID.store(0, Ordering::Release);
-                PROBE_REQUESTS.load(Ordering::Acquire) > before
-            })
-            .ok()?
-            .join()
-            .ok()
-    }
-}
-
-/// Who has the stream, as far as this library can tell.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// Our records still arrive.
-    Ours,
-    /// Another user has it since `since_ns`; `seen` says whether its calls
-    /// were seen (interposition), so that its end will be seen too.
-    Taken { seen: bool, since_ns: u64 },
-}
-
 /// Whether a foreign user seen through interposition holds the stream now,
 /// and since when.
 pub fn foreign_holder() -> Option<u64> {
     FOREIGN_REGISTERED
         .load(Ordering::Acquire)
         .then(|| FOREIGN_SINCE_NS.load(Ordering::Acquire))
-}
-
-/// Asks at one tick of a capture: first what interposition saw, then the
-/// probe where it works.
-pub fn check_ownership(probe: &mut Probe) -> Verdict {
-    if let Some(since_ns) = foreign_holder() {
-        return Verdict::Taken {
-            seen: true,
-            since_ns,
-        };
-    }
-    if PROBE_BROKEN.load(Ordering::Acquire) {
-        probe.works = false;
-    }
-    if !probe.works {
-        return Verdict::Ours;
-    }
-    let sent_ns = devtrace::clock::now_ns();
-    match probe.ask() {
-        Some(true) => {
-            probe.last_answered_ns = sent_ns;
-            Verdict::Ours
-        }
-        // The answer comes before the call returns, so a probe whose request
-        // went elsewhere is no lag: the callbacks (or the driver records) are
-        // someone else's. Lost after the last answered probe.
-        Some(false) => Verdict::Taken {
-            seen: false,
-            since_ns: probe.last_answered_ns,
-        },
-        None => Verdict::Ours,
-    }
 }
 
 /// Whether a foreign user seen through interposition has finished (read
@@ -268,9 +137,39 @@ pub fn foreign_done() -> bool {
     FOREIGN_DONE.swap(false, Ordering::AcqRel) && !FOREIGN_REGISTERED.load(Ordering::Acquire)
 }
 
-fn gettid() -> u32 {
-    // SAFETY: plain system call without arguments.
-    unsafe { libc::syscall(libc::SYS_gettid) as u32 }
+/// A buffer that is not ours reached our `bufferCompleted`.
+pub fn foreign_buffer_arrived() {
+    FOREIGN_BUFFERS.fetch_add(1, Ordering::AcqRel);
+}
+
+/// Whether another CUPTI user ever showed itself in this process.
+pub fn other_user_ever() -> bool {
+    FOREIGN_EVER_SEEN.load(Ordering::Acquire) || FOREIGN_BUFFERS.load(Ordering::Acquire) > 0
+}
+
+/// Why CUPTI must stay attached for another user, if it must: the
+/// evidence, in words for the trace.
+pub fn other_user_active() -> Option<String> {
+    if FOREIGN_SUBSCRIBED.load(Ordering::Acquire) {
+        return Some("another CUPTI user in the process holds a Callback API subscriber".into());
+    }
+    if FOREIGN_REGISTERED.load(Ordering::Acquire) {
+        return Some(
+            "another CUPTI user in the process has its activity callbacks registered".into(),
+        );
+    }
+    if FOREIGN_KINDS.load(Ordering::Acquire) != 0 {
+        return Some("another CUPTI user in the process has activity kinds enabled".into());
+    }
+    let foreign_buffers = FOREIGN_BUFFERS.load(Ordering::Acquire);
+    if foreign_buffers > 0 && !FOREIGN_EVER_SEEN.load(Ordering::Acquire) {
+        return Some(format!(
+            "{foreign_buffers} activity buffer(s) of another CUPTI user reached this library's \
+             callback, from a user that reaches libcupti without passing through the library \
+             (dlsym on its handle), whose end cannot be seen"
+        ));
+    }
+    None
 }
 
 thread_local! {
@@ -297,6 +196,16 @@ fn real() -> Option<&'static crate::cupti::library::Library> {
     crate::cupti::library_ref()
 }
 
+/// Runs a hook's body; a panic in it answers `CUPTI_ERROR_UNKNOWN` rather
+/// than unwinding into the caller's C code.
+fn guarded(body: impl FnOnce() -> CuptiResult) -> CuptiResult {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or(CUPTI_ERROR_UNKNOWN)
+}
+
+fn seen_foreign() {
+    FOREIGN_EVER_SEEN.store(true, Ordering::Release);
+}
+
 fn foreign_finished() {
     FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
     FOREIGN_REGISTERED.store(false, Ordering::Release);
@@ -318,28 +227,35 @@ unsafe extern "C" fn register_callbacks_hook(
     requested: Option<BufferRequested>,
     completed: Option<BufferCompleted>,
 ) -> CuptiResult {
-    let Some(lib) = real() else {
-        return CUPTI_ERROR_NOT_INITIALIZED;
-    };
-    let foreign = foreign();
-    if foreign {
-        // CUPTI keeps filling each thread's current buffer after new
-        // callbacks are registered, and hands it to the new callback, which
-        // discards a buffer it does not know: the other user would lose the
-        // start of its records and we the end of ours. Every buffer of ours
-        // comes back to us first.
-        // SAFETY: a plain CUPTI call.
-        let _ = own(|| unsafe { (lib.flush_all)(1) });
-    }
-    // SAFETY: forwarded unchanged.
-    let result = unsafe { (lib.register_callbacks)(requested, completed) };
-    if result == CUPTI_SUCCESS && foreign {
-        FOREIGN_KINDS.store(0, Ordering::Release);
-        FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
-        FOREIGN_SINCE_NS.store(devtrace::clock::now_ns(), Ordering::Release);
-        FOREIGN_REGISTERED.store(true, Ordering::Release);
-    }
-    result
+    guarded(|| {
+        let Some(lib) = real() else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        let foreign = foreign();
+        if foreign {
+            // CUPTI keeps filling each thread's current buffer after new
+            // callbacks are registered, and hands it to the new callback,
+            // which discards a buffer it does not know: the other user would
+            // lose the start of its records and we the end of ours. Every
+            // buffer of ours comes back to us first (a detached CUPTI has
+            // none, and is not attached again for it).
+            let gate = detach::gate();
+            if *gate == Attachment::Attached {
+                // SAFETY: a plain CUPTI call.
+                let _ = own(|| unsafe { (lib.flush_all)(1) });
+            }
+        }
+        // SAFETY: forwarded unchanged.
+        let result = unsafe { (lib.register_callbacks)(requested, completed) };
+        if result == CUPTI_SUCCESS && foreign {
+            seen_foreign();
+            FOREIGN_KINDS.store(0, Ordering::Release);
+            FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
+            FOREIGN_SINCE_NS.store(devtrace::clock::now_ns(), Ordering::Release);
+            FOREIGN_REGISTERED.store(true, Ordering::Release);
+        }
+        result
+    })
 }
 
 /// The exported name of [`register_callbacks_hook`].
@@ -360,16 +276,19 @@ pub unsafe extern "C" fn cuptiActivityRegisterCallbacks(
 /// # Safety
 /// Called by C code with CUPTI's contract.
 unsafe extern "C" fn enable_hook(kind: c_int) -> CuptiResult {
-    let Some(lib) = real() else {
-        return CUPTI_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarded unchanged.
-    let result = unsafe { (lib.enable)(kind) };
-    if result == CUPTI_SUCCESS && foreign() {
-        FOREIGN_KINDS.fetch_or(kind_bit(kind), Ordering::AcqRel);
-        FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
-    }
-    result
+    guarded(|| {
+        let Some(lib) = real() else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        // SAFETY: forwarded unchanged.
+        let result = unsafe { (lib.enable)(kind) };
+        if result == CUPTI_SUCCESS && foreign() {
+            seen_foreign();
+            FOREIGN_KINDS.fetch_or(kind_bit(kind), Ordering::AcqRel);
+            FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
+        }
+        result
+    })
 }
 
 /// The exported name of [`enable_hook`].
@@ -387,18 +306,21 @@ pub unsafe extern "C" fn cuptiActivityEnable(kind: c_int) -> CuptiResult {
 /// # Safety
 /// Called by C code with CUPTI's contract.
 unsafe extern "C" fn disable_hook(kind: c_int) -> CuptiResult {
-    let Some(lib) = real() else {
-        return CUPTI_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarded unchanged.
-    let result = unsafe { (lib.disable)(kind) };
-    if result == CUPTI_SUCCESS && foreign() {
-        let left = FOREIGN_KINDS.fetch_and(!kind_bit(kind), Ordering::AcqRel) & !kind_bit(kind);
-        if left == 0 && FOREIGN_REGISTERED.load(Ordering::Acquire) {
-            FOREIGN_IDLE_SINCE_NS.store(devtrace::clock::now_ns().max(1), Ordering::Release);
+    guarded(|| {
+        let Some(lib) = real() else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        // SAFETY: forwarded unchanged.
+        let result = unsafe { (lib.disable)(kind) };
+        if result == CUPTI_SUCCESS && foreign() {
+            let bit = kind_bit(kind);
+            let left = FOREIGN_KINDS.fetch_and(!bit, Ordering::AcqRel) & !bit;
+            if left == 0 && FOREIGN_REGISTERED.load(Ordering::Acquire) {
+                FOREIGN_IDLE_SINCE_NS.store(devtrace::clock::now_ns().max(1), Ordering::Release);
+            }
         }
-    }
-    result
+        result
+    })
 }
 
 /// The exported name of [`disable_hook`].
@@ -417,15 +339,17 @@ pub unsafe extern "C" fn cuptiActivityDisable(kind: c_int) -> CuptiResult {
 /// # Safety
 /// Called by C code with CUPTI's contract.
 unsafe extern "C" fn flush_all_hook(flag: u32) -> CuptiResult {
-    let Some(lib) = real() else {
-        return CUPTI_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarded unchanged.
-    let result = unsafe { (lib.flush_all)(flag) };
-    if foreign() && FOREIGN_IDLE_SINCE_NS.load(Ordering::Acquire) != 0 {
-        foreign_finished();
-    }
-    result
+    guarded(|| {
+        let Some(lib) = real() else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        // SAFETY: forwarded unchanged.
+        let result = unsafe { (lib.flush_all)(flag) };
+        if foreign() && FOREIGN_IDLE_SINCE_NS.load(Ordering::Acquire) != 0 {
+            foreign_finished();
+        }
+        result
+    })
 }
 
 /// The exported name of [`flush_all_hook`].
@@ -438,21 +362,35 @@ pub unsafe extern "C" fn cuptiActivityFlushAll(flag: u32) -> CuptiResult {
     unsafe { flush_all_hook(flag) }
 }
 
-/// Interposed `cuptiFinalize`: everything CUPTI had is reset, ours too.
+/// Interposed `cuptiFinalize`: everything CUPTI had is reset, ours too. It
+/// waits for any CUPTI call of this library under way, and after it this
+/// library counts CUPTI as detached.
 ///
 /// # Safety
 /// Called by C code with CUPTI's contract.
 unsafe extern "C" fn finalize_hook() -> CuptiResult {
-    let Some(finalize) = real().and_then(|lib| lib.finalize) else {
-        return CUPTI_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarded unchanged.
-    let result = unsafe { finalize() };
-    if result == CUPTI_SUCCESS && foreign() {
-        FOREIGN_KINDS.store(0, Ordering::Release);
-        foreign_finished();
-    }
-    result
+    guarded(|| {
+        let Some(finalize) = real().and_then(|lib| lib.finalize) else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        if !foreign() {
+            // SAFETY: forwarded unchanged.
+            return unsafe { finalize() };
+        }
+        let mut gate = detach::gate();
+        // SAFETY: forwarded unchanged.
+        let result = unsafe { finalize() };
+        if result == CUPTI_SUCCESS {
+            seen_foreign();
+            if *gate == Attachment::Attached {
+                *gate = Attachment::Detached;
+            }
+            FOREIGN_KINDS.store(0, Ordering::Release);
+            FOREIGN_SUBSCRIBED.store(false, Ordering::Release);
+            foreign_finished();
+        }
+        result
+    })
 }
 
 /// The exported name of [`finalize_hook`].
@@ -463,4 +401,74 @@ unsafe extern "C" fn finalize_hook() -> CuptiResult {
 pub unsafe extern "C" fn cuptiFinalize() -> CuptiResult {
     // SAFETY: forwarded with the caller's contract.
     unsafe { finalize_hook() }
+}
+
+/// Interposed `cuptiSubscribe`: a subscriber of ours waiting to detach
+/// makes way first, so that the other user gets the one subscriber.
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+unsafe extern "C" fn subscribe_hook(
+    subscriber: *mut SubscriberHandle,
+    callback: Option<CallbackFunc>,
+    userdata: *mut c_void,
+) -> CuptiResult {
+    guarded(|| {
+        let Some(subscribe) = real().and_then(|lib| lib.subscribe) else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        let foreign = foreign();
+        if foreign {
+            detach::give_way();
+        }
+        // SAFETY: forwarded unchanged.
+        let result = unsafe { subscribe(subscriber, callback, userdata) };
+        if result == CUPTI_SUCCESS && foreign {
+            seen_foreign();
+            FOREIGN_SUBSCRIBED.store(true, Ordering::Release);
+        }
+        result
+    })
+}
+
+/// The exported name of [`subscribe_hook`].
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuptiSubscribe(
+    subscriber: *mut SubscriberHandle,
+    callback: Option<CallbackFunc>,
+    userdata: *mut c_void,
+) -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { subscribe_hook(subscriber, callback, userdata) }
+}
+
+/// Interposed `cuptiUnsubscribe`.
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+unsafe extern "C" fn unsubscribe_hook(subscriber: SubscriberHandle) -> CuptiResult {
+    guarded(|| {
+        let Some(unsubscribe) = real().and_then(|lib| lib.unsubscribe) else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        // SAFETY: forwarded unchanged.
+        let result = unsafe { unsubscribe(subscriber) };
+        if result == CUPTI_SUCCESS && foreign() {
+            FOREIGN_SUBSCRIBED.store(false, Ordering::Release);
+        }
+        result
+    })
+}
+
+/// The exported name of [`unsubscribe_hook`].
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuptiUnsubscribe(subscriber: SubscriberHandle) -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { unsubscribe_hook(subscriber) }
 }

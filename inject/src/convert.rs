@@ -288,9 +288,6 @@ impl Converter {
         use layout::api as a;
         let cbid: u32 = r.read(a::CBID);
         let thread: u32 = r.read(a::THREAD_ID);
-        if !runtime && crate::coexist::is_probe(cbid, thread) {
-            return;
-        }
         let name = match self.api_names.get(&(runtime, cbid)) {
             Some(name) => *name,
             None => {

@@ -3,11 +3,13 @@
 //! `cuInit`) or `LD_PRELOAD`; it then streams the process's CUPTI activity
 //! into a shared-memory ring that the devtrace agent drains.
 //!
-//! While no capture runs it costs nothing per CUDA call: CUPTI is not
-//! enabled, and one thread reads the ring's control word every
+//! While no capture runs it costs nothing per CUDA call: CUPTI is detached,
+//! and one thread reads the ring's control word every
 //! `DEVTRACE_INJECT_POLL_MS` (20 ms). When the agent sets the capture flag it
 //! enables CUPTI's activity kinds; buffers CUPTI fills are converted to
-//! events on a second thread; when the flag clears it flushes and disables.
+//! events on a second thread; when the flag clears it disables them, takes
+//! its buffers back and finalizes CUPTI ([`detach`]), so that the job runs
+//! as fast after a capture as before it.
 //!
 //! It must never crash or stall the workload: every failure (no libcupti, a
 //! CUPTI error, a panic, an unwritable runtime directory) is logged once to
@@ -16,32 +18,30 @@
 //! in the process (a framework profiler) is stepped aside for, never fought
 //! ([`coexist`]).
 
+mod buffers;
 mod coexist;
 mod convert;
 mod cupti;
+mod detach;
 mod got;
 
-use std::alloc::Layout;
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex, Once, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use devtrace::ring::{Control, DropPolicy, Producer, Ring};
 use devtrace::workload::{self, ApiRecordSet, MetaRecord, MetaWriter, WorkloadFiles};
 
-use coexist::Verdict;
 use convert::{ClockMap, Converter};
+use detach::{Attachment, Progress, Teardown};
 
-/// Bytes of each activity buffer handed to CUPTI.
-const BUFFER_BYTES: usize = 1 << 20;
-/// Buffers CUPTI may hold or have completed but not yet converted; beyond
-/// this a request gets none and CUPTI drops (and counts) records.
-const MAX_BUFFERS: usize = 64;
 /// How often completed records are asked for while a capture runs.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
+/// How long a capture's end waits for CUPTI to hand its buffers back
+/// before detaching (detaching hands back the rest).
+const RETURN_WAIT: Duration = Duration::from_millis(500);
 
 static QUIET: AtomicBool = AtomicBool::new(false);
 static START: Once = Once::new();
@@ -148,25 +148,20 @@ struct Session {
     producer: Mutex<Producer>,
     meta: Mutex<MetaWriter>,
     converter: Mutex<Converter>,
-    buffers: Mutex<Sender<Completed>>,
-    /// Buffers this library handed to CUPTI and has not got back, with
-    /// their sizes, by address. Another CUPTI user's buffers may be handed
-    /// to our callback: those are not ours to read or free.
-    ours: Mutex<HashMap<usize, usize>>,
-    outstanding: AtomicUsize,
+    /// Buffers of ours CUPTI handed back, to be converted (by the converter
+    /// thread, or by whoever holds the gate when it must be now).
+    pending: Mutex<VecDeque<Completed>>,
+    pending_ready: Condvar,
     dropped_total: AtomicU64,
-    /// When CUPTI last gave one of our buffers back (or the stream was
-    /// taken), `CLOCK_REALTIME` ns.
-    last_ours_ns: AtomicU64,
 }
 
 impl Session {
-    /// How many full-size buffers of ours CUPTI still holds (probe buffers
-    /// aside).
-    fn full_buffers_held(&self) -> usize {
-        self.ours.lock().map_or(0, |ours| {
-            ours.values().filter(|b| **b == BUFFER_BYTES).count()
-        })
+    /// The buffers waiting to be converted, taken.
+    fn take_pending(&self) -> VecDeque<Completed> {
+        self.pending
+            .lock()
+            .map(|mut pending| std::mem::take(&mut *pending))
+            .unwrap_or_default()
     }
 
     /// Writes a metadata record; a failure silences the library.
@@ -264,7 +259,6 @@ fn control_loop() {
         Ok(producer) => producer,
         Err(error) => return fail(&format!("cannot claim its ring lane: {error}")),
     };
-    let (sender, receiver) = channel();
     let session = Session {
         ring,
         producer: Mutex::new(producer),
@@ -274,11 +268,9 @@ fn control_loop() {
             loaded.as_ref().map_or(0, |loaded| loaded.version),
             cupti::callback_name,
         )),
-        buffers: Mutex::new(sender),
-        ours: Mutex::new(HashMap::new()),
-        outstanding: AtomicUsize::new(0),
+        pending: Mutex::new(VecDeque::new()),
+        pending_ready: Condvar::new(),
         dropped_total: AtomicU64::new(0),
-        last_ours_ns: AtomicU64::new(0),
     };
     if SESSION.set(session).is_err() {
         return;
@@ -299,31 +291,33 @@ fn control_loop() {
             message: text.to_string(),
         });
     }
+    detach::set_converter(convert_pending_now);
     let converter = std::thread::Builder::new()
         .name("devtrace-convert".into())
-        .spawn(move || {
-            if std::panic::catch_unwind(move || convert_loop(receiver)).is_err() {
+        .spawn(|| {
+            if std::panic::catch_unwind(convert_loop).is_err() {
                 fail("internal error (panic) converting CUPTI records");
             }
         });
     if let Err(error) = converter {
         return fail(&format!("cannot start its converter thread: {error}"));
     }
-    let probe = coexist::Probe::new(probe_driver);
     let mut tracer = Tracer {
         stream: Stream::Off,
         exit_flush_set: false,
         displaced: false,
         last_flush: None,
-        probe,
-        version: loaded.version,
-        ticks: 0,
         api: None,
         all_api: false,
         unselectable_told: false,
+        teardown: None,
+        kept_attached_told: false,
     };
     while !quiet() {
         std::thread::sleep(poll);
+        if *detach::gate() == Attachment::Closed {
+            return;
+        }
         let control = session.ring.control();
         if let Err(error) = tracer.tick(session, control) {
             tracer.give_up(session);
@@ -332,7 +326,7 @@ fn control_loop() {
     }
 }
 
-/// Where this library stands with CUPTI.
+/// Where this library stands with CUPTI's activity stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stream {
     /// Nothing enabled (no capture).
@@ -352,21 +346,17 @@ struct Tracer {
     /// The stream was taken from us and not yet taken back.
     displaced: bool,
     last_flush: Option<Instant>,
-    probe: coexist::Probe,
-    /// The libcupti's API version.
-    version: u32,
-    /// Flush ticks while the stream is ours.
-    ticks: u64,
     /// The API calls whose records are enabled (`None`: none).
     api: Option<ApiRecordSet>,
     /// The agent asks for every API call's records.
     all_api: bool,
     /// Why the timeline's calls cannot be selected was said.
     unselectable_told: bool,
+    /// Detaching CUPTI after a capture, while it is under way.
+    teardown: Option<Teardown>,
+    /// Why CUPTI stays attached was said, since the last capture.
+    kept_attached_told: bool,
 }
-
-/// The probe runs at every fifth flush (500 ms).
-const PROBE_EVERY_TICKS: u64 = 5;
 
 impl Tracer {
     /// One poll of the control word.
@@ -374,7 +364,10 @@ impl Tracer {
         let capture = control.capture();
         self.all_api = control.all_api_records();
         match (self.stream, capture) {
-            (Stream::Off, false) => Ok(()),
+            (Stream::Off, false) => {
+                self.detach_when_alone(session);
+                Ok(())
+            }
             // Another user holds the stream as a capture starts: it is not
             // taken from it.
             (Stream::Off, true) => match coexist::foreign_holder() {
@@ -400,9 +393,13 @@ impl Tracer {
         }
     }
 
-    /// Registers our callbacks (again: another user may have replaced them
-    /// or finalized CUPTI) and enables every kind.
+    /// Registers our callbacks (again: CUPTI was finalized, or another user
+    /// replaced them) and enables every kind; says when recording began.
     fn take(&mut self, session: &Session) -> Result<(), String> {
+        if let Some(mut teardown) = self.teardown.take() {
+            teardown.cancel();
+        }
+        self.kept_attached_told = false;
         if !self.exit_flush_set {
             // SAFETY: registers a plain `extern "C"` function.
             unsafe { libc::atexit(flush_at_exit) };
@@ -410,20 +407,14 @@ impl Tracer {
         }
         // Libraries loaded since the last look (a framework imported late).
         coexist::redirect_callers();
+        let mut gate = detach::gate();
+        if *gate == Attachment::Closed {
+            return Ok(());
+        }
+        *gate = Attachment::Attached;
         cupti::use_system_thread_ids()?;
         cupti::register_callbacks(buffer_requested, buffer_completed)?;
         if self.displaced {
-            // Buffers CUPTI handed to the other user's callback are gone.
-            let lost = session.full_buffers_held();
-            if let Ok(mut ours) = session.ours.lock() {
-                ours.clear();
-                let _ =
-                    session
-                        .outstanding
-                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                            Some(n.saturating_sub(lost))
-                        });
-            }
             session.write_meta(&MetaRecord::Resumed {
                 at_ns: devtrace::clock::now_ns(),
             });
@@ -437,10 +428,10 @@ impl Tracer {
         // stream: it is made again.
         let current = self.api.filter(|set| *set != ApiRecordSet::Timeline);
         self.switch_api(session, current)?;
-        self.probe.calibrate(self.version);
-        session
-            .last_ours_ns
-            .store(devtrace::clock::now_ns(), Ordering::Release);
+        drop(gate);
+        session.write_meta(&MetaRecord::Recording {
+            at_ns: devtrace::clock::now_ns(),
+        });
         self.stream = Stream::Ours;
         self.last_flush = Some(Instant::now());
         Ok(())
@@ -448,12 +439,13 @@ impl Tracer {
 
     /// Enables the API records the agent asks for, from `current`, and
     /// tells the agent which (and, once, why not the timeline's alone).
+    /// The caller holds the gate.
     fn switch_api(
         &mut self,
         session: &Session,
         current: Option<ApiRecordSet>,
     ) -> Result<(), String> {
-        let (set, unselectable) = cupti::api_calls::switch(current, self.all_api, probe_calls())?;
+        let (set, unselectable) = cupti::api_calls::switch(current, self.all_api)?;
         if let Some(why) = unselectable.filter(|_| !self.unselectable_told) {
             self.unselectable_told = true;
             eprintln!("devtrace-inject: {why}");
@@ -467,13 +459,21 @@ impl Tracer {
         Ok(())
     }
 
-    /// While capturing: follows the API records asked for, checks the
-    /// stream is still ours (probing once per flush) and flushes.
+    /// While capturing: follows the API records asked for, sees whether a
+    /// user seen through interposition took the stream, and flushes.
     fn keep(&mut self, session: &Session) -> Result<(), String> {
+        if let Some(since_ns) = coexist::foreign_holder() {
+            self.displaced_at(session, true, since_ns);
+            return Ok(());
+        }
         let all_now = matches!(
             self.api,
             Some(ApiRecordSet::All | ApiRecordSet::AllUnselectable)
         );
+        let gate = detach::gate();
+        if *gate != Attachment::Attached {
+            return Ok(());
+        }
         if self.all_api != all_now && self.api != Some(ApiRecordSet::AllUnselectable) {
             self.switch_api(session, self.api)?;
         }
@@ -485,18 +485,7 @@ impl Tracer {
         }
         self.last_flush = Some(Instant::now());
         // Not forced: a forced flush while kernels run loses their records.
-        flush(session, false)?;
-        self.ticks += 1;
-        if !self.ticks.is_multiple_of(PROBE_EVERY_TICKS) && coexist::foreign_holder().is_none() {
-            return Ok(());
-        }
-        match coexist::check_ownership(&mut self.probe) {
-            Verdict::Ours => Ok(()),
-            Verdict::Taken { seen, since_ns } => {
-                self.displaced_at(session, seen, since_ns);
-                Ok(())
-            }
-        }
+        flush(session, false)
     }
 
     fn displaced_at(&mut self, session: &Session, seen: bool, at_ns: u64) {
@@ -505,27 +494,82 @@ impl Tracer {
         session.write_meta(&MetaRecord::Displaced { at_ns, seen });
     }
 
-    /// Ends a capture. Every buffer of ours is flushed back first: one that
-    /// does not come back went to another user's callbacks, which took the
-    /// stream during the capture without our seeing it. Its kinds then stay
-    /// on, and the trace says from when (at most) records are missing.
+    /// Ends a capture: switches every kind and API record off, takes the
+    /// buffers back, and starts detaching CUPTI.
     fn stop(&mut self, session: &Session) -> Result<(), String> {
         self.stream = Stream::Off;
-        flush(session, true)?;
-        if let Some(last_ours_ns) = buffers_went_elsewhere(session) {
-            self.displaced = true;
-            session.write_meta(&MetaRecord::Displaced {
-                at_ns: last_ours_ns,
-                seen: false,
-            });
-            return Ok(());
+        {
+            let gate = detach::gate();
+            if *gate != Attachment::Attached {
+                return Ok(());
+            }
+            self.disable(session)?;
         }
-        self.disable(session)
+        wait_for_buffers(RETURN_WAIT);
+        // Libraries loaded during the capture, before CUPTI may be finalized
+        // for want of seeing their calls.
+        coexist::redirect_callers();
+        self.detach_when_alone(session);
+        Ok(())
+    }
+
+    /// Detaches CUPTI while no capture runs, unless another CUPTI user may
+    /// need it (said once, with the evidence).
+    fn detach_when_alone(&mut self, session: &Session) {
+        if *detach::gate() != Attachment::Attached {
+            self.teardown = None;
+            return;
+        }
+        if let Some(why) = coexist::other_user_active() {
+            if let Some(mut teardown) = self.teardown.take() {
+                teardown.cancel();
+            }
+            if !self.kept_attached_told {
+                self.kept_attached_told = true;
+                session.write_meta(&MetaRecord::Warning {
+                    message: format!(
+                        "CUPTI stays attached after the capture, at a cost on every CUDA call, \
+                         because {why}; it is detached once that user is done"
+                    ),
+                });
+            }
+            return;
+        }
+        let teardown = self.teardown.get_or_insert_with(Teardown::new);
+        match teardown.step() {
+            Progress::Waiting => {}
+            Progress::Detached { .. } => {
+                self.teardown = None;
+                self.api = None;
+                let unreturned = buffers::give_up_unreturned(coexist::other_user_ever());
+                if unreturned > 0 {
+                    session.write_meta(&MetaRecord::Warning {
+                        message: format!(
+                            "CUPTI was detached without handing back {unreturned} of the \
+                             library's activity buffers: the records in them are lost"
+                        ),
+                    });
+                }
+            }
+            Progress::Refused(why) => {
+                self.teardown = None;
+                if !self.kept_attached_told {
+                    self.kept_attached_told = true;
+                    session.write_meta(&MetaRecord::Warning {
+                        message: format!(
+                            "CUPTI stays attached after the capture, at a cost on every CUDA \
+                             call: {why}"
+                        ),
+                    });
+                }
+            }
+        }
     }
 
     /// After a failure: leaves CUPTI as the process needs it.
     fn give_up(&mut self, session: &Session) {
-        if self.stream == Stream::Ours {
+        let gate = detach::gate();
+        if self.stream == Stream::Ours && *gate == Attachment::Attached {
             let _ = self.disable(session);
         }
         self.stream = Stream::Off;
@@ -533,33 +577,15 @@ impl Tracer {
 
     /// Disables every kind and the API records, then flushes what CUPTI
     /// holds; the clock is measured again so that records converted from
-    /// here on use the stop reading.
+    /// here on use the stop reading. The caller holds the gate.
     fn disable(&mut self, session: &Session) -> Result<(), String> {
         for kind in cupti::KINDS {
             cupti::disable(kind)?;
         }
         if let Some(set) = self.api.take() {
-            cupti::api_calls::disable(set, probe_calls())?;
+            cupti::api_calls::disable(set)?;
         }
         flush(session, true)
-    }
-}
-
-/// The driver call the ownership probe makes: cheap, no context needed,
-/// and recorded by CUPTI's DRIVER kind on this thread.
-fn probe_driver() {
-    type GetVersion = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
-    static ENTRY: OnceLock<Option<GetVersion>> = OnceLock::new();
-    let entry = ENTRY.get_or_init(|| {
-        // The driver's reference is kept for the process's life.
-        let address = cupti::library::symbol(loaded_driver()?, "cuDriverGetVersion")?;
-        // SAFETY: the driver's cuDriverGetVersion has this signature.
-        Some(unsafe { std::mem::transmute::<*mut libc::c_void, GetVersion>(address) })
-    });
-    if let Some(get_version) = entry {
-        let mut version = 0;
-        // SAFETY: writes one int.
-        unsafe { get_version(&mut version) };
     }
 }
 
@@ -579,32 +605,16 @@ fn set_clock(session: &Session) -> Result<(), String> {
     Ok(())
 }
 
-/// After a forced flush: waits (up to a second) for our full-size buffers
-/// to come back, and when some do not, returns when the last of ours did
-/// come back, the latest moment the stream was surely ours.
-fn buffers_went_elsewhere(session: &Session) -> Option<u64> {
-    let deadline = Instant::now() + Duration::from_secs(1);
-    loop {
-        if session.full_buffers_held() == 0 {
-            return None;
-        }
-        if Instant::now() >= deadline {
-            return Some(session.last_ours_ns.load(Ordering::Acquire));
-        }
-        std::thread::sleep(Duration::from_millis(10));
+/// Waits (up to `limit`) until every buffer of ours is back and converted.
+fn wait_for_buffers(limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while buffers::out() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
-/// Driver calls recorded for this library's own sake: the probe's, when it
-/// may run.
-fn probe_calls() -> &'static [u32] {
-    if coexist::probe_enabled() {
-        &[cupti::CBID_DRIVER_GET_VERSION]
-    } else {
-        &[]
-    }
-}
-
+/// Asks CUPTI for completed buffers (`forced`: partly filled ones too) and
+/// counts what it dropped. The caller holds the gate.
 fn flush(session: &Session, forced: bool) -> Result<(), String> {
     cupti::flush_all(forced)?;
     set_clock(session)?;
@@ -616,67 +626,39 @@ fn flush(session: &Session, forced: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// At exit: CUPTI's last buffers are converted, and from then on this
+/// library makes no CUPTI call (the process is tearing down, libcupti's
+/// own state with it).
 extern "C" fn flush_at_exit() {
     let _ = std::panic::catch_unwind(|| {
+        let mut gate = detach::gate();
+        let attached = *gate == Attachment::Attached;
+        *gate = Attachment::Closed;
         let Some(session) = SESSION.get() else { return };
-        if quiet() || flush(session, true).is_err() {
+        if quiet() || !attached {
             return;
         }
-        // Give the converter a moment to push the last buffers; ours that
-        // never come back went to another CUPTI user's callbacks.
-        if let Some(last_ours_ns) = buffers_went_elsewhere(session) {
-            session.write_meta(&MetaRecord::Displaced {
-                at_ns: last_ours_ns,
-                seen: false,
-            });
+        // CUPTI hands the buffers back to our callback, which queues them.
+        if cupti::flush_all(true).is_ok() {
+            let _ = set_clock(session);
         }
-        let deadline = Instant::now() + Duration::from_millis(200);
-        while session.outstanding.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        convert_all(session, session.take_pending(), true);
     });
 }
 
-fn layout(bytes: usize) -> Layout {
-    Layout::from_size_align(bytes, 8).expect("a valid layout")
-}
-
-/// CUPTI asks for a buffer. None is given past [`MAX_BUFFERS`] or when the
-/// library is quiet; CUPTI then drops records and counts them. The probe
-/// thread gets buffers with room for one record ([`coexist`]); they do not
-/// count towards the limit.
+/// CUPTI asks for a buffer: one of ours, or none past the limit or when
+/// the library is quiet (CUPTI then drops records and counts them).
 unsafe extern "C" fn buffer_requested(
     buffer: *mut *mut u8,
     size: *mut usize,
     max_records: *mut usize,
 ) {
     let _ = std::panic::catch_unwind(|| {
-        let mut out = std::ptr::null_mut();
-        let mut bytes = 0;
-        if let Some(session) = SESSION.get().filter(|_| !quiet()) {
-            let probe = coexist::probe_buffer();
-            let wanted = probe.unwrap_or(BUFFER_BYTES);
-            let counted = probe.is_none();
-            if !counted || session.outstanding.fetch_add(1, Ordering::AcqRel) < MAX_BUFFERS {
-                // SAFETY: a non-zero layout.
-                out = unsafe { std::alloc::alloc(layout(wanted)) };
-                let kept = !out.is_null()
-                    && session.ours.lock().is_ok_and(|mut ours| {
-                        ours.insert(out as usize, wanted);
-                        true
-                    });
-                if kept {
-                    bytes = wanted;
-                } else if !out.is_null() {
-                    // SAFETY: allocated just above with this layout.
-                    unsafe { std::alloc::dealloc(out, layout(wanted)) };
-                    out = std::ptr::null_mut();
-                }
-            }
-            if counted && out.is_null() {
-                session.outstanding.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
+        let lent = SESSION
+            .get()
+            .filter(|_| !quiet())
+            .and_then(|_| buffers::lend());
+        let (out, bytes) = lent.unwrap_or((std::ptr::null_mut(), 0));
         // SAFETY: CUPTI passes valid out-pointers.
         unsafe {
             *buffer = out;
@@ -686,82 +668,76 @@ unsafe extern "C" fn buffer_requested(
     });
 }
 
-/// CUPTI hands a buffer back: it goes to the converter thread.
+/// CUPTI hands a buffer back: ours are queued for the converter (converted
+/// at once while CUPTI is being finalized); another user's are left alone.
 unsafe extern "C" fn buffer_completed(
     _context: *mut std::ffi::c_void,
     _stream: u32,
     buffer: *mut u8,
-    _size: usize,
+    size: usize,
     valid: usize,
 ) {
     let _ = std::panic::catch_unwind(|| {
         if buffer.is_null() {
             return;
         }
-        // Another CUPTI user's buffer: neither read nor freed here.
-        let Some(bytes) = SESSION
-            .get()
-            .and_then(|s| s.ours.lock().ok())
-            .and_then(|mut ours| ours.remove(&(buffer as usize)))
-        else {
+        if !buffers::returned(buffer, size) {
+            coexist::foreign_buffer_arrived();
             return;
-        };
-        if let Some(session) = SESSION.get() {
-            session
-                .last_ours_ns
-                .store(devtrace::clock::now_ns(), Ordering::Release);
         }
         let completed = Completed {
             address: buffer as usize,
-            bytes,
             valid,
         };
-        let sent = SESSION
-            .get()
-            .and_then(|s| s.buffers.lock().ok())
-            .is_some_and(|sender| sender.send(completed).is_ok());
-        if !sent {
-            release(completed);
+        let Some(session) = SESSION.get() else {
+            return buffers::release(buffer);
+        };
+        if detach::finalizing() {
+            // CUPTI is still attached while it finalizes; after, reading
+            // records would attach it again.
+            return convert_all(session, VecDeque::from([completed]), true);
+        }
+        match session.pending.lock() {
+            Ok(mut pending) => {
+                pending.push_back(completed);
+                session.pending_ready.notify_one();
+            }
+            Err(_) => buffers::release(buffer),
         }
     });
 }
 
-/// A buffer CUPTI gave back: where, its size, and the bytes it filled.
+/// A buffer of ours CUPTI gave back, with the bytes it filled.
 #[derive(Clone, Copy)]
 struct Completed {
     address: usize,
-    bytes: usize,
     valid: usize,
 }
 
-fn release(buffer: Completed) {
-    // SAFETY: every buffer in `ours` came from `buffer_requested` with this
-    // size.
-    unsafe { std::alloc::dealloc(buffer.address as *mut u8, layout(buffer.bytes)) };
-    // Probe buffers (smaller) never counted towards the limit.
-    if buffer.bytes == BUFFER_BYTES {
-        if let Some(session) = SESSION.get() {
-            session.outstanding.fetch_sub(1, Ordering::AcqRel);
-        }
+/// Converts the pending buffers now; the caller holds the gate, and CUPTI
+/// is attached.
+fn convert_pending_now() {
+    if let Some(session) = SESSION.get() {
+        convert_all(session, session.take_pending(), true);
     }
 }
 
-/// Converts completed buffers into events: metadata first, then the events
-/// into the ring (a full ring counts what it refuses).
-fn convert_loop(buffers: Receiver<Completed>) {
-    let Some(session) = SESSION.get() else { return };
+/// Converts buffers into events (when `readable`: CUPTI is attached) and
+/// frees them: metadata first, then the events into the ring (a full ring
+/// counts what it refuses).
+fn convert_all(session: &Session, completed: VecDeque<Completed>, readable: bool) {
     let mut events = Vec::new();
-    for completed in buffers {
-        let buffer = completed.address as *mut u8;
-        if !quiet() {
+    for buffer in completed {
+        let address = buffer.address as *mut u8;
+        if readable && !quiet() {
             let meta = {
                 let Ok(mut converter) = session.converter.lock() else {
-                    release(completed);
+                    buffers::release(address);
                     continue;
                 };
                 let mut record = std::ptr::null_mut();
                 // SAFETY: a buffer CUPTI completed with `valid` bytes.
-                while unsafe { cupti::next_record(buffer, completed.valid, &mut record) } {
+                while unsafe { cupti::next_record(address, buffer.valid, &mut record) } {
                     converter.convert(record, &mut events);
                 }
                 converter.take_meta()
@@ -772,8 +748,35 @@ fn convert_loop(buffers: Receiver<Completed>) {
             if let Ok(mut producer) = session.producer.lock() {
                 producer.push_batch(&events);
             }
+            events.clear();
         }
-        events.clear();
-        release(completed);
+        buffers::release(address);
+    }
+}
+
+/// The converter thread: waits for buffers CUPTI gave back and converts
+/// them under the gate (reading records is a CUPTI call). Buffers that
+/// arrive after CUPTI was detached or the process began exiting are freed
+/// unread.
+fn convert_loop() {
+    let Some(session) = SESSION.get() else { return };
+    loop {
+        {
+            let Ok(mut pending) = session.pending.lock() else {
+                return;
+            };
+            while pending.is_empty() {
+                pending = match session.pending_ready.wait(pending) {
+                    Ok(pending) => pending,
+                    Err(_) => return,
+                };
+            }
+        }
+        let gate = detach::gate();
+        let readable = *gate == Attachment::Attached;
+        convert_all(session, session.take_pending(), readable);
+        if *gate == Attachment::Closed {
+            return;
+        }
     }
 }

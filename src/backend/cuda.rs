@@ -113,46 +113,72 @@ struct Notice {
 
 const MAX_NOTICES: usize = 256;
 
-/// A span during which another CUPTI user in a process had the activity
-/// stream, so that process's GPU activity is missing from the trace.
+/// Why a span of a process's GPU activity is missing from the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LossCause {
+    /// Another CUPTI user had the activity stream; `seen` when its calls
+    /// passed through the library (else it was found out after the fact).
+    OtherUser { seen: bool },
+    /// The library was asked to capture and CUPTI was not recording yet.
+    Starting,
+}
+
+/// A span of one process's GPU activity that is missing from the trace.
 #[derive(Clone, Debug)]
 struct LostSpan {
     pid: u32,
     label: String,
     from_ns: u64,
-    /// Open while the other user still has it.
+    /// Open while the cause lasts.
     to_ns: Option<u64>,
-    /// Whether the other user's calls were seen (else a probe noticed).
-    seen: bool,
+    cause: LossCause,
 }
 
 impl LostSpan {
-    /// The warning for a window this span overlaps.
+    /// The warning for a window this span overlaps. A start that never
+    /// ended is not told: the process stopped tracing, which its states say.
     fn describe(&self, window: Window) -> Option<String> {
+        if self.cause == LossCause::Starting && self.to_ns.is_none() {
+            return None;
+        }
         let to_ns = self.to_ns.unwrap_or(u64::MAX);
-        if self.from_ns > window.stop_ns || to_ns < window.start_ns {
+        if self.from_ns > window.stop_ns || to_ns <= window.start_ns || to_ns == self.from_ns {
             return None;
         }
         let from = self.from_ns.max(window.start_ns);
         let to = to_ns.min(window.stop_ns);
         let seconds = |ns: u64| (ns - window.start_ns) as f64 / 1e9;
-        let how = if self.seen {
-            ""
-        } else {
-            " (found out after the fact, as that profiler reached CUPTI without passing through \
-             the library: the span starts when the library last knew it had the stream, it \
-             takes the stream back at the next capture, and the other profiler may have lost \
-             records it wrote into the library's buffers)"
-        };
-        Some(format!(
-            "another CUPTI user in {} (a framework profiler such as torch.profiler) had the \
-             activity stream from {:.3} s to {:.3} s of this window: that process's GPU \
-             activity in those {:.0} ms is missing{how}",
-            self.label,
+        let span = format!(
+            "from {:.3} s to {:.3} s of this window: that process's GPU activity in those \
+             {:.0} ms is missing",
             seconds(from),
             seconds(to),
             (to - from) as f64 / 1e6,
-        ))
+        );
+        Some(match self.cause {
+            LossCause::OtherUser { seen } => {
+                let how = if seen {
+                    ""
+                } else {
+                    " (found out after the fact, as that profiler reached CUPTI without passing \
+                     through the library: the span starts when the library last knew it had the \
+                     stream, it takes the stream back at the next capture, and the other \
+                     profiler may have lost records it wrote into the library's buffers)"
+                };
+                format!(
+                    "another CUPTI user in {} (a framework profiler such as torch.profiler) had \
+                     the activity stream {span}{how}",
+                    self.label
+                )
+            }
+            LossCause::Starting => format!(
+                "the injection library in {} was asked to record and CUPTI started recording \
+                 {:.0} ms later, {span} (CUPTI is started for each capture and detached after \
+                 it, so that the job runs at full speed between captures)",
+                self.label,
+                (to_ns - self.from_ns) as f64 / 1e6,
+            ),
+        })
     }
 }
 
@@ -276,23 +302,26 @@ struct Status {
 }
 
 impl Status {
-    fn lost_from(&mut self, pid: u32, label: String, from_ns: u64, seen: bool) {
+    fn lost_from(&mut self, pid: u32, label: String, from_ns: u64, cause: LossCause) {
         if self.lost_spans.len() == MAX_LOST_SPANS {
             self.lost_spans.pop_front();
         }
-        info!("{label}: another CUPTI user took the activity stream");
+        if let LossCause::OtherUser { .. } = cause {
+            info!("{label}: another CUPTI user took the activity stream");
+        }
         self.lost_spans.push_back(LostSpan {
             pid,
             label,
             from_ns,
             to_ns: None,
-            seen,
+            cause,
         });
     }
 
-    fn lost_until(&mut self, pid: u32, to_ns: u64) {
+    /// Closes the open spans of `pid` for causes `which` picks.
+    fn lost_until(&mut self, pid: u32, to_ns: u64, which: impl Fn(LossCause) -> bool) {
         for span in self.lost_spans.iter_mut().rev() {
-            if span.pid == pid && span.to_ns.is_none() {
+            if span.pid == pid && span.to_ns.is_none() && which(span.cause) {
                 span.to_ns = Some(to_ns.max(span.from_ns));
             }
         }
@@ -887,7 +916,12 @@ impl Attachments {
                 }
                 MetaRecord::Displaced { at_ns, seen } => {
                     let label = process.label();
-                    self.status.lock().lost_from(pid, label, at_ns, seen);
+                    let cause = LossCause::OtherUser { seen };
+                    self.status.lock().lost_from(pid, label, at_ns, cause);
+                }
+                MetaRecord::Recording { at_ns } => {
+                    let starting = |cause| cause == LossCause::Starting;
+                    self.status.lock().lost_until(pid, at_ns, starting);
                 }
                 MetaRecord::ApiRecords { at_ns, set } => {
                     let mut status = self.status.lock();
@@ -897,7 +931,8 @@ impl Attachments {
                     }
                 }
                 MetaRecord::Resumed { at_ns } => {
-                    self.status.lock().lost_until(pid, at_ns);
+                    let other_user = |cause| matches!(cause, LossCause::OtherUser { .. });
+                    self.status.lock().lost_until(pid, at_ns, other_user);
                     let text = format!(
                         "the injection library in {} has the CUPTI activity stream again",
                         process.label()
@@ -922,6 +957,20 @@ impl Attachments {
             self.read_meta(key);
             if let Some(process) = self.processes.get_mut(&key) {
                 if process.control != flags {
+                    // Asked to record from now; its library says when it
+                    // does (`Recording`).
+                    if process.control & CONTROL_CAPTURE == 0 && flags & CONTROL_CAPTURE != 0 {
+                        let label = process.label();
+                        let cause = LossCause::Starting;
+                        self.status
+                            .lock()
+                            .lost_from(pid, label, clock::now_ns(), cause);
+                    }
+                    if flags & CONTROL_CAPTURE == 0 {
+                        // A start that never came is no loss of a later capture.
+                        let starting = |cause| cause == LossCause::Starting;
+                        self.status.lock().lost_until(pid, 0, starting);
+                    }
                     process.ring.set_control(flags);
                     process.control = flags;
                 }
@@ -991,7 +1040,7 @@ impl Attachments {
         let mut status = self.status.lock();
         status.attached = self.processes.len();
         let now = clock::now_ns();
-        status.lost_until(pid, now);
+        status.lost_until(pid, now, |_| true);
         if let Some(traced) = status
             .traced
             .iter_mut()

@@ -591,6 +591,29 @@ typedef void (*CUpti_BuffersCallbackCompleteFunc)(CUcontext context, uint32_t st
 typedef struct CUpti_Subscriber_st *CUpti_SubscriberHandle;
 typedef void (*CUpti_CallbackFunc)(void *userdata, int domain, CUpti_CallbackId cbid, const void *cbdata);
 
+/* cupti_callbacks.h: what a driver or runtime API callback is passed. */
+typedef enum { CUPTI_API_ENTER = 0, CUPTI_API_EXIT = 1 } CUpti_ApiCallbackSite;
+typedef enum {
+    CUPTI_CB_DOMAIN_INVALID = 0,
+    CUPTI_CB_DOMAIN_DRIVER_API = 1,
+    CUPTI_CB_DOMAIN_RUNTIME_API = 2,
+    CUPTI_CB_DOMAIN_SIZE = 7,
+} CUpti_CallbackDomain;
+typedef struct {
+    CUpti_ApiCallbackSite callbackSite;
+    const char *functionName;
+    const void *functionParams;
+    void *functionReturnValue;
+    const char *symbolName;
+    CUcontext context;
+    uint32_t contextUid;
+    uint64_t *correlationData;
+    uint32_t correlationId;
+} CUpti_CallbackData;
+_Static_assert(offsetof(CUpti_CallbackData, callbackSite) == 0, "CUpti_CallbackData layout");
+_Static_assert(offsetof(CUpti_CallbackData, functionName) == 8, "CUpti_CallbackData layout");
+_Static_assert(offsetof(CUpti_CallbackData, correlationId) == 64, "CUpti_CallbackData layout");
+
 /* Offsets and sizes as cudarc 0.19 (`cuda-12080`) lays these records out,
  * and, for the fields CUPTI 13 added, as the 13.0.85, 13.1.115, 13.4.92 and
  * 13.5.25 cupti_activity.h headers do. */
@@ -660,6 +683,7 @@ AT(CUpti_ActivitySynchronization2, returnValue, 48);
 struct completed {
     uint8_t *buffer;
     size_t size, valid;
+    uint64_t due_ns; /* late buffers (on the late list): when the worker delivers it */
     struct completed *next;
 };
 
@@ -698,6 +722,11 @@ static int per_thread_buffers;     /* api_version >= 130000 */
 static struct filling *last_filled; /* where reserve() put the latest record */
 
 static struct completed *queue_head, *queue_tail;
+/* Buffers a forced flush handed back for threads other than the flushing
+ * one (>= 130000): delivered after $DEVTRACE_STANDIN_CUPTI_LATE_MS, or by
+ * cuptiFinalize, whichever comes first. */
+static struct completed *late_head, *late_tail;
+static long long late_ms = 1500;
 static int delivering;       /* buffers taken off the queue, not yet delivered */
 static int worker_started;
 static pthread_t worker;
@@ -716,6 +745,17 @@ static uint8_t context_reported[64];
 static size_t ncontexts;
 static int subscribed;
 static struct CUpti_Subscriber_st { int unused; } the_subscriber;
+static CUpti_CallbackFunc subscriber_callback;
+static void *subscriber_userdata;
+static uint8_t subscriber_domains[CUPTI_CB_DOMAIN_SIZE];
+
+/* Armed: some activity kind was enabled since load or the last
+ * cuptiFinalize. Every driver call then pays armed_ns, enabled kinds or not,
+ * as real CUPTI keeps its driver hooks until it is finalized. The first
+ * enable while disarmed takes first_enable_ms. */
+static int armed;
+static long long armed_ns = 1000, first_enable_ms = 100;
+static unsigned long finalizes;
 
 static long long clock_offset_ns;
 static uint64_t kernel_ns = 5000, memcpy_ns = 2000, memset_ns = 1000;
@@ -763,6 +803,9 @@ static void setup(void) {
                                          : offsetof(CUpti_ActivityDevice6, numTpcs);          /* 184 */
     const char *fail = getenv("DEVTRACE_STANDIN_CUPTI_FAIL");
     if (fail) snprintf(fail_spec, sizeof fail_spec, "%s", fail);
+    armed_ns = env_or("DEVTRACE_STANDIN_CUPTI_ARMED_NS", 1000);
+    first_enable_ms = env_or("DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS", 100);
+    late_ms = env_or("DEVTRACE_STANDIN_CUPTI_LATE_MS", 1500);
 }
 
 /* The error configured for entry point `name`, or CUPTI_SUCCESS. */
@@ -791,8 +834,9 @@ static uint64_t gpu_now(void) {
 
 /* ---- buffers ------------------------------------------------------------------ */
 
-/* Queues buffer `f` for delivery. Caller holds lock. */
-static void close_buffer(struct filling *f) {
+/* Queues buffer `f` for delivery, now or (due_ns != 0) on the late list.
+ * Caller holds lock. */
+static void close_buffer_due(struct filling *f, uint64_t due_ns) {
     if (!f->buffer) return;
     struct completed *c = calloc(1, sizeof *c);
     if (!c) {
@@ -801,8 +845,14 @@ static void close_buffer(struct filling *f) {
         c->buffer = f->buffer;
         c->size = f->size;
         c->valid = f->used;
-        if (queue_tail) queue_tail->next = c; else queue_head = c;
-        queue_tail = c;
+        c->due_ns = due_ns;
+        if (due_ns) {
+            if (late_tail) late_tail->next = c; else late_head = c;
+            late_tail = c;
+        } else {
+            if (queue_tail) queue_tail->next = c; else queue_head = c;
+            queue_tail = c;
+        }
         if (pending_env_drops > 0) {
             dropped += (size_t)pending_env_drops;
             pending_env_drops = 0;
@@ -812,6 +862,36 @@ static void close_buffer(struct filling *f) {
     f->buffer = NULL;
     f->size = f->used = f->records = f->max_records = 0;
     f->busy_until = 0;
+}
+
+static void close_buffer(struct filling *f) {
+    close_buffer_due(f, 0);
+}
+
+/* Moves late buffers due by `now` (all of them for UINT64_MAX) to the
+ * delivery queue. Caller holds lock. */
+static void release_late(uint64_t now) {
+    struct completed **link = &late_head, *last = NULL;
+    while (*link) {
+        struct completed *c = *link;
+        if (c->due_ns > now) {
+            last = c;
+            link = &c->next;
+            continue;
+        }
+        *link = c->next;
+        c->next = NULL;
+        c->due_ns = 0;
+        if (queue_tail) queue_tail->next = c; else queue_head = c;
+        queue_tail = c;
+    }
+    late_tail = last;
+}
+
+static uint64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
 /* The buffer records of thread `tid` go into. Caller holds lock. */
@@ -937,6 +1017,24 @@ static void *worker_main(void *unused) {
     (void)unused;
     pthread_mutex_lock(&lock);
     for (;;) {
+        release_late(monotonic_ns());
+        if (!queue_head && late_head) {
+            uint64_t wait_ns = late_head->due_ns;
+            for (struct completed *c = late_head; c; c = c->next)
+                if (c->due_ns < wait_ns) wait_ns = c->due_ns;
+            uint64_t now = monotonic_ns();
+            wait_ns = wait_ns > now ? wait_ns - now : 0;
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_sec += (time_t)(wait_ns / 1000000000ULL);
+            until.tv_nsec += (long)(wait_ns % 1000000000ULL);
+            if (until.tv_nsec >= 1000000000L) {
+                until.tv_sec++;
+                until.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&work_ready, &lock, &until);
+            continue;
+        }
         if (!queue_head) {
             if (flush_period_ms) {
                 struct timespec until;
@@ -973,13 +1071,18 @@ static void start_worker(void) {
 }
 
 /* Hands back buffers (every thread's, >= 130000) and waits until the client
- * has them. Caller holds lock. */
-static void flush_locked(int forced) {
+ * has them, except that a forced flush (>= 130000, not `all_now`) leaves
+ * other threads' buffers on the late list. Caller holds lock. */
+static void flush_all_locked(int forced, int all_now) {
     uint64_t now = gpu_now();
+    uint32_t self = (uint32_t)syscall(SYS_gettid);
+    uint64_t due = late_ms > 0 ? monotonic_ns() + (uint64_t)late_ms * 1000000ULL : 0;
     for (size_t i = 0; i < sizeof fillings / sizeof fillings[0]; i++) {
         struct filling *f = &fillings[i];
-        if (forced || (f->used && now >= f->busy_until)) close_buffer(f);
+        int late = forced && !all_now && per_thread_buffers && f->tid != 0 && f->tid != self;
+        if (forced || (f->used && now >= f->busy_until)) close_buffer_due(f, late ? due : 0);
     }
+    if (all_now) release_late(UINT64_MAX);
     if (on_worker() || !worker_started) {
         while (deliver_one()) {
         }
@@ -987,6 +1090,10 @@ static void flush_locked(int forced) {
     }
     pthread_cond_broadcast(&work_ready);
     while (queue_head || delivering) pthread_cond_wait(&work_done, &lock);
+}
+
+static void flush_locked(int forced) {
+    flush_all_locked(forced, 0);
 }
 
 /* ---- records ----------------------------------------------------------------------- */
@@ -1189,10 +1296,45 @@ static int records_anything(const struct standin_call *call) {
     }
 }
 
+static void spin_ns(long long ns) {
+    if (ns <= 0) return;
+    uint64_t until = monotonic_ns() + (uint64_t)ns;
+    while (monotonic_ns() < until) {
+    }
+}
+
+static void record_call(const struct standin_call *call);
+
+/* A subscriber's callback at the exit site of a driver call, when it
+ * enabled the driver API domain. Runs without the lock: the callback may
+ * call back into CUPTI (cuptiFinalize, as the dynamic detach recipe does). */
+static void notify_subscriber(const struct standin_call *call) {
+    if (!__atomic_load_n(&subscriber_domains[CUPTI_CB_DOMAIN_DRIVER_API], __ATOMIC_ACQUIRE)) return;
+    pthread_mutex_lock(&lock);
+    CUpti_CallbackFunc callback = subscribed ? subscriber_callback : NULL;
+    void *userdata = subscriber_userdata;
+    pthread_mutex_unlock(&lock);
+    if (!callback) return;
+    CUpti_CallbackData data;
+    memset(&data, 0, sizeof data);
+    data.callbackSite = CUPTI_API_EXIT;
+    data.functionName = call->api_name;
+    data.context = NULL;
+    data.contextUid = call->context_id;
+    callback(userdata, CUPTI_CB_DOMAIN_DRIVER_API, call->cbid, &data);
+}
+
 /* The handler libcuda calls after each driver call. */
 CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
     if (!call || call->version != STANDIN_CALL_VERSION) return;
     pthread_once(&setup_once, setup);
+    if (__atomic_load_n(&armed, __ATOMIC_RELAXED)) spin_ns(armed_ns);
+    record_call(call);
+    notify_subscriber(call);
+}
+
+/* The activity records of one driver call. */
+static void record_call(const struct standin_call *call) {
     if (!records_anything(call)) return;
     pthread_mutex_lock(&lock);
     learn_callback_name(call->cbid, call->api_name);
@@ -1415,6 +1557,12 @@ CUPTIAPI CUptiResult cuptiActivityEnable(CUpti_ActivityKind kind) {
     ENTER("cuptiActivityEnable");
     if (kind <= CUPTI_ACTIVITY_KIND_INVALID || kind >= CUPTI_ACTIVITY_KIND_COUNT) return CUPTI_ERROR_INVALID_KIND;
     pthread_mutex_lock(&lock);
+    if (!armed) {
+        /* Arming CUPTI (its hooks into the driver) is slow; the lock is held
+         * through it, as other CUPTI calls wait for it in the real library. */
+        if (first_enable_ms > 0) usleep((useconds_t)(first_enable_ms * 1000));
+        __atomic_store_n(&armed, 1, __ATOMIC_RELAXED);
+    }
     int was = enabled[kind];
     __atomic_store_n(&enabled[kind], 1, __ATOMIC_RELAXED);
     if (kind == CUPTI_ACTIVITY_KIND_DRIVER) memset(driver_calls, 1, sizeof driver_calls);
@@ -1566,8 +1714,6 @@ CUPTIAPI CUptiResult cuptiGetThreadIdType(CUpti_ActivityThreadIdType *type) {
 }
 
 CUPTIAPI CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_CallbackFunc callback, void *userdata) {
-    (void)callback;
-    (void)userdata;
     ENTER("cuptiSubscribe");
     if (!subscriber) return CUPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&lock);
@@ -1576,8 +1722,25 @@ CUPTIAPI CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_Ca
         return CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED;
     }
     subscribed = 1;
+    subscriber_callback = callback;
+    subscriber_userdata = userdata;
+    memset(subscriber_domains, 0, sizeof subscriber_domains);
     pthread_mutex_unlock(&lock);
     *subscriber = &the_subscriber;
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiEnableDomain(uint32_t enable, CUpti_SubscriberHandle subscriber, CUpti_CallbackDomain domain) {
+    ENTER("cuptiEnableDomain");
+    if (subscriber != &the_subscriber || domain <= CUPTI_CB_DOMAIN_INVALID || domain >= CUPTI_CB_DOMAIN_SIZE)
+        return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    if (!subscribed) {
+        pthread_mutex_unlock(&lock);
+        return CUPTI_ERROR_INVALID_PARAMETER;
+    }
+    __atomic_store_n(&subscriber_domains[domain], enable ? 1 : 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&lock);
     return CUPTI_SUCCESS;
 }
 
@@ -1586,19 +1749,42 @@ CUPTIAPI CUptiResult cuptiUnsubscribe(CUpti_SubscriberHandle subscriber) {
     if (subscriber != &the_subscriber) return CUPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&lock);
     subscribed = 0;
+    subscriber_callback = NULL;
+    memset(subscriber_domains, 0, sizeof subscriber_domains);
     pthread_mutex_unlock(&lock);
     return CUPTI_SUCCESS;
 }
 
+/* Delivers every buffer (late ones too) to the pair registered now, then
+ * forgets everything a client set: kinds, per-call enables, the callbacks,
+ * the subscriber, the thread id type. The next CUPTI call attaches afresh. */
 CUPTIAPI CUptiResult cuptiFinalize(void) {
     ENTER("cuptiFinalize");
     pthread_mutex_lock(&lock);
-    if (request_cb) flush_locked(1);
+    if (request_cb) flush_all_locked(1, 1);
     memset(enabled, 0, sizeof enabled);
     memset(driver_calls, 0, sizeof driver_calls);
     memset(runtime_calls, 0, sizeof runtime_calls);
+    request_cb = NULL;
+    complete_cb = NULL;
+    subscribed = 0;
+    subscriber_callback = NULL;
+    memset(subscriber_domains, 0, sizeof subscriber_domains);
+    thread_id_type = CUPTI_ACTIVITY_THREAD_ID_TYPE_DEFAULT;
+    __atomic_store_n(&armed, 0, __ATOMIC_RELAXED);
+    finalizes++;
     pthread_mutex_unlock(&lock);
     return CUPTI_SUCCESS;
+}
+
+/* Not CUPTI: whether CUPTI is armed now and how often it was finalized,
+ * for test programs. */
+CUPTIAPI void devtrace_standin_cupti_state(int *is_armed, unsigned long *finalized) {
+    pthread_once(&setup_once, setup);
+    pthread_mutex_lock(&lock);
+    if (is_armed) *is_armed = armed;
+    if (finalized) *finalized = finalizes;
+    pthread_mutex_unlock(&lock);
 }
 
 /* Domain 1 is CUPTI_CB_DOMAIN_DRIVER_API; names are known once a call with

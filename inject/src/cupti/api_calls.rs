@@ -299,13 +299,11 @@ pub const RUNTIME: &[(&str, u32)] = &[
 ];
 
 /// Switches the API records from `current` (`None`: none enabled) to every
-/// call (`all`) or the timeline's; `extra_driver` are driver callbacks the
-/// library itself needs recorded (the ownership probe's). Returns the set
-/// now in force and, when the timeline's could not be selected, why.
+/// call (`all`) or the timeline's. Returns the set now in force and, when
+/// the timeline's could not be selected, why.
 pub fn switch(
     current: Option<ApiRecordSet>,
     all: bool,
-    extra_driver: &[u32],
 ) -> Result<(ApiRecordSet, Option<String>), String> {
     if all {
         enable_kinds()?;
@@ -331,10 +329,10 @@ pub fn switch(
         // The kinds record every call; they go first, then the selection.
         disable_kinds()?;
     }
-    match select_calls(driver, runtime, extra_driver, true) {
+    match select_calls(driver, runtime, true) {
         Ok(()) => Ok((ApiRecordSet::Timeline, None)),
         Err(error) => {
-            let _ = select_calls(driver, runtime, extra_driver, false);
+            let _ = select_calls(driver, runtime, false);
             enable_kinds()?;
             Ok((
                 ApiRecordSet::AllUnselectable,
@@ -350,12 +348,12 @@ pub fn switch(
 /// Stops recording API calls of `current`. The selection is cleared after
 /// the kinds as well, so that none of it outlives a capture whatever the
 /// kinds' override left of it.
-pub fn disable(current: ApiRecordSet, extra_driver: &[u32]) -> Result<(), String> {
+pub fn disable(current: ApiRecordSet) -> Result<(), String> {
     if current != ApiRecordSet::Timeline {
         disable_kinds()?;
     }
     match per_call_entry_points() {
-        Some((driver, runtime)) => select_calls(driver, runtime, extra_driver, false),
+        Some((driver, runtime)) => select_calls(driver, runtime, false),
         None => Ok(()),
     }
 }
@@ -375,15 +373,9 @@ fn disable_kinds() -> Result<(), String> {
     super::disable(kind::RUNTIME)
 }
 
-/// Selects (`on`) or clears the timeline's calls and `extra_driver`.
-fn select_calls(
-    driver: EnableApi,
-    runtime: EnableApi,
-    extra_driver: &[u32],
-    on: bool,
-) -> Result<(), String> {
+/// Selects (`on`) or clears the timeline's calls.
+fn select_calls(driver: EnableApi, runtime: EnableApi, on: bool) -> Result<(), String> {
     set_calls(driver, DRIVER.iter().map(|(_, id)| *id), on)?;
-    set_calls(driver, extra_driver.iter().copied(), on)?;
     set_calls(runtime, RUNTIME.iter().map(|(_, id)| *id), on)
 }
 

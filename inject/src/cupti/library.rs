@@ -40,6 +40,14 @@ pub type GetNumDroppedRecords = unsafe extern "C" fn(*mut c_void, u32, *mut usiz
 pub type GetCallbackName = unsafe extern "C" fn(c_int, u32, *mut *const c_char) -> CuptiResult;
 pub type GetNextRecord = unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult;
 pub type Finalize = unsafe extern "C" fn() -> CuptiResult;
+/// A Callback API subscriber (`CUpti_SubscriberHandle`).
+pub type SubscriberHandle = *mut c_void;
+/// `CUpti_CallbackFunc`: userdata, domain, callback id, callback data.
+pub type CallbackFunc = unsafe extern "C" fn(*mut c_void, c_int, u32, *const c_void);
+pub type Subscribe =
+    unsafe extern "C" fn(*mut SubscriberHandle, Option<CallbackFunc>, *mut c_void) -> CuptiResult;
+pub type Unsubscribe = unsafe extern "C" fn(SubscriberHandle) -> CuptiResult;
+pub type EnableDomain = unsafe extern "C" fn(u32, SubscriberHandle, c_int) -> CuptiResult;
 /// `cuptiActivityEnableDriverApi` and `cuptiActivityEnableRuntimeApi`:
 /// a callback id and whether its calls are recorded.
 pub type EnableApi = unsafe extern "C" fn(u32, u8) -> CuptiResult;
@@ -60,6 +68,10 @@ pub struct Library {
     pub get_callback_name: GetCallbackName,
     pub get_next_record: GetNextRecord,
     pub finalize: Option<Finalize>,
+    /// The Callback API entry points detaching needs (`detach`).
+    pub subscribe: Option<Subscribe>,
+    pub unsubscribe: Option<Unsubscribe>,
+    pub enable_domain: Option<EnableDomain>,
     /// Absent before CUDA 12.8's libcupti: every API call is then recorded.
     pub enable_driver_api: Option<EnableApi>,
     pub enable_runtime_api: Option<EnableApi>,
@@ -242,6 +254,9 @@ fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
         get_callback_name: entry!("cuptiGetCallbackName", GetCallbackName),
         get_next_record: entry!("cuptiActivityGetNextRecord", GetNextRecord),
         finalize: optional!("cuptiFinalize", Finalize),
+        subscribe: optional!("cuptiSubscribe", Subscribe),
+        unsubscribe: optional!("cuptiUnsubscribe", Unsubscribe),
+        enable_domain: optional!("cuptiEnableDomain", EnableDomain),
         enable_driver_api: optional!("cuptiActivityEnableDriverApi", EnableApi),
         enable_runtime_api: optional!("cuptiActivityEnableRuntimeApi", EnableApi),
         origin,

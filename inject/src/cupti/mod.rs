@@ -48,10 +48,6 @@ pub const KINDS: [u32; 9] = [
     kind::CONTEXT,
 ];
 
-/// `CUPTI_DRIVER_TRACE_CBID_cuDriverGetVersion`, the call this library makes
-/// on its own thread to see that its records still reach it.
-pub const CBID_DRIVER_GET_VERSION: u32 = 2;
-
 /// Finds and loads libcupti once; later calls answer the first outcome.
 pub fn load() -> Result<&'static str, String> {
     if let Some(library) = LIBRARY.get() {

@@ -1,0 +1,288 @@
+//! Leaving the job as it was before a capture: CUPTI detached, at the
+//! point where CUPTI says it is safe to detach.
+//!
+//! Once any activity kind was enabled, CUPTI keeps its hooks in the CUDA
+//! driver until `cuptiFinalize`, and every CUDA call pays for them, kinds
+//! enabled or not (a GPT-2 training loop ran 15% slower for the rest of its
+//! life after one capture that only disabled its kinds). So after a capture
+//! the library finalizes CUPTI, unless another CUPTI user in the process
+//! may still need it ([`crate::coexist::other_user_active`]).
+//!
+//! `cuptiFinalize` must not race other threads' CUPTI calls. CUPTI's own
+//! recipe for a dynamic detach is to call it from the exit site of a CUDA
+//! API call, through a Callback API subscriber, and that is what
+//! [`Teardown`] does: it subscribes, enables the driver and runtime API
+//! domains, and the next API call to return finalizes. A subscriber blocks
+//! other subscribers (Kineto then runs without its GPU tracing), so it is
+//! held for at most [`SUBSCRIBE_WINDOW`] at a time, tried again every
+//! [`RETRY_EVERY`] (a job that makes no CUDA call pays nothing meanwhile),
+//! and handed over at once to another subscriber seen arriving
+//! ([`give_way`]).
+//!
+//! The library's own CUPTI calls all happen under [`GATE`]: the control
+//! thread's, the converter's (reading records is a CUPTI call too), the
+//! finalize and the exit flush. The gate also says whether CUPTI is
+//! attached: after a finalize any CUPTI call would attach it again, so
+//! nothing calls CUPTI until the next capture takes the stream. Buffers
+//! CUPTI hands back while it is being finalized are converted then and
+//! there, as CUPTI is still attached ([`finalizing`]).
+
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::cupti;
+use crate::cupti::library::{CuptiResult, CUPTI_SUCCESS};
+
+/// How long the detach subscriber waits for a CUDA call to return.
+pub const SUBSCRIBE_WINDOW: Duration = Duration::from_millis(250);
+/// How soon after a window without CUDA calls the next one opens.
+pub const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// `CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`.
+const CUPTI_ERROR_MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
+/// `CUPTI_CB_DOMAIN_DRIVER_API` and `CUPTI_CB_DOMAIN_RUNTIME_API`.
+const DOMAINS: [c_int; 2] = [1, 2];
+/// `CUPTI_API_EXIT`, the first field of `CUpti_CallbackData`.
+const CUPTI_API_EXIT: u32 = 1;
+
+/// Where the library stands with CUPTI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attachment {
+    /// Never attached by this library, or finalized since.
+    Detached,
+    /// The library made CUPTI calls since the last finalize.
+    Attached,
+    /// The process is exiting: no more CUPTI calls from this library.
+    Closed,
+}
+
+/// Serialises this library's CUPTI calls with the finalize and the exit.
+pub static GATE: Mutex<Attachment> = Mutex::new(Attachment::Detached);
+
+/// The gate, whatever a panicking holder left (the state is one word).
+pub fn gate() -> MutexGuard<'static, Attachment> {
+    GATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Set while a detach subscriber of ours waits for an API call to return.
+static ARMED: AtomicBool = AtomicBool::new(false);
+/// The subscriber of ours, while subscribed.
+static SUBSCRIBER: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+/// Set while `cuptiFinalize` of ours runs.
+static FINALIZING: AtomicBool = AtomicBool::new(false);
+/// When the last finalize of ours ended (`CLOCK_REALTIME` ns; 0: none yet).
+static DETACHED_NS: AtomicU64 = AtomicU64::new(0);
+/// What the last finalize of ours answered, when it failed.
+static FINALIZE_FAILED: AtomicI32 = AtomicI32::new(CUPTI_SUCCESS);
+/// Converts the buffers CUPTI handed back so far; the gate is held.
+static CONVERT_PENDING: OnceLock<fn()> = OnceLock::new();
+
+/// Whether a finalize of ours is under way: buffers handed back now must be
+/// converted at once.
+pub fn finalizing() -> bool {
+    FINALIZING.load(Ordering::Acquire)
+}
+
+/// Names what converts pending buffers (the library's converter).
+pub fn set_converter(convert_pending: fn()) {
+    let _ = CONVERT_PENDING.set(convert_pending);
+}
+
+fn convert_pending() {
+    if let Some(convert) = CONVERT_PENDING.get() {
+        convert();
+    }
+}
+
+/// Where a teardown stands after a step.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Waiting for a CUDA call to return, or for the next window.
+    Waiting,
+    /// CUPTI was finalized at this time (`CLOCK_REALTIME` ns).
+    Detached { at_ns: u64 },
+    /// CUPTI stays attached, for this reason.
+    Refused(String),
+}
+
+/// One teardown after a capture, stepped by the control thread.
+pub struct Teardown {
+    subscribed_at: Option<Instant>,
+    next_window: Instant,
+    detached_before_ns: u64,
+}
+
+impl Teardown {
+    pub fn new() -> Teardown {
+        let now = Instant::now();
+        Teardown {
+            subscribed_at: None,
+            next_window: now,
+            detached_before_ns: DETACHED_NS.load(Ordering::Acquire),
+        }
+    }
+
+    /// One step: opens a window, closes one that saw no CUDA call, or sees
+    /// that a call finalized CUPTI.
+    pub fn step(&mut self) -> Progress {
+        let detached_ns = DETACHED_NS.load(Ordering::Acquire);
+        if detached_ns != self.detached_before_ns {
+            return Progress::Detached { at_ns: detached_ns };
+        }
+        let failed = FINALIZE_FAILED.load(Ordering::Acquire);
+        if failed != CUPTI_SUCCESS {
+            self.cancel();
+            return Progress::Refused(match cupti::check("cuptiFinalize", failed) {
+                Err(error) => error,
+                Ok(()) => "cuptiFinalize failed".into(),
+            });
+        }
+        match self.subscribed_at {
+            Some(at) if at.elapsed() >= SUBSCRIBE_WINDOW => {
+                self.cancel();
+                self.next_window = Instant::now() + RETRY_EVERY;
+                Progress::Waiting
+            }
+            Some(_) => Progress::Waiting,
+            None if Instant::now() < self.next_window => Progress::Waiting,
+            None => match subscribe() {
+                Ok(()) => {
+                    self.subscribed_at = Some(Instant::now());
+                    Progress::Waiting
+                }
+                Err(why) => Progress::Refused(why),
+            },
+        }
+    }
+
+    /// Gives the subscriber up, if one of ours is still waiting.
+    pub fn cancel(&mut self) {
+        self.subscribed_at = None;
+        let _gate = gate();
+        disarm_locked();
+    }
+}
+
+impl Drop for Teardown {
+    fn drop(&mut self) {
+        if self.subscribed_at.is_some() {
+            self.cancel();
+        }
+    }
+}
+
+/// Subscribes and enables the API domains, under the gate.
+fn subscribe() -> Result<(), String> {
+    let lib = cupti::library_ref().ok_or("libcupti is not loaded")?;
+    let (Some(subscribe), Some(enable_domain), Some(_), Some(_)) = (
+        lib.subscribe,
+        lib.enable_domain,
+        lib.unsubscribe,
+        lib.finalize,
+    ) else {
+        return Err("this libcupti has no cuptiFinalize or Callback API to detach with".into());
+    };
+    let gate = gate();
+    if *gate != Attachment::Attached {
+        return Err("CUPTI is not attached by this library".into());
+    }
+    let mut handle: *mut c_void = std::ptr::null_mut();
+    // SAFETY: CUPTI writes the handle; the callback is an `extern "C"`
+    // function living as long as the process.
+    let result = crate::coexist::own(|| unsafe {
+        subscribe(&mut handle, Some(on_api_callback), std::ptr::null_mut())
+    });
+    if result == CUPTI_ERROR_MULTIPLE_SUBSCRIBERS {
+        return Err("another CUPTI user in the process holds the Callback API subscriber".into());
+    }
+    cupti::check("cuptiSubscribe", result)?;
+    SUBSCRIBER.store(handle, Ordering::Release);
+    for domain in DOMAINS {
+        // SAFETY: our subscriber and a valid domain.
+        let result = crate::coexist::own(|| unsafe { enable_domain(1, handle, domain) });
+        if let Err(error) = cupti::check("cuptiEnableDomain", result) {
+            disarm_locked();
+            return Err(error);
+        }
+    }
+    ARMED.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Drops the subscriber of ours, if any; the caller holds the gate.
+fn disarm_locked() {
+    ARMED.store(false, Ordering::Release);
+    let handle = SUBSCRIBER.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    if handle.is_null() {
+        return;
+    }
+    if let Some(unsubscribe) = cupti::library_ref().and_then(|lib| lib.unsubscribe) {
+        // SAFETY: our live subscriber.
+        let _ = crate::coexist::own(|| unsafe { unsubscribe(handle) });
+    }
+}
+
+/// Another CUPTI user is about to subscribe: a subscriber of ours waiting
+/// to detach makes way (only one subscriber is allowed before CUDA 13.3).
+pub fn give_way() {
+    if SUBSCRIBER.load(Ordering::Acquire).is_null() {
+        return;
+    }
+    let _gate = gate();
+    disarm_locked();
+}
+
+/// The subscriber's callback, at every driver and runtime API call's entry
+/// and exit while a teardown waits: at an exit, CUPTI is finalized. It never
+/// waits for the gate (a holder may be inside CUPTI waiting on this very
+/// call); a busy gate leaves it to the next call.
+unsafe extern "C" fn on_api_callback(
+    _userdata: *mut c_void,
+    _domain: c_int,
+    _cbid: u32,
+    data: *const c_void,
+) {
+    let _ = std::panic::catch_unwind(|| {
+        if !ARMED.load(Ordering::Acquire) || data.is_null() {
+            return;
+        }
+        // SAFETY: CUPTI passes a `CUpti_CallbackData` for the API domains,
+        // whose first field is the call site.
+        let site = unsafe { data.cast::<u32>().read() };
+        if site != CUPTI_API_EXIT {
+            return;
+        }
+        let Ok(mut gate) = GATE.try_lock() else {
+            return;
+        };
+        if !ARMED.swap(false, Ordering::AcqRel) || *gate != Attachment::Attached {
+            return;
+        }
+        finalize(&mut gate);
+    });
+}
+
+/// Finalizes CUPTI: what CUPTI handed back is converted first, what it
+/// hands back while finalizing is converted as it comes, and from then on
+/// nothing of this library calls CUPTI until the next capture.
+fn finalize(gate: &mut Attachment) {
+    let Some(finalize) = cupti::library_ref().and_then(|lib| lib.finalize) else {
+        return;
+    };
+    convert_pending();
+    FINALIZING.store(true, Ordering::Release);
+    // SAFETY: called at an API exit site, as CUPTI's dynamic detach asks,
+    // with every other CUPTI call of this library held off by the gate.
+    let result = crate::coexist::own(|| unsafe { finalize() });
+    FINALIZING.store(false, Ordering::Release);
+    if result == CUPTI_SUCCESS {
+        // The subscriber went with everything else.
+        SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
+        *gate = Attachment::Detached;
+        DETACHED_NS.store(devtrace::clock::now_ns().max(1), Ordering::Release);
+    } else {
+        FINALIZE_FAILED.store(result, Ordering::Release);
+    }
+}
