@@ -1325,18 +1325,24 @@ fn rival_workload(
     )
 }
 
-/// The rival's report: kernels it received and its span on the host clock.
-fn rival_report(lines: &[String]) -> (usize, u64, u64) {
+/// The `key=value` fields of the first line starting with `prefix`, by key.
+fn line_fields(lines: &[String], prefix: &str) -> impl Fn(&str) -> u64 {
     let line = lines
         .iter()
-        .find(|l| l.starts_with("rival:"))
-        .unwrap_or_else(|| panic!("no rival line: {lines:?}"));
-    let field = |key: &str| -> u64 {
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix:?} line: {lines:?}"))
+        .clone();
+    move |key: &str| -> u64 {
         line.split_whitespace()
             .find_map(|f| f.strip_prefix(key))
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{key} in {line}"))
-    };
+    }
+}
+
+/// The rival's report: kernels it received and its span on the host clock.
+fn rival_report(lines: &[String]) -> (usize, u64, u64) {
+    let field = line_fields(lines, "rival:");
     (
         field("kernels=") as usize,
         field("start_ns="),
@@ -1634,4 +1640,243 @@ async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() 
         space.warnings
     );
     assert!(!space.warnings.iter().any(|w| w.contains("stolen")));
+}
+
+/// The seconds of a window a warning containing `marker` names, as
+/// "from A s to B s".
+fn span_in_warning(space: &XSpace, marker: &str) -> Option<(f64, f64)> {
+    let warning = space.warnings.iter().find(|w| w.contains(marker))?;
+    let numbers: Vec<f64> = warning
+        .split(" from ")
+        .nth(1)?
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    Some((*numbers.first()?, *numbers.get(1)?))
+}
+
+/// The workload's last words on CUPTI: whether it is armed and how often it
+/// was finalized.
+fn cupti_state(lines: &[String]) -> (u64, u64) {
+    let field = line_fields(lines, "cupti ");
+    (field("armed="), field("finalized="))
+}
+
+/// After every capture CUPTI is finalized (the stand-in, like the real
+/// library, keeps charging every CUDA call until then), on CUDA 13's
+/// per-thread buffers, which a forced flush hands back late for other
+/// threads: no other CUPTI user is reported where there is none, and each
+/// of three back-to-back captures holds the kernel of every launch made
+/// after the library said it was recording.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
+    let setup = setup("cuda_teardown");
+    let agent = setup.agent();
+    let release = release_file(&setup, "teardown");
+    let workload = setup.workload(
+        &[
+            "300",
+            "--threads",
+            "2",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "25",
+        ],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    std::fs::write(&release, b"go").unwrap();
+    let mut spaces = Vec::new();
+    for _ in 0..3 {
+        spaces.push(capture(&agent, 600).await);
+        // Long enough for the agent to clear the flag between captures.
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    }
+    let lines = workload.read_until("done");
+    let launches: Vec<Call> = lines
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .filter(|c| c.name.starts_with("cuLaunchKernel"))
+        .collect();
+    for space in &spaces {
+        assert!(
+            !space
+                .warnings
+                .iter()
+                .any(|w| w.contains("another CUPTI user")),
+            "{:?}",
+            space.warnings
+        );
+        let (start, stop) = common::window_of(space);
+        let (_, began) = span_in_warning(space, "started recording")
+            .unwrap_or_else(|| panic!("no recording start in {:?}", space.warnings));
+        // The stand-in's first enable takes 100 ms.
+        assert!(began >= 0.1, "recording began at {began} s");
+        let from = start + (began * 1e9) as u64;
+        // Launches well inside the recorded part, each with its kernel.
+        let expected = launches
+            .iter()
+            .filter(|c| c.realtime.0 > from + 5_000_000 && c.realtime.1 + 100_000_000 < stop)
+            .count();
+        let kernels = program_kernels(space)
+            .into_iter()
+            .filter(|(_, at)| *at > from + 5_000_000 && *at + 100_000_000 < stop)
+            .count();
+        assert!(
+            expected > 5,
+            "{expected} launches in the window {start}..{stop}, recording from {began} s; \
+             launches {:?}..{:?}; {:?}",
+            launches.first().map(|c| c.realtime),
+            launches.last().map(|c| c.realtime),
+            space.warnings
+        );
+        assert_eq!(kernels, expected, "{:?}", space.warnings);
+    }
+    let (armed, finalized) = cupti_state(&lines);
+    assert_eq!((armed, finalized), (0, 3), "one detach per capture");
+}
+
+/// A capture that ends while another CUPTI user (linked against libcupti,
+/// as Kineto is) profiles leaves CUPTI attached for it, whose kernels all
+/// arrive; once it is done the library detaches.
+#[tokio::test(flavor = "multi_thread")]
+async fn cupti_is_not_detached_under_another_user_and_is_after_it() {
+    let mut setup = setup("cuda_teardown_rival");
+    setup.program = rival_linked_program();
+    let agent = setup.agent();
+    let release = release_file(&setup, "rival");
+    let workload = setup.workload(
+        &[
+            "40",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "50",
+            "--rival-at",
+            "6",
+            "--rival-iterations",
+            "20",
+            "--rival-linked",
+        ],
+        &[],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    // The capture ends during the rival's iterations 6 to 25.
+    let space = capture_while(&agent, 800, &release).await;
+    assert!(!program_kernels(&space).is_empty());
+    let lines = workload.read_until("done");
+    let (rival_kernels, _, _) = rival_report(&lines);
+    assert_eq!(rival_kernels, 40, "the other profiler lost nothing");
+    let (armed, finalized) = cupti_state(&lines);
+    assert_eq!(
+        (armed, finalized),
+        (0, 1),
+        "detached once the other user was done"
+    );
+}
+
+/// Every sequence of captures, a framework profiler and exit, hundreds of
+/// times, under valgrind's memcheck: the workload's exit status says that
+/// no buffer was freed twice, read after its free or handed to a callback
+/// that does not own it. The capture flag is driven straight through the
+/// ring's control word (the agent's part, without its pace); the profiler
+/// (seen through the program's GOT) runs 4 of every 11 iterations; the
+/// process exits during a capture.
+#[test]
+fn capture_and_profiler_sequences_are_memory_safe_under_memcheck() {
+    if std::env::var("DEVTRACE_SKIP_MEMCHECK").is_ok_and(|v| v == "1") {
+        eprintln!("skipped: DEVTRACE_SKIP_MEMCHECK=1");
+        return;
+    }
+    let valgrind = which("valgrind").expect(
+        "valgrind is needed (apt-get install valgrind; DEVTRACE_SKIP_MEMCHECK=1 skips this test)",
+    );
+    let mut setup = setup("cuda_memcheck");
+    setup.program = rival_linked_program();
+    let env = setup.environment("CUDA_INJECTION64_PATH");
+    let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    env.extend([
+        ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
+        ("DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS", "5"),
+        ("DEVTRACE_STANDIN_CUPTI_LATE_MS", "30"),
+        ("DEVTRACE_INJECT_POLL_MS", "2"),
+    ]);
+    let program = setup.program.to_str().unwrap().to_string();
+    let args = [
+        "--error-exitcode=99",
+        "--leak-check=no",
+        "-q",
+        &program,
+        "3000",
+        "--quiet",
+        "--sleep-ms",
+        "2",
+        "--rival-at",
+        "3",
+        "--rival-iterations",
+        "4",
+        "--rival-every",
+        "11",
+        "--rival-linked",
+    ];
+    let mut workload = CudaWorkload::start(&valgrind, &args, &env);
+    let ring = loop {
+        let found = std::fs::read_dir(setup.runtime.path())
+            .unwrap()
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|e| e == "ring"));
+        if let Some(path) = found {
+            if let Ok(ring) = devtrace::ring::Ring::open_shared(&path) {
+                break ring;
+            }
+        }
+        assert!(
+            workload.workload.child.try_wait().unwrap().is_none(),
+            "the workload exited before making its ring"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let capture = devtrace::ring::CONTROL_CAPTURE;
+    let mut cycles = 0;
+    let status = loop {
+        // Windows and gaps of 5 to 60 ms, so that captures start and end in
+        // every phase of the profiler's windows and of the detaches.
+        let on = 5 + (cycles * 7) % 56;
+        let off = 5 + (cycles * 13) % 56;
+        ring.set_control(capture);
+        std::thread::sleep(std::time::Duration::from_millis(on));
+        if let Some(status) = workload.workload.child.try_wait().unwrap() {
+            break status;
+        }
+        ring.set_control(0);
+        std::thread::sleep(std::time::Duration::from_millis(off));
+        cycles += 1;
+        if cycles >= 300 {
+            // The last capture lasts until the process exits.
+            ring.set_control(capture);
+            break workload.workload.child.wait().unwrap();
+        }
+    };
+    let stderr = stderr_of(&mut workload);
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "{status:?} after {cycles} cycles: {stderr}"
+    );
+    assert!(
+        cycles >= 100,
+        "only {cycles} cycles ran before the workload ended"
+    );
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|dir| PathBuf::from(dir).join(program))
+        .find(|path| path.is_file())
 }

@@ -233,6 +233,7 @@ unsafe extern "C" fn register_callbacks_hook(
         };
         let foreign = foreign();
         if foreign {
+            detach::give_way();
             // CUPTI keeps filling each thread's current buffer after new
             // callbacks are registered, and hands it to the new callback,
             // which discards a buffer it does not know: the other user would

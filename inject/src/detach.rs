@@ -257,6 +257,11 @@ unsafe extern "C" fn on_api_callback(
         let Ok(mut gate) = GATE.try_lock() else {
             return;
         };
+        // A user that arrived since the teardown began keeps CUPTI; the
+        // teardown sees it and stands down.
+        if crate::coexist::other_user_active().is_some() {
+            return;
+        }
         if !ARMED.swap(false, Ordering::AcqRel) || *gate != Attachment::Attached {
             return;
         }

@@ -20,6 +20,10 @@
  *   --rival-linked         the rival calls the CUPTI functions this program imports (it
  *                          must be linked with -lcupti), through its PLT and GOT, as a
  *                          framework linked against libcupti (PyTorch's Kineto) does
+ *   --rival-every K        start the rival again every K iterations (from --rival-at on)
+ *   --quiet                print no `call` lines
+ *   --rate-ms N            every N ms print `rate end_ns=T iterations=I` (I: iterations
+ *                          finished so far by all threads, T: CLOCK_REALTIME ns)
  *
  * Setup: cuInit, cuDeviceGet, cuCtxCreate_v2, cuModuleLoadData,
  * cuModuleGetFunction("vector_add"), cuModuleGetFunction("matmul_tiled"),
@@ -75,8 +79,9 @@
  * t0/t1 are CLOCK_MONOTONIC (bpf_ktime_get_ns) and rt0/rt1 CLOCK_REALTIME
  * around the call; tid is gettid(). Streams are printed by their stand-in
  * id (stream=13). Also `waiting pid=P file=PATH` before a wait, the `rival:`
- * line above and `done pid=P calls=N` at the end. Exit status 1 if any call
- * failed.
+ * line above and, at the end, `cupti armed=A finalized=F` when the CUPTI
+ * stand-in is loaded (whether it is armed now and how often it was
+ * finalized) and `done pid=P calls=N`. Exit status 1 if any call failed.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -200,9 +205,10 @@ static const char real_ptx[] =
 
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
-    int rival_at, rival_iterations, rival_direct, rival_linked;
+    int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, quiet, rate_ms;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
+static unsigned long iterations_done;
 
 static CUcontext context;
 static CUfunction vector_add, matmul_tiled;
@@ -247,7 +253,8 @@ static void report(const char *name, struct stamp s, CUresult rc, const char *fo
     va_end(args);
     pthread_mutex_lock(&output_lock);
     calls++;
-    printf("call %s pid=%d tid=%ld t0=%llu t1=%llu rt0=%llu rt1=%llu rc=%d%s%s\n", name, (int)getpid(),
+    if (!options.quiet)
+        printf("call %s pid=%d tid=%ld t0=%llu t1=%llu rt0=%llu rt1=%llu rc=%d%s%s\n", name, (int)getpid(),
            (long)syscall(SYS_gettid), (unsigned long long)s.t0, (unsigned long long)t1,
            (unsigned long long)s.rt0, (unsigned long long)rt1, rc, *details ? " " : "", details);
     fflush(stdout);
@@ -529,8 +536,15 @@ static void *run_worker(void *arg) {
     }
     int rival_last = options.rival_at + options.rival_iterations - 1;
     for (int i = 0; i < options.iterations && !failed; i++) {
+        if (options.rival_every > 0 && options.rival_at >= 0 && i > options.rival_at &&
+            (i - options.rival_at) % options.rival_every == 0) {
+            if (rival_active) rival_end();
+            rival_last = i + options.rival_iterations - 1;
+            rival_begin();
+        }
         if (i == options.rival_at) rival_begin();
         iterate(w, i);
+        __atomic_add_fetch(&iterations_done, 1, __ATOMIC_RELAXED);
         if (rival_active && i == rival_last) rival_end();
         if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
     }
@@ -564,11 +578,26 @@ static void cleanup(struct worker *w) {
     }
 }
 
+/* --rate-ms: how many iterations have finished, every N ms. */
+static void *print_rates(void *unused) {
+    (void)unused;
+    for (;;) {
+        usleep((useconds_t)options.rate_ms * 1000);
+        pthread_mutex_lock(&output_lock);
+        printf("rate end_ns=%llu iterations=%lu\n", (unsigned long long)now(CLOCK_REALTIME),
+               __atomic_load_n(&iterations_done, __ATOMIC_RELAXED));
+        fflush(stdout);
+        pthread_mutex_unlock(&output_lock);
+    }
+    return NULL;
+}
+
 static int usage(void) {
     fprintf(stderr,
             "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
             "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph]\n"
-            "                     [--rival-at N [--rival-iterations M]]\n");
+            "                     [--rival-at N [--rival-iterations M] [--rival-every K]]\n"
+            "                     [--quiet] [--rate-ms N]\n");
     return 2;
 }
 
@@ -589,6 +618,9 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-iterations") == 0 && i + 1 < argc) options.rival_iterations = atoi(argv[++i]);
         else if (strcmp(a, "--rival-direct") == 0) options.rival_direct = 1;
         else if (strcmp(a, "--rival-linked") == 0) options.rival_linked = 1;
+        else if (strcmp(a, "--rival-every") == 0 && i + 1 < argc) options.rival_every = atoi(argv[++i]);
+        else if (strcmp(a, "--quiet") == 0) options.quiet = 1;
+        else if (strcmp(a, "--rate-ms") == 0 && i + 1 < argc) options.rate_ms = atoi(argv[++i]);
         else return usage();
     }
     if (options.iterations < 0 || options.threads < 1 || options.threads > 64) return usage();
@@ -645,6 +677,11 @@ int main(int argc, char **argv) {
     if (failed) return 1;
 
     if (options.wait_file) wait_for(options.wait_file);
+    if (options.rate_ms > 0) {
+        pthread_t rate;
+        pthread_create(&rate, NULL, print_rates, NULL);
+        pthread_detach(rate);
+    }
 
     if (options.threads == 1) {
         run_worker(&workers[0]);
@@ -661,7 +698,19 @@ int main(int argc, char **argv) {
         report("cuCtxDestroy_v2", s, rc, "");
     }
 
+    void (*cupti_state)(int *, unsigned long *) =
+        (void (*)(int *, unsigned long *))dlsym(RTLD_DEFAULT, "devtrace_standin_cupti_state");
+    if (cupti_state) {
+        int armed = 0;
+        unsigned long finalized = 0;
+        cupti_state(&armed, &finalized);
+        pthread_mutex_lock(&output_lock);
+        printf("cupti armed=%d finalized=%lu\n", armed, finalized);
+        pthread_mutex_unlock(&output_lock);
+    }
+    pthread_mutex_lock(&output_lock);
     printf("done pid=%d calls=%lu\n", (int)getpid(), calls);
+    pthread_mutex_unlock(&output_lock);
     fflush(stdout);
     return failed ? 1 : 0;
 }
