@@ -763,8 +763,10 @@ CUAPI CUresult cuMemFree_v2(CUdeviceptr dptr) {
     pthread_mutex_lock(&lock);
     struct allocation *a = find_allocation(dptr, 0);
     if (a && a->ptr == dptr) {
-        a->live = 0;
         call.bytes = a->size;
+        /* Freed entries leave the table, so that a long-running program's
+         * lookups stay as cheap as its first (addresses are never reused). */
+        *a = allocations[--nallocations];
     } else {
         a = NULL;
     }
