@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""A long-running PyTorch workload for scripts/gpu-check's check g: does a
+devtrace capture leave a mark on the job (its speed after the capture, its
+exit status, torch.profiler inside a capture)?
+
+Modes (--mode):
+  launch  launch-bound: each step launches 40 tiny elementwise kernels on a
+          4 KiB tensor, then synchronizes (about 86 k kernels/s on an H100)
+  gpt2    GPT-2 small training (transformers, random initialisation, bf16
+          autocast, batch 8 x 512 tokens, AdamW), a realistic job
+
+Each step runs inside an NVTX range `step_<i>` that ends after the step's
+synchronize, so every kernel of a step lies inside its range. After 20
+warm-up steps the workload writes SIGNALS/ready ({"pid": ...}) and runs
+steps until SIGNALS/stop exists, noting when each step ended
+(CLOCK_REALTIME seconds). When SIGNALS/profile appears it runs
+--profile-seconds of steps under torch.profiler (CPU and CUDA activities),
+then writes SIGNALS/profiled. At the end it writes --out:
+
+  {"mode", "pid", "kernels_per_step" (launch mode: 40), "step_ends": [...],
+   "profile": {"start", "end", "steps", "kernels"}}
+
+A missing transformers (gpt2 mode) is written as {"skip": "..."} with exit
+status 3; other errors as {"error": ...} with exit status 1.
+"""
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+from files import touch, write_json  # beside this script
+
+LAUNCH_KERNELS = 40
+LAUNCH_ELEMENTS = 1024
+GPT2_BATCH = (8, 512)
+WARMUP_STEPS = 20
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("launch", "gpt2"), required=True)
+    p.add_argument("--signals", required=True, help="directory of the ready/stop/profile files")
+    p.add_argument("--out", required=True, help="result JSON")
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--profile-seconds", type=float, default=1.0)
+    p.add_argument("--max-seconds", type=float, default=300.0, help="stop by itself after this long")
+    return p.parse_args()
+
+
+class LaunchBound:
+    kernels_per_step = LAUNCH_KERNELS
+
+    def __init__(self, torch, device):
+        self.torch = torch
+        self.x = torch.zeros(LAUNCH_ELEMENTS, device=torch.device("cuda", device))
+
+    def step(self):
+        for _ in range(LAUNCH_KERNELS):
+            self.x.add_(1.0)
+
+
+class Gpt2Training:
+    kernels_per_step = None
+
+    def __init__(self, torch, device):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.torch = torch
+        dev = torch.device("cuda", device)
+        torch.manual_seed(1234)
+        self.model = GPT2LMHeadModel(GPT2Config()).to(dev)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        vocab = self.model.config.vocab_size
+        self.ids = torch.randint(0, vocab, GPT2_BATCH, device=dev)
+
+    def step(self):
+        torch = self.torch
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = self.model(self.ids, labels=self.ids).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def run(args):
+    import torch
+
+    torch.cuda.set_device(args.device)
+    work = LaunchBound(torch, args.device) if args.mode == "launch" else Gpt2Training(torch, args.device)
+    index = 0
+
+    def one_step():
+        nonlocal index
+        torch.cuda.nvtx.range_push(f"step_{index}")
+        work.step()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        index += 1
+
+    for _ in range(WARMUP_STEPS):
+        one_step()
+    step_ends = []
+    profile = None
+    signal = lambda name: os.path.join(args.signals, name)  # noqa: E731
+    touch(signal("ready"), f'{{"pid": {os.getpid()}}}')
+    give_up = time.monotonic() + args.max_seconds
+    while not os.path.exists(signal("stop")) and time.monotonic() < give_up:
+        if profile is None and os.path.exists(signal("profile")):
+            profile = profiled_steps(torch, one_step, args.profile_seconds, step_ends)
+            touch(signal("profiled"))
+            continue
+        one_step()
+        step_ends.append(time.time())
+    return {
+        "mode": args.mode,
+        "pid": os.getpid(),
+        "kernels_per_step": work.kernels_per_step,
+        "step_ends": step_ends,
+        "profile": profile,
+    }
+
+
+def profiled_steps(torch, one_step, seconds, step_ends):
+    """Steps for `seconds` under torch.profiler; what it saw of them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.time()
+        steps = 0
+        while time.time() - start < seconds:
+            one_step()
+            step_ends.append(time.time())
+            steps += 1
+        end = time.time()
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"start": start, "end": end, "steps": steps, "kernels": kernels}
+
+
+def main():
+    args = parse_args()
+    try:
+        result = run(args)
+    except ImportError as e:
+        if args.mode != "gpt2":
+            raise
+        write_json(args.out, {"skip": f"{type(e).__name__}: {e}"})
+        return 3
+    except Exception as e:  # noqa: BLE001 - the result says what went wrong
+        write_json(args.out, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        return 1
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
