@@ -93,11 +93,22 @@ fn own_base() -> usize {
     }
 }
 
-unsafe extern "C" fn visit(
-    info: *mut libc::dl_phdr_info,
-    _size: usize,
-    data: *mut c_void,
-) -> c_int {
+/// `dl_iterate_phdr`'s callback: a panic here must not unwind into the
+/// loader (it would abort the workload), so it ends the walk instead.
+///
+/// # Safety
+/// `info` is the loader's description of one object and `data` our `Walk`.
+unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, size: usize, data: *mut c_void) -> c_int {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: as the caller promises.
+        unsafe { visit_object(info, size, data) }
+    }))
+    .unwrap_or(1)
+}
+
+/// # Safety
+/// As [`visit`].
+unsafe fn visit_object(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
     // SAFETY: the loader passes a valid `info`; `data` is our `Walk`.
     let (info, walk) = unsafe { (&*info, &mut *data.cast::<Walk>()) };
     let name = if info.dlpi_name.is_null() {
@@ -114,8 +125,9 @@ unsafe extern "C" fn visit(
     // SAFETY: as above; phdrs are the object's program headers.
     let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
     let base = info.dlpi_addr as usize;
-    // This library's own slots: the main program has base 0, so compare
-    // the first loadable segment's address instead of the base alone.
+    // This library's own slots stay as they are. It is known by its load
+    // base; the main program's base is 0 (and so is an unknown own base),
+    // which never counts as a match.
     if base != 0 && base == walk.own_base {
         return 0;
     }

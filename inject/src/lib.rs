@@ -86,25 +86,32 @@ extern "C" fn on_load() {
 static ON_LOAD: extern "C" fn() = on_load;
 
 fn start() {
-    START.call_once(|| {
-        // This library's panics are caught and reported once through
-        // `fail`; the default hook would print each one into the
-        // workload's stderr. (The hook is this library's own: the workload
-        // and other Rust libraries keep theirs.)
-        std::panic::set_hook(Box::new(|_| {}));
-        coexist::join_global_scope();
-        coexist::redirect_callers();
-        let spawned = std::thread::Builder::new()
-            .name("devtrace-inject".into())
-            .spawn(|| {
-                if std::panic::catch_unwind(control_loop).is_err() {
-                    fail("internal error (panic) in the control thread");
-                }
-            });
-        if let Err(error) = spawned {
-            fail(&format!("cannot start its thread: {error}"));
-        }
-    });
+    // Called from the driver's cuInit and the loader: a panic must not
+    // unwind into either.
+    let started = std::panic::catch_unwind(|| START.call_once(start_once));
+    if started.is_err() {
+        fail("internal error (panic) starting");
+    }
+}
+
+fn start_once() {
+    // This library's panics are caught and reported once through
+    // `fail`; the default hook would print each one into the
+    // workload's stderr. (The hook is this library's own: the workload
+    // and other Rust libraries keep theirs.)
+    std::panic::set_hook(Box::new(|_| {}));
+    coexist::join_global_scope();
+    coexist::redirect_callers();
+    let spawned = std::thread::Builder::new()
+        .name("devtrace-inject".into())
+        .spawn(|| {
+            if std::panic::catch_unwind(control_loop).is_err() {
+                fail("internal error (panic) in the control thread");
+            }
+        });
+    if let Err(error) = spawned {
+        fail(&format!("cannot start its thread: {error}"));
+    }
 }
 
 /// The CUDA driver this process has loaded, if any; the caller owns the
