@@ -1273,6 +1273,9 @@ enum Binding {
     /// Imported by the program (linked with -lcupti), through its PLT and
     /// GOT, as PyTorch's Kineto calls them.
     Linked,
+    /// `dlsym` on libcupti's own handle, as XLA's CUPTI wrapper looks them
+    /// up: no name another library exports is in the way.
+    Direct,
 }
 
 /// The workload linked against the stand-in libcupti as well.
@@ -1317,6 +1320,7 @@ fn rival_workload(
     match binding {
         Binding::Lookup => {}
         Binding::Linked => args.push("--rival-linked"),
+        Binding::Direct => args.push("--rival-direct"),
     }
     setup.workload_loading(
         variable,
@@ -1387,6 +1391,14 @@ async fn a_second_cupti_user_is_stepped_aside_for_and_the_stream_taken_back() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cupti_user_linked_against_libcupti_is_seen_through_its_got() {
     seen_rival("CUDA_INJECTION64_PATH", Binding::Linked).await;
+}
+
+/// A profiler that looks CUPTI's functions up on libcupti's own handle
+/// (`dlsym`, as XLA's wrapper does) finds the library's, since libcupti's
+/// symbol table entries for them point there: it is seen as well.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cupti_user_looking_up_libcuptis_handle_is_seen_through_its_symbol_table() {
+    seen_rival("CUDA_INJECTION64_PATH", Binding::Direct).await;
 }
 
 async fn seen_rival(variable: &str, binding: Binding) {
@@ -1783,10 +1795,32 @@ async fn cupti_is_not_detached_under_another_user_and_is_after_it() {
 /// no buffer was freed twice, read after its free or handed to a callback
 /// that does not own it. The capture flag is driven straight through the
 /// ring's control word (the agent's part, without its pace); the profiler
-/// (seen through the program's GOT) runs 4 of every 11 iterations; the
-/// process exits during a capture.
+/// (seen through the program's GOT, as Kineto) runs 4 of every 11
+/// iterations; the process exits during a capture.
 #[test]
 fn capture_and_profiler_sequences_are_memory_safe_under_memcheck() {
+    memcheck_sequences("cuda_memcheck", &["--rival-linked"]);
+}
+
+/// The same with a profiler the library cannot see (it looked CUPTI up on
+/// libcupti's handle before cuInit) that holds a subscriber while it runs,
+/// as XLA's tracer does, and frees every buffer its callback is handed,
+/// ours included. Its buffers reaching the library's callback keep CUPTI
+/// attached for good; nothing is freed twice or read after its free.
+#[test]
+fn an_unseen_profiler_freeing_every_buffer_it_is_handed_leaves_no_double_free() {
+    memcheck_sequences(
+        "cuda_memcheck_careless",
+        &[
+            "--rival-direct",
+            "--rival-early",
+            "--rival-subscribe",
+            "--rival-frees-all",
+        ],
+    );
+}
+
+fn memcheck_sequences(name: &str, rival: &[&str]) {
     if std::env::var("DEVTRACE_SKIP_MEMCHECK").is_ok_and(|v| v == "1") {
         eprintln!("skipped: DEVTRACE_SKIP_MEMCHECK=1");
         return;
@@ -1794,7 +1828,7 @@ fn capture_and_profiler_sequences_are_memory_safe_under_memcheck() {
     let valgrind = which("valgrind").expect(
         "valgrind is needed (apt-get install valgrind; DEVTRACE_SKIP_MEMCHECK=1 skips this test)",
     );
-    let mut setup = setup("cuda_memcheck");
+    let mut setup = setup(name);
     setup.program = rival_linked_program();
     let env = setup.environment("CUDA_INJECTION64_PATH");
     let mut env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
@@ -1805,7 +1839,7 @@ fn capture_and_profiler_sequences_are_memory_safe_under_memcheck() {
         ("DEVTRACE_INJECT_POLL_MS", "2"),
     ]);
     let program = setup.program.to_str().unwrap().to_string();
-    let args = [
+    let mut args = vec![
         "--error-exitcode=99",
         "--leak-check=no",
         "-q",
@@ -1820,8 +1854,8 @@ fn capture_and_profiler_sequences_are_memory_safe_under_memcheck() {
         "4",
         "--rival-every",
         "11",
-        "--rival-linked",
     ];
+    args.extend_from_slice(rival);
     let mut workload = CudaWorkload::start(&valgrind, &args, &env);
     let ring = loop {
         let found = std::fs::read_dir(setup.runtime.path())

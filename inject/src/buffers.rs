@@ -91,22 +91,21 @@ pub fn out() -> usize {
     LENT.lock().map_or(0, |mut lent| lent.addresses().len())
 }
 
-/// After CUPTI was finalized it holds no buffer: the ones it never handed
-/// back are given up. They are freed when no other CUPTI user ever showed
-/// itself in the process (nothing else could have been handed them) and
-/// otherwise left allocated, as another user's callback may still hold
-/// them. Returns how many there were.
-pub fn give_up_unreturned(other_user_ever: bool) -> usize {
+/// After CUPTI was finalized it holds no buffer of ours: one it never
+/// handed back to our callback was handed to another user's (which may
+/// have freed it, or still read it), so it is given up and never freed
+/// here: a leak is bounded, a second free is not. Returns how many there
+/// were this time.
+pub fn give_up_unreturned() -> usize {
     let Ok(mut lent) = LENT.lock() else { return 0 };
-    let addresses: Vec<usize> = lent.addresses().drain().collect();
-    lent.unreturned_total += addresses.len() as u64;
-    if !other_user_ever {
-        for address in &addresses {
-            // SAFETY: each came from `lend` and left the set just now.
-            unsafe { std::alloc::dealloc(*address as *mut u8, layout()) };
-        }
-    }
-    addresses.len()
+    let given_up = lent.addresses().drain().count();
+    lent.unreturned_total += given_up as u64;
+    given_up
+}
+
+/// Buffers given up since the process started.
+pub fn unreturned_total() -> u64 {
+    LENT.lock().map_or(0, |lent| lent.unreturned_total)
 }
 
 #[cfg(test)]

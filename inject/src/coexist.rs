@@ -17,9 +17,12 @@
 //!   `cuptiSubscribe` and `cuptiUnsubscribe` pass through this library on
 //!   their way to libcupti, unchanged: through the names it exports (enough
 //!   when it is preloaded; [`join_global_scope`] adds them to the global
-//!   scope when the driver loads it) and through other libraries' GOT
-//!   slots, redirected to its hooks ([`redirect_callers`]; PyTorch binds to
-//!   libcupti directly). Before a foreign registration passes on, our
+//!   scope when the driver loads it), through other libraries' GOT slots,
+//!   redirected to its hooks ([`redirect_callers`]; PyTorch binds to
+//!   libcupti directly), and through libcupti's own symbol table, whose
+//!   entries for those names point at the hooks once the library has
+//!   resolved the real ones (`dlsym` on libcupti's handle, as XLA's CUPTI
+//!   wrapper does, and libraries loaded later find the hooks). Before a foreign registration passes on, our
 //!   buffers are flushed back to us; it marks the stream as taken; once the
 //!   other user has switched off every kind it enabled and flushed (or a
 //!   second later), or finalized CUPTI, the stream is taken back at the
@@ -27,8 +30,8 @@
 //! - **A buffer that is not ours** reaching our callback
 //!   ([`foreign_buffer_arrived`]): some user registered callbacks before
 //!   ours and had buffers in flight. When no user was seen through
-//!   interposition, that one reaches CUPTI some other way (`dlsym` on
-//!   libcupti's handle, as XLA's CUPTI wrapper does): its end cannot be
+//!   interposition, that one reaches CUPTI some other way (it resolved
+//!   libcupti's functions before this library loaded): its end cannot be
 //!   seen, so CUPTI is never finalized in the process again.
 //!
 //! Buffers of ours that CUPTI never hands back are not taken for another
@@ -114,6 +117,11 @@ pub fn redirect_callers() -> usize {
         name,
         to: hook as usize,
     });
+    // Once the real entry points are resolved, later lookups in libcupti
+    // itself find the hooks too.
+    if crate::cupti::library_ref().is_some() {
+        crate::got::retarget_exports(&redirects);
+    }
     crate::got::redirect(&redirects)
 }
 
@@ -140,11 +148,6 @@ pub fn foreign_done() -> bool {
 /// A buffer that is not ours reached our `bufferCompleted`.
 pub fn foreign_buffer_arrived() {
     FOREIGN_BUFFERS.fetch_add(1, Ordering::AcqRel);
-}
-
-/// Whether another CUPTI user ever showed itself in this process.
-pub fn other_user_ever() -> bool {
-    FOREIGN_EVER_SEEN.load(Ordering::Acquire) || FOREIGN_BUFFERS.load(Ordering::Acquire) > 0
 }
 
 /// Why CUPTI must stay attached for another user, if it must: the

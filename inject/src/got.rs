@@ -10,6 +10,14 @@
 //! again. libcupti itself (whose internal calls stay as they are) and this
 //! library are left alone. Slots already redirected are skipped, so it can
 //! run again for libraries loaded later.
+//!
+//! Callers that have not bound the names yet are covered at the source
+//! ([`retarget_exports`]): libcupti's own dynamic symbol table entries for
+//! them are pointed at this library's functions, so that `dlsym` on
+//! libcupti's handle (XLA's CUPTI wrapper looks every function up so), and
+//! the dynamic linker binding a library loaded later, find them. The real
+//! entry points were resolved before (`cupti/library.rs`), and libcupti's
+//! already relocated internal calls do not read the table again.
 
 use std::ffi::{c_int, c_void, CStr};
 
@@ -61,18 +69,39 @@ pub struct Redirect {
     pub to: usize,
 }
 
+/// What a walk over the loaded objects changes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// Other objects' GOT slots.
+    Callers,
+    /// libcupti's dynamic symbol table.
+    Exports,
+}
+
 struct Walk<'a> {
     redirects: &'a [Redirect],
     own_base: usize,
+    target: Target,
     patched: usize,
 }
 
 /// Redirects every loaded object's slots for `redirects`; returns how many
 /// slots were changed.
 pub fn redirect(redirects: &[Redirect]) -> usize {
+    walk(redirects, Target::Callers)
+}
+
+/// Points libcupti's dynamic symbol table entries for `redirects` at them;
+/// returns how many entries were changed.
+pub fn retarget_exports(redirects: &[Redirect]) -> usize {
+    walk(redirects, Target::Exports)
+}
+
+fn walk(redirects: &[Redirect], target: Target) -> usize {
     let mut walk = Walk {
         redirects,
         own_base: own_base(),
+        target,
         patched: 0,
     };
     // SAFETY: the callback only reads the loader's structures for each
@@ -119,12 +148,28 @@ unsafe fn visit_object(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c
             .to_str()
             .unwrap_or("")
     };
-    if name.contains("libcupti") || name.contains("linux-vdso") {
+    let is_cupti = name.contains("libcupti");
+    if name.contains("linux-vdso") || is_cupti != (walk.target == Target::Exports) {
         return 0;
     }
     // SAFETY: as above; phdrs are the object's program headers.
     let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
     let base = info.dlpi_addr as usize;
+    if walk.target == Target::Exports {
+        let Some(dynamic) = phdrs.iter().find(|p| p.p_type == PT_DYNAMIC) else {
+            return 0;
+        };
+        // SAFETY: the dynamic section and program headers of a loaded object.
+        unsafe {
+            patch_exports(
+                base,
+                (base + dynamic.p_vaddr as usize) as *const Dyn,
+                phdrs,
+                walk,
+            )
+        };
+        return 0;
+    }
     // This library's own slots stay as they are. It is known by its load
     // base; the main program's base is 0 (and so is an unknown own base),
     // which never counts as a match.
@@ -160,31 +205,67 @@ fn absolute(base: usize, value: u64) -> usize {
     }
 }
 
-unsafe fn patch_object(
-    base: usize,
-    dynamic: *const Dyn,
-    relro: Option<(usize, usize)>,
-    walk: &mut Walk,
-) {
-    let (mut strtab, mut symtab) = (0, 0);
-    let (mut jmprel, mut pltrelsz, mut rela, mut relasz) = (0, 0, 0, 0);
+/// What one object's dynamic section says where to find (addresses; 0
+/// where it has none).
+#[derive(Default)]
+struct Tables {
+    strtab: usize,
+    symtab: usize,
+    jmprel: usize,
+    pltrelsz: usize,
+    rela: usize,
+    relasz: usize,
+    hash: usize,
+    gnu_hash: usize,
+}
+
+/// Reads the dynamic section of the object loaded at `base`.
+///
+/// # Safety
+/// `dynamic` is that object's loaded dynamic section.
+unsafe fn tables(base: usize, dynamic: *const Dyn) -> Tables {
+    let mut t = Tables::default();
     let mut entry = dynamic;
     // SAFETY: entries up to DT_NULL belong to the section.
     unsafe {
         while (*entry).tag != DT_NULL {
             let value = (*entry).value;
             match (*entry).tag {
-                DT_STRTAB => strtab = absolute(base, value),
-                DT_SYMTAB => symtab = absolute(base, value),
-                DT_JMPREL => jmprel = absolute(base, value),
-                DT_PLTRELSZ => pltrelsz = value as usize,
-                DT_RELA => rela = absolute(base, value),
-                DT_RELASZ => relasz = value as usize,
+                DT_STRTAB => t.strtab = absolute(base, value),
+                DT_SYMTAB => t.symtab = absolute(base, value),
+                DT_JMPREL => t.jmprel = absolute(base, value),
+                DT_PLTRELSZ => t.pltrelsz = value as usize,
+                DT_RELA => t.rela = absolute(base, value),
+                DT_RELASZ => t.relasz = value as usize,
+                DT_HASH => t.hash = absolute(base, value),
+                DT_GNU_HASH => t.gnu_hash = absolute(base, value),
                 _ => {}
             }
             entry = entry.add(1);
         }
     }
+    t
+}
+
+/// # Safety
+/// `dynamic` is the dynamic section of the object loaded at `base`, and
+/// `relro` its RELRO range.
+unsafe fn patch_object(
+    base: usize,
+    dynamic: *const Dyn,
+    relro: Option<(usize, usize)>,
+    walk: &mut Walk,
+) {
+    // SAFETY: as the caller promises.
+    let Tables {
+        strtab,
+        symtab,
+        jmprel,
+        pltrelsz,
+        rela,
+        relasz,
+        ..
+    } = unsafe { tables(base, dynamic) };
     if strtab == 0 || symtab == 0 {
         return;
     }
@@ -243,5 +324,147 @@ unsafe fn write_slot(slot: *mut usize, value: usize, relro: Option<(usize, usize
         // SAFETY: as above.
         unsafe { libc::mprotect(page_start, page, libc::PROT_READ) };
     }
+    true
+}
+
+const DT_HASH: i64 = 4;
+const DT_GNU_HASH: i64 = 0x6fff_fef5;
+const PT_LOAD: u32 = 1;
+
+/// How many entries a dynamic symbol table has, from its hash table (the
+/// ELF header's section table is not loaded).
+///
+/// # Safety
+/// `hash` (DT_HASH) or `gnu_hash` (DT_GNU_HASH), when not 0, are the loaded
+/// hash tables of one object.
+unsafe fn symbol_count(hash: usize, gnu_hash: usize) -> usize {
+    if hash != 0 {
+        // SAFETY: DT_HASH starts with nbucket and nchain (u32); nchain is the
+        // number of symbols.
+        return unsafe { (hash as *const u32).add(1).read() } as usize;
+    }
+    if gnu_hash == 0 {
+        return 0;
+    }
+    // SAFETY: a GNU hash table: nbuckets, symoffset, bloom size, bloom
+    // shift, the bloom words (8 bytes each on 64-bit), the buckets, then
+    // one chain word per symbol from symoffset on, the last of each chain
+    // with its low bit set.
+    unsafe {
+        let header = gnu_hash as *const u32;
+        let nbuckets = header.read() as usize;
+        let symoffset = header.add(1).read() as usize;
+        let bloom_words = header.add(2).read() as usize;
+        let buckets = (gnu_hash + 16 + bloom_words * 8) as *const u32;
+        let chains = buckets.add(nbuckets);
+        let last_start = (0..nbuckets)
+            .map(|i| buckets.add(i).read() as usize)
+            .max()
+            .unwrap_or(0);
+        if last_start < symoffset {
+            return symoffset;
+        }
+        let mut index = last_start;
+        while chains.add(index - symoffset).read() & 1 == 0 {
+            index += 1;
+        }
+        index + 1
+    }
+}
+
+/// Points the dynamic symbol table entries of one object (libcupti) named
+/// by `walk.redirects` at them.
+///
+/// # Safety
+/// `dynamic` and `phdrs` are the dynamic section and program headers of the
+/// object loaded at `base`.
+unsafe fn patch_exports(
+    base: usize,
+    dynamic: *const Dyn,
+    phdrs: &[libc::Elf64_Phdr],
+    walk: &mut Walk,
+) {
+    // SAFETY: as the caller promises.
+    let Tables {
+        strtab,
+        symtab,
+        hash,
+        gnu_hash,
+        ..
+    } = unsafe { tables(base, dynamic) };
+    if strtab == 0 || symtab == 0 {
+        return;
+    }
+    // SAFETY: the hash tables of this object.
+    let count = unsafe { symbol_count(hash, gnu_hash) };
+    for index in 0..count {
+        // SAFETY: an entry of this object's symbol table, and its name.
+        let symbol = unsafe { (symtab as *mut Sym).add(index) };
+        let (name_offset, shndx) = unsafe { ((*symbol).name, (*symbol).shndx) };
+        if shndx == 0 {
+            continue; // undefined here
+        }
+        let name =
+            unsafe { CStr::from_ptr((strtab + name_offset as usize) as *const libc::c_char) };
+        let Some(redirect) = walk.redirects.iter().find(|r| r.name == name) else {
+            continue;
+        };
+        // The loader adds the object's base to a symbol's value.
+        let value = (redirect.to as u64).wrapping_sub(base as u64);
+        // SAFETY: the `value` field of that entry.
+        let field = unsafe { std::ptr::addr_of_mut!((*symbol).value) };
+        if unsafe { field.read_volatile() } == value {
+            continue;
+        }
+        // SAFETY: an aligned u64 inside a loaded segment of this object.
+        if unsafe { write_in_segment(field, value, base, phdrs) } {
+            walk.patched += 1;
+        }
+    }
+}
+
+/// Writes one u64 of a loaded object's read-only segment: the page is made
+/// writable for the write, then given the segment's own protection back.
+/// (A concurrent lookup reads either the old or the new value: the write
+/// is one aligned word.)
+///
+/// # Safety
+/// `field` is an aligned u64 inside a `PT_LOAD` segment of the object
+/// loaded at `base` with program headers `phdrs`.
+unsafe fn write_in_segment(
+    field: *mut u64,
+    value: u64,
+    base: usize,
+    phdrs: &[libc::Elf64_Phdr],
+) -> bool {
+    let address = field as usize;
+    let Some(segment) = phdrs.iter().find(|p| {
+        let start = base + p.p_vaddr as usize;
+        p.p_type == PT_LOAD && address >= start && address < start + p.p_memsz as usize
+    }) else {
+        return false;
+    };
+    let mut protection = 0;
+    if segment.p_flags & 4 != 0 {
+        protection |= libc::PROT_READ;
+    }
+    if segment.p_flags & 2 != 0 {
+        protection |= libc::PROT_WRITE;
+    }
+    if segment.p_flags & 1 != 0 {
+        protection |= libc::PROT_EXEC;
+    }
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+    // An aligned u64 never straddles two pages.
+    let page_start = (address & !(page - 1)) as *mut c_void;
+    // SAFETY: the page holds this object's segment.
+    if unsafe { libc::mprotect(page_start, page, protection | libc::PROT_WRITE) } != 0 {
+        return false;
+    }
+    // SAFETY: aligned, inside the segment, writable now.
+    unsafe { field.write_volatile(value) };
+    // SAFETY: as above.
+    unsafe { libc::mprotect(page_start, page, protection) };
     true
 }

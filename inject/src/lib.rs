@@ -288,6 +288,8 @@ fn control_loop() {
         Err(error) => return fail(&error),
     };
     let Some(session) = SESSION.get() else { return };
+    // Users that look CUPTI up from now on find the hooks.
+    coexist::redirect_callers();
     session.write_meta(&MetaRecord::Cupti {
         version: loaded.version,
         origin: loaded.origin.to_string(),
@@ -319,6 +321,7 @@ fn control_loop() {
         unselectable_told: false,
         teardown: None,
         kept_attached_told: false,
+        next_detach_try: None,
     };
     while !quiet() {
         std::thread::sleep(poll);
@@ -363,6 +366,8 @@ struct Tracer {
     teardown: Option<Teardown>,
     /// Why CUPTI stays attached was said, since the last capture.
     kept_attached_told: bool,
+    /// After a refused detach, when to try again.
+    next_detach_try: Option<Instant>,
 }
 
 impl Tracer {
@@ -407,6 +412,7 @@ impl Tracer {
             teardown.cancel();
         }
         self.kept_attached_told = false;
+        self.next_detach_try = None;
         if !self.exit_flush_set {
             // SAFETY: registers a plain `extern "C"` function.
             unsafe { libc::atexit(flush_at_exit) };
@@ -542,30 +548,40 @@ impl Tracer {
             }
             return;
         }
+        if self
+            .next_detach_try
+            .is_some_and(|next| Instant::now() < next)
+        {
+            return;
+        }
         let teardown = self.teardown.get_or_insert_with(Teardown::new);
         match teardown.step() {
             Progress::Waiting => {}
             Progress::Detached { .. } => {
                 self.teardown = None;
                 self.api = None;
-                let unreturned = buffers::give_up_unreturned(coexist::other_user_ever());
+                let unreturned = buffers::give_up_unreturned();
                 if unreturned > 0 {
                     session.write_meta(&MetaRecord::Warning {
                         message: format!(
                             "CUPTI was detached without handing back {unreturned} of the \
-                             library's activity buffers: the records in them are lost"
+                             library's activity buffers ({} in all so far): they went to another \
+                             CUPTI user's callback, the records in them are lost, and their memory \
+                             is left to that user",
+                            buffers::unreturned_total()
                         ),
                     });
                 }
             }
             Progress::Refused(why) => {
                 self.teardown = None;
+                self.next_detach_try = Some(Instant::now() + detach::RETRY_EVERY);
                 if !self.kept_attached_told {
                     self.kept_attached_told = true;
                     session.write_meta(&MetaRecord::Warning {
                         message: format!(
                             "CUPTI stays attached after the capture, at a cost on every CUDA \
-                             call: {why}"
+                             call: {why} (detaching is tried again every second)"
                         ),
                     });
                 }

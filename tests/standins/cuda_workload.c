@@ -21,6 +21,14 @@
  *                          must be linked with -lcupti), through its PLT and GOT, as a
  *                          framework linked against libcupti (PyTorch's Kineto) does
  *   --rival-every K        start the rival again every K iterations (from --rival-at on)
+ *   --rival-subscribe      the rival also holds a Callback API subscriber while it runs
+ *                          (taken before its activity callbacks, as XLA's CUPTI tracer
+ *                          does); refused one, it traces nothing that time (said on
+ *                          stderr and counted, not fatal)
+ *   --rival-frees-all      the rival frees every buffer its bufferCompleted gets, its own
+ *                          or not (a careless profiler)
+ *   --rival-early          the rival looks its CUPTI functions up before cuInit, so before
+ *                          the injection library can redirect anything: it is unseen
  *   --quiet                print no `call` lines
  *   --rate-ms N            every N ms print `rate end_ns=T iterations=I` (I: iterations
  *                          finished so far by all threads, T: CLOCK_REALTIME ns)
@@ -67,12 +75,15 @@
  * iterations N .. N+M-1 as usual (fewer if ITERATIONS ends first; never if
  * N >= ITERATIONS); disables the three kinds; cuptiActivityFlushAll(1);
  * takes t1 (before the --sleep-ms pause of iteration N+M-1); and prints
- *   rival: kernels=K start_ns=T0 end_ns=T1
+ *   rival: kernels=K start_ns=T0 end_ns=T1 subscribe_refused=R
  * where K counts the kernel records (kind 3 or 10) its bufferCompleted got
- * (2 per iteration, 4 with --graph). Its callbacks free only buffers it
- * allocated (it keeps a table) and ignore others; it never calls
- * cuptiSubscribe. A CUPTI call failing or missing is reported on stderr and
- * makes the exit status 1. None of this prints `call` lines.
+ * (2 per iteration, 4 with --graph; cumulative over --rival-every windows)
+ * and R the subscribers refused it (--rival-subscribe). Its callbacks free
+ * only buffers it allocated (it keeps a table) and ignore others, unless
+ * --rival-frees-all; it calls cuptiSubscribe only with --rival-subscribe
+ * (and cuptiUnsubscribe after its flush). A CUPTI call failing or missing
+ * (but a refused subscriber) is reported on stderr and makes the exit
+ * status 1. None of this prints `call` lines.
  *
  * Output, one line per call, flushed at once:
  *   call NAME pid=P tid=T t0=NS t1=NS rt0=NS rt1=NS rc=R [thread=K iter=I] [key=value ...]
@@ -205,7 +216,9 @@ static const char real_ptx[] =
 
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
-    int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, quiet, rate_ms;
+    int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all;
+    int rival_early;
+    int quiet, rate_ms;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
 static unsigned long iterations_done;
@@ -406,6 +419,9 @@ extern int cuptiActivityEnable(int kind) __attribute__((weak));
 extern int cuptiActivityDisable(int kind) __attribute__((weak));
 extern int cuptiActivityFlushAll(uint32_t flag) __attribute__((weak));
 extern int cuptiActivityGetNextRecord(uint8_t *buffer, size_t valid, CUpti_Activity **record) __attribute__((weak));
+typedef void (*RivalCallbackFunc)(void *userdata, int domain, uint32_t cbid, const void *data);
+extern int cuptiSubscribe(void **subscriber, RivalCallbackFunc callback, void *userdata) __attribute__((weak));
+extern int cuptiUnsubscribe(void *subscriber) __attribute__((weak));
 
 static struct {
     int (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc);
@@ -413,7 +429,18 @@ static struct {
     int (*disable)(int kind);
     int (*flush_all)(uint32_t flag);
     int (*next_record)(uint8_t *buffer, size_t valid, CUpti_Activity **record);
+    int (*subscribe)(void **subscriber, RivalCallbackFunc callback, void *userdata);
+    int (*unsubscribe)(void *subscriber);
 } rival;
+static void *rival_subscriber;
+static unsigned long rival_subscribe_refused;
+
+static void rival_callback(void *userdata, int domain, uint32_t cbid, const void *data) {
+    (void)userdata;
+    (void)domain;
+    (void)cbid;
+    (void)data;
+}
 static int rival_active;
 static uint64_t rival_t0;
 static pthread_mutex_t rival_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -448,7 +475,8 @@ static void rival_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, siz
     size_t slot = sizeof rival_buffers / sizeof rival_buffers[0];
     for (size_t i = 0; buffer && i < sizeof rival_buffers / sizeof rival_buffers[0]; i++)
         if (rival_buffers[i] == buffer) slot = i;
-    if (slot == sizeof rival_buffers / sizeof rival_buffers[0]) { /* not ours: leave it alone */
+    if (slot == sizeof rival_buffers / sizeof rival_buffers[0]) { /* not ours */
+        if (options.rival_frees_all && buffer) free(buffer);
         pthread_mutex_unlock(&rival_lock);
         return;
     }
@@ -474,13 +502,18 @@ static void rival_failed(const char *what, int code) {
     failed = 1;
 }
 
-static void rival_begin(void) {
+/* Finds the rival's CUPTI functions (once). */
+static void rival_resolve(void) {
+    static int resolved;
+    if (resolved++) return;
     if (options.rival_linked) {
         rival.register_callbacks = cuptiActivityRegisterCallbacks;
         rival.enable = cuptiActivityEnable;
         rival.disable = cuptiActivityDisable;
         rival.flush_all = cuptiActivityFlushAll;
         rival.next_record = cuptiActivityGetNextRecord;
+        rival.subscribe = cuptiSubscribe;
+        rival.unsubscribe = cuptiUnsubscribe;
     } else {
         rival.register_callbacks = (int (*)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc))
             rival_symbol("cuptiActivityRegisterCallbacks");
@@ -489,14 +522,36 @@ static void rival_begin(void) {
         rival.flush_all = (int (*)(uint32_t))rival_symbol("cuptiActivityFlushAll");
         rival.next_record =
             (int (*)(uint8_t *, size_t, CUpti_Activity **))rival_symbol("cuptiActivityGetNextRecord");
+        rival.subscribe = (int (*)(void **, RivalCallbackFunc, void *))rival_symbol("cuptiSubscribe");
+        rival.unsubscribe = (int (*)(void *))rival_symbol("cuptiUnsubscribe");
     }
+}
+
+static void rival_begin(void) {
+    rival_resolve();
     if (!rival.register_callbacks || !rival.enable || !rival.disable || !rival.flush_all || !rival.next_record) {
         fprintf(stderr, "cuda_workload: rival: no CUPTI Activity API: %s\n", dlerror());
         failed = 1;
         return;
     }
     rival_t0 = now(CLOCK_REALTIME);
-    int rc = rival.register_callbacks(rival_requested, rival_completed);
+    int rc;
+    if (options.rival_subscribe) {
+        if (!rival.subscribe || !rival.unsubscribe) {
+            fprintf(stderr, "cuda_workload: rival: no cuptiSubscribe\n");
+            failed = 1;
+            return;
+        }
+        rival_subscriber = NULL;
+        if ((rc = rival.subscribe(&rival_subscriber, rival_callback, NULL)) != 0) {
+            /* As XLA's tracer: no subscriber, no tracing this time. */
+            fprintf(stderr, "cuda_workload: rival: cuptiSubscribe refused (%d)\n", rc);
+            rival_subscribe_refused++;
+            rival_subscriber = NULL;
+            return;
+        }
+    }
+    rc = rival.register_callbacks(rival_requested, rival_completed);
     if (rc) {
         rival_failed("cuptiActivityRegisterCallbacks", rc);
         return;
@@ -514,13 +569,17 @@ static void rival_end(void) {
     for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
         if ((rc = rival.disable(kinds[i])) != 0) rival_failed("cuptiActivityDisable", rc);
     if ((rc = rival.flush_all(1)) != 0) rival_failed("cuptiActivityFlushAll", rc);
+    if (rival_subscriber) {
+        if ((rc = rival.unsubscribe(rival_subscriber)) != 0) rival_failed("cuptiUnsubscribe", rc);
+        rival_subscriber = NULL;
+    }
     uint64_t t1 = now(CLOCK_REALTIME);
     pthread_mutex_lock(&rival_lock);
     unsigned long kernels = rival_kernels;
     pthread_mutex_unlock(&rival_lock);
     pthread_mutex_lock(&output_lock);
-    printf("rival: kernels=%lu start_ns=%llu end_ns=%llu\n", kernels, (unsigned long long)rival_t0,
-           (unsigned long long)t1);
+    printf("rival: kernels=%lu start_ns=%llu end_ns=%llu subscribe_refused=%lu\n", kernels,
+           (unsigned long long)rival_t0, (unsigned long long)t1, rival_subscribe_refused);
     fflush(stdout);
     pthread_mutex_unlock(&output_lock);
 }
@@ -596,7 +655,8 @@ static int usage(void) {
     fprintf(stderr,
             "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
             "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph]\n"
-            "                     [--rival-at N [--rival-iterations M] [--rival-every K]]\n"
+            "                     [--rival-at N [--rival-iterations M] [--rival-every K] [--rival-direct]\n"
+            "                      [--rival-linked] [--rival-subscribe] [--rival-frees-all] [--rival-early]]\n"
             "                     [--quiet] [--rate-ms N]\n");
     return 2;
 }
@@ -619,6 +679,9 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-direct") == 0) options.rival_direct = 1;
         else if (strcmp(a, "--rival-linked") == 0) options.rival_linked = 1;
         else if (strcmp(a, "--rival-every") == 0 && i + 1 < argc) options.rival_every = atoi(argv[++i]);
+        else if (strcmp(a, "--rival-subscribe") == 0) options.rival_subscribe = 1;
+        else if (strcmp(a, "--rival-frees-all") == 0) options.rival_frees_all = 1;
+        else if (strcmp(a, "--rival-early") == 0) options.rival_early = 1;
         else if (strcmp(a, "--quiet") == 0) options.quiet = 1;
         else if (strcmp(a, "--rate-ms") == 0 && i + 1 < argc) options.rate_ms = atoi(argv[++i]);
         else return usage();
@@ -630,6 +693,7 @@ int main(int argc, char **argv) {
     graph_exec_id_fn = (unsigned int (*)(CUgraphExec))dlsym(RTLD_DEFAULT, "devtrace_standin_graph_exec_id");
 
     if (options.init_wait_file) wait_for(options.init_wait_file);
+    if (options.rival_early) rival_resolve();
 
     struct stamp s;
     CUresult rc;
