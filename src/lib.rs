@@ -12,16 +12,13 @@ pub mod backend;
 pub mod beneath;
 pub mod cli;
 pub mod client;
-pub mod clock;
 pub mod collect;
-pub mod event;
 #[cfg(test)]
 mod fuzz;
 pub mod host_process;
 pub mod hosts;
 pub mod registry;
 pub mod riegeli;
-pub mod ring;
 pub mod service;
 pub mod session;
 pub mod storage;
@@ -32,8 +29,11 @@ pub mod telemetry;
 pub mod tls;
 pub mod tools;
 pub mod trigger;
-pub mod workload;
 pub mod xspace;
+
+// The shared-memory contract with the injection library, as the agent's
+// own modules.
+pub use devtrace_shm::{clock, event, ring, workload};
 
 /// Types generated from `proto/`.
 pub mod proto {

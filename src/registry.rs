@@ -23,18 +23,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use crate::event::{Device, NameId};
-
-/// Static facts about a device, written as plane-level stats.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct DeviceInfo {
-    pub vendor: String,
-    pub model: String,
-    pub compute_capability: (u32, u32),
-    pub core_count: u32,
-    pub clock_rate_khz: u64,
-    pub memory_bytes: u64,
-    pub memory_bandwidth_bytes_per_s: u64,
-}
+pub use devtrace_shm::device::{gpu_uuid_text, DeviceInfo};
 
 /// The longest name kept whole, in bytes.
 pub const MAX_NAME_BYTES: usize = 4096;
@@ -74,24 +63,6 @@ pub struct Registry {
     devices: RwLock<BTreeMap<Device, DeviceInfo>>,
     /// Plane id of each physical GPU, by UUID.
     gpus: RwLock<HashMap<String, u16>>,
-}
-
-/// A GPU UUID's 16 bytes in NVML's text form, `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
-pub fn gpu_uuid_text(bytes: &[u8; 16]) -> String {
-    let hex = |range: std::ops::Range<usize>| {
-        bytes[range]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    };
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        hex(0..4),
-        hex(4..6),
-        hex(6..8),
-        hex(8..10),
-        hex(10..16)
-    )
 }
 
 impl Default for Registry {

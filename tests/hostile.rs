@@ -23,7 +23,7 @@ use devtrace::workload::MetaRecord;
 
 const NOBODY: u32 = 65534;
 
-/// Offsets into a ring file (checked in `src/ring/layout.rs`).
+/// Offsets into a ring file (checked in `crates/devtrace-shm/src/ring/layout.rs`).
 const LANE_COUNT_OFFSET: u64 = 12;
 const TOTAL_SIZE_OFFSET: u64 = 32;
 const LANE0_HEAD_OFFSET: u64 = 192;

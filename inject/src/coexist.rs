@@ -138,7 +138,7 @@ pub fn foreign_holder() -> Option<u64> {
 pub fn foreign_done() -> bool {
     let idle_since = FOREIGN_IDLE_SINCE_NS.load(Ordering::Acquire);
     if idle_since != 0
-        && devtrace::clock::now_ns().saturating_sub(idle_since) > FOREIGN_FLUSH_GRACE_NS
+        && devtrace_shm::clock::now_ns().saturating_sub(idle_since) > FOREIGN_FLUSH_GRACE_NS
     {
         foreign_finished();
     }
@@ -255,7 +255,7 @@ unsafe extern "C" fn register_callbacks_hook(
             seen_foreign();
             FOREIGN_KINDS.store(0, Ordering::Release);
             FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
-            FOREIGN_SINCE_NS.store(devtrace::clock::now_ns(), Ordering::Release);
+            FOREIGN_SINCE_NS.store(devtrace_shm::clock::now_ns(), Ordering::Release);
             FOREIGN_REGISTERED.store(true, Ordering::Release);
         }
         result
@@ -320,7 +320,8 @@ unsafe extern "C" fn disable_hook(kind: c_int) -> CuptiResult {
             let bit = kind_bit(kind);
             let left = FOREIGN_KINDS.fetch_and(!bit, Ordering::AcqRel) & !bit;
             if left == 0 && FOREIGN_REGISTERED.load(Ordering::Acquire) {
-                FOREIGN_IDLE_SINCE_NS.store(devtrace::clock::now_ns().max(1), Ordering::Release);
+                FOREIGN_IDLE_SINCE_NS
+                    .store(devtrace_shm::clock::now_ns().max(1), Ordering::Release);
             }
         }
         result

@@ -10,11 +10,11 @@
 
 use std::collections::HashMap;
 
-use devtrace::event::{
+use devtrace_shm::device::DeviceInfo;
+use devtrace_shm::event::{
     AllocatorTally, CopyInfo, CopyKind, Device, Event, KernelInfo, MemsetInfo, NameId, Payload,
 };
-use devtrace::registry::DeviceInfo;
-use devtrace::workload::{MetaRecord, LINE_MEMORY, LINE_OVERHEAD, LINE_SYNCHRONIZATION};
+use devtrace_shm::workload::{MetaRecord, LINE_MEMORY, LINE_OVERHEAD, LINE_SYNCHRONIZATION};
 
 use crate::cupti::kind;
 use crate::cupti::layout::{self, RecordRef};
@@ -332,7 +332,7 @@ impl Converter {
         let uuid: [u8; 16] = r.read(d::UUID);
         self.pending_meta.push(MetaRecord::Device {
             ordinal: ordinal as u16,
-            uuid: (uuid != [0; 16]).then(|| devtrace::registry::gpu_uuid_text(&uuid)),
+            uuid: (uuid != [0; 16]).then(|| devtrace_shm::device::gpu_uuid_text(&uuid)),
             info: DeviceInfo {
                 vendor: "Nvidia".into(),
                 model: r.string(d::NAME).unwrap_or_default(),

@@ -286,7 +286,7 @@ fn finalize(gate: &mut Attachment) {
         // The subscriber went with everything else.
         SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
         *gate = Attachment::Detached;
-        DETACHED_NS.store(devtrace::clock::now_ns().max(1), Ordering::Release);
+        DETACHED_NS.store(devtrace_shm::clock::now_ns().max(1), Ordering::Release);
     } else {
         FINALIZE_FAILED.store(result, Ordering::Release);
     }

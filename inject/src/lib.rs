@@ -31,8 +31,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
-use devtrace::ring::{Control, DropPolicy, Producer, Ring};
-use devtrace::workload::{self, ApiRecordSet, MetaRecord, MetaWriter, WorkloadFiles};
+use devtrace_shm::ring::{Control, DropPolicy, Producer, Ring};
+use devtrace_shm::workload::{self, ApiRecordSet, MetaRecord, MetaWriter, WorkloadFiles};
 
 use convert::{ClockMap, Converter};
 use detach::{Attachment, Progress, Teardown};
@@ -384,7 +384,7 @@ impl Tracer {
             // taken from it.
             (Stream::Off, true) => match coexist::foreign_holder() {
                 Some(_) => {
-                    self.displaced_at(session, true, devtrace::clock::now_ns());
+                    self.displaced_at(session, true, devtrace_shm::clock::now_ns());
                     Ok(())
                 }
                 None => self.take(session),
@@ -429,7 +429,7 @@ impl Tracer {
         cupti::register_callbacks(buffer_requested, buffer_completed)?;
         if self.displaced {
             session.write_meta(&MetaRecord::Resumed {
-                at_ns: devtrace::clock::now_ns(),
+                at_ns: devtrace_shm::clock::now_ns(),
             });
             self.displaced = false;
         }
@@ -443,7 +443,7 @@ impl Tracer {
         self.switch_api(session, current)?;
         drop(gate);
         session.write_meta(&MetaRecord::Recording {
-            at_ns: devtrace::clock::now_ns(),
+            at_ns: devtrace_shm::clock::now_ns(),
         });
         self.stream = Stream::Ours;
         self.last_flush = Some(Instant::now());
@@ -465,7 +465,7 @@ impl Tracer {
             session.write_meta(&MetaRecord::Warning { message: why });
         }
         session.write_meta(&MetaRecord::ApiRecords {
-            at_ns: devtrace::clock::now_ns(),
+            at_ns: devtrace_shm::clock::now_ns(),
             set,
         });
         self.api = Some(set);
@@ -614,9 +614,9 @@ impl Tracer {
 
 /// Measures CUPTI's clock against `CLOCK_REALTIME`.
 fn measure_clock() -> Result<ClockMap, String> {
-    let before = devtrace::clock::now_ns();
+    let before = devtrace_shm::clock::now_ns();
     let cupti_ns = cupti::timestamp()?;
-    let after = devtrace::clock::now_ns();
+    let after = devtrace_shm::clock::now_ns();
     Ok(ClockMap::from_readings(before, cupti_ns, after))
 }
 

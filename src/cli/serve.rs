@@ -205,8 +205,8 @@ pub struct ServeArgs {
     pub ring_capacity: u64,
 
     /// What a full ring gives up. Every drop is counted in the trace.
-    #[arg(long, value_enum, default_value_t = DropPolicy::DropNewest)]
-    pub drop_policy: DropPolicy,
+    #[arg(long, value_enum, default_value_t = DropPolicyArg::DropNewest)]
+    pub drop_policy: DropPolicyArg,
 
     /// Directory or bucket prefix (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX)
     /// the agent may write traces into, and read sessions from, when a
@@ -429,7 +429,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_bytes: args.store_size,
         },
         ring_capacity: args.ring_capacity,
-        drop_policy: args.drop_policy,
+        drop_policy: args.drop_policy.into(),
         ..AgentConfig::default()
     };
     let agent = Agent::start(&config).context("starting the agent")?;
@@ -643,5 +643,23 @@ async fn next_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
             signal.recv().await;
         }
         None => std::future::pending().await,
+    }
+}
+
+/// `--drop-policy`: the ring's [`DropPolicy`], named on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DropPolicyArg {
+    /// Keep what is already queued; refuse the new event.
+    DropNewest,
+    /// Keep the new event; overwrite the oldest unread one.
+    DropOldest,
+}
+
+impl From<DropPolicyArg> for DropPolicy {
+    fn from(arg: DropPolicyArg) -> DropPolicy {
+        match arg {
+            DropPolicyArg::DropNewest => DropPolicy::DropNewest,
+            DropPolicyArg::DropOldest => DropPolicy::DropOldest,
+        }
     }
 }

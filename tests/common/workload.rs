@@ -401,7 +401,7 @@ impl Drop for PlantedRing {
     }
 }
 
-/// Where `RingHeader::creator_pid` lies (`src/ring/layout.rs`).
+/// Where `RingHeader::creator_pid` lies (`crates/devtrace-shm/src/ring/layout.rs`).
 pub const CREATOR_PID_OFFSET: u64 = 44;
 
 /// Waits until the agent's CUDA backend reports `count` attached processes.

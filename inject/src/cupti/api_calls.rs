@@ -12,7 +12,7 @@
 //! kinds, as does any capture where the libcupti lacks the per-call entry
 //! points.
 
-use devtrace::workload::ApiRecordSet;
+use devtrace_shm::workload::ApiRecordSet;
 
 use super::library::{CuptiResult, EnableApi, CUPTI_SUCCESS};
 use super::{check, kind, lib};

@@ -333,7 +333,7 @@ fn open_ring_file(path: &Path) -> Result<(File, u64, FileIdentity), RingError> {
 /// A second descriptor of `file`, holding a shared lock on it.
 fn hold_shared(file: &File, path: &Path) -> Result<File, RingError> {
     let held = file.try_clone().map_err(|e| io_error("dup", path, e))?;
-    crate::host_process::hold_shared(&held).map_err(|e| io_error("lock", path, e))?;
+    crate::lock::hold_shared(&held).map_err(|e| io_error("lock", path, e))?;
     Ok(held)
 }
 
@@ -549,7 +549,7 @@ pub fn remove_stale_rings(dir: impl AsRef<Path>) -> io::Result<Vec<PathBuf>> {
         let path = entry.path();
         let name = entry.file_name().to_string_lossy().into_owned();
         let stale = if is_temp_name(&name) {
-            crate::host_process::abandoned(&path, TEMP_GRACE)
+            crate::lock::abandoned(&path, TEMP_GRACE)
         } else if name.ends_with(".ring") && entry.file_type()?.is_file() {
             ring_is_stale(&path)
         } else {
@@ -568,7 +568,7 @@ pub fn remove_stale_rings(dir: impl AsRef<Path>) -> io::Result<Vec<PathBuf>> {
 
 /// Whether the ring file at `path` is a ring no process holds.
 fn ring_is_stale(path: &Path) -> bool {
-    let Some(file) = crate::host_process::open_to_ask(path) else {
+    let Some(file) = crate::lock::open_to_ask(path) else {
         return false;
     };
     let Ok((size, _)) = check_file(&file, path) else {
@@ -577,7 +577,7 @@ fn ring_is_stale(path: &Path) -> bool {
     if validate(&file, size, path, OpenLimits::default()).is_err() {
         return false;
     }
-    matches!(crate::host_process::in_use(&file), Ok(false))
+    matches!(crate::lock::in_use(&file), Ok(false))
 }
 
 #[cfg(test)]

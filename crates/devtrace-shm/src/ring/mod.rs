@@ -71,7 +71,7 @@ pub use sources::SourceCounts;
 use crate::event::{Event, EVENT_WORDS};
 
 /// What a full lane gives up.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DropPolicy {
     /// Keep what is already queued; refuse the new event.
     DropNewest,

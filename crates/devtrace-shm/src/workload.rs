@@ -21,7 +21,7 @@ use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use crate::registry::DeviceInfo;
+use crate::device::DeviceInfo;
 
 /// Where rings and metadata live unless `DEVTRACE_RUNTIME_DIR` says otherwise.
 pub const DEFAULT_RUNTIME_DIR: &str = "/run/devtrace";
@@ -407,7 +407,7 @@ impl MetaWriter {
             .mode(0o600)
             .custom_flags(libc::O_CLOEXEC)
             .open(path)?;
-        crate::host_process::hold_shared(&file)?;
+        crate::lock::hold_shared(&file)?;
         Ok(MetaWriter { file })
     }
 
@@ -578,9 +578,10 @@ impl MetaReader {
     }
 }
 
-/// One record of every kind, with awkward strings: for tests and fuzzing.
-#[cfg(test)]
-pub(crate) fn sample_records() -> Vec<MetaRecord> {
+/// One record of every kind, with awkward strings: seeds for the agent's
+/// fuzzing and for tests of the line form.
+#[doc(hidden)]
+pub fn sample_records() -> Vec<MetaRecord> {
     vec![
         MetaRecord::Process {
             pid: 42,
