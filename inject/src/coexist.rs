@@ -199,10 +199,9 @@ fn real() -> Option<&'static crate::cupti::library::Library> {
     crate::cupti::library_ref()
 }
 
-/// Runs a hook's body; a panic in it answers `CUPTI_ERROR_UNKNOWN` rather
-/// than unwinding into the caller's C code.
+/// Runs a hook's body; a panic in it answers `CUPTI_ERROR_UNKNOWN`.
 fn guarded(body: impl FnOnce() -> CuptiResult) -> CuptiResult {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or(CUPTI_ERROR_UNKNOWN)
+    crate::ffi::guard("an interposed CUPTI entry point", CUPTI_ERROR_UNKNOWN, body)
 }
 
 fn seen_foreign() {

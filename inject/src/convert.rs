@@ -485,6 +485,7 @@ fn demangle(mangled: &str) -> String {
     let text = unsafe { std::ffi::CStr::from_ptr(out) }
         .to_string_lossy()
         .into_owned();
+    // SAFETY: the runtime's buffer, freed once, after its text was copied.
     unsafe { libc::free(out.cast()) };
     text
 }

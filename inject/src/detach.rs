@@ -40,12 +40,14 @@ pub const SUBSCRIBE_WINDOW: Duration = Duration::from_millis(250);
 /// How soon after a window without CUDA calls the next one opens.
 pub const RETRY_EVERY: Duration = Duration::from_secs(1);
 
+// What the Callback API's headers define (checked against every release by
+// `cupti/header_check.rs`).
 /// `CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`.
-const CUPTI_ERROR_MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
+pub(crate) const CUPTI_ERROR_MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
 /// `CUPTI_CB_DOMAIN_DRIVER_API` and `CUPTI_CB_DOMAIN_RUNTIME_API`.
-const DOMAINS: [c_int; 2] = [1, 2];
+pub(crate) const DOMAINS: [c_int; 2] = [1, 2];
 /// `CUPTI_API_EXIT`, the first field of `CUpti_CallbackData`.
-const CUPTI_API_EXIT: u32 = 1;
+pub(crate) const CUPTI_API_EXIT: u32 = 1;
 
 /// Where the library stands with CUPTI.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,13 +240,16 @@ pub fn give_way() {
 /// and exit while a teardown waits: at an exit, CUPTI is finalized. It never
 /// waits for the gate (a holder may be inside CUPTI waiting on this very
 /// call); a busy gate leaves it to the next call.
+///
+/// # Safety
+/// Called by CUPTI with a `CUpti_CallbackData` (or null) as `data`.
 unsafe extern "C" fn on_api_callback(
     _userdata: *mut c_void,
     _domain: c_int,
     _cbid: u32,
     data: *const c_void,
 ) {
-    let _ = std::panic::catch_unwind(|| {
+    crate::ffi::guard("the detach callback", (), || {
         if !ARMED.load(Ordering::Acquire) || data.is_null() {
             return;
         }

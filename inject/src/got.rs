@@ -128,11 +128,10 @@ fn own_base() -> usize {
 /// # Safety
 /// `info` is the loader's description of one object and `data` our `Walk`.
 unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, size: usize, data: *mut c_void) -> c_int {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    crate::ffi::guard("the loaded-object walk", 1, || {
         // SAFETY: as the caller promises.
         unsafe { visit_object(info, size, data) }
-    }))
-    .unwrap_or(1)
+    })
 }
 
 /// # Safety
@@ -282,8 +281,9 @@ unsafe fn patch_object(
                 continue;
             }
             let index = (relocation.info >> 32) as usize;
-            // SAFETY: a symbol of this object's table and its name.
+            // SAFETY: the relocation's symbol, in this object's table.
             let symbol = unsafe { &*(symtab as *const Sym).add(index) };
+            // SAFETY: its name, a NUL-terminated string of the string table.
             let name =
                 unsafe { CStr::from_ptr((strtab + symbol.name as usize) as *const libc::c_char) };
             let Some(redirect) = walk.redirects.iter().find(|r| r.name == name) else {
@@ -294,6 +294,7 @@ unsafe fn patch_object(
             if unsafe { slot.read_volatile() } == redirect.to {
                 continue;
             }
+            // SAFETY: as above; `relro` is this object's RELRO range.
             if unsafe { write_slot(slot, redirect.to, relro) } {
                 walk.patched += 1;
             }
@@ -302,7 +303,13 @@ unsafe fn patch_object(
 }
 
 /// Writes one slot, making its page writable for the write when it lies in
-/// a RELRO segment (read-only after relocation).
+/// a RELRO segment (read-only after relocation). A caller on another thread
+/// calling through the slot meanwhile jumps to the old or the new function:
+/// the write is one aligned word, and both forward to libcupti.
+///
+/// # Safety
+/// `slot` is an aligned GOT slot of a loaded object whose RELRO range, if
+/// it has one, is `relro`.
 unsafe fn write_slot(slot: *mut usize, value: usize, relro: Option<(usize, usize)>) -> bool {
     let address = slot as usize;
     // SAFETY: sysconf has no preconditions.
@@ -398,12 +405,15 @@ unsafe fn patch_exports(
     // SAFETY: the hash tables of this object.
     let count = unsafe { symbol_count(hash, gnu_hash) };
     for index in 0..count {
-        // SAFETY: an entry of this object's symbol table, and its name.
+        // SAFETY: below the count the hash table gives, an entry of this
+        // object's symbol table.
         let symbol = unsafe { (symtab as *mut Sym).add(index) };
+        // SAFETY: as above.
         let (name_offset, shndx) = unsafe { ((*symbol).name, (*symbol).shndx) };
         if shndx == 0 {
             continue; // undefined here
         }
+        // SAFETY: its name, a NUL-terminated string of the string table.
         let name =
             unsafe { CStr::from_ptr((strtab + name_offset as usize) as *const libc::c_char) };
         let Some(redirect) = walk.redirects.iter().find(|r| r.name == name) else {
@@ -413,6 +423,7 @@ unsafe fn patch_exports(
         let value = (redirect.to as u64).wrapping_sub(base as u64);
         // SAFETY: the `value` field of that entry.
         let field = unsafe { std::ptr::addr_of_mut!((*symbol).value) };
+        // SAFETY: as above, aligned (Elf64_Sym is 8-aligned).
         if unsafe { field.read_volatile() } == value {
             continue;
         }

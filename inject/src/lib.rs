@@ -18,11 +18,14 @@
 //! in the process (a framework profiler) is stepped aside for, never fought
 //! ([`coexist`]).
 
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 mod buffers;
 mod coexist;
 mod convert;
 mod cupti;
 mod detach;
+mod ffi;
 mod got;
 
 use std::collections::VecDeque;
@@ -86,12 +89,7 @@ extern "C" fn on_load() {
 static ON_LOAD: extern "C" fn() = on_load;
 
 fn start() {
-    // Called from the driver's cuInit and the loader: a panic must not
-    // unwind into either.
-    let started = std::panic::catch_unwind(|| START.call_once(start_once));
-    if started.is_err() {
-        fail("internal error (panic) starting");
-    }
+    ffi::guard("start-up", (), || START.call_once(start_once));
 }
 
 fn start_once() {
@@ -104,11 +102,7 @@ fn start_once() {
     coexist::redirect_callers();
     let spawned = std::thread::Builder::new()
         .name("devtrace-inject".into())
-        .spawn(|| {
-            if std::panic::catch_unwind(control_loop).is_err() {
-                fail("internal error (panic) in the control thread");
-            }
-        });
+        .spawn(|| ffi::guard("the control thread", (), control_loop));
     if let Err(error) = spawned {
         fail(&format!("cannot start its thread: {error}"));
     }
@@ -303,11 +297,7 @@ fn control_loop() {
     detach::set_converter(convert_pending_now);
     let converter = std::thread::Builder::new()
         .name("devtrace-convert".into())
-        .spawn(|| {
-            if std::panic::catch_unwind(convert_loop).is_err() {
-                fail("internal error (panic) converting CUPTI records");
-            }
-        });
+        .spawn(|| ffi::guard("the converter thread", (), convert_loop));
     if let Err(error) = converter {
         return fail(&format!("cannot start its converter thread: {error}"));
     }
@@ -653,7 +643,7 @@ fn flush(session: &Session, forced: bool) -> Result<(), String> {
 /// library makes no CUPTI call (the process is tearing down, libcupti's
 /// own state with it).
 extern "C" fn flush_at_exit() {
-    let _ = std::panic::catch_unwind(|| {
+    ffi::guard("the exit handler", (), || {
         let mut gate = detach::gate();
         let attached = *gate == Attachment::Attached;
         *gate = Attachment::Closed;
@@ -671,12 +661,15 @@ extern "C" fn flush_at_exit() {
 
 /// CUPTI asks for a buffer: one of ours, or none past the limit or when
 /// the library is quiet (CUPTI then drops records and counts them).
+///
+/// # Safety
+/// Called by CUPTI with three valid out-pointers.
 unsafe extern "C" fn buffer_requested(
     buffer: *mut *mut u8,
     size: *mut usize,
     max_records: *mut usize,
 ) {
-    let _ = std::panic::catch_unwind(|| {
+    ffi::guard("bufferRequested", (), || {
         let lent = SESSION
             .get()
             .filter(|_| !quiet())
@@ -693,6 +686,10 @@ unsafe extern "C" fn buffer_requested(
 
 /// CUPTI hands a buffer back: ours are queued for the converter (converted
 /// at once while CUPTI is being finalized); another user's are left alone.
+///
+/// # Safety
+/// Called by CUPTI with a buffer it completed (ours or not: that is checked
+/// before anything reads it) of `size` bytes, `valid` of them filled.
 unsafe extern "C" fn buffer_completed(
     _context: *mut std::ffi::c_void,
     _stream: u32,
@@ -700,7 +697,7 @@ unsafe extern "C" fn buffer_completed(
     size: usize,
     valid: usize,
 ) {
-    let _ = std::panic::catch_unwind(|| {
+    ffi::guard("bufferCompleted", (), || {
         if buffer.is_null() {
             return;
         }

@@ -333,3 +333,40 @@ fn the_timeline_calls_and_their_entry_points_match_the_real_headers() {
         assert_compiles(&dir.join("api_calls_check.c"), &source, &includes, &what);
     }
 }
+
+/// The Callback API the detach uses (`detach.rs`): the entry points'
+/// signatures as `library.rs` types them, the call site's place and values,
+/// the domains and the error a second subscriber gets, in every release.
+#[test]
+fn the_detach_entry_points_match_the_real_headers() {
+    use crate::detach::{CUPTI_API_EXIT, CUPTI_ERROR_MULTIPLE_SUBSCRIBERS, DOMAINS};
+    for (release, dir, includes) in unpacked() {
+        let source = format!(
+            "#include <stddef.h>\n#include <stdint.h>\n#include <cupti.h>\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuptiSubscribe), \
+             CUptiResult (*)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *)), \"Subscribe\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuptiUnsubscribe), \
+             CUptiResult (*)(CUpti_SubscriberHandle)), \"Unsubscribe\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuptiEnableDomain), \
+             CUptiResult (*)(uint32_t, CUpti_SubscriberHandle, CUpti_CallbackDomain)), \"EnableDomain\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuptiFinalize), \
+             CUptiResult (*)(void)), \"Finalize\");\n\
+             _Static_assert(__builtin_types_compatible_p(CUpti_CallbackFunc, \
+             void (*)(void *, CUpti_CallbackDomain, CUpti_CallbackId, const void *)), \"CallbackFunc\");\n\
+             _Static_assert(sizeof(CUpti_CallbackDomain) == 4 && sizeof(CUpti_CallbackId) == 4, \"sizes\");\n\
+             _Static_assert(offsetof(CUpti_CallbackData, callbackSite) == 0 \
+             && sizeof(CUpti_ApiCallbackSite) == 4, \"callbackSite\");\n\
+             _Static_assert(CUPTI_API_EXIT == {CUPTI_API_EXIT}, \"CUPTI_API_EXIT\");\n\
+             _Static_assert(CUPTI_CB_DOMAIN_DRIVER_API == {} \
+             && CUPTI_CB_DOMAIN_RUNTIME_API == {}, \"domains\");\n\
+             _Static_assert(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED \
+             == {CUPTI_ERROR_MULTIPLE_SUBSCRIBERS}, \"multiple subscribers\");\n",
+            DOMAINS[0], DOMAINS[1]
+        );
+        let what = format!(
+            "CUPTI {}: the Callback API differs from detach.rs",
+            release.name
+        );
+        assert_compiles(&dir.join("detach_check.c"), &source, &includes, &what);
+    }
+}

@@ -318,8 +318,8 @@ impl RecordRef {
     /// long as the buffer being read.
     pub fn string(self, field: Field) -> Option<String> {
         let ptr: *const std::ffi::c_char = self.read(field);
-        // SAFETY: a NUL-terminated string owned by libcupti, or null.
         (!ptr.is_null()).then(|| {
+            // SAFETY: a NUL-terminated string owned by libcupti.
             unsafe { std::ffi::CStr::from_ptr(ptr) }
                 .to_string_lossy()
                 .into_owned()
@@ -335,7 +335,9 @@ mod tests {
     fn fields_added_in_13_read_as_absent_before() {
         let mut record = [0u8; 248];
         record[208] = 1;
+        // SAFETY: a buffer as long as the newest kernel record.
         let v12 = unsafe { RecordRef::new(record.as_ptr(), 26) };
+        // SAFETY: as above.
         let v13 = unsafe { RecordRef::new(record.as_ptr(), 130001) };
         assert_eq!(v12.read_since::<u8>(kernel::IS_DEVICE_LAUNCHED), None);
         assert_eq!(v13.read_since::<u8>(kernel::IS_DEVICE_LAUNCHED), Some(1));

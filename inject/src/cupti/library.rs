@@ -79,6 +79,7 @@ pub struct Library {
 
 // SAFETY: plain function pointers into a library that is never unloaded.
 unsafe impl Send for Library {}
+// SAFETY: as above; nothing in it is ever written after it is made.
 unsafe impl Sync for Library {}
 
 /// Why no usable libcupti was found: every place tried, with what happened.
@@ -104,6 +105,7 @@ fn dlerror_text() -> String {
     if text.is_null() {
         "unknown error".into()
     } else {
+        // SAFETY: not null, so dlerror's NUL-terminated string.
         unsafe { std::ffi::CStr::from_ptr(text) }
             .to_string_lossy()
             .into_owned()
@@ -225,18 +227,21 @@ pub fn symbol(handle: *mut c_void, name: &str) -> Option<*mut c_void> {
 fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
     macro_rules! optional {
         ($name:literal, $ty:ty) => {
-            // SAFETY: the symbol, where there is one, is libcupti's function
-            // of that name, whose C signature the type spells out.
-            symbol(handle, $name)
-                .map(|address| unsafe { std::mem::transmute::<*mut c_void, $ty>(address) })
+            symbol(handle, $name).map(|address| {
+                // SAFETY: the symbol is libcupti's function of that name,
+                // whose C signature the type spells out.
+                unsafe { std::mem::transmute::<*mut c_void, $ty>(address) }
+            })
         };
     }
     macro_rules! entry {
         ($name:literal, $ty:ty) => {
             match symbol(handle, $name) {
-                // SAFETY: the symbol is libcupti's function of that name,
-                // whose C signature the type spells out.
-                Some(address) => unsafe { std::mem::transmute::<*mut c_void, $ty>(address) },
+                Some(address) => {
+                    // SAFETY: the symbol is libcupti's function of that
+                    // name, whose C signature the type spells out.
+                    unsafe { std::mem::transmute::<*mut c_void, $ty>(address) }
+                }
                 None => return Err(format!("{origin}: no {} in it", $name)),
             }
         };
