@@ -388,8 +388,9 @@ impl Ring {
         }
     }
 
-    /// The slot for `position` as plain words, for accesses the lane protocol
-    /// already orders (drop-newest).
+    /// The slot for `position` as plain words, for the producer's writes
+    /// under drop-newest, which the lane protocol orders (the consumer reads
+    /// slots with atomic loads whatever the producer does).
     fn slot_words(&self, lane: u32, position: u64) -> *mut [u64; EVENT_WORDS] {
         // SAFETY: the offset lies inside the region (see `slot`).
         unsafe {
@@ -744,14 +745,12 @@ impl Consumer {
                 overwritten += 1;
                 continue;
             }
-            if overwrite {
-                for (word, cell) in words.iter_mut().zip(&slot.words) {
-                    *word = cell.load(Ordering::Relaxed);
-                }
-            } else {
-                // SAFETY: published by the head store acquired above, and the
-                // producer does not reuse the slot before our tail store.
-                words = unsafe { ring.slot_words(lane, position).read() };
+            // Atomic loads under both policies: a producer in another process
+            // is not trusted to leave a published slot alone (one that
+            // rewrites it gives garbage words, which `from_words` and the
+            // translation validate, never a data race).
+            for (word, cell) in words.iter_mut().zip(&slot.words) {
+                *word = cell.load(Ordering::Relaxed);
             }
             if overwrite {
                 fence(Ordering::Acquire);
