@@ -49,30 +49,48 @@ use crate::detach::{self, Attachment};
 /// What a hook answers when this library failed inside it (`CUPTI_ERROR_UNKNOWN`).
 const CUPTI_ERROR_UNKNOWN: CuptiResult = 999;
 
-// What interposition saw of other users. Each flag is one fact, set and
-// cleared by the hooks (on the other user's threads) and read by the
-// control thread; no fact is derived from two flags read at different times
-// except in `foreign_done`, whose grace period makes the order moot.
-
-/// Set while a foreign user's callbacks are registered.
-static FOREIGN_REGISTERED: AtomicBool = AtomicBool::new(false);
-/// When it registered them (`CLOCK_REALTIME` ns).
-static FOREIGN_SINCE_NS: AtomicU64 = AtomicU64::new(0);
-/// Kinds (bit per `CUpti_ActivityKind` below 64) the foreign user enabled.
-static FOREIGN_KINDS: AtomicU64 = AtomicU64::new(0);
-/// A foreign user finished since the control loop last looked.
-static FOREIGN_DONE: AtomicBool = AtomicBool::new(false);
-/// When the foreign user switched its last kind off (0: it has some on).
-/// It is done once it has also flushed, or a second later: taking the
-/// stream back before its final flush would send its last buffers to us.
-static FOREIGN_IDLE_SINCE_NS: AtomicU64 = AtomicU64::new(0);
 const FOREIGN_FLUSH_GRACE_NS: u64 = 1_000_000_000;
-/// Set while a foreign user holds a Callback API subscriber.
-static FOREIGN_SUBSCRIBED: AtomicBool = AtomicBool::new(false);
-/// A foreign user was seen through interposition at some time.
-static FOREIGN_EVER_SEEN: AtomicBool = AtomicBool::new(false);
-/// Buffers that were not ours reached our callback.
-static FOREIGN_BUFFERS: AtomicU64 = AtomicU64::new(0);
+
+/// What this library knows of the other CUPTI users in the process.
+///
+/// Concurrency: the hooks write it on the other users' threads (and
+/// `bufferCompleted` on CUPTI's), the control thread reads it. Each field
+/// is one fact, stored with `Release` (changed in place with `AcqRel`) and
+/// loaded with `Acquire`; no decision reads two fields as one state except
+/// [`foreign_done`], where the grace period of `idle_since_ns` makes their
+/// order moot. Timestamps are `CLOCK_REALTIME` ns.
+struct Others {
+    /// A foreign user's buffer callbacks are registered.
+    registered: AtomicBool,
+    /// When it registered them.
+    since_ns: AtomicU64,
+    /// Kinds (a bit per `CUpti_ActivityKind` below 64) it has enabled.
+    kinds: AtomicU64,
+    /// A foreign user finished since the control loop last looked.
+    done: AtomicBool,
+    /// When it switched its last kind off (0: it has some on). It is done
+    /// once it has also flushed, or [`FOREIGN_FLUSH_GRACE_NS`] later: taking
+    /// the stream back before its final flush would send its last buffers
+    /// to us.
+    idle_since_ns: AtomicU64,
+    /// A foreign user holds a Callback API subscriber.
+    subscribed: AtomicBool,
+    /// A foreign user was seen through interposition at some time.
+    ever_seen: AtomicBool,
+    /// Buffers that were not ours reached our callback.
+    buffers: AtomicU64,
+}
+
+static OTHERS: Others = Others {
+    registered: AtomicBool::new(false),
+    since_ns: AtomicU64::new(0),
+    kinds: AtomicU64::new(0),
+    done: AtomicBool::new(false),
+    idle_since_ns: AtomicU64::new(0),
+    subscribed: AtomicBool::new(false),
+    ever_seen: AtomicBool::new(false),
+    buffers: AtomicU64::new(0),
+};
 
 /// Puts this library's exported names into the process's global symbol
 /// scope, so that interposition also works when the CUDA driver loaded it
@@ -128,44 +146,45 @@ pub fn redirect_callers() -> usize {
 /// Whether a foreign user seen through interposition holds the stream now,
 /// and since when.
 pub fn foreign_holder() -> Option<u64> {
-    FOREIGN_REGISTERED
+    OTHERS
+        .registered
         .load(Ordering::Acquire)
-        .then(|| FOREIGN_SINCE_NS.load(Ordering::Acquire))
+        .then(|| OTHERS.since_ns.load(Ordering::Acquire))
 }
 
 /// Whether a foreign user seen through interposition has finished (read
 /// once: it is reset).
 pub fn foreign_done() -> bool {
-    let idle_since = FOREIGN_IDLE_SINCE_NS.load(Ordering::Acquire);
+    let idle_since = OTHERS.idle_since_ns.load(Ordering::Acquire);
     if idle_since != 0
         && devtrace_shm::clock::now_ns().saturating_sub(idle_since) > FOREIGN_FLUSH_GRACE_NS
     {
         foreign_finished();
     }
-    FOREIGN_DONE.swap(false, Ordering::AcqRel) && !FOREIGN_REGISTERED.load(Ordering::Acquire)
+    OTHERS.done.swap(false, Ordering::AcqRel) && !OTHERS.registered.load(Ordering::Acquire)
 }
 
 /// A buffer that is not ours reached our `bufferCompleted`.
 pub fn foreign_buffer_arrived() {
-    FOREIGN_BUFFERS.fetch_add(1, Ordering::AcqRel);
+    OTHERS.buffers.fetch_add(1, Ordering::AcqRel);
 }
 
 /// Why CUPTI must stay attached for another user, if it must: the
 /// evidence, in words for the trace.
 pub fn other_user_active() -> Option<String> {
-    if FOREIGN_SUBSCRIBED.load(Ordering::Acquire) {
+    if OTHERS.subscribed.load(Ordering::Acquire) {
         return Some("another CUPTI user in the process holds a Callback API subscriber".into());
     }
-    if FOREIGN_REGISTERED.load(Ordering::Acquire) {
+    if OTHERS.registered.load(Ordering::Acquire) {
         return Some(
             "another CUPTI user in the process has its activity callbacks registered".into(),
         );
     }
-    if FOREIGN_KINDS.load(Ordering::Acquire) != 0 {
+    if OTHERS.kinds.load(Ordering::Acquire) != 0 {
         return Some("another CUPTI user in the process has activity kinds enabled".into());
     }
-    let foreign_buffers = FOREIGN_BUFFERS.load(Ordering::Acquire);
-    if foreign_buffers > 0 && !FOREIGN_EVER_SEEN.load(Ordering::Acquire) {
+    let foreign_buffers = OTHERS.buffers.load(Ordering::Acquire);
+    if foreign_buffers > 0 && !OTHERS.ever_seen.load(Ordering::Acquire) {
         return Some(format!(
             "{foreign_buffers} activity buffer(s) of another CUPTI user reached this library's \
              callback, from a user that reaches libcupti without passing through the library \
@@ -205,13 +224,13 @@ fn guarded(body: impl FnOnce() -> CuptiResult) -> CuptiResult {
 }
 
 fn seen_foreign() {
-    FOREIGN_EVER_SEEN.store(true, Ordering::Release);
+    OTHERS.ever_seen.store(true, Ordering::Release);
 }
 
 fn foreign_finished() {
-    FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
-    FOREIGN_REGISTERED.store(false, Ordering::Release);
-    FOREIGN_DONE.store(true, Ordering::Release);
+    OTHERS.idle_since_ns.store(0, Ordering::Release);
+    OTHERS.registered.store(false, Ordering::Release);
+    OTHERS.done.store(true, Ordering::Release);
 }
 
 fn kind_bit(kind: c_int) -> u64 {
@@ -252,10 +271,12 @@ unsafe extern "C" fn register_callbacks_hook(
         let result = unsafe { (lib.register_callbacks)(requested, completed) };
         if result == CUPTI_SUCCESS && foreign {
             seen_foreign();
-            FOREIGN_KINDS.store(0, Ordering::Release);
-            FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
-            FOREIGN_SINCE_NS.store(devtrace_shm::clock::now_ns(), Ordering::Release);
-            FOREIGN_REGISTERED.store(true, Ordering::Release);
+            OTHERS.kinds.store(0, Ordering::Release);
+            OTHERS.idle_since_ns.store(0, Ordering::Release);
+            OTHERS
+                .since_ns
+                .store(devtrace_shm::clock::now_ns(), Ordering::Release);
+            OTHERS.registered.store(true, Ordering::Release);
         }
         result
     })
@@ -287,8 +308,8 @@ unsafe extern "C" fn enable_hook(kind: c_int) -> CuptiResult {
         let result = unsafe { (lib.enable)(kind) };
         if result == CUPTI_SUCCESS && foreign() {
             seen_foreign();
-            FOREIGN_KINDS.fetch_or(kind_bit(kind), Ordering::AcqRel);
-            FOREIGN_IDLE_SINCE_NS.store(0, Ordering::Release);
+            OTHERS.kinds.fetch_or(kind_bit(kind), Ordering::AcqRel);
+            OTHERS.idle_since_ns.store(0, Ordering::Release);
         }
         result
     })
@@ -317,9 +338,10 @@ unsafe extern "C" fn disable_hook(kind: c_int) -> CuptiResult {
         let result = unsafe { (lib.disable)(kind) };
         if result == CUPTI_SUCCESS && foreign() {
             let bit = kind_bit(kind);
-            let left = FOREIGN_KINDS.fetch_and(!bit, Ordering::AcqRel) & !bit;
-            if left == 0 && FOREIGN_REGISTERED.load(Ordering::Acquire) {
-                FOREIGN_IDLE_SINCE_NS
+            let left = OTHERS.kinds.fetch_and(!bit, Ordering::AcqRel) & !bit;
+            if left == 0 && OTHERS.registered.load(Ordering::Acquire) {
+                OTHERS
+                    .idle_since_ns
                     .store(devtrace_shm::clock::now_ns().max(1), Ordering::Release);
             }
         }
@@ -349,7 +371,7 @@ unsafe extern "C" fn flush_all_hook(flag: u32) -> CuptiResult {
         };
         // SAFETY: forwarded unchanged.
         let result = unsafe { (lib.flush_all)(flag) };
-        if foreign() && FOREIGN_IDLE_SINCE_NS.load(Ordering::Acquire) != 0 {
+        if foreign() && OTHERS.idle_since_ns.load(Ordering::Acquire) != 0 {
             foreign_finished();
         }
         result
@@ -389,8 +411,8 @@ unsafe extern "C" fn finalize_hook() -> CuptiResult {
             if *gate == Attachment::Attached {
                 *gate = Attachment::Detached;
             }
-            FOREIGN_KINDS.store(0, Ordering::Release);
-            FOREIGN_SUBSCRIBED.store(false, Ordering::Release);
+            OTHERS.kinds.store(0, Ordering::Release);
+            OTHERS.subscribed.store(false, Ordering::Release);
             foreign_finished();
         }
         result
@@ -429,7 +451,7 @@ unsafe extern "C" fn subscribe_hook(
         let result = unsafe { subscribe(subscriber, callback, userdata) };
         if result == CUPTI_SUCCESS && foreign {
             seen_foreign();
-            FOREIGN_SUBSCRIBED.store(true, Ordering::Release);
+            OTHERS.subscribed.store(true, Ordering::Release);
         }
         result
     })
@@ -461,7 +483,7 @@ unsafe extern "C" fn unsubscribe_hook(subscriber: SubscriberHandle) -> CuptiResu
         // SAFETY: forwarded unchanged.
         let result = unsafe { unsubscribe(subscriber) };
         if result == CUPTI_SUCCESS && foreign() {
-            FOREIGN_SUBSCRIBED.store(false, Ordering::Release);
+            OTHERS.subscribed.store(false, Ordering::Release);
         }
         result
     })
