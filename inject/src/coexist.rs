@@ -97,28 +97,17 @@ static OTHERS: Others = Others {
 /// (`CUDA_INJECTION64_PATH` opens it with local scope). Names already bound,
 /// or found earlier in that scope, stay as they are.
 pub fn join_global_scope() {
-    // SAFETY: dladdr fills `info` for an address of this library; dlopen
-    // with RTLD_NOLOAD only changes the flags of the loaded copy.
-    unsafe {
-        let mut info: libc::Dl_info = std::mem::zeroed();
-        let here = join_global_scope as *const libc::c_void;
-        if libc::dladdr(here, &mut info) != 0 && !info.dli_fname.is_null() {
-            libc::dlopen(
-                info.dli_fname,
-                libc::RTLD_NOW | libc::RTLD_NOLOAD | libc::RTLD_GLOBAL,
-            );
-        }
-    }
+    crate::sys::dl::join_global_scope();
 }
 
 /// Sends other libraries' calls to the CUPTI entry points this library
-/// interposes through it, whoever bound them how (see `got.rs`). Run at
+/// interposes through it, whoever bound them how (see `sys/got.rs`). Run at
 /// start and again when a capture starts and ends, for libraries loaded
 /// since. The slots get the private hooks: the address of an exported name,
 /// taken in this library, is whatever the dynamic linker bound that name
 /// to, which may be libcupti's.
 pub fn redirect_callers() -> usize {
-    use crate::got::Redirect;
+    use crate::sys::got::Redirect;
     let hooks: [(&'static std::ffi::CStr, *const ()); 7] = [
         (
             c"cuptiActivityRegisterCallbacks",
@@ -138,9 +127,9 @@ pub fn redirect_callers() -> usize {
     // Once the real entry points are resolved, later lookups in libcupti
     // itself find the hooks too.
     if crate::cupti::library_ref().is_some() {
-        crate::got::retarget_exports(&redirects);
+        crate::sys::got::retarget_exports(&redirects);
     }
-    crate::got::redirect(&redirects)
+    crate::sys::got::redirect(&redirects)
 }
 
 /// Whether a foreign user seen through interposition holds the stream now,

@@ -459,11 +459,9 @@ fn demangle(mangled: &str) -> String {
         return mangled.to_string();
     }
     let demangler = DEMANGLER.get_or_init(|| {
-        // SAFETY: looks a symbol up in the process's global scope.
-        let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__cxa_demangle".as_ptr()) };
-        // SAFETY: `__cxa_demangle` has this C signature.
-        (!address.is_null())
-            .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, CxaDemangle>(address) })
+        let address = crate::sys::dl::symbol(libc::RTLD_DEFAULT, "__cxa_demangle")?;
+        // SAFETY: the C++ runtime's `__cxa_demangle` has this C signature.
+        Some(unsafe { crate::sys::dl::function::<CxaDemangle>(address) })
     });
     let (Some(demangle), Ok(c_name)) = (demangler, std::ffi::CString::new(mangled)) else {
         return mangled.to_string();
@@ -485,8 +483,9 @@ fn demangle(mangled: &str) -> String {
     let text = unsafe { std::ffi::CStr::from_ptr(out) }
         .to_string_lossy()
         .into_owned();
-    // SAFETY: the runtime's buffer, freed once, after its text was copied.
-    unsafe { libc::free(out.cast()) };
+    // SAFETY: the runtime's malloc'd buffer, freed once, after its text
+    // was copied.
+    unsafe { crate::sys::process::free_malloced(out.cast()) };
     text
 }
 

@@ -8,6 +8,8 @@
 //! library with one message naming the entry point, and answers the
 //! caller's fallback.
 
+#![forbid(unsafe_code)]
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Runs an entry point's `body`; after a panic the library goes quiet and

@@ -26,7 +26,7 @@ mod convert;
 mod cupti;
 mod detach;
 mod ffi;
-mod got;
+mod sys;
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -108,21 +108,11 @@ fn start_once() {
     }
 }
 
-/// The CUDA driver this process has loaded, if any; the caller owns the
-/// reference the lookup takes.
-fn loaded_driver() -> Option<*mut libc::c_void> {
-    ["libcuda.so.1", "libcuda.so"]
-        .iter()
-        .find_map(|name| cupti::library::dlopen(name, libc::RTLD_LAZY | libc::RTLD_NOLOAD).ok())
-}
-
 /// Whether the CUDA driver is loaded in this process.
 fn cuda_loaded() -> bool {
-    loaded_driver().is_some_and(|handle| {
-        // SAFETY: a handle dlopen returned; the lookup's reference is dropped.
-        unsafe { libc::dlclose(handle) };
-        true
-    })
+    ["libcuda.so.1", "libcuda.so"]
+        .iter()
+        .any(|name| sys::dl::is_loaded(name))
 }
 
 fn poll_interval() -> Duration {
@@ -404,8 +394,7 @@ impl Tracer {
         self.kept_attached_told = false;
         self.next_detach_try = None;
         if !self.exit_flush_set {
-            // SAFETY: registers a plain `extern "C"` function.
-            unsafe { libc::atexit(flush_at_exit) };
+            sys::process::at_exit(flush_at_exit);
             self.exit_flush_set = true;
         }
         // Libraries loaded since the last look (a framework imported late).

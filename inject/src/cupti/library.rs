@@ -12,8 +12,10 @@
 //! refused with its name, except those only newer releases have, which are
 //! optional.
 
-use std::ffi::{c_char, c_int, c_void, CString};
+use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;
+
+use crate::sys::dl;
 
 /// `CUptiResult`.
 pub type CuptiResult = c_int;
@@ -99,35 +101,10 @@ impl std::fmt::Display for NotFound {
     }
 }
 
-fn dlerror_text() -> String {
-    // SAFETY: dlerror returns null or a NUL-terminated thread-local string.
-    let text = unsafe { libc::dlerror() };
-    if text.is_null() {
-        "unknown error".into()
-    } else {
-        // SAFETY: not null, so dlerror's NUL-terminated string.
-        unsafe { std::ffi::CStr::from_ptr(text) }
-            .to_string_lossy()
-            .into_owned()
-    }
-}
-
-/// `dlopen` of `name`, or the loader's error.
-pub fn dlopen(name: &str, flags: c_int) -> Result<*mut c_void, String> {
-    let c_name = CString::new(name).map_err(|_| format!("{name}: NUL in name"))?;
-    // SAFETY: a valid C string; the handle is kept for the process's life.
-    let handle = unsafe { libc::dlopen(c_name.as_ptr(), flags) };
-    if handle.is_null() {
-        Err(dlerror_text())
-    } else {
-        Ok(handle)
-    }
-}
-
 /// The libcupti this process already has loaded, if any.
 pub fn already_loaded() -> Option<(*mut c_void, &'static str)> {
     SONAMES.iter().find_map(|soname| {
-        dlopen(soname, libc::RTLD_NOW | libc::RTLD_NOLOAD)
+        dl::open(soname, libc::RTLD_NOW | libc::RTLD_NOLOAD)
             .ok()
             .map(|handle| (handle, *soname))
     })
@@ -196,7 +173,7 @@ pub fn load() -> Result<Library, NotFound> {
             continue;
         }
         let shown = path.display().to_string();
-        match dlopen(&shown, libc::RTLD_NOW | libc::RTLD_GLOBAL) {
+        match dl::open(&shown, libc::RTLD_NOW | libc::RTLD_GLOBAL) {
             Ok(handle) => match resolve(handle, shown) {
                 Ok(library) => return Ok(library),
                 Err(error) => tried.push(error),
@@ -205,7 +182,7 @@ pub fn load() -> Result<Library, NotFound> {
         }
     }
     for name in SONAMES.iter().chain(&["libcupti.so"]) {
-        match dlopen(name, libc::RTLD_NOW | libc::RTLD_GLOBAL) {
+        match dl::open(name, libc::RTLD_NOW | libc::RTLD_GLOBAL) {
             Ok(handle) => match resolve(handle, (*name).to_string()) {
                 Ok(library) => return Ok(library),
                 Err(error) => tried.push(error),
@@ -216,31 +193,23 @@ pub fn load() -> Result<Library, NotFound> {
     Err(NotFound { tried })
 }
 
-/// A symbol of a loaded library, if it has it.
-pub fn symbol(handle: *mut c_void, name: &str) -> Option<*mut c_void> {
-    let c_name = CString::new(name).ok()?;
-    // SAFETY: a handle from dlopen and a valid C string.
-    let address = unsafe { libc::dlsym(handle, c_name.as_ptr()) };
-    (!address.is_null()).then_some(address)
-}
-
 fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
     macro_rules! optional {
         ($name:literal, $ty:ty) => {
-            symbol(handle, $name).map(|address| {
+            dl::symbol(handle, $name).map(|address| {
                 // SAFETY: the symbol is libcupti's function of that name,
                 // whose C signature the type spells out.
-                unsafe { std::mem::transmute::<*mut c_void, $ty>(address) }
+                unsafe { dl::function::<$ty>(address) }
             })
         };
     }
     macro_rules! entry {
         ($name:literal, $ty:ty) => {
-            match symbol(handle, $name) {
+            match dl::symbol(handle, $name) {
                 Some(address) => {
                     // SAFETY: the symbol is libcupti's function of that
                     // name, whose C signature the type spells out.
-                    unsafe { std::mem::transmute::<*mut c_void, $ty>(address) }
+                    unsafe { dl::function::<$ty>(address) }
                 }
                 None => return Err(format!("{origin}: no {} in it", $name)),
             }

@@ -100,7 +100,7 @@ pub fn retarget_exports(redirects: &[Redirect]) -> usize {
 fn walk(redirects: &[Redirect], target: Target) -> usize {
     let mut walk = Walk {
         redirects,
-        own_base: own_base(),
+        own_base: super::dl::own_base(),
         target,
         patched: 0,
     };
@@ -108,18 +108,6 @@ fn walk(redirects: &[Redirect], target: Target) -> usize {
     // object and writes pointer-sized slots of their GOTs.
     unsafe { libc::dl_iterate_phdr(Some(visit), (&mut walk as *mut Walk).cast()) };
     walk.patched
-}
-
-fn own_base() -> usize {
-    // SAFETY: dladdr fills `info` for an address of this library.
-    unsafe {
-        let mut info: libc::Dl_info = std::mem::zeroed();
-        if libc::dladdr(own_base as *const c_void, &mut info) != 0 {
-            info.dli_fbase as usize
-        } else {
-            0
-        }
-    }
 }
 
 /// `dl_iterate_phdr`'s callback: a panic here must not unwind into the
