@@ -1687,7 +1687,7 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
     let release = release_file(&setup, "teardown");
     let workload = setup.workload(
         &[
-            "300",
+            "480",
             "--threads",
             "2",
             "--wait-file",
@@ -1703,8 +1703,10 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
     let mut spaces = Vec::new();
     for _ in 0..3 {
         spaces.push(capture(&agent, 600).await);
-        // Long enough for the agent to clear the flag between captures.
-        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        // Long enough for the agent to clear the flag and for the library
+        // to detach (up to 500 ms for CUDA 13's late buffers, then the next
+        // API call); a capture starting sooner keeps CUPTI attached.
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     }
     let lines = workload.read_until("done");
     let launches: Vec<Call> = lines

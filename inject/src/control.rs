@@ -1,0 +1,456 @@
+//! The control thread: waits for CUDA and the runtime directory, sets up
+//! the session, then follows the agent's control word. A capture takes
+//! CUPTI's activity stream (or steps aside for another user), flushes while
+//! it runs, and at its end switches everything off, takes its buffers back
+//! and detaches CUPTI ([`crate::detach`]).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use devtrace_shm::ring::Control;
+use devtrace_shm::workload::{self, ApiRecordSet, MetaRecord};
+
+use crate::convert::{ClockMap, Converter};
+use crate::detach::{self, Attachment, Progress, Teardown};
+use crate::records::{self, buffer_completed, buffer_requested};
+use crate::session::{create_files, load_cupti, Session};
+use crate::{buffers, coexist, cupti, fail, ffi, quiet, sys, SESSION};
+
+/// How often completed records are asked for while a capture runs.
+const FLUSH_EVERY: Duration = Duration::from_millis(100);
+/// How long a capture's end waits for CUPTI to hand its buffers back
+/// before detaching (detaching hands back the rest).
+const RETURN_WAIT: Duration = Duration::from_millis(500);
+
+/// Whether the CUDA driver is loaded in this process.
+fn cuda_loaded() -> bool {
+    ["libcuda.so.1", "libcuda.so"]
+        .iter()
+        .any(|name| sys::dl::is_loaded(name))
+}
+
+fn poll_interval() -> Duration {
+    let ms = std::env::var("DEVTRACE_INJECT_POLL_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|ms| (1..=10_000).contains(ms))
+        .unwrap_or(20);
+    Duration::from_millis(ms)
+}
+
+/// Waits for the driver and the runtime directory, sets up the session,
+/// then follows the agent's control word until the process ends.
+pub fn control_loop() {
+    let poll = poll_interval();
+    // In processes that never load CUDA (children of an LD_PRELOAD-ed
+    // workload) this is all the library does, ever more rarely.
+    let mut wait = poll;
+    while !cuda_loaded() {
+        std::thread::sleep(wait);
+        wait = (wait * 2).min(Duration::from_secs(1));
+    }
+    let loaded = load_cupti();
+    let dir = workload::runtime_dir();
+    // The agent makes the directory; a workload may start first.
+    while !dir.is_dir() {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let pid = std::process::id();
+    let (ring, meta) = match create_files(&dir, pid) {
+        Ok(files) => files,
+        Err(error) => return fail(&error),
+    };
+    let producer = match ring.producer() {
+        Ok(producer) => producer,
+        Err(error) => return fail(&format!("cannot claim its ring lane: {error}")),
+    };
+    let converter = Converter::new(
+        pid,
+        loaded.as_ref().map_or(0, |loaded| loaded.version),
+        cupti::callback_name,
+    );
+    let session = Session::new(ring, producer, meta, converter);
+    if SESSION.set(session).is_err() {
+        return;
+    }
+    // Refused or missing CUPTI is told to the agent through the metadata.
+    let loaded = match loaded {
+        Ok(loaded) => loaded,
+        Err(error) => return fail(&error),
+    };
+    let Some(session) = SESSION.get() else { return };
+    // Users that look CUPTI up from now on find the hooks.
+    coexist::redirect_callers();
+    session.write_meta(&MetaRecord::Cupti {
+        version: loaded.version,
+        origin: loaded.origin.to_string(),
+    });
+    if let Some(text) = loaded.warning {
+        eprintln!("devtrace-inject: {text}");
+        session.write_meta(&MetaRecord::Warning {
+            message: text.to_string(),
+        });
+    }
+    detach::set_converter(records::convert_pending_now);
+    let converter = std::thread::Builder::new()
+        .name("devtrace-convert".into())
+        .spawn(|| ffi::guard("the converter thread", (), records::convert_loop));
+    if let Err(error) = converter {
+        return fail(&format!("cannot start its converter thread: {error}"));
+    }
+    let mut tracer = Tracer {
+        stream: Stream::Off,
+        exit_flush_set: false,
+        displaced: false,
+        last_flush: None,
+        api: None,
+        all_api: false,
+        unselectable_told: false,
+        teardown: None,
+        kept_attached_told: false,
+        next_detach_try: None,
+    };
+    while !quiet() {
+        std::thread::sleep(poll);
+        if *detach::gate() == Attachment::Closed {
+            return;
+        }
+        let control = session.ring.control();
+        if let Err(error) = tracer.tick(session, control) {
+            tracer.give_up(session);
+            return fail(&error);
+        }
+    }
+}
+
+/// Where this library stands with CUPTI's activity stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stream {
+    /// Nothing enabled (no capture).
+    Off,
+    /// Enabled, and our records arrive.
+    Ours,
+    /// Another CUPTI user in the process has it; `seen` when its calls pass
+    /// through this library, so that its end is seen too.
+    Taken { seen: bool },
+}
+
+/// The control loop's state across ticks.
+struct Tracer {
+    stream: Stream,
+    /// `flush_at_exit` is registered with atexit (once, at the first take).
+    exit_flush_set: bool,
+    /// The stream was taken from us and not yet taken back.
+    displaced: bool,
+    last_flush: Option<Instant>,
+    /// The API calls whose records are enabled (`None`: none).
+    api: Option<ApiRecordSet>,
+    /// The agent asks for every API call's records.
+    all_api: bool,
+    /// Why the timeline's calls cannot be selected was said.
+    unselectable_told: bool,
+    /// Detaching CUPTI after a capture, while it is under way.
+    teardown: Option<Teardown>,
+    /// Why CUPTI stays attached was said, since the last capture.
+    kept_attached_told: bool,
+    /// After a refused detach, when to try again.
+    next_detach_try: Option<Instant>,
+}
+
+impl Tracer {
+    /// One poll of the control word.
+    fn tick(&mut self, session: &Session, control: Control) -> Result<(), String> {
+        let capture = control.capture();
+        self.all_api = control.all_api_records();
+        match (self.stream, capture) {
+            (Stream::Off, false) => {
+                self.detach_when_alone(session);
+                Ok(())
+            }
+            // Another user holds the stream as a capture starts: it is not
+            // taken from it.
+            (Stream::Off, true) => match coexist::foreign_holder() {
+                Some(_) => {
+                    self.displaced_at(session, true, devtrace_shm::clock::now_ns());
+                    Ok(())
+                }
+                None => self.take(session),
+            },
+            (Stream::Ours, true) => self.keep(session),
+            (Stream::Ours, false) => self.stop(session),
+            (Stream::Taken { seen: true }, true) if coexist::foreign_done() => self.take(session),
+            (Stream::Taken { .. }, true) => Ok(()),
+            // The other user keeps what it enabled: nothing is switched off.
+            // One whose end cannot be seen is taken back from at the next
+            // capture.
+            (Stream::Taken { seen }, false) => {
+                if !seen || coexist::foreign_done() {
+                    self.stream = Stream::Off;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Registers our callbacks (again: CUPTI was finalized, or another user
+    /// replaced them) and enables every kind; says when recording began.
+    fn take(&mut self, session: &Session) -> Result<(), String> {
+        if let Some(mut teardown) = self.teardown.take() {
+            teardown.cancel();
+        }
+        self.kept_attached_told = false;
+        self.next_detach_try = None;
+        if !self.exit_flush_set {
+            sys::process::at_exit(flush_at_exit);
+            self.exit_flush_set = true;
+        }
+        // Libraries loaded since the last look (a framework imported late).
+        coexist::redirect_callers();
+        let mut gate = detach::gate();
+        if *gate == Attachment::Closed {
+            return Ok(());
+        }
+        *gate = Attachment::Attached;
+        cupti::use_system_thread_ids()?;
+        cupti::register_callbacks(buffer_requested, buffer_completed)?;
+        if self.displaced {
+            session.write_meta(&MetaRecord::Resumed {
+                at_ns: devtrace_shm::clock::now_ns(),
+            });
+            self.displaced = false;
+        }
+        set_clock(session)?;
+        for kind in cupti::KINDS {
+            cupti::enable(kind)?;
+        }
+        // Another user may have changed the selection while it had the
+        // stream: it is made again.
+        let current = self.api.filter(|set| *set != ApiRecordSet::Timeline);
+        self.switch_api(session, current)?;
+        drop(gate);
+        session.write_meta(&MetaRecord::Recording {
+            at_ns: devtrace_shm::clock::now_ns(),
+        });
+        self.stream = Stream::Ours;
+        self.last_flush = Some(Instant::now());
+        Ok(())
+    }
+
+    /// Enables the API records the agent asks for, from `current`, and
+    /// tells the agent which (and, once, why not the timeline's alone).
+    /// The caller holds the gate.
+    fn switch_api(
+        &mut self,
+        session: &Session,
+        current: Option<ApiRecordSet>,
+    ) -> Result<(), String> {
+        let (set, unselectable) = cupti::api_calls::switch(current, self.all_api)?;
+        if let Some(why) = unselectable.filter(|_| !self.unselectable_told) {
+            self.unselectable_told = true;
+            eprintln!("devtrace-inject: {why}");
+            session.write_meta(&MetaRecord::Warning { message: why });
+        }
+        session.write_meta(&MetaRecord::ApiRecords {
+            at_ns: devtrace_shm::clock::now_ns(),
+            set,
+        });
+        self.api = Some(set);
+        Ok(())
+    }
+
+    /// While capturing: follows the API records asked for, sees whether a
+    /// user seen through interposition took the stream, and flushes.
+    fn keep(&mut self, session: &Session) -> Result<(), String> {
+        if let Some(since_ns) = coexist::foreign_holder() {
+            self.displaced_at(session, true, since_ns);
+            return Ok(());
+        }
+        let all_now = matches!(
+            self.api,
+            Some(ApiRecordSet::All | ApiRecordSet::AllUnselectable)
+        );
+        let gate = detach::gate();
+        if *gate != Attachment::Attached {
+            return Ok(());
+        }
+        if self.all_api != all_now && self.api != Some(ApiRecordSet::AllUnselectable) {
+            self.switch_api(session, self.api)?;
+        }
+        if self
+            .last_flush
+            .is_some_and(|last| last.elapsed() < FLUSH_EVERY)
+        {
+            return Ok(());
+        }
+        self.last_flush = Some(Instant::now());
+        // Not forced: a forced flush while kernels run loses their records.
+        flush(session, false)
+    }
+
+    fn displaced_at(&mut self, session: &Session, seen: bool, at_ns: u64) {
+        self.stream = Stream::Taken { seen };
+        self.displaced = true;
+        session.write_meta(&MetaRecord::Displaced { at_ns, seen });
+    }
+
+    /// Ends a capture: switches every kind and API record off, takes the
+    /// buffers back, and starts detaching CUPTI.
+    fn stop(&mut self, session: &Session) -> Result<(), String> {
+        self.stream = Stream::Off;
+        {
+            let gate = detach::gate();
+            if *gate != Attachment::Attached {
+                return Ok(());
+            }
+            self.disable(session)?;
+        }
+        wait_for_buffers(RETURN_WAIT);
+        // Libraries loaded during the capture, before CUPTI may be finalized
+        // for want of seeing their calls.
+        coexist::redirect_callers();
+        self.detach_when_alone(session);
+        Ok(())
+    }
+
+    /// Detaches CUPTI while no capture runs, unless another CUPTI user may
+    /// need it (said once, with the evidence).
+    fn detach_when_alone(&mut self, session: &Session) {
+        if *detach::gate() != Attachment::Attached {
+            self.teardown = None;
+            return;
+        }
+        if let Some(why) = coexist::other_user_active() {
+            if let Some(mut teardown) = self.teardown.take() {
+                teardown.cancel();
+            }
+            if !self.kept_attached_told {
+                self.kept_attached_told = true;
+                session.write_meta(&MetaRecord::Warning {
+                    message: format!(
+                        "CUPTI stays attached after the capture, at a cost on every CUDA call, \
+                         because {why}; it is detached once that user is done"
+                    ),
+                });
+            }
+            return;
+        }
+        if self
+            .next_detach_try
+            .is_some_and(|next| Instant::now() < next)
+        {
+            return;
+        }
+        let teardown = self.teardown.get_or_insert_with(Teardown::new);
+        match teardown.step() {
+            Progress::Waiting => {}
+            Progress::Detached { .. } => {
+                self.teardown = None;
+                self.api = None;
+                let unreturned = buffers::give_up_unreturned();
+                if unreturned > 0 {
+                    session.write_meta(&MetaRecord::Warning {
+                        message: format!(
+                            "CUPTI was detached without handing back {unreturned} of the \
+                             library's activity buffers ({} in all so far): they went to another \
+                             CUPTI user's callback, the records in them are lost, and their memory \
+                             is left to that user",
+                            buffers::unreturned_total()
+                        ),
+                    });
+                }
+            }
+            Progress::Refused(why) => {
+                self.teardown = None;
+                self.next_detach_try = Some(Instant::now() + detach::RETRY_EVERY);
+                if !self.kept_attached_told {
+                    self.kept_attached_told = true;
+                    session.write_meta(&MetaRecord::Warning {
+                        message: format!(
+                            "CUPTI stays attached after the capture, at a cost on every CUDA \
+                             call: {why} (detaching is tried again every second)"
+                        ),
+                    });
+                }
+            }
+        }
+    }
+
+    /// After a failure: leaves CUPTI as the process needs it.
+    fn give_up(&mut self, session: &Session) {
+        let gate = detach::gate();
+        if self.stream == Stream::Ours && *gate == Attachment::Attached {
+            let _ = self.disable(session);
+        }
+        self.stream = Stream::Off;
+    }
+
+    /// Disables every kind and the API records, then flushes what CUPTI
+    /// holds; the clock is measured again so that records converted from
+    /// here on use the stop reading. The caller holds the gate.
+    fn disable(&mut self, session: &Session) -> Result<(), String> {
+        for kind in cupti::KINDS {
+            cupti::disable(kind)?;
+        }
+        if let Some(set) = self.api.take() {
+            cupti::api_calls::disable(set)?;
+        }
+        flush(session, true)
+    }
+}
+
+/// Measures CUPTI's clock against `CLOCK_REALTIME`.
+fn measure_clock() -> Result<ClockMap, String> {
+    let before = devtrace_shm::clock::now_ns();
+    let cupti_ns = cupti::timestamp()?;
+    let after = devtrace_shm::clock::now_ns();
+    Ok(ClockMap::from_readings(before, cupti_ns, after))
+}
+
+fn set_clock(session: &Session) -> Result<(), String> {
+    let clock = measure_clock()?;
+    if let Ok(mut converter) = session.converter.lock() {
+        converter.clock = clock;
+    }
+    Ok(())
+}
+
+/// Waits (up to `limit`) until every buffer of ours is back and converted.
+fn wait_for_buffers(limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while buffers::out() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Asks CUPTI for completed buffers (`forced`: partly filled ones too) and
+/// counts what it dropped. The caller holds the gate.
+fn flush(session: &Session, forced: bool) -> Result<(), String> {
+    cupti::flush_all(forced)?;
+    set_clock(session)?;
+    let dropped = cupti::dropped_since_last()?;
+    if dropped > 0 {
+        let total = session.dropped_total.fetch_add(dropped, Ordering::Relaxed) + dropped;
+        session.write_meta(&MetaRecord::Dropped { total });
+    }
+    Ok(())
+}
+
+/// At exit: CUPTI's last buffers are converted, and from then on this
+/// library makes no CUPTI call (the process is tearing down, libcupti's
+/// own state with it).
+extern "C" fn flush_at_exit() {
+    ffi::guard("the exit handler", (), || {
+        let mut gate = detach::gate();
+        let attached = *gate == Attachment::Attached;
+        *gate = Attachment::Closed;
+        let Some(session) = SESSION.get() else { return };
+        if quiet() || !attached {
+            return;
+        }
+        // CUPTI hands the buffers back to our callback, which queues them.
+        if cupti::flush_all(true).is_ok() {
+            let _ = set_clock(session);
+        }
+        records::convert_all(session, session.take_pending(), true);
+    });
+}

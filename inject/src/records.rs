@@ -1,0 +1,152 @@
+//! CUPTI's activity buffers coming and going: the two callbacks CUPTI
+//! calls, and the conversion of the buffers it hands back into events for
+//! the ring (on the converter thread, or at once while CUPTI is being
+//! finalized).
+
+use std::collections::VecDeque;
+
+use crate::detach::{self, Attachment};
+use crate::session::Session;
+use crate::{buffers, coexist, cupti, ffi, quiet, SESSION};
+
+/// CUPTI asks for a buffer: one of ours, or none past the limit or when
+/// the library is quiet (CUPTI then drops records and counts them).
+///
+/// # Safety
+/// Called by CUPTI with three valid out-pointers.
+pub unsafe extern "C" fn buffer_requested(
+    buffer: *mut *mut u8,
+    size: *mut usize,
+    max_records: *mut usize,
+) {
+    ffi::guard("bufferRequested", (), || {
+        let lent = SESSION
+            .get()
+            .filter(|_| !quiet())
+            .and_then(|_| buffers::lend());
+        let (out, bytes) = lent.unwrap_or((std::ptr::null_mut(), 0));
+        // SAFETY: CUPTI passes valid out-pointers.
+        unsafe {
+            *buffer = out;
+            *size = bytes;
+            *max_records = 0;
+        }
+    });
+}
+
+/// CUPTI hands a buffer back: ours are queued for the converter (converted
+/// at once while CUPTI is being finalized); another user's are left alone.
+///
+/// # Safety
+/// Called by CUPTI with a buffer it completed (ours or not: that is checked
+/// before anything reads it) of `size` bytes, `valid` of them filled.
+pub unsafe extern "C" fn buffer_completed(
+    _context: *mut std::ffi::c_void,
+    _stream: u32,
+    buffer: *mut u8,
+    size: usize,
+    valid: usize,
+) {
+    ffi::guard("bufferCompleted", (), || {
+        if buffer.is_null() {
+            return;
+        }
+        if !buffers::returned(buffer, size) {
+            coexist::foreign_buffer_arrived();
+            return;
+        }
+        let completed = Completed {
+            address: buffer as usize,
+            valid,
+        };
+        let Some(session) = SESSION.get() else {
+            return buffers::release(buffer);
+        };
+        if detach::finalizing() {
+            // CUPTI is still attached while it finalizes; after, reading
+            // records would attach it again.
+            return convert_all(session, VecDeque::from([completed]), true);
+        }
+        match session.pending.lock() {
+            Ok(mut pending) => {
+                pending.push_back(completed);
+                session.pending_ready.notify_one();
+            }
+            Err(_) => buffers::release(buffer),
+        }
+    });
+}
+
+/// A buffer of ours CUPTI gave back, with the bytes it filled.
+#[derive(Clone, Copy)]
+pub struct Completed {
+    address: usize,
+    valid: usize,
+}
+
+/// Converts the pending buffers now; the caller holds the gate, and CUPTI
+/// is attached.
+pub fn convert_pending_now() {
+    if let Some(session) = SESSION.get() {
+        convert_all(session, session.take_pending(), true);
+    }
+}
+
+/// Converts buffers into events (when `readable`: CUPTI is attached) and
+/// frees them: metadata first, then the events into the ring (a full ring
+/// counts what it refuses).
+pub fn convert_all(session: &Session, completed: VecDeque<Completed>, readable: bool) {
+    let mut events = Vec::new();
+    for buffer in completed {
+        let address = buffer.address as *mut u8;
+        if readable && !quiet() {
+            let meta = {
+                let Ok(mut converter) = session.converter.lock() else {
+                    buffers::release(address);
+                    continue;
+                };
+                let mut record = std::ptr::null_mut();
+                // SAFETY: a buffer CUPTI completed with `valid` bytes.
+                while unsafe { cupti::next_record(address, buffer.valid, &mut record) } {
+                    converter.convert(record, &mut events);
+                }
+                converter.take_meta()
+            };
+            for record in &meta {
+                session.write_meta(record);
+            }
+            if let Ok(mut producer) = session.producer.lock() {
+                producer.push_batch(&events);
+            }
+            events.clear();
+        }
+        buffers::release(address);
+    }
+}
+
+/// The converter thread: waits for buffers CUPTI gave back and converts
+/// them under the gate (reading records is a CUPTI call). Buffers that
+/// arrive after CUPTI was detached or the process began exiting are freed
+/// unread.
+pub fn convert_loop() {
+    let Some(session) = SESSION.get() else { return };
+    loop {
+        {
+            let Ok(mut pending) = session.pending.lock() else {
+                return;
+            };
+            while pending.is_empty() {
+                pending = match session.pending_ready.wait(pending) {
+                    Ok(pending) => pending,
+                    Err(_) => return,
+                };
+            }
+        }
+        let gate = detach::gate();
+        let readable = *gate == Attachment::Attached;
+        convert_all(session, session.take_pending(), readable);
+        if *gate == Attachment::Closed {
+            return;
+        }
+    }
+}
