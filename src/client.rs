@@ -11,7 +11,7 @@ use tonic::{Code, Status};
 
 use crate::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
 use crate::proto::tensorflow::{ProfileOptions, ProfileRequest, TerminateRequest};
-use crate::service::MAX_REPLY_BYTES;
+use crate::protocol::MAX_REPLY_BYTES;
 use crate::tls::ClientTls;
 
 /// Port of a profiler server when an address names none.

@@ -17,6 +17,9 @@ pub mod collect;
 mod fuzz;
 pub mod host_process;
 pub mod hosts;
+#[cfg(test)]
+mod layers;
+pub mod protocol;
 pub mod registry;
 pub mod riegeli;
 pub mod service;
@@ -26,9 +29,11 @@ pub mod store;
 pub mod streaming;
 pub mod tap;
 pub mod telemetry;
+pub mod timeline;
 pub mod tls;
 pub mod tools;
 pub mod trigger;
+pub mod units;
 pub mod xspace;
 
 // The shared-memory contract with the injection library, as the agent's

@@ -22,7 +22,7 @@ use tower_service::Service;
 
 use crate::client::{CallError, Connection};
 use crate::proto::tensorflow::ProfileRequest;
-use crate::service::profiler::XPLANE_TOOL;
+use crate::protocol::XPLANE_TOOL;
 use crate::session::{TraceFile, TraceSink};
 
 /// Trace bytes gathered before each write to the file.

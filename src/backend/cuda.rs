@@ -52,10 +52,10 @@ use crate::ring::{
     CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE,
 };
 use crate::store::Window;
+use crate::timeline::STREAM_BITS;
 use crate::workload::{
     self, ApiRecordSet, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE,
 };
-use crate::xspace::conventions::STREAM_BITS;
 
 #[derive(Clone, Debug)]
 pub struct CudaConfig {

@@ -38,7 +38,7 @@ use super::{Backend, BackendContext, BackendError, Capabilities, GpuReading, Hea
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
 use crate::registry::{DeviceInfo, Registry};
-use crate::xspace::builder::{COUNTER_TRACK, XID_TRACK};
+use crate::timeline::{COUNTER_TRACK, XID_TRACK};
 
 /// Name of the SM utilisation counter track (percent).
 pub const SM_UTILIZATION: &str = "SM utilization (%)";

@@ -41,7 +41,7 @@ pub struct ClientArgs {
 }
 
 fn parse_reply_size(text: &str) -> Result<usize, String> {
-    let bytes = super::parse_size(text)?;
+    let bytes = super::parse_size(text).map_err(|e| e.to_string())?;
     if bytes == 0 || bytes > i32::MAX as usize {
         return Err(format!(
             "{bytes} bytes; a gRPC reply is 1 byte to 2GiB - 1 (default {} MiB)",

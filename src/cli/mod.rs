@@ -12,8 +12,6 @@ mod session;
 mod tap;
 mod trigger;
 
-use std::time::Duration;
-
 use clap::{Parser, Subcommand};
 
 pub use capture::CaptureArgs;
@@ -24,6 +22,8 @@ pub use serve::ServeArgs;
 pub use session::{SessionArgs, SessionsArgs, ToolArgs};
 pub use tap::TapArgs;
 pub use trigger::TriggerArgs;
+
+pub use crate::units::{parse_duration, parse_size};
 
 /// Device-tracing agent for machine-learning hosts. It speaks TensorFlow's
 /// profiler protocol, so `tf.profiler.experimental.client.trace`, the XProf
@@ -133,78 +133,5 @@ impl PendingFile {
         file.persist(&target)
             .with_context(|| format!("writing {}", target.display()))?;
         Ok(target)
-    }
-}
-
-/// Parses durations such as `2s`, `500ms`, `1.5s`, `10m`, `1h`; a bare number
-/// is milliseconds.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration (try 2s, 500ms, 10m)"))?;
-    let seconds = match unit.trim() {
-        "" | "ms" => value / 1e3,
-        "us" => value / 1e6,
-        "s" => value,
-        "m" | "min" => value * 60.0,
-        "h" => value * 3600.0,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?} in {text:?} (use ms, s, m or h)"
-            ))
-        }
-    };
-    if !seconds.is_finite() || !(0.0..=1e9).contains(&seconds) {
-        return Err(format!("{text:?} is out of range"));
-    }
-    Ok(Duration::from_secs_f64(seconds))
-}
-
-/// Parses sizes such as `512MiB`, `2GiB`, `64M`; a bare number is bytes.
-pub fn parse_size(text: &str) -> Result<usize, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let value: usize = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size (try 512MiB)"))?;
-    let multiplier: usize = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "kb" => 1 << 10,
-        "m" | "mib" | "mb" => 1 << 20,
-        "g" | "gib" | "gb" => 1 << 30,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?} in {text:?} (use KiB, MiB or GiB)"
-            ))
-        }
-    };
-    value
-        .checked_mul(multiplier)
-        .ok_or_else(|| format!("{text:?} is too large"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations_and_sizes_parse_with_units() {
-        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("1500"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
-        assert!(parse_duration("two").is_err());
-        assert!(parse_duration("3 weeks").is_err());
-        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert!(parse_size("1TiB").is_err());
     }
 }

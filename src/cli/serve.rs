@@ -312,7 +312,7 @@ fn parse_trigger(text: &str) -> Result<Rule, String> {
 }
 
 fn parse_ring_size(text: &str) -> Result<u32, String> {
-    let bytes = super::parse_size(text)?;
+    let bytes = super::parse_size(text).map_err(|e| e.to_string())?;
     if !bytes.is_power_of_two() || !(4096..=1 << 30).contains(&bytes) {
         return Err(format!(
             "{bytes} bytes; a BPF ring buffer is a power of two from 4KiB to 1GiB"
@@ -322,7 +322,7 @@ fn parse_ring_size(text: &str) -> Result<u32, String> {
 }
 
 fn parse_chunk_size(text: &str) -> Result<usize, String> {
-    let bytes = super::parse_size(text)?;
+    let bytes = super::parse_size(text).map_err(|e| e.to_string())?;
     if !(1 << 10..=i32::MAX as usize).contains(&bytes) {
         return Err(format!(
             "{bytes} bytes; chunking starts between 1KiB and 2GiB - 1 (one protobuf message)"

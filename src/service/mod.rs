@@ -25,15 +25,7 @@ use crate::telemetry::rpc::CountRpcsLayer;
 use crate::telemetry::Telemetry;
 use framed_reply::FramedRepliesLayer;
 
-/// Largest request decoded. Requests are small (a `ProfileRequest`, a list
-/// of hosts); without a bound a caller could make the agent hold gigabytes
-/// (a billion empty `tools` entries decode to ~24 GB). A larger request is
-/// refused with OUT_OF_RANGE before its body is read.
-pub const MAX_REQUEST_BYTES: usize = 4 << 20;
-
-/// Largest reply sent: real traces run to hundreds of MB and the TensorFlow
-/// client accepts up to 2 GiB.
-pub const MAX_REPLY_BYTES: usize = i32::MAX as usize;
+pub use crate::protocol::{MAX_REPLY_BYTES, MAX_REQUEST_BYTES};
 
 /// Where the services listen: a TCP listener, with TLS or without, and
 /// optionally a UNIX socket (plaintext, guarded by its file permissions).

@@ -42,11 +42,7 @@ use super::repository::AllowedRoots;
 use super::shared_builds::{BuildKey, SharedBuilds, Slot};
 use super::validate::{self, invalid};
 
-/// Name of the tool entry that carries the trace back to the client.
-pub const XPLANE_TOOL: &str = "xplane.pb";
-/// Name of the tool entry that carries a chunked trace back (the client
-/// writes it as `<host>.xplane.riegeli`).
-pub const RIEGELI_TOOL: &str = "xplane.riegeli";
+pub use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
 /// Suffix of trace files in a repository.
 pub use crate::session::XPLANE_SUFFIX;
 /// Traces larger than this are stored as Riegeli chunks unless configured

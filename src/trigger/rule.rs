@@ -12,7 +12,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::backend::nvml;
-use crate::cli::parse_duration;
+use crate::units::parse_duration;
 
 /// Defaults of the optional fields.
 pub const DEFAULT_BEFORE: Duration = Duration::from_secs(10);
@@ -150,7 +150,9 @@ impl std::str::FromStr for Rule {
                 "when" => condition = Some(parse_condition(value)?),
                 "before" => before = parse_bounded(field, value, MAX_BEFORE)?,
                 "after" => after = parse_bounded(field, value, MAX_AFTER)?,
-                "cooldown" => cooldown = parse_duration(value).map_err(|e| bad(field, e))?,
+                "cooldown" => {
+                    cooldown = parse_duration(value).map_err(|e| bad(field, e.to_string()))?
+                }
                 "max-per-hour" => {
                     max_per_hour = value
                         .parse()
@@ -222,7 +224,7 @@ fn parse_name(field: &str, value: &str) -> Result<String, RuleError> {
 }
 
 fn parse_bounded(field: &str, value: &str, most: Duration) -> Result<Duration, RuleError> {
-    let duration = parse_duration(value).map_err(|e| bad(field, e))?;
+    let duration = parse_duration(value).map_err(|e| bad(field, e.to_string()))?;
     if duration > most {
         return Err(bad(field, format!("at most {}s", most.as_secs())));
     }
@@ -253,7 +255,7 @@ fn parse_condition(text: &str) -> Result<Condition, RuleError> {
                 .and_then(|p| p.parse::<f64>().ok())
                 .filter(|p| (0.0..=100.0).contains(p))
                 .ok_or_else(|| bad(percent, "a percentage from 0% to 100%"))?;
-            let for_ = parse_duration(duration).map_err(|e| bad(duration, e))?;
+            let for_ = parse_duration(duration).map_err(|e| bad(duration, e.to_string()))?;
             Ok(Condition::UtilizationBelow { percent, for_ })
         }
         ["step", ">", factor, median] => {

@@ -14,8 +14,8 @@ use super::records::{
 };
 use crate::event::{Device, Event, NameId, Payload};
 use crate::registry::Registry;
-use crate::xspace::builder::{task_state_label, STILL_RUNNING};
-use crate::xspace::conventions::{cpu_line_name, THREAD_LINE_BIT};
+use crate::timeline::{cpu_line_name, THREAD_LINE_BIT};
+use crate::timeline::{task_state_label, STILL_RUNNING};
 
 /// Task states of a thread that has exited (EXIT_DEAD, EXIT_ZOMBIE,
 /// TASK_DEAD).

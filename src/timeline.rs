@@ -1,5 +1,8 @@
-//! The names and ids XProf looks up. They are matched as exact strings by the
-//! converters, so they live here, once, and tests pin them.
+//! Where events go on the timeline: the plane and line names and ids XProf
+//! looks up (matched as exact strings by its converters, so they live here,
+//! once, and tests pin them), the line ids backends put counters and XID
+//! errors on, and the labels of scheduler states. Backends and the XSpace
+//! builder both read it; it depends on nothing of theirs.
 
 /// Host threads plane; the memory profile reads only this exact name.
 pub const HOST_PLANE: &str = "/host:CPU";
@@ -159,4 +162,38 @@ pub mod stat {
 pub mod event {
     pub const MEMORY_ALLOCATION: &str = "MemoryAllocation";
     pub const MEMORY_DEALLOCATION: &str = "MemoryDeallocation";
+}
+
+/// Line id under which counter samples are grouped.
+pub const COUNTER_TRACK: u64 = u64::MAX;
+/// Line id of a GPU's XID error instants.
+pub const XID_TRACK: u64 = u64::MAX - 1;
+
+/// `CpuSlice::end_state` of a slice cut while its thread still ran.
+pub const STILL_RUNNING: u32 = u32::MAX;
+
+/// A scheduler task state as `ps` letters it, with a word.
+pub fn task_state_label(state: u32) -> std::borrow::Cow<'static, str> {
+    const INTERRUPTIBLE: u32 = 0x1;
+    const UNINTERRUPTIBLE: u32 = 0x2;
+    const STOPPED: u32 = 0x4;
+    const TRACED: u32 = 0x8;
+    const DEAD: u32 = 0x10 | 0x20 | 0x80;
+    const PARKED: u32 = 0x40;
+    const NOLOAD: u32 = 0x400;
+    const FROZEN: u32 = 0x8000;
+    let label = match state {
+        STILL_RUNNING => "R (still running)",
+        0 => "R (preempted)",
+        s if s & UNINTERRUPTIBLE != 0 && s & NOLOAD != 0 => "I (idle)",
+        s if s & INTERRUPTIBLE != 0 => "S (sleeping)",
+        s if s & UNINTERRUPTIBLE != 0 => "D (uninterruptible)",
+        s if s & STOPPED != 0 => "T (stopped)",
+        s if s & TRACED != 0 => "t (traced)",
+        s if s & DEAD != 0 => "X (exiting)",
+        s if s & PARKED != 0 => "P (parked)",
+        s if s & FROZEN != 0 => "frozen",
+        s => return format!("state 0x{s:x}").into(),
+    };
+    label.into()
 }
