@@ -57,11 +57,6 @@ const KNOWN_WRONG_WAY: &[(&str, &str, &str)] = &[
         "a capture/ module (plan, build, write) that both use, instead of the trigger holding the \
          ProfilerService",
     ),
-    (
-        "session",
-        "streaming",
-        "the trace sink types move below both, so that streaming no longer uses session",
-    ),
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

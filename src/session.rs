@@ -80,31 +80,8 @@ pub fn host_file_name(host: &str) -> String {
     format!("{}{XPLANE_SUFFIX}", host.replace(':', "_"))
 }
 
-/// Where a session's traces go: one file per host, each written as its
-/// reply arrives.
-pub trait TraceSink: Send + Sync {
-    /// Starts the file `file_name`; nothing appears under that name until
-    /// it is committed.
-    fn create(&self, file_name: &str) -> Result<Box<dyn TraceFile>, String>;
-}
+pub use crate::streaming::{TraceFile, TraceSink};
 
-/// One host's trace file while it is written. Dropped uncommitted, it
-/// leaves nothing behind.
-pub trait TraceFile: Send {
-    fn write(&mut self, bytes: &[u8]) -> Result<(), String>;
-    /// Puts the file in place; where it is.
-    fn commit(self: Box<Self>) -> Result<PathBuf, String>;
-}
-
-impl TraceFile for crate::storage::NewFile {
-    fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
-        crate::storage::NewFile::write(self, bytes)
-    }
-
-    fn commit(self: Box<Self>) -> Result<PathBuf, String> {
-        crate::storage::NewFile::commit(*self).map(PathBuf::from)
-    }
-}
 /// Most hosts called at once unless configured otherwise.
 pub const DEFAULT_CONCURRENT_HOSTS: usize = 64;
 

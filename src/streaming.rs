@@ -23,7 +23,32 @@ use tower_service::Service;
 use crate::client::{CallError, Connection};
 use crate::proto::tensorflow::ProfileRequest;
 use crate::protocol::XPLANE_TOOL;
-use crate::session::{TraceFile, TraceSink};
+
+/// Where a session's traces go (see `session`): one file per host, each
+/// written as its reply arrives.
+pub trait TraceSink: Send + Sync {
+    /// Starts the file `file_name`; nothing appears under that name until
+    /// it is committed.
+    fn create(&self, file_name: &str) -> Result<Box<dyn TraceFile>, String>;
+}
+
+/// One host's trace file while it is written. Dropped uncommitted, it
+/// leaves nothing behind.
+pub trait TraceFile: Send {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), String>;
+    /// Puts the file in place; where it is.
+    fn commit(self: Box<Self>) -> Result<PathBuf, String>;
+}
+
+impl TraceFile for crate::storage::NewFile {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
+        crate::storage::NewFile::write(self, bytes)
+    }
+
+    fn commit(self: Box<Self>) -> Result<PathBuf, String> {
+        crate::storage::NewFile::commit(*self).map(PathBuf::from)
+    }
+}
 
 /// Trace bytes gathered before each write to the file.
 pub const BATCH_BYTES: usize = 256 << 10;
