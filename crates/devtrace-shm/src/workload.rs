@@ -306,6 +306,8 @@ impl MetaRecord {
                 format!("cupti {version} {}\n", escape(origin))
             }
             MetaRecord::Displaced { at_ns, seen } => {
+                // "probe": found without seeing the other user's calls (the
+                // word older libraries wrote; kept so that both ends agree).
                 format!(
                     "displaced {at_ns} {}\n",
                     if *seen { "seen" } else { "probe" }
