@@ -283,14 +283,16 @@ mod tests {
         let now = clock::now_ns();
         let mut producer = ring.producer().unwrap();
         let accepted = (0..20).filter(|i| producer.push(&event(now + i))).count();
-        assert_eq!(accepted, 8);
+        // A lane holds 8; the collector, woken by the first push, may have
+        // drained some of them before the last push on a busy machine.
+        assert!(accepted >= 8, "{accepted} accepted");
         collector.flush().await.unwrap();
         let data = store.query(Window {
             start_ns: now,
             stop_ns: clock::now_ns() + 1,
         });
-        assert_eq!(data.events().count(), 8);
-        assert_eq!(data.dropped_newest, 12);
+        assert_eq!(data.events().count(), accepted);
+        assert_eq!(data.dropped_newest, 20 - accepted as u64);
     }
 
     #[tokio::test]

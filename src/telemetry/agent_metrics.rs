@@ -17,9 +17,9 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 
+use super::{ArmedRules, RuleCounts};
 use crate::agent::Agent;
 use crate::backend::{GpuReading, Health};
-use crate::trigger::{Counts, Triggers};
 
 /// See the module documentation.
 pub(super) struct AgentMetrics {
@@ -40,11 +40,11 @@ impl std::fmt::Debug for AgentMetrics {
 
 /// The trigger rules' counts, once the rules are armed and while they run.
 pub(super) struct TriggerMetrics {
-    triggers: Arc<OnceLock<Weak<Triggers>>>,
+    triggers: Arc<OnceLock<Weak<dyn ArmedRules>>>,
 }
 
 impl TriggerMetrics {
-    pub(super) fn new(triggers: Arc<OnceLock<Weak<Triggers>>>) -> TriggerMetrics {
+    pub(super) fn new(triggers: Arc<OnceLock<Weak<dyn ArmedRules>>>) -> TriggerMetrics {
         TriggerMetrics { triggers }
     }
 }
@@ -56,21 +56,39 @@ impl std::fmt::Debug for TriggerMetrics {
 }
 
 /// One of a rule's counts: the label value that names it, and where it is.
-type Kind = (&'static str, fn(&Counts) -> &AtomicU64);
+type Kind = (&'static str, fn(&RuleCounts) -> &AtomicU64);
 
 impl Collector for TriggerMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let Some(triggers) = self.triggers.get().and_then(Weak::upgrade) else {
             return Ok(());
         };
+        // One reading of every rule's counts, by name.
+        let mut rules: Vec<(String, RuleCounts)> = Vec::new();
+        triggers.each_rule(&mut |rule, counts| {
+            let read = |value: &AtomicU64| AtomicU64::new(value.load(Relaxed));
+            rules.push((
+                rule.to_string(),
+                RuleCounts {
+                    fired: read(&counts.fired),
+                    held_cooldown: read(&counts.held_cooldown),
+                    held_hourly_cap: read(&counts.held_hourly_cap),
+                    saved: read(&counts.saved),
+                    failed: read(&counts.failed),
+                },
+            ))
+        });
         let counter = |value: &AtomicU64| ConstCounter::new(value.load(Relaxed));
         // Two series per rule, told apart by `label`.
         let by = |label: &'static str, kinds: [Kind; 2]| {
-            triggers
-                .counts()
+            rules
+                .iter()
                 .flat_map(|(rule, counts)| {
                     kinds.map(|(kind, value)| {
-                        ([("rule", rule), (label, kind)], counter(value(counts)))
+                        (
+                            [("rule", rule.as_str()), (label, kind)],
+                            counter(value(counts)),
+                        )
                     })
                 })
                 .collect::<Series<_, _>>()
@@ -79,9 +97,9 @@ impl Collector for TriggerMetrics {
             &mut encoder,
             "devtrace_trigger_firings",
             "Firings of each trigger rule that passed its cool-down and hourly cap",
-            triggers
-                .counts()
-                .map(|(rule, counts)| ([("rule", rule)], counter(&counts.fired)))
+            rules
+                .iter()
+                .map(|(rule, counts)| ([("rule", rule.as_str())], counter(&counts.fired)))
                 .collect(),
         )?;
         family(

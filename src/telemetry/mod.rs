@@ -16,13 +16,12 @@ pub mod health;
 pub mod http;
 pub mod rpc;
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use prometheus_client::registry::Registry;
 
 use crate::agent::Agent;
-use crate::trigger::Triggers;
 
 /// Where the gRPC server is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,13 +34,33 @@ pub enum Phase {
     Stopping = 2,
 }
 
+/// How often one trigger rule fired, was held back, and saved: kept by
+/// the rule, read by the metrics.
+#[derive(Debug, Default)]
+pub struct RuleCounts {
+    pub fired: AtomicU64,
+    pub held_cooldown: AtomicU64,
+    pub held_hourly_cap: AtomicU64,
+    pub saved: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+/// The armed trigger rules as telemetry reads them (the trigger service,
+/// a layer above, implements it).
+pub trait ArmedRules: Send + Sync {
+    /// Calls `each` with every rule's name and counts.
+    fn each_rule(&self, each: &mut dyn FnMut(&str, &RuleCounts));
+    /// One line per rule with its counts, as Monitor shows them.
+    fn summary(&self) -> String;
+}
+
 /// See the module documentation.
 pub struct Telemetry {
     phase: AtomicU8,
     agent: Arc<OnceLock<Arc<Agent>>>,
     /// Weak: the triggers hold the profiler service, which holds this;
     /// a strong reference would keep them (and their watcher) alive forever.
-    triggers: Arc<OnceLock<Weak<Triggers>>>,
+    triggers: Arc<OnceLock<Weak<dyn ArmedRules>>>,
     health: health::ServingHealth,
     rpcs: Arc<rpc::RpcMetrics>,
     registry: Registry,
@@ -92,12 +111,13 @@ impl Telemetry {
     }
 
     /// The trigger rules are armed: their counts are reported from now on.
-    pub fn triggers_started(&self, triggers: &Arc<Triggers>) {
-        let _ = self.triggers.set(Arc::downgrade(triggers));
+    pub fn triggers_started<R: ArmedRules + 'static>(&self, triggers: &Arc<R>) {
+        let triggers: Weak<R> = Arc::downgrade(triggers);
+        let _ = self.triggers.set(triggers);
     }
 
     /// The armed trigger rules, if any and still running.
-    pub fn triggers(&self) -> Option<Arc<Triggers>> {
+    pub fn triggers(&self) -> Option<Arc<dyn ArmedRules>> {
         self.triggers.get().and_then(Weak::upgrade)
     }
 

@@ -59,15 +59,9 @@ pub struct Fired {
     pub window: Window,
 }
 
-/// How often one rule fired, was held back, and saved.
-#[derive(Debug, Default)]
-pub struct Counts {
-    pub fired: AtomicU64,
-    pub held_cooldown: AtomicU64,
-    pub held_hourly_cap: AtomicU64,
-    pub saved: AtomicU64,
-    pub failed: AtomicU64,
-}
+/// How often one rule fired, was held back, and saved (the counts
+/// telemetry reports).
+pub use crate::telemetry::RuleCounts as Counts;
 
 struct Armed {
     rule: Rule,
@@ -176,6 +170,10 @@ impl Triggers {
 
     /// One line per rule with its counts, as Monitor shows them.
     pub fn summary(&self) -> String {
+        self.summary_text()
+    }
+
+    fn summary_text(&self) -> String {
         let unevaluated = self.unevaluated.load(Ordering::Relaxed);
         let behind = (unevaluated > 0).then(|| {
             format!(
@@ -395,5 +393,17 @@ fn watch_loop(
             // Held firings are counted and logged where they are held.
             let _ = triggers.offer(firing);
         }
+    }
+}
+
+impl crate::telemetry::ArmedRules for Triggers {
+    fn each_rule(&self, each: &mut dyn FnMut(&str, &Counts)) {
+        for (name, counts) in self.counts() {
+            each(name, counts);
+        }
+    }
+
+    fn summary(&self) -> String {
+        self.summary_text()
     }
 }
