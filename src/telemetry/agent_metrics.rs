@@ -65,19 +65,7 @@ impl Collector for TriggerMetrics {
         };
         // One reading of every rule's counts, by name.
         let mut rules: Vec<(String, RuleCounts)> = Vec::new();
-        triggers.each_rule(&mut |rule, counts| {
-            let read = |value: &AtomicU64| AtomicU64::new(value.load(Relaxed));
-            rules.push((
-                rule.to_string(),
-                RuleCounts {
-                    fired: read(&counts.fired),
-                    held_cooldown: read(&counts.held_cooldown),
-                    held_hourly_cap: read(&counts.held_hourly_cap),
-                    saved: read(&counts.saved),
-                    failed: read(&counts.failed),
-                },
-            ))
-        });
+        triggers.each_rule(&mut |rule, counts| rules.push((rule.to_string(), counts.read())));
         let counter = |value: &AtomicU64| ConstCounter::new(value.load(Relaxed));
         // Two series per rule, told apart by `label`.
         let by = |label: &'static str, kinds: [Kind; 2]| {

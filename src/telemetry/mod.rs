@@ -45,6 +45,20 @@ pub struct RuleCounts {
     pub failed: AtomicU64,
 }
 
+impl RuleCounts {
+    /// A copy of the counts as they are now.
+    pub fn read(&self) -> RuleCounts {
+        let copy = |value: &AtomicU64| AtomicU64::new(value.load(Ordering::Relaxed));
+        RuleCounts {
+            fired: copy(&self.fired),
+            held_cooldown: copy(&self.held_cooldown),
+            held_hourly_cap: copy(&self.held_hourly_cap),
+            saved: copy(&self.saved),
+            failed: copy(&self.failed),
+        }
+    }
+}
+
 /// The armed trigger rules as telemetry reads them (the trigger service,
 /// a layer above, implements it).
 pub trait ArmedRules: Send + Sync {
