@@ -58,6 +58,38 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
     ] {
         assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
     }
+
+    // The same for scripts, with each plane's stats.
+    let out = devtrace(&[
+        "inspect",
+        "--json",
+        expected.to_str().unwrap(),
+        "--top",
+        "3",
+    ]);
+    assert!(out.status.success());
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON document");
+    assert_eq!(doc["chunks"], 1);
+    assert_eq!(doc["top"].as_array().map(Vec::len), Some(3));
+    let planes = doc["planes"].as_array().expect("planes");
+    let plane = |name: &str| {
+        planes
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap_or_else(|| panic!("no plane {name} in {doc}"))
+    };
+    assert_eq!(plane("/host:CPU")["id"], 49);
+    let gpu = plane("/device:GPU:0");
+    assert_eq!(gpu["stats"]["core_count"], 108);
+    assert_eq!(gpu["stats"]["device_vendor"], "Nvidia");
+    assert!(gpu["lines"].as_array().is_some_and(|lines| lines
+        .iter()
+        .any(|l| l["name"] == "Stream #7(Compute,Memset)")));
+    let environment = plane("Task Environment");
+    assert!(environment["stats"]["profile_start_time"]
+        .as_u64()
+        .is_some_and(|t| t > 0));
+    assert!(doc["warnings"].is_array() && doc["errors"].is_array());
 }
 
 #[test]

@@ -148,6 +148,9 @@ pub struct PlaneSummary {
     pub name: String,
     pub lines: Vec<LineSummary>,
     pub events: usize,
+    /// The plane's own stats (device facts, the process, the source), by
+    /// name, in the order written.
+    pub stats: Vec<(String, StatValue)>,
 }
 
 #[derive(Debug)]
@@ -202,11 +205,21 @@ pub fn summarize(space: &XSpace, top: usize) -> Summary {
             });
         }
         all_events += plane_events;
+        let stats = plane
+            .stats
+            .iter()
+            .filter_map(|stat| {
+                let name = plane.stat_metadata.get(&stat.metadata_id)?.name.clone();
+                let value = find_stat(plane, std::slice::from_ref(stat), &name)?;
+                Some((name, value))
+            })
+            .collect();
         planes.push(PlaneSummary {
             id: plane.id,
             name: plane.name.clone(),
             lines,
             events: plane_events,
+            stats,
         });
     }
     let mut top_events: Vec<EventTotal> = totals
@@ -284,6 +297,62 @@ impl fmt::Display for Summary {
             writeln!(f, "error: {error}")?;
         }
         Ok(())
+    }
+}
+
+impl StatValue {
+    /// As JSON: numbers and strings as they are, bytes by their length.
+    fn to_json(&self) -> serde_json::Value {
+        match self {
+            StatValue::Int(v) => (*v).into(),
+            StatValue::Uint(v) => (*v).into(),
+            StatValue::Double(v) => (*v).into(),
+            StatValue::Str(v) => v.clone().into(),
+            StatValue::Bytes(v) => format!("<{} bytes>", v.len()).into(),
+        }
+    }
+}
+
+impl Summary {
+    /// The summary as one JSON document (`devtrace inspect --json`), for
+    /// scripts: what the text form shows, plus each plane's stats.
+    pub fn to_json(&self) -> serde_json::Value {
+        use serde_json::json;
+        let planes: Vec<serde_json::Value> = self
+            .planes
+            .iter()
+            .map(|plane| {
+                let stats: serde_json::Map<String, serde_json::Value> = plane
+                    .stats
+                    .iter()
+                    .map(|(name, value)| (name.clone(), value.to_json()))
+                    .collect();
+                json!({
+                    "id": plane.id,
+                    "name": plane.name,
+                    "events": plane.events,
+                    "lines": plane.lines.iter().map(|line| json!({
+                        "id": line.id,
+                        "name": line.name,
+                        "events": line.events,
+                    })).collect::<Vec<_>>(),
+                    "stats": stats,
+                })
+            })
+            .collect();
+        json!({
+            "hosts": self.hostnames,
+            "events": self.events,
+            "span_ps": self.span_ps.map(|(start, end)| [start, end]),
+            "planes": planes,
+            "top": self.top.iter().map(|total| json!({
+                "name": total.name,
+                "count": total.count,
+                "total_ps": total.total_ps,
+            })).collect::<Vec<_>>(),
+            "warnings": self.warnings,
+            "errors": self.errors,
+        })
     }
 }
 
