@@ -147,7 +147,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<LaneHeader>() % 64, 0);
         assert_eq!(RingLayout::header_size(), 128);
         assert_eq!(std::mem::offset_of!(RingHeader, control), 64);
-        // Tests forge headers at these offsets (tests/common, tests/hostile.rs).
+        // Tests forge headers at these offsets (tests/it/common, tests/it/hostile.rs).
         assert_eq!(std::mem::offset_of!(RingHeader, lane_count), 12);
         assert_eq!(std::mem::offset_of!(RingHeader, total_size), 32);
         assert_eq!(std::mem::offset_of!(RingHeader, creator_pid), 44);

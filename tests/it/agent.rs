@@ -2,7 +2,7 @@
 //! protocol: captures, overlap, Terminate, continuous profiling, Monitor,
 //! where traces are written, and drop accounting.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! captures through `devtrace serve --tap` show steps and eager ops, and a
 //! slow step through it fires a slow-step trigger.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -1,7 +1,7 @@
 //! ProfileAnalysis over real agents on loopback: a session across several
 //! hosts (some down, slow or empty), listing sessions, and tool data.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;

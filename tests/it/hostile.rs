@@ -7,7 +7,7 @@
 //! refused or lost, that its memory stays bounded, and that SIGTERM still
 //! stops it within 5 s.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::process::CommandExt;

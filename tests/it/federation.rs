@@ -2,7 +2,7 @@
 //! server's trace into its own captures, on one time base; an upstream that
 //! is down makes the capture partial, never failed.
 
-mod common;
+use crate::common;
 
 use common::*;
 use devtrace::xspace::read::{event_start_ps, find_stat, StatValue};

@@ -1,7 +1,7 @@
 //! Every malformed request field is refused with INVALID_ARGUMENT naming the
 //! field, and the agent keeps serving.
 
-mod common;
+use crate::common;
 
 use common::*;
 use devtrace::proto::tensorflow::{

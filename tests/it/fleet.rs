@@ -4,7 +4,7 @@
 //! Slurm hostlists and in a file, called at most `--concurrent-hosts` at
 //! once, and each trace written as it arrives instead of held.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{TcpListener, UdpSocket};

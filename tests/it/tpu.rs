@@ -3,7 +3,7 @@
 //! its XSpace is merged into captures, and each failure (no extension, create,
 //! collect, no library) gives a clear error.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

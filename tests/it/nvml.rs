@@ -4,7 +4,7 @@
 //! (and drivers without them), a GPU that falls off the bus, and a machine
 //! without NVML.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! Concurrent captures of one window share one build of its trace; captures
 //! of other windows build their own.
 
-mod common;
+use crate::common;
 
 use common::{now_ns, request, space_of, AgentProcess};
 use devtrace::proto::tensorflow::ProfileRequest;

@@ -5,7 +5,7 @@
 //! by field with XProf's own converter, on the capture and on synthetic
 //! traces that reach its corner cases.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 //! through tonic-health's client on each kind of listener and through a
 //! shutdown, and a real Prometheus server scraping the agent.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

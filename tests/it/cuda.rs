@@ -5,7 +5,7 @@
 //! copies, calls and allocations. Also the faults: a workload that exits
 //! mid-capture, an agent restart, a full ring, two workloads, CUPTI failing.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! The command line as a user meets it: capture into a logdir, inspect the
 //! file, and clear errors for the usual mistakes.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

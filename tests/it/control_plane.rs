@@ -6,7 +6,7 @@
 //! plaintext on an address other hosts can reach, and the UNIX socket
 //! listener.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

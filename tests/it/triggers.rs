@@ -7,7 +7,7 @@
 //! cap hold and are counted in Monitor and the metrics, and a bad rule is
 //! refused naming its bad part.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -6,7 +6,7 @@
 //! a trigger's session saved into a bucket prefix, and traces kept when
 //! their upload fails.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};

@@ -3,7 +3,7 @@
 //! with known arguments, filters, and losses. Loading BPF programs needs
 //! root; without it these tests say so and pass without checking anything.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};

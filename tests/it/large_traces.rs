@@ -4,7 +4,7 @@
 //! a RESOURCE_EXHAUSTED that says where the trace is or how to get it; and
 //! `devtrace capture` and `devtrace inspect` on them.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Output};

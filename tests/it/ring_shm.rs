@@ -129,8 +129,14 @@ fn spawn(
     line: u64,
     wait: bool,
 ) -> (Child, BufReader<ChildStdout>) {
+    // The harness names the test by its path below the crate: `ring_shm::child_role`.
+    let test = module_path!()
+        .split_once("::")
+        .map_or("child_role".to_string(), |(_, module)| {
+            format!("{module}::child_role")
+        });
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["child_role", "--exact", "--nocapture", "--test-threads=1"])
+        .args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
         .env(PATH, path)
         .env(COUNT, count.to_string())

@@ -1,8 +1,6 @@
 //! Starts the real `devtrace` binary on a loopback port and talks to it with
 //! the generated gRPC client.
 
-#![allow(dead_code)]
-
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -405,8 +403,6 @@ pub fn dropped_of(space: &XSpace) -> i64 {
         other => panic!("dropped_traces: {other:?}"),
     }
 }
-
-pub const SECOND: Duration = Duration::from_secs(1);
 
 /// Builds `tests/standins/<source>` into a shared library named `library`
 /// under the test target directory, and returns its path.

@@ -2,7 +2,7 @@
 //! chosen process's counters arrive as counter tracks on `/host:CPU`. Counting
 //! every CPU needs root; the test says so and skips otherwise.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 

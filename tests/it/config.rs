@@ -4,7 +4,7 @@
 //! mistakes are named with the key or variable that made them, and
 //! `--log-format json` writes one JSON object per line.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
