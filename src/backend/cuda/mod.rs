@@ -1,0 +1,373 @@
+//! The CUDA backend: GPU kernel timelines of any CUDA process that loads
+//! devtrace's injection library (`inject/`). CUPTI sees only the process it
+//! runs in, so the library streams that process's activity into a
+//! shared-memory ring in the runtime directory; this backend finds those
+//! rings, tells their libraries when a capture runs (the ring's control
+//! word), drains them, and moves their events into the agent: names from
+//! the process's metadata file become registry names, stream lines get the
+//! process's slot so two processes' streams stay apart, and host lines are
+//! named after the process.
+//!
+//! A process that exits is drained one last time and its files removed; the
+//! captures that overlap say so. Rings of a previous agent are picked up
+//! where it left them.
+//!
+//! Workloads may run in pid namespaces of their own (containers) while the
+//! agent runs in the host's: a ring's process is found through the lock its
+//! library holds on the file (`crate::host_process`), and its thread ids are
+//! turned into the host's, so that its lines are those the other backends
+//! draw for the same threads.
+//!
+//! The runtime directory is writable by every user, so nothing in it is
+//! trusted. A ring is known by its file's owner and inode, not by the pid in
+//! its name, and is attached only when it is a regular file with one link
+//! owned by the user of the process that holds it and created it; each user
+//! may have [`MAX_RINGS_PER_UID`] rings attached. A ring's peer cannot
+//! make the agent map more than one lane of the library's largest capacity,
+//! read forever (each pass drains a bounded number of events) or crash it by
+//! shrinking the file: a ring whose counters no library writes is detached
+//! with a warning. Its events may only be the kinds the library makes, on its
+//! own threads, GPUs and lines; names, devices and lines it declares cannot
+//! replace what others declared.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tracing::warn;
+
+use super::worker::Worker;
+use super::{Backend, BackendContext, BackendError, Capabilities, Health, Loss};
+use crate::clock;
+use crate::event::Payload;
+use crate::event::{Device, Event, NameId};
+use crate::host_process::{self, Threads};
+use crate::registry::Registry;
+use crate::ring::{
+    pid_alive, remove_stale_rings, Consumer, FileIdentity, OpenLimits, Ring,
+    CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE,
+};
+use crate::store::Window;
+use crate::timeline::STREAM_BITS;
+use crate::workload::{
+    self, ApiRecordSet, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE,
+};
+
+#[derive(Clone, Debug)]
+pub struct CudaConfig {
+    /// Where workload libraries put their rings (`DEVTRACE_RUNTIME_DIR` for
+    /// both sides; `/run/devtrace` by default).
+    pub runtime_dir: PathBuf,
+    /// How often the directory is searched for new rings.
+    pub scan_interval: Duration,
+    /// How often rings are drained while a capture runs (ten times less
+    /// often otherwise).
+    pub drain_interval: Duration,
+    /// Which API calls workloads record for captures that do not ask for
+    /// detail (`device_tracer_level` 2 asks for every call).
+    pub api_records: ApiRecords,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            runtime_dir: workload::runtime_dir(),
+            scan_interval: Duration::from_millis(250),
+            drain_interval: Duration::from_millis(10),
+            api_records: ApiRecords::Timeline,
+        }
+    }
+}
+
+/// The driver and runtime API calls CUPTI records in workloads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ApiRecords {
+    /// Launches (kernels, cooperative kernels, graphs, host functions),
+    /// copies, memsets, allocations and frees: what draws the timeline and
+    /// its flows. Other calls (synchronizations, queries, module loads, ...)
+    /// get no API record.
+    Timeline,
+    /// Every call, as CUPTI's DRIVER and RUNTIME kinds record them.
+    All,
+}
+
+/// The control word for a capture (or none) and the API calls to record.
+fn control_flags(capturing: bool, all_api_records: bool) -> u32 {
+    match (capturing, all_api_records) {
+        (false, _) => 0,
+        (true, false) => CONTROL_CAPTURE,
+        (true, true) => CONTROL_CAPTURE | CONTROL_ALL_API_RECORDS,
+    }
+}
+
+mod attach;
+mod status;
+mod translate;
+
+use attach::Attachments;
+use status::Status;
+
+/// The largest ring a workload can make the agent map: the library's one
+/// lane, with up to the 2^24 slots `DEVTRACE_INJECT_RING_CAPACITY` allows
+/// (136 bytes each).
+pub(crate) const WORKLOAD_RING_LIMITS: OpenLimits = OpenLimits {
+    lanes: 1,
+    bytes: 5 << 29,
+};
+
+/// Rings one user may have attached at once, so that no user takes every
+/// stream slot.
+pub const MAX_RINGS_PER_UID: usize = 32;
+
+/// Events read from one ring per pass, so that a ring that never empties
+/// cannot starve the others or the worker's stop.
+const MAX_EVENTS_PER_PASS: usize = 1 << 18;
+
+/// Names and lines one process may declare.
+const MAX_NAMES_PER_PROCESS: usize = 1 << 18;
+const MAX_LINES_PER_PROCESS: usize = 1 << 12;
+
+/// GPU ordinals a process may use (CUDA numbers its visible GPUs from 0).
+const MAX_GPU_ORDINAL: u16 = 255;
+
+/// Rings refused once, remembered so they are not reopened at every scan.
+const MAX_REFUSED: usize = 1024;
+
+/// How long a metadata file without its ring may lie unheld before it is
+/// taken to be left by a process that died while making its files.
+const ABANDONED_GRACE: Duration = Duration::from_secs(60);
+
+/// The synthetic host line (in a process's range) of calls from threads of
+/// a namespaced process that ended before the host's id for them was read.
+const LINE_ENDED_THREADS: u64 = 4;
+
+pub struct CudaBackend {
+    config: CudaConfig,
+    status: Arc<Mutex<Status>>,
+    worker: Option<Worker>,
+}
+
+impl CudaBackend {
+    pub fn new(config: CudaConfig) -> CudaBackend {
+        CudaBackend {
+            config,
+            status: Arc::default(),
+            worker: None,
+        }
+    }
+}
+
+/// Makes the runtime directory when it is missing: world-writable and
+/// sticky like /tmp, so workloads of any user can add their rings and only
+/// remove their own.
+fn prepare_runtime_dir(dir: &Path) -> Result<(), String> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777))
+        .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            records: vec!["GPU kernels, copies and memory of injected CUDA processes"],
+            // The library flushes CUPTI every 100 ms and polls its control
+            // word every 20 ms; one drain on top.
+            max_delay: Duration::from_millis(250),
+        }
+    }
+
+    fn start(&mut self, context: BackendContext) -> Result<(), BackendError> {
+        prepare_runtime_dir(&self.config.runtime_dir).map_err(|reason| {
+            BackendError::Unavailable {
+                backend: "cuda",
+                reason,
+            }
+        })?;
+        let producer = context.producer().map_err(|e| BackendError::Start {
+            backend: "cuda",
+            reason: format!("no ring lane: {e}"),
+        })?;
+        let config = self.config.clone();
+        let status = Arc::clone(&self.status);
+        self.worker = Some(Worker::spawn("cuda", move |stop| {
+            let mut attach = Attachments {
+                config,
+                registry: Arc::clone(&context.registry),
+                status,
+                processes: BTreeMap::new(),
+                slots_in_use: Vec::new(),
+                refused: HashSet::new(),
+                over_quota: HashSet::new(),
+                producer,
+                drained: Vec::new(),
+                scratch: Vec::new(),
+            };
+            let mut last_scan: Option<Instant> = None;
+            while !stop.is_set() {
+                let capturing = context.traces.load(Ordering::Relaxed) > 0;
+                let all_api_records = attach.config.api_records == ApiRecords::All
+                    || context.detailed_traces.load(Ordering::Relaxed) > 0;
+                if last_scan.is_none_or(|at| at.elapsed() >= attach.config.scan_interval) {
+                    last_scan = Some(Instant::now());
+                    attach.scan();
+                }
+                attach.service(control_flags(capturing, all_api_records));
+                let pause = if capturing {
+                    attach.config.drain_interval
+                } else {
+                    attach.config.drain_interval * 10
+                };
+                std::thread::sleep(pause);
+            }
+            // Leave the libraries idle for the next agent.
+            for process in attach.processes.values() {
+                process.ring.set_control(0);
+            }
+        })?);
+        Ok(())
+    }
+
+    fn stop(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            worker.stop();
+        }
+    }
+
+    fn health(&self) -> Health {
+        if let Some(health) = Worker::not_running(self.worker.as_ref(), "CUDA backend") {
+            return health;
+        }
+        let status = self.status.lock();
+        let mut detail = format!(
+            "{} processes attached ({} seen) in {}; {} events",
+            status.attached,
+            status.seen,
+            self.config.runtime_dir.display(),
+            status.events
+        );
+        if let Some(error) = &status.last_error {
+            detail.push_str(&format!("; last error: {error}"));
+        }
+        Health::Running { detail }
+    }
+
+    fn losses(&self) -> Vec<Loss> {
+        let status = self.status.lock();
+        vec![
+            Loss {
+                place: "cupti",
+                what: "GPU activity records CUPTI dropped in workload processes",
+                count: status.cupti_dropped,
+            },
+            Loss {
+                place: "workload_ring",
+                what: "GPU events workload libraries could not queue because their ring was full",
+                count: status.ring_dropped,
+            },
+            Loss {
+                place: "workload_foreign",
+                what: "events refused from workload rings: kinds, devices or threads that are \
+                       not the workload's",
+                count: status.foreign,
+            },
+        ]
+    }
+
+    /// Every workload process attached during the window, with its command
+    /// line (`devtrace_cuda_process_<pid>`), its libcupti
+    /// (`devtrace_cuda_cupti_<pid>`) and the API calls it recorded
+    /// (`devtrace_cuda_api_records_<pid>`).
+    fn properties(&self, window: Window) -> Vec<(String, String)> {
+        self.status
+            .lock()
+            .traced
+            .iter()
+            .filter(|t| t.overlaps(window))
+            .flat_map(|t| {
+                let command = (
+                    format!("devtrace_cuda_process_{}", t.pid),
+                    t.command.clone(),
+                );
+                let cupti = t
+                    .cupti
+                    .clone()
+                    .map(|text| (format!("devtrace_cuda_cupti_{}", t.pid), text));
+                let sets = t.api_records_during(window);
+                let api_records = (!sets.is_empty()).then(|| {
+                    let text: Vec<&str> = sets.iter().map(|set| set.describe()).collect();
+                    (
+                        format!("devtrace_cuda_api_records_{}", t.pid),
+                        text.join("; then "),
+                    )
+                });
+                std::iter::once(command).chain(cupti).chain(api_records)
+            })
+            .collect()
+    }
+
+    fn notices(&self, window: Window) -> Vec<String> {
+        let status = self.status.lock();
+        status
+            .notices
+            .iter()
+            .filter(|n| n.at_ns >= window.start_ns && n.at_ns <= window.stop_ns)
+            .map(|n| n.text.clone())
+            .chain(
+                status
+                    .traced
+                    .iter()
+                    .filter(|t| t.overlaps(window))
+                    .flat_map(|t| t.states.iter().cloned()),
+            )
+            .chain(status.lost_spans.iter().filter_map(|s| s.describe(window)))
+            .collect()
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::status::Traced;
+    use super::*;
+
+    #[test]
+    fn a_window_names_the_api_records_switched_to_in_it_else_the_last_before() {
+        let traced = Traced {
+            pid: 7,
+            command: String::new(),
+            cupti: None,
+            api_records: [
+                (10, ApiRecordSet::Timeline),
+                (100, ApiRecordSet::All),
+                (150, ApiRecordSet::All),
+                (200, ApiRecordSet::Timeline),
+            ]
+            .into_iter()
+            .collect(),
+            states: Vec::new(),
+            attached_ns: 0,
+            detached_ns: None,
+        };
+        let during = |start_ns, stop_ns| traced.api_records_during(Window { start_ns, stop_ns });
+        assert_eq!(during(20, 90), [ApiRecordSet::Timeline]);
+        assert_eq!(during(90, 160), [ApiRecordSet::All]);
+        assert_eq!(during(90, 250), [ApiRecordSet::All, ApiRecordSet::Timeline]);
+        assert_eq!(during(0, 5), []);
+    }
+}

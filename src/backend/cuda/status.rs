@@ -1,0 +1,234 @@
+//! What the CUDA backend tells the captures about the processes it traces:
+//! the processes attached in a window, their libraries' lasting states, the
+//! notices of the moment, and the spans of a process's GPU activity that
+//! are missing (another CUPTI user had the stream, or CUPTI was starting).
+
+use std::collections::VecDeque;
+
+use tracing::info;
+
+use super::*;
+
+/// Something a capture overlapping `at_ns` should be told.
+#[derive(Clone, Debug)]
+pub(super) struct Notice {
+    pub(super) at_ns: u64,
+    pub(super) text: String,
+}
+
+pub(super) const MAX_NOTICES: usize = 256;
+
+/// Why a span of a process's GPU activity is missing from the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LossCause {
+    /// Another CUPTI user had the activity stream; `seen` when its calls
+    /// passed through the library (else it was found out after the fact).
+    OtherUser { seen: bool },
+    /// The library was asked to capture and CUPTI was not recording yet.
+    Starting,
+}
+
+/// A span of one process's GPU activity that is missing from the trace.
+#[derive(Clone, Debug)]
+pub(super) struct LostSpan {
+    pub(super) pid: u32,
+    pub(super) label: String,
+    pub(super) from_ns: u64,
+    /// Open while the cause lasts.
+    pub(super) to_ns: Option<u64>,
+    pub(super) cause: LossCause,
+}
+
+impl LostSpan {
+    /// The warning for a window this span overlaps. A start that never
+    /// ended is not told: the process stopped tracing, which its states say.
+    pub(super) fn describe(&self, window: Window) -> Option<String> {
+        if self.cause == LossCause::Starting && self.to_ns.is_none() {
+            return None;
+        }
+        let to_ns = self.to_ns.unwrap_or(u64::MAX);
+        if self.from_ns > window.stop_ns || to_ns <= window.start_ns || to_ns == self.from_ns {
+            return None;
+        }
+        let from = self.from_ns.max(window.start_ns);
+        let to = to_ns.min(window.stop_ns);
+        let seconds = |ns: u64| (ns - window.start_ns) as f64 / 1e9;
+        let span = format!(
+            "from {:.3} s to {:.3} s of this window: that process's GPU activity in those \
+             {:.0} ms is missing",
+            seconds(from),
+            seconds(to),
+            (to - from) as f64 / 1e6,
+        );
+        Some(match self.cause {
+            LossCause::OtherUser { seen } => {
+                let how = if seen {
+                    ""
+                } else {
+                    " (found out after the fact, as that profiler reached CUPTI without passing \
+                     through the library: the span starts when the library last knew it had the \
+                     stream, it takes the stream back at the next capture, and the other \
+                     profiler may have lost records it wrote into the library's buffers)"
+                };
+                format!(
+                    "another CUPTI user in {} (a framework profiler such as torch.profiler) had \
+                     the activity stream {span}{how}",
+                    self.label
+                )
+            }
+            LossCause::Starting => format!(
+                "the injection library in {} was asked to record and CUPTI started recording \
+                 {:.0} ms later, {span} (CUPTI is started for each capture and detached after \
+                 it, so that the job runs at full speed between captures)",
+                self.label,
+                (to_ns - self.from_ns) as f64 / 1e6,
+            ),
+        })
+    }
+}
+
+pub(super) const MAX_LOST_SPANS: usize = 256;
+
+/// A workload process and when it was attached.
+#[derive(Clone, Debug)]
+pub(super) struct Traced {
+    pub(super) pid: u32,
+    pub(super) command: String,
+    /// The libcupti it loaded, as `API version from origin`.
+    pub(super) cupti: Option<String>,
+    /// The API records it switched to, and when.
+    pub(super) api_records: VecDeque<(u64, ApiRecordSet)>,
+    /// What its library said about itself (it stopped, its CUPTI has known
+    /// bugs): true for every capture while it runs.
+    pub(super) states: Vec<String>,
+    pub(super) attached_ns: u64,
+    pub(super) detached_ns: Option<u64>,
+}
+
+impl Traced {
+    pub(super) fn overlaps(&self, window: Window) -> bool {
+        self.attached_ns <= window.stop_ns
+            && self.detached_ns.is_none_or(|gone| gone >= window.start_ns)
+    }
+
+    /// The API record sets in force during `window`, in order: those
+    /// switched to inside it, else the last before it.
+    pub(super) fn api_records_during(&self, window: Window) -> Vec<ApiRecordSet> {
+        let inside: Vec<ApiRecordSet> = self
+            .api_records
+            .iter()
+            .filter(|(at, _)| (window.start_ns..=window.stop_ns).contains(at))
+            .map(|(_, set)| *set)
+            .collect();
+        let mut sets = if inside.is_empty() {
+            self.api_records
+                .iter()
+                .rev()
+                .find(|(at, _)| *at < window.start_ns)
+                .map(|(_, set)| *set)
+                .into_iter()
+                .collect()
+        } else {
+            inside
+        };
+        sets.dedup();
+        sets
+    }
+}
+
+/// Switches of API record sets remembered per process.
+pub(super) const MAX_API_RECORD_SWITCHES: usize = 64;
+
+pub(super) fn remember_switch(
+    switches: &mut VecDeque<(u64, ApiRecordSet)>,
+    at_ns: u64,
+    set: ApiRecordSet,
+) {
+    if switches.len() == MAX_API_RECORD_SWITCHES {
+        switches.pop_front();
+    }
+    switches.push_back((at_ns, set));
+}
+
+/// Processes remembered for the properties of captures.
+pub(super) const MAX_TRACED: usize = 1024;
+
+/// Why a ring that opened cleanly is not attached.
+pub(super) enum Refusal {
+    /// It is not the process's, or the process is gone: for good.
+    Lasting(String),
+    /// Its user has [`MAX_RINGS_PER_UID`] attached: until one goes.
+    OverQuota(String),
+}
+
+#[derive(Default)]
+pub(super) struct Status {
+    pub(super) traced: VecDeque<Traced>,
+    pub(super) attached: usize,
+    pub(super) seen: u64,
+    pub(super) events: u64,
+    pub(super) cupti_dropped: u64,
+    pub(super) ring_dropped: u64,
+    /// Events refused as no CUDA workload makes them.
+    pub(super) foreign: u64,
+    pub(super) notices: VecDeque<Notice>,
+    pub(super) lost_spans: VecDeque<LostSpan>,
+    pub(super) last_error: Option<String>,
+}
+
+impl Status {
+    pub(super) fn lost_from(&mut self, pid: u32, label: String, from_ns: u64, cause: LossCause) {
+        if self.lost_spans.len() == MAX_LOST_SPANS {
+            self.lost_spans.pop_front();
+        }
+        if let LossCause::OtherUser { .. } = cause {
+            info!("{label}: another CUPTI user took the activity stream");
+        }
+        self.lost_spans.push_back(LostSpan {
+            pid,
+            label,
+            from_ns,
+            to_ns: None,
+            cause,
+        });
+    }
+
+    /// Closes the open spans of `pid` for causes `which` picks.
+    pub(super) fn lost_until(&mut self, pid: u32, to_ns: u64, which: impl Fn(LossCause) -> bool) {
+        for span in self.lost_spans.iter_mut().rev() {
+            if span.pid == pid && span.to_ns.is_none() && which(span.cause) {
+                span.to_ns = Some(to_ns.max(span.from_ns));
+            }
+        }
+    }
+
+    /// The remembered process `pid` (the latest of that pid).
+    pub(super) fn traced_mut(&mut self, pid: u32) -> Option<&mut Traced> {
+        self.traced.iter_mut().rev().find(|t| t.pid == pid)
+    }
+
+    /// A lasting state of process `pid`, reported in every capture that
+    /// overlaps its life; `early` keeps it until the process is remembered.
+    pub(super) fn state(&mut self, pid: u32, early: &mut Vec<String>, text: String) {
+        info!("{text}");
+        const MAX_STATES: usize = 8;
+        let states = match self.traced_mut(pid) {
+            Some(traced) => &mut traced.states,
+            None => early,
+        };
+        if states.len() < MAX_STATES && !states.contains(&text) {
+            states.push(text);
+        }
+    }
+
+    pub(super) fn notice(&mut self, text: String) {
+        info!("{text}");
+        if self.notices.len() == MAX_NOTICES {
+            self.notices.pop_front();
+        }
+        self.notices.push_back(Notice {
+            at_ns: clock::now_ns(),
+            text,
+        });
+    }
+}
