@@ -195,9 +195,8 @@ impl Tracer {
     /// Registers our callbacks (again: CUPTI was finalized, or another user
     /// replaced them) and enables every kind; says when recording began.
     fn take(&mut self, session: &Session) -> Result<(), String> {
-        if let Some(mut teardown) = self.teardown.take() {
-            teardown.cancel();
-        }
+        // A teardown still waiting gives its subscriber up as it is dropped.
+        self.teardown = None;
         self.kept_attached_told = false;
         self.next_detach_try = None;
         if !self.exit_flush_set {
@@ -320,18 +319,11 @@ impl Tracer {
             return;
         }
         if let Some(why) = coexist::other_user_active() {
-            if let Some(mut teardown) = self.teardown.take() {
-                teardown.cancel();
-            }
-            if !self.kept_attached_told {
-                self.kept_attached_told = true;
-                session.write_meta(&MetaRecord::Warning {
-                    message: format!(
-                        "CUPTI stays attached after the capture, at a cost on every CUDA call, \
-                         because {why}; it is detached once that user is done"
-                    ),
-                });
-            }
+            self.teardown = None;
+            self.tell_kept_attached(
+                session,
+                format!("because {why}; it is detached once that user is done"),
+            );
             return;
         }
         if self
@@ -343,7 +335,7 @@ impl Tracer {
         let teardown = self.teardown.get_or_insert_with(Teardown::new);
         match teardown.step() {
             Progress::Waiting => {}
-            Progress::Detached { .. } => {
+            Progress::Detached => {
                 self.teardown = None;
                 self.api = None;
                 let unreturned = buffers::give_up_unreturned();
@@ -362,17 +354,25 @@ impl Tracer {
             Progress::Refused(why) => {
                 self.teardown = None;
                 self.next_detach_try = Some(Instant::now() + detach::RETRY_EVERY);
-                if !self.kept_attached_told {
-                    self.kept_attached_told = true;
-                    session.write_meta(&MetaRecord::Warning {
-                        message: format!(
-                            "CUPTI stays attached after the capture, at a cost on every CUDA \
-                             call: {why} (detaching is tried again every second)"
-                        ),
-                    });
-                }
+                self.tell_kept_attached(
+                    session,
+                    format!("because {why} (detaching is tried again every second)"),
+                );
             }
         }
+    }
+
+    /// Says once per capture why CUPTI stays attached after it.
+    fn tell_kept_attached(&mut self, session: &Session, why: String) {
+        if self.kept_attached_told {
+            return;
+        }
+        self.kept_attached_told = true;
+        session.write_meta(&MetaRecord::Warning {
+            message: format!(
+                "CUPTI stays attached after the capture, at a cost on every CUDA call, {why}"
+            ),
+        });
     }
 
     /// After a failure: leaves CUPTI as the process needs it.
@@ -451,6 +451,6 @@ extern "C" fn flush_at_exit() {
         if cupti::flush_all(true).is_ok() {
             let _ = set_clock(session);
         }
-        records::convert_all(session, session.take_pending(), true);
+        records::convert_pending_now();
     });
 }

@@ -74,8 +74,8 @@ static ARMED: AtomicBool = AtomicBool::new(false);
 static SUBSCRIBER: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 /// Set while `cuptiFinalize` of ours runs.
 static FINALIZING: AtomicBool = AtomicBool::new(false);
-/// When the last finalize of ours ended (`CLOCK_REALTIME` ns; 0: none yet).
-static DETACHED_NS: AtomicU64 = AtomicU64::new(0);
+/// How many finalizes of ours succeeded.
+static DETACHES: AtomicU64 = AtomicU64::new(0);
 /// What the last finalize of ours answered, when it failed.
 static FINALIZE_FAILED: AtomicI32 = AtomicI32::new(CUPTI_SUCCESS);
 /// Converts the buffers CUPTI handed back so far; the gate is held.
@@ -103,8 +103,8 @@ fn convert_pending() {
 pub enum Progress {
     /// Waiting for a CUDA call to return, or for the next window.
     Waiting,
-    /// CUPTI was finalized at this time (`CLOCK_REALTIME` ns).
-    Detached { at_ns: u64 },
+    /// CUPTI was finalized.
+    Detached,
     /// CUPTI stays attached, for this reason.
     Refused(String),
 }
@@ -113,7 +113,8 @@ pub enum Progress {
 pub struct Teardown {
     subscribed_at: Option<Instant>,
     next_window: Instant,
-    detached_before_ns: u64,
+    /// `DETACHES` when it began.
+    detaches_before: u64,
 }
 
 impl Teardown {
@@ -122,16 +123,15 @@ impl Teardown {
         Teardown {
             subscribed_at: None,
             next_window: now,
-            detached_before_ns: DETACHED_NS.load(Ordering::Acquire),
+            detaches_before: DETACHES.load(Ordering::Acquire),
         }
     }
 
     /// One step: opens a window, closes one that saw no CUDA call, or sees
     /// that a call finalized CUPTI.
     pub fn step(&mut self) -> Progress {
-        let detached_ns = DETACHED_NS.load(Ordering::Acquire);
-        if detached_ns != self.detached_before_ns {
-            return Progress::Detached { at_ns: detached_ns };
+        if DETACHES.load(Ordering::Acquire) != self.detaches_before {
+            return Progress::Detached;
         }
         let failed = FINALIZE_FAILED.load(Ordering::Acquire);
         if failed != CUPTI_SUCCESS {
@@ -291,7 +291,7 @@ fn finalize(gate: &mut Attachment) {
         // The subscriber went with everything else.
         SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
         *gate = Attachment::Detached;
-        DETACHED_NS.store(devtrace_shm::clock::now_ns().max(1), Ordering::Release);
+        DETACHES.fetch_add(1, Ordering::AcqRel);
     } else {
         FINALIZE_FAILED.store(result, Ordering::Release);
     }

@@ -1356,19 +1356,8 @@ fn rival_report(lines: &[String]) -> (usize, u64, u64) {
 
 /// The lost span a warning reports, in seconds from the window's start.
 fn lost_span(space: &XSpace) -> (f64, f64) {
-    let warning = space
-        .warnings
-        .iter()
-        .find(|w| w.contains("another CUPTI user"))
-        .unwrap_or_else(|| panic!("no lost span in {:?}", space.warnings));
-    let numbers: Vec<f64> = warning
-        .split(" from ")
-        .nth(1)
-        .expect("from")
-        .split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    (numbers[0], numbers[1])
+    span_in_warning(space, "another CUPTI user")
+        .unwrap_or_else(|| panic!("no lost span in {:?}", space.warnings))
 }
 
 /// The library sees the other user's calls through the names it exports
