@@ -29,6 +29,10 @@
  *                          or not (a careless profiler)
  *   --rival-early          the rival looks its CUPTI functions up before cuInit, so before
  *                          the injection library can redirect anything: it is unseen
+ *   --wait-recording       with the CUPTI stand-in: before the first iteration, and
+ *                          after the rival's part, wait (at most 10 s) until kernels are
+ *                          recorded again, so that the run does not depend on how soon
+ *                          a loaded machine lets the injected library act
  *   --quiet                print no `call` lines
  *   --rate-ms N            every N ms print `rate end_ns=T iterations=I` (I: iterations
  *                          finished so far by all threads, T: CLOCK_REALTIME ns)
@@ -217,7 +221,7 @@ static const char real_ptx[] =
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
     int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all;
-    int rival_early;
+    int rival_early, wait_recording;
     int quiet, rate_ms;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
@@ -286,6 +290,24 @@ static void wait_for(const char *path) {
     printf("waiting pid=%d file=%s\n", (int)getpid(), path);
     fflush(stdout);
     while (access(path, F_OK) != 0) usleep(10000);
+}
+
+/* --wait-recording: until the CUPTI stand-in records kernels, for at most
+ * 10 s (then the run goes on, and says so). */
+static void wait_until_recording(void) {
+    if (!options.wait_recording) return;
+    int (*recording)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "devtrace_standin_cupti_recording_kernels");
+    if (!recording) {
+        fprintf(stderr, "cuda_workload: --wait-recording without the CUPTI stand-in loaded\n");
+        return;
+    }
+    for (int waited_ms = 0; !recording(); waited_ms++) {
+        if (waited_ms == 10000) {
+            fprintf(stderr, "cuda_workload: kernels still not recorded after 10 s; going on\n");
+            return;
+        }
+        usleep(1000);
+    }
 }
 
 static void iterate(struct worker *w, int iter) {
@@ -604,7 +626,10 @@ static void *run_worker(void *arg) {
         if (i == options.rival_at) rival_begin();
         iterate(w, i);
         __atomic_add_fetch(&iterations_done, 1, __ATOMIC_RELAXED);
-        if (rival_active && i == rival_last) rival_end();
+        if (rival_active && i == rival_last) {
+            rival_end();
+            wait_until_recording();
+        }
         if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
     }
     if (rival_active) rival_end();
@@ -657,7 +682,7 @@ static int usage(void) {
             "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph]\n"
             "                     [--rival-at N [--rival-iterations M] [--rival-every K] [--rival-direct]\n"
             "                      [--rival-linked] [--rival-subscribe] [--rival-frees-all] [--rival-early]]\n"
-            "                     [--quiet] [--rate-ms N]\n");
+            "                     [--wait-recording] [--quiet] [--rate-ms N]\n");
     return 2;
 }
 
@@ -682,6 +707,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-subscribe") == 0) options.rival_subscribe = 1;
         else if (strcmp(a, "--rival-frees-all") == 0) options.rival_frees_all = 1;
         else if (strcmp(a, "--rival-early") == 0) options.rival_early = 1;
+        else if (strcmp(a, "--wait-recording") == 0) options.wait_recording = 1;
         else if (strcmp(a, "--quiet") == 0) options.quiet = 1;
         else if (strcmp(a, "--rate-ms") == 0 && i + 1 < argc) options.rate_ms = atoi(argv[++i]);
         else return usage();
@@ -741,6 +767,7 @@ int main(int argc, char **argv) {
     if (failed) return 1;
 
     if (options.wait_file) wait_for(options.wait_file);
+    wait_until_recording();
     if (options.rate_ms > 0) {
         pthread_t rate;
         pthread_create(&rate, NULL, print_rates, NULL);

@@ -1787,6 +1787,14 @@ CUPTIAPI void devtrace_standin_cupti_state(int *is_armed, unsigned long *finaliz
     pthread_mutex_unlock(&lock);
 }
 
+/* Not CUPTI: whether kernels are being recorded now (a kernel kind is
+ * enabled), for test programs that must not run ahead of a recording. */
+CUPTIAPI int devtrace_standin_cupti_recording_kernels(void) {
+    pthread_once(&setup_once, setup);
+    return __atomic_load_n(&enabled[CUPTI_ACTIVITY_KIND_KERNEL], __ATOMIC_RELAXED) ||
+           __atomic_load_n(&enabled[CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL], __ATOMIC_RELAXED);
+}
+
 /* Domain 1 is CUPTI_CB_DOMAIN_DRIVER_API; names are known once a call with
  * that cbid was made, as the real library knows them all. */
 CUPTIAPI CUptiResult cuptiGetCallbackName(int domain, CUpti_CallbackId cbid, const char **name) {
