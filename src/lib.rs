@@ -10,6 +10,8 @@ pub mod agent;
 pub mod analysis;
 pub mod backend;
 pub mod beneath;
+pub mod calendar;
+pub mod capture;
 pub mod cli;
 pub mod client;
 pub mod collect;

@@ -10,9 +10,10 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::logdir::SessionOutput;
+use crate::capture::XPLANE_SUFFIX;
 use crate::client;
 use crate::clock;
-use crate::service::profiler::{RIEGELI_TOOL, XPLANE_SUFFIX, XPLANE_TOOL};
+use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
 use crate::storage::{Folder, Location};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 
@@ -108,7 +109,7 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
     let session_id = args
         .session_id
         .clone()
-        .unwrap_or_else(crate::service::profiler::session_timestamp);
+        .unwrap_or_else(crate::calendar::session_timestamp);
     let session_dir = repository_root.join(&session_id);
     // Before capturing, so that a bucket's settings are checked first.
     let output = SessionOutput::new(&session_dir)?;
@@ -124,7 +125,7 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
     // The server names the trace after host_name; a local socket's server
     // is this machine.
     let host_name = if target.is_unix() {
-        crate::service::profiler::local_hostname()
+        crate::capture::local_hostname()
     } else {
         target.address.clone()
     };

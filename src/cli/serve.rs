@@ -11,10 +11,11 @@ use tracing::info;
 use crate::agent::{Agent, AgentConfig, BackendChoice};
 use crate::backend::ebpf::{cgroup_id, AttachMode, CudaReturns, EbpfConfig};
 use crate::backend::mock::MockConfig;
+use crate::capture::local_hostname;
 use crate::client::{self, Target};
 use crate::ring::DropPolicy;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
-use crate::service::profiler::{local_hostname, ProfilerService, ServiceConfig};
+use crate::service::profiler::{ProfilerService, ServiceConfig};
 use crate::service::repository::AllowedRoots;
 use crate::service::session_hosts::{HostPattern, SessionHosts};
 use crate::service::trigger::TriggerService;
@@ -547,8 +548,13 @@ fn start_triggers(
             );
         }
     }
-    let triggers = Triggers::start(args.triggers.clone(), agent, Arc::clone(service), folder)
-        .context("starting the trigger watcher")?;
+    let triggers = Triggers::start(
+        args.triggers.clone(),
+        agent,
+        Arc::clone(service.captures()),
+        folder,
+    )
+    .context("starting the trigger watcher")?;
     for rule in &args.triggers {
         info!(rule = %rule, repository = %shown, "trigger armed");
     }

@@ -11,10 +11,10 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 
 use super::logdir::{self, SessionOutput};
+use crate::calendar::session_timestamp;
 use crate::client;
 use crate::clock;
 use crate::hosts::{self, HostList, Origin, COMMAND_LINE_LIMIT};
-use crate::service::profiler::session_timestamp;
 use crate::session::{self, HostOutcome};
 
 #[derive(Debug, Args)]

@@ -10,8 +10,9 @@ use tracing::info;
 
 use crate::agent::{Agent, AgentConfig, BackendChoice};
 use crate::backend::mock::MockConfig;
+use crate::capture::local_hostname;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
-use crate::service::profiler::{local_hostname, ProfilerService, ServiceConfig};
+use crate::service::profiler::{ProfilerService, ServiceConfig};
 use crate::tap::{Recorder, Tap};
 
 #[derive(Debug, Args)]

@@ -1,13 +1,11 @@
 //! The gRPC services: requests are validated here, turned into captures on
 //! the [`crate::agent::Agent`], and the results turned into replies or files.
 
-pub mod capture_memory;
 pub mod framed_reply;
 pub mod profile_analysis;
 pub mod profiler;
 pub mod repository;
 pub mod session_hosts;
-pub mod shared_builds;
 pub mod trigger;
 pub mod validate;
 

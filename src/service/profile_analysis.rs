@@ -25,10 +25,10 @@ use crate::proto::tensorflow::{
 use crate::session::{self, HostOutcome, ToolDataError};
 use crate::storage::{self, Folder, StorageError};
 
-use super::profiler::session_timestamp;
 use super::repository::AllowedRoots;
 use super::session_hosts::SessionHosts;
 use super::validate::{self, invalid};
+use crate::calendar::session_timestamp;
 
 /// Most hosts one NewSession may name.
 pub const MAX_HOSTS: usize = 1024;

@@ -29,8 +29,9 @@ use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
 use crate::agent::Agent;
+use crate::calendar::{session_timestamp_at, utc_text};
+use crate::capture::Captures;
 use crate::clock;
-use crate::service::profiler::{session_timestamp_at, utc_text, ProfilerService};
 use crate::storage::Folder;
 use crate::store::Window;
 use limit::{Held, Limit};
@@ -79,7 +80,7 @@ struct Pending {
 /// See the module documentation.
 pub struct Triggers {
     rules: Vec<Armed>,
-    service: Arc<ProfilerService>,
+    captures: Arc<Captures>,
     repository: Folder,
     runtime: tokio::runtime::Handle,
     pending: Mutex<Vec<Pending>>,
@@ -89,13 +90,13 @@ pub struct Triggers {
 }
 
 impl Triggers {
-    /// Arms `rules`, saving into `repository` through `service`, and starts
+    /// Arms `rules`, saving into `repository` through `captures`, and starts
     /// the watcher (it ends when the returned value is dropped). Must be
     /// called within the Tokio runtime that saves run on.
     pub fn start(
         rules: Vec<Rule>,
         agent: &Arc<Agent>,
-        service: Arc<ProfilerService>,
+        captures: Arc<Captures>,
         repository: Folder,
     ) -> std::io::Result<Arc<Triggers>> {
         let watcher = Watcher::new(&rules, agent.registry());
@@ -114,7 +115,7 @@ impl Triggers {
                     counts: Counts::default(),
                 })
                 .collect(),
-            service,
+            captures,
             repository,
             runtime: tokio::runtime::Handle::current(),
             pending: Mutex::new(Vec::new()),
@@ -266,7 +267,7 @@ impl Triggers {
             ("trigger.fired_at".to_string(), utc_text(firing.at_ns)),
         ];
         let saved = self
-            .service
+            .captures
             .save_window(window, &session, properties, self.repository.clone())
             .await;
         match saved {
@@ -280,12 +281,12 @@ impl Triggers {
                     "trigger fired; the flight recorder's window around it is saved"
                 );
             }
-            Err(status) => {
+            Err(error) => {
                 armed.counts.failed.fetch_add(1, Ordering::Relaxed);
                 warn!(
                     rule = %rule.name,
                     value = %firing.value,
-                    error = %status.message(),
+                    %error,
                     "trigger fired but its trace could not be saved"
                 );
             }

@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
-use super::capture_memory::Reservation;
+use super::memory::Reservation;
 use crate::store::Window;
 use crate::xspace::Encoded;
 

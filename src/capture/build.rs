@@ -1,0 +1,342 @@
+//! Building a capture's trace: the flight recorder's window, with what its
+//! upstreams (in-process profiler servers) and per-capture sources recorded
+//! over the same window merged in, encoded as one XSpace.
+
+use std::time::Duration;
+
+use prost::Message;
+use tracing::info;
+
+use super::{CaptureError, Captures, Plan};
+use crate::backend::CaptureEnd;
+use crate::client;
+use crate::clock;
+use crate::proto::tensorflow::profiler::XSpace;
+use crate::session;
+use crate::store::Window;
+use crate::xspace::{self, CaptureInfo, Encoded};
+
+impl Captures {
+    /// Builds the trace of `window` from the flight recorder alone (a
+    /// snapshot of the past: live-only sources cannot serve it), after its
+    /// events have all arrived, encoding it off the async runtime.
+    pub async fn build(&self, plan: &Plan, window: Window) -> Result<Encoded, CaptureError> {
+        self.build_with(plan, window, Remote::none(window)).await
+    }
+
+    /// Starts capturing every upstream and per-capture source over the
+    /// plan's window: each is called when the window starts (at once when it
+    /// has), so that it records that window and not the one after it.
+    pub fn start_remote(&self, plan: &Plan) -> Remote {
+        let upstreams = &self.settings.upstreams;
+        let window = plan.window;
+        let end = CaptureEnd::at(window.stop_ns);
+        let duration = Duration::from_nanos(window.duration_ns());
+        let deadline = client::capture_deadline(duration) + clock::until(window.start_ns);
+        let mut upstream_calls = tokio::task::JoinSet::new();
+        for upstream in upstreams {
+            let options =
+                client::default_profile_options(duration.as_millis() as u64, window.start_ns);
+            let name = upstream.to_string();
+            let mut request = client::trace_request(options, "", &plan.session_id, &name);
+            request.emit_xspace = true;
+            let upstream = upstream.clone();
+            let config = self.settings.client.clone();
+            upstream_calls.spawn(async move {
+                // Servers that record from the moment they are asked (TensorFlow's,
+                // JAX's) are asked when the window starts; a devtrace upstream
+                // would also wait for the start itself.
+                tokio::time::sleep(clock::until(window.start_ns)).await;
+                let result = session::capture_host(&upstream, request, deadline, &config).await;
+                (name, result)
+            });
+        }
+        let mut source_calls = tokio::task::JoinSet::new();
+        for source in self.agent.session_sources() {
+            let options = plan.options.clone();
+            let end = end.clone();
+            source_calls.spawn_blocking(move || {
+                let result = source.capture(window, &options, &end);
+                (source.name().to_string(), result)
+            });
+        }
+        Remote {
+            upstreams: upstreams.to_vec(),
+            client: self.settings.client.clone(),
+            upstream_calls,
+            source_calls,
+            end,
+        }
+    }
+
+    /// As [`Self::build`], with what `remote` recorded over the same window
+    /// merged in. An upstream that fails, is slow or recorded another window
+    /// makes the trace partial (the reason is in its errors), never failed.
+    pub async fn build_with(
+        &self,
+        plan: &Plan,
+        window: Window,
+        mut remote: Remote,
+    ) -> Result<Encoded, CaptureError> {
+        let local = self.agent.collect(window).await;
+        let upstream_calls = std::mem::take(&mut remote.upstream_calls);
+        let source_calls = std::mem::take(&mut remote.source_calls);
+        let mut remote = upstream_calls.join_all().await;
+        remote.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, result) in source_calls.join_all().await {
+            remote.push((name, result.map(|trace| Some(trace.into()))));
+        }
+        let (data, registry) = local.map_err(|e| CaptureError::Collect(e.to_string()))?;
+        let mut warnings = plan.warnings.clone();
+        // A backend that was asked for and could not run leaves a gap the
+        // trace should admit to.
+        for (name, reason) in self.agent.unavailable_backends() {
+            warnings.push(format!("backend {name} is not running: {reason}"));
+        }
+        for (backend, text) in self.agent.notices(window) {
+            warnings.push(format!("backend {backend}: {text}"));
+        }
+        let mut dropped_before_ring = 0;
+        for (backend, loss) in self.agent.losses() {
+            let before = plan
+                .losses_at_start
+                .iter()
+                .find(|(b, l)| *b == backend && l.what == loss.what)
+                .map_or(0, |(_, l)| l.count);
+            let lost = loss.count.saturating_sub(before);
+            dropped_before_ring += lost;
+            if lost > 0 {
+                let source = match backend {
+                    "agent" => "the agent".to_string(),
+                    _ => format!("backend {backend}"),
+                };
+                warnings.push(format!(
+                    "{source}: {lost} {} while this capture ran",
+                    loss.what
+                ));
+            }
+        }
+        if let Some(history) = data.history_starts_ns {
+            warnings.push(format!(
+                "the flight recorder holds nothing before {:.3} s into the window; earlier events were evicted or never recorded",
+                history.saturating_sub(window.start_ns) as f64 / 1e9
+            ));
+        }
+        let mut errors = Vec::new();
+        let mut merged = Vec::new();
+        let mut properties = self.agent.properties(window);
+        properties.extend(plan.properties.iter().cloned());
+        for (source, result) in remote {
+            // Upstreams are named by address; per-capture backends by name.
+            let label = if source.contains(':') {
+                format!("upstream {source}")
+            } else {
+                source.clone()
+            };
+            match result {
+                Ok(Some(bytes)) => match XSpace::decode(bytes) {
+                    Ok(space) => match upstream_start(&space, window) {
+                        Ok(offset) => {
+                            if let Some(offset_ns) = offset {
+                                properties.push((
+                                    format!("devtrace_upstream_start_offset_ns {source}"),
+                                    offset_ns.to_string(),
+                                ));
+                            }
+                            merged.push((source, space));
+                        }
+                        Err(why) => errors.push(format!("{label}: {why}")),
+                    },
+                    Err(e) => errors.push(format!("{label}: unreadable trace: {e}")),
+                },
+                Ok(None) => warnings.push(format!("{label}: empty trace")),
+                Err(e) => errors.push(format!("{label}: {e}")),
+            }
+        }
+        let info = CaptureInfo {
+            window,
+            hostname: self.settings.hostname.clone(),
+            profile_options: plan.options.clone(),
+            dropped_newest: data.dropped_newest,
+            dropped_oldest: data.dropped_oldest,
+            dropped_before_ring,
+            warnings,
+            errors,
+            properties,
+        };
+        tokio::task::spawn_blocking(move || {
+            let encoded = xspace::encode_xspace(data.events(), &registry, &info);
+            if merged.is_empty() {
+                return Ok(encoded);
+            }
+            let mut space = XSpace::decode(encoded.contiguous())?;
+            let mut events = encoded.events;
+            for (upstream, theirs) in merged {
+                events += theirs
+                    .planes
+                    .iter()
+                    .flat_map(|p| &p.lines)
+                    .map(|l| l.events.len())
+                    .sum::<usize>();
+                xspace::merge::merge(&mut space, theirs, &upstream);
+            }
+            Ok(Encoded::whole(space.encode_to_vec(), events))
+        })
+        .await
+        .map_err(|e| CaptureError::Build(e.to_string()))?
+        .map_err(CaptureError::Merge)
+    }
+}
+
+/// How late an upstream may start its recording and still count as having
+/// recorded the window: the call's own latency.
+const UPSTREAM_START_SLACK_NS: u64 = 50_000_000;
+
+/// Checks that an upstream's trace covers `window`: its `profile_start_time`
+/// may lag the window's start by the call's latency, no more. Returns the
+/// offset (theirs minus ours, on their clock against ours) when it reports
+/// one. A server that cannot serve a window in the past records from when it
+/// was called: that trace is another window's and is refused.
+fn upstream_start(space: &XSpace, window: Window) -> Result<Option<i64>, String> {
+    let Some(their_start) = xspace::merge::profile_start_ns(space) else {
+        return Ok(None);
+    };
+    let offset = their_start as i128 - window.start_ns as i128;
+    if offset > i128::from(UPSTREAM_START_SLACK_NS) {
+        return Err(format!(
+            "it recorded from {:.3} s after this window's start, not the window itself (a \
+             server that cannot serve a window in the past, or a clock {:.3} s ahead of ours); \
+             its trace is left out",
+            offset as f64 / 1e9,
+            offset as f64 / 1e9
+        ));
+    }
+    Ok(Some(
+        offset.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64,
+    ))
+}
+
+/// One upstream's address and its trace (`None`: empty), or why not.
+type UpstreamOutcome = (String, Result<Option<bytes::Bytes>, String>);
+/// One per-capture source's name and its trace, or why not.
+type SourceOutcome = (String, Result<Vec<u8>, String>);
+
+/// What records a capture besides the flight recorder: its upstreams' calls
+/// and its per-capture sources, and when they should stop.
+pub struct Remote {
+    upstreams: Vec<client::Target>,
+    client: client::ClientConfig,
+    upstream_calls: tokio::task::JoinSet<UpstreamOutcome>,
+    source_calls: tokio::task::JoinSet<SourceOutcome>,
+    end: CaptureEnd,
+}
+
+impl Remote {
+    fn none(window: Window) -> Remote {
+        Remote {
+            upstreams: Vec::new(),
+            client: client::ClientConfig::default(),
+            upstream_calls: tokio::task::JoinSet::new(),
+            source_calls: tokio::task::JoinSet::new(),
+            end: CaptureEnd::at(window.stop_ns),
+        }
+    }
+
+    /// A terminated capture ends its sources now and asks its upstreams to
+    /// end theirs (they still deliver what they have).
+    pub fn end_early(&self, session_id: &str) {
+        self.end.now();
+        for upstream in &self.upstreams {
+            let upstream = upstream.clone();
+            let config = self.client.clone();
+            let session_id = session_id.to_string();
+            tokio::spawn(async move {
+                let call = async {
+                    let connection =
+                        client::connect(&upstream, &config, UPSTREAM_TERMINATE_TIMEOUT)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    connection
+                        .terminate(&session_id)
+                        .await
+                        .map_err(|e| e.to_string())
+                };
+                if let Err(error) = call.await {
+                    info!(%upstream, %error, "could not end the upstream's capture early");
+                }
+            });
+        }
+    }
+}
+
+/// An abandoned capture (its client gone) stops its sources too.
+impl Drop for Remote {
+    fn drop(&mut self) {
+        self.end.now();
+    }
+}
+
+const UPSTREAM_TERMINATE_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::proto::tensorflow::profiler::{x_stat, XPlane, XStat, XStatMetadata};
+    use crate::timeline::{stat, TASK_ENVIRONMENT_PLANE};
+
+    /// A trace whose Task Environment says it started at `start_ns`.
+    fn started_at(start_ns: u64) -> XSpace {
+        let mut plane = XPlane {
+            name: TASK_ENVIRONMENT_PLANE.to_string(),
+            ..XPlane::default()
+        };
+        plane.stat_metadata.insert(
+            1,
+            XStatMetadata {
+                id: 1,
+                name: stat::PROFILE_START_TIME.to_string(),
+                ..XStatMetadata::default()
+            },
+        );
+        plane.stats.push(XStat {
+            metadata_id: 1,
+            value: Some(x_stat::Value::Uint64Value(start_ns)),
+        });
+        XSpace {
+            planes: vec![plane],
+            ..XSpace::default()
+        }
+    }
+
+    const WINDOW: Window = Window {
+        start_ns: 10_000_000_000,
+        stop_ns: 11_000_000_000,
+    };
+
+    #[test]
+    fn an_upstream_that_started_within_the_calls_latency_recorded_the_window() {
+        let late = WINDOW.start_ns + UPSTREAM_START_SLACK_NS;
+        assert_eq!(
+            upstream_start(&started_at(late), WINDOW),
+            Ok(Some(UPSTREAM_START_SLACK_NS as i64))
+        );
+        // Early (a clock behind ours) is their offset, not a refusal.
+        assert_eq!(
+            upstream_start(&started_at(WINDOW.start_ns - 3), WINDOW),
+            Ok(Some(-3))
+        );
+    }
+
+    #[test]
+    fn an_upstream_that_started_later_recorded_another_window() {
+        let late = WINDOW.start_ns + UPSTREAM_START_SLACK_NS + 1;
+        let refused = upstream_start(&started_at(late), WINDOW).unwrap_err();
+        assert!(refused.contains("not the window itself"), "{refused}");
+    }
+
+    #[test]
+    fn an_upstream_that_reports_no_start_is_taken_as_it_is() {
+        assert_eq!(upstream_start(&XSpace::default(), WINDOW), Ok(None));
+    }
+}

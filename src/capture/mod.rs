@@ -1,0 +1,223 @@
+//! Captures: a planned window of the flight recorder turned into a trace and
+//! kept. Everything between a validated request and its reply lives here:
+//! admission (a build shared by captures of the same window, and the
+//! `--capture-memory` budget it reserves), the build itself with upstreams
+//! and per-capture sources merged in ([`build`]), and writing the trace into
+//! a repository ([`write`]). The RPC services ([`crate::service`]) and the
+//! triggers ([`crate::trigger`]) both capture through [`Captures`]; neither
+//! knows the other.
+
+mod build;
+pub mod memory;
+mod plan;
+pub mod shared_builds;
+pub mod write;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use build::Remote;
+pub use plan::Plan;
+
+use crate::agent::Agent;
+use crate::client;
+use crate::storage::{Folder, StorageError};
+use crate::store::Window;
+use crate::xspace::chunks::RIEGELI_SUFFIX;
+use crate::xspace::Encoded;
+use memory::{CaptureMemory, OutOfTime, DEFAULT_CAPTURE_MEMORY};
+use shared_builds::{BuildKey, SharedBuilds, Slot};
+
+/// Suffix of trace files in a repository.
+pub use crate::session::XPLANE_SUFFIX;
+
+/// Traces larger than this are stored as Riegeli chunks unless configured
+/// otherwise: well below protobuf's 2 GiB, so that replies that still carry
+/// one message stay readable by every client.
+pub const DEFAULT_CHUNK_TRACES_OVER: usize = 1 << 30;
+
+/// Why a capture produced no trace.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    /// Its build waited for capture memory past the request's deadline.
+    #[error(transparent)]
+    OutOfMemoryTime(#[from] OutOfTime),
+    #[error("{0}")]
+    Collect(String),
+    #[error("building the trace failed: {0}")]
+    Build(String),
+    #[error("merging upstream traces failed: {0}")]
+    Merge(prost::DecodeError),
+    #[error("storing the trace as Riegeli chunks failed: {0}")]
+    Chunk(String),
+    #[error("writing the trace failed: {0}")]
+    Write(String),
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+}
+
+/// The operator's settings that shape every capture's trace.
+#[derive(Clone, Debug)]
+pub struct CaptureSettings {
+    /// Name of this host, recorded in every trace.
+    pub hostname: String,
+    /// In-process profiler servers whose traces every capture of the
+    /// present folds in.
+    pub upstreams: Vec<client::Target>,
+    /// How upstreams are called: TLS, and the largest reply accepted.
+    pub client: client::ClientConfig,
+    /// Size of an encoded trace above which it is stored as Riegeli chunks
+    /// (`<host>.xplane.riegeli`) instead of one XSpace message.
+    pub chunk_traces_over: usize,
+    /// Budget for traces being built and replied at once
+    /// (`--capture-memory`).
+    pub capture_memory: usize,
+}
+
+impl Default for CaptureSettings {
+    fn default() -> Self {
+        CaptureSettings {
+            hostname: local_hostname(),
+            upstreams: Vec::new(),
+            client: client::ClientConfig::default(),
+            chunk_traces_over: DEFAULT_CHUNK_TRACES_OVER,
+            capture_memory: DEFAULT_CAPTURE_MEMORY,
+        }
+    }
+}
+
+/// This machine's host name, or "localhost" when it has none.
+pub fn local_hostname() -> String {
+    hostname::get()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// A capture admitted to build: the slot its trace is built in (shared with
+/// the captures of the same window when it can be), holding its memory
+/// until every capture using it has replied.
+pub struct Admission {
+    pub slot: Arc<Slot>,
+    /// How long this capture's build waited for memory, when it had to
+    /// (`None` as well when it joined a build that had memory already).
+    pub waited: Option<Duration>,
+}
+
+/// See the module documentation.
+pub struct Captures {
+    agent: Arc<Agent>,
+    settings: CaptureSettings,
+    shared_builds: SharedBuilds,
+    memory: CaptureMemory,
+}
+
+impl Captures {
+    pub fn new(agent: Arc<Agent>, settings: CaptureSettings) -> Captures {
+        Captures {
+            agent,
+            memory: CaptureMemory::new(settings.capture_memory),
+            settings,
+            shared_builds: SharedBuilds::default(),
+        }
+    }
+
+    pub fn agent(&self) -> &Arc<Agent> {
+        &self.agent
+    }
+
+    pub fn settings(&self) -> &CaptureSettings {
+        &self.settings
+    }
+
+    /// The capture-memory budget, in bytes.
+    pub fn memory_budget(&self) -> usize {
+        self.memory.budget()
+    }
+
+    /// Traces built, and captures that replied from another's build.
+    pub fn build_counts(&self) -> (u64, u64) {
+        self.shared_builds.counts()
+    }
+
+    /// Admits a capture of the plan's window: joins the build of captures
+    /// of the same window (on arrival, so that captures arriving during the
+    /// window find each other however late each one wakes at its end), and
+    /// reserves memory for the trace, waiting until `deadline` at most.
+    /// Captures with upstreams or per-capture sources record their own and
+    /// share nothing.
+    pub async fn admit(&self, plan: &Plan, deadline: Instant) -> Result<Admission, CaptureError> {
+        let shared = self.settings.upstreams.is_empty() && self.agent.session_sources().is_empty();
+        let slot = if shared {
+            let key = BuildKey::new(plan.window, &plan.options, &plan.losses_at_start);
+            self.shared_builds.join(key)
+        } else {
+            Arc::new(Slot::default())
+        };
+        let memory_was_reserved = slot.memory.initialized();
+        let reservation = slot
+            .memory
+            .get_or_try_init(|| self.memory.reserve(plan.window, deadline))
+            .await?;
+        let waited = reservation.waited.filter(|_| !memory_was_reserved);
+        Ok(Admission { slot, waited })
+    }
+
+    /// The trace of `window` with `remote` merged in: built in the
+    /// admission's slot, or the build another capture made there. A capture
+    /// that `ended_early` (its window cut short) builds a trace of its own.
+    pub async fn build_admitted(
+        &self,
+        admission: &Admission,
+        plan: &Plan,
+        window: Window,
+        remote: Remote,
+        ended_early: bool,
+    ) -> Result<Arc<Encoded>, CaptureError> {
+        let build = self.build_with(plan, window, remote);
+        let encoded = if !ended_early {
+            self.shared_builds
+                .get_or_build(&admission.slot, build)
+                .await?
+        } else {
+            Arc::new(build.await?)
+        };
+        self.memory.built(window, encoded.len());
+        Ok(encoded)
+    }
+
+    /// Builds the trace of `window` from the flight recorder and writes it
+    /// under `root` as a new session named `session_id` (with a suffix when
+    /// the name is taken), `properties` in its Task Environment: how a
+    /// trigger saves the past. Where it went.
+    pub async fn save_window(
+        &self,
+        window: Window,
+        session_id: &str,
+        properties: Vec<(String, String)>,
+        root: Folder,
+    ) -> Result<String, CaptureError> {
+        let plan = Plan::save(
+            window,
+            session_id,
+            &self.settings.hostname,
+            properties,
+            self.agent.losses(),
+        );
+        let encoded = self.build(&plan, window).await?;
+        let limit = self.settings.chunk_traces_over;
+        // Stored without a log line of its own: the trigger logs the save.
+        let written = if encoded.len() > limit {
+            let chunked = write::chunk_trace(Arc::new(encoded), limit).await?;
+            write::store_trace(root, &plan, RIEGELI_SUFFIX, chunked)
+                .await?
+                .0
+        } else {
+            write::store_trace(root, &plan, XPLANE_SUFFIX, Arc::new(encoded))
+                .await?
+                .0
+        };
+        Ok(written?)
+    }
+}

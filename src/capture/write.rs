@@ -1,0 +1,152 @@
+//! Writing a capture's trace where it is kept: a new session folder under
+//! a repository root (a directory or a bucket prefix), as one XSpace file or
+//! its Riegeli chunks, off the async runtime.
+
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use super::{CaptureError, Plan};
+use crate::storage::{Folder, StorageError};
+use crate::xspace::chunks::ChunkedTrace;
+use crate::xspace::Encoded;
+
+/// A trace file's content, written from the memory it is held in.
+pub trait TraceFile: Send + 'static {
+    /// Its size in bytes.
+    fn size(&self) -> usize;
+    fn write_to(&self, session: &Folder, name: &str) -> Result<String, StorageError>;
+}
+
+impl TraceFile for ChunkedTrace {
+    fn size(&self) -> usize {
+        self.bytes().len()
+    }
+
+    fn write_to(&self, session: &Folder, name: &str) -> Result<String, StorageError> {
+        session.write(name, self.bytes())
+    }
+}
+
+/// An XSpace is written from the parts it was encoded in, not joined.
+impl TraceFile for Arc<Encoded> {
+    fn size(&self) -> usize {
+        Encoded::len(self)
+    }
+
+    fn write_to(&self, session: &Folder, name: &str) -> Result<String, StorageError> {
+        session.write_parts(name, self.parts())
+    }
+}
+
+/// Writes a capture's trace file as [`store_trace`] does, and logs where
+/// it went or why it is returned to the client instead.
+pub async fn write_trace<B: TraceFile>(
+    root: Folder,
+    plan: &Plan,
+    suffix: &'static str,
+    bytes: B,
+) -> Result<(Result<String, StorageError>, B), CaptureError> {
+    let (written, bytes) = store_trace(root, plan, suffix, bytes).await?;
+    match &written {
+        Ok(path) => info!(%path, bytes = bytes.size(), "trace written"),
+        Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
+    }
+    Ok((written, bytes))
+}
+
+/// Writes a trace file, `<root>/<session>/<host><suffix>` (one XSpace,
+/// `.xplane.pb`, or its Riegeli chunks, `.xplane.riegeli`), off the async
+/// runtime (a disk write or an upload); hands the bytes back with where
+/// they went or why not.
+pub async fn store_trace<B: TraceFile>(
+    root: Folder,
+    plan: &Plan,
+    suffix: &'static str,
+    bytes: B,
+) -> Result<(Result<String, StorageError>, B), CaptureError> {
+    let session_id = plan.session_id.clone();
+    let generated = plan.generated_session_id;
+    let file_name = format!("{}{suffix}", plan.file_host);
+    tokio::task::spawn_blocking(move || {
+        let written = root
+            .create_session(&session_id, generated)
+            .and_then(|(session, _)| bytes.write_to(&session, &file_name));
+        (written, bytes)
+    })
+    .await
+    .map_err(|e| CaptureError::Write(e.to_string()))
+}
+
+/// `encoded` as Riegeli chunks of at most `limit` bytes, off the async
+/// runtime.
+pub async fn chunk_trace(
+    encoded: Arc<Encoded>,
+    limit: usize,
+) -> Result<ChunkedTrace, CaptureError> {
+    tokio::task::spawn_blocking(move || ChunkedTrace::encode(&encoded.contiguous(), limit))
+        .await
+        .map_err(|e| CaptureError::Chunk(e.to_string()))?
+        .map_err(|e| CaptureError::Chunk(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::beneath::Dir;
+    use crate::store::Window;
+
+    fn plan(session_id: &str, generated: bool) -> Plan {
+        let window = Window {
+            start_ns: 1,
+            stop_ns: 2,
+        };
+        let mut plan = Plan::save(window, session_id, "host-a", Vec::new(), Vec::new());
+        plan.generated_session_id = generated;
+        plan
+    }
+
+    fn trace(byte: u8) -> Arc<Encoded> {
+        Arc::new(Encoded::whole(vec![byte; 8], 1))
+    }
+
+    #[tokio::test]
+    async fn a_trace_becomes_host_file_in_a_new_session_folder() {
+        let root = tempfile::tempdir().unwrap();
+        let folder = Folder::local(Dir::open(root.path()).unwrap());
+        let (written, back) = store_trace(folder, &plan("s1", false), ".xplane.pb", trace(7))
+            .await
+            .unwrap();
+        let path = written.unwrap();
+        assert!(path.ends_with("s1/host-a.xplane.pb"), "{path}");
+        assert_eq!(back.size(), 8);
+        let on_disk = std::fs::read(root.path().join("s1/host-a.xplane.pb")).unwrap();
+        assert_eq!(on_disk, vec![7; 8]);
+    }
+
+    #[tokio::test]
+    async fn generated_session_names_never_replace_an_earlier_trace() {
+        let root = tempfile::tempdir().unwrap();
+        let folder = Folder::local(Dir::open(root.path()).unwrap());
+        for byte in [1, 2] {
+            let (written, _) = store_trace(
+                folder.clone(),
+                &plan("2026_01_01", true),
+                ".xplane.pb",
+                trace(byte),
+            )
+            .await
+            .unwrap();
+            written.unwrap();
+        }
+        let mut sessions: Vec<String> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+            .collect();
+        sessions.sort();
+        assert_eq!(sessions.len(), 2, "{sessions:?}");
+        assert_eq!(sessions[0], "2026_01_01");
+        let first = std::fs::read(root.path().join("2026_01_01/host-a.xplane.pb")).unwrap();
+        assert_eq!(first, vec![1; 8]);
+    }
+}

@@ -1,0 +1,379 @@
+//! `tensorflow.ProfilerService`: on-demand captures (`Profile`, `Terminate`),
+//! `Monitor`, and continuous profiling served from the flight recorder
+//! (`StartContinuousProfiling`, `GetSnapshot`, `StopContinuousProfiling`).
+//!
+//! This file holds the RPCs and the state they share (captures running, for
+//! `Terminate`; the continuous session). A request is read and planned in
+//! [`request`], captured through [`crate::capture`], and answered in
+//! [`reply`]; `Monitor`'s summary is [`monitor`].
+
+mod monitor;
+mod reply;
+mod request;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tracing::info;
+
+use crate::agent::Agent;
+use crate::capture::write::write_trace;
+use crate::capture::{
+    local_hostname, CaptureError, CaptureSettings, Captures, Plan, DEFAULT_CHUNK_TRACES_OVER,
+    XPLANE_SUFFIX,
+};
+use crate::client;
+use crate::clock;
+use crate::proto::tensorflow::profiler_service_server;
+use crate::proto::tensorflow::{
+    ContinuousProfilingResponse, GetSnapshotRequest, MonitorRequest, MonitorResponse,
+    ProfileRequest, ProfileResponse, StopContinuousProfilingRequest,
+    StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
+};
+use crate::store::Window;
+use crate::telemetry::Telemetry;
+
+use super::repository::AllowedRoots;
+use super::validate;
+use reply::{decode, with_warnings};
+use request::memory_wait_deadline;
+
+/// Operator settings of the service.
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    /// Longest capture window a request may ask for.
+    pub max_duration: Duration,
+    /// How far in the future a capture may be scheduled to start.
+    pub max_start_delay: Duration,
+    pub allowed_roots: AllowedRoots,
+    /// Name of this host, recorded in every trace.
+    pub hostname: String,
+    /// In-process profiler servers whose traces every `Profile` capture
+    /// folds in.
+    pub upstreams: Vec<client::Target>,
+    /// How upstreams are called: TLS, and the largest reply accepted.
+    pub client: client::ClientConfig,
+    /// Health and metrics of the server these services run in.
+    pub telemetry: Arc<Telemetry>,
+    /// Size of an encoded trace above which it is stored as Riegeli chunks
+    /// (`<host>.xplane.riegeli`) instead of one XSpace message.
+    pub chunk_traces_over: usize,
+    /// Budget for traces being built and replied at once
+    /// (`--capture-memory`).
+    pub capture_memory: usize,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            max_duration: Duration::from_secs(600),
+            max_start_delay: Duration::from_secs(600),
+            allowed_roots: AllowedRoots::default(),
+            hostname: local_hostname(),
+            upstreams: Vec::new(),
+            client: client::ClientConfig::default(),
+            telemetry: Telemetry::new(),
+            chunk_traces_over: DEFAULT_CHUNK_TRACES_OVER,
+            capture_memory: crate::capture::memory::DEFAULT_CAPTURE_MEMORY,
+        }
+    }
+}
+
+impl ServiceConfig {
+    /// The settings of the captures this service makes.
+    fn capture_settings(&self) -> CaptureSettings {
+        CaptureSettings {
+            hostname: self.hostname.clone(),
+            upstreams: self.upstreams.clone(),
+            client: self.client.clone(),
+            chunk_traces_over: self.chunk_traces_over,
+            capture_memory: self.capture_memory,
+        }
+    }
+}
+
+/// A capture that failed: out of capture memory is RESOURCE_EXHAUSTED (ask
+/// again later), anything else the agent's own failure.
+impl From<CaptureError> for Status {
+    fn from(error: CaptureError) -> Status {
+        match error {
+            CaptureError::OutOfMemoryTime(_) => Status::resource_exhausted(error.to_string()),
+            other => Status::internal(other.to_string()),
+        }
+    }
+}
+
+struct Continuous {
+    _active: crate::agent::CaptureActivity,
+    request: ProfileRequest,
+    duration: Option<Duration>,
+    last_snapshot_ns: u64,
+}
+
+/// See the module documentation.
+pub struct ProfilerService {
+    agent: Arc<Agent>,
+    captures: Arc<Captures>,
+    config: ServiceConfig,
+    running: Mutex<HashMap<String, Vec<(u64, CancellationToken)>>>,
+    next_capture: std::sync::atomic::AtomicU64,
+    continuous: Mutex<Option<Continuous>>,
+}
+
+/// Removes a capture from the Terminate table when it ends, however it ends.
+struct Registration<'s> {
+    service: &'s ProfilerService,
+    session_id: String,
+    id: u64,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        let mut running = self.service.running.lock();
+        if let Some(list) = running.get_mut(&self.session_id) {
+            list.retain(|(id, _)| *id != self.id);
+            if list.is_empty() {
+                running.remove(&self.session_id);
+            }
+        }
+    }
+}
+
+impl ProfilerService {
+    pub fn new(agent: Arc<Agent>, config: ServiceConfig) -> ProfilerService {
+        ProfilerService {
+            captures: Arc::new(Captures::new(Arc::clone(&agent), config.capture_settings())),
+            agent,
+            config,
+            running: Mutex::new(HashMap::new()),
+            next_capture: Default::default(),
+            continuous: Mutex::new(None),
+        }
+    }
+
+    /// What this service captures through, for the triggers to save with.
+    pub fn captures(&self) -> &Arc<Captures> {
+        &self.captures
+    }
+
+    /// Health and metrics of the server these services run in.
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.config.telemetry
+    }
+
+    /// A capture of `window` has its reply ready now.
+    fn capture_ready(&self, rpc: &'static str, window: Window) {
+        let late_ns = clock::now_ns().saturating_sub(window.stop_ns);
+        self.config
+            .telemetry
+            .capture_ready(rpc, Duration::from_nanos(late_ns));
+    }
+
+    /// The plan of `request`'s capture (see [`request::plan`]).
+    fn plan(&self, request: &ProfileRequest, require_duration: bool) -> Result<Plan, Status> {
+        request::plan(&self.config, request, require_duration, self.agent.losses())
+    }
+
+    fn register(&self, session_id: &str) -> (Registration<'_>, CancellationToken) {
+        let token = CancellationToken::new();
+        let id = self
+            .next_capture
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.running
+            .lock()
+            .entry(session_id.to_string())
+            .or_default()
+            .push((id, token.clone()));
+        (
+            Registration {
+                service: self,
+                session_id: session_id.to_string(),
+                id,
+            },
+            token,
+        )
+    }
+}
+
+#[tonic::async_trait]
+impl profiler_service_server::ProfilerService for ProfilerService {
+    async fn profile(
+        &self,
+        request: Request<ProfileRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        let deadline = memory_wait_deadline(request.metadata());
+        let request = request.into_inner();
+        let mut plan = self.plan(&request, true)?;
+        info!(
+            session = %plan.session_id,
+            host = %plan.file_host,
+            duration_ms = plan.window.duration_ns() / 1_000_000,
+            "capture requested"
+        );
+        let admission = self.captures.admit(&plan, deadline).await?;
+        if let Some(waited) = admission.waited {
+            plan.warnings.push(format!(
+                "this capture waited {:.3} s for capture memory: other captures' traces held \
+                 --capture-memory ({} bytes)",
+                waited.as_secs_f64(),
+                self.captures.memory_budget()
+            ));
+        }
+        let (_registration, terminate) = self.register(&plan.session_id);
+        let _active = self.agent.capture_activity(plan.detailed_device);
+        // Upstreams and per-capture sources record alongside the local
+        // window; dropping `remote` (a client gone) ends them.
+        let remote = self.captures.start_remote(&plan);
+        let (window, terminated) = tokio::select! {
+            _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => (plan.window, false),
+            _ = terminate.cancelled() => {
+                info!(session = %plan.session_id, "capture terminated early");
+                remote.end_early(&plan.session_id);
+                (Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }, true)
+            }
+        };
+        // The request's own warnings go onto the reply, so that the build
+        // itself is the same for every capture of this window.
+        let common = Plan {
+            warnings: Vec::new(),
+            ..plan.clone()
+        };
+        let encoded = self
+            .captures
+            .build_admitted(&admission, &common, window, remote, terminated)
+            .await?;
+        let encoded = with_warnings(encoded, &plan.warnings);
+        let reply = self
+            .respond(&plan, window, encoded, &admission.slot)
+            .await?;
+        self.capture_ready("Profile", window);
+        Ok(reply)
+    }
+
+    async fn terminate(
+        &self,
+        request: Request<TerminateRequest>,
+    ) -> Result<Response<TerminateResponse>, Status> {
+        let session_id = request.into_inner().session_id;
+        validate::name_component("session_id", &session_id)?;
+        let tokens: Vec<CancellationToken> = self
+            .running
+            .lock()
+            .get(&session_id)
+            .map(|list| list.iter().map(|(_, t)| t.clone()).collect())
+            .unwrap_or_default();
+        if tokens.is_empty() {
+            info!(session = %session_id, "terminate: no running capture with this session id");
+        }
+        for token in tokens {
+            token.cancel();
+        }
+        Ok(Response::new(TerminateResponse {}))
+    }
+
+    async fn monitor(
+        &self,
+        request: Request<MonitorRequest>,
+    ) -> Result<Response<MonitorResponse>, Status> {
+        self.monitor_report(request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn start_continuous_profiling(
+        &self,
+        request: Request<ProfileRequest>,
+    ) -> Result<Response<ContinuousProfilingResponse>, Status> {
+        let request = request.into_inner();
+        let plan = self.plan(&request, false)?;
+        let mut continuous = self.continuous.lock();
+        if continuous.is_some() {
+            return Err(Status::already_exists(
+                "a continuous profiling session is already running",
+            ));
+        }
+        let duration = plan.window.duration_ns();
+        info!(session = %plan.session_id, "continuous profiling started");
+        *continuous = Some(Continuous {
+            _active: self.agent.capture_activity(plan.detailed_device),
+            request,
+            duration: (duration > 0).then(|| Duration::from_nanos(duration)),
+            last_snapshot_ns: clock::now_ns(),
+        });
+        Ok(Response::new(ContinuousProfilingResponse {}))
+    }
+
+    async fn stop_continuous_profiling(
+        &self,
+        _request: Request<StopContinuousProfilingRequest>,
+    ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
+        match self.continuous.lock().take() {
+            Some(_) => {
+                info!("continuous profiling stopped");
+                Ok(Response::new(StopContinuousProfilingResponse {}))
+            }
+            None => Err(Status::not_found(
+                "no continuous profiling session is running",
+            )),
+        }
+    }
+
+    async fn get_snapshot(
+        &self,
+        request: Request<GetSnapshotRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        let snapshot_id = request.into_inner().snapshot_session_id;
+        validate::name_component("snapshot_session_id", &snapshot_id)?;
+        let now = clock::now_ns();
+        let (mut plan, start_ns) = {
+            let mut guard = self.continuous.lock();
+            let Some(continuous) = guard.as_mut() else {
+                return Err(Status::not_found(
+                    "no continuous profiling session is running",
+                ));
+            };
+            let plan = self.plan(&continuous.request, false)?;
+            // A fixed duration reaches back into the recorder, even to before
+            // the session started; otherwise snapshots tile time.
+            let start = match continuous.duration {
+                Some(duration) => now.saturating_sub(clock::duration_ns(duration)),
+                None => continuous.last_snapshot_ns,
+            };
+            continuous.last_snapshot_ns = now;
+            (plan, start)
+        };
+        plan.window = Window {
+            start_ns,
+            stop_ns: now,
+        };
+        plan.warnings.clear();
+        if !snapshot_id.is_empty() {
+            plan.session_id = snapshot_id;
+            plan.generated_session_id = false;
+        }
+        let encoded = self.captures.build(&plan, plan.window).await?;
+        if encoded.len() > self.config.chunk_traces_over {
+            let reply = self
+                .respond_chunked(&plan, plan.window, Arc::new(encoded), true)
+                .await?;
+            return Ok(Response::new(reply));
+        }
+        let encoded = Arc::new(encoded);
+        if let Some(root) = self.server_side_root(&plan) {
+            // A failure is logged; the snapshot goes inline either way.
+            let _ = write_trace(root, &plan, XPLANE_SUFFIX, Arc::clone(&encoded)).await?;
+        }
+        let whole = encoded.contiguous();
+        let reply = ProfileResponse {
+            tool_data: Vec::new(),
+            empty_trace: encoded.events == 0,
+            xspace: Some(decode(&whole)?),
+        };
+        self.capture_ready("GetSnapshot", plan.window);
+        Ok(Response::new(reply))
+    }
+}

@@ -1,0 +1,237 @@
+//! Replies to a capture: the built trace delivered the way the request
+//! asked (inline XSpace, a file the agent writes under an allowed root, or
+//! tool data for the client to write), as Riegeli chunks when it is too
+//! large for one message, and what the client is told when it cannot have
+//! it at all.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use prost::Message;
+use tonic::{Response, Status};
+use tracing::info;
+
+use super::ProfilerService;
+use crate::capture::shared_builds::Slot;
+use crate::capture::write::{chunk_trace, write_trace};
+use crate::capture::{CaptureError, Plan, XPLANE_SUFFIX};
+use crate::proto::tensorflow::profiler::XSpace;
+use crate::proto::tensorflow::{ProfileResponse, ProfileToolData};
+use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
+use crate::service::framed_reply::FramedReply;
+use crate::storage::{Folder, StorageError};
+use crate::store::Window;
+use crate::xspace::chunks::RIEGELI_SUFFIX;
+use crate::xspace::{self, Encoded};
+
+impl ProfilerService {
+    /// Delivers the built trace of `window` the way the request asked:
+    /// inline XSpace, a file under an allowed root, or `tool_data` for the
+    /// client to write. A trace the agent fails to write goes to the client
+    /// instead, saying why. A trace over `--chunk-traces-over` goes as
+    /// Riegeli chunks ([`Self::respond_chunked`]).
+    ///
+    /// `slot` is the build the trace came from, held until the reply is
+    /// sent.
+    pub(super) async fn respond(
+        &self,
+        plan: &Plan,
+        window: Window,
+        encoded: Arc<Encoded>,
+        slot: &Arc<Slot>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        if encoded.len() > self.config.chunk_traces_over {
+            return self
+                .respond_chunked(plan, window, encoded, plan.emit_xspace)
+                .await
+                .map(Response::new);
+        }
+        let empty_trace = encoded.events == 0;
+        if plan.emit_xspace {
+            return Ok(Response::new(ProfileResponse {
+                tool_data: Vec::new(),
+                empty_trace,
+                xspace: Some(decode(&encoded.contiguous())?),
+            }));
+        }
+        let mut encoded = encoded;
+        if let Some(root) = self.server_side_root(plan) {
+            let written;
+            (written, encoded) = write_trace(root, plan, XPLANE_SUFFIX, encoded).await?;
+            match written {
+                Ok(_) => return Ok(Response::new(written_reply(empty_trace))),
+                Err(error) => {
+                    encoded = with_warnings(encoded, &[unwritten_warning(&error)]);
+                }
+            }
+        }
+        // Sent from the trace's own parts by `FramedRepliesLayer`; the
+        // build's memory stays reserved until they are out.
+        let mut response = Response::new(ProfileResponse::default());
+        frame_trace(&encoded)
+            .keeping(Arc::clone(slot) as Arc<dyn std::any::Any + Send + Sync>)
+            .attach(&mut response);
+        Ok(response)
+    }
+
+    /// Delivers a trace too large for one message (over
+    /// `--chunk-traces-over`) as Riegeli chunks of XSpace: written as
+    /// `<host>.xplane.riegeli` where the agent writes traces, else returned
+    /// as `xplane.riegeli` tool data when the file is within the limit. A
+    /// client that needs the XSpace itself (`needs_xspace`: emit_xspace,
+    /// GetSnapshot), or whose trace is too large even chunked, gets
+    /// RESOURCE_EXHAUSTED saying where the trace was written, or how to
+    /// get it.
+    pub(super) async fn respond_chunked(
+        &self,
+        plan: &Plan,
+        window: Window,
+        encoded: Arc<Encoded>,
+        needs_xspace: bool,
+    ) -> Result<ProfileResponse, Status> {
+        let limit = self.config.chunk_traces_over;
+        let size = encoded.len();
+        let empty_trace = encoded.events == 0;
+        let mut chunked = chunk_trace(encoded, limit).await?;
+        info!(
+            bytes = size,
+            chunks = chunked.chunks(),
+            file_bytes = chunked.bytes().len(),
+            "trace over --chunk-traces-over stored as Riegeli chunks"
+        );
+        let mut not_written = None;
+        if let Some(root) = self.server_side_root(plan) {
+            let written;
+            (written, chunked) = write_trace(root, plan, RIEGELI_SUFFIX, chunked).await?;
+            match written {
+                Ok(path) if needs_xspace => {
+                    return Err(Status::resource_exhausted(format!(
+                        "this capture's trace is {size} bytes, more than one XSpace may hold \
+                         (--chunk-traces-over is {limit} bytes); the agent wrote it as {} \
+                         (Riegeli chunks of XSpace, which XProf 2.23 and later and \
+                         `devtrace inspect` read)",
+                        path
+                    )));
+                }
+                Ok(_) => return Ok(written_reply(empty_trace)),
+                Err(error) => not_written = Some(error),
+            }
+        }
+        if !needs_xspace && chunked.bytes().len() <= limit {
+            if let Some(error) = &not_written {
+                chunked
+                    .append_warning(&unwritten_warning(error))
+                    .map_err(|e| Status::from(CaptureError::Chunk(e.to_string())))?;
+            }
+            return Ok(tool_reply(
+                RIEGELI_TOOL,
+                Bytes::from(chunked.into_bytes()),
+                empty_trace,
+            ));
+        }
+        let why = if needs_xspace {
+            "the request asks for it as one XSpace (emit_xspace, or GetSnapshot), which \
+             cannot hold it"
+                .to_string()
+        } else {
+            format!(
+                "even as compressed Riegeli chunks it is {} bytes, too large to return",
+                chunked.bytes().len()
+            )
+        };
+        let failure = not_written.map_or_else(String::new, |error| {
+            format!(" Writing it under repository_root failed: {error}.")
+        });
+        let roots = self.config.allowed_roots.roots();
+        let where_to = if roots.is_empty() {
+            "from an agent started with --allow-root DIR (or a bucket URL), with \
+             repository_root inside it"
+                .into()
+        } else {
+            let roots: Vec<String> = roots.iter().map(|r| r.to_string()).collect();
+            format!(
+                "with repository_root inside a directory or bucket prefix this agent writes ({})",
+                roots.join(", ")
+            )
+        };
+        Err(Status::resource_exhausted(format!(
+            "this capture's trace is {size} bytes, over --chunk-traces-over ({limit} bytes), and \
+             {why}.{failure} To get the whole trace, ask for the same window again \
+             (opts.start_timestamp_ns {}, opts.duration_ms {}) while the flight recorder still \
+             holds it, {where_to} and emit_xspace unset: the agent then writes it as \
+             <repository_root>/<session>/<host>.xplane.riegeli, which XProf reads.",
+            window.start_ns,
+            window.duration_ns().div_ceil(1_000_000)
+        )))
+    }
+
+    /// The repository root to write into, when the request's lies inside an
+    /// allowed root; otherwise the trace goes inline.
+    pub(super) fn server_side_root(&self, plan: &Plan) -> Option<Folder> {
+        if plan.repository_root.is_empty() || self.config.allowed_roots.is_empty() {
+            return None;
+        }
+        match self.config.allowed_roots.confine(&plan.repository_root) {
+            Ok(root) => Some(root),
+            Err(reason) => {
+                info!(%reason, "repository_root not writable by policy; returning the trace inline");
+                None
+            }
+        }
+    }
+}
+
+/// The message form of an encoded trace, for replies that carry it inline.
+pub(super) fn decode(bytes: &[u8]) -> Result<XSpace, Status> {
+    XSpace::decode(bytes)
+        .map_err(|e| Status::internal(format!("re-reading the built trace failed: {e}")))
+}
+
+/// A trace with `warnings` added: the same trace when there are none, else
+/// one sharing its parts and adding one.
+pub(super) fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<Encoded> {
+    if warnings.is_empty() {
+        return encoded;
+    }
+    let mut own = Arc::unwrap_or_clone(encoded);
+    for warning in warnings {
+        xspace::append_warning(&mut own, warning);
+    }
+    Arc::new(own)
+}
+
+/// The reply to a capture whose trace the agent wrote itself.
+fn written_reply(empty_trace: bool) -> ProfileResponse {
+    ProfileResponse {
+        tool_data: Vec::new(),
+        empty_trace,
+        xspace: None,
+    }
+}
+
+/// The reply carrying a trace as tool data `name`, which the client writes
+/// as `<host>.<name>`.
+fn tool_reply(name: &str, data: Bytes, empty_trace: bool) -> ProfileResponse {
+    ProfileResponse {
+        tool_data: vec![ProfileToolData {
+            name: name.to_string(),
+            data,
+        }],
+        empty_trace,
+        xspace: None,
+    }
+}
+
+/// The reply carrying `encoded` as XSpace tool data, framed for sending:
+/// the trace's own parts behind a few bytes of message fields.
+fn frame_trace(encoded: &Encoded) -> FramedReply {
+    FramedReply::tool_data(XPLANE_TOOL, encoded.parts(), encoded.events == 0)
+}
+
+/// The warning a trace the agent failed to write carries to the client.
+fn unwritten_warning(error: &StorageError) -> String {
+    format!(
+        "the agent could not write this trace under repository_root ({error}); \
+         it was returned to the client instead"
+    )
+}
