@@ -24,16 +24,16 @@ use devtrace::agent::{Agent, AgentConfig, BackendChoice};
 use devtrace::backend::mock::{MockConfig, Workload};
 use devtrace::clock;
 use devtrace::event::Event;
+use devtrace::model::registry::{Registry, RegistrySnapshot};
 use devtrace::proto::tensorflow::profiler::XSpace;
 use devtrace::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
 use devtrace::proto::tensorflow::ProfileRequest;
 use devtrace::protocol::XPLANE_TOOL;
-use devtrace::registry::{Registry, RegistrySnapshot};
+use devtrace::recorder::{Store, StoreConfig, Window};
 use devtrace::ring::{DropPolicy, Ring};
 use devtrace::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use devtrace::service::profiler::{ProfilerService, ServiceConfig};
 use devtrace::service::MAX_REPLY_BYTES;
-use devtrace::store::{Store, StoreConfig, Window};
 use devtrace::xspace::{encode_xspace, CaptureInfo};
 
 // ---------------------------------------------------------------- settings --
@@ -600,7 +600,7 @@ async fn capture_at(
         duration_ms,
         max_events: 1_000_000,
         tools: vec![XPLANE_TOOL.to_string()],
-        opts: Some(devtrace::client::default_profile_options(
+        opts: Some(devtrace::protocol::client::default_profile_options(
             duration_ms,
             start_ns,
         )),
@@ -897,7 +897,7 @@ async fn fanned_capture(
 ) -> (Duration, bytes::Bytes) {
     let mut request = ProfileRequest {
         duration_ms,
-        opts: Some(devtrace::client::default_profile_options(
+        opts: Some(devtrace::protocol::client::default_profile_options(
             duration_ms,
             start_ns,
         )),

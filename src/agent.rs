@@ -18,10 +18,10 @@ use crate::backend::tpu::{TpuBackend, TpuConfig};
 use crate::backend::SessionSource;
 use crate::backend::{Backend, BackendContext, BackendError, GpuReading, Health, Loss};
 use crate::clock;
-use crate::collect::{Collector, CollectorError};
-use crate::registry::{Registry, RegistrySnapshot};
+use crate::model::registry::{Registry, RegistrySnapshot};
+use crate::recorder::collect::{Collector, CollectorError};
+use crate::recorder::{ArrivalTap, Store, StoreConfig, StoreStats, Window, WindowData};
 use crate::ring::{DropPolicy, Ring, RingError};
-use crate::store::{ArrivalTap, Store, StoreConfig, StoreStats, Window, WindowData};
 
 /// Which backends `serve` starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -5,7 +5,7 @@ use std::borrow::Borrow;
 use std::collections::BTreeMap;
 
 use crate::event::{Device, Event, NameId, Payload};
-use crate::store::Window;
+use crate::recorder::Window;
 
 /// Utilisation over one window.
 #[derive(Clone, Debug, Default, PartialEq)]

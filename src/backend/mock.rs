@@ -31,8 +31,8 @@ use crate::clock;
 use crate::event::{
     CopyInfo, CopyKind, Device, Event, KernelInfo, MemoryInfo, MemsetInfo, NameId, Payload,
 };
-use crate::registry::{DeviceInfo, Registry};
-use crate::timeline::COUNTER_TRACK;
+use crate::model::registry::{DeviceInfo, Registry};
+use crate::model::timeline::COUNTER_TRACK;
 
 /// Thread id of the training loop's thread.
 pub const PYTHON_TID: u64 = 4242;
@@ -95,8 +95,8 @@ impl std::str::FromStr for Dip {
             .split_once('+')
             .ok_or_else(|| format!("{text:?}: a dip is AFTER+LENGTH, e.g. 10s+5s"))?;
         Ok(Dip {
-            after: crate::units::parse_duration(after).map_err(|e| e.to_string())?,
-            length: crate::units::parse_duration(length).map_err(|e| e.to_string())?,
+            after: crate::model::units::parse_duration(after).map_err(|e| e.to_string())?,
+            length: crate::model::units::parse_duration(length).map_err(|e| e.to_string())?,
         })
     }
 }

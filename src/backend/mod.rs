@@ -15,7 +15,7 @@ pub mod worker;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::registry::Registry;
+use crate::model::registry::Registry;
 use crate::ring::{Producer, Ring, RingError};
 
 /// What a backend can observe.
@@ -109,12 +109,12 @@ pub trait Backend: Send + Sync {
     }
     /// Things a capture of `window` should be told (a traced process that
     /// exited during it, ...), for its warnings.
-    fn notices(&self, _window: crate::store::Window) -> Vec<String> {
+    fn notices(&self, _window: crate::recorder::Window) -> Vec<String> {
         Vec::new()
     }
     /// Facts about what a capture of `window` covers, as (name, value)
     /// pairs for the trace's Task Environment plane.
-    fn properties(&self, _window: crate::store::Window) -> Vec<(String, String)> {
+    fn properties(&self, _window: crate::recorder::Window) -> Vec<(String, String)> {
         Vec::new()
     }
     /// The latest reading of each GPU a sampling backend (NVML) watches,
@@ -160,7 +160,7 @@ pub trait SessionSource: Send + Sync {
     /// encoded XSpace bytes, or why it could not.
     fn capture(
         &self,
-        window: crate::store::Window,
+        window: crate::recorder::Window,
         options: &[u8],
         end: &CaptureEnd,
     ) -> Result<Vec<u8>, String>;

@@ -37,8 +37,8 @@ use super::worker::{pace, Worker};
 use super::{Backend, BackendContext, BackendError, Capabilities, GpuReading, Health};
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
-use crate::registry::{DeviceInfo, Registry};
-use crate::timeline::{COUNTER_TRACK, XID_TRACK};
+use crate::model::registry::{DeviceInfo, Registry};
+use crate::model::timeline::{COUNTER_TRACK, XID_TRACK};
 
 /// Name of the SM utilisation counter track (percent).
 pub const SM_UTILIZATION: &str = "SM utilization (%)";

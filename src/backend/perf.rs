@@ -20,7 +20,7 @@ use super::worker::{pace, Worker};
 use super::{Backend, BackendContext, BackendError, Capabilities, Health};
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
-use crate::timeline::COUNTER_TRACK;
+use crate::model::timeline::COUNTER_TRACK;
 
 #[derive(Clone, Debug)]
 pub struct PerfConfig {

@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use super::{
     Backend, BackendContext, BackendError, Capabilities, CaptureEnd, Health, SessionSource,
 };
-use crate::store::Window;
+use crate::recorder::Window;
 
 /// Where libtpu is looked for when no path is given.
 pub const DEFAULT_LIBRARY: &str = "libtpu.so";

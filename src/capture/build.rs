@@ -9,11 +9,11 @@ use tracing::info;
 
 use super::{CaptureError, Captures, Plan};
 use crate::backend::CaptureEnd;
-use crate::client;
 use crate::clock;
+use crate::fleet;
 use crate::proto::tensorflow::profiler::XSpace;
-use crate::session;
-use crate::store::Window;
+use crate::protocol::client;
+use crate::recorder::Window;
 use crate::xspace::{self, CaptureInfo, Encoded};
 
 impl Captures {
@@ -47,7 +47,7 @@ impl Captures {
                 // JAX's) are asked when the window starts; a devtrace upstream
                 // would also wait for the start itself.
                 tokio::time::sleep(clock::until(window.start_ns)).await;
-                let result = session::capture_host(&upstream, request, deadline, &config).await;
+                let result = fleet::capture_host(&upstream, request, deadline, &config).await;
                 (name, result)
             });
         }
@@ -282,8 +282,8 @@ const UPSTREAM_TERMINATE_TIMEOUT: Duration = Duration::from_secs(2);
 mod tests {
     use super::*;
 
+    use crate::model::timeline::{stat, TASK_ENVIRONMENT_PLANE};
     use crate::proto::tensorflow::profiler::{x_stat, XPlane, XStat, XStatMetadata};
-    use crate::timeline::{stat, TASK_ENVIRONMENT_PLANE};
 
     /// A trace whose Task Environment says it started at `start_ns`.
     fn started_at(start_ns: u64) -> XSpace {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::store::Window;
+use crate::recorder::Window;
 
 /// The default budget.
 pub const DEFAULT_CAPTURE_MEMORY: usize = 2 << 30;

@@ -20,16 +20,13 @@ pub use build::Remote;
 pub use plan::Plan;
 
 use crate::agent::Agent;
-use crate::client;
-use crate::storage::{Folder, StorageError};
-use crate::store::Window;
+use crate::protocol::client;
+use crate::recorder::Window;
+use crate::repository::{Folder, StorageError, XPLANE_SUFFIX};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::Encoded;
 use memory::{CaptureMemory, OutOfTime, DEFAULT_CAPTURE_MEMORY};
 use shared_builds::{BuildKey, SharedBuilds, Slot};
-
-/// Suffix of trace files in a repository.
-pub use crate::session::XPLANE_SUFFIX;
 
 /// Traces larger than this are stored as Riegeli chunks unless configured
 /// otherwise: well below protobuf's 2 GiB, so that replies that still carry

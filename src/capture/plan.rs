@@ -5,8 +5,8 @@
 use prost::Message;
 
 use crate::backend::Loss;
-use crate::client;
-use crate::store::Window;
+use crate::protocol::client;
+use crate::recorder::Window;
 
 /// See the module documentation.
 #[derive(Clone, Debug)]

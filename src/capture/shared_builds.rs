@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
 use super::memory::Reservation;
-use crate::store::Window;
+use crate::recorder::Window;
 use crate::xspace::Encoded;
 
 /// What makes two captures' traces the same bytes.

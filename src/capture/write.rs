@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tracing::{info, warn};
 
 use super::{CaptureError, Plan};
-use crate::storage::{Folder, StorageError};
+use crate::repository::{Folder, StorageError};
 use crate::xspace::chunks::ChunkedTrace;
 use crate::xspace::Encoded;
 
@@ -93,8 +93,8 @@ pub async fn chunk_trace(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::beneath::Dir;
-    use crate::store::Window;
+    use crate::recorder::Window;
+    use crate::repository::beneath::Dir;
 
     fn plan(session_id: &str, generated: bool) -> Plan {
         let window = Window {

@@ -10,11 +10,11 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::logdir::SessionOutput;
-use crate::capture::XPLANE_SUFFIX;
-use crate::client;
 use crate::clock;
+use crate::protocol::client;
 use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
-use crate::storage::{Folder, Location};
+use crate::repository::XPLANE_SUFFIX;
+use crate::repository::{Folder, Location};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 
 #[derive(Debug, Args)]
@@ -109,7 +109,7 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
     let session_id = args
         .session_id
         .clone()
-        .unwrap_or_else(crate::calendar::session_timestamp);
+        .unwrap_or_else(crate::model::calendar::session_timestamp);
     let session_dir = repository_root.join(&session_id);
     // Before capturing, so that a bucket's settings are checked first.
     let output = SessionOutput::new(&session_dir)?;

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 
-use crate::client::{ClientConfig, DEFAULT_MAX_REPLY_BYTES};
-use crate::tls::ClientTls;
+use crate::protocol::client::{ClientConfig, DEFAULT_MAX_REPLY_BYTES};
+use crate::protocol::tls::ClientTls;
 
 #[derive(Debug, Args)]
 pub struct ClientArgs {

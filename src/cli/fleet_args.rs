@@ -7,8 +7,8 @@ use std::net::SocketAddr;
 
 use clap::Args;
 
-use crate::hosts::{parse_dns_server, HostResolver, COMMAND_LINE_LIMIT};
-use crate::session::DEFAULT_CONCURRENT_HOSTS;
+use crate::fleet::hosts::{parse_dns_server, HostResolver, COMMAND_LINE_LIMIT};
+use crate::fleet::DEFAULT_CONCURRENT_HOSTS;
 
 #[derive(Debug, Args)]
 pub struct FleetArgs {

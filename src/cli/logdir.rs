@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-use crate::storage::{self, Folder, Location};
+use crate::repository::{self, Folder, Location};
 
 /// `--logdir` as given: an object URL, or a local path made absolute.
 pub fn parse(logdir: &Path) -> anyhow::Result<Location> {
@@ -61,7 +61,7 @@ impl SessionOutput {
                 .map(|path| path.display().to_string())
                 .map_err(|e| format!("{e:#}")),
             SessionOutput::Object(folder) => {
-                storage::write_or_keep(folder, session_id, name, data, &std::env::temp_dir())
+                repository::write_or_keep(folder, session_id, name, data, &std::env::temp_dir())
             }
         }
     }

@@ -23,7 +23,7 @@ pub use session::{SessionArgs, SessionsArgs, ToolArgs};
 pub use tap::TapArgs;
 pub use trigger::TriggerArgs;
 
-pub use crate::units::{parse_duration, parse_size};
+pub use crate::model::units::{parse_duration, parse_size};
 
 /// Device-tracing agent for machine-learning hosts. It speaks TensorFlow's
 /// profiler protocol, so `tf.profiler.experimental.client.trace`, the XProf

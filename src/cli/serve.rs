@@ -12,15 +12,15 @@ use crate::agent::{Agent, AgentConfig, BackendChoice};
 use crate::backend::ebpf::{cgroup_id, AttachMode, CudaReturns, EbpfConfig};
 use crate::backend::mock::MockConfig;
 use crate::capture::local_hostname;
-use crate::client::{self, Target};
+use crate::protocol::client::{self, Target};
+use crate::recorder::StoreConfig;
+use crate::repository::roots::AllowedRoots;
 use crate::ring::DropPolicy;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{ProfilerService, ServiceConfig};
-use crate::service::repository::AllowedRoots;
 use crate::service::session_hosts::{HostPattern, SessionHosts};
 use crate::service::trigger::TriggerService;
 use crate::service::Listeners;
-use crate::store::StoreConfig;
 use crate::telemetry::http::MetricsListen;
 use crate::telemetry::Telemetry;
 use crate::trigger::rule::Rule;
@@ -566,7 +566,7 @@ fn start_triggers(
 async fn listen(args: &ServeArgs) -> anyhow::Result<Listeners> {
     let tls = match (&args.client.tls_cert, &args.client.tls_key) {
         (Some(cert), Some(key)) => Some(
-            crate::tls::server_config(cert, key, args.tls_client_ca.as_deref())
+            crate::protocol::tls::server_config(cert, key, args.tls_client_ca.as_deref())
                 .context("loading the TLS files of --tls-cert/--tls-key/--tls-client-ca")?,
         ),
         _ => None,

@@ -11,11 +11,11 @@ use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 
 use super::logdir::{self, SessionOutput};
-use crate::calendar::session_timestamp;
-use crate::client;
 use crate::clock;
-use crate::hosts::{self, HostList, Origin, COMMAND_LINE_LIMIT};
-use crate::session::{self, HostOutcome};
+use crate::fleet::hosts::{self, HostList, Origin, COMMAND_LINE_LIMIT};
+use crate::fleet::{self, HostOutcome};
+use crate::model::calendar::session_timestamp;
+use crate::protocol::client;
 
 #[derive(Debug, Args)]
 pub struct SessionArgs {
@@ -120,7 +120,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         // not eat into it.
         let options = client::default_profile_options(duration_ms, clock::now_ns());
         let request = client::trace_request(options, &root.to_string(), &session_id, "");
-        let plan = session::FanOut {
+        let plan = fleet::FanOut {
             deadline: client::capture_deadline(args.duration),
             concurrent_hosts: args.fleet.concurrent_hosts,
             client: config,
@@ -130,7 +130,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
             output,
             session_id: session_id.clone(),
         });
-        outcomes.extend(runtime.block_on(session::fan_out(&hosts, &request, &plan, sink)));
+        outcomes.extend(runtime.block_on(fleet::fan_out(&hosts, &request, &plan, sink)));
     }
     let mut delivered = 0;
     for outcome in &outcomes {
@@ -139,7 +139,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
             delivered += 1;
         }
     }
-    if let Some((headline, lines)) = session::failure_summary(&outcomes) {
+    if let Some((headline, lines)) = fleet::failure_summary(&outcomes) {
         for line in lines {
             eprintln!("{line}");
         }
@@ -162,24 +162,24 @@ struct LogdirSink {
     session_id: String,
 }
 
-impl session::TraceSink for LogdirSink {
-    fn create(&self, file_name: &str) -> Result<Box<dyn session::TraceFile>, String> {
+impl fleet::TraceSink for LogdirSink {
+    fn create(&self, file_name: &str) -> Result<Box<dyn fleet::TraceFile>, String> {
         match &self.output {
             SessionOutput::Local(directory) => super::PendingFile::create(directory, file_name)
-                .map(|file| Box::new(file) as Box<dyn session::TraceFile>)
+                .map(|file| Box::new(file) as Box<dyn fleet::TraceFile>)
                 .map_err(|e| format!("{e:#}")),
-            SessionOutput::Object(folder) => crate::storage::create_file(
+            SessionOutput::Object(folder) => crate::repository::create_file(
                 Ok(folder),
                 &self.session_id,
                 file_name,
                 &std::env::temp_dir(),
             )
-            .map(|file| Box::new(file) as Box<dyn session::TraceFile>),
+            .map(|file| Box::new(file) as Box<dyn fleet::TraceFile>),
         }
     }
 }
 
-impl session::TraceFile for super::PendingFile {
+impl fleet::TraceFile for super::PendingFile {
     fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
         super::PendingFile::write(self, bytes).map_err(|e| format!("{e:#}"))
     }
@@ -191,7 +191,7 @@ impl session::TraceFile for super::PendingFile {
 
 pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
     let root = logdir::repository_root(&args.dir)?;
-    let sessions = session::list_sessions(&root)?;
+    let sessions = fleet::list_sessions(&root)?;
     if sessions.is_empty() {
         eprintln!("no sessions under {}", root.display());
     }
@@ -219,7 +219,7 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
     if !session.exists()? {
         bail!("no session {:?} in {}", args.session, root.display());
     }
-    let output = session::tool_data(&session, args.host.as_deref(), &args.tool, &parameters)?;
+    let output = fleet::tool_data(&session, args.host.as_deref(), &args.tool, &parameters)?;
     let bytes = output.into_bytes();
     match &args.output {
         Some(path) => super::write_file(

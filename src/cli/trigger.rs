@@ -6,8 +6,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 
-use crate::calendar::utc_text;
-use crate::client;
+use crate::model::calendar::utc_text;
+use crate::protocol::client;
 
 /// How long the call may take: a firing only schedules the save.
 const DEADLINE: Duration = Duration::from_secs(30);

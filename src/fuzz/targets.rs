@@ -21,10 +21,10 @@ use super::{bucket, check, Target};
 use crate::backend::ebpf::records::{CudaCall, Record, SchedRecord, SCHED_EXEC, SCHED_SWITCH};
 use crate::backend::ebpf::{cuda::DriverCalls, sched::SchedTimeline};
 use crate::backend::mock::{MockConfig, Workload};
+use crate::model::registry::Registry;
 use crate::proto::tensorflow::profiler::XSpace;
-use crate::registry::Registry;
+use crate::recorder::Window;
 use crate::ring::{DropPolicy, Ring};
-use crate::store::Window;
 use crate::workload::{MetaReader, MetaRecord};
 use crate::xspace::{self, CaptureInfo};
 
@@ -678,7 +678,7 @@ static SHARED_RING: Target = Target {
 /// tool data beside another tool's, and an empty one. The first byte is
 /// the size of the pieces the body arrives in.
 fn reply_seeds() -> Vec<Vec<u8>> {
-    use crate::client::{RawProfileResponse, RawToolData};
+    use crate::protocol::client::{RawProfileResponse, RawToolData};
     let trace = bytes::Bytes::from(mock_trace(20, 1, "host"));
     let tool = |name: &str, data: &bytes::Bytes| RawToolData {
         name: name.into(),
@@ -721,7 +721,7 @@ thread_local! {
 
 /// The body ends with an OK status: whatever is refused, the bytes did it.
 fn reply(input: &[u8]) -> Option<u64> {
-    use crate::streaming::stand_in::{body_in_pieces, MemorySink};
+    use crate::fleet::streaming::stand_in::{body_in_pieces, MemorySink};
     let (&piece, body) = input.split_first()?;
     let body = body_in_pieces(
         body.to_vec(),
@@ -729,9 +729,9 @@ fn reply(input: &[u8]) -> Option<u64> {
         Some(tonic::Code::Ok),
     );
     let sink = Arc::new(MemorySink::default());
-    let refused = |status| crate::client::CallError::Status { status, tls: false };
+    let refused = |status| crate::protocol::client::CallError::Status { status, tls: false };
     let file = RUNTIME.with(|runtime| {
-        runtime.block_on(crate::streaming::read_reply(
+        runtime.block_on(crate::fleet::streaming::read_reply(
             body,
             1 << 20,
             Arc::new(Arc::clone(&sink)),

@@ -4,7 +4,6 @@
 pub mod framed_reply;
 pub mod profile_analysis;
 pub mod profiler;
-pub mod repository;
 pub mod session_hosts;
 pub mod trigger;
 pub mod validate;

@@ -13,22 +13,22 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use crate::client::{self, ClientConfig, Target};
 use crate::clock;
-use crate::hosts::{self, HostEntry, HostList, HostResolver, HostsError, Origin};
+use crate::fleet::hosts::{self, HostEntry, HostList, HostResolver, HostsError, Origin};
+use crate::fleet::{self, HostOutcome, ToolDataError};
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysis;
 use crate::proto::tensorflow::{
     EnumProfileSessionsAndToolsRequest, EnumProfileSessionsAndToolsResponse,
     NewProfileSessionRequest, NewProfileSessionResponse, ProfileSessionDataRequest,
     ProfileSessionDataResponse, ProfileSessionInfo,
 };
-use crate::session::{self, HostOutcome, ToolDataError};
-use crate::storage::{self, Folder, StorageError};
+use crate::protocol::client::{self, ClientConfig, Target};
+use crate::repository::{self, Folder, StorageError};
 
-use super::repository::AllowedRoots;
 use super::session_hosts::SessionHosts;
 use super::validate::{self, invalid};
-use crate::calendar::session_timestamp;
+use crate::model::calendar::session_timestamp;
+use crate::repository::roots::AllowedRoots;
 
 /// Most hosts one NewSession may name.
 pub const MAX_HOSTS: usize = 1024;
@@ -81,7 +81,7 @@ impl Default for AnalysisConfig {
             session_hosts: SessionHosts::default(),
             unsent_dir: std::env::temp_dir(),
             resolver: Arc::default(),
-            concurrent_hosts: session::DEFAULT_CONCURRENT_HOSTS,
+            concurrent_hosts: fleet::DEFAULT_CONCURRENT_HOSTS,
         }
     }
 }
@@ -170,8 +170,8 @@ struct SessionSink {
     made: parking_lot::Mutex<Option<Folder>>,
 }
 
-impl session::TraceSink for SessionSink {
-    fn create(&self, file_name: &str) -> Result<Box<dyn session::TraceFile>, String> {
+impl fleet::TraceSink for SessionSink {
+    fn create(&self, file_name: &str) -> Result<Box<dyn fleet::TraceFile>, String> {
         let folder = {
             let mut made = self.made.lock();
             match made.as_ref() {
@@ -190,7 +190,7 @@ impl session::TraceSink for SessionSink {
                 },
             }
         };
-        let file = storage::create_file(
+        let file = repository::create_file(
             folder.as_ref().map_err(Clone::clone),
             &self.session_id,
             file_name,
@@ -330,13 +330,13 @@ impl ProfileAnalysis for ProfileAnalysisService {
             unsent_dir: self.config.unsent_dir.clone(),
             made: parking_lot::Mutex::new(None),
         });
-        let plan = session::FanOut {
+        let plan = fleet::FanOut {
             deadline: session_end.saturating_duration_since(Instant::now()),
             concurrent_hosts: self.config.concurrent_hosts,
             client: self.config.client.clone(),
         };
         if !hosts.is_empty() {
-            outcomes.extend(session::fan_out(&hosts, &profile, &plan, sink).await);
+            outcomes.extend(fleet::fan_out(&hosts, &profile, &plan, sink).await);
         }
         let delivered = outcomes
             .iter()
@@ -348,7 +348,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
             }
         }
         info!(session = %session_id, delivered, failed = outcomes.len() - delivered, "session done");
-        let error_message = session::failure_summary(&outcomes)
+        let error_message = fleet::failure_summary(&outcomes)
             .map(|(headline, lines)| format!("{headline}: {}", lines.join("; ")))
             .unwrap_or_default();
         Ok(Response::new(NewProfileSessionResponse {
@@ -371,7 +371,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 Ok(false) => return Err(field_status("repository_root", missing())),
                 Err(error) => return Err(field_status("repository_root", error)),
             }
-            session::list_sessions(&root).map_err(|e| field_status("repository_root", e))
+            fleet::list_sessions(&root).map_err(|e| field_status("repository_root", e))
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
@@ -401,7 +401,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         if request.tool_name.is_empty() {
             return Err(invalid(
                 "tool_name",
-                format!("is required (one of: {})", session::TOOLS.join(", ")),
+                format!("is required (one of: {})", fleet::TOOLS.join(", ")),
             ));
         }
         let session_id = request.session_id;
@@ -420,7 +420,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 }
                 Err(error) => return Err(field_status("session_id", error)),
             }
-            session::tool_data(&directory, host.as_deref(), &tool, &parameters).map_err(tool_status)
+            fleet::tool_data(&directory, host.as_deref(), &tool, &parameters).map_err(tool_status)
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;

@@ -27,7 +27,7 @@ impl HostPattern {
         if trimmed.is_empty() {
             return Err(PatternError::Empty);
         }
-        let (host, port) = match crate::client::split_port(trimmed) {
+        let (host, port) = match crate::protocol::client::split_port(trimmed) {
             Some((host, port)) => (host.to_string(), port.to_string()),
             None => (trimmed.to_string(), default_port.to_string()),
         };
@@ -47,7 +47,7 @@ impl HostPattern {
 
     /// Whether `address` (`host:port`, as normalised) matches.
     pub fn matches(&self, address: &str) -> bool {
-        let Some((host, port)) = crate::client::split_port(address) else {
+        let Some((host, port)) = crate::protocol::client::split_port(address) else {
             return false;
         };
         glob(self.host.as_bytes(), host.to_ascii_lowercase().as_bytes())

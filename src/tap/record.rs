@@ -15,7 +15,7 @@ use prost::Message;
 
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload, RpcInfo};
-use crate::registry::Registry;
+use crate::model::registry::Registry;
 use crate::ring::Producer;
 
 use super::decode::{self, Body, Frame, Framer};

@@ -29,11 +29,11 @@ use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
 use crate::agent::Agent;
-use crate::calendar::{session_timestamp_at, utc_text};
 use crate::capture::Captures;
 use crate::clock;
-use crate::storage::Folder;
-use crate::store::Window;
+use crate::model::calendar::{session_timestamp_at, utc_text};
+use crate::recorder::Window;
+use crate::repository::Folder;
 use limit::{Held, Limit};
 use rule::{Condition, Rule};
 use watch::{Firing, Watcher};

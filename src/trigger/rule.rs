@@ -12,7 +12,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::backend::nvml;
-use crate::units::parse_duration;
+use crate::model::units::parse_duration;
 
 /// Defaults of the optional fields.
 pub const DEFAULT_BEFORE: Duration = Duration::from_secs(10);

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use super::rule::{Condition, Rule, SpanName};
 use crate::clock;
 use crate::event::{Device, Event, NameId, Payload};
-use crate::registry::Registry;
+use crate::model::registry::Registry;
 use crate::xspace::builder::COUNTER_TRACK;
 
 /// Lines whose step lengths a slow-step rule keeps at once; past it the
@@ -89,7 +89,7 @@ impl SpanNames {
 /// Picks out of every event that arrives what the rules look at: samples
 /// of the counters they compare, step markers, and spans whose names a span
 /// rule times. It runs on the collector's thread
-/// ([`crate::store::ArrivalTap`]), so each event costs an id compare or an
+/// ([`crate::recorder::ArrivalTap`]), so each event costs an id compare or an
 /// index, and a span name is matched once, the first time it is seen.
 pub struct Filter {
     counters: Vec<NameId>,

@@ -1,7 +1,7 @@
 //! Turns the events of one capture window into the bytes of an XSpace that
 //! XProf reads. Pure: events and registry facts in, `.xplane.pb` bytes out,
 //! written in one pass with [`super::wire`] (no message tree in between).
-//! Every naming rule comes from [`super::conventions`].
+//! Every naming rule comes from [`crate::model::timeline`].
 
 use std::borrow::Borrow;
 use std::cmp::Reverse;
@@ -13,13 +13,13 @@ use prost::Message;
 use crate::event::{
     CopyKind, Device, DriverCallInfo, Event, KernelInfo, MemoryInfo, NameId, Payload, RpcInfo,
 };
+use crate::model::registry::{DeviceInfo, RegistrySnapshot};
 use crate::proto::tensorflow::profiler::XSpace;
-use crate::registry::{DeviceInfo, RegistrySnapshot};
-use crate::store::Window;
+use crate::recorder::Window;
 
-use super::conventions::{self as names, stat};
 use super::wire::{Open, Writer};
-pub use crate::timeline::{task_state_label, COUNTER_TRACK, STILL_RUNNING, XID_TRACK};
+use crate::model::timeline::{self as names, stat};
+pub use crate::model::timeline::{task_state_label, COUNTER_TRACK, STILL_RUNNING, XID_TRACK};
 
 /// Everything about the capture that is not an event.
 #[derive(Clone, Debug, Default)]
@@ -1063,8 +1063,8 @@ fn task_environment(out: &mut Writer, info: &CaptureInfo) {
 mod tests {
     use super::*;
     use crate::backend::mock::{MockConfig, Workload, COMPUTE_STREAM, PYTHON_TID};
+    use crate::model::registry::Registry;
     use crate::proto::tensorflow::profiler::{x_event, XLine, XPlane};
-    use crate::registry::Registry;
     use crate::xspace::read::{event_name, find_stat, StatValue};
 
     const START: u64 = 1_800_000_000_000_000_000;

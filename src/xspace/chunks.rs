@@ -1,5 +1,5 @@
 //! Traces too large for one protobuf message (2 GiB), stored as XProf reads
-//! them: `<host>.xplane.riegeli`, a Riegeli/records file ([`crate::riegeli`])
+//! them: `<host>.xplane.riegeli`, a Riegeli/records file ([`crate::xspace::riegeli`])
 //! whose records are XSpace chunks, each a valid XSpace holding part of the
 //! trace.
 //!
@@ -18,7 +18,7 @@ use std::ops::Range;
 use prost::Message;
 
 use crate::proto::tensorflow::profiler::{x_event, x_stat, XLine, XPlane, XSpace, XStat};
-use crate::riegeli::{self, FileWriter, RiegeliError};
+use crate::xspace::riegeli::{self, FileWriter, RiegeliError};
 
 use super::builder::field;
 use super::merge::FreshIds;
@@ -696,8 +696,8 @@ mod tests {
     #[test]
     fn a_trace_devtrace_built_reads_back_event_for_event() {
         use crate::backend::mock::{MockConfig, Workload};
-        use crate::registry::Registry;
-        use crate::store::Window;
+        use crate::model::registry::Registry;
+        use crate::recorder::Window;
         use crate::xspace::{encode_xspace, CaptureInfo};
 
         const START: u64 = 1_800_000_000_000_000_000;

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 
 use crate::proto::tensorflow::profiler::{x_stat, XPlane, XSpace, XStat, XStatMetadata};
 
-use super::conventions::{self, stat};
+use crate::model::timeline::{self, stat};
 
 /// Stat naming where a merged plane came from.
 pub const SOURCE_STAT: &str = "devtrace_source";
@@ -31,7 +31,7 @@ pub fn profile_start_ns(space: &XSpace) -> Option<u64> {
     let plane = space
         .planes
         .iter()
-        .find(|p| p.name == conventions::TASK_ENVIRONMENT_PLANE)?;
+        .find(|p| p.name == timeline::TASK_ENVIRONMENT_PLANE)?;
     plane.stats.iter().find_map(|s| {
         let named = plane
             .stat_metadata
@@ -69,14 +69,14 @@ pub fn merge(ours: &mut XSpace, theirs: XSpace, source: &str) {
     ours.warnings
         .extend(theirs.warnings.iter().map(|w| format!("{source}: {w}")));
     for mut plane in theirs.planes {
-        if plane.name == conventions::TASK_ENVIRONMENT_PLANE {
+        if plane.name == timeline::TASK_ENVIRONMENT_PLANE {
             continue;
         }
         for line in &mut plane.lines {
             let shifted = i128::from(line.timestamp_ns) + line_shift(line.timestamp_ns);
             line.timestamp_ns = shifted.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
         }
-        if plane.name == conventions::HOST_PLANE {
+        if plane.name == timeline::HOST_PLANE {
             for line in &mut plane.lines {
                 let shown = if line.display_name.is_empty() {
                     &line.name
@@ -88,7 +88,7 @@ pub fn merge(ours: &mut XSpace, theirs: XSpace, source: &str) {
             match ours
                 .planes
                 .iter_mut()
-                .find(|p| p.name == conventions::HOST_PLANE)
+                .find(|p| p.name == timeline::HOST_PLANE)
             {
                 Some(host) => merge_plane(host, plane),
                 None => ours.planes.push(plane),

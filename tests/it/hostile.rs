@@ -287,7 +287,7 @@ async fn forged_events_stay_off_other_lines_and_devices() {
     let forged_gpu = MetaRecord::Device {
         ordinal: 0,
         uuid: None,
-        info: devtrace::registry::DeviceInfo {
+        info: devtrace::model::registry::DeviceInfo {
             model: "forged GPU".into(),
             ..Default::default()
         },

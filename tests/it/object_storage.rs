@@ -210,7 +210,7 @@ fn request_into(
 fn session_name_at(secs: u64) -> String {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
-    let (year, month, day) = devtrace::calendar::civil_from_days(days);
+    let (year, month, day) = devtrace::model::calendar::civil_from_days(days);
     format!(
         "{year:04}_{month:02}_{day:02}_{:02}_{:02}_{:02}",
         rem / 3600,

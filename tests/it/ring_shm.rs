@@ -514,7 +514,7 @@ fn stale_ring_files_are_removed() {
     let old_but_held = dir.path().join(".held.ring.1-0.tmp");
     let holder = std::fs::File::create(&old_but_held).unwrap();
     holder.set_modified(an_hour_ago).unwrap();
-    devtrace::host_process::hold_shared(&holder).unwrap();
+    devtrace::model::host_process::hold_shared(&holder).unwrap();
 
     assert_eq!(remove_stale_rings(dir.path()).unwrap(), vec![leftover]);
     drop(producing);

@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use devtrace::event::{Event, Payload};
-use devtrace::registry::Registry;
+use devtrace::model::registry::Registry;
 use devtrace::ring::{Consumer, DropPolicy, Ring};
 use devtrace::tap::decode::{EnqueueRequest, NamedTensor, Operation, QueueItem, RunStepRequest};
 use devtrace::tap::{Recorder, Tap, TapStats};

@@ -14,7 +14,7 @@
 //!
 //! Workloads may run in pid namespaces of their own (containers) while the
 //! agent runs in the host's: a ring's process is found through the lock its
-//! library holds on the file (`crate::host_process`), and its thread ids are
+//! library holds on the file (`crate::model::host_process`), and its thread ids are
 //! turned into the host's, so that its lines are those the other backends
 //! draw for the same threads.
 //!
@@ -45,14 +45,14 @@ use super::{Backend, BackendContext, BackendError, Capabilities, Health, Loss};
 use crate::clock;
 use crate::event::Payload;
 use crate::event::{Device, Event, NameId};
-use crate::host_process::{self, Threads};
-use crate::registry::Registry;
+use crate::model::host_process::{self, Threads};
+use crate::model::registry::Registry;
+use crate::model::timeline::STREAM_BITS;
+use crate::recorder::Window;
 use crate::ring::{
     pid_alive, remove_stale_rings, Consumer, FileIdentity, OpenLimits, Ring,
     CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE,
 };
-use crate::store::Window;
-use crate::timeline::STREAM_BITS;
 use crate::workload::{
     self, ApiRecordSet, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE,
 };

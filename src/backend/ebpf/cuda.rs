@@ -14,7 +14,7 @@ use super::records::{
     CALL_FLAG_SYMBOL_ARG2,
 };
 use crate::event::{AllocatorTally, Device, DriverCallInfo, Event, NameId, Payload};
-use crate::registry::Registry;
+use crate::model::registry::Registry;
 
 /// One probed entry point: its symbol, which driver function it is (the
 /// arguments mean the same for a function's per-thread-stream `_ptsz` and

@@ -28,7 +28,7 @@ use crate::backend::worker::StopFlag;
 use crate::backend::BackendContext;
 use crate::clock;
 use crate::event::{Device, Event, Payload};
-use crate::timeline::COUNTER_TRACK;
+use crate::model::timeline::COUNTER_TRACK;
 
 mod sched_skel {
     #![allow(clippy::all, clippy::pedantic, dead_code, non_camel_case_types)]

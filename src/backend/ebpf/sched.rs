@@ -13,9 +13,9 @@ use super::records::{
     SCHED_WAKEUP,
 };
 use crate::event::{Device, Event, NameId, Payload};
-use crate::registry::Registry;
-use crate::timeline::{cpu_line_name, THREAD_LINE_BIT};
-use crate::timeline::{task_state_label, STILL_RUNNING};
+use crate::model::registry::Registry;
+use crate::model::timeline::{cpu_line_name, THREAD_LINE_BIT};
+use crate::model::timeline::{task_state_label, STILL_RUNNING};
 
 /// Task states of a thread that has exited (EXIT_DEAD, EXIT_ZOMBIE,
 /// TASK_DEAD).

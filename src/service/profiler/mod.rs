@@ -24,9 +24,7 @@ use crate::agent::Agent;
 use crate::capture::write::write_trace;
 use crate::capture::{
     local_hostname, CaptureError, CaptureSettings, Captures, Plan, DEFAULT_CHUNK_TRACES_OVER,
-    XPLANE_SUFFIX,
 };
-use crate::client;
 use crate::clock;
 use crate::proto::tensorflow::profiler_service_server;
 use crate::proto::tensorflow::{
@@ -34,11 +32,13 @@ use crate::proto::tensorflow::{
     ProfileRequest, ProfileResponse, StopContinuousProfilingRequest,
     StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
 };
-use crate::store::Window;
+use crate::protocol::client;
+use crate::recorder::Window;
+use crate::repository::XPLANE_SUFFIX;
 use crate::telemetry::Telemetry;
 
-use super::repository::AllowedRoots;
 use super::validate;
+use crate::repository::roots::AllowedRoots;
 use reply::{decode, with_warnings};
 use request::memory_wait_deadline;
 

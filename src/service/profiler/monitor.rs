@@ -9,8 +9,8 @@ use crate::analysis;
 use crate::clock;
 use crate::proto::tensorflow::profiler_service_monitor_result::ResponseType;
 use crate::proto::tensorflow::{MonitorRequest, MonitorResponse, ProfilerServiceMonitorResult};
+use crate::recorder::Window;
 use crate::service::validate::invalid;
-use crate::store::Window;
 
 impl ProfilerService {
     /// `Monitor`: how busy the devices were over the next
@@ -130,7 +130,7 @@ impl ProfilerService {
 /// Mean sampled SM utilisation over all GPUs, when a counter backend reports it.
 fn sampled_busy_percent(
     usage: &analysis::Utilization,
-    registry: &crate::registry::RegistrySnapshot,
+    registry: &crate::model::registry::RegistrySnapshot,
 ) -> Option<f64> {
     let samples: Vec<f64> = usage
         .counter_means

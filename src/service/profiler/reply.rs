@@ -14,13 +14,13 @@ use tracing::info;
 use super::ProfilerService;
 use crate::capture::shared_builds::Slot;
 use crate::capture::write::{chunk_trace, write_trace};
-use crate::capture::{CaptureError, Plan, XPLANE_SUFFIX};
+use crate::capture::{CaptureError, Plan};
 use crate::proto::tensorflow::profiler::XSpace;
 use crate::proto::tensorflow::{ProfileResponse, ProfileToolData};
 use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
+use crate::recorder::Window;
+use crate::repository::{Folder, StorageError, XPLANE_SUFFIX};
 use crate::service::framed_reply::FramedReply;
-use crate::storage::{Folder, StorageError};
-use crate::store::Window;
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::{self, Encoded};
 

@@ -8,14 +8,14 @@ use tonic::Status;
 
 use super::ServiceConfig;
 use crate::backend::Loss;
-use crate::calendar::session_timestamp;
 use crate::capture::Plan;
-use crate::client;
 use crate::clock;
+use crate::model::calendar::session_timestamp;
 use crate::proto::tensorflow::profile_options::advanced_config_value;
 use crate::proto::tensorflow::ProfileRequest;
+use crate::protocol::client;
+use crate::recorder::Window;
 use crate::service::validate::{self, invalid};
-use crate::store::Window;
 
 /// Validates every field of a `ProfileRequest` against the operator's
 /// `config` and plans its capture; `losses_at_start` are the backends' loss

@@ -11,8 +11,8 @@ use tonic::{Code, Status};
 
 use crate::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
 use crate::proto::tensorflow::{ProfileOptions, ProfileRequest, TerminateRequest};
+use crate::protocol::tls::ClientTls;
 use crate::protocol::MAX_REPLY_BYTES;
-use crate::tls::ClientTls;
 
 /// Port of a profiler server when an address names none.
 pub const DEFAULT_PORT: u16 = 6009;

@@ -1,7 +1,11 @@
 //! What the profiler protocol's two ends, the services and the clients
 //! (`client`, `streaming`, the CLI), agree on beyond the protobuf messages:
 //! message size limits and the names of the tool entries a trace travels
-//! in.
+//! in. The client side of the protocol ([`client`]) and TLS for both ends
+//! ([`tls`]) are here as well.
+
+pub mod client;
+pub mod tls;
 
 /// Largest request decoded. Requests are small (a `ProfileRequest`, a list
 /// of hosts); without a bound a caller could make the agent hold gigabytes

@@ -25,6 +25,7 @@ use parking_lot::RwLock;
 use crate::clock;
 use crate::event::Event;
 
+pub mod collect;
 pub mod compact;
 
 use compact::CompactEvents;

@@ -21,7 +21,7 @@ use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::TokioResolver;
 use tokio::sync::OnceCell;
 
-use crate::client::{AddressError, Scheme, Target};
+use crate::protocol::client::{AddressError, Scheme, Target};
 
 /// Most hosts a list given on the command line may stand for.
 pub const COMMAND_LINE_LIMIT: usize = 65_536;

@@ -3,12 +3,14 @@
 //! that the agent's services and the CLI read and write through.
 //!
 //! A local folder is resolved beneath an open root directory without
-//! following links ([`crate::beneath`]); an object folder is a key prefix
-//! (see [`object`] for credentials). The methods block: async code calls
+//! following links ([`beneath`]); an object folder is a key prefix (see
+//! [`object`] for credentials). The methods block: async code calls
 //! them from `spawn_blocking`.
 
+pub mod beneath;
 mod local;
 mod object;
+pub mod roots;
 mod url;
 
 use std::io;
@@ -16,11 +18,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
 
-pub use crate::beneath::MAX_READ_BYTES;
-use crate::beneath::{BeneathError, Dir};
+pub use beneath::MAX_READ_BYTES;
+use beneath::{BeneathError, Dir};
 pub use local::LocalFolder;
 pub use object::ObjectFolder;
 pub use url::{scheme_of, ObjectUrl, Provider, UrlError};
+
+/// Suffix of trace files in a session directory (`<host>.xplane.pb`).
+pub const XPLANE_SUFFIX: &str = ".xplane.pb";
 
 /// Most names tried for a generated session name that is taken.
 const MAX_UNIQUE_ATTEMPTS: u32 = 1000;
@@ -245,7 +250,7 @@ impl Folder {
 /// committed; dropped before that, it leaves nothing behind.
 pub enum NewFile {
     /// A local file beneath its root, renamed into place on commit.
-    Local(crate::beneath::AtomicFile),
+    Local(crate::repository::beneath::AtomicFile),
     /// An upload, spooled on local disk (a private temporary file) until
     /// complete, then sent whole. When it fails, the spooled trace is kept
     /// (see [`keep_unsent`]) and the error says where.

@@ -17,8 +17,8 @@ use tokio::sync::oneshot;
 
 use crate::clock;
 use crate::event::Event;
+use crate::recorder::{DropRecord, Store};
 use crate::ring::{Consumer, Ring, RingError};
-use crate::store::{DropRecord, Store};
 
 /// Events per sealed chunk.
 const CHUNK_EVENTS: usize = 1 << 16;
@@ -265,8 +265,8 @@ fn seal(store: &Store, pending: &mut Vec<Event>) {
 mod tests {
     use super::*;
     use crate::event::{Device, NameId, Payload};
+    use crate::recorder::{StoreConfig, Window};
     use crate::ring::DropPolicy;
-    use crate::store::{StoreConfig, Window};
 
     fn event(start_ns: u64) -> Event {
         Event::new(start_ns, 1, Device::Host, 1, NameId(1), Payload::Plain)

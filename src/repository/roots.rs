@@ -2,7 +2,7 @@
 //! directories and bucket prefixes the operator allowed (`--allow-root`).
 //! A requested path is matched to a root by its text. Beneath a directory
 //! the rest of it is resolved beneath that root's open directory, following
-//! no symbolic link ([`crate::beneath`]); writes are atomic (a temporary
+//! no symbolic link ([`crate::repository::beneath`]); writes are atomic (a temporary
 //! file in the target directory, then rename). A requested `s3://` or
 //! `gs://` URL lies in an allowed prefix when provider and bucket are the
 //! same and the allowed prefix's segments begin its own.
@@ -10,8 +10,8 @@
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
-use crate::beneath::{BeneathError, Dir};
-use crate::storage::{
+use crate::repository::beneath::{BeneathError, Dir};
+use crate::repository::{
     scheme_of, Folder, LocalFolder, ObjectFolder, ObjectUrl, StorageError, UrlError,
 };
 

@@ -3,6 +3,9 @@
 //! (`<repository_root>/<session>/<host>.xplane.pb`). Used by the
 //! ProfileAnalysis service and by `devtrace session` / `devtrace sessions`.
 
+pub mod hosts;
+pub mod streaming;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,16 +16,15 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::client::{self, ClientConfig, Target};
+use crate::model::timeline;
 use crate::proto::tensorflow::ProfileRequest;
-use crate::storage::{Folder, StorageError};
-use crate::streaming::{self, ReceiveError};
+use crate::protocol::client::{self, ClientConfig, Target};
+use crate::repository::{Folder, StorageError};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
-use crate::xspace::conventions;
 use crate::xspace::read::plane_names;
+use streaming::ReceiveError;
 
-/// Suffix of trace files in a session directory.
-pub const XPLANE_SUFFIX: &str = ".xplane.pb";
+pub use crate::repository::XPLANE_SUFFIX;
 
 /// What one host of a fan-out gave back.
 #[derive(Debug)]
@@ -35,7 +37,7 @@ pub struct HostOutcome {
 
 impl HostOutcome {
     /// The outcomes of host entries that stood for no host (`dns:` names
-    /// that did not resolve), from [`crate::hosts::Resolved::failures`].
+    /// that did not resolve), from [`crate::fleet::hosts::Resolved::failures`].
     pub fn unresolved(failures: Vec<(String, String)>) -> Vec<HostOutcome> {
         failures
             .into_iter()
@@ -80,7 +82,7 @@ pub fn host_file_name(host: &str) -> String {
     format!("{}{XPLANE_SUFFIX}", host.replace(':', "_"))
 }
 
-pub use crate::streaming::{TraceFile, TraceSink};
+pub use crate::fleet::streaming::{TraceFile, TraceSink};
 
 /// Most hosts called at once unless configured otherwise.
 pub const DEFAULT_CONCURRENT_HOSTS: usize = 64;
@@ -103,7 +105,7 @@ pub struct FanOut {
 /// has answered, is still asked for the same window, which devtrace agents
 /// serve from their flight recorder (other servers record from when they
 /// are called). Each reply's trace is written through `sink` as it arrives
-/// ([`crate::streaming`]), so what is held is a batch per host being
+/// ([`crate::fleet::streaming`]), so what is held is a batch per host being
 /// called, whatever the number of hosts. A host that fails, times out,
 /// returns nothing or more than `client.max_reply_bytes` is reported in its
 /// outcome; the others are unaffected. Outcomes come in the order of `hosts`.
@@ -328,7 +330,7 @@ fn session_tools(session: &Folder, traces: &BTreeMap<String, String>) -> Vec<Str
             continue;
         };
         for name in trace_planes(file, &bytes) {
-            host_plane |= name == conventions::HOST_PLANE;
+            host_plane |= name == timeline::HOST_PLANE;
             gpu_plane |= name.starts_with("/device:GPU:");
         }
     }

@@ -20,8 +20,8 @@ use prost::Message;
 use tonic::{Code, Status};
 use tower_service::Service;
 
-use crate::client::{CallError, Connection};
 use crate::proto::tensorflow::ProfileRequest;
+use crate::protocol::client::{CallError, Connection};
 use crate::protocol::XPLANE_TOOL;
 
 /// Where a session's traces go (see `session`): one file per host, each
@@ -40,13 +40,13 @@ pub trait TraceFile: Send {
     fn commit(self: Box<Self>) -> Result<PathBuf, String>;
 }
 
-impl TraceFile for crate::storage::NewFile {
+impl TraceFile for crate::repository::NewFile {
     fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
-        crate::storage::NewFile::write(self, bytes)
+        crate::repository::NewFile::write(self, bytes)
     }
 
     fn commit(self: Box<Self>) -> Result<PathBuf, String> {
-        crate::storage::NewFile::commit(*self).map(PathBuf::from)
+        crate::repository::NewFile::commit(*self).map(PathBuf::from)
     }
 }
 
@@ -183,7 +183,7 @@ fn grpc_frame(request: &ProfileRequest) -> Bytes {
 
 /// An error with its causes.
 fn describe(error: &dyn std::error::Error) -> String {
-    crate::client::with_causes(error.to_string(), error)
+    crate::protocol::client::with_causes(error.to_string(), error)
 }
 
 /// Runs `work` on the blocking pool: file system calls stay off the
@@ -564,7 +564,7 @@ pub(crate) mod stand_in {
 mod tests {
     use super::stand_in::{body_in_pieces, MemorySink};
     use super::*;
-    use crate::client::RawToolData;
+    use crate::protocol::client::RawToolData;
 
     fn framed(message: &[u8], flag: u8) -> Vec<u8> {
         let mut body = vec![flag];
@@ -618,7 +618,7 @@ mod tests {
     }
 
     fn reply(tool_data: Vec<RawToolData>, xspace: Option<&[u8]>, empty: bool) -> Vec<u8> {
-        crate::client::RawProfileResponse {
+        crate::protocol::client::RawProfileResponse {
             tool_data,
             empty_trace: empty,
             xspace: xspace.map(Bytes::copy_from_slice),

@@ -1,10 +1,10 @@
 //! A directory as a folder: a path beneath an open root directory, resolved
-//! beneath it at every use without following links ([`crate::beneath`]).
+//! beneath it at every use without following links ([`crate::repository::beneath`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::beneath::{Dir, EntryKind};
+use crate::repository::beneath::{Dir, EntryKind};
 
 use super::{StorageError, Subfolder};
 
@@ -103,7 +103,10 @@ impl LocalFolder {
 
     /// Starts `name` in this directory (made first), written in parts and
     /// renamed into place on commit.
-    pub fn create_atomic(&self, name: &str) -> Result<crate::beneath::AtomicFile, StorageError> {
+    pub fn create_atomic(
+        &self,
+        name: &str,
+    ) -> Result<crate::repository::beneath::AtomicFile, StorageError> {
         let directory = self.root.create_dir_all(&self.relative)?;
         Ok(directory.create_atomic(name)?)
     }
