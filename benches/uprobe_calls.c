@@ -1,7 +1,7 @@
 /* Calls one CUDA driver entry point of the stand-in driver in a tight loop
- * and prints the mean nanoseconds per call, so that scripts/bench_uprobes can
+ * and prints the mean nanoseconds per call, so that scripts/bench-uprobes can
  * compare the same program with no probe, with devtrace's uprobes and with
- * bpftrace's on the same function, and scripts/bench_inject the same program
+ * bpftrace's on the same function, and scripts/bench-inject the same program
  * with and without the injection library.
  *
  *   uprobe_calls CALLS [WARMUP_MS [no-context|sync|launch]]   ->  "ns_per_call <mean>"

@@ -187,7 +187,7 @@ pub struct ServeArgs {
     /// cuStreamSynchronize, queries, module loads, ...) gets no API record
     /// and costs nothing extra (what a synchronization waited for is still
     /// recorded, on the process's synchronization line). `all` records every
-    /// call, at CUPTI's cost on each (scripts/bench_inject measures both).
+    /// call, at CUPTI's cost on each (scripts/bench-inject measures both).
     /// A capture asks for `all` with ProfileOptions.device_tracer_level 2 or
     /// more (devtrace capture --device-tracer-level 2).
     #[arg(long, value_enum, default_value_t = crate::backend::cuda::ApiRecords::Timeline)]

@@ -984,7 +984,7 @@ fn memory_profile_matches_xprof() {
         return;
     };
     let dir = scratch("xprof-compare");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/compare_memory_profile.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/py/compare_memory_profile.py");
     let mut cases = vec![("capture", capture().space.clone())];
     cases.push(("edge_cases", edge_case_space()));
     cases.push(("pregrouped", pregrouped_space()));

@@ -1,11 +1,8 @@
-#!/usr/bin/env python3
 """Checks of deploy/ that schemas cannot make: the files agree with each other
-and with the agent they deploy.
+and with the agent they deploy. Run by scripts/check-deploy (in its venv,
+which has PyYAML and pytest) after the manifests passed kubernetes-validate:
 
-Run by scripts/check-deploy (in its venv, which has PyYAML) after the
-manifests passed kubernetes-validate:
-
-    python scripts/deploy_check.py --bin target/debug/devtrace
+    pytest tests/deploy --bin target/debug/devtrace
 
 - every agent config (the ConfigMaps' config.toml, deploy/systemd/config.toml)
   is TOML, and every key is a long flag of `devtrace serve`;
@@ -19,18 +16,16 @@ manifests passed kubernetes-validate:
 - every devtrace image reference is the same.
 
 The flag checks need an agent that reads --config (and --print-config);
-against one that does not, they are reported as skipped. Prints one line per check and exits 1
-when any failed.
+against one that does not, they are skipped.
 """
 
-import argparse
 import glob
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
+import pytest
 import yaml
 
 try:
@@ -38,7 +33,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KUBERNETES = os.path.join(ROOT, "deploy", "kubernetes")
 UNIT = os.path.join(ROOT, "deploy", "systemd", "devtrace.service")
 HOST_CONFIG = os.path.join(ROOT, "deploy", "systemd", "config.toml")
@@ -48,12 +43,11 @@ IMAGE = re.compile(r"/devtrace:[^/]+$")
 CONTAINER_ONLY_CAPABILITIES = {"SYS_RESOURCE"}
 
 
-class Failed(Exception):
+class Failed(AssertionError):
     pass
 
 
-class Skipped(Exception):
-    pass
+Skipped = pytest.skip.Exception
 
 
 def resources():
@@ -135,12 +129,12 @@ def unit_capabilities():
     return {c.removeprefix("CAP_") for c in line.split("=", 1)[1].split()}
 
 
-def check_configs_parse():
+def test_configs_parse():
     names = [name for name, _ in configs()]
-    return f"{len(names)} agent configs are TOML"
+    print(f"{len(names)} agent configs are TOML")
 
 
-def check_flags_exist(binary):
+def test_flags_exist(binary):
     flags = serve_flags(binary)
     if "config" not in flags:
         raise Skipped("this devtrace has no --config; config keys and flags are not checked")
@@ -156,7 +150,7 @@ def check_flags_exist(binary):
     unknown += [f"{os.path.relpath(UNIT, ROOT)}: --{flag}" for flag in unit_exec_flags() if flag not in flags]
     if unknown:
         raise Failed("not flags of `devtrace serve`: " + "; ".join(unknown))
-    return "every config key and flag is a flag of `devtrace serve`"
+    print("every config key and flag is a flag of `devtrace serve`")
 
 
 def accepted(binary, args):
@@ -165,7 +159,7 @@ def accepted(binary, args):
     return None if result.returncode == 0 else result.stderr.strip().splitlines()[0]
 
 
-def check_agent_accepts(binary):
+def test_agent_accepts(binary):
     if "print-config" not in serve_flags(binary):
         raise Skipped("this devtrace has no --print-config; configs are not read by the agent")
     refused = []
@@ -185,7 +179,7 @@ def check_agent_accepts(binary):
                 refused.append(f"{path} ({container['name']}): {error}")
     if refused:
         raise Failed("; ".join(refused))
-    return "the agent accepts every config and every container's arguments"
+    print("the agent accepts every config and every container's arguments")
 
 
 def metrics_port(path, container, configs_by_map):
@@ -204,7 +198,7 @@ def metrics_port(path, container, configs_by_map):
     raise Failed(f"{path} ({container['name']}): no --metrics-listen and no --config")
 
 
-def check_probe_ports():
+def test_probe_ports():
     agent_configs = [config for name, config in configs() if "kubernetes" in name]
     checked = 0
     for path, resource, container in agent_containers():
@@ -221,10 +215,10 @@ def check_probe_ports():
         if scraped is not None and int(scraped) != port:
             raise Failed(f"{path}: prometheus.io/port is {scraped}, metrics-listen {port}")
         checked += 1
-    return f"{checked} agent containers probe the port metrics-listen gives"
+    print(f"{checked} agent containers probe the port metrics-listen gives")
 
 
-def check_capabilities():
+def test_capabilities():
     unit = unit_capabilities()
     for path, resource, container in agent_containers():
         if resource["kind"] != "DaemonSet":
@@ -235,10 +229,10 @@ def check_capabilities():
                 f"{path} adds {sorted(added)}, the unit bounds to {sorted(unit)} "
                 f"(they differ by more than {sorted(CONTAINER_ONLY_CAPABILITIES)})"
             )
-    return f"the DaemonSet and the unit grant the same capabilities: {' '.join(sorted(unit))}"
+    print(f"the DaemonSet and the unit grant the same capabilities: {' '.join(sorted(unit))}")
 
 
-def check_images():
+def test_images():
     images = set()
     for _, resource in resources():
         spec = pod_spec(resource)
@@ -247,36 +241,4 @@ def check_images():
                 images.add(container["image"])
     if len(images) != 1:
         raise Failed(f"the manifests name different devtrace images: {sorted(images)}")
-    return f"one devtrace image: {images.pop()}"
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bin", required=True, help="the devtrace binary the flags are checked against")
-    args = parser.parse_args()
-    checks = [
-        ("configs_parse", check_configs_parse),
-        ("flags_exist", lambda: check_flags_exist(args.bin)),
-        ("agent_accepts", lambda: check_agent_accepts(args.bin)),
-        ("probe_ports", check_probe_ports),
-        ("capabilities", check_capabilities),
-        ("images", check_images),
-    ]
-    failed = 0
-    for name, check in checks:
-        try:
-            print(f"PASS {name}: {check()}")
-        except Skipped as reason:
-            print(f"SKIP {name}: {reason}")
-        except Failed as error:
-            failed += 1
-            print(f"FAIL {name}: {error}")
-        except (KeyError, ValueError, StopIteration) as error:
-            # A file without a field the check reads.
-            failed += 1
-            print(f"FAIL {name}: {type(error).__name__}: {error}")
-    sys.exit(1 if failed else 0)
-
-
-if __name__ == "__main__":
-    main()
+    print(f"one devtrace image: {images.pop()}")
