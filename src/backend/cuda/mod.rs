@@ -340,34 +340,3 @@ impl Drop for CudaBackend {
         self.stop();
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::status::Traced;
-    use super::*;
-
-    #[test]
-    fn a_window_names_the_api_records_switched_to_in_it_else_the_last_before() {
-        let traced = Traced {
-            pid: 7,
-            command: String::new(),
-            cupti: None,
-            api_records: [
-                (10, ApiRecordSet::Timeline),
-                (100, ApiRecordSet::All),
-                (150, ApiRecordSet::All),
-                (200, ApiRecordSet::Timeline),
-            ]
-            .into_iter()
-            .collect(),
-            states: Vec::new(),
-            attached_ns: 0,
-            detached_ns: None,
-        };
-        let during = |start_ns, stop_ns| traced.api_records_during(Window { start_ns, stop_ns });
-        assert_eq!(during(20, 90), [ApiRecordSet::Timeline]);
-        assert_eq!(during(90, 160), [ApiRecordSet::All]);
-        assert_eq!(during(90, 250), [ApiRecordSet::All, ApiRecordSet::Timeline]);
-        assert_eq!(during(0, 5), []);
-    }
-}

@@ -232,3 +232,124 @@ impl Status {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: u64 = 1_000_000_000;
+    const WINDOW: Window = Window {
+        start_ns: 100 * SECOND,
+        stop_ns: 110 * SECOND,
+    };
+
+    fn span(from_s: u64, to_s: Option<u64>, cause: LossCause) -> LostSpan {
+        LostSpan {
+            pid: 7,
+            label: "process 7 (train.py)".to_string(),
+            from_ns: from_s * SECOND,
+            to_ns: to_s.map(|s| s * SECOND),
+            cause,
+        }
+    }
+
+    #[test]
+    fn a_lost_span_is_told_clipped_to_the_window() {
+        let other = LossCause::OtherUser { seen: true };
+        let told = span(95, Some(103), other)
+            .describe(WINDOW)
+            .expect("overlaps");
+        assert!(
+            told.contains("from 0.000 s to 3.000 s of this window")
+                && told.contains("those 3000 ms"),
+            "{told}"
+        );
+        // Still open: to the window's end.
+        let told = span(108, None, other).describe(WINDOW).expect("overlaps");
+        assert!(told.contains("from 8.000 s to 10.000 s"), "{told}");
+        // Outside the window, or empty: nothing.
+        assert!(span(90, Some(100), other).describe(WINDOW).is_none());
+        assert!(span(111, None, other).describe(WINDOW).is_none());
+        assert!(span(104, Some(104), other).describe(WINDOW).is_none());
+    }
+
+    #[test]
+    fn an_unseen_user_is_said_to_be_found_out_after_the_fact() {
+        let seen = span(101, Some(102), LossCause::OtherUser { seen: true });
+        let unseen = span(101, Some(102), LossCause::OtherUser { seen: false });
+        assert!(!seen
+            .describe(WINDOW)
+            .unwrap()
+            .contains("found out after the fact"));
+        assert!(unseen
+            .describe(WINDOW)
+            .unwrap()
+            .contains("found out after the fact"));
+    }
+
+    #[test]
+    fn a_start_is_told_with_its_delay_once_recording_began() {
+        let started = span(101, Some(102), LossCause::Starting);
+        let told = started.describe(WINDOW).expect("overlaps");
+        assert!(
+            told.contains("CUPTI started recording 1000 ms later"),
+            "{told}"
+        );
+        // A start that never ended is the process's state, not a span.
+        assert!(span(101, None, LossCause::Starting)
+            .describe(WINDOW)
+            .is_none());
+    }
+
+    #[test]
+    fn closing_spans_closes_only_the_causes_asked_for_and_never_before_their_start() {
+        let mut status = Status::default();
+        status.lost_from(7, "p".into(), 5, LossCause::Starting);
+        status.lost_from(7, "p".into(), 6, LossCause::OtherUser { seen: true });
+        status.lost_from(8, "q".into(), 6, LossCause::Starting);
+        status.lost_until(7, 3, |cause| cause == LossCause::Starting);
+        let ends: Vec<(u32, Option<u64>)> =
+            status.lost_spans.iter().map(|s| (s.pid, s.to_ns)).collect();
+        assert_eq!(ends, [(7, Some(5)), (7, None), (8, None)]);
+    }
+
+    #[test]
+    fn the_remembered_spans_and_switches_are_bounded() {
+        let mut status = Status::default();
+        for at in 0..(MAX_LOST_SPANS as u64 + 10) {
+            status.lost_from(1, "p".into(), at, LossCause::Starting);
+        }
+        assert_eq!(status.lost_spans.len(), MAX_LOST_SPANS);
+        assert_eq!(status.lost_spans.front().map(|s| s.from_ns), Some(10));
+        let mut switches = VecDeque::new();
+        for at in 0..(MAX_API_RECORD_SWITCHES as u64 * 2) {
+            remember_switch(&mut switches, at, ApiRecordSet::All);
+        }
+        assert_eq!(switches.len(), MAX_API_RECORD_SWITCHES);
+    }
+
+    #[test]
+    fn a_window_names_the_api_records_switched_to_in_it_else_the_last_before() {
+        let traced = Traced {
+            pid: 7,
+            command: String::new(),
+            cupti: None,
+            api_records: [
+                (10, ApiRecordSet::Timeline),
+                (100, ApiRecordSet::All),
+                (150, ApiRecordSet::All),
+                (200, ApiRecordSet::Timeline),
+            ]
+            .into_iter()
+            .collect(),
+            states: Vec::new(),
+            attached_ns: 0,
+            detached_ns: None,
+        };
+        let during = |start_ns, stop_ns| traced.api_records_during(Window { start_ns, stop_ns });
+        assert_eq!(during(20, 90), [ApiRecordSet::Timeline]);
+        assert_eq!(during(90, 160), [ApiRecordSet::All]);
+        assert_eq!(during(90, 250), [ApiRecordSet::All, ApiRecordSet::Timeline]);
+        assert_eq!(during(0, 5), []);
+    }
+}

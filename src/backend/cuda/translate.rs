@@ -126,3 +126,146 @@ pub(super) fn translate(
 /// The name of an event whose name record was never read.
 pub(super) const UNKNOWN_NAME: &str =
     "<name unknown: its record in the metadata file was not read>";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ring::DropPolicy;
+    use devtrace_shm::event::KernelInfo;
+
+    /// A process as attached, this test's own (so that its threads exist),
+    /// in slot 3, whose library numbered one name (local id 7).
+    fn process(registry: &Registry) -> Process {
+        let ring = Ring::new(1, 64, DropPolicy::DropNewest).expect("a ring");
+        let consumer = ring.consumer().expect("its consumer");
+        Process {
+            pid: std::process::id(),
+            own_pid: None,
+            threads: Default::default(),
+            files: WorkloadFiles::of_ring(Path::new("/nonexistent/cuda-1-0.ring")),
+            slot: 3,
+            owner: 0,
+            meta_refused: false,
+            ring,
+            consumer,
+            meta: MetaReader::default(),
+            names: [(7, registry.intern("vector_add"))].into_iter().collect(),
+            named_lines: HashSet::new(),
+            host_lines: HashMap::new(),
+            command: "/opt/train/python3 train.py".to_string(),
+            control: 0,
+            cupti_dropped: 0,
+            planes: [(1, 5)].into_iter().collect(),
+            cupti: None,
+            api_records: VecDeque::new(),
+            states: Vec::new(),
+        }
+    }
+
+    fn kernel(device: Device, line: u64, name: u32) -> Event {
+        Event::new(
+            1_000,
+            10,
+            device,
+            line,
+            NameId(name),
+            Payload::Kernel(KernelInfo::default()),
+        )
+    }
+
+    #[test]
+    fn a_kernel_goes_to_its_gpus_plane_on_a_stream_line_of_the_processs_slot() {
+        let registry = Registry::new();
+        let mut process = process(&registry);
+        let ours = translate(&registry, &mut process, &kernel(Device::Gpu(1), 13, 7))
+            .expect("a kernel is a workload's event");
+        assert_eq!(ours.device(), Device::Gpu(5));
+        assert_eq!(ours.line, (3 << STREAM_BITS) | 13);
+        assert_eq!(registry.snapshot().name(ours.name()), "vector_add");
+        assert_eq!(
+            registry.snapshot().line_name(Device::Gpu(5), ours.line),
+            Some(format!("(pid {}: python3)", process.pid).as_str())
+        );
+    }
+
+    #[test]
+    fn a_stream_id_cannot_reach_another_processs_lines() {
+        let registry = Registry::new();
+        let mut process = process(&registry);
+        let ours = translate(
+            &registry,
+            &mut process,
+            &kernel(Device::Gpu(0), u64::MAX, 7),
+        )
+        .expect("a kernel");
+        assert_eq!(ours.line >> STREAM_BITS, 3);
+    }
+
+    #[test]
+    fn a_name_the_metadata_never_gave_is_said_to_be_unknown() {
+        let registry = Registry::new();
+        let mut process = process(&registry);
+        let ours =
+            translate(&registry, &mut process, &kernel(Device::Gpu(0), 1, 99)).expect("a kernel");
+        assert_eq!(registry.snapshot().name(ours.name()), UNKNOWN_NAME);
+    }
+
+    #[test]
+    fn events_no_workload_makes_are_refused() {
+        let registry = Registry::new();
+        let mut process = process(&registry);
+        let counter = Event::new(
+            0,
+            0,
+            Device::Gpu(0),
+            1,
+            NameId(7),
+            Payload::Counter { value: 1.0 },
+        );
+        assert!(translate(&registry, &mut process, &counter).is_none());
+        let on_cpus = kernel(Device::HostCpus, 1, 7);
+        assert!(translate(&registry, &mut process, &on_cpus).is_none());
+        let past_the_last_gpu = kernel(Device::Gpu(MAX_GPU_ORDINAL + 1), 1, 7);
+        assert!(translate(&registry, &mut process, &past_the_last_gpu).is_none());
+    }
+
+    #[test]
+    fn a_host_event_lands_only_on_a_thread_of_its_own_process() {
+        let registry = Registry::new();
+        let mut process = process(&registry);
+        let pid = process.pid;
+        let call = |line| {
+            Event::new(
+                0,
+                5,
+                Device::Host,
+                line,
+                NameId(7),
+                Payload::ApiCall {
+                    correlation_id: 1,
+                    device_ordinal: 0,
+                },
+            )
+        };
+        // Its main thread: the line keeps the host's thread id.
+        let own = translate(&registry, &mut process, &call(u64::from(pid))).expect("own thread");
+        assert_eq!(own.line, u64::from(pid));
+        // pid 1's thread is another live process's: refused.
+        assert!(translate(&registry, &mut process, &call(1)).is_none());
+        assert!(translate(&registry, &mut process, &call(0)).is_none());
+        // A line past the thread ids is one of the process's own synthetic
+        // lines (memory, synchronization), whatever else it says.
+        let synthetic = translate(&registry, &mut process, &call(u64::MAX)).expect("synthetic");
+        assert_eq!(synthetic.line, SYNTHETIC_LINE_BASE | (3 << 8) | 0xff);
+    }
+
+    #[test]
+    fn threads_are_told_apart_by_the_hosts_thread_table() {
+        let pid = std::process::id();
+        assert!(may_be_thread_of(pid, u64::from(pid)));
+        assert!(!may_be_thread_of(pid, 1));
+        assert!(!may_be_thread_of(pid, 0));
+        // A thread no process has now (ended before it was drained).
+        assert!(may_be_thread_of(pid, u64::from(u32::MAX - 1)));
+    }
+}
