@@ -46,6 +46,11 @@ pub const D2H_STREAM: u64 = 14;
 const STEP_PERIOD_NS: u64 = 50_000_000;
 /// Roughly how many events one op produces (op, launch, kernel, alloc, free).
 const EVENTS_PER_OP: u64 = 5;
+/// The highest `--mock-rate`: far past what a ring drains, low enough that
+/// the generator's arithmetic cannot overflow.
+pub const MAX_EVENTS_PER_SECOND: u64 = 100_000_000;
+/// Ops emitted between looks at the stop flag.
+const OPS_PER_STOP_CHECK: u64 = 4096;
 const LIVE_TENSORS_PER_ALLOCATOR: usize = 6;
 const GPU_MEMORY_LIMIT: i64 = 38 << 30;
 
@@ -670,7 +675,14 @@ impl Backend for MockBackend {
             }
             while !stop.is_set() {
                 let now = clock::now_ns();
+                let mut ops: u64 = 0;
                 while workload.next_time_ns() <= now {
+                    // However far behind a high rate falls, a stop is seen
+                    // within a batch of ops.
+                    ops += 1;
+                    if ops.is_multiple_of(OPS_PER_STOP_CHECK) && stop.is_set() {
+                        break;
+                    }
                     workload.emit_next(&mut |event| {
                         if producer.push(&event) {
                             ok += 1;

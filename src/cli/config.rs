@@ -21,6 +21,7 @@ use clap::parser::ValueSource;
 use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches};
 
 use super::Cli;
+use crate::model::small_file;
 
 /// The subcommands whose every flag comes from the environment and from
 /// `--config`. The others take only the global flags (`--log-level`,
@@ -38,6 +39,8 @@ const LIST_SEPARATOR: char = ',';
 const FIELD_SEPARATOR: char = ';';
 
 const CONFIG: &str = "config";
+/// Largest `--config` file read: a page of flags, not a data set.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
 const PRINT_CONFIG: &str = "print_config";
 
 const LAYERS_HELP: &str = "\
@@ -454,7 +457,7 @@ impl ConfigFile {
     /// `subcommand`.
     fn read(path: PathBuf, subcommand: &Command) -> Result<ConfigFile, clap::Error> {
         let shown = path.display();
-        let text = std::fs::read_to_string(&path).map_err(|error| {
+        let text = small_file::read_text(&path, MAX_CONFIG_BYTES).map_err(|error| {
             usage_error(
                 subcommand,
                 ErrorKind::Io,

@@ -14,12 +14,23 @@ pub enum LogFormat {
     Json,
 }
 
+/// A `--log-level`: checked as a filter, so that a mistyped one is a usage
+/// error rather than a log quietly at another level.
+pub fn parse_filter(text: &str) -> Result<String, String> {
+    EnvFilter::try_new(text)
+        .map(|_| text.to_string())
+        .map_err(|error| format!("not a log filter: {error}"))
+}
+
 /// Installs the subscriber: `level` as the filter unless RUST_LOG says
-/// otherwise.
-pub fn init(level: &str, format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(level))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
+/// otherwise. A RUST_LOG that is not a filter is an error, not ignored.
+pub fn init(level: &str, format: LogFormat) -> anyhow::Result<()> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(text) if !text.is_empty() => EnvFilter::try_new(&text)
+            .map_err(|error| anyhow::anyhow!("RUST_LOG={text:?} is not a log filter: {error}"))?,
+        _ => EnvFilter::try_new(level)
+            .map_err(|error| anyhow::anyhow!("--log-level {level:?}: {error}"))?,
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -38,4 +49,5 @@ pub fn init(level: &str, format: LogFormat) {
             .with_span_list(false)
             .try_init(),
     };
+    Ok(())
 }

@@ -35,7 +35,7 @@ pub struct Cli {
     /// Log filter: error, warn, info, debug, trace, or a tracing directive
     /// such as `devtrace=debug`. RUST_LOG overrides it. Also
     /// DEVTRACE_LOG_LEVEL, for every subcommand.
-    #[arg(long, global = true, default_value = "info")]
+    #[arg(long, global = true, default_value = "info", value_parser = logging::parse_filter)]
     pub log_level: String,
     /// Log lines on standard error as text, or as one JSON object per line
     /// for log collectors. Also DEVTRACE_LOG_FORMAT, for every subcommand.
@@ -68,7 +68,7 @@ pub enum Command {
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
-    logging::init(&cli.log_level, cli.log_format);
+    logging::init(&cli.log_level, cli.log_format)?;
     match cli.command {
         Command::Serve(args) => serve::run(*args),
         Command::Capture(args) => capture::run(args),

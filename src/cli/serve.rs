@@ -77,8 +77,10 @@ pub struct ServeArgs {
     #[arg(long = "backend", value_enum, default_values_t = [BackendChoice::Auto])]
     pub backends: Vec<BackendChoice>,
 
-    /// Events per second the mock backend produces (0: none, an idle agent).
-    #[arg(long, default_value_t = 50_000)]
+    /// Events per second the mock backend produces (0: none, an idle agent;
+    /// at most 100000000).
+    #[arg(long, default_value_t = 50_000,
+          value_parser = clap::value_parser!(u64).range(0..=crate::backend::mock::MAX_EVENTS_PER_SECOND))]
     pub mock_rate: u64,
 
     /// Seed of the mock backend; the same seed gives the same workload.
@@ -193,16 +195,20 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = crate::backend::cuda::ApiRecords::Timeline)]
     pub cuda_api_records: crate::backend::cuda::ApiRecords,
 
-    /// How much history the flight recorder keeps (e.g. 120s, 10m).
-    #[arg(long, default_value = "120s", value_parser = super::parse_duration)]
+    /// How much history the flight recorder keeps (e.g. 120s, 10m; at least
+    /// 1s).
+    #[arg(long, default_value = "120s", value_parser = parse_retention)]
     pub store_retention: Duration,
 
-    /// Memory bound of the flight recorder (e.g. 512MiB, 2GiB).
-    #[arg(long, default_value = "512MiB", value_parser = super::parse_size)]
+    /// Memory bound of the flight recorder (e.g. 512MiB, 2GiB; at least
+    /// 1MiB).
+    #[arg(long, default_value = "512MiB", value_parser = parse_store_size)]
     pub store_size: usize,
 
-    /// Slots per ring lane (rounded up to a power of two; 128 bytes each).
-    #[arg(long, default_value_t = 65_536)]
+    /// Slots per ring lane (rounded up to a power of two; 128 bytes each;
+    /// 2 to 16777216).
+    #[arg(long, default_value_t = 65_536,
+          value_parser = clap::value_parser!(u64).range(crate::ring::LANE_CAPACITIES))]
     pub ring_capacity: u64,
 
     /// What a full ring gives up. Every drop is counted in the trace.
@@ -224,8 +230,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     pub unsent_dir: Option<PathBuf>,
 
-    /// Longest capture window a request may ask for.
-    #[arg(long, default_value = "10m", value_parser = super::parse_duration)]
+    /// Longest capture window a request may ask for (at least 1ms).
+    #[arg(long, default_value = "10m", value_parser = parse_max_duration)]
     pub max_duration: Duration,
 
     /// Store a trace larger than this (encoded) as Riegeli chunks of XSpace,
@@ -258,8 +264,9 @@ pub struct ServeArgs {
     #[arg(long = "upstream", value_name = "ADDR", value_parser = parse_upstream)]
     pub upstreams: Vec<Target>,
 
-    /// Host name recorded in traces (default: this machine's).
-    #[arg(long)]
+    /// Host name recorded in traces and naming their files,
+    /// `<host>.xplane.pb` (default: this machine's).
+    #[arg(long, value_parser = parse_hostname)]
     pub hostname: Option<String>,
 
     /// Run a tap (repeatable): forward gRPC from LISTEN to a TensorFlow
@@ -330,6 +337,55 @@ fn parse_chunk_size(text: &str) -> Result<usize, String> {
         ));
     }
     Ok(bytes)
+}
+
+fn parse_retention(text: &str) -> Result<Duration, String> {
+    let duration = super::parse_duration(text).map_err(|e| e.to_string())?;
+    at_least(duration, Duration::from_secs(1), "1s")
+}
+
+fn parse_max_duration(text: &str) -> Result<Duration, String> {
+    let duration = super::parse_duration(text).map_err(|e| e.to_string())?;
+    at_least(duration, Duration::from_millis(1), "1ms")
+}
+
+fn parse_store_size(text: &str) -> Result<usize, String> {
+    let bytes = super::parse_size(text).map_err(|e| e.to_string())?;
+    at_least(bytes, 1 << 20, "1MiB")
+}
+
+/// `value` when it is `minimum` or more; a flag below it would make every
+/// capture empty or refused.
+fn at_least<T: PartialOrd + std::fmt::Debug>(
+    value: T,
+    minimum: T,
+    shown: &str,
+) -> Result<T, String> {
+    if value < minimum {
+        return Err(format!(
+            "{value:?} is less than {shown}, the least that lets captures hold anything"
+        ));
+    }
+    Ok(value)
+}
+
+/// A host name names trace files: one path component.
+fn parse_hostname(text: &str) -> Result<String, String> {
+    if text.is_empty() || text == "." || text == ".." {
+        return Err(format!("{text:?} cannot name a file"));
+    }
+    if text.contains('/') || text.chars().any(char::is_control) {
+        return Err(format!(
+            "{text:?} names trace files, so it has no '/' or control characters"
+        ));
+    }
+    if text.len() > 200 {
+        return Err(format!(
+            "{} bytes; a host name names files, at most 200 bytes",
+            text.len()
+        ));
+    }
+    Ok(text.to_string())
 }
 
 fn parse_comm(text: &str) -> Result<String, String> {

@@ -8,5 +8,6 @@
 pub mod calendar;
 pub mod host_process;
 pub mod registry;
+pub mod small_file;
 pub mod timeline;
 pub mod units;

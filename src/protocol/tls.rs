@@ -9,6 +9,12 @@ use std::time::Duration;
 
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
+use crate::model::small_file;
+
+/// Largest certificate, key or CA bundle read (a system bundle of every
+/// public CA is about 200 KiB).
+const MAX_PEM_BYTES: u64 = 4 << 20;
+
 /// How long a peer may take over its TLS handshake: one that stalls holds a
 /// connection and a task, so it is cut off.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -28,7 +34,7 @@ pub enum TlsError {
 /// (`CERTIFICATE`, or `PRIVATE KEY` of any kind).
 fn read_pem(path: &Path, what: &'static str) -> Result<Vec<u8>, TlsError> {
     let shown = || path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
+    let bytes = small_file::read(path, MAX_PEM_BYTES).map_err(|source| TlsError::Read {
         path: shown(),
         source,
     })?;

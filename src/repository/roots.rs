@@ -93,7 +93,12 @@ impl AllowedRoots {
                 path: root.display().to_string(),
                 source,
             };
-            std::fs::create_dir_all(root).map_err(prepare)?;
+            if !root.exists() {
+                std::fs::create_dir_all(root).map_err(prepare)?;
+                // Said, so that a mistyped root is noticed at start rather
+                // than when its traces are missed where they were expected.
+                tracing::warn!(root = %root.display(), "--allow-root did not exist; created it");
+            }
             let absolute = std::path::absolute(root).map_err(prepare)?;
             let given = lexical(&absolute).unwrap_or_else(|| root.clone());
             let canonical = std::fs::canonicalize(root).map_err(prepare)?;

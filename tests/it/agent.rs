@@ -460,3 +460,17 @@ fn sigterm_right_after_the_listening_line_is_a_clean_stop() {
         assert!(status.success(), "{status:?}");
     }
 }
+
+/// The highest rate `--mock-rate` accepts still leaves an agent that SIGTERM
+/// stops cleanly (at 2^64 - 1, which it refuses now, the generator never
+/// caught up with its schedule and never looked at its stop flag).
+#[test]
+fn sigterm_stops_an_agent_whose_mock_runs_at_the_highest_rate() {
+    let rate = devtrace::backend::mock::MAX_EVENTS_PER_SECOND.to_string();
+    let mut agent = AgentProcess::start(&["--mock-rate", &rate]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(10))
+        .expect("SIGTERM did not stop the agent within 10 s");
+    assert!(status.success(), "{status:?}");
+}

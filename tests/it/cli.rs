@@ -143,6 +143,82 @@ fn mistakes_get_clear_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot listen on 256.0.0.1:99999"));
 }
 
+/// Values that would start an agent unable to capture, or not start it at
+/// all, are usage errors (exit 2) naming the flag, before anything starts.
+#[test]
+fn values_that_would_make_every_capture_fail_are_usage_errors() {
+    for (flag, value, says) in [
+        ("--ring-capacity", "0", "--ring-capacity"),
+        ("--ring-capacity", "1099511627776", "--ring-capacity"),
+        ("--mock-rate", "18446744073709551615", "--mock-rate"),
+        ("--store-size", "0", "less than 1MiB"),
+        ("--store-retention", "0s", "less than 1s"),
+        ("--max-duration", "0s", "less than 1ms"),
+        ("--hostname", "a/b", "no '/'"),
+        ("--hostname", "..", "cannot name a file"),
+        ("--log-level", "devtrace=loud", "not a log filter"),
+    ] {
+        let out = devtrace(&["serve", flag, value, "--listen", "127.0.0.1:0"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert!(stderr.contains(says), "{flag} {value}: {stderr}");
+    }
+    // RUST_LOG overrides --log-level: one that is not a filter is refused
+    // rather than quietly replaced by `info`.
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "devtrace=loud")
+        .output()
+        .expect("running devtrace");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("RUST_LOG=\"devtrace=loud\" is not a log filter"),
+        "{stderr}"
+    );
+}
+
+/// A configuration, certificate or host list the operator names is read
+/// only when it is a regular file of sensible size: `/dev/zero` and a FIFO
+/// are refused at once (before, the first grew the agent by gigabytes and
+/// the second hung its start).
+#[test]
+fn named_files_that_are_devices_or_fifos_are_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("config.fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+    for config in ["/dev/zero", fifo.to_str().unwrap()] {
+        let out = devtrace(&["serve", "--config", config]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{config}: {stderr}");
+        assert!(stderr.contains("not a regular file"), "{config}: {stderr}");
+    }
+    let out = devtrace(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        "/dev/zero",
+        "--tls-key",
+        fifo.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("not a regular file"), "{stderr}");
+    let out = devtrace(&[
+        "session",
+        "new",
+        "--hosts",
+        &format!("@{}", fifo.display()),
+        "--logdir",
+        dir.path().to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("not a regular file"), "{stderr}");
+}
+
 #[test]
 fn serve_help_explains_the_flags() {
     let out = devtrace(&["serve", "--help"]);

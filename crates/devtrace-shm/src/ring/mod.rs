@@ -254,6 +254,9 @@ pub struct Ring {
     local_producers_only: bool,
 }
 
+/// The slots a lane may have (before rounding up to a power of two).
+pub const LANE_CAPACITIES: std::ops::RangeInclusive<u64> = 2..=1 << 24;
+
 impl Ring {
     /// Creates an in-process ring of `lanes` lanes with `capacity` slots each
     /// (rounded up to a power of two).
@@ -271,7 +274,7 @@ impl Ring {
         if lanes == 0 {
             return Err(RingError::NoLanes);
         }
-        if !(2..=1 << 24).contains(&capacity) {
+        if !LANE_CAPACITIES.contains(&capacity) {
             return Err(RingError::Capacity(capacity));
         }
         let layout = RingLayout {
