@@ -5,6 +5,7 @@
 //! ([`tls`]) are here as well.
 
 pub mod client;
+pub mod listen;
 pub mod tls;
 
 /// Largest request decoded. Requests are small (a `ProfileRequest`, a list

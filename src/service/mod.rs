@@ -4,25 +4,50 @@
 pub mod framed_reply;
 pub mod profile_analysis;
 pub mod profiler;
+pub mod request_bodies;
 pub mod session_hosts;
 pub mod trigger;
 pub mod validate;
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::{Router, TcpIncoming};
+use tonic::transport::server::Router;
 use tonic::transport::ServerTlsConfig;
 use tower_layer::{Identity, Stack};
 
 use crate::proto::devtrace::trigger_server::TriggerServer;
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysisServer;
 use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
+use crate::protocol::listen::{self, Gate, Limits};
 use crate::telemetry::rpc::CountRpcsLayer;
 use crate::telemetry::Telemetry;
 use framed_reply::FramedRepliesLayer;
+use request_bodies::{BodyBudget, BoundedBodiesLayer, BODY_DEADLINE, BODY_MEMORY};
 
 pub use crate::protocol::{MAX_REPLY_BYTES, MAX_REQUEST_BYTES};
+
+/// Connections a gRPC listener serves at once, and from one address (or,
+/// on the UNIX socket, one uid); one past either is closed at once. A
+/// client needs one connection (TensorFlow's client, XProf, `devtrace
+/// capture`, a session's coordinator each open one per call at most).
+pub const CONNECTION_LIMITS: Limits = Limits {
+    total: 1024,
+    per_peer: 64,
+};
+
+/// Calls one connection may have open at once
+/// (`SETTINGS_MAX_CONCURRENT_STREAMS`): a client's captures of many
+/// windows, a dashboard polling, with room to spare.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
+
+/// A connection whose peer answers no HTTP/2 ping for
+/// [`KEEPALIVE_TIMEOUT`] after [`KEEPALIVE_INTERVAL`] of silence is closed:
+/// a peer that vanished does not hold its place forever.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Where the services listen: a TCP listener, with TLS or without, and
 /// optionally a UNIX socket (plaintext, guarded by its file permissions).
@@ -63,17 +88,28 @@ pub async fn serve(
         stopping.stopping().await;
         trigger.cancel();
     });
-    // Server::tcp_nodelay does not reach sockets from a caller's listener;
-    // without it small replies wait on Nagle's algorithm.
-    let tcp = TcpIncoming::from(listeners.tcp).with_nodelay(Some(true));
-    let tcp = router(&profiler, &analysis, &triggers, &telemetry, listeners.tls)?
-        .serve_with_incoming_shutdown(tcp, stop.clone().cancelled_owned());
+    // One budget for the bodies arriving on every listener.
+    let bodies = BoundedBodiesLayer::new(BodyBudget::new(BODY_MEMORY), BODY_DEADLINE);
+    let tcp_gate = Gate::new(CONNECTION_LIMITS);
+    telemetry.watch_connections("grpc", &tcp_gate);
+    let tcp = listen::tcp_incoming(listeners.tcp, tcp_gate, "grpc");
+    let tcp = router(
+        &profiler,
+        &analysis,
+        &triggers,
+        &telemetry,
+        &bodies,
+        listeners.tls,
+    )?
+    .serve_with_incoming_shutdown(tcp, stop.clone().cancelled_owned());
     let Some(unix) = listeners.unix else {
         return tcp.await;
     };
-    let unix = router(&profiler, &analysis, &triggers, &telemetry, None)?
+    let unix_gate = Gate::new(CONNECTION_LIMITS);
+    telemetry.watch_connections("grpc_unix", &unix_gate);
+    let unix = router(&profiler, &analysis, &triggers, &telemetry, &bodies, None)?
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::UnixListenerStream::new(unix),
+            listen::unix_incoming(unix, unix_gate, "grpc_unix"),
             stop.clone().cancelled_owned(),
         );
     let result = tokio::try_join!(tcp, unix).map(|_| ());
@@ -82,24 +118,30 @@ pub async fn serve(
     result
 }
 
-/// What every route passes through, innermost first: replies are framed
-/// inside the RPC counter, which reads their status.
-type Layers = Stack<FramedRepliesLayer, Stack<CountRpcsLayer, Identity>>;
+/// What every route passes through, innermost first: request bodies are
+/// bounded and replies framed inside the RPC counter, which reads their
+/// status.
+type Layers = Stack<BoundedBodiesLayer, Stack<FramedRepliesLayer, Stack<CountRpcsLayer, Identity>>>;
 
 fn router(
     profiler: &Arc<profiler::ProfilerService>,
     analysis: &Arc<profile_analysis::ProfileAnalysisService>,
     triggers: &Arc<trigger::TriggerService>,
     telemetry: &Telemetry,
+    bodies: &BoundedBodiesLayer,
     tls: Option<ServerTlsConfig>,
 ) -> Result<Router<Layers>, tonic::transport::Error> {
-    let mut server = tonic::transport::Server::builder();
+    let mut server = tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
     if let Some(tls) = tls {
         server = server.tls_config(tls)?;
     }
     Ok(server
         .layer(telemetry.rpc_layer())
         .layer(FramedRepliesLayer)
+        .layer(bodies.clone())
         .add_service(telemetry.health_service())
         .add_service(
             ProfilerServiceServer::from_arc(Arc::clone(profiler))

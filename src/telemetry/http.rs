@@ -8,7 +8,10 @@
 //!
 //! Nothing here changes the agent, and nothing it serves is secret, so it
 //! may listen beyond loopback; it is kept cheap to abuse all the same: a
-//! bounded number of connections, and a deadline on each request's headers.
+//! bounded number of connections, and of connections from one address, past
+//! which a connection is closed at once rather than left to wait (so that
+//! silent connections cannot make the probes queue behind them), and a
+//! deadline on each request's headers.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -19,10 +22,10 @@ use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use super::Telemetry;
+use crate::protocol::listen::{self, Gate, Limits};
 
 /// Where `--metrics-listen` puts the endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,8 +54,12 @@ pub const DEFAULT_ADDRESS: &str = "127.0.0.1:6010";
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const TEXT: &str = "text/plain; charset=utf-8";
 
-/// Connections served at once; more wait to be accepted.
-const MAX_CONNECTIONS: usize = 64;
+/// Connections served at once, and from one address; one past either is
+/// closed at once.
+pub const LIMITS: Limits = Limits {
+    total: 256,
+    per_peer: 32,
+};
 
 /// A client must send its request's headers within this.
 const HEADER_DEADLINE: Duration = Duration::from_secs(10);
@@ -103,21 +110,14 @@ pub async fn start(
 
 /// Serves the endpoint on `listener` until the runtime stops.
 fn spawn(listener: TcpListener, telemetry: Arc<Telemetry>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let gate = Gate::new(LIMITS);
+    telemetry.watch_connections("metrics", &gate);
     tokio::spawn(async move {
         loop {
-            let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
-                return;
-            };
-            let (stream, peer) = match listener.accept().await {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of descriptors, say: wait instead of spinning.
-                    warn!(%error, "metrics endpoint: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
+            let (stream, admission) = listen::accept_tcp(&listener, &gate, "metrics")
+                .await
+                .into_parts();
+            let peer = stream.peer_addr().ok();
             let telemetry = Arc::clone(&telemetry);
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |request| {
@@ -130,9 +130,9 @@ fn spawn(listener: TcpListener, telemetry: Arc<Telemetry>) {
                     .serve_connection(TokioIo::new(stream), service)
                     .await;
                 if let Err(error) = served {
-                    debug!(%peer, %error, "metrics endpoint: connection ended");
+                    debug!(?peer, %error, "metrics endpoint: connection ended");
                 }
-                drop(slot);
+                drop(admission);
             });
         }
     });

@@ -6,12 +6,14 @@
 //!
 //! [`Telemetry`] is what they share: the serving phase (starting, serving,
 //! stopping), the agent once its backends have started, the metrics of gRPC
-//! calls (`rpc.rs`, counted as they end) and the registry `/metrics`
+//! calls (`rpc.rs`, counted as they end), the listeners' connection bounds
+//! (`connections.rs`, read at scrape time) and the registry `/metrics`
 //! encodes. Everything the agent itself knows (events, drops, the flight
 //! recorder, backends, GPUs) is read at scrape time (`agent_metrics.rs`),
 //! so no hot path updates a metric.
 
 mod agent_metrics;
+mod connections;
 pub mod health;
 pub mod http;
 pub mod rpc;
@@ -22,6 +24,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use prometheus_client::registry::Registry;
 
 use crate::agent::Agent;
+use crate::protocol::listen::Gate;
 
 /// Where the gRPC server is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +80,7 @@ pub struct Telemetry {
     triggers: Arc<OnceLock<Weak<dyn ArmedRules>>>,
     health: health::ServingHealth,
     rpcs: Arc<rpc::RpcMetrics>,
+    gates: Arc<connections::Gates>,
     registry: Registry,
 }
 
@@ -101,12 +105,15 @@ impl Telemetry {
         registry.register_collector(Box::new(agent_metrics::TriggerMetrics::new(Arc::clone(
             &triggers,
         ))));
+        let gates = Arc::new(connections::Gates::default());
+        registry.register_collector(Box::new(connections::ConnectionMetrics(Arc::clone(&gates))));
         Arc::new(Telemetry {
             phase: AtomicU8::new(Phase::Starting as u8),
             agent,
             triggers,
             health: health::ServingHealth::default(),
             rpcs,
+            gates,
             registry,
         })
     }
@@ -172,6 +179,11 @@ impl Telemetry {
     /// The grpc.health.v1 service, for one gRPC listener.
     pub fn health_service(&self) -> health::HealthServer {
         self.health.service()
+    }
+
+    /// Reports `listener`'s connections and what its bounds refused.
+    pub fn watch_connections(&self, listener: &'static str, gate: &Arc<Gate>) {
+        self.gates.watch(listener, gate);
     }
 
     /// Counts and times the gRPC calls of the router it wraps.

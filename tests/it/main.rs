@@ -7,6 +7,7 @@ mod common;
 
 mod agent;
 mod bad_input;
+mod bounds;
 mod cli;
 mod config;
 mod control_plane;

@@ -1,0 +1,414 @@
+//! Accepting connections within bounds, for every listener the agent
+//! serves (gRPC over TCP and a UNIX socket, the metrics endpoint): at most
+//! so many connections at once, and so many from one peer (an address, or a
+//! uid on a UNIX socket). A connection past either bound is closed as soon
+//! as it is accepted, and counted, never left waiting in the backlog: a
+//! peer that holds connections open cannot make others' (health probes
+//! among them) wait behind it. Accept errors are waited out (out of file
+//! descriptors: [`FD_PAUSE`]) instead of retried at once, which would spin a
+//! core, or passed on, which would end the server.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::Connected;
+use tracing::warn;
+
+/// How long accepting pauses when the process is out of file descriptors
+/// (or the kernel of memory for sockets): long enough for connections to
+/// close, short enough not to be noticed.
+pub const FD_PAUSE: Duration = Duration::from_millis(100);
+
+/// How long accepting pauses after any other accept error.
+const ERROR_PAUSE: Duration = Duration::from_millis(10);
+
+/// The bounds of one listener.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once.
+    pub total: usize,
+    /// Connections open at once from one peer.
+    pub per_peer: usize,
+}
+
+/// Who a connection comes from, as far as its bound is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Peer {
+    /// A TCP peer's address (an IPv4-mapped IPv6 address as IPv4).
+    Address(IpAddr),
+    /// A UNIX-socket peer's uid, as the kernel reports it.
+    User(u32),
+    /// A peer the kernel could not name: bounded together.
+    Unknown,
+}
+
+/// Why a connection was closed at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The listener has [`Limits::total`] open.
+    Full,
+    /// Its peer has [`Limits::per_peer`] open.
+    PeerFull,
+}
+
+/// What a gate has done, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GateCounts {
+    pub open: usize,
+    pub accepted: u64,
+    pub refused_full: u64,
+    pub refused_peer: u64,
+    pub accept_errors: u64,
+}
+
+/// The bounds of one listener and the connections it holds.
+#[derive(Debug)]
+pub struct Gate {
+    limits: Limits,
+    open: Mutex<Open>,
+    accepted: AtomicU64,
+    refused_full: AtomicU64,
+    refused_peer: AtomicU64,
+    accept_errors: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Open {
+    total: usize,
+    by_peer: HashMap<Peer, usize>,
+}
+
+impl Gate {
+    pub fn new(limits: Limits) -> Arc<Gate> {
+        Arc::new(Gate {
+            limits,
+            open: Mutex::default(),
+            accepted: AtomicU64::new(0),
+            refused_full: AtomicU64::new(0),
+            refused_peer: AtomicU64::new(0),
+            accept_errors: AtomicU64::new(0),
+        })
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Admits a connection from `peer`, held until the admission is
+    /// dropped; or why not (counted).
+    pub fn admit(self: &Arc<Self>, peer: Peer) -> Result<Admission, Refusal> {
+        let mut open = self.open.lock();
+        if open.total >= self.limits.total {
+            self.refused_full.fetch_add(1, Relaxed);
+            return Err(Refusal::Full);
+        }
+        let from_peer = open.by_peer.entry(peer).or_default();
+        if *from_peer >= self.limits.per_peer {
+            self.refused_peer.fetch_add(1, Relaxed);
+            return Err(Refusal::PeerFull);
+        }
+        *from_peer += 1;
+        open.total += 1;
+        self.accepted.fetch_add(1, Relaxed);
+        Ok(Admission {
+            gate: Arc::clone(self),
+            peer,
+        })
+    }
+
+    pub fn counts(&self) -> GateCounts {
+        GateCounts {
+            open: self.open.lock().total,
+            accepted: self.accepted.load(Relaxed),
+            refused_full: self.refused_full.load(Relaxed),
+            refused_peer: self.refused_peer.load(Relaxed),
+            accept_errors: self.accept_errors.load(Relaxed),
+        }
+    }
+
+    /// Waits out an accept error: longer when descriptors ran out.
+    async fn pause_after(&self, error: &io::Error, listener: &str) {
+        let errors = self.accept_errors.fetch_add(1, Relaxed) + 1;
+        let out_of_descriptors = matches!(
+            error.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+        );
+        // The first, then one in a thousand: a lasting shortage must not
+        // flood the log.
+        if errors == 1 || errors.is_multiple_of(1000) {
+            warn!(listener, %error, errors, "accepting a connection failed; pausing");
+        }
+        tokio::time::sleep(if out_of_descriptors {
+            FD_PAUSE
+        } else {
+            ERROR_PAUSE
+        })
+        .await;
+    }
+}
+
+/// A connection's place in its gate, given back when dropped.
+#[derive(Debug)]
+pub struct Admission {
+    gate: Arc<Gate>,
+    peer: Peer,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        let mut open = self.gate.open.lock();
+        open.total = open.total.saturating_sub(1);
+        if let Some(count) = open.by_peer.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                open.by_peer.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// An accepted connection holding its place in its gate.
+#[derive(Debug)]
+pub struct Admitted<IO> {
+    io: IO,
+    admission: Admission,
+}
+
+impl<IO> Admitted<IO> {
+    pub fn into_parts(self) -> (IO, Admission) {
+        (self.io, self.admission)
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Admitted<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+/// tonic reads the peer's address (or credentials) through the stream.
+impl<IO: Connected> Connected for Admitted<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// Accepts the next connection `gate` admits from a TCP listener, with
+/// TCP_NODELAY set (small replies must not wait on Nagle's algorithm).
+pub async fn accept_tcp(
+    listener: &TcpListener,
+    gate: &Arc<Gate>,
+    name: &str,
+) -> Admitted<TcpStream> {
+    loop {
+        match listener.accept().await {
+            Ok((stream, address)) => {
+                let peer = Peer::Address(address.ip().to_canonical());
+                if let Ok(admission) = gate.admit(peer) {
+                    let _ = stream.set_nodelay(true);
+                    return Admitted {
+                        io: stream,
+                        admission,
+                    };
+                }
+                // Refused: dropped, so closed at once.
+            }
+            Err(error) => gate.pause_after(&error, name).await,
+        }
+    }
+}
+
+/// Accepts the next connection `gate` admits from a UNIX listener, bounded
+/// per uid.
+pub async fn accept_unix(
+    listener: &UnixListener,
+    gate: &Arc<Gate>,
+    name: &str,
+) -> Admitted<UnixStream> {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let peer = stream
+                    .peer_cred()
+                    .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()));
+                if let Ok(admission) = gate.admit(peer) {
+                    return Admitted {
+                        io: stream,
+                        admission,
+                    };
+                }
+            }
+            Err(error) => gate.pause_after(&error, name).await,
+        }
+    }
+}
+
+/// The connections a listener admits, as a stream for a server to serve;
+/// accepting stops when the stream is dropped.
+pub fn incoming<IO, A>(accept: A) -> ReceiverStream<Result<Admitted<IO>, io::Error>>
+where
+    IO: Send + 'static,
+    A: FnMut() -> Pin<Box<dyn std::future::Future<Output = Admitted<IO>> + Send>> + Send + 'static,
+{
+    let (sender, receiver) = mpsc::channel(1);
+    let mut accept = accept;
+    tokio::spawn(async move {
+        loop {
+            let admitted = tokio::select! {
+                _ = sender.closed() => return,
+                admitted = accept() => admitted,
+            };
+            if sender.send(Ok(admitted)).await.is_err() {
+                return;
+            }
+        }
+    });
+    ReceiverStream::new(receiver)
+}
+
+/// [`incoming`] of a TCP listener.
+pub fn tcp_incoming(
+    listener: TcpListener,
+    gate: Arc<Gate>,
+    name: &'static str,
+) -> ReceiverStream<Result<Admitted<TcpStream>, io::Error>> {
+    let listener = Arc::new(listener);
+    incoming(move || {
+        let (listener, gate) = (Arc::clone(&listener), Arc::clone(&gate));
+        Box::pin(async move { accept_tcp(&listener, &gate, name).await })
+    })
+}
+
+/// [`incoming`] of a UNIX listener.
+pub fn unix_incoming(
+    listener: UnixListener,
+    gate: Arc<Gate>,
+    name: &'static str,
+) -> ReceiverStream<Result<Admitted<UnixStream>, io::Error>> {
+    let listener = Arc::new(listener);
+    incoming(move || {
+        let (listener, gate) = (Arc::clone(&listener), Arc::clone(&gate));
+        Box::pin(async move { accept_unix(&listener, &gate, name).await })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn address(last: u8) -> Peer {
+        Peer::Address(IpAddr::from([127, 0, 0, last]))
+    }
+
+    #[test]
+    fn a_peer_is_bounded_alone_and_all_peers_together() {
+        let gate = Gate::new(Limits {
+            total: 3,
+            per_peer: 2,
+        });
+        let first = gate.admit(address(1)).unwrap();
+        let _second = gate.admit(address(1)).unwrap();
+        assert_eq!(gate.admit(address(1)).unwrap_err(), Refusal::PeerFull);
+        let _other = gate.admit(address(2)).unwrap();
+        assert_eq!(gate.admit(address(3)).unwrap_err(), Refusal::Full);
+        drop(first);
+        let _again = gate.admit(address(1)).unwrap();
+        let counts = gate.counts();
+        assert_eq!(
+            (
+                counts.open,
+                counts.accepted,
+                counts.refused_peer,
+                counts.refused_full
+            ),
+            (3, 4, 1, 1)
+        );
+    }
+
+    #[test]
+    fn places_are_given_back_when_connections_close() {
+        let gate = Gate::new(Limits {
+            total: 1,
+            per_peer: 1,
+        });
+        for _ in 0..3 {
+            let admission = gate.admit(Peer::User(1000)).unwrap();
+            drop(admission);
+        }
+        assert_eq!(gate.counts().open, 0);
+        assert!(gate.open.lock().by_peer.is_empty());
+    }
+
+    #[tokio::test]
+    async fn connections_past_a_peers_bound_are_closed_at_once() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let gate = Gate::new(Limits {
+            total: 8,
+            per_peer: 1,
+        });
+        let mut admitted = tcp_incoming(listener, Arc::clone(&gate), "test");
+        let _held = TcpStream::connect(address).await.unwrap();
+        let first = tokio_stream::StreamExt::next(&mut admitted).await;
+        assert!(matches!(first, Some(Ok(_))));
+        // The second from the same address is accepted and closed: its
+        // read sees the end at once rather than hanging.
+        let mut refused = TcpStream::connect(address).await.unwrap();
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::io::AsyncReadExt::read(&mut refused, &mut byte),
+        )
+        .await
+        .expect("closed, not left waiting");
+        assert!(matches!(read, Ok(0) | Err(_)));
+        assert_eq!(gate.counts().refused_peer, 1);
+    }
+}

@@ -1,0 +1,257 @@
+//! What a peer can make the agent hold, through connections it opens and
+//! requests it never finishes: connections past one address's bound are
+//! closed at once, silent connections do not make the health probes wait,
+//! a call's body must arrive within its deadline, and one connection may
+//! open so many calls at once. The agent keeps serving others throughout.
+
+use crate::common;
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use devtrace::protocol::listen::Limits;
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpSocket, TcpStream};
+
+/// A connection to `to` from the loopback address `from` (127.0.0.0/8 is
+/// all loopback), so that the agent sees another peer than the test's
+/// other calls, which come from 127.0.0.1.
+async fn connect_from(from: [u8; 4], to: &str) -> TcpStream {
+    let to: SocketAddr = to.parse().expect("an address");
+    let socket = TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind(SocketAddr::from((from, 0)))
+        .expect("binding a loopback address");
+    socket.connect(to).await.expect("connecting")
+}
+
+/// The value of `name{labels}` in a scrape.
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// GET `path` with a deadline: a probe that waits is a probe that fails.
+fn probe(address: &str, path: &str, within: Duration) -> std::io::Result<String> {
+    let mut stream = std::net::TcpStream::connect(address)?;
+    stream.set_read_timeout(Some(within))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply)?;
+    Ok(reply)
+}
+
+/// Whether a connection was closed by the agent (not left open).
+async fn closed(stream: &mut TcpStream) -> bool {
+    let mut byte = [0u8; 64];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), stream.read(&mut byte)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            // The server's HTTP/2 settings, on a connection it kept.
+            Ok(Ok(_)) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_past_one_peers_bound_are_closed_and_others_are_still_served() {
+    let (agent, metrics) = AgentProcess::start_with_metrics(&["--mock-rate", "1000"], &[]);
+    let Limits { per_peer, .. } = devtrace::service::CONNECTION_LIMITS;
+    let mut held = Vec::new();
+    for _ in 0..per_peer {
+        held.push(connect_from([127, 0, 0, 2], &agent.address).await);
+    }
+    let mut past = Vec::new();
+    for _ in 0..4 {
+        past.push(connect_from([127, 0, 0, 2], &agent.address).await);
+    }
+    for stream in &mut past {
+        assert!(
+            closed(stream).await,
+            "a connection past the peer's bound was kept"
+        );
+    }
+    // Another address is served meanwhile.
+    let space = space_of(&agent.profile(request(200, "bounds")).await);
+    assert!(!space.planes.is_empty());
+    let text = probe(&metrics, "/metrics", Duration::from_secs(10)).expect("metrics");
+    let refused = metric(
+        &text,
+        "devtrace_connections_refused_total{listener=\"grpc\",bound=\"peer\"}",
+    );
+    assert_eq!(refused, Some(4.0), "{text}");
+    let open = metric(&text, "devtrace_connections_open{listener=\"grpc\"}").unwrap_or(0.0);
+    assert!(open >= per_peer as f64, "{open} open: {text}");
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn silent_connections_to_the_metrics_port_do_not_make_the_probes_wait() {
+    let (_agent, metrics) = AgentProcess::start_with_metrics(&["--mock-rate", "1000"], &[]);
+    // More silent connections than the endpoint serves at once used to
+    // hold every place for the 10 s header deadline, and probes queued.
+    let mut silent = Vec::new();
+    for _ in 0..100 {
+        silent.push(connect_from([127, 0, 0, 3], &metrics).await);
+    }
+    for _ in 0..5 {
+        let reply = probe(&metrics, "/healthz", Duration::from_secs(2))
+            .expect("the probe answered within its 2 s timeout");
+        assert!(
+            reply.starts_with("HTTP/1.0 200") || reply.starts_with("HTTP/1.1 200"),
+            "{reply}"
+        );
+    }
+    let text = probe(&metrics, "/metrics", Duration::from_secs(10)).expect("metrics");
+    let per_peer = devtrace::telemetry::http::LIMITS.per_peer;
+    let refused = metric(
+        &text,
+        "devtrace_connections_refused_total{listener=\"metrics\",bound=\"peer\"}",
+    );
+    assert_eq!(refused, Some((100 - per_peer) as f64), "{text}");
+    drop(silent);
+}
+
+/// Opens an HTTP/2 connection to the agent's gRPC port and starts a
+/// `Profile` call whose body stops after `sent` of the `claimed` bytes its
+/// gRPC frame announces.
+async fn half_sent_call(
+    address: &str,
+    claimed: u32,
+    sent: usize,
+) -> (
+    h2::client::SendRequest<Bytes>,
+    h2::client::ResponseFuture,
+    h2::SendStream<Bytes>,
+) {
+    let io = TcpStream::connect(address).await.expect("connecting");
+    let (client, connection) = h2::client::handshake(io).await.expect("HTTP/2");
+    tokio::spawn(connection);
+    let mut client = client.ready().await.expect("ready");
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "http://{address}/tensorflow.ProfilerService/Profile"
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (response, mut body) = client.send_request(request, false).expect("a stream");
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&claimed.to_be_bytes());
+    frame.resize(5 + sent, 0x08);
+    body.send_data(Bytes::from(frame), false).expect("sending");
+    (client, response, body)
+}
+
+/// The gRPC status a response ends with (in its headers or trailers).
+async fn status_of(response: h2::client::ResponseFuture) -> (String, String) {
+    let response = response.await.expect("a response");
+    let headers = response.headers().clone();
+    let mut body = response.into_body();
+    let mut trailers = None;
+    while let Some(data) = body.data().await {
+        let _ = data;
+    }
+    if headers.get("grpc-status").is_none() {
+        trailers = body.trailers().await.expect("trailers");
+    }
+    let fields = trailers.as_ref().unwrap_or(&headers);
+    let get = |name: &str| {
+        fields
+            .get(name)
+            .map(|v| v.to_str().unwrap_or_default().to_string())
+            .unwrap_or_default()
+    };
+    (get("grpc-status"), percent_decoded(&get("grpc-message")))
+}
+
+/// A `grpc-message` as written: percent-encoded UTF-8.
+fn percent_decoded(text: &str) -> String {
+    let mut bytes = Vec::new();
+    let mut rest = text.as_bytes();
+    while let Some((&first, tail)) = rest.split_first() {
+        let hex = tail
+            .get(..2)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (first, hex) {
+            (b'%', Some(byte)) => {
+                bytes.push(byte);
+                rest = &tail[2..];
+            }
+            _ => {
+                bytes.push(first);
+                rest = tail;
+            }
+        }
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_whose_body_never_arrives_whole_fails_at_its_deadline() {
+    let agent = AgentProcess::start(&["--mock-rate", "1000"]);
+    let (client, response, _body) = half_sent_call(&agent.address, 1 << 20, 1000).await;
+    let deadline = devtrace::service::request_bodies::BODY_DEADLINE;
+    let (status, message) = tokio::time::timeout(deadline * 3, status_of(response))
+        .await
+        .expect("the call ended rather than waited for its body");
+    // DEADLINE_EXCEEDED, naming the bound.
+    assert_eq!(status, "4", "{message}");
+    assert!(message.contains("did not arrive within"), "{message}");
+    // The server said (in its settings, read by now) how many calls a
+    // connection may have open.
+    assert_eq!(
+        client.current_max_send_streams(),
+        devtrace::service::MAX_STREAMS_PER_CONNECTION as usize
+    );
+    // The agent still captures.
+    let space = space_of(&agent.profile(request(200, "bounds")).await);
+    assert!(!space.planes.is_empty());
+}
+
+/// Bodies held unfinished on many streams share one bound: past it a call
+/// fails with RESOURCE_EXHAUSTED naming it, instead of the agent buffering
+/// whatever a peer starts to send.
+#[tokio::test(flavor = "multi_thread")]
+async fn unfinished_bodies_together_hold_at_most_their_bound() {
+    let agent = AgentProcess::start(&["--mock-rate", "1000"]);
+    let memory = devtrace::service::request_bodies::BODY_MEMORY;
+    let claimed = (devtrace::service::MAX_REQUEST_BYTES - 5) as u32;
+    let sent = claimed as usize - 1000;
+    let calls = memory / sent + 2;
+    let mut pending = Vec::new();
+    for _ in 0..calls {
+        // A connection each: the streams do not wait on one connection's
+        // flow-control window.
+        pending.push(half_sent_call(&agent.address, claimed, sent).await);
+    }
+    let deadline = devtrace::service::request_bodies::BODY_DEADLINE;
+    let mut statuses = Vec::new();
+    for (_client, response, _body) in pending {
+        let (status, message) = tokio::time::timeout(deadline * 3, status_of(response))
+            .await
+            .expect("the call ended");
+        statuses.push((status, message));
+    }
+    let exhausted: Vec<&(String, String)> = statuses.iter().filter(|(s, _)| s == "8").collect();
+    assert!(!exhausted.is_empty(), "{statuses:?}");
+    assert!(
+        exhausted[0].1.contains("its bound for them"),
+        "{statuses:?}"
+    );
+    // Every other call ran out of time instead: none was served from a
+    // body it never finished.
+    assert!(
+        statuses.iter().all(|(s, _)| s == "8" || s == "4"),
+        "{statuses:?}"
+    );
+    let space = space_of(&agent.profile(request(200, "bounds")).await);
+    assert!(!space.planes.is_empty());
+}
