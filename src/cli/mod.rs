@@ -7,6 +7,7 @@ mod fleet_args;
 mod inspect;
 mod logdir;
 mod logging;
+mod memory;
 mod serve;
 mod session;
 mod tap;

@@ -8,6 +8,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use tracing::info;
 
+use super::memory::MemorySize;
 use crate::agent::{Agent, AgentConfig, BackendChoice};
 use crate::backend::ebpf::{cgroup_id, AttachMode, CudaReturns, EbpfConfig};
 use crate::backend::mock::MockConfig;
@@ -201,9 +202,12 @@ pub struct ServeArgs {
     pub store_retention: Duration,
 
     /// Memory bound of the flight recorder (e.g. 512MiB, 2GiB; at least
-    /// 1MiB).
-    #[arg(long, default_value = "512MiB", value_parser = parse_store_size)]
-    pub store_size: usize,
+    /// 1MiB), or auto: half of what the agent may use (its cgroup's memory
+    /// limit, else the machine's memory) after its ring and its own needs,
+    /// at most 512MiB. Sizes that do not fit beside --capture-memory are
+    /// refused at start.
+    #[arg(long, value_name = "SIZE", default_value = "auto", value_parser = super::memory::parse_store_size)]
+    pub store_size: MemorySize,
 
     /// Slots per ring lane (rounded up to a power of two; 128 bytes each;
     /// 2 to 16777216).
@@ -253,9 +257,10 @@ pub struct ServeArgs {
     /// replies send without copying, and one reservation. Past it, captures
     /// wait for earlier ones to reply, within their deadline, and say so in
     /// their trace's warnings; one whose deadline passes first fails with
-    /// RESOURCE_EXHAUSTED.
-    #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = super::parse_size)]
-    pub capture_memory: usize,
+    /// RESOURCE_EXHAUSTED. auto: what the agent may use after its ring,
+    /// its own needs and the flight recorder, at most 2GiB.
+    #[arg(long, value_name = "SIZE", default_value = "auto", value_parser = super::memory::parse_capture_memory)]
+    pub capture_memory: MemorySize,
 
     /// An in-process profiler server (TensorFlow's or JAX's, or another
     /// devtrace) whose trace every capture folds in, over the same window
@@ -347,11 +352,6 @@ fn parse_retention(text: &str) -> Result<Duration, String> {
 fn parse_max_duration(text: &str) -> Result<Duration, String> {
     let duration = super::parse_duration(text).map_err(|e| e.to_string())?;
     at_least(duration, Duration::from_millis(1), "1ms")
-}
-
-fn parse_store_size(text: &str) -> Result<usize, String> {
-    let bytes = super::parse_size(text).map_err(|e| e.to_string())?;
-    at_least(bytes, 1 << 20, "1MiB")
 }
 
 /// `value` when it is `minimum` or more; a flag below it would make every
@@ -483,11 +483,34 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         store: StoreConfig {
             retention: args.store_retention,
-            max_bytes: args.store_size,
+            max_bytes: 0,
         },
         ring_capacity: args.ring_capacity,
         drop_policy: args.drop_policy.into(),
         ..AgentConfig::default()
+    };
+    let ring_bytes = crate::ring::RingLayout {
+        lanes: config.ring_lanes,
+        capacity: config.ring_capacity.next_power_of_two(),
+    }
+    .total_size()
+    .map_or(u64::MAX, |bytes| bytes as u64);
+    let budgets = super::memory::size(
+        crate::model::memory_limit::of_this_process(),
+        ring_bytes,
+        crate::service::request_bodies::BODY_MEMORY as u64,
+        args.store_size,
+        args.capture_memory,
+    )
+    .map_err(anyhow::Error::msg)?;
+    info!("memory: {}", budgets.describe());
+    telemetry.memory_budgets(budgets.limit.bytes, budgets.capture);
+    let config = AgentConfig {
+        store: StoreConfig {
+            max_bytes: budgets.store,
+            ..config.store
+        },
+        ..config
     };
     let agent = Agent::start(&config).context("starting the agent")?;
     telemetry.agent_started(&agent);
@@ -501,7 +524,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             client: client_config.clone(),
             telemetry: Arc::clone(&telemetry),
             chunk_traces_over: args.chunk_traces_over,
-            capture_memory: args.capture_memory,
+            capture_memory: budgets.capture,
             ..ServiceConfig::default()
         },
     ));

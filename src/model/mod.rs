@@ -7,6 +7,7 @@
 
 pub mod calendar;
 pub mod host_process;
+pub mod memory_limit;
 pub mod registry;
 pub mod small_file;
 pub mod timeline;

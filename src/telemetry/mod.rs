@@ -21,6 +21,7 @@ pub mod rpc;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::agent::Agent;
@@ -81,6 +82,8 @@ pub struct Telemetry {
     health: health::ServingHealth,
     rpcs: Arc<rpc::RpcMetrics>,
     gates: Arc<connections::Gates>,
+    memory_limit: Gauge,
+    capture_budget: Gauge,
     registry: Registry,
 }
 
@@ -105,6 +108,18 @@ impl Telemetry {
         registry.register_collector(Box::new(agent_metrics::TriggerMetrics::new(Arc::clone(
             &triggers,
         ))));
+        let memory_limit = Gauge::default();
+        registry.register(
+            "devtrace_memory_limit_bytes",
+            "Memory the agent may use: its cgroup's limit, else the machine's memory",
+            memory_limit.clone(),
+        );
+        let capture_budget = Gauge::default();
+        registry.register(
+            "devtrace_capture_memory_budget_bytes",
+            "The budget of traces being built and sent (--capture-memory, as sized at start)",
+            capture_budget.clone(),
+        );
         let gates = Arc::new(connections::Gates::default());
         registry.register_collector(Box::new(connections::ConnectionMetrics(Arc::clone(&gates))));
         Arc::new(Telemetry {
@@ -114,6 +129,8 @@ impl Telemetry {
             health: health::ServingHealth::default(),
             rpcs,
             gates,
+            memory_limit,
+            capture_budget,
             registry,
         })
     }
@@ -179,6 +196,15 @@ impl Telemetry {
     /// The grpc.health.v1 service, for one gRPC listener.
     pub fn health_service(&self) -> health::HealthServer {
         self.health.service()
+    }
+
+    /// The memory the agent may use and its capture budget, as sized at
+    /// start.
+    pub fn memory_budgets(&self, limit: u64, capture: usize) {
+        self.memory_limit
+            .set(i64::try_from(limit).unwrap_or(i64::MAX));
+        self.capture_budget
+            .set(i64::try_from(capture).unwrap_or(i64::MAX));
     }
 
     /// Reports `listener`'s connections and what its bounds refused.

@@ -17,6 +17,7 @@ mod federation;
 mod fleet;
 mod hostile;
 mod large_traces;
+mod memory;
 mod metrics;
 mod nvml;
 mod object_storage;

@@ -119,6 +119,10 @@ impl ProfilerService {
                 store.chunks,
                 store.bytes as f64 / (1 << 20) as f64
             ));
+            text.push_str(&format!(
+                "capture memory budget: {:.1} MiB\n",
+                self.captures.memory_budget() as f64 / (1 << 20) as f64
+            ));
         }
         Ok(MonitorResponse {
             data: text,

@@ -85,7 +85,12 @@ impl AgentProcess {
     ) -> (AgentProcess, String) {
         let mut args = vec!["--metrics-listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
-        let mut child = Self::spawn(&args, env);
+        Self::adopt_with_metrics(Self::spawn(&args, env))
+    }
+
+    /// Takes over an agent started with `--metrics-listen` some other way
+    /// (its stdout piped), once it has printed both addresses.
+    pub fn adopt_with_metrics(mut child: Child) -> (AgentProcess, String) {
         let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
         let mut line = || {
             let mut line = String::new();

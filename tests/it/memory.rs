@@ -1,0 +1,133 @@
+//! The agent in a memory cgroup, as its systemd unit and DaemonSet run it:
+//! it reads the limit and sizes its budgets inside it, reports them, and
+//! refuses budgets that cannot fit rather than start to be OOM-killed.
+
+use crate::common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use common::*;
+
+/// A memory cgroup of its own, removed when dropped; `None` (the test then
+/// skips, saying why) where this process cannot make one.
+struct MemoryCgroup {
+    dir: PathBuf,
+    /// The file its limit is in.
+    limit_file: PathBuf,
+}
+
+impl MemoryCgroup {
+    fn with_limit(name: &str, bytes: u64) -> Option<MemoryCgroup> {
+        let name = format!("devtrace-test-{name}-{}", std::process::id());
+        // cgroup v1's memory hierarchy, else v2's root with the controller.
+        let v1 = Path::new("/sys/fs/cgroup/memory");
+        let v2 = Path::new("/sys/fs/cgroup");
+        let (dir, limit_file) = if v1.join("memory.limit_in_bytes").exists() {
+            let dir = v1.join(&name);
+            (dir.clone(), dir.join("memory.limit_in_bytes"))
+        } else if std::fs::read_to_string(v2.join("cgroup.subtree_control"))
+            .is_ok_and(|controllers| controllers.split_whitespace().any(|c| c == "memory"))
+        {
+            let dir = v2.join(&name);
+            (dir.clone(), dir.join("memory.max"))
+        } else {
+            eprintln!("skipped: no memory cgroup controller this process can use");
+            return None;
+        };
+        if let Err(error) = std::fs::create_dir(&dir) {
+            eprintln!(
+                "skipped: cannot make a cgroup at {}: {error}",
+                dir.display()
+            );
+            return None;
+        }
+        let cgroup = MemoryCgroup { dir, limit_file };
+        std::fs::write(&cgroup.limit_file, bytes.to_string()).expect("setting the limit");
+        Some(cgroup)
+    }
+
+    /// `devtrace serve ARGS` started inside the cgroup (a shell moves
+    /// itself in, then becomes the agent).
+    fn serve(&self, args: &[&str]) -> Command {
+        let procs = self.dir.join("cgroup.procs");
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!(
+                "echo $$ > '{}' && exec \"$0\" serve --listen 127.0.0.1:0 \
+                 --metrics-listen 127.0.0.1:0 --backend mock --mock-rate 1000 \"$@\"",
+                procs.display()
+            ))
+            .arg(BIN)
+            .args(args)
+            .stdin(Stdio::null());
+        command
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        // Empty once the agent has exited.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+#[test]
+fn in_a_memory_cgroup_the_budgets_are_sized_inside_its_limit() {
+    let limit: u64 = 768 << 20;
+    let Some(cgroup) = MemoryCgroup::with_limit("sized", limit) else {
+        return;
+    };
+    let child = cgroup
+        .serve(&[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    let pid = child.id();
+    let (mut agent, metrics) = AgentProcess::adopt_with_metrics(child);
+    let (status, text) = http_get(&metrics, "/metrics");
+    assert_eq!(status, 200);
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    assert_eq!(value("devtrace_memory_limit_bytes "), limit as f64);
+    let store = value("devtrace_flight_recorder_limit_bytes ");
+    let capture = value("devtrace_capture_memory_budget_bytes ");
+    assert!(store > 0.0 && capture > 0.0, "{text}");
+    assert!(
+        store + capture < limit as f64,
+        "{store} + {capture} in {limit}"
+    );
+    assert!(agent.is_running(), "agent {pid} exited");
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(10))
+        .expect("stopped");
+    assert!(status.success());
+}
+
+#[test]
+fn budgets_that_cannot_fit_the_cgroups_limit_are_refused_at_start() {
+    let Some(cgroup) = MemoryCgroup::with_limit("refused", 768 << 20) else {
+        return;
+    };
+    let out = cgroup
+        .serve(&["--store-size", "512MiB", "--capture-memory", "1GiB"])
+        .output()
+        .expect("running the agent");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--store-size 512 MiB and --capture-memory 1.0 GiB")
+            && stderr.contains(&cgroup.limit_file.display().to_string()),
+        "{stderr}"
+    );
+}
