@@ -66,6 +66,12 @@ impl CaptureMemory {
         self.budget
     }
 
+    /// Bytes reserved now.
+    pub fn held(&self) -> u64 {
+        let whole = (self.budget / UNIT).clamp(1, Semaphore::MAX_PERMITS);
+        (whole.saturating_sub(self.free.available_permits()) * UNIT) as u64
+    }
+
     /// Reserves what a trace of `window` is expected to take (never more
     /// than the whole budget, so that any capture can run alone), waiting
     /// until `deadline` at most.
@@ -153,6 +159,18 @@ mod tests {
             .await
             .unwrap_err();
         assert!(error.to_string().contains("--capture-memory"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn what_is_held_is_counted_until_the_reservation_goes() {
+        let memory = CaptureMemory::new(1 << 30);
+        memory.built(window(1), 10 << 20);
+        assert_eq!(memory.held(), 0);
+        let far = Instant::now() + Duration::from_secs(3600);
+        let reservation = memory.reserve(window(1), far).await.unwrap();
+        assert_eq!(memory.held(), 10 << 20);
+        drop(reservation);
+        assert_eq!(memory.held(), 0);
     }
 
     #[test]

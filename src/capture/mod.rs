@@ -102,6 +102,12 @@ pub struct Admission {
     pub waited: Option<Duration>,
 }
 
+impl crate::telemetry::BudgetUse for Captures {
+    fn held_bytes(&self) -> u64 {
+        self.memory_held()
+    }
+}
+
 /// See the module documentation.
 pub struct Captures {
     agent: Arc<Agent>,
@@ -131,6 +137,11 @@ impl Captures {
     /// The capture-memory budget, in bytes.
     pub fn memory_budget(&self) -> usize {
         self.memory.budget()
+    }
+
+    /// Bytes of the capture-memory budget reserved now.
+    pub fn memory_held(&self) -> u64 {
+        self.memory.held()
     }
 
     /// Traces built, and captures that replied from another's build.

@@ -13,6 +13,7 @@
 //! so no hot path updates a metric.
 
 mod agent_metrics;
+mod budgets;
 mod connections;
 pub mod health;
 pub mod http;
@@ -26,6 +27,7 @@ use prometheus_client::registry::Registry;
 
 use crate::agent::Agent;
 use crate::protocol::listen::Gate;
+pub use budgets::BudgetUse;
 
 /// Where the gRPC server is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +86,8 @@ pub struct Telemetry {
     gates: Arc<connections::Gates>,
     memory_limit: Gauge,
     capture_budget: Gauge,
+    /// Weak: the captures hold this; they are read while they live.
+    capture_use: Arc<OnceLock<Weak<dyn BudgetUse>>>,
     registry: Registry,
 }
 
@@ -120,6 +124,10 @@ impl Telemetry {
             "The budget of traces being built and sent (--capture-memory, as sized at start)",
             capture_budget.clone(),
         );
+        let capture_use = Arc::new(OnceLock::new());
+        registry.register_collector(Box::new(budgets::CaptureBudgetUse(Arc::clone(
+            &capture_use,
+        ))));
         let gates = Arc::new(connections::Gates::default());
         registry.register_collector(Box::new(connections::ConnectionMetrics(Arc::clone(&gates))));
         Arc::new(Telemetry {
@@ -131,6 +139,7 @@ impl Telemetry {
             gates,
             memory_limit,
             capture_budget,
+            capture_use,
             registry,
         })
     }
@@ -205,6 +214,13 @@ impl Telemetry {
             .set(i64::try_from(limit).unwrap_or(i64::MAX));
         self.capture_budget
             .set(i64::try_from(capture).unwrap_or(i64::MAX));
+    }
+
+    /// The captures have started: their budget's use is reported from now
+    /// on.
+    pub fn captures_started<B: BudgetUse + 'static>(&self, captures: &Arc<B>) {
+        let captures: Weak<B> = Arc::downgrade(captures);
+        let _ = self.capture_use.set(captures);
     }
 
     /// Reports `listener`'s connections and what its bounds refused.

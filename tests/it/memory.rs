@@ -107,6 +107,8 @@ fn in_a_memory_cgroup_the_budgets_are_sized_inside_its_limit() {
         store + capture < limit as f64,
         "{store} + {capture} in {limit}"
     );
+    // Nothing is being captured: nothing of the capture budget is held.
+    assert_eq!(value("devtrace_capture_memory_held_bytes "), 0.0);
     assert!(agent.is_running(), "agent {pid} exited");
     let status = agent
         .stop_with_sigterm(std::time::Duration::from_secs(10))

@@ -145,8 +145,10 @@ impl Drop for Registration<'_> {
 
 impl ProfilerService {
     pub fn new(agent: Arc<Agent>, config: ServiceConfig) -> ProfilerService {
+        let captures = Arc::new(Captures::new(Arc::clone(&agent), config.capture_settings()));
+        config.telemetry.captures_started(&captures);
         ProfilerService {
-            captures: Arc::new(Captures::new(Arc::clone(&agent), config.capture_settings())),
+            captures,
             agent,
             config,
             running: Mutex::new(HashMap::new()),

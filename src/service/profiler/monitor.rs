@@ -120,7 +120,8 @@ impl ProfilerService {
                 store.bytes as f64 / (1 << 20) as f64
             ));
             text.push_str(&format!(
-                "capture memory budget: {:.1} MiB\n",
+                "capture memory: {:.1} MiB of {:.1} MiB held\n",
+                self.captures.memory_held() as f64 / (1 << 20) as f64,
                 self.captures.memory_budget() as f64 / (1 << 20) as f64
             ));
         }

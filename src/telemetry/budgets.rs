@@ -1,0 +1,41 @@
+//! Metrics of the agent's memory budgets: what it may use and the capture
+//! budget as sized at start, and what the capture budget holds now (read
+//! at scrape time from the captures, a layer above, through
+//! [`BudgetUse`]).
+
+use std::sync::{Arc, OnceLock, Weak};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+
+/// A budget as telemetry reads it.
+pub trait BudgetUse: Send + Sync {
+    /// Bytes reserved from it now.
+    fn held_bytes(&self) -> u64;
+}
+
+/// The capture budget's use, once the captures have started.
+pub(super) struct CaptureBudgetUse(pub(super) Arc<OnceLock<Weak<dyn BudgetUse>>>);
+
+impl std::fmt::Debug for CaptureBudgetUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaptureBudgetUse").finish_non_exhaustive()
+    }
+}
+
+impl Collector for CaptureBudgetUse {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let Some(budget) = self.0.get().and_then(Weak::upgrade) else {
+            return Ok(());
+        };
+        let metric = encoder.encode_descriptor(
+            "devtrace_capture_memory_held_bytes",
+            "Bytes of --capture-memory reserved now by traces being built and sent.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(i64::try_from(budget.held_bytes()).unwrap_or(i64::MAX)).encode(metric)
+    }
+}
