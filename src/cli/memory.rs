@@ -108,7 +108,9 @@ pub fn size(
     store: MemorySize,
     capture: MemorySize,
 ) -> Result<Budgets, String> {
-    let fixed = ring_bytes + receiving + AGENT_ITSELF;
+    let fixed = ring_bytes
+        .saturating_add(receiving)
+        .saturating_add(AGENT_ITSELF);
     let available = limit.bytes.saturating_sub(fixed);
     // What the agent needs whatever its budgets, as the errors say it.
     let besides = format!(
@@ -144,12 +146,16 @@ pub fn size(
     };
     let wanted = store_bytes as u64 + capture_bytes as u64;
     if wanted > available {
+        let shown = |size: MemorySize, bytes: usize| match size {
+            MemorySize::Auto => format!("{} (auto, the least)", mib(bytes as u64)),
+            MemorySize::Bytes(_) => mib(bytes as u64),
+        };
         return Err(format!(
             "--store-size {} and --capture-memory {} need {}, and with the {besides} the agent \
              needs besides that is more than the {} it may use: {}. Lower them (auto sizes them \
              to fit), or raise the limit",
-            mib(store_bytes as u64),
-            mib(capture_bytes as u64),
+            shown(store, store_bytes),
+            shown(capture, capture_bytes),
             mib(wanted),
             mib(limit.bytes),
             limit.source

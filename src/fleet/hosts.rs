@@ -214,15 +214,20 @@ impl HostList {
             path: path.to_string(),
             source,
         };
-        let text = match crate::model::small_file::read_text(Path::new(path), MAX_FILE_BYTES) {
-            Ok(text) => text,
-            Err(error) if error.kind() == std::io::ErrorKind::FileTooLarge => {
-                return Err(HostsError::FileTooLarge {
-                    path: path.to_string(),
-                })
-            }
-            Err(error) => return Err(read_error(error)),
-        };
+        // Read up to the bound, from a file or a pipe (`@<(scontrol show
+        // hostnames)`): only the command line names these files.
+        let file = std::fs::File::open(Path::new(path)).map_err(read_error)?;
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut std::io::Read::take(file, MAX_FILE_BYTES + 1),
+            &mut text,
+        )
+        .map_err(read_error)?;
+        if text.len() as u64 > MAX_FILE_BYTES {
+            return Err(HostsError::FileTooLarge {
+                path: path.to_string(),
+            });
+        }
         for (index, line) in text.lines().enumerate() {
             let line = line.split_once('#').map_or(line, |(before, _)| before);
             self.add_list(line, true)

@@ -74,12 +74,17 @@ pub fn resolve(
         source: LimitSource::Machine,
     };
     for (version, path) in memory_cgroups(cgroups) {
-        let Some((mount, root)) = mount_of(mountinfo, version) else {
-            continue;
-        };
-        // The cgroup's path relative to what the mount shows (a container
-        // sees its own cgroup as the mount's root).
-        let Ok(relative) = Path::new(&path).strip_prefix(&root) else {
+        // The first mount of the hierarchy that shows this cgroup, and the
+        // cgroup's path relative to what it shows (a container sees its own
+        // cgroup as the mount's root).
+        let Some((mount, relative)) =
+            mounts_of(mountinfo, version)
+                .into_iter()
+                .find_map(|(mount, root)| {
+                    let relative = Path::new(&path).strip_prefix(&root).ok()?.to_path_buf();
+                    Some((mount, relative))
+                })
+        else {
             continue;
         };
         let (file, unlimited): (&str, fn(&str) -> bool) = match version {
@@ -137,27 +142,30 @@ fn memory_cgroups(cgroups: &str) -> Vec<(Version, String)> {
         .collect()
 }
 
-/// Where the hierarchy of `version` is mounted, and the cgroup the mount
+/// Where the hierarchy of `version` is mounted, and the cgroup each mount
 /// shows as its root.
-fn mount_of(mountinfo: &str, version: Version) -> Option<(PathBuf, PathBuf)> {
-    mountinfo.lines().find_map(|line| {
-        let (mount, filesystem) = line.split_once(" - ")?;
-        let fields: Vec<&str> = mount.split(' ').collect();
-        let (root, point) = (fields.get(3)?, fields.get(4)?);
-        let mut described = filesystem.split(' ');
-        let kind = described.next()?;
-        let options = described.nth(1).unwrap_or("");
-        let matches = match version {
-            Version::V2 => kind == "cgroup2",
-            Version::V1 => kind == "cgroup" && options.split(',').any(|o| o == "memory"),
-        };
-        matches.then(|| {
-            (
-                PathBuf::from(unescape(point)),
-                PathBuf::from(unescape(root)),
-            )
+fn mounts_of(mountinfo: &str, version: Version) -> Vec<(PathBuf, PathBuf)> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (mount, filesystem) = line.split_once(" - ")?;
+            let fields: Vec<&str> = mount.split(' ').collect();
+            let (root, point) = (fields.get(3)?, fields.get(4)?);
+            let mut described = filesystem.split(' ');
+            let kind = described.next()?;
+            let options = described.nth(1).unwrap_or("");
+            let matches = match version {
+                Version::V2 => kind == "cgroup2",
+                Version::V1 => kind == "cgroup" && options.split(',').any(|o| o == "memory"),
+            };
+            matches.then(|| {
+                (
+                    PathBuf::from(unescape(point)),
+                    PathBuf::from(unescape(root)),
+                )
+            })
         })
-    })
+        .collect()
 }
 
 /// mountinfo writes space, tab, newline and backslash as octal escapes.
@@ -252,6 +260,21 @@ mod tests {
             files(&[("/sys/fs/cgroup/memory.max", "1073741824\n")]),
         );
         assert_eq!(limit.bytes, 1 << 30);
+    }
+
+    #[test]
+    fn a_mount_that_does_not_show_the_cgroup_is_passed_over() {
+        let mounts = "\
+30 23 0:26 /other /mnt/elsewhere rw - cgroup2 cgroup2 rw
+31 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw
+";
+        let limit = resolve(
+            "0::/job\n",
+            mounts,
+            64 << 30,
+            files(&[("/sys/fs/cgroup/job/memory.max", "536870912\n")]),
+        );
+        assert_eq!(limit.bytes, 512 << 20);
     }
 
     #[test]

@@ -1,7 +1,9 @@
-//! Small files an operator names (a configuration, a certificate or key, a
-//! host list): read whole, but only when the name is a regular file and at
-//! most up to a bound, so that `/dev/zero` or a FIFO in its place is refused
-//! at once instead of growing the agent by gigabytes or hanging its start.
+//! Small files an operator names for the agent (a configuration, a
+//! certificate or key): read whole, but only when the name is a regular
+//! file and at most up to a bound, so that `/dev/zero` or a FIFO in its
+//! place is refused at once instead of growing the agent by gigabytes or
+//! hanging its start. The name is looked at before it is opened (opening
+//! some devices does something), and the file opened is checked again.
 
 use std::fs::OpenOptions;
 use std::io::{self, Read};
@@ -10,18 +12,21 @@ use std::path::Path;
 
 /// The contents of the regular file at `path`, of at most `limit` bytes.
 pub fn read(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
-    // Non-blocking, so that opening a FIFO returns rather than waits for a
-    // writer; it is then refused as not a regular file.
+    let not_regular = || io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
+    // Links are followed, as the operator chose them (Kubernetes mounts
+    // secrets through them).
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(not_regular());
+    }
+    // Non-blocking, so that a FIFO swapped in since is refused below
+    // rather than waited on.
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)?;
     let metadata = file.metadata()?;
     if !metadata.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
+        return Err(not_regular());
     }
     let too_large = || {
         io::Error::new(

@@ -1,14 +1,22 @@
-//! Accepting connections within bounds, for every listener the agent
-//! serves (gRPC over TCP and a UNIX socket, the metrics endpoint): at most
+//! Accepting connections within bounds, for the listeners of the agent's
+//! own protocols (gRPC over TCP and a UNIX socket, the metrics endpoint;
+//! not the tap's, which stands in for a TensorFlow server): at most
 //! so many connections at once, and so many from one peer (an address, or a
 //! uid on a UNIX socket). A connection past either bound is closed as soon
 //! as it is accepted, and counted, never left waiting in the backlog: a
 //! peer that holds connections open cannot make others' (health probes
-//! among them) wait behind it. Accept errors are waited out (out of file
-//! descriptors: [`FD_PAUSE`]) instead of retried at once, which would spin a
-//! core, or passed on, which would end the server.
+//! among them) wait behind it, and a connection that sends nothing within
+//! [`FIRST_BYTES_DEADLINE`] is closed, so that silent ones do not keep their
+//! places. Running out of file descriptors is waited out ([`FD_PAUSE`])
+//! instead of retried at once, which would spin a core, or passed on, which
+//! would end the server.
+//!
+//! The bounds are per address: a peer with many addresses (any local user
+//! has all of 127.0.0.0/8) can still fill a listener's total, each of its
+//! connections having to speak within the deadline to keep its place.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -21,6 +29,7 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::mpsc;
+use tokio::time::Sleep;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 use tracing::warn;
@@ -30,8 +39,11 @@ use tracing::warn;
 /// close, short enough not to be noticed.
 pub const FD_PAUSE: Duration = Duration::from_millis(100);
 
-/// How long accepting pauses after any other accept error.
+/// How long accepting pauses after another error of the listener itself.
 const ERROR_PAUSE: Duration = Duration::from_millis(10);
+
+/// How long a connection may stay silent after it is accepted.
+pub const FIRST_BYTES_DEADLINE: Duration = Duration::from_secs(10);
 
 /// The bounds of one listener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,8 +149,18 @@ impl Gate {
         }
     }
 
-    /// Waits out an accept error: longer when descriptors ran out.
+    /// Waits out an accept error: longer when descriptors ran out, not at
+    /// all when only the connection being accepted failed.
     async fn pause_after(&self, error: &io::Error, listener: &str) {
+        if matches!(
+            error.kind(),
+            io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::Interrupted
+                | io::ErrorKind::WouldBlock
+        ) {
+            return;
+        }
         let errors = self.accept_errors.fetch_add(1, Relaxed) + 1;
         let out_of_descriptors = matches!(
             error.raw_os_error(),
@@ -183,6 +205,18 @@ impl Drop for Admission {
 pub struct Admitted<IO> {
     io: IO,
     admission: Admission,
+    /// Until its first bytes arrive: when it is closed if they do not.
+    silent_until: Option<Pin<Box<Sleep>>>,
+}
+
+impl<IO> Admitted<IO> {
+    fn new(io: IO, admission: Admission, first_bytes: Option<Duration>) -> Admitted<IO> {
+        Admitted {
+            io,
+            admission,
+            silent_until: first_bytes.map(|deadline| Box::pin(tokio::time::sleep(deadline))),
+        }
+    }
 }
 
 impl<IO> Admitted<IO> {
@@ -197,7 +231,30 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Admitted<IO> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let this = &mut *self;
+        match Pin::new(&mut this.io).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    this.silent_until = None;
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                let expired = this
+                    .silent_until
+                    .as_mut()
+                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
+                if expired {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the peer sent nothing within its deadline",
+                    )));
+                }
+                Poll::Pending
+            }
+            other => other,
+        }
     }
 }
 
@@ -246,6 +303,7 @@ pub async fn accept_tcp(
     listener: &TcpListener,
     gate: &Arc<Gate>,
     name: &str,
+    first_bytes: Option<Duration>,
 ) -> Admitted<TcpStream> {
     loop {
         match listener.accept().await {
@@ -253,10 +311,7 @@ pub async fn accept_tcp(
                 let peer = Peer::Address(address.ip().to_canonical());
                 if let Ok(admission) = gate.admit(peer) {
                     let _ = stream.set_nodelay(true);
-                    return Admitted {
-                        io: stream,
-                        admission,
-                    };
+                    return Admitted::new(stream, admission, first_bytes);
                 }
                 // Refused: dropped, so closed at once.
             }
@@ -271,6 +326,7 @@ pub async fn accept_unix(
     listener: &UnixListener,
     gate: &Arc<Gate>,
     name: &str,
+    first_bytes: Option<Duration>,
 ) -> Admitted<UnixStream> {
     loop {
         match listener.accept().await {
@@ -279,10 +335,7 @@ pub async fn accept_unix(
                     .peer_cred()
                     .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()));
                 if let Ok(admission) = gate.admit(peer) {
-                    return Admitted {
-                        io: stream,
-                        admission,
-                    };
+                    return Admitted::new(stream, admission, first_bytes);
                 }
             }
             Err(error) => gate.pause_after(&error, name).await,
@@ -313,7 +366,8 @@ where
     ReceiverStream::new(receiver)
 }
 
-/// [`incoming`] of a TCP listener.
+/// [`incoming`] of a TCP listener, whose connections must speak within
+/// [`FIRST_BYTES_DEADLINE`].
 pub fn tcp_incoming(
     listener: TcpListener,
     gate: Arc<Gate>,
@@ -322,11 +376,13 @@ pub fn tcp_incoming(
     let listener = Arc::new(listener);
     incoming(move || {
         let (listener, gate) = (Arc::clone(&listener), Arc::clone(&gate));
-        Box::pin(async move { accept_tcp(&listener, &gate, name).await })
+        Box::pin(
+            async move { accept_tcp(&listener, &gate, name, Some(FIRST_BYTES_DEADLINE)).await },
+        )
     })
 }
 
-/// [`incoming`] of a UNIX listener.
+/// [`incoming`] of a UNIX listener, as [`tcp_incoming`].
 pub fn unix_incoming(
     listener: UnixListener,
     gate: Arc<Gate>,
@@ -335,7 +391,9 @@ pub fn unix_incoming(
     let listener = Arc::new(listener);
     incoming(move || {
         let (listener, gate) = (Arc::clone(&listener), Arc::clone(&gate));
-        Box::pin(async move { accept_unix(&listener, &gate, name).await })
+        Box::pin(
+            async move { accept_unix(&listener, &gate, name, Some(FIRST_BYTES_DEADLINE)).await },
+        )
     })
 }
 

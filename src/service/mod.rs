@@ -25,7 +25,9 @@ use crate::protocol::listen::{self, Gate, Limits};
 use crate::telemetry::rpc::CountRpcsLayer;
 use crate::telemetry::Telemetry;
 use framed_reply::FramedRepliesLayer;
-use request_bodies::{BodyBudget, BoundedBodiesLayer, BODY_DEADLINE, BODY_MEMORY};
+use request_bodies::{
+    BodyBudget, BoundedBodiesLayer, BODY_DEADLINE, BODY_MEMORY, BODY_MEMORY_PER_PEER,
+};
 
 pub use crate::protocol::{MAX_REPLY_BYTES, MAX_REQUEST_BYTES};
 
@@ -89,7 +91,10 @@ pub async fn serve(
         trigger.cancel();
     });
     // One budget for the bodies arriving on every listener.
-    let bodies = BoundedBodiesLayer::new(BodyBudget::new(BODY_MEMORY), BODY_DEADLINE);
+    let bodies = BoundedBodiesLayer::new(
+        BodyBudget::new(BODY_MEMORY, BODY_MEMORY_PER_PEER),
+        BODY_DEADLINE,
+    );
     let tcp_gate = Gate::new(CONNECTION_LIMITS);
     telemetry.watch_connections("grpc", &tcp_gate);
     let tcp = listen::tcp_incoming(listeners.tcp, tcp_gate, "grpc");

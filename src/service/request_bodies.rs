@@ -1,24 +1,30 @@
 //! Request bodies received within bounds: every gRPC request's body must
-//! arrive whole within [`BODY_DEADLINE`] of its headers, and all bodies
-//! being received at once hold at most [`BODY_MEMORY`] bytes. A peer that
-//! sends all but the last byte of large messages on many streams (each of
-//! which tonic buffers until it is complete) then holds a bounded share of
-//! the agent's memory for a bounded time; its calls fail with
-//! DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED naming the bound, and other
-//! callers are not affected. Requests are small (a `ProfileRequest`, a
-//! list of hosts), so honest ones never meet either bound.
+//! arrive whole within [`BODY_DEADLINE`] of its headers, the bodies being
+//! received from one peer (an address, or a uid on the UNIX socket) hold at
+//! most [`BODY_MEMORY_PER_PEER`] bytes, and all of them [`BODY_MEMORY`]. A
+//! peer that sends all but the last byte of large messages on many streams
+//! (each of which tonic buffers until it is complete) then holds a bounded
+//! share of the agent's memory for a bounded time, and its calls fail with
+//! DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED naming the bound. Other peers
+//! meet the shared bound only when many addresses act together. Requests
+//! are small (a `ProfileRequest`, a list of hosts), so honest ones never
+//! meet either bound.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use parking_lot::Mutex;
 use tokio::time::Sleep;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
 use tonic::Status;
+
+use crate::protocol::listen::Peer;
 
 /// How long a request's body may take to arrive after its headers.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
@@ -26,37 +32,97 @@ pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
 /// Bytes all request bodies being received may hold at once.
 pub const BODY_MEMORY: usize = 64 << 20;
 
-/// What the request bodies being received hold, together.
+/// Bytes the request bodies being received from one peer may hold at once:
+/// four requests of the largest size accepted.
+pub const BODY_MEMORY_PER_PEER: usize = 16 << 20;
+
+/// What the request bodies being received hold, in all and per peer.
 #[derive(Debug)]
 pub struct BodyBudget {
     limit: usize,
-    held: AtomicUsize,
+    per_peer: usize,
+    held: Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    total: usize,
+    by_peer: HashMap<Peer, usize>,
+}
+
+/// Which bound a body met.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Over {
+    All,
+    Peer,
 }
 
 impl BodyBudget {
-    pub fn new(limit: usize) -> Arc<BodyBudget> {
+    pub fn new(limit: usize, per_peer: usize) -> Arc<BodyBudget> {
         Arc::new(BodyBudget {
             limit,
-            held: AtomicUsize::new(0),
+            per_peer,
+            held: Mutex::default(),
         })
     }
 
-    /// Takes `bytes` from the budget, or none when they do not fit.
-    fn take(&self, bytes: usize) -> bool {
-        self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(bytes).filter(|total| *total <= self.limit)
-            })
-            .is_ok()
+    /// Takes `bytes` for `peer`, or says which bound they would pass.
+    fn take(&self, peer: Peer, bytes: usize) -> Result<(), Over> {
+        let mut held = self.held.lock();
+        let total = held.total.saturating_add(bytes);
+        if total > self.limit {
+            return Err(Over::All);
+        }
+        let from_peer = held.by_peer.entry(peer).or_default();
+        let after = from_peer.saturating_add(bytes);
+        if after > self.per_peer {
+            if *from_peer == 0 {
+                held.by_peer.remove(&peer);
+            }
+            return Err(Over::Peer);
+        }
+        *from_peer = after;
+        held.total = total;
+        Ok(())
     }
 
-    fn give_back(&self, bytes: usize) {
-        self.held.fetch_sub(bytes, Ordering::AcqRel);
+    fn give_back(&self, peer: Peer, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        let mut held = self.held.lock();
+        held.total = held.total.saturating_sub(bytes);
+        if let Some(from_peer) = held.by_peer.get_mut(&peer) {
+            *from_peer = from_peer.saturating_sub(bytes);
+            if *from_peer == 0 {
+                held.by_peer.remove(&peer);
+            }
+        }
     }
 
     pub fn held(&self) -> usize {
-        self.held.load(Ordering::Acquire)
+        self.held.lock().total
     }
+}
+
+/// Who sent a request, from what tonic knows of its connection.
+fn peer_of(extensions: &http::Extensions) -> Peer {
+    let address = |info: &TcpConnectInfo| {
+        info.remote_addr()
+            .map_or(Peer::Unknown, |a| Peer::Address(a.ip().to_canonical()))
+    };
+    if let Some(info) = extensions.get::<TcpConnectInfo>() {
+        return address(info);
+    }
+    if let Some(info) = extensions.get::<TlsConnectInfo<TcpConnectInfo>>() {
+        return address(info.get_ref());
+    }
+    if let Some(info) = extensions.get::<UdsConnectInfo>() {
+        return info
+            .peer_cred
+            .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()));
+    }
+    Peer::Unknown
 }
 
 /// The tower layer that bounds every request body of the routes it wraps.
@@ -106,10 +172,12 @@ where
     fn call(&mut self, request: http::Request<tonic::body::Body>) -> S::Future {
         let budget = Arc::clone(&self.budget);
         let deadline = self.deadline;
+        let peer = peer_of(request.extensions());
         self.inner.call(request.map(|body| {
             tonic::body::Body::new(BoundedBody {
                 inner: body,
                 budget,
+                peer,
                 held: 0,
                 deadline: Box::pin(tokio::time::sleep(deadline)),
                 allowed: deadline,
@@ -125,6 +193,7 @@ where
 struct BoundedBody {
     inner: tonic::body::Body,
     budget: Arc<BodyBudget>,
+    peer: Peer,
     held: usize,
     deadline: Pin<Box<Sleep>>,
     allowed: Duration,
@@ -146,12 +215,15 @@ impl Body for BoundedBody {
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 let bytes = frame.data_ref().map_or(0, Bytes::len);
-                if !this.budget.take(bytes) {
+                if let Err(over) = this.budget.take(this.peer, bytes) {
                     this.done = true;
+                    let (whose, bound) = match over {
+                        Over::All => ("all callers", this.budget.limit),
+                        Over::Peer => ("this caller", this.budget.per_peer),
+                    };
                     return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
-                        "the request bodies this agent is receiving hold {} bytes, its bound \
-                         for them; send the request again",
-                        this.budget.limit
+                        "the request bodies this agent is receiving from {whose} hold {bound} \
+                         bytes, the most it holds for them; send the request again"
                     )))));
                 }
                 this.held += bytes;
@@ -189,7 +261,7 @@ impl Body for BoundedBody {
 
 impl Drop for BoundedBody {
     fn drop(&mut self) {
-        self.budget.give_back(self.held);
+        self.budget.give_back(self.peer, self.held);
     }
 }
 
@@ -197,14 +269,30 @@ impl Drop for BoundedBody {
 mod tests {
     use super::*;
 
+    fn peer(last: u8) -> Peer {
+        Peer::Address(std::net::IpAddr::from([127, 0, 0, last]))
+    }
+
     #[test]
     fn the_budget_holds_what_fits_and_takes_back_what_is_given() {
-        let budget = BodyBudget::new(10);
-        assert!(budget.take(6));
-        assert!(!budget.take(5));
-        assert!(budget.take(4));
-        budget.give_back(6);
+        let budget = BodyBudget::new(10, 10);
+        assert_eq!(budget.take(peer(1), 6), Ok(()));
+        assert_eq!(budget.take(peer(1), 5), Err(Over::All));
+        assert_eq!(budget.take(peer(1), 4), Ok(()));
+        budget.give_back(peer(1), 6);
         assert_eq!(budget.held(), 4);
-        assert!(budget.take(6));
+        assert_eq!(budget.take(peer(1), 6), Ok(()));
+    }
+
+    #[test]
+    fn one_peer_cannot_take_what_the_others_need() {
+        let budget = BodyBudget::new(10, 4);
+        assert_eq!(budget.take(peer(1), 4), Ok(()));
+        assert_eq!(budget.take(peer(1), 1), Err(Over::Peer));
+        assert_eq!(budget.take(peer(2), 4), Ok(()));
+        budget.give_back(peer(1), 4);
+        budget.give_back(peer(2), 4);
+        assert_eq!(budget.held(), 0);
+        assert!(budget.held.lock().by_peer.is_empty());
     }
 }

@@ -114,7 +114,8 @@ fn spawn(listener: TcpListener, telemetry: Arc<Telemetry>) {
     telemetry.watch_connections("metrics", &gate);
     tokio::spawn(async move {
         loop {
-            let (stream, admission) = listen::accept_tcp(&listener, &gate, "metrics")
+            // hyper's header deadline closes silent connections here.
+            let (stream, admission) = listen::accept_tcp(&listener, &gate, "metrics", None)
                 .await
                 .into_parts();
             let peer = stream.peer_addr().ok();

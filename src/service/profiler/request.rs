@@ -148,12 +148,18 @@ pub fn memory_wait_deadline(metadata: &tonic::metadata::MetadataMap) -> std::tim
         .map_or(client::capture_deadline(Duration::from_secs(600)), |t| {
             t.mul_f64(0.9)
         });
-    std::time::Instant::now() + timeout
+    let now = std::time::Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or(now + Duration::from_secs(86_400))
 }
 
-/// A `grpc-timeout` header: up to eight digits and a unit (H, M, S, m, u, n).
+/// A `grpc-timeout` header: one to eight digits and a unit (H, M, S, m, u,
+/// n), as the gRPC specification writes it; anything else is no timeout.
 fn parse_grpc_timeout(text: &str) -> Option<Duration> {
     let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
     let value: u64 = digits.parse().ok()?;
     Some(match unit {
         "H" => Duration::from_secs(value.saturating_mul(3600)),
@@ -328,5 +334,14 @@ mod tests {
         assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
         assert_eq!(parse_grpc_timeout("2x"), None);
         assert_eq!(parse_grpc_timeout(""), None);
+        // Past eight digits (a peer's choice) it is no timeout, not a panic.
+        assert_eq!(parse_grpc_timeout("18446744073709551615S"), None);
+        assert_eq!(
+            parse_grpc_timeout("99999999H"),
+            Some(Duration::from_secs(99_999_999 * 3600))
+        );
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        metadata.insert("grpc-timeout", "99999999H".parse().unwrap());
+        assert!(memory_wait_deadline(&metadata) > std::time::Instant::now());
     }
 }
