@@ -379,9 +379,10 @@ fn parse_hostname(text: &str) -> Result<String, String> {
             "{text:?} names trace files, so it has no '/' or control characters"
         ));
     }
-    if text.len() > 200 {
+    // 255 bytes of file name, less `.xplane.riegeli`.
+    if text.len() > 240 {
         return Err(format!(
-            "{} bytes; a host name names files, at most 200 bytes",
+            "{} bytes; a host name names files (<host>.xplane.riegeli), at most 240 bytes",
             text.len()
         ));
     }

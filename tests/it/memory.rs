@@ -99,7 +99,9 @@ fn in_a_memory_cgroup_the_budgets_are_sized_inside_its_limit() {
             .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
             .unwrap_or_else(|| panic!("no {name} in {text}"))
     };
-    assert_eq!(value("devtrace_memory_limit_bytes "), limit as f64);
+    // This cgroup's limit, or a tighter one above it.
+    let seen = value("devtrace_memory_limit_bytes ");
+    assert!(seen > 0.0 && seen <= limit as f64, "{seen} for {limit}");
     let store = value("devtrace_flight_recorder_limit_bytes ");
     let capture = value("devtrace_capture_memory_budget_bytes ");
     assert!(store > 0.0 && capture > 0.0, "{text}");
