@@ -29,6 +29,9 @@ use crate::protocol::listen::Peer;
 /// How long a request's body may take to arrive after its headers.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
 
+/// A gRPC message's prefix: a compression flag and a 4-byte length.
+const GRPC_PREFIX: usize = 5;
+
 /// Bytes all request bodies being received may hold at once.
 pub const BODY_MEMORY: usize = 64 << 20;
 
@@ -179,6 +182,9 @@ where
                 budget,
                 peer,
                 held: 0,
+                received: 0,
+                prefix: Vec::new(),
+                declared: None,
                 deadline: Box::pin(tokio::time::sleep(deadline)),
                 allowed: deadline,
                 done: false,
@@ -189,12 +195,21 @@ where
 
 /// A request body that holds its bytes in the budget until it is dropped
 /// (tonic drops it once the message is decoded), and fails when it takes
-/// longer than its deadline.
+/// longer than its deadline. tonic sets aside the whole length a message's
+/// 5-byte gRPC prefix declares as soon as it reads it, so from then on the
+/// body holds that much, not only what has arrived.
 struct BoundedBody {
     inner: tonic::body::Body,
     budget: Arc<BodyBudget>,
     peer: Peer,
+    /// Taken from the budget.
     held: usize,
+    /// Bytes that have arrived.
+    received: usize,
+    /// The first message's prefix, until its 5 bytes are in.
+    prefix: Vec<u8>,
+    /// The first message's size with its prefix, once known.
+    declared: Option<usize>,
     deadline: Pin<Box<Sleep>>,
     allowed: Duration,
     done: bool,
@@ -214,7 +229,23 @@ impl Body for BoundedBody {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                let bytes = frame.data_ref().map_or(0, Bytes::len);
+                let data = frame.data_ref().map_or(&[][..], |data| &data[..]);
+                this.received = this.received.saturating_add(data.len());
+                if this.declared.is_none() {
+                    let wanted = (GRPC_PREFIX - this.prefix.len()).min(data.len());
+                    this.prefix.extend_from_slice(&data[..wanted]);
+                    if this.prefix.len() == GRPC_PREFIX {
+                        let length = u32::from_be_bytes([
+                            this.prefix[1],
+                            this.prefix[2],
+                            this.prefix[3],
+                            this.prefix[4],
+                        ]);
+                        this.declared = Some(GRPC_PREFIX + length as usize);
+                    }
+                }
+                let holds = this.received.max(this.declared.unwrap_or(0));
+                let bytes = holds - this.held;
                 if let Err(over) = this.budget.take(this.peer, bytes) {
                     this.done = true;
                     let (whose, bound) = match over {
@@ -226,7 +257,7 @@ impl Body for BoundedBody {
                          bytes, the most it holds for them; send the request again"
                     )))));
                 }
-                this.held += bytes;
+                this.held = holds;
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(status))) => {
@@ -282,6 +313,58 @@ mod tests {
         budget.give_back(peer(1), 6);
         assert_eq!(budget.held(), 4);
         assert_eq!(budget.take(peer(1), 6), Ok(()));
+    }
+
+    /// A bounded body over `chunks`, as they would arrive.
+    fn body(budget: &Arc<BodyBudget>, chunks: &[&[u8]]) -> BoundedBody {
+        let frames: Vec<Result<Frame<Bytes>, Status>> = chunks
+            .iter()
+            .map(|chunk| Ok(Frame::data(Bytes::copy_from_slice(chunk))))
+            .collect();
+        BoundedBody {
+            inner: tonic::body::Body::new(http_body_util::StreamBody::new(tokio_stream::iter(
+                frames,
+            ))),
+            budget: Arc::clone(budget),
+            peer: peer(1),
+            held: 0,
+            received: 0,
+            prefix: Vec::new(),
+            declared: None,
+            deadline: Box::pin(tokio::time::sleep(Duration::from_secs(3600))),
+            allowed: Duration::from_secs(3600),
+            done: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_message_holds_the_length_its_prefix_declares_once_it_is_read() {
+        use http_body_util::BodyExt;
+        let budget = BodyBudget::new(1 << 30, 1 << 30);
+        // The prefix split over two frames, declaring 1 MiB.
+        let length = (1u32 << 20).to_be_bytes();
+        let first = [0, length[0], length[1]];
+        let second = [length[2], length[3], 7, 7];
+        let mut bounded = body(&budget, &[&first, &second]);
+        bounded.frame().await.expect("a frame").expect("data");
+        assert_eq!(budget.held(), 3);
+        bounded.frame().await.expect("a frame").expect("data");
+        assert_eq!(budget.held(), (1 << 20) + 5);
+        drop(bounded);
+        assert_eq!(budget.held(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_past_the_callers_share_is_refused_at_once() {
+        use http_body_util::BodyExt;
+        let budget = BodyBudget::new(64 << 20, 4 << 20);
+        let length = (8u32 << 20).to_be_bytes();
+        let prefix = [0, length[0], length[1], length[2], length[3]];
+        let mut bounded = body(&budget, &[&prefix]);
+        let refused = bounded.frame().await.expect("a frame").unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        assert!(refused.message().contains("this caller"), "{refused:?}");
+        assert_eq!(budget.held(), 0);
     }
 
     #[test]
