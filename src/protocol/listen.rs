@@ -15,17 +15,14 @@
 //! has all of 127.0.0.0/8) can still fill a listener's total, each of its
 //! connections having to speak within the deadline to keep its place.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::mpsc;
@@ -33,6 +30,9 @@ use tokio::time::Sleep;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 use tracing::warn;
+
+pub use super::shares::Peer;
+use super::shares::{Over, Shares};
 
 /// How long accepting pauses when the process is out of file descriptors
 /// (or the kernel of memory for sockets): long enough for connections to
@@ -52,17 +52,6 @@ pub struct Limits {
     pub total: usize,
     /// Connections open at once from one peer.
     pub per_peer: usize,
-}
-
-/// Who a connection comes from, as far as its bound is concerned.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Peer {
-    /// A TCP peer's address (an IPv4-mapped IPv6 address as IPv4).
-    Address(IpAddr),
-    /// A UNIX-socket peer's uid, as the kernel reports it.
-    User(u32),
-    /// A peer the kernel could not name: bounded together.
-    Unknown,
 }
 
 /// Why a connection was closed at once.
@@ -88,24 +77,19 @@ pub struct GateCounts {
 #[derive(Debug)]
 pub struct Gate {
     limits: Limits,
-    open: Mutex<Open>,
+    /// Connections open, one each.
+    open: Shares,
     accepted: AtomicU64,
     refused_full: AtomicU64,
     refused_peer: AtomicU64,
     accept_errors: AtomicU64,
 }
 
-#[derive(Debug, Default)]
-struct Open {
-    total: usize,
-    by_peer: HashMap<Peer, usize>,
-}
-
 impl Gate {
     pub fn new(limits: Limits) -> Arc<Gate> {
         Arc::new(Gate {
             limits,
-            open: Mutex::default(),
+            open: Shares::new(limits.total, limits.per_peer),
             accepted: AtomicU64::new(0),
             refused_full: AtomicU64::new(0),
             refused_peer: AtomicU64::new(0),
@@ -120,18 +104,17 @@ impl Gate {
     /// Admits a connection from `peer`, held until the admission is
     /// dropped; or why not (counted).
     pub fn admit(self: &Arc<Self>, peer: Peer) -> Result<Admission, Refusal> {
-        let mut open = self.open.lock();
-        if open.total >= self.limits.total {
-            self.refused_full.fetch_add(1, Relaxed);
-            return Err(Refusal::Full);
+        match self.open.take(peer, 1) {
+            Err(Over::All) => {
+                self.refused_full.fetch_add(1, Relaxed);
+                return Err(Refusal::Full);
+            }
+            Err(Over::Peer) => {
+                self.refused_peer.fetch_add(1, Relaxed);
+                return Err(Refusal::PeerFull);
+            }
+            Ok(()) => {}
         }
-        let from_peer = open.by_peer.entry(peer).or_default();
-        if *from_peer >= self.limits.per_peer {
-            self.refused_peer.fetch_add(1, Relaxed);
-            return Err(Refusal::PeerFull);
-        }
-        *from_peer += 1;
-        open.total += 1;
         self.accepted.fetch_add(1, Relaxed);
         Ok(Admission {
             gate: Arc::clone(self),
@@ -141,7 +124,7 @@ impl Gate {
 
     pub fn counts(&self) -> GateCounts {
         GateCounts {
-            open: self.open.lock().total,
+            open: self.open.held(),
             accepted: self.accepted.load(Relaxed),
             refused_full: self.refused_full.load(Relaxed),
             refused_peer: self.refused_peer.load(Relaxed),
@@ -189,14 +172,7 @@ pub struct Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        let mut open = self.gate.open.lock();
-        open.total = open.total.saturating_sub(1);
-        if let Some(count) = open.by_peer.get_mut(&self.peer) {
-            *count -= 1;
-            if *count == 0 {
-                open.by_peer.remove(&self.peer);
-            }
-        }
+        self.gate.open.give_back(self.peer, 1);
     }
 }
 
@@ -297,6 +273,30 @@ impl<IO: Connected> Connected for Admitted<IO> {
     }
 }
 
+/// Accepts from `accept` (a connection and who it comes from) until `gate`
+/// admits one; a refused one is dropped, so closed at once.
+async fn admitted<IO, F, A>(
+    gate: &Arc<Gate>,
+    name: &str,
+    first_bytes: Option<Duration>,
+    mut accept: F,
+) -> Admitted<IO>
+where
+    F: FnMut() -> A,
+    A: Future<Output = io::Result<(IO, Peer)>>,
+{
+    loop {
+        match accept().await {
+            Ok((stream, peer)) => {
+                if let Ok(admission) = gate.admit(peer) {
+                    return Admitted::new(stream, admission, first_bytes);
+                }
+            }
+            Err(error) => gate.pause_after(&error, name).await,
+        }
+    }
+}
+
 /// Accepts the next connection `gate` admits from a TCP listener, with
 /// TCP_NODELAY set (small replies must not wait on Nagle's algorithm).
 pub async fn accept_tcp(
@@ -305,19 +305,12 @@ pub async fn accept_tcp(
     name: &str,
     first_bytes: Option<Duration>,
 ) -> Admitted<TcpStream> {
-    loop {
-        match listener.accept().await {
-            Ok((stream, address)) => {
-                let peer = Peer::Address(address.ip().to_canonical());
-                if let Ok(admission) = gate.admit(peer) {
-                    let _ = stream.set_nodelay(true);
-                    return Admitted::new(stream, admission, first_bytes);
-                }
-                // Refused: dropped, so closed at once.
-            }
-            Err(error) => gate.pause_after(&error, name).await,
-        }
-    }
+    admitted(gate, name, first_bytes, || async {
+        let (stream, address) = listener.accept().await?;
+        let _ = stream.set_nodelay(true);
+        Ok((stream, Peer::Address(address.ip().to_canonical())))
+    })
+    .await
 }
 
 /// Accepts the next connection `gate` admits from a UNIX listener, bounded
@@ -328,19 +321,14 @@ pub async fn accept_unix(
     name: &str,
     first_bytes: Option<Duration>,
 ) -> Admitted<UnixStream> {
-    loop {
-        match listener.accept().await {
-            Ok((stream, _)) => {
-                let peer = stream
-                    .peer_cred()
-                    .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()));
-                if let Ok(admission) = gate.admit(peer) {
-                    return Admitted::new(stream, admission, first_bytes);
-                }
-            }
-            Err(error) => gate.pause_after(&error, name).await,
-        }
-    }
+    admitted(gate, name, first_bytes, || async {
+        let (stream, _) = listener.accept().await?;
+        let peer = stream
+            .peer_cred()
+            .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()));
+        Ok((stream, peer))
+    })
+    .await
 }
 
 /// The connections a listener admits, as a stream for a server to serve;
@@ -348,7 +336,7 @@ pub async fn accept_unix(
 pub fn incoming<IO, A>(accept: A) -> ReceiverStream<Result<Admitted<IO>, io::Error>>
 where
     IO: Send + 'static,
-    A: FnMut() -> Pin<Box<dyn std::future::Future<Output = Admitted<IO>> + Send>> + Send + 'static,
+    A: FnMut() -> Pin<Box<dyn Future<Output = Admitted<IO>> + Send>> + Send + 'static,
 {
     let (sender, receiver) = mpsc::channel(1);
     let mut accept = accept;
@@ -402,7 +390,7 @@ mod tests {
     use super::*;
 
     fn address(last: u8) -> Peer {
-        Peer::Address(IpAddr::from([127, 0, 0, last]))
+        Peer::Address(std::net::IpAddr::from([127, 0, 0, last]))
     }
 
     #[test]
@@ -441,7 +429,7 @@ mod tests {
             drop(admission);
         }
         assert_eq!(gate.counts().open, 0);
-        assert!(gate.open.lock().by_peer.is_empty());
+        assert_eq!(gate.open.peers(), 0);
     }
 
     #[tokio::test]

@@ -6,6 +6,7 @@
 
 pub mod client;
 pub mod listen;
+pub mod shares;
 pub mod tls;
 
 /// Largest request decoded. Requests are small (a `ProfileRequest`, a list

@@ -10,7 +10,6 @@
 //! are small (a `ProfileRequest`, a list of hosts), so honest ones never
 //! meet either bound.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -19,12 +18,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use parking_lot::Mutex;
 use tokio::time::Sleep;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
 use tonic::Status;
 
-use crate::protocol::listen::Peer;
+use crate::protocol::shares::{Over, Peer, Shares};
 
 /// How long a request's body may take to arrive after its headers.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
@@ -38,75 +36,6 @@ pub const BODY_MEMORY: usize = 64 << 20;
 /// Bytes the request bodies being received from one peer may hold at once:
 /// four requests of the largest size accepted.
 pub const BODY_MEMORY_PER_PEER: usize = 16 << 20;
-
-/// What the request bodies being received hold, in all and per peer.
-#[derive(Debug)]
-pub struct BodyBudget {
-    limit: usize,
-    per_peer: usize,
-    held: Mutex<Held>,
-}
-
-#[derive(Debug, Default)]
-struct Held {
-    total: usize,
-    by_peer: HashMap<Peer, usize>,
-}
-
-/// Which bound a body met.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Over {
-    All,
-    Peer,
-}
-
-impl BodyBudget {
-    pub fn new(limit: usize, per_peer: usize) -> Arc<BodyBudget> {
-        Arc::new(BodyBudget {
-            limit,
-            per_peer,
-            held: Mutex::default(),
-        })
-    }
-
-    /// Takes `bytes` for `peer`, or says which bound they would pass.
-    fn take(&self, peer: Peer, bytes: usize) -> Result<(), Over> {
-        let mut held = self.held.lock();
-        let total = held.total.saturating_add(bytes);
-        if total > self.limit {
-            return Err(Over::All);
-        }
-        let from_peer = held.by_peer.entry(peer).or_default();
-        let after = from_peer.saturating_add(bytes);
-        if after > self.per_peer {
-            if *from_peer == 0 {
-                held.by_peer.remove(&peer);
-            }
-            return Err(Over::Peer);
-        }
-        *from_peer = after;
-        held.total = total;
-        Ok(())
-    }
-
-    fn give_back(&self, peer: Peer, bytes: usize) {
-        if bytes == 0 {
-            return;
-        }
-        let mut held = self.held.lock();
-        held.total = held.total.saturating_sub(bytes);
-        if let Some(from_peer) = held.by_peer.get_mut(&peer) {
-            *from_peer = from_peer.saturating_sub(bytes);
-            if *from_peer == 0 {
-                held.by_peer.remove(&peer);
-            }
-        }
-    }
-
-    pub fn held(&self) -> usize {
-        self.held.lock().total
-    }
-}
 
 /// Who sent a request, from what tonic knows of its connection.
 fn peer_of(extensions: &http::Extensions) -> Peer {
@@ -131,12 +60,12 @@ fn peer_of(extensions: &http::Extensions) -> Peer {
 /// The tower layer that bounds every request body of the routes it wraps.
 #[derive(Clone, Debug)]
 pub struct BoundedBodiesLayer {
-    budget: Arc<BodyBudget>,
+    budget: Arc<Shares>,
     deadline: Duration,
 }
 
 impl BoundedBodiesLayer {
-    pub fn new(budget: Arc<BodyBudget>, deadline: Duration) -> BoundedBodiesLayer {
+    pub fn new(budget: Arc<Shares>, deadline: Duration) -> BoundedBodiesLayer {
         BoundedBodiesLayer { budget, deadline }
     }
 }
@@ -156,7 +85,7 @@ impl<S> tower_layer::Layer<S> for BoundedBodiesLayer {
 #[derive(Clone, Debug)]
 pub struct BoundedBodies<S> {
     inner: S,
-    budget: Arc<BodyBudget>,
+    budget: Arc<Shares>,
     deadline: Duration,
 }
 
@@ -200,7 +129,7 @@ where
 /// body holds that much, not only what has arrived.
 struct BoundedBody {
     inner: tonic::body::Body,
-    budget: Arc<BodyBudget>,
+    budget: Arc<Shares>,
     peer: Peer,
     /// Taken from the budget.
     held: usize,
@@ -249,8 +178,8 @@ impl Body for BoundedBody {
                 if let Err(over) = this.budget.take(this.peer, bytes) {
                     this.done = true;
                     let (whose, bound) = match over {
-                        Over::All => ("all callers", this.budget.limit),
-                        Over::Peer => ("this caller", this.budget.per_peer),
+                        Over::All => ("all callers", this.budget.limit()),
+                        Over::Peer => ("this caller", this.budget.per_peer()),
                     };
                     return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
                         "the request bodies this agent is receiving from {whose} hold {bound} \
@@ -304,19 +233,8 @@ mod tests {
         Peer::Address(std::net::IpAddr::from([127, 0, 0, last]))
     }
 
-    #[test]
-    fn the_budget_holds_what_fits_and_takes_back_what_is_given() {
-        let budget = BodyBudget::new(10, 10);
-        assert_eq!(budget.take(peer(1), 6), Ok(()));
-        assert_eq!(budget.take(peer(1), 5), Err(Over::All));
-        assert_eq!(budget.take(peer(1), 4), Ok(()));
-        budget.give_back(peer(1), 6);
-        assert_eq!(budget.held(), 4);
-        assert_eq!(budget.take(peer(1), 6), Ok(()));
-    }
-
     /// A bounded body over `chunks`, as they would arrive.
-    fn body(budget: &Arc<BodyBudget>, chunks: &[&[u8]]) -> BoundedBody {
+    fn body(budget: &Arc<Shares>, chunks: &[&[u8]]) -> BoundedBody {
         let frames: Vec<Result<Frame<Bytes>, Status>> = chunks
             .iter()
             .map(|chunk| Ok(Frame::data(Bytes::copy_from_slice(chunk))))
@@ -340,7 +258,7 @@ mod tests {
     #[tokio::test]
     async fn a_message_holds_the_length_its_prefix_declares_once_it_is_read() {
         use http_body_util::BodyExt;
-        let budget = BodyBudget::new(1 << 30, 1 << 30);
+        let budget = Arc::new(Shares::new(1 << 30, 1 << 30));
         // The prefix split over two frames, declaring 1 MiB.
         let length = (1u32 << 20).to_be_bytes();
         let first = [0, length[0], length[1]];
@@ -357,7 +275,7 @@ mod tests {
     #[tokio::test]
     async fn a_declared_length_past_the_callers_share_is_refused_at_once() {
         use http_body_util::BodyExt;
-        let budget = BodyBudget::new(64 << 20, 4 << 20);
+        let budget = Arc::new(Shares::new(64 << 20, 4 << 20));
         let length = (8u32 << 20).to_be_bytes();
         let prefix = [0, length[0], length[1], length[2], length[3]];
         let mut bounded = body(&budget, &[&prefix]);
@@ -365,17 +283,5 @@ mod tests {
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
         assert!(refused.message().contains("this caller"), "{refused:?}");
         assert_eq!(budget.held(), 0);
-    }
-
-    #[test]
-    fn one_peer_cannot_take_what_the_others_need() {
-        let budget = BodyBudget::new(10, 4);
-        assert_eq!(budget.take(peer(1), 4), Ok(()));
-        assert_eq!(budget.take(peer(1), 1), Err(Over::Peer));
-        assert_eq!(budget.take(peer(2), 4), Ok(()));
-        budget.give_back(peer(1), 4);
-        budget.give_back(peer(2), 4);
-        assert_eq!(budget.held(), 0);
-        assert!(budget.held.lock().by_peer.is_empty());
     }
 }
