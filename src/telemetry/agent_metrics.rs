@@ -118,7 +118,7 @@ impl Collector for TriggerMetrics {
 }
 
 /// One series of a family: its labels and value.
-type Series<L, V> = Vec<(L, V)>;
+pub(super) type Series<L, V> = Vec<(L, V)>;
 
 /// A family's HELP and TYPE lines. The help gets the closing period
 /// prometheus-client gives the metrics registered with it.
@@ -132,7 +132,7 @@ fn describe<'e>(
 }
 
 /// A family of series; nothing when it has none.
-fn family<L: EncodeLabelSet, M: EncodeMetric>(
+pub(super) fn family<L: EncodeLabelSet, M: EncodeMetric>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -148,7 +148,12 @@ fn family<L: EncodeLabelSet, M: EncodeMetric>(
     Ok(())
 }
 
-fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: f64) -> std::fmt::Result {
+pub(super) fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: f64,
+) -> std::fmt::Result {
     let family = describe(encoder, name, help, MetricType::Gauge)?;
     ConstGauge::new(value).encode(family)
 }

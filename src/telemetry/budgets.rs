@@ -6,9 +6,9 @@
 use std::sync::{Arc, OnceLock, Weak};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::MetricType;
+use prometheus_client::encoding::DescriptorEncoder;
+
+use super::agent_metrics::gauge;
 
 /// A budget as telemetry reads it.
 pub trait BudgetUse: Send + Sync {
@@ -30,12 +30,11 @@ impl Collector for CaptureBudgetUse {
         let Some(budget) = self.0.get().and_then(Weak::upgrade) else {
             return Ok(());
         };
-        let metric = encoder.encode_descriptor(
+        gauge(
+            &mut encoder,
             "devtrace_capture_memory_held_bytes",
-            "Bytes of --capture-memory reserved now by traces being built and sent.",
-            None,
-            MetricType::Gauge,
-        )?;
-        ConstGauge::new(i64::try_from(budget.held_bytes()).unwrap_or(i64::MAX)).encode(metric)
+            "Bytes of --capture-memory reserved now by traces being built and sent",
+            budget.held_bytes() as f64,
+        )
     }
 }

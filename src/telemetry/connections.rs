@@ -6,10 +6,11 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::MetricType;
+
+use super::agent_metrics::{family, Series};
 
 use crate::protocol::listen::{Gate, GateCounts};
 
@@ -42,53 +43,59 @@ pub struct ConnectionMetrics(pub Arc<Gates>);
 impl Collector for ConnectionMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let counts = self.0.counts();
-        if counts.is_empty() {
-            return Ok(());
-        }
-        let mut open = encoder.encode_descriptor(
+        let each = |value: fn(&GateCounts) -> u64| -> Series<[(&str, &str); 1], ConstCounter> {
+            counts
+                .iter()
+                .map(|(listener, count)| {
+                    ([("listener", *listener)], ConstCounter::new(value(count)))
+                })
+                .collect()
+        };
+        family(
+            &mut encoder,
             "devtrace_connections_open",
-            "Connections open, by listener.",
-            None,
-            MetricType::Gauge,
+            "Connections open, by listener",
+            counts
+                .iter()
+                .map(|(listener, count)| {
+                    (
+                        [("listener", *listener)],
+                        ConstGauge::new(count.open as i64),
+                    )
+                })
+                .collect(),
         )?;
-        for (listener, count) in &counts {
-            ConstGauge::new(count.open as i64)
-                .encode(open.encode_family(&[("listener", *listener)])?)?;
-        }
-        let mut accepted = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "devtrace_connections_accepted",
-            "Connections accepted, by listener.",
-            None,
-            MetricType::Counter,
+            "Connections accepted, by listener",
+            each(|count| count.accepted),
         )?;
-        for (listener, count) in &counts {
-            ConstCounter::new(count.accepted)
-                .encode(accepted.encode_family(&[("listener", *listener)])?)?;
-        }
-        let mut refused = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "devtrace_connections_refused",
             "Connections closed at once, by listener and bound: the listener's (full) or one \
-             peer's (peer).",
-            None,
-            MetricType::Counter,
+             peer's (peer)",
+            counts
+                .iter()
+                .flat_map(|(listener, count)| {
+                    [("full", count.refused_full), ("peer", count.refused_peer)].map(
+                        |(bound, value)| {
+                            (
+                                [("listener", *listener), ("bound", bound)],
+                                ConstCounter::new(value),
+                            )
+                        },
+                    )
+                })
+                .collect(),
         )?;
-        for (listener, count) in &counts {
-            for (bound, value) in [("full", count.refused_full), ("peer", count.refused_peer)] {
-                ConstCounter::new(value)
-                    .encode(refused.encode_family(&[("listener", *listener), ("bound", bound)])?)?;
-            }
-        }
-        let mut errors = encoder.encode_descriptor(
+        family(
+            &mut encoder,
             "devtrace_accept_errors",
             "Accept errors (out of file descriptors, say), by listener; accepting pauses after \
-             each.",
-            None,
-            MetricType::Counter,
-        )?;
-        for (listener, count) in &counts {
-            ConstCounter::new(count.accept_errors)
-                .encode(errors.encode_family(&[("listener", *listener)])?)?;
-        }
-        Ok(())
+             each",
+            each(|count| count.accept_errors),
+        )
     }
 }
