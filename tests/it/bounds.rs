@@ -6,7 +6,6 @@
 
 use crate::common;
 
-use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -26,22 +25,6 @@ async fn connect_from(from: [u8; 4], to: &str) -> TcpStream {
         .bind(SocketAddr::from((from, 0)))
         .expect("binding a loopback address");
     socket.connect(to).await.expect("connecting")
-}
-
-/// The value of `name{labels}` in a scrape.
-fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-}
-
-/// GET `path` with a deadline: a probe that waits is a probe that fails.
-fn probe(address: &str, path: &str, within: Duration) -> std::io::Result<String> {
-    let mut stream = std::net::TcpStream::connect(address)?;
-    stream.set_read_timeout(Some(within))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply)?;
-    Ok(reply)
 }
 
 /// Whether a connection was closed by the agent (not left open).
@@ -86,13 +69,16 @@ async fn connections_past_one_peers_bound_are_closed_and_others_are_still_served
     // Another address is served meanwhile.
     let space = space_of(&agent.profile(request(200, "bounds")).await);
     assert!(!space.planes.is_empty());
-    let text = probe(&metrics, "/metrics", Duration::from_secs(10)).expect("metrics");
-    let refused = metric(
+    let (_, text) =
+        http_get_within(&metrics, "/metrics", Some(Duration::from_secs(10))).expect("metrics");
+    let refused = metric_value(
         &text,
-        "devtrace_connections_refused_total{listener=\"grpc\",bound=\"peer\"}",
+        "devtrace_connections_refused_total",
+        &[("listener", "grpc"), ("bound", "peer")],
     );
     assert_eq!(refused, Some(4.0), "{text}");
-    let open = metric(&text, "devtrace_connections_open{listener=\"grpc\"}").unwrap_or(0.0);
+    let open =
+        metric_value(&text, "devtrace_connections_open", &[("listener", "grpc")]).unwrap_or(0.0);
     assert!(open >= per_peer as f64, "{open} open: {text}");
     drop(held);
 }
@@ -107,18 +93,17 @@ async fn silent_connections_to_the_metrics_port_do_not_make_the_probes_wait() {
         silent.push(connect_from([127, 0, 0, 3], &metrics).await);
     }
     for _ in 0..5 {
-        let reply = probe(&metrics, "/healthz", Duration::from_secs(2))
+        let (status, reply) = http_get_within(&metrics, "/healthz", Some(Duration::from_secs(2)))
             .expect("the probe answered within its 2 s timeout");
-        assert!(
-            reply.starts_with("HTTP/1.0 200") || reply.starts_with("HTTP/1.1 200"),
-            "{reply}"
-        );
+        assert_eq!(status, 200, "{reply}");
     }
-    let text = probe(&metrics, "/metrics", Duration::from_secs(10)).expect("metrics");
+    let (_, text) =
+        http_get_within(&metrics, "/metrics", Some(Duration::from_secs(10))).expect("metrics");
     let per_peer = devtrace::telemetry::http::LIMITS.per_peer;
-    let refused = metric(
+    let refused = metric_value(
         &text,
-        "devtrace_connections_refused_total{listener=\"metrics\",bound=\"peer\"}",
+        "devtrace_connections_refused_total",
+        &[("listener", "metrics"), ("bound", "peer")],
     );
     assert_eq!(refused, Some((100 - per_peer) as f64), "{text}");
     drop(silent);
@@ -157,49 +142,26 @@ async fn half_sent_call(
     (client, response, body)
 }
 
-/// The gRPC status a response ends with (in its headers or trailers).
+/// The gRPC status a response ends with (in its headers or trailers), as
+/// tonic reads it: its code and its (percent-decoded) message.
 async fn status_of(response: h2::client::ResponseFuture) -> (String, String) {
     let response = response.await.expect("a response");
     let headers = response.headers().clone();
     let mut body = response.into_body();
-    let mut trailers = None;
     while let Some(data) = body.data().await {
         let _ = data;
     }
-    if headers.get("grpc-status").is_none() {
-        trailers = body.trailers().await.expect("trailers");
-    }
-    let fields = trailers.as_ref().unwrap_or(&headers);
-    let get = |name: &str| {
-        fields
-            .get(name)
-            .map(|v| v.to_str().unwrap_or_default().to_string())
-            .unwrap_or_default()
-    };
-    (get("grpc-status"), percent_decoded(&get("grpc-message")))
-}
-
-/// A `grpc-message` as written: percent-encoded UTF-8.
-fn percent_decoded(text: &str) -> String {
-    let mut bytes = Vec::new();
-    let mut rest = text.as_bytes();
-    while let Some((&first, tail)) = rest.split_first() {
-        let hex = tail
-            .get(..2)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (first, hex) {
-            (b'%', Some(byte)) => {
-                bytes.push(byte);
-                rest = &tail[2..];
-            }
-            _ => {
-                bytes.push(first);
-                rest = tail;
-            }
+    let status = match tonic::Status::from_header_map(&headers) {
+        Some(status) => status,
+        None => {
+            let trailers = body.trailers().await.expect("trailers").unwrap_or_default();
+            tonic::Status::from_header_map(&trailers).expect("a grpc-status")
         }
-    }
-    String::from_utf8_lossy(&bytes).into_owned()
+    };
+    (
+        (status.code() as i32).to_string(),
+        status.message().to_string(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -95,22 +95,20 @@ fn in_a_memory_cgroup_the_budgets_are_sized_inside_its_limit() {
     let (status, text) = http_get(&metrics, "/metrics");
     assert_eq!(status, 200);
     let value = |name: &str| -> f64 {
-        text.lines()
-            .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in {text}"))
+        metric_value(&text, name, &[]).unwrap_or_else(|| panic!("no {name} in {text}"))
     };
     // This cgroup's limit, or a tighter one above it.
-    let seen = value("devtrace_memory_limit_bytes ");
+    let seen = value("devtrace_memory_limit_bytes");
     assert!(seen > 0.0 && seen <= limit as f64, "{seen} for {limit}");
-    let store = value("devtrace_flight_recorder_limit_bytes ");
-    let capture = value("devtrace_capture_memory_budget_bytes ");
+    let store = value("devtrace_flight_recorder_limit_bytes");
+    let capture = value("devtrace_capture_memory_budget_bytes");
     assert!(store > 0.0 && capture > 0.0, "{text}");
     assert!(
         store + capture < limit as f64,
         "{store} + {capture} in {limit}"
     );
     // Nothing is being captured: nothing of the capture budget is held.
-    assert_eq!(value("devtrace_capture_memory_held_bytes "), 0.0);
+    assert_eq!(value("devtrace_capture_memory_held_bytes"), 0.0);
     assert!(agent.is_running(), "agent {pid} exited");
     let status = agent
         .stop_with_sigterm(std::time::Duration::from_secs(10))

@@ -18,27 +18,6 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-/// The value of the first series of `name` carrying every label of
-/// `labels`, in the exposition `text`.
-fn value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .find_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (series_name, series_labels) = match series.split_once('{') {
-                Some((n, rest)) => (n, rest.strip_suffix('}')?),
-                None => (series, ""),
-            };
-            let matches = series_name == name
-                && labels.iter().all(|(key, wanted)| {
-                    series_labels
-                        .split(',')
-                        .any(|pair| pair == format!("{key}=\"{wanted}\""))
-                });
-            matches.then(|| value.parse().ok()).flatten()
-        })
-}
-
 fn scrape(metrics: &str) -> String {
     let (status, text) = http_get(metrics, "/metrics");
     assert_eq!(status, 200, "{text}");
@@ -105,7 +84,7 @@ async fn metrics_count_what_the_agent_did() {
 
     let text = scrape(&metrics);
     let calls = |rpc, code| {
-        value(
+        metric_value(
             &text,
             "devtrace_rpcs_total",
             &[("rpc", rpc), ("code", code)],
@@ -117,19 +96,19 @@ async fn metrics_count_what_the_agent_did() {
     assert!(!text.contains("rpc=\"Check\""), "{text}");
     let profile = [("rpc", "Profile")];
     assert_eq!(
-        value(&text, "devtrace_rpc_duration_seconds_count", &profile),
+        metric_value(&text, "devtrace_rpc_duration_seconds_count", &profile),
         Some(3.0)
     );
     // Only the captures that delivered have a latency.
     assert_eq!(
-        value(&text, "devtrace_capture_latency_seconds_count", &profile),
+        metric_value(&text, "devtrace_capture_latency_seconds_count", &profile),
         Some(2.0)
     );
 
     let mock = [("backend", "mock")];
-    let ingested = value(&text, "devtrace_events_ingested_total", &mock).unwrap();
+    let ingested = metric_value(&text, "devtrace_events_ingested_total", &mock).unwrap();
     assert!(ingested >= captured as f64, "{ingested} < {captured}");
-    let held = value(&text, "devtrace_flight_recorder_events", &[]).unwrap();
+    let held = metric_value(&text, "devtrace_flight_recorder_events", &[]).unwrap();
     // Monitor counted the recorder's events before this scrape; nothing has
     // aged out since (120 s retention).
     let monitored: f64 = monitor
@@ -142,20 +121,20 @@ async fn metrics_count_what_the_agent_did() {
         monitored <= held && held <= ingested,
         "{monitored} {held} {ingested}"
     );
-    assert!(value(&text, "devtrace_flight_recorder_bytes", &[]).unwrap() > 0.0);
-    assert!(value(&text, "devtrace_flight_recorder_seconds", &[]).unwrap() > 0.0);
+    assert!(metric_value(&text, "devtrace_flight_recorder_bytes", &[]).unwrap() > 0.0);
+    assert!(metric_value(&text, "devtrace_flight_recorder_seconds", &[]).unwrap() > 0.0);
     assert_eq!(
-        value(&text, "devtrace_flight_recorder_limit_bytes", &[]),
+        metric_value(&text, "devtrace_flight_recorder_limit_bytes", &[]),
         Some((512u64 << 20) as f64)
     );
     assert_eq!(
-        value(&text, "devtrace_flight_recorder_retention_seconds", &[]),
+        metric_value(&text, "devtrace_flight_recorder_retention_seconds", &[]),
         Some(120.0)
     );
 
     assert!(monitor.contains("backend mock: running"), "{monitor}");
     let state = |state| {
-        value(
+        metric_value(
             &text,
             "devtrace_backend_health",
             &[("backend", "mock"), ("state", state)],
@@ -167,7 +146,7 @@ async fn metrics_count_what_the_agent_did() {
     );
     for place in ["misdated", "name_table"] {
         assert_eq!(
-            value(
+            metric_value(
                 &text,
                 "devtrace_events_dropped_total",
                 &[("backend", "agent"), ("place", place)]
@@ -204,7 +183,7 @@ async fn ring_drops_count_for_the_backend_that_made_them() {
     let dropped = dropped_of(&space);
     assert!(dropped > 0, "a 16-slot ring at 500k events/s must overflow");
     let text = scrape(&metrics);
-    let counted = value(
+    let counted = metric_value(
         &text,
         "devtrace_events_dropped_total",
         &[("backend", "mock"), ("place", "agent_ring")],
@@ -347,7 +326,7 @@ fn gpu_series_carry_the_nvml_readings_and_vanish_with_a_lost_gpu() {
     let gpu = |index: u8| {
         let uuid = standin_uuid(index);
         move |text: &str, name: &str| {
-            value(
+            metric_value(
                 text,
                 name,
                 &[("gpu", index.to_string().as_str()), ("uuid", uuid.as_str())],
@@ -358,7 +337,7 @@ fn gpu_series_carry_the_nvml_readings_and_vanish_with_a_lost_gpu() {
     // as they reach the ring: both are waited for.
     let text = scrape_until(&metrics, "both GPUs' readings and their events", |text| {
         gpu(1)(text, "devtrace_gpu_memory_clock_hertz").is_some()
-            && value(
+            && metric_value(
                 text,
                 "devtrace_events_ingested_total",
                 &[("backend", "nvml")],
@@ -386,7 +365,7 @@ fn gpu_series_carry_the_nvml_readings_and_vanish_with_a_lost_gpu() {
         assert_eq!(of(&text, "devtrace_gpu_memory_clock_hertz"), Some(1215e6));
     }
     assert_eq!(
-        value(
+        metric_value(
             &text,
             "devtrace_backend_health",
             &[("backend", "nvml"), ("state", "running")]
@@ -564,15 +543,18 @@ async fn a_real_prometheus_scrapes_the_values_the_agent_reports() {
     assert_eq!(samples.len(), 1);
     assert_eq!(samples[0].1, 2.0);
     let own = [("rpc", "Profile"), ("code", "OK")];
-    assert_eq!(value(&before, "devtrace_rpcs_total", &own), Some(2.0));
-    assert_eq!(value(&after, "devtrace_rpcs_total", &own), Some(2.0));
+    assert_eq!(
+        metric_value(&before, "devtrace_rpcs_total", &own),
+        Some(2.0)
+    );
+    assert_eq!(metric_value(&after, "devtrace_rpcs_total", &own), Some(2.0));
 
     // Counters that keep growing: what Prometheus holds lies between the
     // agent's own readings around its scrapes.
     let mock = [("backend", "mock")];
     let ingested = prometheus.query("devtrace_events_ingested_total{backend=\"mock\"}");
-    let low = value(&before, "devtrace_events_ingested_total", &mock).unwrap();
-    let high = value(&after, "devtrace_events_ingested_total", &mock).unwrap();
+    let low = metric_value(&before, "devtrace_events_ingested_total", &mock).unwrap();
+    let high = metric_value(&after, "devtrace_events_ingested_total", &mock).unwrap();
     assert!(
         low <= ingested[0].1 && ingested[0].1 <= high,
         "{low} {} {high}",
@@ -594,7 +576,7 @@ async fn a_real_prometheus_scrapes_the_values_the_agent_reports() {
             assert_eq!(value_seen, expected, "{name}");
             let own = [("gpu", index.to_string()), ("uuid", standin_uuid(index))];
             let own: Vec<(&str, &str)> = own.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            assert_eq!(value(&after, name, &own), Some(value_seen), "{name}");
+            assert_eq!(metric_value(&after, name, &own), Some(value_seen), "{name}");
         }
     }
     let health = prometheus.query("devtrace_backend_health{backend=\"nvml\",state=\"running\"}");

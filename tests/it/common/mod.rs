@@ -293,8 +293,19 @@ pub fn http_get(address: &str, path: &str) -> (u16, String) {
 
 /// As [`http_get`], with connection errors returned.
 pub fn try_http_get(address: &str, path: &str) -> std::io::Result<(u16, String)> {
+    http_get_within(address, path, None)
+}
+
+/// As [`try_http_get`], failing when the reply takes longer than `within`
+/// (a probe that waits is a probe that fails).
+pub fn http_get_within(
+    address: &str,
+    path: &str,
+    within: Option<Duration>,
+) -> std::io::Result<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(address)?;
+    stream.set_read_timeout(within)?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
     let mut reply = String::new();
     stream.read_to_string(&mut reply)?;
@@ -307,6 +318,27 @@ pub fn try_http_get(address: &str, path: &str) -> std::io::Result<(u16, String)>
         .and_then(|code| code.parse().ok())
         .unwrap_or_else(|| panic!("no status in {head:?}"));
     Ok((status, body.to_string()))
+}
+
+/// The value of the first series of `name` carrying every label of
+/// `labels`, in the exposition `text`.
+pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (series_name, series_labels) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.strip_suffix('}')?),
+                None => (series, ""),
+            };
+            let matches = series_name == name
+                && labels.iter().all(|(key, wanted)| {
+                    series_labels
+                        .split(',')
+                        .any(|pair| pair == format!("{key}=\"{wanted}\""))
+                });
+            matches.then(|| value.parse().ok()).flatten()
+        })
 }
 
 pub fn now_ns() -> u64 {
