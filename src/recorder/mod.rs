@@ -126,6 +126,39 @@ impl WindowData {
         })
     }
 
+    /// The window's events as runs sorted by start (enclosing spans
+    /// first), one per chunk, each with the earliest start it may hold:
+    /// what [`crate::xspace::encode_runs`] merges. A run decodes its chunk
+    /// only once it is first read, so that runs not yet reached cost
+    /// nothing.
+    pub fn runs(&self) -> Vec<(u64, impl Iterator<Item = Event> + '_)> {
+        let window = self.window;
+        self.chunks
+            .iter()
+            .map(move |chunk| {
+                let mut events = None;
+                let run = std::iter::from_fn(move || {
+                    events
+                        .get_or_insert_with(|| {
+                            chunk
+                                .events
+                                .iter()
+                                .skip_while(move |e| e.start_ns < window.start_ns)
+                                .take_while(move |e| e.start_ns < window.stop_ns)
+                        })
+                        .next()
+                });
+                (chunk.first_start_ns.max(window.start_ns), run)
+            })
+            .collect()
+    }
+
+    /// Bytes of the chunks the window holds on to: memory the capture keeps
+    /// alive even once the flight recorder has evicted them.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunks.iter().map(|c| c.bytes()).sum()
+    }
+
     /// How many events the window's chunks hold (an upper bound on
     /// [`WindowData::events`]).
     pub fn held(&self) -> usize {

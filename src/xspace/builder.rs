@@ -3,9 +3,11 @@
 //! written in one pass with [`super::wire`] (no message tree in between).
 //! Every naming rule comes from [`crate::model::timeline`].
 
+use std::any::Any;
 use std::borrow::Borrow;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use prost::Message;
@@ -17,6 +19,8 @@ use crate::model::registry::{DeviceInfo, RegistrySnapshot};
 use crate::proto::tensorflow::profiler::XSpace;
 use crate::recorder::Window;
 
+use super::grant::{Grant, Unlimited};
+use super::runs::MergedRuns;
 use super::wire::{Open, Writer};
 use crate::model::timeline::{self as names, stat};
 pub use crate::model::timeline::{task_state_label, COUNTER_TRACK, STILL_RUNNING, XID_TRACK};
@@ -81,13 +85,42 @@ pub struct Encoded {
     parts: Vec<Bytes>,
     len: usize,
     pub events: usize,
+    /// What counts this trace's bytes against a budget, given back when the
+    /// last copy of the trace is dropped.
+    _accounted: Option<Accounted>,
+}
+
+/// An owner of a share of a memory budget, kept alive with a trace.
+#[derive(Clone)]
+struct Accounted {
+    _owner: Arc<dyn Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for Accounted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Accounted")
+    }
 }
 
 impl Encoded {
     /// The XSpace of `parts` (one after another), holding `events` events.
     pub fn from_parts(parts: Vec<Bytes>, events: usize) -> Encoded {
         let len = parts.iter().map(Bytes::len).sum();
-        Encoded { parts, len, events }
+        Encoded {
+            parts,
+            len,
+            events,
+            _accounted: None,
+        }
+    }
+
+    /// The same trace, holding `owner` (its share of a memory budget) for
+    /// as long as any copy of it lives.
+    pub fn accounted_by(self, owner: Arc<dyn Any + Send + Sync>) -> Encoded {
+        Encoded {
+            _accounted: Some(Accounted { _owner: owner }),
+            ..self
+        }
     }
 
     /// An XSpace already in one buffer.
@@ -125,27 +158,63 @@ impl Encoded {
 }
 
 /// Encodes the XSpace for `events` (any order) recorded during `info.window`.
-pub fn encode_xspace<E: Borrow<Event> + Send>(
+pub fn encode_xspace<E: Borrow<Event>>(
     events: impl IntoIterator<Item = E>,
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Encoded {
-    let (mut lines, count) = group_by_line(events);
-    // A known device gets its plane (and its facts) even when it was quiet.
-    for device in registry.devices() {
-        lines.entry(device).or_default();
+    let mut events: Vec<Event> = events.into_iter().map(|e| *e.borrow()).collect();
+    // Stable: events alike in start and length keep the order they came in.
+    events.sort_by_key(|e| (e.start_ns, Reverse(e.duration_ns)));
+    let first = events.first().map_or(0, |e| e.start_ns);
+    match encode_runs(
+        vec![(first, events.into_iter())],
+        registry,
+        info,
+        &mut Unlimited,
+    ) {
+        Ok(encoded) => encoded,
+        Err(outgrown) => match outgrown {},
     }
-    let threads = if count < PARALLEL_FROM_EVENTS {
-        1
-    } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    };
+}
+
+/// Encodes the XSpace of `runs`, each sorted in timeline order (start
+/// ascending, the longer of two that start together first) and paired with
+/// the earliest start it may hold, as the flight recorder's chunks are
+/// ([`crate::recorder::WindowData::runs`]). Events are encoded as the merge
+/// reaches them, each into its line's own blocks, so that what the build
+/// holds is the trace it makes (and each plane's metadata tables), not the
+/// window's events; every byte it comes to hold is drawn from `grant` first.
+pub fn encode_runs<I: Iterator<Item = Event>, G: Grant + ?Sized>(
+    runs: Vec<(u64, I)>,
+    registry: &RegistrySnapshot,
+    info: &CaptureInfo,
+    grant: &mut G,
+) -> Result<Encoded, G::Refusal> {
+    let mut planes: BTreeMap<Device, PlaneWriter> = BTreeMap::new();
+    // The host plane is always there; a known device gets its plane (and
+    // its facts) even when it was quiet.
+    planes.insert(Device::Host, PlaneWriter::new(registry));
+    for device in registry.devices() {
+        planes
+            .entry(device)
+            .or_insert_with(|| PlaneWriter::new(registry));
+    }
+    let mut count = 0;
+    for event in MergedRuns::new(runs) {
+        let plane = planes
+            .entry(event.device())
+            .or_insert_with(|| PlaneWriter::new(registry));
+        let grown = plane.push(&event, info.window.start_ns);
+        if grown > 0 {
+            grant.take(grown)?;
+        }
+        count += 1;
+    }
     let mut parts = Vec::new();
-    for plane in encode_planes(lines, registry, info.window, threads) {
-        let mut prefix = Writer::default();
-        prefix.message_prefix(field::SPACE_PLANES, plane.len());
-        parts.push(Bytes::from(prefix.into_bytes()));
-        parts.push(Bytes::from(plane));
+    for (device, plane) in planes {
+        let framing = plane.finish(device, registry, &mut parts);
+        grant.take(framing)?;
     }
     let mut out = Writer::with_capacity(4096);
     let plane = out.begin(field::SPACE_PLANES, 5);
@@ -158,68 +227,10 @@ pub fn encode_xspace<E: Borrow<Event> + Send>(
         out.text(field::SPACE_WARNINGS, &warning);
     }
     out.bytes(field::SPACE_HOSTNAMES, info.hostname.as_bytes());
-    parts.push(Bytes::from(out.into_bytes()));
-    Encoded::from_parts(parts, count)
-}
-
-/// Below this many events a trace's planes are encoded on the calling
-/// thread: starting threads would cost more than they save.
-const PARALLEL_FROM_EVENTS: usize = 100_000;
-
-/// Each plane's encoded `XPlane` message, in plane order. Planes are
-/// independent (each has its own metadata tables), so they are encoded on
-/// up to `threads` threads at once, the largest first.
-fn encode_planes<E: Borrow<Event> + Send>(
-    lines: Lines<E>,
-    registry: &RegistrySnapshot,
-    window: Window,
-    threads: usize,
-) -> Vec<Vec<u8>> {
-    let planes: Vec<(Device, PlaneLines<E>)> = lines.into_iter().collect();
-    let encode = |device: Device, device_lines: PlaneLines<E>| {
-        let events: usize = device_lines.values().map(Vec::len).sum();
-        let mut out = Writer::with_capacity(1024 + events * 72);
-        encode_plane(&mut out, device, device_lines, registry, window);
-        out.into_bytes()
-    };
-    let threads = threads.min(planes.len());
-    if threads < 2 {
-        return planes
-            .into_iter()
-            .map(|(device, device_lines)| encode(device, device_lines))
-            .collect();
-    }
-    // Largest first, taken by whichever thread is free.
-    let mut order: Vec<usize> = (0..planes.len()).collect();
-    let sizes: Vec<usize> = planes
-        .iter()
-        .map(|(_, l)| l.values().map(Vec::len).sum())
-        .collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
-    type Work<E> = parking_lot::Mutex<Option<(Device, PlaneLines<E>)>>;
-    let work: Vec<Work<E>> = planes
-        .into_iter()
-        .map(|plane| parking_lot::Mutex::new(Some(plane)))
-        .collect();
-    let done: Vec<parking_lot::Mutex<Vec<u8>>> =
-        (0..work.len()).map(|_| Default::default()).collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let taken = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&index) = order.get(taken) else {
-                    break;
-                };
-                if let Some((device, device_lines)) = work[index].lock().take() {
-                    *done[index].lock() = encode(device, device_lines);
-                }
-            });
-        }
-    });
-    done.into_iter()
-        .map(parking_lot::Mutex::into_inner)
-        .collect()
+    let space = out.into_bytes();
+    grant.take(space.len())?;
+    parts.push(Bytes::from(space));
+    Ok(Encoded::from_parts(parts, count))
 }
 
 /// Adds `warning` to an encoded XSpace: a repeated field appended to a
@@ -232,33 +243,175 @@ pub fn append_warning(encoded: &mut Encoded, warning: &str) {
     encoded.parts.push(part);
 }
 
-/// Events per (device, line), devices in plane order; the host plane is
-/// always present.
-type Lines<E> = BTreeMap<Device, PlaneLines<E>>;
+/// A line's events are sealed in blocks of about this size: a block never
+/// grows past it, so a large line costs what it holds, not up to twice that
+/// as one buffer doubling would.
+const BLOCK_BYTES: usize = 256 << 10;
 
-/// One plane's events per line.
-type PlaneLines<E> = BTreeMap<u64, Vec<E>>;
+/// Room left in a block below which it is sealed: more than one event takes.
+const BLOCK_ROOM: usize = 4 << 10;
 
-fn group_by_line<E: Borrow<Event>>(events: impl IntoIterator<Item = E>) -> (Lines<E>, usize) {
-    let mut lines: Lines<E> = BTreeMap::new();
-    lines.entry(Device::Host).or_default();
-    let mut count = 0;
-    for event in events {
-        let e = event.borrow();
-        let line = if e.is_counter() {
+/// One line's encoded events: sealed blocks, then the one being written.
+#[derive(Default)]
+struct LineWriter {
+    sealed: Vec<Bytes>,
+    open: Writer,
+    /// Which kinds of stream work the line holds (a GPU stream's name says).
+    stream_kinds: [bool; names::STREAM_KIND_ORDER.len()],
+}
+
+impl LineWriter {
+    fn len(&self) -> usize {
+        self.sealed.iter().map(Bytes::len).sum::<usize>() + self.open.len()
+    }
+
+    /// Seals the open block when it is nearly full; the next one is
+    /// allocated whole, as a line this large will fill it. Returns the bytes
+    /// newly allocated.
+    fn seal_if_full(&mut self) -> usize {
+        if self.open.len() + BLOCK_ROOM < BLOCK_BYTES {
+            return 0;
+        }
+        let block = std::mem::replace(&mut self.open, Writer::with_capacity(BLOCK_BYTES));
+        self.sealed.push(Bytes::from(block.into_bytes()));
+        self.open.capacity()
+    }
+}
+
+/// One plane's lines being written, and the metadata tables they refer to.
+struct PlaneWriter<'r> {
+    tables: PlaneTables<'r>,
+    lines: BTreeMap<u64, LineWriter>,
+}
+
+impl<'r> PlaneWriter<'r> {
+    fn new(registry: &'r RegistrySnapshot) -> Self {
+        PlaneWriter {
+            tables: PlaneTables::new(registry),
+            lines: BTreeMap::new(),
+        }
+    }
+
+    /// Encodes `event` into its line. Returns the bytes the plane has grown
+    /// by: its line's buffer and its tables.
+    fn push(&mut self, event: &Event, origin_ns: u64) -> usize {
+        let line_id = if event.is_counter() {
             COUNTER_TRACK
         } else {
-            e.line
+            event.line
         };
-        lines
-            .entry(e.device())
-            .or_default()
-            .entry(line)
-            .or_default()
-            .push(event);
-        count += 1;
+        let line = self.lines.entry(line_id).or_default();
+        let before = line.open.capacity() + self.tables.bytes;
+        self.tables.event(&mut line.open, event, origin_ns);
+        if let Some(kind) = stream_kind(event) {
+            line.stream_kinds[kind] = true;
+        }
+        let grown = (line.open.capacity() + self.tables.bytes).saturating_sub(before);
+        grown + line.seal_if_full()
     }
-    (lines, count)
+
+    /// Appends the plane as parts of the space's `planes` field: its id and
+    /// name, each line (its id and name, then its blocks) and its tables.
+    /// Returns the bytes of the parts it wrote besides the lines' blocks.
+    fn finish(self, device: Device, registry: &RegistrySnapshot, parts: &mut Vec<Bytes>) -> usize {
+        let PlaneWriter { mut tables, lines } = self;
+        let (id, name) = match device {
+            Device::Host => (names::HOST_PLANE_ID, names::HOST_PLANE.to_string()),
+            Device::HostCpus => (
+                names::HOST_CPUS_PLANE_ID,
+                names::HOST_CPUS_PLANE.to_string(),
+            ),
+            Device::Gpu(ordinal) => (i64::from(ordinal), names::gpu_plane_name(ordinal)),
+        };
+        let mut head = Writer::default();
+        head.int_nonzero(field::PLANE_ID, id);
+        head.text(field::PLANE_NAME, &name);
+        let mut plane_len = head.len();
+        let mut framing = 0;
+        let mut line_parts = Vec::new();
+        for (line_id, line) in lines {
+            let mut header = Writer::default();
+            header.int_nonzero(field::LINE_ID, xline_id(line_id));
+            header.text(
+                field::LINE_NAME,
+                &line_name(device, line_id, &line.stream_kinds, registry),
+            );
+            let line_len = header.len() + line.len();
+            let mut prefixed = Writer::with_capacity(header.len() + 16);
+            prefixed.message_prefix(field::PLANE_LINES, line_len);
+            prefixed.raw(&header.into_bytes());
+            plane_len += prefixed.len() + line.len();
+            framing += prefixed.len();
+            line_parts.push(Bytes::from(prefixed.into_bytes()));
+            line_parts.extend(line.sealed);
+            if !line.open.is_empty() {
+                line_parts.push(Bytes::from(line.open.into_bytes()));
+            }
+        }
+        if let Some(info) = registry.device_info(device) {
+            tables.device_stats(info);
+        }
+        let mut tail = Writer::default();
+        tables.finish(&mut tail);
+        plane_len += tail.len();
+        let mut prefix = Writer::with_capacity(16 + head.len());
+        prefix.message_prefix(field::SPACE_PLANES, plane_len);
+        prefix.raw(&head.into_bytes());
+        framing += prefix.len() + tail.len();
+        parts.push(Bytes::from(prefix.into_bytes()));
+        parts.extend(line_parts);
+        parts.push(Bytes::from(tail.into_bytes()));
+        framing
+    }
+}
+
+/// The id a line has in the trace: its own, or a fixed one for the tracks.
+fn xline_id(line_id: u64) -> i64 {
+    match line_id {
+        COUNTER_TRACK => names::COUNTERS_LINE_ID,
+        XID_TRACK => names::XID_LINE_ID,
+        _ => line_id as i64,
+    }
+}
+
+/// A line's name: a thread's, a CPU's, or a GPU stream's (saying the kinds
+/// of work it holds and, for workload processes, whose it is).
+fn line_name(
+    device: Device,
+    line_id: u64,
+    stream_kinds: &[bool; names::STREAM_KIND_ORDER.len()],
+    registry: &RegistrySnapshot,
+) -> String {
+    match device {
+        _ if line_id == COUNTER_TRACK => names::COUNTERS_LINE.to_string(),
+        _ if line_id == XID_TRACK => names::XID_LINE.to_string(),
+        Device::Host => registry
+            .line_name(device, line_id)
+            .map_or_else(|| format!("Thread {line_id}"), str::to_string),
+        Device::HostCpus => registry.line_name(device, line_id).map_or_else(
+            || {
+                if line_id & names::THREAD_LINE_BIT != 0 {
+                    format!("Thread {} off-CPU", line_id & !names::THREAD_LINE_BIT)
+                } else {
+                    names::cpu_line_name(line_id)
+                }
+            },
+            str::to_string,
+        ),
+        Device::Gpu(_) => {
+            let kinds: Vec<&str> = names::STREAM_KIND_ORDER
+                .iter()
+                .zip(stream_kinds)
+                .filter_map(|(kind, on)| on.then_some(*kind))
+                .collect();
+            let stream = names::stream_line_name(names::stream_of_line(line_id), &kinds);
+            // Streams of workload processes say whose they are.
+            match registry.line_name(device, line_id) {
+                Some(owner) => format!("{stream} {owner}"),
+                None => stream,
+            }
+        }
+    }
 }
 
 /// The same XSpace as a message, for replies that carry it inline.
@@ -292,98 +445,15 @@ pub fn is_empty(space: &XSpace) -> bool {
         .all(|p| p.lines.iter().all(|l| l.events.is_empty()))
 }
 
-fn encode_plane<E: Borrow<Event>>(
-    out: &mut Writer,
-    device: Device,
-    lines: PlaneLines<E>,
-    registry: &RegistrySnapshot,
-    window: Window,
-) {
-    let (id, name) = match device {
-        Device::Host => (names::HOST_PLANE_ID, names::HOST_PLANE.to_string()),
-        Device::HostCpus => (
-            names::HOST_CPUS_PLANE_ID,
-            names::HOST_CPUS_PLANE.to_string(),
-        ),
-        Device::Gpu(ordinal) => (i64::from(ordinal), names::gpu_plane_name(ordinal)),
+/// Which of the stream kinds a GPU stream's name lists `event` is, if any.
+fn stream_kind(event: &Event) -> Option<usize> {
+    let kind = match event.payload() {
+        Payload::Kernel(_) => names::STREAM_COMPUTE,
+        Payload::Memcpy(copy) => copy_label(copy.kind),
+        Payload::Memset(_) => names::STREAM_MEMSET,
+        _ => return None,
     };
-    out.int_nonzero(field::PLANE_ID, id);
-    out.text(field::PLANE_NAME, &name);
-    let mut plane = PlaneTables::new(registry);
-    for (line_id, mut events) in lines {
-        // XProf walks lines in order: start ascending, enclosing spans first.
-        // Events usually arrive in that order already; check before sorting.
-        let order = |e: &E| {
-            let e = e.borrow();
-            (e.start_ns, Reverse(e.duration_ns))
-        };
-        if !events.is_sorted_by_key(order) {
-            events.sort_by_key(order);
-        }
-        let line_name = match device {
-            _ if line_id == COUNTER_TRACK => names::COUNTERS_LINE.to_string(),
-            _ if line_id == XID_TRACK => names::XID_LINE.to_string(),
-            Device::Host => registry
-                .line_name(device, line_id)
-                .map_or_else(|| format!("Thread {line_id}"), str::to_string),
-            Device::HostCpus => registry.line_name(device, line_id).map_or_else(
-                || {
-                    if line_id & names::THREAD_LINE_BIT != 0 {
-                        format!("Thread {} off-CPU", line_id & !names::THREAD_LINE_BIT)
-                    } else {
-                        names::cpu_line_name(line_id)
-                    }
-                },
-                str::to_string,
-            ),
-            Device::Gpu(_) => {
-                let stream =
-                    names::stream_line_name(names::stream_of_line(line_id), &stream_kinds(&events));
-                // Streams of workload processes say whose they are.
-                match registry.line_name(device, line_id) {
-                    Some(owner) => format!("{stream} {owner}"),
-                    None => stream,
-                }
-            }
-        };
-        let xline_id = match line_id {
-            COUNTER_TRACK => names::COUNTERS_LINE_ID,
-            XID_TRACK => names::XID_LINE_ID,
-            _ => line_id as i64,
-        };
-        let line = out.begin(field::PLANE_LINES, 5);
-        out.int_nonzero(field::LINE_ID, xline_id);
-        out.text(field::LINE_NAME, &line_name);
-        // timestamp_ns stays 0: offsets are relative to the capture start.
-        for event in events {
-            plane.event(out, event.borrow(), window.start_ns);
-        }
-        out.end(line);
-    }
-    if let Some(info) = registry.device_info(device) {
-        plane.device_stats(info);
-    }
-    plane.finish(out);
-}
-
-fn stream_kinds<E: Borrow<Event>>(events: &[E]) -> Vec<&'static str> {
-    let mut present = [false; names::STREAM_KIND_ORDER.len()];
-    for event in events {
-        let kind = match event.borrow().payload() {
-            Payload::Kernel(_) => names::STREAM_COMPUTE,
-            Payload::Memcpy(copy) => copy_label(copy.kind),
-            Payload::Memset(_) => names::STREAM_MEMSET,
-            _ => continue,
-        };
-        if let Some(i) = names::STREAM_KIND_ORDER.iter().position(|k| *k == kind) {
-            present[i] = true;
-        }
-    }
-    names::STREAM_KIND_ORDER
-        .iter()
-        .zip(present)
-        .filter_map(|(kind, on)| on.then_some(*kind))
-        .collect()
+    names::STREAM_KIND_ORDER.iter().position(|k| *k == kind)
 }
 
 fn copy_label(kind: CopyKind) -> &'static str {
@@ -633,7 +703,14 @@ struct PlaneTables<'r> {
     event_ids: Vec<i64>,
     event_names: Vec<NameId>,
     plane_stats: Vec<u8>,
+    /// What the tables hold, counted as each entry is added (an entry's
+    /// strings, its map slot, and room for its vectors to double).
+    bytes: usize,
 }
+
+/// What a map entry costs besides its strings: its slot and its hash table's
+/// spare room.
+const TABLE_ENTRY_BYTES: usize = 96;
 
 impl<'r> PlaneTables<'r> {
     fn new(registry: &'r RegistrySnapshot) -> Self {
@@ -648,6 +725,7 @@ impl<'r> PlaneTables<'r> {
             event_ids: Vec::new(),
             event_names: Vec::new(),
             plane_stats: Vec::new(),
+            bytes: 0,
         }
     }
 
@@ -659,6 +737,7 @@ impl<'r> PlaneTables<'r> {
         self.stat_names.push(name.to_string());
         let id = self.stat_names.len() as i64;
         self.stat_ids.insert(name.to_string(), id);
+        self.bytes += 2 * name.len() + TABLE_ENTRY_BYTES;
         id
     }
 
@@ -674,6 +753,7 @@ impl<'r> PlaneTables<'r> {
     fn name_ref(&mut self, name: NameId) -> i64 {
         let index = name.0 as usize;
         if index >= self.name_refs.len() {
+            self.bytes += 2 * 8 * (index + 1 - self.name_refs.len());
             self.name_refs.resize(index + 1, 0);
         }
         if self.name_refs[index] == 0 {
@@ -685,9 +765,11 @@ impl<'r> PlaneTables<'r> {
     fn event_id(&mut self, name: NameId) -> i64 {
         let index = name.0 as usize;
         if index >= self.event_ids.len() {
+            self.bytes += 2 * 8 * (index + 1 - self.event_ids.len());
             self.event_ids.resize(index + 1, 0);
         }
         if self.event_ids[index] == 0 {
+            self.bytes += 2 * 4;
             self.event_names.push(name);
             self.event_ids[index] = self.event_names.len() as i64;
         }
@@ -737,6 +819,7 @@ impl<'r> PlaneTables<'r> {
                     None => {
                         let id = self.named(&kernel_details(&kernel));
                         self.kernel_refs.insert(key, id);
+                        self.bytes += TABLE_ENTRY_BYTES;
                         id
                     }
                 };
@@ -781,6 +864,7 @@ impl<'r> PlaneTables<'r> {
                         );
                         let id = self.named(&text);
                         self.detail_refs.insert(key, id);
+                        self.bytes += TABLE_ENTRY_BYTES;
                         id
                     }
                 };
@@ -803,6 +887,7 @@ impl<'r> PlaneTables<'r> {
                         );
                         let id = self.named(&text);
                         self.detail_refs.insert(key, id);
+                        self.bytes += TABLE_ENTRY_BYTES;
                         id
                     }
                 };
@@ -1093,32 +1178,103 @@ mod tests {
         build_xspace(inside, &registry.snapshot(), &info).expect("decodes")
     }
 
-    #[test]
-    fn planes_encoded_on_several_threads_are_the_bytes_one_thread_makes() {
+    /// `count` events of the mock on `gpus` GPUs, in the order it made
+    /// them, and a capture of the 10 s they fall in.
+    fn mock_events(gpus: u16, count: usize) -> (Vec<Event>, std::sync::Arc<Registry>, CaptureInfo) {
         let registry = Registry::new();
         let config = MockConfig {
-            gpus: 3,
+            gpus,
             ..MockConfig::default()
         };
         let mut workload = Workload::new(&config, &registry, START);
         let mut events = Vec::new();
-        while events.len() < 20_000 {
+        while events.len() < count {
             workload.emit_next(&mut |e| events.push(e));
         }
-        let (lines, _) = group_by_line(&events);
-        let window = Window {
-            start_ns: START,
-            stop_ns: START + 10_000_000_000,
+        let info = CaptureInfo {
+            window: Window {
+                start_ns: START,
+                stop_ns: START + 10_000_000_000,
+            },
+            ..CaptureInfo::default()
         };
+        (events, registry, info)
+    }
+
+    #[test]
+    fn a_windows_sorted_runs_encode_to_the_bytes_of_its_events_sorted() {
+        let (events, registry, info) = mock_events(3, 20_000);
         let snapshot = registry.snapshot();
-        let one = encode_planes(lines.clone(), &snapshot, window, 1);
-        assert_eq!(one.len(), 4, "host and three GPUs");
-        for threads in [2, 3, 8] {
-            assert_eq!(
-                encode_planes(lines.clone(), &snapshot, window, threads),
-                one
-            );
+        let whole = encode_xspace(&events, &snapshot, &info).contiguous();
+        // Chunks of arrival order, each sorted, overlapping in time.
+        let runs: Vec<(u64, std::vec::IntoIter<Event>)> = events
+            .chunks(997)
+            .map(|chunk| {
+                let mut run = chunk.to_vec();
+                run.sort_by_key(|e| (e.start_ns, Reverse(e.duration_ns)));
+                (run[0].start_ns, run.into_iter())
+            })
+            .collect();
+        let merged = encode_runs(runs, &snapshot, &info, &mut Unlimited)
+            .unwrap_or_else(|never| match never {});
+        assert_eq!(merged.contiguous(), whole);
+        let space = XSpace::decode(whole).expect("decodes");
+        assert_eq!(
+            space.planes.len(),
+            5,
+            "host, three GPUs and the environment"
+        );
+    }
+
+    /// A grant that refuses past `left` bytes, counting what it gave.
+    struct Budget {
+        left: usize,
+        given: usize,
+    }
+
+    impl Grant for Budget {
+        type Refusal = usize;
+
+        fn take(&mut self, bytes: usize) -> Result<(), usize> {
+            if bytes > self.left {
+                return Err(self.given + bytes);
+            }
+            self.left -= bytes;
+            self.given += bytes;
+            Ok(())
         }
+    }
+
+    #[test]
+    fn a_build_draws_what_it_holds_from_its_grant_and_stops_when_refused() {
+        let (events, registry, info) = mock_events(2, 200_000);
+        let snapshot = registry.snapshot();
+        let run = || vec![(START, events.clone().into_iter())];
+        let mut ample = Budget {
+            left: usize::MAX,
+            given: 0,
+        };
+        let encoded = encode_runs(run(), &snapshot, &info, &mut ample).expect("within");
+        // What it drew covers the trace, and not many times over: block
+        // slack and tables, not a copy of the events.
+        assert!(
+            ample.given >= encoded.len(),
+            "{} < {}",
+            ample.given,
+            encoded.len()
+        );
+        assert!(
+            ample.given < encoded.len() + encoded.len() / 4 + (1 << 20),
+            "drew {} for a {}-byte trace",
+            ample.given,
+            encoded.len()
+        );
+        let mut short = Budget {
+            left: encoded.len() / 2,
+            given: 0,
+        };
+        let wanted = encode_runs(run(), &snapshot, &info, &mut short).unwrap_err();
+        assert!(short.given <= encoded.len() / 2 && wanted > encoded.len() / 2);
     }
 
     fn plane<'s>(space: &'s XSpace, name: &str) -> &'s XPlane {

@@ -5,9 +5,14 @@
 
 pub mod builder;
 pub mod chunks;
+pub mod grant;
 pub mod merge;
 pub mod read;
 pub mod riegeli;
+pub mod runs;
 pub(crate) mod wire;
 
-pub use builder::{append_warning, build_xspace, encode_xspace, is_empty, CaptureInfo, Encoded};
+pub use builder::{
+    append_warning, build_xspace, encode_runs, encode_xspace, is_empty, CaptureInfo, Encoded,
+};
+pub use grant::{Grant, Unlimited};

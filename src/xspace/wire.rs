@@ -35,6 +35,20 @@ impl Writer {
         self.buf
     }
 
+    /// Bytes written so far.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// Bytes allocated: what the writer holds.
+    pub fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
     #[inline]
     fn varint(&mut self, mut value: u64) {
         // One capacity check per varint instead of one per byte: this is the
