@@ -2,11 +2,13 @@
 //! upstreams (in-process profiler servers) and per-capture sources recorded
 //! over the same window merged in, encoded as one XSpace.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use prost::Message;
 use tracing::info;
 
+use super::memory::{self, BuildMemory};
 use super::{CaptureError, Captures, Plan};
 use crate::backend::CaptureEnd;
 use crate::clock;
@@ -14,14 +16,20 @@ use crate::fleet;
 use crate::proto::tensorflow::profiler::XSpace;
 use crate::protocol::client;
 use crate::recorder::Window;
-use crate::xspace::{self, CaptureInfo, Encoded};
+use crate::xspace::{self, CaptureInfo, Encoded, Grant};
 
 impl Captures {
     /// Builds the trace of `window` from the flight recorder alone (a
     /// snapshot of the past: live-only sources cannot serve it), after its
     /// events have all arrived, encoding it off the async runtime.
-    pub async fn build(&self, plan: &Plan, window: Window) -> Result<Encoded, CaptureError> {
-        self.build_with(plan, window, Remote::none(window)).await
+    pub async fn build(
+        &self,
+        plan: &Plan,
+        window: Window,
+        deadline: Instant,
+    ) -> Result<Encoded, CaptureError> {
+        self.build_with(plan, window, Remote::none(window), deadline)
+            .await
     }
 
     /// Starts capturing every upstream and per-capture source over the
@@ -72,11 +80,17 @@ impl Captures {
     /// As [`Self::build`], with what `remote` recorded over the same window
     /// merged in. An upstream that fails, is slow or recorded another window
     /// makes the trace partial (the reason is in its errors), never failed.
+    ///
+    /// Memory comes from `--capture-memory` ([`super::memory`]): once the
+    /// window's events are in, the build reserves what they are expected to
+    /// take (waiting for other captures until `deadline`), draws more as it
+    /// grows, and the trace keeps its own bytes' worth until dropped.
     pub async fn build_with(
         &self,
         plan: &Plan,
         window: Window,
         mut remote: Remote,
+        deadline: Instant,
     ) -> Result<Encoded, CaptureError> {
         let local = self.agent.collect(window).await;
         let upstream_calls = std::mem::take(&mut remote.upstream_calls);
@@ -87,7 +101,22 @@ impl Captures {
             remote.push((name, result.map(|trace| Some(trace.into()))));
         }
         let (data, registry) = local.map_err(|e| CaptureError::Collect(e.to_string()))?;
+        let events = data.held();
+        let expected = data.chunk_bytes()
+            + events.saturating_mul(memory::EXPECTED_BYTES_PER_EVENT)
+            + BUILD_OVERHEAD_BYTES;
+        let mut memory = self.memory.reserve(expected, events, deadline).await?;
+        // The window's chunks live as long as the build, evicted or not.
+        memory.take(data.chunk_bytes())?;
         let mut warnings = plan.warnings.clone();
+        if let Some(waited) = memory.waited {
+            warnings.push(format!(
+                "this trace waited {:.3} s for capture memory: other captures' traces held \
+                 --capture-memory ({} bytes)",
+                waited.as_secs_f64(),
+                self.memory.budget()
+            ));
+        }
         // A backend that was asked for and could not run leaves a gap the
         // trace should admit to.
         for (name, reason) in self.agent.unavailable_backends() {
@@ -165,27 +194,64 @@ impl Captures {
             properties,
         };
         tokio::task::spawn_blocking(move || {
-            let encoded = xspace::encode_xspace(data.events(), &registry, &info);
-            if merged.is_empty() {
-                return Ok(encoded);
-            }
-            let mut space = XSpace::decode(encoded.contiguous())?;
-            let mut events = encoded.events;
-            for (upstream, theirs) in merged {
-                events += theirs
-                    .planes
-                    .iter()
-                    .flat_map(|p| &p.lines)
-                    .map(|l| l.events.len())
-                    .sum::<usize>();
-                xspace::merge::merge(&mut space, theirs, &upstream);
-            }
-            Ok(Encoded::whole(space.encode_to_vec(), events))
+            let encoded = xspace::encode_runs(data.runs(), &registry, &info, &mut memory)?;
+            drop(data);
+            let encoded = merge_upstreams(encoded, merged, &mut memory)?;
+            memory.keep_only(encoded.len());
+            Ok(encoded.accounted_by(Arc::new(memory)))
         })
         .await
         .map_err(|e| CaptureError::Build(e.to_string()))?
-        .map_err(CaptureError::Merge)
     }
+}
+
+/// What a build holds besides its events' bytes: each plane's metadata, the
+/// space's own fields, the merge's bookkeeping.
+const BUILD_OVERHEAD_BYTES: usize = 256 << 10;
+
+/// How many bytes a decoded XSpace and its re-encoding take per encoded
+/// byte, at most: merging upstream traces decodes ours and theirs into
+/// messages and encodes the result anew.
+const MERGE_BYTES_PER_ENCODED_BYTE: usize = 6;
+
+/// `encoded` with the upstream traces `merged` into it, drawing what the
+/// merge takes from `memory`. When it cannot have that, the trace goes
+/// without them and says so.
+fn merge_upstreams(
+    encoded: Encoded,
+    merged: Vec<(String, XSpace)>,
+    memory: &mut BuildMemory,
+) -> Result<Encoded, CaptureError> {
+    if merged.is_empty() {
+        return Ok(encoded);
+    }
+    let theirs: usize = merged.iter().map(|(_, space)| space.encoded_len()).sum();
+    let needed = (encoded.len() + theirs).saturating_mul(MERGE_BYTES_PER_ENCODED_BYTE);
+    if let Err(refused) = memory.take(needed) {
+        let names: Vec<&str> = merged.iter().map(|(name, _)| name.as_str()).collect();
+        let mut encoded = encoded;
+        xspace::append_warning(
+            &mut encoded,
+            &format!(
+                "upstream traces left out ({}): merging them needs {needed} bytes of capture \
+                 memory: {refused}",
+                names.join(", ")
+            ),
+        );
+        return Ok(encoded);
+    }
+    let mut space = XSpace::decode(encoded.contiguous()).map_err(CaptureError::Merge)?;
+    let mut events = encoded.events;
+    for (upstream, theirs) in merged {
+        events += theirs
+            .planes
+            .iter()
+            .flat_map(|p| &p.lines)
+            .map(|l| l.events.len())
+            .sum::<usize>();
+        xspace::merge::merge(&mut space, theirs, &upstream);
+    }
+    Ok(Encoded::whole(space.encode_to_vec(), events))
 }
 
 /// How late an upstream may start its recording and still count as having

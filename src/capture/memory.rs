@@ -1,17 +1,19 @@
-//! `--capture-memory`: a budget for the traces being built and replied at
-//! once. A capture reserves its trace's expected size when it arrives
-//! (captures sharing a build share its reservation, as their replies share
-//! its bytes) and holds it until its reply has been sent; past the budget,
-//! later captures wait for earlier ones, within their deadline, instead of
-//! piling up.
+//! `--capture-memory`: the budget every trace being built or replied draws
+//! from. A build reserves, before it reads anything, what its window holds
+//! (the flight recorder's chunks it keeps alive) and what its trace is
+//! expected to take; while it encodes it draws every further byte from the
+//! budget ([`BuildMemory`] is the builder's [`Grant`]), and once built it
+//! keeps just its trace's bytes, until the last reply sending them is out.
+//! A build that does not fit waits for others within its request's
+//! deadline; one that outgrows what is left stops, refused. Nothing is
+//! allocated for a trace that the budget has not granted first.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::recorder::Window;
+use crate::xspace::Grant;
 
 /// The default budget.
 pub const DEFAULT_CAPTURE_MEMORY: usize = 2 << 30;
@@ -20,36 +22,56 @@ pub const DEFAULT_CAPTURE_MEMORY: usize = 2 << 30;
 /// terabytes.
 const UNIT: usize = 1 << 10;
 
-/// What a second of window is expected to encode to before any trace has
-/// been built: a busy host at a million events a second.
-const INITIAL_BYTES_PER_SECOND: u64 = 32 << 20;
+/// What a build reserves per event of its window before it starts: what a
+/// busy host's events encode to (68 bytes each for the mock's mix; kernels
+/// with many stats take more), so that most builds never need to draw more.
+pub const EXPECTED_BYTES_PER_EVENT: usize = 80;
 
-/// A capture waited for memory longer than its deadline allowed.
+/// A build that outgrows its reservation draws at least this much at a
+/// time, so that it does not ask the semaphore for every block.
+const GROWTH_STEP: usize = 4 << 20;
+
+/// Why a build got no memory, or no more.
 #[derive(Debug, thiserror::Error)]
-#[error(
-    "waited {:.3} s for capture memory (--capture-memory {budget} bytes, held by other \
-     captures' traces) until this request's deadline; ask again later, for a shorter window, \
-     or start the agent with a larger --capture-memory", waited.as_secs_f64()
-)]
-pub struct OutOfTime {
-    pub waited: Duration,
-    pub budget: usize,
-}
-
-/// Memory held for one build until every capture sharing it has replied.
-#[derive(Debug)]
-pub struct Reservation {
-    _permit: OwnedSemaphorePermit,
-    /// How long the build waited for it, when it had to.
-    pub waited: Option<Duration>,
+pub enum MemoryError {
+    /// It waited for other captures' traces past its request's deadline.
+    #[error(
+        "waited {:.3} s for {needed} bytes of capture memory (--capture-memory {budget} bytes, \
+         held by other captures' traces) until this request's deadline; ask again later, for \
+         a shorter window, or start the agent with a larger --capture-memory",
+        waited.as_secs_f64()
+    )]
+    OutOfTime {
+        waited: Duration,
+        needed: usize,
+        budget: usize,
+    },
+    /// Its window alone needs more than the whole budget.
+    #[error(
+        "this window holds {events} events, and building its trace takes at least {needed} \
+         bytes, more than all of --capture-memory ({budget} bytes); ask for a shorter window, \
+         or start the agent with a larger --capture-memory"
+    )]
+    TooLarge {
+        events: usize,
+        needed: usize,
+        budget: usize,
+    },
+    /// Its trace outgrew its reservation while the rest of the budget was
+    /// held by other captures.
+    #[error(
+        "this capture's trace outgrew the {held} bytes of capture memory it held while other \
+         captures' traces held the rest of --capture-memory ({budget} bytes); ask again \
+         later, for a shorter window, or start the agent with a larger --capture-memory"
+    )]
+    Outgrown { held: usize, budget: usize },
 }
 
 /// See the module documentation.
 pub struct CaptureMemory {
     budget: usize,
+    units: usize,
     free: Arc<Semaphore>,
-    /// Encoded bytes per second of window of the last trace built.
-    bytes_per_second: AtomicU64,
 }
 
 impl CaptureMemory {
@@ -57,8 +79,8 @@ impl CaptureMemory {
         let units = (budget / UNIT).clamp(1, Semaphore::MAX_PERMITS);
         CaptureMemory {
             budget,
+            units,
             free: Arc::new(Semaphore::new(units)),
-            bytes_per_second: AtomicU64::new(INITIAL_BYTES_PER_SECOND),
         }
     }
 
@@ -68,58 +90,113 @@ impl CaptureMemory {
 
     /// Bytes reserved now.
     pub fn held(&self) -> u64 {
-        let whole = (self.budget / UNIT).clamp(1, Semaphore::MAX_PERMITS);
-        (whole.saturating_sub(self.free.available_permits()) * UNIT) as u64
+        (self.units.saturating_sub(self.free.available_permits()) * UNIT) as u64
     }
 
-    /// Reserves what a trace of `window` is expected to take (never more
-    /// than the whole budget, so that any capture can run alone), waiting
-    /// until `deadline` at most.
+    /// Reserves `needed` bytes for a build of a window holding `events`
+    /// events, waiting until `deadline` at most; at once refused when the
+    /// whole budget could not hold it.
     pub async fn reserve(
         &self,
-        window: Window,
+        needed: usize,
+        events: usize,
         deadline: Instant,
-    ) -> Result<Reservation, OutOfTime> {
-        let units = self.expected_units(window);
-        if let Ok(permit) = Arc::clone(&self.free).try_acquire_many_owned(units) {
-            return Ok(Reservation {
-                _permit: permit,
-                waited: None,
-            });
+    ) -> Result<BuildMemory, MemoryError> {
+        let units = needed.div_ceil(UNIT).max(1);
+        let too_large = MemoryError::TooLarge {
+            events,
+            needed,
+            budget: self.budget,
+        };
+        if units > self.units {
+            return Err(too_large);
+        }
+        let Ok(units32) = u32::try_from(units) else {
+            return Err(too_large);
+        };
+        let build = |permit, waited| BuildMemory {
+            free: Arc::clone(&self.free),
+            permit,
+            budget: self.budget,
+            used: 0,
+            waited,
+        };
+        if let Ok(permit) = Arc::clone(&self.free).try_acquire_many_owned(units32) {
+            return Ok(build(permit, None));
         }
         let started = Instant::now();
         let acquired = tokio::time::timeout_at(
             deadline.into(),
-            Arc::clone(&self.free).acquire_many_owned(units),
+            Arc::clone(&self.free).acquire_many_owned(units32),
         )
         .await;
         match acquired {
-            Ok(Ok(permit)) => Ok(Reservation {
-                _permit: permit,
-                waited: Some(started.elapsed()),
-            }),
+            Ok(Ok(permit)) => Ok(build(permit, Some(started.elapsed()))),
             // The semaphore is never closed; out of time either way.
-            _ => Err(OutOfTime {
+            _ => Err(MemoryError::OutOfTime {
                 waited: started.elapsed(),
+                needed,
                 budget: self.budget,
             }),
         }
     }
+}
 
-    /// Learns from a built trace what the next ones are likely to take.
-    pub fn built(&self, window: Window, bytes: usize) {
-        let seconds = window.duration_ns().max(1_000_000) as f64 / 1e9;
-        self.bytes_per_second
-            .store((bytes as f64 / seconds) as u64, Ordering::Relaxed);
+/// One build's share of the budget: what it reserved, and what it drew
+/// since. Dropped, it goes back to the budget.
+#[derive(Debug)]
+pub struct BuildMemory {
+    free: Arc<Semaphore>,
+    permit: OwnedSemaphorePermit,
+    budget: usize,
+    /// Bytes drawn so far ([`Grant::take`]): the reservation is for them.
+    used: usize,
+    /// How long the build waited for its reservation, when it had to.
+    pub waited: Option<Duration>,
+}
+
+impl BuildMemory {
+    /// Bytes held from the budget.
+    pub fn held(&self) -> usize {
+        self.permit.num_permits() * UNIT
     }
 
-    fn expected_units(&self, window: Window) -> u32 {
-        let seconds = window.duration_ns() as f64 / 1e9;
-        let bytes = self.bytes_per_second.load(Ordering::Relaxed) as f64 * seconds;
-        let whole = (self.budget / UNIT).clamp(1, Semaphore::MAX_PERMITS);
-        ((bytes as usize) / UNIT)
-            .clamp(1, whole)
-            .min(u32::MAX as usize) as u32
+    /// Gives back all but `bytes`: what a built trace keeps while its
+    /// replies are sent.
+    pub fn keep_only(&mut self, bytes: usize) {
+        let keep = bytes.div_ceil(UNIT).max(1);
+        if self.permit.num_permits() > keep {
+            drop(self.permit.split(self.permit.num_permits() - keep));
+        }
+        self.used = bytes;
+    }
+}
+
+impl Grant for BuildMemory {
+    type Refusal = MemoryError;
+
+    fn take(&mut self, bytes: usize) -> Result<(), MemoryError> {
+        self.used = self.used.saturating_add(bytes);
+        let held = self.held();
+        if self.used <= held {
+            return Ok(());
+        }
+        let short = (self.used - held).div_ceil(UNIT);
+        // A step at a time when the budget has it, else just what is short.
+        let step = short.max(GROWTH_STEP / UNIT);
+        for units in [step, short] {
+            let Ok(units) = u32::try_from(units) else {
+                continue;
+            };
+            if let Ok(more) = Arc::clone(&self.free).try_acquire_many_owned(units) {
+                self.permit.merge(more);
+                return Ok(());
+            }
+        }
+        Err(MemoryError::Outgrown {
+            held,
+            budget: self.budget,
+        })
     }
 }
 
@@ -127,56 +204,80 @@ impl CaptureMemory {
 mod tests {
     use super::*;
 
-    fn window(seconds: u64) -> Window {
-        Window {
-            start_ns: 0,
-            stop_ns: seconds * 1_000_000_000,
-        }
-    }
+    const FAR: Duration = Duration::from_secs(3600);
 
     #[tokio::test]
-    async fn a_capture_over_budget_waits_for_the_one_before_it() {
-        let memory = CaptureMemory::new(1 << 20);
-        let far = Instant::now() + Duration::from_secs(3600);
-        let first = memory.reserve(window(10), far).await.unwrap();
+    async fn a_build_over_budget_waits_for_the_one_before_it() {
+        let memory = Arc::new(CaptureMemory::new(1 << 20));
+        let first = memory
+            .reserve(700 << 10, 1, Instant::now() + FAR)
+            .await
+            .unwrap();
         assert!(first.waited.is_none());
+        let waiting = Arc::clone(&memory);
         let second = tokio::spawn(async move {
-            let reservation = memory.reserve(window(10), far).await;
-            (memory, reservation)
+            waiting
+                .reserve(700 << 10, 1, Instant::now() + FAR)
+                .await
+                .map(|m| m.waited)
         });
         tokio::task::yield_now().await;
+        assert!(!second.is_finished());
         drop(first);
-        let (_, second) = second.await.unwrap();
-        assert!(second.unwrap().waited.is_some());
+        assert!(second.await.unwrap().unwrap().is_some());
     }
 
     #[tokio::test]
     async fn a_wait_past_the_deadline_fails_saying_why() {
         let memory = CaptureMemory::new(1 << 20);
-        let _first = memory.reserve(window(10), Instant::now()).await.unwrap();
+        let _first = memory.reserve(1 << 20, 1, Instant::now()).await.unwrap();
         let error = memory
-            .reserve(window(10), Instant::now())
+            .reserve(1 << 10, 1, Instant::now())
             .await
             .unwrap_err();
+        assert!(matches!(error, MemoryError::OutOfTime { .. }));
         assert!(error.to_string().contains("--capture-memory"), "{error}");
     }
 
     #[tokio::test]
-    async fn what_is_held_is_counted_until_the_reservation_goes() {
-        let memory = CaptureMemory::new(1 << 30);
-        memory.built(window(1), 10 << 20);
-        assert_eq!(memory.held(), 0);
-        let far = Instant::now() + Duration::from_secs(3600);
-        let reservation = memory.reserve(window(1), far).await.unwrap();
-        assert_eq!(memory.held(), 10 << 20);
-        drop(reservation);
+    async fn a_window_larger_than_the_whole_budget_is_refused_at_once() {
+        let memory = CaptureMemory::new(1 << 20);
+        let error = memory
+            .reserve(2 << 20, 5, Instant::now() + FAR)
+            .await
+            .unwrap_err();
+        assert!(matches!(error, MemoryError::TooLarge { events: 5, .. }));
         assert_eq!(memory.held(), 0);
     }
 
-    #[test]
-    fn small_traces_reserve_what_they_take() {
-        let memory = CaptureMemory::new(1 << 30);
-        memory.built(window(1), 10 << 20);
-        assert_eq!(memory.expected_units(window(2)), (20 << 20) / UNIT as u32);
+    #[tokio::test]
+    async fn a_build_draws_more_while_there_is_more_and_is_refused_after() {
+        let memory = CaptureMemory::new(8 << 20);
+        let mut build = memory
+            .reserve(1 << 20, 1, Instant::now() + FAR)
+            .await
+            .unwrap();
+        build.take(512 << 10).unwrap();
+        assert_eq!(memory.held(), 1 << 20, "within its reservation");
+        build.take(1 << 20).unwrap();
+        assert_eq!(memory.held(), (1 << 20) + (GROWTH_STEP as u64));
+        let _other = memory.reserve(2 << 20, 1, Instant::now()).await.unwrap();
+        // Less than a step is left, but what is short still fits.
+        build.take(GROWTH_STEP).unwrap();
+        let refused = build.take(8 << 20).unwrap_err();
+        assert!(matches!(refused, MemoryError::Outgrown { .. }), "{refused}");
+    }
+
+    #[tokio::test]
+    async fn a_built_trace_keeps_only_its_bytes_until_it_is_dropped() {
+        let memory = CaptureMemory::new(64 << 20);
+        let mut build = memory
+            .reserve(10 << 20, 1, Instant::now() + FAR)
+            .await
+            .unwrap();
+        build.keep_only(3 << 20);
+        assert_eq!(memory.held(), 3 << 20);
+        drop(build);
+        assert_eq!(memory.held(), 0);
     }
 }

@@ -25,7 +25,7 @@ use crate::recorder::Window;
 use crate::repository::{Folder, StorageError, XPLANE_SUFFIX};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::Encoded;
-use memory::{CaptureMemory, OutOfTime, DEFAULT_CAPTURE_MEMORY};
+use memory::{CaptureMemory, MemoryError, DEFAULT_CAPTURE_MEMORY};
 use shared_builds::{BuildKey, SharedBuilds, Slot};
 
 /// Traces larger than this are stored as Riegeli chunks unless configured
@@ -36,9 +36,9 @@ pub const DEFAULT_CHUNK_TRACES_OVER: usize = 1 << 30;
 /// Why a capture produced no trace.
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    /// Its build waited for capture memory past the request's deadline.
+    /// Its build got no capture memory, or not enough.
     #[error(transparent)]
-    OutOfMemoryTime(#[from] OutOfTime),
+    Memory(#[from] MemoryError),
     #[error("{0}")]
     Collect(String),
     #[error("building the trace failed: {0}")]
@@ -92,15 +92,15 @@ pub fn local_hostname() -> String {
         .unwrap_or_else(|| "localhost".to_string())
 }
 
-/// A capture admitted to build: the slot its trace is built in (shared with
-/// the captures of the same window when it can be), holding its memory
-/// until every capture using it has replied.
+/// A capture admitted to build: the slot its trace is built in, shared
+/// with the captures of the same window when it can be.
 pub struct Admission {
     pub slot: Arc<Slot>,
-    /// How long this capture's build waited for memory, when it had to
-    /// (`None` as well when it joined a build that had memory already).
-    pub waited: Option<Duration>,
 }
+
+/// How long a trigger's save waits for capture memory that other captures
+/// hold.
+const SAVE_MEMORY_WAIT: Duration = Duration::from_secs(60);
 
 impl crate::telemetry::BudgetUse for Captures {
     fn held_bytes(&self) -> u64 {
@@ -151,11 +151,11 @@ impl Captures {
 
     /// Admits a capture of the plan's window: joins the build of captures
     /// of the same window (on arrival, so that captures arriving during the
-    /// window find each other however late each one wakes at its end), and
-    /// reserves memory for the trace, waiting until `deadline` at most.
+    /// window find each other however late each one wakes at its end).
     /// Captures with upstreams or per-capture sources record their own and
-    /// share nothing.
-    pub async fn admit(&self, plan: &Plan, deadline: Instant) -> Result<Admission, CaptureError> {
+    /// share nothing. Memory is reserved by the build, once the window's
+    /// events are in ([`Self::build_with`]).
+    pub fn admit(&self, plan: &Plan) -> Admission {
         let shared = self.settings.upstreams.is_empty() && self.agent.session_sources().is_empty();
         let slot = if shared {
             let key = BuildKey::new(plan.window, &plan.options, &plan.losses_at_start);
@@ -163,18 +163,13 @@ impl Captures {
         } else {
             Arc::new(Slot::default())
         };
-        let memory_was_reserved = slot.memory.initialized();
-        let reservation = slot
-            .memory
-            .get_or_try_init(|| self.memory.reserve(plan.window, deadline))
-            .await?;
-        let waited = reservation.waited.filter(|_| !memory_was_reserved);
-        Ok(Admission { slot, waited })
+        Admission { slot }
     }
 
     /// The trace of `window` with `remote` merged in: built in the
     /// admission's slot, or the build another capture made there. A capture
     /// that `ended_early` (its window cut short) builds a trace of its own.
+    /// Its build waits for capture memory until `deadline` at most.
     pub async fn build_admitted(
         &self,
         admission: &Admission,
@@ -182,17 +177,15 @@ impl Captures {
         window: Window,
         remote: Remote,
         ended_early: bool,
+        deadline: Instant,
     ) -> Result<Arc<Encoded>, CaptureError> {
-        let build = self.build_with(plan, window, remote);
-        let encoded = if !ended_early {
-            self.shared_builds
-                .get_or_build(&admission.slot, build)
-                .await?
-        } else {
-            Arc::new(build.await?)
-        };
-        self.memory.built(window, encoded.len());
-        Ok(encoded)
+        let build = self.build_with(plan, window, remote, deadline);
+        if ended_early {
+            return Ok(Arc::new(build.await?));
+        }
+        self.shared_builds
+            .get_or_build(&admission.slot, build)
+            .await
     }
 
     /// Builds the trace of `window` from the flight recorder and writes it
@@ -213,7 +206,9 @@ impl Captures {
             properties,
             self.agent.losses(),
         );
-        let encoded = self.build(&plan, window).await?;
+        let encoded = self
+            .build(&plan, window, Instant::now() + SAVE_MEMORY_WAIT)
+            .await?;
         let limit = self.settings.chunk_traces_over;
         // Stored without a log line of its own: the trigger logs the save.
         let written = if encoded.len() > limit {

@@ -13,7 +13,6 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
-use super::memory::Reservation;
 use crate::recorder::Window;
 use crate::xspace::Encoded;
 
@@ -45,12 +44,11 @@ impl BuildKey {
     }
 }
 
-/// One shared build: the memory reserved for it, and its trace once its
-/// first capture has built it. Held by every capture using it; gone when
-/// the last one has replied.
+/// One shared build: its trace once its first capture has built it (and
+/// with it, the trace's share of capture memory). Held by every capture
+/// using it; gone when the last one has replied.
 #[derive(Default)]
 pub struct Slot {
-    pub memory: OnceCell<Reservation>,
     trace: OnceCell<Arc<Encoded>>,
 }
 

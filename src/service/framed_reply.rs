@@ -31,6 +31,7 @@ const SLICE_BYTES: usize = 1 << 20;
 /// (profiler_service.proto).
 const RESPONSE_TOOL_DATA: u32 = 6;
 const RESPONSE_EMPTY_TRACE: u32 = 7;
+const RESPONSE_XSPACE: u32 = 8;
 const TOOL_DATA_NAME: u32 = 1;
 const TOOL_DATA_DATA: u32 = 2;
 
@@ -48,29 +49,38 @@ impl FramedReply {
     /// another: `{ tool_data: [{ name, data }], empty_trace }`.
     pub fn tool_data(name: &str, data: &[Bytes], empty_trace: bool) -> FramedReply {
         let data_len: usize = data.iter().map(Bytes::len).sum();
-        // Lengths first: the gRPC prefix and the nested message state them.
-        let field = |number: u32, len: usize| {
-            varint_len(u64::from(number) << 3) + varint_len(len as u64) + len
-        };
         // Empty fields are left out, as proto3 encoders do.
-        let field_if_any = |number: u32, len: usize| if len > 0 { field(number, len) } else { 0 };
+        let field_if_any = |number: u32, len: usize| {
+            if len > 0 {
+                field_len(number, len)
+            } else {
+                0
+            }
+        };
         let tool_len =
             field_if_any(TOOL_DATA_NAME, name.len()) + field_if_any(TOOL_DATA_DATA, data_len);
-        let mut tail = Writer::default();
-        if empty_trace {
-            tail.uint(RESPONSE_EMPTY_TRACE, 1);
-        }
-        let tail = tail.into_bytes();
-        let message_len = field(RESPONSE_TOOL_DATA, tool_len) + tail.len();
-        let mut head = Writer::with_capacity(64 + name.len());
-        head.raw(&[0]);
-        // The caller keeps replies under `MAX_REPLY_BYTES` (i32::MAX).
-        head.raw(&u32::try_from(message_len).unwrap_or(u32::MAX).to_be_bytes());
+        let tail = empty_trace_field(empty_trace);
+        let mut head = grpc_prefix(field_len(RESPONSE_TOOL_DATA, tool_len) + tail.len());
         head.message_prefix(RESPONSE_TOOL_DATA, tool_len);
         head.text(TOOL_DATA_NAME, name);
         if data_len > 0 {
             head.message_prefix(TOOL_DATA_DATA, data_len);
         }
+        FramedReply::assemble(head, data, tail)
+    }
+
+    /// A `ProfileResponse` carrying an encoded XSpace inline, `data` one
+    /// part after another: `{ xspace, empty_trace }`, as `emit_xspace` and
+    /// `GetSnapshot` ask for it.
+    pub fn xspace(data: &[Bytes], empty_trace: bool) -> FramedReply {
+        let data_len: usize = data.iter().map(Bytes::len).sum();
+        let tail = empty_trace_field(empty_trace);
+        let mut head = grpc_prefix(field_len(RESPONSE_XSPACE, data_len) + tail.len());
+        head.message_prefix(RESPONSE_XSPACE, data_len);
+        FramedReply::assemble(head, data, tail)
+    }
+
+    fn assemble(head: Writer, data: &[Bytes], tail: Vec<u8>) -> FramedReply {
         let mut parts = Vec::with_capacity(data.len() + 2);
         parts.push(Bytes::from(head.into_bytes()));
         parts.extend(data.iter().filter(|part| !part.is_empty()).cloned());
@@ -95,6 +105,32 @@ impl FramedReply {
     pub fn attach<T>(self, response: &mut tonic::Response<T>) {
         response.extensions_mut().insert(self);
     }
+}
+
+/// Bytes a length-delimited field of `len` bytes takes, key and length
+/// included: lengths come first, as the gRPC prefix and each nested
+/// message state them.
+fn field_len(number: u32, len: usize) -> usize {
+    varint_len(u64::from(number) << 3) + varint_len(len as u64) + len
+}
+
+/// `empty_trace`, when set (proto3 leaves a false bool out).
+fn empty_trace_field(empty_trace: bool) -> Vec<u8> {
+    let mut tail = Writer::default();
+    if empty_trace {
+        tail.uint(RESPONSE_EMPTY_TRACE, 1);
+    }
+    tail.into_bytes()
+}
+
+/// A writer holding the gRPC prefix of a `message_len`-byte message: an
+/// uncompressed flag byte and the big-endian length.
+fn grpc_prefix(message_len: usize) -> Writer {
+    let mut head = Writer::with_capacity(128);
+    head.raw(&[0]);
+    // The caller keeps replies under `MAX_REPLY_BYTES` (i32::MAX).
+    head.raw(&u32::try_from(message_len).unwrap_or(u32::MAX).to_be_bytes());
+    head
 }
 
 /// Sends the [`FramedReply`] a response carries instead of its body.
@@ -243,6 +279,39 @@ mod tests {
                 xspace: None,
             };
             assert_eq!(&bytes[5..], &expected.encode_to_vec()[..]);
+        }
+    }
+
+    #[tokio::test]
+    async fn an_inline_xspace_is_the_message_prost_would_send() {
+        use crate::proto::tensorflow::profiler::{XPlane, XSpace};
+        let space = XSpace {
+            planes: vec![XPlane {
+                id: 7,
+                name: "/device:GPU:0".into(),
+                ..XPlane::default()
+            }],
+            hostnames: vec!["worker-0".into()],
+            ..XSpace::default()
+        };
+        let encoded = space.encode_to_vec();
+        for empty_trace in [false, true] {
+            // In parts, as a built trace is.
+            let parts = vec![
+                Bytes::copy_from_slice(&encoded[..3]),
+                Bytes::copy_from_slice(&encoded[3..]),
+            ];
+            let framed = FramedReply::xspace(&parts, empty_trace);
+            let bytes = FramedBody::new(framed).collect().await.unwrap().to_bytes();
+            let expected = ProfileResponse {
+                tool_data: Vec::new(),
+                empty_trace,
+                xspace: Some(space.clone()),
+            };
+            assert_eq!(
+                ProfileResponse::decode(&bytes[5..]).expect("decodes"),
+                expected
+            );
         }
     }
 

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::raw_call::{read_reply, start_profile_call, RawCall};
 use common::*;
 use devtrace::protocol::listen::Limits;
 use tokio::io::AsyncReadExt;
@@ -109,55 +110,18 @@ async fn silent_connections_to_the_metrics_port_do_not_make_the_probes_wait() {
     drop(silent);
 }
 
-/// Opens an HTTP/2 connection to the agent's gRPC port and starts a
-/// `Profile` call whose body stops after `sent` of the `claimed` bytes its
-/// gRPC frame announces.
-async fn half_sent_call(
-    address: &str,
-    claimed: u32,
-    sent: usize,
-) -> (
-    h2::client::SendRequest<Bytes>,
-    h2::client::ResponseFuture,
-    h2::SendStream<Bytes>,
-) {
-    let io = TcpStream::connect(address).await.expect("connecting");
-    let (client, connection) = h2::client::handshake(io).await.expect("HTTP/2");
-    tokio::spawn(connection);
-    let mut client = client.ready().await.expect("ready");
-    let request = http::Request::builder()
-        .method("POST")
-        .uri(format!(
-            "http://{address}/tensorflow.ProfilerService/Profile"
-        ))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
-    let (response, mut body) = client.send_request(request, false).expect("a stream");
+/// Starts a `Profile` call whose body stops after `sent` of the `claimed`
+/// bytes its gRPC frame announces.
+async fn half_sent_call(address: &str, claimed: u32, sent: usize) -> RawCall {
     let mut frame = vec![0u8];
     frame.extend_from_slice(&claimed.to_be_bytes());
     frame.resize(5 + sent, 0x08);
-    body.send_data(Bytes::from(frame), false).expect("sending");
-    (client, response, body)
+    start_profile_call(address, Bytes::from(frame)).await
 }
 
-/// The gRPC status a response ends with (in its headers or trailers), as
-/// tonic reads it: its code and its (percent-decoded) message.
+/// The gRPC status a response ends with, as (code, message).
 async fn status_of(response: h2::client::ResponseFuture) -> (String, String) {
-    let response = response.await.expect("a response");
-    let headers = response.headers().clone();
-    let mut body = response.into_body();
-    while let Some(data) = body.data().await {
-        let _ = data;
-    }
-    let status = match tonic::Status::from_header_map(&headers) {
-        Some(status) => status,
-        None => {
-            let trailers = body.trailers().await.expect("trailers").unwrap_or_default();
-            tonic::Status::from_header_map(&trailers).expect("a grpc-status")
-        }
-    };
+    let (_, status) = read_reply(response).await;
     (
         (status.code() as i32).to_string(),
         status.message().to_string(),
@@ -167,7 +131,12 @@ async fn status_of(response: h2::client::ResponseFuture) -> (String, String) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_call_whose_body_never_arrives_whole_fails_at_its_deadline() {
     let agent = AgentProcess::start(&["--mock-rate", "1000"]);
-    let (client, response, _body) = half_sent_call(&agent.address, 1 << 20, 1000).await;
+    // The body is held open, unfinished, until the end.
+    let RawCall {
+        client,
+        response,
+        body: _body,
+    } = half_sent_call(&agent.address, 1 << 20, 1000).await;
     let deadline = devtrace::service::request_bodies::BODY_DEADLINE;
     let (status, message) = tokio::time::timeout(deadline * 3, status_of(response))
         .await
@@ -202,7 +171,12 @@ async fn unfinished_bodies_of_one_caller_hold_at_most_its_share() {
     }
     let deadline = devtrace::service::request_bodies::BODY_DEADLINE;
     let mut statuses = Vec::new();
-    for (_client, response, _body) in pending {
+    for RawCall {
+        response,
+        client: _client,
+        body: _body,
+    } in pending
+    {
         let (status, message) = tokio::time::timeout(deadline * 3, status_of(response))
             .await
             .expect("the call ended");

@@ -3,8 +3,10 @@
 
 use crate::common;
 
-use common::{now_ns, request, space_of, AgentProcess};
+use common::raw_call::{grpc_frame, read_reply, start_profile_call, RawCall};
+use common::{http_get, metric_value, now_ns, request, space_of, AgentProcess};
 use devtrace::proto::tensorflow::ProfileRequest;
+use prost::Message;
 
 /// A capture of `duration_ms` from `start_ns`, in a session of its own.
 fn capture_of(start_ns: u64, duration_ms: u64, session: &str) -> ProfileRequest {
@@ -55,26 +57,65 @@ async fn captures_of_one_window_share_one_build_and_other_windows_do_not() {
     );
 }
 
-/// Waits until the agent has a capture in progress (one holding capture
-/// memory: a capture registers once it has its memory).
-async fn until_capturing(agent: &AgentProcess) {
-    while !agent
-        .monitor(10)
-        .await
-        .data
-        .contains("captures in progress: 1")
-    {}
+/// A capture of a past window whose reply its client does not read: its
+/// trace, and the capture memory it keeps, stay with the agent until then.
+async fn stalled_capture(agent: &AgentProcess, start_ns: u64, duration_ms: u64) -> RawCall {
+    let request = capture_of(start_ns, duration_ms, "stalled");
+    let mut call = start_profile_call(&agent.address, grpc_frame(&request)).await;
+    call.body
+        .send_data(bytes::Bytes::new(), true)
+        .expect("ending the request");
+    call
 }
 
-#[tokio::test]
-async fn a_capture_over_the_memory_budget_waits_and_says_so() {
-    let agent = AgentProcess::start(&["--capture-memory", "1KiB"]);
-    let mut client = agent.client().await;
-    let request = capture_of(now_ns(), 1500, "holder");
-    let holder = tokio::spawn(async move { client.profile(request).await.unwrap().into_inner() });
-    until_capturing(&agent).await;
-    let waiter = space_of(&agent.profile(capture_of(now_ns(), 100, "waiter")).await);
-    let holder = space_of(&holder.await.unwrap());
+/// Reads a stalled capture's reply to the end: its trace.
+async fn trace_of(call: RawCall) -> devtrace::proto::tensorflow::ProfileResponse {
+    let (message, status) = read_reply(call.response).await;
+    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+    devtrace::proto::tensorflow::ProfileResponse::decode(&message[..]).expect("a reply")
+}
+
+/// Waits until `bytes` or more of the capture budget are held.
+async fn until_held(metrics: &str, bytes: f64) {
+    loop {
+        let (_, text) = http_get(metrics, "/metrics");
+        if metric_value(&text, "devtrace_capture_memory_held_bytes", &[]).unwrap_or(0.0) >= bytes {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// An agent whose capture budget holds one 2 s trace of its rate being
+/// built, but not a second one beside one already built.
+fn tight_agent() -> (AgentProcess, String) {
+    AgentProcess::start_with_metrics(&["--mock-rate", "20000", "--capture-memory", "6MiB"], &[])
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_capture_waits_for_memory_an_unread_reply_holds_and_says_so() {
+    let (agent, metrics) = tight_agent();
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
+    let now = now_ns();
+    let holder = stalled_capture(&agent, now - 3_000_000_000, 2000).await;
+    until_held(&metrics, 1.0).await;
+    // Another window: it builds its own trace, and there is no room for it
+    // while the first is unread.
+    let waiter = tokio::spawn({
+        let mut client = agent.client().await;
+        let request = capture_of(now - 2_500_000_000, 2000, "waiter");
+        async move { client.profile(request).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(!waiter.is_finished(), "the second capture did not wait");
+    let holder = space_of(&trace_of(holder).await);
+    let waiter = space_of(
+        &waiter
+            .await
+            .unwrap()
+            .expect("the waiter's trace")
+            .into_inner(),
+    );
     let waited = |space: &devtrace::proto::tensorflow::profiler::XSpace| {
         space
             .warnings
@@ -85,14 +126,14 @@ async fn a_capture_over_the_memory_budget_waits_and_says_so() {
     assert!(!waited(&holder), "{:?}", holder.warnings);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread")]
 async fn a_capture_whose_deadline_passes_while_waiting_fails_saying_why() {
-    let agent = AgentProcess::start(&["--capture-memory", "1KiB"]);
-    let mut client = agent.client().await;
-    let request = capture_of(now_ns(), 3000, "holder");
-    let holder = tokio::spawn(async move { client.profile(request).await.map(|_| ()) });
-    until_capturing(&agent).await;
-    let mut request = tonic::Request::new(capture_of(now_ns(), 100, "late"));
+    let (agent, metrics) = tight_agent();
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
+    let now = now_ns();
+    let holder = stalled_capture(&agent, now - 3_000_000_000, 2000).await;
+    until_held(&metrics, 1.0).await;
+    let mut request = tonic::Request::new(capture_of(now - 2_500_000_000, 2000, "late"));
     request.set_timeout(std::time::Duration::from_secs(1));
     let status = agent
         .client()
@@ -102,8 +143,27 @@ async fn a_capture_whose_deadline_passes_while_waiting_fails_saying_why() {
         .expect_err("no memory before its deadline");
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains("--capture-memory"), "{status:?}");
+    let holder = space_of(&trace_of(holder).await);
+    assert!(!holder.planes.is_empty(), "the holder still gets its trace");
+}
+
+#[tokio::test]
+async fn a_window_larger_than_the_whole_budget_is_refused_at_once_naming_it() {
+    let agent = AgentProcess::start(&["--mock-rate", "100000", "--capture-memory", "2MiB"]);
+    let status = agent
+        .client()
+        .await
+        .profile(capture_of(now_ns(), 500, "large"))
+        .await
+        .expect_err("more than the whole budget");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     assert!(
-        holder.await.unwrap().is_ok(),
-        "the holder still gets its trace"
+        status
+            .message()
+            .contains("more than all of --capture-memory"),
+        "{status:?}"
     );
+    // A window within it is still served.
+    let space = space_of(&agent.profile(capture_of(now_ns(), 1, "small")).await);
+    assert!(!space.planes.is_empty());
 }

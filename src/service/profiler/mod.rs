@@ -39,7 +39,8 @@ use crate::telemetry::Telemetry;
 
 use super::validate;
 use crate::repository::roots::AllowedRoots;
-use reply::{decode, with_warnings};
+use crate::service::framed_reply::FramedReply;
+use reply::{framed, with_warnings};
 use request::memory_wait_deadline;
 
 /// Operator settings of the service.
@@ -101,7 +102,7 @@ impl ServiceConfig {
 impl From<CaptureError> for Status {
     fn from(error: CaptureError) -> Status {
         match error {
-            CaptureError::OutOfMemoryTime(_) => Status::resource_exhausted(error.to_string()),
+            CaptureError::Memory(_) => Status::resource_exhausted(error.to_string()),
             other => Status::internal(other.to_string()),
         }
     }
@@ -209,22 +210,14 @@ impl profiler_service_server::ProfilerService for ProfilerService {
     ) -> Result<Response<ProfileResponse>, Status> {
         let deadline = memory_wait_deadline(request.metadata());
         let request = request.into_inner();
-        let mut plan = self.plan(&request, true)?;
+        let plan = self.plan(&request, true)?;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
             duration_ms = plan.window.duration_ns() / 1_000_000,
             "capture requested"
         );
-        let admission = self.captures.admit(&plan, deadline).await?;
-        if let Some(waited) = admission.waited {
-            plan.warnings.push(format!(
-                "this capture waited {:.3} s for capture memory: other captures' traces held \
-                 --capture-memory ({} bytes)",
-                waited.as_secs_f64(),
-                self.captures.memory_budget()
-            ));
-        }
+        let admission = self.captures.admit(&plan);
         let (_registration, terminate) = self.register(&plan.session_id);
         let _active = self.agent.capture_activity(plan.detailed_device);
         // Upstreams and per-capture sources record alongside the local
@@ -246,12 +239,10 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         };
         let encoded = self
             .captures
-            .build_admitted(&admission, &common, window, remote, terminated)
+            .build_admitted(&admission, &common, window, remote, terminated, deadline)
             .await?;
         let encoded = with_warnings(encoded, &plan.warnings);
-        let reply = self
-            .respond(&plan, window, encoded, &admission.slot)
-            .await?;
+        let reply = self.respond(&plan, window, encoded).await?;
         self.capture_ready("Profile", window);
         Ok(reply)
     }
@@ -328,6 +319,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
+        let deadline = memory_wait_deadline(request.metadata());
         let snapshot_id = request.into_inner().snapshot_session_id;
         validate::name_component("snapshot_session_id", &snapshot_id)?;
         let now = clock::now_ns();
@@ -357,7 +349,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             plan.session_id = snapshot_id;
             plan.generated_session_id = false;
         }
-        let encoded = self.captures.build(&plan, plan.window).await?;
+        let encoded = self.captures.build(&plan, plan.window, deadline).await?;
         if encoded.len() > self.config.chunk_traces_over {
             let reply = self
                 .respond_chunked(&plan, plan.window, Arc::new(encoded), true)
@@ -369,13 +361,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             // A failure is logged; the snapshot goes inline either way.
             let _ = write_trace(root, &plan, XPLANE_SUFFIX, Arc::clone(&encoded)).await?;
         }
-        let whole = encoded.contiguous();
-        let reply = ProfileResponse {
-            tool_data: Vec::new(),
-            empty_trace: encoded.events == 0,
-            xspace: Some(decode(&whole)?),
-        };
         self.capture_ready("GetSnapshot", plan.window);
-        Ok(Response::new(reply))
+        let empty_trace = encoded.events == 0;
+        Ok(framed(
+            FramedReply::xspace(encoded.parts(), empty_trace),
+            encoded,
+        ))
     }
 }

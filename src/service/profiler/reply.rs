@@ -7,15 +7,12 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use prost::Message;
 use tonic::{Response, Status};
 use tracing::info;
 
 use super::ProfilerService;
-use crate::capture::shared_builds::Slot;
 use crate::capture::write::{chunk_trace, write_trace};
 use crate::capture::{CaptureError, Plan};
-use crate::proto::tensorflow::profiler::XSpace;
 use crate::proto::tensorflow::{ProfileResponse, ProfileToolData};
 use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
 use crate::recorder::Window;
@@ -30,15 +27,11 @@ impl ProfilerService {
     /// client to write. A trace the agent fails to write goes to the client
     /// instead, saying why. A trace over `--chunk-traces-over` goes as
     /// Riegeli chunks ([`Self::respond_chunked`]).
-    ///
-    /// `slot` is the build the trace came from, held until the reply is
-    /// sent.
     pub(super) async fn respond(
         &self,
         plan: &Plan,
         window: Window,
         encoded: Arc<Encoded>,
-        slot: &Arc<Slot>,
     ) -> Result<Response<ProfileResponse>, Status> {
         if encoded.len() > self.config.chunk_traces_over {
             return self
@@ -48,11 +41,10 @@ impl ProfilerService {
         }
         let empty_trace = encoded.events == 0;
         if plan.emit_xspace {
-            return Ok(Response::new(ProfileResponse {
-                tool_data: Vec::new(),
-                empty_trace,
-                xspace: Some(decode(&encoded.contiguous())?),
-            }));
+            return Ok(framed(
+                FramedReply::xspace(encoded.parts(), empty_trace),
+                encoded,
+            ));
         }
         let mut encoded = encoded;
         if let Some(root) = self.server_side_root(plan) {
@@ -65,13 +57,7 @@ impl ProfilerService {
                 }
             }
         }
-        // Sent from the trace's own parts by `FramedRepliesLayer`; the
-        // build's memory stays reserved until they are out.
-        let mut response = Response::new(ProfileResponse::default());
-        frame_trace(&encoded)
-            .keeping(Arc::clone(slot) as Arc<dyn std::any::Any + Send + Sync>)
-            .attach(&mut response);
-        Ok(response)
+        Ok(framed(frame_trace(&encoded), encoded))
     }
 
     /// Delivers a trace too large for one message (over
@@ -181,10 +167,15 @@ impl ProfilerService {
     }
 }
 
-/// The message form of an encoded trace, for replies that carry it inline.
-pub(super) fn decode(bytes: &[u8]) -> Result<XSpace, Status> {
-    XSpace::decode(bytes)
-        .map_err(|e| Status::internal(format!("re-reading the built trace failed: {e}")))
+/// The reply sending `reply`, framed from `encoded`'s own parts by
+/// `FramedRepliesLayer`: the trace (and its share of capture memory) is
+/// kept until they are out.
+pub(super) fn framed(reply: FramedReply, encoded: Arc<Encoded>) -> Response<ProfileResponse> {
+    let mut response = Response::new(ProfileResponse::default());
+    reply
+        .keeping(encoded as Arc<dyn std::any::Any + Send + Sync>)
+        .attach(&mut response);
+    response
 }
 
 /// A trace with `warnings` added: the same trace when there are none, else

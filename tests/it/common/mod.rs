@@ -17,6 +17,7 @@ use prost::Message;
 use tonic::transport::Channel;
 
 pub mod bulky;
+pub mod raw_call;
 pub mod workload;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_devtrace");

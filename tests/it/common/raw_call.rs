@@ -1,0 +1,70 @@
+//! `Profile` calls over a bare HTTP/2 connection, for what tonic's client
+//! never does: stop sending a body half way, or stop reading a reply.
+
+use bytes::Bytes;
+use tokio::net::TcpStream;
+
+/// A call started on a connection of its own: the connection, the reply to
+/// come and the request body's stream.
+pub struct RawCall {
+    pub client: h2::client::SendRequest<Bytes>,
+    pub response: h2::client::ResponseFuture,
+    pub body: h2::SendStream<Bytes>,
+}
+
+/// Starts a `Profile` call to the agent at `address` and sends `first` as
+/// the start of its body, leaving the body open.
+pub async fn start_profile_call(address: &str, first: Bytes) -> RawCall {
+    let io = TcpStream::connect(address).await.expect("connecting");
+    let (client, connection) = h2::client::handshake(io).await.expect("HTTP/2");
+    tokio::spawn(connection);
+    let mut client = client.ready().await.expect("ready");
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "http://{address}/tensorflow.ProfilerService/Profile"
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .expect("a request");
+    let (response, mut body) = client.send_request(request, false).expect("a stream");
+    body.send_data(first, false).expect("sending");
+    RawCall {
+        client,
+        response,
+        body,
+    }
+}
+
+/// `message` framed as one uncompressed gRPC message.
+pub fn grpc_frame(message: &impl prost::Message) -> Bytes {
+    let encoded = message.encode_to_vec();
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&encoded);
+    Bytes::from(frame)
+}
+
+/// Reads a reply's whole body, giving its flow-control window back as it
+/// goes, and returns its message bytes (past the gRPC prefix) and its gRPC
+/// status.
+pub async fn read_reply(response: h2::client::ResponseFuture) -> (Vec<u8>, tonic::Status) {
+    let response = response.await.expect("a response");
+    let headers = response.headers().clone();
+    let mut body = response.into_body();
+    let mut bytes = Vec::new();
+    while let Some(data) = body.data().await {
+        let data = data.expect("reply data");
+        let _ = body.flow_control().release_capacity(data.len());
+        bytes.extend_from_slice(&data);
+    }
+    let status = match tonic::Status::from_header_map(&headers) {
+        Some(status) => status,
+        None => {
+            let trailers = body.trailers().await.expect("trailers").unwrap_or_default();
+            tonic::Status::from_header_map(&trailers).expect("a grpc-status")
+        }
+    };
+    (bytes.get(5..).unwrap_or_default().to_vec(), status)
+}
