@@ -48,21 +48,43 @@ impl MemoryCgroup {
     }
 
     /// `devtrace serve ARGS` started inside the cgroup (a shell moves
-    /// itself in, then becomes the agent).
+    /// itself in, then becomes the agent), on the mock at 1,000 events a
+    /// second unless ARGS say another rate.
     fn serve(&self, args: &[&str]) -> Command {
         let procs = self.dir.join("cgroup.procs");
+        let rate: &[&str] = if args.contains(&"--mock-rate") {
+            &[]
+        } else {
+            &["--mock-rate", "1000"]
+        };
         let mut command = Command::new("sh");
         command
             .arg("-c")
             .arg(format!(
                 "echo $$ > '{}' && exec \"$0\" serve --listen 127.0.0.1:0 \
-                 --metrics-listen 127.0.0.1:0 --backend mock --mock-rate 1000 \"$@\"",
+                 --metrics-listen 127.0.0.1:0 --backend mock \"$@\"",
                 procs.display()
             ))
             .arg(BIN)
+            .args(rate)
             .args(args)
             .stdin(Stdio::null());
         command
+    }
+}
+
+impl MemoryCgroup {
+    /// How many processes the kernel has OOM-killed in the cgroup.
+    fn oom_kills(&self) -> u64 {
+        let counters = ["memory.oom_control", "memory.events"]
+            .iter()
+            .find_map(|name| std::fs::read_to_string(self.dir.join(name)).ok())
+            .unwrap_or_default();
+        counters
+            .lines()
+            .find_map(|line| line.strip_prefix("oom_kill "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
     }
 }
 
@@ -132,4 +154,105 @@ fn budgets_that_cannot_fit_the_cgroups_limit_are_refused_at_start() {
             && stderr.contains(&cgroup.limit_file.display().to_string()),
         "{stderr}"
     );
+}
+
+/// Starts `devtrace capture` of a `duration_ms` window that began `back_ms`
+/// ago, from the agent at `address`.
+fn capture_back(
+    address: &str,
+    logdir: &Path,
+    duration_ms: u64,
+    back_ms: u64,
+) -> std::process::Child {
+    Command::new(BIN)
+        .args(["capture", address, "--quiet", "--logdir"])
+        .arg(logdir)
+        .arg(format!("--duration={duration_ms}ms"))
+        .arg(format!("--delay-back={back_ms}ms"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting a capture")
+}
+
+/// Sixteen concurrent captures of distinct windows, whose traces together
+/// are more than the cgroup holds: the capture budget makes them take turns
+/// (or refuses them, saying so) instead of the kernel killing the agent.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_refused_naming_the_budget(
+) {
+    let Some(cgroup) = MemoryCgroup::with_limit("burst", 384 << 20) else {
+        return;
+    };
+    // 400,000 events a second: 2 s windows of about 55 MB of trace each,
+    // 16 of them 880 MB. The budget holds one.
+    let child = cgroup
+        .serve(&[
+            "--mock-rate",
+            "400000",
+            "--store-size",
+            "64MiB",
+            "--capture-memory",
+            "120MiB",
+            "--ring-capacity",
+            "16384",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting the agent");
+    let (mut agent, metrics) = AgentProcess::adopt_with_metrics(child);
+    // Windows that end close together, so that their builds overlap;
+    // distinct, so that none shares another's build.
+    let start_ns = common::now_ns() + 1_000_000_000;
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..16u64 {
+        let mut client = agent.client().await;
+        let mut request = common::request(2000, &format!("burst-{i}"));
+        if let Some(options) = request.opts.as_mut() {
+            options.start_timestamp_ns = start_ns + i * 37_000_000;
+        }
+        calls.spawn(async move { client.profile(request).await.map(|_| ()) });
+    }
+    let (mut delivered, mut refused) = (0, 0);
+    while let Some(call) = calls.join_next().await {
+        match call.expect("a call") {
+            Ok(()) => delivered += 1,
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+                assert!(
+                    status.message().contains("--capture-memory"),
+                    "a capture failed without naming the budget: {status:?}"
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!(cgroup.oom_kills(), 0, "the kernel OOM-killed in the cgroup");
+    assert!(agent.is_running(), "the agent died in the burst");
+    assert!(
+        delivered > 0,
+        "none of the burst was delivered ({refused} refused)"
+    );
+    // Still answering, its flight recorder with it.
+    let (status, _) = http_get_within(
+        &metrics,
+        "/healthz",
+        Some(std::time::Duration::from_secs(2)),
+    )
+    .expect("/healthz answered within 2 s");
+    assert_eq!(status, 200);
+    let work = tempfile::tempdir().unwrap();
+    let after = capture_back(&agent.address, &work.path().join("after"), 200, 500)
+        .wait_with_output()
+        .expect("capture ran");
+    assert!(
+        after.status.success(),
+        "{}",
+        String::from_utf8_lossy(&after.stderr)
+    );
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(10))
+        .expect("stopped");
+    assert!(status.success());
 }
