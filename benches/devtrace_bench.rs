@@ -34,7 +34,7 @@ use devtrace::ring::{DropPolicy, Ring};
 use devtrace::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use devtrace::service::profiler::{ProfilerService, ServiceConfig};
 use devtrace::service::MAX_REPLY_BYTES;
-use devtrace::xspace::{encode_xspace, CaptureInfo};
+use devtrace::xspace::{encode_runs, encode_xspace, CaptureInfo, Unlimited};
 
 // ---------------------------------------------------------------- settings --
 
@@ -555,7 +555,7 @@ fn bench_store(settings: &Settings) {
     for _ in 0..3 {
         let t = Instant::now();
         let data = store.query(window);
-        black_box(encode_xspace(data.events(), &snapshot, &info));
+        let _ = black_box(encode_runs(data.runs(), &snapshot, &info, &mut Unlimited));
         from_store.push(ms(t.elapsed()));
         let t = Instant::now();
         black_box(encode_xspace(&events, &snapshot, &info));
@@ -656,7 +656,8 @@ async fn direct_capture(agent: &Agent, duration_ms: u64) -> Phases {
     };
     // Run on this (block_on) thread: it is not one of the runtime's workers.
     let t = Instant::now();
-    let encoded = encode_xspace(data.events(), &registry, &info);
+    let encoded = encode_runs(data.runs(), &registry, &info, &mut Unlimited)
+        .unwrap_or_else(|never| match never {});
     let encode = t.elapsed();
     Phases {
         collect,

@@ -163,16 +163,18 @@ pub fn encode_xspace<E: Borrow<Event>>(
     registry: &RegistrySnapshot,
     info: &CaptureInfo,
 ) -> Encoded {
-    let mut events: Vec<Event> = events.into_iter().map(|e| *e.borrow()).collect();
+    let mut events: Vec<E> = events.into_iter().collect();
+    let order = |e: &E| {
+        let e = e.borrow();
+        (e.start_ns, Reverse(e.duration_ns))
+    };
     // Stable: events alike in start and length keep the order they came in.
-    events.sort_by_key(|e| (e.start_ns, Reverse(e.duration_ns)));
-    let first = events.first().map_or(0, |e| e.start_ns);
-    match encode_runs(
-        vec![(first, events.into_iter())],
-        registry,
-        info,
-        &mut Unlimited,
-    ) {
+    if !events.is_sorted_by_key(order) {
+        events.sort_by_key(order);
+    }
+    let first = events.first().map_or(0, |e| e.borrow().start_ns);
+    let run = events.iter().map(|e| *e.borrow());
+    match encode_runs(vec![(first, run)], registry, info, &mut Unlimited) {
         Ok(encoded) => encoded,
         Err(outgrown) => match outgrown {},
     }
