@@ -39,9 +39,9 @@ use crate::telemetry::Telemetry;
 
 use super::validate;
 use crate::repository::roots::AllowedRoots;
+use crate::service::deadline::memory_wait_deadline;
 use crate::service::framed_reply::FramedReply;
 use reply::{framed, with_warnings};
-use request::memory_wait_deadline;
 
 /// Operator settings of the service.
 #[derive(Clone, Debug)]

@@ -1,8 +1,6 @@
 //! A `ProfileRequest` read: every field validated and the capture it asks
 //! for planned, and how long the caller is prepared to wait.
 
-use std::time::Duration;
-
 use prost::Message;
 use tonic::Status;
 
@@ -13,7 +11,6 @@ use crate::clock;
 use crate::model::calendar::session_timestamp;
 use crate::proto::tensorflow::profile_options::advanced_config_value;
 use crate::proto::tensorflow::ProfileRequest;
-use crate::protocol::client;
 use crate::recorder::Window;
 use crate::service::validate::{self, invalid};
 
@@ -136,46 +133,11 @@ pub fn plan(
     })
 }
 
-/// Until when a capture may wait for capture memory: a little before the
-/// client's own deadline (`grpc-timeout`), so that it hears why rather than
-/// its own timeout; without one, as long as a client would wait for a
-/// capture of the longest window.
-pub fn memory_wait_deadline(metadata: &tonic::metadata::MetadataMap) -> std::time::Instant {
-    let timeout = metadata
-        .get("grpc-timeout")
-        .and_then(|value| value.to_str().ok())
-        .and_then(parse_grpc_timeout)
-        .map_or(client::capture_deadline(Duration::from_secs(600)), |t| {
-            t.mul_f64(0.9)
-        });
-    let now = std::time::Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or(now + Duration::from_secs(86_400))
-}
-
-/// A `grpc-timeout` header: one to eight digits and a unit (H, M, S, m, u,
-/// n), as the gRPC specification writes it; anything else is no timeout.
-fn parse_grpc_timeout(text: &str) -> Option<Duration> {
-    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
-    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let value: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(value.saturating_mul(3600)),
-        "M" => Duration::from_secs(value.saturating_mul(60)),
-        "S" => Duration::from_secs(value),
-        "m" => Duration::from_millis(value),
-        "u" => Duration::from_micros(value),
-        "n" => Duration::from_nanos(value),
-        _ => return None,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::proto::tensorflow::ProfileOptions;
+    use std::time::Duration;
 
     fn config() -> ServiceConfig {
         ServiceConfig {
@@ -323,25 +285,5 @@ mod tests {
             "{:?}",
             planned.warnings
         );
-    }
-
-    #[test]
-    fn grpc_timeouts_are_read() {
-        assert_eq!(
-            parse_grpc_timeout("1500m"),
-            Some(Duration::from_millis(1500))
-        );
-        assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
-        assert_eq!(parse_grpc_timeout("2x"), None);
-        assert_eq!(parse_grpc_timeout(""), None);
-        // Past eight digits (a peer's choice) it is no timeout, not a panic.
-        assert_eq!(parse_grpc_timeout("18446744073709551615S"), None);
-        assert_eq!(
-            parse_grpc_timeout("99999999H"),
-            Some(Duration::from_secs(99_999_999 * 3600))
-        );
-        let mut metadata = tonic::metadata::MetadataMap::new();
-        metadata.insert("grpc-timeout", "99999999H".parse().unwrap());
-        assert!(memory_wait_deadline(&metadata) > std::time::Instant::now());
     }
 }
