@@ -105,7 +105,8 @@ impl Captures {
         let expected = data.chunk_bytes()
             + events.saturating_mul(memory::EXPECTED_BYTES_PER_EVENT)
             + BUILD_OVERHEAD_BYTES;
-        let mut memory = self.memory.reserve(expected, events, deadline).await?;
+        let what = || format!("this window holds {events} events, and building its trace");
+        let mut memory = self.memory.reserve(expected, what, deadline).await?;
         // The window's chunks live as long as the build, evicted or not.
         memory.take(data.chunk_bytes())?;
         let mut warnings = plan.warnings.clone();

@@ -46,14 +46,15 @@ pub enum MemoryError {
         needed: usize,
         budget: usize,
     },
-    /// Its window alone needs more than the whole budget.
+    /// It alone needs more than the whole budget.
     #[error(
-        "this window holds {events} events, and building its trace takes at least {needed} \
-         bytes, more than all of --capture-memory ({budget} bytes); ask for a shorter window, \
-         or start the agent with a larger --capture-memory"
+        "{what} takes at least {needed} bytes, more than all of --capture-memory ({budget} \
+         bytes); ask for less (a shorter window, one host), or start the agent with a larger \
+         --capture-memory"
     )]
     TooLarge {
-        events: usize,
+        /// What needs it, as the message says it.
+        what: String,
         needed: usize,
         budget: usize,
     },
@@ -68,6 +69,7 @@ pub enum MemoryError {
 }
 
 /// See the module documentation.
+#[derive(Debug)]
 pub struct CaptureMemory {
     budget: usize,
     units: usize,
@@ -93,26 +95,23 @@ impl CaptureMemory {
         (self.units.saturating_sub(self.free.available_permits()) * UNIT) as u64
     }
 
-    /// Reserves `needed` bytes for a build of a window holding `events`
-    /// events, waiting until `deadline` at most; at once refused when the
-    /// whole budget could not hold it.
+    /// Reserves `needed` bytes for `what` (a build, a tool's work; said in
+    /// a refusal), waiting until `deadline` at most; at once refused when
+    /// the whole budget could not hold it.
     pub async fn reserve(
         &self,
         needed: usize,
-        events: usize,
+        what: impl FnOnce() -> String,
         deadline: Instant,
     ) -> Result<BuildMemory, MemoryError> {
         let units = needed.div_ceil(UNIT).max(1);
-        let too_large = MemoryError::TooLarge {
-            events,
+        let too_large = || MemoryError::TooLarge {
+            what: what(),
             needed,
             budget: self.budget,
         };
-        if units > self.units {
-            return Err(too_large);
-        }
-        let Ok(units32) = u32::try_from(units) else {
-            return Err(too_large);
+        let Some(units32) = u32::try_from(units).ok().filter(|_| units <= self.units) else {
+            return Err(too_large());
         };
         let build = |permit, waited| BuildMemory {
             free: Arc::clone(&self.free),
@@ -206,18 +205,22 @@ mod tests {
 
     const FAR: Duration = Duration::from_secs(3600);
 
+    fn test_build() -> String {
+        "a test build".into()
+    }
+
     #[tokio::test]
     async fn a_build_over_budget_waits_for_the_one_before_it() {
         let memory = Arc::new(CaptureMemory::new(1 << 20));
         let first = memory
-            .reserve(700 << 10, 1, Instant::now() + FAR)
+            .reserve(700 << 10, test_build, Instant::now() + FAR)
             .await
             .unwrap();
         assert!(first.waited.is_none());
         let waiting = Arc::clone(&memory);
         let second = tokio::spawn(async move {
             waiting
-                .reserve(700 << 10, 1, Instant::now() + FAR)
+                .reserve(700 << 10, test_build, Instant::now() + FAR)
                 .await
                 .map(|m| m.waited)
         });
@@ -230,9 +233,12 @@ mod tests {
     #[tokio::test]
     async fn a_wait_past_the_deadline_fails_saying_why() {
         let memory = CaptureMemory::new(1 << 20);
-        let _first = memory.reserve(1 << 20, 1, Instant::now()).await.unwrap();
+        let _first = memory
+            .reserve(1 << 20, test_build, Instant::now())
+            .await
+            .unwrap();
         let error = memory
-            .reserve(1 << 10, 1, Instant::now())
+            .reserve(1 << 10, test_build, Instant::now())
             .await
             .unwrap_err();
         assert!(matches!(error, MemoryError::OutOfTime { .. }));
@@ -243,10 +249,17 @@ mod tests {
     async fn a_window_larger_than_the_whole_budget_is_refused_at_once() {
         let memory = CaptureMemory::new(1 << 20);
         let error = memory
-            .reserve(2 << 20, 5, Instant::now() + FAR)
+            .reserve(
+                2 << 20,
+                || "this window holds 5 events, and building its trace".into(),
+                Instant::now() + FAR,
+            )
             .await
             .unwrap_err();
-        assert!(matches!(error, MemoryError::TooLarge { events: 5, .. }));
+        assert!(
+            error.to_string().starts_with("this window holds 5 events"),
+            "{error}"
+        );
         assert_eq!(memory.held(), 0);
     }
 
@@ -254,14 +267,17 @@ mod tests {
     async fn a_build_draws_more_while_there_is_more_and_is_refused_after() {
         let memory = CaptureMemory::new(8 << 20);
         let mut build = memory
-            .reserve(1 << 20, 1, Instant::now() + FAR)
+            .reserve(1 << 20, test_build, Instant::now() + FAR)
             .await
             .unwrap();
         build.take(512 << 10).unwrap();
         assert_eq!(memory.held(), 1 << 20, "within its reservation");
         build.take(1 << 20).unwrap();
         assert_eq!(memory.held(), (1 << 20) + (GROWTH_STEP as u64));
-        let _other = memory.reserve(2 << 20, 1, Instant::now()).await.unwrap();
+        let _other = memory
+            .reserve(2 << 20, test_build, Instant::now())
+            .await
+            .unwrap();
         // Less than a step is left, but what is short still fits.
         build.take(GROWTH_STEP).unwrap();
         let refused = build.take(8 << 20).unwrap_err();
@@ -272,7 +288,7 @@ mod tests {
     async fn a_built_trace_keeps_only_its_bytes_until_it_is_dropped() {
         let memory = CaptureMemory::new(64 << 20);
         let mut build = memory
-            .reserve(10 << 20, 1, Instant::now() + FAR)
+            .reserve(10 << 20, test_build, Instant::now() + FAR)
             .await
             .unwrap();
         build.keep_only(3 << 20);

@@ -113,14 +113,14 @@ pub struct Captures {
     agent: Arc<Agent>,
     settings: CaptureSettings,
     shared_builds: SharedBuilds,
-    memory: CaptureMemory,
+    memory: Arc<CaptureMemory>,
 }
 
 impl Captures {
     pub fn new(agent: Arc<Agent>, settings: CaptureSettings) -> Captures {
         Captures {
             agent,
-            memory: CaptureMemory::new(settings.capture_memory),
+            memory: Arc::new(CaptureMemory::new(settings.capture_memory)),
             settings,
             shared_builds: SharedBuilds::default(),
         }
@@ -132,6 +132,12 @@ impl Captures {
 
     pub fn settings(&self) -> &CaptureSettings {
         &self.settings
+    }
+
+    /// The capture-memory budget, which tool requests on stored sessions
+    /// draw from too.
+    pub fn memory(&self) -> Arc<CaptureMemory> {
+        Arc::clone(&self.memory)
     }
 
     /// The capture-memory budget, in bytes.

@@ -538,6 +538,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         unsent_dir: args.unsent_dir.clone().unwrap_or_else(std::env::temp_dir),
         resolver: Arc::new(args.fleet.resolver()),
         concurrent_hosts: args.fleet.concurrent_hosts,
+        memory: Some(service.captures().memory()),
     }));
     let triggers = start_triggers(&args, &agent, &service, &allowed_roots)?;
     if let Some(triggers) = &triggers {

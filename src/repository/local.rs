@@ -84,6 +84,18 @@ impl LocalFolder {
         Ok(self.root.read(&self.relative.join(name))?)
     }
 
+    pub fn size(&self, name: &str) -> Result<u64, StorageError> {
+        let path = self.relative.join(name);
+        let file = self.root.open_file(&path)?;
+        let meta = file.metadata().map_err(|source| {
+            StorageError::from(crate::repository::beneath::BeneathError::Io {
+                path: path.display().to_string(),
+                source,
+            })
+        })?;
+        Ok(meta.len())
+    }
+
     /// Writes atomically (a temporary file, then rename), making the
     /// directory first. Says where it went.
     pub fn write(&self, name: &str, bytes: &[u8]) -> Result<String, StorageError> {

@@ -168,6 +168,14 @@ impl Folder {
         }
     }
 
+    /// A file's size, as reading it now would find it.
+    pub fn size(&self, name: &str) -> Result<u64, StorageError> {
+        match self {
+            Folder::Local(local) => local.size(name),
+            Folder::Object(object) => object.size(name),
+        }
+    }
+
     /// A file's bytes, up to [`MAX_READ_BYTES`].
     pub fn read(&self, name: &str) -> Result<Vec<u8>, StorageError> {
         match self {

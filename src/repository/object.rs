@@ -160,6 +160,13 @@ impl ObjectFolder {
             .collect())
     }
 
+    pub fn size(&self, name: &str) -> Result<u64, StorageError> {
+        let key = self.key().join(name);
+        block_on(self.store.head(&key))?
+            .map(|meta| meta.size)
+            .map_err(|source| self.error(Some(name), source))
+    }
+
     pub fn read(&self, name: &str) -> Result<Vec<u8>, StorageError> {
         let key = self.key().join(name);
         let read = block_on(async {

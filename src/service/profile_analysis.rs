@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
+use crate::capture::memory::CaptureMemory;
 use crate::clock;
 use crate::fleet::hosts::{self, HostEntry, HostList, HostResolver, HostsError, Origin};
 use crate::fleet::{self, HostOutcome, ToolDataError};
@@ -25,6 +26,7 @@ use crate::proto::tensorflow::{
 use crate::protocol::client::{self, ClientConfig, Target};
 use crate::repository::{self, Folder, StorageError};
 
+use super::deadline;
 use super::session_hosts::SessionHosts;
 use super::validate::{self, invalid};
 use crate::model::calendar::session_timestamp;
@@ -36,21 +38,6 @@ pub const MAX_HOSTS: usize = 1024;
 const REPLY_MARGIN: Duration = Duration::from_millis(200);
 /// Longest wait for the addresses of `dns:` entries.
 const LOOKUP_LIMIT: Duration = Duration::from_secs(30);
-
-/// The `grpc-timeout` header: an integer and a unit (H, M, S, m, u, n).
-pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
-    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
-    let amount: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(amount.checked_mul(3600)?),
-        "M" => Duration::from_secs(amount.checked_mul(60)?),
-        "S" => Duration::from_secs(amount),
-        "m" => Duration::from_millis(amount),
-        "u" => Duration::from_micros(amount),
-        "n" => Duration::from_nanos(amount),
-        _ => return None,
-    })
-}
 
 #[derive(Clone, Debug)]
 pub struct AnalysisConfig {
@@ -69,6 +56,9 @@ pub struct AnalysisConfig {
     pub resolver: Arc<HostResolver>,
     /// Most hosts called at once (`--concurrent-hosts`).
     pub concurrent_hosts: usize,
+    /// The budget tool requests on stored sessions draw from (the capture
+    /// budget, `--capture-memory`); none: unbounded.
+    pub memory: Option<Arc<CaptureMemory>>,
 }
 
 impl Default for AnalysisConfig {
@@ -82,6 +72,7 @@ impl Default for AnalysisConfig {
             unsent_dir: std::env::temp_dir(),
             resolver: Arc::default(),
             concurrent_hosts: fleet::DEFAULT_CONCURRENT_HOSTS,
+            memory: None,
         }
     }
 }
@@ -242,11 +233,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         request: Request<NewProfileSessionRequest>,
     ) -> Result<Response<NewProfileSessionResponse>, Status> {
         let arrived = Instant::now();
-        let caller_deadline = request
-            .metadata()
-            .get("grpc-timeout")
-            .and_then(|v| v.to_str().ok())
-            .and_then(parse_grpc_timeout);
+        let caller_deadline = deadline::caller_timeout(request.metadata());
         let request = request.into_inner();
         let Some(mut profile) = request.request else {
             return Err(invalid(
@@ -286,8 +273,9 @@ impl ProfileAnalysis for ProfileAnalysisService {
         // Answer our caller in time with whatever hosts made it, rather than
         // letting one slow host (or name server) turn the whole session
         // into a timeout.
-        let caller_end = caller_deadline
-            .map(|caller| arrived + caller.saturating_sub(caller / 10 + REPLY_MARGIN));
+        let caller_end = caller_deadline.and_then(|caller| {
+            arrived.checked_add(caller.saturating_sub(caller / 10 + REPLY_MARGIN))
+        });
         // Names are looked up before the window is placed, so that lookups
         // do not eat into it.
         let lookup_limit = caller_end.map_or(LOOKUP_LIMIT, |end| {
@@ -391,6 +379,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         &self,
         request: Request<ProfileSessionDataRequest>,
     ) -> Result<Response<ProfileSessionDataResponse>, Status> {
+        let wait_until = deadline::memory_wait_deadline(request.metadata());
         let request = request.into_inner();
         let root = self.root(&request.repository_root)?;
         if request.session_id.is_empty() {
@@ -408,7 +397,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let host = (!request.host_name.is_empty()).then_some(request.host_name);
         let tool = request.tool_name;
         let parameters = request.parameters;
-        let output = tokio::task::spawn_blocking(move || {
+        let (directory, plan) = tokio::task::spawn_blocking(move || {
             let directory = root.join(&session_id);
             match directory.exists() {
                 Ok(true) => {}
@@ -420,29 +409,40 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 }
                 Err(error) => return Err(field_status("session_id", error)),
             }
-            fleet::tool_data(&directory, host.as_deref(), &tool, &parameters).map_err(tool_status)
+            let plan = fleet::plan_tool(&directory, host.as_deref(), &tool, &parameters)
+                .map_err(tool_status)?;
+            Ok((directory, plan))
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
+        // Held until the reply is made; tonic's copy of it as it is sent is
+        // within the plan's allowance for the tool's output.
+        let _memory = match &self.config.memory {
+            Some(memory) => {
+                let what = || {
+                    format!(
+                        "computing {} from {} bytes of this session's traces",
+                        plan.tool(),
+                        plan.input_bytes()
+                    )
+                };
+                let needed = usize::try_from(plan.memory_bytes()).unwrap_or(usize::MAX);
+                Some(
+                    memory
+                        .reserve(needed, what, wait_until)
+                        .await
+                        .map_err(|error| Status::resource_exhausted(error.to_string()))?,
+                )
+            }
+            None => None,
+        };
+        let output = tokio::task::spawn_blocking(move || plan.run(&directory).map_err(tool_status))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(ProfileSessionDataResponse {
             error_message: String::new(),
             output_format: output.format().to_string(),
             output: output.into_bytes(),
         }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grpc_timeouts_parse() {
-        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
-        assert_eq!(parse_grpc_timeout("300m"), Some(Duration::from_millis(300)));
-        assert_eq!(parse_grpc_timeout("2H"), Some(Duration::from_secs(7200)));
-        assert_eq!(parse_grpc_timeout("S"), None);
-        assert_eq!(parse_grpc_timeout("12x"), None);
-        assert_eq!(parse_grpc_timeout(""), None);
     }
 }

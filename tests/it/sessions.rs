@@ -454,3 +454,59 @@ async fn sessions_are_read_without_following_links_out_of_the_root() {
         .unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
 }
+
+/// Tool requests on stored sessions draw from the capture budget: one whose
+/// conversion needs more than all of it is refused at once, naming it, and
+/// a cheaper one on the same trace is served.
+#[tokio::test]
+async fn a_tool_request_larger_than_the_capture_budget_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("plugins/profile");
+    let agent = AgentProcess::start(&[
+        "--allow-root",
+        dir.path().to_str().unwrap(),
+        "--capture-memory",
+        "8MiB",
+    ]);
+    let mut client = agent.analysis().await;
+    let made = client
+        .new_session(session_request(&root, &[agent.address.as_str()], "run"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(made.error_message.is_empty(), "{made:?}");
+    let host = agent.address.replace(':', "_");
+    let file = root.join("run").join(format!("{host}.xplane.pb"));
+    let size = std::fs::metadata(&file).unwrap().len();
+    // Decoded and converted, the trace takes ten times its size.
+    assert!(size * 11 > 8 << 20 && size * 2 < 8 << 20, "{size}");
+    let ask = |tool: &str| ProfileSessionDataRequest {
+        repository_root: root.display().to_string(),
+        session_id: "run".into(),
+        host_name: host.clone(),
+        tool_name: tool.to_string(),
+        parameters: HashMap::new(),
+    };
+    let refused = client
+        .get_session_tool_data(ask("trace_viewer"))
+        .await
+        .expect_err("more than the whole budget");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message().contains("computing trace_viewer")
+            && refused
+                .message()
+                .contains("more than all of --capture-memory"),
+        "{refused:?}"
+    );
+    let blob = client
+        .get_session_tool_data(ask("xplane"))
+        .await
+        .expect("the file itself fits")
+        .into_inner();
+    assert_eq!(blob.output.len() as u64, size);
+}
