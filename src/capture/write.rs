@@ -69,6 +69,7 @@ pub async fn store_trace<B: TraceFile>(
     let generated = plan.generated_session_id;
     let file_name = format!("{}{suffix}", plan.file_host);
     tokio::task::spawn_blocking(move || {
+        clear_abandoned_once(&root);
         let written = root
             .create_session(&session_id, generated)
             .and_then(|(session, _)| bytes.write_to(&session, &file_name));
@@ -77,6 +78,37 @@ pub async fn store_trace<B: TraceFile>(
     .await
     .map_err(|e| CaptureError::Write(e.to_string()))
 }
+
+/// Removes, the first time this process writes under `root`, the
+/// unfinished trace files that writes killed in the middle left in its
+/// sessions. Sessions themselves stay, empty or not: clients make them too
+/// (TensorFlow's client makes its session before writing into it).
+fn clear_abandoned_once(root: &Folder) {
+    static CLEARED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let shown = root.display();
+    {
+        let mut cleared = CLEARED
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Roots are the clients' to name: past this many, no more sweeps.
+        if cleared.contains(&shown) || cleared.len() >= MAX_ROOTS_CLEARED {
+            return;
+        }
+        cleared.push(shown.clone());
+    }
+    match root.remove_abandoned(false) {
+        Ok(abandoned) if !abandoned.unfinished_files.is_empty() => info!(
+            root = %shown,
+            files = ?abandoned.unfinished_files,
+            "removed unfinished trace files that an agent stopped while writing left here"
+        ),
+        Ok(_) => {}
+        Err(error) => warn!(root = %shown, %error, "could not look for unfinished trace files"),
+    }
+}
+
+/// Repository roots swept once each, at most.
+const MAX_ROOTS_CLEARED: usize = 1024;
 
 /// `encoded` as Riegeli chunks of at most `limit` bytes, off the async
 /// runtime.
@@ -122,6 +154,26 @@ mod tests {
         assert_eq!(back.size(), 8);
         let on_disk = std::fs::read(root.path().join("s1/host-a.xplane.pb")).unwrap();
         assert_eq!(on_disk, vec![7; 8]);
+    }
+
+    #[tokio::test]
+    async fn the_first_write_under_a_root_clears_unfinished_files_left_there() {
+        let root = tempfile::tempdir().unwrap();
+        let session = root.path().join("earlier");
+        std::fs::create_dir(&session).unwrap();
+        let unfinished = session.join(".host-a.xplane.pb.4242.0.tmp");
+        std::fs::File::create(&unfinished)
+            .unwrap()
+            .set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(3600))
+            .unwrap();
+        let folder = Folder::local(Dir::open(root.path()).unwrap());
+        let (written, _) = store_trace(folder, &plan("s1", false), ".xplane.pb", trace(7))
+            .await
+            .unwrap();
+        written.unwrap();
+        assert!(!unfinished.exists());
+        // The session stays: clients make sessions too.
+        assert!(session.is_dir());
     }
 
     #[tokio::test]

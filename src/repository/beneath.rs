@@ -281,6 +281,12 @@ impl Dir {
             source,
         })?;
         let (temporary, file) = self.create_temporary(name)?;
+        // Held while it is written: a sweep leaves it alone
+        // ([`Dir::remove_abandoned_temporaries`]).
+        devtrace_shm::lock::hold_shared(&file).map_err(|source| BeneathError::Io {
+            path: self.path.join(&temporary).display().to_string(),
+            source,
+        })?;
         Ok(AtomicFile {
             directory,
             temporary,
@@ -288,6 +294,50 @@ impl Dir {
             target,
             file: Some(file),
         })
+    }
+
+    /// Removes the temporary files a writer killed mid-write left in this
+    /// directory: named as [`Dir::create_atomic`] names them
+    /// (`.{name}.{pid}.{n}.tmp`), regular files that no process holds and
+    /// older than `grace`. Links are never followed. Returns the names
+    /// removed.
+    pub fn remove_abandoned_temporaries(
+        &self,
+        grace: Duration,
+    ) -> Result<Vec<String>, BeneathError> {
+        let mut removed = Vec::new();
+        for entry in self.entries()? {
+            let Some(name) = entry.name.to_str() else {
+                continue;
+            };
+            let old = entry.modified.elapsed().is_ok_and(|age| age > grace);
+            if old
+                && entry.kind == EntryKind::File
+                && is_temporary_name(name)
+                && self.unheld(name)
+                && rfs::unlinkat(&self.fd, name, AtFlags::empty()).is_ok()
+            {
+                removed.push(name.to_string());
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Removes the subdirectory `name` if it holds nothing (a link or a
+    /// directory with anything in it stays); whether it did.
+    pub fn remove_empty_dir(&self, name: &str) -> bool {
+        single_component(name, &self.path).is_ok()
+            && rfs::unlinkat(&self.fd, name, AtFlags::REMOVEDIR).is_ok()
+    }
+
+    /// Whether no process holds a lock on the file `name` (opened without
+    /// following a link or blocking on a FIFO).
+    fn unheld(&self, name: &str) -> bool {
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+        let Ok(fd) = rfs::openat(&self.fd, name, flags, Mode::empty()) else {
+            return false;
+        };
+        matches!(devtrace_shm::lock::in_use(&File::from(fd)), Ok(false))
     }
 
     /// A new file `.{name}.{unique}.tmp` (mode 0600) that no one else opened.
@@ -489,6 +539,19 @@ impl Drop for AtomicFile {
     }
 }
 
+/// Whether `name` is one [`Dir::create_atomic`] gives its temporary files:
+/// `.{name}.{pid}.{n}.tmp`.
+fn is_temporary_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+        return false;
+    };
+    let mut numbers = rest.rsplitn(3, '.');
+    let counter = numbers.next().is_some_and(|n| n.parse::<u64>().is_ok());
+    let pid = numbers.next().is_some_and(|n| n.parse::<u32>().is_ok());
+    let target = numbers.next().is_some_and(|n| !n.is_empty());
+    counter && pid && target
+}
+
 fn is_symlink(at: BorrowedFd<'_>, name: &OsStr) -> bool {
     rfs::statat(at, name, AtFlags::SYMLINK_NOFOLLOW)
         .is_ok_and(|stat| FileType::from_raw_mode(stat.st_mode) == FileType::Symlink)
@@ -574,6 +637,60 @@ mod tests {
 
     fn both() -> [Resolver; 2] {
         [Resolver::Openat2, Resolver::Walk]
+    }
+
+    #[test]
+    fn only_unheld_old_temporaries_are_taken_for_abandoned() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+        let make = |name: &str, aged: bool| {
+            let path = dir.path().join(name);
+            let file = File::create(&path).unwrap();
+            if aged {
+                file.set_modified(old).unwrap();
+            }
+            file
+        };
+        make(".host.xplane.pb.12.0.tmp", true);
+        let held = make(".host.xplane.pb.12.1.tmp", true);
+        devtrace_shm::lock::hold_shared(&held).unwrap();
+        make(".host.xplane.pb.12.2.tmp", false);
+        make(".host.xplane.pb.tmp", true);
+        make("host.xplane.pb", true);
+        symlink("/etc/passwd", dir.path().join(".passwd.1.0.tmp")).unwrap();
+        let root = Dir::open(dir.path()).unwrap();
+        let removed = root
+            .remove_abandoned_temporaries(Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(removed, vec![".host.xplane.pb.12.0.tmp".to_string()]);
+        // Once its writer lets go, the held one goes too.
+        drop(held);
+        let removed = root
+            .remove_abandoned_temporaries(Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(removed, vec![".host.xplane.pb.12.1.tmp".to_string()]);
+        assert!(dir.path().join(".passwd.1.0.tmp").is_symlink());
+        assert!(std::fs::metadata("/etc/passwd").is_ok());
+    }
+
+    #[test]
+    fn a_file_being_written_is_held_until_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = Dir::open(dir.path()).unwrap();
+        let mut file = root.create_atomic("host.xplane.pb").unwrap();
+        file.write_all(b"trace").unwrap();
+        let temporary = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.to_string_lossy().ends_with(".tmp"))
+            .expect("a temporary file");
+        let asked = File::open(&temporary).unwrap();
+        assert_eq!(devtrace_shm::lock::in_use(&asked).ok(), Some(true));
+        file.commit().unwrap();
+        assert_eq!(
+            std::fs::read(dir.path().join("host.xplane.pb")).unwrap(),
+            b"trace"
+        );
     }
 
     #[test]

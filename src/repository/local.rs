@@ -133,6 +133,38 @@ impl LocalFolder {
         Ok((self.join(&name), name))
     }
 
+    /// See [`super::Folder::remove_abandoned`].
+    pub fn remove_abandoned(
+        &self,
+        grace: std::time::Duration,
+        empty_sessions: bool,
+    ) -> Result<super::Abandoned, StorageError> {
+        let root = self.open()?;
+        let mut removed = super::Abandoned::default();
+        // Ages before the sweep: removing a file makes its directory new.
+        let sessions: Vec<(String, bool)> = root
+            .entries()?
+            .into_iter()
+            .filter(|entry| entry.kind == EntryKind::Directory)
+            .filter_map(|entry| {
+                let old = entry.modified.elapsed().is_ok_and(|age| age > grace);
+                Some((entry.name.into_string().ok()?, old))
+            })
+            .collect();
+        for (session, old) in sessions {
+            let Ok(directory) = root.open_dir(std::path::Path::new(&session)) else {
+                continue;
+            };
+            for file in directory.remove_abandoned_temporaries(grace)? {
+                removed.unfinished_files.push(format!("{session}/{file}"));
+            }
+            if empty_sessions && old && root.remove_empty_dir(&session) {
+                removed.empty_sessions.push(session);
+            }
+        }
+        Ok(removed)
+    }
+
     /// Makes this directory and what is missing above it.
     pub fn create(&self) -> Result<(), StorageError> {
         self.root.create_dir_all(&self.relative)?;

@@ -252,6 +252,31 @@ impl Folder {
     pub fn is_object(&self) -> bool {
         matches!(self, Folder::Object(_))
     }
+
+    /// Removes what writes into this repository root left when the agent
+    /// writing them was killed: unfinished trace files in its sessions and,
+    /// with `empty_sessions` (a root only the agent makes sessions in),
+    /// sessions that hold nothing. Only what has lain untouched for
+    /// [`ABANDONED_AFTER`] and no process holds goes. Objects are written
+    /// whole or not at all: nothing to do there.
+    pub fn remove_abandoned(&self, empty_sessions: bool) -> Result<Abandoned, StorageError> {
+        match self {
+            Folder::Local(local) => local.remove_abandoned(ABANDONED_AFTER, empty_sessions),
+            Folder::Object(_) => Ok(Abandoned::default()),
+        }
+    }
+}
+
+/// How long an unfinished file or an empty session must have lain
+/// untouched before a sweep takes it for abandoned.
+pub const ABANDONED_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// What [`Folder::remove_abandoned`] removed, as `session/file` and
+/// `session`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Abandoned {
+    pub unfinished_files: Vec<String>,
+    pub empty_sessions: Vec<String>,
 }
 
 /// A file of a session written in parts as it arrives, in place only once

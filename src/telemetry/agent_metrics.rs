@@ -67,12 +67,12 @@ impl Collector for TriggerMetrics {
         let mut rules: Vec<(String, RuleCounts)> = Vec::new();
         triggers.each_rule(&mut |rule, counts| rules.push((rule.to_string(), counts.read())));
         let counter = |value: &AtomicU64| ConstCounter::new(value.load(Relaxed));
-        // Two series per rule, told apart by `label`.
-        let by = |label: &'static str, kinds: [Kind; 2]| {
+        // A series per rule and kind, told apart by `label`.
+        let by = |label: &'static str, kinds: &[Kind]| {
             rules
                 .iter()
                 .flat_map(|(rule, counts)| {
-                    kinds.map(|(kind, value)| {
+                    kinds.iter().map(move |(kind, value)| {
                         (
                             [("rule", rule.as_str()), (label, kind)],
                             counter(value(counts)),
@@ -96,7 +96,7 @@ impl Collector for TriggerMetrics {
             "Firings of each trigger rule held back, by reason (cooldown, max_per_hour)",
             by(
                 "reason",
-                [
+                &[
                     ("cooldown", |counts| &counts.held_cooldown),
                     ("max_per_hour", |counts| &counts.held_hourly_cap),
                 ],
@@ -105,12 +105,14 @@ impl Collector for TriggerMetrics {
         family(
             &mut encoder,
             "devtrace_trigger_saves",
-            "Traces of trigger firings, by outcome (saved, failed)",
+            "Traces of trigger firings, by outcome (saved, failed, lost: an earlier agent was \
+             killed while saving them)",
             by(
                 "outcome",
-                [
+                &[
                     ("saved", |counts| &counts.saved),
                     ("failed", |counts| &counts.failed),
+                    ("lost", |counts| &counts.lost),
                 ],
             ),
         )

@@ -49,6 +49,9 @@ pub struct RuleCounts {
     pub held_hourly_cap: AtomicU64,
     pub saved: AtomicU64,
     pub failed: AtomicU64,
+    /// Saves an earlier agent was killed in the middle of, found when this
+    /// one started.
+    pub lost: AtomicU64,
 }
 
 impl RuleCounts {
@@ -61,6 +64,7 @@ impl RuleCounts {
             held_hourly_cap: copy(&self.held_hourly_cap),
             saved: copy(&self.saved),
             failed: copy(&self.failed),
+            lost: copy(&self.lost),
         }
     }
 }

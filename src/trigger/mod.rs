@@ -121,6 +121,7 @@ impl Triggers {
             pending: Mutex::new(Vec::new()),
             unevaluated: AtomicU64::new(0),
         });
+        triggers.clear_abandoned_saves();
         let arrivals = if watcher.is_idle() {
             None
         } else {
@@ -186,12 +187,13 @@ impl Triggers {
                 let load = |value: &AtomicU64| value.load(Ordering::Relaxed);
                 format!(
                     "trigger {name}: fired {}, held back {} (cooldown) and {} (max-per-hour), \
-                     saved {}, failed {}\n",
+                     saved {}, failed {}, lost {} (an earlier agent killed while saving)\n",
                     load(&counts.fired),
                     load(&counts.held_cooldown),
                     load(&counts.held_hourly_cap),
                     load(&counts.saved),
-                    load(&counts.failed)
+                    load(&counts.failed),
+                    load(&counts.lost)
                 )
             })
             .chain(behind)
@@ -255,6 +257,41 @@ impl Triggers {
         }
     }
 
+    /// Clears what saves an earlier agent was killed in the middle of left
+    /// in the repository (unfinished files; sessions with nothing in them),
+    /// counting each lost save against its rule and saying so in the log:
+    /// a firing that was never saved is reported, not forgotten.
+    fn clear_abandoned_saves(&self) {
+        let abandoned = match self.repository.remove_abandoned(true) {
+            Ok(abandoned) => abandoned,
+            Err(error) => {
+                warn!(%error, "could not look for saves an earlier agent left unfinished");
+                return;
+            }
+        };
+        if !abandoned.unfinished_files.is_empty() {
+            info!(
+                files = ?abandoned.unfinished_files,
+                "removed unfinished trace files an earlier agent left in the trigger repository"
+            );
+        }
+        for session in &abandoned.empty_sessions {
+            let rule = self
+                .rules
+                .iter()
+                .find(|armed| session_of_rule(session, &armed.rule.name));
+            if let Some(armed) = rule {
+                armed.counts.lost.fetch_add(1, Ordering::Relaxed);
+            }
+            warn!(
+                %session,
+                rule = rule.map_or("(no longer armed)", |armed| armed.rule.name.as_str()),
+                "a trigger firing was not saved: an earlier agent was stopped while saving it; \
+                 its empty session was removed"
+            );
+        }
+    }
+
     async fn save(&self, firing: Firing, window: Window) {
         let armed = &self.rules[firing.rule];
         let rule = &armed.rule;
@@ -292,6 +329,20 @@ impl Triggers {
             }
         }
     }
+}
+
+/// Whether `session` is named as a save of rule `rule` is
+/// (`<YYYY_MM_DD_HH_MM_SS>_<rule>`, `_2`, `_3`, ... when taken).
+fn session_of_rule(session: &str, rule: &str) -> bool {
+    const TIMESTAMP: usize = "YYYY_MM_DD_HH_MM_SS_".len();
+    let Some(named) = session.get(TIMESTAMP..) else {
+        return false;
+    };
+    named == rule
+        || named
+            .strip_prefix(rule)
+            .and_then(|rest| rest.strip_prefix('_'))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Batches of picked events waiting for the rules' thread, at most: past

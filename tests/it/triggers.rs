@@ -36,7 +36,16 @@ fn armed(rules: &[&str], extra: &[&str]) -> Armed {
 }
 
 fn armed_with_env(rules: &[&str], extra: &[&str], env: &[(&str, &Path)]) -> Armed {
-    let dir = tempfile::tempdir().unwrap();
+    armed_in(tempfile::tempdir().unwrap(), rules, extra, env)
+}
+
+/// As [`armed_with_env`], in `dir` (which a test may have put things in).
+fn armed_in(
+    dir: tempfile::TempDir,
+    rules: &[&str],
+    extra: &[&str],
+    env: &[(&str, &Path)],
+) -> Armed {
     let logdir = dir.path().to_path_buf();
     let repository = logdir.join("plugins").join("profile");
     let (root, repo) = (path_text(&logdir), path_text(&repository));
@@ -712,4 +721,49 @@ async fn firings_and_held_ones_are_counted_in_the_metrics() {
     ] {
         assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
     }
+}
+
+/// What an agent killed in the middle of a save leaves (its session made,
+/// its file unfinished or not begun) is cleared when the next one starts,
+/// and each such firing is counted as lost against its rule: never a
+/// temporary file or an empty session forever, never a firing forgotten.
+#[tokio::test]
+async fn saves_an_earlier_agent_was_killed_during_are_cleared_and_counted_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let repository = dir.path().join("plugins").join("profile");
+    let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let age = |path: &Path| {
+        std::fs::File::open(path)
+            .unwrap()
+            .set_modified(an_hour_ago)
+            .unwrap()
+    };
+    // Killed before its file was begun, and while writing it.
+    let before_file = repository.join("2026_01_01_00_00_00_soon");
+    let while_writing = repository.join("2026_01_01_00_00_01_soon_2");
+    for session in [&before_file, &while_writing] {
+        std::fs::create_dir_all(session).unwrap();
+    }
+    let unfinished = while_writing.join(".127.0.0.1_1.xplane.pb.4242.0.tmp");
+    std::fs::write(&unfinished, b"half a trace").unwrap();
+    age(&unfinished);
+    // A finished save of a rule no longer armed, and a session just made.
+    let finished = repository.join("2026_01_01_00_00_02_other");
+    std::fs::create_dir_all(&finished).unwrap();
+    std::fs::write(finished.join("host.xplane.pb"), b"a trace").unwrap();
+    let just_made = repository.join("2026_01_01_00_00_03_soon");
+    std::fs::create_dir_all(&just_made).unwrap();
+    for session in [&before_file, &while_writing, &finished] {
+        age(session);
+    }
+    let armed = armed_in(
+        dir,
+        &["name=soon; when=explicit; before=1s; after=500ms"],
+        &[],
+        &[],
+    );
+    let line = counts_line(&armed.agent, "soon").await;
+    assert_eq!(count_of(&line, "lost "), 2, "{line}");
+    assert!(!before_file.exists() && !while_writing.exists());
+    assert!(finished.join("host.xplane.pb").exists() && just_made.exists());
 }
