@@ -238,6 +238,13 @@ pub struct ServeArgs {
     #[arg(long, default_value = "10m", value_parser = parse_max_duration)]
     pub max_duration: Duration,
 
+    /// How long a gRPC connection is served before its client is asked to
+    /// open a new one (HTTP/2 GOAWAY; gRPC clients move without failing a
+    /// call): idle connections do not keep their places for good. Calls in
+    /// progress on it still finish (at least 1s).
+    #[arg(long, value_name = "DURATION", default_value = "15m", value_parser = parse_connection_age)]
+    pub max_connection_age: Duration,
+
     /// Store a trace larger than this (encoded) as Riegeli chunks of XSpace,
     /// `<host>.xplane.riegeli`, instead of one `.xplane.pb` message, which
     /// protobuf caps at 2 GiB; XProf 2.23 and later and `devtrace inspect`
@@ -347,6 +354,16 @@ fn parse_chunk_size(text: &str) -> Result<usize, String> {
 fn parse_retention(text: &str) -> Result<Duration, String> {
     let duration = super::parse_duration(text).map_err(|e| e.to_string())?;
     at_least(duration, Duration::from_secs(1), "1s")
+}
+
+fn parse_connection_age(text: &str) -> Result<Duration, String> {
+    let age = super::parse_duration(text).map_err(|e| e.to_string())?;
+    if age < Duration::from_secs(1) {
+        return Err(format!(
+            "{age:?} is less than 1s: clients would reconnect for every call"
+        ));
+    }
+    Ok(age)
 }
 
 fn parse_max_duration(text: &str) -> Result<Duration, String> {
@@ -669,7 +686,12 @@ async fn listen(args: &ServeArgs) -> anyhow::Result<Listeners> {
         Some(path) => Some(bind_unix(path, args.listen_unix_mode)?),
         None => None,
     };
-    Ok(Listeners { tcp, tls, unix })
+    Ok(Listeners {
+        tcp,
+        tls,
+        unix,
+        max_connection_age: args.max_connection_age,
+    })
 }
 
 /// A UNIX socket at `path` with `mode`, never reachable with a wider mode:

@@ -51,12 +51,20 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// How long a connection is served before the agent asks its client to
+/// move to a new one (an HTTP/2 GOAWAY, which gRPC clients follow without
+/// failing a call): no idle connection keeps its place for good. Calls in
+/// progress then finish; the connection closes after the last.
+pub const DEFAULT_MAX_CONNECTION_AGE: Duration = Duration::from_secs(15 * 60);
+
 /// Where the services listen: a TCP listener, with TLS or without, and
 /// optionally a UNIX socket (plaintext, guarded by its file permissions).
 pub struct Listeners {
     pub tcp: tokio::net::TcpListener,
     pub tls: Option<ServerTlsConfig>,
     pub unix: Option<tokio::net::UnixListener>,
+    /// `--max-connection-age`.
+    pub max_connection_age: Duration,
 }
 
 impl From<tokio::net::TcpListener> for Listeners {
@@ -65,6 +73,7 @@ impl From<tokio::net::TcpListener> for Listeners {
             tcp,
             tls: None,
             unix: None,
+            max_connection_age: DEFAULT_MAX_CONNECTION_AGE,
         }
     }
 }
@@ -95,6 +104,7 @@ pub async fn serve(
         Arc::new(Shares::new(BODY_MEMORY, BODY_MEMORY_PER_PEER)),
         BODY_DEADLINE,
     );
+    let age = listeners.max_connection_age;
     let tcp_gate = Gate::new(CONNECTION_LIMITS);
     telemetry.watch_connections("grpc", &tcp_gate);
     let tcp = listen::tcp_incoming(listeners.tcp, tcp_gate, "grpc");
@@ -104,6 +114,7 @@ pub async fn serve(
         &triggers,
         &telemetry,
         &bodies,
+        age,
         listeners.tls,
     )?
     .serve_with_incoming_shutdown(tcp, stop.clone().cancelled_owned());
@@ -112,11 +123,13 @@ pub async fn serve(
     };
     let unix_gate = Gate::new(CONNECTION_LIMITS);
     telemetry.watch_connections("grpc_unix", &unix_gate);
-    let unix = router(&profiler, &analysis, &triggers, &telemetry, &bodies, None)?
-        .serve_with_incoming_shutdown(
-            listen::unix_incoming(unix, unix_gate, "grpc_unix"),
-            stop.clone().cancelled_owned(),
-        );
+    let unix = router(
+        &profiler, &analysis, &triggers, &telemetry, &bodies, age, None,
+    )?
+    .serve_with_incoming_shutdown(
+        listen::unix_incoming(unix, unix_gate, "grpc_unix"),
+        stop.clone().cancelled_owned(),
+    );
     let result = tokio::try_join!(tcp, unix).map(|_| ());
     // One listener failing ends the other too.
     stop.cancel();
@@ -134,10 +147,14 @@ fn router(
     triggers: &Arc<trigger::TriggerService>,
     telemetry: &Telemetry,
     bodies: &BoundedBodiesLayer,
+    max_connection_age: Duration,
     tls: Option<ServerTlsConfig>,
 ) -> Result<Router<Layers>, tonic::transport::Error> {
     let mut server = tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        // No grace: tonic's grace replaces the graceful GOAWAY with a forced
+        // close at age + grace, which would cut a long capture short.
+        .max_connection_age(max_connection_age)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
     if let Some(tls) = tls {

@@ -203,3 +203,23 @@ async fn a_silent_connection_is_closed_after_its_deadline() {
     let mut silent = connect_from([127, 0, 0, 4], &agent.address).await;
     assert!(closed(&mut silent).await, "a silent connection was kept");
 }
+
+/// No connection keeps its place for good: past `--max-connection-age` an
+/// idle one that answers every ping is still asked to go (and goes), while
+/// a call in progress on an old connection finishes.
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_past_their_age_are_sent_away_and_their_calls_finish() {
+    let agent = AgentProcess::start(&["--mock-rate", "1000", "--max-connection-age", "1s"]);
+    let io = TcpStream::connect(&agent.address)
+        .await
+        .expect("connecting");
+    let (_client, connection) = h2::client::handshake(io).await.expect("HTTP/2");
+    // The connection's driver answers the agent's pings for as long as it
+    // runs; it ends when the agent closes the connection.
+    let idle = tokio::spawn(connection);
+    let ended = tokio::time::timeout(Duration::from_secs(15), idle).await;
+    assert!(ended.is_ok(), "an idle connection was kept past its age");
+    // A capture longer than the age, on one connection, is not cut short.
+    let space = space_of(&agent.profile(request(2500, "aged")).await);
+    assert!(!space.planes.is_empty());
+}

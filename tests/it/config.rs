@@ -64,6 +64,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ),
     ("unsent-dir", r#""/var/lib/devtrace/unsent""#),
     ("max-duration", r#""1m""#),
+    ("max-connection-age", r#""30m""#),
     ("chunk-traces-over", r#""256MiB""#),
     ("upstream", r#"["grpc://127.0.0.1:9999"]"#),
     ("hostname", r#""worker-7""#),
