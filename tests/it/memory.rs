@@ -176,14 +176,20 @@ fn capture_back(
 }
 
 /// Sixteen concurrent captures of distinct windows, whose traces together
-/// are more than the cgroup holds: the capture budget makes them take turns
-/// (or refuses them, saying so) instead of the kernel killing the agent.
+/// are more than the cgroup holds, with a session fanned out to the agent
+/// itself and a trigger's save among them: the capture budget makes them
+/// take turns (or refuses them, saying so) instead of the kernel killing
+/// the agent.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_refused_naming_the_budget(
 ) {
     let Some(cgroup) = MemoryCgroup::with_limit("burst", 384 << 20) else {
         return;
     };
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().display().to_string();
+    let repository = work.path().join("plugins/profile");
+    let trigger_repository = repository.display().to_string();
     // 400,000 events a second: 2 s windows of about 55 MB of trace each,
     // 16 of them 880 MB. The budget holds one.
     let child = cgroup
@@ -196,6 +202,12 @@ async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_
             "120MiB",
             "--ring-capacity",
             "16384",
+            "--allow-root",
+            &root,
+            "--trigger-repository",
+            &trigger_repository,
+            "--trigger",
+            "name=burst; when=explicit; before=1500ms; after=500ms",
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -214,6 +226,24 @@ async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_
         }
         calls.spawn(async move { client.profile(request).await.map(|_| ()) });
     }
+    // A session of the agent's own window, written under the root, and a
+    // trigger's save of the past, both during the burst.
+    let session = {
+        let mut analysis = agent.analysis().await;
+        let request = common::session_request(&repository, &[agent.address.as_str()], "fanned");
+        tokio::spawn(async move { analysis.new_session(request).await })
+    };
+    let fired = common::devtrace(
+        ["trigger", "burst", "--agent", &agent.address]
+            .map(String::from)
+            .to_vec(),
+    )
+    .await;
+    assert!(
+        fired.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fired.stderr)
+    );
     let (mut delivered, mut refused) = (0, 0);
     while let Some(call) = calls.join_next().await {
         match call.expect("a call") {
@@ -228,6 +258,34 @@ async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_
             }
         }
     }
+    let session = session
+        .await
+        .unwrap()
+        .expect("the session ran")
+        .into_inner();
+    assert!(
+        session.error_message.is_empty() || session.error_message.contains("--capture-memory"),
+        "{session:?}"
+    );
+    // The save: written, or failed for want of memory (the log says).
+    let waited = std::time::Instant::now();
+    let counts = loop {
+        assert!(
+            waited.elapsed() < std::time::Duration::from_secs(90),
+            "the trigger's save neither saved nor failed"
+        );
+        let text = agent.monitor(10).await.data;
+        let line = text
+            .lines()
+            .find(|line| line.starts_with("trigger burst: "))
+            .unwrap_or_default()
+            .to_string();
+        if line.contains("saved 1") || line.contains("failed 1") {
+            break line;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    assert!(counts.contains("fired 1"), "{counts}");
     assert_eq!(cgroup.oom_kills(), 0, "the kernel OOM-killed in the cgroup");
     assert!(agent.is_running(), "the agent died in the burst");
     assert!(
@@ -242,7 +300,6 @@ async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_
     )
     .expect("/healthz answered within 2 s");
     assert_eq!(status, 200);
-    let work = tempfile::tempdir().unwrap();
     let after = capture_back(&agent.address, &work.path().join("after"), 200, 500)
         .wait_with_output()
         .expect("capture ran");
