@@ -32,6 +32,9 @@ const SLICE_BYTES: usize = 1 << 20;
 const RESPONSE_TOOL_DATA: u32 = 6;
 const RESPONSE_EMPTY_TRACE: u32 = 7;
 const RESPONSE_XSPACE: u32 = 8;
+/// Field numbers of `ProfileSessionDataResponse` (profiler_analysis.proto).
+const SESSION_DATA_FORMAT: u32 = 2;
+const SESSION_DATA_OUTPUT: u32 = 3;
 const TOOL_DATA_NAME: u32 = 1;
 const TOOL_DATA_DATA: u32 = 2;
 
@@ -78,6 +81,27 @@ impl FramedReply {
         let mut head = grpc_prefix(field_len(RESPONSE_XSPACE, data_len) + tail.len());
         head.message_prefix(RESPONSE_XSPACE, data_len);
         FramedReply::assemble(head, data, tail)
+    }
+
+    /// A `ProfileSessionDataResponse` carrying a tool's output:
+    /// `{ output_format, output }`.
+    pub fn session_data(output_format: &str, output: Bytes) -> FramedReply {
+        let format_len = if output_format.is_empty() {
+            0
+        } else {
+            field_len(SESSION_DATA_FORMAT, output_format.len())
+        };
+        let output_len = if output.is_empty() {
+            0
+        } else {
+            field_len(SESSION_DATA_OUTPUT, output.len())
+        };
+        let mut head = grpc_prefix(format_len + output_len);
+        head.text(SESSION_DATA_FORMAT, output_format);
+        if !output.is_empty() {
+            head.message_prefix(SESSION_DATA_OUTPUT, output.len());
+        }
+        FramedReply::assemble(head, &[output], Vec::new())
     }
 
     fn assemble(head: Writer, data: &[Bytes], tail: Vec<u8>) -> FramedReply {
@@ -312,6 +336,21 @@ mod tests {
                 ProfileResponse::decode(&bytes[5..]).expect("decodes"),
                 expected
             );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_tools_output_is_the_message_prost_would_send() {
+        use crate::proto::tensorflow::ProfileSessionDataResponse;
+        for (format, output) in [("json", &b"{\"a\":1}"[..]), ("blob", &b""[..])] {
+            let framed = FramedReply::session_data(format, Bytes::copy_from_slice(output));
+            let bytes = FramedBody::new(framed).collect().await.unwrap().to_bytes();
+            let expected = ProfileSessionDataResponse {
+                error_message: String::new(),
+                output_format: format.into(),
+                output: output.to_vec(),
+            };
+            assert_eq!(&bytes[5..], &expected.encode_to_vec()[..]);
         }
     }
 

@@ -27,6 +27,7 @@ use crate::protocol::client::{self, ClientConfig, Target};
 use crate::repository::{self, Folder, StorageError};
 
 use super::deadline;
+use super::framed_reply::FramedReply;
 use super::session_hosts::SessionHosts;
 use super::validate::{self, invalid};
 use crate::model::calendar::session_timestamp;
@@ -415,9 +416,8 @@ impl ProfileAnalysis for ProfileAnalysisService {
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
-        // Held until the reply is made; tonic's copy of it as it is sent is
-        // within the plan's allowance for the tool's output.
-        let _memory = match &self.config.memory {
+        // Held until the reply has been sent.
+        let memory = match &self.config.memory {
             Some(memory) => {
                 let what = || {
                     format!(
@@ -439,10 +439,16 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let output = tokio::task::spawn_blocking(move || plan.run(&directory).map_err(tool_status))
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
-        Ok(Response::new(ProfileSessionDataResponse {
-            error_message: String::new(),
-            output_format: output.format().to_string(),
-            output: output.into_bytes(),
-        }))
+        // Sent from the output itself by `FramedRepliesLayer`, not copied
+        // into a buffer of tonic's.
+        let mut response = Response::new(ProfileSessionDataResponse::default());
+        let format = output.format();
+        let reply = FramedReply::session_data(format, output.into_bytes().into());
+        match memory {
+            Some(memory) => reply.keeping(Arc::new(memory)),
+            None => reply,
+        }
+        .attach(&mut response);
+        Ok(response)
     }
 }
