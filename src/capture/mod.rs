@@ -102,6 +102,10 @@ pub struct Admission {
 /// hold.
 const SAVE_MEMORY_WAIT: Duration = Duration::from_secs(60);
 
+/// How long storing a built trace as Riegeli chunks waits for capture
+/// memory that other captures hold, at most.
+const CHUNK_MEMORY_WAIT: Duration = Duration::from_secs(10);
+
 impl crate::telemetry::BudgetUse for Captures {
     fn held_bytes(&self) -> u64 {
         self.memory_held()
@@ -194,6 +198,37 @@ impl Captures {
             .await
     }
 
+    /// `encoded` as Riegeli chunks of at most `--chunk-traces-over` bytes,
+    /// with what that takes besides the trace (the trace in one buffer, the
+    /// file, a chunk) drawn from `--capture-memory` first; the share
+    /// returned holds the file's size until dropped. The trace's own share
+    /// is held meanwhile, so this waits for others' at most
+    /// [`CHUNK_MEMORY_WAIT`] (or until `deadline`), never for its own.
+    pub async fn chunk(
+        &self,
+        encoded: Arc<Encoded>,
+        deadline: Instant,
+    ) -> Result<(write::ChunkedTrace, memory::BuildMemory), CaptureError> {
+        let limit = self.settings.chunk_traces_over;
+        let size = encoded.len();
+        let needed = size.saturating_mul(2).saturating_add(limit.min(size));
+        let what = || format!("storing this {size}-byte trace as Riegeli chunks");
+        let with_trace = needed.saturating_add(size);
+        if with_trace > self.memory.budget() {
+            return Err(MemoryError::TooLarge {
+                what: format!("{} (with the trace itself)", what()),
+                needed: with_trace,
+                budget: self.memory.budget(),
+            }
+            .into());
+        }
+        let deadline = deadline.min(Instant::now() + CHUNK_MEMORY_WAIT);
+        let mut memory = self.memory.reserve(needed, what, deadline).await?;
+        let chunked = write::chunk_trace(encoded, limit).await?;
+        memory.keep_only(chunked.bytes().len());
+        Ok((chunked, memory))
+    }
+
     /// Builds the trace of `window` from the flight recorder and writes it
     /// under `root` as a new session named `session_id` (with a suffix when
     /// the name is taken), `properties` in its Task Environment: how a
@@ -212,13 +247,11 @@ impl Captures {
             properties,
             self.agent.losses(),
         );
-        let encoded = self
-            .build(&plan, window, Instant::now() + SAVE_MEMORY_WAIT)
-            .await?;
-        let limit = self.settings.chunk_traces_over;
+        let deadline = Instant::now() + SAVE_MEMORY_WAIT;
+        let encoded = self.build(&plan, window, deadline).await?;
         // Stored without a log line of its own: the trigger logs the save.
-        let written = if encoded.len() > limit {
-            let chunked = write::chunk_trace(Arc::new(encoded), limit).await?;
+        let written = if encoded.len() > self.settings.chunk_traces_over {
+            let (chunked, _memory) = self.chunk(Arc::new(encoded), deadline).await?;
             write::store_trace(root, &plan, RIEGELI_SUFFIX, chunked)
                 .await?
                 .0

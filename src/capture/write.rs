@@ -8,7 +8,7 @@ use tracing::{info, warn};
 
 use super::{CaptureError, Plan};
 use crate::repository::{Folder, StorageError};
-use crate::xspace::chunks::ChunkedTrace;
+pub use crate::xspace::chunks::ChunkedTrace;
 use crate::xspace::Encoded;
 
 /// A trace file's content, written from the memory it is held in.

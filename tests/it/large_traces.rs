@@ -269,3 +269,29 @@ async fn a_trace_too_large_even_as_chunks_is_refused_with_the_way_to_get_it() {
         assert!(status.message().contains(part), "{}", status.message());
     }
 }
+
+/// Storing a trace as chunks takes a copy of it and the file besides the
+/// trace itself: with too little capture memory for that, the capture is
+/// refused naming the budget rather than the agent growing past it.
+#[tokio::test]
+async fn chunking_a_trace_draws_from_the_capture_budget_too() {
+    let agent = AgentProcess::start(&["--chunk-traces-over", "64KiB", "--capture-memory", "4MiB"]);
+    let status = agent
+        .client()
+        .await
+        .profile(request(500, "chunked"))
+        .await
+        .expect_err("no room to chunk it beside itself");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("as Riegeli chunks (with the trace itself)")
+            && status.message().contains("--capture-memory"),
+        "{}",
+        status.message()
+    );
+    // A window small enough for both is served, as chunks.
+    let reply = agent.profile(request(50, "small")).await;
+    assert!(!reply.tool_data.is_empty());
+}

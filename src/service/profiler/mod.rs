@@ -242,7 +242,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             .build_admitted(&admission, &common, window, remote, terminated, deadline)
             .await?;
         let encoded = with_warnings(encoded, &plan.warnings);
-        let reply = self.respond(&plan, window, encoded).await?;
+        let reply = self.respond(&plan, window, encoded, deadline).await?;
         self.capture_ready("Profile", window);
         Ok(reply)
     }
@@ -351,10 +351,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         }
         let encoded = self.captures.build(&plan, plan.window, deadline).await?;
         if encoded.len() > self.config.chunk_traces_over {
-            let reply = self
-                .respond_chunked(&plan, plan.window, Arc::new(encoded), true)
-                .await?;
-            return Ok(Response::new(reply));
+            return self
+                .respond_chunked(&plan, plan.window, Arc::new(encoded), true, deadline)
+                .await;
         }
         let encoded = Arc::new(encoded);
         if let Some(root) = self.server_side_root(&plan) {

@@ -5,15 +5,16 @@
 //! it at all.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use tonic::{Response, Status};
 use tracing::info;
 
 use super::ProfilerService;
-use crate::capture::write::{chunk_trace, write_trace};
+use crate::capture::write::write_trace;
 use crate::capture::{CaptureError, Plan};
-use crate::proto::tensorflow::{ProfileResponse, ProfileToolData};
+use crate::proto::tensorflow::ProfileResponse;
 use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
 use crate::recorder::Window;
 use crate::repository::{Folder, StorageError, XPLANE_SUFFIX};
@@ -32,12 +33,12 @@ impl ProfilerService {
         plan: &Plan,
         window: Window,
         encoded: Arc<Encoded>,
+        deadline: Instant,
     ) -> Result<Response<ProfileResponse>, Status> {
         if encoded.len() > self.config.chunk_traces_over {
             return self
-                .respond_chunked(plan, window, encoded, plan.emit_xspace)
-                .await
-                .map(Response::new);
+                .respond_chunked(plan, window, encoded, plan.emit_xspace, deadline)
+                .await;
         }
         let empty_trace = encoded.events == 0;
         if plan.emit_xspace {
@@ -74,11 +75,12 @@ impl ProfilerService {
         window: Window,
         encoded: Arc<Encoded>,
         needs_xspace: bool,
-    ) -> Result<ProfileResponse, Status> {
+        deadline: Instant,
+    ) -> Result<Response<ProfileResponse>, Status> {
         let limit = self.config.chunk_traces_over;
         let size = encoded.len();
         let empty_trace = encoded.events == 0;
-        let mut chunked = chunk_trace(encoded, limit).await?;
+        let (mut chunked, memory) = self.captures.chunk(encoded, deadline).await?;
         info!(
             bytes = size,
             chunks = chunked.chunks(),
@@ -99,7 +101,7 @@ impl ProfilerService {
                         path
                     )));
                 }
-                Ok(_) => return Ok(written_reply(empty_trace)),
+                Ok(_) => return Ok(Response::new(written_reply(empty_trace))),
                 Err(error) => not_written = Some(error),
             }
         }
@@ -109,11 +111,13 @@ impl ProfilerService {
                     .append_warning(&unwritten_warning(error))
                     .map_err(|e| Status::from(CaptureError::Chunk(e.to_string())))?;
             }
-            return Ok(tool_reply(
-                RIEGELI_TOOL,
-                Bytes::from(chunked.into_bytes()),
-                empty_trace,
-            ));
+            // Sent from the file itself, its memory held until it is out.
+            let file = Bytes::from(chunked.into_bytes());
+            let mut response = Response::new(ProfileResponse::default());
+            FramedReply::tool_data(RIEGELI_TOOL, &[file], empty_trace)
+                .keeping(Arc::new(memory))
+                .attach(&mut response);
+            return Ok(response);
         }
         let why = if needs_xspace {
             "the request asks for it as one XSpace (emit_xspace, or GetSnapshot), which \
@@ -195,19 +199,6 @@ pub(super) fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<E
 fn written_reply(empty_trace: bool) -> ProfileResponse {
     ProfileResponse {
         tool_data: Vec::new(),
-        empty_trace,
-        xspace: None,
-    }
-}
-
-/// The reply carrying a trace as tool data `name`, which the client writes
-/// as `<host>.<name>`.
-fn tool_reply(name: &str, data: Bytes, empty_trace: bool) -> ProfileResponse {
-    ProfileResponse {
-        tool_data: vec![ProfileToolData {
-            name: name.to_string(),
-            data,
-        }],
         empty_trace,
         xspace: None,
     }
