@@ -102,13 +102,21 @@ impl Captures {
         }
         let (data, registry) = local.map_err(|e| CaptureError::Collect(e.to_string()))?;
         let events = data.held();
+        // Other servers' traces are decoded into messages to be merged in.
+        let theirs: usize = remote
+            .iter()
+            .filter_map(|(_, result)| result.as_ref().ok()?.as_ref().map(|b| b.len()))
+            .sum();
+        let decoding_theirs = theirs.saturating_mul(MERGE_BYTES_PER_ENCODED_BYTE);
         let expected = data.chunk_bytes()
             + events.saturating_mul(memory::EXPECTED_BYTES_PER_EVENT)
+            + decoding_theirs
             + BUILD_OVERHEAD_BYTES;
         let what = || format!("this window holds {events} events, and building its trace");
         let mut memory = self.memory.reserve(expected, what, deadline).await?;
         // The window's chunks live as long as the build, evicted or not.
         memory.take(data.chunk_bytes())?;
+        memory.take(decoding_theirs)?;
         let mut warnings = plan.warnings.clone();
         if let Some(waited) = memory.waited {
             warnings.push(format!(
@@ -226,8 +234,8 @@ fn merge_upstreams(
     if merged.is_empty() {
         return Ok(encoded);
     }
-    let theirs: usize = merged.iter().map(|(_, space)| space.encoded_len()).sum();
-    let needed = (encoded.len() + theirs).saturating_mul(MERGE_BYTES_PER_ENCODED_BYTE);
+    // Theirs were counted when they were decoded; ours is decoded now.
+    let needed = encoded.len().saturating_mul(MERGE_BYTES_PER_ENCODED_BYTE);
     if let Err(refused) = memory.take(needed) {
         let names: Vec<&str> = merged.iter().map(|(name, _)| name.as_str()).collect();
         let mut encoded = encoded;
