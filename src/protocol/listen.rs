@@ -9,7 +9,9 @@
 //! [`FIRST_BYTES_DEADLINE`] is closed, so that silent ones do not keep their
 //! places. Running out of file descriptors is waited out ([`FD_PAUSE`])
 //! instead of retried at once, which would spin a core, or passed on, which
-//! would end the server.
+//! would end the server. Each connection carries a [`Closer`] in what tonic
+//! tells its calls ([`ConnectionInfo`]), by which a reply its peer stops
+//! reading gives the connection up.
 //!
 //! The bounds are per address: a peer with many addresses (any local user
 //! has all of 127.0.0.0/8) can still fill a listener's total, each of its
@@ -183,6 +185,7 @@ pub struct Admitted<IO> {
     admission: Admission,
     /// Until its first bytes arrive: when it is closed if they do not.
     silent_until: Option<Pin<Box<Sleep>>>,
+    closer: Closer,
 }
 
 impl<IO> Admitted<IO> {
@@ -191,8 +194,73 @@ impl<IO> Admitted<IO> {
             io,
             admission,
             silent_until: first_bytes.map(|deadline| Box::pin(tokio::time::sleep(deadline))),
+            closer: Closer::default(),
         }
     }
+}
+
+/// Closes the connection it came with, from outside the server: its next
+/// read fails, which ends the connection and every call on it. How a reply
+/// the peer stops reading is given up on (the server would otherwise wait
+/// on the peer's flow control for as long as it liked).
+#[derive(Clone, Debug, Default)]
+pub struct Closer(Arc<CloserState>);
+
+#[derive(Debug, Default)]
+struct CloserState {
+    closed: std::sync::atomic::AtomicBool,
+    /// The connection's reader, woken to see it closed.
+    reader: parking_lot::Mutex<Option<std::task::Waker>>,
+}
+
+impl Closer {
+    pub fn close(&self) {
+        self.0
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        if let Some(reader) = self.0.reader.lock().take() {
+            reader.wake();
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.0.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn wake_on_close(&self, cx: &Context<'_>) {
+        let mut reader = self.0.reader.lock();
+        if !reader.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            *reader = Some(cx.waker().clone());
+        }
+    }
+}
+
+/// What tonic tells a call about its connection: the peer (`info`, as the
+/// stream itself says it) and the connection's [`Closer`].
+#[derive(Clone, Debug)]
+pub struct ConnectionInfo<I> {
+    pub info: I,
+    pub closer: Closer,
+}
+
+/// The [`Closer`] of the connection a call came on, from the call's
+/// extensions (plaintext TCP, TLS or the UNIX socket).
+pub fn closer_of(extensions: &http::Extensions) -> Option<Closer> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
+    type Tcp = ConnectionInfo<TcpConnectInfo>;
+    extensions
+        .get::<Tcp>()
+        .map(|c| c.closer.clone())
+        .or_else(|| {
+            extensions
+                .get::<TlsConnectInfo<Tcp>>()
+                .map(|c| c.get_ref().closer.clone())
+        })
+        .or_else(|| {
+            extensions
+                .get::<ConnectionInfo<UdsConnectInfo>>()
+                .map(|c| c.closer.clone())
+        })
 }
 
 impl<IO> Admitted<IO> {
@@ -209,6 +277,13 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Admitted<IO> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let this = &mut *self;
+        if this.closer.is_closed() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed by the agent: a reply on it was not read within its deadline",
+            )));
+        }
+        this.closer.wake_on_close(cx);
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
@@ -266,10 +341,13 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
 
 /// tonic reads the peer's address (or credentials) through the stream.
 impl<IO: Connected> Connected for Admitted<IO> {
-    type ConnectInfo = IO::ConnectInfo;
+    type ConnectInfo = ConnectionInfo<IO::ConnectInfo>;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
+        ConnectionInfo {
+            info: self.io.connect_info(),
+            closer: self.closer.clone(),
+        }
     }
 }
 

@@ -20,6 +20,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::Frame;
 
+use crate::protocol::listen;
 use crate::xspace::wire::{varint_len, Writer};
 
 /// How much of a part is handed to the connection at a time: small enough
@@ -189,16 +190,35 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let closer = listen::closer_of(request.extensions());
         let response = self.inner.call(request);
         Box::pin(async move {
             let mut response = response.await?;
             if let Some(reply) = response.extensions_mut().remove::<FramedReply>() {
-                *response.body_mut() = tonic::body::Body::new(FramedBody::new(reply));
+                let body = FramedBody::new(reply);
+                if let Some(closer) = closer {
+                    body.give_up_after(send_deadline(body.len), closer);
+                }
+                *response.body_mut() = tonic::body::Body::new(body);
             }
             Ok(response)
         })
     }
 }
+
+/// How long a reply may take to be read: a base for any reply, and time for
+/// its bytes at [`SLOWEST_READER`]. A client that reads slower than that (or
+/// not at all) holds its trace, and its share of `--capture-memory`, no
+/// longer: its connection is closed.
+pub fn send_deadline(bytes: usize) -> std::time::Duration {
+    SEND_DEADLINE_BASE + std::time::Duration::from_secs((bytes / SLOWEST_READER) as u64)
+}
+
+/// See [`send_deadline`].
+pub const SEND_DEADLINE_BASE: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Bytes a second the slowest reader a reply waits for reads.
+pub const SLOWEST_READER: usize = 1 << 20;
 
 /// The body of a framed reply: its parts in slices, then the OK status.
 struct FramedBody {
@@ -206,8 +226,12 @@ struct FramedBody {
     current: Bytes,
     /// The parts after it, in order.
     next: std::vec::IntoIter<Bytes>,
+    /// Bytes in all.
+    len: usize,
     /// Held until every part is with the connection.
     keep_alive: Option<Arc<dyn Any + Send + Sync>>,
+    /// Held while it is being sent: its watchdog's sign that it is not yet.
+    sending: Option<Arc<()>>,
     /// The trailers are sent.
     done: bool,
 }
@@ -216,10 +240,30 @@ impl FramedBody {
     fn new(reply: FramedReply) -> FramedBody {
         FramedBody {
             current: Bytes::new(),
+            len: reply.parts.iter().map(Bytes::len).sum(),
             next: reply.parts.into_iter(),
             keep_alive: reply._keep_alive,
+            sending: Some(Arc::new(())),
             done: false,
         }
+    }
+
+    /// Closes the connection (and so drops this body, and what it keeps
+    /// alive) if the body is still being sent after `deadline`.
+    fn give_up_after(&self, deadline: std::time::Duration, closer: listen::Closer) {
+        let Some(sending) = self.sending.as_ref().map(Arc::downgrade) else {
+            return;
+        };
+        tokio::spawn(async move {
+            tokio::time::sleep(deadline).await;
+            if sending.upgrade().is_some() {
+                tracing::warn!(
+                    deadline_s = deadline.as_secs(),
+                    "a reply was not read within its deadline; its connection is closed"
+                );
+                closer.close();
+            }
+        });
     }
 }
 
@@ -248,6 +292,7 @@ impl http_body::Body for FramedBody {
         // Every slice is with the connection: what they came from may go.
         self.done = true;
         self.keep_alive = None;
+        self.sending = None;
         let mut trailers = http::HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         Poll::Ready(Some(Ok(Frame::trailers(trailers))))

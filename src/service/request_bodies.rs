@@ -22,6 +22,7 @@ use tokio::time::Sleep;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
 use tonic::Status;
 
+use crate::protocol::listen::ConnectionInfo;
 use crate::protocol::shares::{Over, Peer, Shares};
 
 /// How long a request's body may take to arrive after its headers.
@@ -43,6 +44,21 @@ fn peer_of(extensions: &http::Extensions) -> Peer {
         info.remote_addr()
             .map_or(Peer::Unknown, |a| Peer::Address(a.ip().to_canonical()))
     };
+    let user = |info: &UdsConnectInfo| {
+        info.peer_cred
+            .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()))
+    };
+    // The listeners' connections, then streams served as they are.
+    type Tcp = ConnectionInfo<TcpConnectInfo>;
+    if let Some(connection) = extensions.get::<Tcp>() {
+        return address(&connection.info);
+    }
+    if let Some(connection) = extensions.get::<TlsConnectInfo<Tcp>>() {
+        return address(&connection.get_ref().info);
+    }
+    if let Some(connection) = extensions.get::<ConnectionInfo<UdsConnectInfo>>() {
+        return user(&connection.info);
+    }
     if let Some(info) = extensions.get::<TcpConnectInfo>() {
         return address(info);
     }
@@ -50,9 +66,7 @@ fn peer_of(extensions: &http::Extensions) -> Peer {
         return address(info.get_ref());
     }
     if let Some(info) = extensions.get::<UdsConnectInfo>() {
-        return info
-            .peer_cred
-            .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()));
+        return user(info);
     }
     Peer::Unknown
 }
@@ -231,6 +245,22 @@ mod tests {
 
     fn peer(last: u8) -> Peer {
         Peer::Address(std::net::IpAddr::from([127, 0, 0, last]))
+    }
+
+    #[tokio::test]
+    async fn a_call_on_a_listeners_connection_is_told_apart_by_its_address() {
+        use tonic::transport::server::Connected;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let _client = tokio::net::TcpStream::connect(address).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        let mut extensions = http::Extensions::new();
+        extensions.insert(ConnectionInfo {
+            info: accepted.connect_info(),
+            closer: Default::default(),
+        });
+        assert_eq!(peer_of(&extensions), peer(1));
+        assert_eq!(peer_of(&http::Extensions::new()), Peer::Unknown);
     }
 
     /// A bounded body over `chunks`, as they would arrive.

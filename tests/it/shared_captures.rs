@@ -167,3 +167,40 @@ async fn a_window_larger_than_the_whole_budget_is_refused_at_once_naming_it() {
     let space = space_of(&agent.profile(capture_of(now_ns(), 1, "small")).await);
     assert!(!space.planes.is_empty());
 }
+
+/// A client that never reads its reply does not hold its trace, or its
+/// share of capture memory, for longer than the reply's deadline: its
+/// connection is closed, and the memory given back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_nobody_reads_is_given_up_at_its_deadline() {
+    let (agent, metrics) = tight_agent();
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
+    let holder = stalled_capture(&agent, now_ns() - 3_000_000_000, 2000).await;
+    until_held(&metrics, 1.0).await;
+    let started = std::time::Instant::now();
+    loop {
+        let (_, text) = http_get(&metrics, "/metrics");
+        if metric_value(&text, "devtrace_capture_memory_held_bytes", &[]) == Some(0.0) {
+            break;
+        }
+        assert!(
+            started.elapsed() < devtrace::service::framed_reply::SEND_DEADLINE_BASE * 3,
+            "an unread reply still holds its memory"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    // Not before its deadline: a slow reader is not cut short.
+    assert!(started.elapsed() >= devtrace::service::framed_reply::SEND_DEADLINE_BASE / 2);
+    // Its connection is gone: the rest of the reply never comes.
+    let read = async {
+        let mut body = holder.response.await?.into_body();
+        while let Some(data) = body.data().await {
+            data?;
+        }
+        body.trailers().await.map(|_| ())
+    };
+    assert!(read.await.is_err(), "the unread reply was still sent whole");
+    // The agent still captures.
+    let space = space_of(&agent.profile(request(200, "after")).await);
+    assert!(!space.planes.is_empty());
+}
