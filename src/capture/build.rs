@@ -204,9 +204,10 @@ impl Captures {
         };
         tokio::task::spawn_blocking(move || {
             let encoded = xspace::encode_runs(data.runs(), &registry, &info, &mut memory)?;
+            memory.let_go(data.chunk_bytes());
             drop(data);
             let encoded = merge_upstreams(encoded, merged, &mut memory)?;
-            memory.keep_only(encoded.len());
+            memory.keep_only(encoded.retained());
             Ok(encoded.accounted_by(Arc::new(memory)))
         })
         .await

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::xspace::Grant;
 
@@ -74,7 +74,12 @@ pub struct CaptureMemory {
     budget: usize,
     units: usize,
     free: Arc<Semaphore>,
+    /// Told whenever a share gives memory back.
+    released: Arc<Notify>,
 }
+
+/// How often a waiting build looks again even when told nothing.
+const RECHECK: Duration = Duration::from_millis(100);
 
 impl CaptureMemory {
     pub fn new(budget: usize) -> CaptureMemory {
@@ -83,6 +88,7 @@ impl CaptureMemory {
             budget,
             units,
             free: Arc::new(Semaphore::new(units)),
+            released: Arc::new(Notify::new()),
         }
     }
 
@@ -115,7 +121,8 @@ impl CaptureMemory {
         };
         let build = |permit, waited| BuildMemory {
             free: Arc::clone(&self.free),
-            permit,
+            released: Arc::clone(&self.released),
+            permit: Some(permit),
             budget: self.budget,
             used: 0,
             waited,
@@ -123,20 +130,26 @@ impl CaptureMemory {
         if let Ok(permit) = Arc::clone(&self.free).try_acquire_many_owned(units32) {
             return Ok(build(permit, None));
         }
+        // Waiting holds nothing: a semaphore's own wait would take what is
+        // free bit by bit, and leave none for the builds already running
+        // to grow into.
         let started = Instant::now();
-        let acquired = tokio::time::timeout_at(
-            deadline.into(),
-            Arc::clone(&self.free).acquire_many_owned(units32),
-        )
-        .await;
-        match acquired {
-            Ok(Ok(permit)) => Ok(build(permit, Some(started.elapsed()))),
-            // The semaphore is never closed; out of time either way.
-            _ => Err(MemoryError::OutOfTime {
-                waited: started.elapsed(),
-                needed,
-                budget: self.budget,
-            }),
+        loop {
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            if let Ok(permit) = Arc::clone(&self.free).try_acquire_many_owned(units32) {
+                return Ok(build(permit, Some(started.elapsed())));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(MemoryError::OutOfTime {
+                    waited: started.elapsed(),
+                    needed,
+                    budget: self.budget,
+                });
+            }
+            let _ = tokio::time::timeout_at(deadline.min(now + RECHECK).into(), released).await;
         }
     }
 }
@@ -146,7 +159,9 @@ impl CaptureMemory {
 #[derive(Debug)]
 pub struct BuildMemory {
     free: Arc<Semaphore>,
-    permit: OwnedSemaphorePermit,
+    released: Arc<Notify>,
+    /// Always there until dropped.
+    permit: Option<OwnedSemaphorePermit>,
     budget: usize,
     /// Bytes drawn so far ([`Grant::take`]): the reservation is for them.
     used: usize,
@@ -157,17 +172,34 @@ pub struct BuildMemory {
 impl BuildMemory {
     /// Bytes held from the budget.
     pub fn held(&self) -> usize {
-        self.permit.num_permits() * UNIT
+        self.permit.as_ref().map_or(0, |p| p.num_permits() * UNIT)
     }
 
     /// Gives back all but `bytes`: what a built trace keeps while its
     /// replies are sent.
     pub fn keep_only(&mut self, bytes: usize) {
         let keep = bytes.div_ceil(UNIT).max(1);
-        if self.permit.num_permits() > keep {
-            drop(self.permit.split(self.permit.num_permits() - keep));
+        if let Some(permit) = self.permit.as_mut() {
+            if permit.num_permits() > keep {
+                drop(permit.split(permit.num_permits() - keep));
+                self.released.notify_waiters();
+            }
         }
         self.used = bytes;
+    }
+
+    /// Counts `bytes` drawn before as let go of (they stay granted, for
+    /// what the build draws next).
+    pub fn let_go(&mut self, bytes: usize) {
+        self.used = self.used.saturating_sub(bytes);
+    }
+}
+
+impl Drop for BuildMemory {
+    fn drop(&mut self) {
+        // Back first, then told: a waiter told finds it there.
+        drop(self.permit.take());
+        self.released.notify_waiters();
     }
 }
 
@@ -188,7 +220,10 @@ impl Grant for BuildMemory {
                 continue;
             };
             if let Ok(more) = Arc::clone(&self.free).try_acquire_many_owned(units) {
-                self.permit.merge(more);
+                match self.permit.as_mut() {
+                    Some(permit) => permit.merge(more),
+                    None => self.permit = Some(more),
+                }
                 return Ok(());
             }
         }
@@ -282,6 +317,33 @@ mod tests {
         build.take(GROWTH_STEP).unwrap();
         let refused = build.take(8 << 20).unwrap_err();
         assert!(matches!(refused, MemoryError::Outgrown { .. }), "{refused}");
+    }
+
+    #[tokio::test]
+    async fn a_waiting_build_leaves_what_is_free_to_the_builds_growing() {
+        let memory = Arc::new(CaptureMemory::new(8 << 20));
+        let mut running = memory
+            .reserve(2 << 20, test_build, Instant::now() + FAR)
+            .await
+            .unwrap();
+        let waiting = Arc::clone(&memory);
+        let waiter = tokio::spawn(async move {
+            waiting
+                .reserve(7 << 20, test_build, Instant::now() + FAR)
+                .await
+                .map(|m| m.waited.is_some())
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished());
+        // Free: 6 MiB, all of it still there for the running build to
+        // grow from its 2 MiB to 8.
+        running.take(8 << 20).unwrap();
+        assert_eq!(memory.held(), 8 << 20);
+        drop(running);
+        assert!(
+            waiter.await.unwrap().unwrap(),
+            "the waiter got it once it was given back"
+        );
     }
 
     #[tokio::test]

@@ -392,6 +392,14 @@ pub enum ToolDataError {
     Chunked { file: String },
     #[error("session_id: no traces in {path}")]
     EmptySession { path: String },
+    #[error(
+        "{file} grew from {planned} to {now} bytes while the tool was being computed; ask again"
+    )]
+    Grew {
+        file: String,
+        planned: u64,
+        now: u64,
+    },
     #[error("parameters[{name}]: {reason}")]
     Parameter { name: String, reason: String },
     #[error(transparent)]
@@ -579,16 +587,29 @@ impl ToolPlan {
         self.traces.iter().map(|(_, _, size)| size).sum()
     }
 
-    /// Reads the traces and computes the tool.
+    /// Reads the traces and computes the tool. A trace that grew since it
+    /// was planned is refused: what the tool takes was counted for the
+    /// size it had.
     pub fn run(self, session: &Folder) -> Result<ToolOutput, ToolDataError> {
         use crate::tools;
+        let read = |file: &str, planned: u64| -> Result<Vec<u8>, ToolDataError> {
+            let bytes = session.read(file)?;
+            if bytes.len() as u64 > planned {
+                return Err(ToolDataError::Grew {
+                    file: format!("{}/{file}", session.display()),
+                    planned,
+                    now: bytes.len() as u64,
+                });
+            }
+            Ok(bytes)
+        };
         if self.tool == "xplane" {
-            let (_, file, _) = &self.traces[0];
-            return Ok(ToolOutput::Blob(session.read(file)?));
+            let (_, file, size) = &self.traces[0];
+            return Ok(ToolOutput::Blob(read(file, *size)?));
         }
         let mut per_host = Vec::with_capacity(self.traces.len());
-        for (name, file, _) in &self.traces {
-            let bytes = session.read(file)?;
+        for (name, file, size) in &self.traces {
+            let bytes = read(file, *size)?;
             let shown = PathBuf::from(format!("{}/{file}", session.display()));
             let space = crate::xspace::read::decode_trace(&bytes, &shown)?.space;
             drop(bytes);

@@ -209,7 +209,7 @@ pub struct Closer(Arc<CloserState>);
 #[derive(Debug, Default)]
 struct CloserState {
     closed: std::sync::atomic::AtomicBool,
-    /// The connection's reader, woken to see it closed.
+    /// The task polling the connection, woken to see it closed.
     reader: parking_lot::Mutex<Option<std::task::Waker>>,
 }
 
@@ -223,15 +223,20 @@ impl Closer {
         }
     }
 
-    fn is_closed(&self) -> bool {
-        self.0.closed.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    fn wake_on_close(&self, cx: &Context<'_>) {
+    /// An error once closed; until then, has the task polling the
+    /// connection woken when it is.
+    fn check(&self, cx: &Context<'_>) -> io::Result<()> {
+        if self.0.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed by the agent: a reply on it was not read within its deadline",
+            ));
+        }
         let mut reader = self.0.reader.lock();
         if !reader.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
             *reader = Some(cx.waker().clone());
         }
+        Ok(())
     }
 }
 
@@ -277,13 +282,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Admitted<IO> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let this = &mut *self;
-        if this.closer.is_closed() {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "closed by the agent: a reply on it was not read within its deadline",
-            )));
-        }
-        this.closer.wake_on_close(cx);
+        this.closer.check(cx)?;
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
@@ -310,15 +309,19 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Admitted<IO> {
 }
 
 impl<IO: AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
+    // A connection stuck writing to a peer that reads nothing is closed
+    // here, as a reading one is in `poll_read`.
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        self.closer.check(cx)?;
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.closer.check(cx)?;
         Pin::new(&mut self.io).poll_flush(cx)
     }
 
@@ -331,6 +334,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        self.closer.check(cx)?;
         Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
     }
 

@@ -220,6 +220,21 @@ pub const SEND_DEADLINE_BASE: std::time::Duration = std::time::Duration::from_se
 /// Bytes a second the slowest reader a reply waits for reads.
 pub const SLOWEST_READER: usize = 1 << 20;
 
+/// A slice handed to the connection, holding what it came from (and the
+/// reply's share of memory, and its deadline's watch) until the connection
+/// has written it and let it go.
+struct InFlight {
+    bytes: Bytes,
+    _sending: Option<Arc<()>>,
+    _keep_alive: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl AsRef<[u8]> for InFlight {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
 /// The body of a framed reply: its parts in slices, then the OK status.
 struct FramedBody {
     /// The part being sent, what is left of it.
@@ -283,13 +298,18 @@ impl http_body::Body for FramedBody {
         }
         if !self.current.is_empty() {
             let take = self.current.len().min(SLICE_BYTES);
-            let slice = self.current.split_to(take);
-            return Poll::Ready(Some(Ok(Frame::data(slice))));
+            let slice = InFlight {
+                bytes: self.current.split_to(take),
+                _sending: self.sending.clone(),
+                _keep_alive: self.keep_alive.clone(),
+            };
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from_owner(slice)))));
         }
         if self.done {
             return Poll::Ready(None);
         }
-        // Every slice is with the connection: what they came from may go.
+        // The body's own hold ends; the slices the connection still buffers
+        // hold the rest until they are written.
         self.done = true;
         self.keep_alive = None;
         self.sending = None;
@@ -405,11 +425,20 @@ mod tests {
         let parts = parts_of(&[2 * SLICE_BYTES, 10]);
         let framed = FramedReply::tool_data("xplane.pb", &parts, false).keeping(Arc::clone(&owner));
         let mut body = FramedBody::new(framed);
+        // The connection may still hold the last slices when the body is
+        // done: they keep the owner until they are written.
+        let mut buffered = Vec::new();
         while let Some(frame) = body.frame().await {
-            if frame.unwrap().is_data() {
-                assert_eq!(Arc::strong_count(&owner), 2);
+            if let Ok(data) = frame.unwrap().into_data() {
+                assert!(Arc::strong_count(&owner) >= 2);
+                buffered.push(data);
             }
         }
+        assert!(
+            Arc::strong_count(&owner) >= 2,
+            "let go while slices were buffered"
+        );
+        drop(buffered);
         assert_eq!(Arc::strong_count(&owner), 1);
     }
 

@@ -224,6 +224,7 @@ fn tool_status(error: ToolDataError) -> Status {
         ToolDataError::Tool(_) | ToolDataError::Chunked { .. } => {
             Status::failed_precondition(message)
         }
+        ToolDataError::Grew { .. } => Status::aborted(message),
     }
 }
 
@@ -443,9 +444,17 @@ impl ProfileAnalysis for ProfileAnalysisService {
         // into a buffer of tonic's.
         let mut response = Response::new(ProfileSessionDataResponse::default());
         let format = output.format();
-        let reply = FramedReply::session_data(format, output.into_bytes().into());
+        let mut output = output.into_bytes();
+        // Held as long as it is sent: no spare capacity with it.
+        output.shrink_to_fit();
+        let size = output.len();
+        let reply = FramedReply::session_data(format, output.into());
         match memory {
-            Some(memory) => reply.keeping(Arc::new(memory)),
+            Some(mut memory) => {
+                // The tool's work is done: only its output is held now.
+                memory.keep_only(size);
+                reply.keeping(Arc::new(memory))
+            }
             None => reply,
         }
         .attach(&mut response);

@@ -122,6 +122,15 @@ impl Triggers {
             unevaluated: AtomicU64::new(0),
         });
         triggers.clear_abandoned_saves();
+        // What a save killed just before this start left is not old enough
+        // yet to be told from one in progress: look again once it is.
+        let later = Arc::downgrade(&triggers);
+        triggers.runtime.spawn(async move {
+            tokio::time::sleep(crate::repository::ABANDONED_AFTER + Duration::from_secs(5)).await;
+            if let Some(triggers) = later.upgrade() {
+                let _ = tokio::task::spawn_blocking(move || triggers.clear_abandoned_saves()).await;
+            }
+        });
         let arrivals = if watcher.is_idle() {
             None
         } else {
@@ -276,10 +285,11 @@ impl Triggers {
             );
         }
         for session in &abandoned.empty_sessions {
-            let rule = self
-                .rules
-                .iter()
-                .find(|armed| session_of_rule(session, &armed.rule.name));
+            let rule = rule_of_session(session).and_then(|names| {
+                names
+                    .into_iter()
+                    .find_map(|name| self.rules.iter().find(|armed| armed.rule.name == name))
+            });
             if let Some(armed) = rule {
                 armed.counts.lost.fetch_add(1, Ordering::Relaxed);
             }
@@ -331,18 +341,19 @@ impl Triggers {
     }
 }
 
-/// Whether `session` is named as a save of rule `rule` is
-/// (`<YYYY_MM_DD_HH_MM_SS>_<rule>`, `_2`, `_3`, ... when taken).
-fn session_of_rule(session: &str, rule: &str) -> bool {
+/// The rule a save's session is named after (`<YYYY_MM_DD_HH_MM_SS>_<rule>`,
+/// `_2`, `_3`, ... appended when taken): the name as it stands, then
+/// without such a suffix, the likelier first.
+fn rule_of_session(session: &str) -> Option<Vec<&str>> {
     const TIMESTAMP: usize = "YYYY_MM_DD_HH_MM_SS_".len();
-    let Some(named) = session.get(TIMESTAMP..) else {
-        return false;
-    };
-    named == rule
-        || named
-            .strip_prefix(rule)
-            .and_then(|rest| rest.strip_prefix('_'))
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    let named = session.get(TIMESTAMP..).filter(|n| !n.is_empty())?;
+    let mut names = vec![named];
+    if let Some((rule, n)) = named.rsplit_once('_') {
+        if !rule.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) {
+            names.push(rule);
+        }
+    }
+    Some(names)
 }
 
 /// Batches of picked events waiting for the rules' thread, at most: past
@@ -457,5 +468,28 @@ impl crate::telemetry::ArmedRules for Triggers {
 
     fn summary(&self) -> String {
         self.summary_text()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saves_session_names_its_rule_with_or_without_a_suffix() {
+        assert_eq!(
+            rule_of_session("2026_01_01_00_00_00_gpu_2"),
+            Some(vec!["gpu_2", "gpu"])
+        );
+        assert_eq!(
+            rule_of_session("2026_01_01_00_00_00_slow"),
+            Some(vec!["slow"])
+        );
+        assert_eq!(
+            rule_of_session("2026_01_01_00_00_00_slow_x"),
+            Some(vec!["slow_x"])
+        );
+        assert_eq!(rule_of_session("2026_01_01_00_00_00_"), None);
+        assert_eq!(rule_of_session("short"), None);
     }
 }

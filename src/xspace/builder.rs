@@ -84,6 +84,8 @@ pub(super) mod field {
 pub struct Encoded {
     parts: Vec<Bytes>,
     len: usize,
+    /// Bytes the parts keep allocated: their length, or a little more.
+    retained: usize,
     pub events: usize,
     /// What counts this trace's bytes against a budget, given back when the
     /// last copy of the trace is dropped.
@@ -109,6 +111,7 @@ impl Encoded {
         Encoded {
             parts,
             len,
+            retained: len,
             events,
             _accounted: None,
         }
@@ -135,6 +138,11 @@ impl Encoded {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Bytes the trace keeps allocated: what a budget counts it at.
+    pub fn retained(&self) -> usize {
+        self.retained
     }
 
     pub fn parts(&self) -> &[Bytes] {
@@ -214,8 +222,9 @@ pub fn encode_runs<I: Iterator<Item = Event>, G: Grant + ?Sized>(
         count += 1;
     }
     let mut parts = Vec::new();
+    let mut retained = 0;
     for (device, plane) in planes {
-        let framing = plane.finish(device, registry, &mut parts);
+        let framing = plane.finish(device, registry, &mut parts, &mut retained);
         grant.take(framing)?;
     }
     let mut out = Writer::with_capacity(4096);
@@ -229,10 +238,11 @@ pub fn encode_runs<I: Iterator<Item = Event>, G: Grant + ?Sized>(
         out.text(field::SPACE_WARNINGS, &warning);
     }
     out.bytes(field::SPACE_HOSTNAMES, info.hostname.as_bytes());
-    let space = out.into_bytes();
-    grant.take(space.len())?;
-    parts.push(Bytes::from(space));
-    Ok(Encoded::from_parts(parts, count))
+    grant.take(out.len())?;
+    parts.push(freeze(out, &mut retained));
+    let mut encoded = Encoded::from_parts(parts, count);
+    encoded.retained = retained.max(encoded.len);
+    Ok(encoded)
 }
 
 /// Adds `warning` to an encoded XSpace: a repeated field appended to a
@@ -242,6 +252,7 @@ pub fn append_warning(encoded: &mut Encoded, warning: &str) {
     out.text(field::SPACE_WARNINGS, warning);
     let part = Bytes::from(out.into_bytes());
     encoded.len += part.len();
+    encoded.retained += part.len();
     encoded.parts.push(part);
 }
 
@@ -257,6 +268,8 @@ const BLOCK_ROOM: usize = 4 << 10;
 #[derive(Default)]
 struct LineWriter {
     sealed: Vec<Bytes>,
+    /// Bytes the sealed blocks keep allocated (a little past their length).
+    sealed_capacity: usize,
     open: Writer,
     /// Which kinds of stream work the line holds (a GPU stream's name says).
     stream_kinds: [bool; names::STREAM_KIND_ORDER.len()],
@@ -275,6 +288,7 @@ impl LineWriter {
             return 0;
         }
         let block = std::mem::replace(&mut self.open, Writer::with_capacity(BLOCK_BYTES));
+        self.sealed_capacity += block.capacity();
         self.sealed.push(Bytes::from(block.into_bytes()));
         self.open.capacity()
     }
@@ -314,8 +328,15 @@ impl<'r> PlaneWriter<'r> {
 
     /// Appends the plane as parts of the space's `planes` field: its id and
     /// name, each line (its id and name, then its blocks) and its tables.
-    /// Returns the bytes of the parts it wrote besides the lines' blocks.
-    fn finish(self, device: Device, registry: &RegistrySnapshot, parts: &mut Vec<Bytes>) -> usize {
+    /// Returns the bytes of the parts it wrote besides the lines' blocks,
+    /// and adds what all its parts keep allocated to `retained`.
+    fn finish(
+        self,
+        device: Device,
+        registry: &RegistrySnapshot,
+        parts: &mut Vec<Bytes>,
+        retained: &mut usize,
+    ) -> usize {
         let PlaneWriter { mut tables, lines } = self;
         let (id, name) = match device {
             Device::Host => (names::HOST_PLANE_ID, names::HOST_PLANE.to_string()),
@@ -344,10 +365,11 @@ impl<'r> PlaneWriter<'r> {
             prefixed.raw(&header.into_bytes());
             plane_len += prefixed.len() + line.len();
             framing += prefixed.len();
-            line_parts.push(Bytes::from(prefixed.into_bytes()));
+            line_parts.push(freeze(prefixed, retained));
+            *retained += line.sealed_capacity;
             line_parts.extend(line.sealed);
             if !line.open.is_empty() {
-                line_parts.push(Bytes::from(line.open.into_bytes()));
+                line_parts.push(freeze(line.open, retained));
             }
         }
         if let Some(info) = registry.device_info(device) {
@@ -360,11 +382,20 @@ impl<'r> PlaneWriter<'r> {
         prefix.message_prefix(field::SPACE_PLANES, plane_len);
         prefix.raw(&head.into_bytes());
         framing += prefix.len() + tail.len();
-        parts.push(Bytes::from(prefix.into_bytes()));
+        parts.push(freeze(prefix, retained));
         parts.extend(line_parts);
-        parts.push(Bytes::from(tail.into_bytes()));
+        parts.push(freeze(tail, retained));
         framing
     }
+}
+
+/// A written buffer as a part of the trace, cut to its length (a part keeps
+/// its whole allocation), counting what it keeps in `retained`.
+fn freeze(writer: Writer, retained: &mut usize) -> Bytes {
+    let mut bytes = writer.into_bytes();
+    bytes.shrink_to_fit();
+    *retained += bytes.capacity();
+    Bytes::from(bytes)
 }
 
 /// The id a line has in the trace: its own, or a fixed one for the tracks.
@@ -1268,6 +1299,14 @@ mod tests {
         assert!(
             ample.given < encoded.len() + encoded.len() / 4 + (1 << 20),
             "drew {} for a {}-byte trace",
+            ample.given,
+            encoded.len()
+        );
+        // What the trace keeps is counted, and within what was drawn.
+        assert!(
+            encoded.retained() >= encoded.len() && encoded.retained() <= ample.given,
+            "retained {} of {} drawn for {}",
+            encoded.retained(),
             ample.given,
             encoded.len()
         );
