@@ -240,32 +240,25 @@ impl Closer {
     }
 }
 
-/// What tonic tells a call about its connection: the peer (`info`, as the
-/// stream itself says it) and the connection's [`Closer`].
+/// What tonic tells a call about its connection: the peer the listener
+/// admitted it as (the same that its bounds count), and the connection's
+/// [`Closer`].
 #[derive(Clone, Debug)]
-pub struct ConnectionInfo<I> {
-    pub info: I,
+pub struct ConnectionInfo {
+    pub peer: Peer,
     pub closer: Closer,
 }
 
-/// The [`Closer`] of the connection a call came on, from the call's
-/// extensions (plaintext TCP, TLS or the UNIX socket).
-pub fn closer_of(extensions: &http::Extensions) -> Option<Closer> {
-    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
-    type Tcp = ConnectionInfo<TcpConnectInfo>;
-    extensions
-        .get::<Tcp>()
-        .map(|c| c.closer.clone())
-        .or_else(|| {
-            extensions
-                .get::<TlsConnectInfo<Tcp>>()
-                .map(|c| c.get_ref().closer.clone())
-        })
-        .or_else(|| {
-            extensions
-                .get::<ConnectionInfo<UdsConnectInfo>>()
-                .map(|c| c.closer.clone())
-        })
+/// The connection a call came on, from the call's extensions (plaintext or
+/// TLS, TCP or the UNIX socket); none for a stream a listener did not
+/// admit.
+pub fn connection_of(extensions: &http::Extensions) -> Option<&ConnectionInfo> {
+    use tonic::transport::server::TlsConnectInfo;
+    extensions.get::<ConnectionInfo>().or_else(|| {
+        extensions
+            .get::<TlsConnectInfo<ConnectionInfo>>()
+            .map(TlsConnectInfo::get_ref)
+    })
 }
 
 impl<IO> Admitted<IO> {
@@ -343,13 +336,14 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
     }
 }
 
-/// tonic reads the peer's address (or credentials) through the stream.
-impl<IO: Connected> Connected for Admitted<IO> {
-    type ConnectInfo = ConnectionInfo<IO::ConnectInfo>;
+/// tonic hands every call on the connection who it came from and its
+/// [`Closer`].
+impl<IO> Connected for Admitted<IO> {
+    type ConnectInfo = ConnectionInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
         ConnectionInfo {
-            info: self.io.connect_info(),
+            peer: self.admission.peer,
             closer: self.closer.clone(),
         }
     }
@@ -538,5 +532,39 @@ mod tests {
         .expect("closed, not left waiting");
         assert!(matches!(read, Ok(0) | Err(_)));
         assert_eq!(gate.counts().refused_peer, 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_tells_its_calls_its_peer_and_is_closed_by_its_closer() {
+        use tokio::io::AsyncReadExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let bound = listener.local_addr().unwrap();
+        let gate = Gate::new(Limits {
+            total: 8,
+            per_peer: 8,
+        });
+        let mut admitted = tcp_incoming(listener, gate, "test");
+        let _client = TcpStream::connect(bound).await.unwrap();
+        let mut connection = tokio_stream::StreamExt::next(&mut admitted)
+            .await
+            .unwrap()
+            .unwrap();
+        let mut extensions = http::Extensions::new();
+        extensions.insert(connection.connect_info());
+        let info = connection_of(&extensions).expect("the connection");
+        assert_eq!(info.peer, address(1));
+        // Closed from outside while its reader waits: the read fails.
+        let closer = info.closer.clone();
+        let reading = tokio::spawn(async move {
+            let mut byte = [0u8; 1];
+            connection.read(&mut byte).await
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        closer.close();
+        let read = tokio::time::timeout(Duration::from_secs(10), reading)
+            .await
+            .expect("woken, not left waiting")
+            .unwrap();
+        assert_eq!(read.unwrap_err().kind(), io::ErrorKind::ConnectionAborted);
     }
 }

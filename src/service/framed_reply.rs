@@ -190,7 +190,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let closer = listen::closer_of(request.extensions());
+        let closer = listen::connection_of(request.extensions()).map(|c| c.closer.clone());
         let response = self.inner.call(request);
         Box::pin(async move {
             let mut response = response.await?;

@@ -19,10 +19,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Sleep;
-use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
 use tonic::Status;
 
-use crate::protocol::listen::ConnectionInfo;
+use crate::protocol::listen;
 use crate::protocol::shares::{Over, Peer, Shares};
 
 /// How long a request's body may take to arrive after its headers.
@@ -38,37 +37,9 @@ pub const BODY_MEMORY: usize = 64 << 20;
 /// four requests of the largest size accepted.
 pub const BODY_MEMORY_PER_PEER: usize = 16 << 20;
 
-/// Who sent a request, from what tonic knows of its connection.
+/// Who sent a request: the peer its listener admitted its connection as.
 fn peer_of(extensions: &http::Extensions) -> Peer {
-    let address = |info: &TcpConnectInfo| {
-        info.remote_addr()
-            .map_or(Peer::Unknown, |a| Peer::Address(a.ip().to_canonical()))
-    };
-    let user = |info: &UdsConnectInfo| {
-        info.peer_cred
-            .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()))
-    };
-    // The listeners' connections, then streams served as they are.
-    type Tcp = ConnectionInfo<TcpConnectInfo>;
-    if let Some(connection) = extensions.get::<Tcp>() {
-        return address(&connection.info);
-    }
-    if let Some(connection) = extensions.get::<TlsConnectInfo<Tcp>>() {
-        return address(&connection.get_ref().info);
-    }
-    if let Some(connection) = extensions.get::<ConnectionInfo<UdsConnectInfo>>() {
-        return user(&connection.info);
-    }
-    if let Some(info) = extensions.get::<TcpConnectInfo>() {
-        return address(info);
-    }
-    if let Some(info) = extensions.get::<TlsConnectInfo<TcpConnectInfo>>() {
-        return address(info.get_ref());
-    }
-    if let Some(info) = extensions.get::<UdsConnectInfo>() {
-        return user(info);
-    }
-    Peer::Unknown
+    listen::connection_of(extensions).map_or(Peer::Unknown, |connection| connection.peer)
 }
 
 /// The tower layer that bounds every request body of the routes it wraps.
@@ -247,20 +218,15 @@ mod tests {
         Peer::Address(std::net::IpAddr::from([127, 0, 0, last]))
     }
 
-    #[tokio::test]
-    async fn a_call_on_a_listeners_connection_is_told_apart_by_its_address() {
-        use tonic::transport::server::Connected;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
-        let _client = tokio::net::TcpStream::connect(address).await.unwrap();
-        let (accepted, _) = listener.accept().await.unwrap();
+    #[test]
+    fn a_call_is_counted_against_the_peer_its_connection_was_admitted_as() {
         let mut extensions = http::Extensions::new();
-        extensions.insert(ConnectionInfo {
-            info: accepted.connect_info(),
+        assert_eq!(peer_of(&extensions), Peer::Unknown);
+        extensions.insert(listen::ConnectionInfo {
+            peer: peer(7),
             closer: Default::default(),
         });
-        assert_eq!(peer_of(&extensions), peer(1));
-        assert_eq!(peer_of(&http::Extensions::new()), Peer::Unknown);
+        assert_eq!(peer_of(&extensions), peer(7));
     }
 
     /// A bounded body over `chunks`, as they would arrive.
