@@ -219,6 +219,9 @@ impl Tracer {
             self.displaced = false;
         }
         set_clock(session)?;
+        // Before the kinds: the teardown after the capture needs a
+        // subscriber CUPTI calls (see `detach::subscribe_for_capture`).
+        detach::subscribe_for_capture(&gate);
         for kind in cupti::KINDS {
             cupti::enable(kind)?;
         }
@@ -303,7 +306,16 @@ impl Tracer {
             }
             self.disable(session)?;
         }
+        let waited = Instant::now();
         wait_for_buffers(RETURN_WAIT);
+        if crate::debug_enabled() {
+            eprintln!(
+                "devtrace-inject: capture stopped; {} of the library's buffers still with CUPTI \
+                 after {} ms",
+                buffers::out(),
+                waited.elapsed().as_millis()
+            );
+        }
         // Libraries loaded during the capture, before CUPTI may be finalized
         // for want of seeing their calls.
         coexist::redirect_callers();
@@ -315,7 +327,13 @@ impl Tracer {
     /// need it (said once, with the evidence).
     fn detach_when_alone(&mut self, session: &Session) {
         if *detach::gate() != Attachment::Attached {
-            self.teardown = None;
+            // The callback finalized since the last tick (or another user
+            // did, or the process is exiting).
+            if let Some(teardown) = self.teardown.take() {
+                if teardown.finalized() {
+                    self.detached(session, &teardown);
+                }
+            }
             return;
         }
         if let Some(why) = coexist::other_user_active() {
@@ -336,22 +354,14 @@ impl Tracer {
         match teardown.step() {
             Progress::Waiting => {}
             Progress::Detached => {
-                self.teardown = None;
-                self.api = None;
-                let unreturned = buffers::give_up_unreturned();
-                if unreturned > 0 {
-                    session.write_meta(&MetaRecord::Warning {
-                        message: format!(
-                            "CUPTI was detached without handing back {unreturned} of the \
-                             library's activity buffers ({} in all so far): they went to another \
-                             CUPTI user's callback, the records in them are lost, and their memory \
-                             is left to that user",
-                            buffers::unreturned_total()
-                        ),
-                    });
+                if let Some(teardown) = self.teardown.take() {
+                    self.detached(session, &teardown);
                 }
             }
             Progress::Refused(why) => {
+                if crate::debug_enabled() {
+                    eprintln!("devtrace-inject: CUPTI stays attached: {why}");
+                }
                 self.teardown = None;
                 self.next_detach_try = Some(Instant::now() + detach::RETRY_EVERY);
                 self.tell_kept_attached(
@@ -359,6 +369,33 @@ impl Tracer {
                     format!("because {why} (detaching is tried again every second)"),
                 );
             }
+        }
+    }
+
+    /// After a teardown finalized CUPTI: tells the agent, and gives up the
+    /// buffers CUPTI did not hand back.
+    fn detached(&mut self, session: &Session, teardown: &Teardown) {
+        if crate::debug_enabled() {
+            eprintln!(
+                "devtrace-inject: CUPTI detached {} ms after the teardown began",
+                teardown.age().as_millis()
+            );
+        }
+        self.api = None;
+        session.write_meta(&MetaRecord::Detached {
+            at_ns: devtrace_shm::clock::now_ns(),
+        });
+        let unreturned = buffers::give_up_unreturned();
+        if unreturned > 0 {
+            session.write_meta(&MetaRecord::Warning {
+                message: format!(
+                    "CUPTI was detached without handing back {unreturned} of the \
+                     library's activity buffers ({} in all so far): they went to another \
+                     CUPTI user's callback, the records in them are lost, and their memory \
+                     is left to that user",
+                    buffers::unreturned_total()
+                ),
+            });
         }
     }
 

@@ -11,13 +11,16 @@
 //! `cuptiFinalize` must not race other threads' CUPTI calls. CUPTI's own
 //! recipe for a dynamic detach is to call it from the exit site of a CUDA
 //! API call, through a Callback API subscriber, and that is what
-//! [`Teardown`] does: it subscribes, enables the driver and runtime API
-//! domains, and the next API call to return finalizes. A subscriber blocks
-//! other subscribers (Kineto then runs without its GPU tracing), so it is
-//! held for at most [`SUBSCRIBE_WINDOW`] at a time, tried again every
-//! [`RETRY_EVERY`] (a job that makes no CUDA call pays nothing meanwhile),
-//! and handed over at once to another subscriber seen arriving
-//! ([`give_way`]).
+//! [`Teardown`] does. The subscriber is made as each capture takes the
+//! stream, before its kinds are enabled, with the driver and runtime API
+//! domains on ([`subscribe_for_capture`]): CUPTI never calls one made after
+//! a capture has switched its kinds off. Its callback does nothing until the
+//! teardown arms it; then the next API call to return finalizes, however
+//! long the job waits before making one. A subscriber blocks other
+//! subscribers (Kineto would run without its GPU tracing), so it is handed
+//! over at once to another subscriber seen arriving ([`give_way`]); a
+//! teardown without one subscribes anew for at most [`SUBSCRIBE_WINDOW`] at
+//! a time, every [`RETRY_EVERY`].
 //!
 //! The library's own CUPTI calls all happen under [`GATE`]: the control
 //! thread's, the converter's (reading records is a CUPTI call too), the
@@ -78,6 +81,12 @@ static FINALIZING: AtomicBool = AtomicBool::new(false);
 static DETACHES: AtomicU64 = AtomicU64::new(0);
 /// What the last finalize of ours answered, when it failed.
 static FINALIZE_FAILED: AtomicI32 = AtomicI32::new(CUPTI_SUCCESS);
+/// What the detach callback met in the current window, for
+/// `DEVTRACE_INJECT_DEBUG`: API exits, exits that found the gate busy, and
+/// exits that found another CUPTI user active.
+static WINDOW_EXITS: AtomicU64 = AtomicU64::new(0);
+static WINDOW_GATE_BUSY: AtomicU64 = AtomicU64::new(0);
+static WINDOW_OTHER_USER: AtomicU64 = AtomicU64::new(0);
 /// Converts the buffers CUPTI handed back so far; the gate is held.
 static CONVERT_PENDING: OnceLock<fn()> = OnceLock::new();
 
@@ -111,7 +120,12 @@ pub enum Progress {
 
 /// One teardown after a capture, stepped by the control thread.
 pub struct Teardown {
+    began: Instant,
+    /// When a subscriber of ours was armed.
     subscribed_at: Option<Instant>,
+    /// The armed subscriber was made by the teardown (the capture's was
+    /// given to another user): it is held a window at a time.
+    windowed: bool,
     next_window: Instant,
     /// `DETACHES` when it began.
     detaches_before: u64,
@@ -121,16 +135,23 @@ impl Teardown {
     pub fn new() -> Teardown {
         let now = Instant::now();
         Teardown {
+            began: now,
             subscribed_at: None,
+            windowed: false,
             next_window: now,
             detaches_before: DETACHES.load(Ordering::Acquire),
         }
     }
 
-    /// One step: opens a window, closes one that saw no CUDA call, or sees
-    /// that a call finalized CUPTI.
+    /// Whether a finalize of ours succeeded since it began.
+    pub fn finalized(&self) -> bool {
+        DETACHES.load(Ordering::Acquire) != self.detaches_before
+    }
+
+    /// One step: arms the subscriber or opens a window, closes a window
+    /// that saw no CUDA call, or sees that a call finalized CUPTI.
     pub fn step(&mut self) -> Progress {
-        if DETACHES.load(Ordering::Acquire) != self.detaches_before {
+        if self.finalized() {
             return Progress::Detached;
         }
         let failed = FINALIZE_FAILED.load(Ordering::Acquire);
@@ -142,21 +163,33 @@ impl Teardown {
             });
         }
         match self.subscribed_at {
-            Some(at) if at.elapsed() >= SUBSCRIBE_WINDOW => {
+            Some(at) if self.windowed && at.elapsed() >= SUBSCRIBE_WINDOW => {
                 self.cancel();
+                debug_window_closed();
                 self.next_window = Instant::now() + RETRY_EVERY;
                 Progress::Waiting
             }
             Some(_) => Progress::Waiting,
             None if Instant::now() < self.next_window => Progress::Waiting,
-            None => match subscribe() {
-                Ok(()) => {
-                    self.subscribed_at = Some(Instant::now());
-                    Progress::Waiting
+            None => {
+                // The capture's own subscriber waits, armed, for the next
+                // API exit however long the job makes no CUDA call.
+                self.windowed = SUBSCRIBER.load(Ordering::Acquire).is_null();
+                if self.windowed {
+                    if let Err(why) = subscribe() {
+                        return Progress::Refused(why);
+                    }
                 }
-                Err(why) => Progress::Refused(why),
-            },
+                ARMED.store(true, Ordering::Release);
+                self.subscribed_at = Some(Instant::now());
+                Progress::Waiting
+            }
         }
+    }
+
+    /// How long ago it began.
+    pub fn age(&self) -> Duration {
+        self.began.elapsed()
     }
 
     /// Gives the subscriber up, if one of ours is still waiting.
@@ -175,8 +208,47 @@ impl Drop for Teardown {
     }
 }
 
-/// Subscribes and enables the API domains, under the gate.
+/// Says on stderr what a detach window that ended without a finalize met,
+/// when `DEVTRACE_INJECT_DEBUG` is set.
+fn debug_window_closed() {
+    let exits = WINDOW_EXITS.swap(0, Ordering::AcqRel);
+    let busy = WINDOW_GATE_BUSY.swap(0, Ordering::AcqRel);
+    let other = WINDOW_OTHER_USER.swap(0, Ordering::AcqRel);
+    if crate::debug_enabled() {
+        eprintln!(
+            "devtrace-inject: no detach in {} ms: {exits} API exits, {busy} with the library's \
+             CUPTI lock busy, {other} with another CUPTI user active",
+            SUBSCRIBE_WINDOW.as_millis()
+        );
+    }
+}
+
+/// Subscribes the detach callback as a capture takes the stream, before
+/// any activity kind is enabled; the caller holds the gate, with CUPTI
+/// attached. CUPTI calls only a subscriber made then: one made once a
+/// capture has switched every kind off again is never called (CUPTI 13.0
+/// on an H200 called none in 342 windows), so a teardown arms this one
+/// rather than subscribing anew. Until armed, the callback returns at once.
+/// A subscriber another CUPTI user holds is left to it; the teardown then
+/// says why CUPTI stays attached.
+pub fn subscribe_for_capture(gate: &Attachment) {
+    if *gate == Attachment::Attached && SUBSCRIBER.load(Ordering::Acquire).is_null() {
+        let _ = subscribe_locked();
+    }
+}
+
+/// Subscribes and enables the API domains (not armed), taking the gate.
 fn subscribe() -> Result<(), String> {
+    let gate = gate();
+    if *gate != Attachment::Attached {
+        return Err("CUPTI is not attached by this library".into());
+    }
+    subscribe_locked()
+}
+
+/// Subscribes and enables the API domains (not armed); the caller holds
+/// the gate, with CUPTI attached.
+fn subscribe_locked() -> Result<(), String> {
     let lib = cupti::library_ref().ok_or("libcupti is not loaded")?;
     let (Some(subscribe), Some(enable_domain), Some(_), Some(_)) = (
         lib.subscribe,
@@ -186,10 +258,6 @@ fn subscribe() -> Result<(), String> {
     ) else {
         return Err("this libcupti has no cuptiFinalize or Callback API to detach with".into());
     };
-    let gate = gate();
-    if *gate != Attachment::Attached {
-        return Err("CUPTI is not attached by this library".into());
-    }
     let mut handle: *mut c_void = std::ptr::null_mut();
     // SAFETY: CUPTI writes the handle; the callback is an `extern "C"`
     // function living as long as the process.
@@ -209,7 +277,6 @@ fn subscribe() -> Result<(), String> {
             return Err(error);
         }
     }
-    ARMED.store(true, Ordering::Release);
     Ok(())
 }
 
@@ -259,12 +326,15 @@ unsafe extern "C" fn on_api_callback(
         if site != CUPTI_API_EXIT {
             return;
         }
+        WINDOW_EXITS.fetch_add(1, Ordering::Relaxed);
         let Ok(mut gate) = GATE.try_lock() else {
+            WINDOW_GATE_BUSY.fetch_add(1, Ordering::Relaxed);
             return;
         };
         // A user that arrived since the teardown began keeps CUPTI; the
         // teardown sees it and stands down.
         if crate::coexist::other_user_active().is_some() {
+            WINDOW_OTHER_USER.fetch_add(1, Ordering::Relaxed);
             return;
         }
         if !ARMED.swap(false, Ordering::AcqRel) || *gate != Attachment::Attached {

@@ -58,6 +58,13 @@ fn quiet() -> bool {
     QUIET.load(Ordering::Relaxed)
 }
 
+/// Whether `DEVTRACE_INJECT_DEBUG` asks the library to say on stderr what
+/// it does with CUPTI after each capture (read once).
+fn debug_enabled() -> bool {
+    static DEBUG: OnceLock<bool> = OnceLock::new();
+    *DEBUG.get_or_init(|| std::env::var_os("DEVTRACE_INJECT_DEBUG").is_some_and(|v| v != "0"))
+}
+
 /// Called by the CUDA driver from `cuInit` when `CUDA_INJECTION64_PATH`
 /// names this library. Returns 1 (success) in every case: a failure here
 /// must not fail the workload's `cuInit`.

@@ -1700,7 +1700,10 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
             "--sleep-ms",
             "25",
         ],
-        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+        &[
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
+            ("DEVTRACE_INJECT_DEBUG", "1"),
+        ],
     );
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
@@ -1755,6 +1758,14 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
     }
     let (armed, finalized) = cupti_state(&lines);
     assert_eq!((armed, finalized), (0, 3), "one detach per capture");
+    // DEVTRACE_INJECT_DEBUG: the library said on stderr when it detached.
+    let mut stderr = String::new();
+    let mut workload = workload;
+    if let Some(mut pipe) = workload.workload.child.stderr.take() {
+        std::io::Read::read_to_string(&mut pipe, &mut stderr).unwrap();
+    }
+    let said = stderr.matches("devtrace-inject: CUPTI detached").count();
+    assert_eq!(said, 3, "{stderr}");
 }
 
 /// A capture that ends while another CUPTI user (linked against libcupti,

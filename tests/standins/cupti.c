@@ -138,8 +138,15 @@
  *   no kind its device work or synchronization would be recorded under)
  *   costs the call only a few loads: no lock, no correlation id.
  * - cuptiSubscribe allows one subscriber (a second gets
- *   CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED) but never calls its
- *   callback.
+ *   CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED). Its callback is called
+ *   at the exit site of each driver call once it enabled the driver API
+ *   domain, except for a subscriber made while CUPTI is armed but every
+ *   activity kind is switched off again (after a capture, before a
+ *   finalize): that one is never called. So it was on CUPTI 13.0 (H200,
+ *   driver 580): subscribers made after a capture had disabled its kinds
+ *   saw no API exit in 342 windows of 250 ms of a process launching
+ *   kernels all along, while one made before the kinds were enabled is
+ *   what CUPTI's own dynamic-detach sample finalizes from.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -748,6 +755,9 @@ static struct CUpti_Subscriber_st { int unused; } the_subscriber;
 static CUpti_CallbackFunc subscriber_callback;
 static void *subscriber_userdata;
 static uint8_t subscriber_domains[CUPTI_CB_DOMAIN_SIZE];
+/* The subscriber was made after a capture switched every kind off: CUPTI
+ * never calls it (see the top of this file). */
+static int subscriber_deaf;
 
 /* Armed: some activity kind was enabled since load or the last
  * cuptiFinalize. Every driver call then pays armed_ns, enabled kinds or not,
@@ -1311,7 +1321,7 @@ static void record_call(const struct standin_call *call);
 static void notify_subscriber(const struct standin_call *call) {
     if (!__atomic_load_n(&subscriber_domains[CUPTI_CB_DOMAIN_DRIVER_API], __ATOMIC_ACQUIRE)) return;
     pthread_mutex_lock(&lock);
-    CUpti_CallbackFunc callback = subscribed ? subscriber_callback : NULL;
+    CUpti_CallbackFunc callback = subscribed && !subscriber_deaf ? subscriber_callback : NULL;
     void *userdata = subscriber_userdata;
     pthread_mutex_unlock(&lock);
     if (!callback) return;
@@ -1721,7 +1731,10 @@ CUPTIAPI CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_Ca
         pthread_mutex_unlock(&lock);
         return CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED;
     }
+    int any_kind = 0;
+    for (size_t k = 0; k < CUPTI_ACTIVITY_KIND_COUNT; k++) any_kind |= enabled[k];
     subscribed = 1;
+    subscriber_deaf = armed && !any_kind;
     subscriber_callback = callback;
     subscriber_userdata = userdata;
     memset(subscriber_domains, 0, sizeof subscriber_domains);

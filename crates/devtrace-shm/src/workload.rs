@@ -181,6 +181,9 @@ pub enum MetaRecord {
     /// takes a while to start): the process's GPU activity between the
     /// request and then is missing.
     Recording { at_ns: u64 },
+    /// The library finalized CUPTI at `at_ns` after a capture: from then on
+    /// the process's CUDA calls cost what they did before it.
+    Detached { at_ns: u64 },
     /// From `at_ns` on, the library records the driver and runtime API
     /// calls of `set`.
     ApiRecords { at_ns: u64, set: ApiRecordSet },
@@ -315,6 +318,7 @@ impl MetaRecord {
             }
             MetaRecord::Resumed { at_ns } => format!("resumed {at_ns}\n"),
             MetaRecord::Recording { at_ns } => format!("recording {at_ns}\n"),
+            MetaRecord::Detached { at_ns } => format!("detached {at_ns}\n"),
             MetaRecord::ApiRecords { at_ns, set } => {
                 format!("api-records {at_ns} {}\n", set.word())
             }
@@ -381,6 +385,9 @@ impl MetaRecord {
                 at_ns: fields.next()?.parse().ok()?,
             },
             "recording" => MetaRecord::Recording {
+                at_ns: fields.next()?.parse().ok()?,
+            },
+            "detached" => MetaRecord::Detached {
                 at_ns: fields.next()?.parse().ok()?,
             },
             "api-records" => MetaRecord::ApiRecords {
@@ -628,6 +635,7 @@ pub fn sample_records() -> Vec<MetaRecord> {
         },
         MetaRecord::Resumed { at_ns: 6 },
         MetaRecord::Recording { at_ns: 9 },
+        MetaRecord::Detached { at_ns: 10 },
         MetaRecord::ApiRecords {
             at_ns: 7,
             set: ApiRecordSet::Timeline,

@@ -376,6 +376,13 @@ impl Attachments {
                     let starting = |cause| cause == LossCause::Starting;
                     self.status.lock().lost_until(pid, at_ns, starting);
                 }
+                MetaRecord::Detached { .. } => {
+                    tracing::info!(
+                        "{}: the injection library detached CUPTI; the process's CUDA calls \
+                         cost what they did before the capture",
+                        process.label()
+                    );
+                }
                 MetaRecord::ApiRecords { at_ns, set } => {
                     let mut status = self.status.lock();
                     match status.traced_mut(pid) {
