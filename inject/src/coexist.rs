@@ -241,24 +241,26 @@ unsafe extern "C" fn register_callbacks_hook(
         let Some(lib) = real() else {
             return CUPTI_ERROR_NOT_INITIALIZED;
         };
-        let foreign = foreign();
-        if foreign {
-            detach::give_way();
-            // CUPTI keeps filling each thread's current buffer after new
-            // callbacks are registered, and hands it to the new callback,
-            // which discards a buffer it does not know: the other user would
-            // lose the start of its records and we the end of ours. Every
-            // buffer of ours comes back to us first (a detached CUPTI has
-            // none, and is not attached again for it).
-            let gate = detach::gate();
-            if *gate == Attachment::Attached {
-                // SAFETY: a plain CUPTI call.
-                let _ = own(|| unsafe { (lib.flush_all)(1) });
-            }
+        if !foreign() {
+            // SAFETY: forwarded unchanged.
+            return unsafe { (lib.register_callbacks)(requested, completed) };
+        }
+        // The gate is held until the other user counts as registered: no
+        // detach of ours can finalize CUPTI under it meanwhile.
+        let gate = detach::gate();
+        // CUPTI keeps filling each thread's current buffer after new
+        // callbacks are registered, and hands it to the new callback, which
+        // discards a buffer it does not know: the other user would lose the
+        // start of its records and we the end of ours. Every buffer of ours
+        // comes back to us first (a detached CUPTI has none, and is not
+        // attached again for it).
+        if *gate == Attachment::Attached {
+            // SAFETY: a plain CUPTI call.
+            let _ = own(|| unsafe { (lib.flush_all)(1) });
         }
         // SAFETY: forwarded unchanged.
         let result = unsafe { (lib.register_callbacks)(requested, completed) };
-        if result == CUPTI_SUCCESS && foreign {
+        if result == CUPTI_SUCCESS {
             seen_foreign();
             OTHERS.kinds.store(0, Ordering::Release);
             OTHERS.idle_since_ns.store(0, Ordering::Release);
@@ -267,6 +269,7 @@ unsafe extern "C" fn register_callbacks_hook(
                 .store(devtrace_shm::clock::now_ns(), Ordering::Release);
             OTHERS.registered.store(true, Ordering::Release);
         }
+        drop(gate);
         result
     })
 }

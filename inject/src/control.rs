@@ -195,7 +195,7 @@ impl Tracer {
     /// Registers our callbacks (again: CUPTI was finalized, or another user
     /// replaced them) and enables every kind; says when recording began.
     fn take(&mut self, session: &Session) -> Result<(), String> {
-        // A teardown still waiting gives its subscriber up as it is dropped.
+        // A teardown still waiting is disarmed; its subscriber stays.
         self.teardown = None;
         self.kept_attached_told = false;
         self.next_detach_try = None;
@@ -209,6 +209,7 @@ impl Tracer {
         if *gate == Attachment::Closed {
             return Ok(());
         }
+        let fresh = *gate == Attachment::Detached;
         *gate = Attachment::Attached;
         cupti::use_system_thread_ids()?;
         cupti::register_callbacks(buffer_requested, buffer_completed)?;
@@ -219,11 +220,18 @@ impl Tracer {
             self.displaced = false;
         }
         set_clock(session)?;
-        // Before the kinds: the teardown after the capture needs a
-        // subscriber CUPTI calls (see `detach::subscribe_for_capture`).
-        detach::subscribe_for_capture(&gate);
+        // The teardown after the capture needs a subscriber CUPTI calls
+        // (see `detach::subscribe_for_capture`): made before the kinds when
+        // CUPTI starts afresh, as CUPTI's own dynamic-detach sample does, and
+        // after them when it stayed attached with every kind off.
+        if fresh {
+            detach::subscribe_for_capture(&gate);
+        }
         for kind in cupti::KINDS {
             cupti::enable(kind)?;
+        }
+        if !fresh {
+            detach::subscribe_for_capture(&gate);
         }
         // Another user may have changed the selection while it had the
         // stream: it is made again.

@@ -18,9 +18,10 @@
 //! teardown arms it; then the next API call to return finalizes, however
 //! long the job waits before making one. A subscriber blocks other
 //! subscribers (Kineto would run without its GPU tracing), so it is handed
-//! over at once to another subscriber seen arriving ([`give_way`]); a
-//! teardown without one subscribes anew for at most [`SUBSCRIBE_WINDOW`] at
-//! a time, every [`RETRY_EVERY`].
+//! over at once to another subscriber seen arriving ([`give_way`]); CUPTI
+//! then stays attached until the end of the next capture, which subscribes
+//! again as it starts. Another user registering activity callbacks does so
+//! holding the gate, so no finalize runs under it.
 //!
 //! The library's own CUPTI calls all happen under [`GATE`]: the control
 //! thread's, the converter's (reading records is a CUPTI call too), the
@@ -38,9 +39,7 @@ use std::time::{Duration, Instant};
 use crate::cupti;
 use crate::cupti::library::{CuptiResult, CUPTI_SUCCESS};
 
-/// How long the detach subscriber waits for a CUDA call to return.
-pub const SUBSCRIBE_WINDOW: Duration = Duration::from_millis(250);
-/// How soon after a window without CUDA calls the next one opens.
+/// How soon a teardown that could not detach looks again.
 pub const RETRY_EVERY: Duration = Duration::from_secs(1);
 
 // What the Callback API's headers define (checked against every release by
@@ -81,12 +80,14 @@ static FINALIZING: AtomicBool = AtomicBool::new(false);
 static DETACHES: AtomicU64 = AtomicU64::new(0);
 /// What the last finalize of ours answered, when it failed.
 static FINALIZE_FAILED: AtomicI32 = AtomicI32::new(CUPTI_SUCCESS);
-/// What the detach callback met in the current window, for
-/// `DEVTRACE_INJECT_DEBUG`: API exits, exits that found the gate busy, and
-/// exits that found another CUPTI user active.
-static WINDOW_EXITS: AtomicU64 = AtomicU64::new(0);
-static WINDOW_GATE_BUSY: AtomicU64 = AtomicU64::new(0);
-static WINDOW_OTHER_USER: AtomicU64 = AtomicU64::new(0);
+/// What the detach callback met while armed, for `DEVTRACE_INJECT_DEBUG`:
+/// API exits, exits that found the gate busy, and exits that found another
+/// CUPTI user active.
+static ARMED_EXITS: AtomicU64 = AtomicU64::new(0);
+static ARMED_GATE_BUSY: AtomicU64 = AtomicU64::new(0);
+static ARMED_OTHER_USER: AtomicU64 = AtomicU64::new(0);
+/// Why the last capture could not subscribe, if it could not.
+static SUBSCRIBE_REFUSED: Mutex<Option<String>> = Mutex::new(None);
 /// Converts the buffers CUPTI handed back so far; the gate is held.
 static CONVERT_PENDING: OnceLock<fn()> = OnceLock::new();
 
@@ -121,24 +122,17 @@ pub enum Progress {
 /// One teardown after a capture, stepped by the control thread.
 pub struct Teardown {
     began: Instant,
-    /// When a subscriber of ours was armed.
-    subscribed_at: Option<Instant>,
-    /// The armed subscriber was made by the teardown (the capture's was
-    /// given to another user): it is held a window at a time.
-    windowed: bool,
-    next_window: Instant,
+    /// The capture's subscriber is armed.
+    armed: bool,
     /// `DETACHES` when it began.
     detaches_before: u64,
 }
 
 impl Teardown {
     pub fn new() -> Teardown {
-        let now = Instant::now();
         Teardown {
-            began: now,
-            subscribed_at: None,
-            windowed: false,
-            next_window: now,
+            began: Instant::now(),
+            armed: false,
             detaches_before: DETACHES.load(Ordering::Acquire),
         }
     }
@@ -148,8 +142,9 @@ impl Teardown {
         DETACHES.load(Ordering::Acquire) != self.detaches_before
     }
 
-    /// One step: arms the subscriber or opens a window, closes a window
-    /// that saw no CUDA call, or sees that a call finalized CUPTI.
+    /// One step: arms the capture's subscriber, so that the next API call
+    /// to return finalizes CUPTI however long the job waits before making
+    /// one, or sees that one did.
     pub fn step(&mut self) -> Progress {
         if self.finalized() {
             return Progress::Detached;
@@ -162,29 +157,28 @@ impl Teardown {
                 Ok(()) => "cuptiFinalize failed".into(),
             });
         }
-        match self.subscribed_at {
-            Some(at) if self.windowed && at.elapsed() >= SUBSCRIBE_WINDOW => {
-                self.cancel();
-                debug_window_closed();
-                self.next_window = Instant::now() + RETRY_EVERY;
-                Progress::Waiting
-            }
-            Some(_) => Progress::Waiting,
-            None if Instant::now() < self.next_window => Progress::Waiting,
-            None => {
-                // The capture's own subscriber waits, armed, for the next
-                // API exit however long the job makes no CUDA call.
-                self.windowed = SUBSCRIBER.load(Ordering::Acquire).is_null();
-                if self.windowed {
-                    if let Err(why) = subscribe() {
-                        return Progress::Refused(why);
-                    }
-                }
-                ARMED.store(true, Ordering::Release);
-                self.subscribed_at = Some(Instant::now());
-                Progress::Waiting
-            }
+        if self.armed {
+            return Progress::Waiting;
         }
+        // Subscribing now would be of no use: CUPTI never calls a subscriber
+        // made after a capture switched its kinds off (and subscribing while
+        // the job's threads are inside CUDA calls then is what the job
+        // crashed in, on an H200).
+        if SUBSCRIBER.load(Ordering::Acquire).is_null() {
+            let why = SUBSCRIBE_REFUSED
+                .lock()
+                .ok()
+                .and_then(|why| why.clone())
+                .unwrap_or_else(|| {
+                    "the library's Callback API subscriber went to another CUPTI user during \
+                     the capture"
+                        .into()
+                });
+            return Progress::Refused(format!("{why}; the next capture's end detaches it"));
+        }
+        ARMED.store(true, Ordering::Release);
+        self.armed = true;
+        Progress::Waiting
     }
 
     /// How long ago it began.
@@ -192,58 +186,48 @@ impl Teardown {
         self.began.elapsed()
     }
 
-    /// Gives the subscriber up, if one of ours is still waiting.
+    /// Disarms the subscriber, keeping it for the next capture's end.
     pub fn cancel(&mut self) {
-        self.subscribed_at = None;
-        let _gate = gate();
-        disarm_locked();
+        if !std::mem::take(&mut self.armed) {
+            return;
+        }
+        ARMED.store(false, Ordering::Release);
+        let exits = ARMED_EXITS.swap(0, Ordering::AcqRel);
+        let busy = ARMED_GATE_BUSY.swap(0, Ordering::AcqRel);
+        let other = ARMED_OTHER_USER.swap(0, Ordering::AcqRel);
+        if crate::debug_enabled() && !self.finalized() {
+            eprintln!(
+                "devtrace-inject: teardown ended without a detach after {} ms: {exits} API exits, \
+                 {busy} with the library's CUPTI lock busy, {other} with another CUPTI user active",
+                self.age().as_millis()
+            );
+        }
     }
 }
 
 impl Drop for Teardown {
     fn drop(&mut self) {
-        if self.subscribed_at.is_some() {
-            self.cancel();
-        }
+        self.cancel();
     }
 }
 
-/// Says on stderr what a detach window that ended without a finalize met,
-/// when `DEVTRACE_INJECT_DEBUG` is set.
-fn debug_window_closed() {
-    let exits = WINDOW_EXITS.swap(0, Ordering::AcqRel);
-    let busy = WINDOW_GATE_BUSY.swap(0, Ordering::AcqRel);
-    let other = WINDOW_OTHER_USER.swap(0, Ordering::AcqRel);
-    if crate::debug_enabled() {
-        eprintln!(
-            "devtrace-inject: no detach in {} ms: {exits} API exits, {busy} with the library's \
-             CUPTI lock busy, {other} with another CUPTI user active",
-            SUBSCRIBE_WINDOW.as_millis()
-        );
-    }
-}
-
-/// Subscribes the detach callback as a capture takes the stream, before
-/// any activity kind is enabled; the caller holds the gate, with CUPTI
-/// attached. CUPTI calls only a subscriber made then: one made once a
-/// capture has switched every kind off again is never called (CUPTI 13.0
-/// on an H200 called none in 342 windows), so a teardown arms this one
-/// rather than subscribing anew. Until armed, the callback returns at once.
+/// Subscribes the detach callback as a capture takes the stream: before
+/// its kinds are enabled on a CUPTI attached afresh, after them on one that
+/// stayed attached; the caller holds the gate, with CUPTI attached. A
+/// subscriber made while CUPTI is attached with every kind off (after a
+/// capture) is never called (CUPTI 13.0 on an H200 called none in 342
+/// windows), so a teardown arms this one rather than subscribing anew.
+/// Until armed, the callback returns at once.
 /// A subscriber another CUPTI user holds is left to it; the teardown then
 /// says why CUPTI stays attached.
 pub fn subscribe_for_capture(gate: &Attachment) {
-    if *gate == Attachment::Attached && SUBSCRIBER.load(Ordering::Acquire).is_null() {
-        let _ = subscribe_locked();
+    if *gate != Attachment::Attached || !SUBSCRIBER.load(Ordering::Acquire).is_null() {
+        return;
     }
-}
-
-/// Subscribes and enables the API domains (not armed), taking the gate.
-fn subscribe() -> Result<(), String> {
-    let gate = gate();
-    if *gate != Attachment::Attached {
-        return Err("CUPTI is not attached by this library".into());
+    let refused = subscribe_locked().err();
+    if let Ok(mut why) = SUBSCRIBE_REFUSED.lock() {
+        *why = refused;
     }
-    subscribe_locked()
 }
 
 /// Subscribes and enables the API domains (not armed); the caller holds
@@ -293,8 +277,8 @@ fn disarm_locked() {
     }
 }
 
-/// Another CUPTI user is about to subscribe: a subscriber of ours waiting
-/// to detach makes way (only one subscriber is allowed before CUDA 13.3).
+/// Another CUPTI user is about to subscribe: the subscriber of ours makes
+/// way (only one subscriber is allowed before CUDA 13.3), armed or not.
 pub fn give_way() {
     if SUBSCRIBER.load(Ordering::Acquire).is_null() {
         return;
@@ -304,7 +288,8 @@ pub fn give_way() {
 }
 
 /// The subscriber's callback, at every driver and runtime API call's entry
-/// and exit while a teardown waits: at an exit, CUPTI is finalized. It never
+/// and exit from a capture's start until CUPTI is detached; once a teardown
+/// armed it, CUPTI is finalized at the next exit. It never
 /// waits for the gate (a holder may be inside CUPTI waiting on this very
 /// call); a busy gate leaves it to the next call.
 ///
@@ -326,15 +311,15 @@ unsafe extern "C" fn on_api_callback(
         if site != CUPTI_API_EXIT {
             return;
         }
-        WINDOW_EXITS.fetch_add(1, Ordering::Relaxed);
+        ARMED_EXITS.fetch_add(1, Ordering::Relaxed);
         let Ok(mut gate) = GATE.try_lock() else {
-            WINDOW_GATE_BUSY.fetch_add(1, Ordering::Relaxed);
+            ARMED_GATE_BUSY.fetch_add(1, Ordering::Relaxed);
             return;
         };
         // A user that arrived since the teardown began keeps CUPTI; the
         // teardown sees it and stands down.
         if crate::coexist::other_user_active().is_some() {
-            WINDOW_OTHER_USER.fetch_add(1, Ordering::Relaxed);
+            ARMED_OTHER_USER.fetch_add(1, Ordering::Relaxed);
             return;
         }
         if !ARMED.swap(false, Ordering::AcqRel) || *gate != Attachment::Attached {

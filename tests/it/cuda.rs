@@ -1674,6 +1674,15 @@ fn span_in_warning(space: &XSpace, marker: &str) -> Option<(f64, f64)> {
 
 /// The workload's last words on CUPTI: whether it is armed and how often it
 /// was finalized.
+/// What a workload wrote on stderr, read once it has exited.
+fn stderr_to_end(mut workload: CudaWorkload) -> String {
+    let mut stderr = String::new();
+    if let Some(mut pipe) = workload.workload.child.stderr.take() {
+        std::io::Read::read_to_string(&mut pipe, &mut stderr).expect("reading its stderr");
+    }
+    stderr
+}
+
 fn cupti_state(lines: &[String]) -> (u64, u64) {
     let field = line_fields(lines, "cupti ");
     (field("armed="), field("finalized="))
@@ -1759,11 +1768,7 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
     let (armed, finalized) = cupti_state(&lines);
     assert_eq!((armed, finalized), (0, 3), "one detach per capture");
     // DEVTRACE_INJECT_DEBUG: the library said on stderr when it detached.
-    let mut stderr = String::new();
-    let mut workload = workload;
-    if let Some(mut pipe) = workload.workload.child.stderr.take() {
-        std::io::Read::read_to_string(&mut pipe, &mut stderr).unwrap();
-    }
+    let stderr = stderr_to_end(workload);
     let said = stderr.matches("devtrace-inject: CUPTI detached").count();
     assert_eq!(said, 3, "{stderr}");
 }
@@ -1805,6 +1810,65 @@ async fn cupti_is_not_detached_under_another_user_and_is_after_it() {
         (armed, finalized),
         (0, 1),
         "detached once the other user was done"
+    );
+}
+
+/// A profiler seen subscribing during a capture (as XLA's tracer does)
+/// gets the library's Callback API subscriber and holds it past the
+/// capture's end. CUPTI then stays attached, also once that profiler is
+/// done, saying why (subscribing after a capture would give a subscriber
+/// CUPTI never calls), and the next capture, which subscribes again,
+/// detaches it when it ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_capture() {
+    let mut setup = setup("cuda_teardown_subscriber");
+    setup.program = rival_linked_program();
+    let agent = setup.agent();
+    let release = release_file(&setup, "subscriber");
+    let workload = setup.workload(
+        &[
+            "160",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "50",
+            "--rival-at",
+            "4",
+            "--rival-iterations",
+            "30",
+            "--rival-linked",
+            "--rival-subscribe",
+        ],
+        &[
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
+            ("DEVTRACE_INJECT_DEBUG", "1"),
+        ],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    // The rival's iterations 4 to 33 begin inside this capture and end
+    // after it.
+    capture_while(&agent, 1200, &release).await;
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    capture(&agent, 600).await;
+    let lines = workload.read_until("done");
+    let (rival_kernels, _, _) = rival_report(&lines);
+    assert!(rival_kernels > 0, "the other profiler got the subscriber");
+    let (armed, finalized) = cupti_state(&lines);
+    let stderr = stderr_to_end(workload);
+    assert_eq!(
+        (armed, finalized),
+        (0, 1),
+        "detached after the second capture only: {stderr}"
+    );
+    assert!(
+        stderr.contains("CUPTI stays attached: the library's Callback API subscriber went to another CUPTI user"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("devtrace-inject: CUPTI detached").count(),
+        1,
+        "{stderr}"
     );
 }
 
