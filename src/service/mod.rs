@@ -23,11 +23,10 @@ use crate::proto::devtrace::trigger_server::TriggerServer;
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysisServer;
 use crate::proto::tensorflow::profiler_service_server::ProfilerServiceServer;
 use crate::protocol::listen::{self, Gate, Limits};
-use crate::protocol::shares::Shares;
 use crate::telemetry::rpc::CountRpcsLayer;
 use crate::telemetry::Telemetry;
 use framed_reply::FramedRepliesLayer;
-use request_bodies::{BoundedBodiesLayer, BODY_DEADLINE, BODY_MEMORY, BODY_MEMORY_PER_PEER};
+use request_bodies::{BodyBudget, BoundedBodiesLayer, BODY_DEADLINE};
 
 pub use crate::protocol::{MAX_REPLY_BYTES, MAX_REQUEST_BYTES};
 
@@ -100,10 +99,7 @@ pub async fn serve(
         trigger.cancel();
     });
     // One budget for the bodies arriving on every listener.
-    let bodies = BoundedBodiesLayer::new(
-        Arc::new(Shares::new(BODY_MEMORY, BODY_MEMORY_PER_PEER)),
-        BODY_DEADLINE,
-    );
+    let bodies = BoundedBodiesLayer::new(Arc::new(BodyBudget::new()), BODY_DEADLINE);
     let age = listeners.max_connection_age;
     let tcp_gate = Gate::new(CONNECTION_LIMITS);
     telemetry.watch_connections("grpc", &tcp_gate);

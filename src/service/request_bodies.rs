@@ -30,12 +30,109 @@ pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
 /// A gRPC message's prefix: a compression flag and a 4-byte length.
 const GRPC_PREFIX: usize = 5;
 
-/// Bytes all request bodies being received may hold at once.
-pub const BODY_MEMORY: usize = 64 << 20;
+/// Bytes all request bodies being received may hold at once: the large
+/// ones' pool and the small ones'.
+pub const BODY_MEMORY: usize = LARGE_BODY_MEMORY + SMALL_BODY_MEMORY;
 
-/// Bytes the request bodies being received from one peer may hold at once:
-/// four requests of the largest size accepted.
+/// Bytes the request bodies larger than [`SMALL_BODY`] may hold at once.
+pub const LARGE_BODY_MEMORY: usize = 56 << 20;
+
+/// Bytes the large request bodies being received from one peer may hold
+/// at once: four requests of the largest size accepted.
 pub const BODY_MEMORY_PER_PEER: usize = 16 << 20;
+
+/// The largest body counted in the small bodies' pool. Honest requests
+/// are this small (a `ProfileRequest`, a session naming 1,024 hosts), and
+/// their own pool keeps them served while peers hold the large one full.
+pub const SMALL_BODY: usize = 64 << 10;
+
+/// Bytes the small request bodies may hold at once.
+pub const SMALL_BODY_MEMORY: usize = 8 << 20;
+
+/// Bytes the small request bodies from one peer may hold at once.
+pub const SMALL_BODY_MEMORY_PER_PEER: usize = 1 << 20;
+
+/// The two pools request bodies draw from: a body counts in the small one
+/// while it is at most [`SMALL_BODY`], and moves to the large one if it
+/// grows past it.
+#[derive(Debug)]
+pub struct BodyBudget {
+    small: Shares,
+    large: Shares,
+}
+
+/// Which pool a body holds its bytes in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pool {
+    Small,
+    Large,
+}
+
+impl BodyBudget {
+    /// The pools the agent serves with.
+    pub fn new() -> BodyBudget {
+        BodyBudget::with_limits(
+            Shares::new(SMALL_BODY_MEMORY, SMALL_BODY_MEMORY_PER_PEER),
+            Shares::new(LARGE_BODY_MEMORY, BODY_MEMORY_PER_PEER),
+        )
+    }
+
+    fn with_limits(small: Shares, large: Shares) -> BodyBudget {
+        BodyBudget { small, large }
+    }
+
+    /// Bytes held in both pools.
+    pub fn held(&self) -> usize {
+        self.small.held() + self.large.held()
+    }
+
+    /// Grows a body of `peer` holding `held` bytes in `pool` to `holds`,
+    /// moving it to the large pool when it passes [`SMALL_BODY`]; on
+    /// refusal, nothing changes, and the message says which bound.
+    fn grow(&self, peer: Peer, pool: &mut Pool, held: usize, holds: usize) -> Result<(), String> {
+        let refused = |shares: &Shares, over: Over, which: &str| {
+            let (whose, bound) = match over {
+                Over::All => ("all callers", shares.limit()),
+                Over::Peer => ("this caller", shares.per_peer()),
+            };
+            format!(
+                "the {which} request bodies this agent is receiving from {whose} hold {bound} \
+                 bytes, the most it holds for them; send the request again"
+            )
+        };
+        match *pool {
+            Pool::Small if holds <= SMALL_BODY => self
+                .small
+                .take(peer, holds - held)
+                .map_err(|over| refused(&self.small, over, "small")),
+            Pool::Small => {
+                self.large
+                    .take(peer, holds)
+                    .map_err(|over| refused(&self.large, over, "large"))?;
+                self.small.give_back(peer, held);
+                *pool = Pool::Large;
+                Ok(())
+            }
+            Pool::Large => self
+                .large
+                .take(peer, holds - held)
+                .map_err(|over| refused(&self.large, over, "large")),
+        }
+    }
+
+    fn give_back(&self, peer: Peer, pool: Pool, held: usize) {
+        match pool {
+            Pool::Small => self.small.give_back(peer, held),
+            Pool::Large => self.large.give_back(peer, held),
+        }
+    }
+}
+
+impl Default for BodyBudget {
+    fn default() -> BodyBudget {
+        BodyBudget::new()
+    }
+}
 
 /// Who sent a request: the peer its listener admitted its connection as.
 fn peer_of(extensions: &http::Extensions) -> Peer {
@@ -45,12 +142,12 @@ fn peer_of(extensions: &http::Extensions) -> Peer {
 /// The tower layer that bounds every request body of the routes it wraps.
 #[derive(Clone, Debug)]
 pub struct BoundedBodiesLayer {
-    budget: Arc<Shares>,
+    budget: Arc<BodyBudget>,
     deadline: Duration,
 }
 
 impl BoundedBodiesLayer {
-    pub fn new(budget: Arc<Shares>, deadline: Duration) -> BoundedBodiesLayer {
+    pub fn new(budget: Arc<BodyBudget>, deadline: Duration) -> BoundedBodiesLayer {
         BoundedBodiesLayer { budget, deadline }
     }
 }
@@ -70,7 +167,7 @@ impl<S> tower_layer::Layer<S> for BoundedBodiesLayer {
 #[derive(Clone, Debug)]
 pub struct BoundedBodies<S> {
     inner: S,
-    budget: Arc<Shares>,
+    budget: Arc<BodyBudget>,
     deadline: Duration,
 }
 
@@ -95,6 +192,7 @@ where
                 inner: body,
                 budget,
                 peer,
+                pool: Pool::Small,
                 held: 0,
                 received: 0,
                 prefix: Vec::new(),
@@ -114,8 +212,10 @@ where
 /// body holds that much, not only what has arrived.
 struct BoundedBody {
     inner: tonic::body::Body,
-    budget: Arc<Shares>,
+    budget: Arc<BodyBudget>,
     peer: Peer,
+    /// The pool `held` is in.
+    pool: Pool,
     /// Taken from the budget.
     held: usize,
     /// Bytes that have arrived.
@@ -159,17 +259,12 @@ impl Body for BoundedBody {
                     }
                 }
                 let holds = this.received.max(this.declared.unwrap_or(0));
-                let bytes = holds - this.held;
-                if let Err(over) = this.budget.take(this.peer, bytes) {
+                let grown = this
+                    .budget
+                    .grow(this.peer, &mut this.pool, this.held, holds);
+                if let Err(message) = grown {
                     this.done = true;
-                    let (whose, bound) = match over {
-                        Over::All => ("all callers", this.budget.limit()),
-                        Over::Peer => ("this caller", this.budget.per_peer()),
-                    };
-                    return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
-                        "the request bodies this agent is receiving from {whose} hold {bound} \
-                         bytes, the most it holds for them; send the request again"
-                    )))));
+                    return Poll::Ready(Some(Err(Status::resource_exhausted(message))));
                 }
                 this.held = holds;
                 Poll::Ready(Some(Ok(frame)))
@@ -206,7 +301,7 @@ impl Body for BoundedBody {
 
 impl Drop for BoundedBody {
     fn drop(&mut self) {
-        self.budget.give_back(self.peer, self.held);
+        self.budget.give_back(self.peer, self.pool, self.held);
     }
 }
 
@@ -230,7 +325,7 @@ mod tests {
     }
 
     /// A bounded body over `chunks`, as they would arrive.
-    fn body(budget: &Arc<Shares>, chunks: &[&[u8]]) -> BoundedBody {
+    fn body(budget: &Arc<BodyBudget>, chunks: &[&[u8]]) -> BoundedBody {
         let frames: Vec<Result<Frame<Bytes>, Status>> = chunks
             .iter()
             .map(|chunk| Ok(Frame::data(Bytes::copy_from_slice(chunk))))
@@ -241,6 +336,7 @@ mod tests {
             ))),
             budget: Arc::clone(budget),
             peer: peer(1),
+            pool: Pool::Small,
             held: 0,
             received: 0,
             prefix: Vec::new(),
@@ -254,7 +350,10 @@ mod tests {
     #[tokio::test]
     async fn a_message_holds_the_length_its_prefix_declares_once_it_is_read() {
         use http_body_util::BodyExt;
-        let budget = Arc::new(Shares::new(1 << 30, 1 << 30));
+        let budget = Arc::new(BodyBudget::with_limits(
+            Shares::new(1 << 30, 1 << 30),
+            Shares::new(1 << 30, 1 << 30),
+        ));
         // The prefix split over two frames, declaring 1 MiB.
         let length = (1u32 << 20).to_be_bytes();
         let first = [0, length[0], length[1]];
@@ -271,13 +370,72 @@ mod tests {
     #[tokio::test]
     async fn a_declared_length_past_the_callers_share_is_refused_at_once() {
         use http_body_util::BodyExt;
-        let budget = Arc::new(Shares::new(64 << 20, 4 << 20));
+        let budget = Arc::new(BodyBudget::with_limits(
+            Shares::new(8 << 20, 1 << 20),
+            Shares::new(64 << 20, 4 << 20),
+        ));
         let length = (8u32 << 20).to_be_bytes();
         let prefix = [0, length[0], length[1], length[2], length[3]];
         let mut bounded = body(&budget, &[&prefix]);
         let refused = bounded.frame().await.expect("a frame").unwrap_err();
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
         assert!(refused.message().contains("this caller"), "{refused:?}");
+        assert_eq!(budget.held(), 0);
+    }
+
+    #[tokio::test]
+    async fn small_bodies_are_served_while_large_ones_fill_their_pool() {
+        use http_body_util::BodyExt;
+        let budget = Arc::new(BodyBudget::with_limits(
+            Shares::new(1 << 20, 1 << 20),
+            Shares::new(4 << 20, 4 << 20),
+        ));
+        // A large body declared to fill the large pool whole.
+        let length = ((4u32 << 20) - 5).to_be_bytes();
+        let mut large = body(&budget, &[&[0, length[0], length[1], length[2], length[3]]]);
+        large.frame().await.expect("a frame").expect("data");
+        assert_eq!(budget.large.held(), 4 << 20);
+        // A small one still gets in, and counts in its own pool.
+        let small_length = 200u32.to_be_bytes();
+        let mut small = body(
+            &budget,
+            &[&[
+                0,
+                small_length[0],
+                small_length[1],
+                small_length[2],
+                small_length[3],
+            ]],
+        );
+        small.frame().await.expect("a frame").expect("data");
+        assert_eq!(budget.small.held(), 205);
+        // A second large one is refused naming the large pool.
+        let mut refused = body(&budget, &[&[0, length[0], length[1], length[2], length[3]]]);
+        let status = refused.frame().await.expect("a frame").unwrap_err();
+        assert!(
+            status.message().contains("large request bodies"),
+            "{status:?}"
+        );
+        drop((large, small, refused));
+        assert_eq!(budget.held(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_that_grows_past_the_small_bound_moves_to_the_large_pool() {
+        use http_body_util::BodyExt;
+        let budget = Arc::new(BodyBudget::with_limits(
+            Shares::new(1 << 20, 1 << 20),
+            Shares::new(4 << 20, 4 << 20),
+        ));
+        // No prefix read yet: the first bytes count as small.
+        let mut growing = body(&budget, &[&[0, 0], &[1, 0, 0]]);
+        growing.frame().await.expect("a frame").expect("data");
+        assert_eq!((budget.small.held(), budget.large.held()), (2, 0));
+        // The prefix declares 64 KiB: with the prefix, past the small bound.
+        growing.frame().await.expect("a frame").expect("data");
+        assert_eq!(budget.small.held(), 0);
+        assert_eq!(budget.large.held(), (1 << 16) + 5);
+        drop(growing);
         assert_eq!(budget.held(), 0);
     }
 }

@@ -6,27 +6,13 @@
 
 use crate::common;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::Bytes;
-use common::raw_call::{read_reply, start_profile_call, RawCall};
+use common::raw_call::{connect_from, half_sent_call, read_reply, RawCall};
 use common::*;
 use devtrace::protocol::listen::Limits;
 use tokio::io::AsyncReadExt;
-use tokio::net::{TcpSocket, TcpStream};
-
-/// A connection to `to` from the loopback address `from` (127.0.0.0/8 is
-/// all loopback), so that the agent sees another peer than the test's
-/// other calls, which come from 127.0.0.1.
-async fn connect_from(from: [u8; 4], to: &str) -> TcpStream {
-    let to: SocketAddr = to.parse().expect("an address");
-    let socket = TcpSocket::new_v4().expect("a socket");
-    socket
-        .bind(SocketAddr::from((from, 0)))
-        .expect("binding a loopback address");
-    socket.connect(to).await.expect("connecting")
-}
+use tokio::net::TcpStream;
 
 /// Whether a connection was closed by the agent (not left open).
 async fn closed(stream: &mut TcpStream) -> bool {
@@ -108,15 +94,6 @@ async fn silent_connections_to_the_metrics_port_do_not_make_the_probes_wait() {
     );
     assert_eq!(refused, Some((100 - per_peer) as f64), "{text}");
     drop(silent);
-}
-
-/// Starts a `Profile` call whose body stops after `sent` of the `claimed`
-/// bytes its gRPC frame announces.
-async fn half_sent_call(address: &str, claimed: u32, sent: usize) -> RawCall {
-    let mut frame = vec![0u8];
-    frame.extend_from_slice(&claimed.to_be_bytes());
-    frame.resize(5 + sent, 0x08);
-    start_profile_call(address, Bytes::from(frame)).await
 }
 
 /// The gRPC status a response ends with, as (code, message).

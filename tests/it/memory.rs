@@ -313,3 +313,153 @@ async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_
         .expect("stopped");
     assert!(status.success());
 }
+
+/// The same cgroup under a hostile mix at once: callers from six addresses
+/// holding 4 MiB request bodies half sent on a dozen calls each, hundreds
+/// of idle connections from eight more, and three tool requests on a large
+/// session file (one whose output would be ten times the file). The agent
+/// is not OOM-killed, a capture and `/healthz` still answer meanwhile, and
+/// every tool request is answered or refused naming the budget.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hostile_mix_of_bodies_connections_and_tool_requests_stays_inside_the_cgroup() {
+    use common::raw_call::{connect_from, half_sent_call_from, read_reply};
+    use devtrace::proto::tensorflow::ProfileSessionDataRequest;
+
+    let Some(cgroup) = MemoryCgroup::with_limit("hostile", 384 << 20) else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let root = work.path().display().to_string();
+    let child = cgroup
+        .serve(&[
+            "--mock-rate",
+            "200000",
+            "--store-size",
+            "48MiB",
+            "--capture-memory",
+            "96MiB",
+            "--ring-capacity",
+            "16384",
+            "--allow-root",
+            &root,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting the agent");
+    let (mut agent, metrics) = AgentProcess::adopt_with_metrics(child);
+    // The large session file: 2 s at 200,000 events a second (about 27 MB),
+    // written by the client, outside the cgroup.
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let written = Command::new(BIN)
+        .args(["capture", &agent.address, "--quiet", "--session-id", "big"])
+        .args(["--override-hostname", "worker", "--duration=2000ms"])
+        .arg("--delay-back=2000ms")
+        .arg("--logdir")
+        .arg(work.path())
+        .output()
+        .expect("capture ran");
+    assert!(
+        written.status.success(),
+        "{}",
+        String::from_utf8_lossy(&written.stderr)
+    );
+    let repository = work.path().join("plugins/profile");
+    let file = repository.join("big/worker.xplane.pb");
+    let file_bytes = std::fs::metadata(&file).expect("the session file").len();
+    assert!(file_bytes > 10 << 20, "{file_bytes} bytes");
+
+    // Half-sent bodies: 6 addresses x 12 calls x 4 MiB claimed, three times
+    // what one caller may hold and more than all callers together may.
+    let claimed = (devtrace::service::MAX_REQUEST_BYTES - 5) as u32;
+    let sent = claimed as usize - 1000;
+    let mut bodies = Vec::new();
+    for peer in 0..6u8 {
+        for _ in 0..12 {
+            bodies.push(
+                half_sent_call_from([127, 0, 2, peer + 1], &agent.address, claimed, sent).await,
+            );
+        }
+    }
+    // Idle connections: 8 addresses x 60.
+    let mut idle = Vec::new();
+    for peer in 0..8u8 {
+        for _ in 0..60 {
+            idle.push(connect_from([127, 0, 3, peer + 1], &agent.address).await);
+        }
+    }
+    // Tool requests on the large file.
+    let mut tools = tokio::task::JoinSet::new();
+    for tool in ["trace_viewer", "xplane", "overview"] {
+        let mut analysis = agent.analysis().await;
+        let request = ProfileSessionDataRequest {
+            repository_root: repository.display().to_string(),
+            session_id: "big".into(),
+            host_name: "worker".into(),
+            tool_name: tool.into(),
+            parameters: Default::default(),
+        };
+        tools.spawn(async move {
+            (
+                tool,
+                analysis
+                    .get_session_tool_data(request)
+                    .await
+                    .map(|reply| reply.into_inner().output.len()),
+            )
+        });
+    }
+    // Meanwhile a capture and the health probe answer.
+    let space = space_of(&agent.profile(request(500, "through-it")).await);
+    assert!(!space.planes.is_empty());
+    let (status, _) = http_get_within(
+        &metrics,
+        "/healthz",
+        Some(std::time::Duration::from_secs(2)),
+    )
+    .expect("/healthz answered within 2 s");
+    assert_eq!(status, 200);
+
+    let mut served = Vec::new();
+    while let Some(answer) = tools.join_next().await {
+        let (tool, answer) = answer.expect("a tool request");
+        match answer {
+            Ok(bytes) => {
+                assert!(bytes > 0, "{tool}: empty output");
+                served.push(tool);
+            }
+            Err(status) => {
+                assert_eq!(
+                    status.code(),
+                    tonic::Code::ResourceExhausted,
+                    "{tool}: {status:?}"
+                );
+                assert!(
+                    status.message().contains("--capture-memory"),
+                    "{tool}: refused without naming the budget: {status:?}"
+                );
+            }
+        }
+    }
+    // The file itself (twice its size) fits the budget.
+    assert!(served.contains(&"xplane"), "served: {served:?}");
+    // Every half-sent body ends: refused past its caller's share, or out
+    // of time; none is served.
+    for call in bodies {
+        let (_, status) = read_reply(call.response).await;
+        assert!(
+            matches!(
+                status.code(),
+                tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded
+            ),
+            "{status:?}"
+        );
+    }
+    drop(idle);
+    assert_eq!(cgroup.oom_kills(), 0, "the kernel OOM-killed in the cgroup");
+    assert!(agent.is_running(), "the agent died");
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(10))
+        .expect("stopped");
+    assert!(status.success());
+}

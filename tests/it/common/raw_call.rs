@@ -1,8 +1,10 @@
 //! `Profile` calls over a bare HTTP/2 connection, for what tonic's client
 //! never does: stop sending a body half way, or stop reading a reply.
 
+use std::net::SocketAddr;
+
 use bytes::Bytes;
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 
 /// A call started on a connection of its own: the connection, the reply to
 /// come and the request body's stream.
@@ -12,10 +14,53 @@ pub struct RawCall {
     pub body: h2::SendStream<Bytes>,
 }
 
+/// A connection to `to` from the loopback address `from` (127.0.0.0/8 is
+/// all loopback), so that the agent sees another peer than the test's
+/// other calls, which come from 127.0.0.1.
+pub async fn connect_from(from: [u8; 4], to: &str) -> TcpStream {
+    let to: SocketAddr = to.parse().expect("an address");
+    let socket = TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind(SocketAddr::from((from, 0)))
+        .expect("binding a loopback address");
+    socket.connect(to).await.expect("connecting")
+}
+
 /// Starts a `Profile` call to the agent at `address` and sends `first` as
 /// the start of its body, leaving the body open.
 pub async fn start_profile_call(address: &str, first: Bytes) -> RawCall {
     let io = TcpStream::connect(address).await.expect("connecting");
+    start_profile_call_on(io, address, first).await
+}
+
+/// Starts a `Profile` call whose body stops after `sent` of the `claimed`
+/// bytes its gRPC frame announces, from the loopback address `from`.
+pub async fn half_sent_call_from(
+    from: [u8; 4],
+    address: &str,
+    claimed: u32,
+    sent: usize,
+) -> RawCall {
+    let io = connect_from(from, address).await;
+    start_profile_call_on(io, address, half_frame(claimed, sent)).await
+}
+
+/// Starts a `Profile` call whose body stops after `sent` of the `claimed`
+/// bytes its gRPC frame announces.
+pub async fn half_sent_call(address: &str, claimed: u32, sent: usize) -> RawCall {
+    start_profile_call(address, half_frame(claimed, sent)).await
+}
+
+/// The start of a gRPC frame announcing `claimed` bytes, `sent` of them.
+fn half_frame(claimed: u32, sent: usize) -> Bytes {
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&claimed.to_be_bytes());
+    frame.resize(5 + sent, 0x08);
+    Bytes::from(frame)
+}
+
+/// As [`start_profile_call`], on the connection `io`.
+async fn start_profile_call_on(io: TcpStream, address: &str, first: Bytes) -> RawCall {
     let (client, connection) = h2::client::handshake(io).await.expect("HTTP/2");
     tokio::spawn(connection);
     let mut client = client.ready().await.expect("ready");
