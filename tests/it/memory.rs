@@ -156,6 +156,14 @@ fn budgets_that_cannot_fit_the_cgroups_limit_are_refused_at_start() {
     );
 }
 
+/// `/healthz` on `metrics` answers 200 within the 2 s a liveness probe
+/// waits.
+fn assert_healthy_within_2s(metrics: &str) {
+    let (status, _) = http_get_within(metrics, "/healthz", Some(std::time::Duration::from_secs(2)))
+        .expect("/healthz answered within 2 s");
+    assert_eq!(status, 200);
+}
+
 /// Starts `devtrace capture` of a `duration_ms` window that began `back_ms`
 /// ago, from the agent at `address`.
 fn capture_back(
@@ -293,13 +301,7 @@ async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_
         "none of the burst was delivered ({refused} refused)"
     );
     // Still answering, its flight recorder with it.
-    let (status, _) = http_get_within(
-        &metrics,
-        "/healthz",
-        Some(std::time::Duration::from_secs(2)),
-    )
-    .expect("/healthz answered within 2 s");
-    assert_eq!(status, 200);
+    assert_healthy_within_2s(&metrics);
     let after = capture_back(&agent.address, &work.path().join("after"), 200, 500)
         .wait_with_output()
         .expect("capture ran");
@@ -412,13 +414,7 @@ async fn a_hostile_mix_of_bodies_connections_and_tool_requests_stays_inside_the_
     // Meanwhile a capture and the health probe answer.
     let space = space_of(&agent.profile(request(500, "through-it")).await);
     assert!(!space.planes.is_empty());
-    let (status, _) = http_get_within(
-        &metrics,
-        "/healthz",
-        Some(std::time::Duration::from_secs(2)),
-    )
-    .expect("/healthz answered within 2 s");
-    assert_eq!(status, 200);
+    assert_healthy_within_2s(&metrics);
 
     let mut served = Vec::new();
     while let Some(answer) = tools.join_next().await {
