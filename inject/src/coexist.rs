@@ -400,6 +400,7 @@ unsafe extern "C" fn finalize_hook() -> CuptiResult {
         let result = unsafe { finalize() };
         if result == CUPTI_SUCCESS {
             seen_foreign();
+            detach::forget_subscriber();
             if *gate == Attachment::Attached {
                 *gate = Attachment::Detached;
             }

@@ -277,6 +277,13 @@ fn disarm_locked() {
     }
 }
 
+/// Another CUPTI user finalized CUPTI: the subscriber of ours went with
+/// everything else, and its handle must never be used again.
+pub fn forget_subscriber() {
+    ARMED.store(false, Ordering::Release);
+    SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
+}
+
 /// Another CUPTI user is about to subscribe: the subscriber of ours makes
 /// way (only one subscriber is allowed before CUDA 13.3), armed or not.
 pub fn give_way() {

@@ -1813,21 +1813,23 @@ async fn cupti_is_not_detached_under_another_user_and_is_after_it() {
     );
 }
 
-/// A profiler seen subscribing during a capture (as XLA's tracer does)
-/// gets the library's Callback API subscriber and holds it past the
-/// capture's end. CUPTI then stays attached, also once that profiler is
-/// done, saying why (subscribing after a capture would give a subscriber
-/// CUPTI never calls), and the next capture, which subscribes again,
-/// detaches it when it ends.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_capture() {
-    let mut setup = setup("cuda_teardown_subscriber");
+/// An agent and the stand-in program linked against libcupti, released by
+/// the returned file, whose rival (`--rival-linked` and `how`) runs from
+/// iteration 4 for `rival_iterations` of the program's `iterations` (50 ms
+/// apart), with the library's teardown said on stderr; once attached.
+async fn rival_from_iteration_4(
+    name: &str,
+    iterations: &str,
+    rival_iterations: &str,
+    how: &str,
+) -> (Setup, AgentProcess, PathBuf, CudaWorkload) {
+    let mut setup = setup(name);
     setup.program = rival_linked_program();
     let agent = setup.agent();
-    let release = release_file(&setup, "subscriber");
+    let release = release_file(&setup, name);
     let workload = setup.workload(
         &[
-            "160",
+            iterations,
             "--wait-file",
             release.to_str().unwrap(),
             "--sleep-ms",
@@ -1835,9 +1837,9 @@ async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_captur
             "--rival-at",
             "4",
             "--rival-iterations",
-            "30",
+            rival_iterations,
             "--rival-linked",
-            "--rival-subscribe",
+            how,
         ],
         &[
             ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
@@ -1846,6 +1848,19 @@ async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_captur
     );
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
+    (setup, agent, release, workload)
+}
+
+/// A profiler seen subscribing during a capture (as XLA's tracer does)
+/// gets the library's Callback API subscriber and holds it past the
+/// capture's end. CUPTI then stays attached, also once that profiler is
+/// done, saying why (subscribing after a capture would give a subscriber
+/// CUPTI never calls), and the next capture, which subscribes again,
+/// detaches it when it ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_capture() {
+    let (_setup, agent, release, workload) =
+        rival_from_iteration_4("cuda_teardown_subscriber", "160", "30", "--rival-subscribe").await;
     // The rival's iterations 4 to 33 begin inside this capture and end
     // after it.
     capture_while(&agent, 1200, &release).await;
@@ -1864,6 +1879,40 @@ async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_captur
     assert!(
         stderr.contains("CUPTI stays attached: the library's Callback API subscriber went to another CUPTI user"),
         "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("devtrace-inject: CUPTI detached").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// A profiler that ends by finalizing CUPTI (as Kineto does when it tears
+/// CUPTI down) takes the library's subscriber with it: the library forgets
+/// it, subscribes again as it takes the stream back, and detaches CUPTI at
+/// the capture's end.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_profiler_that_finalizes_cupti_leaves_the_library_a_subscriber_to_detach_with() {
+    let (_setup, agent, release, workload) = rival_from_iteration_4(
+        "cuda_teardown_finalizing_rival",
+        "60",
+        "4",
+        "--rival-finalize",
+    )
+    .await;
+    // The rival's iterations 4 to 7 and its finalize fall inside this
+    // capture, which takes the stream back after them.
+    capture_while(&agent, 1500, &release).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let lines = workload.read_until("done");
+    let (rival_kernels, _, _) = rival_report(&lines);
+    assert!(rival_kernels > 0, "the other profiler traced");
+    let (armed, finalized) = cupti_state(&lines);
+    let stderr = stderr_to_end(workload);
+    assert_eq!(
+        (armed, finalized),
+        (0, 2),
+        "the rival's finalize and the library's: {stderr}"
     );
     assert_eq!(
         stderr.matches("devtrace-inject: CUPTI detached").count(),

@@ -25,6 +25,8 @@
  *                          (taken before its activity callbacks, as XLA's CUPTI tracer
  *                          does); refused one, it traces nothing that time (said on
  *                          stderr and counted, not fatal)
+ *   --rival-finalize       the rival ends its part with cuptiFinalize (as Kineto does when
+ *                          it tears CUPTI down after a profile)
  *   --rival-frees-all      the rival frees every buffer its bufferCompleted gets, its own
  *                          or not (a careless profiler)
  *   --rival-early          the rival looks its CUPTI functions up before cuInit, so before
@@ -220,7 +222,8 @@ static const char real_ptx[] =
 
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
-    int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all;
+    int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all,
+        rival_finalize;
     int rival_early, wait_recording;
     int quiet, rate_ms;
     const char *wait_file, *init_wait_file;
@@ -444,6 +447,7 @@ extern int cuptiActivityGetNextRecord(uint8_t *buffer, size_t valid, CUpti_Activ
 typedef void (*RivalCallbackFunc)(void *userdata, int domain, uint32_t cbid, const void *data);
 extern int cuptiSubscribe(void **subscriber, RivalCallbackFunc callback, void *userdata) __attribute__((weak));
 extern int cuptiUnsubscribe(void *subscriber) __attribute__((weak));
+extern int cuptiFinalize(void) __attribute__((weak));
 
 static struct {
     int (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc);
@@ -453,6 +457,7 @@ static struct {
     int (*next_record)(uint8_t *buffer, size_t valid, CUpti_Activity **record);
     int (*subscribe)(void **subscriber, RivalCallbackFunc callback, void *userdata);
     int (*unsubscribe)(void *subscriber);
+    int (*finalize)(void);
 } rival;
 static void *rival_subscriber;
 static unsigned long rival_subscribe_refused;
@@ -536,6 +541,7 @@ static void rival_resolve(void) {
         rival.next_record = cuptiActivityGetNextRecord;
         rival.subscribe = cuptiSubscribe;
         rival.unsubscribe = cuptiUnsubscribe;
+        rival.finalize = cuptiFinalize;
     } else {
         rival.register_callbacks = (int (*)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc))
             rival_symbol("cuptiActivityRegisterCallbacks");
@@ -546,6 +552,7 @@ static void rival_resolve(void) {
             (int (*)(uint8_t *, size_t, CUpti_Activity **))rival_symbol("cuptiActivityGetNextRecord");
         rival.subscribe = (int (*)(void **, RivalCallbackFunc, void *))rival_symbol("cuptiSubscribe");
         rival.unsubscribe = (int (*)(void *))rival_symbol("cuptiUnsubscribe");
+        rival.finalize = (int (*)(void))rival_symbol("cuptiFinalize");
     }
 }
 
@@ -594,6 +601,12 @@ static void rival_end(void) {
     if (rival_subscriber) {
         if ((rc = rival.unsubscribe(rival_subscriber)) != 0) rival_failed("cuptiUnsubscribe", rc);
         rival_subscriber = NULL;
+    }
+    if (options.rival_finalize) {
+        if (!rival.finalize)
+            rival_failed("cuptiFinalize (missing)", -1);
+        else if ((rc = rival.finalize()) != 0)
+            rival_failed("cuptiFinalize", rc);
     }
     uint64_t t1 = now(CLOCK_REALTIME);
     pthread_mutex_lock(&rival_lock);
@@ -706,6 +719,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-every") == 0 && i + 1 < argc) options.rival_every = atoi(argv[++i]);
         else if (strcmp(a, "--rival-subscribe") == 0) options.rival_subscribe = 1;
         else if (strcmp(a, "--rival-frees-all") == 0) options.rival_frees_all = 1;
+        else if (strcmp(a, "--rival-finalize") == 0) options.rival_finalize = 1;
         else if (strcmp(a, "--rival-early") == 0) options.rival_early = 1;
         else if (strcmp(a, "--wait-recording") == 0) options.wait_recording = 1;
         else if (strcmp(a, "--quiet") == 0) options.quiet = 1;
