@@ -183,6 +183,13 @@ pub fn other_user_active() -> Option<String> {
     None
 }
 
+/// Whether the other user keeping CUPTI attached is one this library
+/// cannot see (its buffers reached our callback), whose end it will never
+/// see either.
+pub fn unseen_user() -> bool {
+    OTHERS.buffers.load(Ordering::Acquire) > 0 && !OTHERS.ever_seen.load(Ordering::Acquire)
+}
+
 thread_local! {
     /// Set while this library itself calls into CUPTI, so that a libcupti
     /// that calls its own exported names is not taken for another user.
@@ -296,13 +303,22 @@ unsafe extern "C" fn enable_hook(kind: c_int) -> CuptiResult {
         let Some(lib) = real() else {
             return CUPTI_ERROR_NOT_INITIALIZED;
         };
+        if !foreign() {
+            // SAFETY: forwarded unchanged.
+            return unsafe { (lib.enable)(kind) };
+        }
+        // As for a registration: no finalize of ours between the call and
+        // the other user counting as having the kind on.
+        let gate = detach::gate();
         // SAFETY: forwarded unchanged.
         let result = unsafe { (lib.enable)(kind) };
-        if result == CUPTI_SUCCESS && foreign() {
+        if result == CUPTI_SUCCESS {
             seen_foreign();
+            detach::attached_by_another();
             OTHERS.kinds.fetch_or(kind_bit(kind), Ordering::AcqRel);
             OTHERS.idle_since_ns.store(0, Ordering::Release);
         }
+        drop(gate);
         result
     })
 }
@@ -401,6 +417,8 @@ unsafe extern "C" fn finalize_hook() -> CuptiResult {
         if result == CUPTI_SUCCESS {
             seen_foreign();
             detach::forget_subscriber();
+            // CUPTI gave our buffers to whichever callbacks were registered.
+            crate::buffers::give_up_unreturned();
             if *gate == Attachment::Attached {
                 *gate = Attachment::Detached;
             }
@@ -436,16 +454,22 @@ unsafe extern "C" fn subscribe_hook(
         let Some(subscribe) = real().and_then(|lib| lib.subscribe) else {
             return CUPTI_ERROR_NOT_INITIALIZED;
         };
-        let foreign = foreign();
-        if foreign {
-            detach::give_way();
+        if !foreign() {
+            // SAFETY: forwarded unchanged.
+            return unsafe { subscribe(subscriber, callback, userdata) };
         }
+        // The gate is held from making way to the other user's subscriber
+        // being in place, so that a capture starting meanwhile cannot
+        // subscribe in between and leave it refused.
+        let mut gate = detach::gate();
+        detach::give_way(&mut gate);
         // SAFETY: forwarded unchanged.
         let result = unsafe { subscribe(subscriber, callback, userdata) };
-        if result == CUPTI_SUCCESS && foreign {
+        if result == CUPTI_SUCCESS {
             seen_foreign();
             OTHERS.subscribed.store(true, Ordering::Release);
         }
+        drop(gate);
         result
     })
 }

@@ -195,8 +195,13 @@ impl Tracer {
     /// Registers our callbacks (again: CUPTI was finalized, or another user
     /// replaced them) and enables every kind; says when recording began.
     fn take(&mut self, session: &Session) -> Result<(), String> {
-        // A teardown still waiting is disarmed; its subscriber stays.
-        self.teardown = None;
+        // A teardown still waiting is disarmed; its subscriber stays. One
+        // whose finalize came since the last tick is told first.
+        if let Some(teardown) = self.teardown.take() {
+            if teardown.finalized() {
+                self.detached(session, &teardown);
+            }
+        }
         self.kept_attached_told = false;
         self.next_detach_try = None;
         if !self.exit_flush_set {
@@ -209,7 +214,7 @@ impl Tracer {
         if *gate == Attachment::Closed {
             return Ok(());
         }
-        let fresh = *gate == Attachment::Detached;
+        let fresh = detach::fresh(&gate);
         *gate = Attachment::Attached;
         cupti::use_system_thread_ids()?;
         cupti::register_callbacks(buffer_requested, buffer_completed)?;
@@ -346,6 +351,10 @@ impl Tracer {
         }
         if let Some(why) = coexist::other_user_active() {
             self.teardown = None;
+            if coexist::unseen_user() {
+                // Never detached again: ours would only block its subscriber.
+                detach::release_subscriber();
+            }
             self.tell_kept_attached(
                 session,
                 format!("because {why}; it is detached once that user is done"),

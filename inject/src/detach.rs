@@ -86,6 +86,8 @@ static FINALIZE_FAILED: AtomicI32 = AtomicI32::new(CUPTI_SUCCESS);
 static ARMED_EXITS: AtomicU64 = AtomicU64::new(0);
 static ARMED_GATE_BUSY: AtomicU64 = AtomicU64::new(0);
 static ARMED_OTHER_USER: AtomicU64 = AtomicU64::new(0);
+/// Another user enabled a kind since the last finalize.
+static ATTACHED_BY_ANOTHER: AtomicBool = AtomicBool::new(false);
 /// Why the last capture could not subscribe, if it could not.
 static SUBSCRIBE_REFUSED: Mutex<Option<String>> = Mutex::new(None);
 /// Converts the buffers CUPTI handed back so far; the gate is held.
@@ -157,14 +159,15 @@ impl Teardown {
                 Ok(()) => "cuptiFinalize failed".into(),
             });
         }
-        if self.armed {
-            return Progress::Waiting;
-        }
+        let gate = gate();
         // Subscribing now would be of no use: CUPTI never calls a subscriber
         // made after a capture switched its kinds off (and subscribing while
         // the job's threads are inside CUDA calls then is what the job
-        // crashed in, on an H200).
+        // crashed in, on an H200). Armed or not, a subscriber given away
+        // since leaves the teardown nothing to wait for.
         if SUBSCRIBER.load(Ordering::Acquire).is_null() {
+            drop(gate);
+            self.armed = false;
             let why = SUBSCRIBE_REFUSED
                 .lock()
                 .ok()
@@ -176,8 +179,11 @@ impl Teardown {
                 });
             return Progress::Refused(format!("{why}; the next capture's end detaches it"));
         }
-        ARMED.store(true, Ordering::Release);
-        self.armed = true;
+        if !self.armed {
+            ARMED.store(true, Ordering::Release);
+            self.armed = true;
+        }
+        drop(gate);
         Progress::Waiting
     }
 
@@ -221,10 +227,16 @@ impl Drop for Teardown {
 /// A subscriber another CUPTI user holds is left to it; the teardown then
 /// says why CUPTI stays attached.
 pub fn subscribe_for_capture(gate: &Attachment) {
-    if *gate != Attachment::Attached || !SUBSCRIBER.load(Ordering::Acquire).is_null() {
+    // A finalize that failed after an earlier capture is tried again.
+    FINALIZE_FAILED.store(CUPTI_SUCCESS, Ordering::Release);
+    if *gate != Attachment::Attached {
         return;
     }
-    let refused = subscribe_locked().err();
+    let refused = if SUBSCRIBER.load(Ordering::Acquire).is_null() {
+        subscribe_locked().err()
+    } else {
+        None
+    };
     if let Ok(mut why) = SUBSCRIBE_REFUSED.lock() {
         *why = refused;
     }
@@ -282,16 +294,33 @@ fn disarm_locked() {
 pub fn forget_subscriber() {
     ARMED.store(false, Ordering::Release);
     SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
+    ATTACHED_BY_ANOTHER.store(false, Ordering::Release);
 }
 
 /// Another CUPTI user is about to subscribe: the subscriber of ours makes
 /// way (only one subscriber is allowed before CUDA 13.3), armed or not.
-pub fn give_way() {
-    if SUBSCRIBER.load(Ordering::Acquire).is_null() {
-        return;
-    }
+pub fn give_way(_gate: &mut Attachment) {
+    disarm_locked();
+}
+
+/// Lets the subscriber of ours go (another user that this library cannot
+/// see keeps CUPTI attached for good: ours would only block its
+/// subscriber).
+pub fn release_subscriber() {
     let _gate = gate();
     disarm_locked();
+}
+
+/// Another CUPTI user enabled a kind: CUPTI is attached whatever this
+/// library did, until the next finalize.
+pub fn attached_by_another() {
+    ATTACHED_BY_ANOTHER.store(true, Ordering::Release);
+}
+
+/// Whether CUPTI is attached afresh as a capture takes the stream: neither
+/// this library nor another user attached it since the last finalize.
+pub fn fresh(gate: &Attachment) -> bool {
+    *gate == Attachment::Detached && !ATTACHED_BY_ANOTHER.load(Ordering::Acquire)
 }
 
 /// The subscriber's callback, at every driver and runtime API call's entry
@@ -352,6 +381,7 @@ fn finalize(gate: &mut Attachment) {
     if result == CUPTI_SUCCESS {
         // The subscriber went with everything else.
         SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
+        ATTACHED_BY_ANOTHER.store(false, Ordering::Release);
         *gate = Attachment::Detached;
         DETACHES.fetch_add(1, Ordering::AcqRel);
     } else {

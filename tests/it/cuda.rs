@@ -1823,24 +1823,37 @@ async fn rival_from_iteration_4(
     rival_iterations: &str,
     how: &str,
 ) -> (Setup, AgentProcess, PathBuf, CudaWorkload) {
+    rival_from("4", name, iterations, rival_iterations, &[how]).await
+}
+
+/// As [`rival_from_iteration_4`], the rival from iteration `at`, with the
+/// options `how`.
+async fn rival_from(
+    at: &str,
+    name: &str,
+    iterations: &str,
+    rival_iterations: &str,
+    how: &[&str],
+) -> (Setup, AgentProcess, PathBuf, CudaWorkload) {
     let mut setup = setup(name);
     setup.program = rival_linked_program();
     let agent = setup.agent();
     let release = release_file(&setup, name);
+    let mut args = vec![
+        iterations,
+        "--wait-file",
+        release.to_str().unwrap(),
+        "--sleep-ms",
+        "50",
+        "--rival-at",
+        at,
+        "--rival-iterations",
+        rival_iterations,
+        "--rival-linked",
+    ];
+    args.extend_from_slice(how);
     let workload = setup.workload(
-        &[
-            iterations,
-            "--wait-file",
-            release.to_str().unwrap(),
-            "--sleep-ms",
-            "50",
-            "--rival-at",
-            "4",
-            "--rival-iterations",
-            rival_iterations,
-            "--rival-linked",
-            how,
-        ],
+        &args,
         &[
             ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
             ("DEVTRACE_INJECT_DEBUG", "1"),
@@ -1921,6 +1934,36 @@ async fn a_profiler_that_finalizes_cupti_leaves_the_library_a_subscriber_to_deta
     );
 }
 
+/// A profiler that ran and stopped before the first capture, without
+/// finalizing, left CUPTI attached with every kind off: the capture's
+/// subscriber is made after its kinds are on (one made before them would
+/// never be called), and the capture's end detaches CUPTI.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_profiler_that_left_cupti_attached_the_first_capture_still_detaches() {
+    let (_setup, agent, release, workload) =
+        rival_from_iteration_0("cuda_teardown_after_rival").await;
+    std::fs::write(&release, b"go").unwrap();
+    // The rival's two iterations are over well before the capture.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    capture(&agent, 600).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let lines = workload.read_until("done");
+    let (armed, finalized) = cupti_state(&lines);
+    let stderr = stderr_to_end(workload);
+    assert_eq!((armed, finalized), (0, 1), "{stderr}");
+    assert_eq!(
+        stderr.matches("devtrace-inject: CUPTI detached").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// As [`rival_from_iteration_4`], with a rival of two iterations from the
+/// first, seen through the program's GOT.
+async fn rival_from_iteration_0(name: &str) -> (Setup, AgentProcess, PathBuf, CudaWorkload) {
+    rival_from("0", name, "80", "2", &[]).await
+}
+
 /// Every sequence of captures, a framework profiler and exit, hundreds of
 /// times, under valgrind's memcheck: the workload's exit status says that
 /// no buffer was freed twice, read after its free or handed to a callback
@@ -1999,10 +2042,12 @@ fn memcheck_sequences(name: &str, rival: &[&str]) {
                 break ring;
             }
         }
-        assert!(
-            workload.workload.child.try_wait().unwrap().is_none(),
-            "the workload exited before making its ring"
-        );
+        if workload.workload.child.try_wait().unwrap().is_some() {
+            panic!(
+                "the workload exited before making its ring: {}",
+                stderr_to_end(workload)
+            );
+        }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
     let capture = devtrace::ring::CONTROL_CAPTURE;
