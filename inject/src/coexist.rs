@@ -183,6 +183,11 @@ pub fn other_user_active() -> Option<String> {
     None
 }
 
+/// Whether another user seen through interposition has `kind` on.
+pub fn other_enabled(kind: u32) -> bool {
+    OTHERS.kinds.load(Ordering::Acquire) & kind_bit(kind as c_int) != 0
+}
+
 /// Whether the other user keeping CUPTI attached is one this library
 /// cannot see (its buffers reached our callback), whose end it will never
 /// see either.

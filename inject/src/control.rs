@@ -18,6 +18,11 @@ use crate::{buffers, coexist, cupti, fail, ffi, quiet, sys, SESSION};
 
 /// How often completed records are asked for while a capture runs.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
+/// The kind left on from a capture's end until CUPTI is finalized: a CUPTI
+/// with every kind off may call no subscriber at all (the H200 run could
+/// not rule it out), and contexts are made or destroyed too rarely for its
+/// records to cost anything.
+const KEEPER_KIND: u32 = cupti::kind::CONTEXT;
 /// How long a capture's end waits for CUPTI to hand its buffers back
 /// before detaching (detaching hands back the rest).
 const RETURN_WAIT: Duration = Duration::from_millis(500);
@@ -109,6 +114,7 @@ pub fn control_loop() {
         teardown: None,
         kept_attached_told: false,
         next_detach_try: None,
+        keeper_on: false,
     };
     while !quiet() {
         std::thread::sleep(poll);
@@ -155,6 +161,8 @@ struct Tracer {
     kept_attached_told: bool,
     /// After a refused detach, when to try again.
     next_detach_try: Option<Instant>,
+    /// [`KEEPER_KIND`] is on for the teardown after a capture.
+    keeper_on: bool,
 }
 
 impl Tracer {
@@ -204,6 +212,7 @@ impl Tracer {
         }
         self.kept_attached_told = false;
         self.next_detach_try = None;
+        self.keeper_on = false;
         if !self.exit_flush_set {
             sys::process::at_exit(flush_at_exit);
             self.exit_flush_set = true;
@@ -317,7 +326,8 @@ impl Tracer {
             if *gate != Attachment::Attached {
                 return Ok(());
             }
-            self.disable(session)?;
+            self.disable_all_but(session, Some(KEEPER_KIND))?;
+            self.keeper_on = true;
         }
         let waited = Instant::now();
         wait_for_buffers(RETURN_WAIT);
@@ -351,6 +361,7 @@ impl Tracer {
         }
         if let Some(why) = coexist::other_user_active() {
             self.teardown = None;
+            self.switch_keeper_off();
             if coexist::unseen_user() {
                 // Never detached again: ours would only block its subscriber.
                 detach::release_subscriber();
@@ -380,6 +391,7 @@ impl Tracer {
                     eprintln!("devtrace-inject: CUPTI stays attached: {why}");
                 }
                 self.teardown = None;
+                self.switch_keeper_off();
                 self.next_detach_try = Some(Instant::now() + detach::RETRY_EVERY);
                 self.tell_kept_attached(
                     session,
@@ -399,6 +411,7 @@ impl Tracer {
             );
         }
         self.api = None;
+        self.keeper_on = false;
         session.write_meta(&MetaRecord::Detached {
             at_ns: devtrace_shm::clock::now_ns(),
         });
@@ -413,6 +426,18 @@ impl Tracer {
                     buffers::unreturned_total()
                 ),
             });
+        }
+    }
+
+    /// The teardown stands down: the kind kept on for it goes off (unless
+    /// another user enabled it too).
+    fn switch_keeper_off(&mut self) {
+        if !std::mem::take(&mut self.keeper_on) {
+            return;
+        }
+        let gate = detach::gate();
+        if *gate == Attachment::Attached && !coexist::other_enabled(KEEPER_KIND) {
+            let _ = cupti::disable(KEEPER_KIND);
         }
     }
 
@@ -432,9 +457,10 @@ impl Tracer {
     /// After a failure: leaves CUPTI as the process needs it.
     fn give_up(&mut self, session: &Session) {
         let gate = detach::gate();
-        if self.stream == Stream::Ours && *gate == Attachment::Attached {
+        if (self.stream == Stream::Ours || self.keeper_on) && *gate == Attachment::Attached {
             let _ = self.disable(session);
         }
+        self.keeper_on = false;
         self.stream = Stream::Off;
     }
 
@@ -442,7 +468,12 @@ impl Tracer {
     /// holds; the clock is measured again so that records converted from
     /// here on use the stop reading. The caller holds the gate.
     fn disable(&mut self, session: &Session) -> Result<(), String> {
-        for kind in cupti::KINDS {
+        self.disable_all_but(session, None)
+    }
+
+    /// As [`Tracer::disable`], leaving `kept` on. The caller holds the gate.
+    fn disable_all_but(&mut self, session: &Session, kept: Option<u32>) -> Result<(), String> {
+        for kind in cupti::KINDS.into_iter().filter(|kind| Some(*kind) != kept) {
             cupti::disable(kind)?;
         }
         if let Some(set) = self.api.take() {

@@ -1773,6 +1773,41 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
     assert_eq!(said, 3, "{stderr}");
 }
 
+/// With a CUPTI that calls no subscriber at all while it is attached with
+/// every kind off (a reading of the H200 run that could not be ruled out),
+/// each capture still detaches: one kind stays on until the finalize.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_capture_detaches_cupti_even_if_no_subscriber_is_called_with_every_kind_off() {
+    let setup = setup("cuda_teardown_strict");
+    let agent = setup.agent();
+    let release = release_file(&setup, "strict");
+    let workload = setup.workload(
+        &[
+            "200",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "25",
+        ],
+        &[
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
+            ("DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS", "1"),
+            ("DEVTRACE_INJECT_DEBUG", "1"),
+        ],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    std::fs::write(&release, b"go").unwrap();
+    for _ in 0..2 {
+        capture(&agent, 500).await;
+        tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    }
+    let lines = workload.read_until("done");
+    let (armed, finalized) = cupti_state(&lines);
+    let stderr = stderr_to_end(workload);
+    assert_eq!((armed, finalized), (0, 2), "{stderr}");
+}
+
 /// A capture that ends while another CUPTI user (linked against libcupti,
 /// as Kineto is) profiles leaves CUPTI attached for it, whose kernels all
 /// arrive; once it is done the library detaches.

@@ -148,8 +148,8 @@
  *   kernels all along, while one made before the kinds were enabled is
  *   what CUPTI's own dynamic-detach sample finalizes from. That run could
  *   not tell this from a stricter CUPTI that calls no subscriber at all
- *   while every kind is off (the sample finalizes with its kinds on); this
- *   stand-in models the first.
+ *   while every kind is off (the sample finalizes with its kinds on);
+ *   $DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS=1 models that one too.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -761,6 +761,9 @@ static uint8_t subscriber_domains[CUPTI_CB_DOMAIN_SIZE];
 /* The subscriber was made after a capture switched every kind off: CUPTI
  * never calls it (see the top of this file). */
 static int subscriber_deaf;
+/* $DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS=1: the stricter reading, no
+ * subscriber is called while CUPTI is armed with every kind off. */
+static int strict_subscribers;
 
 /* Armed: some activity kind was enabled since load or the last
  * cuptiFinalize. Every driver call then pays armed_ns, enabled kinds or not,
@@ -818,6 +821,7 @@ static void setup(void) {
     if (fail) snprintf(fail_spec, sizeof fail_spec, "%s", fail);
     armed_ns = env_or("DEVTRACE_STANDIN_CUPTI_ARMED_NS", 1000);
     first_enable_ms = env_or("DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS", 100);
+    strict_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS", 0) != 0;
     late_ms = env_or("DEVTRACE_STANDIN_CUPTI_LATE_MS", 1500);
 }
 
@@ -1324,7 +1328,10 @@ static void record_call(const struct standin_call *call);
 static void notify_subscriber(const struct standin_call *call) {
     if (!__atomic_load_n(&subscriber_domains[CUPTI_CB_DOMAIN_DRIVER_API], __ATOMIC_ACQUIRE)) return;
     pthread_mutex_lock(&lock);
-    CUpti_CallbackFunc callback = subscribed && !subscriber_deaf ? subscriber_callback : NULL;
+    int any_kind = 0;
+    for (size_t k = 0; k < CUPTI_ACTIVITY_KIND_COUNT; k++) any_kind |= enabled[k];
+    int silenced = subscriber_deaf || (strict_subscribers && armed && !any_kind);
+    CUpti_CallbackFunc callback = subscribed && !silenced ? subscriber_callback : NULL;
     void *userdata = subscriber_userdata;
     pthread_mutex_unlock(&lock);
     if (!callback) return;
