@@ -1327,13 +1327,17 @@ static void record_call(const struct standin_call *call);
  * call back into CUPTI (cuptiFinalize, as the dynamic detach recipe does). */
 static void notify_subscriber(const struct standin_call *call) {
     if (!__atomic_load_n(&subscriber_domains[CUPTI_CB_DOMAIN_DRIVER_API], __ATOMIC_ACQUIRE)) return;
-    pthread_mutex_lock(&lock);
-    int any_kind = 0;
-    for (size_t k = 0; k < CUPTI_ACTIVITY_KIND_COUNT; k++) any_kind |= enabled[k];
-    int silenced = subscriber_deaf || (strict_subscribers && armed && !any_kind);
-    CUpti_CallbackFunc callback = subscribed && !silenced ? subscriber_callback : NULL;
-    void *userdata = subscriber_userdata;
-    pthread_mutex_unlock(&lock);
+    /* Read without the lock, as a driver call's hot path would: the writers
+     * hold it, each field is one word. */
+    if (!__atomic_load_n(&subscribed, __ATOMIC_ACQUIRE) || __atomic_load_n(&subscriber_deaf, __ATOMIC_ACQUIRE))
+        return;
+    if (strict_subscribers && __atomic_load_n(&armed, __ATOMIC_ACQUIRE)) {
+        int any_kind = 0;
+        for (size_t k = 0; k < CUPTI_ACTIVITY_KIND_COUNT; k++) any_kind |= __atomic_load_n(&enabled[k], __ATOMIC_RELAXED);
+        if (!any_kind) return;
+    }
+    CUpti_CallbackFunc callback = __atomic_load_n(&subscriber_callback, __ATOMIC_ACQUIRE);
+    void *userdata = __atomic_load_n(&subscriber_userdata, __ATOMIC_ACQUIRE);
     if (!callback) return;
     CUpti_CallbackData data;
     memset(&data, 0, sizeof data);
