@@ -50,13 +50,13 @@ impl Captures {
             request.emit_xspace = true;
             let upstream = upstream.clone();
             let config = self.settings.client.clone();
+            let memory = Arc::clone(&self.memory);
             upstream_calls.spawn(async move {
                 // Servers that record from the moment they are asked (TensorFlow's,
                 // JAX's) are asked when the window starts; a devtrace upstream
                 // would also wait for the start itself.
                 tokio::time::sleep(clock::until(window.start_ns)).await;
-                let result = fleet::capture_host(&upstream, request, deadline, &config).await;
-                (name, result)
+                call_upstream(&upstream, request, deadline, config, &memory, name).await
             });
         }
         let mut source_calls = tokio::task::JoinSet::new();
@@ -95,7 +95,13 @@ impl Captures {
         let local = self.agent.collect(window).await;
         let upstream_calls = std::mem::take(&mut remote.upstream_calls);
         let source_calls = std::mem::take(&mut remote.source_calls);
-        let mut remote = upstream_calls.join_all().await;
+        let mut remote = Vec::new();
+        // What the upstreams' replies hold, until the build is done.
+        let mut replies_held = Vec::new();
+        for (name, result, held) in upstream_calls.join_all().await {
+            remote.push((name, result));
+            replies_held.extend(held);
+        }
         remote.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, result) in source_calls.join_all().await {
             remote.push((name, result.map(|trace| Some(trace.into()))));
@@ -202,7 +208,7 @@ impl Captures {
             errors,
             properties,
         };
-        tokio::task::spawn_blocking(move || {
+        let built = tokio::task::spawn_blocking(move || {
             let encoded = xspace::encode_runs(data.runs(), &registry, &info, &mut memory)?;
             memory.let_go(data.chunk_bytes());
             drop(data);
@@ -211,7 +217,9 @@ impl Captures {
             Ok(encoded.accounted_by(Arc::new(memory)))
         })
         .await
-        .map_err(|e| CaptureError::Build(e.to_string()))?
+        .map_err(|e| CaptureError::Build(e.to_string()))?;
+        drop(replies_held);
+        built
     }
 }
 
@@ -292,8 +300,68 @@ fn upstream_start(space: &XSpace, window: Window) -> Result<Option<i64>, String>
     ))
 }
 
-/// One upstream's address and its trace (`None`: empty), or why not.
-type UpstreamOutcome = (String, Result<Option<bytes::Bytes>, String>);
+/// One upstream's address and its trace (`None`: empty), or why not, with
+/// the capture memory its reply holds.
+type UpstreamOutcome = (
+    String,
+    Result<Option<bytes::Bytes>, String>,
+    Option<BuildMemory>,
+);
+
+/// How long an upstream's call waits for capture memory to receive its
+/// reply into: not longer, or it would record a later window than asked.
+const UPSTREAM_MEMORY_WAIT: Duration = Duration::from_secs(1);
+
+/// The most one upstream's reply may hold of a capture budget of `budget`
+/// bytes, within `max_reply_bytes`: its bytes are held from the moment
+/// they arrive, before the build knows how large they are.
+pub(crate) fn upstream_reply_share(max_reply_bytes: usize, budget: usize) -> usize {
+    max_reply_bytes.min(budget / 4).max(1)
+}
+
+/// Calls one upstream for its trace, with the bytes its reply may hold
+/// reserved from `memory` first and the reply held to them; what the reply
+/// did not need goes back at once.
+async fn call_upstream(
+    upstream: &client::Target,
+    request: crate::proto::tensorflow::ProfileRequest,
+    deadline: Duration,
+    mut config: client::ClientConfig,
+    memory: &memory::CaptureMemory,
+    name: String,
+) -> UpstreamOutcome {
+    let share = upstream_reply_share(config.max_reply_bytes, memory.budget());
+    let what = || format!("a reply of up to {share} bytes from upstream {name}");
+    let mut held = match memory
+        .reserve(share, what, Instant::now() + UPSTREAM_MEMORY_WAIT)
+        .await
+    {
+        Ok(held) => held,
+        Err(refused) => return (name, Err(format!("not asked: {refused}")), None),
+    };
+    let narrowed = share < config.max_reply_bytes;
+    config.max_reply_bytes = share;
+    let result = fleet::capture_host(upstream, request, deadline, &config)
+        .await
+        .map_err(|error| {
+            if narrowed {
+                error.replace(
+                    "is more than --max-reply-size allows",
+                    "is more than an upstream's share of --capture-memory (a quarter, within \
+                     --max-reply-size) allows",
+                )
+            } else {
+                error
+            }
+        });
+    let received = result
+        .as_ref()
+        .ok()
+        .and_then(Option::as_ref)
+        .map_or(0, |b| b.len());
+    held.keep_only(received);
+    (name, result, Some(held))
+}
 /// One per-capture source's name and its trace, or why not.
 type SourceOutcome = (String, Result<Vec<u8>, String>);
 

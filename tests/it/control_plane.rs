@@ -164,6 +164,35 @@ async fn a_hostile_upstream_makes_the_capture_partial() {
     assert!(agent.is_running());
 }
 
+/// An upstream's reply is held to a quarter of `--capture-memory` even
+/// under a larger `--max-reply-size` (its bytes are held before the build
+/// knows their size): a larger one makes the capture partial, naming the
+/// budget, and our own events are all there.
+#[tokio::test]
+async fn an_upstream_reply_past_its_share_of_capture_memory_makes_the_capture_partial() {
+    let hostile = bulky_host(OVER_CAP).await;
+    let mut agent = AgentProcess::start(&["--upstream", &hostile, "--capture-memory", "16MiB"]);
+    let reply = agent
+        .client()
+        .await
+        .profile(request(300, "share"))
+        .await
+        .unwrap()
+        .into_inner();
+    let space = space_of(&reply);
+    assert_error_starting(&space, &format!("upstream {hostile}: reply refused: "));
+    assert!(
+        space
+            .errors
+            .iter()
+            .any(|e| e.contains("an upstream's share of --capture-memory")),
+        "{:?}",
+        space.errors
+    );
+    assert!(event_count(&space) > 0, "our own events are all there");
+    assert!(agent.is_running());
+}
+
 #[tokio::test]
 async fn clients_refuse_a_hostile_reply_and_name_the_host() {
     let hostile = bulky_host(OVER_CAP).await;
