@@ -203,13 +203,8 @@ impl Tracer {
     /// Registers our callbacks (again: CUPTI was finalized, or another user
     /// replaced them) and enables every kind; says when recording began.
     fn take(&mut self, session: &Session) -> Result<(), String> {
-        // A teardown still waiting is disarmed; its subscriber stays. One
-        // whose finalize came since the last tick is told first.
-        if let Some(teardown) = self.teardown.take() {
-            if teardown.finalized() {
-                self.detached(session, &teardown);
-            }
-        }
+        // A teardown still waiting is disarmed; its subscriber stays.
+        self.end_teardown(session);
         self.kept_attached_told = false;
         self.next_detach_try = None;
         self.keeper_on = false;
@@ -352,15 +347,11 @@ impl Tracer {
         if *detach::gate() != Attachment::Attached {
             // The callback finalized since the last tick (or another user
             // did, or the process is exiting).
-            if let Some(teardown) = self.teardown.take() {
-                if teardown.finalized() {
-                    self.detached(session, &teardown);
-                }
-            }
+            self.end_teardown(session);
             return;
         }
         if let Some(why) = coexist::other_user_active() {
-            self.teardown = None;
+            self.end_teardown(session);
             self.switch_keeper_off();
             if coexist::unseen_user() {
                 // Never detached again: ours would only block its subscriber.
@@ -381,11 +372,7 @@ impl Tracer {
         let teardown = self.teardown.get_or_insert_with(Teardown::new);
         match teardown.step() {
             Progress::Waiting => {}
-            Progress::Detached => {
-                if let Some(teardown) = self.teardown.take() {
-                    self.detached(session, &teardown);
-                }
-            }
+            Progress::Detached => self.end_teardown(session),
             Progress::Refused(why) => {
                 if crate::debug_enabled() {
                     eprintln!("devtrace-inject: CUPTI stays attached: {why}");
@@ -397,6 +384,16 @@ impl Tracer {
                     session,
                     format!("because {why} (detaching is tried again every second)"),
                 );
+            }
+        }
+    }
+
+    /// Ends the teardown under way, if any (disarming its subscriber), and
+    /// tells of the finalize it saw, if it saw one since the last tick.
+    fn end_teardown(&mut self, session: &Session) {
+        if let Some(teardown) = self.teardown.take() {
+            if teardown.finalized() {
+                self.detached(session, &teardown);
             }
         }
     }

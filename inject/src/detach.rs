@@ -12,9 +12,12 @@
 //! recipe for a dynamic detach is to call it from the exit site of a CUDA
 //! API call, through a Callback API subscriber, and that is what
 //! [`Teardown`] does. The subscriber is made as each capture takes the
-//! stream, before its kinds are enabled, with the driver and runtime API
-//! domains on ([`subscribe_for_capture`]): CUPTI never calls one made after
-//! a capture has switched its kinds off. Its callback does nothing until the
+//! stream (before its kinds are enabled on a CUPTI attached afresh, after
+//! them on one that stayed attached), with the driver and runtime API
+//! domains on ([`subscribe_for_capture`]): CUPTI never calls one made while
+//! it is attached with every kind off, as after a capture (and the control
+//! thread keeps one kind on from a capture's end to the finalize, in case
+//! it calls none at all then). Its callback does nothing until the
 //! teardown arms it; then the next API call to return finalizes, however
 //! long the job waits before making one. A subscriber blocks other
 //! subscribers (Kineto would run without its GPU tracing), so it is handed
@@ -289,8 +292,9 @@ fn disarm_locked() {
     }
 }
 
-/// Another CUPTI user finalized CUPTI: the subscriber of ours went with
-/// everything else, and its handle must never be used again.
+/// CUPTI was finalized (by this library or another user): the subscriber
+/// of ours went with everything else, and its handle must never be used
+/// again; nobody has CUPTI attached any more.
 pub fn forget_subscriber() {
     ARMED.store(false, Ordering::Release);
     SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
@@ -379,9 +383,7 @@ fn finalize(gate: &mut Attachment) {
     let result = crate::coexist::own(|| unsafe { finalize() });
     FINALIZING.store(false, Ordering::Release);
     if result == CUPTI_SUCCESS {
-        // The subscriber went with everything else.
-        SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
-        ATTACHED_BY_ANOTHER.store(false, Ordering::Release);
+        forget_subscriber();
         *gate = Attachment::Detached;
         DETACHES.fetch_add(1, Ordering::AcqRel);
     } else {
