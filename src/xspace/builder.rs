@@ -6,7 +6,9 @@
 use std::any::Any;
 use std::borrow::Borrow;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use foldhash::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -728,6 +730,8 @@ struct PlaneTables<'r> {
     stat_names: Vec<String>,
     stat_ids: HashMap<String, i64>,
     fixed: [i64; STAT_COUNT],
+    /// Stat metadata id of the kernels' context name (0 = not yet used).
+    context_ref: i64,
     /// Stat metadata id of each interned name used as a ref value.
     name_refs: Vec<i64>,
     kernel_refs: HashMap<KernelKey, i64>,
@@ -750,11 +754,12 @@ impl<'r> PlaneTables<'r> {
         PlaneTables {
             registry,
             stat_names: Vec::new(),
-            stat_ids: HashMap::new(),
+            stat_ids: HashMap::default(),
             fixed: [0; STAT_COUNT],
+            context_ref: 0,
             name_refs: Vec::new(),
-            kernel_refs: HashMap::new(),
-            detail_refs: HashMap::new(),
+            kernel_refs: HashMap::default(),
+            detail_refs: HashMap::default(),
             event_ids: Vec::new(),
             event_names: Vec::new(),
             plane_stats: Vec::new(),
@@ -856,7 +861,10 @@ impl<'r> PlaneTables<'r> {
                         id
                     }
                 };
-                let context = self.named("$$1");
+                if self.context_ref == 0 {
+                    self.context_ref = self.named("$$1");
+                }
+                let context = self.context_ref;
                 self.stat(out, Stat::CorrelationId, Value::Uint(kernel.correlation_id));
                 self.stat(out, Stat::KernelDetails, Value::Ref(details));
                 self.stat(out, Stat::ContextId, Value::Ref(context));

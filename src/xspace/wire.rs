@@ -12,6 +12,12 @@ const MAX_VARINT: usize = 10;
 const WIRE_FIXED64: u8 = 1;
 const WIRE_LEN: u8 = 2;
 
+/// A field's key: its number and wire type.
+#[inline]
+fn key_word(field: u32, wire: u8) -> u64 {
+    (u64::from(field) << 3) | u64::from(wire)
+}
+
 /// Where an open nested message's length goes.
 #[derive(Clone, Copy, Debug)]
 pub struct Open {
@@ -50,10 +56,20 @@ impl Writer {
     }
 
     #[inline]
-    fn varint(&mut self, mut value: u64) {
+    fn varint(&mut self, value: u64) {
         // One capacity check per varint instead of one per byte: this is the
         // innermost loop of trace encoding.
         self.buf.reserve(MAX_VARINT);
+        // SAFETY: MAX_VARINT bytes were just reserved.
+        unsafe { self.varint_unchecked(value) };
+    }
+
+    /// Writes `value` as a varint into the spare capacity.
+    ///
+    /// # Safety
+    /// At least [`MAX_VARINT`] bytes of spare capacity.
+    #[inline]
+    unsafe fn varint_unchecked(&mut self, mut value: u64) {
         let start = self.buf.len();
         let spare = &mut self.buf.spare_capacity_mut()[..MAX_VARINT];
         let mut n = 0;
@@ -64,13 +80,13 @@ impl Writer {
         }
         spare[n].write(value as u8);
         // SAFETY: the n + 1 bytes after `start` were initialised just above,
-        // within the reserved capacity.
+        // within the capacity the caller reserved.
         unsafe { self.buf.set_len(start + n + 1) };
     }
 
     #[inline]
     fn key(&mut self, field: u32, wire: u8) {
-        self.varint((u64::from(field) << 3) | u64::from(wire));
+        self.varint(key_word(field, wire));
     }
 
     /// An unsigned varint field, written even when zero (oneof members).
@@ -112,12 +128,19 @@ impl Writer {
     #[inline]
     pub fn pair(&mut self, field: u32, first: u64, second_field: u32, second: u64) {
         let length = 2 + varint_len(first) + varint_len(second);
-        self.key(field, WIRE_LEN);
-        self.varint(length as u64);
-        self.key(1, WIRE_VARINT);
-        self.varint(first);
-        self.key(second_field, WIRE_VARINT);
-        self.varint(second);
+        // One capacity check for the whole stat: its key and length, two
+        // keys and two values.
+        self.buf.reserve(6 * MAX_VARINT);
+        // SAFETY: each call below writes at most MAX_VARINT bytes of the
+        // room reserved above.
+        unsafe {
+            self.varint_unchecked(key_word(field, WIRE_LEN));
+            self.varint_unchecked(length as u64);
+            self.varint_unchecked(key_word(1, WIRE_VARINT));
+            self.varint_unchecked(first);
+            self.varint_unchecked(key_word(second_field, WIRE_VARINT));
+            self.varint_unchecked(second);
+        }
     }
 
     /// Like [`Writer::pair`] with a fixed64 second field (a double).
