@@ -3,7 +3,7 @@
 //! against TensorFlow's or JAX's own profiler servers.
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
@@ -72,7 +72,14 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     let captured = runtime.block_on(capture(&args))?;
     let in_bucket = matches!(captured.session_dir, Location::Object(_));
+    let received = Instant::now();
     let path = store(captured)?;
+    // What a capture takes past its window, in two parts: the server's
+    // answer, and this side's writing (and syncing) of the files.
+    tracing::info!(
+        written_ms = received.elapsed().as_millis() as u64,
+        "trace stored"
+    );
     println!("{path}");
     let logdir = args.logdir.display();
     if in_bucket {
@@ -145,6 +152,16 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
         progress.finish_and_clear();
     }
     let reply = reply.with_context(|| format!("capture from {target} failed"))?;
+    let window_end_ns = start_ns.saturating_add(duration_ms.saturating_mul(1_000_000));
+    tracing::info!(
+        after_window_ms = clock::now_ns().saturating_sub(window_end_ns) / 1_000_000,
+        bytes = reply
+            .tool_data
+            .iter()
+            .map(|tool| tool.data.len())
+            .sum::<usize>(),
+        "reply received"
+    );
     if reply.empty_trace {
         bail!("{target} collected no trace events in the window");
     }
