@@ -23,19 +23,7 @@ use tonic::Code;
 /// A port free on every one of `hosts`, so that one `host:PORT` pattern
 /// names an agent on each.
 fn port_free_on(hosts: &[&str]) -> u16 {
-    'candidates: for _ in 0..50 {
-        let probe = TcpListener::bind(format!("{}:0", hosts[0])).expect("binding a probe");
-        let port = probe.local_addr().expect("its address").port();
-        let mut held = vec![probe];
-        for host in &hosts[1..] {
-            match TcpListener::bind(format!("{host}:{port}")) {
-                Ok(listener) => held.push(listener),
-                Err(_) => continue 'candidates,
-            }
-        }
-        return port;
-    }
-    panic!("no port free on all of {hosts:?}");
+    listeners_on_one_port(hosts).0
 }
 
 /// Agents listening on `host:port` for each of `hosts`, started at once.
@@ -343,13 +331,33 @@ async fn a_session_over_many_agents_lands_every_trace_in_one_window() {
     );
 }
 
-/// Accepts connections on each of `addresses` and never answers, counting
-/// how many are open at once; returns the most seen so far.
-fn silent_hosts(addresses: &[String], port: u16) -> Arc<AtomicUsize> {
+/// Listeners on one port on each of `hosts`, bound and kept: a port found
+/// free and bound later could be taken in between by another test.
+fn listeners_on_one_port(hosts: &[impl AsRef<str>]) -> (u16, Vec<TcpListener>) {
+    let hosts: Vec<&str> = hosts.iter().map(AsRef::as_ref).collect();
+    'candidates: for _ in 0..50 {
+        let first = TcpListener::bind(format!("{}:0", hosts[0])).expect("binding a listener");
+        let port = first.local_addr().expect("its address").port();
+        let mut held = vec![first];
+        for host in &hosts[1..] {
+            match TcpListener::bind(format!("{host}:{port}")) {
+                Ok(listener) => held.push(listener),
+                Err(_) => continue 'candidates,
+            }
+        }
+        return (port, held);
+    }
+    panic!("no port free on all of {hosts:?}");
+}
+
+/// Accepts connections on each of `addresses` (on one port, returned) and
+/// never answers, counting how many are open at once; returns the most
+/// seen so far.
+fn silent_hosts(addresses: &[String]) -> (u16, Arc<AtomicUsize>) {
     let open = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
-    for address in addresses {
-        let listener = TcpListener::bind(format!("{address}:{port}")).unwrap();
+    let (port, listeners) = listeners_on_one_port(addresses);
+    for listener in listeners {
         let (open, most) = (Arc::clone(&open), Arc::clone(&most));
         std::thread::spawn(move || {
             for stream in listener.incoming() {
@@ -366,15 +374,13 @@ fn silent_hosts(addresses: &[String], port: u16) -> Arc<AtomicUsize> {
             }
         });
     }
-    most
+    (port, most)
 }
 
 #[tokio::test]
 async fn no_more_hosts_than_allowed_are_called_at_once() {
     let addresses = loopback_addresses(79, 6);
-    let probe: Vec<&str> = addresses.iter().map(String::as_str).collect();
-    let port = port_free_on(&probe);
-    let most = silent_hosts(&addresses, port);
+    let (port, most) = silent_hosts(&addresses);
     let dir = tempfile::tempdir().unwrap();
     let coordinator = AgentProcess::start(&[
         "--allow-root",
