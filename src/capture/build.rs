@@ -114,10 +114,13 @@ impl Captures {
             .filter_map(|(_, result)| result.as_ref().ok()?.as_ref().map(|b| b.len()))
             .sum();
         let decoding_theirs = theirs.saturating_mul(MERGE_BYTES_PER_ENCODED_BYTE);
-        let expected = data.chunk_bytes()
-            + events.saturating_mul(memory::EXPECTED_BYTES_PER_EVENT)
-            + decoding_theirs
-            + BUILD_OVERHEAD_BYTES;
+        // A build that may spill reserves at most a share of the budget for
+        // its trace: past it, its finished blocks go to the spill.
+        let mut trace_expected = events.saturating_mul(memory::EXPECTED_BYTES_PER_EVENT);
+        if self.memory.spill().is_some() {
+            trace_expected = trace_expected.min(self.memory.budget() / SPILLING_SHARE);
+        }
+        let expected = data.chunk_bytes() + trace_expected + decoding_theirs + BUILD_OVERHEAD_BYTES;
         let what = || format!("this window holds {events} events, and building its trace");
         let mut memory = self.memory.reserve(expected, what, deadline).await?;
         // The window's chunks live as long as the build, evicted or not.
@@ -222,6 +225,10 @@ impl Captures {
         built
     }
 }
+
+/// A build that may spill reserves at most this fraction of the budget for
+/// its trace to begin with.
+const SPILLING_SHARE: usize = 4;
 
 /// What a build holds besides its events' bytes: each plane's metadata, the
 /// space's own fields, the merge's bookkeeping.

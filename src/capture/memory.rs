@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
+use super::spill::SpillSpace;
+use crate::xspace::grant::Spill;
 use crate::xspace::Grant;
 
 /// The default budget.
@@ -66,6 +68,20 @@ pub enum MemoryError {
          later, for a shorter window, or start the agent with a larger --capture-memory"
     )]
     Outgrown { held: usize, budget: usize },
+    /// Spilled traces already hold all of `--spill-size`.
+    #[error(
+        "this capture's trace outgrew its share of --capture-memory ({budget} bytes) and \
+         spilled traces hold all of --spill-size ({limit} bytes) in {dir}; ask again later, \
+         for a shorter window, or start the agent with a larger --spill-size"
+    )]
+    SpillFull {
+        budget: usize,
+        limit: u64,
+        dir: String,
+    },
+    /// The spill file could not be written or read back.
+    #[error("spilling this capture's trace to {dir} failed: {why}")]
+    SpillFailed { dir: String, why: String },
 }
 
 /// See the module documentation.
@@ -76,6 +92,8 @@ pub struct CaptureMemory {
     free: Arc<Semaphore>,
     /// Told whenever a share gives memory back.
     released: Arc<Notify>,
+    /// Where builds that outgrow their share put their finished blocks.
+    spill: Option<Arc<SpillSpace>>,
 }
 
 /// How often a waiting build looks again even when told nothing.
@@ -89,7 +107,20 @@ impl CaptureMemory {
             units,
             free: Arc::new(Semaphore::new(units)),
             released: Arc::new(Notify::new()),
+            spill: None,
         }
+    }
+
+    /// The same budget, with builds that outgrow their share spilling to
+    /// `space` rather than failing.
+    pub fn with_spill(mut self, space: Arc<SpillSpace>) -> CaptureMemory {
+        self.spill = Some(space);
+        self
+    }
+
+    /// Where builds spill, when they may.
+    pub fn spill(&self) -> Option<&Arc<SpillSpace>> {
+        self.spill.as_ref()
     }
 
     pub fn budget(&self) -> usize {
@@ -126,6 +157,7 @@ impl CaptureMemory {
             budget: self.budget,
             used: 0,
             waited,
+            spill: self.spill.clone(),
         };
         if let Ok(permit) = Arc::clone(&self.free).try_acquire_many_owned(units32) {
             return Ok(build(permit, None));
@@ -167,6 +199,7 @@ pub struct BuildMemory {
     used: usize,
     /// How long the build waited for its reservation, when it had to.
     pub waited: Option<Duration>,
+    spill: Option<Arc<SpillSpace>>,
 }
 
 impl BuildMemory {
@@ -187,12 +220,6 @@ impl BuildMemory {
         }
         self.used = bytes;
     }
-
-    /// Counts `bytes` drawn before as let go of (they stay granted, for
-    /// what the build draws next).
-    pub fn let_go(&mut self, bytes: usize) {
-        self.used = self.used.saturating_sub(bytes);
-    }
 }
 
 impl Drop for BuildMemory {
@@ -207,12 +234,13 @@ impl Grant for BuildMemory {
     type Refusal = MemoryError;
 
     fn take(&mut self, bytes: usize) -> Result<(), MemoryError> {
-        self.used = self.used.saturating_add(bytes);
+        let used = self.used.saturating_add(bytes);
         let held = self.held();
-        if self.used <= held {
+        if used <= held {
+            self.used = used;
             return Ok(());
         }
-        let short = (self.used - held).div_ceil(UNIT);
+        let short = (used - held).div_ceil(UNIT);
         // A step at a time when the budget has it, else just what is short.
         let step = short.max(GROWTH_STEP / UNIT);
         for units in [step, short] {
@@ -224,6 +252,7 @@ impl Grant for BuildMemory {
                     Some(permit) => permit.merge(more),
                     None => self.permit = Some(more),
                 }
+                self.used = used;
                 return Ok(());
             }
         }
@@ -231,6 +260,15 @@ impl Grant for BuildMemory {
             held,
             budget: self.budget,
         })
+    }
+
+    fn let_go(&mut self, bytes: usize) {
+        self.used = self.used.saturating_sub(bytes);
+    }
+
+    fn spill(&mut self) -> Option<Box<dyn Spill<Error = MemoryError> + Send>> {
+        let space = self.spill.as_ref()?;
+        Some(Box::new(space.file(self.budget)))
     }
 }
 

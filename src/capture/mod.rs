@@ -11,6 +11,7 @@ mod build;
 pub mod memory;
 mod plan;
 pub mod shared_builds;
+pub mod spill;
 pub mod write;
 
 use std::sync::Arc;
@@ -69,6 +70,9 @@ pub struct CaptureSettings {
     /// Budget for traces being built and replied at once
     /// (`--capture-memory`).
     pub capture_memory: usize,
+    /// Where traces that outgrow their share of it go while they are built
+    /// (`--spill-dir`, `--spill-size`); none: such a trace is refused.
+    pub spill: Option<Arc<spill::SpillSpace>>,
 }
 
 impl Default for CaptureSettings {
@@ -79,6 +83,7 @@ impl Default for CaptureSettings {
             client: client::ClientConfig::default(),
             chunk_traces_over: DEFAULT_CHUNK_TRACES_OVER,
             capture_memory: DEFAULT_CAPTURE_MEMORY,
+            spill: None,
         }
     }
 }
@@ -110,6 +115,11 @@ impl crate::telemetry::BudgetUse for Captures {
     fn held_bytes(&self) -> u64 {
         self.memory_held()
     }
+
+    fn spill_bytes(&self) -> Option<(u64, u64)> {
+        let space = self.memory.spill()?;
+        Some((space.used(), space.limit()))
+    }
 }
 
 /// See the module documentation.
@@ -124,7 +134,12 @@ impl Captures {
     pub fn new(agent: Arc<Agent>, settings: CaptureSettings) -> Captures {
         Captures {
             agent,
-            memory: Arc::new(CaptureMemory::new(settings.capture_memory)),
+            memory: Arc::new(match &settings.spill {
+                Some(space) => {
+                    CaptureMemory::new(settings.capture_memory).with_spill(Arc::clone(space))
+                }
+                None => CaptureMemory::new(settings.capture_memory),
+            }),
             settings,
             shared_builds: SharedBuilds::default(),
         }

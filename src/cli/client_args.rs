@@ -34,7 +34,7 @@ pub struct ClientArgs {
     #[arg(long, value_name = "NAME")]
     pub tls_domain: Option<String>,
 
-    /// Largest reply accepted from each server (e.g. 512MiB, 2GiB). A larger
+    /// Largest reply accepted from each server (e.g. 512MiB, 1GiB; at most 2GiB - 1, protobuf's bound). A larger
     /// one is refused before it is read, and the host is reported.
     #[arg(long, value_name = "SIZE", default_value = "512MiB", value_parser = parse_reply_size)]
     pub max_reply_size: usize,

@@ -50,6 +50,25 @@ pub fn parse_capture_memory(text: &str) -> Result<MemorySize, String> {
     parse_memory_size(text, 1 << 10, "1KiB")
 }
 
+/// `--spill-size`: disk space for spilled traces, or none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpillSize {
+    Off,
+    Bytes(u64),
+}
+
+/// Disk space for spilled traces: `off`, or at least 1MiB.
+pub fn parse_spill_size(text: &str) -> Result<SpillSize, String> {
+    if text.trim() == "off" {
+        return Ok(SpillSize::Off);
+    }
+    let bytes = parse_size(text).map_err(|e| e.to_string())?;
+    if bytes < AT_LEAST {
+        return Err(format!("{bytes} bytes is less than 1MiB (or off)"));
+    }
+    Ok(SpillSize::Bytes(bytes as u64))
+}
+
 fn parse_memory_size(text: &str, least: usize, shown: &str) -> Result<MemorySize, String> {
     if text.trim() == "auto" {
         return Ok(MemorySize::Auto);

@@ -13,6 +13,7 @@ use crate::agent::{Agent, AgentConfig, BackendChoice};
 use crate::backend::ebpf::{cgroup_id, AttachMode, CudaReturns, EbpfConfig};
 use crate::backend::mock::MockConfig;
 use crate::capture::local_hostname;
+use crate::capture::spill::SpillSpace;
 use crate::protocol::client::{self, Target};
 use crate::recorder::StoreConfig;
 use crate::repository::roots::AllowedRoots;
@@ -257,17 +258,33 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_chunk_size)]
     pub chunk_traces_over: usize,
 
-    /// Memory for traces being built and replied at once. A capture reserves
-    /// its trace's expected size (learnt from the last trace built, never
-    /// more than this) when it arrives and holds it until its reply has been
-    /// sent; captures of one window share one trace, whose bytes their
-    /// replies send without copying, and one reservation. Past it, captures
-    /// wait for earlier ones to reply, within their deadline, and say so in
-    /// their trace's warnings; one whose deadline passes first fails with
-    /// RESOURCE_EXHAUSTED. auto: what the agent may use after its ring,
-    /// its own needs and the flight recorder, at most 2GiB.
+    /// Memory for traces being built and replied at once. A build reserves
+    /// what its window's events are expected to take once they are in,
+    /// draws every further byte as it grows, and holds its trace's size
+    /// until its reply has been sent; captures of one window share one
+    /// trace, whose bytes their replies send without copying. Past it,
+    /// captures wait for earlier ones to reply, within their deadline, and
+    /// say so in their trace's warnings; one whose deadline passes first
+    /// fails with RESOURCE_EXHAUSTED. A trace that outgrows its share spills
+    /// to --spill-dir. auto: what the agent may use after its ring, its own
+    /// needs and the flight recorder, at most 2GiB.
     #[arg(long, value_name = "SIZE", default_value = "auto", value_parser = super::memory::parse_capture_memory)]
     pub capture_memory: MemorySize,
+
+    /// Directory a trace's finished parts are spilled to when it outgrows
+    /// its share of --capture-memory (a window larger than the budget, many
+    /// large captures at once): it is then sent from a file with no name,
+    /// mapped into memory, whose pages the kernel can drop and read again,
+    /// instead of being refused. Not a directory in memory (tmpfs). Default:
+    /// the temporary directory ($TMPDIR or /tmp), unless it is in memory.
+    #[arg(long, value_name = "DIR")]
+    pub spill_dir: Option<PathBuf>,
+
+    /// Disk space spilled traces may take at once (SIZE, e.g. 8GiB), or
+    /// `off`: a trace that outgrows its share of --capture-memory is then
+    /// refused with RESOURCE_EXHAUSTED.
+    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = super::memory::parse_spill_size)]
+    pub spill_size: super::memory::SpillSize,
 
     /// An in-process profiler server (TensorFlow's or JAX's, or another
     /// devtrace) whose trace every capture folds in, over the same window
@@ -324,6 +341,32 @@ pub enum EbpfHook {
     Sched,
     /// Uprobes on the CUDA driver library's entry points.
     Cuda,
+}
+
+/// Where traces that outgrow their share of capture memory are spilled, as
+/// the flags say: a --spill-dir that cannot take them stops the agent; the
+/// default directory only turns spilling off, saying why.
+fn spill_space(args: &ServeArgs) -> anyhow::Result<Option<Arc<SpillSpace>>> {
+    let super::memory::SpillSize::Bytes(limit) = args.spill_size else {
+        info!("spilling is off (--spill-size off): a trace larger than its share of --capture-memory is refused");
+        return Ok(None);
+    };
+    let space = match &args.spill_dir {
+        Some(dir) => SpillSpace::new(dir, limit).map_err(anyhow::Error::msg)?,
+        None => match SpillSpace::new(&std::env::temp_dir(), limit) {
+            Ok(space) => space,
+            Err(why) => {
+                info!("spilling is off: {why}");
+                return Ok(None);
+            }
+        },
+    };
+    info!(
+        "traces larger than their share of --capture-memory spill to {} (at most {} bytes at once, --spill-size)",
+        space.dir().display(),
+        space.limit()
+    );
+    Ok(Some(Arc::new(space)))
 }
 
 fn parse_trigger(text: &str) -> Result<Rule, String> {
@@ -543,6 +586,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             telemetry: Arc::clone(&telemetry),
             chunk_traces_over: args.chunk_traces_over,
             capture_memory: budgets.capture,
+            spill: spill_space(&args)?,
             ..ServiceConfig::default()
         },
     ));

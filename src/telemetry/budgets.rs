@@ -14,6 +14,12 @@ use super::agent_metrics::gauge;
 pub trait BudgetUse: Send + Sync {
     /// Bytes reserved from it now.
     fn held_bytes(&self) -> u64;
+
+    /// Bytes spilled traces take now and may take at once
+    /// (`--spill-size`), when spilling is on.
+    fn spill_bytes(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// The capture budget's use, once the captures have started.
@@ -35,6 +41,21 @@ impl Collector for CaptureBudgetUse {
             "devtrace_capture_memory_held_bytes",
             "Bytes of --capture-memory reserved now by traces being built and sent",
             budget.held_bytes() as f64,
-        )
+        )?;
+        if let Some((used, limit)) = budget.spill_bytes() {
+            gauge(
+                &mut encoder,
+                "devtrace_spill_bytes",
+                "Bytes of --spill-dir taken now by traces that outgrew their share of --capture-memory",
+                used as f64,
+            )?;
+            gauge(
+                &mut encoder,
+                "devtrace_spill_limit_bytes",
+                "--spill-size: bytes spilled traces may take at once",
+                limit as f64,
+            )?;
+        }
+        Ok(())
     }
 }

@@ -7,11 +7,10 @@ use std::any::Any;
 use std::borrow::Borrow;
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
-
-use foldhash::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use foldhash::HashMap;
 use prost::Message;
 
 use crate::event::{
@@ -21,7 +20,7 @@ use crate::model::registry::{DeviceInfo, RegistrySnapshot};
 use crate::proto::tensorflow::profiler::XSpace;
 use crate::recorder::Window;
 
-use super::grant::{Grant, Unlimited};
+use super::grant::{Grant, Spill, Unlimited};
 use super::runs::MergedRuns;
 use super::wire::{Open, Writer};
 use crate::model::timeline::{self as names, stat};
@@ -86,8 +85,11 @@ pub(super) mod field {
 pub struct Encoded {
     parts: Vec<Bytes>,
     len: usize,
-    /// Bytes the parts keep allocated: their length, or a little more.
+    /// Bytes the parts keep allocated: their length (less what is spilled),
+    /// or a little more.
     retained: usize,
+    /// Bytes of the parts that are a spill's pages rather than memory.
+    spilled: usize,
     pub events: usize,
     /// What counts this trace's bytes against a budget, given back when the
     /// last copy of the trace is dropped.
@@ -114,6 +116,7 @@ impl Encoded {
             parts,
             len,
             retained: len,
+            spilled: 0,
             events,
             _accounted: None,
         }
@@ -145,6 +148,12 @@ impl Encoded {
     /// Bytes the trace keeps allocated: what a budget counts it at.
     pub fn retained(&self) -> usize {
         self.retained
+    }
+
+    /// Bytes of the trace that were spilled while it was built: pages of a
+    /// file, not memory of the agent's own.
+    pub fn spilled(&self) -> usize {
+        self.spilled
     }
 
     pub fn parts(&self) -> &[Bytes] {
@@ -212,21 +221,46 @@ pub fn encode_runs<I: Iterator<Item = Event>, G: Grant + ?Sized>(
             .entry(device)
             .or_insert_with(|| PlaneWriter::new(registry));
     }
+    let mut spill = Spilling::<G::Refusal>::default();
     let mut count = 0;
     for event in MergedRuns::new(runs) {
         let plane = planes
             .entry(event.device())
             .or_insert_with(|| PlaneWriter::new(registry));
         let grown = plane.push(&event, info.window.start_ns);
-        if grown > 0 {
+        count += 1;
+        if grown == 0 {
+            continue;
+        }
+        if let Some(to) = spill.to.as_mut() {
+            // Once spilling, every block goes as soon as it is finished.
+            let freed = plane.spill_sealed(to.as_mut(), &mut spill.bytes)?;
+            grant.let_go(freed);
+        }
+        if let Err(refused) = grant.take(grown) {
+            if !std::mem::replace(&mut spill.asked, true) {
+                spill.to = grant.spill();
+            }
+            let Some(to) = spill.to.as_mut() else {
+                return Err(refused);
+            };
+            let mut freed = 0;
+            for plane in planes.values_mut() {
+                freed += plane.spill_sealed(to.as_mut(), &mut spill.bytes)?;
+            }
+            grant.let_go(freed);
             grant.take(grown)?;
         }
-        count += 1;
     }
+    // Empty when nothing was spilled: no block then refers to it.
+    let spilled = match spill.to {
+        Some(to) => to.finish()?,
+        None => Bytes::new(),
+    };
     let mut parts = Vec::new();
     let mut retained = 0;
     for (device, plane) in planes {
-        let framing = plane.finish(device, registry, &mut parts, &mut retained);
+        let framing = plane.finish(device, registry, &spilled, &mut parts, &mut retained);
         grant.take(framing)?;
     }
     let mut out = Writer::with_capacity(4096);
@@ -243,8 +277,29 @@ pub fn encode_runs<I: Iterator<Item = Event>, G: Grant + ?Sized>(
     grant.take(out.len())?;
     parts.push(freeze(out, &mut retained));
     let mut encoded = Encoded::from_parts(parts, count);
-    encoded.retained = retained.max(encoded.len);
+    // Spilled blocks are the spill's pages, not the build's memory.
+    encoded.retained = retained.max(encoded.len - spill.bytes);
+    encoded.spilled = spill.bytes;
     Ok(encoded)
+}
+
+/// Where a build stands with its spill.
+struct Spilling<E> {
+    /// The grant was asked for one.
+    asked: bool,
+    to: Option<Box<dyn Spill<Error = E> + Send>>,
+    /// Bytes moved there.
+    bytes: usize,
+}
+
+impl<E> Default for Spilling<E> {
+    fn default() -> Self {
+        Spilling {
+            asked: false,
+            to: None,
+            bytes: 0,
+        }
+    }
 }
 
 /// Adds `warning` to an encoded XSpace: a repeated field appended to a
@@ -266,11 +321,28 @@ const BLOCK_BYTES: usize = 256 << 10;
 /// Room left in a block below which it is sealed: more than one event takes.
 const BLOCK_ROOM: usize = 4 << 10;
 
+/// A finished block of a line's events: held, or moved to the build's
+/// spill (where it starts there, and its length).
+enum Sealed {
+    Held(Bytes),
+    Spilled { at: u64, len: usize },
+}
+
+impl Sealed {
+    fn len(&self) -> usize {
+        match self {
+            Sealed::Held(bytes) => bytes.len(),
+            Sealed::Spilled { len, .. } => *len,
+        }
+    }
+}
+
 /// One line's encoded events: sealed blocks, then the one being written.
 #[derive(Default)]
 struct LineWriter {
-    sealed: Vec<Bytes>,
-    /// Bytes the sealed blocks keep allocated (a little past their length).
+    sealed: Vec<Sealed>,
+    /// Bytes the held sealed blocks keep allocated (a little past their
+    /// length).
     sealed_capacity: usize,
     open: Writer,
     /// Which kinds of stream work the line holds (a GPU stream's name says).
@@ -279,7 +351,27 @@ struct LineWriter {
 
 impl LineWriter {
     fn len(&self) -> usize {
-        self.sealed.iter().map(Bytes::len).sum::<usize>() + self.open.len()
+        self.sealed.iter().map(Sealed::len).sum::<usize>() + self.open.len()
+    }
+
+    /// Moves the held sealed blocks to `spill`; returns the bytes they had
+    /// allocated, and adds theirs to `spilled`.
+    fn spill_sealed<E>(
+        &mut self,
+        spill: &mut (dyn Spill<Error = E> + Send),
+        spilled: &mut usize,
+    ) -> Result<usize, E> {
+        for block in &mut self.sealed {
+            if let Sealed::Held(bytes) = block {
+                let at = spill.append(bytes)?;
+                *spilled += bytes.len();
+                *block = Sealed::Spilled {
+                    at,
+                    len: bytes.len(),
+                };
+            }
+        }
+        Ok(std::mem::take(&mut self.sealed_capacity))
     }
 
     /// Seals the open block when it is nearly full; the next one is
@@ -291,7 +383,8 @@ impl LineWriter {
         }
         let block = std::mem::replace(&mut self.open, Writer::with_capacity(BLOCK_BYTES));
         self.sealed_capacity += block.capacity();
-        self.sealed.push(Bytes::from(block.into_bytes()));
+        self.sealed
+            .push(Sealed::Held(Bytes::from(block.into_bytes())));
         self.open.capacity()
     }
 }
@@ -328,14 +421,30 @@ impl<'r> PlaneWriter<'r> {
         grown + line.seal_if_full()
     }
 
+    /// Moves every line's held sealed blocks to `spill`; returns the bytes
+    /// they had allocated.
+    fn spill_sealed<E>(
+        &mut self,
+        spill: &mut (dyn Spill<Error = E> + Send),
+        spilled: &mut usize,
+    ) -> Result<usize, E> {
+        let mut freed = 0;
+        for line in self.lines.values_mut() {
+            freed += line.spill_sealed(spill, spilled)?;
+        }
+        Ok(freed)
+    }
+
     /// Appends the plane as parts of the space's `planes` field: its id and
-    /// name, each line (its id and name, then its blocks) and its tables.
-    /// Returns the bytes of the parts it wrote besides the lines' blocks,
-    /// and adds what all its parts keep allocated to `retained`.
+    /// name, each line (its id and name, then its blocks, spilled ones
+    /// sliced from `spilled`, the spill read back) and its tables. Returns the bytes of the parts it
+    /// wrote besides the lines' blocks, and adds what all its held parts
+    /// keep allocated to `retained`.
     fn finish(
         self,
         device: Device,
         registry: &RegistrySnapshot,
+        spilled: &Bytes,
         parts: &mut Vec<Bytes>,
         retained: &mut usize,
     ) -> usize {
@@ -369,7 +478,12 @@ impl<'r> PlaneWriter<'r> {
             framing += prefixed.len();
             line_parts.push(freeze(prefixed, retained));
             *retained += line.sealed_capacity;
-            line_parts.extend(line.sealed);
+            for block in line.sealed {
+                line_parts.push(match block {
+                    Sealed::Held(bytes) => bytes,
+                    Sealed::Spilled { at, len } => spilled.slice(at as usize..at as usize + len),
+                });
+            }
             if !line.open.is_empty() {
                 line_parts.push(freeze(line.open, retained));
             }
@@ -1267,10 +1381,22 @@ mod tests {
         );
     }
 
-    /// A grant that refuses past `left` bytes, counting what it gave.
+    /// A grant that refuses past `left` bytes, counting what it gave, with
+    /// a spill in memory when asked.
     struct Budget {
         left: usize,
         given: usize,
+        spills: bool,
+    }
+
+    impl Budget {
+        fn of(left: usize, spills: bool) -> Budget {
+            Budget {
+                left,
+                given: 0,
+                spills,
+            }
+        }
     }
 
     impl Grant for Budget {
@@ -1284,6 +1410,64 @@ mod tests {
             self.given += bytes;
             Ok(())
         }
+
+        fn let_go(&mut self, bytes: usize) {
+            self.left += bytes;
+            self.given -= bytes;
+        }
+
+        fn spill(&mut self) -> Option<Box<dyn Spill<Error = usize> + Send>> {
+            self.spills.then(|| {
+                Box::new(SpillInMemory(Vec::new())) as Box<dyn Spill<Error = usize> + Send>
+            })
+        }
+    }
+
+    struct SpillInMemory(Vec<u8>);
+
+    impl Spill for SpillInMemory {
+        type Error = usize;
+
+        fn append(&mut self, block: &[u8]) -> Result<u64, usize> {
+            let at = self.0.len() as u64;
+            self.0.extend_from_slice(block);
+            Ok(at)
+        }
+
+        fn finish(self: Box<Self>) -> Result<Bytes, usize> {
+            Ok(Bytes::from(self.0))
+        }
+    }
+
+    /// A build whose grant gives a tenth of its trace, with somewhere to
+    /// spill: the same bytes as a build in memory, most of them spilled and
+    /// not counted as held.
+    #[test]
+    fn a_build_past_its_grant_spills_its_blocks_and_makes_the_same_trace() {
+        let (events, registry, info) = mock_events(2, 200_000);
+        let snapshot = registry.snapshot();
+        let run = || vec![(START, events.clone().into_iter())];
+        let whole = encode_runs(run(), &snapshot, &info, &mut Unlimited)
+            .unwrap_or_else(|never| match never {});
+        let mut tenth = Budget::of(whole.len() / 10, true);
+        let spilled = encode_runs(run(), &snapshot, &info, &mut tenth).expect("spilled");
+        assert_eq!(spilled.contiguous(), whole.contiguous());
+        assert_eq!(spilled.events, whole.events);
+        assert!(
+            spilled.spilled() > whole.len() * 3 / 4,
+            "spilled {} of {}",
+            spilled.spilled(),
+            whole.len()
+        );
+        assert!(
+            spilled.retained() < whole.len() / 4,
+            "{}",
+            spilled.retained()
+        );
+        assert_eq!(whole.spilled(), 0);
+        // Without a spill, the same grant stops the build.
+        let mut no_spill = Budget::of(whole.len() / 10, false);
+        assert!(encode_runs(run(), &snapshot, &info, &mut no_spill).is_err());
     }
 
     #[test]
@@ -1291,10 +1475,7 @@ mod tests {
         let (events, registry, info) = mock_events(2, 200_000);
         let snapshot = registry.snapshot();
         let run = || vec![(START, events.clone().into_iter())];
-        let mut ample = Budget {
-            left: usize::MAX,
-            given: 0,
-        };
+        let mut ample = Budget::of(usize::MAX, false);
         let encoded = encode_runs(run(), &snapshot, &info, &mut ample).expect("within");
         // What it drew covers the trace, and not many times over: block
         // slack and tables, not a copy of the events.
@@ -1318,10 +1499,7 @@ mod tests {
             ample.given,
             encoded.len()
         );
-        let mut short = Budget {
-            left: encoded.len() / 2,
-            given: 0,
-        };
+        let mut short = Budget::of(encoded.len() / 2, false);
         let wanted = encode_runs(run(), &snapshot, &info, &mut short).unwrap_err();
         assert!(short.given <= encoded.len() / 2 && wanted > encoded.len() / 2);
     }

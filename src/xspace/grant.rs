@@ -1,18 +1,46 @@
 //! Memory a trace build draws as it grows: the builder asks its [`Grant`]
 //! for every byte before it comes to hold it, so that whoever runs the build
 //! (a capture, under `--capture-memory`) bounds it by construction rather
-//! than by a guess made before the build.
+//! than by a guess made before the build. A grant that can give no more may
+//! offer a [`Spill`]: the build then moves its finished blocks out of memory
+//! and goes on with what it holds.
 
 use std::convert::Infallible;
+
+use bytes::Bytes;
 
 /// What a build may hold.
 pub trait Grant {
     /// Why a grant can give no more.
     type Refusal;
 
-    /// Grants `bytes` more, or refuses; a refused build stops and lets go of
-    /// what it holds.
+    /// Grants `bytes` more, or refuses (counting nothing); a refused build
+    /// stops and lets go of what it holds, unless it can spill.
     fn take(&mut self, bytes: usize) -> Result<(), Self::Refusal>;
+
+    /// Counts `bytes` taken before as let go of: they stay granted, for
+    /// what the build draws next.
+    fn let_go(&mut self, bytes: usize);
+
+    /// Somewhere to move the build's finished blocks once [`Grant::take`]
+    /// refuses, if there is such a place; asked at most once per build.
+    fn spill(&mut self) -> Option<Box<dyn Spill<Error = Self::Refusal> + Send>> {
+        None
+    }
+}
+
+/// Where a build puts finished blocks of its trace that memory cannot hold:
+/// appended one after another, and read back as one buffer once the build is
+/// done (a file mapped into memory, whose pages the kernel may drop and read
+/// again, unlike the build's own).
+pub trait Spill {
+    type Error;
+
+    /// Appends `block`; returns where it starts.
+    fn append(&mut self, block: &[u8]) -> Result<u64, Self::Error>;
+
+    /// Everything appended, as one buffer.
+    fn finish(self: Box<Self>) -> Result<Bytes, Self::Error>;
 }
 
 /// A grant without bound: for traces built outside any budget (tests,
@@ -25,4 +53,6 @@ impl Grant for Unlimited {
     fn take(&mut self, _bytes: usize) -> Result<(), Infallible> {
         Ok(())
     }
+
+    fn let_go(&mut self, _bytes: usize) {}
 }

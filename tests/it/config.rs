@@ -27,6 +27,8 @@ const SAMPLES: &[(&str, &str)] = &[
     ("tls-domain", r#""agents.example""#),
     ("max-reply-size", r#""1GiB""#),
     ("capture-memory", r#""1GiB""#),
+    ("spill-dir", r#""/var/tmp""#),
+    ("spill-size", r#""2GiB""#),
     ("dns-server", r#""10.96.0.10:53""#),
     ("concurrent-hosts", "128"),
     ("backend", r#"["mock", "nvml"]"#),

@@ -459,3 +459,102 @@ async fn a_hostile_mix_of_bodies_connections_and_tool_requests_stays_inside_the_
         .expect("stopped");
     assert!(status.success());
 }
+
+/// A window whose trace is larger than all of `--capture-memory`, in a
+/// cgroup that could not hold many such traces: its finished blocks are
+/// spilled to `--spill-dir` and the whole trace is delivered, nothing is
+/// OOM-killed and no file is left with a name there. With `--spill-size`
+/// too small for it, the same window is refused naming that flag.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trace_larger_than_the_capture_budget_is_spilled_and_delivered() {
+    let Some(cgroup) = MemoryCgroup::with_limit("spill", 384 << 20) else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let spill_dir = work.path().join("spill");
+    std::fs::create_dir(&spill_dir).unwrap();
+    let spill_dir = spill_dir.display().to_string();
+    let serve = |spill_size: &str| {
+        let child = cgroup
+            .serve(&[
+                "--mock-rate",
+                "400000",
+                "--store-size",
+                "64MiB",
+                "--capture-memory",
+                "48MiB",
+                "--ring-capacity",
+                "16384",
+                "--spill-dir",
+                &spill_dir,
+                "--spill-size",
+                spill_size,
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting the agent");
+        AgentProcess::adopt_with_metrics(child).0
+    };
+    // A 2 s window of the past: about 800,000 events, a trace of about
+    // 55 MB against a 48 MiB budget.
+    let past_window = |session: &str| {
+        let mut request = common::request(2000, session);
+        if let Some(options) = request.opts.as_mut() {
+            options.start_timestamp_ns = common::now_ns() - 2_300_000_000;
+        }
+        request
+    };
+    let mut agent = serve("1GiB");
+    tokio::time::sleep(std::time::Duration::from_millis(2600)).await;
+    let reply = agent
+        .client()
+        .await
+        .profile(past_window("spilled"))
+        .await
+        .expect("the capture was delivered")
+        .into_inner();
+    let bytes: usize = reply.tool_data.iter().map(|tool| tool.data.len()).sum();
+    assert!(bytes > 48 << 20, "a {bytes}-byte trace needed no spill");
+    let space = common::space_of(&reply);
+    assert!(
+        common::event_count(&space) > 500_000,
+        "{} events",
+        common::event_count(&space)
+    );
+    drop((reply, space));
+    assert_eq!(cgroup.oom_kills(), 0, "the kernel OOM-killed in the cgroup");
+    assert!(agent.is_running(), "the agent died building the trace");
+    assert_eq!(
+        std::fs::read_dir(&spill_dir).unwrap().count(),
+        0,
+        "a spill file was left with a name"
+    );
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(10))
+        .expect("stopped");
+    assert!(status.success());
+
+    let mut agent = serve("4MiB");
+    tokio::time::sleep(std::time::Duration::from_millis(2600)).await;
+    let refused = agent
+        .client()
+        .await
+        .profile(past_window("refused"))
+        .await
+        .expect_err("a trace past --spill-size was delivered");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message().contains("--spill-size"),
+        "{}",
+        refused.message()
+    );
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(10))
+        .expect("stopped");
+    assert!(status.success());
+}

@@ -87,9 +87,20 @@ async fn until_held(metrics: &str, bytes: f64) {
 }
 
 /// An agent whose capture budget holds one 2 s trace of its rate being
-/// built, but not a second one beside one already built.
+/// built, but not a second one beside one already built, and which spills
+/// none (a build that may spill reserves only a share of the budget).
 fn tight_agent() -> (AgentProcess, String) {
-    AgentProcess::start_with_metrics(&["--mock-rate", "20000", "--capture-memory", "6MiB"], &[])
+    AgentProcess::start_with_metrics(
+        &[
+            "--mock-rate",
+            "20000",
+            "--capture-memory",
+            "6MiB",
+            "--spill-size",
+            "off",
+        ],
+        &[],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -149,7 +160,14 @@ async fn a_capture_whose_deadline_passes_while_waiting_fails_saying_why() {
 
 #[tokio::test]
 async fn a_window_larger_than_the_whole_budget_is_refused_at_once_naming_it() {
-    let agent = AgentProcess::start(&["--mock-rate", "100000", "--capture-memory", "2MiB"]);
+    let agent = AgentProcess::start(&[
+        "--mock-rate",
+        "100000",
+        "--capture-memory",
+        "2MiB",
+        "--spill-size",
+        "off",
+    ]);
     let status = agent
         .client()
         .await

@@ -21,6 +21,7 @@ use tonic::{Request, Response, Status};
 use tracing::info;
 
 use crate::agent::Agent;
+use crate::capture::memory::MemoryError;
 use crate::capture::write::write_trace;
 use crate::capture::{
     local_hostname, CaptureError, CaptureSettings, Captures, Plan, DEFAULT_CHUNK_TRACES_OVER,
@@ -66,6 +67,8 @@ pub struct ServiceConfig {
     /// Budget for traces being built and replied at once
     /// (`--capture-memory`).
     pub capture_memory: usize,
+    /// Where traces that outgrow their share of it are spilled.
+    pub spill: Option<Arc<crate::capture::spill::SpillSpace>>,
 }
 
 impl Default for ServiceConfig {
@@ -80,6 +83,7 @@ impl Default for ServiceConfig {
             telemetry: Telemetry::new(),
             chunk_traces_over: DEFAULT_CHUNK_TRACES_OVER,
             capture_memory: crate::capture::memory::DEFAULT_CAPTURE_MEMORY,
+            spill: None,
         }
     }
 }
@@ -93,15 +97,20 @@ impl ServiceConfig {
             client: self.client.clone(),
             chunk_traces_over: self.chunk_traces_over,
             capture_memory: self.capture_memory,
+            spill: self.spill.clone(),
         }
     }
 }
 
-/// A capture that failed: out of capture memory is RESOURCE_EXHAUSTED (ask
-/// again later), anything else the agent's own failure.
+/// A capture that failed: out of capture memory (or spill space) is
+/// RESOURCE_EXHAUSTED (ask again later), anything else the agent's own
+/// failure.
 impl From<CaptureError> for Status {
     fn from(error: CaptureError) -> Status {
         match error {
+            CaptureError::Memory(MemoryError::SpillFailed { .. }) => {
+                Status::internal(error.to_string())
+            }
             CaptureError::Memory(_) => Status::resource_exhausted(error.to_string()),
             other => Status::internal(other.to_string()),
         }

@@ -124,6 +124,14 @@ impl ProfilerService {
                 self.captures.memory_held() as f64 / (1 << 20) as f64,
                 self.captures.memory_budget() as f64 / (1 << 20) as f64
             ));
+            if let Some(space) = self.captures.memory().spill() {
+                text.push_str(&format!(
+                    "spilled traces: {:.1} MiB of {:.1} MiB in {}\n",
+                    space.used() as f64 / (1 << 20) as f64,
+                    space.limit() as f64 / (1 << 20) as f64,
+                    space.dir().display()
+                ));
+            }
         }
         Ok(MonitorResponse {
             data: text,
