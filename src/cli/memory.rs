@@ -94,7 +94,7 @@ impl Budgets {
     /// One line for the log at start.
     pub fn describe(&self) -> String {
         format!(
-            "{} may be used ({}): flight recorder {}, capture memory {}, and {} for the ring, \
+            "{} may be used ({}): flight recorder {}, capture memory {}, and {} for the rings, \
              requests being received and the agent itself",
             mib(self.limit.bytes),
             self.limit.source,
@@ -115,7 +115,8 @@ fn mib(bytes: u64) -> String {
     }
 }
 
-/// Sizes the budgets inside `limit`, beside the ring's `ring_bytes` and
+/// Sizes the budgets inside `limit`, beside the rings' `ring_bytes` (the
+/// shared-memory ring and the eBPF backend's ring buffers) and
 /// `receiving` bytes of requests: an `auto` flight recorder takes half of
 /// what is left (at most [`STORE_AT_MOST`]), an `auto` capture budget the
 /// rest (at most [`CAPTURE_AT_MOST`]). Given sizes that do not fit are an
@@ -133,7 +134,7 @@ pub fn size(
     let available = limit.bytes.saturating_sub(fixed);
     // What the agent needs whatever its budgets, as the errors say it.
     let besides = format!(
-        "{} (the ring {}, requests being received {}, itself {})",
+        "{} (the rings {}, requests being received {}, itself {})",
         mib(fixed),
         mib(ring_bytes),
         mib(receiving),
@@ -142,7 +143,7 @@ pub fn size(
     if available < 2 * AT_LEAST as u64 {
         return Err(format!(
             "the agent needs {besides} besides its budgets, and {} may be used: {}. Raise the \
-             limit, or lower --ring-capacity",
+             limit, or lower --ring-capacity (or --ebpf-ring-size)",
             mib(limit.bytes),
             limit.source
         ));

@@ -343,6 +343,21 @@ pub enum EbpfHook {
     Cuda,
 }
 
+/// What the eBPF backend's ring buffers take when it may start: one of
+/// --ebpf-ring-size per hook, memory the kernel charges to the agent's
+/// cgroup.
+fn bpf_ring_bytes(config: &AgentConfig) -> u64 {
+    let may_start = config
+        .backends
+        .iter()
+        .any(|choice| matches!(choice, BackendChoice::Auto | BackendChoice::Ebpf));
+    if !may_start {
+        return 0;
+    }
+    let hooks = u64::from(config.ebpf.sched) + u64::from(config.ebpf.cuda);
+    hooks * u64::from(config.ebpf.ring_bytes)
+}
+
 /// Where traces that outgrow their share of capture memory are spilled, as
 /// the flags say: a --spill-dir that cannot take them stops the agent; the
 /// default directory only turns spilling off, saying why.
@@ -555,7 +570,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         capacity: config.ring_capacity.next_power_of_two(),
     }
     .total_size()
-    .map_or(u64::MAX, |bytes| bytes as u64);
+    .map_or(u64::MAX, |bytes| bytes as u64)
+    .saturating_add(bpf_ring_bytes(&config));
     let budgets = super::memory::size(
         crate::model::memory_limit::of_this_process(),
         ring_bytes,
@@ -814,5 +830,33 @@ impl From<DropPolicyArg> for DropPolicy {
             DropPolicyArg::DropNewest => DropPolicy::DropNewest,
             DropPolicyArg::DropOldest => DropPolicy::DropOldest,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bpf_ring_buffers_count_only_when_the_ebpf_backend_may_start() {
+        let with = |backends: Vec<BackendChoice>, sched: bool, cuda: bool| {
+            bpf_ring_bytes(&AgentConfig {
+                backends,
+                ebpf: EbpfConfig {
+                    sched,
+                    cuda,
+                    ring_bytes: 4 << 20,
+                    ..EbpfConfig::default()
+                },
+                ..AgentConfig::default()
+            })
+        };
+        assert_eq!(with(vec![BackendChoice::Auto], true, true), 8 << 20);
+        assert_eq!(with(vec![BackendChoice::Ebpf], true, false), 4 << 20);
+        assert_eq!(with(vec![BackendChoice::Mock], true, true), 0);
+        assert_eq!(
+            with(vec![BackendChoice::Nvml, BackendChoice::Cuda], true, true),
+            0
+        );
     }
 }
