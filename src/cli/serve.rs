@@ -32,7 +32,8 @@ use crate::trigger::Triggers;
 pub struct ServeArgs {
     /// Address to listen on. Use 0.0.0.0:6009 to accept captures from other
     /// hosts; an address other hosts can reach needs --tls-cert (or
-    /// --insecure).
+    /// --insecure). `off`: no TCP listener, only --listen-unix, whose
+    /// clients the kernel names and the socket's mode lets in.
     #[arg(long, default_value = "127.0.0.1:6009")]
     pub listen: String,
 
@@ -622,10 +623,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         telemetry.triggers_started(triggers);
     }
     let trigger_service = Arc::new(TriggerService::new(triggers.clone()));
-    let address = listeners
-        .tcp
-        .local_addr()
-        .context("reading the bound address")?;
+    // Where clients reach it: the TCP address, or the socket with --listen off.
+    let address = match &listeners.tcp {
+        Some(tcp) => tcp
+            .local_addr()
+            .context("reading the bound address")?
+            .to_string(),
+        None => format!(
+            "unix:{}",
+            args.listen_unix
+                .as_ref()
+                .map(|path| path.display().to_string())
+                .unwrap_or_default()
+        ),
+    };
     for (name, health) in agent.backend_health() {
         info!(backend = name, %health, "backend");
     }
@@ -645,12 +656,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let _ = writeln!(std::io::stdout(), "devtrace metrics on http://{address}");
         info!("metrics on http://{address}/metrics, probes on /healthz and /readyz");
     }
-    let scheme = if listeners.tls.is_some() {
-        "grpcs"
-    } else {
-        "grpc"
+    let scheme = match (&listeners.tcp, &listeners.tls) {
+        (None, _) => "",
+        (Some(_), Some(_)) => "grpcs://",
+        (Some(_), None) => "grpc://",
     };
-    info!("capture with: devtrace capture {scheme}://{address} --logdir DIR");
+    info!("capture with: devtrace capture {scheme}{address} --logdir DIR");
     if let Some(path) = &args.listen_unix {
         info!(socket = %path.display(), "also serving on a UNIX socket");
     }
@@ -729,19 +740,27 @@ async fn listen(args: &ServeArgs) -> anyhow::Result<Listeners> {
         ),
         _ => None,
     };
-    let tcp = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let address = tcp.local_addr().context("reading the bound address")?;
-    if tls.is_none() && !args.insecure && !address.ip().is_loopback() {
-        bail!(
-            "--listen {} can be reached from other hosts and would serve plaintext: \
-             anyone reaching it could capture and use --allow-root. Give --tls-cert and \
-             --tls-key (and --tls-client-ca to require client certificates), or --insecure \
-             to serve plaintext anyway on a network you trust",
-            args.listen
-        );
-    }
+    let tcp = if args.listen.trim() == "off" {
+        if args.listen_unix.is_none() {
+            bail!("--listen off leaves nothing to serve on: give --listen-unix PATH as well");
+        }
+        None
+    } else {
+        let tcp = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", args.listen))?;
+        let address = tcp.local_addr().context("reading the bound address")?;
+        if tls.is_none() && !args.insecure && !address.ip().is_loopback() {
+            bail!(
+                "--listen {} can be reached from other hosts and would serve plaintext: \
+                 anyone reaching it could capture and use --allow-root. Give --tls-cert and \
+                 --tls-key (and --tls-client-ca to require client certificates), or --insecure \
+                 to serve plaintext anyway on a network you trust",
+                args.listen
+            );
+        }
+        Some(tcp)
+    };
     let unix = match &args.listen_unix {
         Some(path) => Some(bind_unix(path, args.listen_unix_mode)?),
         None => None,

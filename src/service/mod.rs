@@ -59,7 +59,8 @@ pub const DEFAULT_MAX_CONNECTION_AGE: Duration = Duration::from_secs(15 * 60);
 /// Where the services listen: a TCP listener, with TLS or without, and
 /// optionally a UNIX socket (plaintext, guarded by its file permissions).
 pub struct Listeners {
-    pub tcp: tokio::net::TcpListener,
+    /// None with `--listen off`: only the UNIX socket serves.
+    pub tcp: Option<tokio::net::TcpListener>,
     pub tls: Option<ServerTlsConfig>,
     pub unix: Option<tokio::net::UnixListener>,
     /// `--max-connection-age`.
@@ -69,7 +70,7 @@ pub struct Listeners {
 impl From<tokio::net::TcpListener> for Listeners {
     fn from(tcp: tokio::net::TcpListener) -> Listeners {
         Listeners {
-            tcp,
+            tcp: Some(tcp),
             tls: None,
             unix: None,
             max_connection_age: DEFAULT_MAX_CONNECTION_AGE,
@@ -101,32 +102,47 @@ pub async fn serve(
     // One budget for the bodies arriving on every listener.
     let bodies = BoundedBodiesLayer::new(Arc::new(BodyBudget::new()), BODY_DEADLINE);
     let age = listeners.max_connection_age;
-    let tcp_gate = Gate::new(CONNECTION_LIMITS);
-    telemetry.watch_connections("grpc", &tcp_gate);
-    let tcp = listen::tcp_incoming(listeners.tcp, tcp_gate, "grpc");
-    let tcp = router(
-        &profiler,
-        &analysis,
-        &triggers,
-        &telemetry,
-        &bodies,
-        age,
-        listeners.tls,
-    )?
-    .serve_with_incoming_shutdown(tcp, stop.clone().cancelled_owned());
-    let Some(unix) = listeners.unix else {
-        return tcp.await;
+    let tcp = match listeners.tcp {
+        Some(tcp) => {
+            let tcp_gate = Gate::new(CONNECTION_LIMITS);
+            telemetry.watch_connections("grpc", &tcp_gate);
+            let tcp = listen::tcp_incoming(tcp, tcp_gate, "grpc");
+            let served = router(
+                &profiler,
+                &analysis,
+                &triggers,
+                &telemetry,
+                &bodies,
+                age,
+                listeners.tls,
+            )?
+            .serve_with_incoming_shutdown(tcp, stop.clone().cancelled_owned());
+            Some(served)
+        }
+        None => None,
     };
-    let unix_gate = Gate::new(CONNECTION_LIMITS);
-    telemetry.watch_connections("grpc_unix", &unix_gate);
-    let unix = router(
-        &profiler, &analysis, &triggers, &telemetry, &bodies, age, None,
-    )?
-    .serve_with_incoming_shutdown(
-        listen::unix_incoming(unix, unix_gate, "grpc_unix"),
-        stop.clone().cancelled_owned(),
-    );
-    let result = tokio::try_join!(tcp, unix).map(|_| ());
+    let unix = match listeners.unix {
+        Some(unix) => {
+            let unix_gate = Gate::new(CONNECTION_LIMITS);
+            telemetry.watch_connections("grpc_unix", &unix_gate);
+            let served = router(
+                &profiler, &analysis, &triggers, &telemetry, &bodies, age, None,
+            )?
+            .serve_with_incoming_shutdown(
+                listen::unix_incoming(unix, unix_gate, "grpc_unix"),
+                stop.clone().cancelled_owned(),
+            );
+            Some(served)
+        }
+        None => None,
+    };
+    let result = match (tcp, unix) {
+        (Some(tcp), Some(unix)) => tokio::try_join!(tcp, unix).map(|_| ()),
+        (Some(tcp), None) => tcp.await,
+        (None, Some(unix)) => unix.await,
+        // The command line refuses to start without a listener.
+        (None, None) => Ok(()),
+    };
     // One listener failing ends the other too.
     stop.cancel();
     result

@@ -535,6 +535,65 @@ fn plaintext_other_hosts_can_reach_needs_insecure() {
     assert!(allowed.is_running());
 }
 
+/// `--listen off`: the UNIX socket alone serves, no TCP port is bound, and
+/// without a socket there is nothing to serve on, which is refused.
+#[tokio::test]
+async fn listen_off_serves_only_the_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let agent = AgentProcess::adopt(AgentProcess::spawn_listening(
+        "off",
+        &["--listen-unix", path(&socket), "--mock-rate", "2000"],
+    ));
+    assert_eq!(agent.address, format!("unix:{}", socket.display()));
+    // Its only listening sockets are UNIX ones: no TCP socket of its own.
+    let inodes = socket_inodes(agent.pid());
+    let tcp_listening = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|table| table.lines().skip(1).map(str::to_owned).collect::<Vec<_>>())
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // State 0A is LISTEN; field 9 the socket's inode.
+            fields.get(3) == Some(&"0A")
+                && fields
+                    .get(9)
+                    .is_some_and(|i| inodes.iter().any(|inode| inode == i))
+        })
+        .count();
+    assert_eq!(tcp_listening, 0, "the agent listens on TCP");
+    let logdir = tempfile::tempdir().unwrap();
+    let out = capture(&agent.address, logdir.path(), &[]).await;
+    assert!(event_count(&captured_trace(&out)) > 0);
+    drop(agent);
+
+    let alone = Command::new(BIN)
+        .args(["serve", "--listen", "off", "--backend", "mock"])
+        .args(["--metrics-listen", "off"])
+        .output()
+        .unwrap();
+    fails_saying(&alone, "--listen-unix");
+}
+
+/// The inodes of the sockets process `pid` has open.
+fn socket_inodes(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                .filter_map(|target| {
+                    let target = target.to_string_lossy().into_owned();
+                    Some(
+                        target
+                            .strip_prefix("socket:[")?
+                            .strip_suffix(']')?
+                            .to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 #[tokio::test]
 async fn a_unix_socket_serves_local_clients_with_its_mode() {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
