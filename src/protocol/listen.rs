@@ -33,6 +33,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 use tracing::warn;
 
+use super::caller::{self, Caller, Transport};
 pub use super::shares::Peer;
 use super::shares::{Over, Shares};
 
@@ -186,6 +187,8 @@ pub struct Admitted<IO> {
     /// Until its first bytes arrive: when it is closed if they do not.
     silent_until: Option<Pin<Box<Sleep>>>,
     closer: Closer,
+    /// Who is calling, named once the connection is admitted.
+    caller: Caller,
 }
 
 impl<IO> Admitted<IO> {
@@ -195,7 +198,13 @@ impl<IO> Admitted<IO> {
             admission,
             silent_until: first_bytes.map(|deadline| Box::pin(tokio::time::sleep(deadline))),
             closer: Closer::default(),
+            caller: Caller::Unknown,
         }
+    }
+
+    /// Who is calling on this connection.
+    pub fn caller(&self) -> Caller {
+        self.caller
     }
 }
 
@@ -241,11 +250,12 @@ impl Closer {
 }
 
 /// What tonic tells a call about its connection: the peer the listener
-/// admitted it as (the same that its bounds count), and the connection's
-/// [`Closer`].
+/// admitted it as (the same that its bounds count), who is calling
+/// ([`crate::protocol::caller`]), and the connection's [`Closer`].
 #[derive(Clone, Debug)]
 pub struct ConnectionInfo {
     pub peer: Peer,
+    pub caller: Caller,
     pub closer: Closer,
 }
 
@@ -259,6 +269,12 @@ pub fn connection_of(extensions: &http::Extensions) -> Option<&ConnectionInfo> {
             .get::<TlsConnectInfo<ConnectionInfo>>()
             .map(TlsConnectInfo::get_ref)
     })
+}
+
+/// Who is calling, from a call's extensions: unknown on a stream no
+/// listener admitted.
+pub fn caller_of(extensions: &http::Extensions) -> Caller {
+    connection_of(extensions).map_or(Caller::Unknown, |connection| connection.caller)
 }
 
 impl<IO> Admitted<IO> {
@@ -344,6 +360,7 @@ impl<IO> Connected for Admitted<IO> {
     fn connect_info(&self) -> Self::ConnectInfo {
         ConnectionInfo {
             peer: self.admission.peer,
+            caller: self.caller,
             closer: self.closer.clone(),
         }
     }
@@ -374,19 +391,27 @@ where
 }
 
 /// Accepts the next connection `gate` admits from a TCP listener, with
-/// TCP_NODELAY set (small replies must not wait on Nagle's algorithm).
+/// TCP_NODELAY set (small replies must not wait on Nagle's algorithm), and
+/// names its caller (after admission: a refused connection costs no look
+/// at the socket tables).
 pub async fn accept_tcp(
     listener: &TcpListener,
     gate: &Arc<Gate>,
     name: &str,
     first_bytes: Option<Duration>,
 ) -> Admitted<TcpStream> {
-    admitted(gate, name, first_bytes, || async {
+    let mut admitted = admitted(gate, name, first_bytes, || async {
         let (stream, address) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
         Ok((stream, Peer::Address(address.ip().to_canonical())))
     })
-    .await
+    .await;
+    if let (Ok(local), Ok(peer)) = (admitted.io.local_addr(), admitted.io.peer_addr()) {
+        admitted.caller = tokio::task::spawn_blocking(move || caller::of_tcp(local, peer))
+            .await
+            .unwrap_or(Caller::Unknown);
+    }
+    admitted
 }
 
 /// Accepts the next connection `gate` admits from a UNIX listener, bounded
@@ -397,14 +422,21 @@ pub async fn accept_unix(
     name: &str,
     first_bytes: Option<Duration>,
 ) -> Admitted<UnixStream> {
-    admitted(gate, name, first_bytes, || async {
+    let mut admitted = admitted(gate, name, first_bytes, || async {
         let (stream, _) = listener.accept().await?;
         let peer = stream
             .peer_cred()
             .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()));
         Ok((stream, peer))
     })
-    .await
+    .await;
+    if let Peer::User(uid) = admitted.admission.peer {
+        admitted.caller = Caller::User {
+            uid,
+            transport: Transport::UnixSocket,
+        };
+    }
+    admitted
 }
 
 /// The connections a listener admits, as a stream for a server to serve;

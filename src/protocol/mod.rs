@@ -4,6 +4,7 @@
 //! in. The client side of the protocol ([`client`]) and TLS for both ends
 //! ([`tls`]) are here as well.
 
+pub mod caller;
 pub mod client;
 pub mod listen;
 pub mod shares;

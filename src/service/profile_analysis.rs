@@ -236,6 +236,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
     ) -> Result<Response<NewProfileSessionResponse>, Status> {
         let arrived = Instant::now();
         let caller_deadline = deadline::caller_timeout(request.metadata());
+        let caller = crate::protocol::listen::caller_of(request.extensions());
         let request = request.into_inner();
         let Some(mut profile) = request.request else {
             return Err(invalid(
@@ -308,7 +309,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         if let Some(caller_end) = caller_end {
             session_end = session_end.min(caller_end);
         }
-        info!(session = %session_id, hosts = hosts.len(), duration_ms, "session requested");
+        info!(session = %session_id, hosts = hosts.len(), duration_ms, %caller, "session requested");
         // Each host's trace is written as it arrives, in a session folder
         // made when the first one does (a unique name for a generated id, so
         // that two sessions in one second keep both). A trace whose upload

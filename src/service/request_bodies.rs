@@ -319,6 +319,7 @@ mod tests {
         assert_eq!(peer_of(&extensions), Peer::Unknown);
         extensions.insert(listen::ConnectionInfo {
             peer: peer(7),
+            caller: crate::protocol::caller::Caller::Unknown,
             closer: Default::default(),
         });
         assert_eq!(peer_of(&extensions), peer(7));

@@ -535,6 +535,89 @@ fn plaintext_other_hosts_can_reach_needs_insecure() {
     assert!(allowed.is_running());
 }
 
+/// Every listener names its caller as the kernel does, whatever the request
+/// says: a capture from uid 65534 over loopback TCP is logged as that uid,
+/// one from this process's user over the UNIX socket as its uid, and a
+/// Terminate likewise.
+#[tokio::test]
+async fn the_agent_names_each_caller_by_the_kernels_word() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to call as another user");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let log = dir.path().join("agent.log");
+    let child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+        .args([
+            "--metrics-listen",
+            "off",
+            "--log-level",
+            "info",
+            "--mock-rate",
+            "2000",
+        ])
+        .arg("--listen-unix")
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let agent = AgentProcess::adopt(child);
+    let logdir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        logdir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let (address, logdir_path) = (agent.address.clone(), logdir.path().to_path_buf());
+    let as_nobody = tokio::task::spawn_blocking(move || {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(BIN)
+            .args(["capture", &address, "--duration", "200ms", "--quiet"])
+            .args(["--session-id", "from-nobody", "--logdir"])
+            .arg(logdir_path)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(as_nobody.status.success(), "{}", text(&as_nobody.stderr));
+    let unix = format!("unix:{}", socket.display());
+    // As session "run".
+    let out = capture(&unix, logdir.path(), &[]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut client = agent.client().await;
+    client
+        .terminate(devtrace::proto::tensorflow::TerminateRequest {
+            session_id: "nothing-running".into(),
+        })
+        .await
+        .unwrap();
+    drop(agent);
+    let said = std::fs::read_to_string(&log).unwrap();
+    let line_of = |session: &str| {
+        said.lines()
+            .find(|line| line.contains(session))
+            .unwrap_or_else(|| panic!("no line for {session} in {said}"))
+            .to_string()
+    };
+    assert!(
+        line_of("session=from-nobody").contains("caller=uid 65534 (TCP from this host)"),
+        "{said}"
+    );
+    assert!(
+        line_of("session=run").contains("caller=uid 0 (UNIX socket)"),
+        "{said}"
+    );
+    assert!(
+        line_of("session=nothing-running").contains("caller=uid 0 (TCP from this host)"),
+        "{said}"
+    );
+}
+
 /// `--listen off`: the UNIX socket alone serves, no TCP port is bound, and
 /// without a socket there is nothing to serve on, which is refused.
 #[tokio::test]

@@ -34,6 +34,7 @@ use crate::proto::tensorflow::{
     StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
 };
 use crate::protocol::client;
+use crate::protocol::listen::caller_of;
 use crate::recorder::Window;
 use crate::repository::XPLANE_SUFFIX;
 use crate::telemetry::Telemetry;
@@ -218,12 +219,14 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         request: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
         let deadline = memory_wait_deadline(request.metadata());
+        let caller = caller_of(request.extensions());
         let request = request.into_inner();
         let plan = self.plan(&request, true)?;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
             duration_ms = plan.window.duration_ns() / 1_000_000,
+            %caller,
             "capture requested"
         );
         let admission = self.captures.admit(&plan);
@@ -260,6 +263,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<TerminateRequest>,
     ) -> Result<Response<TerminateResponse>, Status> {
+        let caller = caller_of(request.extensions());
         let session_id = request.into_inner().session_id;
         validate::name_component("session_id", &session_id)?;
         let tokens: Vec<CancellationToken> = self
@@ -269,7 +273,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             .map(|list| list.iter().map(|(_, t)| t.clone()).collect())
             .unwrap_or_default();
         if tokens.is_empty() {
-            info!(session = %session_id, "terminate: no running capture with this session id");
+            info!(session = %session_id, %caller, "terminate: no running capture with this session id");
+        } else {
+            info!(session = %session_id, %caller, captures = tokens.len(), "terminate");
         }
         for token in tokens {
             token.cancel();
@@ -290,6 +296,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ContinuousProfilingResponse>, Status> {
+        let caller = caller_of(request.extensions());
         let request = request.into_inner();
         let plan = self.plan(&request, false)?;
         let mut continuous = self.continuous.lock();
@@ -299,7 +306,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             ));
         }
         let duration = plan.window.duration_ns();
-        info!(session = %plan.session_id, "continuous profiling started");
+        info!(session = %plan.session_id, %caller, "continuous profiling started");
         *continuous = Some(Continuous {
             _active: self.agent.capture_activity(plan.detailed_device),
             request,

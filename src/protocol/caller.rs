@@ -1,0 +1,199 @@
+//! Who is calling, as the kernel says, never as the caller says: the uid
+//! of a UNIX-socket peer (`SO_PEERCRED`), the uid owning a TCP peer's socket
+//! when that socket is on this host (this network namespace's socket
+//! tables, matched on the connection's four addresses and ports), and for a
+//! peer elsewhere only its address. Every listener names each connection's
+//! caller this way when it accepts it ([`crate::protocol::listen`]).
+//!
+//! Bounds on connections and request bodies stay per address (see
+//! [`crate::protocol::shares`]): the caller is who asks, not what it may
+//! hold.
+
+use std::fmt;
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+/// How a local caller reached the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    UnixSocket,
+    Tcp,
+}
+
+/// See the module documentation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// A process of this host, whose user the kernel names.
+    User { uid: u32, transport: Transport },
+    /// A peer whose socket is not on this host (or not in this network
+    /// namespace): known only by its address.
+    Remote(IpAddr),
+    /// A local peer the kernel could not name (its socket already gone).
+    Unknown,
+}
+
+impl fmt::Display for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Caller::User {
+                uid,
+                transport: Transport::UnixSocket,
+            } => write!(f, "uid {uid} (UNIX socket)"),
+            Caller::User {
+                uid,
+                transport: Transport::Tcp,
+            } => write!(f, "uid {uid} (TCP from this host)"),
+            Caller::Remote(address) => write!(f, "{address} (another host)"),
+            Caller::Unknown => f.write_str("unknown"),
+        }
+    }
+}
+
+/// The socket tables of this network namespace.
+const TCP_TABLES: [&str; 2] = ["/proc/net/tcp", "/proc/net/tcp6"];
+
+/// The caller of a TCP connection accepted at `local` from `peer`.
+pub fn of_tcp(local: SocketAddr, peer: SocketAddr) -> Caller {
+    let local = canonical(local);
+    let peer = canonical(peer);
+    for table in TCP_TABLES {
+        let Ok(file) = std::fs::File::open(table) else {
+            continue;
+        };
+        if let Some(uid) = owner_in(BufReader::new(file), local, peer) {
+            return Caller::User {
+                uid,
+                transport: Transport::Tcp,
+            };
+        }
+    }
+    Caller::Remote(peer.ip())
+}
+
+/// The uid of the socket in `table` (the text of `/proc/net/tcp` or
+/// `tcp6`) whose own end is `peer` and whose other end is `local`.
+fn owner_in(table: impl BufRead, local: SocketAddr, peer: SocketAddr) -> Option<u32> {
+    for line in table.lines().skip(1) {
+        let line = line.ok()?;
+        // sl local_address rem_address st tx:rx tr:when retrnsmt uid ...
+        let mut fields = line.split_whitespace().skip(1);
+        let (Some(own), Some(other)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if parse_end(own) != Some(peer) || parse_end(other) != Some(local) {
+            continue;
+        }
+        return fields.nth(4)?.parse().ok();
+    }
+    None
+}
+
+/// An address and port as the socket tables print them: the address's
+/// 32-bit words in hex, each in the host's byte order, then the port.
+fn parse_end(text: &str) -> Option<SocketAddr> {
+    let (address, port) = text.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let word = |hex: &str| u32::from_str_radix(hex, 16).ok().map(u32::to_ne_bytes);
+    let ip = match address.len() {
+        8 => IpAddr::V4(Ipv4Addr::from(word(address)?)),
+        32 => {
+            let mut bytes = [0u8; 16];
+            for (i, chunk) in bytes.chunks_mut(4).enumerate() {
+                chunk.copy_from_slice(&word(address.get(i * 8..i * 8 + 8)?)?);
+            }
+            IpAddr::V6(Ipv6Addr::from(bytes))
+        }
+        _ => return None,
+    };
+    Some(canonical(SocketAddr::new(ip, port)))
+}
+
+/// An IPv4-mapped IPv6 address as IPv4: a dual-stack listener's peers and
+/// an IPv4 socket's table entry then compare equal.
+fn canonical(address: SocketAddr) -> SocketAddr {
+    SocketAddr::new(address.ip().to_canonical(), address.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Words as a little-endian host prints them.
+    fn hex_v4(ip: [u8; 4]) -> String {
+        format!("{:08X}", u32::from_ne_bytes(ip))
+    }
+
+    #[test]
+    fn the_socket_whose_ends_match_names_its_owner() {
+        let agent: SocketAddr = "127.0.0.1:6009".parse().unwrap();
+        let client: SocketAddr = "127.0.0.1:41234".parse().unwrap();
+        let other: SocketAddr = "127.0.0.1:41235".parse().unwrap();
+        let row = |sl: u32, own: SocketAddr, rem: SocketAddr, uid: u32| {
+            let end = |a: SocketAddr| match a.ip() {
+                IpAddr::V4(v4) => format!("{}:{:04X}", hex_v4(v4.octets()), a.port()),
+                IpAddr::V6(_) => unreachable!(),
+            };
+            format!(
+                "{sl:4}: {} {} 01 00000000:00000000 00:00000000 00000000 {uid:5} 0 123 1 0\n",
+                end(own),
+                end(rem)
+            )
+        };
+        let table = format!(
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n{}{}{}",
+            // The agent's own end of the same connection, then another
+            // client's socket, then the caller's.
+            row(0, agent, client, 0),
+            row(1, other, agent, 1002),
+            row(2, client, agent, 1001),
+        );
+        assert_eq!(owner_in(table.as_bytes(), agent, client), Some(1001));
+        assert_eq!(owner_in(table.as_bytes(), agent, other), Some(1002));
+        let absent: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        assert_eq!(owner_in(table.as_bytes(), agent, absent), None);
+    }
+
+    #[test]
+    fn addresses_parse_as_the_kernel_prints_them() {
+        let v4 = format!("{}:1773", hex_v4([127, 0, 0, 1]));
+        assert_eq!(parse_end(&v4), Some("127.0.0.1:6003".parse().unwrap()));
+        // ::1 and ::ffff:127.0.0.2, word by word in host order.
+        let loopback6 = format!(
+            "{:08X}{:08X}{:08X}{:08X}:0050",
+            0,
+            0,
+            0,
+            u32::from_ne_bytes([0, 0, 0, 1])
+        );
+        assert_eq!(parse_end(&loopback6), Some("[::1]:80".parse().unwrap()));
+        let mapped = format!(
+            "{:08X}{:08X}{:08X}{:08X}:0050",
+            0,
+            0,
+            u32::from_ne_bytes([0, 0, 0xff, 0xff]),
+            u32::from_ne_bytes([127, 0, 0, 2])
+        );
+        assert_eq!(parse_end(&mapped), Some("127.0.0.2:80".parse().unwrap()));
+        assert_eq!(parse_end("nonsense"), None);
+        assert_eq!(parse_end("0100007F:ZZZZ"), None);
+    }
+
+    /// A real connection on this host: its caller is this process's user.
+    #[test]
+    fn a_connection_from_this_process_is_its_user() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, peer) = listener.accept().unwrap();
+        let caller = of_tcp(accepted.local_addr().unwrap(), peer);
+        // SAFETY: getuid has no preconditions.
+        let uid = unsafe { libc::getuid() };
+        assert_eq!(
+            caller,
+            Caller::User {
+                uid,
+                transport: Transport::Tcp
+            }
+        );
+        drop(client);
+    }
+}
