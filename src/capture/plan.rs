@@ -5,6 +5,7 @@
 use prost::Message;
 
 use crate::backend::Loss;
+use crate::protocol::caller::Caller;
 use crate::protocol::client;
 use crate::recorder::Window;
 
@@ -31,6 +32,8 @@ pub struct Plan {
     /// The client asked for device-specific detail
     /// (`device_tracer_level` 2 or more).
     pub detailed_device: bool,
+    /// Who asked: files the capture writes are written with its rights.
+    pub caller: Caller,
 }
 
 impl Plan {
@@ -58,6 +61,7 @@ impl Plan {
             losses_at_start,
             properties,
             detailed_device: false,
+            caller: Caller::Agent,
         }
     }
 }

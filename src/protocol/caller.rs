@@ -30,6 +30,8 @@ pub enum Caller {
     Remote(IpAddr),
     /// A local peer the kernel could not name (its socket already gone).
     Unknown,
+    /// The agent itself (a trigger's save).
+    Agent,
 }
 
 impl fmt::Display for Caller {
@@ -45,6 +47,7 @@ impl fmt::Display for Caller {
             } => write!(f, "uid {uid} (TCP from this host)"),
             Caller::Remote(address) => write!(f, "{address} (another host)"),
             Caller::Unknown => f.write_str("unknown"),
+            Caller::Agent => f.write_str("the agent"),
         }
     }
 }

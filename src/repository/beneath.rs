@@ -19,10 +19,13 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, RenameFlags, ResolveFlags};
 use rustix::io::Errno;
+
+use super::acting::Credentials;
 
 /// Set once `openat2` answered ENOSYS: every later open walks instead.
 static OPENAT2_MISSING: AtomicBool = AtomicBool::new(false);
@@ -94,6 +97,8 @@ pub struct Dir {
     /// Where it is, for messages only: never opened by name again.
     path: PathBuf,
     resolver: Resolver,
+    /// Whose rights everything beneath it is done with; none: the agent's.
+    acting: Option<Arc<Credentials>>,
 }
 
 impl Dir {
@@ -110,7 +115,24 @@ impl Dir {
             fd,
             path: path.to_path_buf(),
             resolver: Resolver::detect(),
+            acting: None,
         })
+    }
+
+    /// The same directory, everything beneath it done with `credentials`'
+    /// rights ([`crate::repository::acting`]); none: the agent's own.
+    pub fn acting_as(&self, credentials: Option<Arc<Credentials>>) -> Result<Dir, BeneathError> {
+        let mut dir = self.duplicate()?;
+        dir.acting = credentials;
+        Ok(dir)
+    }
+
+    /// Runs `work` with the rights this directory acts with.
+    fn acting<T: Send>(
+        &self,
+        work: impl FnOnce() -> Result<T, BeneathError> + Send,
+    ) -> Result<T, BeneathError> {
+        act(self.acting.as_deref(), &self.path, work)
     }
 
     /// The same directory resolving with `resolver` (tests of the walk).
@@ -126,20 +148,24 @@ impl Dir {
 
     /// The directory at `relative` beneath this one.
     pub fn open_dir(&self, relative: &Path) -> Result<Dir, BeneathError> {
-        let components = plain_components(relative, &self.path)?;
-        let fd = self.open_components(&components, OFlags::RDONLY | OFlags::DIRECTORY)?;
-        Ok(self.child(fd, relative))
+        self.acting(|| {
+            let components = plain_components(relative, &self.path)?;
+            let fd = self.open_components(&components, OFlags::RDONLY | OFlags::DIRECTORY)?;
+            Ok(self.child(fd, relative))
+        })
     }
 
     /// The directory at `relative`, made (mode 0755) where missing, each
     /// level beneath the one before.
     pub fn create_dir_all(&self, relative: &Path) -> Result<Dir, BeneathError> {
-        let components = plain_components(relative, &self.path)?;
-        let mut current = self.duplicate()?;
-        for name in components {
-            current = current.create_dir(name)?;
-        }
-        Ok(current)
+        self.acting(|| {
+            let components = plain_components(relative, &self.path)?;
+            let mut current = self.duplicate()?;
+            for name in components {
+                current = current.create_dir(name)?;
+            }
+            Ok(current)
+        })
     }
 
     /// The subdirectory `name`, made when missing.
@@ -154,104 +180,115 @@ impl Dir {
     /// A new subdirectory named `base`, or `base_2`, `base_3`, ... when
     /// that is taken: never one that existed before.
     pub fn create_unique_dir(&self, base: &str) -> Result<(Dir, String), BeneathError> {
-        single_component(base, &self.path)?;
-        for attempt in 1..=MAX_UNIQUE_ATTEMPTS {
-            let name = if attempt == 1 {
-                base.to_string()
-            } else {
-                format!("{base}_{attempt}")
-            };
-            match rfs::mkdirat(&self.fd, name.as_str(), Mode::from_raw_mode(0o755)) {
-                Ok(()) => return Ok((self.open_dir(Path::new(&name))?, name)),
-                Err(Errno::EXIST) => continue,
-                Err(errno) => return Err(io_error(&self.path.join(&name), errno)),
+        self.acting(|| {
+            single_component(base, &self.path)?;
+            for attempt in 1..=MAX_UNIQUE_ATTEMPTS {
+                let name = if attempt == 1 {
+                    base.to_string()
+                } else {
+                    format!("{base}_{attempt}")
+                };
+                match rfs::mkdirat(&self.fd, name.as_str(), Mode::from_raw_mode(0o755)) {
+                    Ok(()) => return Ok((self.open_dir(Path::new(&name))?, name)),
+                    Err(Errno::EXIST) => continue,
+                    Err(errno) => return Err(io_error(&self.path.join(&name), errno)),
+                }
             }
-        }
-        Err(BeneathError::Io {
-            path: self.path.join(base).display().to_string(),
-            source: io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{MAX_UNIQUE_ATTEMPTS} names in a row are taken"),
-            ),
+            Err(BeneathError::Io {
+                path: self.path.join(base).display().to_string(),
+                source: io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{MAX_UNIQUE_ATTEMPTS} names in a row are taken"),
+                ),
+            })
         })
     }
 
     /// The regular file at `relative`, opened for reading. A FIFO or device
     /// is refused without blocking on it.
     pub fn open_file(&self, relative: &Path) -> Result<File, BeneathError> {
-        let components = plain_components(relative, &self.path)?;
-        let fd = self.open_components(&components, OFlags::RDONLY | OFlags::NONBLOCK)?;
-        let shown = self.path.join(relative);
-        let stat = rfs::fstat(&fd).map_err(|errno| io_error(&shown, errno))?;
-        if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
-            return Err(BeneathError::NotFile {
-                path: shown.display().to_string(),
-            });
-        }
-        Ok(File::from(fd))
+        self.acting(|| {
+            let components = plain_components(relative, &self.path)?;
+            let fd = self.open_components(&components, OFlags::RDONLY | OFlags::NONBLOCK)?;
+            let shown = self.path.join(relative);
+            let stat = rfs::fstat(&fd).map_err(|errno| io_error(&shown, errno))?;
+            if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+                return Err(BeneathError::NotFile {
+                    path: shown.display().to_string(),
+                });
+            }
+            Ok(File::from(fd))
+        })
     }
 
     /// The contents of the regular file at `relative`, refused beyond
     /// [`MAX_READ_BYTES`] (files under a root are anyone's who can write
     /// there; a trace is decoded in several times its size).
     pub fn read(&self, relative: &Path) -> Result<Vec<u8>, BeneathError> {
-        let path = || self.path.join(relative).display().to_string();
-        let too_large = || BeneathError::TooLarge {
-            path: path(),
-            limit: MAX_READ_BYTES,
-        };
-        let file = self.open_file(relative)?;
-        if file.metadata().is_ok_and(|m| m.len() > MAX_READ_BYTES) {
-            return Err(too_large());
-        }
-        let mut bytes = Vec::new();
-        // One byte past the limit tells a file that grew since.
-        file.take(MAX_READ_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|source| BeneathError::Io {
+        self.acting(|| {
+            let path = || self.path.join(relative).display().to_string();
+            let too_large = || BeneathError::TooLarge {
                 path: path(),
-                source,
-            })?;
-        if bytes.len() as u64 > MAX_READ_BYTES {
-            return Err(too_large());
-        }
-        Ok(bytes)
+                limit: MAX_READ_BYTES,
+            };
+            let file = self.open_file(relative)?;
+            if file.metadata().is_ok_and(|m| m.len() > MAX_READ_BYTES) {
+                return Err(too_large());
+            }
+            let mut bytes = Vec::new();
+            // One byte past the limit tells a file that grew since.
+            file.take(MAX_READ_BYTES + 1)
+                .read_to_end(&mut bytes)
+                .map_err(|source| BeneathError::Io {
+                    path: path(),
+                    source,
+                })?;
+            if bytes.len() as u64 > MAX_READ_BYTES {
+                return Err(too_large());
+            }
+            Ok(bytes)
+        })
     }
 
     /// The entries of this directory (without `.` and `..`), each looked at
     /// without following links.
     pub fn entries(&self) -> Result<Vec<Entry>, BeneathError> {
-        let io = |errno| io_error(&self.path, errno);
-        let mut entries = Vec::new();
-        for entry in rfs::Dir::read_from(&self.fd).map_err(io)? {
-            let entry = entry.map_err(io)?;
-            let name = OsStr::from_bytes(entry.file_name().to_bytes());
-            if name == "." || name == ".." {
-                continue;
+        self.acting(|| {
+            let io = |errno| io_error(&self.path, errno);
+            let mut entries = Vec::new();
+            for entry in rfs::Dir::read_from(&self.fd).map_err(io)? {
+                let entry = entry.map_err(io)?;
+                let name = OsStr::from_bytes(entry.file_name().to_bytes());
+                if name == "." || name == ".." {
+                    continue;
+                }
+                // Gone since it was listed: skip it.
+                let Ok(stat) = rfs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) else {
+                    continue;
+                };
+                let kind = match FileType::from_raw_mode(stat.st_mode) {
+                    FileType::Directory => EntryKind::Directory,
+                    FileType::RegularFile => EntryKind::File,
+                    _ => EntryKind::Other,
+                };
+                let modified =
+                    u64::try_from(stat.st_mtime)
+                        .ok()
+                        .map_or(SystemTime::UNIX_EPOCH, |secs| {
+                            SystemTime::UNIX_EPOCH
+                                + Duration::new(
+                                    secs,
+                                    u32::try_from(stat.st_mtime_nsec).unwrap_or(0),
+                                )
+                        });
+                entries.push(Entry {
+                    name: name.to_os_string(),
+                    kind,
+                    modified,
+                });
             }
-            // Gone since it was listed: skip it.
-            let Ok(stat) = rfs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) else {
-                continue;
-            };
-            let kind = match FileType::from_raw_mode(stat.st_mode) {
-                FileType::Directory => EntryKind::Directory,
-                FileType::RegularFile => EntryKind::File,
-                _ => EntryKind::Other,
-            };
-            let modified =
-                u64::try_from(stat.st_mtime)
-                    .ok()
-                    .map_or(SystemTime::UNIX_EPOCH, |secs| {
-                        SystemTime::UNIX_EPOCH
-                            + Duration::new(secs, u32::try_from(stat.st_mtime_nsec).unwrap_or(0))
-                    });
-            entries.push(Entry {
-                name: name.to_os_string(),
-                kind,
-                modified,
-            });
-        }
-        Ok(entries)
+            Ok(entries)
+        })
     }
 
     /// Writes `bytes` as `name` in this directory (mode 0644): written and
@@ -269,30 +306,33 @@ impl Dir {
     /// `name` until [`AtomicFile::commit`], and a file dropped before that
     /// is removed.
     pub fn create_atomic(&self, name: &str) -> Result<AtomicFile, BeneathError> {
-        single_component(name, &self.path)?;
-        let target = self.path.join(name);
-        if is_symlink(self.fd.as_fd(), OsStr::new(name)) {
-            return Err(BeneathError::Symlink {
-                path: target.display().to_string(),
-            });
-        }
-        let directory = self.fd.try_clone().map_err(|source| BeneathError::Io {
-            path: self.path.display().to_string(),
-            source,
-        })?;
-        let (temporary, file) = self.create_temporary(name)?;
-        // Held while it is written: a sweep leaves it alone
-        // ([`Dir::remove_abandoned_temporaries`]).
-        devtrace_shm::lock::hold_shared(&file).map_err(|source| BeneathError::Io {
-            path: self.path.join(&temporary).display().to_string(),
-            source,
-        })?;
-        Ok(AtomicFile {
-            directory,
-            temporary,
-            name: name.to_string(),
-            target,
-            file: Some(file),
+        self.acting(|| {
+            single_component(name, &self.path)?;
+            let target = self.path.join(name);
+            if is_symlink(self.fd.as_fd(), OsStr::new(name)) {
+                return Err(BeneathError::Symlink {
+                    path: target.display().to_string(),
+                });
+            }
+            let directory = self.fd.try_clone().map_err(|source| BeneathError::Io {
+                path: self.path.display().to_string(),
+                source,
+            })?;
+            let (temporary, file) = self.create_temporary(name)?;
+            // Held while it is written: a sweep leaves it alone
+            // ([`Dir::remove_abandoned_temporaries`]).
+            devtrace_shm::lock::hold_shared(&file).map_err(|source| BeneathError::Io {
+                path: self.path.join(&temporary).display().to_string(),
+                source,
+            })?;
+            Ok(AtomicFile {
+                directory,
+                acting: self.acting.clone(),
+                temporary,
+                name: name.to_string(),
+                target,
+                file: Some(file),
+            })
         })
     }
 
@@ -305,29 +345,36 @@ impl Dir {
         &self,
         grace: Duration,
     ) -> Result<Vec<String>, BeneathError> {
-        let mut removed = Vec::new();
-        for entry in self.entries()? {
-            let Some(name) = entry.name.to_str() else {
-                continue;
-            };
-            let old = entry.modified.elapsed().is_ok_and(|age| age > grace);
-            if old
-                && entry.kind == EntryKind::File
-                && is_temporary_name(name)
-                && self.unheld(name)
-                && rfs::unlinkat(&self.fd, name, AtFlags::empty()).is_ok()
-            {
-                removed.push(name.to_string());
+        self.acting(|| {
+            let mut removed = Vec::new();
+            for entry in self.entries()? {
+                let Some(name) = entry.name.to_str() else {
+                    continue;
+                };
+                let old = entry.modified.elapsed().is_ok_and(|age| age > grace);
+                if old
+                    && entry.kind == EntryKind::File
+                    && is_temporary_name(name)
+                    && self.unheld(name)
+                    && rfs::unlinkat(&self.fd, name, AtFlags::empty()).is_ok()
+                {
+                    removed.push(name.to_string());
+                }
             }
-        }
-        Ok(removed)
+            Ok(removed)
+        })
     }
 
     /// Removes the subdirectory `name` if it holds nothing (a link or a
     /// directory with anything in it stays); whether it did.
     pub fn remove_empty_dir(&self, name: &str) -> bool {
         single_component(name, &self.path).is_ok()
-            && rfs::unlinkat(&self.fd, name, AtFlags::REMOVEDIR).is_ok()
+            && self
+                .acting(|| {
+                    rfs::unlinkat(&self.fd, name, AtFlags::REMOVEDIR)
+                        .map_err(|errno| io_error(&self.path.join(name), errno))
+                })
+                .is_ok()
     }
 
     /// Whether no process holds a lock on the file `name` (opened without
@@ -374,6 +421,7 @@ impl Dir {
             fd,
             path: self.path.clone(),
             resolver: self.resolver,
+            acting: self.acting.clone(),
         })
     }
 
@@ -382,6 +430,7 @@ impl Dir {
             fd,
             path: self.path.join(relative),
             resolver: self.resolver,
+            acting: self.acting.clone(),
         }
     }
 
@@ -479,6 +528,8 @@ impl Dir {
 #[derive(Debug)]
 pub struct AtomicFile {
     directory: OwnedFd,
+    /// The rights of the directory it is made in.
+    acting: Option<Arc<Credentials>>,
     temporary: String,
     name: String,
     target: PathBuf,
@@ -508,25 +559,33 @@ impl AtomicFile {
         let Some(file) = self.file.take() else {
             return Err(self.io_error(io::Error::other("already committed")));
         };
-        let done = (|| -> io::Result<()> {
-            // Traces are for reading by the people who asked for them.
-            rfs::fchmod(&file, Mode::from_raw_mode(0o644))?;
-            file.sync_all()?;
-            rfs::renameat_with(
-                &self.directory,
-                self.temporary.as_str(),
-                &self.directory,
-                self.name.as_str(),
-                RenameFlags::empty(),
-            )?;
-            Ok(())
-        })();
+        let (directory, temporary, name) = (&self.directory, &self.temporary, &self.name);
+        let done = act(self.acting.as_deref(), &self.target, || {
+            let renamed = (|| -> io::Result<()> {
+                // Traces are for reading by the people who asked for them.
+                rfs::fchmod(&file, Mode::from_raw_mode(0o644))?;
+                file.sync_all()?;
+                rfs::renameat_with(
+                    directory,
+                    temporary.as_str(),
+                    directory,
+                    name.as_str(),
+                    RenameFlags::empty(),
+                )?;
+                Ok(())
+            })();
+            if renamed.is_err() {
+                let _ = rfs::unlinkat(directory, temporary.as_str(), AtFlags::empty());
+            }
+            renamed.map_err(|source| BeneathError::Io {
+                path: String::new(),
+                source,
+            })
+        });
         match done {
             Ok(()) => Ok(std::mem::take(&mut self.target)),
-            Err(source) => {
-                let _ = rfs::unlinkat(&self.directory, self.temporary.as_str(), AtFlags::empty());
-                Err(self.io_error(source))
-            }
+            Err(BeneathError::Io { source, .. }) => Err(self.io_error(source)),
+            Err(other) => Err(other),
         }
     }
 }
@@ -534,8 +593,28 @@ impl AtomicFile {
 impl Drop for AtomicFile {
     fn drop(&mut self) {
         if self.file.take().is_some() {
-            let _ = rfs::unlinkat(&self.directory, self.temporary.as_str(), AtFlags::empty());
+            let (directory, temporary) = (&self.directory, &self.temporary);
+            let _ = act(self.acting.as_deref(), &self.target, || {
+                rfs::unlinkat(directory, temporary.as_str(), AtFlags::empty())
+                    .map_err(|errno| io_error(Path::new(temporary), errno))
+            });
         }
+    }
+}
+
+/// Runs `work` with `credentials`' rights (on a thread of their own), or
+/// the agent's own when there are none.
+fn act<T: Send>(
+    credentials: Option<&Credentials>,
+    path: &Path,
+    work: impl FnOnce() -> Result<T, BeneathError> + Send,
+) -> Result<T, BeneathError> {
+    match credentials {
+        None => work(),
+        Some(credentials) => credentials.run(work).map_err(|source| BeneathError::Io {
+            path: path.display().to_string(),
+            source,
+        })?,
     }
 }
 

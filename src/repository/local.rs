@@ -29,6 +29,17 @@ impl LocalFolder {
         LocalFolder { root, relative }
     }
 
+    /// The same folder, touched with `credentials`' rights.
+    pub fn acting_as(
+        &self,
+        credentials: Option<Arc<crate::repository::acting::Credentials>>,
+    ) -> Result<LocalFolder, StorageError> {
+        Ok(LocalFolder {
+            root: Arc::new(self.root.acting_as(credentials)?),
+            relative: self.relative.clone(),
+        })
+    }
+
     pub fn join(&self, name: &str) -> LocalFolder {
         LocalFolder {
             root: Arc::clone(&self.root),

@@ -7,6 +7,7 @@
 //! [`object`] for credentials). The methods block: async code calls
 //! them from `spawn_blocking`.
 
+pub mod acting;
 pub mod beneath;
 mod local;
 mod object;
@@ -125,6 +126,23 @@ impl Folder {
         match location {
             Location::Local(path) => Ok(Folder::local(Dir::open(path)?)),
             Location::Object(url) => Ok(Folder::Object(ObjectFolder::connect(url)?)),
+        }
+    }
+
+    /// The same folder, its files touched with the rights of `caller`
+    /// ([`acting`]): its own user's for a local caller, `nobody`'s for one
+    /// on another host, the agent's for the agent's own user. A bucket
+    /// prefix is reached with the agent's credentials whoever asks.
+    pub fn acting_for(
+        &self,
+        caller: crate::protocol::caller::Caller,
+    ) -> Result<Folder, StorageError> {
+        match self {
+            Folder::Local(local) => {
+                let credentials = acting::Credentials::of_caller(caller).map(Arc::new);
+                Ok(Folder::Local(local.acting_as(credentials)?))
+            }
+            Folder::Object(_) => Ok(self.clone()),
         }
     }
 

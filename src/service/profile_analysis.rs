@@ -23,7 +23,9 @@ use crate::proto::tensorflow::{
     NewProfileSessionRequest, NewProfileSessionResponse, ProfileSessionDataRequest,
     ProfileSessionDataResponse, ProfileSessionInfo,
 };
+use crate::protocol::caller::Caller;
 use crate::protocol::client::{self, ClientConfig, Target};
+use crate::protocol::listen::caller_of;
 use crate::repository::{self, Folder, StorageError};
 
 use super::deadline;
@@ -87,8 +89,9 @@ impl ProfileAnalysisService {
         ProfileAnalysisService { config }
     }
 
-    /// The repository root of a request, matched to an allowed root.
-    fn root(&self, repository_root: &str) -> Result<Folder, Status> {
+    /// The repository root of a request, matched to an allowed root, its
+    /// files touched with `caller`'s rights ([`crate::repository::acting`]).
+    fn root(&self, repository_root: &str, caller: Caller) -> Result<Folder, Status> {
         validate::client_path("repository_root", repository_root)?;
         if repository_root.is_empty() {
             return Err(invalid("repository_root", "is required"));
@@ -96,6 +99,8 @@ impl ProfileAnalysisService {
         self.config
             .allowed_roots
             .confine(repository_root)
+            .map_err(|e| Status::permission_denied(format!("repository_root: {e}")))?
+            .acting_for(caller)
             .map_err(|e| Status::permission_denied(format!("repository_root: {e}")))
     }
 }
@@ -236,7 +241,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
     ) -> Result<Response<NewProfileSessionResponse>, Status> {
         let arrived = Instant::now();
         let caller_deadline = deadline::caller_timeout(request.metadata());
-        let caller = crate::protocol::listen::caller_of(request.extensions());
+        let caller = caller_of(request.extensions());
         let request = request.into_inner();
         let Some(mut profile) = request.request else {
             return Err(invalid(
@@ -246,7 +251,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         };
         let entries = self.session_hosts(&request.hosts)?;
         validate::name_component("session_id", &request.session_id)?;
-        let root = self.root(&request.repository_root)?;
+        let root = self.root(&request.repository_root, caller)?;
         let generated_id = request.session_id.is_empty();
         let session_id = if generated_id {
             session_timestamp()
@@ -352,7 +357,8 @@ impl ProfileAnalysis for ProfileAnalysisService {
         &self,
         request: Request<EnumProfileSessionsAndToolsRequest>,
     ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
-        let root = self.root(&request.into_inner().repository_root)?;
+        let caller = caller_of(request.extensions());
+        let root = self.root(&request.into_inner().repository_root, caller)?;
         let sessions = tokio::task::spawn_blocking(move || {
             let missing = || StorageError::NotFound {
                 path: root.display(),
@@ -383,8 +389,9 @@ impl ProfileAnalysis for ProfileAnalysisService {
         request: Request<ProfileSessionDataRequest>,
     ) -> Result<Response<ProfileSessionDataResponse>, Status> {
         let wait_until = deadline::memory_wait_deadline(request.metadata());
+        let caller = caller_of(request.extensions());
         let request = request.into_inner();
-        let root = self.root(&request.repository_root)?;
+        let root = self.root(&request.repository_root, caller)?;
         if request.session_id.is_empty() {
             return Err(invalid("session_id", "is required"));
         }

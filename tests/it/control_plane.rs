@@ -618,6 +618,117 @@ async fn the_agent_names_each_caller_by_the_kernels_word() {
     );
 }
 
+/// Files under an allowed root are touched with the caller's rights, as on
+/// a team's shared 1777 directory: uid 65534 cannot have the agent write
+/// into, list or read from uid 1001's 0700 directory there, and what it has
+/// the agent write is its own file, not root's. Root is served as before.
+#[tokio::test]
+async fn files_under_an_allowed_root_are_touched_with_the_callers_rights() {
+    use common::raw_call::{connect_as, unary_on};
+    use devtrace::proto::tensorflow::{
+        EnumProfileSessionsAndToolsRequest, EnumProfileSessionsAndToolsResponse,
+        ProfileSessionDataRequest,
+    };
+    use std::os::unix::fs::{chown, MetadataExt, PermissionsExt};
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to call as other users");
+        return;
+    }
+    let mode = |path: &Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    let shared = tempfile::tempdir().unwrap();
+    mode(shared.path(), 0o1777);
+    // uid 1001's own directory, with a session of its own in it.
+    let theirs = shared.path().join("theirs");
+    let session = theirs.join("plugins/profile/run1");
+    std::fs::create_dir_all(&session).unwrap();
+    let trace = session.join("host.xplane.pb");
+    let their_bytes = XSpace {
+        hostnames: vec!["theirs".into()],
+        ..XSpace::default()
+    }
+    .encode_to_vec();
+    std::fs::write(&trace, &their_bytes).unwrap();
+    for path in [
+        theirs.clone(),
+        theirs.join("plugins"),
+        theirs.join("plugins/profile"),
+        session.clone(),
+        trace.clone(),
+    ] {
+        chown(&path, Some(1001), Some(1001)).unwrap();
+    }
+    mode(&theirs, 0o700);
+    mode(&trace, 0o600);
+    let agent = AgentProcess::start(&["--allow-root", path(shared.path()), "--mock-rate", "2000"]);
+    let as_nobody = |logdir: PathBuf, session: &'static str| {
+        let address = agent.address.clone();
+        tokio::task::spawn_blocking(move || {
+            Command::new("setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+                .arg(BIN)
+                .args(["capture", &address, "--duration", "200ms", "--quiet"])
+                .args(["--session-id", session, "--logdir"])
+                .arg(logdir)
+                .output()
+                .unwrap()
+        })
+    };
+    // Into their directory: not written, by the agent or anyone.
+    let intruded = as_nobody(theirs.clone(), "intrude").await.unwrap();
+    assert!(!intruded.status.success(), "{}", text(&intruded.stderr));
+    assert!(!theirs.join("plugins/profile/intrude").exists());
+    assert_eq!(std::fs::read(&trace).unwrap(), their_bytes);
+    // Into the shared directory: written, as the caller's own file.
+    let own = as_nobody(shared.path().join("mine"), "own").await.unwrap();
+    assert!(own.status.success(), "{}", text(&own.stderr));
+    let written = shared.path().join("mine/plugins/profile/own");
+    let file = std::fs::read_dir(&written)
+        .unwrap()
+        .next()
+        .expect("a trace file")
+        .unwrap();
+    assert_eq!(file.metadata().unwrap().uid(), 65534, "{:?}", file.path());
+    assert_eq!(std::fs::metadata(&written).unwrap().uid(), 65534);
+    // Listing and reading their sessions: refused to uid 65534.
+    let repository = path(&theirs.join("plugins/profile")).to_string();
+    let ask = ProfileSessionDataRequest {
+        repository_root: repository.clone(),
+        session_id: "run1".into(),
+        host_name: "host".into(),
+        tool_name: "xplane".into(),
+        ..ProfileSessionDataRequest::default()
+    };
+    let read_path = "/tensorflow.ProfileAnalysis/GetSessionToolData";
+    let io = connect_as(65534, &agent.address).await;
+    let (_, status) = unary_on(io, &agent.address, read_path, &ask).await;
+    assert_ne!(status.code(), tonic::Code::Ok, "uid 65534 read their trace");
+    let list = EnumProfileSessionsAndToolsRequest {
+        repository_root: repository.clone(),
+    };
+    let io = connect_as(65534, &agent.address).await;
+    let (listed, status) = unary_on(
+        io,
+        &agent.address,
+        "/tensorflow.ProfileAnalysis/EnumSessions",
+        &list,
+    )
+    .await;
+    if status.code() == tonic::Code::Ok {
+        let listed = EnumProfileSessionsAndToolsResponse::decode(&listed[..]).unwrap();
+        assert!(listed.sessions.is_empty(), "{listed:?}");
+    }
+    // Root still reads it.
+    let mut analysis = agent.analysis().await;
+    let served = analysis
+        .get_session_tool_data(ask)
+        .await
+        .expect("root reads the trace")
+        .into_inner();
+    assert_eq!(served.output, their_bytes);
+}
+
 /// `--listen off`: the UNIX socket alone serves, no TCP port is bound, and
 /// without a socket there is nothing to serve on, which is refused.
 #[tokio::test]

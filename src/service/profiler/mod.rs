@@ -121,6 +121,8 @@ impl From<CaptureError> for Status {
 struct Continuous {
     _active: crate::agent::CaptureActivity,
     request: ProfileRequest,
+    /// Who started it: its snapshots are written with its rights.
+    caller: crate::protocol::caller::Caller,
     duration: Option<Duration>,
     last_snapshot_ns: u64,
 }
@@ -221,7 +223,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let deadline = memory_wait_deadline(request.metadata());
         let caller = caller_of(request.extensions());
         let request = request.into_inner();
-        let plan = self.plan(&request, true)?;
+        let mut plan = self.plan(&request, true)?;
+        plan.caller = caller;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
@@ -310,6 +313,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         *continuous = Some(Continuous {
             _active: self.agent.capture_activity(plan.detailed_device),
             request,
+            caller,
             duration: (duration > 0).then(|| Duration::from_nanos(duration)),
             last_snapshot_ns: clock::now_ns(),
         });
@@ -346,7 +350,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                     "no continuous profiling session is running",
                 ));
             };
-            let plan = self.plan(&continuous.request, false)?;
+            let mut plan = self.plan(&continuous.request, false)?;
+            plan.caller = continuous.caller;
             // A fixed duration reaches back into the recorder, even to before
             // the session started; otherwise snapshots tile time.
             let start = match continuous.duration {

@@ -161,10 +161,19 @@ impl ProfilerService {
         if plan.repository_root.is_empty() || self.config.allowed_roots.is_empty() {
             return None;
         }
-        match self.config.allowed_roots.confine(&plan.repository_root) {
-            Ok(root) => Some(root),
+        let root = match self.config.allowed_roots.confine(&plan.repository_root) {
+            Ok(root) => root,
             Err(reason) => {
                 info!(%reason, "repository_root not writable by policy; returning the trace inline");
+                return None;
+            }
+        };
+        // Written with the caller's rights: what it could not write there
+        // itself is not written for it.
+        match root.acting_for(plan.caller) {
+            Ok(root) => Some(root),
+            Err(reason) => {
+                info!(%reason, caller = %plan.caller, "repository_root not open to the caller; returning the trace inline");
                 None
             }
         }

@@ -11,6 +11,7 @@ use crate::clock;
 use crate::model::calendar::session_timestamp;
 use crate::proto::tensorflow::profile_options::advanced_config_value;
 use crate::proto::tensorflow::ProfileRequest;
+use crate::protocol::caller::Caller;
 use crate::recorder::Window;
 use crate::service::validate::{self, invalid};
 
@@ -130,6 +131,9 @@ pub fn plan(
         properties: Vec::new(),
         // TensorFlow reads no option of a version-0 request but this one.
         detailed_device: modern && options.device_tracer_level >= 2,
+        // Named by the handler, which knows the connection; until then it
+        // acts as nobody would.
+        caller: Caller::Unknown,
     })
 }
 

@@ -113,3 +113,44 @@ pub async fn read_reply(response: h2::client::ResponseFuture) -> (Vec<u8>, tonic
     };
     (bytes.get(5..).unwrap_or_default().to_vec(), status)
 }
+
+/// A connection to `to` whose socket belongs to `uid`: made on a thread
+/// whose filesystem uid is `uid`, as a process of that user would make it,
+/// so that the agent takes its caller to be that user. Needs root.
+pub async fn connect_as(uid: u32, to: &str) -> TcpStream {
+    let to: SocketAddr = to.parse().expect("an address");
+    let user = devtrace::repository::acting::Credentials {
+        uid,
+        gid: uid,
+        groups: Vec::new(),
+    };
+    let stream = user
+        .run(|| std::net::TcpStream::connect(to))
+        .expect("acting as the user")
+        .expect("connecting");
+    stream.set_nonblocking(true).expect("non-blocking");
+    TcpStream::from_std(stream).expect("a tokio stream")
+}
+
+/// One unary call of `path` (`/package.Service/Method`) carrying `message`
+/// on the connection `io`: the reply's message bytes and its status.
+pub async fn unary_on(
+    io: TcpStream,
+    address: &str,
+    path: &str,
+    message: &impl prost::Message,
+) -> (Vec<u8>, tonic::Status) {
+    let (client, connection) = h2::client::handshake(io).await.expect("HTTP/2");
+    tokio::spawn(connection);
+    let mut client = client.ready().await.expect("ready");
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{address}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .expect("a request");
+    let (response, mut body) = client.send_request(request, false).expect("a stream");
+    body.send_data(grpc_frame(message), true).expect("sending");
+    read_reply(response).await
+}
