@@ -648,7 +648,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shutdown = shutdown_signal();
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     println!("devtrace listening on {address}");
-    super::tap::start_taps(&agent, &args.taps).await?;
+    super::tap::start_taps(&agent, &args.taps, Some(&telemetry)).await?;
     if let Some(address) = metrics {
         // After the lines above, which scripts read first; a reader that is
         // gone is no reason to stop.

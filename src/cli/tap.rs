@@ -52,6 +52,7 @@ pub fn parse_tap_spec(text: &str) -> Result<(String, String), String> {
 pub(crate) async fn start_taps(
     agent: &Agent,
     specs: &[(String, String)],
+    telemetry: Option<&crate::telemetry::Telemetry>,
 ) -> anyhow::Result<Option<Arc<Recorder>>> {
     if specs.is_empty() {
         return Ok(None);
@@ -68,6 +69,11 @@ pub(crate) async fn start_taps(
         // Scripts and tests read the bound address (useful with port 0).
         println!("devtrace tap listening on {address} -> {upstream}");
         info!(%address, upstream, "tap forwarding");
+        if let Some(telemetry) = telemetry {
+            // One name per tap, made once for the agent's life.
+            let name: &'static str = Box::leak(format!("tap {address}").into_boxed_str());
+            telemetry.watch_connections(name, tap.gate());
+        }
         tokio::spawn(tap.run(std::future::pending()));
     }
     Ok(Some(recorder))
@@ -96,7 +102,7 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
     };
     let agent = Agent::start(&config).context("starting the agent")?;
     let specs = [(args.listen.clone(), args.upstream.clone())];
-    let recorder = start_taps(&agent, &specs)
+    let recorder = start_taps(&agent, &specs, None)
         .await?
         .context("the tap did not start")?;
     if let Some(listen) = &args.profiler_listen {

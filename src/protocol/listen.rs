@@ -1,6 +1,6 @@
-//! Accepting connections within bounds, for the listeners of the agent's
-//! own protocols (gRPC over TCP and a UNIX socket, the metrics endpoint;
-//! not the tap's, which stands in for a TensorFlow server): at most
+//! Accepting connections within bounds, for every listener of the agent
+//! (gRPC over TCP and a UNIX socket, the metrics endpoint, the taps, with
+//! bounds of their own): at most
 //! so many connections at once, and so many from one peer (an address, or a
 //! uid on a UNIX socket). A connection past either bound is closed as soon
 //! as it is accepted, and counted, never left waiting in the backlog: a

@@ -37,7 +37,9 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
+
+use crate::protocol::listen::{self, Gate, Limits};
 
 use record::{Call, Direction, Observer, CANCELLED, UNAVAILABLE, UNKNOWN};
 pub use record::{Recorder, TapStats};
@@ -62,10 +64,21 @@ pub enum TapError {
     Upstream(String),
 }
 
+/// Connections a tap serves at once, and from one address: a TensorFlow
+/// cluster's workers each keep a few channels to a server, and many may
+/// come from one address (a NAT, one host's workers); one past either is
+/// closed at once and counted. No first-bytes deadline: a gRPC channel may
+/// stay idle between steps.
+pub const TAP_CONNECTION_LIMITS: Limits = Limits {
+    total: 4096,
+    per_peer: 1024,
+};
+
 /// A bound tap, ready to [`Tap::run`].
 pub struct Tap {
     listener: tokio::net::TcpListener,
     upstream: Arc<Upstream>,
+    gate: Arc<Gate>,
 }
 
 struct Upstream {
@@ -106,6 +119,7 @@ impl Tap {
             .build(connector);
         Ok(Tap {
             listener,
+            gate: Gate::new(TAP_CONNECTION_LIMITS),
             upstream: Arc::new(Upstream {
                 authority,
                 client,
@@ -118,27 +132,37 @@ impl Tap {
         self.listener.local_addr()
     }
 
+    /// The bounds of its connections, for metrics.
+    pub fn gate(&self) -> &Arc<Gate> {
+        &self.gate
+    }
+
+    /// The same tap, its connections bounded by `limits`.
+    pub fn with_limits(mut self, limits: Limits) -> Tap {
+        self.gate = Gate::new(limits);
+        self
+    }
+
     /// Accepts client connections until `shutdown` resolves; calls in flight
     /// then go on to their end on their own tasks.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
         tokio::pin!(shutdown);
         loop {
-            let (stream, peer) = tokio::select! {
+            // Accept errors (out of descriptors among them) are waited out
+            // by the gate, as on the agent's own listeners.
+            let (stream, admission) = tokio::select! {
                 _ = &mut shutdown => break,
-                accepted = self.listener.accept() => match accepted {
-                    Ok(pair) => pair,
-                    Err(error) => {
-                        warn!(%error, "tap: accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
+                admitted = listen::accept_tcp(&self.listener, &self.gate, "tap", None) => admitted.into_parts(),
             };
-            let _ = stream.set_nodelay(true);
+            let Ok(peer) = stream.peer_addr() else {
+                continue;
+            };
             let upstream = Arc::clone(&self.upstream);
             let line = upstream.recorder.connection(peer, &upstream.authority);
             debug!(%peer, line, "tap: client connected");
             tokio::spawn(async move {
+                // Its place in the gate, until the connection ends.
+                let _admission = admission;
                 let service = hyper::service::service_fn(move |request| {
                     let upstream = Arc::clone(&upstream);
                     async move { Ok::<_, Infallible>(upstream.forward(line, request).await) }
@@ -363,6 +387,35 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connection past the tap's bound from one address is closed as
+    /// soon as it is accepted, and counted; one within it is served.
+    #[tokio::test]
+    async fn connections_past_the_taps_bound_are_closed_and_counted() {
+        use tokio::io::AsyncReadExt;
+        let registry = crate::model::registry::Registry::new();
+        let ring = crate::ring::Ring::new(1, 4, crate::ring::DropPolicy::DropNewest).unwrap();
+        let recorder = Recorder::new(registry, ring.producer().unwrap());
+        let tap = Tap::bind("127.0.0.1:0", "127.0.0.1:9", recorder)
+            .await
+            .unwrap()
+            .with_limits(Limits {
+                total: 4,
+                per_peer: 1,
+            });
+        let address = tap.local_addr().unwrap();
+        let gate = Arc::clone(tap.gate());
+        tokio::spawn(tap.run(std::future::pending()));
+        let _held = tokio::net::TcpStream::connect(address).await.unwrap();
+        let mut refused = tokio::net::TcpStream::connect(address).await.unwrap();
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), refused.read(&mut byte))
+            .await
+            .expect("closed at once");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        let counts = gate.counts();
+        assert_eq!((counts.open, counts.refused_peer), (1, 1));
+    }
 
     #[test]
     fn grpc_messages_are_percent_encoded() {
