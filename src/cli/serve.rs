@@ -18,6 +18,7 @@ use crate::protocol::client::{self, Target};
 use crate::recorder::StoreConfig;
 use crate::repository::roots::AllowedRoots;
 use crate::ring::DropPolicy;
+use crate::service::access::Access;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{ProfilerService, ServiceConfig};
 use crate::service::session_hosts::{HostPattern, SessionHosts};
@@ -54,6 +55,13 @@ pub struct ServeArgs {
     /// --listen uses TLS. Capture with `devtrace capture unix:PATH`.
     #[arg(long, value_name = "PATH")]
     pub listen_unix: Option<PathBuf>,
+
+    /// Members of this group (besides root) are admins: they may stop any
+    /// capture and take or stop any continuous session. Anyone else may act
+    /// only on what it started (the same uid; the same address for a caller
+    /// on another host).
+    #[arg(long, value_name = "GROUP")]
+    pub admin_group: Option<String>,
 
     /// Mode of the --listen-unix socket: 0600 (the agent's user) or 0660
     /// (also its group; change the socket's group after start).
@@ -604,6 +612,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             chunk_traces_over: args.chunk_traces_over,
             capture_memory: budgets.capture,
             spill: spill_space(&args)?,
+            access: Access::new(
+                args.admin_group
+                    .as_deref()
+                    .map(crate::service::access::group_id)
+                    .transpose()
+                    .map_err(anyhow::Error::msg)?,
+            ),
             ..ServiceConfig::default()
         },
     ));

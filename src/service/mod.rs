@@ -1,6 +1,7 @@
 //! The gRPC services: requests are validated here, turned into captures on
 //! the [`crate::agent::Agent`], and the results turned into replies or files.
 
+pub mod access;
 pub mod deadline;
 pub mod framed_reply;
 pub mod profile_analysis;

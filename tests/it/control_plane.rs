@@ -729,6 +729,99 @@ async fn files_under_an_allowed_root_are_touched_with_the_callers_rights() {
     assert_eq!(served.output, their_bytes);
 }
 
+/// What runs belongs to who started it: uid 65534 cannot stop root's
+/// capture by naming its session, nor take snapshots of or stop root's
+/// continuous session; root stops its own. (Before, any caller could cut
+/// another's capture short with a guessed session id.)
+#[tokio::test]
+async fn a_caller_cannot_stop_or_read_what_another_started() {
+    use devtrace::proto::tensorflow::{
+        GetSnapshotRequest, StopContinuousProfilingRequest, TerminateRequest,
+    };
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to call as other users");
+        return;
+    }
+    let agent = AgentProcess::start(&["--mock-rate", "2000"]);
+    let address = agent.address.clone();
+    // Root's 2 s capture, which uid 65534 asks to stop.
+    let mut client = agent.client().await;
+    let capture = tokio::spawn(async move { client.profile(request(2000, "roots")).await });
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let terminate = TerminateRequest {
+        session_id: "roots".into(),
+    };
+    let status = status_as_nobody(
+        &address,
+        "/tensorflow.ProfilerService/Terminate",
+        &terminate,
+    )
+    .await;
+    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+    let space = space_of(&capture.await.unwrap().unwrap().into_inner());
+    let (start, stop) = window_of(&space);
+    assert!(
+        stop - start >= 1_900_000_000,
+        "cut short to {} ns",
+        stop - start
+    );
+    // Its own Terminate still stops it.
+    let mut client = agent.client().await;
+    let capture = tokio::spawn(async move { client.profile(request(60_000, "own")).await });
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let mut other = agent.client().await;
+    other
+        .terminate(TerminateRequest {
+            session_id: "own".into(),
+        })
+        .await
+        .unwrap();
+    let space = space_of(&capture.await.unwrap().unwrap().into_inner());
+    let (start, stop) = window_of(&space);
+    assert!(stop - start < 30_000_000_000);
+    // Root's continuous session: closed to uid 65534, open to root.
+    let mut client = agent.client().await;
+    let mut continuous = request(1000, "continuous");
+    continuous.opts.as_mut().unwrap().start_timestamp_ns = 0;
+    client.start_continuous_profiling(continuous).await.unwrap();
+    let snapshot = GetSnapshotRequest::default();
+    let status = status_as_nobody(
+        &address,
+        "/tensorflow.ProfilerService/GetSnapshot",
+        &snapshot,
+    )
+    .await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    let stop = StopContinuousProfilingRequest {};
+    let status = status_as_nobody(
+        &address,
+        "/tensorflow.ProfilerService/StopContinuousProfiling",
+        &stop,
+    )
+    .await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    client
+        .get_snapshot(GetSnapshotRequest::default())
+        .await
+        .expect("root takes its snapshot");
+    client
+        .stop_continuous_profiling(StopContinuousProfilingRequest {})
+        .await
+        .expect("root stops its session");
+}
+
+/// The status of one call of `path` carrying `message`, made as uid 65534.
+async fn status_as_nobody(
+    address: &str,
+    path: &str,
+    message: &impl prost::Message,
+) -> tonic::Status {
+    let io = common::raw_call::connect_as(65534, address).await;
+    common::raw_call::unary_on(io, address, path, message)
+        .await
+        .1
+}
+
 /// `--listen off`: the UNIX socket alone serves, no TCP port is bound, and
 /// without a socket there is nothing to serve on, which is refused.
 #[tokio::test]

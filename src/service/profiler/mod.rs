@@ -33,6 +33,7 @@ use crate::proto::tensorflow::{
     ProfileRequest, ProfileResponse, StopContinuousProfilingRequest,
     StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
 };
+use crate::protocol::caller::Caller;
 use crate::protocol::client;
 use crate::protocol::listen::caller_of;
 use crate::recorder::Window;
@@ -70,6 +71,8 @@ pub struct ServiceConfig {
     pub capture_memory: usize,
     /// Where traces that outgrow their share of it are spilled.
     pub spill: Option<Arc<crate::capture::spill::SpillSpace>>,
+    /// Who may act on what others started (`--admin-group`).
+    pub access: crate::service::access::Access,
 }
 
 impl Default for ServiceConfig {
@@ -85,6 +88,7 @@ impl Default for ServiceConfig {
             chunk_traces_over: DEFAULT_CHUNK_TRACES_OVER,
             capture_memory: crate::capture::memory::DEFAULT_CAPTURE_MEMORY,
             spill: None,
+            access: Default::default(),
         }
     }
 }
@@ -101,6 +105,14 @@ impl ServiceConfig {
             spill: self.spill.clone(),
         }
     }
+}
+
+/// The refusal of a caller acting on another's continuous session.
+fn not_yours(caller: Caller) -> Status {
+    Status::permission_denied(format!(
+        "the continuous profiling session running was started by another caller; only it or \
+         an admin (root, --admin-group) may take its snapshots or stop it (you are {caller})"
+    ))
 }
 
 /// A capture that failed: out of capture memory (or spill space) is
@@ -121,8 +133,9 @@ impl From<CaptureError> for Status {
 struct Continuous {
     _active: crate::agent::CaptureActivity,
     request: ProfileRequest,
-    /// Who started it: its snapshots are written with its rights.
-    caller: crate::protocol::caller::Caller,
+    /// Who started it: it alone (or an admin) takes its snapshots and
+    /// stops it, and they are written with its rights.
+    caller: Caller,
     duration: Option<Duration>,
     last_snapshot_ns: u64,
 }
@@ -132,10 +145,14 @@ pub struct ProfilerService {
     agent: Arc<Agent>,
     captures: Arc<Captures>,
     config: ServiceConfig,
-    running: Mutex<HashMap<String, Vec<(u64, CancellationToken)>>>,
+    /// Captures in progress by session.
+    running: Mutex<HashMap<String, Vec<Running>>>,
     next_capture: std::sync::atomic::AtomicU64,
     continuous: Mutex<Option<Continuous>>,
 }
+
+/// A capture in progress: its number, who started it, and what stops it.
+type Running = (u64, Caller, CancellationToken);
 
 /// Removes a capture from the Terminate table when it ends, however it ends.
 struct Registration<'s> {
@@ -148,7 +165,7 @@ impl Drop for Registration<'_> {
     fn drop(&mut self) {
         let mut running = self.service.running.lock();
         if let Some(list) = running.get_mut(&self.session_id) {
-            list.retain(|(id, _)| *id != self.id);
+            list.retain(|(id, _, _)| *id != self.id);
             if list.is_empty() {
                 running.remove(&self.session_id);
             }
@@ -193,7 +210,7 @@ impl ProfilerService {
         request::plan(&self.config, request, require_duration, self.agent.losses())
     }
 
-    fn register(&self, session_id: &str) -> (Registration<'_>, CancellationToken) {
+    fn register(&self, session_id: &str, caller: Caller) -> (Registration<'_>, CancellationToken) {
         let token = CancellationToken::new();
         let id = self
             .next_capture
@@ -202,7 +219,7 @@ impl ProfilerService {
             .lock()
             .entry(session_id.to_string())
             .or_default()
-            .push((id, token.clone()));
+            .push((id, caller, token.clone()));
         (
             Registration {
                 service: self,
@@ -233,7 +250,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             "capture requested"
         );
         let admission = self.captures.admit(&plan);
-        let (_registration, terminate) = self.register(&plan.session_id);
+        let (_registration, terminate) = self.register(&plan.session_id, caller);
         let _active = self.agent.capture_activity(plan.detailed_device);
         // Upstreams and per-capture sources record alongside the local
         // window; dropping `remote` (a client gone) ends them.
@@ -269,18 +286,29 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let caller = caller_of(request.extensions());
         let session_id = request.into_inner().session_id;
         validate::name_component("session_id", &session_id)?;
-        let tokens: Vec<CancellationToken> = self
+        let (mine, others): (Vec<_>, Vec<_>) = self
             .running
             .lock()
             .get(&session_id)
-            .map(|list| list.iter().map(|(_, t)| t.clone()).collect())
-            .unwrap_or_default();
-        if tokens.is_empty() {
-            info!(session = %session_id, %caller, "terminate: no running capture with this session id");
-        } else {
-            info!(session = %session_id, %caller, captures = tokens.len(), "terminate");
+            .map(|list| {
+                list.iter()
+                    .map(|(_, owner, token)| (*owner, token.clone()))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+            .into_iter()
+            .partition(|(owner, _)| self.config.access.may_act_on(caller, *owner));
+        if !others.is_empty() {
+            // Said to nobody but the log: the caller learns nothing of
+            // captures that are not its own.
+            info!(session = %session_id, %caller, captures = others.len(), "terminate: not stopping captures another caller started");
         }
-        for token in tokens {
+        if mine.is_empty() {
+            info!(session = %session_id, %caller, "terminate: no running capture of this caller with this session id");
+        } else {
+            info!(session = %session_id, %caller, captures = mine.len(), "terminate");
+        }
+        for (_, token) in mine {
             token.cancel();
         }
         Ok(Response::new(TerminateResponse {}))
@@ -322,17 +350,21 @@ impl profiler_service_server::ProfilerService for ProfilerService {
 
     async fn stop_continuous_profiling(
         &self,
-        _request: Request<StopContinuousProfilingRequest>,
+        request: Request<StopContinuousProfilingRequest>,
     ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
-        match self.continuous.lock().take() {
-            Some(_) => {
-                info!("continuous profiling stopped");
-                Ok(Response::new(StopContinuousProfilingResponse {}))
-            }
-            None => Err(Status::not_found(
+        let caller = caller_of(request.extensions());
+        let mut continuous = self.continuous.lock();
+        let Some(running) = continuous.as_ref() else {
+            return Err(Status::not_found(
                 "no continuous profiling session is running",
-            )),
+            ));
+        };
+        if !self.config.access.may_act_on(caller, running.caller) {
+            return Err(not_yours(caller));
         }
+        *continuous = None;
+        info!(%caller, "continuous profiling stopped");
+        Ok(Response::new(StopContinuousProfilingResponse {}))
     }
 
     async fn get_snapshot(
@@ -340,6 +372,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
         let deadline = memory_wait_deadline(request.metadata());
+        let caller = caller_of(request.extensions());
         let snapshot_id = request.into_inner().snapshot_session_id;
         validate::name_component("snapshot_session_id", &snapshot_id)?;
         let now = clock::now_ns();
@@ -350,6 +383,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                     "no continuous profiling session is running",
                 ));
             };
+            if !self.config.access.may_act_on(caller, continuous.caller) {
+                return Err(not_yours(caller));
+            }
             let mut plan = self.plan(&continuous.request, false)?;
             plan.caller = continuous.caller;
             // A fixed duration reaches back into the recorder, even to before
