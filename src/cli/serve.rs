@@ -56,6 +56,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     pub listen_unix: Option<PathBuf>,
 
+    /// How long a continuous profiling session lives without a snapshot: a
+    /// client that went away leaves no backend attached (nor CUPTI on in
+    /// every workload) for longer.
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_retention)]
+    pub continuous_timeout: Duration,
+
     /// Members of this group (besides root) are admins: they may stop any
     /// capture and take or stop any continuous session. Anyone else may act
     /// only on what it started (the same uid; the same address for a caller
@@ -612,6 +618,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             chunk_traces_over: args.chunk_traces_over,
             capture_memory: budgets.capture,
             spill: spill_space(&args)?,
+            continuous_timeout: args.continuous_timeout,
             access: Access::new(
                 args.admin_group
                     .as_deref()

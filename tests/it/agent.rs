@@ -474,3 +474,34 @@ fn sigterm_stops_an_agent_whose_mock_runs_at_the_highest_rate() {
         .expect("SIGTERM did not stop the agent within 10 s");
     assert!(status.success(), "{status:?}");
 }
+
+/// A continuous session whose client stops asking for snapshots ends by
+/// itself after --continuous-timeout; one whose client keeps asking goes on.
+#[tokio::test]
+async fn an_unattended_continuous_session_ends_by_itself() {
+    let agent = AgentProcess::start(&["--continuous-timeout", "1s"]);
+    let mut client = agent.client().await;
+    let mut req = request(1000, "continuous");
+    req.opts.as_mut().unwrap().start_timestamp_ns = 0;
+    client
+        .start_continuous_profiling(req.clone())
+        .await
+        .unwrap();
+    // Attended: a snapshot every half second for two seconds.
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        client
+            .get_snapshot(GetSnapshotRequest::default())
+            .await
+            .expect("an attended session goes on");
+    }
+    // Unattended for twice its timeout: gone.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let status = client
+        .get_snapshot(GetSnapshotRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    // A new one may start.
+    client.start_continuous_profiling(req).await.unwrap();
+}

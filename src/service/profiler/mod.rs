@@ -73,6 +73,9 @@ pub struct ServiceConfig {
     pub spill: Option<Arc<crate::capture::spill::SpillSpace>>,
     /// Who may act on what others started (`--admin-group`).
     pub access: crate::service::access::Access,
+    /// How long a continuous session lives without a snapshot
+    /// (`--continuous-timeout`).
+    pub continuous_timeout: Duration,
 }
 
 impl Default for ServiceConfig {
@@ -89,6 +92,7 @@ impl Default for ServiceConfig {
             capture_memory: crate::capture::memory::DEFAULT_CAPTURE_MEMORY,
             spill: None,
             access: Default::default(),
+            continuous_timeout: DEFAULT_CONTINUOUS_TIMEOUT,
         }
     }
 }
@@ -105,6 +109,34 @@ impl ServiceConfig {
             spill: self.spill.clone(),
         }
     }
+}
+
+/// Ends continuous session `number` once nobody has taken a snapshot of it
+/// (or started it) for `timeout`: a client that went away must not leave
+/// every backend attached (and CUPTI on in every workload) for good.
+fn end_when_unattended(continuous: Arc<Mutex<Option<Continuous>>>, number: u64, timeout: Duration) {
+    tokio::spawn(async move {
+        let mut wait = timeout;
+        loop {
+            tokio::time::sleep(wait).await;
+            let mut guard = continuous.lock();
+            let Some(running) = guard.as_ref().filter(|c| c.number == number) else {
+                return;
+            };
+            let idle = running.last_contact.elapsed();
+            if idle >= timeout {
+                info!(
+                    session = %running.request.session_id,
+                    caller = %running.caller,
+                    idle_s = idle.as_secs(),
+                    "continuous profiling ended: no snapshot was taken within --continuous-timeout"
+                );
+                *guard = None;
+                return;
+            }
+            wait = timeout - idle;
+        }
+    });
 }
 
 /// The refusal of a caller acting on another's continuous session.
@@ -131,6 +163,10 @@ impl From<CaptureError> for Status {
 }
 
 struct Continuous {
+    number: u64,
+    /// Its client's last call: a session nobody asks for ends by itself
+    /// ([`end_when_unattended`]).
+    last_contact: std::time::Instant,
     _active: crate::agent::CaptureActivity,
     request: ProfileRequest,
     /// Who started it: it alone (or an admin) takes its snapshots and
@@ -140,6 +176,9 @@ struct Continuous {
     last_snapshot_ns: u64,
 }
 
+/// The default `--continuous-timeout`.
+pub const DEFAULT_CONTINUOUS_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// See the module documentation.
 pub struct ProfilerService {
     agent: Arc<Agent>,
@@ -148,7 +187,11 @@ pub struct ProfilerService {
     /// Captures in progress by session.
     running: Mutex<HashMap<String, Vec<Running>>>,
     next_capture: std::sync::atomic::AtomicU64,
-    continuous: Mutex<Option<Continuous>>,
+    /// Shared with the task that ends it when its client is gone.
+    continuous: Arc<Mutex<Option<Continuous>>>,
+    /// Numbers continuous sessions, so that a check meant for one never
+    /// ends the next.
+    next_continuous: std::sync::atomic::AtomicU64,
 }
 
 /// A capture in progress: its number, who started it, and what stops it.
@@ -183,7 +226,8 @@ impl ProfilerService {
             config,
             running: Mutex::new(HashMap::new()),
             next_capture: Default::default(),
-            continuous: Mutex::new(None),
+            continuous: Arc::new(Mutex::new(None)),
+            next_continuous: Default::default(),
         }
     }
 
@@ -338,7 +382,17 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         }
         let duration = plan.window.duration_ns();
         info!(session = %plan.session_id, %caller, "continuous profiling started");
+        let number = self
+            .next_continuous
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        end_when_unattended(
+            Arc::clone(&self.continuous),
+            number,
+            self.config.continuous_timeout,
+        );
         *continuous = Some(Continuous {
+            number,
+            last_contact: std::time::Instant::now(),
             _active: self.agent.capture_activity(plan.detailed_device),
             request,
             caller,
@@ -395,6 +449,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 None => continuous.last_snapshot_ns,
             };
             continuous.last_snapshot_ns = now;
+            continuous.last_contact = std::time::Instant::now();
             (plan, start)
         };
         plan.window = Window {
