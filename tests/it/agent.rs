@@ -163,8 +163,7 @@ async fn continuous_profiling_snapshots_reach_back_before_the_request() {
 
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let asked_at = now_ns();
-    let mut req = request(1000, "continuous");
-    req.opts.as_mut().unwrap().start_timestamp_ns = 0;
+    let req = continuous_request();
     client
         .start_continuous_profiling(req.clone())
         .await
@@ -481,8 +480,7 @@ fn sigterm_stops_an_agent_whose_mock_runs_at_the_highest_rate() {
 async fn an_unattended_continuous_session_ends_by_itself() {
     let agent = AgentProcess::start(&["--continuous-timeout", "1s"]);
     let mut client = agent.client().await;
-    let mut req = request(1000, "continuous");
-    req.opts.as_mut().unwrap().start_timestamp_ns = 0;
+    let req = continuous_request();
     client
         .start_continuous_profiling(req.clone())
         .await
@@ -504,4 +502,13 @@ async fn an_unattended_continuous_session_ends_by_itself() {
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
     // A new one may start.
     client.start_continuous_profiling(req).await.unwrap();
+}
+
+/// A continuous session's request: 1 s snapshots, from when it is asked.
+fn continuous_request() -> devtrace::proto::tensorflow::ProfileRequest {
+    let mut req = request(1000, "continuous");
+    if let Some(options) = req.opts.as_mut() {
+        options.start_timestamp_ns = 0;
+    }
+    req
 }
