@@ -69,6 +69,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "GROUP")]
     pub admin_group: Option<String>,
 
+    /// A client certificate name (its first URI name, such as a SPIFFE ID,
+    /// else its first DNS name) whose bearer is an admin (repeatable);
+    /// other certificate names act only on what they started. Needs
+    /// --tls-client-ca, which verifies them.
+    #[arg(long = "admin-client", value_name = "NAME", requires = "tls_client_ca")]
+    pub admin_clients: Vec<String>,
+
     /// Mode of the --listen-unix socket: 0600 (the agent's user) or 0660
     /// (also its group; change the socket's group after start).
     #[arg(long, value_name = "MODE", default_value = "0600", value_parser = parse_socket_mode)]
@@ -625,6 +632,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     .map(crate::service::access::group_id)
                     .transpose()
                     .map_err(anyhow::Error::msg)?,
+                args.admin_clients.clone(),
             ),
             ..ServiceConfig::default()
         },

@@ -1,9 +1,11 @@
 //! Who is calling, as the kernel says, never as the caller says: the uid
 //! of a UNIX-socket peer (`SO_PEERCRED`), the uid owning a TCP peer's socket
 //! when that socket is on this host (this network namespace's socket
-//! tables, matched on the connection's four addresses and ports), and for a
-//! peer elsewhere only its address. Every listener names each connection's
-//! caller this way when it accepts it ([`crate::protocol::listen`]).
+//! tables, matched on the connection's four addresses and ports); for a
+//! peer elsewhere, the name its TLS client certificate (verified against
+//! `--tls-client-ca`) gives, or else only its address. Every listener names
+//! each connection's caller this way when it accepts it
+//! ([`crate::protocol::listen`]).
 //!
 //! Bounds on connections and request bodies stay per address (see
 //! [`crate::protocol::shares`]): the caller is who asks, not what it may
@@ -12,6 +14,9 @@
 use std::fmt;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+use tonic::transport::CertificateDer;
 
 /// How a local caller reached the agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,10 +26,14 @@ pub enum Transport {
 }
 
 /// See the module documentation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Caller {
     /// A process of this host, whose user the kernel names.
     User { uid: u32, transport: Transport },
+    /// A peer on another host that presented a client certificate the
+    /// server verified: named by the certificate's first URI name (a SPIFFE
+    /// ID), else its first DNS name.
+    Certificate(Arc<str>),
     /// A peer whose socket is not on this host (or not in this network
     /// namespace): known only by its address.
     Remote(IpAddr),
@@ -45,11 +54,24 @@ impl fmt::Display for Caller {
                 uid,
                 transport: Transport::Tcp,
             } => write!(f, "uid {uid} (TCP from this host)"),
+            Caller::Certificate(name) => write!(f, "{name} (client certificate)"),
             Caller::Remote(address) => write!(f, "{address} (another host)"),
             Caller::Unknown => f.write_str("unknown"),
             Caller::Agent => f.write_str("the agent"),
         }
     }
+}
+
+/// The name a verified client certificate gives (DER): its first URI name
+/// (a SPIFFE ID such as `spiffe://cluster/ns/team/sa/trainer`), else its
+/// first DNS name; none when it has neither.
+pub fn certificate_name(certificate: &CertificateDer<'_>) -> Option<Arc<str>> {
+    let parsed = webpki::EndEntityCert::try_from(certificate).ok()?;
+    let name = parsed
+        .valid_uri_names()
+        .next()
+        .or_else(|| parsed.valid_dns_names().next())?;
+    Some(Arc::from(name))
 }
 
 /// The socket tables of this network namespace.
@@ -179,6 +201,34 @@ mod tests {
         assert_eq!(parse_end(&mapped), Some("127.0.0.2:80".parse().unwrap()));
         assert_eq!(parse_end("nonsense"), None);
         assert_eq!(parse_end("0100007F:ZZZZ"), None);
+    }
+
+    /// A certificate is named by its first URI name, else its first DNS
+    /// name; one with neither is not named.
+    #[test]
+    fn a_certificate_is_named_by_its_uri_else_its_dns_name() {
+        let named = |sans: Vec<rcgen::SanType>| {
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.subject_alt_names = sans;
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = params.self_signed(&key).unwrap();
+            certificate_name(cert.der()).map(|name| name.to_string())
+        };
+        let uri = |text: &str| rcgen::SanType::URI(text.try_into().unwrap());
+        let dns = |text: &str| rcgen::SanType::DnsName(text.try_into().unwrap());
+        assert_eq!(
+            named(vec![
+                dns("trainer.team.svc"),
+                uri("spiffe://cluster/ns/team/sa/trainer")
+            ]),
+            Some("spiffe://cluster/ns/team/sa/trainer".into())
+        );
+        assert_eq!(
+            named(vec![dns("trainer.team.svc")]),
+            Some("trainer.team.svc".into())
+        );
+        assert_eq!(named(Vec::new()), None);
+        assert_eq!(certificate_name(&CertificateDer::from(vec![1, 2, 3])), None);
     }
 
     /// A real connection on this host: its caller is this process's user.

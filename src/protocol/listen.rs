@@ -203,8 +203,8 @@ impl<IO> Admitted<IO> {
     }
 
     /// Who is calling on this connection.
-    pub fn caller(&self) -> Caller {
-        self.caller
+    pub fn caller(&self) -> &Caller {
+        &self.caller
     }
 }
 
@@ -271,10 +271,25 @@ pub fn connection_of(extensions: &http::Extensions) -> Option<&ConnectionInfo> {
     })
 }
 
-/// Who is calling, from a call's extensions: unknown on a stream no
-/// listener admitted.
+/// Who is calling, from a call's extensions: a local user as the kernel
+/// named it; a peer on another host by its verified client certificate when
+/// it presented one, else by its address; unknown on a stream no listener
+/// admitted.
 pub fn caller_of(extensions: &http::Extensions) -> Caller {
-    connection_of(extensions).map_or(Caller::Unknown, |connection| connection.caller)
+    use tonic::transport::server::TlsConnectInfo;
+    let Some(connection) = connection_of(extensions) else {
+        return Caller::Unknown;
+    };
+    if let Caller::Remote(_) = connection.caller {
+        let named = extensions
+            .get::<TlsConnectInfo<ConnectionInfo>>()
+            .and_then(TlsConnectInfo::peer_certs)
+            .and_then(|certificates| caller::certificate_name(certificates.first()?));
+        if let Some(name) = named {
+            return Caller::Certificate(name);
+        }
+    }
+    connection.caller.clone()
 }
 
 impl<IO> Admitted<IO> {
@@ -360,7 +375,7 @@ impl<IO> Connected for Admitted<IO> {
     fn connect_info(&self) -> Self::ConnectInfo {
         ConnectionInfo {
             peer: self.admission.peer,
-            caller: self.caller,
+            caller: self.caller.clone(),
             closer: self.closer.clone(),
         }
     }

@@ -41,15 +41,18 @@ thread_local! {
 impl Credentials {
     /// What `caller` acts with: none (the agent's own) for the agent's own
     /// user; its user's for a local caller; `nobody`'s for a caller on
-    /// another host or one the kernel could not name.
-    pub fn of_caller(caller: Caller) -> Option<Credentials> {
+    /// another host (named by a certificate or not) or one the kernel could
+    /// not name.
+    pub fn of_caller(caller: &Caller) -> Option<Credentials> {
         // SAFETY: geteuid has no preconditions.
         let agent = unsafe { libc::geteuid() };
-        match caller {
+        match *caller {
             Caller::Agent => None,
             Caller::User { uid, .. } if uid == agent => None,
             Caller::User { uid, .. } => Some(Credentials::of_user(uid)),
-            Caller::Remote(_) | Caller::Unknown => Some(Credentials::nobody()),
+            Caller::Certificate(_) | Caller::Remote(_) | Caller::Unknown => {
+                Some(Credentials::nobody())
+            }
         }
     }
 
@@ -221,12 +224,12 @@ mod tests {
             uid,
             transport: Transport::Tcp,
         };
-        assert_eq!(Credentials::of_caller(local(me)), None);
-        let other = Credentials::of_caller(local(me + 4242)).expect("another user");
+        assert_eq!(Credentials::of_caller(&local(me)), None);
+        let other = Credentials::of_caller(&local(me + 4242)).expect("another user");
         assert_eq!(other.uid, me + 4242);
-        let remote = Credentials::of_caller(Caller::Remote([10, 0, 0, 7].into())).unwrap();
+        let remote = Credentials::of_caller(&Caller::Remote([10, 0, 0, 7].into())).unwrap();
         assert_eq!(
-            Credentials::of_caller(Caller::Unknown),
+            Credentials::of_caller(&Caller::Unknown),
             Some(remote.clone())
         );
         assert_ne!(remote.uid, 0);

@@ -135,7 +135,7 @@ impl Folder {
     /// prefix is reached with the agent's credentials whoever asks.
     pub fn acting_for(
         &self,
-        caller: crate::protocol::caller::Caller,
+        caller: &crate::protocol::caller::Caller,
     ) -> Result<Folder, StorageError> {
         match self {
             Folder::Local(local) => {

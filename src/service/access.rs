@@ -1,10 +1,12 @@
 //! Who may act on what runs in the agent: a capture in progress (stopped
 //! by `Terminate`) and a continuous profiling session (its snapshots and
 //! its stop) belong to the caller that started them. Admins (root, the
-//! agent's own user, and members of `--admin-group`) may act on anything;
-//! anyone else on what is theirs: the same uid for a local caller, the same
-//! address for one on another host. A caller the kernel could not name owns
-//! nothing and may act on nothing of anyone's.
+//! agent's own user, members of `--admin-group`, and clients whose
+//! certificate names one of `--admin-client`) may act on anything; anyone
+//! else on what is theirs: the same uid for a local caller, the same
+//! certificate name or else the same address for one on another host. A
+//! caller the kernel could not name owns nothing and may act on nothing of
+//! anyone's.
 
 use crate::protocol::caller::Caller;
 use crate::repository::acting::Credentials;
@@ -14,34 +16,41 @@ use crate::repository::acting::Credentials;
 pub struct Access {
     /// `--admin-group`'s gid.
     admin_gid: Option<u32>,
+    /// `--admin-client`: certificate names of admins.
+    admin_clients: Vec<String>,
 }
 
 impl Access {
-    pub fn new(admin_gid: Option<u32>) -> Access {
-        Access { admin_gid }
+    pub fn new(admin_gid: Option<u32>, admin_clients: Vec<String>) -> Access {
+        Access {
+            admin_gid,
+            admin_clients,
+        }
     }
 
     /// Whether `caller` may act on anything.
-    pub fn is_admin(&self, caller: Caller) -> bool {
+    pub fn is_admin(&self, caller: &Caller) -> bool {
         // SAFETY: geteuid has no preconditions.
         let agent = unsafe { libc::geteuid() };
         match caller {
             Caller::Agent => true,
-            Caller::User { uid, .. } if uid == 0 || uid == agent => true,
+            Caller::User { uid, .. } if *uid == 0 || *uid == agent => true,
             Caller::User { uid, .. } => self
                 .admin_gid
-                .is_some_and(|gid| Credentials::of_user(uid).groups.contains(&gid)),
+                .is_some_and(|gid| Credentials::of_user(*uid).groups.contains(&gid)),
+            Caller::Certificate(name) => self.admin_clients.iter().any(|admin| **admin == **name),
             Caller::Remote(_) | Caller::Unknown => false,
         }
     }
 
     /// Whether `caller` may act on what `owner` started.
-    pub fn may_act_on(&self, caller: Caller, owner: Caller) -> bool {
+    pub fn may_act_on(&self, caller: &Caller, owner: &Caller) -> bool {
         if self.is_admin(caller) {
             return true;
         }
         match (caller, owner) {
             (Caller::User { uid, .. }, Caller::User { uid: theirs, .. }) => uid == theirs,
+            (Caller::Certificate(name), Caller::Certificate(theirs)) => name == theirs,
             (Caller::Remote(address), Caller::Remote(theirs)) => address == theirs,
             _ => false,
         }
@@ -89,15 +98,21 @@ mod tests {
     fn owners_act_on_their_own_admins_on_all_and_the_unnamed_on_nothing() {
         let access = Access::default();
         let remote = Caller::Remote([10, 0, 0, 7].into());
-        assert!(access.may_act_on(user(1001), user(1001)));
-        assert!(!access.may_act_on(user(1001), user(1002)));
-        assert!(access.may_act_on(user(0), user(1002)));
-        assert!(access.may_act_on(Caller::Agent, user(1002)));
-        assert!(access.may_act_on(remote, remote));
-        assert!(!access.may_act_on(remote, Caller::Remote([10, 0, 0, 8].into())));
-        assert!(!access.may_act_on(remote, user(1001)));
-        assert!(!access.may_act_on(Caller::Unknown, Caller::Unknown));
-        assert!(!access.may_act_on(user(1001), Caller::Unknown));
+        assert!(access.may_act_on(&user(1001), &user(1001)));
+        assert!(!access.may_act_on(&user(1001), &user(1002)));
+        assert!(access.may_act_on(&user(0), &user(1002)));
+        assert!(access.may_act_on(&Caller::Agent, &user(1002)));
+        assert!(access.may_act_on(&remote, &remote));
+        assert!(!access.may_act_on(&remote, &Caller::Remote([10, 0, 0, 8].into())));
+        assert!(!access.may_act_on(&remote, &user(1001)));
+        assert!(!access.may_act_on(&Caller::Unknown, &Caller::Unknown));
+        assert!(!access.may_act_on(&user(1001), &Caller::Unknown));
+        let named = |name: &str| Caller::Certificate(name.into());
+        assert!(access.may_act_on(&named("spiffe://a"), &named("spiffe://a")));
+        assert!(!access.may_act_on(&named("spiffe://a"), &named("spiffe://b")));
+        let with_admin_client = Access::new(None, vec!["spiffe://ops".into()]);
+        assert!(with_admin_client.may_act_on(&named("spiffe://ops"), &named("spiffe://b")));
+        assert!(!with_admin_client.is_admin(&named("spiffe://b")));
     }
 
     #[test]
@@ -108,11 +123,11 @@ mod tests {
             eprintln!("skipped: this host lists no user 65534");
             return;
         }
-        let access = Access::new(Some(nobody.gid));
-        assert!(access.is_admin(user(65_534)));
-        assert!(!Access::default().is_admin(user(65_534)));
+        let access = Access::new(Some(nobody.gid), Vec::new());
+        assert!(access.is_admin(&user(65_534)));
+        assert!(!Access::default().is_admin(&user(65_534)));
         // A uid the user database does not list is in no group.
-        assert!(!access.is_admin(user(4_000_000)));
+        assert!(!access.is_admin(&user(4_000_000)));
         assert_eq!(group_id("root"), Ok(0));
         assert!(group_id("no-such-group-here").is_err());
     }

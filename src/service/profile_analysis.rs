@@ -91,7 +91,7 @@ impl ProfileAnalysisService {
 
     /// The repository root of a request, matched to an allowed root, its
     /// files touched with `caller`'s rights ([`crate::repository::acting`]).
-    fn root(&self, repository_root: &str, caller: Caller) -> Result<Folder, Status> {
+    fn root(&self, repository_root: &str, caller: &Caller) -> Result<Folder, Status> {
         validate::client_path("repository_root", repository_root)?;
         if repository_root.is_empty() {
             return Err(invalid("repository_root", "is required"));
@@ -251,7 +251,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         };
         let entries = self.session_hosts(&request.hosts)?;
         validate::name_component("session_id", &request.session_id)?;
-        let root = self.root(&request.repository_root, caller)?;
+        let root = self.root(&request.repository_root, &caller)?;
         let generated_id = request.session_id.is_empty();
         let session_id = if generated_id {
             session_timestamp()
@@ -358,7 +358,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         request: Request<EnumProfileSessionsAndToolsRequest>,
     ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
         let caller = caller_of(request.extensions());
-        let root = self.root(&request.into_inner().repository_root, caller)?;
+        let root = self.root(&request.into_inner().repository_root, &caller)?;
         let sessions = tokio::task::spawn_blocking(move || {
             let missing = || StorageError::NotFound {
                 path: root.display(),
@@ -391,7 +391,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let wait_until = deadline::memory_wait_deadline(request.metadata());
         let caller = caller_of(request.extensions());
         let request = request.into_inner();
-        let root = self.root(&request.repository_root, caller)?;
+        let root = self.root(&request.repository_root, &caller)?;
         if request.session_id.is_empty() {
             return Err(invalid("session_id", "is required"));
         }

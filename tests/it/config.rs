@@ -20,6 +20,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ("tls-client-ca", r#""/etc/devtrace/clients-ca.pem""#),
     ("listen-unix", r#""/run/devtrace.sock""#),
     ("admin-group", r#""root""#),
+    ("admin-client", r#"["spiffe://cluster/ns/ops/sa/admin"]"#),
     ("continuous-timeout", r#""5m""#),
     ("listen-unix-mode", r#""0660""#),
     ("session-hosts", r#"["10.0.*:6009", "*.cluster.local:*"]"#),

@@ -285,7 +285,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let caller = caller_of(request.extensions());
         let request = request.into_inner();
         let mut plan = self.plan(&request, true)?;
-        plan.caller = caller;
+        plan.caller = caller.clone();
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
@@ -336,12 +336,12 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             .get(&session_id)
             .map(|list| {
                 list.iter()
-                    .map(|(_, owner, token)| (*owner, token.clone()))
+                    .map(|(_, owner, token)| (owner.clone(), token.clone()))
                     .collect::<Vec<_>>()
             })
             .unwrap_or_default()
             .into_iter()
-            .partition(|(owner, _)| self.config.access.may_act_on(caller, *owner));
+            .partition(|(owner, _)| self.config.access.may_act_on(&caller, owner));
         if !others.is_empty() {
             // Said to nobody but the log: the caller learns nothing of
             // captures that are not its own.
@@ -413,7 +413,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 "no continuous profiling session is running",
             ));
         };
-        if !self.config.access.may_act_on(caller, running.caller) {
+        if !self.config.access.may_act_on(&caller, &running.caller) {
             return Err(not_yours(caller));
         }
         *continuous = None;
@@ -437,11 +437,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                     "no continuous profiling session is running",
                 ));
             };
-            if !self.config.access.may_act_on(caller, continuous.caller) {
+            if !self.config.access.may_act_on(&caller, &continuous.caller) {
                 return Err(not_yours(caller));
             }
             let mut plan = self.plan(&continuous.request, false)?;
-            plan.caller = continuous.caller;
+            plan.caller = continuous.caller.clone();
             // A fixed duration reaches back into the recorder, even to before
             // the session started; otherwise snapshots tile time.
             let start = match continuous.duration {

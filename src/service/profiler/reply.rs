@@ -170,7 +170,7 @@ impl ProfilerService {
         };
         // Written with the caller's rights: what it could not write there
         // itself is not written for it.
-        match root.acting_for(plan.caller) {
+        match root.acting_for(&plan.caller) {
             Ok(root) => Some(root),
             Err(reason) => {
                 info!(%reason, caller = %plan.caller, "repository_root not open to the caller; returning the trace inline");
