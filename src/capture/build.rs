@@ -34,13 +34,18 @@ impl Captures {
 
     /// Starts capturing every upstream and per-capture source over the
     /// plan's window: each is called when the window starts (at once when it
-    /// has), so that it records that window and not the one after it.
-    pub fn start_remote(&self, plan: &Plan) -> Remote {
+    /// has), so that it records that window and not the one after it. An
+    /// upstream has until the window's end plus [`upstream_grace`] to
+    /// answer, and never past `answer_by` (when the caller needs its reply):
+    /// a late or silent one makes the trace partial, not the capture fail.
+    pub fn start_remote(&self, plan: &Plan, answer_by: Instant) -> Remote {
         let upstreams = &self.settings.upstreams;
         let window = plan.window;
         let end = CaptureEnd::at(window.stop_ns);
         let duration = Duration::from_nanos(window.duration_ns());
-        let deadline = client::capture_deadline(duration) + clock::until(window.start_ns);
+        let upstream_by =
+            (Instant::now() + clock::until(window.stop_ns) + upstream_grace(duration))
+                .min(answer_by);
         let mut upstream_calls = tokio::task::JoinSet::new();
         for upstream in upstreams {
             let options =
@@ -56,7 +61,8 @@ impl Captures {
                 // JAX's) are asked when the window starts; a devtrace upstream
                 // would also wait for the start itself.
                 tokio::time::sleep(clock::until(window.start_ns)).await;
-                call_upstream(&upstream, request, deadline, config, &memory, name).await
+                let timeout = upstream_by.saturating_duration_since(Instant::now());
+                call_upstream(&upstream, request, timeout, config, &memory, name).await
             });
         }
         let mut source_calls = tokio::task::JoinSet::new();
@@ -224,6 +230,13 @@ impl Captures {
         drop(replies_held);
         built
     }
+}
+
+/// How long past its window's end an upstream may take to answer: its own
+/// build and the transfer, 5 s and a quarter of the window, at most a
+/// minute.
+pub fn upstream_grace(window: Duration) -> Duration {
+    (Duration::from_secs(5) + window / 4).min(Duration::from_secs(60))
 }
 
 /// A build that may spill reserves at most this fraction of the budget for

@@ -17,7 +17,7 @@ pub mod write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use build::Remote;
+pub use build::{upstream_grace, Remote};
 pub use plan::Plan;
 
 use crate::agent::Agent;

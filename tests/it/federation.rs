@@ -91,3 +91,38 @@ async fn an_upstream_that_is_down_makes_the_capture_partial() {
     assert_error_starting(&space, &format!("upstream {unused}: cannot connect"));
     assert!(event_count(&space) > 1000, "our own events are all there");
 }
+
+/// An upstream that accepts the call and never answers (as a port bound by
+/// someone else may) costs the capture its grace past the window, not the
+/// minute a call may otherwise take: the trace comes back partial, naming
+/// the upstream.
+#[tokio::test]
+async fn a_silent_upstream_makes_the_capture_partial_within_its_grace() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = silent.local_addr().unwrap().to_string();
+    // Accepts, holds every connection open, and says nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in silent.incoming() {
+            held.push(stream);
+        }
+    });
+    let agent = AgentProcess::start(&["--upstream", &address]);
+    let asked = std::time::Instant::now();
+    let reply = agent
+        .client()
+        .await
+        .profile(request(300, "silent"))
+        .await
+        .unwrap()
+        .into_inner();
+    let took = asked.elapsed();
+    let grace = devtrace::capture::upstream_grace(std::time::Duration::from_millis(300));
+    assert!(
+        took < grace + std::time::Duration::from_secs(10),
+        "answered after {took:?}"
+    );
+    let space = space_of(&reply);
+    assert_error_starting(&space, &format!("upstream {address}: "));
+    assert!(event_count(&space) > 1000, "our own events are all there");
+}

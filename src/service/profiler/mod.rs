@@ -298,7 +298,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let _active = self.agent.capture_activity(plan.detailed_device);
         // Upstreams and per-capture sources record alongside the local
         // window; dropping `remote` (a client gone) ends them.
-        let remote = self.captures.start_remote(&plan);
+        let remote = self.captures.start_remote(&plan, deadline);
         let (window, terminated) = tokio::select! {
             _ = tokio::time::sleep(clock::until(plan.window.stop_ns)) => (plan.window, false),
             _ = terminate.cancelled() => {
