@@ -62,6 +62,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_retention)]
     pub continuous_timeout: Duration,
 
+    /// Captures one caller may have in progress at once (admins: any
+    /// number); one more is refused with RESOURCE_EXHAUSTED until one ends.
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub captures_per_caller: u16,
+
     /// Members of this group (besides root) are admins: they may stop any
     /// capture and take or stop any continuous session. Anyone else may act
     /// only on what it started (the same uid; the same address for a caller
@@ -626,6 +631,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             capture_memory: budgets.capture,
             spill: spill_space(&args)?,
             continuous_timeout: args.continuous_timeout,
+            captures_per_caller: usize::from(args.captures_per_caller),
             access: Access::new(
                 args.admin_group
                     .as_deref()

@@ -45,15 +45,24 @@ impl Access {
 
     /// Whether `caller` may act on what `owner` started.
     pub fn may_act_on(&self, caller: &Caller, owner: &Caller) -> bool {
-        if self.is_admin(caller) {
-            return true;
-        }
-        match (caller, owner) {
+        self.is_admin(caller) || Access::same_owner(caller, owner)
+    }
+
+    /// Whether `a` and `b` are one owner: the same uid, certificate name or
+    /// address. A caller the kernel could not name is nobody's.
+    fn same_owner(a: &Caller, b: &Caller) -> bool {
+        match (a, b) {
             (Caller::User { uid, .. }, Caller::User { uid: theirs, .. }) => uid == theirs,
             (Caller::Certificate(name), Caller::Certificate(theirs)) => name == theirs,
             (Caller::Remote(address), Caller::Remote(theirs)) => address == theirs,
             _ => false,
         }
+    }
+
+    /// Whether `a` and `b` count as one caller for per-caller limits: one
+    /// owner, or both unnamed (bounded together).
+    pub fn same_caller(a: &Caller, b: &Caller) -> bool {
+        Access::same_owner(a, b) || (*a == Caller::Unknown && *b == Caller::Unknown)
     }
 }
 

@@ -22,6 +22,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ("admin-group", r#""root""#),
     ("admin-client", r#"["spiffe://cluster/ns/ops/sa/admin"]"#),
     ("continuous-timeout", r#""5m""#),
+    ("captures-per-caller", "4"),
     ("listen-unix-mode", r#""0660""#),
     ("session-hosts", r#"["10.0.*:6009", "*.cluster.local:*"]"#),
     ("tls-ca", r#""/etc/devtrace/fleet-ca.pem""#),

@@ -810,6 +810,42 @@ async fn a_caller_cannot_stop_or_read_what_another_started() {
         .expect("root stops its session");
 }
 
+/// One caller cannot hold all the captures: past --captures-per-caller in
+/// progress its next is refused naming the flag, while root (an admin)
+/// still captures.
+#[tokio::test]
+async fn a_caller_past_its_captures_in_progress_is_refused_and_others_go_on() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to call as other users");
+        return;
+    }
+    let agent = AgentProcess::start(&["--captures-per-caller", "2", "--mock-rate", "2000"]);
+    let profile = "/tensorflow.ProfilerService/Profile";
+    let mut held = Vec::new();
+    for session in ["first", "second"] {
+        let address = agent.address.clone();
+        held.push(tokio::spawn(async move {
+            status_as_nobody(&address, profile, &request(10_000, session)).await
+        }));
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let refused = status_as_nobody(&agent.address, profile, &request(300, "third")).await;
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message().contains("--captures-per-caller (2)"),
+        "{refused:?}"
+    );
+    let space = space_of(&agent.profile(request(300, "roots")).await);
+    assert!(event_count(&space) > 0);
+    for call in held {
+        call.abort();
+    }
+}
+
 /// The status of one call of `path` carrying `message`, made as uid 65534.
 async fn status_as_nobody(
     address: &str,

@@ -38,6 +38,7 @@ use crate::protocol::client;
 use crate::protocol::listen::caller_of;
 use crate::recorder::Window;
 use crate::repository::XPLANE_SUFFIX;
+use crate::service::access::Access;
 use crate::telemetry::Telemetry;
 
 use super::validate;
@@ -76,6 +77,9 @@ pub struct ServiceConfig {
     /// How long a continuous session lives without a snapshot
     /// (`--continuous-timeout`).
     pub continuous_timeout: Duration,
+    /// Captures one caller (not an admin) may have in progress at once
+    /// (`--captures-per-caller`).
+    pub captures_per_caller: usize,
 }
 
 impl Default for ServiceConfig {
@@ -93,6 +97,7 @@ impl Default for ServiceConfig {
             spill: None,
             access: Default::default(),
             continuous_timeout: DEFAULT_CONTINUOUS_TIMEOUT,
+            captures_per_caller: DEFAULT_CAPTURES_PER_CALLER,
         }
     }
 }
@@ -176,6 +181,9 @@ struct Continuous {
     last_snapshot_ns: u64,
 }
 
+/// The default `--captures-per-caller`.
+pub const DEFAULT_CAPTURES_PER_CALLER: usize = 8;
+
 /// The default `--continuous-timeout`.
 pub const DEFAULT_CONTINUOUS_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -254,24 +262,46 @@ impl ProfilerService {
         request::plan(&self.config, request, require_duration, self.agent.losses())
     }
 
-    fn register(&self, session_id: &str, caller: Caller) -> (Registration<'_>, CancellationToken) {
+    /// Enters a capture in the Terminate table, unless its caller (not an
+    /// admin) already has `--captures-per-caller` in progress: one caller
+    /// cannot hold the agent's captures (and their memory) for everyone.
+    fn register(
+        &self,
+        session_id: &str,
+        caller: Caller,
+    ) -> Result<(Registration<'_>, CancellationToken), Status> {
         let token = CancellationToken::new();
         let id = self
             .next_capture
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.running
-            .lock()
+        let mut running = self.running.lock();
+        let limit = self.config.captures_per_caller;
+        if !self.config.access.is_admin(&caller) {
+            let theirs = running
+                .values()
+                .flatten()
+                .filter(|(_, owner, _)| Access::same_caller(owner, &caller))
+                .count();
+            if theirs >= limit {
+                return Err(Status::resource_exhausted(format!(
+                    "{caller} has {theirs} captures in progress, as many as \
+                     --captures-per-caller ({limit}) lets one caller have; ask again when one \
+                     has ended"
+                )));
+            }
+        }
+        running
             .entry(session_id.to_string())
             .or_default()
             .push((id, caller, token.clone()));
-        (
+        Ok((
             Registration {
                 service: self,
                 session_id: session_id.to_string(),
                 id,
             },
             token,
-        )
+        ))
     }
 }
 
@@ -293,8 +323,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             %caller,
             "capture requested"
         );
+        let (_registration, terminate) = self.register(&plan.session_id, caller)?;
         let admission = self.captures.admit(&plan);
-        let (_registration, terminate) = self.register(&plan.session_id, caller);
         let _active = self.agent.capture_activity(plan.detailed_device);
         // Upstreams and per-capture sources record alongside the local
         // window; dropping `remote` (a client gone) ends them.
