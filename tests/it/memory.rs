@@ -482,7 +482,7 @@ async fn a_trace_larger_than_the_capture_budget_is_spilled_and_delivered() {
                 "--store-size",
                 "64MiB",
                 "--capture-memory",
-                "48MiB",
+                "32MiB",
                 "--ring-capacity",
                 "16384",
                 "--spill-dir",
@@ -497,7 +497,8 @@ async fn a_trace_larger_than_the_capture_budget_is_spilled_and_delivered() {
         AgentProcess::adopt_with_metrics(child).0
     };
     // A 2 s window of the past: about 800,000 events, a trace of about
-    // 55 MB against a 48 MiB budget.
+    // 55 MB (still over 40 MB when a busy machine slows the mock) against a
+    // 32 MiB budget.
     let past_window = |session: &str| {
         let mut request = common::request(2000, session);
         if let Some(options) = request.opts.as_mut() {
@@ -515,7 +516,7 @@ async fn a_trace_larger_than_the_capture_budget_is_spilled_and_delivered() {
         .expect("the capture was delivered")
         .into_inner();
     let bytes: usize = reply.tool_data.iter().map(|tool| tool.data.len()).sum();
-    assert!(bytes > 48 << 20, "a {bytes}-byte trace needed no spill");
+    assert!(bytes > 32 << 20, "a {bytes}-byte trace needed no spill");
     let space = common::space_of(&reply);
     assert!(
         common::event_count(&space) > 500_000,
