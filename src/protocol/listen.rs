@@ -201,11 +201,6 @@ impl<IO> Admitted<IO> {
             caller: Caller::Unknown,
         }
     }
-
-    /// Who is calling on this connection.
-    pub fn caller(&self) -> &Caller {
-        &self.caller
-    }
 }
 
 /// Closes the connection it came with, from outside the server: its next

@@ -10,7 +10,9 @@
 //! 5.6, or filtered out by a seccomp policy), a walk one component at a time
 //! with `openat(O_NOFOLLOW)`. Directories made for writes are made beneath
 //! the same descriptor (`mkdirat`), and files are written under a temporary
-//! name and renamed into place (`renameat`), both relative to it.
+//! name and renamed into place (`renameat`), both relative to it. A
+//! directory given a caller's credentials ([`Dir::acting_as`]) does all of
+//! this with that caller's rights ([`crate::repository::acting`]).
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
