@@ -21,6 +21,7 @@ use crate::ring::DropPolicy;
 use crate::service::access::Access;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{ProfilerService, ServiceConfig};
+use crate::service::session_bytes::SessionBytes;
 use crate::service::session_hosts::{HostPattern, SessionHosts};
 use crate::service::trigger::TriggerService;
 use crate::service::Listeners;
@@ -66,6 +67,17 @@ pub struct ServeArgs {
     /// number); one more is refused with RESOURCE_EXHAUSTED until one ends.
     #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
     pub captures_per_caller: u16,
+
+    /// Bytes one NewSession of a caller that is not an admin may have the
+    /// agent write (its hosts' traces together); a host whose trace would
+    /// pass it is not written, and the session's errors say so.
+    #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = parse_session_bytes)]
+    pub session_bytes: usize,
+
+    /// Bytes the NewSessions of one caller that is not an admin may have
+    /// the agent write within an hour, together.
+    #[arg(long, value_name = "SIZE", default_value = "64GiB", value_parser = parse_session_bytes)]
+    pub session_bytes_per_hour: usize,
 
     /// Members of this group (besides root) are admins: they may stop any
     /// capture and take or stop any continuous session. Anyone else may act
@@ -451,6 +463,14 @@ fn parse_connection_age(text: &str) -> Result<Duration, String> {
     Ok(age)
 }
 
+fn parse_session_bytes(text: &str) -> Result<usize, String> {
+    let bytes = crate::model::units::parse_size(text).map_err(|e| e.to_string())?;
+    if bytes < 1 << 20 {
+        return Err(format!("{bytes} bytes is less than 1MiB"));
+    }
+    Ok(bytes)
+}
+
 fn parse_max_duration(text: &str) -> Result<Duration, String> {
     let duration = super::parse_duration(text).map_err(|e| e.to_string())?;
     at_least(duration, Duration::from_millis(1), "1ms")
@@ -618,6 +638,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let agent = Agent::start(&config).context("starting the agent")?;
     telemetry.agent_started(&agent);
+    let access = Access::new(
+        args.admin_group
+            .as_deref()
+            .map(crate::service::access::group_id)
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
+        args.admin_clients.clone(),
+    );
     let service = Arc::new(ProfilerService::new(
         Arc::clone(&agent),
         ServiceConfig {
@@ -632,14 +660,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             spill: spill_space(&args)?,
             continuous_timeout: args.continuous_timeout,
             captures_per_caller: usize::from(args.captures_per_caller),
-            access: Access::new(
-                args.admin_group
-                    .as_deref()
-                    .map(crate::service::access::group_id)
-                    .transpose()
-                    .map_err(anyhow::Error::msg)?,
-                args.admin_clients.clone(),
-            ),
+            access: access.clone(),
             ..ServiceConfig::default()
         },
     ));
@@ -653,6 +674,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         resolver: Arc::new(args.fleet.resolver()),
         concurrent_hosts: args.fleet.concurrent_hosts,
         memory: Some(service.captures().memory()),
+        access,
+        session_bytes: Arc::new(SessionBytes::new(
+            args.session_bytes as u64,
+            args.session_bytes_per_hour as u64,
+        )),
     }));
     let triggers = start_triggers(&args, &agent, &service, &allowed_roots)?;
     if let Some(triggers) = &triggers {

@@ -43,6 +43,39 @@ pub enum Caller {
     Agent,
 }
 
+/// Who a caller is as an owner, whatever way it came: what it starts is
+/// its own, and per-caller bounds count it, by this.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Owner {
+    Uid(u32),
+    Certificate(Arc<str>),
+    Address(IpAddr),
+    /// Callers the kernel could not name, counted together.
+    Unnamed,
+    Agent,
+}
+
+impl Caller {
+    /// A local user over TCP, for tests.
+    #[cfg(test)]
+    pub fn tcp_user(uid: u32) -> Caller {
+        Caller::User {
+            uid,
+            transport: Transport::Tcp,
+        }
+    }
+
+    pub fn owner(&self) -> Owner {
+        match self {
+            Caller::User { uid, .. } => Owner::Uid(*uid),
+            Caller::Certificate(name) => Owner::Certificate(Arc::clone(name)),
+            Caller::Remote(address) => Owner::Address(*address),
+            Caller::Unknown => Owner::Unnamed,
+            Caller::Agent => Owner::Agent,
+        }
+    }
+}
+
 impl fmt::Display for Caller {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -8,7 +8,7 @@
 //! caller the kernel could not name owns nothing and may act on nothing of
 //! anyone's.
 
-use crate::protocol::caller::Caller;
+use crate::protocol::caller::{Caller, Owner};
 use crate::repository::acting::Credentials;
 
 /// See the module documentation.
@@ -51,18 +51,14 @@ impl Access {
     /// Whether `a` and `b` are one owner: the same uid, certificate name or
     /// address. A caller the kernel could not name is nobody's.
     fn same_owner(a: &Caller, b: &Caller) -> bool {
-        match (a, b) {
-            (Caller::User { uid, .. }, Caller::User { uid: theirs, .. }) => uid == theirs,
-            (Caller::Certificate(name), Caller::Certificate(theirs)) => name == theirs,
-            (Caller::Remote(address), Caller::Remote(theirs)) => address == theirs,
-            _ => false,
-        }
+        let owner = a.owner();
+        owner != Owner::Unnamed && owner == b.owner()
     }
 
     /// Whether `a` and `b` count as one caller for per-caller limits: one
     /// owner, or both unnamed (bounded together).
     pub fn same_caller(a: &Caller, b: &Caller) -> bool {
-        Access::same_owner(a, b) || (*a == Caller::Unknown && *b == Caller::Unknown)
+        a.owner() == b.owner()
     }
 }
 
@@ -94,13 +90,9 @@ pub fn group_id(name: &str) -> Result<u32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::caller::Transport;
 
     fn user(uid: u32) -> Caller {
-        Caller::User {
-            uid,
-            transport: Transport::Tcp,
-        }
+        Caller::tcp_user(uid)
     }
 
     #[test]

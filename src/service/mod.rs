@@ -7,6 +7,7 @@ pub mod framed_reply;
 pub mod profile_analysis;
 pub mod profiler;
 pub mod request_bodies;
+pub mod session_bytes;
 pub mod session_hosts;
 pub mod trigger;
 pub mod validate;

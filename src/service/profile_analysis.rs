@@ -27,6 +27,8 @@ use crate::protocol::caller::Caller;
 use crate::protocol::client::{self, ClientConfig, Target};
 use crate::protocol::listen::caller_of;
 use crate::repository::{self, Folder, StorageError};
+use crate::service::access::Access;
+use crate::service::session_bytes::SessionBytes;
 
 use super::deadline;
 use super::framed_reply::FramedReply;
@@ -62,6 +64,11 @@ pub struct AnalysisConfig {
     /// The budget tool requests on stored sessions draw from (the capture
     /// budget, `--capture-memory`); none: unbounded.
     pub memory: Option<Arc<CaptureMemory>>,
+    /// Who is an admin (`--admin-group`, `--admin-client`).
+    pub access: Access,
+    /// What a session of a caller who is not an admin may write
+    /// (`--session-bytes`, `--session-bytes-per-hour`).
+    pub session_bytes: Arc<SessionBytes>,
 }
 
 impl Default for AnalysisConfig {
@@ -76,6 +83,8 @@ impl Default for AnalysisConfig {
             resolver: Arc::default(),
             concurrent_hosts: fleet::DEFAULT_CONCURRENT_HOSTS,
             memory: None,
+            access: Access::default(),
+            session_bytes: Arc::default(),
         }
     }
 }
@@ -165,6 +174,11 @@ struct SessionSink {
     generated_id: bool,
     unsent_dir: PathBuf,
     made: parking_lot::Mutex<Option<Folder>>,
+    /// Who asked, and its bounds (none for an admin).
+    caller: Caller,
+    bounds: Option<Arc<SessionBytes>>,
+    /// Bytes this session's files have taken so far.
+    written: Arc<parking_lot::Mutex<u64>>,
 }
 
 impl fleet::TraceSink for SessionSink {
@@ -193,7 +207,40 @@ impl fleet::TraceSink for SessionSink {
             file_name,
             &self.unsent_dir,
         )?;
-        Ok(Box::new(file))
+        match &self.bounds {
+            None => Ok(Box::new(file)),
+            Some(bounds) => Ok(Box::new(BoundedFile {
+                file: Box::new(file),
+                caller: self.caller.clone(),
+                bounds: Arc::clone(bounds),
+                written: Arc::clone(&self.written),
+            })),
+        }
+    }
+}
+
+/// A session file whose writes count against its caller's bounds; one
+/// that would pass them fails, and the file is not committed.
+struct BoundedFile {
+    file: Box<dyn fleet::TraceFile>,
+    caller: Caller,
+    bounds: Arc<SessionBytes>,
+    written: Arc<parking_lot::Mutex<u64>>,
+}
+
+impl fleet::TraceFile for BoundedFile {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
+        {
+            let mut written = self.written.lock();
+            self.bounds
+                .take(&self.caller, *written, bytes.len() as u64)?;
+            *written += bytes.len() as u64;
+        }
+        self.file.write(bytes)
+    }
+
+    fn commit(self: Box<Self>) -> Result<PathBuf, String> {
+        self.file.commit()
     }
 }
 
@@ -325,6 +372,10 @@ impl ProfileAnalysis for ProfileAnalysisService {
             generated_id,
             unsent_dir: self.config.unsent_dir.clone(),
             made: parking_lot::Mutex::new(None),
+            bounds: (!self.config.access.is_admin(&caller))
+                .then(|| Arc::clone(&self.config.session_bytes)),
+            caller: caller.clone(),
+            written: Arc::default(),
         });
         let plan = fleet::FanOut {
             deadline: session_end.saturating_duration_since(Instant::now()),

@@ -23,6 +23,8 @@ const SAMPLES: &[(&str, &str)] = &[
     ("admin-client", r#"["spiffe://cluster/ns/ops/sa/admin"]"#),
     ("continuous-timeout", r#""5m""#),
     ("captures-per-caller", "4"),
+    ("session-bytes", r#""8GiB""#),
+    ("session-bytes-per-hour", r#""32GiB""#),
     ("listen-unix-mode", r#""0660""#),
     ("session-hosts", r#"["10.0.*:6009", "*.cluster.local:*"]"#),
     ("tls-ca", r#""/etc/devtrace/fleet-ca.pem""#),

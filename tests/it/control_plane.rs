@@ -846,6 +846,66 @@ async fn a_caller_past_its_captures_in_progress_is_refused_and_others_go_on() {
     }
 }
 
+/// A NewSession of a caller that is not an admin writes at most
+/// --session-bytes: past it, the host's trace is not written and the
+/// session's errors name the flag. Root's session of the same host lands.
+#[tokio::test]
+async fn a_callers_session_writes_at_most_its_bytes() {
+    use devtrace::proto::tensorflow::NewProfileSessionResponse;
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to call as other users");
+        return;
+    }
+    let shared = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        shared.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+    )
+    .unwrap();
+    let agent = AgentProcess::start(&[
+        "--allow-root",
+        path(shared.path()),
+        "--session-bytes",
+        "1MiB",
+        "--mock-rate",
+        "200000",
+    ]);
+    // 0.3 s at 200,000 events/s: a trace of about 4 MB.
+    let hosts = [agent.address.as_str()];
+    let io = common::raw_call::connect_as(65534, &agent.address).await;
+    let (reply, status) = common::raw_call::unary_on(
+        io,
+        &agent.address,
+        "/tensorflow.ProfileAnalysis/NewSession",
+        &session_request(shared.path(), &hosts, "bounded"),
+    )
+    .await;
+    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+    let reply = NewProfileSessionResponse::decode(&reply[..]).unwrap();
+    assert!(
+        reply.error_message.contains("--session-bytes"),
+        "{}",
+        reply.error_message
+    );
+    let written = std::fs::read_dir(shared.path().join("bounded"))
+        .map(|files| files.count())
+        .unwrap_or(0);
+    assert_eq!(written, 0, "a trace past --session-bytes was written");
+    let reply = analysis(plain_channel(&agent.address).await)
+        .await
+        .new_session(session_request(shared.path(), &hosts, "roots"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.error_message.is_empty(), "{}", reply.error_message);
+    assert_eq!(
+        std::fs::read_dir(shared.path().join("roots"))
+            .unwrap()
+            .count(),
+        1
+    );
+}
+
 /// The status of one call of `path` carrying `message`, made as uid 65534.
 async fn status_as_nobody(
     address: &str,
