@@ -478,23 +478,23 @@ fn sigterm_stops_an_agent_whose_mock_runs_at_the_highest_rate() {
 /// itself after --continuous-timeout; one whose client keeps asking goes on.
 #[tokio::test]
 async fn an_unattended_continuous_session_ends_by_itself() {
-    let agent = AgentProcess::start(&["--continuous-timeout", "1s"]);
+    let agent = AgentProcess::start(&["--continuous-timeout", "2s"]);
     let mut client = agent.client().await;
     let req = continuous_request();
     client
         .start_continuous_profiling(req.clone())
         .await
         .unwrap();
-    // Attended: a snapshot every half second for two seconds.
-    for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    // Attended: a snapshot every 300 ms, for more than its timeout.
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
         client
             .get_snapshot(GetSnapshotRequest::default())
             .await
             .expect("an attended session goes on");
     }
-    // Unattended for twice its timeout: gone.
-    tokio::time::sleep(Duration::from_millis(2000)).await;
+    // Unattended for more than twice its timeout: gone.
+    tokio::time::sleep(Duration::from_millis(5000)).await;
     let status = client
         .get_snapshot(GetSnapshotRequest::default())
         .await

@@ -460,7 +460,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let snapshot_id = request.into_inner().snapshot_session_id;
         validate::name_component("snapshot_session_id", &snapshot_id)?;
         let now = clock::now_ns();
-        let (mut plan, start_ns) = {
+        let (mut plan, start_ns, number) = {
             let mut guard = self.continuous.lock();
             let Some(continuous) = guard.as_mut() else {
                 return Err(Status::not_found(
@@ -480,7 +480,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             };
             continuous.last_snapshot_ns = now;
             continuous.last_contact = std::time::Instant::now();
-            (plan, start)
+            (plan, start, continuous.number)
         };
         plan.window = Window {
             start_ns,
@@ -492,6 +492,16 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             plan.generated_session_id = false;
         }
         let encoded = self.captures.build(&plan, plan.window, deadline).await?;
+        // Its client was here until now: a slow build does not count
+        // against it.
+        if let Some(continuous) = self
+            .continuous
+            .lock()
+            .as_mut()
+            .filter(|continuous| continuous.number == number)
+        {
+            continuous.last_contact = std::time::Instant::now();
+        }
         if encoded.len() > self.config.chunk_traces_over {
             return self
                 .respond_chunked(&plan, plan.window, Arc::new(encoded), true, deadline)
