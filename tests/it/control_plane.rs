@@ -768,14 +768,18 @@ async fn a_caller_cannot_stop_or_read_what_another_started() {
     // Its own Terminate still stops it.
     let mut client = agent.client().await;
     let capture = tokio::spawn(async move { client.profile(request(60_000, "own")).await });
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     let mut other = agent.client().await;
-    other
-        .terminate(TerminateRequest {
-            session_id: "own".into(),
-        })
-        .await
-        .unwrap();
+    // Until it has ended: a Terminate before the capture is in progress
+    // finds nothing to stop.
+    while !capture.is_finished() {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        other
+            .terminate(TerminateRequest {
+                session_id: "own".into(),
+            })
+            .await
+            .unwrap();
+    }
     let space = space_of(&capture.await.unwrap().unwrap().into_inner());
     let (start, stop) = window_of(&space);
     assert!(stop - start < 30_000_000_000);
