@@ -744,10 +744,10 @@ async fn a_caller_cannot_stop_or_read_what_another_started() {
     }
     let agent = AgentProcess::start(&["--mock-rate", "2000"]);
     let address = agent.address.clone();
-    // Root's 2 s capture, which uid 65534 asks to stop.
+    // Root's 3 s capture, which uid 65534 asks to stop a second in.
     let mut client = agent.client().await;
-    let capture = tokio::spawn(async move { client.profile(request(2000, "roots")).await });
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let capture = tokio::spawn(async move { client.profile(request(3000, "roots")).await });
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
     let terminate = TerminateRequest {
         session_id: "roots".into(),
     };
