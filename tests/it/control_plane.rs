@@ -761,7 +761,7 @@ async fn a_caller_cannot_stop_or_read_what_another_started() {
     let space = space_of(&capture.await.unwrap().unwrap().into_inner());
     let (start, stop) = window_of(&space);
     assert!(
-        stop - start >= 1_900_000_000,
+        stop - start >= 2_900_000_000,
         "cut short to {} ns",
         stop - start
     );
