@@ -17,10 +17,32 @@ pub enum LogFormat {
 /// A `--log-level`: checked as a filter, so that a mistyped one is a usage
 /// error rather than a log quietly at another level.
 pub fn parse_filter(text: &str) -> Result<String, String> {
+    // A bare word is a target to tracing (all of `debgu`'s logs), so a
+    // mistyped level would log nothing at all: one a typo away from a level
+    // is refused, naming it.
+    for directive in text.split(',').map(str::trim) {
+        let word = directive.to_ascii_lowercase();
+        if word.contains(['=', ':', '[']) || LEVELS.contains(&word.as_str()) {
+            continue;
+        }
+        let near = |level: &str| {
+            strsim::damerau_levenshtein(&word, level) <= 2
+                || (word.len() >= 3 && (word.starts_with(level) || level.starts_with(&word)))
+        };
+        if let Some(level) = LEVELS.into_iter().find(|level| near(level)) {
+            return Err(format!(
+                "{directive:?} is not a level (did you mean {level}?); a target's logs are \
+                 asked for as TARGET=LEVEL"
+            ));
+        }
+    }
     EnvFilter::try_new(text)
         .map(|_| text.to_string())
         .map_err(|error| format!("not a log filter: {error}"))
 }
+
+/// The levels a filter names.
+const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
 
 /// Installs the subscriber: `level` as the filter unless RUST_LOG says
 /// otherwise. A RUST_LOG that is not a filter is an error, not ignored.
@@ -50,4 +72,35 @@ pub fn init(level: &str, format: LogFormat) -> anyhow::Result<()> {
             .try_init(),
     };
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_targets_and_directives_pass_and_a_mistyped_level_is_named() {
+        for good in [
+            "info",
+            "DEBUG",
+            "devtrace=debug",
+            "h2",
+            "devtrace::agent=trace,warn",
+            "off",
+        ] {
+            assert_eq!(parse_filter(good).as_deref(), Ok(good), "{good}");
+        }
+        for (typo, level) in [
+            ("debgu", "debug"),
+            ("inof", "info"),
+            ("warning", "warn"),
+            ("trce", "trace"),
+        ] {
+            let refused = parse_filter(typo).unwrap_err();
+            assert!(
+                refused.contains(&format!("did you mean {level}?")),
+                "{typo}: {refused}"
+            );
+        }
+    }
 }
