@@ -15,8 +15,8 @@ use crate::backend::mock::{MockBackend, MockConfig};
 use crate::backend::nvml::{NvmlBackend, NvmlConfig};
 use crate::backend::perf::{PerfBackend, PerfConfig};
 use crate::backend::tpu::{TpuBackend, TpuConfig};
-use crate::backend::SessionSource;
 use crate::backend::{Backend, BackendContext, BackendError, GpuReading, Health, Loss};
+use crate::backend::{ProcessLines, Scope, SessionSource, TraceDemand};
 use crate::clock;
 use crate::model::registry::{Registry, RegistrySnapshot};
 use crate::recorder::collect::{Collector, CollectorError};
@@ -104,18 +104,25 @@ pub struct Agent {
     /// Backends that were asked for but could not start, and why.
     unavailable: Vec<(&'static str, String)>,
     captures: Arc<AtomicUsize>,
-    traces: Arc<AtomicUsize>,
+    traces: Arc<TraceDemand>,
     detailed_traces: Arc<AtomicUsize>,
     max_delay: Duration,
 }
 
 /// Marks a capture (or a Monitor) in progress for as long as it lives.
-pub struct CaptureActivity(Vec<Arc<AtomicUsize>>);
+pub struct CaptureActivity {
+    counters: Vec<Arc<AtomicUsize>>,
+    /// A capture's trace and its scope; none for a Monitor.
+    trace: Option<(Arc<TraceDemand>, Scope)>,
+}
 
 impl Drop for CaptureActivity {
     fn drop(&mut self) {
-        for counter in &self.0 {
+        for counter in &self.counters {
             counter.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some((traces, scope)) = &self.trace {
+            traces.end(*scope);
         }
     }
 }
@@ -128,7 +135,7 @@ impl Agent {
         let collector = Collector::start(Arc::clone(&store))?;
         collector.attach(&ring)?;
         let captures = Arc::new(AtomicUsize::new(0));
-        let traces = Arc::new(AtomicUsize::new(0));
+        let traces = Arc::new(TraceDemand::default());
         let detailed_traces = Arc::new(AtomicUsize::new(0));
         let context = BackendContext {
             registry: Arc::clone(&registry),
@@ -210,26 +217,34 @@ impl Agent {
         &self.unavailable
     }
 
-    /// Tells the backends a capture is running until the guard is dropped:
-    /// samplers sample faster and tracers (eBPF hooks, CUPTI in workloads)
-    /// switch on; `detailed` when it asked for device-specific detail
-    /// (`ProfileOptions.device_tracer_level` 2 or more).
-    pub fn capture_activity(&self, detailed: bool) -> CaptureActivity {
-        let mut counters = vec![Arc::clone(&self.captures), Arc::clone(&self.traces)];
+    /// Tells the backends a capture of `scope` is running until the guard
+    /// is dropped: samplers sample faster and tracers (eBPF hooks, CUPTI in
+    /// the workloads the scope covers) switch on; `detailed` when it asked
+    /// for device-specific detail (`ProfileOptions.device_tracer_level` 2 or
+    /// more).
+    pub fn capture_activity(&self, detailed: bool, scope: Scope) -> CaptureActivity {
+        let mut counters = vec![Arc::clone(&self.captures)];
         if detailed {
             counters.push(Arc::clone(&self.detailed_traces));
         }
         for counter in &counters {
             counter.fetch_add(1, Ordering::Relaxed);
         }
-        CaptureActivity(counters)
+        self.traces.begin(scope);
+        CaptureActivity {
+            counters,
+            trace: Some((Arc::clone(&self.traces), scope)),
+        }
     }
 
     /// As [`Agent::capture_activity`] for a Monitor: samplers sample faster,
     /// but nothing starts tracing for it.
     pub fn monitor_activity(&self) -> CaptureActivity {
         self.captures.fetch_add(1, Ordering::Relaxed);
-        CaptureActivity(vec![Arc::clone(&self.captures)])
+        CaptureActivity {
+            counters: vec![Arc::clone(&self.captures)],
+            trace: None,
+        }
     }
 
     /// Sources that record per capture (libtpu), to be asked for each window.
@@ -260,24 +275,36 @@ impl Agent {
         health
     }
 
-    /// What backends have to say about a capture of `window`.
-    pub fn notices(&self, window: Window) -> Vec<(&'static str, String)> {
+    /// What backends have to say about a capture of `window` and `scope`.
+    pub fn notices(&self, window: Window, scope: Scope) -> Vec<(&'static str, String)> {
         self.backends
             .lock()
             .iter()
             .flat_map(|b| {
                 let name = b.name();
-                b.notices(window).into_iter().map(move |text| (name, text))
+                b.notices(window, scope)
+                    .into_iter()
+                    .map(move |text| (name, text))
             })
             .collect()
     }
 
-    /// Facts the backends record about a capture of `window`.
-    pub fn properties(&self, window: Window) -> Vec<(String, String)> {
+    /// Facts the backends record about a capture of `window` and `scope`.
+    pub fn properties(&self, window: Window, scope: Scope) -> Vec<(String, String)> {
         self.backends
             .lock()
             .iter()
-            .flat_map(|b| b.properties(window))
+            .flat_map(|b| b.properties(window, scope))
+            .collect()
+    }
+
+    /// The processes with lines of their own in `window`, from every
+    /// backend: what a capture scoped to a user keeps of theirs.
+    pub fn process_lines(&self, window: Window) -> Vec<ProcessLines> {
+        self.backends
+            .lock()
+            .iter()
+            .flat_map(|b| b.process_lines(window))
             .collect()
     }
 

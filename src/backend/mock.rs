@@ -70,6 +70,9 @@ pub struct MockConfig {
     pub slow_step_after: Option<Duration>,
     /// Utilisation is sampled, and dips for a while from some time on.
     pub utilization_dip: Option<Dip>,
+    /// The user the simulated job runs as, for captures scoped to one user;
+    /// none: the agent's own (its events come from the agent's process).
+    pub uid: Option<u32>,
 }
 
 impl Default for MockConfig {
@@ -80,6 +83,7 @@ impl Default for MockConfig {
             gpus: 2,
             slow_step_after: None,
             utilization_dip: None,
+            uid: None,
         }
     }
 }
@@ -712,6 +716,24 @@ impl Backend for MockBackend {
         if let Some(worker) = self.running.take() {
             worker.stop();
         }
+    }
+
+    /// The simulated job is one process: the agent's, of `MockConfig::uid`.
+    fn process_lines(&self, _window: crate::recorder::Window) -> Vec<super::ProcessLines> {
+        // SAFETY: geteuid has no preconditions.
+        let uid = self
+            .config
+            .uid
+            .unwrap_or_else(|| unsafe { libc::geteuid() });
+        vec![super::ProcessLines {
+            pid: std::process::id(),
+            uid,
+            from_ns: 0,
+            until_ns: None,
+            gpu_slot: Some(0),
+            host_lines: vec![PYTHON_TID, COPY_TID],
+            gpus: (0..self.config.gpus).collect(),
+        }]
     }
 
     fn health(&self) -> Health {

@@ -12,10 +12,13 @@ pub mod perf;
 pub mod tpu;
 pub mod worker;
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::model::registry::Registry;
+pub use crate::model::scope::Scope;
 use crate::ring::{Producer, Ring, RingError};
 
 /// What a backend can observe.
@@ -54,10 +57,11 @@ pub struct BackendContext {
     /// Captures (and continuous sessions) in progress: backends whose
     /// sampling costs something sample faster while it is non-zero.
     pub captures: Arc<std::sync::atomic::AtomicUsize>,
-    /// Captures and continuous sessions alone (not Monitor calls): backends
-    /// that trace (kernel hooks, CUPTI in workloads) switch on while it is
-    /// non-zero.
-    pub traces: Arc<std::sync::atomic::AtomicUsize>,
+    /// Captures and continuous sessions alone (not Monitor calls), and
+    /// whose each is: backends that trace (kernel hooks, CUPTI in
+    /// workloads) switch on while there are any, CUPTI only in the
+    /// processes one of them covers.
+    pub traces: Arc<TraceDemand>,
     /// Those of `traces` that asked for device-specific detail
     /// (`ProfileOptions.device_tracer_level` 2 or more): CUPTI in workloads
     /// then records every API call, not only the timeline's.
@@ -87,6 +91,78 @@ pub enum BackendError {
     },
 }
 
+/// The traces in progress and whose they are (see [`Scope`]).
+#[derive(Debug, Default)]
+pub struct TraceDemand {
+    /// Every trace in progress, whatever its scope.
+    all: AtomicUsize,
+    /// Those of the whole host.
+    host: AtomicUsize,
+    /// Those scoped to one user, counted per uid.
+    users: parking_lot::Mutex<BTreeMap<u32, usize>>,
+}
+
+impl TraceDemand {
+    /// Counts a trace of `scope` until [`Self::end`] is called for it.
+    pub fn begin(&self, scope: Scope) {
+        self.all.fetch_add(1, Ordering::Relaxed);
+        match scope {
+            Scope::Host => {
+                self.host.fetch_add(1, Ordering::Relaxed);
+            }
+            Scope::User { uid } => *self.users.lock().entry(uid).or_default() += 1,
+        }
+    }
+
+    pub fn end(&self, scope: Scope) {
+        match scope {
+            Scope::Host => {
+                self.host.fetch_sub(1, Ordering::Relaxed);
+            }
+            Scope::User { uid } => {
+                let mut users = self.users.lock();
+                if let Some(count) = users.get_mut(&uid) {
+                    *count -= 1;
+                    if *count == 0 {
+                        users.remove(&uid);
+                    }
+                }
+            }
+        }
+        self.all.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Whether any trace is in progress.
+    pub fn any(&self) -> bool {
+        self.all.load(Ordering::Relaxed) > 0
+    }
+
+    /// Whether a trace in progress covers the processes of user `uid`.
+    pub fn covers_user(&self, uid: u32) -> bool {
+        self.host.load(Ordering::Relaxed) > 0 || self.users.lock().contains_key(&uid)
+    }
+}
+
+/// A process whose events a backend put on lines of its own (GPU streams,
+/// host lines it names), with whose it is, so that a capture scoped to a
+/// user keeps its events and no one else's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessLines {
+    pub pid: u32,
+    /// The user the process runs as.
+    pub uid: u32,
+    /// When the backend took it up and let it go (Unix nanoseconds).
+    pub from_ns: u64,
+    pub until_ns: Option<u64>,
+    /// Its lines on GPU planes: line ids whose bits above
+    /// [`crate::model::timeline::STREAM_BITS`] are this.
+    pub gpu_slot: Option<u64>,
+    /// Its lines on the host plane.
+    pub host_lines: Vec<u64>,
+    /// The GPU planes it used.
+    pub gpus: Vec<u16>,
+}
+
 /// A source of events.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
@@ -108,13 +184,20 @@ pub trait Backend: Send + Sync {
         Vec::new()
     }
     /// Things a capture of `window` should be told (a traced process that
-    /// exited during it, ...), for its warnings.
-    fn notices(&self, _window: crate::recorder::Window) -> Vec<String> {
+    /// exited during it, ...), for its warnings; of a scoped capture, only
+    /// what concerns its processes.
+    fn notices(&self, _window: crate::recorder::Window, _scope: Scope) -> Vec<String> {
         Vec::new()
     }
     /// Facts about what a capture of `window` covers, as (name, value)
-    /// pairs for the trace's Task Environment plane.
-    fn properties(&self, _window: crate::recorder::Window) -> Vec<(String, String)> {
+    /// pairs for the trace's Task Environment plane; of a scoped capture,
+    /// only what concerns its processes.
+    fn properties(&self, _window: crate::recorder::Window, _scope: Scope) -> Vec<(String, String)> {
+        Vec::new()
+    }
+    /// The processes with lines of their own among this backend's events
+    /// of `window`.
+    fn process_lines(&self, _window: crate::recorder::Window) -> Vec<ProcessLines> {
         Vec::new()
     }
     /// The latest reading of each GPU a sampling backend (NVML) watches,

@@ -9,8 +9,9 @@ use prost::Message;
 use tracing::info;
 
 use super::memory::{self, BuildMemory};
+use super::scope::Visibility;
 use super::{CaptureError, Captures, Plan};
-use crate::backend::CaptureEnd;
+use crate::backend::{CaptureEnd, Scope};
 use crate::clock;
 use crate::fleet;
 use crate::proto::tensorflow::profiler::XSpace;
@@ -39,7 +40,14 @@ impl Captures {
     /// answer, and never past `answer_by` (when the caller needs its reply):
     /// a late or silent one makes the trace partial, not the capture fail.
     pub fn start_remote(&self, plan: &Plan, answer_by: Instant) -> Remote {
-        let upstreams = &self.settings.upstreams;
+        // Whose processes upstreams and libtpu record is not known: a trace
+        // scoped to one user goes without them (and says so).
+        let scoped = plan.scope != Scope::Host;
+        let upstreams: &[client::Target] = if scoped {
+            &[]
+        } else {
+            &self.settings.upstreams
+        };
         let window = plan.window;
         let end = CaptureEnd::at(window.stop_ns);
         let duration = Duration::from_nanos(window.duration_ns());
@@ -66,7 +74,12 @@ impl Captures {
             });
         }
         let mut source_calls = tokio::task::JoinSet::new();
-        for source in self.agent.session_sources() {
+        let sources = if scoped {
+            Vec::new()
+        } else {
+            self.agent.session_sources()
+        };
+        for source in sources {
             let options = plan.options.clone();
             let end = end.clone();
             source_calls.spawn_blocking(move || {
@@ -80,6 +93,15 @@ impl Captures {
             upstream_calls,
             source_calls,
             end,
+        }
+    }
+
+    /// How many upstreams and per-capture sources a capture of `plan`
+    /// calls besides the flight recorder.
+    pub(super) fn remote_sources(&self, plan: &Plan) -> usize {
+        match plan.scope {
+            Scope::Host => self.settings.upstreams.len() + self.agent.session_sources().len(),
+            Scope::User { .. } => 0,
         }
     }
 
@@ -128,7 +150,10 @@ impl Captures {
         }
         let expected = data.chunk_bytes() + trace_expected + decoding_theirs + BUILD_OVERHEAD_BYTES;
         let what = || format!("this window holds {events} events, and building its trace");
-        let mut memory = self.memory.reserve(expected, what, deadline).await?;
+        let mut memory = self
+            .memory
+            .reserve_as(plan.memory_owner.as_ref(), expected, what, deadline)
+            .await?;
         // The window's chunks live as long as the build, evicted or not.
         memory.take(data.chunk_bytes())?;
         memory.take(decoding_theirs)?;
@@ -146,7 +171,7 @@ impl Captures {
         for (name, reason) in self.agent.unavailable_backends() {
             warnings.push(format!("backend {name} is not running: {reason}"));
         }
-        for (backend, text) in self.agent.notices(window) {
+        for (backend, text) in self.agent.notices(window, plan.scope) {
             warnings.push(format!("backend {backend}: {text}"));
         }
         let mut dropped_before_ring = 0;
@@ -177,7 +202,11 @@ impl Captures {
         }
         let mut errors = Vec::new();
         let mut merged = Vec::new();
-        let mut properties = self.agent.properties(window);
+        let mut properties = self.agent.properties(window, plan.scope);
+        let visibility = Visibility::of(plan.scope, &self.agent.process_lines(window));
+        if let Scope::User { uid } = plan.scope {
+            properties.push(("devtrace_scope".into(), format!("uid {uid}")));
+        }
         properties.extend(plan.properties.iter().cloned());
         for (source, result) in remote {
             // Upstreams are named by address; per-capture backends by name.
@@ -218,7 +247,20 @@ impl Captures {
             properties,
         };
         let built = tokio::task::spawn_blocking(move || {
-            let encoded = xspace::encode_runs(data.runs(), &registry, &info, &mut memory)?;
+            let runs = data
+                .runs()
+                .into_iter()
+                .map(|(key, run)| {
+                    let visible = |event: &crate::event::Event| {
+                        visibility.as_ref().is_none_or(|v| v.keeps(event))
+                    };
+                    (key, run.filter(visible))
+                })
+                .collect();
+            let mut encoded = xspace::encode_runs(runs, &registry, &info, &mut memory)?;
+            if let Some(visibility) = &visibility {
+                xspace::append_warning(&mut encoded, &visibility.summary());
+            }
             memory.let_go(data.chunk_bytes());
             drop(data);
             let encoded = merge_upstreams(encoded, merged, &mut memory)?;

@@ -7,13 +7,21 @@
 //! A build that does not fit waits for others within its request's
 //! deadline; one that outgrows what is left stops, refused. Nothing is
 //! allocated for a trace that the budget has not granted first.
+//!
+//! A caller that is not an admin draws from a share of the budget too:
+//! all its builds together hold at most [`CALLER_SHARE`] of it, so that
+//! one user's long windows wait for each other and never for all of the
+//! budget, and another user's capture still finds room.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use super::spill::SpillSpace;
+use crate::protocol::caller::Owner;
 use crate::xspace::grant::Spill;
 use crate::xspace::Grant;
 
@@ -79,10 +87,23 @@ pub enum MemoryError {
         limit: u64,
         dir: String,
     },
+    /// Its trace outgrew what its caller may hold, the caller's other
+    /// captures holding the rest.
+    #[error(
+        "this capture's trace outgrew the {held} bytes of capture memory it held while this \
+         caller's other captures held the rest of its share ({share} bytes: a caller that is \
+         not an admin holds at most half of --capture-memory at once); ask again when they \
+         have ended, or for a shorter window"
+    )]
+    OverShare { held: usize, share: usize },
     /// The spill file could not be written or read back.
     #[error("spilling this capture's trace to {dir} failed: {why}")]
     SpillFailed { dir: String, why: String },
 }
+
+/// The part of the budget one caller that is not an admin may hold at
+/// once: a half.
+pub const CALLER_SHARE: usize = 2;
 
 /// See the module documentation.
 #[derive(Debug)]
@@ -90,6 +111,9 @@ pub struct CaptureMemory {
     budget: usize,
     units: usize,
     free: Arc<Semaphore>,
+    /// What each caller that is not an admin has left of its share, while
+    /// it holds some.
+    shares: Mutex<HashMap<Owner, Arc<Semaphore>>>,
     /// Told whenever a share gives memory back.
     released: Arc<Notify>,
     /// Where builds that outgrow their share put their finished blocks.
@@ -106,9 +130,28 @@ impl CaptureMemory {
             budget,
             units,
             free: Arc::new(Semaphore::new(units)),
+            shares: Mutex::default(),
             released: Arc::new(Notify::new()),
             spill: None,
         }
+    }
+
+    /// Units one caller may hold at once.
+    fn share_units(&self) -> usize {
+        (self.units / CALLER_SHARE).max(1)
+    }
+
+    /// `owner`'s share, made when it holds none.
+    fn share_of(&self, owner: &Owner) -> Arc<Semaphore> {
+        let mut shares = self.shares.lock();
+        // Shares no build holds and nothing is drawn from are forgotten.
+        let full = self.share_units();
+        shares.retain(|_, share| Arc::strong_count(share) > 1 || share.available_permits() < full);
+        Arc::clone(
+            shares
+                .entry(owner.clone())
+                .or_insert_with(|| Arc::new(Semaphore::new(full))),
+        )
     }
 
     /// The same budget, with builds that outgrow their share spilling to
@@ -141,26 +184,50 @@ impl CaptureMemory {
         what: impl FnOnce() -> String,
         deadline: Instant,
     ) -> Result<BuildMemory, MemoryError> {
+        self.reserve_as(None, needed, what, deadline).await
+    }
+
+    /// As [`Self::reserve`], drawn from `owner`'s share as well when it is
+    /// a caller that is not an admin.
+    pub async fn reserve_as(
+        &self,
+        owner: Option<&Owner>,
+        needed: usize,
+        what: impl FnOnce() -> String,
+        deadline: Instant,
+    ) -> Result<BuildMemory, MemoryError> {
         let units = needed.div_ceil(UNIT).max(1);
-        let too_large = || MemoryError::TooLarge {
-            what: what(),
-            needed,
-            budget: self.budget,
+        let limit = match owner {
+            Some(_) => self.share_units(),
+            None => self.units,
         };
-        let Some(units32) = u32::try_from(units).ok().filter(|_| units <= self.units) else {
-            return Err(too_large());
+        let Some(units32) = u32::try_from(units).ok().filter(|_| units <= limit) else {
+            let mut what = what();
+            if owner.is_some() {
+                what.push_str(
+                    " (for a caller that is not an admin: half of it, the most one caller \
+                     holds at once)",
+                );
+            }
+            return Err(MemoryError::TooLarge {
+                what,
+                needed,
+                budget: limit * UNIT,
+            });
         };
-        let build = |permit, waited| BuildMemory {
+        let share = owner.map(|owner| self.share_of(owner));
+        let build = |(permit, share), waited| BuildMemory {
             free: Arc::clone(&self.free),
             released: Arc::clone(&self.released),
             permit: Some(permit),
+            share,
             budget: self.budget,
             used: 0,
             waited,
             spill: self.spill.clone(),
         };
-        if let Ok(permit) = Arc::clone(&self.free).try_acquire_many_owned(units32) {
-            return Ok(build(permit, None));
+        if let Some(permits) = acquire(&self.free, share.as_ref(), units32) {
+            return Ok(build(permits, None));
         }
         // Waiting holds nothing: a semaphore's own wait would take what is
         // free bit by bit, and leave none for the builds already running
@@ -170,8 +237,8 @@ impl CaptureMemory {
             let released = self.released.notified();
             tokio::pin!(released);
             released.as_mut().enable();
-            if let Ok(permit) = Arc::clone(&self.free).try_acquire_many_owned(units32) {
-                return Ok(build(permit, Some(started.elapsed())));
+            if let Some(permits) = acquire(&self.free, share.as_ref(), units32) {
+                return Ok(build(permits, Some(started.elapsed())));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -186,6 +253,30 @@ impl CaptureMemory {
     }
 }
 
+/// `units` from the budget and, when there is one, as many from a caller's
+/// share: both or neither.
+fn acquire(
+    free: &Arc<Semaphore>,
+    share: Option<&Arc<Semaphore>>,
+    units: u32,
+) -> Option<(OwnedSemaphorePermit, Option<SharePermit>)> {
+    let from_share = match share {
+        Some(share) => Some(SharePermit {
+            permit: Arc::clone(share).try_acquire_many_owned(units).ok()?,
+        }),
+        None => None,
+    };
+    let permit = Arc::clone(free).try_acquire_many_owned(units).ok()?;
+    Some((permit, from_share))
+}
+
+/// What a build holds of its caller's share (as many units as of the
+/// budget).
+#[derive(Debug)]
+struct SharePermit {
+    permit: OwnedSemaphorePermit,
+}
+
 /// One build's share of the budget: what it reserved, and what it drew
 /// since. Dropped, it goes back to the budget.
 #[derive(Debug)]
@@ -194,6 +285,8 @@ pub struct BuildMemory {
     released: Arc<Notify>,
     /// Always there until dropped.
     permit: Option<OwnedSemaphorePermit>,
+    /// Of its caller's share, when its caller is not an admin.
+    share: Option<SharePermit>,
     budget: usize,
     /// Bytes drawn so far ([`Grant::take`]): the reservation is for them.
     used: usize,
@@ -215,6 +308,10 @@ impl BuildMemory {
         if let Some(permit) = self.permit.as_mut() {
             if permit.num_permits() > keep {
                 drop(permit.split(permit.num_permits() - keep));
+                if let Some(share) = self.share.as_mut() {
+                    let excess = share.permit.num_permits().saturating_sub(keep);
+                    drop(share.permit.split(excess));
+                }
                 self.released.notify_waiters();
             }
         }
@@ -226,6 +323,7 @@ impl Drop for BuildMemory {
     fn drop(&mut self) {
         // Back first, then told: a waiter told finds it there.
         drop(self.permit.take());
+        drop(self.share.take());
         self.released.notify_waiters();
     }
 }
@@ -243,23 +341,36 @@ impl Grant for BuildMemory {
         let short = (used - held).div_ceil(UNIT);
         // A step at a time when the budget has it, else just what is short.
         let step = short.max(GROWTH_STEP / UNIT);
+        let share = self
+            .share
+            .as_ref()
+            .map(|share| Arc::clone(share.permit.semaphore()));
         for units in [step, short] {
             let Ok(units) = u32::try_from(units) else {
                 continue;
             };
-            if let Ok(more) = Arc::clone(&self.free).try_acquire_many_owned(units) {
+            if let Some((more, more_share)) = acquire(&self.free, share.as_ref(), units) {
                 match self.permit.as_mut() {
                     Some(permit) => permit.merge(more),
                     None => self.permit = Some(more),
+                }
+                if let (Some(mine), Some(more)) = (self.share.as_mut(), more_share) {
+                    mine.permit.merge(more.permit);
                 }
                 self.used = used;
                 return Ok(());
             }
         }
-        Err(MemoryError::Outgrown {
-            held,
-            budget: self.budget,
-        })
+        match share {
+            Some(share) if share.available_permits() < short => Err(MemoryError::OverShare {
+                held,
+                share: (self.budget / CALLER_SHARE).max(UNIT),
+            }),
+            _ => Err(MemoryError::Outgrown {
+                held,
+                budget: self.budget,
+            }),
+        }
     }
 
     fn let_go(&mut self, bytes: usize) {
@@ -382,6 +493,55 @@ mod tests {
             waiter.await.unwrap().unwrap(),
             "the waiter got it once it was given back"
         );
+    }
+
+    #[tokio::test]
+    async fn one_caller_holds_at_most_half_and_another_still_finds_room() {
+        let memory = CaptureMemory::new(8 << 20);
+        let first = Owner::Uid(1001);
+        let second = Owner::Uid(1002);
+        let mut held = memory
+            .reserve_as(Some(&first), 3 << 20, test_build, Instant::now())
+            .await
+            .unwrap();
+        // Its next build waits for its own first, not for the budget.
+        let refused = memory
+            .reserve_as(Some(&first), 2 << 20, test_build, Instant::now())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(refused, MemoryError::OutOfTime { .. }),
+            "{refused}"
+        );
+        // Its build outgrowing the half is stopped there.
+        let outgrown = held.take(5 << 20).unwrap_err();
+        assert!(
+            matches!(outgrown, MemoryError::OverShare { .. }),
+            "{outgrown}"
+        );
+        assert!(outgrown.to_string().contains("half of --capture-memory"));
+        // Another caller has the other half.
+        let other = memory
+            .reserve_as(Some(&second), 4 << 20, test_build, Instant::now())
+            .await
+            .unwrap();
+        // More than half in one build: refused at once, saying why.
+        let too_large = memory
+            .reserve_as(Some(&second), 5 << 20, test_build, Instant::now() + FAR)
+            .await
+            .unwrap_err();
+        assert!(too_large.to_string().contains("half of it"), "{too_large}");
+        drop((held, other));
+        assert_eq!(memory.held(), 0);
+        // An admin's build is bounded by the budget alone.
+        let admin = memory
+            .reserve_as(None, 7 << 20, test_build, Instant::now())
+            .await
+            .unwrap();
+        drop(admin);
+        // Shares held by no build are forgotten.
+        memory.share_of(&first);
+        assert_eq!(memory.shares.lock().len(), 1);
     }
 
     #[tokio::test]

@@ -10,6 +10,7 @@
 mod build;
 pub mod memory;
 mod plan;
+pub mod scope;
 pub mod shared_builds;
 pub mod spill;
 pub mod write;
@@ -181,9 +182,14 @@ impl Captures {
     /// share nothing. Memory is reserved by the build, once the window's
     /// events are in ([`Self::build_with`]).
     pub fn admit(&self, plan: &Plan) -> Admission {
-        let shared = self.settings.upstreams.is_empty() && self.agent.session_sources().is_empty();
+        let shared = self.remote_sources(plan) == 0;
         let slot = if shared {
-            let key = BuildKey::new(plan.window, &plan.options, &plan.losses_at_start);
+            let key = BuildKey::new(
+                plan.window,
+                &plan.options,
+                &plan.losses_at_start,
+                plan.scope,
+            );
             self.shared_builds.join(key)
         } else {
             Arc::new(Slot::default())

@@ -4,8 +4,8 @@
 
 use prost::Message;
 
-use crate::backend::Loss;
-use crate::protocol::caller::Caller;
+use crate::backend::{Loss, Scope};
+use crate::protocol::caller::{Caller, Owner};
 use crate::protocol::client;
 use crate::recorder::Window;
 
@@ -34,6 +34,11 @@ pub struct Plan {
     pub detailed_device: bool,
     /// Who asked: files the capture writes are written with its rights.
     pub caller: Caller,
+    /// Whose processes the trace holds (from who asked).
+    pub scope: Scope,
+    /// The caller whose share of `--capture-memory` the build draws from
+    /// ([`super::memory`]); none for admins and the agent.
+    pub memory_owner: Option<Owner>,
 }
 
 impl Plan {
@@ -62,6 +67,8 @@ impl Plan {
             properties,
             detailed_device: false,
             caller: Caller::Agent,
+            scope: Scope::Host,
+            memory_owner: None,
         }
     }
 }

@@ -13,6 +13,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
+use crate::backend::Scope;
 use crate::recorder::Window;
 use crate::xspace::Encoded;
 
@@ -25,6 +26,8 @@ pub struct BuildKey {
     /// Backends' loss totals when the capture arrived: the trace counts what
     /// was lost since.
     losses: Vec<(&'static str, &'static str, u64)>,
+    /// Whose the trace is: a user's scoped trace is theirs alone.
+    scope: Scope,
 }
 
 impl BuildKey {
@@ -32,8 +35,10 @@ impl BuildKey {
         window: Window,
         options: &[u8],
         losses: &[(&'static str, crate::backend::Loss)],
+        scope: Scope,
     ) -> BuildKey {
         BuildKey {
+            scope,
             window: (window.start_ns, window.stop_ns),
             options: options.to_vec(),
             losses: losses
@@ -107,11 +112,15 @@ mod tests {
     use super::*;
 
     fn key(start_ns: u64) -> BuildKey {
+        scoped_key(start_ns, Scope::Host)
+    }
+
+    fn scoped_key(start_ns: u64, scope: Scope) -> BuildKey {
         let window = Window {
             start_ns,
             stop_ns: start_ns + 10,
         };
-        BuildKey::new(window, b"options", &[])
+        BuildKey::new(window, b"options", &[], scope)
     }
 
     fn trace(byte: u8) -> Encoded {
@@ -139,6 +148,18 @@ mod tests {
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(c.contiguous(), vec![2; 4]);
         assert_eq!(shared.counts(), (2, 1));
+    }
+
+    #[test]
+    fn captures_of_one_window_for_different_users_never_share_a_trace() {
+        let shared = SharedBuilds::default();
+        let host = shared.join(key(1));
+        let theirs = shared.join(scoped_key(1, Scope::User { uid: 1001 }));
+        let mine = shared.join(scoped_key(1, Scope::User { uid: 65_534 }));
+        let mine_again = shared.join(scoped_key(1, Scope::User { uid: 65_534 }));
+        assert!(!Arc::ptr_eq(&host, &theirs));
+        assert!(!Arc::ptr_eq(&theirs, &mine));
+        assert!(Arc::ptr_eq(&mine, &mine_again));
     }
 
     #[tokio::test]

@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use prost::Message;
 
 use super::logdir::SessionOutput;
 use crate::clock;
+use crate::proto::tensorflow::profiler::XSpace;
 use crate::protocol::client;
 use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
 use crate::repository::XPLANE_SUFFIX;
@@ -163,7 +165,22 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
         "reply received"
     );
     if reply.empty_trace {
-        bail!("{target} collected no trace events in the window");
+        // What the trace says of itself tells why (a capture scoped to the
+        // caller's processes, a backend that is not running).
+        let said = reply
+            .tool_data
+            .iter()
+            .find(|tool| tool.name == XPLANE_TOOL)
+            .and_then(|tool| XSpace::decode(&tool.data[..]).ok())
+            .map(|space| space.warnings)
+            .unwrap_or_default();
+        if said.is_empty() {
+            bail!("{target} collected no trace events in the window");
+        }
+        bail!(
+            "{target} collected no trace events in the window; its trace says: {}",
+            said.join("; ")
+        );
     }
     let host = args
         .override_hostname

@@ -67,6 +67,7 @@ impl ClientArgs {
         Ok(ClientConfig {
             tls,
             max_reply_bytes: self.max_reply_size,
+            on_behalf_of_uid: None,
         })
     }
 

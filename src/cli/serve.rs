@@ -18,7 +18,7 @@ use crate::protocol::client::{self, Target};
 use crate::recorder::StoreConfig;
 use crate::repository::roots::AllowedRoots;
 use crate::ring::DropPolicy;
-use crate::service::access::Access;
+use crate::service::access::{Access, RemoteCallers};
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{ProfilerService, ServiceConfig};
 use crate::service::session_bytes::SessionBytes;
@@ -79,12 +79,19 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "64GiB", value_parser = parse_session_bytes)]
     pub session_bytes_per_hour: usize,
 
-    /// Members of this group (besides root) are admins: they may stop any
-    /// capture and take or stop any continuous session. Anyone else may act
-    /// only on what it started (the same uid; the same address for a caller
-    /// on another host).
+    /// Members of this group (besides root) are admins: their captures
+    /// hold the whole host, and they may stop any capture and take or stop
+    /// any continuous session. Any other local user captures only its own
+    /// processes and acts only on what it started.
     #[arg(long, value_name = "GROUP")]
     pub admin_group: Option<String>,
+
+    /// What callers on other hosts that are not admins (--admin-client) may
+    /// capture: refuse (nothing; their captures and sessions are refused
+    /// with PERMISSION_DENIED) or host (the whole host: anyone who can reach
+    /// --listen, so only on a network that trusted clients alone reach).
+    #[arg(long, value_name = "POLICY", value_enum, default_value_t = RemoteCallers::Refuse)]
+    pub remote_callers: RemoteCallers,
 
     /// A client certificate name (its first URI name, such as a SPIFFE ID,
     /// else its first DNS name) whose bearer is an admin (repeatable);
@@ -131,6 +138,12 @@ pub struct ServeArgs {
     /// Number of GPUs the mock backend simulates.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub mock_gpus: u16,
+
+    /// The user the mock's simulated job runs as (a uid), for trying
+    /// captures of a user who is not an admin, which hold only that user's
+    /// processes. Default: the agent's own user.
+    #[arg(long, value_name = "UID")]
+    pub mock_uid: Option<u32>,
 
     /// Scenario: the first mock step starting this long after the agent
     /// starts lasts four times as long as the others (for trying a
@@ -565,6 +578,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             gpus: args.mock_gpus,
             slow_step_after: args.mock_slow_step,
             utilization_dip: args.mock_utilization_dip,
+            uid: args.mock_uid,
         },
         nvml: crate::backend::nvml::NvmlConfig {
             library: args.nvml_library.clone(),
@@ -645,7 +659,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .transpose()
             .map_err(anyhow::Error::msg)?,
         args.admin_clients.clone(),
-    );
+    )
+    .with_remote_callers(args.remote_callers);
     let service = Arc::new(ProfilerService::new(
         Arc::clone(&agent),
         ServiceConfig {

@@ -14,6 +14,8 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
 use http::header::{CONTENT_TYPE, TE};
+
+use crate::protocol::caller::ON_BEHALF_OF_UID;
 use http::HeaderMap;
 use http_body_util::BodyExt;
 use prost::Message;
@@ -107,11 +109,15 @@ pub async fn profile_to_file(
     file_name: &str,
 ) -> Result<Option<PathBuf>, ReceiveError> {
     let body = grpc_frame(request);
-    let call = http::Request::builder()
+    let mut call = http::Request::builder()
         .method(http::Method::POST)
         .uri(PROFILE_PATH)
         .header(CONTENT_TYPE, "application/grpc")
-        .header(TE, "trailers")
+        .header(TE, "trailers");
+    if let Some(uid) = connection.on_behalf_of_uid() {
+        call = call.header(ON_BEHALF_OF_UID, uid.to_string());
+    }
+    let call = call
         .body(tonic::body::Body::new(http_body_util::Full::new(body)))
         .map_err(|e| ReceiveError::Transport(e.to_string()))?;
     let mut channel = connection.channel();

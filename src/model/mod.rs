@@ -1,14 +1,15 @@
 //! What every layer above speaks of and nothing here depends on: units as
 //! people write them, moments as they read them, where events sit on the
-//! timeline, the registry of names and devices events refer to, and the
-//! processes of the host as it sees them. (The event words, the ring, the
-//! clock and the workload files, shared with the injection library, are
-//! the `devtrace-shm` crate's.)
+//! timeline, the registry of names and devices events refer to, the
+//! processes of the host as it sees them, and whose a capture is. (The
+//! event words, the ring, the clock and the workload files, shared with
+//! the injection library, are the `devtrace-shm` crate's.)
 
 pub mod calendar;
 pub mod host_process;
 pub mod memory_limit;
 pub mod registry;
+pub mod scope;
 pub mod small_file;
 pub mod timeline;
 pub mod units;

@@ -18,6 +18,13 @@ use std::sync::Arc;
 
 use tonic::transport::CertificateDer;
 
+/// The metadata an agent sends with the captures of a session it runs for
+/// a local user (`NewSession`), naming that user's uid: an agent on the
+/// same host then scopes them to that user rather than to the agent's own
+/// (root's) view. Honoured only on a connection from root or the agent's
+/// own user, who could act as anyone anyway ([`Caller::acting_for`]).
+pub const ON_BEHALF_OF_UID: &str = "devtrace-on-behalf-of-uid";
+
 /// How a local caller reached the agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
@@ -62,6 +69,36 @@ impl Caller {
         Caller::User {
             uid,
             transport: Transport::Tcp,
+        }
+    }
+
+    /// Whether this is root or the agent's own user, who may do anything
+    /// the agent can.
+    pub fn is_agents_equal(&self) -> bool {
+        // SAFETY: geteuid has no preconditions.
+        let agent = unsafe { libc::geteuid() };
+        match self {
+            Caller::Agent => true,
+            Caller::User { uid, .. } => *uid == 0 || *uid == agent,
+            _ => false,
+        }
+    }
+
+    /// The caller a request counts as: the user an agent names in
+    /// [`ON_BEHALF_OF_UID`] when the connection is root's or the agent's
+    /// own user's, else who is on the connection.
+    pub fn acting_for(self, on_behalf_of: Option<&str>) -> Caller {
+        let named = on_behalf_of.and_then(|text| text.parse::<u32>().ok());
+        match (self, named) {
+            (Caller::User { uid, transport }, Some(delegated))
+                if Caller::User { uid, transport }.is_agents_equal() =>
+            {
+                Caller::User {
+                    uid: delegated,
+                    transport,
+                }
+            }
+            (caller, _) => caller,
         }
     }
 
@@ -175,6 +212,24 @@ fn canonical(address: SocketAddr) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_root_or_the_agents_user_may_name_whom_it_calls_for() {
+        let tcp = |uid| Caller::User {
+            uid,
+            transport: Transport::Tcp,
+        };
+        assert_eq!(tcp(0).acting_for(Some("1001")), tcp(1001));
+        assert_eq!(tcp(0).acting_for(None), tcp(0));
+        assert_eq!(tcp(0).acting_for(Some("not a uid")), tcp(0));
+        // Anyone else's claim is ignored (unless it runs the agent).
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 65_534 {
+            assert_eq!(tcp(65_534).acting_for(Some("1001")), tcp(65_534));
+        }
+        let remote = Caller::Remote([10, 0, 0, 7].into());
+        assert_eq!(remote.clone().acting_for(Some("0")), remote);
+    }
 
     /// Words as a little-endian host prints them.
     fn hex_v4(ip: [u8; 4]) -> String {

@@ -161,6 +161,10 @@ pub struct ClientConfig {
     /// Largest reply accepted from one server; a larger one is refused
     /// while its length prefix is read, before its body is held.
     pub max_reply_bytes: usize,
+    /// The local user a session's captures are asked for, when an agent
+    /// calls on a user's behalf: an agent on this host honours it from its
+    /// own user alone ([`crate::protocol::caller::ON_BEHALF_OF_UID`]).
+    pub on_behalf_of_uid: Option<u32>,
 }
 
 impl Default for ClientConfig {
@@ -168,6 +172,7 @@ impl Default for ClientConfig {
         ClientConfig {
             tls: None,
             max_reply_bytes: DEFAULT_MAX_REPLY_BYTES,
+            on_behalf_of_uid: None,
         }
     }
 }
@@ -246,6 +251,11 @@ impl Connection {
         self.channel.clone()
     }
 
+    /// The user this connection's captures are asked for, if not its own.
+    pub(crate) fn on_behalf_of_uid(&self) -> Option<u32> {
+        self.on_behalf_of_uid
+    }
+
     pub(crate) fn max_reply_bytes(&self) -> usize {
         self.max_reply_bytes
     }
@@ -301,6 +311,7 @@ pub struct Connection {
     channel: Channel,
     max_reply_bytes: usize,
     tls: bool,
+    on_behalf_of_uid: Option<u32>,
 }
 
 /// Connects to `target` as `config` says, allowing each call `deadline`.
@@ -329,6 +340,7 @@ pub async fn connect(
         channel,
         max_reply_bytes: config.max_reply_bytes,
         tls,
+        on_behalf_of_uid: config.on_behalf_of_uid,
     })
 }
 

@@ -266,6 +266,17 @@ pub fn connection_of(extensions: &http::Extensions) -> Option<&ConnectionInfo> {
     })
 }
 
+/// The caller `request` counts as: who is on its connection
+/// ([`caller_of`]), or the local user an agent of this host named as the
+/// one it calls for ([`caller::ON_BEHALF_OF_UID`]).
+pub fn caller_of_request<T>(request: &tonic::Request<T>) -> Caller {
+    let named = request
+        .metadata()
+        .get(caller::ON_BEHALF_OF_UID)
+        .and_then(|value| value.to_str().ok());
+    caller_of(request.extensions()).acting_for(named)
+}
+
 /// Who is calling, from a call's extensions: a local user as the kernel
 /// named it; a peer on another host by its verified client certificate when
 /// it presented one, else by its address; unknown on a stream no listener

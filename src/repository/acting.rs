@@ -39,17 +39,17 @@ thread_local! {
 }
 
 impl Credentials {
-    /// What `caller` acts with: none (the agent's own) for the agent's own
-    /// user; its user's for a local caller; `nobody`'s for a caller on
-    /// another host (named by a certificate or not) or one the kernel could
-    /// not name.
+    /// What `caller` acts with: none (the agent's own) for root and the
+    /// agent's own user; its user's for another local caller; `nobody`'s
+    /// for a caller on another host (named by a certificate or not) or one
+    /// the kernel could not name.
     pub fn of_caller(caller: &Caller) -> Option<Credentials> {
-        // SAFETY: geteuid has no preconditions.
-        let agent = unsafe { libc::geteuid() };
+        if caller.is_agents_equal() {
+            return None;
+        }
         match *caller {
-            Caller::Agent => None,
-            Caller::User { uid, .. } if uid == agent => None,
             Caller::User { uid, .. } => Some(Credentials::of_user(uid)),
+            Caller::Agent => None,
             Caller::Certificate(_) | Caller::Remote(_) | Caller::Unknown => {
                 Some(Credentials::nobody())
             }

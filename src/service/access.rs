@@ -7,9 +7,41 @@
 //! certificate name or else the same address for one on another host. A
 //! caller the kernel could not name owns nothing and may act on nothing of
 //! anyone's.
+//!
+//! What a capture holds follows from who asks too ([`Access::scope_of`]):
+//! admins capture the whole host, any other local user their own
+//! processes; a caller on another host that is not an admin gets nothing
+//! unless `--remote-callers host` lets it see the whole host.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::backend::Scope;
 use crate::protocol::caller::{Caller, Owner};
 use crate::repository::acting::Credentials;
+
+/// What callers on other hosts that are not admins may capture
+/// (`--remote-callers`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum RemoteCallers {
+    /// Nothing: their captures and sessions are refused.
+    #[default]
+    Refuse,
+    /// The whole host, as an admin does: anyone who can reach the
+    /// listener (use it on a network only trusted clients reach, or with
+    /// TLS client certificates).
+    Host,
+}
+
+/// How long whether a uid is in `--admin-group` is remembered.
+const MEMBERSHIP_TTL: Duration = Duration::from_secs(10);
+
+/// Uids whose membership is remembered at most, so that callers of many
+/// uids cannot grow it.
+const MAX_REMEMBERED: usize = 1024;
 
 /// See the module documentation.
 #[derive(Clone, Debug, Default)]
@@ -18,6 +50,11 @@ pub struct Access {
     admin_gid: Option<u32>,
     /// `--admin-client`: certificate names of admins.
     admin_clients: Vec<String>,
+    remote_callers: RemoteCallers,
+    /// Whether each uid was in `--admin-group`, and when that was read:
+    /// the user database is read once per uid and ten seconds, not per
+    /// call.
+    membership: Arc<Mutex<HashMap<u32, (bool, Instant)>>>,
 }
 
 impl Access {
@@ -25,19 +62,73 @@ impl Access {
         Access {
             admin_gid,
             admin_clients,
+            ..Access::default()
         }
+    }
+
+    /// As it is, with `--remote-callers`.
+    pub fn with_remote_callers(mut self, remote_callers: RemoteCallers) -> Access {
+        self.remote_callers = remote_callers;
+        self
+    }
+
+    /// Whose processes a capture asked for by `caller` holds: the whole
+    /// host for an admin, a local user's own processes, and for anyone
+    /// else the whole host where `--remote-callers host` allows it; else
+    /// why not.
+    pub fn scope_of(&self, caller: &Caller) -> Result<Scope, String> {
+        if self.is_admin(caller) {
+            return Ok(Scope::Host);
+        }
+        match caller {
+            Caller::User { uid, .. } => Ok(Scope::User { uid: *uid }),
+            Caller::Certificate(_) | Caller::Remote(_)
+                if self.remote_callers == RemoteCallers::Host =>
+            {
+                Ok(Scope::Host)
+            }
+            Caller::Certificate(_) | Caller::Remote(_) => Err(format!(
+                "{caller} is not a user of this host nor an admin: the agent captures nothing \
+                 for it (an admin certificate name goes in --admin-client; --remote-callers \
+                 host lets callers from other hosts capture the whole host)"
+            )),
+            Caller::Unknown | Caller::Agent => Err(format!(
+                "the kernel could not say who is calling ({caller}): the agent captures \
+                 nothing for it"
+            )),
+        }
+    }
+
+    /// Whether local user `uid` is a member of `--admin-group`.
+    fn in_admin_group(&self, uid: u32, gid: u32) -> bool {
+        let now = Instant::now();
+        let mut membership = self.membership.lock();
+        if let Some((member, at)) = membership.get(&uid) {
+            if now.duration_since(*at) < MEMBERSHIP_TTL {
+                return *member;
+            }
+        }
+        let member = Credentials::of_user(uid).groups.contains(&gid);
+        if membership.len() >= MAX_REMEMBERED {
+            membership.retain(|_, (_, at)| now.duration_since(*at) < MEMBERSHIP_TTL);
+            if membership.len() >= MAX_REMEMBERED {
+                membership.clear();
+            }
+        }
+        membership.insert(uid, (member, now));
+        member
     }
 
     /// Whether `caller` may act on anything.
     pub fn is_admin(&self, caller: &Caller) -> bool {
-        // SAFETY: geteuid has no preconditions.
-        let agent = unsafe { libc::geteuid() };
+        if caller.is_agents_equal() {
+            return true;
+        }
         match caller {
             Caller::Agent => true,
-            Caller::User { uid, .. } if *uid == 0 || *uid == agent => true,
             Caller::User { uid, .. } => self
                 .admin_gid
-                .is_some_and(|gid| Credentials::of_user(*uid).groups.contains(&gid)),
+                .is_some_and(|gid| self.in_admin_group(*uid, gid)),
             Caller::Certificate(name) => self.admin_clients.iter().any(|admin| **admin == **name),
             Caller::Remote(_) | Caller::Unknown => false,
         }
@@ -114,6 +205,27 @@ mod tests {
         let with_admin_client = Access::new(None, vec!["spiffe://ops".into()]);
         assert!(with_admin_client.may_act_on(&named("spiffe://ops"), &named("spiffe://b")));
         assert!(!with_admin_client.is_admin(&named("spiffe://b")));
+    }
+
+    #[test]
+    fn admins_capture_the_host_users_their_own_and_remote_callers_as_configured() {
+        let access = Access::new(None, vec!["spiffe://ops".into()]);
+        assert_eq!(access.scope_of(&user(0)), Ok(Scope::Host));
+        assert_eq!(access.scope_of(&Caller::Agent), Ok(Scope::Host));
+        assert_eq!(access.scope_of(&user(1001)), Ok(Scope::User { uid: 1001 }));
+        let admin = Caller::Certificate("spiffe://ops".into());
+        assert_eq!(access.scope_of(&admin), Ok(Scope::Host));
+        let remote = Caller::Remote([10, 0, 0, 7].into());
+        let named = Caller::Certificate("spiffe://team".into());
+        for caller in [&remote, &named] {
+            let refused = access.scope_of(caller).unwrap_err();
+            assert!(refused.contains("--remote-callers host"), "{refused}");
+        }
+        let open = access.clone().with_remote_callers(RemoteCallers::Host);
+        assert_eq!(open.scope_of(&remote), Ok(Scope::Host));
+        assert_eq!(open.scope_of(&named), Ok(Scope::Host));
+        // A caller the kernel could not name gets nothing, whatever is set.
+        assert!(open.scope_of(&Caller::Unknown).is_err());
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::proto::tensorflow::{
 };
 use crate::protocol::caller::Caller;
 use crate::protocol::client::{self, ClientConfig, Target};
-use crate::protocol::listen::caller_of;
+use crate::protocol::listen::caller_of_request;
 use crate::repository::{self, Folder, StorageError};
 use crate::service::access::Access;
 use crate::service::session_bytes::SessionBytes;
@@ -288,7 +288,13 @@ impl ProfileAnalysis for ProfileAnalysisService {
     ) -> Result<Response<NewProfileSessionResponse>, Status> {
         let arrived = Instant::now();
         let caller_deadline = deadline::caller_timeout(request.metadata());
-        let caller = caller_of(request.extensions());
+        let caller = caller_of_request(&request);
+        // Who may not capture here may not have this agent capture for it
+        // elsewhere either.
+        self.config
+            .access
+            .scope_of(&caller)
+            .map_err(Status::permission_denied)?;
         let request = request.into_inner();
         let Some(mut profile) = request.request else {
             return Err(invalid(
@@ -377,10 +383,16 @@ impl ProfileAnalysis for ProfileAnalysisService {
             caller: caller.clone(),
             written: Arc::default(),
         });
+        // An agent on this host (this one included) captures for the
+        // caller, not for this agent's user.
+        let mut client = self.config.client.clone();
+        if let Caller::User { uid, .. } = caller {
+            client.on_behalf_of_uid = Some(uid);
+        }
         let plan = fleet::FanOut {
             deadline: session_end.saturating_duration_since(Instant::now()),
             concurrent_hosts: self.config.concurrent_hosts,
-            client: self.config.client.clone(),
+            client,
         };
         if !hosts.is_empty() {
             outcomes.extend(fleet::fan_out(&hosts, &profile, &plan, sink).await);
@@ -408,7 +420,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         &self,
         request: Request<EnumProfileSessionsAndToolsRequest>,
     ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
-        let caller = caller_of(request.extensions());
+        let caller = caller_of_request(&request);
         let root = self.root(&request.into_inner().repository_root, &caller)?;
         let sessions = tokio::task::spawn_blocking(move || {
             let missing = || StorageError::NotFound {
@@ -440,7 +452,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         request: Request<ProfileSessionDataRequest>,
     ) -> Result<Response<ProfileSessionDataResponse>, Status> {
         let wait_until = deadline::memory_wait_deadline(request.metadata());
-        let caller = caller_of(request.extensions());
+        let caller = caller_of_request(&request);
         let request = request.into_inner();
         let root = self.root(&request.repository_root, &caller)?;
         if request.session_id.is_empty() {

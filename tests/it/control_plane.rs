@@ -357,6 +357,18 @@ impl Pki {
         }
     }
 
+    /// Client flags: trusting the agents' CA, with the client certificate.
+    fn client(&self) -> Vec<&str> {
+        vec![
+            "--tls-ca",
+            path(&self.ca),
+            "--tls-cert",
+            path(&self.client_cert),
+            "--tls-key",
+            path(&self.client_key),
+        ]
+    }
+
     /// `serve` flags: TLS with the agent's certificate.
     fn serving(&self) -> Vec<&str> {
         vec![
@@ -409,14 +421,7 @@ async fn mutual_tls_admits_only_clients_signed_by_the_client_ca() {
     let wrong_signer = capture(&tls_address, logdir.path(), &wrong).await;
     fails_saying(&wrong_signer, "signed by a CA it trusts");
 
-    let mut good = ca.to_vec();
-    good.extend([
-        "--tls-cert",
-        path(&pki.client_cert),
-        "--tls-key",
-        path(&pki.client_key),
-    ]);
-    let out = capture(&tls_address, logdir.path(), &good).await;
+    let out = capture(&tls_address, logdir.path(), &pki.client()).await;
     assert!(event_count(&captured_trace(&out)) > 0);
 
     // The standard health service answers on the TLS listener too.
@@ -430,6 +435,118 @@ async fn mutual_tls_admits_only_clients_signed_by_the_client_ca() {
         health.status,
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
+}
+
+/// A network namespace of its own joined to this one by a veth pair: a
+/// client in it is on another host as far as the agent can tell (its
+/// socket is in no table the agent reads). Gone when dropped.
+struct OtherHost {
+    name: String,
+    /// This side's address, which the other reaches.
+    here: String,
+}
+
+impl OtherHost {
+    /// None when this machine cannot make one (no root, no `ip`).
+    fn new() -> Option<OtherHost> {
+        let id = std::process::id() % 10_000;
+        let name = format!("dt-other-{id}");
+        let subnet = 1 + std::process::id() % 250;
+        let (here, there) = (format!("10.213.{subnet}.1"), format!("10.213.{subnet}.2"));
+        let (ours, theirs) = (format!("dtv{id}a"), format!("dtv{id}b"));
+        let run = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let _ = run(&["netns", "del", &name]);
+        if !run(&["netns", "add", &name]) {
+            return None;
+        }
+        let host = OtherHost {
+            name: name.clone(),
+            here: here.clone(),
+        };
+        let made = run(&[
+            "link", "add", &ours, "type", "veth", "peer", "name", &theirs,
+        ]) && run(&["link", "set", &theirs, "netns", &name])
+            && run(&["addr", "add", &format!("{here}/30"), "dev", &ours])
+            && run(&["link", "set", &ours, "up"])
+            && run(&[
+                "netns",
+                "exec",
+                &name,
+                "ip",
+                "addr",
+                "add",
+                &format!("{there}/30"),
+                "dev",
+                &theirs,
+            ])
+            && run(&["netns", "exec", &name, "ip", "link", "set", &theirs, "up"]);
+        made.then_some(host)
+    }
+
+    /// `devtrace ARGS` run on the other host.
+    fn devtrace(&self, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", &self.name, BIN])
+            .args(args)
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for OtherHost {
+    fn drop(&mut self) {
+        // The namespace's end of the pair goes with it, and the pair too.
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// A client on another host is named by its verified certificate: by
+/// default it captures nothing (refused, naming the flags that would let
+/// it), and as an `--admin-client` it captures the whole host.
+#[tokio::test]
+async fn a_client_on_another_host_is_named_by_its_certificate_and_let_in_as_configured() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: making a network namespace needs root");
+        return;
+    }
+    let Some(other) = OtherHost::new() else {
+        eprintln!("skipped: this machine cannot make a network namespace with ip");
+        return;
+    };
+    let pki = Pki::new();
+    let listen = format!("{}:0", other.here);
+    let mut flags = pki.serving();
+    flags.extend(["--tls-client-ca", path(&pki.client_ca)]);
+    let logdir = tempfile::tempdir().unwrap();
+    let capture_from_there = |agent: &AgentProcess| {
+        let target = format!("grpcs://{}", agent.address);
+        let mut args = vec!["capture", &target, "--tls-domain", "localhost"];
+        args.extend(["--duration", "300ms", "--quiet", "--logdir"]);
+        args.push(path(logdir.path()));
+        args.extend(pki.client());
+        other.devtrace(&args)
+    };
+    let refusing = AgentProcess::adopt(AgentProcess::spawn_listening(&listen, &flags));
+    let refused = capture_from_there(&refusing);
+    fails_saying(
+        &refused,
+        "operator (client certificate) is not a user of this host",
+    );
+    fails_saying(&refused, "--remote-callers host");
+    drop(refusing);
+    let mut as_admin = flags.clone();
+    as_admin.extend(["--admin-client", "operator"]);
+    let admitting = AgentProcess::adopt(AgentProcess::spawn_listening(&listen, &as_admin));
+    let admitted = capture_from_there(&admitting);
+    let space = captured_trace(&admitted);
+    assert!(event_count(&space) > 0);
 }
 
 async fn tls_channel(address: &str, ca: &Path, own: (&Path, &Path)) -> Channel {
@@ -557,6 +674,9 @@ async fn the_agent_names_each_caller_by_the_kernels_word() {
             "info",
             "--mock-rate",
             "2000",
+            // uid 65534's capture holds the mock's job only when it is theirs.
+            "--mock-uid",
+            "65534",
         ])
         .arg("--listen-unix")
         .arg(&socket)
@@ -661,7 +781,15 @@ async fn files_under_an_allowed_root_are_touched_with_the_callers_rights() {
     }
     mode(&theirs, 0o700);
     mode(&trace, 0o600);
-    let agent = AgentProcess::start(&["--allow-root", path(shared.path()), "--mock-rate", "2000"]);
+    // The mock's job is uid 65534's, so that its captures hold events.
+    let agent = AgentProcess::start(&[
+        "--allow-root",
+        path(shared.path()),
+        "--mock-rate",
+        "2000",
+        "--mock-uid",
+        "65534",
+    ]);
     let as_nobody = |logdir: PathBuf, session: &'static str| {
         let address = agent.address.clone();
         tokio::task::spawn_blocking(move || {
@@ -731,7 +859,8 @@ async fn files_under_an_allowed_root_are_touched_with_the_callers_rights() {
 
 /// What runs belongs to who started it: uid 65534 cannot stop root's
 /// capture by naming its session, nor take snapshots of or stop root's
-/// continuous session; root stops its own. (Before, any caller could cut
+/// continuous session, which does not keep it from one of its own; root
+/// stops its own. (Before, any caller could cut
 /// another's capture short with a guessed session id.)
 #[tokio::test]
 async fn a_caller_cannot_stop_or_read_what_another_started() {
@@ -788,22 +917,28 @@ async fn a_caller_cannot_stop_or_read_what_another_started() {
     let mut continuous = request(1000, "continuous");
     continuous.opts.as_mut().unwrap().start_timestamp_ns = 0;
     client.start_continuous_profiling(continuous).await.unwrap();
-    let snapshot = GetSnapshotRequest::default();
-    let status = status_as_nobody(
-        &address,
-        "/tensorflow.ProfilerService/GetSnapshot",
-        &snapshot,
-    )
-    .await;
-    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
-    let stop = StopContinuousProfilingRequest {};
-    let status = status_as_nobody(
-        &address,
-        "/tensorflow.ProfilerService/StopContinuousProfiling",
-        &stop,
-    )
-    .await;
-    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    let snapshot = || async {
+        let path = "/tensorflow.ProfilerService/GetSnapshot";
+        status_as_nobody(&address, path, &GetSnapshotRequest::default()).await
+    };
+    let stop = || async {
+        let path = "/tensorflow.ProfilerService/StopContinuousProfiling";
+        status_as_nobody(&address, path, &StopContinuousProfilingRequest {}).await
+    };
+    let start = || async {
+        let mut theirs = request(1000, "theirs");
+        theirs.opts.as_mut().unwrap().start_timestamp_ns = 0;
+        let path = "/tensorflow.ProfilerService/StartContinuousProfiling";
+        status_as_nobody(&address, path, &theirs).await
+    };
+    assert_eq!(snapshot().await.code(), tonic::Code::NotFound);
+    assert_eq!(stop().await.code(), tonic::Code::NotFound);
+    // Root's session does not keep uid 65534 from a session of its own,
+    // which it alone snapshots and stops.
+    assert_eq!(start().await.code(), tonic::Code::Ok);
+    assert_eq!(start().await.code(), tonic::Code::AlreadyExists);
+    assert_eq!(snapshot().await.code(), tonic::Code::Ok);
+    assert_eq!(stop().await.code(), tonic::Code::Ok);
     client
         .get_snapshot(GetSnapshotRequest::default())
         .await
@@ -861,12 +996,7 @@ async fn a_callers_session_writes_at_most_its_bytes() {
         eprintln!("skipped: needs root to call as other users");
         return;
     }
-    let shared = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        shared.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
-    )
-    .unwrap();
+    let shared = shared_directory();
     let agent = AgentProcess::start(&[
         "--allow-root",
         path(shared.path()),
@@ -874,6 +1004,8 @@ async fn a_callers_session_writes_at_most_its_bytes() {
         "1MiB",
         "--mock-rate",
         "200000",
+        "--mock-uid",
+        "65534",
     ]);
     // 0.3 s at 200,000 events/s: a trace of about 4 MB.
     let hosts = [agent.address.as_str()];

@@ -54,6 +54,22 @@ impl Setup {
         self.workload_loading("CUDA_INJECTION64_PATH", args, extra_env)
     }
 
+    /// As [`Setup::workload`], run as `uid` (needs root).
+    fn workload_as(&self, uid: u32, args: &[&str]) -> CudaWorkload {
+        let env = self.environment("CUDA_INJECTION64_PATH");
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let mut wrapped = vec![
+            format!("--reuid={uid}"),
+            format!("--regid={uid}"),
+            "--clear-groups".to_string(),
+            "--".to_string(),
+            self.program.display().to_string(),
+        ];
+        wrapped.extend(args.iter().map(|a| a.to_string()));
+        let wrapped: Vec<&str> = wrapped.iter().map(String::as_str).collect();
+        CudaWorkload::start(std::path::Path::new("setpriv"), &wrapped, &env)
+    }
+
     /// As [`Setup::workload`], in a pid namespace of its own.
     fn contained_workload(&self, args: &[&str]) -> CudaWorkload {
         let env = self.environment("CUDA_INJECTION64_PATH");
@@ -671,6 +687,77 @@ async fn two_workloads_keep_their_own_stream_lines() {
         })
         .collect();
     assert_eq!(per_line, expected);
+}
+
+/// On a shared node, uid 65534's capture switches CUPTI on in its own
+/// workload alone and holds only its kernels: uid 1001's workload, traced
+/// by the same agent, is never armed and none of its kernels or its command
+/// line are in the trace.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_users_capture_switches_cupti_on_only_in_that_users_processes() {
+    use common::raw_call::{connect_as, unary_on};
+    use devtrace::proto::tensorflow::ProfileResponse;
+    use prost::Message;
+    if !common::is_root() {
+        eprintln!("skipped: running workloads as other users needs root");
+        return;
+    }
+    let mut setup = setup("cuda_pair");
+    // Workloads of two users make their rings in it.
+    setup.runtime = common::shared_directory();
+    let agent = setup.agent();
+    let release = release_file(&setup, "users");
+    let wait = ["--wait-file", release.to_str().unwrap()];
+    let own = setup.workload_as(65534, &["2", wait[0], wait[1]]);
+    let other = setup.workload_as(1001, &["3", wait[0], wait[1]]);
+    own.read_until("waiting");
+    other.read_until("waiting");
+    wait_for_attached(&agent, 2).await;
+    let mut asked = common::request(2000, "users");
+    asked.emit_xspace = true;
+    let capture = async {
+        let io = connect_as(65534, &agent.address).await;
+        unary_on(
+            io,
+            &agent.address,
+            "/tensorflow.ProfilerService/Profile",
+            &asked,
+        )
+        .await
+    };
+    let go = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        std::fs::write(&release, b"go").expect("releasing the workloads");
+    };
+    let ((reply, status), ()) = tokio::join!(capture, go);
+    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+    let space = common::space_of(&ProfileResponse::decode(&reply[..]).unwrap());
+    let end_state = |workload: &CudaWorkload| {
+        workload
+            .read_until("done")
+            .into_iter()
+            .find(|line| line.starts_with("cupti "))
+            .expect("the workload's CUPTI state")
+    };
+    // Its own workload was armed when it ended (the capture still ran);
+    // the other user's never was.
+    assert_eq!(end_state(&own), "cupti armed=1 finalized=0");
+    assert_eq!(end_state(&other), "cupti armed=0 finalized=0");
+    let mut per_line: BTreeMap<String, usize> = BTreeMap::new();
+    for (e, _) in timed(&space, "/device:GPU:0") {
+        if e.name == "vector_add" {
+            *per_line.entry(e.line.clone()).or_default() += 1;
+        }
+    }
+    let line = format!(
+        "Stream #13(Compute,MemcpyD2H) (pid {}: cuda_pair)",
+        own.workload.pid
+    );
+    assert_eq!(per_line, [(line, 2)].into_iter().collect());
+    let env = common::plane(&space, "Task Environment");
+    let process = |pid: u32| format!("devtrace_cuda_process_{pid}");
+    assert!(find_stat(env, &env.stats, &process(own.workload.pid)).is_some());
+    assert!(find_stat(env, &env.stats, &process(other.workload.pid)).is_none());
 }
 
 /// Two containers' workloads are both pid 1 in their own pid namespaces:

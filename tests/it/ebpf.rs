@@ -23,8 +23,25 @@ fn skip_without_root(test: &str) -> bool {
 }
 
 fn start_sched_workload(seconds: &str) -> Workload {
+    start_sched_workload_as(seconds, None)
+}
+
+/// The workload of [`start_sched_workload`], run as `uid` (needs root).
+fn start_sched_workload_as(seconds: &str, uid: Option<u32>) -> Workload {
     let program = build_program("sched_workload.c", "sched_workload", &["-pthread"]);
-    let mut child = Command::new(program)
+    let mut command = match uid {
+        None => Command::new(program),
+        Some(uid) => {
+            let mut command = Command::new("setpriv");
+            command
+                .arg(format!("--reuid={uid}"))
+                .arg(format!("--regid={uid}"))
+                .args(["--clear-groups", "--"])
+                .arg(program);
+            command
+        }
+    };
+    let mut child = command
         .arg(seconds)
         .stdout(Stdio::piped())
         .spawn()
@@ -136,6 +153,65 @@ async fn a_command_name_filter_keeps_only_matching_threads() {
     assert!(!cpu.is_empty());
     let names: std::collections::BTreeSet<&str> = cpu.iter().map(|e| e.name.as_str()).collect();
     assert_eq!(names, ["dt-spinner"].into_iter().collect());
+}
+
+/// On a shared node a user who is not an admin sees only its own threads:
+/// uid 65534's capture holds its workload's slices and none of uid 1001's,
+/// the agent's or root's; root's capture holds both workloads.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_users_capture_holds_only_that_users_threads() {
+    use common::raw_call::{connect_as, unary_on};
+    use devtrace::proto::tensorflow::ProfileResponse;
+    use prost::Message;
+    if skip_without_root("a_users_capture_holds_only_that_users_threads") {
+        return;
+    }
+    let own = start_sched_workload_as("20", Some(65534));
+    let other = start_sched_workload_as("20", Some(1001));
+    let agent = ebpf_agent("sched", &[]);
+    let mut asked = common::request(1000, "scoped");
+    asked.emit_xspace = true;
+    let io = connect_as(65534, &agent.address).await;
+    let (reply, status) = unary_on(
+        io,
+        &agent.address,
+        "/tensorflow.ProfilerService/Profile",
+        &asked,
+    )
+    .await;
+    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+    let space = common::space_of(&ProfileResponse::decode(&reply[..]).unwrap());
+    let pids = |space: &XSpace| -> std::collections::BTreeSet<u64> {
+        events(common::plane(space, "/host:CPUs"))
+            .iter()
+            .filter(|e| e.stats.contains_key("pid"))
+            .map(|e| uint(e, "pid"))
+            .collect()
+    };
+    let seen = pids(&space);
+    assert!(seen.contains(&u64::from(own.pid)), "{seen:?}");
+    assert!(!seen.contains(&u64::from(other.pid)), "{seen:?}");
+    assert!(!seen.contains(&u64::from(agent.pid())), "{seen:?}");
+    // Any other pid it holds is a process of uid 65534's (or one gone).
+    for pid in &seen {
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+            let uid = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|l| l.split_whitespace().next())
+                .unwrap_or("?")
+                .to_string();
+            assert_eq!(uid, "65534", "pid {pid} is uid {uid}'s");
+        }
+    }
+    assert!(space
+        .warnings
+        .iter()
+        .any(|w| w.starts_with("this trace is scoped to the processes of uid 65534")));
+    let whole = capture(&agent, 1000).await;
+    let seen = pids(&whole);
+    assert!(seen.contains(&u64::from(own.pid)), "{seen:?}");
+    assert!(seen.contains(&u64::from(other.pid)), "{seen:?}");
 }
 
 /// An agent running only the eBPF backend with one hook (`sched` or

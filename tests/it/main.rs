@@ -23,6 +23,7 @@ mod nvml;
 mod object_storage;
 mod perf;
 mod ring_shm;
+mod scoped;
 mod sessions;
 mod shared_captures;
 mod tap;

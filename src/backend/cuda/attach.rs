@@ -174,7 +174,7 @@ impl Attachments {
                 }
                 if self.over_quota.insert(identity) {
                     let text = format!("ignoring {}: {reason}", path.display());
-                    self.status.lock().notice(text);
+                    self.status.lock().notice(identity.uid, text);
                 }
                 return;
             }
@@ -237,6 +237,9 @@ impl Attachments {
             }
             status.traced.push_back(Traced {
                 pid,
+                uid: process.owner,
+                slot: process.slot,
+                lines: Vec::new(),
                 command: process.command.clone(),
                 cupti: process.cupti.clone(),
                 api_records: std::mem::take(&mut process.api_records),
@@ -244,7 +247,7 @@ impl Attachments {
                 attached_ns: clock::now_ns(),
                 detached_ns: None,
             });
-            status.notice(text);
+            status.notice(process.owner, text);
         }
     }
 
@@ -290,7 +293,7 @@ impl Attachments {
         warn!("{text}");
         let mut status = self.status.lock();
         status.last_error = Some(text.clone());
-        status.notice(text);
+        status.notice(identity.uid, text);
     }
 
     /// Reads what the process appended to its metadata file.
@@ -397,15 +400,16 @@ impl Attachments {
                         "the injection library in {} has the CUPTI activity stream again",
                         process.label()
                     );
-                    self.status.lock().notice(text);
+                    self.status.lock().notice(process.owner, text);
                 }
             }
         }
     }
 
-    /// Sets control words to `flags`, drains every ring, and lets go of
-    /// processes that exited or broke their ring.
-    pub(super) fn service(&mut self, flags: u32) {
+    /// Sets the control word of each process whose user a trace in
+    /// progress covers to `flags` (0 for the others), drains every ring,
+    /// and lets go of processes that exited or broke their ring.
+    pub(super) fn service(&mut self, flags: u32, traces: &TraceDemand) {
         let keys: Vec<FileIdentity> = self.processes.keys().copied().collect();
         for key in keys {
             let Some(pid) = self.processes.get(&key).map(|p| p.pid) else {
@@ -416,6 +420,11 @@ impl Attachments {
             let alive = pid_alive(pid);
             self.read_meta(key);
             if let Some(process) = self.processes.get_mut(&key) {
+                let flags = if traces.covers_user(process.owner) {
+                    flags
+                } else {
+                    0
+                };
                 if process.control != flags {
                     // Asked to record from now; its library says when it
                     // does (`Recording`).
@@ -476,6 +485,12 @@ impl Attachments {
             let mut status = self.status.lock();
             status.events += accepted as u64;
             status.foreign += foreign;
+            // Its lines, for captures scoped to its user.
+            if let Some(traced) = status.traced_mut(process.pid) {
+                if traced.lines.len() != process.named_lines.len() {
+                    traced.lines = process.named_lines.iter().copied().collect();
+                }
+            }
         }
         Ok(())
     }
@@ -528,7 +543,7 @@ impl Attachments {
                 text
             }
         };
-        status.notice(text);
+        status.notice(process.owner, text);
     }
 }
 

@@ -41,7 +41,10 @@ use parking_lot::Mutex;
 use tracing::warn;
 
 use super::worker::Worker;
-use super::{Backend, BackendContext, BackendError, Capabilities, Health, Loss};
+use super::{
+    Backend, BackendContext, BackendError, Capabilities, Health, Loss, ProcessLines, Scope,
+    TraceDemand,
+};
 use crate::clock;
 use crate::event::Payload;
 use crate::event::{Device, Event, NameId};
@@ -215,14 +218,14 @@ impl Backend for CudaBackend {
             };
             let mut last_scan: Option<Instant> = None;
             while !stop.is_set() {
-                let capturing = context.traces.load(Ordering::Relaxed) > 0;
+                let capturing = context.traces.any();
                 let all_api_records = attach.config.api_records == ApiRecords::All
                     || context.detailed_traces.load(Ordering::Relaxed) > 0;
                 if last_scan.is_none_or(|at| at.elapsed() >= attach.config.scan_interval) {
                     last_scan = Some(Instant::now());
                     attach.scan();
                 }
-                attach.service(control_flags(capturing, all_api_records));
+                attach.service(control_flags(capturing, all_api_records), &context.traces);
                 let pause = if capturing {
                     attach.config.drain_interval
                 } else {
@@ -284,16 +287,17 @@ impl Backend for CudaBackend {
         ]
     }
 
-    /// Every workload process attached during the window, with its command
-    /// line (`devtrace_cuda_process_<pid>`), its libcupti
+    /// Every workload process attached during the window (of a scoped
+    /// capture: its user's), with its command line
+    /// (`devtrace_cuda_process_<pid>`), its libcupti
     /// (`devtrace_cuda_cupti_<pid>`) and the API calls it recorded
     /// (`devtrace_cuda_api_records_<pid>`).
-    fn properties(&self, window: Window) -> Vec<(String, String)> {
+    fn properties(&self, window: Window, scope: Scope) -> Vec<(String, String)> {
         self.status
             .lock()
             .traced
             .iter()
-            .filter(|t| t.overlaps(window))
+            .filter(|t| t.overlaps(window) && scope.covers_user(t.uid))
             .flat_map(|t| {
                 let command = (
                     format!("devtrace_cuda_process_{}", t.pid),
@@ -316,21 +320,64 @@ impl Backend for CudaBackend {
             .collect()
     }
 
-    fn notices(&self, window: Window) -> Vec<String> {
+    fn notices(&self, window: Window, scope: Scope) -> Vec<String> {
         let status = self.status.lock();
+        let covered = |pid: u32| status.uid_of(pid).is_some_and(|uid| scope.covers_user(uid));
         status
             .notices
             .iter()
             .filter(|n| n.at_ns >= window.start_ns && n.at_ns <= window.stop_ns)
+            .filter(|n| scope.covers_user(n.uid))
             .map(|n| n.text.clone())
             .chain(
                 status
                     .traced
                     .iter()
-                    .filter(|t| t.overlaps(window))
+                    .filter(|t| t.overlaps(window) && scope.covers_user(t.uid))
                     .flat_map(|t| t.states.iter().cloned()),
             )
-            .chain(status.lost_spans.iter().filter_map(|s| s.describe(window)))
+            .chain(
+                status
+                    .lost_spans
+                    .iter()
+                    .filter(|s| scope == Scope::Host || covered(s.pid))
+                    .filter_map(|s| s.describe(window)),
+            )
+            .collect()
+    }
+
+    fn process_lines(&self, window: Window) -> Vec<ProcessLines> {
+        let status = self.status.lock();
+        status
+            .traced
+            .iter()
+            .filter(|t| t.overlaps(window))
+            .map(|t| {
+                let mut gpus: Vec<u16> = t
+                    .lines
+                    .iter()
+                    .filter_map(|(device, _)| match device {
+                        Device::Gpu(ordinal) => Some(*ordinal),
+                        _ => None,
+                    })
+                    .collect();
+                gpus.sort_unstable();
+                gpus.dedup();
+                ProcessLines {
+                    pid: t.pid,
+                    uid: t.uid,
+                    from_ns: t.attached_ns,
+                    until_ns: t.detached_ns,
+                    gpu_slot: Some(t.slot),
+                    host_lines: t
+                        .lines
+                        .iter()
+                        .filter(|(device, _)| *device == Device::Host)
+                        .map(|(_, line)| *line)
+                        .collect(),
+                    gpus,
+                }
+            })
             .collect()
     }
 }

@@ -13,6 +13,9 @@ use super::*;
 #[derive(Clone, Debug)]
 pub(super) struct Notice {
     pub(super) at_ns: u64,
+    /// The user of the process or ring it is about: only that user's
+    /// scoped captures are told.
+    pub(super) uid: u32,
     pub(super) text: String,
 }
 
@@ -93,6 +96,12 @@ pub(super) const MAX_LOST_SPANS: usize = 256;
 #[derive(Clone, Debug)]
 pub(super) struct Traced {
     pub(super) pid: u32,
+    /// The user it runs as (its ring file's owner).
+    pub(super) uid: u32,
+    /// The bits above `STREAM_BITS` of its GPU lines.
+    pub(super) slot: u64,
+    /// The lines its events were put on, as drained so far.
+    pub(super) lines: Vec<(Device, u64)>,
     pub(super) command: String,
     /// The libcupti it loaded, as `API version from origin`.
     pub(super) cupti: Option<String>,
@@ -221,15 +230,26 @@ impl Status {
         }
     }
 
-    pub(super) fn notice(&mut self, text: String) {
+    /// Something to tell the captures running now that cover user `uid`.
+    pub(super) fn notice(&mut self, uid: u32, text: String) {
         info!("{text}");
         if self.notices.len() == MAX_NOTICES {
             self.notices.pop_front();
         }
         self.notices.push_back(Notice {
             at_ns: clock::now_ns(),
+            uid,
             text,
         });
+    }
+
+    /// The user of process `pid` as last attached; none when it never was.
+    pub(super) fn uid_of(&self, pid: u32) -> Option<u32> {
+        self.traced
+            .iter()
+            .rev()
+            .find(|t| t.pid == pid)
+            .map(|t| t.uid)
     }
 }
 
@@ -332,6 +352,9 @@ mod tests {
     fn a_window_names_the_api_records_switched_to_in_it_else_the_last_before() {
         let traced = Traced {
             pid: 7,
+            uid: 0,
+            slot: 1,
+            lines: Vec::new(),
             command: String::new(),
             cupti: None,
             api_records: [

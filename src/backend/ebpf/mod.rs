@@ -268,7 +268,11 @@ impl Backend for EbpfBackend {
 
     /// Which CUDA calls have a duration and result, so that a trace whose
     /// launches are instants says why.
-    fn properties(&self, _window: crate::recorder::Window) -> Vec<(String, String)> {
+    fn properties(
+        &self,
+        _window: crate::recorder::Window,
+        _scope: crate::backend::Scope,
+    ) -> Vec<(String, String)> {
         if !self.config.cuda {
             return Vec::new();
         }

@@ -8,7 +8,6 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -388,8 +387,7 @@ pub(super) fn run(
             .collect(),
     };
     while !stop.is_set() {
-        let wanted =
-            config.attach == AttachMode::Always || context.traces.load(Ordering::Relaxed) > 0;
+        let wanted = config.attach == AttachMode::Always || context.traces.any();
         if wanted && !tracer.attached {
             tracer.attach();
         } else if !wanted && tracer.attached {

@@ -3,7 +3,7 @@
 //! (`StartContinuousProfiling`, `GetSnapshot`, `StopContinuousProfiling`).
 //!
 //! This file holds the RPCs and the state they share (captures running, for
-//! `Terminate`; the continuous session). A request is read and planned in
+//! `Terminate`; each caller's continuous session). A request is read and planned in
 //! [`request`], captured through [`crate::capture`], and answered in
 //! [`reply`]; `Monitor`'s summary is [`monitor`].
 
@@ -21,6 +21,7 @@ use tonic::{Request, Response, Status};
 use tracing::info;
 
 use crate::agent::Agent;
+use crate::backend::Scope;
 use crate::capture::memory::MemoryError;
 use crate::capture::write::write_trace;
 use crate::capture::{
@@ -33,9 +34,9 @@ use crate::proto::tensorflow::{
     ProfileRequest, ProfileResponse, StopContinuousProfilingRequest,
     StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
 };
-use crate::protocol::caller::Caller;
+use crate::protocol::caller::{Caller, Owner};
 use crate::protocol::client;
-use crate::protocol::listen::caller_of;
+use crate::protocol::listen::caller_of_request;
 use crate::recorder::Window;
 use crate::repository::XPLANE_SUFFIX;
 use crate::service::access::Access;
@@ -116,16 +117,28 @@ impl ServiceConfig {
     }
 }
 
-/// Ends continuous session `number` once nobody has taken a snapshot of it
-/// (or started it) for `timeout`: a client that went away must not leave
-/// every backend attached (and CUPTI on in every workload) for good.
-fn end_when_unattended(continuous: Arc<Mutex<Option<Continuous>>>, number: u64, timeout: Duration) {
+/// The continuous sessions running, one per caller at most.
+type ContinuousSessions = Arc<Mutex<HashMap<Owner, Continuous>>>;
+
+/// Continuous sessions running at once, of all callers together.
+const MAX_CONTINUOUS_SESSIONS: usize = 64;
+
+/// Ends `owner`'s continuous session `number` once nobody has taken a
+/// snapshot of it (or started it) for `timeout`: a client that went away
+/// must not leave every backend attached (and CUPTI on in its workloads)
+/// for good.
+fn end_when_unattended(
+    continuous: ContinuousSessions,
+    owner: Owner,
+    number: u64,
+    timeout: Duration,
+) {
     tokio::spawn(async move {
         let mut wait = timeout;
         loop {
             tokio::time::sleep(wait).await;
-            let mut guard = continuous.lock();
-            let Some(running) = guard.as_ref().filter(|c| c.number == number) else {
+            let mut sessions = continuous.lock();
+            let Some(running) = sessions.get(&owner).filter(|c| c.number == number) else {
                 return;
             };
             let idle = running.last_contact.elapsed();
@@ -136,7 +149,7 @@ fn end_when_unattended(continuous: Arc<Mutex<Option<Continuous>>>, number: u64, 
                     idle_s = idle.as_secs(),
                     "continuous profiling ended: no snapshot was taken within --continuous-timeout"
                 );
-                *guard = None;
+                sessions.remove(&owner);
                 return;
             }
             wait = timeout - idle;
@@ -144,12 +157,35 @@ fn end_when_unattended(continuous: Arc<Mutex<Option<Continuous>>>, number: u64, 
     });
 }
 
-/// The refusal of a caller acting on another's continuous session.
-fn not_yours(caller: Caller) -> Status {
-    Status::permission_denied(format!(
-        "the continuous profiling session running was started by another caller; only it or \
-         an admin (root, --admin-group) may take its snapshots or stop it (you are {caller})"
-    ))
+/// Whose continuous session a Stop or GetSnapshot of `caller` is about:
+/// its own; for an admin with none of its own, the only one running.
+fn session_of(
+    sessions: &HashMap<Owner, Continuous>,
+    caller: &Caller,
+    admin: bool,
+) -> Result<Owner, Status> {
+    let own = caller.owner();
+    if sessions.contains_key(&own) {
+        return Ok(own);
+    }
+    if admin {
+        let mut owners = sessions.keys();
+        return match (owners.next(), owners.next()) {
+            (Some(only), None) => Ok(only.clone()),
+            (None, _) => Err(Status::not_found(
+                "no continuous profiling session is running",
+            )),
+            (Some(_), Some(_)) => Err(Status::failed_precondition(format!(
+                "{} continuous profiling sessions of other callers are running and none of \
+                 yours; an admin acts on another's only when it is the one running",
+                sessions.len()
+            ))),
+        };
+    }
+    // Others' sessions are not told of.
+    Err(Status::not_found(format!(
+        "no continuous profiling session of yours ({caller}) is running"
+    )))
 }
 
 /// A capture that failed: out of capture memory (or spill space) is
@@ -195,11 +231,13 @@ pub struct ProfilerService {
     /// Captures in progress by session.
     running: Mutex<HashMap<String, Vec<Running>>>,
     next_capture: std::sync::atomic::AtomicU64,
-    /// Shared with the task that ends it when its client is gone.
-    continuous: Arc<Mutex<Option<Continuous>>>,
+    /// Shared with the tasks that end them when their clients are gone.
+    continuous: ContinuousSessions,
     /// Numbers continuous sessions, so that a check meant for one never
     /// ends the next.
     next_continuous: std::sync::atomic::AtomicU64,
+    /// Monitor calls in progress, per caller.
+    monitors: Mutex<HashMap<Owner, usize>>,
 }
 
 /// A capture in progress: its number, who started it, and what stops it.
@@ -234,8 +272,9 @@ impl ProfilerService {
             config,
             running: Mutex::new(HashMap::new()),
             next_capture: Default::default(),
-            continuous: Arc::new(Mutex::new(None)),
+            continuous: Arc::default(),
             next_continuous: Default::default(),
+            monitors: Mutex::default(),
         }
     }
 
@@ -255,6 +294,23 @@ impl ProfilerService {
         self.config
             .telemetry
             .capture_ready(rpc, Duration::from_nanos(late_ns));
+    }
+
+    /// Whose processes `caller`'s captures hold, or why it gets none.
+    fn scope_of(&self, caller: &Caller) -> Result<Scope, Status> {
+        self.config
+            .access
+            .scope_of(caller)
+            .map_err(Status::permission_denied)
+    }
+
+    /// Makes `plan` `caller`'s: whose processes it holds, whose rights its
+    /// files are written with, whose share of capture memory it draws.
+    fn plan_for(&self, plan: &mut Plan, caller: &Caller) -> Result<(), Status> {
+        plan.scope = self.scope_of(caller)?;
+        plan.memory_owner = (!self.config.access.is_admin(caller)).then(|| caller.owner());
+        plan.caller = caller.clone();
+        Ok(())
     }
 
     /// The plan of `request`'s capture (see [`request::plan`]).
@@ -312,20 +368,23 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         request: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
         let deadline = memory_wait_deadline(request.metadata());
-        let caller = caller_of(request.extensions());
+        let caller = caller_of_request(&request);
         let request = request.into_inner();
         let mut plan = self.plan(&request, true)?;
-        plan.caller = caller.clone();
+        self.plan_for(&mut plan, &caller)?;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
             duration_ms = plan.window.duration_ns() / 1_000_000,
             %caller,
+            scope = %plan.scope,
             "capture requested"
         );
         let (_registration, terminate) = self.register(&plan.session_id, caller)?;
         let admission = self.captures.admit(&plan);
-        let _active = self.agent.capture_activity(plan.detailed_device);
+        let _active = self
+            .agent
+            .capture_activity(plan.detailed_device, plan.scope);
         // Upstreams and per-capture sources record alongside the local
         // window; dropping `remote` (a client gone) ends them.
         let remote = self.captures.start_remote(&plan, deadline);
@@ -357,7 +416,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<TerminateRequest>,
     ) -> Result<Response<TerminateResponse>, Status> {
-        let caller = caller_of(request.extensions());
+        let caller = caller_of_request(&request);
         let session_id = request.into_inner().session_id;
         validate::name_component("session_id", &session_id)?;
         let (mine, others): (Vec<_>, Vec<_>) = self
@@ -392,7 +451,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<MonitorRequest>,
     ) -> Result<Response<MonitorResponse>, Status> {
-        self.monitor_report(request.into_inner())
+        let caller = caller_of_request(&request);
+        self.monitor_report(request.into_inner(), caller)
             .await
             .map(Response::new)
     }
@@ -401,34 +461,47 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ContinuousProfilingResponse>, Status> {
-        let caller = caller_of(request.extensions());
+        let caller = caller_of_request(&request);
         let request = request.into_inner();
         let plan = self.plan(&request, false)?;
-        let mut continuous = self.continuous.lock();
-        if continuous.is_some() {
-            return Err(Status::already_exists(
-                "a continuous profiling session is already running",
-            ));
+        let scope = self.scope_of(&caller)?;
+        let owner = caller.owner();
+        let mut sessions = self.continuous.lock();
+        if sessions.contains_key(&owner) {
+            return Err(Status::already_exists(format!(
+                "a continuous profiling session of yours ({caller}) is already running"
+            )));
+        }
+        if sessions.len() >= MAX_CONTINUOUS_SESSIONS {
+            return Err(Status::resource_exhausted(format!(
+                "{} continuous profiling sessions are running, the most this agent keeps at \
+                 once; ask again when one has ended",
+                sessions.len()
+            )));
         }
         let duration = plan.window.duration_ns();
-        info!(session = %plan.session_id, %caller, "continuous profiling started");
+        info!(session = %plan.session_id, %caller, %scope, "continuous profiling started");
         let number = self
             .next_continuous
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         end_when_unattended(
             Arc::clone(&self.continuous),
+            owner.clone(),
             number,
             self.config.continuous_timeout,
         );
-        *continuous = Some(Continuous {
-            number,
-            last_contact: std::time::Instant::now(),
-            _active: self.agent.capture_activity(plan.detailed_device),
-            request,
-            caller,
-            duration: (duration > 0).then(|| Duration::from_nanos(duration)),
-            last_snapshot_ns: clock::now_ns(),
-        });
+        sessions.insert(
+            owner,
+            Continuous {
+                number,
+                last_contact: std::time::Instant::now(),
+                _active: self.agent.capture_activity(plan.detailed_device, scope),
+                request,
+                caller,
+                duration: (duration > 0).then(|| Duration::from_nanos(duration)),
+                last_snapshot_ns: clock::now_ns(),
+            },
+        );
         Ok(Response::new(ContinuousProfilingResponse {}))
     }
 
@@ -436,18 +509,13 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<StopContinuousProfilingRequest>,
     ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
-        let caller = caller_of(request.extensions());
-        let mut continuous = self.continuous.lock();
-        let Some(running) = continuous.as_ref() else {
-            return Err(Status::not_found(
-                "no continuous profiling session is running",
-            ));
-        };
-        if !self.config.access.may_act_on(&caller, &running.caller) {
-            return Err(not_yours(caller));
+        let caller = caller_of_request(&request);
+        let mut sessions = self.continuous.lock();
+        let admin = self.config.access.is_admin(&caller);
+        let owner = session_of(&sessions, &caller, admin)?;
+        if let Some(stopped) = sessions.remove(&owner) {
+            info!(%caller, session = %stopped.request.session_id, started_by = %stopped.caller, "continuous profiling stopped");
         }
-        *continuous = None;
-        info!(%caller, "continuous profiling stopped");
         Ok(Response::new(StopContinuousProfilingResponse {}))
     }
 
@@ -456,22 +524,21 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
         let deadline = memory_wait_deadline(request.metadata());
-        let caller = caller_of(request.extensions());
+        let caller = caller_of_request(&request);
         let snapshot_id = request.into_inner().snapshot_session_id;
         validate::name_component("snapshot_session_id", &snapshot_id)?;
         let now = clock::now_ns();
         let (mut plan, start_ns, number) = {
-            let mut guard = self.continuous.lock();
-            let Some(continuous) = guard.as_mut() else {
+            let mut sessions = self.continuous.lock();
+            let admin = self.config.access.is_admin(&caller);
+            let owner = session_of(&sessions, &caller, admin)?;
+            let Some(continuous) = sessions.get_mut(&owner) else {
                 return Err(Status::not_found(
                     "no continuous profiling session is running",
                 ));
             };
-            if !self.config.access.may_act_on(&caller, &continuous.caller) {
-                return Err(not_yours(caller));
-            }
             let mut plan = self.plan(&continuous.request, false)?;
-            plan.caller = continuous.caller.clone();
+            self.plan_for(&mut plan, &continuous.caller)?;
             // A fixed duration reaches back into the recorder, even to before
             // the session started; otherwise snapshots tile time.
             let start = match continuous.duration {
@@ -480,7 +547,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             };
             continuous.last_snapshot_ns = now;
             continuous.last_contact = std::time::Instant::now();
-            (plan, start, continuous.number)
+            (plan, start, (owner, continuous.number))
         };
         plan.window = Window {
             start_ns,
@@ -494,10 +561,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let encoded = self.captures.build(&plan, plan.window, deadline).await?;
         // Its client was here until now: a slow build does not count
         // against it.
+        let (owner, number) = number;
         if let Some(continuous) = self
             .continuous
             .lock()
-            .as_mut()
+            .get_mut(&owner)
             .filter(|continuous| continuous.number == number)
         {
             continuous.last_contact = std::time::Instant::now();

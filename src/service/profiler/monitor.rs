@@ -6,9 +6,11 @@ use tonic::Status;
 
 use super::ProfilerService;
 use crate::analysis;
+use crate::capture::scope::Visibility;
 use crate::clock;
 use crate::proto::tensorflow::profiler_service_monitor_result::ResponseType;
 use crate::proto::tensorflow::{MonitorRequest, MonitorResponse, ProfilerServiceMonitorResult};
+use crate::protocol::caller::{Caller, Owner};
 use crate::recorder::Window;
 use crate::service::validate::invalid;
 
@@ -19,6 +21,7 @@ impl ProfilerService {
     pub(super) async fn monitor_report(
         &self,
         request: MonitorRequest,
+        caller: Caller,
     ) -> Result<MonitorResponse, Status> {
         if request.duration_ms == 0 {
             return Err(invalid("duration_ms", "must be greater than 0"));
@@ -36,6 +39,8 @@ impl ProfilerService {
         if !(0..=2).contains(&request.monitoring_level) {
             return Err(invalid("monitoring_level", "must be 0, 1 or 2"));
         }
+        let scope = self.scope_of(&caller)?;
+        let _slot = self.monitor_slot(&caller)?;
         let _active = self.agent.monitor_activity();
         let start_ns = clock::now_ns();
         let window = Window {
@@ -47,7 +52,13 @@ impl ProfilerService {
             .collect(window)
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
-        let usage = analysis::utilization(data.events(), window);
+        // A user who is not an admin is told of its own processes' devices
+        // alone, as its captures are.
+        let visibility = Visibility::of(scope, &self.agent.process_lines(window));
+        let visible = data
+            .events()
+            .filter(|event| visibility.as_ref().is_none_or(|v| v.keeps(event)));
+        let usage = analysis::utilization(visible, window);
         let mut result = ProfilerServiceMonitorResult::default();
         let mut text = String::new();
         if request.timestamp {
@@ -137,6 +148,45 @@ impl ProfilerService {
             data: text,
             monitor_result: Some(result),
         })
+    }
+
+    /// Counts a Monitor of `caller` until the slot is dropped, unless its
+    /// caller (not an admin) already has `--captures-per-caller` running.
+    fn monitor_slot(&self, caller: &Caller) -> Result<MonitorSlot<'_>, Status> {
+        let owner = caller.owner();
+        let mut monitors = self.monitors.lock();
+        let theirs = monitors.entry(owner.clone()).or_default();
+        let limit = self.config.captures_per_caller;
+        if *theirs >= limit && !self.config.access.is_admin(caller) {
+            return Err(Status::resource_exhausted(format!(
+                "{caller} has {theirs} Monitor calls in progress, as many as \
+                 --captures-per-caller ({limit}) lets one caller have; ask again when one has \
+                 ended"
+            )));
+        }
+        *theirs += 1;
+        Ok(MonitorSlot {
+            service: self,
+            owner,
+        })
+    }
+}
+
+/// A Monitor in progress, counted against its caller until dropped.
+struct MonitorSlot<'s> {
+    service: &'s ProfilerService,
+    owner: Owner,
+}
+
+impl Drop for MonitorSlot<'_> {
+    fn drop(&mut self) {
+        let mut monitors = self.service.monitors.lock();
+        if let Some(count) = monitors.get_mut(&self.owner) {
+            *count -= 1;
+            if *count == 0 {
+                monitors.remove(&self.owner);
+            }
+        }
     }
 }
 

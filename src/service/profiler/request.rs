@@ -6,12 +6,13 @@ use tonic::Status;
 
 use super::ServiceConfig;
 use crate::backend::Loss;
+use crate::backend::Scope;
 use crate::capture::Plan;
 use crate::clock;
 use crate::model::calendar::session_timestamp;
 use crate::proto::tensorflow::profile_options::advanced_config_value;
 use crate::proto::tensorflow::ProfileRequest;
-use crate::protocol::caller::Caller;
+use crate::protocol::caller::{Caller, Owner};
 use crate::recorder::Window;
 use crate::service::validate::{self, invalid};
 
@@ -132,8 +133,10 @@ pub fn plan(
         // TensorFlow reads no option of a version-0 request but this one.
         detailed_device: modern && options.device_tracer_level >= 2,
         // Named by the handler, which knows the connection; until then it
-        // acts as nobody would.
+        // acts as nobody would and sees nothing.
         caller: Caller::Unknown,
+        scope: Scope::NO_ONE,
+        memory_owner: Some(Owner::Unnamed),
     })
 }
 

@@ -493,6 +493,16 @@ pub fn build_program(source: &str, name: &str, args: &[&str]) -> std::path::Path
     output
 }
 
+/// A temporary directory every user may add to and only remove their own
+/// from (mode 1777, as /tmp or a team's shared directory).
+pub fn shared_directory() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777))
+        .expect("making it shared");
+    dir
+}
+
 /// Whether this process runs as root; tests that load BPF programs need it.
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
