@@ -2,7 +2,11 @@
 //! the session, then follows the agent's control word. A capture takes
 //! CUPTI's activity stream (or steps aside for another user), flushes while
 //! it runs, and at its end switches everything off, takes its buffers back
-//! and detaches CUPTI ([`crate::detach`]).
+//! and detaches CUPTI ([`crate::detach`]). When the agent asks for the
+//! GPU's past (`CONTROL_RECORD_ALWAYS`), the kernels, copies and memsets
+//! stay recorded between captures ([`BACKGROUND_KINDS`]); a capture adds
+//! the rest for its window, and CUPTI is detached only once the agent
+//! stops asking.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -23,6 +27,22 @@ const FLUSH_EVERY: Duration = Duration::from_millis(100);
 /// not rule it out), and contexts are made or destroyed too rarely for its
 /// records to cost anything.
 const KEEPER_KIND: u32 = cupti::kind::CONTEXT;
+/// The kinds recorded between captures when the agent asks for the GPU's
+/// past: the device's work and what describes it, no API calls.
+const BACKGROUND_KINDS: [u32; 5] = [
+    cupti::kind::DEVICE,
+    cupti::kind::CONCURRENT_KERNEL,
+    cupti::kind::MEMCPY,
+    cupti::kind::MEMSET,
+    cupti::kind::CONTEXT,
+];
+/// The kinds a capture enables beyond the [`BACKGROUND_KINDS`].
+fn capture_only_kinds() -> impl Iterator<Item = u32> {
+    cupti::KINDS
+        .into_iter()
+        .filter(|kind| !BACKGROUND_KINDS.contains(kind))
+}
+
 /// How long a capture's end waits for CUPTI to hand its buffers back
 /// before detaching (detaching hands back the rest).
 const RETURN_WAIT: Duration = Duration::from_millis(500);
@@ -115,6 +135,7 @@ pub fn control_loop() {
         kept_attached_told: false,
         next_detach_try: None,
         keeper_on: false,
+        background: false,
     };
     while !quiet() {
         std::thread::sleep(poll);
@@ -163,14 +184,19 @@ struct Tracer {
     next_detach_try: Option<Instant>,
     /// [`KEEPER_KIND`] is on for the teardown after a capture.
     keeper_on: bool,
+    /// The stream is ours with [`BACKGROUND_KINDS`] alone on: the GPU's
+    /// past is recorded, no capture runs.
+    background: bool,
 }
 
 impl Tracer {
     /// One poll of the control word.
     fn tick(&mut self, session: &Session, control: Control) -> Result<(), String> {
         let capture = control.capture();
+        // Recorded now: for a capture, or the GPU's past.
+        let wanted = capture || control.record_always();
         self.all_api = control.all_api_records();
-        match (self.stream, capture) {
+        match (self.stream, wanted) {
             (Stream::Off, false) => {
                 self.detach_when_alone(session);
                 Ok(())
@@ -182,11 +208,20 @@ impl Tracer {
                     self.displaced_at(session, true, devtrace_shm::clock::now_ns());
                     Ok(())
                 }
-                None => self.take(session),
+                None => self.take(session, capture),
             },
-            (Stream::Ours, true) => self.keep(session),
+            (Stream::Ours, true) => {
+                if capture && self.background {
+                    self.widen(session)?;
+                } else if !capture && !self.background {
+                    self.narrow(session)?;
+                }
+                self.keep(session)
+            }
             (Stream::Ours, false) => self.stop(session),
-            (Stream::Taken { seen: true }, true) if coexist::foreign_done() => self.take(session),
+            (Stream::Taken { seen: true }, true) if coexist::foreign_done() => {
+                self.take(session, capture)
+            }
             (Stream::Taken { .. }, true) => Ok(()),
             // The other user keeps what it enabled: nothing is switched off.
             // One whose end cannot be seen is taken back from at the next
@@ -201,8 +236,9 @@ impl Tracer {
     }
 
     /// Registers our callbacks (again: CUPTI was finalized, or another user
-    /// replaced them) and enables every kind; says when recording began.
-    fn take(&mut self, session: &Session) -> Result<(), String> {
+    /// replaced them) and enables every kind for a `capture`, else the
+    /// [`BACKGROUND_KINDS`]; says when recording began.
+    fn take(&mut self, session: &Session, capture: bool) -> Result<(), String> {
         // A teardown still waiting is disarmed; its subscriber stays.
         self.end_teardown(session);
         self.kept_attached_told = false;
@@ -236,16 +272,26 @@ impl Tracer {
         if fresh {
             detach::subscribe_for_capture(&gate);
         }
-        for kind in cupti::KINDS {
-            cupti::enable(kind)?;
+        let kinds: &[u32] = if capture {
+            &cupti::KINDS
+        } else {
+            &BACKGROUND_KINDS
+        };
+        for kind in kinds {
+            cupti::enable(*kind)?;
         }
         if !fresh {
             detach::subscribe_for_capture(&gate);
         }
-        // Another user may have changed the selection while it had the
-        // stream: it is made again.
-        let current = self.api.filter(|set| *set != ApiRecordSet::Timeline);
-        self.switch_api(session, current)?;
+        if capture {
+            // Another user may have changed the selection while it had the
+            // stream: it is made again.
+            let current = self.api.filter(|set| *set != ApiRecordSet::Timeline);
+            self.switch_api(session, current)?;
+        } else if let Some(set) = self.api.take() {
+            cupti::api_calls::disable(set)?;
+        }
+        self.background = !capture;
         drop(gate);
         session.write_meta(&MetaRecord::Recording {
             at_ns: devtrace_shm::clock::now_ns(),
@@ -306,6 +352,47 @@ impl Tracer {
         flush(session, false)
     }
 
+    /// A capture starts while the GPU's past is recorded: the other kinds
+    /// and the API records go on for it.
+    fn widen(&mut self, session: &Session) -> Result<(), String> {
+        let gate = detach::gate();
+        if *gate != Attachment::Attached {
+            return Ok(());
+        }
+        for kind in capture_only_kinds() {
+            cupti::enable(kind)?;
+        }
+        self.switch_api(session, self.api)?;
+        self.background = false;
+        drop(gate);
+        session.write_meta(&MetaRecord::Recording {
+            at_ns: devtrace_shm::clock::now_ns(),
+        });
+        Ok(())
+    }
+
+    /// A capture ends while the GPU's past is still asked for: back to the
+    /// [`BACKGROUND_KINDS`]. The records of the capture's last moments
+    /// arrive with the next flushes, as the kernels go on being recorded.
+    fn narrow(&mut self, session: &Session) -> Result<(), String> {
+        let gate = detach::gate();
+        if *gate != Attachment::Attached {
+            return Ok(());
+        }
+        for kind in capture_only_kinds() {
+            if !coexist::other_enabled(kind) {
+                cupti::disable(kind)?;
+            }
+        }
+        if let Some(set) = self.api.take() {
+            cupti::api_calls::disable(set)?;
+        }
+        self.background = true;
+        drop(gate);
+        // Not forced: a forced flush while kernels run loses their records.
+        flush(session, false)
+    }
+
     fn displaced_at(&mut self, session: &Session, seen: bool, at_ns: u64) {
         self.stream = Stream::Taken { seen };
         self.displaced = true;
@@ -316,6 +403,7 @@ impl Tracer {
     /// buffers back, and starts detaching CUPTI.
     fn stop(&mut self, session: &Session) -> Result<(), String> {
         self.stream = Stream::Off;
+        self.background = false;
         {
             let gate = detach::gate();
             if *gate != Attachment::Attached {

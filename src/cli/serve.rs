@@ -249,6 +249,15 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = crate::backend::cuda::ApiRecords::Timeline)]
     pub cuda_api_records: crate::backend::cuda::ApiRecords,
 
+    /// When injected workloads record their GPU's work: capture (during
+    /// captures alone; CUPTI is detached between them, so jobs run at full
+    /// speed) or always (kernels, copies and memsets between captures too,
+    /// so that look-back captures, continuous snapshots and triggers hold
+    /// the GPU's past; every job pays CUPTI's cost on its kernels all the
+    /// time).
+    #[arg(long, value_name = "WHEN", value_enum, default_value_t = crate::backend::cuda::Recording::Capture)]
+    pub cuda_record: crate::backend::cuda::Recording,
+
     /// How much history the flight recorder keeps (e.g. 120s, 10m; at least
     /// 1s).
     #[arg(long, default_value = "120s", value_parser = parse_retention)]
@@ -616,6 +625,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cuda: crate::backend::cuda::CudaConfig {
             runtime_dir: args.runtime_dir.clone(),
             api_records: args.cuda_api_records,
+            record: args.cuda_record,
             ..Default::default()
         },
         store: StoreConfig {

@@ -64,6 +64,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ),
     ("runtime-dir", r#""/var/run/devtrace-test""#),
     ("cuda-api-records", r#""all""#),
+    ("cuda-record", r#""always""#),
     ("store-retention", r#""5m""#),
     ("store-size", r#""1GiB""#),
     ("ring-capacity", "4096"),

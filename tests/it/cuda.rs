@@ -14,6 +14,7 @@ use common::workload::*;
 use common::AgentProcess;
 use devtrace::proto::tensorflow::profiler::XSpace;
 use devtrace::xspace::read::{find_stat, StatValue};
+use prost::Message;
 
 /// Kernel and copy durations the stand-in CUPTI reports.
 const KERNEL_NS: u64 = 5_000;
@@ -41,12 +42,19 @@ fn setup(program: &str) -> Setup {
 
 impl Setup {
     fn agent(&self) -> AgentProcess {
-        AgentProcess::start(&[
+        self.agent_with(&[])
+    }
+
+    /// As [`Setup::agent`], with `extra` arguments.
+    fn agent_with(&self, extra: &[&str]) -> AgentProcess {
+        let mut args = vec![
             "--backend",
             "cuda",
             "--runtime-dir",
             self.runtime.path().to_str().unwrap(),
-        ])
+        ];
+        args.extend_from_slice(extra);
+        AgentProcess::start(&args)
     }
 
     /// Starts the program with the injection library; `extra_env` on top.
@@ -758,6 +766,182 @@ async fn a_users_capture_switches_cupti_on_only_in_that_users_processes() {
     let process = |pid: u32| format!("devtrace_cuda_process_{pid}");
     assert!(find_stat(env, &env.stats, &process(own.workload.pid)).is_some());
     assert!(find_stat(env, &env.stats, &process(other.workload.pid)).is_none());
+}
+
+/// The calls a workload ran, from its release to its end: its launches'
+/// times bound the window a look-back capture asks for.
+fn run_released(workload: &CudaWorkload, release: &std::path::Path) -> Vec<Call> {
+    std::fs::write(release, b"go").expect("releasing the workload");
+    calls_until_done(workload)
+}
+
+/// A capture of the past: the window from `from_ns` to `to_ns`, asked for
+/// once it is over.
+async fn look_back(agent: &AgentProcess, from_ns: u64, to_ns: u64) -> XSpace {
+    let duration_ms = (to_ns - from_ns).div_ceil(1_000_000);
+    let mut asked = common::request(duration_ms, "past");
+    asked.opts.as_mut().unwrap().start_timestamp_ns = from_ns;
+    let reply = agent
+        .client()
+        .await
+        .profile(asked)
+        .await
+        .expect("Profile")
+        .into_inner();
+    common::space_of(&reply)
+}
+
+/// Under `--cuda-record always` the flight recorder holds the GPU's past:
+/// a capture asked for after a workload ran holds every kernel it launched,
+/// at its launch's time. Under the default (`capture`) it holds none.
+#[tokio::test(flavor = "multi_thread")]
+async fn under_cuda_record_always_a_look_back_capture_holds_the_kernels_before_it() {
+    let always = setup("cuda_past");
+    let agent = always.agent_with(&["--cuda-record", "always"]);
+    let release = release_file(&always, "past");
+    let workload = always.workload(
+        &[
+            "3",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--wait-recording",
+        ],
+        &[],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let calls = run_released(&workload, &release);
+    let launches: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.name.starts_with("cuLaunchKernel"))
+        .collect();
+    assert_eq!(launches.len(), 6, "{calls:?}");
+    let from = launches[0].realtime.0 - 100_000_000;
+    let to = launches[5].realtime.1 + 100_000_000;
+    let space = look_back(&agent, from, to).await;
+    let kernels = program_kernels(&space);
+    assert_eq!(kernels.len(), 6, "kernels in the look-back capture");
+    let env = common::plane(&space, "Task Environment");
+    match find_stat(env, &env.stats, "devtrace_cuda_record") {
+        Some(StatValue::Str(mode)) => assert!(mode.starts_with("always: "), "{mode}"),
+        other => panic!("no devtrace_cuda_record: {other:?}"),
+    }
+
+    // A capture adds the API calls for its window; afterwards the
+    // kernels go on being recorded, and CUPTI stays armed for them.
+    let release = release_file(&always, "during");
+    let during = always.workload(&["2", "--wait-file", release.to_str().unwrap()], &[]);
+    during.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    assert_eq!(program_kernels(&space).len(), 4);
+    let calls = api_calls_of(&space, during.workload.pid);
+    assert!(
+        calls.iter().any(|c| c.starts_with("cuLaunchKernel")),
+        "{calls:?}"
+    );
+    let ended: Vec<String> = during.read_until("done");
+    assert!(
+        ended.iter().any(|l| l == "cupti armed=1 finalized=0"),
+        "{ended:?}"
+    );
+
+    // The default records during captures alone: the same run leaves
+    // nothing behind.
+    let quiet = setup("cuda_past_default");
+    let agent = quiet.agent();
+    let release = release_file(&quiet, "past");
+    let workload = quiet.workload(&["3", "--wait-file", release.to_str().unwrap()], &[]);
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let calls = run_released(&workload, &release);
+    let (first, last) = (calls.first().unwrap(), calls.last().unwrap());
+    let space = look_back(&agent, first.realtime.0, last.realtime.1 + 1).await;
+    assert_eq!(program_kernels(&space).len(), 0);
+}
+
+/// A quiet workload of `iterations` of `sleep_ms` each, let go once the
+/// agent has attached it; it starts once its kernels are recorded.
+async fn paced_workload(
+    setup: &Setup,
+    agent: &AgentProcess,
+    iterations: &str,
+    sleep_ms: &str,
+) -> CudaWorkload {
+    let release = release_file(setup, "paced");
+    let args = [iterations, "--sleep-ms", sleep_ms, "--quiet"];
+    let mut args = args.to_vec();
+    args.extend(["--wait-recording", "--wait-file", release.to_str().unwrap()]);
+    let workload = setup.workload(&args, &[]);
+    workload.read_until("waiting");
+    wait_for_attached(agent, 1).await;
+    std::fs::write(&release, b"go").expect("releasing the workload");
+    workload
+}
+
+/// An agent that stops asking for the GPU's past (here: it stops) leaves
+/// the workload as it found it: CUPTI detached, the job running on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_recording_its_past_is_detached_when_the_agent_stops() {
+    let setup = setup("cuda_past_stop");
+    let mut agent = setup.agent_with(&["--cuda-record", "always"]);
+    let workload = paced_workload(&setup, &agent, "150", "20").await;
+    // Recording (the workload waited for it), then the agent goes.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let status = agent.stop_with_sigterm(std::time::Duration::from_secs(20));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    let ended = workload.read_until("done");
+    assert!(
+        ended.iter().any(|l| l == "cupti armed=0 finalized=1"),
+        "{ended:?}"
+    );
+}
+
+/// Under `--cuda-record always` a trigger's saved session holds the GPU
+/// kernels from before the moment it fired: the mock's slow step fires a
+/// step-time rule while a CUDA workload runs, and the saved trace has the
+/// workload's kernels of the seconds before that step.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_triggers_saved_session_holds_gpu_kernels_from_before_the_slow_step() {
+    let setup = setup("cuda_before_step");
+    let logdir = tempfile::tempdir().unwrap();
+    let repository = logdir.path().join("plugins/profile");
+    let rule = "name=slow-step; when=step > 3x median(10); before=2s; after=300ms";
+    let agent = setup.agent_with(&[
+        "--backend",
+        "mock",
+        "--mock-rate",
+        "20000",
+        "--mock-slow-step",
+        "4s",
+        "--cuda-record",
+        "always",
+        "--allow-root",
+        logdir.path().to_str().unwrap(),
+        "--trigger-repository",
+        repository.to_str().unwrap(),
+        "--trigger",
+        rule,
+    ]);
+    let workload = paced_workload(&setup, &agent, "400", "10").await;
+    let found = crate::triggers::wait_for_sessions(&repository, 1);
+    let space = XSpace::decode(&std::fs::read(&found[0].1).unwrap()[..]).unwrap();
+    let steps = timed(&space, "/host:CPU");
+    let slow_start = steps
+        .iter()
+        .filter(|(e, _)| e.name == "train")
+        .max_by_key(|(e, _)| e.duration_ps)
+        .map(|(_, at)| *at)
+        .expect("the mock's steps");
+    let before = program_kernels(&space)
+        .iter()
+        .filter(|(_, at)| *at < slow_start)
+        .count();
+    assert!(
+        before > 10,
+        "{before} of the workload's kernels before the slow step"
+    );
+    drop(workload);
 }
 
 /// Two containers' workloads are both pid 1 in their own pid namespaces:

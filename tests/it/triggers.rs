@@ -94,7 +94,7 @@ fn sessions(repository: &Path) -> Vec<(String, PathBuf)> {
 }
 
 /// Waits until `repository` holds `count` sessions; panics past PATIENCE.
-fn wait_for_sessions(repository: &Path, count: usize) -> Vec<(String, PathBuf)> {
+pub(crate) fn wait_for_sessions(repository: &Path, count: usize) -> Vec<(String, PathBuf)> {
     let started = Instant::now();
     loop {
         let found = sessions(repository);

@@ -407,9 +407,10 @@ impl Attachments {
     }
 
     /// Sets the control word of each process whose user a trace in
-    /// progress covers to `flags` (0 for the others), drains every ring,
-    /// and lets go of processes that exited or broke their ring.
-    pub(super) fn service(&mut self, flags: u32, traces: &TraceDemand) {
+    /// progress covers to `flags`, with `background` (the GPU's past asked
+    /// for) for every process; drains every ring, and lets go of processes
+    /// that exited or broke their ring.
+    pub(super) fn service(&mut self, flags: u32, background: u32, traces: &TraceDemand) {
         let keys: Vec<FileIdentity> = self.processes.keys().copied().collect();
         for key in keys {
             let Some(pid) = self.processes.get(&key).map(|p| p.pid) else {
@@ -420,15 +421,20 @@ impl Attachments {
             let alive = pid_alive(pid);
             self.read_meta(key);
             if let Some(process) = self.processes.get_mut(&key) {
-                let flags = if traces.covers_user(process.owner) {
-                    flags
-                } else {
-                    0
-                };
+                let flags = background
+                    | if traces.covers_user(process.owner) {
+                        flags
+                    } else {
+                        0
+                    };
                 if process.control != flags {
                     // Asked to record from now; its library says when it
-                    // does (`Recording`).
-                    if process.control & CONTROL_CAPTURE == 0 && flags & CONTROL_CAPTURE != 0 {
+                    // does (`Recording`). One recording its GPU's past
+                    // already has the kernels of the moments between.
+                    let started = process.control & CONTROL_CAPTURE == 0
+                        && flags & CONTROL_CAPTURE != 0
+                        && process.control & CONTROL_RECORD_ALWAYS == 0;
+                    if started {
                         let label = process.label();
                         let cause = LossCause::Starting;
                         self.status

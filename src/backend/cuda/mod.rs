@@ -54,7 +54,7 @@ use crate::model::timeline::STREAM_BITS;
 use crate::recorder::Window;
 use crate::ring::{
     pid_alive, remove_stale_rings, Consumer, FileIdentity, OpenLimits, Ring,
-    CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE,
+    CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE, CONTROL_RECORD_ALWAYS,
 };
 use crate::workload::{
     self, ApiRecordSet, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE,
@@ -73,6 +73,9 @@ pub struct CudaConfig {
     /// Which API calls workloads record for captures that do not ask for
     /// detail (`device_tracer_level` 2 asks for every call).
     pub api_records: ApiRecords,
+    /// Whether workloads record only for captures, or the GPU's work
+    /// between them too.
+    pub record: Recording,
 }
 
 impl Default for CudaConfig {
@@ -82,8 +85,22 @@ impl Default for CudaConfig {
             scan_interval: Duration::from_millis(250),
             drain_interval: Duration::from_millis(10),
             api_records: ApiRecords::Timeline,
+            record: Recording::Capture,
         }
     }
+}
+
+/// When workloads record their GPU's work (`--cuda-record`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Recording {
+    /// During captures alone: CUPTI is switched on for each capture and
+    /// detached after it, so that the job runs at full speed between them.
+    Capture,
+    /// Always: kernels, copies and memsets (no API calls) are recorded
+    /// between captures too, so that look-back captures, snapshots and
+    /// triggers hold the GPU's past; a capture adds the rest for its
+    /// window. The job pays CUPTI's cost on its kernels all the time.
+    Always,
 }
 
 /// The driver and runtime API calls CUPTI records in workloads.
@@ -225,8 +242,18 @@ impl Backend for CudaBackend {
                     last_scan = Some(Instant::now());
                     attach.scan();
                 }
-                attach.service(control_flags(capturing, all_api_records), &context.traces);
-                let pause = if capturing {
+                let background = match attach.config.record {
+                    Recording::Always => CONTROL_RECORD_ALWAYS,
+                    Recording::Capture => 0,
+                };
+                attach.service(
+                    control_flags(capturing, all_api_records),
+                    background,
+                    &context.traces,
+                );
+                // Workloads recording the GPU's past fill their rings
+                // between captures too.
+                let pause = if capturing || background != 0 {
                     attach.config.drain_interval
                 } else {
                     attach.config.drain_interval * 10
@@ -293,7 +320,16 @@ impl Backend for CudaBackend {
     /// (`devtrace_cuda_cupti_<pid>`) and the API calls it recorded
     /// (`devtrace_cuda_api_records_<pid>`).
     fn properties(&self, window: Window, scope: Scope) -> Vec<(String, String)> {
-        self.status
+        let recording = match self.config.record {
+            Recording::Always => {
+                "always: kernels, copies and memsets are recorded between captures too; API \
+                 calls during captures alone"
+            }
+            Recording::Capture => "capture: GPU work is recorded during captures alone",
+        };
+        let mode = ("devtrace_cuda_record".to_string(), recording.to_string());
+        let processes: Vec<(String, String)> = self
+            .status
             .lock()
             .traced
             .iter()
@@ -317,7 +353,8 @@ impl Backend for CudaBackend {
                 });
                 std::iter::once(command).chain(cupti).chain(api_records)
             })
-            .collect()
+            .collect();
+        std::iter::once(mode).chain(processes).collect()
     }
 
     fn notices(&self, window: Window, scope: Scope) -> Vec<String> {

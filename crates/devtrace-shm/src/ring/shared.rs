@@ -19,6 +19,11 @@ pub const CONTROL_CAPTURE: u32 = 1;
 /// call to be recorded, not only those that place work on the timeline. A
 /// library that does not know it records as it always did.
 pub const CONTROL_ALL_API_RECORDS: u32 = 2;
+/// Control flag: record the GPU's kernels, copies and memsets (and nothing
+/// costlier) between captures too, so that the flight recorder holds the
+/// GPU's past (`serve --cuda-record always`). A library that does not know
+/// it records during captures alone, as it always did.
+pub const CONTROL_RECORD_ALWAYS: u32 = 4;
 
 /// The control word of a ring: flags set by the agent, and a generation that
 /// changes with every [`Ring::set_control`], so a producer that polls can tell
@@ -43,6 +48,10 @@ impl Control {
 
     pub fn all_api_records(self) -> bool {
         self.flags & CONTROL_ALL_API_RECORDS != 0
+    }
+
+    pub fn record_always(self) -> bool {
+        self.flags & CONTROL_RECORD_ALWAYS != 0
     }
 }
 
