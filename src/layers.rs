@@ -21,7 +21,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     ("protocol", &["protocol"]),
     ("recording", &["recorder", "repository"]),
-    ("sources", &["backend", "tap"]),
+    ("sources", &["attach", "backend", "tap"]),
     ("products", &["agent", "analysis", "tools", "xspace"]),
     ("clients", &["fleet", "telemetry"]),
     ("captures", &["capture"]),

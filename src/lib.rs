@@ -10,6 +10,7 @@
 // In the order of the layers (see `layers.rs`), from the bottom.
 pub mod agent;
 pub mod analysis;
+pub mod attach;
 pub mod backend;
 pub mod capture;
 pub mod cli;

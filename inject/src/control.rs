@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use devtrace_shm::ring::Control;
-use devtrace_shm::workload::{self, ApiRecordSet, MetaRecord};
+use devtrace_shm::workload::{ApiRecordSet, MetaRecord};
 
 use crate::convert::{ClockMap, Converter};
 use crate::detach::{self, Attachment, Progress, Teardown};
@@ -75,7 +75,7 @@ pub fn control_loop() {
         wait = (wait * 2).min(Duration::from_secs(1));
     }
     let loaded = load_cupti();
-    let dir = workload::runtime_dir();
+    let dir = crate::runtime::dir();
     // The agent makes the directory; a workload may start first.
     while !dir.is_dir() {
         std::thread::sleep(Duration::from_secs(1));

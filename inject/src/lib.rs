@@ -28,6 +28,7 @@ mod cupti;
 mod detach;
 mod ffi;
 mod records;
+mod runtime;
 mod session;
 mod sys;
 
@@ -97,6 +98,9 @@ fn start_once() {
     // workload's stderr. (The hook is this library's own: the workload
     // and other Rust libraries keep theirs.)
     std::panic::set_hook(Box::new(|_| {}));
+    // Before `dlopen` returns: a copy `devtrace attach` staged is removed
+    // once it has.
+    runtime::settle();
     coexist::join_global_scope();
     coexist::redirect_callers();
     let spawned = std::thread::Builder::new()

@@ -1,5 +1,6 @@
 //! The command line: one module per subcommand.
 
+mod attach;
 mod capture;
 mod client_args;
 mod config;
@@ -66,12 +67,17 @@ pub enum Command {
     /// Fire a running agent's trigger rule: it saves the flight recorder's
     /// window around now as a new session.
     Trigger(TriggerArgs),
+    /// Load the injection library into running CUDA processes started
+    /// without it, so that captures trace their GPUs (needs root or
+    /// CAP_SYS_PTRACE).
+    Attach(attach::AttachArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     logging::init(&cli.log_level, cli.log_format)?;
     match cli.command {
         Command::Serve(args) => serve::run(*args),
+        Command::Attach(args) => attach::run(args),
         Command::Capture(args) => capture::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Session(args) => session::run_session(args),

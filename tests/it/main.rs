@@ -6,6 +6,7 @@
 mod common;
 
 mod agent;
+mod attach;
 mod bad_input;
 mod bounds;
 mod cli;

@@ -45,6 +45,10 @@ pub const LINE_MEMORY: u64 = SYNTHETIC_LINE_BASE | 1;
 pub const LINE_SYNCHRONIZATION: u64 = SYNTHETIC_LINE_BASE | 2;
 pub const LINE_OVERHEAD: u64 = SYNTHETIC_LINE_BASE | 3;
 
+/// The file beside a library `devtrace attach` staged that names the
+/// runtime directory (the attached process's environment names none).
+pub const ATTACH_RUNTIME_DIR_FILE: &str = "runtime-dir";
+
 /// The runtime directory from the environment, or the default.
 pub fn runtime_dir() -> PathBuf {
     std::env::var_os(RUNTIME_DIR_ENV)

@@ -81,6 +81,13 @@ fn own_object() -> Option<(CString, usize)> {
     Some((path, info.dli_fbase as usize))
 }
 
+/// This library's file, as the loader opened it.
+pub fn own_path() -> Option<std::path::PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    own_object()
+        .map(|(path, _)| std::path::PathBuf::from(std::ffi::OsStr::from_bytes(path.as_bytes())))
+}
+
 /// This library's load base (0 when it cannot be told).
 pub fn own_base() -> usize {
     own_object().map_or(0, |(_, base)| base)

@@ -91,14 +91,18 @@ pub async fn capture(agent: &AgentProcess, duration_ms: u64) -> XSpace {
 /// The stand-in driver (`libcuda.so.1`, with `libcuda.so` beside it) and a
 /// program linked against it, copied to `name` (its command name).
 pub fn cuda_programs(name: &str) -> std::path::PathBuf {
+    cuda_linked("cuda_workload.c", name, &["-pthread"])
+}
+
+/// The stand-in program `source` linked against the stand-in driver, as
+/// `name`, with `flags`.
+pub fn cuda_linked(source: &str, name: &str, flags: &[&str]) -> std::path::PathBuf {
     let dir = standin_library("libcuda.c", "libcuda.so.1", "libcuda.so");
     let search = format!("-L{}", dir.display());
     let rpath = format!("-Wl,-rpath,{}", dir.display());
-    build_program(
-        "cuda_workload.c",
-        name,
-        &["-pthread", &search, "-lcuda", &rpath],
-    )
+    let mut args = flags.to_vec();
+    args.extend([search.as_str(), "-lcuda", rpath.as_str()]);
+    build_program(source, name, &args)
 }
 
 /// Builds a stand-in library under its soname, with the unversioned name

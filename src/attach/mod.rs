@@ -1,0 +1,304 @@
+//! `devtrace attach`: loading the injection library into a CUDA process
+//! that was started without it. One thread of the target is stopped
+//! briefly, makes one page of memory (an `mmap` it runs one instruction
+//! of), and is set to enter the code in that page ([`trampoline`]), which
+//! calls the target's own `dlopen` on a copy of the library staged where
+//! the target can reach it and then returns the thread to exactly where it
+//! was, every register as it was (a system call it was blocked in is made
+//! again). From then on the library works as if the process had been
+//! started with it: it joins the runtime directory its staging names, and
+//! captures switch CUPTI on and off in it mid-run.
+//!
+//! The target is stopped only for the setup (milliseconds, reported), and
+//! never left stopped or broken by an agent that dies: the kernel lets a
+//! dead tracer's tracee go, and every point where the tracer may die leaves
+//! the thread either as it was or at the trampoline's entry, which needs
+//! no tracer. The one exception is the single instruction of the `mmap`
+//! (microseconds), during which the thread runs with borrowed registers.
+//! What stays behind: the page (4 KiB, readable, writable and executable)
+//! and the library itself, which detaches CUPTI after each capture.
+
+pub mod elf;
+mod ptrace;
+mod stage;
+mod target;
+pub mod trampoline;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use ptrace::{Stopped, TraceError};
+use target::Target;
+
+/// How an attach is made.
+#[derive(Clone, Debug)]
+pub struct AttachConfig {
+    /// The injection library to load (copied for the target).
+    pub library: PathBuf,
+    /// The agent's runtime directory, which the library joins.
+    pub runtime_dir: PathBuf,
+    /// Where the copy is staged, as the target sees its filesystem.
+    pub stage_dir: PathBuf,
+    /// How long the thread may take to stop, and each step to run.
+    pub stop_limit: Duration,
+    /// How long the library may take to load once the thread runs again.
+    pub load_limit: Duration,
+}
+
+/// An attach that loaded the library.
+#[derive(Clone, Debug)]
+pub struct Attached {
+    /// The thread borrowed, and why that one.
+    pub thread: String,
+    /// How long that thread was stopped.
+    pub stopped_for: Duration,
+    /// From letting it go to `dlopen` returning.
+    pub loaded_in: Duration,
+}
+
+/// Why a process was not attached.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("no such process")]
+    NoProcess,
+    #[error("the injection library is loaded in it already: nothing to do")]
+    AlreadyInjected,
+    #[error("{0}")]
+    Refused(String),
+    #[error("{0}")]
+    Trace(#[from] TraceError),
+    #[error("staging the library failed: {0}")]
+    Stage(String),
+    #[error(
+        "its dlopen of the library returned NULL (a filesystem mounted noexec where it was \
+         staged, or a library built for another glibc); --stage-dir chooses where"
+    )]
+    NotLoaded,
+    #[error("the library had not loaded {0:?} after the thread was let go (the thread may be stopped or very busy); it may still load")]
+    Slow(Duration),
+}
+
+/// The `mmap` the borrowed thread makes: one page, readable, writable and
+/// executable, private and anonymous.
+const MMAP: u64 = 9;
+const PROT_RWX: u64 = 7;
+const MAP_PRIVATE_ANONYMOUS: u64 = 0x22;
+/// `-ERESTART*`: a system call the stop interrupted, to be made again.
+const ERESTARTSYS: i64 = -512;
+const ERESTARTNOINTR: i64 = -513;
+const ERESTARTNOHAND: i64 = -514;
+const ERESTART_RESTARTBLOCK: i64 = -516;
+const RESTART_SYSCALL: u64 = 219;
+
+/// Loads the injection library into process `pid`.
+pub fn attach(pid: i32, config: &AttachConfig) -> Result<Attached, AttachError> {
+    let target = Target::read(pid)?;
+    target.check()?;
+    let dlopen = target.dlopen()?;
+    let code_region = target
+        .libc_code()
+        .cloned()
+        .ok_or_else(|| AttachError::Refused("its libc has no executable mapping".into()))?;
+    let xsave = trampoline::xsave_bytes()
+        .ok_or_else(|| AttachError::Refused("this CPU or kernel has no XSAVE".into()))?;
+    let staged = stage::Staged::new(pid, config)?;
+    pause_at("staged");
+    let (tid, thread) = target::pick_thread(pid);
+    let started = Instant::now();
+    let mut stopped = Stopped::seize(pid, tid, config.stop_limit).map_err(permission)?;
+    pause_at("stopped");
+    let saved = stopped.registers()?;
+    let gadget = find_syscall(&stopped, &code_region)?;
+    let page = make_page(&mut stopped, &saved, gadget, config.stop_limit)?;
+    // Stopped anew, at wherever its own code took it meanwhile.
+    stopped.resume_and_stop(config.stop_limit)?;
+    pause_at("mapped");
+    let saved = stopped.registers()?;
+    let (entry, resume) = entry_registers(&saved, page);
+    let code = trampoline::page(dlopen, resume, staged.target_path(), xsave)
+        .ok_or_else(|| AttachError::Stage("the staged path is too long".into()))?;
+    stopped.write(page, &code)?;
+    pause_at("written");
+    stopped.set_registers(&entry)?;
+    pause_at("switched");
+    stopped.detach();
+    let stopped_for = started.elapsed();
+    pause_at("detached");
+    let let_go = Instant::now();
+    let loaded = wait_loaded(pid, page, config.load_limit);
+    drop(staged);
+    loaded?;
+    Ok(Attached {
+        thread,
+        stopped_for,
+        loaded_in: let_go.elapsed(),
+    })
+}
+
+/// A refusal to trace, said as what to do about it.
+fn permission(error: TraceError) -> AttachError {
+    match &error {
+        TraceError::Call { call, error: io }
+            if *call == "PTRACE_SEIZE" && io.raw_os_error() == Some(libc::EPERM) =>
+        {
+            AttachError::Refused(target::NOT_PERMITTED.into())
+        }
+        _ => AttachError::Trace(error),
+    }
+}
+
+/// The address of a `syscall` instruction (0F 05) in `region`.
+fn find_syscall(stopped: &Stopped, region: &target::Mapping) -> Result<u64, AttachError> {
+    const CHUNK: usize = 64 << 10;
+    let mut buffer = vec![0u8; CHUNK + 1];
+    let mut at = region.start;
+    while at < region.end {
+        let len = ((region.end - at) as usize).min(CHUNK + 1);
+        stopped.read(at, &mut buffer[..len])?;
+        if let Some(i) = buffer[..len].windows(2).position(|w| w == [0x0F, 0x05]) {
+            return Ok(at + i as u64);
+        }
+        at += CHUNK as u64;
+    }
+    Err(AttachError::Refused(
+        "its libc's code holds no syscall instruction".into(),
+    ))
+}
+
+/// Has the stopped thread map the trampoline's page (one instruction run
+/// with borrowed registers), then gives it its own registers back.
+fn make_page(
+    stopped: &mut Stopped,
+    saved: &libc::user_regs_struct,
+    gadget: u64,
+    limit: Duration,
+) -> Result<u64, AttachError> {
+    let mut call = *saved;
+    call.rip = gadget;
+    call.rax = MMAP;
+    call.rdi = 0;
+    call.rsi = trampoline::PAGE as u64;
+    call.rdx = PROT_RWX;
+    call.r10 = MAP_PRIVATE_ANONYMOUS;
+    call.r8 = u64::MAX;
+    call.r9 = 0;
+    // Not a system call to restart: the kernel leaves these alone.
+    call.orig_rax = u64::MAX;
+    stopped.set_registers(&call)?;
+    let stepped = stopped.step(limit);
+    let after = stopped.registers();
+    stopped.set_registers(saved)?;
+    stepped?;
+    let address = after?.rax;
+    if (address as i64) < 0 && (address as i64) > -4096 {
+        return Err(AttachError::Refused(format!(
+            "it may not map writable executable memory (errno {}: an SELinux execmem rule or \
+             a seccomp policy)",
+            -(address as i64)
+        )));
+    }
+    Ok(address)
+}
+
+/// The registers the thread enters the trampoline with (its own, but the
+/// instruction pointer), and where the trampoline resumes it: where it
+/// was, or, when the stop interrupted a system call, at that call's
+/// instruction with its number again, so that it is made again as the
+/// kernel would have.
+fn entry_registers(saved: &libc::user_regs_struct, page: u64) -> (libc::user_regs_struct, u64) {
+    let mut entry = *saved;
+    let mut resume = saved.rip;
+    let interrupted = saved.orig_rax as i64 >= 0;
+    match saved.rax as i64 {
+        ERESTARTSYS | ERESTARTNOINTR | ERESTARTNOHAND if interrupted => {
+            resume = saved.rip - 2;
+            entry.rax = saved.orig_rax;
+        }
+        ERESTART_RESTARTBLOCK if interrupted => {
+            resume = saved.rip - 2;
+            entry.rax = RESTART_SYSCALL;
+        }
+        _ => {}
+    }
+    entry.orig_rax = u64::MAX;
+    entry.rip = page;
+    (entry, resume)
+}
+
+/// Waits until the trampoline says `dlopen` returned, at most `limit`.
+fn wait_loaded(pid: i32, page: u64, limit: Duration) -> Result<(), AttachError> {
+    use std::os::unix::fs::FileExt;
+    let memory = std::fs::File::open(format!("/proc/{pid}/mem"))
+        .map_err(|_| AttachError::Trace(TraceError::Exited))?;
+    let deadline = Instant::now() + limit;
+    let mut word = [0u8; 4];
+    loop {
+        if memory
+            .read_exact_at(&mut word, page + trampoline::DONE_WORD as u64)
+            .is_err()
+        {
+            return Err(AttachError::Trace(TraceError::Exited));
+        }
+        if u32::from_le_bytes(word) == trampoline::DONE {
+            let mut result = [0u8; 8];
+            memory
+                .read_exact_at(&mut result, page + trampoline::RESULT as u64)
+                .map_err(|_| AttachError::Trace(TraceError::Exited))?;
+            return match u64::from_le_bytes(result) {
+                0 => Err(AttachError::NotLoaded),
+                _ => Ok(()),
+            };
+        }
+        if Instant::now() >= deadline {
+            return Err(AttachError::Slow(limit));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// For tests: stops the attach at `step` when `DEVTRACE_ATTACH_PAUSE_AT`
+/// names it, so that a test can kill it there and see the target live on.
+fn pause_at(step: &str) {
+    if std::env::var("DEVTRACE_ATTACH_PAUSE_AT").is_ok_and(|at| at == step) {
+        eprintln!("devtrace attach: paused at {step}");
+        std::thread::sleep(Duration::from_secs(600));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn regs(rip: u64, rax: i64, orig_rax: i64) -> libc::user_regs_struct {
+        // SAFETY: all-zero is a valid user_regs_struct.
+        let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
+        regs.rip = rip;
+        regs.rax = rax as u64;
+        regs.orig_rax = orig_rax as u64;
+        regs.rbx = 0xb;
+        regs
+    }
+
+    #[test]
+    fn an_interrupted_system_call_is_made_again_and_running_code_goes_on() {
+        // Running user code: resumed where it was, rax untouched.
+        let (entry, resume) = entry_registers(&regs(0x1000, 5, -1), 0x9000);
+        assert_eq!(
+            (entry.rip, resume, entry.rax, entry.rbx),
+            (0x9000, 0x1000, 5, 0xb)
+        );
+        assert_eq!(entry.orig_rax, u64::MAX);
+        // A futex wait (202) interrupted: made again.
+        for restart in [ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND] {
+            let (entry, resume) = entry_registers(&regs(0x1002, restart, 202), 0x9000);
+            assert_eq!((resume, entry.rax), (0x1000, 202));
+            assert_eq!(entry.orig_rax, u64::MAX);
+        }
+        // A nanosleep with a restart block: restart_syscall.
+        let (entry, resume) = entry_registers(&regs(0x1002, ERESTART_RESTARTBLOCK, 35), 0x9000);
+        assert_eq!((resume, entry.rax), (0x1000, RESTART_SYSCALL));
+        // A call that returned (its result in rax) is not made again.
+        let (entry, resume) = entry_registers(&regs(0x1002, -4, 0), 0x9000);
+        assert_eq!((resume, entry.rax as i64), (0x1002, -4));
+    }
+}

@@ -1,0 +1,214 @@
+//! The tracer side of an attach: one thread of the target seized and
+//! stopped (`PTRACE_SEIZE` and `PTRACE_INTERRUPT`, which send no signal the
+//! target could see), its registers read and set, one instruction stepped,
+//! its memory read and written through `/proc/PID/mem`, and let go. Every
+//! wait is bounded. A tracer that dies lets the kernel detach its tracee,
+//! which then runs on with whatever registers it was last given.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+/// What went wrong with the tracee.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("{call} failed: {error}")]
+    Call {
+        call: &'static str,
+        error: std::io::Error,
+    },
+    #[error("it did not stop within {0:?} (a thread in uninterruptible sleep, or frozen)")]
+    NoStop(Duration),
+    #[error("it exited during the attach")]
+    Exited,
+    #[error("a step stopped for signal {0} instead of its trap")]
+    Signalled(i32),
+}
+
+fn call(name: &'static str, result: libc::c_long) -> Result<libc::c_long, TraceError> {
+    if result == -1 {
+        return Err(TraceError::Call {
+            call: name,
+            error: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(result)
+}
+
+/// A seized, stopped thread of the target. Dropped, it is let go (with
+/// whatever registers it has then).
+pub struct Stopped {
+    tid: i32,
+    memory: File,
+    detached: bool,
+}
+
+/// `PTRACE_EVENT_STOP`: the stop `PTRACE_INTERRUPT` asks for.
+const EVENT_STOP: i32 = 128;
+
+impl Stopped {
+    /// Seizes thread `tid` of process `pid` and waits until it stops, at
+    /// most `limit`.
+    pub fn seize(pid: i32, tid: i32, limit: Duration) -> Result<Stopped, TraceError> {
+        let memory = File::options()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/{pid}/mem"))
+            .map_err(|error| TraceError::Call {
+                call: "opening /proc/PID/mem",
+                error,
+            })?;
+        // SAFETY: plain ptrace requests on a thread id; no pointers.
+        call("PTRACE_SEIZE", unsafe {
+            libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0)
+        })?;
+        let mut stopped = Stopped {
+            tid,
+            memory,
+            detached: false,
+        };
+        stopped.stop_now(limit)?;
+        Ok(stopped)
+    }
+
+    /// Stops the running tracee (`PTRACE_INTERRUPT`) and waits for that
+    /// stop, at most `limit`. A signal that arrives first is passed on to
+    /// it, as if no one were tracing, and the wait goes on.
+    fn stop_now(&mut self, limit: Duration) -> Result<(), TraceError> {
+        // SAFETY: a plain ptrace request on our tracee.
+        call("PTRACE_INTERRUPT", unsafe {
+            libc::ptrace(libc::PTRACE_INTERRUPT, self.tid, 0, 0)
+        })?;
+        let deadline = Instant::now() + limit;
+        loop {
+            let status = self.wait(deadline.saturating_duration_since(Instant::now()))?;
+            if (status >> 16) == EVENT_STOP {
+                return Ok(());
+            }
+            let signal = libc::WSTOPSIG(status);
+            // SAFETY: our tracee, in a signal-delivery-stop for `signal`.
+            call("PTRACE_CONT", unsafe {
+                libc::ptrace(libc::PTRACE_CONT, self.tid, 0, signal as libc::c_long)
+            })?;
+        }
+    }
+
+    /// Lets the tracee run from the registers it has and stops it again:
+    /// from a stop after a step (which a dying tracer would leave with a
+    /// SIGTRAP to deliver) to one a dying tracer leaves harmless.
+    pub fn resume_and_stop(&mut self, limit: Duration) -> Result<(), TraceError> {
+        // SAFETY: our stopped tracee; no signal is delivered.
+        call("PTRACE_CONT", unsafe {
+            libc::ptrace(libc::PTRACE_CONT, self.tid, 0, 0)
+        })?;
+        self.stop_now(limit)
+    }
+
+    /// Waits for the tracee's next stop, at most `limit`; its status.
+    fn wait(&mut self, limit: Duration) -> Result<i32, TraceError> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let mut status = 0;
+            // SAFETY: `status` is a valid out pointer.
+            let got = unsafe { libc::waitpid(self.tid, &mut status, libc::__WALL | libc::WNOHANG) };
+            if got == self.tid {
+                if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+                    self.detached = true;
+                    return Err(TraceError::Exited);
+                }
+                if libc::WIFSTOPPED(status) {
+                    return Ok(status);
+                }
+            }
+            if got == -1 {
+                return Err(TraceError::Call {
+                    call: "waitpid",
+                    error: std::io::Error::last_os_error(),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(TraceError::NoStop(limit));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    pub fn registers(&self) -> Result<libc::user_regs_struct, TraceError> {
+        // SAFETY: all-zero is a valid user_regs_struct, which the kernel
+        // fills.
+        let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
+        // SAFETY: a stopped tracee and a valid out pointer.
+        call("PTRACE_GETREGS", unsafe {
+            libc::ptrace(
+                libc::PTRACE_GETREGS,
+                self.tid,
+                0,
+                &mut regs as *mut libc::user_regs_struct,
+            )
+        })?;
+        Ok(regs)
+    }
+
+    pub fn set_registers(&self, regs: &libc::user_regs_struct) -> Result<(), TraceError> {
+        // SAFETY: a stopped tracee and a valid pointer.
+        call("PTRACE_SETREGS", unsafe {
+            libc::ptrace(
+                libc::PTRACE_SETREGS,
+                self.tid,
+                0,
+                regs as *const libc::user_regs_struct,
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Runs one instruction and waits for the stop after it.
+    pub fn step(&mut self, limit: Duration) -> Result<(), TraceError> {
+        // SAFETY: a stopped tracee; no signal is delivered.
+        call("PTRACE_SINGLESTEP", unsafe {
+            libc::ptrace(libc::PTRACE_SINGLESTEP, self.tid, 0, 0)
+        })?;
+        let status = self.wait(limit)?;
+        match libc::WSTOPSIG(status) {
+            libc::SIGTRAP => Ok(()),
+            other => Err(TraceError::Signalled(other)),
+        }
+    }
+
+    pub fn read(&self, address: u64, into: &mut [u8]) -> Result<(), TraceError> {
+        self.memory
+            .read_exact_at(into, address)
+            .map_err(|error| TraceError::Call {
+                call: "reading /proc/PID/mem",
+                error,
+            })
+    }
+
+    pub fn write(&self, address: u64, bytes: &[u8]) -> Result<(), TraceError> {
+        self.memory
+            .write_all_at(bytes, address)
+            .map_err(|error| TraceError::Call {
+                call: "writing /proc/PID/mem",
+                error,
+            })
+    }
+
+    /// Lets the thread go, to run from the registers it has now.
+    pub fn detach(mut self) {
+        self.detach_with(0);
+    }
+
+    fn detach_with(&mut self, signal: i32) {
+        if std::mem::replace(&mut self.detached, true) {
+            return;
+        }
+        // SAFETY: our tracee; `signal` is 0 or the one it stopped for.
+        unsafe { libc::ptrace(libc::PTRACE_DETACH, self.tid, 0, signal as libc::c_long) };
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        self.detach_with(0);
+    }
+}

@@ -1,0 +1,274 @@
+//! What an attach needs to know of its target before touching it, all read
+//! from `/proc`: that it may be attached (a 64-bit glibc process that maps
+//! the CUDA driver, neither traced nor injected already, with ptrace
+//! allowed), where its `dlopen` is, a `syscall` instruction it maps, and
+//! which of its threads to borrow.
+
+use std::path::PathBuf;
+
+use super::elf;
+use super::AttachError;
+
+/// One line of `/proc/PID/maps`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub perms: String,
+    pub offset: u64,
+    pub path: String,
+}
+
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (start, end) = fields.next()?.split_once('-')?;
+            let perms = fields.next()?.to_string();
+            let offset = u64::from_str_radix(fields.next()?, 16).ok()?;
+            let path = fields.nth(2).unwrap_or("").to_string();
+            Some(Mapping {
+                start: u64::from_str_radix(start, 16).ok()?,
+                end: u64::from_str_radix(end, 16).ok()?,
+                perms,
+                offset,
+                path,
+            })
+        })
+        .collect()
+}
+
+fn base_name(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+fn is_libc(path: &str) -> bool {
+    let name = base_name(path);
+    name == "libc.so.6" || (name.starts_with("libc-") && name.ends_with(".so"))
+}
+
+/// The refusal of a caller the kernel does not let trace the target.
+pub const NOT_PERMITTED: &str = "not permitted to trace it: attach as root or with \
+     CAP_SYS_PTRACE (with kernel.yama.ptrace_scope 1 or 2, CAP_SYS_PTRACE is needed whoever \
+     owns it)";
+
+/// The name every copy of the injection library is mapped under.
+pub const LIBRARY_STEM: &str = "libdevtrace_inject";
+
+/// What the target is, as far as an attach cares.
+pub struct Target {
+    pub pid: i32,
+    pub maps: Vec<Mapping>,
+}
+
+impl Target {
+    pub fn read(pid: i32) -> Result<Target, AttachError> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .map_err(|_| AttachError::NoProcess)?;
+        if let Some(tracer) = field(&status, "TracerPid:").filter(|t| *t != "0") {
+            return Err(AttachError::Refused(format!(
+                "it is being traced already (by process {tracer}, a debugger or strace)"
+            )));
+        }
+        let maps =
+            std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| match e.kind() {
+                std::io::ErrorKind::PermissionDenied => AttachError::Refused(NOT_PERMITTED.into()),
+                _ => AttachError::Refused(format!("its memory map cannot be read: {e}")),
+            })?;
+        Ok(Target {
+            pid,
+            maps: parse_maps(&maps),
+        })
+    }
+
+    /// Refuses a target the library cannot, or need not, be loaded into.
+    pub fn check(&self) -> Result<(), AttachError> {
+        if self
+            .maps
+            .iter()
+            .any(|m| base_name(&m.path).starts_with(LIBRARY_STEM))
+        {
+            return Err(AttachError::AlreadyInjected);
+        }
+        if !self
+            .maps
+            .iter()
+            .any(|m| base_name(&m.path).starts_with("libcuda.so"))
+        {
+            return Err(AttachError::Refused(
+                "it does not map libcuda.so: not a CUDA process (or one that has not loaded the \
+                 driver yet; attach again once it has)"
+                    .into(),
+            ));
+        }
+        if self.libc_base().is_none() {
+            return Err(AttachError::Refused(
+                "it maps no glibc (libc.so.6): a statically linked or musl program, whose \
+                 loader cannot be asked to load the library"
+                    .into(),
+            ));
+        }
+        let exe = std::fs::read(format!("/proc/{}/exe", self.pid)).unwrap_or_default();
+        if exe.get(4) == Some(&1) {
+            return Err(AttachError::Refused(
+                "it is a 32-bit program; only 64-bit ones can be attached".into(),
+            ));
+        }
+        if let Ok(scope) = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope") {
+            if scope.trim() == "3" {
+                return Err(AttachError::Refused(
+                    "kernel.yama.ptrace_scope is 3: this kernel lets no process be traced until \
+                     it reboots"
+                        .into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Where glibc is loaded: its first mapping's start, and its file as
+    /// the target maps it.
+    fn libc_base(&self) -> Option<(u64, &Mapping)> {
+        let first = self
+            .maps
+            .iter()
+            .find(|m| is_libc(&m.path) && m.offset == 0)?;
+        Some((first.start, first))
+    }
+
+    /// The address of `dlopen` in the target, read from the libc file it
+    /// maps (through `/proc/PID/map_files`, so the very file mapped).
+    pub fn dlopen(&self) -> Result<u64, AttachError> {
+        let (base, mapping) = self
+            .libc_base()
+            .ok_or(AttachError::Refused("it maps no glibc (libc.so.6)".into()))?;
+        let file = PathBuf::from(format!(
+            "/proc/{}/map_files/{:x}-{:x}",
+            self.pid, mapping.start, mapping.end
+        ));
+        let bytes = read_bounded(&file, MAX_LIBC_BYTES).map_err(|e| {
+            AttachError::Refused(format!("its libc ({}) cannot be read: {e}", mapping.path))
+        })?;
+        let offset = elf::function_offset(&bytes, "dlopen")
+            .or_else(|_| elf::function_offset(&bytes, "__libc_dlopen_mode"))
+            .map_err(|e| AttachError::Refused(format!("its libc ({}): {e}", mapping.path)))?;
+        base.checked_add(offset).ok_or_else(|| {
+            AttachError::Refused("its libc's dlopen lies past the address space".into())
+        })
+    }
+
+    /// An executable mapping of libc, to find a `syscall` instruction in.
+    pub fn libc_code(&self) -> Option<&Mapping> {
+        self.maps
+            .iter()
+            .find(|m| is_libc(&m.path) && m.perms.starts_with("r-x"))
+    }
+}
+
+/// The most of a libc file read to find `dlopen` in.
+const MAX_LIBC_BYTES: u64 = 64 << 20;
+
+fn read_bounded(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(limit)
+        .read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+fn field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(name))
+        .map(str::trim)
+}
+
+/// System calls a thread blocks in that hold no lock of the C library's
+/// (waits, sleeps, polls, reads): a thread stopped in one is at a point
+/// where it may call `dlopen`.
+const BLOCKING_CALLS: [u64; 14] = [
+    0,   // read
+    7,   // poll
+    23,  // select
+    35,  // nanosleep
+    61,  // wait4
+    202, // futex
+    230, // clock_nanosleep
+    232, // epoll_wait
+    270, // pselect6
+    271, // ppoll
+    281, // epoll_pwait
+    288, // accept4
+    43,  // accept
+    16,  // ioctl (a CUDA driver wait)
+];
+
+/// The thread to borrow: one blocked in a system call that holds no
+/// library lock, else the main thread; with why.
+pub fn pick_thread(pid: i32) -> (i32, String) {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|entries| {
+            let mut tids: Vec<i32> = entries
+                .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect();
+            tids.sort_unstable();
+            tids
+        })
+        .unwrap_or_default();
+    for tid in tasks {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")) else {
+            continue;
+        };
+        let Some(number) = text
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if BLOCKING_CALLS.contains(&number) {
+            return (
+                tid,
+                format!("thread {tid}, blocked in system call {number}"),
+            );
+        }
+    }
+    (
+        pid,
+        format!("the main thread {pid} (no thread was blocked in a wait)"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_lines_are_read_with_and_without_paths() {
+        let maps = parse_maps(
+            "7f0000000000-7f0000001000 r-xp 00002000 08:01 42 /usr/lib/x86_64-linux-gnu/libc.so.6\n\
+             7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 \n\
+             garbage\n",
+        );
+        assert_eq!(maps.len(), 2);
+        assert_eq!(maps[0].offset, 0x2000);
+        assert!(is_libc(&maps[0].path));
+        assert_eq!(maps[1].path, "");
+        assert!(!is_libc("/lib/libcuda.so.1"));
+        assert!(is_libc("/lib/x86_64-linux-gnu/libc-2.31.so"));
+    }
+
+    #[test]
+    fn this_test_process_is_refused_for_want_of_the_driver() {
+        let target = Target::read(std::process::id() as i32).unwrap();
+        assert!(target.libc_base().is_some());
+        assert!(target.dlopen().is_ok());
+        match target.check() {
+            Err(AttachError::Refused(why)) => assert!(why.contains("libcuda.so"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        let (tid, why) = pick_thread(std::process::id() as i32);
+        assert!(tid > 0, "{why}");
+    }
+}

@@ -1,0 +1,335 @@
+//! `devtrace attach` against the stand-in driver and CUPTI: a workload
+//! started without the injection library is attached while it waits in a
+//! system call and its kernels are in the next capture; a thread spinning
+//! in user code keeps every register through an attach; an attach killed
+//! at each of its steps leaves the workload running to its end; a workload
+//! in pid and mount namespaces of its own is attached by its host pid;
+//! unprivileged callers, processes without the driver and processes
+//! already injected are refused or left alone with a clear word. Attaching
+//! needs root; without it these tests say so and pass without checking.
+
+use crate::common;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use common::workload::*;
+use common::{is_root, AgentProcess, BIN};
+
+fn skip_without_root(test: &str) -> bool {
+    if is_root() {
+        return false;
+    }
+    eprintln!("{test}: skipped, attaching needs root");
+    true
+}
+
+/// An agent on the CUDA backend and what workloads need to reach it.
+struct Setup {
+    runtime: tempfile::TempDir,
+    agent: AgentProcess,
+}
+
+impl Setup {
+    fn new() -> Setup {
+        let runtime = common::shared_directory();
+        let agent = AgentProcess::start(&[
+            "--backend",
+            "cuda",
+            "--runtime-dir",
+            runtime.path().to_str().unwrap(),
+        ]);
+        Setup { runtime, agent }
+    }
+
+    fn runtime(&self) -> &str {
+        self.runtime.path().to_str().unwrap()
+    }
+
+    /// The environment of a workload started plainly: the stand-in driver
+    /// and CUPTI on its library path, no injection library, no runtime
+    /// directory.
+    fn plain_env() -> Vec<(&'static str, String)> {
+        vec![
+            ("LD_LIBRARY_PATH", cupti_standin().display().to_string()),
+            ("DEVTRACE_STANDIN_GPU_KERNEL_NS", "5000".into()),
+        ]
+    }
+
+    /// The CUDA workload, started plainly, waiting for `release`.
+    fn plain_workload(&self, name: &str, iterations: &str) -> (CudaWorkload, PathBuf) {
+        let program = cuda_programs(name);
+        let release = self.runtime.path().join(format!("{name}.go"));
+        let env = Setup::plain_env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let workload = CudaWorkload::start(
+            &program,
+            &[iterations, "--wait-file", release.to_str().unwrap()],
+            &env,
+        );
+        workload.read_until("waiting");
+        (workload, release)
+    }
+}
+
+/// `devtrace attach PID` with the test's library and runtime directory.
+fn attach(pid: u32, runtime: &str, extra_env: &[(&str, &str)]) -> std::process::Output {
+    Command::new(BIN)
+        .args(["attach", &pid.to_string(), "--runtime-dir", runtime])
+        .arg("--library")
+        .arg(inject_library())
+        .envs(extra_env.iter().copied())
+        .output()
+        .expect("running devtrace attach")
+}
+
+fn said(output: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// The stand-in program's kernels in a trace.
+fn kernels_of(space: &devtrace::proto::tensorflow::profiler::XSpace, pid: u32) -> usize {
+    let line = format!("(pid {pid}: ");
+    space
+        .planes
+        .iter()
+        .filter(|p| p.name.starts_with("/device:GPU:"))
+        .flat_map(|p| {
+            let names = &p.event_metadata;
+            p.lines
+                .iter()
+                .filter(|l| l.name.contains(&line))
+                .flat_map(move |l| {
+                    l.events
+                        .iter()
+                        .filter_map(move |e| names.get(&e.metadata_id))
+                })
+        })
+        .filter(|m| m.name == "vector_add" || m.name == "matmul_tiled")
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_started_plainly_is_attached_and_its_kernels_are_in_the_next_capture() {
+    if skip_without_root("attach_plain") {
+        return;
+    }
+    let setup = Setup::new();
+    let (workload, release) = setup.plain_workload("cuda_plain", "3");
+    // It waits on its file: blocked in nanosleep, which the attach interrupts
+    // and makes again.
+    let out = attach(workload.workload.pid, setup.runtime(), &[]);
+    assert!(out.status.success(), "{}", said(&out));
+    assert!(
+        said(&out).contains(&format!("attached {}", workload.workload.pid)),
+        "{}",
+        said(&out)
+    );
+    wait_for_attached(&setup.agent, 1).await;
+    let space = capture_while(&setup.agent, 2000, &release).await;
+    assert_eq!(kernels_of(&space, workload.workload.pid), 6);
+    let end = workload.read_until("done");
+    assert!(end.last().unwrap().starts_with("done"), "{end:?}");
+    // The staged copy is gone; the library stays loaded.
+    let staged: Vec<_> = std::fs::read_dir("/tmp")
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("devtrace-attach-{}-", workload.workload.pid))
+        })
+        .collect();
+    assert!(staged.is_empty(), "{staged:?}");
+    // A second attach finds it there and does nothing.
+    let (again, release_again) = setup.plain_workload("cuda_plain_again", "1");
+    let first = attach(again.workload.pid, setup.runtime(), &[]);
+    assert!(first.status.success(), "{}", said(&first));
+    let second = attach(again.workload.pid, setup.runtime(), &[]);
+    assert!(second.status.success(), "{}", said(&second));
+    assert!(
+        said(&second).contains("loaded in it already"),
+        "{}",
+        said(&second)
+    );
+    std::fs::write(release_again, b"go").unwrap();
+    again.read_until("done");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thread_spinning_in_user_code_keeps_every_register_through_an_attach() {
+    if skip_without_root("attach_registers") {
+        return;
+    }
+    if !std::is_x86_feature_detected!("avx") {
+        eprintln!("attach_registers: skipped, the check needs AVX");
+        return;
+    }
+    let setup = Setup::new();
+    let program = cuda_linked("regs_workload.c", "regs_workload", &["-mavx"]);
+    for round in 0..3 {
+        let mut child = Command::new(&program)
+            .arg("3")
+            .envs(Setup::plain_env())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = lines.next().unwrap().unwrap();
+        assert!(first.starts_with("spinning"), "{first}");
+        // Into the spin, at a different moment each round.
+        std::thread::sleep(std::time::Duration::from_millis(300 + 400 * round));
+        let out = attach(child.id(), setup.runtime(), &[]);
+        assert!(out.status.success(), "round {round}: {}", said(&out));
+        assert!(said(&out).contains("the main thread"), "{}", said(&out));
+        let rest: Vec<String> = lines.map_while(Result::ok).collect();
+        assert_eq!(rest, ["registers intact", "done"], "round {round}");
+        assert!(child.wait().unwrap().success());
+    }
+}
+
+/// The steps an attach may be killed at (`DEVTRACE_ATTACH_PAUSE_AT`).
+const STEPS: [&str; 6] = [
+    "staged", "stopped", "mapped", "written", "switched", "detached",
+];
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_attach_killed_at_any_step_leaves_the_workload_running_to_its_end() {
+    if skip_without_root("attach_killed") {
+        return;
+    }
+    let setup = Setup::new();
+    for step in STEPS {
+        let (workload, release) = setup.plain_workload(&format!("cuda_killed_{step}"), "2");
+        let mut attaching = Command::new(BIN)
+            .args(["attach", &workload.workload.pid.to_string()])
+            .args(["--runtime-dir", setup.runtime()])
+            .arg("--library")
+            .arg(inject_library())
+            .env("DEVTRACE_ATTACH_PAUSE_AT", step)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = BufReader::new(attaching.stderr.take().unwrap());
+        let mut line = String::new();
+        stderr.read_line(&mut line).unwrap();
+        assert!(
+            line.contains(&format!("paused at {step}")),
+            "{step}: {line}"
+        );
+        attaching.kill().unwrap();
+        attaching.wait().unwrap();
+        // Not left stopped: it runs its iterations once let go, and ends well.
+        std::fs::write(&release, b"go").unwrap();
+        let calls = calls_until_done(&workload);
+        assert_eq!(
+            calls
+                .iter()
+                .filter(|c| c.name.starts_with("cuLaunchKernel"))
+                .count(),
+            4,
+            "{step}"
+        );
+        let mut workload = workload;
+        let status = workload.workload.child.wait().unwrap();
+        assert!(status.success(), "{step}: {status:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_in_namespaces_of_its_own_is_attached_by_its_host_pid() {
+    if skip_without_root("attach_namespaces") {
+        return;
+    }
+    let setup = Setup::new();
+    let program = cuda_programs("cuda_contained_plain");
+    let release = setup.runtime.path().join("contained.go");
+    let env = Setup::plain_env();
+    let mut command = Command::new("unshare");
+    command
+        .args(["--pid", "--mount", "--fork", "--kill-child"])
+        .arg(&program)
+        .args(["3", "--wait-file", release.to_str().unwrap()]);
+    let mut child = command
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let unshare = child.id();
+    // Killed with the test should it fail.
+    let _contained = Workload {
+        child,
+        pid: unshare,
+    };
+    lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("waiting"))
+        .expect("the workload waits for its file");
+    let children =
+        std::fs::read_to_string(format!("/proc/{unshare}/task/{unshare}/children")).unwrap();
+    let host_pid: u32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    let out = attach(host_pid, setup.runtime(), &[]);
+    assert!(out.status.success(), "{}", said(&out));
+    wait_for_attached(&setup.agent, 1).await;
+    let space = capture_while(&setup.agent, 2000, &release).await;
+    assert_eq!(kernels_of(&space, host_pid), 6);
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(rest.iter().any(|l| l.starts_with("done")), "{rest:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attaches_that_cannot_or_need_not_be_made_say_why() {
+    if skip_without_root("attach_refusals") {
+        return;
+    }
+    let setup = Setup::new();
+    // Not a CUDA process.
+    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    let out = attach(sleeper.id(), setup.runtime(), &[]);
+    assert!(!out.status.success());
+    assert!(
+        said(&out).contains("does not map libcuda.so"),
+        "{}",
+        said(&out)
+    );
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    // No such process.
+    let out = attach(u32::MAX / 2, setup.runtime(), &[]);
+    assert!(!out.status.success());
+    assert!(said(&out).contains("no such process"), "{}", said(&out));
+    // A user may not trace root's process.
+    let (workload, release) = setup.plain_workload("cuda_roots", "1");
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(BIN)
+        .args([
+            "attach",
+            &workload.workload.pid.to_string(),
+            "--runtime-dir",
+            setup.runtime(),
+        ])
+        .arg("--library")
+        .arg(inject_library())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let text = said(&out);
+    assert!(text.contains("not permitted to trace it"), "{text}");
+    std::fs::write(&release, b"go").unwrap();
+    workload.read_until("done");
+    // No library where it was said to be.
+    let out = Command::new(BIN)
+        .args(["attach", "1", "--library", "/nonexistent/lib.so"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(said(&out).contains("no injection library at /nonexistent/lib.so"));
+}
