@@ -20,9 +20,13 @@
 
 pub mod elf;
 mod ptrace;
+pub mod rules;
 mod stage;
 mod target;
 pub mod trampoline;
+mod watch;
+
+pub use watch::Watcher;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -43,6 +47,30 @@ pub struct AttachConfig {
     pub stop_limit: Duration,
     /// How long the library may take to load once the thread runs again.
     pub load_limit: Duration,
+}
+
+impl AttachConfig {
+    /// An attach of the library beside this program (else the image's)
+    /// for the agent of `runtime_dir`, staged in `/tmp`, with the limits
+    /// of `devtrace attach`'s defaults.
+    pub fn for_runtime(runtime_dir: PathBuf, library: Option<PathBuf>) -> AttachConfig {
+        AttachConfig {
+            library: library.unwrap_or_else(default_library),
+            runtime_dir,
+            stage_dir: PathBuf::from("/tmp"),
+            stop_limit: Duration::from_secs(2),
+            load_limit: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The injection library beside this program, else the image's.
+pub fn default_library() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.join("libdevtrace_inject.so")))
+        .filter(|beside| beside.is_file())
+        .unwrap_or_else(|| PathBuf::from("/opt/devtrace/lib/libdevtrace_inject.so"))
 }
 
 /// An attach that loaded the library.

@@ -37,18 +37,9 @@ pub struct AttachArgs {
     pub load_timeout: Duration,
 }
 
-/// The library beside this program, else the image's.
-fn default_library() -> PathBuf {
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.join("libdevtrace_inject.so")))
-        .filter(|beside| beside.is_file())
-        .unwrap_or_else(|| PathBuf::from("/opt/devtrace/lib/libdevtrace_inject.so"))
-}
-
 pub fn run(args: AttachArgs) -> anyhow::Result<()> {
     let config = AttachConfig {
-        library: args.library.clone().unwrap_or_else(default_library),
+        library: args.library.clone().unwrap_or_else(attach::default_library),
         runtime_dir: args.runtime_dir.clone(),
         stage_dir: args.stage_dir.clone(),
         stop_limit: args.stop_timeout,

@@ -235,6 +235,20 @@ pub struct ServeArgs {
     #[arg(long, default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
     pub runtime_dir: PathBuf,
 
+    /// Attach the injection library by itself to running processes that
+    /// map the CUDA driver and match RULE (repeatable; any rule may match):
+    /// `all`, or KEY=PATTERN[,KEY=PATTERN...] with keys comm, cmdline,
+    /// user and cgroup and `*`/`?` wildcards, e.g. `cmdline=*train.py*` or
+    /// `user=alice,comm=python*`. Processes are looked at every second;
+    /// needs root or CAP_SYS_PTRACE (see `devtrace attach`).
+    #[arg(long = "cuda-attach", value_name = "RULE")]
+    pub cuda_attach: Vec<crate::attach::rules::Rule>,
+
+    /// The injection library --cuda-attach loads; by default the one
+    /// beside this program, else /opt/devtrace/lib/libdevtrace_inject.so.
+    #[arg(long, value_name = "FILE")]
+    pub inject_library: Option<PathBuf>,
+
     /// Which CUDA driver and runtime API calls injected workloads record
     /// during captures. `timeline` (the default) records the calls that put
     /// work on the GPU timeline: kernel, cooperative, graph and host-function
@@ -443,6 +457,29 @@ fn spill_space(args: &ServeArgs) -> anyhow::Result<Option<Arc<SpillSpace>>> {
         space.limit()
     );
     Ok(Some(Arc::new(space)))
+}
+
+/// The thread that attaches to processes matching `--cuda-attach`, if any
+/// rule is given.
+fn start_attaching(args: &ServeArgs) -> anyhow::Result<Option<crate::attach::Watcher>> {
+    if args.cuda_attach.is_empty() {
+        return Ok(None);
+    }
+    let config = crate::attach::AttachConfig::for_runtime(
+        args.runtime_dir.clone(),
+        args.inject_library.clone(),
+    );
+    if !config.library.is_file() {
+        anyhow::bail!(
+            "--cuda-attach: no injection library at {} (--inject-library names it)",
+            config.library.display()
+        );
+    }
+    let rules: Vec<String> = args.cuda_attach.iter().map(|r| r.to_string()).collect();
+    info!(rules = %rules.join("; "), library = %config.library.display(), "attaching to CUDA processes that match --cuda-attach");
+    let watcher = crate::attach::Watcher::start(args.cuda_attach.clone(), config)
+        .context("starting the --cuda-attach thread")?;
+    Ok(Some(watcher))
 }
 
 fn parse_trigger(text: &str) -> Result<Rule, String> {
@@ -662,6 +699,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let agent = Agent::start(&config).context("starting the agent")?;
     telemetry.agent_started(&agent);
+    let _attacher = start_attaching(&args)?;
     let access = Access::new(
         args.admin_group
             .as_deref()

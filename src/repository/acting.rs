@@ -148,6 +148,11 @@ enum Lookup<'a> {
     Name(&'a std::ffi::CStr),
 }
 
+/// The name the user database gives `uid`, if any.
+pub fn user_name(uid: u32) -> Option<String> {
+    user_entry(Lookup::Uid(uid)).map(|entry| entry.name.to_string_lossy().into_owned())
+}
+
 /// A user as the user database lists it.
 struct UserEntry {
     name: CString,

@@ -50,8 +50,8 @@ impl HostPattern {
         let Some((host, port)) = crate::protocol::client::split_port(address) else {
             return false;
         };
-        glob(self.host.as_bytes(), host.to_ascii_lowercase().as_bytes())
-            && glob(self.port.as_bytes(), port.as_bytes())
+        crate::model::glob::matches(self.host.as_bytes(), host.to_ascii_lowercase().as_bytes())
+            && crate::model::glob::matches(self.port.as_bytes(), port.as_bytes())
     }
 }
 
@@ -59,35 +59,6 @@ impl std::fmt::Display for HostPattern {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.text)
     }
-}
-
-/// `*` and `?` wildcards, iteratively: the last `*` seen is retried one
-/// character further on a mismatch, so matching is linear in practice and
-/// never recursive.
-fn glob(pattern: &[u8], text: &[u8]) -> bool {
-    let (mut p, mut t) = (0, 0);
-    let mut retry: Option<(usize, usize)> = None;
-    while t < text.len() {
-        match pattern.get(p) {
-            Some(b'*') => {
-                retry = Some((p, t));
-                p += 1;
-            }
-            Some(&c) if c == b'?' || c == text[t] => {
-                p += 1;
-                t += 1;
-            }
-            _ => match retry {
-                Some((star, from)) => {
-                    p = star + 1;
-                    t = from + 1;
-                    retry = Some((star, from + 1));
-                }
-                None => return false,
-            },
-        }
-    }
-    pattern[p..].iter().all(|&c| c == b'*')
 }
 
 /// The operator's `--session-hosts`; empty allows every host.

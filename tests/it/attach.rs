@@ -185,7 +185,17 @@ async fn a_thread_spinning_in_user_code_keeps_every_register_through_an_attach()
         // Into the spin, at a different moment each round.
         std::thread::sleep(std::time::Duration::from_millis(300 + 400 * round));
         let out = attach(child.id(), setup.runtime(), &[]);
-        assert!(out.status.success(), "round {round}: {}", said(&out));
+        if !out.status.success() {
+            // Whether it was still there, and what it mapped, for the reader.
+            let maps =
+                std::fs::read_to_string(format!("/proc/{}/maps", child.id())).unwrap_or_default();
+            let driver: Vec<&str> = maps.lines().filter(|l| l.contains("cuda")).collect();
+            panic!(
+                "round {round}: {}; the workload: {:?}, its driver mappings: {driver:?}",
+                said(&out),
+                child.try_wait()
+            );
+        }
         assert!(said(&out).contains("the main thread"), "{}", said(&out));
         let rest: Vec<String> = lines.map_while(Result::ok).collect();
         assert_eq!(rest, ["registers intact", "done"], "round {round}");
@@ -282,6 +292,40 @@ async fn a_workload_in_namespaces_of_its_own_is_attached_by_its_host_pid() {
     assert_eq!(kernels_of(&space, host_pid), 6);
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     assert!(rest.iter().any(|l| l.starts_with("done")), "{rest:?}");
+}
+
+/// `serve --cuda-attach`: the agent attaches by itself to a process that
+/// matches a rule once it maps the driver, and leaves one that does not
+/// alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_attaches_by_itself_to_processes_its_rules_match() {
+    if skip_without_root("cuda_attach") {
+        return;
+    }
+    let runtime = common::shared_directory();
+    let library = inject_library();
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "cuda",
+        "--runtime-dir",
+        runtime.path().to_str().unwrap(),
+        "--cuda-attach",
+        "comm=cuda_auto*",
+        "--inject-library",
+        library.to_str().unwrap(),
+    ]);
+    let setup = Setup { runtime, agent };
+    let (other, release_other) = setup.plain_workload("cuda_other", "1");
+    let (matched, release) = setup.plain_workload("cuda_auto_one", "3");
+    wait_for_attached(&setup.agent, 1).await;
+    let space = capture_while(&setup.agent, 2000, &release).await;
+    assert_eq!(kernels_of(&space, matched.workload.pid), 6);
+    assert_eq!(kernels_of(&space, other.workload.pid), 0);
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", other.workload.pid)).unwrap();
+    assert!(!maps.contains("libdevtrace_inject"));
+    std::fs::write(release_other, b"go").unwrap();
+    other.read_until("done");
+    matched.read_until("done");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -65,6 +65,11 @@ const SAMPLES: &[(&str, &str)] = &[
     ("runtime-dir", r#""/var/run/devtrace-test""#),
     ("cuda-api-records", r#""all""#),
     ("cuda-record", r#""always""#),
+    ("cuda-attach", r#"["cmdline=*train.py*"]"#),
+    (
+        "inject-library",
+        r#""/opt/devtrace/lib/libdevtrace_inject.so""#,
+    ),
     ("store-retention", r#""5m""#),
     ("store-size", r#""1GiB""#),
     ("ring-capacity", "4096"),

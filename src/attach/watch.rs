@@ -1,0 +1,171 @@
+//! The agent's own attaching (`serve --cuda-attach`): a thread that looks
+//! at the host's processes every second and attaches to each that matches
+//! a rule once it maps the CUDA driver. A process is judged once (by pid
+//! and start time, so that a reused pid is judged anew); one matching a
+//! rule is looked at again until it maps the driver or ends. Outcomes are
+//! logged, failures once per process.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::rules::{Rule, Seen};
+use super::{attach, AttachConfig, AttachError};
+
+/// How often the processes are looked at.
+const EVERY: Duration = Duration::from_secs(1);
+/// Processes matching a rule that are waited for at once (to map the
+/// driver), at most.
+const MAX_WAITING: usize = 4096;
+
+/// What became of a process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Judged {
+    /// No rule matches it.
+    Ignored,
+    /// A rule matches; it has not mapped the driver yet.
+    Waiting,
+    /// Attached, refused or failed: not tried again.
+    Done,
+}
+
+/// The watcher's thread; stopped when dropped.
+pub struct Watcher {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watcher {
+    pub fn start(rules: Vec<Rule>, config: AttachConfig) -> std::io::Result<Watcher> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("cuda-attach".into())
+            .spawn(move || {
+                let mut judged: HashMap<(i32, u64), Judged> = HashMap::new();
+                while !stopping.load(Ordering::Relaxed) {
+                    look(&rules, &config, &mut judged);
+                    std::thread::sleep(EVERY);
+                }
+            })?;
+        Ok(Watcher {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One look at every process.
+fn look(rules: &[Rule], config: &AttachConfig, judged: &mut HashMap<(i32, u64), Judged>) {
+    let own = std::process::id() as i32;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    let mut alive = Vec::new();
+    for pid in entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok()) {
+        let Some(started) = start_time(pid) else {
+            continue;
+        };
+        let key = (pid, started);
+        alive.push(key);
+        if pid == own || matches!(judged.get(&key), Some(Judged::Ignored | Judged::Done)) {
+            continue;
+        }
+        let Some(seen) = seen(pid) else { continue };
+        let Some(rule) = rules.iter().find(|rule| rule.matches(&seen)) else {
+            judged.insert(key, Judged::Ignored);
+            continue;
+        };
+        if !maps_driver(pid) {
+            let waiting = judged.values().filter(|j| **j == Judged::Waiting).count();
+            if waiting < MAX_WAITING || judged.contains_key(&key) {
+                judged.insert(key, Judged::Waiting);
+            }
+            continue;
+        }
+        judged.insert(key, Judged::Done);
+        match attach(pid, config) {
+            Ok(attached) => info!(
+                pid,
+                comm = %seen.comm,
+                %rule,
+                stopped_ms = attached.stopped_for.as_secs_f64() * 1e3,
+                loaded_ms = attached.loaded_in.as_secs_f64() * 1e3,
+                "attached the injection library (--cuda-attach)"
+            ),
+            Err(AttachError::AlreadyInjected) => {}
+            Err(error) => {
+                warn!(pid, comm = %seen.comm, %rule, %error, "--cuda-attach: not attached")
+            }
+        }
+    }
+    alive.sort_unstable();
+    judged.retain(|key, _| alive.binary_search(key).is_ok());
+}
+
+/// When process `pid` started (clock ticks since boot): with the pid, it
+/// names the process even after its pid is reused.
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
+/// What the rules look at of process `pid`.
+fn seen(pid: i32) -> Option<Seen> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let cmdline: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let cgroup = cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or("")
+        .to_string();
+    Some(Seen {
+        comm: comm.trim_end().to_string(),
+        cmdline: cmdline.join(" "),
+        uid,
+        user: crate::repository::acting::user_name(uid),
+        cgroup,
+    })
+}
+
+fn maps_driver(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| {
+        maps.lines()
+            .filter_map(|l| l.split_whitespace().nth(5))
+            .any(|path| {
+                path.rsplit('/')
+                    .next()
+                    .is_some_and(|n| n.starts_with("libcuda.so"))
+            })
+    })
+}
