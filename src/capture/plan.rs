@@ -39,6 +39,9 @@ pub struct Plan {
     /// The caller whose share of `--capture-memory` the build draws from
     /// ([`super::memory`]); none for admins and the agent.
     pub memory_owner: Option<Owner>,
+    /// Processes to load the injection library into before the window
+    /// (`opts.advanced_configuration["devtrace_attach"]`).
+    pub attach: Vec<i32>,
 }
 
 impl Plan {
@@ -69,6 +72,7 @@ impl Plan {
             caller: Caller::Agent,
             scope: Scope::Host,
             memory_owner: None,
+            attach: Vec::new(),
         }
     }
 }

@@ -59,6 +59,13 @@ pub struct CaptureArgs {
     #[arg(long, default_value_t = 1)]
     pub device_tracer_level: u32,
 
+    /// Have the agent load the injection library into this running CUDA
+    /// process (started without it) before the window, so that the
+    /// capture holds its GPU (repeatable; a devtrace agent on the same
+    /// host; your own processes, or any as an admin). See `devtrace attach`.
+    #[arg(long = "attach", value_name = "PID")]
+    pub attach: Vec<u32>,
+
     /// Do not draw a progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -131,6 +138,19 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
         options.override_hostname = name.clone();
     }
     options.device_tracer_level = args.device_tracer_level;
+    if !args.attach.is_empty() {
+        let pids: Vec<String> = args.attach.iter().map(u32::to_string).collect();
+        options.advanced_configuration.insert(
+            crate::service::profiler::ATTACH_KEY.to_string(),
+            crate::proto::tensorflow::profile_options::AdvancedConfigValue {
+                value: Some(
+                    crate::proto::tensorflow::profile_options::advanced_config_value::Value::StringValue(
+                        pids.join(","),
+                    ),
+                ),
+            },
+        );
+    }
     // The server names the trace after host_name; a local socket's server
     // is this machine.
     let host_name = if target.is_unix() {

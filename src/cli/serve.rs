@@ -244,7 +244,8 @@ pub struct ServeArgs {
     #[arg(long = "cuda-attach", value_name = "RULE")]
     pub cuda_attach: Vec<crate::attach::rules::Rule>,
 
-    /// The injection library --cuda-attach loads; by default the one
+    /// The injection library --cuda-attach and captures naming processes
+    /// to attach (devtrace capture --attach) load; by default the one
     /// beside this program, else /opt/devtrace/lib/libdevtrace_inject.so.
     #[arg(long, value_name = "FILE")]
     pub inject_library: Option<PathBuf>,
@@ -724,6 +725,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             continuous_timeout: args.continuous_timeout,
             captures_per_caller: usize::from(args.captures_per_caller),
             access: access.clone(),
+            attach: Some(crate::attach::AttachConfig::for_runtime(
+                args.runtime_dir.clone(),
+                args.inject_library.clone(),
+            )),
             ..ServiceConfig::default()
         },
     ));

@@ -328,6 +328,108 @@ async fn the_agent_attaches_by_itself_to_processes_its_rules_match() {
     matched.read_until("done");
 }
 
+/// A capture may name processes for the agent to attach first
+/// (`devtrace capture --attach`): its own user's, or any for an admin. A
+/// user naming another user's process is told why not, and that process
+/// is left alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_capture_has_the_agent_attach_the_processes_it_names_first() {
+    if skip_without_root("capture_attach") {
+        return;
+    }
+    let runtime = common::shared_directory();
+    let library = inject_library();
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "cuda",
+        "--runtime-dir",
+        runtime.path().to_str().unwrap(),
+        "--inject-library",
+        library.to_str().unwrap(),
+    ]);
+    let setup = Setup { runtime, agent };
+    let (workload, release) = setup.plain_workload("cuda_named", "3");
+    let logdir = tempfile::tempdir().unwrap();
+    let pid = workload.workload.pid.to_string();
+    let capture = Command::new(BIN)
+        .args([
+            "capture",
+            &setup.agent.address,
+            "--duration",
+            "3s",
+            "--quiet",
+        ])
+        .args(["--attach", &pid, "--logdir"])
+        .arg(logdir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once attached and recording, the workload runs its kernels.
+    wait_for_attached(&setup.agent, 1).await;
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    std::fs::write(&release, b"go").unwrap();
+    let out = capture.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", said(&out));
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let space = {
+        use prost::Message;
+        let file = std::fs::read_dir(&path)
+            .map(|mut d| d.next().unwrap().unwrap().path())
+            .unwrap_or_else(|_| PathBuf::from(&path));
+        devtrace::proto::tensorflow::profiler::XSpace::decode(&std::fs::read(file).unwrap()[..])
+            .unwrap()
+    };
+    assert_eq!(kernels_of(&space, workload.workload.pid), 6);
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.starts_with(&format!("process {pid} was attached for this capture"))),
+        "{:?}",
+        space.warnings
+    );
+    workload.read_until("done");
+
+    // uid 65534 naming root's process: told why not; nothing is loaded.
+    let (roots, release) = setup.plain_workload("cuda_not_named", "1");
+    let mut asked = common::request(300, "not-yours");
+    asked.emit_xspace = true;
+    asked.opts.as_mut().unwrap().advanced_configuration.insert(
+        "devtrace_attach".into(),
+        devtrace::proto::tensorflow::profile_options::AdvancedConfigValue {
+            value: Some(
+                devtrace::proto::tensorflow::profile_options::advanced_config_value::Value::StringValue(
+                    roots.workload.pid.to_string(),
+                ),
+            ),
+        },
+    );
+    let io = common::raw_call::connect_as(65534, &setup.agent.address).await;
+    let (reply, status) = common::raw_call::unary_on(
+        io,
+        &setup.agent.address,
+        "/tensorflow.ProfilerService/Profile",
+        &asked,
+    )
+    .await;
+    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+    let reply = {
+        use prost::Message;
+        devtrace::proto::tensorflow::ProfileResponse::decode(&reply[..]).unwrap()
+    };
+    let space = common::space_of(&reply);
+    let why = format!(
+        "process {} was not attached: it is uid 0's, not yours",
+        roots.workload.pid
+    );
+    assert!(space.warnings.contains(&why), "{:?}", space.warnings);
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", roots.workload.pid)).unwrap();
+    assert!(!maps.contains("libdevtrace_inject"));
+    std::fs::write(release, b"go").unwrap();
+    roots.read_until("done");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn attaches_that_cannot_or_need_not_be_made_say_why() {
     if skip_without_root("attach_refusals") {

@@ -11,6 +11,8 @@ mod monitor;
 mod reply;
 mod request;
 
+pub use request::ATTACH_KEY;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,6 +83,9 @@ pub struct ServiceConfig {
     /// Captures one caller (not an admin) may have in progress at once
     /// (`--captures-per-caller`).
     pub captures_per_caller: usize,
+    /// How processes a capture names are attached first; none: they are
+    /// not.
+    pub attach: Option<crate::attach::AttachConfig>,
 }
 
 impl Default for ServiceConfig {
@@ -99,6 +104,7 @@ impl Default for ServiceConfig {
             access: Default::default(),
             continuous_timeout: DEFAULT_CONTINUOUS_TIMEOUT,
             captures_per_caller: DEFAULT_CAPTURES_PER_CALLER,
+            attach: None,
         }
     }
 }
@@ -304,6 +310,57 @@ impl ProfilerService {
             .map_err(Status::permission_denied)
     }
 
+    /// Attaches the injection library to the processes a capture names
+    /// before its window, each that `caller` may attach (an admin any, a
+    /// local user its own): what happened to each, for the reply's
+    /// warnings.
+    async fn attach_first(&self, pids: &[i32], caller: &Caller) -> Vec<String> {
+        let mut said = Vec::new();
+        let admin = self.config.access.is_admin(caller);
+        for &pid in pids {
+            let allowed = match caller {
+                _ if admin => Ok(()),
+                Caller::User { uid, .. } => match crate::attach::owner_of(pid) {
+                    Some(owner) if owner == *uid => Ok(()),
+                    Some(owner) => Err(format!("it is uid {owner}'s, not yours")),
+                    None => Err("it does not exist, or changed its user".to_string()),
+                },
+                _ => Err("only local users and admins may have processes attached".to_string()),
+            };
+            if let Err(why) = allowed {
+                info!(pid, %caller, %why, "capture: not attaching");
+                said.push(format!("process {pid} was not attached: {why}"));
+                continue;
+            }
+            let Some(config) = self.config.attach.clone() else {
+                said.push(format!(
+                    "process {pid} was not attached: this agent attaches nothing"
+                ));
+                continue;
+            };
+            let outcome =
+                tokio::task::spawn_blocking(move || crate::attach::attach(pid, &config)).await;
+            let text = match outcome {
+                Ok(Ok(attached)) => {
+                    info!(pid, %caller, stopped_ms = attached.stopped_for.as_secs_f64() * 1e3, "attached for a capture");
+                    format!(
+                        "process {pid} was attached for this capture: the injection library \
+                         loaded {:.1} ms after {} was let go (stopped {:.1} ms); its GPU \
+                         activity is recorded once CUPTI starts in it",
+                        attached.loaded_in.as_secs_f64() * 1e3,
+                        attached.thread,
+                        attached.stopped_for.as_secs_f64() * 1e3
+                    )
+                }
+                Ok(Err(crate::attach::AttachError::AlreadyInjected)) => continue,
+                Ok(Err(error)) => format!("process {pid} was not attached: {error}"),
+                Err(error) => format!("process {pid} was not attached: {error}"),
+            };
+            said.push(text);
+        }
+        said
+    }
+
     /// Makes `plan` `caller`'s: whose processes it holds, whose rights its
     /// files are written with, whose share of capture memory it draws.
     fn plan_for(&self, plan: &mut Plan, caller: &Caller) -> Result<(), Status> {
@@ -380,7 +437,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             scope = %plan.scope,
             "capture requested"
         );
-        let (_registration, terminate) = self.register(&plan.session_id, caller)?;
+        let (_registration, terminate) = self.register(&plan.session_id, caller.clone())?;
+        let attached = self.attach_first(&plan.attach, &caller).await;
+        plan.warnings.extend(attached);
         let admission = self.captures.admit(&plan);
         let _active = self
             .agent

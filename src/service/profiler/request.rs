@@ -11,7 +11,7 @@ use crate::capture::Plan;
 use crate::clock;
 use crate::model::calendar::session_timestamp;
 use crate::proto::tensorflow::profile_options::advanced_config_value;
-use crate::proto::tensorflow::ProfileRequest;
+use crate::proto::tensorflow::{ProfileOptions, ProfileRequest};
 use crate::protocol::caller::{Caller, Owner};
 use crate::recorder::Window;
 use crate::service::validate::{self, invalid};
@@ -89,6 +89,7 @@ pub fn plan(
         "opts.advanced_configuration[override_hostname]",
         &legacy_override,
     )?;
+    let attach = attach_pids(&options)?;
     let file_host = [&options.override_hostname, &legacy_override]
         .into_iter()
         .find(|h| !h.is_empty())
@@ -137,14 +138,71 @@ pub fn plan(
         caller: Caller::Unknown,
         scope: Scope::NO_ONE,
         memory_owner: Some(Owner::Unnamed),
+        attach,
     })
+}
+
+/// The key of `ProfileOptions.advanced_configuration` that names processes
+/// to attach the injection library to before the window (`devtrace
+/// capture --attach`): a string of comma-separated pids.
+pub const ATTACH_KEY: &str = "devtrace_attach";
+
+/// Processes one capture may ask to attach.
+const MAX_ATTACH: usize = 64;
+
+fn attach_pids(options: &ProfileOptions) -> Result<Vec<i32>, Status> {
+    let field = "opts.advanced_configuration[devtrace_attach]";
+    let Some(value) = options.advanced_configuration.get(ATTACH_KEY) else {
+        return Ok(Vec::new());
+    };
+    let Some(advanced_config_value::Value::StringValue(text)) = &value.value else {
+        return Err(invalid(field, "must be a string of comma-separated pids"));
+    };
+    let pids: Vec<i32> = text
+        .split(',')
+        .map(|pid| pid.trim().parse::<i32>().ok().filter(|pid| *pid > 0))
+        .collect::<Option<_>>()
+        .ok_or_else(|| invalid(field, format!("{text:?} is not a list of pids")))?;
+    if pids.len() > MAX_ATTACH {
+        return Err(invalid(
+            field,
+            format!("names {} processes; at most {MAX_ATTACH}", pids.len()),
+        ));
+    }
+    Ok(pids)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::tensorflow::ProfileOptions;
     use std::time::Duration;
+
+    fn naming(value: advanced_config_value::Value) -> ProfileOptions {
+        let mut options = ProfileOptions::default();
+        options.advanced_configuration.insert(
+            ATTACH_KEY.into(),
+            crate::proto::tensorflow::profile_options::AdvancedConfigValue { value: Some(value) },
+        );
+        options
+    }
+
+    #[test]
+    fn processes_to_attach_are_a_short_list_of_pids() {
+        use advanced_config_value::Value;
+        assert_eq!(
+            attach_pids(&ProfileOptions::default()).unwrap(),
+            Vec::<i32>::new()
+        );
+        let listed = naming(Value::StringValue("12, 345".into()));
+        assert_eq!(attach_pids(&listed).unwrap(), vec![12, 345]);
+        for bad in ["", "12,x", "-3", "0"] {
+            let refused = attach_pids(&naming(Value::StringValue(bad.into()))).unwrap_err();
+            assert!(refused.message().contains("devtrace_attach"), "{refused:?}");
+        }
+        let many: Vec<String> = (1..=65).map(|p| p.to_string()).collect();
+        assert!(attach_pids(&naming(Value::StringValue(many.join(",")))).is_err());
+        assert!(attach_pids(&naming(Value::Int64Value(12))).is_err());
+    }
 
     fn config() -> ServiceConfig {
         ServiceConfig {
