@@ -167,16 +167,8 @@ pub fn attach(pid: i32, config: &AttachConfig) -> Result<Attached, AttachError> 
 /// uids are one (a process a caller of that uid may attach: the kernel's
 /// own test for tracing it, less the capabilities).
 pub fn owner_of(pid: i32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let uids: Vec<u32> = status
-        .lines()
-        .find_map(|line| line.strip_prefix("Uid:"))?
-        .split_whitespace()
-        .take(3)
-        .filter_map(|field| field.parse().ok())
-        .collect();
-    match uids.as_slice() {
-        [real, effective, saved] if real == effective && effective == saved => Some(*real),
+    match crate::model::host_process::uids(u32::try_from(pid).ok()?)? {
+        [real, effective, saved] if real == effective && effective == saved => Some(real),
         _ => None,
     }
 }

@@ -14,6 +14,7 @@ use tracing::{info, warn};
 
 use super::rules::{Rule, Seen};
 use super::{attach, AttachConfig, AttachError};
+use crate::model::host_process;
 
 /// How often the processes are looked at.
 const EVERY: Duration = Duration::from_secs(1);
@@ -115,27 +116,13 @@ fn look(rules: &[Rule], config: &AttachConfig, judged: &mut HashMap<(i32, u64), 
     judged.retain(|key, _| alive.binary_search(key).is_ok());
 }
 
-/// When process `pid` started (clock ticks since boot): with the pid, it
-/// names the process even after its pid is reused.
 fn start_time(pid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..]
-        .split_whitespace()
-        .nth(19)?
-        .parse()
-        .ok()
+    host_process::start_ticks(u32::try_from(pid).ok()?)
 }
 
 /// What the rules look at of process `pid`.
 fn seen(pid: i32) -> Option<Seen> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let uid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
+    let [uid, _, _] = host_process::uids(u32::try_from(pid).ok()?)?;
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let cmdline: Vec<String> = cmdline

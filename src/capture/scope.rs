@@ -20,6 +20,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::backend::{ProcessLines, Scope};
 use crate::event::{Device, Event, Payload};
+use crate::model::host_process;
 use crate::model::timeline::{COUNTER_TRACK, STREAM_BITS, XID_TRACK};
 
 /// How far a process's recorded start may lie after an event of its pid
@@ -156,24 +157,11 @@ fn owner_of(pid: u32, boot_ns: u64) -> Owner {
     if pid == 0 {
         return None;
     }
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let uids: Vec<u32> = status
-        .lines()
-        .find_map(|line| line.strip_prefix("Uid:"))?
-        .split_whitespace()
-        .take(3)
-        .filter_map(|field| field.parse().ok())
-        .collect();
-    let uid = match uids.as_slice() {
-        [real, effective, saved] if real == effective && effective == saved => *real,
-        [_, _, _] => u32::MAX,
-        _ => return None,
+    let uid = match host_process::uids(pid)? {
+        [real, effective, saved] if real == effective && effective == saved => real,
+        _ => u32::MAX,
     };
-    // The command name may hold spaces and parentheses: fields count from
-    // the last ')'.
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    let ticks: u64 = after_name.split_whitespace().nth(19)?.parse().ok()?;
+    let ticks = host_process::start_ticks(pid)?;
     Some((uid, boot_ns.saturating_add(ticks.saturating_mul(TICK_NS))))
 }
 

@@ -228,6 +228,31 @@ impl Threads {
     }
 }
 
+/// Process `pid`'s real, effective and saved uids.
+pub fn uids(pid: u32) -> Option<[u32; 3]> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let mut fields = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .map(|field| field.parse::<u32>().ok());
+    Some([fields.next()??, fields.next()??, fields.next()??])
+}
+
+/// When process `pid` started, in clock ticks since boot (`USER_HZ`, 100
+/// a second): with the pid, it names the process even after the pid is
+/// reused.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: fields count from
+    // the last ')'.
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

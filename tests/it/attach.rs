@@ -33,13 +33,24 @@ struct Setup {
 
 impl Setup {
     fn new() -> Setup {
+        Setup::with(&[])
+    }
+
+    /// An agent with `extra` flags, and the test's injection library for
+    /// the attaches it makes itself.
+    fn with(extra: &[&str]) -> Setup {
         let runtime = common::shared_directory();
-        let agent = AgentProcess::start(&[
+        let library = inject_library();
+        let mut args = vec![
             "--backend",
             "cuda",
             "--runtime-dir",
             runtime.path().to_str().unwrap(),
-        ]);
+            "--inject-library",
+            library.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let agent = AgentProcess::start(&args);
         Setup { runtime, agent }
     }
 
@@ -302,19 +313,7 @@ async fn the_agent_attaches_by_itself_to_processes_its_rules_match() {
     if skip_without_root("cuda_attach") {
         return;
     }
-    let runtime = common::shared_directory();
-    let library = inject_library();
-    let agent = AgentProcess::start(&[
-        "--backend",
-        "cuda",
-        "--runtime-dir",
-        runtime.path().to_str().unwrap(),
-        "--cuda-attach",
-        "comm=cuda_auto*",
-        "--inject-library",
-        library.to_str().unwrap(),
-    ]);
-    let setup = Setup { runtime, agent };
+    let setup = Setup::with(&["--cuda-attach", "comm=cuda_auto*"]);
     let (other, release_other) = setup.plain_workload("cuda_other", "1");
     let (matched, release) = setup.plain_workload("cuda_auto_one", "3");
     wait_for_attached(&setup.agent, 1).await;
@@ -337,17 +336,7 @@ async fn a_capture_has_the_agent_attach_the_processes_it_names_first() {
     if skip_without_root("capture_attach") {
         return;
     }
-    let runtime = common::shared_directory();
-    let library = inject_library();
-    let agent = AgentProcess::start(&[
-        "--backend",
-        "cuda",
-        "--runtime-dir",
-        runtime.path().to_str().unwrap(),
-        "--inject-library",
-        library.to_str().unwrap(),
-    ]);
-    let setup = Setup { runtime, agent };
+    let setup = Setup::new();
     let (workload, release) = setup.plain_workload("cuda_named", "3");
     let logdir = tempfile::tempdir().unwrap();
     let pid = workload.workload.pid.to_string();

@@ -3,8 +3,9 @@
  * attach` borrows its only thread, for tests of the attach's register save
  * and restore: every general register the compiler lets it have, all
  * sixteen ymm registers (upper halves included) and the direction flag are
- * set to patterns, the thread spins in user code (no system call) for
- * SECONDS, then the values are compared with the patterns.
+ * set to patterns, the thread spins in user code (no system call) until
+ * SIGALRM says SECONDS have passed (the kernel restores every register
+ * after the handler), then the values are compared with the patterns.
  *
  * Build: cc -O2 -Wall -Werror -mavx -o regs_workload regs_workload.c -L<dir> -lcuda
  * Run:   regs_workload SECONDS
@@ -17,6 +18,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -28,22 +31,17 @@ uint64_t regs_gpr_patterns[12];
 uint64_t regs_gpr_seen[12];
 uint8_t regs_ymm_patterns[16 * 32] __attribute__((aligned(32)));
 uint8_t regs_ymm_seen[16 * 32] __attribute__((aligned(32)));
-uint64_t regs_stop_tsc;
+/* Set by SIGALRM once SECONDS have passed (the spin reads no clock: a TSC
+ * differs between the CPUs of some virtual machines). */
+volatile int regs_stop;
 uint64_t regs_flags_seen;
 
 static const char *GPR_NAMES[12] = {"rbx", "rcx", "rsi", "rdi", "r8",  "r9",
                                     "r10", "r11", "r12", "r13", "r14", "r15"};
 
-static uint64_t rdtsc(void) {
-    uint32_t lo, hi;
-    __asm__ volatile("rdtsc" : "=a"(lo), "=d"(hi));
-    return ((uint64_t)hi << 32) | lo;
-}
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec / 1e9;
+static void on_alarm(int signal) {
+    (void)signal;
+    regs_stop = 1;
 }
 
 int main(int argc, char **argv) {
@@ -54,11 +52,10 @@ int main(int argc, char **argv) {
     }
     for (int i = 0; i < 12; i++) regs_gpr_patterns[i] = 0x0101010101010101ull * (uint64_t)(i + 1) ^ 0x8000000000000001ull;
     for (int i = 0; i < 16 * 32; i++) regs_ymm_patterns[i] = (uint8_t)(i * 7 + 3);
-    double t0 = now_s();
-    uint64_t c0 = rdtsc();
-    usleep(100000);
-    double per_s = (rdtsc() - c0) / (now_s() - t0);
-    regs_stop_tsc = rdtsc() + (uint64_t)(seconds * per_s);
+    signal(SIGALRM, on_alarm);
+    struct itimerval timer = {.it_value = {.tv_sec = (time_t)seconds,
+                                           .tv_usec = (suseconds_t)((seconds - (time_t)seconds) * 1e6)}};
+    setitimer(ITIMER_REAL, &timer, NULL);
     printf("spinning pid=%d\n", (int)getpid());
     fflush(stdout);
     __asm__ volatile(
@@ -93,11 +90,8 @@ int main(int argc, char **argv) {
         "std\n"
         "1:\n"
         "pause\n"
-        "rdtsc\n"
-        "shl $32, %%rdx\n"
-        "or %%rdx, %%rax\n"
-        "cmp regs_stop_tsc(%%rip), %%rax\n"
-        "jb 1b\n"
+        "cmpl $0, regs_stop(%%rip)\n"
+        "je 1b\n"
         "pushfq\n"
         "pop %%rax\n"
         "cld\n"
