@@ -172,6 +172,53 @@ async fn a_workload_started_plainly_is_attached_and_its_kernels_are_in_the_next_
     again.read_until("done");
 }
 
+/// Attached while its thread is inside a driver call (a synchronize the
+/// stand-in driver spends 150 ms in, in user code): the library loads from
+/// there, the call returns as it would have, and the iterations after the
+/// attach are captured.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_inside_a_driver_call_is_attached_and_runs_on() {
+    if skip_without_root("attach_in_call") {
+        return;
+    }
+    let setup = Setup::new();
+    let program = cuda_programs("cuda_in_call");
+    let release = setup.runtime.path().join("in_call.go");
+    let mut env = Setup::plain_env();
+    env.push(("DEVTRACE_STANDIN_SYNC_US", "150000".into()));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let workload = CudaWorkload::start(
+        &program,
+        &["30", "--wait-file", release.to_str().unwrap()],
+        &env,
+    );
+    workload.read_until("waiting");
+    std::fs::write(&release, b"go").unwrap();
+    // Well into its iterations, most of each spent synchronizing.
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    let out = attach(workload.workload.pid, setup.runtime(), &[]);
+    assert!(out.status.success(), "{}", said(&out));
+    assert!(said(&out).contains("the main thread"), "{}", said(&out));
+    wait_for_attached(&setup.agent, 1).await;
+    let space = common::workload::capture(&setup.agent, 1500).await;
+    assert!(
+        kernels_of(&space, workload.workload.pid) >= 4,
+        "{} kernels captured",
+        kernels_of(&space, workload.workload.pid)
+    );
+    let calls = calls_until_done(&workload);
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|c| c.name == "cuStreamSynchronize")
+            .count(),
+        30
+    );
+    assert!(calls
+        .iter()
+        .all(|c| c.fields.get("rc").map(String::as_str) == Some("0")));
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_thread_spinning_in_user_code_keeps_every_register_through_an_attach() {
     if skip_without_root("attach_registers") {
