@@ -29,6 +29,7 @@ mod watch;
 pub use watch::Watcher;
 
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ptrace::{Stopped, TraceError};
@@ -102,7 +103,7 @@ pub enum AttachError {
          staged, or a library built for another glibc); --stage-dir chooses where"
     )]
     NotLoaded,
-    #[error("the library had not loaded {0:?} after the thread was let go (the thread may be stopped or very busy); it may still load")]
+    #[error("the library had not loaded {0:?} after the thread was let go (the thread may be stopped or very busy); its staged copy was removed, so the load will fail if it still comes")]
     Slow(Duration),
 }
 
@@ -120,6 +121,47 @@ const RESTART_SYSCALL: u64 = 219;
 
 /// Loads the injection library into process `pid`.
 pub fn attach(pid: i32, config: &AttachConfig) -> Result<Attached, AttachError> {
+    attach_as(pid, config, None)
+}
+
+/// As [`attach`], refusing unless the process is `owner`'s when it is
+/// stopped (so that a pid reused meanwhile is not taken for it).
+pub fn attach_as(
+    pid: i32,
+    config: &AttachConfig,
+    owner: Option<u32>,
+) -> Result<Attached, AttachError> {
+    static UNDER_WAY: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+    {
+        let mut under_way = UNDER_WAY.lock().unwrap_or_else(|e| e.into_inner());
+        if under_way.contains(&pid) {
+            return Err(AttachError::Refused(
+                "another attach of it is under way".into(),
+            ));
+        }
+        under_way.push(pid);
+    }
+    // On a thread of its own, which ends with it: the kernel then lets go
+    // of a tracee an error left behind (a stop that never came), rather
+    // than leave it to stop for a tracer that no longer waits.
+    let outcome = std::thread::scope(|scope| {
+        scope
+            .spawn(|| attach_here(pid, config, owner))
+            .join()
+            .unwrap_or_else(|_| Err(AttachError::Refused("the attach panicked".into())))
+    });
+    UNDER_WAY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|p| *p != pid);
+    outcome
+}
+
+fn attach_here(
+    pid: i32,
+    config: &AttachConfig,
+    owner: Option<u32>,
+) -> Result<Attached, AttachError> {
     let target = Target::read(pid)?;
     target.check()?;
     let dlopen = target.dlopen()?;
@@ -129,17 +171,19 @@ pub fn attach(pid: i32, config: &AttachConfig) -> Result<Attached, AttachError> 
         .ok_or_else(|| AttachError::Refused("its libc has no executable mapping".into()))?;
     let xsave = trampoline::xsave_bytes()
         .ok_or_else(|| AttachError::Refused("this CPU or kernel has no XSAVE".into()))?;
-    let staged = stage::Staged::new(pid, config)?;
+    let staged = stage::Staged::new(pid, config, target.credentials())?;
     pause_at("staged");
     let (tid, thread) = target::pick_thread(pid);
     let started = Instant::now();
     let mut stopped = Stopped::seize(pid, tid, config.stop_limit).map_err(permission)?;
+    target.still_the_same(tid, owner)?;
     pause_at("stopped");
     let saved = stopped.registers()?;
     let gadget = find_syscall(&stopped, &code_region)?;
-    let page = make_page(&mut stopped, &saved, gadget, config.stop_limit)?;
+    let page = make_page(&mut stopped, &saved, gadget)?;
     // Stopped anew, at wherever its own code took it meanwhile.
     stopped.resume_and_stop(config.stop_limit)?;
+    target.still_the_same(tid, owner)?;
     pause_at("mapped");
     let saved = stopped.registers()?;
     let (entry, resume) = entry_registers(&saved, page);
@@ -209,7 +253,6 @@ fn make_page(
     stopped: &mut Stopped,
     saved: &libc::user_regs_struct,
     gadget: u64,
-    limit: Duration,
 ) -> Result<u64, AttachError> {
     let mut call = *saved;
     call.rip = gadget;
@@ -223,7 +266,7 @@ fn make_page(
     // Not a system call to restart: the kernel leaves these alone.
     call.orig_rax = u64::MAX;
     stopped.set_registers(&call)?;
-    let stepped = stopped.step(limit);
+    let stepped = stopped.step();
     let after = stopped.registers();
     stopped.set_registers(saved)?;
     stepped?;

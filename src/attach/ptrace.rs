@@ -2,8 +2,9 @@
 //! stopped (`PTRACE_SEIZE` and `PTRACE_INTERRUPT`, which send no signal the
 //! target could see), its registers read and set, one instruction stepped,
 //! its memory read and written through `/proc/PID/mem`, and let go. Every
-//! wait is bounded. A tracer that dies lets the kernel detach its tracee,
-//! which then runs on with whatever registers it was last given.
+//! wait but a step's is bounded. A tracer thread that ends lets the kernel
+//! detach its tracee, which then runs on with whatever registers it was
+//! last given: each attach runs on a thread of its own for that reason.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -21,8 +22,10 @@ pub enum TraceError {
     NoStop(Duration),
     #[error("it exited during the attach")]
     Exited,
-    #[error("a step stopped for signal {0} instead of its trap")]
+    #[error("a step stopped for signal {0} instead of its trap (the signal is delivered)")]
     Signalled(i32),
+    #[error("it is stopped (signal {0}, as by SIGSTOP or a debugger's job control): attach once it runs")]
+    GroupStopped(i32),
 }
 
 fn call(name: &'static str, result: libc::c_long) -> Result<libc::c_long, TraceError> {
@@ -41,7 +44,13 @@ pub struct Stopped {
     tid: i32,
     memory: File,
     detached: bool,
+    /// A signal that arrived instead of a step's trap, delivered when the
+    /// thread is let go.
+    pending_signal: i32,
 }
+
+/// How long a step is waited for: as good as forever.
+const STEP_PATIENCE: Duration = Duration::from_secs(24 * 3600);
 
 /// `PTRACE_EVENT_STOP`: the stop `PTRACE_INTERRUPT` asks for.
 const EVENT_STOP: i32 = 128;
@@ -66,6 +75,7 @@ impl Stopped {
             tid,
             memory,
             detached: false,
+            pending_signal: 0,
         };
         stopped.stop_now(limit)?;
         Ok(stopped)
@@ -83,7 +93,12 @@ impl Stopped {
         loop {
             let status = self.wait(deadline.saturating_duration_since(Instant::now()))?;
             if (status >> 16) == EVENT_STOP {
-                return Ok(());
+                // A group-stop (SIGSTOP and the like) reads as the same event,
+                // with its signal: the process was stopped, not by us.
+                return match libc::WSTOPSIG(status) {
+                    libc::SIGTRAP => Ok(()),
+                    signal => Err(TraceError::GroupStopped(signal)),
+                };
             }
             let signal = libc::WSTOPSIG(status);
             // SAFETY: our tracee, in a signal-delivery-stop for `signal`.
@@ -162,16 +177,22 @@ impl Stopped {
         Ok(())
     }
 
-    /// Runs one instruction and waits for the stop after it.
-    pub fn step(&mut self, limit: Duration) -> Result<(), TraceError> {
+    /// Runs one instruction and waits for the stop after it, however long
+    /// that takes: a thread running borrowed registers must not be let go
+    /// before it is back (a system call stepped over blocks at most as
+    /// long as the kernel makes it).
+    pub fn step(&mut self) -> Result<(), TraceError> {
         // SAFETY: a stopped tracee; no signal is delivered.
         call("PTRACE_SINGLESTEP", unsafe {
             libc::ptrace(libc::PTRACE_SINGLESTEP, self.tid, 0, 0)
         })?;
-        let status = self.wait(limit)?;
+        let status = self.wait(STEP_PATIENCE)?;
         match libc::WSTOPSIG(status) {
             libc::SIGTRAP => Ok(()),
-            other => Err(TraceError::Signalled(other)),
+            other => {
+                self.pending_signal = other;
+                Err(TraceError::Signalled(other))
+            }
         }
     }
 
@@ -195,7 +216,7 @@ impl Stopped {
 
     /// Lets the thread go, to run from the registers it has now.
     pub fn detach(mut self) {
-        self.detach_with(0);
+        self.detach_with(self.pending_signal);
     }
 
     fn detach_with(&mut self, signal: i32) {
@@ -209,6 +230,9 @@ impl Stopped {
 
 impl Drop for Stopped {
     fn drop(&mut self) {
-        self.detach_with(0);
+        // A thread still running (its stop never came) cannot be detached
+        // here; the attach's own thread ends right after, and the kernel
+        // lets go of a dead tracer's tracees, pending stop and all.
+        self.detach_with(self.pending_signal);
     }
 }

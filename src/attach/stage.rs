@@ -1,19 +1,23 @@
 //! The copy of the library an attach loads, staged where the target can
 //! reach it (its own filesystem, which may be a container's): a new
-//! directory of the agent's user, mode 0755, under `--stage-dir` as the
-//! target sees it, holding the library and a `runtime-dir` file that names
-//! the agent's runtime directory (a running process's environment cannot
-//! be given one). Paths are resolved inside the target's root
-//! (`RESOLVE_IN_ROOT` from `/proc/PID/root`), so that a link the target's
-//! owner planted cannot send the agent's writes elsewhere. Removed when
-//! dropped: a library already loaded stays mapped.
+//! directory, mode 0755, under `--stage-dir` as the target sees it,
+//! holding the library and a `runtime-dir` file that names the agent's
+//! runtime directory (a running process's environment cannot be given
+//! one). Every file operation is made with the target's owner's rights
+//! (`crate::repository::acting`) and resolved inside the target's root
+//! (`RESOLVE_IN_ROOT` from `/proc/PID/root`), so that neither a link nor a
+//! mount its owner made can have the agent write or remove anything its
+//! owner could not. Removed when dropped (only what was made here): a
+//! library already loaded stays mapped.
 
 use std::io::Write;
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags, ResolveFlags};
 
 use super::{AttachConfig, AttachError};
+use crate::repository::acting::Credentials;
 use crate::workload::ATTACH_RUNTIME_DIR_FILE;
 
 /// The library's name in its staging directory.
@@ -24,6 +28,10 @@ pub struct Staged {
     dir: OwnedFd,
     parent: OwnedFd,
     name: String,
+    /// The files made in it.
+    made: Vec<&'static str>,
+    /// The target's owner's, which every file operation acts with.
+    credentials: Credentials,
     /// The library's path as the target sees it.
     target_path: Vec<u8>,
 }
@@ -32,8 +40,16 @@ fn stage_error(what: &str, error: impl std::fmt::Display) -> AttachError {
     AttachError::Stage(format!("{what}: {error}"))
 }
 
+fn acting_error(error: std::io::Error) -> AttachError {
+    stage_error("acting as the target's owner", error)
+}
+
 impl Staged {
-    pub fn new(pid: i32, config: &AttachConfig) -> Result<Staged, AttachError> {
+    pub fn new(
+        pid: i32,
+        config: &AttachConfig,
+        credentials: Credentials,
+    ) -> Result<Staged, AttachError> {
         let library = std::fs::read(&config.library)
             .map_err(|e| stage_error(&format!("reading {}", config.library.display()), e))?;
         let runtime = config.runtime_dir.to_str().ok_or_else(|| {
@@ -45,33 +61,43 @@ impl Staged {
                 config.stage_dir.display()
             ))
         })?;
+        // Opened as the agent (reaching another process's root needs it);
+        // everything beneath, as the target's owner.
         let root = rfs::open(
             format!("/proc/{pid}/root"),
             OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )
         .map_err(|e| stage_error("opening the target's root", e))?;
-        let parent = rfs::openat2(
-            &root,
-            relative,
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-            ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
-        )
-        .map_err(|e| stage_error(&format!("{} in the target", config.stage_dir.display()), e))?;
-        remove_stale(&parent);
-        let nanos = crate::clock::now_ns();
-        let name = format!("devtrace-attach-{pid}-{nanos:x}");
-        rfs::mkdirat(&parent, name.as_str(), Mode::from_raw_mode(0o755))
-            .map_err(|e| stage_error("making the staging directory", e))?;
-        let dir = rfs::openat(
-            &parent,
-            name.as_str(),
-            OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| stage_error("opening the staging directory", e))?;
-        let staged = Staged {
+        let uid = credentials.uid;
+        let (parent, dir, name) = credentials
+            .run(|| -> Result<(OwnedFd, OwnedFd, String), AttachError> {
+                let parent = rfs::openat2(
+                    &root,
+                    relative,
+                    OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                    ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+                )
+                .map_err(|e| {
+                    stage_error(&format!("{} in the target", config.stage_dir.display()), e)
+                })?;
+                remove_stale(&parent, uid);
+                let nanos = crate::clock::now_ns();
+                let name = format!("devtrace-attach-{pid}-{nanos:x}");
+                rfs::mkdirat(&parent, name.as_str(), Mode::from_raw_mode(0o755))
+                    .map_err(|e| stage_error("making the staging directory", e))?;
+                let dir = rfs::openat(
+                    &parent,
+                    name.as_str(),
+                    OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(|e| stage_error("opening the staging directory", e))?;
+                Ok((parent, dir, name))
+            })
+            .map_err(acting_error)??;
+        let mut staged = Staged {
             target_path: config
                 .stage_dir
                 .join(&name)
@@ -82,23 +108,42 @@ impl Staged {
             dir,
             parent,
             name,
+            made: Vec::new(),
+            credentials,
         };
         staged.write(LIBRARY_NAME, &library, 0o644)?;
         staged.write(ATTACH_RUNTIME_DIR_FILE, runtime.as_bytes(), 0o644)?;
         Ok(staged)
     }
 
-    fn write(&self, name: &str, bytes: &[u8], mode: u32) -> Result<(), AttachError> {
-        let fd = rfs::openat(
-            &self.dir,
-            name,
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(mode),
-        )
-        .map_err(|e| stage_error(&format!("creating {name}"), e))?;
-        std::fs::File::from(fd)
-            .write_all(bytes)
-            .map_err(|e| stage_error(&format!("writing {name}"), e))
+    fn write(&mut self, name: &'static str, bytes: &[u8], mode: u32) -> Result<(), AttachError> {
+        let dir = &self.dir;
+        let created = AtomicBool::new(false);
+        let written = self
+            .credentials
+            .run(|| {
+                let fd = rfs::openat(
+                    dir,
+                    name,
+                    OFlags::WRONLY
+                        | OFlags::CREATE
+                        | OFlags::EXCL
+                        | OFlags::NOFOLLOW
+                        | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(mode),
+                )
+                .map_err(|e| stage_error(&format!("creating {name}"), e))?;
+                created.store(true, Ordering::Relaxed);
+                std::fs::File::from(fd)
+                    .write_all(bytes)
+                    .map_err(|e| stage_error(&format!("writing {name}"), e))
+            })
+            .map_err(acting_error)?;
+        // Only what was made here is removed.
+        if created.load(Ordering::Relaxed) {
+            self.made.push(name);
+        }
+        written
     }
 
     /// The library's path as the target sees it.
@@ -109,23 +154,24 @@ impl Staged {
 
 impl Drop for Staged {
     fn drop(&mut self) {
-        remove(&self.parent, &self.dir, &self.name);
+        let (parent, dir, name, made) = (&self.parent, &self.dir, &self.name, &self.made);
+        let _ = self.credentials.run(|| remove(parent, dir, name, made));
     }
 }
 
-/// Removes the staging directory `name` in `parent` and what it holds.
-fn remove(parent: &OwnedFd, dir: &OwnedFd, name: &str) {
-    for file in [LIBRARY_NAME, ATTACH_RUNTIME_DIR_FILE] {
-        let _ = rfs::unlinkat(dir, file, AtFlags::empty());
+/// Removes `files` of the staging directory `name` in `parent`, then the
+/// directory (which fails, leaving it, when anything else is in it).
+fn remove(parent: &OwnedFd, dir: &OwnedFd, name: &str, files: &[&str]) {
+    for file in files {
+        let _ = rfs::unlinkat(dir, *file, AtFlags::empty());
     }
     let _ = rfs::unlinkat(parent, name, AtFlags::REMOVEDIR);
 }
 
 /// Removes staging directories that attaches killed before they could
-/// left behind: this user's, of processes that no longer exist.
-fn remove_stale(parent: &OwnedFd) {
-    // SAFETY: geteuid has no preconditions.
-    let own = unsafe { libc::geteuid() };
+/// left behind: those of user `own` (the target's owner, acting), of
+/// processes that no longer exist.
+fn remove_stale(parent: &OwnedFd, own: u32) {
     let Ok(listing) = rfs::openat(
         parent,
         ".",
@@ -160,7 +206,12 @@ fn remove_stale(parent: &OwnedFd) {
             continue;
         };
         if rfs::fstat(&dir).is_ok_and(|stat| stat.st_uid == own) {
-            remove(parent, &dir, &name);
+            remove(
+                parent,
+                &dir,
+                &name,
+                &[LIBRARY_NAME, ATTACH_RUNTIME_DIR_FILE],
+            );
         }
     }
 }

@@ -4,10 +4,12 @@
 //! allowed), where its `dlopen` is, a `syscall` instruction it maps, and
 //! which of its threads to borrow.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use super::elf;
 use super::AttachError;
+use crate::model::host_process;
+use crate::repository::acting::Credentials;
 
 /// One line of `/proc/PID/maps`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,6 +61,11 @@ pub const LIBRARY_STEM: &str = "libdevtrace_inject";
 pub struct Target {
     pub pid: i32,
     pub maps: Vec<Mapping>,
+    /// When it started (clock ticks since boot): with the pid, the process.
+    started: u64,
+    /// Its real uid and gid, which staging acts with.
+    uid: u32,
+    gid: u32,
 }
 
 impl Target {
@@ -75,10 +82,57 @@ impl Target {
                 std::io::ErrorKind::PermissionDenied => AttachError::Refused(NOT_PERMITTED.into()),
                 _ => AttachError::Refused(format!("its memory map cannot be read: {e}")),
             })?;
+        let number = |name: &str| -> Option<u32> {
+            field(&status, name)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        };
+        let (Some(uid), Some(gid)) = (number("Uid:"), number("Gid:")) else {
+            return Err(AttachError::NoProcess);
+        };
+        let started = u32::try_from(pid)
+            .ok()
+            .and_then(host_process::start_ticks)
+            .ok_or(AttachError::NoProcess)?;
         Ok(Target {
             pid,
             maps: parse_maps(&maps),
+            started,
+            uid,
+            gid,
         })
+    }
+
+    /// The credentials staging acts with: the process's own user's, so
+    /// that the agent can do there nothing its owner could not.
+    pub fn credentials(&self) -> Credentials {
+        Credentials {
+            uid: self.uid,
+            gid: self.gid,
+            groups: Vec::new(),
+        }
+    }
+
+    /// Refuses when, with thread `tid` stopped, the process is no longer
+    /// the one checked (it ended and its pid was reused, the thread is not
+    /// its, or its user changed), or is not `owner`'s.
+    pub fn still_the_same(&self, tid: i32, owner: Option<u32>) -> Result<(), AttachError> {
+        let pid = self.pid;
+        let same = u32::try_from(pid).ok().and_then(host_process::start_ticks)
+            == Some(self.started)
+            && Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
+            && owner.is_none_or(|owner| super::owner_of(pid) == Some(owner));
+        if same {
+            Ok(())
+        } else {
+            Err(AttachError::Refused(
+                "the process changed during the attach (it ended and its pid was reused, or its \
+                 user changed): nothing was changed in it"
+                    .into(),
+            ))
+        }
     }
 
     /// Refuses a target the library cannot, or need not, be loaded into.
@@ -88,6 +142,17 @@ impl Target {
             .iter()
             .any(|m| base_name(&m.path).starts_with(LIBRARY_STEM))
         {
+            return Err(AttachError::AlreadyInjected);
+        }
+        // Started with the library named: the driver loads it at cuInit.
+        let environ = std::fs::read(format!("/proc/{}/environ", self.pid)).unwrap_or_default();
+        let named = environ.split(|b| *b == 0).any(|entry| {
+            (entry.starts_with(b"CUDA_INJECTION64_PATH=") || entry.starts_with(b"LD_PRELOAD="))
+                && entry
+                    .windows(LIBRARY_STEM.len())
+                    .any(|w| w == LIBRARY_STEM.as_bytes())
+        });
+        if named {
             return Err(AttachError::AlreadyInjected);
         }
         if !self
@@ -108,8 +173,10 @@ impl Target {
                     .into(),
             ));
         }
-        let exe = std::fs::read(format!("/proc/{}/exe", self.pid)).unwrap_or_default();
-        if exe.get(4) == Some(&1) {
+        let mut class = [0u8; 5];
+        let read = std::fs::File::open(format!("/proc/{}/exe", self.pid))
+            .and_then(|mut exe| std::io::Read::read_exact(&mut exe, &mut class));
+        if read.is_ok() && class[4] == 1 {
             return Err(AttachError::Refused(
                 "it is a 32-bit program; only 64-bit ones can be attached".into(),
             ));

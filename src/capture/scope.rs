@@ -74,6 +74,13 @@ impl Visibility {
             }
             visibility.gpus.extend(process.gpus.iter().copied());
         }
+        // A thread id another user's process has used too (reused, or
+        // named in advance by a workload's ring) is no one's to see.
+        for process in processes.iter().filter(|p| p.uid != uid) {
+            for line in &process.host_lines {
+                visibility.host_lines.remove(line);
+            }
+        }
         Some(visibility)
     }
 
@@ -121,13 +128,29 @@ impl Visibility {
                     .iter()
                     .any(|(s, from, until)| *s == slot && (*from..=*until).contains(&at))
             }
-            (Device::Host, _) => self.host_lines.get(&event.line).is_some_and(|spans| {
-                spans
-                    .iter()
-                    .any(|(from, until)| (*from..=*until).contains(&at))
-            }),
+            (Device::Host, _) => {
+                self.host_lines.get(&event.line).is_some_and(|spans| {
+                    spans
+                        .iter()
+                        .any(|(from, until)| (*from..=*until).contains(&at))
+                }) && !self.another_users_thread(event.line)
+            }
             (Device::HostCpus, _) => false,
         }
+    }
+
+    /// Whether host line `line` is a thread that lives now and is another
+    /// user's (one that ended cannot be told, and its line stands).
+    fn another_users_thread(&self, line: u64) -> bool {
+        let Ok(tid) = u32::try_from(line) else {
+            return false;
+        };
+        let owner = *self
+            .owners
+            .borrow_mut()
+            .entry(tid)
+            .or_insert_with(|| owner_of(tid, self.boot_ns));
+        owner.is_some_and(|(uid, _)| uid != self.uid)
     }
 
     /// Whether `pid`, at `at_ns`, was a process of the scope's user.
@@ -218,9 +241,11 @@ mod tests {
 
     #[test]
     fn a_users_streams_and_host_lines_are_kept_only_while_the_process_was_theirs() {
+        // Thread ids past any pid_max: no live thread has them.
+        let (theirs_line, others_line, shared_line) = (4_000_000_077, 4_000_000_088, 4_000_000_099);
         let processes = [
-            process(1001, 3, vec![77], vec![0]),
-            process(1002, 4, vec![88], vec![1]),
+            process(1001, 3, vec![theirs_line, shared_line], vec![0]),
+            process(1002, 4, vec![others_line, shared_line], vec![1]),
         ];
         let seen = Visibility::of(Scope::User { uid: 1001 }, &processes).unwrap();
         let kernel = Payload::Kernel(KernelInfo::default());
@@ -231,9 +256,15 @@ mod tests {
         assert!(!seen.keeps(&at(1_500, Device::Gpu(1), others, kernel)));
         // A stream no process of theirs was given.
         assert!(!seen.keeps(&at(1_500, Device::Gpu(0), 7, kernel)));
-        assert!(seen.keeps(&at(1_500, Device::Host, 77, Payload::Plain)));
-        assert!(!seen.keeps(&at(1_500, Device::Host, 88, Payload::Plain)));
-        assert!(!seen.keeps(&at(500, Device::Host, 77, Payload::Plain)));
+        assert!(seen.keeps(&at(1_500, Device::Host, theirs_line, Payload::Plain)));
+        assert!(!seen.keeps(&at(1_500, Device::Host, others_line, Payload::Plain)));
+        assert!(!seen.keeps(&at(500, Device::Host, theirs_line, Payload::Plain)));
+        // A line both users' processes used is neither's.
+        assert!(!seen.keeps(&at(1_500, Device::Host, shared_line, Payload::Plain)));
+        // A line that is another user's live thread now: not theirs.
+        let live = process(1001, 5, vec![1], vec![]);
+        let init = Visibility::of(Scope::User { uid: 1001 }, &[live]).unwrap();
+        assert!(!init.keeps(&at(1_500, Device::Host, 1, Payload::Plain)));
         // Counters of the GPU their process used, not of another.
         let counter = Payload::Counter { value: 1.0 };
         assert!(seen.keeps(&at(1_500, Device::Gpu(0), COUNTER_TRACK, counter)));

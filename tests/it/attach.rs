@@ -507,6 +507,30 @@ async fn attaches_that_cannot_or_need_not_be_made_say_why() {
     assert!(text.contains("not permitted to trace it"), "{text}");
     std::fs::write(&release, b"go").unwrap();
     workload.read_until("done");
+    // Started with the library named, before its cuInit loads it: nothing
+    // to do.
+    let program = cuda_programs("cuda_named_early");
+    let early = setup.runtime.path().join("early.go");
+    let library = inject_library();
+    let mut env = Setup::plain_env();
+    env.push(("CUDA_INJECTION64_PATH", library.display().to_string()));
+    env.push(("DEVTRACE_RUNTIME_DIR", setup.runtime().to_string()));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let named = CudaWorkload::start(
+        &program,
+        &["1", "--init-wait-file", early.to_str().unwrap()],
+        &env,
+    );
+    named.read_until("waiting");
+    let out = attach(named.workload.pid, setup.runtime(), &[]);
+    assert!(out.status.success(), "{}", said(&out));
+    assert!(
+        said(&out).contains("loaded in it already"),
+        "{}",
+        said(&out)
+    );
+    std::fs::write(&early, b"go").unwrap();
+    named.read_until("done");
     // No library where it was said to be.
     let out = Command::new(BIN)
         .args(["attach", "1", "--library", "/nonexistent/lib.so"])

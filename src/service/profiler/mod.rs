@@ -319,27 +319,32 @@ impl ProfilerService {
         let admin = self.config.access.is_admin(caller);
         for &pid in pids {
             let allowed = match caller {
-                _ if admin => Ok(()),
+                _ if admin => Ok(None),
                 Caller::User { uid, .. } => match crate::attach::owner_of(pid) {
-                    Some(owner) if owner == *uid => Ok(()),
+                    Some(owner) if owner == *uid => Ok(Some(owner)),
                     Some(owner) => Err(format!("it is uid {owner}'s, not yours")),
                     None => Err("it does not exist, or changed its user".to_string()),
                 },
                 _ => Err("only local users and admins may have processes attached".to_string()),
             };
-            if let Err(why) = allowed {
-                info!(pid, %caller, %why, "capture: not attaching");
-                said.push(format!("process {pid} was not attached: {why}"));
-                continue;
-            }
+            let owner = match allowed {
+                Ok(owner) => owner,
+                Err(why) => {
+                    info!(pid, %caller, %why, "capture: not attaching");
+                    said.push(format!("process {pid} was not attached: {why}"));
+                    continue;
+                }
+            };
             let Some(config) = self.config.attach.clone() else {
                 said.push(format!(
                     "process {pid} was not attached: this agent attaches nothing"
                 ));
                 continue;
             };
+            // A user's process must still be that user's once it is stopped.
             let outcome =
-                tokio::task::spawn_blocking(move || crate::attach::attach(pid, &config)).await;
+                tokio::task::spawn_blocking(move || crate::attach::attach_as(pid, &config, owner))
+                    .await;
             let text = match outcome {
                 Ok(Ok(attached)) => {
                     info!(pid, %caller, stopped_ms = attached.stopped_for.as_secs_f64() * 1e3, "attached for a capture");

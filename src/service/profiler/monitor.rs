@@ -110,7 +110,8 @@ impl ProfilerService {
         if data.dropped() > 0 {
             text.push_str(&format!("dropped events: {}\n", data.dropped()));
         }
-        if request.monitoring_level >= 2 {
+        // The agent's own state names other users' processes and rings.
+        if request.monitoring_level >= 2 && self.config.access.is_admin(&caller) {
             for (name, health) in self.agent.backend_health() {
                 text.push_str(&format!("backend {name}: {health}\n"));
             }
