@@ -107,6 +107,10 @@ pub enum AttachError {
     Slow(Duration),
 }
 
+/// How often a thread picked for waiting is let run and stopped again
+/// until it is back in a wait.
+const BACK_IN_A_WAIT_TRIES: u32 = 200;
+
 /// The `mmap` the borrowed thread makes: one page, readable, writable and
 /// executable, private and anonymous.
 const MMAP: u64 = 9;
@@ -173,7 +177,7 @@ fn attach_here(
         .ok_or_else(|| AttachError::Refused("this CPU or kernel has no XSAVE".into()))?;
     let staged = stage::Staged::new(pid, config, target.credentials())?;
     pause_at("staged");
-    let (tid, thread) = target::pick_thread(pid);
+    let (tid, thread, blocked) = target::pick_thread(pid);
     let started = Instant::now();
     let mut stopped = Stopped::seize(pid, tid, config.stop_limit).map_err(permission)?;
     target.still_the_same(tid, owner)?;
@@ -181,11 +185,26 @@ fn attach_here(
     let saved = stopped.registers()?;
     let gadget = find_syscall(&stopped, &code_region)?;
     let page = make_page(&mut stopped, &saved, gadget)?;
-    // Stopped anew, at wherever its own code took it meanwhile.
+    // Stopped anew, at wherever its own code took it meanwhile: a thread
+    // picked for waiting must be back in a wait (not holding a lock its
+    // code took after waking), or it is let run a little and stopped
+    // again.
     stopped.resume_and_stop(config.stop_limit)?;
+    let mut saved = stopped.registers()?;
+    let mut tries = 0;
+    while blocked && !target::in_blocking_call(&saved) {
+        tries += 1;
+        if tries > BACK_IN_A_WAIT_TRIES {
+            return Err(AttachError::Refused(format!(
+                "its thread {tid} did not come back to a wait in {BACK_IN_A_WAIT_TRIES} tries; \
+                 nothing was changed in it but one page of memory: attach again"
+            )));
+        }
+        stopped.run_for(Duration::from_millis(2), config.stop_limit)?;
+        saved = stopped.registers()?;
+    }
     target.still_the_same(tid, owner)?;
     pause_at("mapped");
-    let saved = stopped.registers()?;
     let (entry, resume) = entry_registers(&saved, page);
     let code = trampoline::page(dlopen, resume, staged.target_path(), xsave)
         .ok_or_else(|| AttachError::Stage("the staged path is too long".into()))?;
@@ -358,6 +377,20 @@ mod tests {
         regs.orig_rax = orig_rax as u64;
         regs.rbx = 0xb;
         regs
+    }
+
+    #[test]
+    fn a_thread_is_in_a_wait_when_a_waiting_call_was_interrupted() {
+        assert!(target::in_blocking_call(&regs(
+            0,
+            ERESTART_RESTARTBLOCK,
+            35
+        )));
+        assert!(target::in_blocking_call(&regs(0, ERESTARTSYS, 202)));
+        assert!(!target::in_blocking_call(&regs(0, 5, -1)));
+        assert!(!target::in_blocking_call(&regs(0, -4, 202)));
+        // mmap is no wait: a thread there may hold the memory map's lock.
+        assert!(!target::in_blocking_call(&regs(0, ERESTARTSYS, 9)));
     }
 
     #[test]

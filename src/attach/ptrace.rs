@@ -112,10 +112,16 @@ impl Stopped {
     /// from a stop after a step (which a dying tracer would leave with a
     /// SIGTRAP to deliver) to one a dying tracer leaves harmless.
     pub fn resume_and_stop(&mut self, limit: Duration) -> Result<(), TraceError> {
+        self.run_for(Duration::ZERO, limit)
+    }
+
+    /// As [`Self::resume_and_stop`], letting it run `pause` first.
+    pub fn run_for(&mut self, pause: Duration, limit: Duration) -> Result<(), TraceError> {
         // SAFETY: our stopped tracee; no signal is delivered.
         call("PTRACE_CONT", unsafe {
             libc::ptrace(libc::PTRACE_CONT, self.tid, 0, 0)
         })?;
+        std::thread::sleep(pause);
         self.stop_now(limit)
     }
 

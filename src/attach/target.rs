@@ -271,9 +271,17 @@ const BLOCKING_CALLS: [u64; 14] = [
     16,  // ioctl (a CUDA driver wait)
 ];
 
+/// Whether a thread stopped with `regs` was stopped in one of the
+/// [`BLOCKING_CALLS`] (interrupted, to be made again).
+pub fn in_blocking_call(regs: &libc::user_regs_struct) -> bool {
+    let restarting = matches!(regs.rax as i64, -516..=-512);
+    restarting && (regs.orig_rax as i64) >= 0 && BLOCKING_CALLS.contains(&regs.orig_rax)
+}
+
 /// The thread to borrow: one blocked in a system call that holds no
-/// library lock, else the main thread; with why.
-pub fn pick_thread(pid: i32) -> (i32, String) {
+/// library lock, else the main thread; with why, and whether it was
+/// blocked so.
+pub fn pick_thread(pid: i32) -> (i32, String, bool) {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|entries| {
             let mut tids: Vec<i32> = entries
@@ -298,12 +306,14 @@ pub fn pick_thread(pid: i32) -> (i32, String) {
             return (
                 tid,
                 format!("thread {tid}, blocked in system call {number}"),
+                true,
             );
         }
     }
     (
         pid,
         format!("the main thread {pid} (no thread was blocked in a wait)"),
+        false,
     )
 }
 
@@ -335,7 +345,7 @@ mod tests {
             Err(AttachError::Refused(why)) => assert!(why.contains("libcuda.so"), "{why}"),
             other => panic!("{other:?}"),
         }
-        let (tid, why) = pick_thread(std::process::id() as i32);
+        let (tid, why, _) = pick_thread(std::process::id() as i32);
         assert!(tid > 0, "{why}");
     }
 }
