@@ -232,16 +232,24 @@ async fn cuda_agent(extra: &[&str]) -> AgentProcess {
     agent
 }
 
-/// Waits until the agent's eBPF backend reports probes on a driver library.
+/// Waits until the agent's eBPF backend reports probes on the stand-in
+/// driver beside the test programs (itself, or as a process maps it
+/// through its root): another copy of a driver probed first, such as a
+/// leftover process's, must not let a test go on before its own is.
 async fn wait_for_probes(agent: &AgentProcess) {
+    let dir = standin_driver_dir();
+    let own = format!("{}/libcuda.so", dir.display());
     for _ in 0..100 {
         let text = agent.monitor(100).await.data;
-        if text.contains("CUDA probes on") {
+        if text.contains("CUDA probes on") && text.contains(&own) {
             return;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    panic!("the eBPF backend never probed the driver library");
+    panic!(
+        "the eBPF backend never probed the stand-in driver in {}",
+        dir.display()
+    );
 }
 
 /// Driver-call events of `pid` on `/host:CPU`, with absolute times.

@@ -97,12 +97,17 @@ pub fn cuda_programs(name: &str) -> std::path::PathBuf {
 /// The stand-in program `source` linked against the stand-in driver, as
 /// `name`, with `flags`.
 pub fn cuda_linked(source: &str, name: &str, flags: &[&str]) -> std::path::PathBuf {
-    let dir = standin_library("libcuda.c", "libcuda.so.1", "libcuda.so");
+    let dir = standin_driver_dir();
     let search = format!("-L{}", dir.display());
     let rpath = format!("-Wl,-rpath,{}", dir.display());
     let mut args = flags.to_vec();
     args.extend([search.as_str(), "-lcuda", rpath.as_str()]);
     build_program(source, name, &args)
+}
+
+/// The directory of the stand-in driver (`libcuda.so.1`, `libcuda.so`).
+pub fn standin_driver_dir() -> std::path::PathBuf {
+    standin_library("libcuda.c", "libcuda.so.1", "libcuda.so")
 }
 
 /// Builds a stand-in library under its soname, with the unversioned name
