@@ -1438,7 +1438,14 @@ async fn processes_on_two_physical_gpus_get_the_planes_nvml_gives_them() {
         &[("DEVTRACE_NVML_STANDIN", control.as_path())],
     );
     let release = release_file(&setup, "two");
-    let args = ["2", "--wait-file", release.to_str().unwrap()];
+    // Each runs its kernels once they are recorded, however late a loaded
+    // machine lets its library start CUPTI after the release.
+    let args = [
+        "2",
+        "--wait-file",
+        release.to_str().unwrap(),
+        "--wait-recording",
+    ];
     // The process on physical GPU 1 starts first: were planes handed out by
     // arrival, it would take plane 0.
     let on_gpu1 = setup.workload(
