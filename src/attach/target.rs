@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::elf;
 use super::AttachError;
+use crate::backend::ebpf::cuda::is_driver_library;
 use crate::model::host_process;
 use crate::repository::acting::Credentials;
 
@@ -155,11 +156,7 @@ impl Target {
         if named {
             return Err(AttachError::AlreadyInjected);
         }
-        if !self
-            .maps
-            .iter()
-            .any(|m| base_name(&m.path).starts_with("libcuda.so"))
-        {
+        if !self.maps.iter().any(|m| is_driver_library(&m.path)) {
             return Err(AttachError::Refused(
                 "it does not map libcuda.so: not a CUDA process (or one that has not loaded the \
                  driver yet; attach again once it has)"

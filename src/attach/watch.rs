@@ -14,6 +14,7 @@ use tracing::{info, warn};
 
 use super::rules::{Rule, Seen};
 use super::{attach, AttachConfig, AttachError};
+use crate::backend::ebpf::cuda::is_driver_library;
 use crate::model::host_process;
 
 /// How often the processes are looked at.
@@ -149,10 +150,6 @@ fn maps_driver(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| {
         maps.lines()
             .filter_map(|l| l.split_whitespace().nth(5))
-            .any(|path| {
-                path.rsplit('/')
-                    .next()
-                    .is_some_and(|n| n.starts_with("libcuda.so"))
-            })
+            .any(is_driver_library)
     })
 }

@@ -161,7 +161,7 @@ impl DriverLibrary {
 
 /// Whether a mapped file is the CUDA driver (`libcuda.so`, `libcuda.so.1`,
 /// `libcuda.so.550.54.15`, ...).
-fn is_driver_library(path: &str) -> bool {
+pub(crate) fn is_driver_library(path: &str) -> bool {
     path.rsplit('/')
         .next()
         .is_some_and(|file| file == "libcuda.so" || file.starts_with("libcuda.so."))
