@@ -3,17 +3,14 @@
 //! A process must never hold two copies of CUPTI (each would keep its own
 //! activity state, and the framework's profiler would see half of it), so a
 //! libcupti the process already has is reused: `RTLD_NOLOAD` on
-//! `libcupti.so.13`, then `.so.12`. Otherwise the candidates are, in order:
-//! `DEVTRACE_CUPTI_PATH` (a file, or a directory holding one), the pip
-//! layout beside the CUDA libraries the process has mapped
-//! (`.../nvidia/cu13/lib/libcupti.so.13`, `.../nvidia/cuda_cupti/lib/libcupti.so.12`),
-//! `$CUDA_HOME/extras/CUPTI/lib64` (default `/usr/local/cuda`), then the
-//! loader's own search path. A library without one of the entry points is
+//! `libcupti.so.13`, then `.so.12`. Otherwise the candidates are, in order,
+//! those of `devtrace_shm::cupti::candidates` (`DEVTRACE_CUPTI_PATH`, the
+//! pip layout beside the CUDA libraries the process has mapped,
+//! `$CUDA_HOME/extras/CUPTI/lib64`), then the loader's own search path. A library without one of the entry points is
 //! refused with its name, except those only newer releases have, which are
 //! optional.
 
 use std::ffi::{c_char, c_int, c_void};
-use std::path::PathBuf;
 
 use crate::sys::dl;
 
@@ -26,8 +23,8 @@ pub const CUPTI_ERROR_NOT_INITIALIZED: CuptiResult = 15;
 pub type BufferRequested = unsafe extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
 pub type BufferCompleted = unsafe extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
 
-/// The file names a loaded libcupti may have, newest first.
-pub const SONAMES: [&str; 2] = ["libcupti.so.13", "libcupti.so.12"];
+use devtrace_shm::cupti::candidates;
+pub use devtrace_shm::cupti::SONAMES;
 
 pub type GetVersion = unsafe extern "C" fn(*mut u32) -> CuptiResult;
 pub type GetResultString = unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult;
@@ -110,54 +107,6 @@ pub fn already_loaded() -> Option<(*mut c_void, &'static str)> {
     })
 }
 
-/// The candidate files, in the order they are tried after a loaded copy.
-fn candidates(maps: &str) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Some(path) = std::env::var_os("DEVTRACE_CUPTI_PATH").filter(|p| !p.is_empty()) {
-        let path = PathBuf::from(path);
-        if path.is_dir() {
-            out.extend(
-                SONAMES
-                    .iter()
-                    .chain(&["libcupti.so"])
-                    .map(|name| path.join(name)),
-            );
-        } else {
-            out.push(path);
-        }
-    }
-    for nvidia in pip_nvidia_dirs(maps) {
-        out.push(nvidia.join("cu13/lib/libcupti.so.13"));
-        out.push(nvidia.join("cuda_cupti/lib/libcupti.so.12"));
-    }
-    let cuda_home = std::env::var_os("CUDA_HOME")
-        .filter(|p| !p.is_empty())
-        .map_or_else(|| PathBuf::from("/usr/local/cuda"), PathBuf::from);
-    for name in SONAMES.iter().chain(&["libcupti.so"]) {
-        out.push(cuda_home.join("extras/CUPTI/lib64").join(name));
-    }
-    out
-}
-
-/// The `nvidia` package directories of pip's CUDA wheels that hold a
-/// library this process has mapped (`.../site-packages/nvidia`), each once.
-pub fn pip_nvidia_dirs(maps: &str) -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    for line in maps.lines() {
-        let Some(path) = line.split_whitespace().nth(5) else {
-            continue;
-        };
-        let Some(at) = path.rfind("/nvidia/") else {
-            continue;
-        };
-        let dir = PathBuf::from(&path[..at + "/nvidia".len()]);
-        if !dirs.contains(&dir) {
-            dirs.push(dir);
-        }
-    }
-    dirs
-}
-
 /// Finds and loads libcupti (see the module documentation).
 pub fn load() -> Result<Library, NotFound> {
     let mut tried = Vec::new();
@@ -235,34 +184,4 @@ fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
         enable_runtime_api: optional!("cuptiActivityEnableRuntimeApi", EnableApi),
         origin,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pip_layouts_are_found_beside_mapped_cuda_libraries() {
-        let maps = "\
-7f0000000000-7f0000001000 r-xp 00000000 08:01 1 /venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13
-7f0000001000-7f0000002000 r--p 00000000 08:01 1 /venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcudart.so.13
-7f0000002000-7f0000003000 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libc.so.6
-7f0000003000-7f0000004000 rw-p 00000000 00:00 0
-7f0000004000-7f0000005000 r-xp 00000000 08:01 3 /other/site-packages/nvidia/cublas/lib/libcublas.so.12
-";
-        assert_eq!(
-            pip_nvidia_dirs(maps),
-            vec![
-                PathBuf::from("/venv/lib/python3.12/site-packages/nvidia"),
-                PathBuf::from("/other/site-packages/nvidia"),
-            ]
-        );
-        let found = candidates(maps);
-        assert!(found.contains(&PathBuf::from(
-            "/venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13"
-        )));
-        assert!(found.contains(&PathBuf::from(
-            "/other/site-packages/nvidia/cuda_cupti/lib/libcupti.so.12"
-        )));
-    }
 }

@@ -143,40 +143,7 @@ pub fn flush_all(forced: bool) -> Result<(), String> {
     )
 }
 
-/// How this library stands with a libcupti's API version.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Support {
-    /// Records are read by [`layout`] for this version.
-    Supported,
-    /// Read, but the release has bugs worth a warning (the text says which).
-    Warn(&'static str),
-}
-
-const WARN_13_0_GA: &str =
-    "libcupti 13.0 GA (API version 130000) has bugs fixed in 13.0 Update 1: \
-     no synchronization records for cudaDeviceSynchronize, a possible deadlock disabling \
-     concurrent kernel records and a possible crash in cuptiActivityFlushAll; use CUDA 13.0 \
-     Update 1 or later";
-
-/// Whether records of a libcupti with API `version` are read correctly: 12.2
-/// (20) and every later 12.x, and every 13.x. Older releases lay records
-/// out differently; a major after 13 is unknown and refused.
-pub fn support(version: u32) -> Result<Support, String> {
-    match version {
-        20..=99 => Ok(Support::Supported),
-        130000 => Ok(Support::Warn(WARN_13_0_GA)),
-        130001..=139999 => Ok(Support::Supported),
-        140000.. => Err(format!(
-            "libcupti has API version {version} (CUDA {}); this library reads the record \
-             layouts of CUDA 12.2 to 13.x only",
-            version / 10000
-        )),
-        _ => Err(format!(
-            "libcupti has API version {version}; this library reads the record layouts of \
-             CUDA 12.2 (API version 20) to 13.x only"
-        )),
-    }
-}
+pub use devtrace_shm::cupti::{support, Support};
 
 /// The loaded libcupti's API version.
 pub fn version() -> Result<u32, String> {
@@ -238,23 +205,4 @@ pub unsafe fn next_record(buffer: *mut u8, valid: usize, record: &mut *mut u8) -
     let Ok(lib) = lib() else { return false };
     // SAFETY: as the caller promises.
     unsafe { (lib.get_next_record)(buffer, valid, record) == CUPTI_SUCCESS }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_12_and_13_release_is_read_and_other_majors_refused() {
-        for supported in [
-            20, 26, 28, 130001, 130101, 130200, 130202, 130301, 130401, 130500,
-        ] {
-            assert_eq!(support(supported), Ok(Support::Supported), "{supported}");
-        }
-        assert!(matches!(support(130000), Ok(Support::Warn(text)) if text.contains("Update 1")));
-        for refused in [0, 12, 19, 100, 120000, 140000, 150100] {
-            assert!(support(refused).is_err(), "{refused}");
-        }
-        assert!(support(140000).unwrap_err().contains("CUDA 14"));
-    }
 }
