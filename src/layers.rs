@@ -23,7 +23,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("recording", &["recorder", "repository"]),
     ("sources", &["attach", "backend", "tap"]),
     ("products", &["agent", "analysis", "tools", "xspace"]),
-    ("clients", &["fleet", "telemetry"]),
+    ("clients", &["doctor", "fleet", "telemetry"]),
     ("captures", &["capture"]),
     ("services", &["service", "trigger"]),
     ("edges", &["cli", "fuzz", "layers"]),

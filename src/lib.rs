@@ -14,6 +14,7 @@ pub mod attach;
 pub mod backend;
 pub mod capture;
 pub mod cli;
+pub mod doctor;
 pub mod fleet;
 #[cfg(test)]
 mod fuzz;

@@ -62,7 +62,12 @@ struct Track {
     last: u64,
 }
 
-fn open(kind: PerfEvent, cpu: Option<usize>, pid: Option<i32>) -> std::io::Result<Counter> {
+/// Opens one counter as the backend does (also `devtrace doctor`'s check).
+pub(crate) fn open(
+    kind: PerfEvent,
+    cpu: Option<usize>,
+    pid: Option<i32>,
+) -> std::io::Result<Counter> {
     let mut builder = Builder::new().kind(kind);
     builder = match (cpu, pid) {
         (Some(cpu), _) => builder.one_cpu(cpu).any_pid(),

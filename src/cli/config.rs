@@ -27,7 +27,7 @@ use crate::model::small_file;
 /// `--config`. The others take only the global flags (`--log-level`,
 /// `--log-format`) from the environment: their own flags share names with
 /// other meanings (`tap --upstream` is not `serve --upstream`).
-const CONFIGURED: &[&str] = &["serve"];
+const CONFIGURED: &[&str] = &["serve", "doctor"];
 
 /// A flag's variable is this and its name in capitals, `_` for `-`.
 const ENV_PREFIX: &str = "DEVTRACE_";
@@ -174,6 +174,14 @@ fn env_name(arg: &Arg) -> String {
         "{ENV_PREFIX}{}",
         long.to_ascii_uppercase().replace('-', "_")
     )
+}
+
+/// The variable that sets `arg` of `subcommand`, where one does: every
+/// setting of the configured subcommands, and the global flags everywhere.
+pub(super) fn variable(subcommand: &Command, arg: &Arg) -> Option<String> {
+    let configured = CONFIGURED.contains(&subcommand.get_name()) && arg.get_id() != CONFIG;
+    let is_setting = settings(subcommand).any(|setting| setting.get_id() == arg.get_id());
+    (is_setting && (configured || arg.is_global_set())).then(|| env_name(arg))
 }
 
 /// A variable's value; an empty one counts as unset.

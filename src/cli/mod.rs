@@ -4,7 +4,9 @@ mod attach;
 mod capture;
 mod client_args;
 mod config;
+mod doctor;
 mod fleet_args;
+mod generate;
 mod inspect;
 mod logdir;
 mod logging;
@@ -71,6 +73,14 @@ pub enum Command {
     /// without it, so that captures trace their GPUs (needs root or
     /// CAP_SYS_PTRACE).
     Attach(attach::AttachArgs),
+    /// Check this host the way `devtrace serve` with the same flags would
+    /// use it: GPU driver, NVML, CUPTI, eBPF, perf, runtime directory,
+    /// listen addresses, allow-roots, TLS files, memory, clock. Exits 0
+    /// only when the chosen backends can run.
+    Doctor(Box<doctor::DoctorArgs>),
+    /// Write man pages, shell completions or the flag reference, made
+    /// from these very definitions.
+    Generate(generate::GenerateArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -78,6 +88,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(*args),
         Command::Attach(args) => attach::run(args),
+        Command::Doctor(args) => doctor::run(*args),
+        Command::Generate(args) => generate::run(args),
         Command::Capture(args) => capture::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Session(args) => session::run_session(args),

@@ -419,6 +419,90 @@ pub enum EbpfHook {
     Cuda,
 }
 
+/// The agent's configuration from the flags (the flight recorder's size is
+/// set once the budgets are sized).
+pub(super) fn agent_config(args: &ServeArgs) -> anyhow::Result<AgentConfig> {
+    Ok(AgentConfig {
+        backends: args.backends.clone(),
+        mock: MockConfig {
+            seed: args.mock_seed,
+            events_per_second: args.mock_rate,
+            gpus: args.mock_gpus,
+            slow_step_after: args.mock_slow_step,
+            utilization_dip: args.mock_utilization_dip,
+            uid: args.mock_uid,
+        },
+        nvml: crate::backend::nvml::NvmlConfig {
+            library: args.nvml_library.clone(),
+            interval: args.nvml_interval,
+            idle_interval: args.nvml_idle_interval,
+        },
+        tpu: match &args.tpu_library {
+            Some(library) => crate::backend::tpu::TpuConfig {
+                library: library.clone(),
+            },
+            None => crate::backend::tpu::TpuConfig::default(),
+        },
+        perf: crate::backend::perf::PerfConfig {
+            interval: args.perf_interval,
+            pids: args.perf_pids.clone(),
+            ..Default::default()
+        },
+        ebpf: EbpfConfig {
+            sched: args.ebpf_hooks.contains(&EbpfHook::Sched),
+            cuda: args.ebpf_hooks.contains(&EbpfHook::Cuda),
+            cuda_returns: args.ebpf_cuda_returns,
+            attach: args.ebpf_attach,
+            pids: args.ebpf_pids.clone(),
+            cgroup_id: match &args.ebpf_cgroup {
+                Some(dir) => Some(
+                    cgroup_id(dir).with_context(|| format!("--ebpf-cgroup {}", dir.display()))?,
+                ),
+                None => None,
+            },
+            comm: args.ebpf_comm.clone(),
+            cuda_libraries: args.cuda_libraries.clone(),
+            ring_bytes: args.ebpf_ring_size,
+            ..EbpfConfig::default()
+        },
+        cuda: crate::backend::cuda::CudaConfig {
+            runtime_dir: args.runtime_dir.clone(),
+            api_records: args.cuda_api_records,
+            record: args.cuda_record,
+            ..Default::default()
+        },
+        store: StoreConfig {
+            retention: args.store_retention,
+            max_bytes: 0,
+        },
+        ring_capacity: args.ring_capacity,
+        drop_policy: args.drop_policy.into(),
+        ..AgentConfig::default()
+    })
+}
+
+/// The memory budgets `serve` runs with, sized inside the limit this
+/// process runs under, beside the rings `config` makes.
+pub(super) fn memory_budgets(
+    args: &ServeArgs,
+    config: &AgentConfig,
+) -> Result<super::memory::Budgets, String> {
+    let ring_bytes = crate::ring::RingLayout {
+        lanes: config.ring_lanes,
+        capacity: config.ring_capacity.next_power_of_two(),
+    }
+    .total_size()
+    .map_or(u64::MAX, |bytes| bytes as u64)
+    .saturating_add(bpf_ring_bytes(config));
+    super::memory::size(
+        crate::model::memory_limit::of_this_process(),
+        ring_bytes,
+        crate::service::request_bodies::BODY_MEMORY as u64,
+        args.store_size,
+        args.capture_memory,
+    )
+}
+
 /// What the eBPF backend's ring buffers take when it may start: one of
 /// --ebpf-ring-size per hook, memory the kernel charges to the agent's
 /// cgroup.
@@ -617,78 +701,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let client_config = args.client.config()?;
     let allowed_roots = AllowedRoots::new(&args.allow_roots)
         .with_context(|| format!("preparing --allow-root {:?}", args.allow_roots))?;
-    let config = AgentConfig {
-        backends: args.backends.clone(),
-        mock: MockConfig {
-            seed: args.mock_seed,
-            events_per_second: args.mock_rate,
-            gpus: args.mock_gpus,
-            slow_step_after: args.mock_slow_step,
-            utilization_dip: args.mock_utilization_dip,
-            uid: args.mock_uid,
-        },
-        nvml: crate::backend::nvml::NvmlConfig {
-            library: args.nvml_library.clone(),
-            interval: args.nvml_interval,
-            idle_interval: args.nvml_idle_interval,
-        },
-        tpu: match &args.tpu_library {
-            Some(library) => crate::backend::tpu::TpuConfig {
-                library: library.clone(),
-            },
-            None => crate::backend::tpu::TpuConfig::default(),
-        },
-        perf: crate::backend::perf::PerfConfig {
-            interval: args.perf_interval,
-            pids: args.perf_pids.clone(),
-            ..Default::default()
-        },
-        ebpf: EbpfConfig {
-            sched: args.ebpf_hooks.contains(&EbpfHook::Sched),
-            cuda: args.ebpf_hooks.contains(&EbpfHook::Cuda),
-            cuda_returns: args.ebpf_cuda_returns,
-            attach: args.ebpf_attach,
-            pids: args.ebpf_pids.clone(),
-            cgroup_id: match &args.ebpf_cgroup {
-                Some(dir) => Some(
-                    cgroup_id(dir).with_context(|| format!("--ebpf-cgroup {}", dir.display()))?,
-                ),
-                None => None,
-            },
-            comm: args.ebpf_comm.clone(),
-            cuda_libraries: args.cuda_libraries.clone(),
-            ring_bytes: args.ebpf_ring_size,
-            ..EbpfConfig::default()
-        },
-        cuda: crate::backend::cuda::CudaConfig {
-            runtime_dir: args.runtime_dir.clone(),
-            api_records: args.cuda_api_records,
-            record: args.cuda_record,
-            ..Default::default()
-        },
-        store: StoreConfig {
-            retention: args.store_retention,
-            max_bytes: 0,
-        },
-        ring_capacity: args.ring_capacity,
-        drop_policy: args.drop_policy.into(),
-        ..AgentConfig::default()
-    };
-    let ring_bytes = crate::ring::RingLayout {
-        lanes: config.ring_lanes,
-        capacity: config.ring_capacity.next_power_of_two(),
-    }
-    .total_size()
-    .map_or(u64::MAX, |bytes| bytes as u64)
-    .saturating_add(bpf_ring_bytes(&config));
-    let budgets = super::memory::size(
-        crate::model::memory_limit::of_this_process(),
-        ring_bytes,
-        crate::service::request_bodies::BODY_MEMORY as u64,
-        args.store_size,
-        args.capture_memory,
-    )
-    .map_err(anyhow::Error::msg)?;
+    let config = agent_config(&args)?;
+    let budgets = memory_budgets(&args, &config).map_err(anyhow::Error::msg)?;
     info!("memory: {}", budgets.describe());
     telemetry.memory_budgets(budgets.limit.bytes, budgets.capture);
     let config = AgentConfig {

@@ -19,6 +19,9 @@
  *   fail_events=3     (nvmlDeviceGetSupportedEventTypes and nvmlDeviceRegisterEvents)
  *   fail_event_set=3  (nvmlEventSetCreate)
  *
+ * nvmlSystemGetDriverVersion writes "580.00-standin" (NVML_ERROR_INSUFFICIENT_SIZE
+ * when it does not fit), nvmlSystemGetCudaDriverVersion_v2 13000 (CUDA 13.0).
+ *
  * Device count: `gpus=` in that file when present, else $DEVTRACE_STANDIN_GPUS
  * (the physical GPU count the driver stand-in libcuda.c uses), else 2; at
  * most 16. Like the real NVML it ignores CUDA_VISIBLE_DEVICES: index i is
@@ -98,6 +101,20 @@ nvmlReturn_t nvmlInit_v2(void) {
     if (setting("fail_init", 0)) return (nvmlReturn_t)setting("fail_init", 0);
     for (unsigned i = 0; i < MAX_GPUS; i++) devices[i].index = i;
     initialized = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    const char *text = "580.00-standin";
+    if (length < strlen(text) + 1) return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(version, text, strlen(text) + 1);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cuda_driver_version) {
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    *cuda_driver_version = 13000;
     return NVML_SUCCESS;
 }
 

@@ -1,0 +1,439 @@
+//! The agent's own setup, as `devtrace serve` would meet it at start: the
+//! runtime directory injected jobs write their rings into, the addresses it
+//! listens on, the roots it writes traces under, its TLS files, and whether
+//! its memory budgets fit the limit it runs under.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use super::{Area, Finding, Status};
+
+/// What the setup checks need to know of the agent's flags.
+pub struct SetupPlan<'a> {
+    pub runtime_dir: &'a Path,
+    /// `None` for `--listen off`.
+    pub listen: Option<&'a str>,
+    pub listen_unix: Option<&'a Path>,
+    pub metrics_listen: Option<&'a str>,
+    pub allow_roots: &'a [PathBuf],
+    pub tls_cert: Option<&'a Path>,
+    pub tls_key: Option<&'a Path>,
+    pub tls_client_ca: Option<&'a Path>,
+    /// The budgets as serve sizes them: its log line, or why they fail.
+    pub memory: Result<String, String>,
+    /// Whether the CUDA backend would run (the runtime directory is its).
+    pub cuda_chosen: bool,
+}
+
+pub fn check(plan: &SetupPlan) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    findings.push(runtime_dir(plan.runtime_dir, plan.cuda_chosen));
+    if let Some(listen) = plan.listen {
+        findings.push(tcp_address("listen", listen));
+    }
+    if let Some(path) = plan.listen_unix {
+        findings.push(unix_socket(path));
+    }
+    if let Some(metrics) = plan.metrics_listen {
+        findings.push(tcp_address("metrics listen", metrics));
+    }
+    findings.extend(plan.allow_roots.iter().map(|root| allow_root(root)));
+    if let Some(cert) = plan.tls_cert {
+        findings.push(tls_certificate("--tls-cert", cert, plan.tls_key));
+    }
+    if let Some(ca) = plan.tls_client_ca {
+        findings.push(tls_certificate("--tls-client-ca", ca, None));
+    }
+    findings.push(match &plan.memory {
+        Ok(budgets) => Finding::new(Area::Agent, "memory", Status::Ok, budgets.clone()),
+        Err(reason) => Finding::new(Area::Agent, "memory", Status::Fail, reason.clone()),
+    });
+    findings
+}
+
+/// The directory every injected job creates its ring in: it must let jobs
+/// of every user in (world-writable) without letting them remove each
+/// other's rings (sticky), and belong to root or the agent's user.
+fn runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
+    let area = if cuda_chosen { Area::Cuda } else { Area::Agent };
+    let item = format!("runtime directory {}", dir.display());
+    let metadata = match std::fs::symlink_metadata(dir) {
+        Ok(metadata) => metadata,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            return Finding::new(
+                area,
+                item,
+                Status::Ok,
+                "missing: the agent makes it (mode 1777, like /tmp)",
+            )
+        }
+        Err(error) => return Finding::new(area, item, Status::Fail, error.to_string()),
+    };
+    if !metadata.is_dir() {
+        return Finding::new(
+            area,
+            item,
+            Status::Fail,
+            "not a directory (a symbolic link is not followed)",
+        )
+        .hint("remove it, or give --runtime-dir another path");
+    }
+    let mode = metadata.mode() & 0o7777;
+    let owner = metadata.uid();
+    // SAFETY: geteuid has no preconditions.
+    let agent = unsafe { libc::geteuid() };
+    if owner != 0 && owner != agent {
+        return Finding::new(
+            area,
+            item,
+            Status::Fail,
+            format!(
+                "owned by uid {owner}, who can replace what injected jobs and the agent find there"
+            ),
+        )
+        .hint(format!(
+            "chown root {} (or remove it: the agent makes it)",
+            dir.display()
+        ));
+    }
+    if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+        return Finding::new(
+            area,
+            item,
+            Status::Fail,
+            format!("mode {mode:04o}: any user can remove or replace another job's ring"),
+        )
+        .hint(format!("chmod 1777 {}", dir.display()));
+    }
+    if mode & 0o002 == 0 {
+        return Finding::new(
+            area,
+            item,
+            Status::Warn,
+            format!("mode {mode:04o}: only jobs of its owner's user and group can register"),
+        )
+        .hint(format!(
+            "chmod 1777 {} to trace jobs of every user",
+            dir.display()
+        ));
+    }
+    Finding::new(
+        area,
+        item,
+        Status::Ok,
+        format!("mode {mode:04o}, owned by uid {owner}"),
+    )
+}
+
+/// Binds a TCP address the way the agent will, and lets it go.
+fn tcp_address(item: &str, address: &str) -> Finding {
+    match std::net::TcpListener::bind(address) {
+        Ok(listener) => {
+            let bound = listener
+                .local_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_else(|_| address.into());
+            Finding::new(
+                Area::Agent,
+                format!("{item} {address}"),
+                Status::Ok,
+                format!("free ({bound})"),
+            )
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::AddrInUse => {
+            let port = address.rsplit(':').next().unwrap_or(address);
+            Finding::new(
+                Area::Agent,
+                format!("{item} {address}"),
+                Status::Fail,
+                "in use: another agent or program listens there",
+            )
+            .hint(format!(
+                "`ss -ltnp 'sport = :{port}'` names it; stop it or choose another address"
+            ))
+        }
+        Err(error) => Finding::new(
+            Area::Agent,
+            format!("{item} {address}"),
+            Status::Fail,
+            error.to_string(),
+        ),
+    }
+}
+
+fn unix_socket(path: &Path) -> Finding {
+    use std::os::unix::fs::FileTypeExt;
+    let item = format!("listen unix {}", path.display());
+    match std::fs::symlink_metadata(path) {
+        Err(_) => {
+            let parent = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            if parent.is_dir() {
+                Finding::new(Area::Agent, item, Status::Ok, "free")
+            } else {
+                Finding::new(
+                    Area::Agent,
+                    item,
+                    Status::Fail,
+                    format!("{} does not exist", parent.display()),
+                )
+            }
+        }
+        Ok(metadata) if !metadata.file_type().is_socket() => Finding::new(
+            Area::Agent,
+            item,
+            Status::Fail,
+            "a file that is not a socket is already there",
+        ),
+        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => Finding::new(
+                Area::Agent,
+                item,
+                Status::Fail,
+                "in use: something accepts connections on it",
+            )
+            .hint("stop the other agent, or choose another path"),
+            Err(_) => Finding::new(
+                Area::Agent,
+                item,
+                Status::Ok,
+                "a stale socket, which the agent replaces",
+            ),
+        },
+    }
+}
+
+/// A root the agent writes traces under: a local directory it can write
+/// (or make), or an object-storage URL (not contacted here).
+fn allow_root(root: &Path) -> Finding {
+    let item = format!("allow-root {}", root.display());
+    let text = root.to_string_lossy();
+    if text.contains("://") {
+        return Finding::new(
+            Area::Agent,
+            item,
+            Status::Ok,
+            "object storage: not contacted here (credentials come from the agent's environment)",
+        );
+    }
+    let existing = root
+        .ancestors()
+        .find(|dir| dir.exists())
+        .unwrap_or(Path::new("/"));
+    if existing != root && !existing.is_dir() {
+        return Finding::new(
+            Area::Agent,
+            item,
+            Status::Fail,
+            format!("{} is not a directory", existing.display()),
+        );
+    }
+    let writable = rustix::fs::access(existing, rustix::fs::Access::WRITE_OK).is_ok();
+    match (existing == root, writable) {
+        (true, true) => Finding::new(Area::Agent, item, Status::Ok, "writable"),
+        (false, true) => Finding::new(
+            Area::Agent,
+            item,
+            Status::Ok,
+            format!("missing: the agent makes it under {}", existing.display()),
+        ),
+        (_, false) => Finding::new(
+            Area::Agent,
+            item,
+            Status::Fail,
+            format!("{} is not writable by this user", existing.display()),
+        )
+        .hint("run the agent as a user that can write there, or choose another --allow-root"),
+    }
+}
+
+/// A PEM certificate (and its key): readable, parsed, within its validity
+/// dates, and, with a key, the key of that certificate.
+fn tls_certificate(flag: &str, path: &Path, key: Option<&Path>) -> Finding {
+    let item = format!("{flag} {}", path.display());
+    let bytes = match crate::model::small_file::read(path, 4 << 20) {
+        Ok(bytes) => bytes,
+        Err(error) => {
+            return Finding::new(
+                Area::Agent,
+                item,
+                Status::Fail,
+                format!("cannot read it: {error}"),
+            )
+        }
+    };
+    let Some(pem) = x509_parser::pem::Pem::iter_from_buffer(&bytes)
+        .filter_map(Result::ok)
+        .find(|pem| pem.label == "CERTIFICATE")
+    else {
+        return Finding::new(Area::Agent, item, Status::Fail, "no PEM CERTIFICATE block");
+    };
+    let certificate = match pem.parse_x509() {
+        Ok(certificate) => certificate,
+        Err(error) => {
+            return Finding::new(
+                Area::Agent,
+                item,
+                Status::Fail,
+                format!("the certificate does not parse: {error}"),
+            )
+        }
+    };
+    let validity = certificate.validity();
+    let now = x509_parser::time::ASN1Time::now();
+    let subject = certificate.subject().to_string();
+    if now < validity.not_before {
+        return Finding::new(
+            Area::Agent,
+            item,
+            Status::Fail,
+            format!("{subject}: not valid before {}", validity.not_before),
+        );
+    }
+    if now > validity.not_after {
+        return Finding::new(
+            Area::Agent,
+            item,
+            Status::Fail,
+            format!("{subject}: expired {}", validity.not_after),
+        )
+        .hint("renew it; clients refuse an expired certificate at the handshake");
+    }
+    let days_left = validity
+        .time_to_expiration()
+        .map_or(0, |left| left.whole_days());
+    if let Some(key) = key {
+        if let Err(reason) = key_matches(key, certificate.public_key().raw) {
+            return Finding::new(Area::Agent, item, Status::Fail, reason);
+        }
+    }
+    let paired = if key.is_some() {
+        ", its --tls-key matches"
+    } else {
+        ""
+    };
+    let detail = format!("{subject}, valid {days_left} more days{paired}");
+    if days_left < 14 {
+        Finding::new(Area::Agent, item, Status::Warn, detail).hint("renew it soon")
+    } else {
+        Finding::new(Area::Agent, item, Status::Ok, detail)
+    }
+}
+
+/// Whether the PEM private key at `path` is the key of `public_key` (the
+/// certificate's SubjectPublicKeyInfo, DER).
+fn key_matches(path: &Path, public_key: &[u8]) -> Result<(), String> {
+    let shown = path.display();
+    let bytes = crate::model::small_file::read(path, 4 << 20)
+        .map_err(|e| format!("cannot read --tls-key {shown}: {e}"))?;
+    let pem = x509_parser::pem::Pem::iter_from_buffer(&bytes)
+        .filter_map(Result::ok)
+        .find(|pem| pem.label.ends_with("PRIVATE KEY"))
+        .ok_or_else(|| format!("--tls-key {shown} holds no PEM PRIVATE KEY block"))?;
+    let der = match pem.label.as_str() {
+        "RSA PRIVATE KEY" => rustls::pki_types::PrivateKeyDer::Pkcs1(pem.contents.into()),
+        "EC PRIVATE KEY" => rustls::pki_types::PrivateKeyDer::Sec1(pem.contents.into()),
+        _ => rustls::pki_types::PrivateKeyDer::Pkcs8(pem.contents.into()),
+    };
+    let signing = rustls::crypto::ring::sign::any_supported_type(&der)
+        .map_err(|e| format!("--tls-key {shown} is not a key rustls can use: {e}"))?;
+    match signing.public_key() {
+        Some(key) if key.as_ref() == public_key => Ok(()),
+        Some(_) => Err(format!(
+            "--tls-key {shown} is not the key of this certificate"
+        )),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn runtime_directories_are_judged_by_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = dir.path().join("run");
+        assert_eq!(runtime_dir(&runtime, true).status, Status::Ok);
+        std::fs::create_dir(&runtime).unwrap();
+        for (mode, status) in [
+            (0o1777, Status::Ok),
+            (0o777, Status::Fail),
+            (0o755, Status::Warn),
+        ] {
+            std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(mode)).unwrap();
+            assert_eq!(runtime_dir(&runtime, true).status, status, "{mode:o}");
+        }
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&runtime, &link).unwrap();
+        assert_eq!(runtime_dir(&link, true).status, Status::Fail);
+        assert_eq!(runtime_dir(&link, false).area, Area::Agent);
+    }
+
+    #[test]
+    fn an_address_in_use_is_named() {
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = held.local_addr().unwrap().to_string();
+        let finding = tcp_address("listen", &address);
+        assert_eq!(finding.status, Status::Fail);
+        assert!(finding.hint.unwrap().contains("ss -ltnp"));
+        drop(held);
+        assert_eq!(tcp_address("listen", &address).status, Status::Ok);
+    }
+
+    #[test]
+    fn certificates_are_checked_against_their_key_and_dates() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let certificate = rcgen::CertificateParams::new(vec!["agent".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let cert_path = dir.path().join("agent.pem");
+        let key_path = dir.path().join("agent.key");
+        std::fs::write(&cert_path, certificate.pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        let finding = tls_certificate("--tls-cert", &cert_path, Some(&key_path));
+        assert_eq!(finding.status, Status::Ok, "{finding:?}");
+        assert!(finding.detail.contains("its --tls-key matches"));
+
+        let other = rcgen::KeyPair::generate().unwrap();
+        std::fs::write(&key_path, other.serialize_pem()).unwrap();
+        let finding = tls_certificate("--tls-cert", &cert_path, Some(&key_path));
+        assert_eq!(finding.status, Status::Fail);
+        assert!(finding.detail.contains("not the key of this certificate"));
+
+        let mut params = rcgen::CertificateParams::new(vec!["agent".into()]).unwrap();
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        std::fs::write(&cert_path, params.self_signed(&key).unwrap().pem()).unwrap();
+        let finding = tls_certificate("--tls-cert", &cert_path, None);
+        assert_eq!(finding.status, Status::Fail);
+        assert!(finding.detail.contains("expired"), "{finding:?}");
+
+        std::fs::write(&cert_path, "not a certificate").unwrap();
+        assert_eq!(
+            tls_certificate("--tls-cert", &cert_path, None).status,
+            Status::Fail
+        );
+    }
+
+    #[test]
+    fn allow_roots_must_be_writable_or_makeable() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(allow_root(dir.path()).status, Status::Ok);
+        assert!(allow_root(&dir.path().join("a/b"))
+            .detail
+            .contains("makes it"));
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        assert_eq!(allow_root(&file.join("under")).status, Status::Fail);
+        assert_eq!(
+            allow_root(Path::new("s3://bucket/traces")).status,
+            Status::Ok
+        );
+    }
+}
