@@ -1,0 +1,238 @@
+//! `devtrace doctor` on this machine (no NVIDIA driver: NVML, the CUDA
+//! driver and CUPTI are absent and say what to do) and against the
+//! stand-ins on the loader's path (found, with their versions), and its
+//! exit status: 0 only when the chosen backends can run.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::common::workload::cupti_standin;
+use crate::common::{build_standin, BIN};
+
+struct Doctor {
+    status: i32,
+    report: serde_json::Value,
+}
+
+impl Doctor {
+    /// The check named `item` (its start), as the report has it.
+    fn check(&self, item: &str) -> &serde_json::Value {
+        self.report["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|check| check["item"].as_str().unwrap().starts_with(item))
+            .unwrap_or_else(|| panic!("no check {item} in {:#}", self.report))
+    }
+
+    fn status_of(&self, item: &str) -> &str {
+        self.check(item)["status"].as_str().unwrap()
+    }
+}
+
+/// Runs `devtrace doctor --json ARGS` with `library_path` for the loader
+/// (none: the machine's own) and, unless ARGS name one, a free listen
+/// address.
+fn doctor(args: &[&str], library_path: Option<&Path>, env: &[(&str, &str)]) -> Doctor {
+    let runtime = tempfile::tempdir().unwrap();
+    let mut command = Command::new(BIN);
+    command
+        .args(["doctor", "--json"])
+        .args(if args.contains(&"--listen") {
+            &[][..]
+        } else {
+            &["--listen", "127.0.0.1:0"][..]
+        })
+        .arg("--runtime-dir")
+        .arg(runtime.path().join("run"))
+        .args(args)
+        .env_remove("DEVTRACE_CUPTI_PATH")
+        .env("CUDA_HOME", runtime.path().join("no-cuda"));
+    match library_path {
+        Some(path) => command.env("LD_LIBRARY_PATH", path),
+        None => command.env_remove("LD_LIBRARY_PATH"),
+    };
+    command.envs(env.iter().copied());
+    let output = command.output().unwrap();
+    let report = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    Doctor {
+        status: output.status.code().unwrap_or(-1),
+        report,
+    }
+}
+
+fn standins() -> std::path::PathBuf {
+    let dir = cupti_standin();
+    build_standin("nvml.c", "libnvidia-ml.so.1");
+    dir
+}
+
+#[test]
+fn without_a_gpu_auto_is_ready_and_the_gpu_parts_say_what_to_install() {
+    let doctor = doctor(&[], None, &[]);
+    assert_eq!(doctor.status, 0, "{:#}", doctor.report);
+    assert_eq!(doctor.report["ready"], true);
+    assert_eq!(doctor.report["backends"]["mock"], "runs");
+    assert_eq!(doctor.report["backends"]["nvml"], "not_usable");
+    let nvml = doctor.check("NVML");
+    assert_eq!(nvml["status"], "absent");
+    assert!(nvml["hint"]
+        .as_str()
+        .unwrap()
+        .starts_with("install the NVIDIA driver"));
+    assert_eq!(doctor.status_of("CUDA driver"), "absent");
+    let cupti = doctor.check("CUPTI on the host");
+    assert_eq!(cupti["status"], "absent");
+    assert!(cupti["hint"]
+        .as_str()
+        .unwrap()
+        .contains("DEVTRACE_CUPTI_PATH"));
+    assert_eq!(doctor.status_of("memory"), "ok");
+    assert_eq!(doctor.status_of("listen 127.0.0.1:0"), "ok");
+}
+
+#[test]
+fn a_backend_asked_for_that_cannot_run_fails_the_check() {
+    let doctor = doctor(&["--backend", "nvml"], None, &[]);
+    assert_eq!(doctor.status, 1);
+    assert_eq!(doctor.report["ready"], false);
+    assert_eq!(doctor.report["backends"]["nvml"], "fails");
+    assert!(doctor.report["backends"].get("mock").is_none());
+}
+
+#[test]
+fn the_standins_are_found_with_their_versions() {
+    let doctor = doctor(
+        &["--backend", "nvml", "--backend", "cuda"],
+        Some(&standins()),
+        &[],
+    );
+    assert_eq!(doctor.status, 0, "{:#}", doctor.report);
+    let nvml = doctor.check("NVML")["detail"].as_str().unwrap().to_string();
+    assert!(
+        nvml.starts_with("driver 580.00-standin, CUDA 13.0, 2 GPUs"),
+        "{nvml}"
+    );
+    assert_eq!(
+        doctor.check("CUDA driver")["detail"],
+        "libcuda.so.1 supports CUDA 12.8"
+    );
+    let cupti = doctor.check("CUPTI on the host");
+    assert_eq!(cupti["status"], "ok");
+    assert!(
+        cupti["detail"]
+            .as_str()
+            .unwrap()
+            .ends_with("(API version 26)"),
+        "{cupti}"
+    );
+    assert_eq!(doctor.report["backends"]["cuda"], "runs");
+}
+
+#[test]
+fn a_cupti_the_injection_library_cannot_read_fails_cuda() {
+    let newer = doctor(
+        &["--backend", "cuda"],
+        Some(&standins()),
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "140000")],
+    );
+    assert_eq!(newer.status, 1, "{:#}", newer.report);
+    let cupti = newer.check("CUPTI on the host");
+    assert_eq!(cupti["status"], "fail");
+    assert!(
+        cupti["detail"].as_str().unwrap().contains("CUDA 14"),
+        "{cupti}"
+    );
+    let ga = doctor(
+        &["--backend", "cuda"],
+        Some(&standins()),
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130000")],
+    );
+    assert_eq!(ga.status, 0);
+    let cupti = ga.check("CUPTI on the host");
+    assert_eq!(cupti["status"], "warn");
+    assert!(cupti["hint"].as_str().unwrap().contains("Update 1"));
+}
+
+/// A Python environment's own CUDA wheels: its torch and the libcupti
+/// its jobs load before the host's.
+#[test]
+fn a_python_environments_cupti_and_torch_are_read() {
+    let venv = tempfile::tempdir().unwrap();
+    let site = venv.path().join("lib/python3.12/site-packages");
+    std::fs::create_dir_all(site.join("nvidia/cu13/lib")).unwrap();
+    std::fs::create_dir_all(site.join("torch")).unwrap();
+    std::fs::copy(
+        cupti_standin().join("libcupti.so.12"),
+        site.join("nvidia/cu13/lib/libcupti.so.13"),
+    )
+    .unwrap();
+    std::fs::write(
+        site.join("torch/version.py"),
+        "__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\n",
+    )
+    .unwrap();
+    // An interpreter whose only site directory is that one.
+    let python = venv.path().join("python3");
+    std::fs::write(&python, format!("#!/bin/sh\necho {}\n", site.display())).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    let doctor = doctor(
+        &["--backend", "cuda", "--python", python.to_str().unwrap()],
+        None,
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+    );
+    let environment = doctor.check("Python environment")["detail"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        environment.ends_with("torch 2.11.0+cu130, built for CUDA 13.0"),
+        "{environment}"
+    );
+    let cupti = doctor.check("CUPTI of");
+    assert_eq!(cupti["status"], "ok", "{cupti}");
+    // None on the host is then no failure: those jobs bring their own.
+    assert_eq!(doctor.status_of("CUPTI on the host"), "ok");
+    assert!(cupti["detail"]
+        .as_str()
+        .unwrap()
+        .contains("nvidia/cu13/lib/libcupti.so.13: CUDA 13.0"));
+}
+
+#[test]
+fn an_address_in_use_and_an_unsafe_runtime_directory_are_not_ready() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = held.local_addr().unwrap().to_string();
+    let doctor = doctor(&["--listen", &address, "--backend", "mock"], None, &[]);
+    assert_eq!(doctor.status, 1);
+    assert_eq!(doctor.status_of(&format!("listen {address}")), "fail");
+
+    let runtime = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(runtime.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let output = Command::new(BIN)
+        .args(["doctor", "--listen", "127.0.0.1:0", "--backend", "cuda"])
+        .arg("--runtime-dir")
+        .arg(runtime.path())
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        text.contains("any user can remove or replace another job's ring"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("-> chmod 1777 {}", runtime.path().display())),
+        "{text}"
+    );
+    assert!(text.contains("\nnot ready:"), "{text}");
+}
