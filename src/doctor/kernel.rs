@@ -104,7 +104,18 @@ fn ebpf(plan: &KernelPlan) -> Vec<Finding> {
     } else {
         findings.push(
             Finding::new(Area::Ebpf, item("capabilities"), Status::Fail, format!("this process lacks CAP_BPF and CAP_PERFMON (CapEff {capabilities:#x})"))
-                .hint("run the agent as root, or grant CAP_BPF, CAP_PERFMON and CAP_SYS_RESOURCE (systemd: AmbientCapabilities=; Kubernetes: securityContext.capabilities.add)"),
+                .hint("run the agent as root, or grant CAP_BPF and CAP_PERFMON, and CAP_SYS_ADMIN and CAP_SYS_PTRACE for the CUDA uprobes (deploy/systemd/devtrace.service and the DaemonSet list what each is for)"),
+        );
+    }
+    if enough && plan.ebpf_cuda && !has(capabilities, CAP_SYS_ADMIN) {
+        findings.push(
+            Finding::new(
+                Area::Ebpf,
+                item("uprobe capabilities"),
+                Status::Warn,
+                "no CAP_SYS_ADMIN: Linux 6.16 and the stable kernels that took its uprobe change refuse uprobes without it, so the CUDA driver's calls may go unprobed",
+            )
+            .hint("grant CAP_SYS_ADMIN, or --ebpf-hooks sched"),
         );
     }
     match lockdown().as_deref() {

@@ -210,10 +210,21 @@ impl Report {
         if self.ready() {
             out.push_str("ready: `devtrace serve` with these flags can start its backends\n");
         } else {
-            out.push_str(
-                "not ready: `devtrace serve` with these flags would fail or leave out a backend \
-                 it was asked for (the FAIL and absent lines above say why)\n",
+            let mut why: Vec<&str> = Vec::new();
+            if !self.area_usable(Area::Agent) {
+                why.push("agent");
+            }
+            why.extend(
+                Area::BACKENDS
+                    .iter()
+                    .filter(|area| self.verdict(**area) == Verdict::Fails)
+                    .map(|area| area.name()),
             );
+            out.push_str(&format!(
+                "not ready: `devtrace serve` with these flags would not start as asked; see the \
+                 FAIL and absent lines of: {}\n",
+                why.join(", ")
+            ));
         }
         out
     }
@@ -340,6 +351,11 @@ mod tests {
         assert_eq!(report.verdict(Area::Ebpf), Verdict::Runs);
         assert!(!report.mock_runs());
         assert!(report.text().contains("nvml cannot start"));
+        assert!(
+            report.text().contains("lines of: nvml\n"),
+            "{}",
+            report.text()
+        );
         assert_eq!(report.json()["ready"], false);
     }
 

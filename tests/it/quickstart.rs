@@ -97,7 +97,12 @@ impl Host {
                 python.display()
             ),
         );
-        write_executable(&shims.path().join("sudo"), "#!/bin/sh\nexec \"$@\"\n");
+        // The tests run as root: sudo runs its command, and -v has nothing
+        // to ask.
+        write_executable(
+            &shims.path().join("sudo"),
+            "#!/bin/sh\n[ \"$1\" = -v ] && exit 0\nexec \"$@\"\n",
+        );
         Host {
             home: tempfile::tempdir().unwrap(),
             work,
@@ -258,7 +263,7 @@ fn the_quick_start_reaches_a_trace_with_the_jobs_kernels() {
     host.run(&steps[3]);
     host.wait_for("the job's ring", || host.rings() == 1);
     let traced = host.run(&steps[4]);
-    assert!(traced.contains(".xplane.pb\n"), "{traced}");
+    assert!(traced.contains("xplane.pb"), "{traced}");
     assert!(traced.contains("plane /device:GPU:0"), "{traced}");
     assert!(traced.contains("Stream #"), "{traced}");
     assert!(traced.contains("(pid "), "{traced}");
