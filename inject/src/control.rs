@@ -6,7 +6,9 @@
 //! GPU's past (`CONTROL_RECORD_ALWAYS`), the kernels, copies and memsets
 //! stay recorded between captures ([`BACKGROUND_KINDS`]); a capture adds
 //! the rest for its window, and CUPTI is detached only once the agent
-//! stops asking.
+//! stops asking. An agent that dies (killed, out of memory) cannot clear
+//! the word: its beat stops, and after [`agent_silence_limit`] the word is
+//! read as all off, so the job is left as it was found ([`AgentPulse`]).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -61,6 +63,69 @@ fn poll_interval() -> Duration {
         .filter(|ms| (1..=10_000).contains(ms))
         .unwrap_or(20);
     Duration::from_millis(ms)
+}
+
+/// How long the agent may go without beating before its control word is no
+/// longer followed: its passes come every 10 to 100 ms, so 5 s of silence is
+/// an agent that died or is stopped, not a busy one.
+fn agent_silence_limit() -> Duration {
+    let ms = std::env::var("DEVTRACE_INJECT_AGENT_SILENCE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(5000)
+        .clamp(100, 600_000);
+    Duration::from_millis(ms)
+}
+
+/// Follows the agent's beat ([`devtrace_shm::ring::Ring::beat`]): a control
+/// word whose agent stopped beating is read as all flags off, until an
+/// agent beats again (a restarted one attaches the ring anew).
+struct AgentPulse {
+    last: u32,
+    changed_at: Instant,
+    limit: Duration,
+    /// The agent went silent with something asked, and was told of.
+    silent: bool,
+}
+
+impl AgentPulse {
+    fn new() -> AgentPulse {
+        AgentPulse {
+            last: 0,
+            changed_at: Instant::now(),
+            limit: agent_silence_limit(),
+            silent: false,
+        }
+    }
+
+    /// The control word to follow, given the agent's `beat` now.
+    fn follow(&mut self, session: &Session, beat: u32, control: Control) -> Control {
+        if beat != self.last {
+            self.last = beat;
+            self.changed_at = Instant::now();
+            self.silent = false;
+            return control;
+        }
+        // An agent that never beat (none yet, or one older than the beat)
+        // is followed as it is.
+        if beat == 0 || self.changed_at.elapsed() < self.limit {
+            return control;
+        }
+        if control.flags != 0 && !self.silent {
+            self.silent = true;
+            let message = format!(
+                "the agent stopped beating {} ms ago with recording asked for (it died or is \
+                 stopped): recording stopped and CUPTI detached until an agent attaches again",
+                self.changed_at.elapsed().as_millis()
+            );
+            eprintln!("devtrace-inject: {message}");
+            session.write_meta(&MetaRecord::Warning { message });
+        }
+        Control {
+            flags: 0,
+            ..control
+        }
+    }
 }
 
 /// Waits for the driver and the runtime directory, sets up the session,
@@ -137,12 +202,17 @@ pub fn control_loop() {
         keeper_on: false,
         background: false,
     };
+    let mut pulse = AgentPulse::new();
     while !quiet() {
         std::thread::sleep(poll);
         if *detach::gate() == Attachment::Closed {
             return;
         }
-        let control = session.ring.control();
+        let control = pulse.follow(
+            session,
+            session.ring.consumer_beat(),
+            session.ring.control(),
+        );
         if let Err(error) = tracer.tick(session, control) {
             tracer.give_up(session);
             return fail(&error);

@@ -666,6 +666,42 @@ async fn a_restarted_agent_reattaches_to_a_running_workload() {
     }
 }
 
+/// A workload that stopped following a killed agent follows the next one:
+/// the restarted agent's captures have its kernels, and its trace says
+/// why recording stopped in between.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_left_by_a_killed_agent_follows_the_next_one() {
+    let setup = setup("cuda_killed_then_restarted");
+    let workload = setup.workload(&["600", "--sleep-ms", "10"], &[AGENT_SILENCE]);
+    workload.read_until("call cuStreamCreate");
+    let first = setup.agent();
+    wait_for_attached(&first, 1).await;
+    let mut client = first.client().await;
+    let capture_of_first =
+        tokio::spawn(async move { client.profile(common::request(10_000, "killed")).await });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    drop(first);
+    assert!(capture_of_first.await.unwrap().is_err());
+    // Past the silence the workload detached; then an agent comes back.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let second = setup.agent();
+    wait_for_attached(&second, 1).await;
+    let after = capture(&second, 500).await;
+    let kernels = timed(&after, "/device:GPU:0")
+        .iter()
+        .filter(|(e, _)| e.name == "vector_add")
+        .count();
+    assert!(kernels > 5, "{kernels} kernels after the restart");
+    assert!(
+        after
+            .warnings
+            .iter()
+            .any(|w| w.contains("the agent stopped beating")),
+        "{:?}",
+        after.warnings
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn two_workloads_keep_their_own_stream_lines() {
     let setup = setup("cuda_pair");
@@ -868,11 +904,22 @@ async fn paced_workload(
     iterations: &str,
     sleep_ms: &str,
 ) -> CudaWorkload {
+    paced_workload_with(setup, agent, iterations, sleep_ms, &[]).await
+}
+
+/// As [`paced_workload`], with `extra_env` on top of the workload's.
+async fn paced_workload_with(
+    setup: &Setup,
+    agent: &AgentProcess,
+    iterations: &str,
+    sleep_ms: &str,
+    extra_env: &[(&str, &str)],
+) -> CudaWorkload {
     let release = release_file(setup, "paced");
     let args = [iterations, "--sleep-ms", sleep_ms, "--quiet"];
     let mut args = args.to_vec();
     args.extend(["--wait-recording", "--wait-file", release.to_str().unwrap()]);
-    let workload = setup.workload(&args, &[]);
+    let workload = setup.workload(&args, extra_env);
     workload.read_until("waiting");
     wait_for_attached(agent, 1).await;
     std::fs::write(&release, b"go").expect("releasing the workload");
@@ -890,11 +937,52 @@ async fn a_workload_recording_its_past_is_detached_when_the_agent_stops() {
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let status = agent.stop_with_sigterm(std::time::Duration::from_secs(20));
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert_left_detached(&workload);
+}
+
+/// How long a workload of these tests goes on following an agent that
+/// stopped beating (the library's default is 5 s).
+const AGENT_SILENCE: (&str, &str) = ("DEVTRACE_INJECT_AGENT_SILENCE_MS", "1000");
+
+/// An agent killed (or OOM-killed) while a workload records its GPU's past
+/// cannot clear the control word: the workload sees the agent's heartbeat
+/// stop and detaches CUPTI by itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_recording_its_past_is_detached_when_its_agent_is_killed() {
+    let setup = setup("cuda_past_killed");
+    let agent = setup.agent_with(&["--cuda-record", "always"]);
+    let workload = paced_workload_with(&setup, &agent, "200", "20", &[AGENT_SILENCE]).await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    drop(agent);
+    assert_left_detached(&workload);
+}
+
+/// The workload ran to its end with CUPTI detached.
+fn assert_left_detached(workload: &CudaWorkload) {
     let ended = workload.read_until("done");
     assert!(
         ended.iter().any(|l| l == "cupti armed=0 finalized=1"),
         "{ended:?}"
     );
+}
+
+/// The same for an agent killed in the middle of a capture: the job does
+/// not stay instrumented for the rest of its life.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_captured_when_its_agent_is_killed_is_detached() {
+    let setup = setup("cuda_capture_killed");
+    let agent = setup.agent();
+    let workload = paced_workload_with(&setup, &agent, "200", "20", &[AGENT_SILENCE]).await;
+    let mut client = agent.client().await;
+    let capture =
+        tokio::spawn(async move { client.profile(common::request(10_000, "killed")).await });
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    drop(agent);
+    assert!(
+        capture.await.unwrap().is_err(),
+        "the capture outlived its agent"
+    );
+    assert_left_detached(&workload);
 }
 
 /// Under `--cuda-record always` a trigger's saved session holds the GPU

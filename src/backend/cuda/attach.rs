@@ -449,6 +449,11 @@ impl Attachments {
                     process.ring.set_control(flags);
                     process.control = flags;
                 }
+                // The library stops following a control word whose agent
+                // stopped beating (it died without clearing it). After the
+                // word is set: a restarted agent's first beat must not make
+                // the dead one's word followed again.
+                process.ring.beat();
             }
             match self.drain(key) {
                 Err(corruption) => self.detach(key, Some(corruption)),

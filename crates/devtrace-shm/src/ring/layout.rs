@@ -39,7 +39,11 @@ pub struct RingHeader {
     pub created_ns: u64,
     /// Process holding the ring's consumer; 0 while none.
     pub consumer_pid: AtomicU32,
-    pub reserved: u32,
+    /// Bumped by the agent on every pass over the ring, so that a producer
+    /// can tell an agent that died (and can no longer clear the control
+    /// word) from one that is quiet; 0 while no agent that beats has seen
+    /// the ring (an agent older than the beat leaves it 0).
+    pub consumer_beat: AtomicU32,
     /// Control word set by the consumer side and read by producers: low 32
     /// bits are flags ([`super::CONTROL_CAPTURE`]), high 32 bits a generation
     /// bumped on every change.

@@ -308,7 +308,7 @@ impl Ring {
                 creator_pid: std::process::id(),
                 created_ns: realtime_ns(),
                 consumer_pid: AtomicU32::new(0),
-                reserved: 0,
+                consumer_beat: AtomicU32::new(0),
                 control: layout::Padded(std::sync::atomic::AtomicU64::new(0)),
             });
         }

@@ -490,6 +490,20 @@ impl Ring {
         Some(self.header().consumer_pid.load(Ordering::Acquire)).filter(|pid| *pid != 0)
     }
 
+    /// Says the consumer is alive: bumps the beat (never back to 0, which
+    /// means "no beating consumer").
+    pub fn beat(&self) {
+        let beat = &self.header().consumer_beat;
+        if beat.fetch_add(1, Ordering::AcqRel) == u32::MAX {
+            beat.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The consumer's beat; 0 while none has beaten.
+    pub fn consumer_beat(&self) -> u32 {
+        self.header().consumer_beat.load(Ordering::Acquire)
+    }
+
     /// The control word as last set.
     pub fn control(&self) -> Control {
         Control::from_word(self.header().control.0.load(Ordering::Acquire))
