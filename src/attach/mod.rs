@@ -227,13 +227,36 @@ fn attach_here(
 }
 
 /// The user process `pid` runs as, when its real, effective and saved
-/// uids are one (a process a caller of that uid may attach: the kernel's
-/// own test for tracing it, less the capabilities).
+/// uids are one.
 pub fn owner_of(pid: i32) -> Option<u32> {
-    match crate::model::host_process::uids(u32::try_from(pid).ok()?)? {
-        [real, effective, saved] if real == effective && effective == saved => Some(real),
-        _ => None,
+    crate::model::host_process::sole_uid(u32::try_from(pid).ok()?)
+}
+
+/// Whether a caller who is `uid`, process `pid`'s owner, may have it
+/// attached: only what the kernel would let that user trace itself (one
+/// group, no capabilities beyond the user's, dumpable), since the agent
+/// traces it with root's rights on the user's behalf.
+pub fn attachable_by_its_user(pid: i32, uid: u32) -> Result<(), String> {
+    use crate::model::host_process;
+    let only_admins = "only an admin may have it attached";
+    let pid = u32::try_from(pid).map_err(|_| "it is not a process".to_string())?;
+    let credentials = host_process::credentials(pid).ok_or("it does not exist")?;
+    let [real, effective, saved] = credentials.gids;
+    if real != effective || effective != saved {
+        return Err(format!(
+            "it runs between groups (set-group-ID): {only_admins}"
+        ));
     }
+    if credentials.capabilities != 0 {
+        return Err(format!("it holds capabilities: {only_admins}"));
+    }
+    if !host_process::dumpable(pid, uid) {
+        return Err(format!(
+            "it is not dumpable (it asked not to be inspected, or changed credentials): \
+             {only_admins}"
+        ));
+    }
+    Ok(())
 }
 
 /// A refusal to trace, said as what to do about it.

@@ -180,10 +180,9 @@ fn owner_of(pid: u32, boot_ns: u64) -> Owner {
     if pid == 0 {
         return None;
     }
-    let uid = match host_process::uids(pid)? {
-        [real, effective, saved] if real == effective && effective == saved => real,
-        _ => u32::MAX,
-    };
+    // A process between two users (set-user-ID) is no one's.
+    host_process::uids(pid)?;
+    let uid = host_process::sole_uid(pid).unwrap_or(u32::MAX);
     let ticks = host_process::start_ticks(pid)?;
     Some((uid, boot_ns.saturating_add(ticks.saturating_mul(TICK_NS))))
 }

@@ -230,13 +230,61 @@ impl Threads {
 
 /// Process `pid`'s real, effective and saved uids.
 pub fn uids(pid: u32) -> Option<[u32; 3]> {
+    credentials(pid).map(|credentials| credentials.uids)
+}
+
+/// The user a process runs as when its real, effective and saved uids are
+/// one (not a set-user-ID program between its users).
+pub fn sole_uid(pid: u32) -> Option<u32> {
+    match uids(pid)? {
+        [real, effective, saved] if real == effective && effective == saved => Some(real),
+        _ => None,
+    }
+}
+
+/// What the kernel holds of a process's identity, from `/proc/<pid>/status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Credentials {
+    /// Real, effective and saved uids.
+    pub uids: [u32; 3],
+    /// Real, effective and saved gids.
+    pub gids: [u32; 3],
+    /// The capabilities it may use (`CapPrm`).
+    pub capabilities: u64,
+}
+
+pub fn credentials(pid: u32) -> Option<Credentials> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let mut fields = status
+    parse_credentials(&status)
+}
+
+fn parse_credentials(status: &str) -> Option<Credentials> {
+    let ids = |key: &str| -> Option<[u32; 3]> {
+        let mut fields = status
+            .lines()
+            .find_map(|line| line.strip_prefix(key))?
+            .split_whitespace()
+            .map(|field| field.parse::<u32>().ok());
+        Some([fields.next()??, fields.next()??, fields.next()??])
+    };
+    let capabilities = status
         .lines()
-        .find_map(|line| line.strip_prefix("Uid:"))?
-        .split_whitespace()
-        .map(|field| field.parse::<u32>().ok());
-    Some([fields.next()??, fields.next()??, fields.next()??])
+        .find_map(|line| line.strip_prefix("CapPrm:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())?;
+    Some(Credentials {
+        uids: ids("Uid:")?,
+        gids: ids("Gid:")?,
+        capabilities,
+    })
+}
+
+/// Whether process `pid` may be inspected by its own user: the kernel hands
+/// the `/proc` files of a process that is not dumpable
+/// (`prctl(PR_SET_DUMPABLE, 0)`, or one that changed credentials) to root
+/// (its `/proc/<pid>` directory keeps its owner).
+pub fn dumpable(pid: u32, euid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/status")).is_ok_and(|file| file.uid() == euid)
 }
 
 /// When process `pid` started, in clock ticks since boot (`USER_HZ`, 100
@@ -255,6 +303,29 @@ pub fn start_ticks(pid: u32) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn credentials_are_read_from_the_status_text() {
+        let status = "Name:\tpython3\nUid:\t1001\t1001\t1001\t1001\nGid:\t1001\t27\t1001\t1001\n\
+                      CapInh:\t0000000000000000\nCapPrm:\t0000000000200000\n";
+        assert_eq!(
+            parse_credentials(status),
+            Some(Credentials {
+                uids: [1001, 1001, 1001],
+                gids: [1001, 27, 1001],
+                capabilities: 1 << 21,
+            })
+        );
+        assert_eq!(parse_credentials("Uid:\t1\t1\t1\t1\n"), None);
+    }
+
+    #[test]
+    fn this_process_is_dumpable_by_its_user() {
+        let pid = std::process::id();
+        let euid = credentials(pid).unwrap().uids[1];
+        assert!(dumpable(pid, euid));
+        assert!(!dumpable(pid, euid.wrapping_add(1)));
+    }
+
     use super::*;
     use std::os::unix::fs::MetadataExt;
 

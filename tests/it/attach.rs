@@ -429,19 +429,37 @@ async fn a_capture_has_the_agent_attach_the_processes_it_names_first() {
 
     // uid 65534 naming root's process: told why not; nothing is loaded.
     let (roots, release) = setup.plain_workload("cuda_not_named", "1");
-    let mut asked = common::request(300, "not-yours");
+    let space = capture_as(65534, &setup, roots.workload.pid).await;
+    let why = format!(
+        "process {} was not attached: it is uid 0's, not yours",
+        roots.workload.pid
+    );
+    assert!(space.warnings.contains(&why), "{:?}", space.warnings);
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", roots.workload.pid)).unwrap();
+    assert!(!maps.contains("libdevtrace_inject"));
+    std::fs::write(release, b"go").unwrap();
+    roots.read_until("done");
+}
+
+/// A 300 ms capture asked by `uid` that names process `pid` to attach
+/// first (`devtrace_attach`).
+async fn capture_as(
+    uid: u32,
+    setup: &Setup,
+    pid: u32,
+) -> devtrace::proto::tensorflow::profiler::XSpace {
+    use devtrace::proto::tensorflow::profile_options::{
+        advanced_config_value::Value, AdvancedConfigValue,
+    };
+    let mut asked = common::request(300, "attach-as-user");
     asked.emit_xspace = true;
     asked.opts.as_mut().unwrap().advanced_configuration.insert(
         "devtrace_attach".into(),
-        devtrace::proto::tensorflow::profile_options::AdvancedConfigValue {
-            value: Some(
-                devtrace::proto::tensorflow::profile_options::advanced_config_value::Value::StringValue(
-                    roots.workload.pid.to_string(),
-                ),
-            ),
+        AdvancedConfigValue {
+            value: Some(Value::StringValue(pid.to_string())),
         },
     );
-    let io = common::raw_call::connect_as(65534, &setup.agent.address).await;
+    let io = common::raw_call::connect_as(uid, &setup.agent.address).await;
     let (reply, status) = common::raw_call::unary_on(
         io,
         &setup.agent.address,
@@ -454,16 +472,69 @@ async fn a_capture_has_the_agent_attach_the_processes_it_names_first() {
         use prost::Message;
         devtrace::proto::tensorflow::ProfileResponse::decode(&reply[..]).unwrap()
     };
-    let space = common::space_of(&reply);
-    let why = format!(
-        "process {} was not attached: it is uid 0's, not yours",
-        roots.workload.pid
+    common::space_of(&reply)
+}
+
+/// A user has attached only processes it could trace itself: its own, in
+/// one group, without capabilities, dumpable. The agent traces with root's
+/// rights, so a set-group-ID program or one that asked not to be inspected
+/// is left to admins.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_user_has_attached_only_what_it_could_trace_itself() {
+    if skip_without_root("user_attach") {
+        return;
+    }
+    let setup = Setup::new();
+    let start = |ids: &[&str], program: &[&str]| {
+        Command::new("setpriv")
+            .args(ids)
+            .args(["--clear-groups", "--"])
+            .args(program)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let user = ["--reuid=65534", "--regid=65534"];
+    let mut own = start(&user, &["sleep", "30"]);
+    let mut between_groups = start(
+        &["--reuid=65534", "--rgid=65534", "--egid=100"],
+        &["sleep", "30"],
     );
-    assert!(space.warnings.contains(&why), "{:?}", space.warnings);
-    let maps = std::fs::read_to_string(format!("/proc/{}/maps", roots.workload.pid)).unwrap();
-    assert!(!maps.contains("libdevtrace_inject"));
-    std::fs::write(release, b"go").unwrap();
-    roots.read_until("done");
+    // PR_SET_DUMPABLE (4) to 0, through prctl (157 on x86-64).
+    let mut undumpable = start(
+        &user,
+        &["perl", "-e", "syscall(157, 4, 0, 0, 0, 0); sleep 30"],
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let said_of = |space: &devtrace::proto::tensorflow::profiler::XSpace, pid: u32| {
+        let prefix = format!("process {pid} was not attached: ");
+        space
+            .warnings
+            .iter()
+            .find_map(|w| w.strip_prefix(&prefix).map(str::to_string))
+            .unwrap_or_else(|| panic!("nothing said of {pid}: {:?}", space.warnings))
+    };
+    // Its own plain process passes the user's check (and is then refused
+    // as the non-CUDA process it is).
+    let why = said_of(&capture_as(65534, &setup, own.id()).await, own.id());
+    assert!(why.contains("libcuda"), "{why}");
+    let why = said_of(
+        &capture_as(65534, &setup, between_groups.id()).await,
+        between_groups.id(),
+    );
+    assert!(
+        why.starts_with("it runs between groups (set-group-ID)"),
+        "{why}"
+    );
+    let why = said_of(
+        &capture_as(65534, &setup, undumpable.id()).await,
+        undumpable.id(),
+    );
+    assert!(why.starts_with("it is not dumpable"), "{why}");
+    for child in [&mut own, &mut between_groups, &mut undumpable] {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -321,9 +321,11 @@ impl ProfilerService {
             let allowed = match caller {
                 _ if admin => Ok(None),
                 Caller::User { uid, .. } => match crate::attach::owner_of(pid) {
-                    Some(owner) if owner == *uid => Ok(Some(owner)),
+                    Some(owner) if owner == *uid => {
+                        crate::attach::attachable_by_its_user(pid, owner).map(|()| Some(owner))
+                    }
                     Some(owner) => Err(format!("it is uid {owner}'s, not yours")),
-                    None => Err("it does not exist, or changed its user".to_string()),
+                    None => Err("it does not exist, or runs between users (set-user-ID)".into()),
                 },
                 _ => Err("only local users and admins may have processes attached".to_string()),
             };
