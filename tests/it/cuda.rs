@@ -2112,14 +2112,19 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
         // The stand-in's first enable takes 100 ms.
         assert!(began >= 0.1, "recording began at {began} s");
         let from = start + (began * 1e9) as u64;
-        // Launches well inside the recorded part, each with its kernel.
+        // Launches well inside the recorded part, each with its kernel. The
+        // last 300 ms are left out: their records reach the agent with the
+        // library's next flush (every 100 ms), and on a loaded machine that
+        // can come after the agent's 250 ms wait for late events; such
+        // records are missing from the trace (not counted yet).
+        let settled = 300_000_000;
         let expected = launches
             .iter()
-            .filter(|c| c.realtime.0 > from + 5_000_000 && c.realtime.1 + 100_000_000 < stop)
+            .filter(|c| c.realtime.0 > from + 5_000_000 && c.realtime.1 + settled < stop)
             .count();
         let kernels = program_kernels(space)
             .into_iter()
-            .filter(|(_, at)| *at > from + 5_000_000 && *at + 100_000_000 < stop)
+            .filter(|(_, at)| *at > from + 5_000_000 && *at + settled < stop)
             .count();
         assert!(
             expected > 5,
