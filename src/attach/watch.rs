@@ -1,8 +1,10 @@
 //! The agent's own attaching (`serve --cuda-attach`): a thread that looks
 //! at the host's processes every second and attaches to each that matches
-//! a rule once it maps the CUDA driver. A process is judged once (by pid
-//! and start time, so that a reused pid is judged anew); one matching a
-//! rule is looked at again until it maps the driver or ends. Outcomes are
+//! a rule once it maps the CUDA driver. A process is judged once per
+//! program it runs (by pid, start time and executable, so that a reused
+//! pid, and a process that execs another program, as a launcher script's
+//! `exec python train.py` does, are judged anew); one matching a rule is
+//! looked at again until it maps the driver or ends. Outcomes are
 //! logged, failures once per process.
 
 use std::collections::HashMap;
@@ -22,6 +24,10 @@ const EVERY: Duration = Duration::from_secs(1);
 /// Processes matching a rule that are waited for at once (to map the
 /// driver), at most.
 const MAX_WAITING: usize = 4096;
+
+/// A process running one program: pid, start time, and the executable's
+/// (device, inode).
+type Key = (i32, u64, (u64, u64));
 
 /// What became of a process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,7 +53,7 @@ impl Watcher {
         let thread = std::thread::Builder::new()
             .name("cuda-attach".into())
             .spawn(move || {
-                let mut judged: HashMap<(i32, u64), Judged> = HashMap::new();
+                let mut judged: HashMap<Key, Judged> = HashMap::new();
                 while !stopping.load(Ordering::Relaxed) {
                     look(&rules, &config, &mut judged);
                     std::thread::sleep(EVERY);
@@ -70,7 +76,7 @@ impl Drop for Watcher {
 }
 
 /// One look at every process.
-fn look(rules: &[Rule], config: &AttachConfig, judged: &mut HashMap<(i32, u64), Judged>) {
+fn look(rules: &[Rule], config: &AttachConfig, judged: &mut HashMap<Key, Judged>) {
     let own = std::process::id() as i32;
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return;
@@ -80,7 +86,7 @@ fn look(rules: &[Rule], config: &AttachConfig, judged: &mut HashMap<(i32, u64), 
         let Some(started) = start_time(pid) else {
             continue;
         };
-        let key = (pid, started);
+        let key = (pid, started, executable(pid));
         alive.push(key);
         if pid == own || matches!(judged.get(&key), Some(Judged::Ignored | Judged::Done)) {
             continue;
@@ -115,6 +121,13 @@ fn look(rules: &[Rule], config: &AttachConfig, judged: &mut HashMap<(i32, u64), 
     }
     alive.sort_unstable();
     judged.retain(|key, _| alive.binary_search(key).is_ok());
+}
+
+/// The (device, inode) of the program process `pid` runs; (0, 0) where it
+/// cannot be read (kernel threads).
+fn executable(pid: i32) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/exe")).map_or((0, 0), |exe| (exe.dev(), exe.ino()))
 }
 
 fn start_time(pid: i32) -> Option<u64> {

@@ -11,7 +11,7 @@
 use crate::common;
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use common::workload::*;
@@ -372,6 +372,33 @@ async fn the_agent_attaches_by_itself_to_processes_its_rules_match() {
     std::fs::write(release_other, b"go").unwrap();
     other.read_until("done");
     matched.read_until("done");
+}
+
+/// A process that execs into a program a rule matches (a launcher script's
+/// `exec python train.py`) is judged again as the new program: the pid and
+/// start time stay, the executable changes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_that_execs_into_a_match_is_attached() {
+    if skip_without_root("cuda_attach_exec") {
+        return;
+    }
+    let setup = Setup::with(&["--cuda-attach", "comm=cuda_auto*"]);
+    let program = cuda_programs("cuda_auto_exec");
+    let release = setup.runtime.path().join("exec.go");
+    let env = Setup::plain_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    // "sh" matches no rule for the watcher's first looks.
+    let script = format!(
+        "sleep 2.5; exec {} 3 --wait-file {}",
+        program.display(),
+        release.display()
+    );
+    let launcher = CudaWorkload::start(Path::new("sh"), &["-c", &script], &env);
+    launcher.read_until("waiting");
+    wait_for_attached(&setup.agent, 1).await;
+    let space = capture_while(&setup.agent, 2000, &release).await;
+    assert_eq!(kernels_of(&space, launcher.workload.pid), 6);
+    launcher.read_until("done");
 }
 
 /// A capture may name processes for the agent to attach first
