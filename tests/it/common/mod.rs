@@ -443,22 +443,11 @@ pub fn dropped_of(space: &XSpace) -> i64 {
 }
 
 /// Builds `tests/standins/<source>` into a shared library named `library`
-/// under the test target directory, and returns its path.
+/// under the test target directory, once per test process, and returns its
+/// path. Tests running at once share it: it is never rebuilt under a test
+/// that has it loaded, and appears whole (see [`build_program`]).
 pub fn build_standin(source: &str, library: &str) -> std::path::PathBuf {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("standins");
-    std::fs::create_dir_all(&dir).expect("standin directory");
-    let output = dir.join(library);
-    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/standins")
-        .join(source);
-    let status = Command::new("cc")
-        .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o"])
-        .arg(&output)
-        .arg(&source)
-        .status()
-        .expect("running cc");
-    assert!(status.success(), "building {} failed", source.display());
-    output
+    build_program(source, library, &["-shared", "-fPIC"])
 }
 
 /// Builds `tests/standins/<source>` into the program `name` under the test
