@@ -226,21 +226,24 @@ fn attach_here(
     })
 }
 
-/// The user process `pid` runs as, when its real, effective and saved
-/// uids are one.
-pub fn owner_of(pid: i32) -> Option<u32> {
-    crate::model::host_process::sole_uid(u32::try_from(pid).ok()?)
-}
-
-/// Whether a caller who is `uid`, process `pid`'s owner, may have it
-/// attached: only what the kernel would let that user trace itself (one
-/// group, no capabilities beyond the user's, dumpable), since the agent
-/// traces it with root's rights on the user's behalf.
-pub fn attachable_by_its_user(pid: i32, uid: u32) -> Result<(), String> {
+/// Whether a local caller who is `uid` may have process `pid` attached:
+/// only a process it could trace itself (its own, in one group, with no
+/// capabilities, dumpable), since the agent traces it with root's rights
+/// on the caller's behalf. The refusal says why.
+pub fn attachable_by(pid: i32, uid: u32) -> Result<(), String> {
     use crate::model::host_process;
     let only_admins = "only an admin may have it attached";
     let pid = u32::try_from(pid).map_err(|_| "it is not a process".to_string())?;
     let credentials = host_process::credentials(pid).ok_or("it does not exist")?;
+    match host_process::sole_uid(credentials.uids) {
+        Some(owner) if owner == uid => {}
+        Some(owner) => return Err(format!("it is uid {owner}'s, not yours")),
+        None => {
+            return Err(format!(
+                "it runs between users (set-user-ID): {only_admins}"
+            ))
+        }
+    }
     let [real, effective, saved] = credentials.gids;
     if real != effective || effective != saved {
         return Err(format!(

@@ -124,10 +124,7 @@ impl Target {
         let same = u32::try_from(pid).ok().and_then(host_process::start_ticks)
             == Some(self.started)
             && Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
-            && owner.is_none_or(|owner| {
-                super::owner_of(pid) == Some(owner)
-                    && super::attachable_by_its_user(pid, owner).is_ok()
-            });
+            && owner.is_none_or(|owner| super::attachable_by(pid, owner).is_ok());
         if same {
             Ok(())
         } else {

@@ -181,8 +181,7 @@ fn owner_of(pid: u32, boot_ns: u64) -> Owner {
         return None;
     }
     // A process between two users (set-user-ID) is no one's.
-    host_process::uids(pid)?;
-    let uid = host_process::sole_uid(pid).unwrap_or(u32::MAX);
+    let uid = host_process::sole_uid(host_process::uids(pid)?).unwrap_or(u32::MAX);
     let ticks = host_process::start_ticks(pid)?;
     Some((uid, boot_ns.saturating_add(ticks.saturating_mul(TICK_NS))))
 }

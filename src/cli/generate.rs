@@ -75,17 +75,17 @@ pub fn flag_reference(mut command: Command) -> String {
          `doctor`, each flag can also be set by the variable named, or as a key of the \
          `--config` file ([Configuration](../operations.md#configuration-a-file-the-environment-the-command-line)).\n",
     );
-    describe(&command, "devtrace", &mut out);
-    out
-}
-
-/// Subcommands in the order they are declared (the configured ones are
-/// rebuilt after the others and would come last), without `help`.
-fn subcommands(command: &Command) -> Vec<&Command> {
     let declared: Vec<String> = <super::Cli as clap::CommandFactory>::command()
         .get_subcommands()
         .map(|sub| sub.get_name().to_string())
         .collect();
+    describe(&command, "devtrace", &declared, &mut out);
+    out
+}
+
+/// Subcommands in the order `declared` (the configured ones are rebuilt
+/// after the others and would come last), without `help`.
+fn subcommands<'c>(command: &'c Command, declared: &[String]) -> Vec<&'c Command> {
     let rank = |name: &str| {
         declared
             .iter()
@@ -100,7 +100,7 @@ fn subcommands(command: &Command) -> Vec<&Command> {
     subcommands
 }
 
-fn describe(command: &Command, path: &str, out: &mut String) {
+fn describe(command: &Command, path: &str, declared: &[String], out: &mut String) {
     out.push_str(&format!("\n## `{path}`\n\n"));
     if let Some(about) = command.get_long_about().or(command.get_about()) {
         out.push_str(&format!("{}\n\n", paragraphs(&about.to_string())));
@@ -166,10 +166,11 @@ fn describe(command: &Command, path: &str, out: &mut String) {
     if !any {
         out.push_str("No flags of its own; the global flags are those of `devtrace`.\n");
     }
-    for subcommand in subcommands(command) {
+    for subcommand in subcommands(command, declared) {
         describe(
             subcommand,
             &format!("{path} {}", subcommand.get_name()),
+            declared,
             out,
         );
     }

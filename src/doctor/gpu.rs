@@ -22,10 +22,7 @@ pub struct GpuPlan<'a> {
 
 pub fn check(plan: &GpuPlan) -> Vec<Finding> {
     let mut findings = vec![nvml(plan.nvml_library), cuda_driver(plan.cuda_libraries)];
-    let python = cupti_of_python(plan.python);
-    let python_has_cupti = python.iter().any(|finding| {
-        finding.item.starts_with("CUPTI of") && finding.detail.contains("API version")
-    });
+    let (python, python_has_cupti) = cupti_of_python(plan.python);
     findings.extend(cupti_on_host().into_iter().map(|finding| {
         // Jobs of that environment bring their own: none on the host is
         // no reason the CUDA backend cannot trace them.
@@ -235,9 +232,6 @@ fn cupti_on_host() -> Vec<Finding> {
         .filter(|path| path.exists())
         .map(PathBuf::into_os_string)
         .collect();
-    let cuda_home = std::env::var_os("CUDA_HOME")
-        .filter(|p| !p.is_empty())
-        .map_or_else(|| PathBuf::from("/usr/local/cuda"), PathBuf::from);
     if files.is_empty() {
         // The loader's own search: a name, resolved as dlopen would.
         files.extend(
@@ -254,7 +248,7 @@ fn cupti_on_host() -> Vec<Finding> {
             Status::Absent,
             format!(
                 "no libcupti in DEVTRACE_CUPTI_PATH, {}/extras/CUPTI/lib64 or on the loader's path",
-                cuda_home.display()
+                devtrace_shm::cupti::cuda_home().display()
             ),
         )
         .hint(
@@ -278,27 +272,30 @@ fn cupti_on_host() -> Vec<Finding> {
 }
 
 /// The Python environment's CUDA wheels: the libcupti its processes map
-/// beside their CUDA libraries, which the injection library takes first.
-fn cupti_of_python(python: Option<&Path>) -> Vec<Finding> {
+/// beside their CUDA libraries, which the injection library takes first;
+/// and whether there is one.
+fn cupti_of_python(python: Option<&Path>) -> (Vec<Finding>, bool) {
     let Some(python) = python else {
-        return vec![Finding::new(
+        let unchecked = vec![Finding::new(
             Area::Cuda,
             "Python environment",
             Status::Ok,
             "not checked: no python3 on PATH (--python names the interpreter your jobs run with)",
         )];
+        return (unchecked, false);
     };
     let shown = python.display();
     let site_dirs = match site_packages(python) {
         Ok(dirs) => dirs,
         Err(reason) => {
-            return vec![Finding::new(
+            let unread = Finding::new(
                 Area::Cuda,
                 "Python environment",
                 Status::Warn,
                 format!("{shown}: {reason}"),
             )
-            .hint("--python names the interpreter your jobs run with")]
+            .hint("--python names the interpreter your jobs run with");
+            return (vec![unread], false);
         }
     };
     let mut findings = Vec::new();
@@ -319,6 +316,7 @@ fn cupti_of_python(python: Option<&Path>) -> Vec<Finding> {
             .into_iter()
             .find(|path| path.exists())
     });
+    let has_cupti = cupti.is_some();
     match cupti {
         Some(path) => findings.push(cupti_finding(
             format!("CUPTI of {shown}'s jobs"),
@@ -343,7 +341,7 @@ fn cupti_of_python(python: Option<&Path>) -> Vec<Finding> {
             });
         }
     }
-    findings
+    (findings, has_cupti)
 }
 
 /// The interpreter's site-packages directories.

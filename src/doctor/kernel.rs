@@ -31,17 +31,10 @@ fn kernel_release() -> Finding {
     )
 }
 
-/// The capabilities this process holds (`CapEff`).
+/// The capabilities this process holds.
 fn effective_capabilities() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let hex = status
-                .lines()
-                .find_map(|line| line.strip_prefix("CapEff:"))?;
-            u64::from_str_radix(hex.trim(), 16).ok()
-        })
-        .unwrap_or(0)
+    crate::model::host_process::credentials(std::process::id())
+        .map_or(0, |credentials| credentials.effective_capabilities)
 }
 
 const CAP_SYS_ADMIN: u32 = 21;
@@ -64,33 +57,19 @@ fn lockdown() -> Option<String> {
 fn ebpf(plan: &KernelPlan) -> Vec<Finding> {
     let mut findings = Vec::new();
     let item = |name: &str| format!("eBPF {name}");
-    if !cfg!(devtrace_bpf) {
-        findings.push(
-            Finding::new(Area::Ebpf, item("programs"), Status::Fail, "this devtrace was built without its BPF programs (clang was missing at build time)")
-                .hint("install clang, libelf-dev and zlib1g-dev, then rebuild"),
-        );
-    }
-    if !plan.ebpf_sched && !plan.ebpf_cuda {
-        findings.push(Finding::new(
-            Area::Ebpf,
-            item("hooks"),
-            Status::Fail,
-            "--ebpf-hooks leaves both sched and cuda off",
-        ));
-    }
-    if std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
-        findings.push(Finding::new(
-            Area::Ebpf,
-            item("BTF"),
-            Status::Ok,
-            "/sys/kernel/btf/vmlinux",
-        ));
-    } else {
-        findings.push(
-            Finding::new(Area::Ebpf, item("BTF"), Status::Fail, "the kernel exposes no BTF (/sys/kernel/btf/vmlinux is missing)")
-                .hint("use a kernel built with CONFIG_DEBUG_INFO_BTF=y (every major distribution's since 2021)"),
-        );
-    }
+    // What the backend itself checks before loading anything.
+    findings.push(
+        match crate::backend::ebpf::preflight(plan.ebpf_sched, plan.ebpf_cuda) {
+            Ok(()) => Finding::new(
+                Area::Ebpf,
+                item("preflight"),
+                Status::Ok,
+                format!("BPF programs built in, hooks on, BTF at {}", crate::backend::ebpf::BTF),
+            ),
+            Err(reason) => Finding::new(Area::Ebpf, item("preflight"), Status::Fail, reason)
+                .hint("--ebpf-hooks turns the hooks on; a kernel with CONFIG_DEBUG_INFO_BTF=y has BTF (every major distribution's since 2021)"),
+        },
+    );
     let capabilities = effective_capabilities();
     let enough = has(capabilities, CAP_SYS_ADMIN)
         || (has(capabilities, CAP_BPF) && has(capabilities, CAP_PERFMON));

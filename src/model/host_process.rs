@@ -233,10 +233,10 @@ pub fn uids(pid: u32) -> Option<[u32; 3]> {
     credentials(pid).map(|credentials| credentials.uids)
 }
 
-/// The user a process runs as when its real, effective and saved uids are
-/// one (not a set-user-ID program between its users).
-pub fn sole_uid(pid: u32) -> Option<u32> {
-    match uids(pid)? {
+/// The user a process runs as when its real, effective and saved `uids`
+/// are one (not a set-user-ID program between its users).
+pub fn sole_uid(uids: [u32; 3]) -> Option<u32> {
+    match uids {
         [real, effective, saved] if real == effective && effective == saved => Some(real),
         _ => None,
     }
@@ -251,6 +251,8 @@ pub struct Credentials {
     pub gids: [u32; 3],
     /// The capabilities it may use (`CapPrm`).
     pub capabilities: u64,
+    /// The capabilities in effect (`CapEff`).
+    pub effective_capabilities: u64,
 }
 
 pub fn credentials(pid: u32) -> Option<Credentials> {
@@ -267,14 +269,17 @@ fn parse_credentials(status: &str) -> Option<Credentials> {
             .map(|field| field.parse::<u32>().ok());
         Some([fields.next()??, fields.next()??, fields.next()??])
     };
-    let capabilities = status
-        .lines()
-        .find_map(|line| line.strip_prefix("CapPrm:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())?;
+    let mask = |key: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(key))
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+    };
     Some(Credentials {
         uids: ids("Uid:")?,
         gids: ids("Gid:")?,
-        capabilities,
+        capabilities: mask("CapPrm:")?,
+        effective_capabilities: mask("CapEff:")?,
     })
 }
 
@@ -306,13 +311,14 @@ mod tests {
     #[test]
     fn credentials_are_read_from_the_status_text() {
         let status = "Name:\tpython3\nUid:\t1001\t1001\t1001\t1001\nGid:\t1001\t27\t1001\t1001\n\
-                      CapInh:\t0000000000000000\nCapPrm:\t0000000000200000\n";
+                      CapInh:\t0000000000000000\nCapPrm:\t0000000000200000\nCapEff:\t0000000000000000\n";
         assert_eq!(
             parse_credentials(status),
             Some(Credentials {
                 uids: [1001, 1001, 1001],
                 gids: [1001, 27, 1001],
                 capabilities: 1 << 21,
+                effective_capabilities: 0,
             })
         );
         assert_eq!(parse_credentials("Uid:\t1\t1\t1\t1\n"), None);

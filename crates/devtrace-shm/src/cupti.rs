@@ -42,13 +42,17 @@ pub fn candidates(maps: &str) -> Vec<PathBuf> {
     for nvidia in pip_nvidia_dirs(maps) {
         out.extend(pip_files(&nvidia));
     }
-    let cuda_home = std::env::var_os("CUDA_HOME")
-        .filter(|p| !p.is_empty())
-        .map_or_else(|| PathBuf::from("/usr/local/cuda"), PathBuf::from);
     for name in SONAMES.iter().chain(&["libcupti.so"]) {
-        out.push(cuda_home.join("extras/CUPTI/lib64").join(name));
+        out.push(cuda_home().join("extras/CUPTI/lib64").join(name));
     }
     out
+}
+
+/// `$CUDA_HOME`, else `/usr/local/cuda`.
+pub fn cuda_home() -> PathBuf {
+    std::env::var_os("CUDA_HOME")
+        .filter(|p| !p.is_empty())
+        .map_or_else(|| PathBuf::from("/usr/local/cuda"), PathBuf::from)
 }
 
 /// The `nvidia` package directories of pip's CUDA wheels that hold a

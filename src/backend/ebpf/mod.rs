@@ -130,28 +130,34 @@ impl EbpfBackend {
         }
     }
 
-    /// Reasons the kernel cannot run the programs, found before trying.
     fn preflight(&self) -> Result<(), BackendError> {
-        if !cfg!(devtrace_bpf) {
-            return Err(Self::unavailable(
-                "this devtrace was built without its BPF programs (clang was not found at \
-                 build time); install clang and rebuild",
-            ));
-        }
-        if !self.config.sched && !self.config.cuda {
-            return Err(Self::unavailable(
-                "both scheduler tracing and CUDA probes are off",
-            ));
-        }
-        if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
-            return Err(Self::unavailable(
-                "the kernel exposes no BTF (/sys/kernel/btf/vmlinux is missing; it needs \
-                 CONFIG_DEBUG_INFO_BTF=y)",
-            ));
-        }
-        Ok(())
+        preflight(self.config.sched, self.config.cuda).map_err(Self::unavailable)
     }
 }
+
+/// Reasons the kernel cannot run the programs, found before trying (also
+/// `devtrace doctor`'s check).
+pub(crate) fn preflight(sched: bool, cuda: bool) -> Result<(), &'static str> {
+    if !cfg!(devtrace_bpf) {
+        return Err(
+            "this devtrace was built without its BPF programs (clang was not found at build \
+             time); install clang and rebuild",
+        );
+    }
+    if !sched && !cuda {
+        return Err("both scheduler tracing and CUDA probes are off");
+    }
+    if !std::path::Path::new(BTF).exists() {
+        return Err(
+            "the kernel exposes no BTF (/sys/kernel/btf/vmlinux is missing; it needs \
+             CONFIG_DEBUG_INFO_BTF=y)",
+        );
+    }
+    Ok(())
+}
+
+/// Where the kernel's BTF is read from.
+pub(crate) const BTF: &str = "/sys/kernel/btf/vmlinux";
 
 impl Backend for EbpfBackend {
     fn name(&self) -> &'static str {
