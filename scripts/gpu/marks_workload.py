@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""A long-running PyTorch workload for scripts/gpu-check's check g: does a
-devtrace capture leave a mark on the job (its speed after the capture, its
-exit status, torch.profiler inside a capture)?
+"""A long-running PyTorch workload for scripts/gpu-check's checks g, i and
+k: does a devtrace capture leave a mark on the job (its speed after the
+capture, its exit status, torch.profiler inside a capture), what does
+recording always cost it, and what does attaching to it running cost?
 
 Modes (--mode):
   launch  launch-bound: each step launches 40 tiny elementwise kernels on a
@@ -14,11 +15,19 @@ synchronize, so every kernel of a step lies inside its range. After 20
 warm-up steps the workload writes SIGNALS/ready ({"pid": ...}) and runs
 steps until SIGNALS/stop exists, noting when each step ended
 (CLOCK_REALTIME seconds). When SIGNALS/profile appears it runs
---profile-seconds of steps under torch.profiler (CPU and CUDA activities),
-then writes SIGNALS/profiled. At the end it writes --out:
+--profile-seconds of steps (or exactly --profile-steps steps) under
+torch.profiler (CPU and CUDA activities), then writes SIGNALS/profiled. When
+SIGNALS/hold appears it finishes its step, writes SIGNALS/held and runs
+nothing until SIGNALS/exact, then exactly --exact-steps steps, writes
+SIGNALS/exacted, and runs nothing until SIGNALS/resume (once per run: a
+capture around them holds those steps alone). At the end it writes --out:
 
   {"mode", "pid", "kernels_per_step" (launch mode: 40), "step_ends": [...],
-   "profile": {"start", "end", "steps", "kernels"}}
+   "profile": {"start", "end", "steps", "kernels", "names": {name: count}}}
+
+where the profile's names are those of torch.profiler's GPU events
+(kernels, and copies and memsets as "Memcpy ..." and "Memset ..."; not
+its own annotations of the step on the GPU's timeline).
 
 A missing transformers (gpt2 mode) is written as {"skip": "..."} with exit
 status 3; other errors as {"error": ...} with exit status 1.
@@ -45,6 +54,9 @@ def parse_args():
     p.add_argument("--out", required=True, help="result JSON")
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--profile-seconds", type=float, default=1.0)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile exactly this many steps instead of --profile-seconds of them")
+    p.add_argument("--exact-steps", type=int, default=10, help="steps run between SIGNALS/exact and SIGNALS/exacted")
     p.add_argument("--max-seconds", type=float, default=300.0, help="stop by itself after this long")
     return p.parse_args()
 
@@ -107,10 +119,15 @@ def run(args):
     signal = lambda name: os.path.join(args.signals, name)  # noqa: E731
     touch(signal("ready"), f'{{"pid": {os.getpid()}}}')
     give_up = time.monotonic() + args.max_seconds
+    held = False
     while not os.path.exists(signal("stop")) and time.monotonic() < give_up:
         if profile is None and os.path.exists(signal("profile")):
-            profile = profiled_steps(torch, one_step, args.profile_seconds, step_ends)
+            profile = profiled_steps(torch, one_step, args, step_ends)
             touch(signal("profiled"))
+            continue
+        if not held and os.path.exists(signal("hold")):
+            held = True
+            exact_steps(one_step, args, signal)
             continue
         one_step()
         step_ends.append(time.time())
@@ -123,20 +140,46 @@ def run(args):
     }
 
 
-def profiled_steps(torch, one_step, seconds, step_ends):
-    """Steps for `seconds` under torch.profiler; what it saw of them."""
+def wait_for(path, limit=120.0):
+    deadline = time.monotonic() + limit
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after {limit:.0f} s")
+        time.sleep(0.002)
+
+
+def exact_steps(one_step, args, signal):
+    """Holds still (SIGNALS/held), runs exactly --exact-steps steps once
+    SIGNALS/exact exists, holds still again (SIGNALS/exacted) until
+    SIGNALS/resume: a capture around them holds those steps alone."""
+    touch(signal("held"))
+    wait_for(signal("exact"))
+    for _ in range(args.exact_steps):
+        one_step()
+    touch(signal("exacted"), f'{{"steps": {args.exact_steps}}}')
+    wait_for(signal("resume"))
+
+
+def profiled_steps(torch, one_step, args, step_ends):
+    """Steps under torch.profiler (--profile-steps of them, else
+    --profile-seconds of them); what it saw of them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.time()
         steps = 0
-        while time.time() - start < seconds:
+        while (steps < args.profile_steps if args.profile_steps else time.time() - start < args.profile_seconds):
             one_step()
             step_ends.append(time.time())
             steps += 1
         end = time.time()
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"start": start, "end": end, "steps": steps, "kernels": kernels}
+    names = {}
+    for e in prof.events():
+        # torch.profiler also puts its own annotations of the step (such as
+        # "Optimizer.step#AdamW.step") on the GPU's timeline: not GPU work.
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            names[e.name] = names.get(e.name, 0) + 1
+    return {"start": start, "end": end, "steps": steps, "kernels": sum(names.values()), "names": names}
 
 
 def main():
