@@ -116,14 +116,26 @@ pub struct CaptureActivity {
     trace: Option<(Arc<TraceDemand>, Scope)>,
 }
 
+impl CaptureActivity {
+    /// The capture's window is over: the tracers it switched on (CUPTI in
+    /// the workloads, eBPF hooks) may switch off now, and hand over what
+    /// they hold of the window's last moments (the injection library's
+    /// partly filled CUPTI buffers come back only when it stops recording)
+    /// while the agent waits for late events, rather than after the trace
+    /// was built. Samplers stay fast until it is dropped.
+    pub fn end_recording(&mut self) {
+        if let Some((traces, scope)) = self.trace.take() {
+            traces.end(scope);
+        }
+    }
+}
+
 impl Drop for CaptureActivity {
     fn drop(&mut self) {
         for counter in &self.counters {
             counter.fetch_sub(1, Ordering::Relaxed);
         }
-        if let Some((traces, scope)) = &self.trace {
-            traces.end(*scope);
-        }
+        self.end_recording();
     }
 }
 

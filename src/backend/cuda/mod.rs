@@ -161,6 +161,10 @@ const MAX_REFUSED: usize = 1024;
 /// taken to be left by a process that died while making its files.
 const ABANDONED_GRACE: Duration = Duration::from_secs(60);
 
+/// How long after a capture the rings are drained as often as during one:
+/// the libraries hand over the window's last records as they stop.
+const SETTLE_AFTER_CAPTURE: Duration = Duration::from_secs(1);
+
 /// The synthetic host line (in a process's range) of calls from threads of
 /// a namespaced process that ended before the host's id for them was read.
 const LINE_ENDED_THREADS: u64 = 4;
@@ -201,9 +205,15 @@ impl Backend for CudaBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             records: vec!["GPU kernels, copies and memory of injected CUDA processes"],
-            // The library flushes CUPTI every 100 ms and polls its control
-            // word every 20 ms; one drain on top.
-            max_delay: Duration::from_millis(250),
+            // A capture's window over, the agent clears the control word
+            // within a pass (10 ms) and the library sees it within its poll
+            // (20 ms). Partly filled buffers (the window's last records;
+            // while recording, only full ones come back, every 100 ms) are
+            // forced out then, but CUDA 13's per-thread buffers of the
+            // job's threads come back only when CUPTI is detached: the
+            // library waits up to 500 ms for them before it detaches at the
+            // job's next CUDA call. Then a drain, with room for a loaded host.
+            max_delay: Duration::from_millis(800),
         }
     }
 
@@ -234,8 +244,12 @@ impl Backend for CudaBackend {
                 scratch: Vec::new(),
             };
             let mut last_scan: Option<Instant> = None;
+            let mut last_capturing: Option<Instant> = None;
             while !stop.is_set() {
                 let capturing = context.traces.any();
+                if capturing {
+                    last_capturing = Some(Instant::now());
+                }
                 let all_api_records = attach.config.api_records == ApiRecords::All
                     || context.detailed_traces.load(Ordering::Relaxed) > 0;
                 if last_scan.is_none_or(|at| at.elapsed() >= attach.config.scan_interval) {
@@ -252,8 +266,10 @@ impl Backend for CudaBackend {
                     &context.traces,
                 );
                 // Workloads recording the GPU's past fill their rings
-                // between captures too.
-                let pause = if capturing || background != 0 {
+                // between captures too; a capture's last records arrive
+                // after its window, while the agent waits for them.
+                let settling = last_capturing.is_some_and(|at| at.elapsed() < SETTLE_AFTER_CAPTURE);
+                let pause = if capturing || settling || background != 0 {
                     attach.config.drain_interval
                 } else {
                     attach.config.drain_interval * 10

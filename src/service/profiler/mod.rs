@@ -444,7 +444,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let attached = self.attach_first(&plan.attach, &caller).await;
         plan.warnings.extend(attached);
         let admission = self.captures.admit(&plan);
-        let _active = self
+        let mut active = self
             .agent
             .capture_activity(plan.detailed_device, plan.scope);
         // Upstreams and per-capture sources record alongside the local
@@ -458,6 +458,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 (Window { stop_ns: clock::now_ns().clamp(plan.window.start_ns, plan.window.stop_ns), ..plan.window }, true)
             }
         };
+        active.end_recording();
         // The request's own warnings go onto the reply, so that the build
         // itself is the same for every capture of this window.
         let common = Plan {
@@ -470,6 +471,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             .await?;
         let encoded = with_warnings(encoded, &plan.warnings);
         let reply = self.respond(&plan, window, encoded, deadline).await?;
+        drop(active);
         self.capture_ready("Profile", window);
         Ok(reply)
     }
