@@ -211,9 +211,9 @@ impl Backend for CudaBackend {
             // while recording, only full ones come back, every 100 ms) are
             // forced out then, but CUDA 13's per-thread buffers of the
             // job's threads come back only when CUPTI is detached: the
-            // library waits up to 500 ms for them before it detaches at the
+            // library waits up to 100 ms for them before it detaches at the
             // job's next CUDA call. Then a drain, with room for a loaded host.
-            max_delay: Duration::from_millis(800),
+            max_delay: Duration::from_millis(250),
         }
     }
 
