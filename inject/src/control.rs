@@ -670,6 +670,12 @@ fn wait_for_buffers(limit: Duration) {
 fn flush(session: &Session, forced: bool) -> Result<(), String> {
     cupti::flush_all(forced)?;
     set_clock(session)?;
+    count_dropped(session)
+}
+
+/// Tells the agent the running total of records CUPTI dropped, when it
+/// dropped some since it was last asked. The caller holds the gate.
+fn count_dropped(session: &Session) -> Result<(), String> {
     let dropped = cupti::dropped_since_last()?;
     if dropped > 0 {
         let total = session.dropped_total.fetch_add(dropped, Ordering::Relaxed) + dropped;
@@ -694,6 +700,9 @@ extern "C" fn flush_at_exit() {
         if cupti::flush_all(true).is_ok() {
             let _ = set_clock(session);
         }
+        // What CUPTI dropped since the last flush is told too (a job that
+        // lives shorter than the flush period reaches no other flush).
+        let _ = count_dropped(session);
         records::convert_pending_now();
     });
 }
