@@ -23,6 +23,7 @@ SIGNALS/exacted, and runs nothing until SIGNALS/resume (once per run: a
 capture around them holds those steps alone). At the end it writes --out:
 
   {"mode", "pid", "kernels_per_step" (launch mode: 40), "step_ends": [...],
+   "step_numbers": [...] (the i of each ended step's step_<i> range),
    "profile": {"start", "end", "steps", "kernels", "names": {name: count}}}
 
 where the profile's names are those of torch.profiler's GPU events
@@ -104,17 +105,21 @@ def run(args):
     work = LaunchBound(torch, args.device) if args.mode == "launch" else Gpt2Training(torch, args.device)
     index = 0
 
-    def one_step():
+    step_ends, step_numbers = [], []
+
+    def one_step(noted=True):
         nonlocal index
         torch.cuda.nvtx.range_push(f"step_{index}")
         work.step()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
+        if noted:
+            step_ends.append(time.time())
+            step_numbers.append(index)
         index += 1
 
     for _ in range(WARMUP_STEPS):
-        one_step()
-    step_ends = []
+        one_step(noted=False)
     profile = None
     signal = lambda name: os.path.join(args.signals, name)  # noqa: E731
     touch(signal("ready"), f'{{"pid": {os.getpid()}}}')
@@ -122,7 +127,7 @@ def run(args):
     held = False
     while not os.path.exists(signal("stop")) and time.monotonic() < give_up:
         if profile is None and os.path.exists(signal("profile")):
-            profile = profiled_steps(torch, one_step, args, step_ends)
+            profile = profiled_steps(torch, one_step, args)
             touch(signal("profiled"))
             continue
         if not held and os.path.exists(signal("hold")):
@@ -130,12 +135,12 @@ def run(args):
             exact_steps(one_step, args, signal)
             continue
         one_step()
-        step_ends.append(time.time())
     return {
         "mode": args.mode,
         "pid": os.getpid(),
         "kernels_per_step": work.kernels_per_step,
         "step_ends": step_ends,
+        "step_numbers": step_numbers,
         "profile": profile,
     }
 
@@ -160,7 +165,7 @@ def exact_steps(one_step, args, signal):
     wait_for(signal("resume"))
 
 
-def profiled_steps(torch, one_step, args, step_ends):
+def profiled_steps(torch, one_step, args):
     """Steps under torch.profiler (--profile-steps of them, else
     --profile-seconds of them); what it saw of them."""
     from torch.profiler import ProfilerActivity, profile
@@ -170,7 +175,6 @@ def profiled_steps(torch, one_step, args, step_ends):
         steps = 0
         while (steps < args.profile_steps if args.profile_steps else time.time() - start < args.profile_seconds):
             one_step()
-            step_ends.append(time.time())
             steps += 1
         end = time.time()
     names = {}
