@@ -12,7 +12,8 @@ Modes (--mode):
 
 Each step runs inside an NVTX range `step_<i>` that ends after the step's
 synchronize, so every kernel of a step lies inside its range. After 20
-warm-up steps the workload writes SIGNALS/ready ({"pid": ...}) and runs
+warm-up steps the workload writes SIGNALS/ready ({"pid": ...,
+"kernels_per_step": ...}) and runs
 steps until SIGNALS/stop exists, noting when each step ended
 (CLOCK_REALTIME seconds). When SIGNALS/profile appears it runs
 --profile-seconds of steps (or exactly --profile-steps steps) under
@@ -35,6 +36,7 @@ status 3; other errors as {"error": ...} with exit status 1.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -122,7 +124,7 @@ def run(args):
         one_step(noted=False)
     profile = None
     signal = lambda name: os.path.join(args.signals, name)  # noqa: E731
-    touch(signal("ready"), f'{{"pid": {os.getpid()}}}')
+    touch(signal("ready"), json.dumps({"pid": os.getpid(), "kernels_per_step": work.kernels_per_step}))
     give_up = time.monotonic() + args.max_seconds
     held = False
     while not os.path.exists(signal("stop")) and time.monotonic() < give_up:
