@@ -25,6 +25,9 @@
  *                          (taken before its activity callbacks, as XLA's CUPTI tracer
  *                          does); refused one, it traces nothing that time (said on
  *                          stderr and counted, not fatal)
+ *   --rival-callbacks-only the rival holds a Callback API subscriber and nothing else
+ *                          (a tool that times API calls itself): no activity callbacks,
+ *                          kinds or flush; it reports kernels=0
  *   --rival-finalize       the rival ends its part with cuptiFinalize (as Kineto does when
  *                          it tears CUPTI down after a profile)
  *   --rival-frees-all      the rival frees every buffer its bufferCompleted gets, its own
@@ -223,7 +226,7 @@ static const char real_ptx[] =
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
     int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all,
-        rival_finalize;
+        rival_finalize, rival_callbacks_only;
     int rival_early, wait_recording;
     int quiet, rate_ms;
     const char *wait_file, *init_wait_file;
@@ -580,6 +583,10 @@ static void rival_begin(void) {
             return;
         }
     }
+    if (options.rival_callbacks_only) {
+        rival_active = 1;
+        return;
+    }
     rc = rival.register_callbacks(rival_requested, rival_completed);
     if (rc) {
         rival_failed("cuptiActivityRegisterCallbacks", rc);
@@ -595,9 +602,9 @@ static void rival_end(void) {
     rival_active = 0;
     static const int kinds[] = {RIVAL_KIND_CONCURRENT_KERNEL, RIVAL_KIND_DRIVER, RIVAL_KIND_RUNTIME};
     int rc;
-    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+    for (size_t i = 0; !options.rival_callbacks_only && i < sizeof kinds / sizeof kinds[0]; i++)
         if ((rc = rival.disable(kinds[i])) != 0) rival_failed("cuptiActivityDisable", rc);
-    if ((rc = rival.flush_all(1)) != 0) rival_failed("cuptiActivityFlushAll", rc);
+    if (!options.rival_callbacks_only && (rc = rival.flush_all(1)) != 0) rival_failed("cuptiActivityFlushAll", rc);
     if (rival_subscriber) {
         if ((rc = rival.unsubscribe(rival_subscriber)) != 0) rival_failed("cuptiUnsubscribe", rc);
         rival_subscriber = NULL;
@@ -718,6 +725,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-linked") == 0) options.rival_linked = 1;
         else if (strcmp(a, "--rival-every") == 0 && i + 1 < argc) options.rival_every = atoi(argv[++i]);
         else if (strcmp(a, "--rival-subscribe") == 0) options.rival_subscribe = 1;
+        else if (strcmp(a, "--rival-callbacks-only") == 0) options.rival_subscribe = options.rival_callbacks_only = 1;
         else if (strcmp(a, "--rival-frees-all") == 0) options.rival_frees_all = 1;
         else if (strcmp(a, "--rival-finalize") == 0) options.rival_finalize = 1;
         else if (strcmp(a, "--rival-early") == 0) options.rival_early = 1;

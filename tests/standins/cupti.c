@@ -134,13 +134,23 @@
  *   for runtime ids (sizes 487 and 567), though no call here is a runtime
  *   one. Built with -DSTANDIN_CUPTI_WITHOUT_PER_CALL_ENABLES the library has
  *   neither entry point, as libcupti before them.
- * - A driver call for which nothing is enabled (no DRIVER record for its id,
- *   no kind its device work or synchronization would be recorded under)
- *   costs the call only a few loads: no lock, no correlation id.
+ * - What CUPTI charges a driver call, modeled on what an H200 (CUDA 13.0)
+ *   showed: from the first enable to cuptiFinalize every call pays
+ *   $DEVTRACE_STANDIN_CUPTI_ARMED_NS (default 1000), kinds enabled or not;
+ *   a call given a DRIVER record pays $DEVTRACE_STANDIN_CUPTI_API_RECORD_NS
+ *   more (default 1900: the launch-bound loop cost 3.4 us per kernel with
+ *   its launches' API records, 1.55 us with kernel records alone); each call
+ *   of a subscriber's callback costs $DEVTRACE_STANDIN_CUPTI_CALLBACK_NS
+ *   (default 100). A driver call for which nothing is enabled (no DRIVER
+ *   record for its id, no kind its device work or synchronization would be
+ *   recorded under, no subscriber listening) costs the call only a few
+ *   loads: no lock, no correlation id.
  * - cuptiSubscribe allows one subscriber (a second gets
  *   CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED). Its callback is called
- *   at the exit site of each driver call once it enabled the driver API
- *   domain, except for a subscriber made while CUPTI is armed but every
+ *   at the entry and exit sites of each driver call once it enabled the
+ *   driver API domain, with the call's correlation id (the one its activity
+ *   records carry) and a correlationData slot shared by the two sites,
+ *   except for a subscriber made while CUPTI is armed but every
  *   activity kind is switched off again (after a capture, before a
  *   finalize): that one is never called. So it was on CUPTI 13.0 (H200,
  *   driver 580): subscribers made after a capture had disabled its kinds
@@ -768,9 +778,12 @@ static int strict_subscribers;
 /* Armed: some activity kind was enabled since load or the last
  * cuptiFinalize. Every driver call then pays armed_ns, enabled kinds or not,
  * as real CUPTI keeps its driver hooks until it is finalized. The first
- * enable while disarmed takes first_enable_ms. */
+ * enable while disarmed takes first_enable_ms. Each DRIVER record written
+ * costs its call api_record_ns more, and each call of the subscriber's
+ * callback callback_ns (see the top of this file). */
 static int armed;
 static long long armed_ns = 1000, first_enable_ms = 100;
+static long long api_record_ns = 1900, callback_ns = 100;
 static unsigned long finalizes;
 
 static long long clock_offset_ns;
@@ -820,6 +833,8 @@ static void setup(void) {
     const char *fail = getenv("DEVTRACE_STANDIN_CUPTI_FAIL");
     if (fail) snprintf(fail_spec, sizeof fail_spec, "%s", fail);
     armed_ns = env_or("DEVTRACE_STANDIN_CUPTI_ARMED_NS", 1000);
+    api_record_ns = env_or("DEVTRACE_STANDIN_CUPTI_API_RECORD_NS", 1900);
+    callback_ns = env_or("DEVTRACE_STANDIN_CUPTI_CALLBACK_NS", 100);
     first_enable_ms = env_or("DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS", 100);
     strict_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS", 0) != 0;
     late_ms = env_or("DEVTRACE_STANDIN_CUPTI_LATE_MS", 1500);
@@ -1279,13 +1294,23 @@ static struct {
 } callback_names[128];
 static size_t ncallback_names;
 
+/* Whether the name of `cbid` is known; without the lock (entries are only
+ * appended, each before the count that publishes it). */
+static int callback_name_known(uint32_t cbid) {
+    size_t n = __atomic_load_n(&ncallback_names, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < n; i++)
+        if (callback_names[i].cbid == cbid) return 1;
+    return 0;
+}
+
+/* Caller holds lock. */
 static void learn_callback_name(uint32_t cbid, const char *name) {
-    for (size_t i = 0; i < ncallback_names; i++)
-        if (callback_names[i].cbid == cbid) return;
-    if (name && ncallback_names < sizeof callback_names / sizeof callback_names[0]) {
-        callback_names[ncallback_names].cbid = cbid;
-        callback_names[ncallback_names].name = name;
-        ncallback_names++;
+    if (callback_name_known(cbid)) return;
+    size_t n = ncallback_names;
+    if (name && n < sizeof callback_names / sizeof callback_names[0]) {
+        callback_names[n].cbid = cbid;
+        callback_names[n].name = name;
+        __atomic_store_n(&ncallback_names, n + 1, __ATOMIC_RELEASE);
     }
 }
 
@@ -1320,49 +1345,71 @@ static void spin_ns(long long ns) {
     }
 }
 
-static void record_call(const struct standin_call *call);
+static void record_call(struct standin_call *call);
 
-/* A subscriber's callback at the exit site of a driver call, when it
- * enabled the driver API domain. Runs without the lock: the callback may
- * call back into CUPTI (cuptiFinalize, as the dynamic detach recipe does). */
-static void notify_subscriber(const struct standin_call *call) {
-    if (!__atomic_load_n(&subscriber_domains[CUPTI_CB_DOMAIN_DRIVER_API], __ATOMIC_ACQUIRE)) return;
-    /* Read without the lock, as a driver call's hot path would: the writers
-     * hold it, each field is one word. */
+/* Whether a subscriber's callback is called for driver calls now: it
+ * enabled the driver API domain and is not deaf. Read without the lock, as
+ * a driver call's hot path would: the writers hold it, each field is one
+ * word. */
+static int subscriber_listening(void) {
+    if (!__atomic_load_n(&subscriber_domains[CUPTI_CB_DOMAIN_DRIVER_API], __ATOMIC_ACQUIRE)) return 0;
     if (!__atomic_load_n(&subscribed, __ATOMIC_ACQUIRE) || __atomic_load_n(&subscriber_deaf, __ATOMIC_ACQUIRE))
-        return;
+        return 0;
     if (strict_subscribers && __atomic_load_n(&armed, __ATOMIC_ACQUIRE)) {
         int any_kind = 0;
         for (size_t k = 0; k < CUPTI_ACTIVITY_KIND_COUNT; k++) any_kind |= __atomic_load_n(&enabled[k], __ATOMIC_RELAXED);
-        if (!any_kind) return;
+        if (!any_kind) return 0;
     }
+    return 1;
+}
+
+/* A subscriber's callback at the entry or exit site of a driver call, when
+ * it is listening, with the call's correlation id and its correlationData
+ * slot. Runs without the lock: the callback may call back into CUPTI
+ * (cuptiFinalize, as the dynamic detach recipe does). */
+static void notify_subscriber(struct standin_call *call, CUpti_ApiCallbackSite site) {
+    if (!subscriber_listening()) return;
     CUpti_CallbackFunc callback = __atomic_load_n(&subscriber_callback, __ATOMIC_ACQUIRE);
     void *userdata = __atomic_load_n(&subscriber_userdata, __ATOMIC_ACQUIRE);
     if (!callback) return;
+    spin_ns(callback_ns);
+    if (site == CUPTI_API_EXIT && !callback_name_known(call->cbid)) {
+        pthread_mutex_lock(&lock);
+        learn_callback_name(call->cbid, call->api_name);
+        pthread_mutex_unlock(&lock);
+    }
+    if (!call->correlation_id) call->correlation_id = __atomic_fetch_add(&next_correlation, 1, __ATOMIC_RELAXED);
     CUpti_CallbackData data;
     memset(&data, 0, sizeof data);
-    data.callbackSite = CUPTI_API_EXIT;
+    data.callbackSite = site;
     data.functionName = call->api_name;
     data.context = NULL;
     data.contextUid = call->context_id;
+    data.correlationData = &call->correlation_data;
+    data.correlationId = call->correlation_id;
     callback(userdata, CUPTI_CB_DOMAIN_DRIVER_API, call->cbid, &data);
 }
 
-/* The handler libcuda calls after each driver call. */
-CUPTIAPI void devtrace_standin_cupti_on_call(const struct standin_call *call) {
+/* The handler libcuda calls as each driver call enters and returns. */
+CUPTIAPI void devtrace_standin_cupti_on_call(struct standin_call *call) {
     if (!call || call->version != STANDIN_CALL_VERSION) return;
     pthread_once(&setup_once, setup);
+    if (call->site == STANDIN_SITE_ENTER) {
+        notify_subscriber(call, CUPTI_API_ENTER);
+        return;
+    }
     if (__atomic_load_n(&armed, __ATOMIC_RELAXED)) spin_ns(armed_ns);
     record_call(call);
-    notify_subscriber(call);
+    notify_subscriber(call, CUPTI_API_EXIT);
 }
 
-/* The activity records of one driver call. */
-static void record_call(const struct standin_call *call) {
+/* The activity records of one driver call; numbers it if its entry did not. */
+static void record_call(struct standin_call *call) {
     if (!records_anything(call)) return;
     pthread_mutex_lock(&lock);
     learn_callback_name(call->cbid, call->api_name);
-    uint32_t correlation = next_correlation++;
+    if (!call->correlation_id) call->correlation_id = __atomic_fetch_add(&next_correlation, 1, __ATOMIC_RELAXED);
+    uint32_t correlation = call->correlation_id;
 
     if (call->kind == STANDIN_CALL_CTX_CREATE && call->result == 0 &&
         ncontexts < sizeof contexts / sizeof contexts[0]) {
@@ -1384,6 +1431,7 @@ static void record_call(const struct standin_call *call) {
             r->threadId = current_tid(call);
             r->correlationId = correlation;
             r->returnValue = (uint32_t)call->result;
+            spin_ns(api_record_ns);
         }
     }
 

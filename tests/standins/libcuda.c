@@ -330,7 +330,8 @@ static int current_device(void) {
     return current_context ? current_context->device : 0;
 }
 
-/* A call record with the common fields filled in. */
+/* A call record with the common fields filled in, after telling the CUPTI
+ * stand-in that the call entered. */
 static struct standin_call begin_call(const char *api, uint32_t cbid, uint32_t kind) {
     struct standin_call call;
     memset(&call, 0, sizeof call);
@@ -346,6 +347,10 @@ static struct standin_call begin_call(const char *api, uint32_t cbid, uint32_t k
     call.context_id = context_id();
     call.stream_id = NO_ID;
     call.event_id = NO_ID;
+    call.site = STANDIN_SITE_ENTER;
+    devtrace_standin_hook h = __atomic_load_n(&hook, __ATOMIC_ACQUIRE);
+    if (h) h(&call);
+    call.site = STANDIN_SITE_EXIT;
     return call;
 }
 

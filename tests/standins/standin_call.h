@@ -32,7 +32,7 @@
 
 #include <stdint.h>
 
-#define STANDIN_CALL_VERSION 2
+#define STANDIN_CALL_VERSION 3
 
 /* Stream id the stand-ins give the legacy default stream (NULL,
  * CU_STREAM_LEGACY, CU_STREAM_PER_THREAD), as real CUPTI commonly reports. */
@@ -115,9 +115,22 @@ struct standin_call {
     uint32_t source_graph_id;  /* unique id of the CUgraph it was instantiated from */
     uint32_t nnodes;
     const struct standin_graph_node *nodes;
+
+    /* The hook sees each call twice: at entry (STANDIN_SITE_ENTER, from the
+     * driver's begin_call, before the call does anything; the other fields
+     * but start_ns are not filled in yet) and at return (STANDIN_SITE_EXIT).
+     * The CUPTI stand-in may number the call at entry (correlation_id) and
+     * hands its Callback API subscriber &correlation_data at both sites, as
+     * CUPTI's CUpti_CallbackData.correlationData. */
+    uint32_t site;
+    uint32_t correlation_id;   /* 0 until the CUPTI stand-in numbers the call */
+    uint64_t correlation_data;
 };
 
-typedef void (*devtrace_standin_hook)(const struct standin_call *call);
+#define STANDIN_SITE_ENTER 0u
+#define STANDIN_SITE_EXIT 1u
+
+typedef void (*devtrace_standin_hook)(struct standin_call *call);
 typedef int (*devtrace_standin_physical_fn)(int ordinal);
 
 #endif
