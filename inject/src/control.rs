@@ -1,6 +1,8 @@
 //! The control thread: waits for CUDA and the runtime directory, sets up
 //! the session, then follows the agent's control word. A capture takes
-//! CUPTI's activity stream (or steps aside for another user), flushes while
+//! CUPTI's activity stream (or steps aside for another user), has the
+//! timeline's API calls timed by its subscriber ([`crate::timed_calls`]) or
+//! recorded by CUPTI, flushes while
 //! it runs, and at its end switches everything off, takes its buffers back
 //! and detaches CUPTI ([`crate::detach`]). When the agent asks for the
 //! GPU's past (`CONTROL_RECORD_ALWAYS`), the kernels, copies and memsets
@@ -20,7 +22,7 @@ use crate::convert::{ClockMap, Converter};
 use crate::detach::{self, Attachment, Progress, Teardown};
 use crate::records::{self, buffer_completed, buffer_requested};
 use crate::session::{create_files, load_cupti, Session};
-use crate::{buffers, coexist, cupti, fail, ffi, quiet, sys, SESSION};
+use crate::{buffers, coexist, cupti, fail, ffi, quiet, sys, timed_calls, SESSION};
 
 /// How often completed records are asked for while a capture runs.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
@@ -198,6 +200,7 @@ pub fn control_loop() {
         last_flush: None,
         api: None,
         all_api: false,
+        cupti_api: false,
         unselectable_told: false,
         teardown: None,
         kept_attached_told: false,
@@ -247,6 +250,9 @@ struct Tracer {
     api: Option<ApiRecordSet>,
     /// The agent asks for every API call's records.
     all_api: bool,
+    /// The agent asks for CUPTI's records of the timeline's calls rather
+    /// than the subscriber's timing.
+    cupti_api: bool,
     /// Why the timeline's calls cannot be selected was said.
     unselectable_told: bool,
     /// Detaching CUPTI after a capture, while it is under way.
@@ -269,6 +275,7 @@ impl Tracer {
         // Recorded now: for a capture, or the GPU's past.
         let wanted = capture || control.record_always();
         self.all_api = control.all_api_records();
+        self.cupti_api = control.cupti_api_records();
         match (self.stream, wanted) {
             (Stream::Off, false) => {
                 self.detach_when_alone(session);
@@ -345,6 +352,12 @@ impl Tracer {
         if fresh {
             detach::subscribe_for_capture(&gate);
         }
+        // With the subscriber ours already, launches are timed from before
+        // kernels are recorded: no kernel recorded as the capture starts
+        // lacks its launch call.
+        if capture && self.time_api_calls() {
+            self.record_api_calls(session)?;
+        }
         let kinds: &[u32] = if capture {
             &cupti::KINDS
         } else {
@@ -359,10 +372,10 @@ impl Tracer {
         if capture {
             // Another user may have changed the selection while it had the
             // stream: it is made again.
-            let current = self.api.filter(|set| *set != ApiRecordSet::Timeline);
-            self.switch_api(session, current)?;
-        } else if let Some(set) = self.api.take() {
-            cupti::api_calls::disable(set)?;
+            self.api = self.api.filter(|set| *set != ApiRecordSet::Timeline);
+            self.record_api_calls(session)?;
+        } else {
+            self.stop_api_calls()?;
         }
         self.background = !capture;
         drop(gate);
@@ -372,6 +385,55 @@ impl Tracer {
         self.stream = Stream::Ours;
         self.last_flush = Some(Instant::now());
         Ok(())
+    }
+
+    /// Records the API calls the agent asks for the cheapest way there is:
+    /// the timeline's are timed by the capture's subscriber while it is
+    /// ours ([`timed_calls`]), else recorded by CUPTI, as are every call's
+    /// when asked. The caller holds the gate.
+    fn record_api_calls(&mut self, session: &Session) -> Result<(), String> {
+        if self.time_api_calls() {
+            if let Some(set) = self.api.take() {
+                cupti::api_calls::disable(set)?;
+            }
+            if !timed_calls::on() {
+                timed_calls::start();
+                session.write_meta(&MetaRecord::ApiRecords {
+                    at_ns: devtrace_shm::clock::now_ns(),
+                    set: ApiRecordSet::TimelineTimed,
+                });
+            }
+            return Ok(());
+        }
+        // CUPTI's records first: a call recorded twice at the switch is
+        // better than one recorded by neither.
+        self.switch_api(session, self.api)?;
+        timed_calls::stop();
+        Ok(())
+    }
+
+    /// Whether the subscriber times the timeline's calls now: the agent asks
+    /// for them alone, and the subscriber is ours.
+    fn time_api_calls(&self) -> bool {
+        !self.all_api && !self.cupti_api && detach::subscribed()
+    }
+
+    /// Stops recording API calls, both ways. The caller holds the gate.
+    fn stop_api_calls(&mut self) -> Result<(), String> {
+        timed_calls::stop();
+        if let Some(set) = self.api.take() {
+            cupti::api_calls::disable(set)?;
+        }
+        Ok(())
+    }
+
+    /// The subscriber that timed the timeline's calls went to another
+    /// CUPTI user during the capture: says which calls are missing (CUPTI's
+    /// records take over now).
+    fn tell_timing_lost(&self, session: &Session) {
+        let to_ns = devtrace_shm::clock::now_ns();
+        let from_ns = detach::given_away_at_ns().unwrap_or(to_ns).min(to_ns);
+        session.write_meta(&MetaRecord::Untimed { from_ns, to_ns });
     }
 
     /// Enables the API records the agent asks for, from `current`, and
@@ -411,8 +473,17 @@ impl Tracer {
         if *gate != Attachment::Attached {
             return Ok(());
         }
-        if self.all_api != all_now && self.api != Some(ApiRecordSet::AllUnselectable) {
-            self.switch_api(session, self.api)?;
+        let timed = timed_calls::on();
+        if timed && !detach::subscribed() {
+            self.tell_timing_lost(session);
+        }
+        let time_them = self.time_api_calls();
+        if timed != time_them
+            || (!timed
+                && self.all_api != all_now
+                && self.api != Some(ApiRecordSet::AllUnselectable))
+        {
+            self.record_api_calls(session)?;
         }
         if self
             .last_flush
@@ -435,7 +506,7 @@ impl Tracer {
         for kind in capture_only_kinds() {
             cupti::enable(kind)?;
         }
-        self.switch_api(session, self.api)?;
+        self.record_api_calls(session)?;
         self.background = false;
         drop(gate);
         session.write_meta(&MetaRecord::Recording {
@@ -457,9 +528,7 @@ impl Tracer {
                 cupti::disable(kind)?;
             }
         }
-        if let Some(set) = self.api.take() {
-            cupti::api_calls::disable(set)?;
-        }
+        self.stop_api_calls()?;
         self.background = true;
         drop(gate);
         // Not forced: a forced flush while kernels run loses their records.
@@ -467,6 +536,9 @@ impl Tracer {
     }
 
     fn displaced_at(&mut self, session: &Session, seen: bool, at_ns: u64) {
+        // The other user gets the kernels: launches timed meanwhile would
+        // have none.
+        timed_calls::stop();
         self.stream = Stream::Taken { seen };
         self.displaced = true;
         session.write_meta(&MetaRecord::Displaced { at_ns, seen });
@@ -614,6 +686,7 @@ impl Tracer {
 
     /// After a failure: leaves CUPTI as the process needs it.
     fn give_up(&mut self, session: &Session) {
+        timed_calls::stop();
         let gate = detach::gate();
         if (self.stream == Stream::Ours || self.keeper_on) && *gate == Attachment::Attached {
             let _ = self.disable(session);
@@ -634,9 +707,7 @@ impl Tracer {
         for kind in cupti::KINDS.into_iter().filter(|kind| Some(*kind) != kept) {
             cupti::disable(kind)?;
         }
-        if let Some(set) = self.api.take() {
-            cupti::api_calls::disable(set)?;
-        }
+        self.stop_api_calls()?;
         flush(session, true)
     }
 }
@@ -665,12 +736,51 @@ fn wait_for_buffers(limit: Duration) {
     }
 }
 
-/// Asks CUPTI for completed buffers (`forced`: partly filled ones too) and
-/// counts what it dropped. The caller holds the gate.
+/// Asks CUPTI for completed buffers (`forced`: partly filled ones too),
+/// counts what it dropped, and hands over the calls the subscriber timed
+/// (`forced`: the capture is over, their logs' memory goes too). The caller
+/// holds the gate.
 fn flush(session: &Session, forced: bool) -> Result<(), String> {
     cupti::flush_all(forced)?;
     set_clock(session)?;
+    deliver_timed_calls(session, forced);
     count_dropped(session)
+}
+
+/// Converts the calls the subscriber timed since the last time into events
+/// for the ring, and tells the agent of calls that could not be logged.
+fn deliver_timed_calls(session: &Session, release: bool) {
+    let mut calls = Vec::new();
+    let lost = timed_calls::take(&mut calls, release);
+    if !calls.is_empty() {
+        let mut events = Vec::with_capacity(calls.len());
+        let meta = match session.converter.lock() {
+            Ok(mut converter) => {
+                for call in &calls {
+                    converter.timed_call(call, &mut events);
+                }
+                converter.take_meta()
+            }
+            Err(_) => return,
+        };
+        for record in &meta {
+            session.write_meta(record);
+        }
+        if let Ok(mut producer) = session.producer.lock() {
+            producer.push_batch(&events);
+        }
+    }
+    if lost > 0 {
+        let total = session.timed_calls_lost.fetch_add(lost, Ordering::Relaxed) + lost;
+        session.write_meta(&MetaRecord::Warning {
+            message: format!(
+                "{lost} of the timeline's API calls were not recorded ({total} in this process \
+                 so far): a thread made more than {} of them between two of the library's \
+                 flushes, or made them as it ended",
+                timed_calls::MAX_PER_THREAD
+            ),
+        });
+    }
 }
 
 /// Tells the agent the running total of records CUPTI dropped, when it
@@ -703,6 +813,8 @@ extern "C" fn flush_at_exit() {
         // What CUPTI dropped since the last flush is told too (a job that
         // lives shorter than the flush period reaches no other flush).
         let _ = count_dropped(session);
+        timed_calls::stop();
+        deliver_timed_calls(session, true);
         records::convert_pending_now();
     });
 }

@@ -18,6 +18,7 @@ use devtrace_shm::workload::{MetaRecord, LINE_MEMORY, LINE_OVERHEAD, LINE_SYNCHR
 
 use crate::cupti::kind;
 use crate::cupti::layout::{self, RecordRef};
+use crate::timed_calls::TimedCall;
 
 /// CUPTI's clock to `CLOCK_REALTIME`, from a pair of readings.
 #[derive(Clone, Copy, Debug, Default)]
@@ -286,34 +287,43 @@ impl Converter {
 
     fn api(&mut self, r: RecordRef, runtime: bool, out: &mut Vec<Event>) {
         use layout::api as a;
-        let cbid: u32 = r.read(a::CBID);
-        let thread: u32 = r.read(a::THREAD_ID);
-        let name = match self.api_names.get(&(runtime, cbid)) {
-            Some(name) => *name,
-            None => {
-                let text = (self.callback_name)(runtime, cbid).unwrap_or_else(|| {
-                    format!(
-                        "cuda {} api {cbid}",
-                        if runtime { "runtime" } else { "driver" }
-                    )
-                });
-                let name = self.name(&text);
-                self.api_names.insert((runtime, cbid), name);
-                name
-            }
-        };
         let (start, duration) = self.span(r.read(a::START), r.read(a::END));
-        out.push(Event::new(
+        let name = self.api_name(runtime, r.read(a::CBID));
+        out.push(api_event(
             start,
             duration,
-            Device::Host,
-            u64::from(thread),
+            r.read(a::THREAD_ID),
             name,
-            Payload::ApiCall {
-                correlation_id: u64::from(r.read::<u32>(a::CORRELATION_ID)),
-                device_ordinal: 0,
-            },
+            r.read(a::CORRELATION_ID),
         ));
+    }
+
+    /// A timeline call the library timed itself (on the host clock).
+    pub fn timed_call(&mut self, call: &TimedCall, out: &mut Vec<Event>) {
+        let name = self.api_name(call.runtime, call.cbid);
+        out.push(api_event(
+            call.start_ns,
+            call.end_ns.saturating_sub(call.start_ns),
+            call.thread,
+            name,
+            call.correlation_id,
+        ));
+    }
+
+    /// CUPTI's name for a driver (`runtime` false) or runtime callback id.
+    fn api_name(&mut self, runtime: bool, cbid: u32) -> NameId {
+        if let Some(name) = self.api_names.get(&(runtime, cbid)) {
+            return *name;
+        }
+        let text = (self.callback_name)(runtime, cbid).unwrap_or_else(|| {
+            format!(
+                "cuda {} api {cbid}",
+                if runtime { "runtime" } else { "driver" }
+            )
+        });
+        let name = self.name(&text);
+        self.api_names.insert((runtime, cbid), name);
+        name
     }
 
     fn device(&mut self, r: RecordRef) {
@@ -487,6 +497,27 @@ fn demangle(mangled: &str) -> String {
     // was copied.
     unsafe { crate::sys::process::free_malloced(out.cast()) };
     text
+}
+
+/// A driver or runtime API call on its thread's host line.
+fn api_event(
+    start_ns: u64,
+    duration_ns: u64,
+    thread: u32,
+    name: NameId,
+    correlation: u32,
+) -> Event {
+    Event::new(
+        start_ns,
+        duration_ns,
+        Device::Host,
+        u64::from(thread),
+        name,
+        Payload::ApiCall {
+            correlation_id: u64::from(correlation),
+            device_ordinal: 0,
+        },
+    )
 }
 
 #[cfg(test)]

@@ -17,8 +17,10 @@
 //! domains on ([`subscribe_for_capture`]): CUPTI never calls one made while
 //! it is attached with every kind off, as after a capture (and the control
 //! thread keeps one kind on from a capture's end to the finalize, in case
-//! it calls none at all then). Its callback does nothing until the
-//! teardown arms it; then the next API call to return finalizes, however
+//! it calls none at all then). While the capture runs its callback times
+//! the timeline's calls ([`crate::timed_calls`]); for the detach it does
+//! nothing until the teardown arms it; then the next API call to return
+//! finalizes, however
 //! long the job waits before making one. A subscriber blocks other
 //! subscribers (Kineto would run without its GPU tracing), so it is handed
 //! over at once to another subscriber seen arriving ([`give_way`]); CUPTI
@@ -51,7 +53,9 @@ pub const RETRY_EVERY: Duration = Duration::from_secs(1);
 pub(crate) const CUPTI_ERROR_MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
 /// `CUPTI_CB_DOMAIN_DRIVER_API` and `CUPTI_CB_DOMAIN_RUNTIME_API`.
 pub(crate) const DOMAINS: [c_int; 2] = [1, 2];
-/// `CUPTI_API_EXIT`, the first field of `CUpti_CallbackData`.
+/// `CUPTI_API_ENTER` and `CUPTI_API_EXIT`, the first field of
+/// `CUpti_CallbackData`.
+pub(crate) const CUPTI_API_ENTER: u32 = 0;
 pub(crate) const CUPTI_API_EXIT: u32 = 1;
 
 /// Where the library stands with CUPTI.
@@ -91,6 +95,8 @@ static ARMED_GATE_BUSY: AtomicU64 = AtomicU64::new(0);
 static ARMED_OTHER_USER: AtomicU64 = AtomicU64::new(0);
 /// Another user enabled a kind since the last finalize.
 static ATTACHED_BY_ANOTHER: AtomicBool = AtomicBool::new(false);
+/// When the subscriber of ours last went to another user (0: never).
+static GIVEN_AWAY_AT_NS: AtomicU64 = AtomicU64::new(0);
 /// Why the last capture could not subscribe, if it could not.
 static SUBSCRIBE_REFUSED: Mutex<Option<String>> = Mutex::new(None);
 /// Converts the buffers CUPTI handed back so far; the gate is held.
@@ -304,7 +310,21 @@ pub fn forget_subscriber() {
 /// Another CUPTI user is about to subscribe: the subscriber of ours makes
 /// way (only one subscriber is allowed before CUDA 13.3), armed or not.
 pub fn give_way(_gate: &mut Attachment) {
+    if !SUBSCRIBER.load(Ordering::Acquire).is_null() {
+        GIVEN_AWAY_AT_NS.store(devtrace_shm::clock::now_ns(), Ordering::Release);
+    }
     disarm_locked();
+}
+
+/// Whether the subscriber of ours is subscribed (it times the timeline's
+/// calls while a capture runs, [`crate::timed_calls`]).
+pub fn subscribed() -> bool {
+    !SUBSCRIBER.load(Ordering::Acquire).is_null()
+}
+
+/// When the subscriber of ours last went to another user, if it ever did.
+pub fn given_away_at_ns() -> Option<u64> {
+    Some(GIVEN_AWAY_AT_NS.load(Ordering::Acquire)).filter(|at| *at != 0)
 }
 
 /// Lets the subscriber of ours go (another user that this library cannot
@@ -328,8 +348,9 @@ pub fn fresh(gate: &Attachment) -> bool {
 }
 
 /// The subscriber's callback, at every driver and runtime API call's entry
-/// and exit from a capture's start until CUPTI is detached; once a teardown
-/// armed it, CUPTI is finalized at the next exit. It never
+/// and exit from a capture's start until CUPTI is detached: while a capture
+/// runs it times the timeline's calls ([`crate::timed_calls`]); once a
+/// teardown armed it, CUPTI is finalized at the next exit. It never
 /// waits for the gate (a holder may be inside CUPTI waiting on this very
 /// call); a busy gate leaves it to the next call.
 ///
@@ -337,11 +358,13 @@ pub fn fresh(gate: &Attachment) -> bool {
 /// Called by CUPTI with a `CUpti_CallbackData` (or null) as `data`.
 unsafe extern "C" fn on_api_callback(
     _userdata: *mut c_void,
-    _domain: c_int,
-    _cbid: u32,
+    domain: c_int,
+    cbid: u32,
     data: *const c_void,
 ) {
-    crate::ffi::guard("the detach callback", (), || {
+    crate::ffi::guard("the API callback", (), || {
+        // SAFETY: as CUPTI passes it.
+        unsafe { crate::timed_calls::on_callback(domain, cbid, data) };
         if !ARMED.load(Ordering::Acquire) || data.is_null() {
             return;
         }

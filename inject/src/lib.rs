@@ -6,8 +6,10 @@
 //! While no capture runs it costs nothing per CUDA call: CUPTI is detached,
 //! and one thread reads the ring's control word every
 //! `DEVTRACE_INJECT_POLL_MS` (20 ms). When the agent sets the capture flag it
-//! enables CUPTI's activity kinds; buffers CUPTI fills are converted to
-//! events on a second thread; when the flag clears it disables them, takes
+//! enables CUPTI's activity kinds and times the API calls that put work on
+//! the GPU timeline from its own Callback API subscriber ([`timed_calls`]);
+//! buffers CUPTI fills are converted to events on a second thread; when the
+//! flag clears it disables them, takes
 //! its buffers back and finalizes CUPTI ([`detach`]), so that the job runs
 //! as fast after a capture as before it.
 //!
@@ -31,6 +33,7 @@ mod records;
 mod runtime;
 mod session;
 mod sys;
+mod timed_calls;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};

@@ -26,6 +26,8 @@ pub struct Session {
     pub pending: Mutex<VecDeque<Completed>>,
     pub pending_ready: Condvar,
     pub dropped_total: AtomicU64,
+    /// The timeline's calls the subscriber could not log, in all.
+    pub timed_calls_lost: AtomicU64,
 }
 
 impl Session {
@@ -43,6 +45,7 @@ impl Session {
             pending: Mutex::new(VecDeque::new()),
             pending_ready: Condvar::new(),
             dropped_total: AtomicU64::new(0),
+            timed_calls_lost: AtomicU64::new(0),
         }
     }
 

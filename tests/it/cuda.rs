@@ -282,7 +282,7 @@ async fn exact_run(version: &str) {
     }
     assert!(calls.iter().any(|c| !on_timeline(&c.name)));
     assert!(
-        api_records_of(&space, pid).starts_with("timeline: "),
+        api_records_of(&space, pid).starts_with(TIMED),
         "{}",
         api_records_of(&space, pid)
     );
@@ -348,6 +348,47 @@ async fn exact_run(version: &str) {
         5,
         "CUPTI's drops count as dropped traces"
     );
+}
+
+/// How the trace names the default API records: the timeline's calls, timed
+/// by the library's subscriber.
+const TIMED: &str = "timeline, timed by devtrace's Callback API subscriber";
+
+/// A capture of a workload that was running all along: every kernel it
+/// holds has its launch call, the first ones included (the library times
+/// launches from before it has CUPTI record kernels), on CUDA 12's one
+/// buffer and CUDA 13's per-thread ones.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_kernel_of_a_running_workload_has_its_launch_call() {
+    for version in ["26", "130001"] {
+        let setup = setup("cuda_running");
+        let agent = setup.agent();
+        let workload = setup.workload(
+            &["80", "--sleep-ms", "20"],
+            &[("DEVTRACE_STANDIN_CUPTI_VERSION", version)],
+        );
+        let pid = workload.workload.pid;
+        wait_for_attached(&agent, 1).await;
+        let space = capture(&agent, 1000).await;
+        calls_until_done(&workload);
+        let launches: Vec<u64> = timed(&space, "/host:CPU")
+            .iter()
+            .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
+            .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
+            .map(|(e, _)| uint(e, "correlation_id"))
+            .collect();
+        let kernels = program_kernels(&space);
+        assert!(kernels.len() >= 10, "{version}: {} kernels", kernels.len());
+        for (kernel, at) in &kernels {
+            let id = uint(kernel, "correlation_id");
+            assert_eq!(
+                launches.iter().filter(|l| **l == id).count(),
+                1,
+                "{version}: kernel {id} at {at} has no single launch call; {} launches",
+                launches.len()
+            );
+        }
+    }
 }
 
 /// Whether the injection library records the stand-in program's `call` by
@@ -492,16 +533,8 @@ async fn api_run(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_default_capture_records_launch_calls_but_no_synchronize_calls() {
     let run = api_run(&[], 1, &[]).await;
-    assert!(run.set.starts_with("timeline: "), "{}", run.set);
-    for call in run.calls.iter().filter(|c| c.name != "cuInit") {
-        assert_eq!(
-            run.recorded.contains(&call.name),
-            on_timeline(&call.name),
-            "{}: recorded {:?}",
-            call.name,
-            run.recorded
-        );
-    }
+    assert!(run.set.starts_with(TIMED), "{}", run.set);
+    assert_timeline_recorded(&run);
     assert!(run.recorded.iter().any(|c| c == "cuLaunchKernel"));
     assert!(run.calls.iter().any(|c| c.name == "cuCtxSynchronize"));
     assert!(!run.recorded.iter().any(|c| c == "cuCtxSynchronize"));
@@ -527,9 +560,19 @@ async fn the_agent_can_record_every_call_for_every_capture() {
     assert_every_call_recorded(&run);
 }
 
+/// An agent asking for CUPTI's records of the timeline's calls gets the
+/// same calls, recorded by CUPTI, and the trace says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_can_have_cupti_record_the_timelines_calls() {
+    let run = api_run(&["--cuda-api-records", "timeline-cupti"], 1, &[]).await;
+    assert!(run.set.starts_with("timeline: "), "{}", run.set);
+    assert_timeline_recorded(&run);
+}
+
 /// A libcupti without cuptiActivityEnableDriverApi (before CUDA 12.8's)
-/// cannot select calls: every call is recorded, and the workload's stderr
-/// and the trace say why.
+/// cannot select calls: the timeline's are timed by the library's
+/// subscriber all the same, and when it has none, every call is recorded,
+/// and the workload's stderr and the trace say why.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_libcupti_without_per_call_enables_records_every_call_and_says_so() {
     let dir = cupti_standin();
@@ -546,7 +589,23 @@ async fn a_libcupti_without_per_call_enables_records_every_call_and_says_so() {
         ],
     );
     assert_eq!(older.parent(), Some(dir.as_path()));
-    let run = api_run(&[], 1, &[("DEVTRACE_CUPTI_PATH", older.to_str().unwrap())]).await;
+    // It needs no per-call enables to time the timeline's calls.
+    let path = older.to_str().unwrap();
+    let timed = api_run(&[], 1, &[("DEVTRACE_CUPTI_PATH", path)]).await;
+    assert!(timed.set.starts_with(TIMED), "{}", timed.set);
+    assert_timeline_recorded(&timed);
+    assert!(!timed.stderr.contains("cuptiActivityEnableDriverApi"));
+    // Without the subscriber (another user holds it), CUPTI's records of
+    // every call stand in.
+    let run = api_run(
+        &[],
+        1,
+        &[
+            ("DEVTRACE_CUPTI_PATH", path),
+            ("DEVTRACE_STANDIN_CUPTI_FAIL", "cuptiSubscribe=39"),
+        ],
+    )
+    .await;
     assert!(run.set.contains("cannot select calls"), "{}", run.set);
     assert_every_call_recorded(&run);
     let said = "no cuptiActivityEnableDriverApi and cuptiActivityEnableRuntimeApi";
@@ -584,9 +643,22 @@ async fn a_detailed_capture_inside_a_default_one_switches_the_records_and_back()
     assert!(recorded > 0 && recorded < made, "{recorded} of {made}");
     let set = api_records_of(&space, pid);
     assert!(
-        set.starts_with("timeline: ") && set.contains("; then all: "),
+        set.starts_with(TIMED) && set.contains("; then all: "),
         "{set}"
     );
+}
+
+/// The calls that put work on the timeline were recorded, no other.
+fn assert_timeline_recorded(run: &ApiRun) {
+    for call in run.calls.iter().filter(|c| c.name != "cuInit") {
+        assert_eq!(
+            run.recorded.contains(&call.name),
+            on_timeline(&call.name),
+            "{}: recorded {:?}",
+            call.name,
+            run.recorded
+        );
+    }
 }
 
 fn assert_every_call_recorded(run: &ApiRun) {
@@ -2308,6 +2380,76 @@ async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_captur
         stderr.matches("devtrace-inject: CUPTI detached").count(),
         1,
         "{stderr}"
+    );
+}
+
+/// A tool that takes the Callback API subscriber during a capture, and
+/// nothing else, takes the one that timed the timeline's calls: CUPTI's API
+/// records take over at the library's next look, every kernel keeps its
+/// launch call but those launched in the short span the trace reports, and
+/// the trace names both ways the calls were recorded.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_subscriber_taken_mid_capture_hands_the_calls_to_cuptis_records() {
+    let (_setup, agent, release, workload) = rival_from(
+        "2",
+        "cuda_subscriber_taken",
+        "8",
+        "3",
+        &["--rival-callbacks-only", "--wait-recording"],
+    )
+    .await;
+    let pid = workload.workload.pid;
+    let space = capture_while(&agent, 2500, &release).await;
+    let lines = workload.read_until("done");
+    let (rival_kernels, rival_start, _) = rival_report(&lines);
+    assert_eq!(rival_kernels, 0, "it records nothing itself");
+    let kernels = program_kernels(&space);
+    assert_eq!(
+        kernels.len(),
+        16,
+        "two each iteration: {:?}",
+        space.warnings
+    );
+
+    let (start, _) = common::window_of(&space);
+    let seconds = |ns: u64| ns.saturating_sub(start) as f64 / 1e9;
+    let (from, to) = span_in_warning(&space, "Callback API subscriber")
+        .unwrap_or_else(|| panic!("no untimed span in {:?}", space.warnings));
+    assert!(
+        from + 0.001 >= seconds(rival_start) && from <= seconds(rival_start) + 0.1,
+        "the span begins at {from} s, the tool subscribed at {} s",
+        seconds(rival_start)
+    );
+    assert!(to >= from && to - from < 1.0, "{from} s to {to} s");
+
+    let host = timed(&space, "/host:CPU");
+    let launches: Vec<u64> = host
+        .iter()
+        .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
+        .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
+        .map(|(e, _)| uint(e, "correlation_id"))
+        .collect();
+    let mut after_the_span = 0;
+    for (kernel, at) in &kernels {
+        let id = uint(kernel, "correlation_id");
+        let launched = launches.iter().filter(|l| **l == id).count();
+        let when = seconds(*at);
+        if when > to + 0.001 {
+            after_the_span += 1;
+        }
+        assert!(
+            launched == 1 || (launched == 0 && when + 0.001 >= from && when <= to + 0.001),
+            "kernel {id} at {when} s has {launched} launch calls (span {from} s to {to} s)"
+        );
+    }
+    assert!(
+        after_the_span >= 4,
+        "{after_the_span} kernels after the span"
+    );
+    let set = api_records_of(&space, pid);
+    assert!(
+        set.starts_with(TIMED) && set.contains("; then timeline: "),
+        "{set}"
     );
 }
 

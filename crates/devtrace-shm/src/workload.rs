@@ -191,6 +191,10 @@ pub enum MetaRecord {
     /// From `at_ns` on, the library records the driver and runtime API
     /// calls of `set`.
     ApiRecords { at_ns: u64, set: ApiRecordSet },
+    /// The timeline's API calls made from `from_ns` to `to_ns` are missing:
+    /// the subscriber that timed them ([`ApiRecordSet::TimelineTimed`]) went
+    /// to another CUPTI user, and CUPTI's records took over at `to_ns`.
+    Untimed { from_ns: u64, to_ns: u64 },
 }
 
 /// Which driver and runtime API calls CUPTI records while a capture runs.
@@ -199,6 +203,9 @@ pub enum ApiRecordSet {
     /// Only the calls that place work on the timeline (launches, copies,
     /// memsets, allocations and frees).
     Timeline,
+    /// The timeline's calls, timed by the library's Callback API subscriber
+    /// instead of CUPTI's API records (the cheaper way).
+    TimelineTimed,
     /// Every call, as a capture asked.
     All,
     /// Every call, because the libcupti cannot select calls one by one.
@@ -209,6 +216,7 @@ impl ApiRecordSet {
     fn word(self) -> &'static str {
         match self {
             ApiRecordSet::Timeline => "timeline",
+            ApiRecordSet::TimelineTimed => "timeline-timed",
             ApiRecordSet::All => "all",
             ApiRecordSet::AllUnselectable => "all-unselectable",
         }
@@ -217,6 +225,7 @@ impl ApiRecordSet {
     fn from_word(word: &str) -> Option<ApiRecordSet> {
         [
             ApiRecordSet::Timeline,
+            ApiRecordSet::TimelineTimed,
             ApiRecordSet::All,
             ApiRecordSet::AllUnselectable,
         ]
@@ -230,6 +239,12 @@ impl ApiRecordSet {
             ApiRecordSet::Timeline => {
                 "timeline: API calls that launch kernels or graphs, copy, set, allocate or free \
                  memory (others, such as cuCtxSynchronize, are left out: ProfileOptions.\
+                 device_tracer_level 2 or serve --cuda-api-records all records every call)"
+            }
+            ApiRecordSet::TimelineTimed => {
+                "timeline, timed by devtrace's Callback API subscriber rather than recorded by \
+                 CUPTI (the cheaper way): API calls that launch kernels or graphs, copy, set, \
+                 allocate or free memory (others are left out: ProfileOptions.\
                  device_tracer_level 2 or serve --cuda-api-records all records every call)"
             }
             ApiRecordSet::All => "all: every driver and runtime API call",
@@ -326,6 +341,7 @@ impl MetaRecord {
             MetaRecord::ApiRecords { at_ns, set } => {
                 format!("api-records {at_ns} {}\n", set.word())
             }
+            MetaRecord::Untimed { from_ns, to_ns } => format!("untimed {from_ns} {to_ns}\n"),
         }
     }
 
@@ -397,6 +413,10 @@ impl MetaRecord {
             "api-records" => MetaRecord::ApiRecords {
                 at_ns: fields.next()?.parse().ok()?,
                 set: ApiRecordSet::from_word(fields.next()?)?,
+            },
+            "untimed" => MetaRecord::Untimed {
+                from_ns: fields.next()?.parse().ok()?,
+                to_ns: fields.next()?.parse().ok()?,
             },
             _ => return None,
         };
@@ -647,6 +667,14 @@ pub fn sample_records() -> Vec<MetaRecord> {
         MetaRecord::ApiRecords {
             at_ns: 8,
             set: ApiRecordSet::AllUnselectable,
+        },
+        MetaRecord::ApiRecords {
+            at_ns: 11,
+            set: ApiRecordSet::TimelineTimed,
+        },
+        MetaRecord::Untimed {
+            from_ns: 12,
+            to_ns: 13,
         },
         MetaRecord::Cupti {
             version: 130001,

@@ -334,12 +334,16 @@ fn the_timeline_calls_and_their_entry_points_match_the_real_headers() {
     }
 }
 
-/// The Callback API the detach uses (`detach.rs`): the entry points'
-/// signatures as `library.rs` types them, the call site's place and values,
+/// The Callback API the detach and the timed calls use (`detach.rs`,
+/// `timed_calls.rs`): the entry points' signatures as `library.rs` types
+/// them, the call site's place and values, the correlation fields,
 /// the domains and the error a second subscriber gets, in every release.
 #[test]
 fn the_detach_entry_points_match_the_real_headers() {
-    use crate::detach::{CUPTI_API_EXIT, CUPTI_ERROR_MULTIPLE_SUBSCRIBERS, DOMAINS};
+    use crate::detach::{
+        CUPTI_API_ENTER, CUPTI_API_EXIT, CUPTI_ERROR_MULTIPLE_SUBSCRIBERS, DOMAINS,
+    };
+    use crate::timed_calls::{CORRELATION_DATA_OFFSET, CORRELATION_ID_OFFSET};
     for (release, dir, includes) in unpacked() {
         let source = format!(
             "#include <stddef.h>\n#include <stdint.h>\n#include <cupti.h>\n\
@@ -356,7 +360,16 @@ fn the_detach_entry_points_match_the_real_headers() {
              _Static_assert(sizeof(CUpti_CallbackDomain) == 4 && sizeof(CUpti_CallbackId) == 4, \"sizes\");\n\
              _Static_assert(offsetof(CUpti_CallbackData, callbackSite) == 0 \
              && sizeof(CUpti_ApiCallbackSite) == 4, \"callbackSite\");\n\
-             _Static_assert(CUPTI_API_EXIT == {CUPTI_API_EXIT}, \"CUPTI_API_EXIT\");\n\
+             _Static_assert(CUPTI_API_ENTER == {CUPTI_API_ENTER} \
+             && CUPTI_API_EXIT == {CUPTI_API_EXIT}, \"call sites\");\n\
+             _Static_assert(offsetof(CUpti_CallbackData, correlationData) == \
+             {CORRELATION_DATA_OFFSET} && __builtin_types_compatible_p(\
+             __typeof__(((CUpti_CallbackData *)0)->correlationData), uint64_t *), \
+             \"correlationData\");\n\
+             _Static_assert(offsetof(CUpti_CallbackData, correlationId) == \
+             {CORRELATION_ID_OFFSET} && __builtin_types_compatible_p(\
+             __typeof__(((CUpti_CallbackData *)0)->correlationId), uint32_t), \
+             \"correlationId\");\n\
              _Static_assert(CUPTI_CB_DOMAIN_DRIVER_API == {} \
              && CUPTI_CB_DOMAIN_RUNTIME_API == {}, \"domains\");\n\
              _Static_assert(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED \

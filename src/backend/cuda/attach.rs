@@ -393,6 +393,11 @@ impl Attachments {
                         None => remember_switch(&mut process.api_records, at_ns, set),
                     }
                 }
+                MetaRecord::Untimed { from_ns, to_ns } => {
+                    let mut status = self.status.lock();
+                    status.lost_from(pid, process.label(), from_ns, LossCause::ApiCalls);
+                    status.lost_until(pid, to_ns, |cause| cause == LossCause::ApiCalls);
+                }
                 MetaRecord::Resumed { at_ns } => {
                     let other_user = |cause| matches!(cause, LossCause::OtherUser { .. });
                     self.status.lock().lost_until(pid, at_ns, other_user);

@@ -54,7 +54,7 @@ use crate::model::timeline::STREAM_BITS;
 use crate::recorder::Window;
 use crate::ring::{
     pid_alive, remove_stale_rings, Consumer, FileIdentity, OpenLimits, Ring,
-    CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE, CONTROL_RECORD_ALWAYS,
+    CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE, CONTROL_CUPTI_API_RECORDS, CONTROL_RECORD_ALWAYS,
 };
 use crate::workload::{
     self, ApiRecordSet, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE,
@@ -109,19 +109,26 @@ pub enum ApiRecords {
     /// Launches (kernels, cooperative kernels, graphs, host functions),
     /// copies, memsets, allocations and frees: what draws the timeline and
     /// its flows. Other calls (synchronizations, queries, module loads, ...)
-    /// get no API record.
+    /// get no API record. The injection library times them with its own
+    /// Callback API subscriber (CUPTI's records of them when it has none).
     Timeline,
+    /// The same calls, recorded by CUPTI's API activity records.
+    TimelineCupti,
     /// Every call, as CUPTI's DRIVER and RUNTIME kinds record them.
     All,
 }
 
 /// The control word for a capture (or none) and the API calls to record.
-fn control_flags(capturing: bool, all_api_records: bool) -> u32 {
-    match (capturing, all_api_records) {
-        (false, _) => 0,
-        (true, false) => CONTROL_CAPTURE,
-        (true, true) => CONTROL_CAPTURE | CONTROL_ALL_API_RECORDS,
+fn control_flags(capturing: bool, api_records: ApiRecords) -> u32 {
+    if !capturing {
+        return 0;
     }
+    CONTROL_CAPTURE
+        | match api_records {
+            ApiRecords::Timeline => 0,
+            ApiRecords::TimelineCupti => CONTROL_CUPTI_API_RECORDS,
+            ApiRecords::All => CONTROL_ALL_API_RECORDS,
+        }
 }
 
 mod attach;
@@ -250,8 +257,11 @@ impl Backend for CudaBackend {
                 if capturing {
                     last_capturing = Some(Instant::now());
                 }
-                let all_api_records = attach.config.api_records == ApiRecords::All
-                    || context.detailed_traces.load(Ordering::Relaxed) > 0;
+                let api_records = if context.detailed_traces.load(Ordering::Relaxed) > 0 {
+                    ApiRecords::All
+                } else {
+                    attach.config.api_records
+                };
                 if last_scan.is_none_or(|at| at.elapsed() >= attach.config.scan_interval) {
                     last_scan = Some(Instant::now());
                     attach.scan();
@@ -261,7 +271,7 @@ impl Backend for CudaBackend {
                     Recording::Capture => 0,
                 };
                 attach.service(
-                    control_flags(capturing, all_api_records),
+                    control_flags(capturing, api_records),
                     background,
                     &context.traces,
                 );

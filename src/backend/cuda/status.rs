@@ -29,6 +29,10 @@ pub(super) enum LossCause {
     OtherUser { seen: bool },
     /// The library was asked to capture and CUPTI was not recording yet.
     Starting,
+    /// The timeline's API calls were not recorded: the library's subscriber
+    /// that timed them went to another CUPTI user (its GPU activity is
+    /// there, without the calls that launched it).
+    ApiCalls,
 }
 
 /// A span of one process's GPU activity that is missing from the trace.
@@ -85,6 +89,15 @@ impl LostSpan {
                  it, so that the job runs at full speed between captures)",
                 self.label,
                 (to_ns - self.from_ns) as f64 / 1e6,
+            ),
+            LossCause::ApiCalls => format!(
+                "the launch, copy and memset calls of {} from {:.3} s to {:.3} s of this window \
+                 are missing (its kernels, copies and memsets are there, without the calls that \
+                 made them): another CUPTI user in that process took the injection library's \
+                 Callback API subscriber, which timed them, and CUPTI's API records took over",
+                self.label,
+                seconds(from),
+                seconds(to),
             ),
         })
     }
@@ -317,6 +330,24 @@ mod tests {
         );
         // A start that never ended is the process's state, not a span.
         assert!(span(101, None, LossCause::Starting)
+            .describe(WINDOW)
+            .is_none());
+    }
+
+    #[test]
+    fn untimed_calls_are_told_as_calls_missing_beside_their_kernels() {
+        let told = span(102, Some(103), LossCause::ApiCalls)
+            .describe(WINDOW)
+            .expect("overlaps");
+        assert!(
+            told.starts_with(
+                "the launch, copy and memset calls of process 7 (train.py) from \
+                              2.000 s to 3.000 s of this window are missing"
+            ) && told.contains("kernels, copies and memsets are there")
+                && told.contains("Callback API subscriber"),
+            "{told}"
+        );
+        assert!(span(90, Some(95), LossCause::ApiCalls)
             .describe(WINDOW)
             .is_none());
     }

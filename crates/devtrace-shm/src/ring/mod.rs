@@ -64,7 +64,7 @@ use layout::{LaneHeader, RingHeader, Slot, SlotSeq, REGION_ALIGN};
 pub use layout::{RingLayout, CLOCK_REALTIME_NS, LAYOUT_VERSION, RING_MAGIC};
 pub use shared::{
     pid_alive, remove_stale_rings, Control, FileIdentity, OpenLimits, CONTROL_ALL_API_RECORDS,
-    CONTROL_CAPTURE, CONTROL_RECORD_ALWAYS,
+    CONTROL_CAPTURE, CONTROL_CUPTI_API_RECORDS, CONTROL_RECORD_ALWAYS,
 };
 pub use sources::SourceCounts;
 

@@ -24,6 +24,12 @@ pub const CONTROL_ALL_API_RECORDS: u32 = 2;
 /// GPU's past (`serve --cuda-record always`). A library that does not know
 /// it records during captures alone, as it always did.
 pub const CONTROL_RECORD_ALWAYS: u32 = 4;
+/// Control flag, with [`CONTROL_CAPTURE`]: the timeline's API calls are to
+/// be recorded by CUPTI's API activity records rather than timed by the
+/// library's own Callback API subscriber (`serve --cuda-api-records
+/// timeline-cupti`). A library that does not know it records as it always
+/// did.
+pub const CONTROL_CUPTI_API_RECORDS: u32 = 8;
 
 /// The control word of a ring: flags set by the agent, and a generation that
 /// changes with every [`Ring::set_control`], so a producer that polls can tell
@@ -52,6 +58,10 @@ impl Control {
 
     pub fn record_always(self) -> bool {
         self.flags & CONTROL_RECORD_ALWAYS != 0
+    }
+
+    pub fn cupti_api_records(self) -> bool {
+        self.flags & CONTROL_CUPTI_API_RECORDS != 0
     }
 }
 

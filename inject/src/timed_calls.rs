@@ -1,0 +1,406 @@
+//! The timeline's API calls, timed by the library's own Callback API
+//! subscriber rather than by CUPTI's API activity records.
+//!
+//! CUPTI's record of each call is what a capture mostly paid for: on an
+//! H200 the launch-bound loop cost 3.4 us per kernel while capturing with
+//! the runtime API records of its launches, against 1.55 us with the kernel
+//! records alone. The capture's subscriber ([`crate::detach`]) is called at
+//! every driver and runtime API call's entry and exit anyway, so while
+//! [`start`]ed it stamps the timeline's calls ([`crate::cupti::api_calls`])
+//! itself: the host clock at entry (kept in the call's `correlationData`,
+//! which CUPTI hands to the exit too) and at exit, the call's correlation id
+//! (CUPTI gives the same id to the kernel, copy or memset the call
+//! enqueued), its callback id and its thread. No CUPTI call is made on the
+//! job's threads.
+//!
+//! A driver call made inside a runtime call (a `cuLaunchKernel` under
+//! `cudaLaunchKernel`) carries the runtime call's correlation id and is
+//! left out, as CUPTI's own records leave it out; one with an id of its own
+//! is kept, since its device work would carry that id.
+//!
+//! Each thread appends to a log of its own, behind a mutex that only the
+//! control thread contends for, when it [`take`]s the calls at each flush.
+//! A log holds at most [`MAX_PER_THREAD`] calls between two takes; calls
+//! past that are counted ([`take`] answers how many), never blocked on.
+
+use std::cell::{Cell, RefCell};
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::cupti::api_calls;
+use crate::detach::{CUPTI_API_ENTER, CUPTI_API_EXIT, DOMAINS};
+
+/// Calls one thread may log between two takes (32 bytes each: at most
+/// 2 MiB a thread). The control thread takes them every 100 ms while a
+/// capture runs; a thread would need 650,000 timeline calls a second to
+/// fill its log.
+pub const MAX_PER_THREAD: usize = 1 << 16;
+
+/// Where `CUpti_CallbackData` keeps what this module reads (checked against
+/// every release's headers by `cupti/header_check.rs`).
+pub(crate) const CORRELATION_DATA_OFFSET: usize = 56;
+pub(crate) const CORRELATION_ID_OFFSET: usize = 64;
+
+/// A call that entered longer ago than this is not believed: its
+/// `correlationData` was not stamped by this module (the call entered before
+/// timing started).
+const LONGEST_CALL_NS: u64 = 600 * 1_000_000_000;
+
+/// One timeline call, on the host clock (`CLOCK_REALTIME` nanoseconds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TimedCall {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub correlation_id: u32,
+    pub cbid: u32,
+    /// The thread's system id (`gettid`), as CUPTI's records give it.
+    pub thread: u32,
+    /// A runtime API call (else a driver API call).
+    pub runtime: bool,
+}
+
+/// One thread's calls since the last take (their `thread` is filled in
+/// when they are taken).
+struct ThreadLog {
+    calls: Vec<TimedCall>,
+    /// The thread's system id.
+    thread: u32,
+}
+
+type SharedLog = Arc<Mutex<ThreadLog>>;
+
+/// Whether calls are timed now (a capture runs with the subscriber ours).
+static ON: AtomicBool = AtomicBool::new(false);
+/// Every thread's log, taken from by [`take`]; a log whose thread ended is
+/// dropped once it has been emptied.
+static LOGS: Mutex<Vec<SharedLog>> = Mutex::new(Vec::new());
+/// Calls not logged since the last take (a full log, a thread ending).
+static LOST: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static LOG: RefCell<Option<SharedLog>> = const { RefCell::new(None) };
+    /// The correlation id of the runtime API call this thread is inside (0:
+    /// none).
+    static RUNTIME_CALL: Cell<u32> = const { Cell::new(0) };
+}
+
+/// The timeline's callback ids, as bit sets per domain.
+struct Timeline {
+    driver: Vec<u64>,
+    runtime: Vec<u64>,
+}
+
+impl Timeline {
+    fn get() -> &'static Timeline {
+        static TIMELINE: OnceLock<Timeline> = OnceLock::new();
+        TIMELINE.get_or_init(|| Timeline {
+            driver: bits(api_calls::DRIVER),
+            runtime: bits(api_calls::RUNTIME),
+        })
+    }
+
+    fn holds(&self, runtime: bool, cbid: u32) -> bool {
+        let set = if runtime { &self.runtime } else { &self.driver };
+        set.get(cbid as usize / 64)
+            .is_some_and(|word| word & (1 << (cbid % 64)) != 0)
+    }
+}
+
+fn bits(calls: &[(&str, u32)]) -> Vec<u64> {
+    let words = calls.iter().map(|(_, id)| *id as usize / 64 + 1).max();
+    let mut set = vec![0u64; words.unwrap_or(0)];
+    for (_, id) in calls {
+        set[*id as usize / 64] |= 1 << (id % 64);
+    }
+    set
+}
+
+/// Starts timing the timeline's calls.
+pub fn start() {
+    Timeline::get();
+    ON.store(true, Ordering::Release);
+}
+
+/// Stops timing; calls already inside the callback still log. Answers
+/// whether timing was on.
+pub fn stop() -> bool {
+    ON.swap(false, Ordering::AcqRel)
+}
+
+/// Whether calls are being timed.
+pub fn on() -> bool {
+    ON.load(Ordering::Acquire)
+}
+
+/// Called by the capture's subscriber at every API call's entry and exit,
+/// with what CUPTI passed it.
+///
+/// # Safety
+/// `data` is null or the `CUpti_CallbackData` CUPTI passes for the driver
+/// and runtime API domains.
+pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
+    if !ON.load(Ordering::Relaxed) || data.is_null() {
+        return;
+    }
+    let runtime = match domain {
+        d if d == DOMAINS[0] => false,
+        d if d == DOMAINS[1] => true,
+        _ => return,
+    };
+    let data = data.cast::<u8>();
+    // SAFETY: the fields of a `CUpti_CallbackData` at their header offsets.
+    let (site, correlation_id, correlation_data) = unsafe {
+        (
+            data.cast::<u32>().read(),
+            data.add(CORRELATION_ID_OFFSET).cast::<u32>().read(),
+            data.add(CORRELATION_DATA_OFFSET)
+                .cast::<*mut u64>()
+                .read_unaligned(),
+        )
+    };
+    if runtime {
+        let inside = if site == CUPTI_API_ENTER {
+            correlation_id
+        } else {
+            0
+        };
+        let _ = RUNTIME_CALL.try_with(|call| call.set(inside));
+    } else if site == CUPTI_API_EXIT
+        && correlation_id != 0
+        && RUNTIME_CALL.try_with(Cell::get) == Ok(correlation_id)
+    {
+        return;
+    }
+    if !Timeline::get().holds(runtime, cbid) {
+        return;
+    }
+    let now = devtrace_shm::clock::now_ns();
+    if site == CUPTI_API_ENTER {
+        if !correlation_data.is_null() {
+            // SAFETY: CUPTI's 64-bit slot for this call, shared by its entry
+            // and exit callbacks.
+            unsafe { correlation_data.write_unaligned(now) };
+        }
+        return;
+    }
+    if site != CUPTI_API_EXIT {
+        return;
+    }
+    let entered = if correlation_data.is_null() {
+        now
+    } else {
+        // SAFETY: as above.
+        unsafe { correlation_data.read_unaligned() }
+    };
+    let start_ns = if entered <= now && now - entered < LONGEST_CALL_NS {
+        entered
+    } else {
+        now
+    };
+    log(TimedCall {
+        start_ns,
+        end_ns: now,
+        correlation_id,
+        cbid,
+        thread: 0,
+        runtime,
+    });
+}
+
+/// Appends `call` to this thread's log (made on its first call).
+fn log(call: TimedCall) {
+    let logged = LOG.try_with(|slot| {
+        let Ok(mut slot) = slot.try_borrow_mut() else {
+            return false;
+        };
+        let log = slot.get_or_insert_with(register);
+        let Ok(mut log) = log.lock() else {
+            return false;
+        };
+        if log.calls.len() >= MAX_PER_THREAD {
+            return false;
+        }
+        log.calls.push(call);
+        true
+    });
+    if logged != Ok(true) {
+        LOST.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn register() -> SharedLog {
+    // SAFETY: gettid has no preconditions.
+    let thread = unsafe { libc::gettid() } as u32;
+    let log = Arc::new(Mutex::new(ThreadLog {
+        calls: Vec::new(),
+        thread,
+    }));
+    if let Ok(mut logs) = LOGS.lock() {
+        logs.push(Arc::clone(&log));
+    }
+    log
+}
+
+/// Moves every thread's calls into `out` and answers how many calls were
+/// lost since the last take. With `release`, the logs give their memory
+/// back (the capture is over).
+pub fn take(out: &mut Vec<TimedCall>, release: bool) -> u64 {
+    if let Ok(mut logs) = LOGS.lock() {
+        logs.retain(|shared| {
+            if let Ok(mut log) = shared.lock() {
+                let thread = log.thread;
+                out.extend(log.calls.iter().map(|call| TimedCall { thread, ..*call }));
+                if release {
+                    log.calls = Vec::new();
+                } else {
+                    log.calls.clear();
+                }
+            }
+            // Only this list holds the log of a thread that ended.
+            Arc::strong_count(shared) > 1
+        });
+    }
+    LOST.swap(0, Ordering::AcqRel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detach::DOMAINS;
+
+    /// A `CUpti_CallbackData` as CUPTI lays it out (header-checked offsets).
+    #[repr(C)]
+    struct CallbackData {
+        site: u32,
+        function_name: *const u8,
+        params: *const c_void,
+        return_value: *mut c_void,
+        symbol_name: *const u8,
+        context: *mut c_void,
+        context_uid: u32,
+        correlation_data: *mut u64,
+        correlation_id: u32,
+    }
+
+    fn data(site: u32, correlation_id: u32, slot: &mut u64) -> CallbackData {
+        CallbackData {
+            site,
+            function_name: std::ptr::null(),
+            params: std::ptr::null(),
+            return_value: std::ptr::null_mut(),
+            symbol_name: std::ptr::null(),
+            context: std::ptr::null_mut(),
+            context_uid: 0,
+            correlation_data: slot,
+            correlation_id,
+        }
+    }
+
+    fn call(domain: c_int, cbid: u32, site: u32, correlation_id: u32, slot: &mut u64) {
+        let d = data(site, correlation_id, slot);
+        // SAFETY: a complete callback data record.
+        unsafe { on_callback(domain, cbid, std::ptr::addr_of!(d).cast()) };
+    }
+
+    const CU_LAUNCH_KERNEL: u32 = 307;
+    const CU_CTX_SYNCHRONIZE: u32 = 17;
+    const CUDA_LAUNCH_KERNEL: u32 = 211;
+
+    // One test, because timing is one switch for the whole process.
+    #[test]
+    fn timeline_calls_are_timed_once_each_and_nested_driver_calls_are_left_out() {
+        assert_eq!(
+            std::mem::offset_of!(CallbackData, correlation_data),
+            CORRELATION_DATA_OFFSET
+        );
+        assert_eq!(
+            std::mem::offset_of!(CallbackData, correlation_id),
+            CORRELATION_ID_OFFSET
+        );
+        let (driver, runtime) = (DOMAINS[0], DOMAINS[1]);
+        let mut out = Vec::new();
+        take(&mut out, true);
+        out.clear();
+
+        // Off: nothing is logged.
+        let mut slot = 0u64;
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 1, &mut slot);
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 1, &mut slot);
+        assert_eq!(take(&mut out, false), 0);
+        assert!(out.is_empty());
+
+        start();
+        // A driver launch of its own, stamped at entry and exit.
+        let before = devtrace_shm::clock::now_ns();
+        let mut slot = 0u64;
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 7, &mut slot);
+        assert!(slot >= before, "the entry is stamped in correlationData");
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 7, &mut slot);
+        // Not a timeline call.
+        let mut other = 0u64;
+        call(driver, CU_CTX_SYNCHRONIZE, CUPTI_API_ENTER, 8, &mut other);
+        call(driver, CU_CTX_SYNCHRONIZE, CUPTI_API_EXIT, 8, &mut other);
+        // A runtime launch with its driver launch inside, sharing its id.
+        let (mut outer, mut inner) = (0u64, 0u64);
+        call(runtime, CUDA_LAUNCH_KERNEL, CUPTI_API_ENTER, 9, &mut outer);
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 9, &mut inner);
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 9, &mut inner);
+        call(runtime, CUDA_LAUNCH_KERNEL, CUPTI_API_EXIT, 9, &mut outer);
+        // A runtime launch whose driver launch has an id of its own.
+        let (mut outer, mut inner) = (0u64, 0u64);
+        call(runtime, CUDA_LAUNCH_KERNEL, CUPTI_API_ENTER, 10, &mut outer);
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 11, &mut inner);
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 11, &mut inner);
+        call(runtime, CUDA_LAUNCH_KERNEL, CUPTI_API_EXIT, 10, &mut outer);
+        // A launch that entered before timing began: its slot holds no stamp.
+        let mut unstamped = 12_345u64;
+        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 13, &mut unstamped);
+        // Another thread's launch.
+        std::thread::spawn(move || {
+            let mut slot = 0u64;
+            call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 14, &mut slot);
+            call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 14, &mut slot);
+        })
+        .join()
+        .expect("the thread ran");
+        assert!(stop());
+
+        assert_eq!(take(&mut out, false), 0);
+        let seen: Vec<(u32, bool, u32)> = out
+            .iter()
+            .map(|c| (c.correlation_id, c.runtime, c.cbid))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (7, false, CU_LAUNCH_KERNEL),
+                (9, true, CUDA_LAUNCH_KERNEL),
+                (11, false, CU_LAUNCH_KERNEL),
+                (10, true, CUDA_LAUNCH_KERNEL),
+                (13, false, CU_LAUNCH_KERNEL),
+                (14, false, CU_LAUNCH_KERNEL),
+            ]
+        );
+        for c in &out {
+            assert!(c.start_ns <= c.end_ns && c.start_ns >= before, "{c:?}");
+            assert_ne!(c.thread, 0);
+        }
+        let unstamped = out.iter().find(|c| c.correlation_id == 13).expect("13");
+        assert_eq!(unstamped.start_ns, unstamped.end_ns);
+        let threads: std::collections::HashSet<u32> = out.iter().map(|c| c.thread).collect();
+        assert_eq!(threads.len(), 2, "two threads' calls");
+
+        // The ended thread's log went with the take; a full log counts.
+        out.clear();
+        start();
+        let mut slot = 0u64;
+        for _ in 0..MAX_PER_THREAD + 3 {
+            call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 20, &mut slot);
+        }
+        stop();
+        assert_eq!(take(&mut out, true), 3);
+        assert_eq!(out.len(), MAX_PER_THREAD);
+        assert_eq!(LOGS.lock().map(|logs| logs.len()).unwrap_or(0), 1);
+    }
+}
