@@ -22,7 +22,7 @@ use crate::convert::{ClockMap, Converter};
 use crate::detach::{self, Attachment, Progress, Teardown};
 use crate::records::{self, buffer_completed, buffer_requested};
 use crate::session::{create_files, load_cupti, Session};
-use crate::{buffers, coexist, cupti, fail, ffi, quiet, sys, timed_calls, SESSION};
+use crate::{buffers, coexist, cupti, driver, fail, ffi, quiet, sys, timed_calls, SESSION};
 
 /// How often completed records are asked for while a capture runs.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
@@ -345,6 +345,7 @@ impl Tracer {
             self.displaced = false;
         }
         set_clock(session)?;
+        learn_device_limits(session);
         // The teardown after the capture needs a subscriber CUPTI calls
         // (see `detach::subscribe_for_capture`): made before the kinds when
         // CUPTI starts afresh, as CUPTI's own dynamic-detach sample does, and
@@ -604,7 +605,14 @@ impl Tracer {
         }
         let teardown = self.teardown.get_or_insert_with(Teardown::new);
         match teardown.step() {
-            Progress::Waiting => {}
+            Progress::Waiting => {
+                // The job may make no CUDA call for a long while: a call of
+                // the library's own is an exit site to finalize at.
+                driver::poke();
+                if teardown.finalized() {
+                    self.end_teardown(session);
+                }
+            }
             Progress::Detached => self.end_teardown(session),
             Progress::Refused(why) => {
                 if crate::debug_enabled() {
@@ -709,6 +717,25 @@ impl Tracer {
         }
         self.stop_api_calls()?;
         flush(session, true)
+    }
+}
+
+/// Gives the converter the devices' limits from the driver, until it knows
+/// some: on CUDA 13 CUPTI's DEVICE records sit in the control thread's
+/// buffer, which can come back after the kernels that need them.
+fn learn_device_limits(session: &Session) {
+    if session
+        .converter
+        .lock()
+        .map_or(true, |converter| converter.knows_limits())
+    {
+        return;
+    }
+    let limits = driver::device_limits();
+    if let Ok(mut converter) = session.converter.lock() {
+        for (ordinal, device) in limits {
+            converter.know_limits(ordinal, device);
+        }
     }
 }
 

@@ -40,13 +40,13 @@ impl ClockMap {
 }
 
 /// What occupancy needs to know about a GPU.
-#[derive(Clone, Copy, Debug, Default)]
-struct Limits {
-    max_warps: u32,
-    max_blocks: u32,
-    max_registers: u32,
-    max_shared: u32,
-    warp_size: u32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub max_warps: u32,
+    pub max_blocks: u32,
+    pub max_registers: u32,
+    pub max_shared: u32,
+    pub warp_size: u32,
 }
 
 /// Theoretical occupancy in percent: resident warps over the SM's maximum,
@@ -110,6 +110,17 @@ impl Converter {
             pending_meta: Vec::new(),
             callback_name,
         }
+    }
+
+    /// The limits of device `ordinal` as the driver gives them, for kernels
+    /// converted before CUPTI's DEVICE record of it (which takes over).
+    pub fn know_limits(&mut self, ordinal: u32, limits: Limits) {
+        self.limits.entry(ordinal).or_insert(limits);
+    }
+
+    /// Whether the limits of some device are known.
+    pub fn knows_limits(&self) -> bool {
+        !self.limits.is_empty()
     }
 
     /// Metadata records to write before the events converted so far.

@@ -28,6 +28,7 @@ mod control;
 mod convert;
 mod cupti;
 mod detach;
+mod driver;
 mod ffi;
 mod records;
 mod runtime;

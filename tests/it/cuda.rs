@@ -717,6 +717,37 @@ async fn a_workload_that_exits_mid_capture_keeps_its_events_and_is_reported() {
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// A process that exits moments into a capture, on CUDA 13, keeps its
+/// kernels' occupancy: CUPTI's DEVICE record of the GPU sits in the
+/// library's own thread's buffer, which is not back yet when the exiting
+/// thread's kernels are converted, so the device's limits come from the
+/// driver.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_exiting_as_recording_begins_keeps_its_kernels_occupancy() {
+    let mut setup = setup("cuda_exiting_early");
+    // Linked against libcupti, for --wait-recording to find the stand-in.
+    setup.program = rival_linked_program();
+    let agent = setup.agent();
+    let workload = setup.workload(
+        &["1", "--wait-recording"],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+    );
+    wait_for_attached(&agent, 1).await;
+    let space = capture(&agent, 1500).await;
+    calls_until_done(&workload);
+    let kernels = program_kernels(&space);
+    assert_eq!(kernels.len(), 2, "{:?}", space.warnings);
+    for (kernel, _) in &kernels {
+        let details = text(kernel, "kernel_details");
+        let occupancy = if kernel.name == "vector_add" {
+            "occ_pct:100"
+        } else {
+            "occ_pct:50"
+        };
+        assert!(details.ends_with(occupancy), "{}: {details}", kernel.name);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_restarted_agent_reattaches_to_a_running_workload() {
     let setup = setup("cuda_long");
@@ -2029,7 +2060,14 @@ async fn devtrace_cupti_path_names_the_library_to_load() {
     workload.read_until("waiting");
     let pid = workload.workload.pid;
     wait_for_attached(&agent, 1).await;
-    let space = capture_while(&agent, 1500, &release).await;
+    // Released once recording has surely begun, however loaded the machine
+    // (what is checked is which libcupti recorded, not when).
+    let captured = capture(&agent, 2000);
+    let go = async {
+        tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+        std::fs::write(&release, b"go").expect("releasing the workload");
+    };
+    let (space, ()) = tokio::join!(captured, go);
     calls_until_done(&workload);
     assert_eq!(
         cupti_of(&space, pid),
@@ -2043,7 +2081,9 @@ async fn devtrace_cupti_path_names_the_library_to_load() {
             .iter()
             .filter(|(e, _)| e.name == "vector_add")
             .count(),
-        2
+        2,
+        "{:?}",
+        space.warnings
     );
 }
 
@@ -2219,6 +2259,66 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
     let stderr = stderr_to_end(workload);
     let said = stderr.matches("devtrace-inject: CUPTI detached").count();
     assert_eq!(said, 3, "{stderr}");
+}
+
+/// A job that makes no CUDA call after a capture's window still gets the
+/// window's last kernels into the trace: on CUDA 13 a job thread's partly
+/// filled buffer comes back only as CUPTI is detached, and the library
+/// detaches it from a driver call of its own rather than waiting for the
+/// job's next one (here 3 s later, long after the trace was built). The
+/// kernels run long, so that no flush during the window hands them back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_idle_after_a_window_still_hands_over_its_last_kernels() {
+    let setup = setup("cuda_idle_after");
+    let agent = setup.agent();
+    let release = release_file(&setup, "idle");
+    let workload = setup.workload(
+        &[
+            "2",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "3000",
+        ],
+        &[
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
+            ("DEVTRACE_STANDIN_GPU_KERNEL_NS", "150000000"),
+            ("DEVTRACE_INJECT_DEBUG", "1"),
+        ],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let captured = capture(&agent, 1000);
+    let go = async {
+        tokio::time::sleep(std::time::Duration::from_millis(750)).await;
+        std::fs::write(&release, b"go").expect("releasing the workload");
+    };
+    let (space, ()) = tokio::join!(captured, go);
+    let lines = workload.read_until("done");
+    let (_, stop) = common::window_of(&space);
+    let launched: Vec<Call> = lines
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .filter(|c| c.name.starts_with("cuLaunchKernel") && c.realtime.1 + 5_000_000 < stop)
+        .collect();
+    assert_eq!(
+        launched.len(),
+        2,
+        "the first iteration's launches: {lines:?}"
+    );
+    let kernels = program_kernels(&space);
+    assert_eq!(
+        kernels.len(),
+        2,
+        "the window's last kernels, launched {:?} ns before its end: {:?}",
+        launched
+            .iter()
+            .map(|c| stop.saturating_sub(c.realtime.1))
+            .collect::<Vec<_>>(),
+        space.warnings
+    );
+    let (armed, finalized) = cupti_state(&lines);
+    assert_eq!((armed, finalized), (0, 1), "detached once");
 }
 
 /// With a CUPTI that calls no subscriber at all while it is attached with

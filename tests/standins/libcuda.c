@@ -29,9 +29,15 @@
  *   entry that is not a valid index (out of range, a repeat, not a number;
  *   UUID entries are not understood here); unset means every physical GPU
  *   in order. cuDeviceGetCount / cuDeviceGet / cuDeviceGetName /
- *   cuCtxCreate_v2 follow it, and cuInit answers CUDA_ERROR_NO_DEVICE when no
+ *   cuDeviceGetAttribute / cuCtxCreate_v2 follow it, and cuInit answers
+ *   CUDA_ERROR_NO_DEVICE when no
  *   GPU is visible. devtrace_standin_device_physical(ordinal) tells the CUPTI
  *   stand-in the physical index (or -1). Driver version 12080.
+ * - cuDeviceGetAttribute knows the attributes occupancy needs, with the
+ *   values the CUPTI stand-in's DEVICE records give (sm_90): warp size 32
+ *   (CU_DEVICE_ATTRIBUTE_WARP_SIZE, 10), 2048 threads (39), 233472 bytes of
+ *   shared memory (81), 65536 registers (82) and 32 blocks (106) per SM;
+ *   other attributes answer CUDA_ERROR_INVALID_VALUE.
  * - cuMemAlloc_v2 hands out increasing fake addresses from 0x7f0000000000,
  *   each rounded up to 256 bytes and never reused; the memory is not backed,
  *   so copies only check the device range and DtoH copies zero the host side.
@@ -159,6 +165,7 @@ enum {
     CBID_cuDeviceGet = 3,
     CBID_cuDeviceGetCount = 4,
     CBID_cuDeviceGetName = 5,
+    CBID_cuDeviceGetAttribute = 9,
     CBID_cuCtxSynchronize = 17,
     CBID_cuModuleLoadData = 19,
     CBID_cuModuleGetFunction = 23,
@@ -501,6 +508,22 @@ CUAPI CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
     if (!name || len <= 0) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
     if (dev < 0 || dev >= visible_count()) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
     snprintf(name, (size_t)len, "%s", "Standin GPU");
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
+    struct standin_call call = begin_call("cuDeviceGetAttribute", CBID_cuDeviceGetAttribute, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!pi) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (dev < 0 || dev >= visible_count()) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    switch (attrib) {
+    case 10: *pi = 32; break;     /* CU_DEVICE_ATTRIBUTE_WARP_SIZE */
+    case 39: *pi = 2048; break;   /* CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR */
+    case 81: *pi = 233472; break; /* CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR */
+    case 82: *pi = 65536; break;  /* CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR */
+    case 106: *pi = 32; break;    /* CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR */
+    default: return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    }
     return finish_call(&call, CUDA_SUCCESS);
 }
 

@@ -383,3 +383,43 @@ fn the_detach_entry_points_match_the_real_headers() {
         assert_compiles(&dir.join("detach_check.c"), &source, &includes, &what);
     }
 }
+
+/// The driver calls the library makes itself (`driver.rs`): their
+/// signatures, the device attributes it reads and what success is, in every
+/// release's `cuda.h`.
+#[test]
+fn the_driver_calls_match_the_real_headers() {
+    use crate::driver::{
+        MAX_BLOCKS_PER_MULTIPROCESSOR, MAX_REGISTERS_PER_MULTIPROCESSOR,
+        MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, MAX_THREADS_PER_MULTIPROCESSOR, WARP_SIZE,
+    };
+    for (release, dir, includes) in unpacked() {
+        let source = format!(
+            "#include <cuda.h>\n\
+             _Static_assert(sizeof(CUdevice) == sizeof(int) && (CUdevice)-1 < 0 \
+             && sizeof(CUdevice_attribute) == sizeof(int) && sizeof(CUresult) == sizeof(int) \
+             && CUDA_SUCCESS == 0, \"types\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuDriverGetVersion), \
+             CUresult (*)(int *)), \"cuDriverGetVersion\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuDeviceGetCount), \
+             CUresult (*)(int *)), \"cuDeviceGetCount\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuDeviceGet), \
+             CUresult (*)(CUdevice *, int)), \"cuDeviceGet\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuDeviceGetAttribute), \
+             CUresult (*)(int *, CUdevice_attribute, CUdevice)), \"cuDeviceGetAttribute\");\n\
+             _Static_assert(CU_DEVICE_ATTRIBUTE_WARP_SIZE == {WARP_SIZE} \
+             && CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR == {MAX_THREADS_PER_MULTIPROCESSOR} \
+             && CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR == \
+             {MAX_SHARED_MEMORY_PER_MULTIPROCESSOR} \
+             && CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR == \
+             {MAX_REGISTERS_PER_MULTIPROCESSOR} \
+             && CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR == {MAX_BLOCKS_PER_MULTIPROCESSOR}, \
+             \"attributes\");\n"
+        );
+        let what = format!(
+            "CUDA {}: the driver calls differ from driver.rs",
+            release.name
+        );
+        assert_compiles(&dir.join("driver_check.c"), &source, &includes, &what);
+    }
+}
