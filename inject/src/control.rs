@@ -429,10 +429,10 @@ impl Tracer {
     }
 
     /// The subscriber that timed the timeline's calls went to another
-    /// CUPTI user during the capture: says which calls are missing (CUPTI's
-    /// records take over now).
-    fn tell_timing_lost(&self, session: &Session) {
-        let to_ns = devtrace_shm::clock::now_ns();
+    /// CUPTI user during the capture: says which calls are missing, to
+    /// `to_ns` (when CUPTI's records take over, or the other user takes the
+    /// stream too).
+    fn tell_timing_lost(&self, session: &Session, to_ns: u64) {
         let from_ns = detach::given_away_at_ns().unwrap_or(to_ns).min(to_ns);
         session.write_meta(&MetaRecord::Untimed { from_ns, to_ns });
     }
@@ -463,6 +463,12 @@ impl Tracer {
     /// user seen through interposition took the stream, and flushes.
     fn keep(&mut self, session: &Session) -> Result<(), String> {
         if let Some(since_ns) = coexist::foreign_holder() {
+            // A profiler that subscribes first (Kineto, XLA's tracer) took
+            // the subscriber a moment before the stream: the calls between
+            // are missing too.
+            if timed_calls::on() && !detach::subscribed() {
+                self.tell_timing_lost(session, since_ns);
+            }
             self.displaced_at(session, true, since_ns);
             return Ok(());
         }
@@ -476,7 +482,7 @@ impl Tracer {
         }
         let timed = timed_calls::on();
         if timed && !detach::subscribed() {
-            self.tell_timing_lost(session);
+            self.tell_timing_lost(session, devtrace_shm::clock::now_ns());
         }
         let time_them = self.time_api_calls();
         if timed != time_them

@@ -97,7 +97,8 @@ static ARMED_GATE_BUSY: AtomicU64 = AtomicU64::new(0);
 static ARMED_OTHER_USER: AtomicU64 = AtomicU64::new(0);
 /// Another user enabled a kind since the last finalize.
 static ATTACHED_BY_ANOTHER: AtomicBool = AtomicBool::new(false);
-/// When the subscriber of ours last went to another user (0: never).
+/// When the subscriber of ours last went (to another user, or with another
+/// user's finalize) while it timed the timeline's calls (0: never).
 static GIVEN_AWAY_AT_NS: AtomicU64 = AtomicU64::new(0);
 /// Why the last capture could not subscribe, if it could not.
 static SUBSCRIBE_REFUSED: Mutex<Option<String>> = Mutex::new(None);
@@ -305,7 +306,12 @@ fn disarm_locked() {
 /// again; nobody has CUPTI attached any more.
 pub fn forget_subscriber() {
     ARMED.store(false, Ordering::Release);
-    SUBSCRIBER.store(std::ptr::null_mut(), Ordering::Release);
+    if !SUBSCRIBER
+        .swap(std::ptr::null_mut(), Ordering::AcqRel)
+        .is_null()
+    {
+        timing_lost();
+    }
     ATTACHED_BY_ANOTHER.store(false, Ordering::Release);
 }
 
@@ -313,9 +319,17 @@ pub fn forget_subscriber() {
 /// way (only one subscriber is allowed before CUDA 13.3), armed or not.
 pub fn give_way(_gate: &mut Attachment) {
     if !SUBSCRIBER.load(Ordering::Acquire).is_null() {
-        GIVEN_AWAY_AT_NS.store(devtrace_shm::clock::now_ns(), Ordering::Release);
+        timing_lost();
     }
     disarm_locked();
+}
+
+/// The subscriber of ours goes: when it was timing the timeline's calls,
+/// the time is kept, for the capture to say from when they are missing.
+fn timing_lost() {
+    if crate::timed_calls::on() {
+        GIVEN_AWAY_AT_NS.store(devtrace_shm::clock::now_ns(), Ordering::Release);
+    }
 }
 
 /// Whether the subscriber of ours is subscribed (it times the timeline's
@@ -324,7 +338,8 @@ pub fn subscribed() -> bool {
     !SUBSCRIBER.load(Ordering::Acquire).is_null()
 }
 
-/// When the subscriber of ours last went to another user, if it ever did.
+/// When the subscriber of ours last went while it timed the timeline's
+/// calls, if it ever did.
 pub fn given_away_at_ns() -> Option<u64> {
     Some(GIVEN_AWAY_AT_NS.load(Ordering::Acquire)).filter(|at| *at != 0)
 }

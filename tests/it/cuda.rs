@@ -2553,6 +2553,65 @@ async fn a_subscriber_taken_mid_capture_hands_the_calls_to_cuptis_records() {
     );
 }
 
+/// A profiler that subscribes before it takes the activity stream (as
+/// XLA's tracer and Kineto do) inside a capture: the calls between its
+/// subscription and its taking the stream are reported missing, the stream
+/// it had too, and once it is done the library takes both back, its
+/// subscriber timing the calls again; every kernel outside those spans has
+/// its launch call.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_profiler_subscribing_inside_a_capture_leaves_no_kernel_unaccounted_for() {
+    let (_setup, agent, release, workload) = rival_from(
+        "2",
+        "cuda_rival_subscribing",
+        "8",
+        "2",
+        &["--rival-subscribe", "--wait-recording"],
+    )
+    .await;
+    let pid = workload.workload.pid;
+    let space = capture_while(&agent, 2500, &release).await;
+    let lines = workload.read_until("done");
+    let (rival_kernels, _, _) = rival_report(&lines);
+    assert_eq!(rival_kernels, 4, "the other profiler keeps working");
+    let (untimed_from, untimed_to) = span_in_warning(&space, "Callback API subscriber")
+        .unwrap_or_else(|| panic!("no untimed span in {:?}", space.warnings));
+    let (other_from, other_to) = lost_span(&space);
+    assert!(
+        untimed_to <= other_from + 0.001 && other_from - untimed_from < 0.1,
+        "calls untimed from {untimed_from} s to {untimed_to} s, the stream another's from \
+         {other_from} s"
+    );
+    let (start, _) = common::window_of(&space);
+    let seconds = |ns: u64| ns.saturating_sub(start) as f64 / 1e9;
+    let launches: Vec<u64> = timed(&space, "/host:CPU")
+        .iter()
+        .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
+        .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
+        .map(|(e, _)| uint(e, "correlation_id"))
+        .collect();
+    let kernels = program_kernels(&space);
+    let after = kernels
+        .iter()
+        .filter(|(_, at)| seconds(*at) > other_to + 0.001)
+        .count();
+    assert!(
+        after >= 4,
+        "{after} kernels of ours after the other profiler"
+    );
+    for (kernel, at) in &kernels {
+        let id = uint(kernel, "correlation_id");
+        let when = seconds(*at);
+        let launched = launches.iter().filter(|l| **l == id).count();
+        assert!(
+            launched == 1 || (when + 0.001 >= untimed_from && when <= other_to + 0.001),
+            "kernel {id} at {when} s has {launched} launch calls; {:?}",
+            space.warnings
+        );
+    }
+    assert!(api_records_of(&space, pid).starts_with(TIMED));
+}
+
 /// A profiler that ends by finalizing CUPTI (as Kineto does when it tears
 /// CUPTI down) takes the library's subscriber with it: the library forgets
 /// it, subscribes again as it takes the stream back, and detaches CUPTI at

@@ -93,8 +93,9 @@ impl LostSpan {
             LossCause::ApiCalls => format!(
                 "the launch, copy and memset calls of {} from {:.3} s to {:.3} s of this window \
                  are missing (its kernels, copies and memsets are there, without the calls that \
-                 made them): another CUPTI user in that process took the injection library's \
-                 Callback API subscriber, which timed them, and CUPTI's API records took over",
+                 made them): a profiler in that process took the injection library's Callback \
+                 API subscriber, which timed them, and CUPTI's API records or that profiler \
+                 took over",
                 self.label,
                 seconds(from),
                 seconds(to),
