@@ -350,6 +350,16 @@ async fn exact_run(version: &str) {
     );
 }
 
+/// The correlation ids of process `pid`'s kernel launch calls in a trace.
+fn launch_ids_of(space: &XSpace, pid: u32) -> Vec<u64> {
+    timed(space, "/host:CPU")
+        .iter()
+        .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
+        .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
+        .map(|(e, _)| uint(e, "correlation_id"))
+        .collect()
+}
+
 /// How the trace names the default API records: the timeline's calls, timed
 /// by the library's subscriber.
 const TIMED: &str = "timeline, timed by devtrace's Callback API subscriber";
@@ -371,12 +381,7 @@ async fn every_kernel_of_a_running_workload_has_its_launch_call() {
         wait_for_attached(&agent, 1).await;
         let space = capture(&agent, 1000).await;
         calls_until_done(&workload);
-        let launches: Vec<u64> = timed(&space, "/host:CPU")
-            .iter()
-            .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
-            .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
-            .map(|(e, _)| uint(e, "correlation_id"))
-            .collect();
+        let launches = launch_ids_of(&space, pid);
         let kernels = program_kernels(&space);
         assert!(kernels.len() >= 10, "{version}: {} kernels", kernels.len());
         for (kernel, at) in &kernels {
@@ -2522,13 +2527,7 @@ async fn a_subscriber_taken_mid_capture_hands_the_calls_to_cuptis_records() {
     );
     assert!(to >= from && to - from < 1.0, "{from} s to {to} s");
 
-    let host = timed(&space, "/host:CPU");
-    let launches: Vec<u64> = host
-        .iter()
-        .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
-        .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
-        .map(|(e, _)| uint(e, "correlation_id"))
-        .collect();
+    let launches = launch_ids_of(&space, pid);
     let mut after_the_span = 0;
     for (kernel, at) in &kernels {
         let id = uint(kernel, "correlation_id");
@@ -2584,12 +2583,7 @@ async fn a_profiler_subscribing_inside_a_capture_leaves_no_kernel_unaccounted_fo
     );
     let (start, _) = common::window_of(&space);
     let seconds = |ns: u64| ns.saturating_sub(start) as f64 / 1e9;
-    let launches: Vec<u64> = timed(&space, "/host:CPU")
-        .iter()
-        .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
-        .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
-        .map(|(e, _)| uint(e, "correlation_id"))
-        .collect();
+    let launches = launch_ids_of(&space, pid);
     let kernels = program_kernels(&space);
     let after = kernels
         .iter()
