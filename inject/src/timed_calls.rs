@@ -26,7 +26,7 @@
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, Once, OnceLock};
 
 use crate::cupti::api_calls;
 use crate::detach::{CUPTI_API_ENTER, CUPTI_API_EXIT, DOMAINS};
@@ -118,8 +118,16 @@ fn bits(calls: &[(&str, u32)]) -> Vec<u64> {
 
 /// Starts timing the timeline's calls.
 pub fn start() {
+    static FORK_HANDLER: Once = Once::new();
+    FORK_HANDLER.call_once(|| crate::sys::process::at_fork_child(stop_in_child));
     Timeline::get();
     ON.store(true, Ordering::Release);
+}
+
+/// A child forked during a capture has no control thread to take its calls,
+/// and the logs' locks may have been held by a thread it does not have.
+extern "C" fn stop_in_child() {
+    ON.store(false, Ordering::Release);
 }
 
 /// Stops timing; calls already inside the callback still log. Answers
@@ -230,11 +238,9 @@ fn log(call: TimedCall) {
 }
 
 fn register() -> SharedLog {
-    // SAFETY: gettid has no preconditions.
-    let thread = unsafe { libc::gettid() } as u32;
     let log = Arc::new(Mutex::new(ThreadLog {
         calls: Vec::new(),
-        thread,
+        thread: crate::sys::process::thread_id(),
     }));
     if let Ok(mut logs) = LOGS.lock() {
         logs.push(Arc::clone(&log));

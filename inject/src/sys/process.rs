@@ -8,6 +8,20 @@ pub fn at_exit(handler: extern "C" fn()) {
     unsafe { libc::atexit(handler) };
 }
 
+/// Runs `handler` in the child of every `fork` of the process, where only
+/// the forking thread lives on.
+pub fn at_fork_child(handler: extern "C" fn()) {
+    // SAFETY: registers a plain `extern "C"` function that lives as long as
+    // the process.
+    unsafe { libc::pthread_atfork(None, None, Some(handler)) };
+}
+
+/// The calling thread's system id.
+pub fn thread_id() -> u32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() as u32 }
+}
+
 /// Frees memory another library allocated with `malloc` and handed over.
 ///
 /// # Safety
