@@ -6,7 +6,9 @@
 //! CUDA 13.3). A framework profiler that starts registers its own callbacks
 //! (ours stop receiving records) and, when it stops, disables its kinds
 //! (ours with them). This library never fights for the stream, holds a
-//! subscriber only briefly to detach ([`crate::detach`]), never finalizes
+//! subscriber only from a capture's start to the detach after it (it times
+//! the timeline's calls and detaches, [`crate::detach`]) and gives it up to
+//! any profiler that subscribes, never finalizes
 //! CUPTI while another user may need it, and says in the trace which part
 //! of a window it lost. What it knows of other users is evidence, never a
 //! guess from timing:

@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use devtrace_shm::ring::Control;
-use devtrace_shm::workload::{ApiRecordSet, MetaRecord};
+use devtrace_shm::workload::{ApiRecordSet, MetaRecord, UntimedCause};
 
 use crate::convert::{ClockMap, Converter};
 use crate::detach::{self, Attachment, Progress, Teardown};
@@ -46,6 +46,10 @@ fn capture_only_kinds() -> impl Iterator<Item = u32> {
         .into_iter()
         .filter(|kind| !BACKGROUND_KINDS.contains(kind))
 }
+
+/// How long CUPTI may go without calling the subscriber, while kernels are
+/// recorded, before its timing is given up for CUPTI's records.
+const SILENCE_LIMIT_NS: u64 = 1_000_000_000;
 
 /// How long a capture's end waits for CUPTI to hand its buffers back
 /// before detaching (detaching hands back the rest). Short, because the
@@ -207,6 +211,8 @@ pub fn control_loop() {
         next_detach_try: None,
         keeper_on: false,
         background: false,
+        may_time: false,
+        kernels_at_timing: 0,
     };
     let mut pulse = AgentPulse::new();
     while !quiet() {
@@ -263,6 +269,11 @@ struct Tracer {
     next_detach_try: Option<Instant>,
     /// [`KEEPER_KIND`] is on for the teardown after a capture.
     keeper_on: bool,
+    /// This capture may have the subscriber time the timeline's calls: it
+    /// was ours before the capture's kinds went on, and CUPTI calls it.
+    may_time: bool,
+    /// Kernel records converted when timing started.
+    kernels_at_timing: u64,
     /// The stream is ours with [`BACKGROUND_KINDS`] alone on: the GPU's
     /// past is recorded, no capture runs.
     background: bool,
@@ -330,6 +341,9 @@ impl Tracer {
         }
         // Libraries loaded since the last look (a framework imported late).
         coexist::redirect_callers();
+        // Driver calls, without the gate: another subscriber's callback may
+        // call CUPTI through the library.
+        driver::teach_limits(session);
         let mut gate = detach::gate();
         if *gate == Attachment::Closed {
             return Ok(());
@@ -345,7 +359,6 @@ impl Tracer {
             self.displaced = false;
         }
         set_clock(session)?;
-        learn_device_limits(session);
         // The teardown after the capture needs a subscriber CUPTI calls
         // (see `detach::subscribe_for_capture`): made before the kinds when
         // CUPTI starts afresh, as CUPTI's own dynamic-detach sample does, and
@@ -353,11 +366,15 @@ impl Tracer {
         if fresh {
             detach::subscribe_for_capture(&gate);
         }
-        // With the subscriber ours already, launches are timed from before
-        // kernels are recorded: no kernel recorded as the capture starts
-        // lacks its launch call.
-        if capture && self.time_api_calls() {
-            self.record_api_calls(session)?;
+        // Launches are recorded from before kernels are, so that no kernel
+        // recorded as the capture starts lacks its launch call: timed when
+        // the subscriber is ours already (else CUPTI records them for the
+        // whole capture), by CUPTI's records before the kinds only on a CUPTI
+        // already attached (on a fresh one they follow the kinds, as ever).
+        self.may_time = capture && detach::subscribed();
+        let early = capture && (self.may_time || !fresh);
+        if early {
+            self.record_api_calls(session, true)?;
         }
         let kinds: &[u32] = if capture {
             &cupti::KINDS
@@ -371,12 +388,9 @@ impl Tracer {
             detach::subscribe_for_capture(&gate);
         }
         if capture {
-            // Another user may have changed the selection while it had the
-            // stream: it is made again.
-            self.api = self.api.filter(|set| *set != ApiRecordSet::Timeline);
-            self.record_api_calls(session)?;
+            self.record_api_calls(session, !early)?;
         } else {
-            self.stop_api_calls()?;
+            self.stop_api_calls(session)?;
         }
         self.background = !capture;
         drop(gate);
@@ -391,13 +405,16 @@ impl Tracer {
     /// Records the API calls the agent asks for the cheapest way there is:
     /// the timeline's are timed by the capture's subscriber while it is
     /// ours ([`timed_calls`]), else recorded by CUPTI, as are every call's
-    /// when asked. The caller holds the gate.
-    fn record_api_calls(&mut self, session: &Session) -> Result<(), String> {
+    /// when asked. With `reselect`, CUPTI's selection of the timeline's calls
+    /// is made again (another user may have changed it while it had the
+    /// stream). The caller holds the gate.
+    fn record_api_calls(&mut self, session: &Session, reselect: bool) -> Result<(), String> {
         if self.time_api_calls() {
             if let Some(set) = self.api.take() {
                 cupti::api_calls::disable(set)?;
             }
             if !timed_calls::on() {
+                self.kernels_at_timing = kernels_converted(session);
                 timed_calls::start();
                 session.write_meta(&MetaRecord::ApiRecords {
                     at_ns: devtrace_shm::clock::now_ns(),
@@ -406,35 +423,64 @@ impl Tracer {
             }
             return Ok(());
         }
+        if reselect {
+            self.api = self.api.filter(|set| *set != ApiRecordSet::Timeline);
+        }
         // CUPTI's records first: a call recorded twice at the switch is
         // better than one recorded by neither.
         self.switch_api(session, self.api)?;
-        timed_calls::stop();
+        self.end_timing(session, devtrace_shm::clock::now_ns());
         Ok(())
     }
 
     /// Whether the subscriber times the timeline's calls now: the agent asks
-    /// for them alone, and the subscriber is ours.
+    /// for them alone, and the subscriber is ours and called.
     fn time_api_calls(&self) -> bool {
-        !self.all_api && !self.cupti_api && detach::subscribed()
+        self.may_time && !self.all_api && !self.cupti_api && detach::subscribed()
     }
 
     /// Stops recording API calls, both ways. The caller holds the gate.
-    fn stop_api_calls(&mut self) -> Result<(), String> {
-        timed_calls::stop();
+    fn stop_api_calls(&mut self, session: &Session) -> Result<(), String> {
+        self.end_timing(session, devtrace_shm::clock::now_ns());
         if let Some(set) = self.api.take() {
             cupti::api_calls::disable(set)?;
         }
         Ok(())
     }
 
-    /// The subscriber that timed the timeline's calls went to another
-    /// CUPTI user during the capture: says which calls are missing, to
-    /// `to_ns` (when CUPTI's records take over, or the other user takes the
-    /// stream too).
-    fn tell_timing_lost(&self, session: &Session, to_ns: u64) {
-        let from_ns = detach::given_away_at_ns().unwrap_or(to_ns).min(to_ns);
-        session.write_meta(&MetaRecord::Untimed { from_ns, to_ns });
+    /// Stops timing the timeline's calls at `to_ns`; when the subscriber
+    /// had gone meanwhile (to another CUPTI user, or with its finalize),
+    /// says from when to then the calls are missing.
+    fn end_timing(&self, session: &Session, to_ns: u64) {
+        if timed_calls::stop() && !detach::subscribed() {
+            let from_ns = detach::given_away_at_ns().unwrap_or(to_ns).min(to_ns);
+            session.write_meta(&MetaRecord::Untimed {
+                from_ns,
+                to_ns,
+                cause: UntimedCause::Taken,
+            });
+        }
+    }
+
+    /// Whether CUPTI has not called the subscriber in the second since
+    /// timing started while kernels were recorded: it times nothing, so
+    /// timing stops for this capture and CUPTI's records are to take over;
+    /// answers since when the calls are missing. The caller made a call of
+    /// its own first ([`driver::poke`]), so that a job waiting in one long
+    /// call is not taken for a silent CUPTI.
+    fn timing_silent(&mut self, session: &Session) -> Option<u64> {
+        let started = timed_calls::started_at_ns();
+        let now = devtrace_shm::clock::now_ns();
+        if !timed_calls::on()
+            || timed_calls::called()
+            || now.saturating_sub(started) < SILENCE_LIMIT_NS
+            || kernels_converted(session) == self.kernels_at_timing
+        {
+            return None;
+        }
+        timed_calls::stop();
+        self.may_time = false;
+        Some(started)
     }
 
     /// Enables the API records the agent asks for, from `current`, and
@@ -465,12 +511,14 @@ impl Tracer {
         if let Some(since_ns) = coexist::foreign_holder() {
             // A profiler that subscribes first (Kineto, XLA's tracer) took
             // the subscriber a moment before the stream: the calls between
-            // are missing too.
-            if timed_calls::on() && !detach::subscribed() {
-                self.tell_timing_lost(session, since_ns);
-            }
+            // are missing too (said by `displaced_at`).
             self.displaced_at(session, true, since_ns);
             return Ok(());
+        }
+        if timed_calls::on() && !timed_calls::called() {
+            // An API call of our own, without the gate: whether CUPTI calls
+            // the subscriber at all.
+            driver::poke();
         }
         let all_now = matches!(
             self.api,
@@ -478,19 +526,34 @@ impl Tracer {
         );
         let gate = detach::gate();
         if *gate != Attachment::Attached {
+            // Another user finalized CUPTI: nothing of ours is on.
+            self.end_timing(session, devtrace_shm::clock::now_ns());
             return Ok(());
         }
+        let silent_since = self.timing_silent(session);
         let timed = timed_calls::on();
-        if timed && !detach::subscribed() {
-            self.tell_timing_lost(session, devtrace_shm::clock::now_ns());
+        // Either the subscriber times the calls, or CUPTI records the set
+        // asked for: never both, never neither.
+        let switch = if self.background {
+            // No API calls are recorded for the GPU's past.
+            false
+        } else if self.time_api_calls() {
+            !timed
+        } else {
+            timed
+                || self.api.is_none()
+                || (self.all_api != all_now && self.api != Some(ApiRecordSet::AllUnselectable))
+        };
+        if switch {
+            self.record_api_calls(session, false)?;
         }
-        let time_them = self.time_api_calls();
-        if timed != time_them
-            || (!timed
-                && self.all_api != all_now
-                && self.api != Some(ApiRecordSet::AllUnselectable))
-        {
-            self.record_api_calls(session)?;
+        if let Some(from_ns) = silent_since {
+            // Once CUPTI's records are on.
+            session.write_meta(&MetaRecord::Untimed {
+                from_ns,
+                to_ns: devtrace_shm::clock::now_ns(),
+                cause: UntimedCause::Silent,
+            });
         }
         if self
             .last_flush
@@ -510,10 +573,11 @@ impl Tracer {
         if *gate != Attachment::Attached {
             return Ok(());
         }
+        self.may_time = detach::subscribed();
         for kind in capture_only_kinds() {
             cupti::enable(kind)?;
         }
-        self.record_api_calls(session)?;
+        self.record_api_calls(session, false)?;
         self.background = false;
         drop(gate);
         session.write_meta(&MetaRecord::Recording {
@@ -535,17 +599,20 @@ impl Tracer {
                 cupti::disable(kind)?;
             }
         }
-        self.stop_api_calls()?;
+        self.stop_api_calls(session)?;
         self.background = true;
         drop(gate);
         // Not forced: a forced flush while kernels run loses their records.
-        flush(session, false)
+        flush(session, false)?;
+        timed_calls::deliver(session, true);
+        Ok(())
     }
 
     fn displaced_at(&mut self, session: &Session, seen: bool, at_ns: u64) {
         // The other user gets the kernels: launches timed meanwhile would
-        // have none.
-        timed_calls::stop();
+        // have none. Those timed so far belong to this capture.
+        self.end_timing(session, at_ns);
+        timed_calls::deliver(session, true);
         self.stream = Stream::Taken { seen };
         self.displaced = true;
         session.write_meta(&MetaRecord::Displaced { at_ns, seen });
@@ -559,6 +626,9 @@ impl Tracer {
         {
             let gate = detach::gate();
             if *gate != Attachment::Attached {
+                // Another user finalized CUPTI: nothing of ours is on.
+                self.end_timing(session, devtrace_shm::clock::now_ns());
+                timed_calls::deliver(session, true);
                 return Ok(());
             }
             self.disable_all_but(session, Some(KEEPER_KIND))?;
@@ -700,7 +770,7 @@ impl Tracer {
 
     /// After a failure: leaves CUPTI as the process needs it.
     fn give_up(&mut self, session: &Session) {
-        timed_calls::stop();
+        self.end_timing(session, devtrace_shm::clock::now_ns());
         let gate = detach::gate();
         if (self.stream == Stream::Ours || self.keeper_on) && *gate == Attachment::Attached {
             let _ = self.disable(session);
@@ -721,28 +791,17 @@ impl Tracer {
         for kind in cupti::KINDS.into_iter().filter(|kind| Some(*kind) != kept) {
             cupti::disable(kind)?;
         }
-        self.stop_api_calls()?;
+        self.stop_api_calls(session)?;
         flush(session, true)
     }
 }
 
-/// Gives the converter the devices' limits from the driver, until it knows
-/// some: on CUDA 13 CUPTI's DEVICE records sit in the control thread's
-/// buffer, which can come back after the kernels that need them.
-fn learn_device_limits(session: &Session) {
-    if session
+/// Kernel records converted so far.
+fn kernels_converted(session: &Session) -> u64 {
+    session
         .converter
         .lock()
-        .map_or(true, |converter| converter.knows_limits())
-    {
-        return;
-    }
-    let limits = driver::device_limits();
-    if let Ok(mut converter) = session.converter.lock() {
-        for (ordinal, device) in limits {
-            converter.know_limits(ordinal, device);
-        }
-    }
+        .map_or(0, |converter| converter.kernels_converted())
 }
 
 /// Measures CUPTI's clock against `CLOCK_REALTIME`.
@@ -771,49 +830,13 @@ fn wait_for_buffers(limit: Duration) {
 
 /// Asks CUPTI for completed buffers (`forced`: partly filled ones too),
 /// counts what it dropped, and hands over the calls the subscriber timed
-/// (`forced`: the capture is over, their logs' memory goes too). The caller
-/// holds the gate.
+/// (`forced`: the capture is over, its losses are told and the logs'
+/// memory goes). The caller holds the gate.
 fn flush(session: &Session, forced: bool) -> Result<(), String> {
     cupti::flush_all(forced)?;
     set_clock(session)?;
-    deliver_timed_calls(session, forced);
+    timed_calls::deliver(session, forced);
     count_dropped(session)
-}
-
-/// Converts the calls the subscriber timed since the last time into events
-/// for the ring, and tells the agent of calls that could not be logged.
-fn deliver_timed_calls(session: &Session, release: bool) {
-    let mut calls = Vec::new();
-    let lost = timed_calls::take(&mut calls, release);
-    if !calls.is_empty() {
-        let mut events = Vec::with_capacity(calls.len());
-        let meta = match session.converter.lock() {
-            Ok(mut converter) => {
-                for call in &calls {
-                    converter.timed_call(call, &mut events);
-                }
-                converter.take_meta()
-            }
-            Err(_) => return,
-        };
-        for record in &meta {
-            session.write_meta(record);
-        }
-        if let Ok(mut producer) = session.producer.lock() {
-            producer.push_batch(&events);
-        }
-    }
-    if lost > 0 {
-        let total = session.timed_calls_lost.fetch_add(lost, Ordering::Relaxed) + lost;
-        session.write_meta(&MetaRecord::Warning {
-            message: format!(
-                "{lost} of the timeline's API calls were not recorded ({total} in this process \
-                 so far): a thread made more than {} of them between two of the library's \
-                 flushes, or made them as it ended",
-                timed_calls::MAX_PER_THREAD
-            ),
-        });
-    }
 }
 
 /// Tells the agent the running total of records CUPTI dropped, when it
@@ -832,6 +855,9 @@ fn count_dropped(session: &Session) -> Result<(), String> {
 /// own state with it).
 extern "C" fn flush_at_exit() {
     ffi::guard("the exit handler", (), || {
+        if crate::forked() {
+            return;
+        }
         let mut gate = detach::gate();
         let attached = *gate == Attachment::Attached;
         *gate = Attachment::Closed;
@@ -847,7 +873,7 @@ extern "C" fn flush_at_exit() {
         // lives shorter than the flush period reaches no other flush).
         let _ = count_dropped(session);
         timed_calls::stop();
-        deliver_timed_calls(session, true);
+        timed_calls::deliver(session, true);
         records::convert_pending_now();
     });
 }

@@ -90,6 +90,8 @@ pub struct Converter {
     pending_meta: Vec<MetaRecord>,
     /// Looks up CUPTI's name for an API callback id (driver or runtime).
     callback_name: fn(bool, u32) -> Option<String>,
+    /// Kernel records converted so far.
+    kernels: u64,
 }
 
 impl Converter {
@@ -109,6 +111,7 @@ impl Converter {
             markers: HashMap::new(),
             pending_meta: Vec::new(),
             callback_name,
+            kernels: 0,
         }
     }
 
@@ -116,6 +119,11 @@ impl Converter {
     /// converted before CUPTI's DEVICE record of it (which takes over).
     pub fn know_limits(&mut self, ordinal: u32, limits: Limits) {
         self.limits.entry(ordinal).or_insert(limits);
+    }
+
+    /// Kernel records converted so far.
+    pub fn kernels_converted(&self) -> u64 {
+        self.kernels
     }
 
     /// Whether the limits of some device are known.
@@ -170,6 +178,7 @@ impl Converter {
 
     fn kernel(&mut self, r: RecordRef, out: &mut Vec<Event>) {
         use layout::kernel as k;
+        self.kernels += 1;
         let name = r
             .string(k::NAME)
             .map(|mangled| demangle(&mangled))

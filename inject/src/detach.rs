@@ -44,21 +44,11 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::cupti;
-use crate::cupti::library::{CuptiResult, CUPTI_SUCCESS};
+use crate::cupti::callbacks::{self, ApiCallback};
+use crate::cupti::library::CUPTI_SUCCESS;
 
 /// How soon a teardown that could not detach looks again.
 pub const RETRY_EVERY: Duration = Duration::from_secs(1);
-
-// What the Callback API's headers define (checked against every release by
-// `cupti/header_check.rs`).
-/// `CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`.
-pub(crate) const CUPTI_ERROR_MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
-/// `CUPTI_CB_DOMAIN_DRIVER_API` and `CUPTI_CB_DOMAIN_RUNTIME_API`.
-pub(crate) const DOMAINS: [c_int; 2] = [1, 2];
-/// `CUPTI_API_ENTER` and `CUPTI_API_EXIT`, the first field of
-/// `CUpti_CallbackData`.
-pub(crate) const CUPTI_API_ENTER: u32 = 0;
-pub(crate) const CUPTI_API_EXIT: u32 = 1;
 
 /// Where the library stands with CUPTI.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -229,13 +219,14 @@ impl Drop for Teardown {
     }
 }
 
-/// Subscribes the detach callback as a capture takes the stream: before
+/// Subscribes the library's callback as a capture takes the stream: before
 /// its kinds are enabled on a CUPTI attached afresh, after them on one that
 /// stayed attached; the caller holds the gate, with CUPTI attached. A
 /// subscriber made while CUPTI is attached with every kind off (after a
 /// capture) is never called (CUPTI 13.0 on an H200 called none in 342
 /// windows), so a teardown arms this one rather than subscribing anew.
-/// Until armed, the callback returns at once.
+/// Until armed, the callback only times the timeline's calls (while a
+/// capture has it do so, [`crate::timed_calls`]).
 /// A subscriber another CUPTI user holds is left to it; the teardown then
 /// says why CUPTI stays attached.
 pub fn subscribe_for_capture(gate: &Attachment) {
@@ -272,12 +263,12 @@ fn subscribe_locked() -> Result<(), String> {
     let result = crate::coexist::own(|| unsafe {
         subscribe(&mut handle, Some(on_api_callback), std::ptr::null_mut())
     });
-    if result == CUPTI_ERROR_MULTIPLE_SUBSCRIBERS {
+    if result == callbacks::ERROR_MULTIPLE_SUBSCRIBERS {
         return Err("another CUPTI user in the process holds the Callback API subscriber".into());
     }
     cupti::check("cuptiSubscribe", result)?;
     SUBSCRIBER.store(handle, Ordering::Release);
-    for domain in DOMAINS {
+    for domain in callbacks::DOMAINS {
         // SAFETY: our subscriber and a valid domain.
         let result = crate::coexist::own(|| unsafe { enable_domain(1, handle, domain) });
         if let Err(error) = cupti::check("cuptiEnableDomain", result) {
@@ -385,10 +376,9 @@ unsafe extern "C" fn on_api_callback(
         if !ARMED.load(Ordering::Acquire) || data.is_null() {
             return;
         }
-        // SAFETY: CUPTI passes a `CUpti_CallbackData` for the API domains,
-        // whose first field is the call site.
-        let site = unsafe { data.cast::<u32>().read() };
-        if site != CUPTI_API_EXIT {
+        // SAFETY: CUPTI passes a `CUpti_CallbackData` for the API domains.
+        let site = unsafe { ApiCallback::read(data) }.site;
+        if site != callbacks::API_EXIT {
             return;
         }
         ARMED_EXITS.fetch_add(1, Ordering::Relaxed);

@@ -11,6 +11,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
 
 use crate::convert::Limits;
+use crate::session::Session;
 use crate::sys::dl;
 
 // `CUdevice_attribute` values, checked against every release's `cuda.h` by
@@ -87,6 +88,25 @@ pub fn poke() {
         let mut version: c_int = 0;
         // SAFETY: the driver writes one int.
         unsafe { get_version(&mut version) };
+    }
+}
+
+/// Gives the converter the devices' limits, until it knows some. Not to be
+/// called with the library's CUPTI gate held: another subscriber's
+/// callback may run on this thread and call CUPTI through the library.
+pub fn teach_limits(session: &Session) {
+    let knows = session
+        .converter
+        .lock()
+        .map_or(true, |converter| converter.knows_limits());
+    if knows {
+        return;
+    }
+    let limits = device_limits();
+    if let Ok(mut converter) = session.converter.lock() {
+        for (ordinal, device) in limits {
+            converter.know_limits(ordinal, device);
+        }
     }
 }
 

@@ -44,6 +44,11 @@ use devtrace_shm::workload::MetaRecord;
 use session::Session;
 
 static QUIET: AtomicBool = AtomicBool::new(false);
+/// This is the child of a `fork`: only the forking thread lives on, the
+/// control and converter threads do not, and any lock of the library (or of
+/// libcupti) may have been held by a thread that is gone. The library stays
+/// quiet there and makes no CUPTI call, at exit neither.
+static FORKED: AtomicBool = AtomicBool::new(false);
 static START: Once = Once::new();
 static SESSION: OnceLock<Session> = OnceLock::new();
 
@@ -61,6 +66,17 @@ fn fail(message: &str) {
 
 fn quiet() -> bool {
     QUIET.load(Ordering::Relaxed)
+}
+
+fn forked() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
+/// Runs in the child of each `fork`.
+extern "C" fn in_forked_child() {
+    FORKED.store(true, Ordering::Relaxed);
+    QUIET.store(true, Ordering::Relaxed);
+    timed_calls::stop();
 }
 
 /// Whether `DEVTRACE_INJECT_DEBUG` asks the library to say on stderr what
@@ -105,6 +121,7 @@ fn start_once() {
     // Before `dlopen` returns: a copy `devtrace attach` staged is removed
     // once it has.
     runtime::settle();
+    sys::process::at_fork_child(in_forked_child);
     coexist::join_global_scope();
     coexist::redirect_callers();
     let spawned = std::thread::Builder::new()

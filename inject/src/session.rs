@@ -26,7 +26,7 @@ pub struct Session {
     pub pending: Mutex<VecDeque<Completed>>,
     pub pending_ready: Condvar,
     pub dropped_total: AtomicU64,
-    /// The timeline's calls the subscriber could not log, in all.
+    /// The timeline's calls the subscriber could not log in this capture.
     pub timed_calls_lost: AtomicU64,
 }
 

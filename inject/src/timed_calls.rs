@@ -1,10 +1,10 @@
 //! The timeline's API calls, timed by the library's own Callback API
 //! subscriber rather than by CUPTI's API activity records.
 //!
-//! CUPTI's record of each call is what a capture mostly paid for: on an
+//! CUPTI's record of each call is most of what a capture paid for: on an
 //! H200 the launch-bound loop cost 3.4 us per kernel while capturing with
-//! the runtime API records of its launches, against 1.55 us with the kernel
-//! records alone. The capture's subscriber ([`crate::detach`]) is called at
+//! the runtime API records of its launches (and the capture's other kinds),
+//! against 1.55 us with the kernel records alone. The capture's subscriber ([`crate::detach`]) is called at
 //! every driver and runtime API call's entry and exit anyway, so while
 //! [`start`]ed it stamps the timeline's calls ([`crate::cupti::api_calls`])
 //! itself: the host clock at entry (kept in the call's `correlationData`,
@@ -26,26 +26,19 @@
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Once, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use devtrace_shm::workload::MetaRecord;
 
 use crate::cupti::api_calls;
-use crate::detach::{CUPTI_API_ENTER, CUPTI_API_EXIT, DOMAINS};
+use crate::cupti::callbacks::{ApiCallback, API_ENTER, API_EXIT, DRIVER_API, RUNTIME_API};
+use crate::session::Session;
 
 /// Calls one thread may log between two takes (32 bytes each: at most
 /// 2 MiB a thread). The control thread takes them every 100 ms while a
 /// capture runs; a thread would need 650,000 timeline calls a second to
 /// fill its log.
 pub const MAX_PER_THREAD: usize = 1 << 16;
-
-/// Where `CUpti_CallbackData` keeps what this module reads (checked against
-/// every release's headers by `cupti/header_check.rs`).
-pub(crate) const CORRELATION_DATA_OFFSET: usize = 56;
-pub(crate) const CORRELATION_ID_OFFSET: usize = 64;
-
-/// A call that entered longer ago than this is not believed: its
-/// `correlationData` was not stamped by this module (the call entered before
-/// timing started).
-const LONGEST_CALL_NS: u64 = 600 * 1_000_000_000;
 
 /// One timeline call, on the host clock (`CLOCK_REALTIME` nanoseconds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +65,12 @@ type SharedLog = Arc<Mutex<ThreadLog>>;
 
 /// Whether calls are timed now (a capture runs with the subscriber ours).
 static ON: AtomicBool = AtomicBool::new(false);
+/// When timing last started: an entry stamp older than that is not this
+/// module's (CUPTI does not promise a zeroed `correlationData`), so the call
+/// entered before timing started.
+static STARTED_AT_NS: AtomicU64 = AtomicU64::new(0);
+/// The subscriber was called since timing last started (see [`called`]).
+static CALLED: AtomicBool = AtomicBool::new(false);
 /// Every thread's log, taken from by [`take`]; a log whose thread ended is
 /// dropped once it has been emptied.
 static LOGS: Mutex<Vec<SharedLog>> = Mutex::new(Vec::new());
@@ -116,24 +115,33 @@ fn bits(calls: &[(&str, u32)]) -> Vec<u64> {
     set
 }
 
-/// Starts timing the timeline's calls.
+/// Starts timing the timeline's calls. Calls logged since the last capture's
+/// last take (by callbacks under way as it stopped) are dropped: their
+/// capture's trace is built.
 pub fn start() {
-    static FORK_HANDLER: Once = Once::new();
-    FORK_HANDLER.call_once(|| crate::sys::process::at_fork_child(stop_in_child));
     Timeline::get();
+    take(&mut Vec::new(), false);
+    STARTED_AT_NS.store(devtrace_shm::clock::now_ns(), Ordering::Release);
+    CALLED.store(false, Ordering::Release);
     ON.store(true, Ordering::Release);
 }
 
-/// A child forked during a capture has no control thread to take its calls,
-/// and the logs' locks may have been held by a thread it does not have.
-extern "C" fn stop_in_child() {
-    ON.store(false, Ordering::Release);
-}
-
-/// Stops timing; calls already inside the callback still log. Answers
-/// whether timing was on.
+/// Stops timing, in a forked child too (no control thread takes its calls
+/// there). Calls already inside the callback still log. Answers whether
+/// timing was on.
 pub fn stop() -> bool {
     ON.swap(false, Ordering::AcqRel)
+}
+
+/// When timing last started.
+pub fn started_at_ns() -> u64 {
+    STARTED_AT_NS.load(Ordering::Acquire)
+}
+
+/// Whether CUPTI called the subscriber at all since timing started: a
+/// subscriber CUPTI does not call (as CUPTI 13.0 treats some) times nothing.
+pub fn called() -> bool {
+    CALLED.load(Ordering::Acquire)
 }
 
 /// Whether calls are being timed.
@@ -148,33 +156,35 @@ pub fn on() -> bool {
 /// `data` is null or the `CUpti_CallbackData` CUPTI passes for the driver
 /// and runtime API domains.
 pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
-    if !ON.load(Ordering::Relaxed) || data.is_null() {
-        return;
-    }
     let runtime = match domain {
-        d if d == DOMAINS[0] => false,
-        d if d == DOMAINS[1] => true,
+        DRIVER_API => false,
+        RUNTIME_API => true,
         _ => return,
     };
-    let data = data.cast::<u8>();
-    // SAFETY: the fields of a `CUpti_CallbackData` at their header offsets.
-    let (site, correlation_id, correlation_data) = unsafe {
-        (
-            data.cast::<u32>().read(),
-            data.add(CORRELATION_ID_OFFSET).cast::<u32>().read(),
-            data.add(CORRELATION_DATA_OFFSET)
-                .cast::<*mut u64>()
-                .read_unaligned(),
-        )
-    };
+    if data.is_null() {
+        return;
+    }
+    // SAFETY: as the caller promises.
+    let ApiCallback {
+        site,
+        correlation_id,
+        correlation_data,
+    } = unsafe { ApiCallback::read(data) };
+    // Followed while not timing too, so that a runtime call that entered
+    // before timing started still hides its driver call.
     if runtime {
-        let inside = if site == CUPTI_API_ENTER {
-            correlation_id
-        } else {
-            0
-        };
+        let inside = if site == API_ENTER { correlation_id } else { 0 };
         let _ = RUNTIME_CALL.try_with(|call| call.set(inside));
-    } else if site == CUPTI_API_EXIT
+    }
+    if !ON.load(Ordering::Relaxed) {
+        return;
+    }
+    // Read before written: the line stays shared between the job's threads.
+    if !CALLED.load(Ordering::Relaxed) {
+        CALLED.store(true, Ordering::Relaxed);
+    }
+    if !runtime
+        && site == API_EXIT
         && correlation_id != 0
         && RUNTIME_CALL.try_with(Cell::get) == Ok(correlation_id)
     {
@@ -184,7 +194,7 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
         return;
     }
     let now = devtrace_shm::clock::now_ns();
-    if site == CUPTI_API_ENTER {
+    if site == API_ENTER {
         if !correlation_data.is_null() {
             // SAFETY: CUPTI's 64-bit slot for this call, shared by its entry
             // and exit callbacks.
@@ -192,7 +202,7 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
         }
         return;
     }
-    if site != CUPTI_API_EXIT {
+    if site != API_EXIT {
         return;
     }
     let entered = if correlation_data.is_null() {
@@ -201,7 +211,8 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
         // SAFETY: as above.
         unsafe { correlation_data.read_unaligned() }
     };
-    let start_ns = if entered <= now && now - entered < LONGEST_CALL_NS {
+    let started = STARTED_AT_NS.load(Ordering::Relaxed);
+    let start_ns = if (started..=now).contains(&entered) {
         entered
     } else {
         now
@@ -249,31 +260,71 @@ fn register() -> SharedLog {
 }
 
 /// Moves every thread's calls into `out` and answers how many calls were
-/// lost since the last take. With `release`, the logs give their memory
-/// back (the capture is over).
+/// lost since the last take. A thread's log is swapped for an empty one
+/// while its lock is held, so the thread never waits on a copy. With
+/// `release`, the logs give their memory back (the capture is over).
 pub fn take(out: &mut Vec<TimedCall>, release: bool) -> u64 {
+    let mut taken = Vec::new();
     if let Ok(mut logs) = LOGS.lock() {
         logs.retain(|shared| {
             if let Ok(mut log) = shared.lock() {
-                let thread = log.thread;
-                out.extend(log.calls.iter().map(|call| TimedCall { thread, ..*call }));
-                if release {
-                    log.calls = Vec::new();
-                } else {
-                    log.calls.clear();
-                }
+                let room = if release { 0 } else { log.calls.capacity() };
+                let calls = std::mem::replace(&mut log.calls, Vec::with_capacity(room));
+                taken.push((log.thread, calls));
             }
             // Only this list holds the log of a thread that ended.
             Arc::strong_count(shared) > 1
         });
     }
+    for (thread, calls) in taken {
+        out.extend(calls.into_iter().map(|call| TimedCall { thread, ..call }));
+    }
     LOST.swap(0, Ordering::AcqRel)
+}
+
+/// Converts the calls timed since the last delivery into events for the
+/// ring (their names' metadata first), and counts the calls lost. With
+/// `ending`, the capture is over: the logs' memory goes, and the calls this
+/// capture lost are told once.
+pub fn deliver(session: &Session, ending: bool) {
+    let mut calls = Vec::new();
+    let lost = take(&mut calls, ending);
+    let capture_lost = session.timed_calls_lost.fetch_add(lost, Ordering::Relaxed) + lost;
+    if !calls.is_empty() {
+        let mut events = Vec::with_capacity(calls.len());
+        let meta = session.converter.lock().map(|mut converter| {
+            for call in &calls {
+                converter.timed_call(call, &mut events);
+            }
+            converter.take_meta()
+        });
+        if let Ok(meta) = meta {
+            for record in &meta {
+                session.write_meta(record);
+            }
+            if let Ok(mut producer) = session.producer.lock() {
+                producer.push_batch(&events);
+            }
+        }
+    }
+    if ending {
+        session.timed_calls_lost.store(0, Ordering::Relaxed);
+        if capture_lost > 0 {
+            session.write_meta(&MetaRecord::Warning {
+                message: format!(
+                    "{capture_lost} of the timeline's API calls in a capture were not recorded: \
+                     a thread made more than {MAX_PER_THREAD} of them between two of the \
+                     library's 100 ms flushes, or made them as it ended"
+                ),
+            });
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detach::DOMAINS;
+    use crate::cupti::callbacks::{CORRELATION_DATA_OFFSET, CORRELATION_ID_OFFSET};
 
     /// A `CUpti_CallbackData` as CUPTI lays it out (header-checked offsets).
     #[repr(C)]
@@ -324,15 +375,15 @@ mod tests {
             std::mem::offset_of!(CallbackData, correlation_id),
             CORRELATION_ID_OFFSET
         );
-        let (driver, runtime) = (DOMAINS[0], DOMAINS[1]);
+        let (driver, runtime) = (DRIVER_API, RUNTIME_API);
         let mut out = Vec::new();
         take(&mut out, true);
         out.clear();
 
         // Off: nothing is logged.
         let mut slot = 0u64;
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 1, &mut slot);
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 1, &mut slot);
+        call(driver, CU_LAUNCH_KERNEL, API_ENTER, 1, &mut slot);
+        call(driver, CU_LAUNCH_KERNEL, API_EXIT, 1, &mut slot);
         assert_eq!(take(&mut out, false), 0);
         assert!(out.is_empty());
 
@@ -340,33 +391,33 @@ mod tests {
         // A driver launch of its own, stamped at entry and exit.
         let before = devtrace_shm::clock::now_ns();
         let mut slot = 0u64;
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 7, &mut slot);
+        call(driver, CU_LAUNCH_KERNEL, API_ENTER, 7, &mut slot);
         assert!(slot >= before, "the entry is stamped in correlationData");
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 7, &mut slot);
+        call(driver, CU_LAUNCH_KERNEL, API_EXIT, 7, &mut slot);
         // Not a timeline call.
         let mut other = 0u64;
-        call(driver, CU_CTX_SYNCHRONIZE, CUPTI_API_ENTER, 8, &mut other);
-        call(driver, CU_CTX_SYNCHRONIZE, CUPTI_API_EXIT, 8, &mut other);
+        call(driver, CU_CTX_SYNCHRONIZE, API_ENTER, 8, &mut other);
+        call(driver, CU_CTX_SYNCHRONIZE, API_EXIT, 8, &mut other);
         // A runtime launch with its driver launch inside, sharing its id.
         let (mut outer, mut inner) = (0u64, 0u64);
-        call(runtime, CUDA_LAUNCH_KERNEL, CUPTI_API_ENTER, 9, &mut outer);
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 9, &mut inner);
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 9, &mut inner);
-        call(runtime, CUDA_LAUNCH_KERNEL, CUPTI_API_EXIT, 9, &mut outer);
+        call(runtime, CUDA_LAUNCH_KERNEL, API_ENTER, 9, &mut outer);
+        call(driver, CU_LAUNCH_KERNEL, API_ENTER, 9, &mut inner);
+        call(driver, CU_LAUNCH_KERNEL, API_EXIT, 9, &mut inner);
+        call(runtime, CUDA_LAUNCH_KERNEL, API_EXIT, 9, &mut outer);
         // A runtime launch whose driver launch has an id of its own.
         let (mut outer, mut inner) = (0u64, 0u64);
-        call(runtime, CUDA_LAUNCH_KERNEL, CUPTI_API_ENTER, 10, &mut outer);
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 11, &mut inner);
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 11, &mut inner);
-        call(runtime, CUDA_LAUNCH_KERNEL, CUPTI_API_EXIT, 10, &mut outer);
+        call(runtime, CUDA_LAUNCH_KERNEL, API_ENTER, 10, &mut outer);
+        call(driver, CU_LAUNCH_KERNEL, API_ENTER, 11, &mut inner);
+        call(driver, CU_LAUNCH_KERNEL, API_EXIT, 11, &mut inner);
+        call(runtime, CUDA_LAUNCH_KERNEL, API_EXIT, 10, &mut outer);
         // A launch that entered before timing began: its slot holds no stamp.
         let mut unstamped = 12_345u64;
-        call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 13, &mut unstamped);
+        call(driver, CU_LAUNCH_KERNEL, API_EXIT, 13, &mut unstamped);
         // Another thread's launch.
         std::thread::spawn(move || {
             let mut slot = 0u64;
-            call(driver, CU_LAUNCH_KERNEL, CUPTI_API_ENTER, 14, &mut slot);
-            call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 14, &mut slot);
+            call(driver, CU_LAUNCH_KERNEL, API_ENTER, 14, &mut slot);
+            call(driver, CU_LAUNCH_KERNEL, API_EXIT, 14, &mut slot);
         })
         .join()
         .expect("the thread ran");
@@ -402,7 +453,7 @@ mod tests {
         start();
         let mut slot = 0u64;
         for _ in 0..MAX_PER_THREAD + 3 {
-            call(driver, CU_LAUNCH_KERNEL, CUPTI_API_EXIT, 20, &mut slot);
+            call(driver, CU_LAUNCH_KERNEL, API_EXIT, 20, &mut slot);
         }
         stop();
         assert_eq!(take(&mut out, true), 3);

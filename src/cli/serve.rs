@@ -260,8 +260,9 @@ pub struct ServeArgs {
     /// recorded, on the process's synchronization line). The injection
     /// library times these calls itself, from the Callback API subscriber
     /// it holds during a capture, rather than having CUPTI record them
-    /// (CUPTI's record of each launch made about 1.9 us of the 3.4 us a
-    /// capture cost per kernel on an H200); it falls back to
+    /// (CUPTI's record of each launch and the capture's other kinds made up
+    /// to 1.9 us of the 3.4 us a capture cost per kernel on an H200); it
+    /// falls back to
     /// CUPTI's records when another CUPTI user holds the subscriber.
     /// `timeline-cupti` has CUPTI record the same calls. `all` records every
     /// call, at CUPTI's cost on each (scripts/bench-inject measures them).

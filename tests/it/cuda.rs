@@ -374,7 +374,7 @@ async fn every_kernel_of_a_running_workload_has_its_launch_call() {
         let setup = setup("cuda_running");
         let agent = setup.agent();
         let workload = setup.workload(
-            &["80", "--sleep-ms", "20"],
+            &["400", "--sleep-ms", "2"],
             &[("DEVTRACE_STANDIN_CUPTI_VERSION", version)],
         );
         let pid = workload.workload.pid;
@@ -2555,9 +2555,8 @@ async fn a_subscriber_taken_mid_capture_hands_the_calls_to_cuptis_records() {
 /// A profiler that subscribes before it takes the activity stream (as
 /// XLA's tracer and Kineto do) inside a capture: the calls between its
 /// subscription and its taking the stream are reported missing, the stream
-/// it had too, and once it is done the library takes both back, its
-/// subscriber timing the calls again; every kernel outside those spans has
-/// its launch call.
+/// it had too, and once it is done the library takes both back; every
+/// kernel outside those spans has its launch call.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_profiler_subscribing_inside_a_capture_leaves_no_kernel_unaccounted_for() {
     let (_setup, agent, release, workload) = rival_from(
@@ -2603,7 +2602,69 @@ async fn a_profiler_subscribing_inside_a_capture_leaves_no_kernel_unaccounted_fo
             space.warnings
         );
     }
-    assert!(api_records_of(&space, pid).starts_with(TIMED));
+    // Timed until then; CUPTI's records from the stream's return on (a
+    // subscriber made on a CUPTI attached with every kind off would not be
+    // called, so it is made after the kinds, and the calls in between have
+    // CUPTI's records; this capture keeps them).
+    let set = api_records_of(&space, pid);
+    assert!(
+        set.starts_with(TIMED)
+            && set.ends_with(&format!(
+                "; then {}",
+                devtrace::workload::ApiRecordSet::Timeline.describe()
+            )),
+        "{set}"
+    );
+}
+
+/// A CUPTI that never calls the library's subscriber (the worst reading of
+/// what CUDA 13.0 did to some subscribers) times nothing: once a second has
+/// passed with kernels recorded and not one callback, not even for a driver
+/// call of the library's own, CUPTI's records take over, and the trace says
+/// from when to when the calls are missing and why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_subscriber_cupti_never_calls_hands_the_calls_to_cuptis_records() {
+    let setup = setup("cuda_deaf_subscriber");
+    let agent = setup.agent();
+    let workload = setup.workload(
+        &["300", "--sleep-ms", "10"],
+        &[("DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS", "1")],
+    );
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture(&agent, 2500).await;
+    let (from, to) = span_in_warning(&space, "did not call")
+        .unwrap_or_else(|| panic!("no silent span in {:?}", space.warnings));
+    assert!(
+        (0.9..1.5).contains(&(to - from)),
+        "calls missing from {from} s to {to} s"
+    );
+    let (start, _) = common::window_of(&space);
+    let seconds = |ns: u64| ns.saturating_sub(start) as f64 / 1e9;
+    let launches = launch_ids_of(&space, pid);
+    let kernels = program_kernels(&space);
+    let after: Vec<_> = kernels
+        .iter()
+        .filter(|(_, at)| seconds(*at) > to + 0.005)
+        .collect();
+    assert!(after.len() > 20, "{} kernels after the span", after.len());
+    for (kernel, at) in after {
+        let id = uint(kernel, "correlation_id");
+        assert_eq!(
+            launches.iter().filter(|l| **l == id).count(),
+            1,
+            "kernel {id} at {} s; calls missing from {from} s to {to} s; {} launches, {:?}",
+            seconds(*at),
+            launches.len(),
+            space.warnings
+        );
+    }
+    let set = api_records_of(&space, pid);
+    assert!(
+        set.starts_with(TIMED) && set.contains("; then timeline: "),
+        "{set}"
+    );
+    drop(workload);
 }
 
 /// A profiler that ends by finalizing CUPTI (as Kineto does when it tears

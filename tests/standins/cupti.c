@@ -159,7 +159,9 @@
  *   what CUPTI's own dynamic-detach sample finalizes from. That run could
  *   not tell this from a stricter CUPTI that calls no subscriber at all
  *   while every kind is off (the sample finalizes with its kinds on);
- *   $DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS=1 models that one too.
+ *   $DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS=1 models that one too, and
+ *   $DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS=1 the worst reading: no
+ *   subscriber is ever called.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -774,6 +776,8 @@ static int subscriber_deaf;
 /* $DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS=1: the stricter reading, no
  * subscriber is called while CUPTI is armed with every kind off. */
 static int strict_subscribers;
+/* $DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS=1: no subscriber is ever called. */
+static int deaf_subscribers;
 
 /* Armed: some activity kind was enabled since load or the last
  * cuptiFinalize. Every driver call then pays armed_ns, enabled kinds or not,
@@ -837,6 +841,7 @@ static void setup(void) {
     callback_ns = env_or("DEVTRACE_STANDIN_CUPTI_CALLBACK_NS", 100);
     first_enable_ms = env_or("DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS", 100);
     strict_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS", 0) != 0;
+    deaf_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS", 0) != 0;
     late_ms = env_or("DEVTRACE_STANDIN_CUPTI_LATE_MS", 1500);
 }
 
@@ -1352,6 +1357,7 @@ static void record_call(struct standin_call *call);
  * a driver call's hot path would: the writers hold it, each field is one
  * word. */
 static int subscriber_listening(void) {
+    if (deaf_subscribers) return 0;
     if (!__atomic_load_n(&subscriber_domains[CUPTI_CB_DOMAIN_DRIVER_API], __ATOMIC_ACQUIRE)) return 0;
     if (!__atomic_load_n(&subscribed, __ATOMIC_ACQUIRE) || __atomic_load_n(&subscriber_deaf, __ATOMIC_ACQUIRE))
         return 0;

@@ -192,12 +192,41 @@ pub enum MetaRecord {
     /// calls of `set`.
     ApiRecords { at_ns: u64, set: ApiRecordSet },
     /// The timeline's API calls made from `from_ns` to `to_ns` are missing:
-    /// the subscriber that timed them ([`ApiRecordSet::TimelineTimed`]) went
-    /// to another CUPTI user, and CUPTI's records took over at `to_ns`.
-    Untimed { from_ns: u64, to_ns: u64 },
+    /// the subscriber that timed them ([`ApiRecordSet::TimelineTimed`])
+    /// stopped doing so, for `cause`; at `to_ns` CUPTI's records took over,
+    /// or another profiler took the activity stream too.
+    Untimed {
+        from_ns: u64,
+        to_ns: u64,
+        cause: UntimedCause,
+    },
 }
 
-/// Which driver and runtime API calls CUPTI records while a capture runs.
+/// Why the library's subscriber stopped timing the timeline's calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UntimedCause {
+    /// Another CUPTI user took the subscriber (or finalized CUPTI).
+    Taken,
+    /// CUPTI never called the subscriber while kernels were recorded.
+    Silent,
+}
+
+impl UntimedCause {
+    fn word(self) -> &'static str {
+        match self {
+            UntimedCause::Taken => "taken",
+            UntimedCause::Silent => "silent",
+        }
+    }
+
+    fn from_word(word: &str) -> Option<UntimedCause> {
+        [UntimedCause::Taken, UntimedCause::Silent]
+            .into_iter()
+            .find(|cause| cause.word() == word)
+    }
+}
+
+/// Which driver and runtime API calls a capture records, and how.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ApiRecordSet {
     /// Only the calls that place work on the timeline (launches, copies,
@@ -341,7 +370,11 @@ impl MetaRecord {
             MetaRecord::ApiRecords { at_ns, set } => {
                 format!("api-records {at_ns} {}\n", set.word())
             }
-            MetaRecord::Untimed { from_ns, to_ns } => format!("untimed {from_ns} {to_ns}\n"),
+            MetaRecord::Untimed {
+                from_ns,
+                to_ns,
+                cause,
+            } => format!("untimed {from_ns} {to_ns} {}\n", cause.word()),
         }
     }
 
@@ -417,6 +450,7 @@ impl MetaRecord {
             "untimed" => MetaRecord::Untimed {
                 from_ns: fields.next()?.parse().ok()?,
                 to_ns: fields.next()?.parse().ok()?,
+                cause: UntimedCause::from_word(fields.next()?)?,
             },
             _ => return None,
         };
@@ -675,6 +709,12 @@ pub fn sample_records() -> Vec<MetaRecord> {
         MetaRecord::Untimed {
             from_ns: 12,
             to_ns: 13,
+            cause: UntimedCause::Taken,
+        },
+        MetaRecord::Untimed {
+            from_ns: 14,
+            to_ns: 15,
+            cause: UntimedCause::Silent,
         },
         MetaRecord::Cupti {
             version: 130001,

@@ -334,16 +334,17 @@ fn the_timeline_calls_and_their_entry_points_match_the_real_headers() {
     }
 }
 
-/// The Callback API the detach and the timed calls use (`detach.rs`,
-/// `timed_calls.rs`): the entry points' signatures as `library.rs` types
-/// them, the call site's place and values, the correlation fields,
+/// The Callback API the detach and the timed calls use (`callbacks.rs`):
+/// the entry points' signatures as `library.rs` types them, the call
+/// site's place and values, the correlation fields,
 /// the domains and the error a second subscriber gets, in every release.
 #[test]
-fn the_detach_entry_points_match_the_real_headers() {
-    use crate::detach::{
-        CUPTI_API_ENTER, CUPTI_API_EXIT, CUPTI_ERROR_MULTIPLE_SUBSCRIBERS, DOMAINS,
+fn the_callback_api_matches_the_real_headers() {
+    use super::callbacks::{
+        API_ENTER as CUPTI_API_ENTER, API_EXIT as CUPTI_API_EXIT, CORRELATION_DATA_OFFSET,
+        CORRELATION_ID_OFFSET, DOMAINS,
+        ERROR_MULTIPLE_SUBSCRIBERS as CUPTI_ERROR_MULTIPLE_SUBSCRIBERS,
     };
-    use crate::timed_calls::{CORRELATION_DATA_OFFSET, CORRELATION_ID_OFFSET};
     for (release, dir, includes) in unpacked() {
         let source = format!(
             "#include <stddef.h>\n#include <stdint.h>\n#include <cupti.h>\n\
@@ -377,7 +378,7 @@ fn the_detach_entry_points_match_the_real_headers() {
             DOMAINS[0], DOMAINS[1]
         );
         let what = format!(
-            "CUPTI {}: the Callback API differs from detach.rs",
+            "CUPTI {}: the Callback API differs from callbacks.rs",
             release.name
         );
         assert_compiles(&dir.join("detach_check.c"), &source, &includes, &what);

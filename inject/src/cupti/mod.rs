@@ -4,6 +4,7 @@
 //! before [`load`] succeeded answers an error.
 
 pub mod api_calls;
+pub mod callbacks;
 pub mod layout;
 pub mod library;
 

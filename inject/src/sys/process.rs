@@ -16,10 +16,11 @@ pub fn at_fork_child(handler: extern "C" fn()) {
     unsafe { libc::pthread_atfork(None, None, Some(handler)) };
 }
 
-/// The calling thread's system id.
+/// The calling thread's system id (by the system call: glibc's `gettid`
+/// wrapper is younger than some hosts' glibc).
 pub fn thread_id() -> u32 {
-    // SAFETY: gettid has no preconditions.
-    unsafe { libc::gettid() as u32 }
+    // SAFETY: gettid has no arguments and no preconditions.
+    unsafe { libc::syscall(libc::SYS_gettid) as u32 }
 }
 
 /// Frees memory another library allocated with `malloc` and handed over.

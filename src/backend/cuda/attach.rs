@@ -393,10 +393,15 @@ impl Attachments {
                         None => remember_switch(&mut process.api_records, at_ns, set),
                     }
                 }
-                MetaRecord::Untimed { from_ns, to_ns } => {
+                MetaRecord::Untimed {
+                    from_ns,
+                    to_ns,
+                    cause,
+                } => {
                     let mut status = self.status.lock();
-                    status.lost_from(pid, process.label(), from_ns, LossCause::ApiCalls);
-                    status.lost_until(pid, to_ns, |cause| cause == LossCause::ApiCalls);
+                    let lost = LossCause::ApiCalls(cause);
+                    status.lost_from(pid, process.label(), from_ns, lost);
+                    status.lost_until(pid, to_ns, |open| open == lost);
                 }
                 MetaRecord::Resumed { at_ns } => {
                     let other_user = |cause| matches!(cause, LossCause::OtherUser { .. });

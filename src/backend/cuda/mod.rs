@@ -57,7 +57,8 @@ use crate::ring::{
     CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE, CONTROL_CUPTI_API_RECORDS, CONTROL_RECORD_ALWAYS,
 };
 use crate::workload::{
-    self, ApiRecordSet, FileName, MetaReader, MetaRecord, WorkloadFiles, SYNTHETIC_LINE_BASE,
+    self, ApiRecordSet, FileName, MetaReader, MetaRecord, UntimedCause, WorkloadFiles,
+    SYNTHETIC_LINE_BASE,
 };
 
 #[derive(Clone, Debug)]

@@ -1,7 +1,8 @@
 //! What the CUDA backend tells the captures about the processes it traces:
 //! the processes attached in a window, their libraries' lasting states, the
 //! notices of the moment, and the spans of a process's GPU activity that
-//! are missing (another CUPTI user had the stream, or CUPTI was starting).
+//! are missing (another CUPTI user had the stream, or CUPTI was starting),
+//! or of its launch calls (the library's subscriber stopped timing them).
 
 use std::collections::VecDeque;
 
@@ -30,9 +31,9 @@ pub(super) enum LossCause {
     /// The library was asked to capture and CUPTI was not recording yet.
     Starting,
     /// The timeline's API calls were not recorded: the library's subscriber
-    /// that timed them went to another CUPTI user (its GPU activity is
-    /// there, without the calls that launched it).
-    ApiCalls,
+    /// that timed them stopped, for that reason (its GPU activity is there,
+    /// without the calls that launched it).
+    ApiCalls(UntimedCause),
 }
 
 /// A span of one process's GPU activity that is missing from the trace.
@@ -90,15 +91,25 @@ impl LostSpan {
                 self.label,
                 (to_ns - self.from_ns) as f64 / 1e6,
             ),
-            LossCause::ApiCalls => format!(
+            LossCause::ApiCalls(cause) => format!(
                 "the launch, copy and memset calls of {} from {:.3} s to {:.3} s of this window \
                  are missing (its kernels, copies and memsets are there, without the calls that \
-                 made them): a profiler in that process took the injection library's Callback \
-                 API subscriber, which timed them, and CUPTI's API records or that profiler \
-                 took over",
+                 made them): {}",
                 self.label,
                 seconds(from),
                 seconds(to),
+                match cause {
+                    UntimedCause::Taken => {
+                        "a profiler in that process took the injection library's Callback API \
+                         subscriber, which timed them, and CUPTI's API records or that profiler \
+                         took over"
+                    }
+                    UntimedCause::Silent => {
+                        "CUPTI did not call the injection library's Callback API subscriber, \
+                         which was to time them, while it recorded kernels, so CUPTI's API \
+                         records took over"
+                    }
+                },
             ),
         })
     }
@@ -337,7 +348,7 @@ mod tests {
 
     #[test]
     fn untimed_calls_are_told_as_calls_missing_beside_their_kernels() {
-        let told = span(102, Some(103), LossCause::ApiCalls)
+        let told = span(102, Some(103), LossCause::ApiCalls(UntimedCause::Taken))
             .describe(WINDOW)
             .expect("overlaps");
         assert!(
@@ -348,9 +359,13 @@ mod tests {
                 && told.contains("Callback API subscriber"),
             "{told}"
         );
-        assert!(span(90, Some(95), LossCause::ApiCalls)
+        assert!(span(90, Some(95), LossCause::ApiCalls(UntimedCause::Taken))
             .describe(WINDOW)
             .is_none());
+        let silent = span(102, Some(103), LossCause::ApiCalls(UntimedCause::Silent))
+            .describe(WINDOW)
+            .expect("overlaps");
+        assert!(silent.contains("CUPTI did not call"), "{silent}");
     }
 
     #[test]
