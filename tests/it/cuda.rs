@@ -396,6 +396,56 @@ async fn every_kernel_of_a_running_workload_has_its_launch_call() {
     }
 }
 
+/// Launches made as PyTorch makes them, through the runtime (the stand-in
+/// CUPTI wraps each in a `cudaLaunchKernel` whose driver call shares its
+/// correlation id): each kernel has exactly one launch call, the runtime
+/// one, whether the library times the calls or CUPTI records them.
+#[tokio::test(flavor = "multi_thread")]
+async fn runtime_launches_have_one_launch_call_each_timed_or_recorded() {
+    for agent_args in [&[][..], &["--cuda-api-records", "timeline-cupti"][..]] {
+        let setup = setup("cuda_runtime_launches");
+        let agent = setup.agent_with(agent_args);
+        let release = release_file(&setup, "runtime");
+        let workload = setup.workload(
+            &["3", "--wait-file", release.to_str().unwrap()],
+            &[("DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES", "1")],
+        );
+        workload.read_until("waiting");
+        let pid = workload.workload.pid;
+        wait_for_attached(&agent, 1).await;
+        let space = capture_while(&agent, 2000, &release).await;
+        calls_until_done(&workload);
+        let host = timed(&space, "/host:CPU");
+        let calls: Vec<(String, u64)> = host
+            .iter()
+            .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
+            .filter(|(e, _)| e.stats.contains_key("correlation_id"))
+            .map(|(e, _)| (e.name.clone(), uint(e, "correlation_id")))
+            .collect();
+        assert!(
+            !calls
+                .iter()
+                .any(|(name, _)| name.starts_with("cuLaunchKernel")),
+            "{agent_args:?}: driver launches inside runtime ones are left out: {calls:?}"
+        );
+        let kernels = program_kernels(&space);
+        assert_eq!(kernels.len(), 6, "{agent_args:?}: {:?}", space.warnings);
+        for (kernel, _) in &kernels {
+            let id = uint(kernel, "correlation_id");
+            let launches: Vec<&String> = calls
+                .iter()
+                .filter(|(_, call)| *call == id)
+                .map(|(name, _)| name)
+                .collect();
+            assert_eq!(
+                launches,
+                ["cudaLaunchKernel_v7000"],
+                "{agent_args:?}: kernel {id}"
+            );
+        }
+    }
+}
+
 /// Whether the injection library records the stand-in program's `call` by
 /// default: all but its synchronizations and event records put work on the
 /// timeline (launches, copies, memsets, allocations and frees).

@@ -145,6 +145,16 @@
  *   record for its id, no kind its device work or synchronization would be
  *   recorded under, no subscriber listening) costs the call only a few
  *   loads: no lock, no correlation id.
+ * - $DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES=1 presents each kernel launch
+ *   (cuLaunchKernel, cuLaunchKernelEx) as PyTorch's reach CUPTI: inside a
+ *   runtime call, cudaLaunchKernel (CUPTI_RUNTIME_TRACE_CBID_
+ *   cudaLaunchKernel_v7000, 211). The runtime call gets the correlation id
+ *   and shares it with the driver call inside it and the kernel; a
+ *   subscriber with the runtime API domain enabled is called at the runtime
+ *   call's entry, then the driver call's entry, exit, and the runtime call's
+ *   exit; the launch gets a RUNTIME record (when cbid 211 or the RUNTIME
+ *   kind is enabled) and never a DRIVER record, as CUPTI writes none for a
+ *   driver call made by the runtime. cuptiGetCallbackName knows the name.
  * - cuptiSubscribe allows one subscriber (a second gets
  *   CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED). Its callback is called
  *   at the entry and exit sites of each driver call once it enabled the
@@ -778,6 +788,10 @@ static int subscriber_deaf;
 static int strict_subscribers;
 /* $DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS=1: no subscriber is ever called. */
 static int deaf_subscribers;
+/* $DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES=1: launches come inside a
+ * cudaLaunchKernel runtime call (see the top of this file). */
+static int runtime_launches;
+#define RUNTIME_CBID_cudaLaunchKernel 211u
 
 /* Armed: some activity kind was enabled since load or the last
  * cuptiFinalize. Every driver call then pays armed_ns, enabled kinds or not,
@@ -842,6 +856,7 @@ static void setup(void) {
     first_enable_ms = env_or("DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS", 100);
     strict_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS", 0) != 0;
     deaf_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS", 0) != 0;
+    runtime_launches = env_or("DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES", 0) != 0;
     late_ms = env_or("DEVTRACE_STANDIN_CUPTI_LATE_MS", 1500);
 }
 
@@ -1323,11 +1338,22 @@ static int on(const uint8_t *flag) {
     return __atomic_load_n(flag, __ATOMIC_RELAXED);
 }
 
-/* Whether a call records anything: its DRIVER record, or the kind its
+/* Whether `call` comes inside a runtime cudaLaunchKernel
+ * ($DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES). */
+static int wrapped_launch(const struct standin_call *call) {
+    return runtime_launches && call->kind == STANDIN_CALL_KERNEL;
+}
+
+/* Whether a call records anything: its DRIVER record (RUNTIME, for a
+ * wrapped launch), or the kind its
  * device work or synchronization is recorded under. Contexts are always
  * followed, for the CONTEXT records of a later enable. */
 static int records_anything(const struct standin_call *call) {
-    if (call->cbid < MAX_CALLBACK_IDS && on(&driver_calls[call->cbid])) return 1;
+    if (wrapped_launch(call)) {
+        if (on(&runtime_calls[RUNTIME_CBID_cudaLaunchKernel])) return 1;
+    } else if (call->cbid < MAX_CALLBACK_IDS && on(&driver_calls[call->cbid])) {
+        return 1;
+    }
     if (call->result != 0) return 0;
     switch (call->kind) {
     case STANDIN_CALL_KERNEL:
@@ -1356,9 +1382,9 @@ static void record_call(struct standin_call *call);
  * enabled the driver API domain and is not deaf. Read without the lock, as
  * a driver call's hot path would: the writers hold it, each field is one
  * word. */
-static int subscriber_listening(void) {
+static int subscriber_listening(CUpti_CallbackDomain domain) {
     if (deaf_subscribers) return 0;
-    if (!__atomic_load_n(&subscriber_domains[CUPTI_CB_DOMAIN_DRIVER_API], __ATOMIC_ACQUIRE)) return 0;
+    if (!__atomic_load_n(&subscriber_domains[domain], __ATOMIC_ACQUIRE)) return 0;
     if (!__atomic_load_n(&subscribed, __ATOMIC_ACQUIRE) || __atomic_load_n(&subscriber_deaf, __ATOMIC_ACQUIRE))
         return 0;
     if (strict_subscribers && __atomic_load_n(&armed, __ATOMIC_ACQUIRE)) {
@@ -1369,31 +1395,43 @@ static int subscriber_listening(void) {
     return 1;
 }
 
-/* A subscriber's callback at the entry or exit site of a driver call, when
- * it is listening, with the call's correlation id and its correlationData
- * slot. Runs without the lock: the callback may call back into CUPTI
- * (cuptiFinalize, as the dynamic detach recipe does). */
-static void notify_subscriber(struct standin_call *call, CUpti_ApiCallbackSite site) {
-    if (!subscriber_listening()) return;
+/* A subscriber's callback at the entry or exit site of `call` in `domain`
+ * (as callback id `cbid`, named `name`, with `slot` as its correlationData),
+ * when it is listening, with the call's correlation id. Runs without the
+ * lock: the callback may call back into CUPTI (cuptiFinalize, as the dynamic
+ * detach recipe does). */
+static void call_subscriber(struct standin_call *call, CUpti_CallbackDomain domain, uint32_t cbid,
+                            const char *name, uint64_t *slot, CUpti_ApiCallbackSite site) {
+    if (!subscriber_listening(domain)) return;
     CUpti_CallbackFunc callback = __atomic_load_n(&subscriber_callback, __ATOMIC_ACQUIRE);
     void *userdata = __atomic_load_n(&subscriber_userdata, __ATOMIC_ACQUIRE);
     if (!callback) return;
     spin_ns(callback_ns);
-    if (site == CUPTI_API_EXIT && !callback_name_known(call->cbid)) {
+    if (domain == CUPTI_CB_DOMAIN_DRIVER_API && site == CUPTI_API_EXIT && !callback_name_known(cbid)) {
         pthread_mutex_lock(&lock);
-        learn_callback_name(call->cbid, call->api_name);
+        learn_callback_name(cbid, name);
         pthread_mutex_unlock(&lock);
     }
     if (!call->correlation_id) call->correlation_id = __atomic_fetch_add(&next_correlation, 1, __ATOMIC_RELAXED);
     CUpti_CallbackData data;
     memset(&data, 0, sizeof data);
     data.callbackSite = site;
-    data.functionName = call->api_name;
+    data.functionName = name;
     data.context = NULL;
     data.contextUid = call->context_id;
-    data.correlationData = &call->correlation_data;
+    data.correlationData = slot;
     data.correlationId = call->correlation_id;
-    callback(userdata, CUPTI_CB_DOMAIN_DRIVER_API, call->cbid, &data);
+    callback(userdata, (int)domain, cbid, &data);
+}
+
+static void notify_subscriber(struct standin_call *call, CUpti_ApiCallbackSite site) {
+    call_subscriber(call, CUPTI_CB_DOMAIN_DRIVER_API, call->cbid, call->api_name, &call->correlation_data, site);
+}
+
+/* The runtime call a wrapped launch comes inside. */
+static void notify_runtime(struct standin_call *call, CUpti_ApiCallbackSite site) {
+    call_subscriber(call, CUPTI_CB_DOMAIN_RUNTIME_API, RUNTIME_CBID_cudaLaunchKernel, "cudaLaunchKernel",
+                    &call->runtime_correlation_data, site);
 }
 
 /* The handler libcuda calls as each driver call enters and returns. */
@@ -1401,12 +1439,18 @@ CUPTIAPI void devtrace_standin_cupti_on_call(struct standin_call *call) {
     if (!call || call->version != STANDIN_CALL_VERSION) return;
     pthread_once(&setup_once, setup);
     if (call->site == STANDIN_SITE_ENTER) {
+        if (wrapped_launch(call)) {
+            /* The runtime call is numbered first; its driver call shares it. */
+            call->correlation_id = __atomic_fetch_add(&next_correlation, 1, __ATOMIC_RELAXED);
+            notify_runtime(call, CUPTI_API_ENTER);
+        }
         notify_subscriber(call, CUPTI_API_ENTER);
         return;
     }
     if (__atomic_load_n(&armed, __ATOMIC_RELAXED)) spin_ns(armed_ns);
     record_call(call);
     notify_subscriber(call, CUPTI_API_EXIT);
+    if (wrapped_launch(call)) notify_runtime(call, CUPTI_API_EXIT);
 }
 
 /* The activity records of one driver call; numbers it if its entry did not. */
@@ -1426,11 +1470,13 @@ static void record_call(struct standin_call *call) {
         if (enabled[CUPTI_ACTIVITY_KIND_CONTEXT]) write_context(call->context_id, call->device_id, call);
     }
 
-    if (call->cbid < MAX_CALLBACK_IDS && driver_calls[call->cbid]) {
+    int wrapped = wrapped_launch(call);
+    if (wrapped ? runtime_calls[RUNTIME_CBID_cudaLaunchKernel]
+                : call->cbid < MAX_CALLBACK_IDS && driver_calls[call->cbid]) {
         CUpti_ActivityAPI *r = reserve(sizeof *r, call);
         if (r) {
-            r->kind = CUPTI_ACTIVITY_KIND_DRIVER;
-            r->cbid = call->cbid;
+            r->kind = wrapped ? CUPTI_ACTIVITY_KIND_RUNTIME : CUPTI_ACTIVITY_KIND_DRIVER;
+            r->cbid = wrapped ? RUNTIME_CBID_cudaLaunchKernel : call->cbid;
             r->start = gpu_time(call->start_ns);
             r->end = gpu_time(call->end_ns);
             r->processId = call->pid;
@@ -1877,10 +1923,15 @@ CUPTIAPI int devtrace_standin_cupti_recording_kernels(void) {
 }
 
 /* Domain 1 is CUPTI_CB_DOMAIN_DRIVER_API; names are known once a call with
- * that cbid was made, as the real library knows them all. */
+ * that cbid was made, as the real library knows them all. Of the runtime
+ * domain (2), the one runtime call of this stand-in. */
 CUPTIAPI CUptiResult cuptiGetCallbackName(int domain, CUpti_CallbackId cbid, const char **name) {
     ENTER("cuptiGetCallbackName");
     if (!name) return CUPTI_ERROR_INVALID_PARAMETER;
+    if (domain == 2 && cbid == RUNTIME_CBID_cudaLaunchKernel) {
+        *name = "cudaLaunchKernel_v7000";
+        return CUPTI_SUCCESS;
+    }
     if (domain != 1) return CUPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&lock);
     const char *found = NULL;

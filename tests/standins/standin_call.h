@@ -125,6 +125,9 @@ struct standin_call {
     uint32_t site;
     uint32_t correlation_id;   /* 0 until the CUPTI stand-in numbers the call */
     uint64_t correlation_data;
+    /* The correlationData slot of the runtime call the CUPTI stand-in may
+     * wrap a launch in ($DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES, cupti.c). */
+    uint64_t runtime_correlation_data;
 };
 
 #define STANDIN_SITE_ENTER 0u
