@@ -2,9 +2,9 @@
 //! the session, then follows the agent's control word. A capture takes
 //! CUPTI's activity stream (or steps aside for another user), has the
 //! timeline's API calls timed by its subscriber ([`crate::timed_calls`]) or
-//! recorded by CUPTI, flushes while
-//! it runs, and at its end switches everything off, takes its buffers back
-//! and detaches CUPTI ([`crate::detach`]). When the agent asks for the
+//! recorded by CUPTI, flushes while it runs, and at its end switches
+//! everything off, takes its buffers back and detaches CUPTI
+//! ([`crate::detach`]). When the agent asks for the
 //! GPU's past (`CONTROL_RECORD_ALWAYS`), the kernels, copies and memsets
 //! stay recorded between captures ([`BACKGROUND_KINDS`]); a capture adds
 //! the rest for its window, and CUPTI is detached only once the agent

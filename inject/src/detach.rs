@@ -21,10 +21,9 @@
 //! the timeline's calls ([`crate::timed_calls`]); for the detach it does
 //! nothing until the teardown arms it; then the next API call to return
 //! finalizes: the job's, or one the control thread makes itself
-//! ([`crate::driver::poke`])
-//! so that a job idle after a capture is detached too, and hands back the
-//! window's last records before the trace is built. A subscriber blocks other
-//! subscribers (Kineto would run without its GPU tracing), so it is handed
+//! ([`crate::driver::poke`]) so that a job idle after a capture is detached
+//! too, and hands back the window's last records before the trace is
+//! built. A subscriber blocks other subscribers (Kineto would run without its GPU tracing), so it is handed
 //! over at once to another subscriber seen arriving ([`give_way`]); CUPTI
 //! then stays attached until the end of the next capture, which subscribes
 //! again as it starts. Another user registering activity callbacks does so
@@ -147,8 +146,8 @@ impl Teardown {
     }
 
     /// One step: arms the capture's subscriber, so that the next API call
-    /// to return (the job's or a [`crate::driver::poke`]) finalizes CUPTI, or sees that one
-    /// did.
+    /// to return (the job's or a [`crate::driver::poke`]) finalizes CUPTI,
+    /// or sees that one did.
     pub fn step(&mut self) -> Progress {
         if self.finalized() {
             return Progress::Detached;

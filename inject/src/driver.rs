@@ -114,7 +114,7 @@ pub fn teach_limits(session: &Session) {
 /// `deviceId` of CUPTI's records); empty before the job's `cuInit` or
 /// without the entry points. A device whose attributes cannot all be read
 /// is left out.
-pub fn device_limits() -> Vec<(u32, Limits)> {
+fn device_limits() -> Vec<(u32, Limits)> {
     let Some(Driver {
         get_count: Some(get_count),
         get: Some(get),

@@ -9,9 +9,8 @@
 //! enables CUPTI's activity kinds and times the API calls that put work on
 //! the GPU timeline from its own Callback API subscriber ([`timed_calls`]);
 //! buffers CUPTI fills are converted to events on a second thread; when the
-//! flag clears it disables them, takes
-//! its buffers back and finalizes CUPTI ([`detach`]), so that the job runs
-//! as fast after a capture as before it.
+//! flag clears it disables them, takes its buffers back and finalizes CUPTI
+//! ([`detach`]), so that the job runs as fast after a capture as before it.
 //!
 //! It must never crash or stall the workload: every failure (no libcupti, a
 //! CUPTI error, a panic, an unwritable runtime directory) is logged once to

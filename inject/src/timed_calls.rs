@@ -4,8 +4,9 @@
 //! CUPTI's record of each call is most of what a capture paid for: on an
 //! H200 the launch-bound loop cost 3.4 us per kernel while capturing with
 //! the runtime API records of its launches (and the capture's other kinds),
-//! against 1.55 us with the kernel records alone. The capture's subscriber ([`crate::detach`]) is called at
-//! every driver and runtime API call's entry and exit anyway, so while
+//! against 1.55 us with the kernel records alone. The capture's subscriber
+//! ([`crate::detach`]) is called at every driver and runtime API call's
+//! entry and exit anyway, so while
 //! [`start`]ed it stamps the timeline's calls ([`crate::cupti::api_calls`])
 //! itself: the host clock at entry (kept in the call's `correlationData`,
 //! which CUPTI hands to the exit too) and at exit, the call's correlation id

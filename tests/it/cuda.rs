@@ -350,13 +350,36 @@ async fn exact_run(version: &str) {
     );
 }
 
-/// The correlation ids of process `pid`'s kernel launch calls in a trace.
-fn launch_ids_of(space: &XSpace, pid: u32) -> Vec<u64> {
-    timed(space, "/host:CPU")
+/// A kernel of the program in a trace, with the launch calls that carry
+/// its correlation id.
+struct KernelLaunches {
+    id: u64,
+    /// When it started, in seconds from the window's start.
+    at_s: f64,
+    /// Process `pid`'s `cuLaunchKernel*` calls with its correlation id.
+    launches: usize,
+}
+
+/// Each kernel of the program in a trace, with the launch calls of process
+/// `pid` that carry its correlation id.
+fn kernel_launches(space: &XSpace, pid: u32) -> Vec<KernelLaunches> {
+    let (start, _) = common::window_of(space);
+    let launches: Vec<u64> = timed(space, "/host:CPU")
         .iter()
         .filter(|(e, _)| e.line.ends_with(&format!("(pid {pid})")))
         .filter(|(e, _)| e.name.starts_with("cuLaunchKernel"))
         .map(|(e, _)| uint(e, "correlation_id"))
+        .collect();
+    program_kernels(space)
+        .iter()
+        .map(|(kernel, at)| {
+            let id = uint(kernel, "correlation_id");
+            KernelLaunches {
+                id,
+                at_s: at.saturating_sub(start) as f64 / 1e9,
+                launches: launches.iter().filter(|l| **l == id).count(),
+            }
+        })
         .collect()
 }
 
@@ -381,16 +404,13 @@ async fn every_kernel_of_a_running_workload_has_its_launch_call() {
         wait_for_attached(&agent, 1).await;
         let space = capture(&agent, 1000).await;
         calls_until_done(&workload);
-        let launches = launch_ids_of(&space, pid);
-        let kernels = program_kernels(&space);
+        let kernels = kernel_launches(&space, pid);
         assert!(kernels.len() >= 10, "{version}: {} kernels", kernels.len());
-        for (kernel, at) in &kernels {
-            let id = uint(kernel, "correlation_id");
+        for k in &kernels {
             assert_eq!(
-                launches.iter().filter(|l| **l == id).count(),
-                1,
-                "{version}: kernel {id} at {at} has no single launch call; {} launches",
-                launches.len()
+                k.launches, 1,
+                "{version}: kernel {} at {} s has no single launch call",
+                k.id, k.at_s
             );
         }
     }
@@ -2558,7 +2578,7 @@ async fn a_subscriber_taken_mid_capture_hands_the_calls_to_cuptis_records() {
     let lines = workload.read_until("done");
     let (rival_kernels, rival_start, _) = rival_report(&lines);
     assert_eq!(rival_kernels, 0, "it records nothing itself");
-    let kernels = program_kernels(&space);
+    let kernels = kernel_launches(&space, pid);
     assert_eq!(
         kernels.len(),
         16,
@@ -2577,18 +2597,14 @@ async fn a_subscriber_taken_mid_capture_hands_the_calls_to_cuptis_records() {
     );
     assert!(to >= from && to - from < 1.0, "{from} s to {to} s");
 
-    let launches = launch_ids_of(&space, pid);
     let mut after_the_span = 0;
-    for (kernel, at) in &kernels {
-        let id = uint(kernel, "correlation_id");
-        let launched = launches.iter().filter(|l| **l == id).count();
-        let when = seconds(*at);
-        if when > to + 0.001 {
+    for KernelLaunches { id, at_s, launches } in &kernels {
+        if *at_s > to + 0.001 {
             after_the_span += 1;
         }
         assert!(
-            launched == 1 || (launched == 0 && when + 0.001 >= from && when <= to + 0.001),
-            "kernel {id} at {when} s has {launched} launch calls (span {from} s to {to} s)"
+            *launches == 1 || (*launches == 0 && at_s + 0.001 >= from && *at_s <= to + 0.001),
+            "kernel {id} at {at_s} s has {launches} launch calls (span {from} s to {to} s)"
         );
     }
     assert!(
@@ -2630,25 +2646,16 @@ async fn a_profiler_subscribing_inside_a_capture_leaves_no_kernel_unaccounted_fo
         "calls untimed from {untimed_from} s to {untimed_to} s, the stream another's from \
          {other_from} s"
     );
-    let (start, _) = common::window_of(&space);
-    let seconds = |ns: u64| ns.saturating_sub(start) as f64 / 1e9;
-    let launches = launch_ids_of(&space, pid);
-    let kernels = program_kernels(&space);
-    let after = kernels
-        .iter()
-        .filter(|(_, at)| seconds(*at) > other_to + 0.001)
-        .count();
+    let kernels = kernel_launches(&space, pid);
+    let after = kernels.iter().filter(|k| k.at_s > other_to + 0.001).count();
     assert!(
         after >= 4,
         "{after} kernels of ours after the other profiler"
     );
-    for (kernel, at) in &kernels {
-        let id = uint(kernel, "correlation_id");
-        let when = seconds(*at);
-        let launched = launches.iter().filter(|l| **l == id).count();
+    for KernelLaunches { id, at_s, launches } in &kernels {
         assert!(
-            launched == 1 || (when + 0.001 >= untimed_from && when <= other_to + 0.001),
-            "kernel {id} at {when} s has {launched} launch calls; {:?}",
+            *launches == 1 || (at_s + 0.001 >= untimed_from && *at_s <= other_to + 0.001),
+            "kernel {id} at {at_s} s has {launches} launch calls; {:?}",
             space.warnings
         );
     }
@@ -2689,24 +2696,14 @@ async fn a_subscriber_cupti_never_calls_hands_the_calls_to_cuptis_records() {
         (0.9..1.5).contains(&(to - from)),
         "calls missing from {from} s to {to} s"
     );
-    let (start, _) = common::window_of(&space);
-    let seconds = |ns: u64| ns.saturating_sub(start) as f64 / 1e9;
-    let launches = launch_ids_of(&space, pid);
-    let kernels = program_kernels(&space);
-    let after: Vec<_> = kernels
-        .iter()
-        .filter(|(_, at)| seconds(*at) > to + 0.005)
-        .collect();
+    let kernels = kernel_launches(&space, pid);
+    let after: Vec<_> = kernels.iter().filter(|k| k.at_s > to + 0.005).collect();
     assert!(after.len() > 20, "{} kernels after the span", after.len());
-    for (kernel, at) in after {
-        let id = uint(kernel, "correlation_id");
+    for k in after {
         assert_eq!(
-            launches.iter().filter(|l| **l == id).count(),
-            1,
-            "kernel {id} at {} s; calls missing from {from} s to {to} s; {} launches, {:?}",
-            seconds(*at),
-            launches.len(),
-            space.warnings
+            k.launches, 1,
+            "kernel {} at {} s; calls missing from {from} s to {to} s; {:?}",
+            k.id, k.at_s, space.warnings
         );
     }
     let set = api_records_of(&space, pid);
