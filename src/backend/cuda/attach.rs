@@ -475,11 +475,11 @@ impl Attachments {
 
     /// Moves what the ring holds into the agent, up to a pass's worth.
     pub(super) fn drain(&mut self, key: FileIdentity) -> Result<(), crate::ring::Corruption> {
-        let Some(process) = self.processes.get_mut(&key) else {
-            return Ok(());
-        };
         let mut budget = MAX_EVENTS_PER_PASS;
         while budget > 0 {
+            let Some(process) = self.processes.get_mut(&key) else {
+                return Ok(());
+            };
             self.drained.clear();
             let report = process
                 .consumer
@@ -493,6 +493,14 @@ impl Attachments {
             if self.drained.is_empty() {
                 break;
             }
+            // The library writes a name's record before it pushes an event
+            // with that name, but maybe after this pass read its metadata
+            // file (its converter and its control thread both write): what
+            // the drained events name is read now, before they are named.
+            self.read_meta(key);
+            let Some(process) = self.processes.get_mut(&key) else {
+                return Ok(());
+            };
             budget = budget.saturating_sub(self.drained.len());
             self.scratch.clear();
             let mut foreign = 0;
@@ -573,4 +581,85 @@ pub(super) fn identity_at(path: &Path) -> Option<FileIdentity> {
     std::fs::symlink_metadata(path)
         .ok()
         .map(|meta| FileIdentity::of(&meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ring::DropPolicy;
+    use crate::workload::MetaWriter;
+    use devtrace_shm::event::KernelInfo;
+
+    /// An event's name record, written just before the event was pushed but
+    /// after the agent's pass had read the metadata file, still names it.
+    #[test]
+    fn an_event_named_after_the_passs_read_of_the_metadata_keeps_its_name() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let files = WorkloadFiles::named(dir.path(), std::process::id(), 1);
+        let mut writer = MetaWriter::create(&files.meta).expect("the metadata file");
+        let ring = Ring::new(1, 64, DropPolicy::DropNewest).expect("the workload's ring");
+        let consumer = ring.consumer().expect("its consumer");
+        let mut workload = ring.producer().expect("its producer");
+        let registry = Registry::new();
+        let agent_ring = Ring::new(1, 64, DropPolicy::DropNewest).expect("the agent's ring");
+        let mut agent_consumer = agent_ring.consumer().expect("the agent's consumer");
+        let key = identity_at(&files.meta).expect("the file's identity");
+        let process = Process {
+            pid: std::process::id(),
+            own_pid: None,
+            threads: Default::default(),
+            files: files.clone(),
+            slot: 1,
+            // SAFETY: geteuid has no preconditions.
+            owner: unsafe { libc::geteuid() },
+            meta_refused: false,
+            ring: Arc::clone(&ring),
+            consumer,
+            meta: MetaReader::default(),
+            names: HashMap::new(),
+            named_lines: HashSet::new(),
+            host_lines: HashMap::new(),
+            command: "train.py".to_string(),
+            control: 0,
+            cupti_dropped: 0,
+            planes: HashMap::new(),
+            cupti: None,
+            api_records: VecDeque::new(),
+            states: Vec::new(),
+        };
+        let mut attach = Attachments {
+            config: CudaConfig::default(),
+            registry: Arc::clone(&registry),
+            status: Arc::new(Mutex::new(Status::default())),
+            processes: [(key, process)].into_iter().collect(),
+            slots_in_use: vec![1],
+            refused: HashSet::new(),
+            over_quota: HashSet::new(),
+            producer: agent_ring.producer().expect("the agent's producer"),
+            drained: Vec::new(),
+            scratch: Vec::new(),
+        };
+        // The pass reads the file before the library writes the name.
+        attach.read_meta(key);
+        writer
+            .write(&MetaRecord::Name {
+                id: 7,
+                text: "matmul_tiled".into(),
+            })
+            .expect("the name record");
+        let kernel = Event::new(
+            1_000,
+            10,
+            Device::Gpu(0),
+            13,
+            NameId(7),
+            Payload::Kernel(KernelInfo::default()),
+        );
+        assert_eq!(workload.push_batch(&[kernel]), 1);
+        attach.drain(key).expect("a sound ring");
+        let mut out = Vec::new();
+        agent_consumer.drain(&mut out, 16);
+        assert_eq!(out.len(), 1);
+        assert_eq!(registry.snapshot().name(out[0].name()), "matmul_tiled");
+    }
 }
