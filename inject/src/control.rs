@@ -343,7 +343,7 @@ impl Tracer {
         coexist::redirect_callers();
         // Driver calls, without the gate: another subscriber's callback may
         // call CUPTI through the library.
-        driver::teach_limits(session);
+        driver::learn_devices(session);
         let mut gate = detach::gate();
         if *gate == Attachment::Closed {
             return Ok(());

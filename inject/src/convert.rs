@@ -617,4 +617,76 @@ mod tests {
         converter.convert(bytes, &mut out);
         assert!(converter.take_meta().is_empty());
     }
+
+    /// CUPTI's DEVICE record still describes the GPU where the driver could
+    /// not (the library writes the driver's description first when it can),
+    /// and its limits take over from the driver's.
+    #[test]
+    fn a_device_record_describes_its_gpu_and_sets_its_limits() {
+        use crate::cupti::layout::device as d;
+        let name = c"Some GPU";
+        let mut record = [0u8; 184];
+        let mut put = |field: layout::Field, bytes: &[u8]| {
+            record[field.offset..field.offset + bytes.len()].copy_from_slice(bytes)
+        };
+        let at_zero = layout::Field {
+            offset: 0,
+            since: 0,
+        };
+        put(at_zero, &kind::DEVICE.to_ne_bytes());
+        put(d::GLOBAL_MEMORY_BANDWIDTH, &2_000_000u64.to_ne_bytes());
+        put(d::GLOBAL_MEMORY_SIZE, &(16u64 << 30).to_ne_bytes());
+        put(d::CORE_CLOCK_RATE, &1_500_000u32.to_ne_bytes());
+        put(d::NUM_MULTIPROCESSORS, &80u32.to_ne_bytes());
+        put(d::MAX_WARPS_PER_MULTIPROCESSOR, &48u32.to_ne_bytes());
+        put(d::MAX_BLOCKS_PER_MULTIPROCESSOR, &16u32.to_ne_bytes());
+        put(
+            d::MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            &98_304u32.to_ne_bytes(),
+        );
+        put(
+            d::MAX_REGISTERS_PER_MULTIPROCESSOR,
+            &65_536u32.to_ne_bytes(),
+        );
+        put(d::NUM_THREADS_PER_WARP, &32u32.to_ne_bytes());
+        put(d::COMPUTE_CAPABILITY_MAJOR, &8u32.to_ne_bytes());
+        put(d::COMPUTE_CAPABILITY_MINOR, &6u32.to_ne_bytes());
+        put(d::ID, &1u32.to_ne_bytes());
+        put(d::UUID, &[0xab; 16]);
+        put(d::NAME, &(name.as_ptr() as usize).to_ne_bytes());
+        let mut converter = Converter::new(5, 26, |_, _| None);
+        converter.know_limits(1, Limits::default());
+        converter.convert(record.as_ptr(), &mut Vec::new());
+        let Some(MetaRecord::Device {
+            ordinal,
+            uuid,
+            info,
+        }) = converter.take_meta().pop()
+        else {
+            panic!("no device description");
+        };
+        assert_eq!((ordinal, uuid.is_some()), (1, true));
+        assert_eq!(
+            info,
+            DeviceInfo {
+                vendor: "Nvidia".into(),
+                model: "Some GPU".into(),
+                compute_capability: (8, 6),
+                core_count: 80,
+                clock_rate_khz: 1_500_000,
+                memory_bytes: 16 << 30,
+                memory_bandwidth_bytes_per_s: 2_000_000_000,
+            }
+        );
+        assert_eq!(
+            converter.limits.get(&1),
+            Some(&Limits {
+                max_warps: 48,
+                max_blocks: 16,
+                max_registers: 65_536,
+                max_shared: 98_304,
+                warp_size: 32,
+            })
+        );
+    }
 }

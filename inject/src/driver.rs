@@ -1,14 +1,20 @@
 //! The CUDA driver calls the library makes itself, from its control thread:
 //! `cuDriverGetVersion`, a call whose exit an armed teardown finalizes CUPTI
-//! at ([`poke`]), and the device limits occupancy needs ([`device_limits`]).
-//! CUPTI's DEVICE records carry those limits too, but on CUDA 13 they sit in
-//! the control thread's own buffer, which can come back after the kernels
-//! that need them (a process that exits during a capture hands its own
-//! thread's buffer back first). Entry points are looked up in the driver
-//! the process loaded, never loading one.
+//! at ([`poke`]), and what each device is ([`learn_devices`]): its UUID,
+//! which places its kernels on the host's plane for that GPU, its name and
+//! size, and the limits occupancy needs. CUPTI's DEVICE records carry all
+//! of that too, but on CUDA 13 they sit in the control thread's own buffer,
+//! which can come back after the kernels that need them, or never (a
+//! process that exits during a capture hands its own thread's buffer back
+//! first, and the rest only to a detach it does not live to see). Entry
+//! points are looked up in the driver the process loaded, never loading
+//! one.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
+
+use devtrace_shm::device::{gpu_uuid_text, DeviceInfo};
+use devtrace_shm::workload::MetaRecord;
 
 use crate::convert::Limits;
 use crate::session::Session;
@@ -16,7 +22,13 @@ use crate::sys::dl;
 
 // `CUdevice_attribute` values, checked against every release's `cuda.h` by
 // `cupti/header_check.rs`.
+pub(crate) const CLOCK_RATE: c_int = 13;
+pub(crate) const MULTIPROCESSOR_COUNT: c_int = 16;
 pub(crate) const WARP_SIZE: c_int = 10;
+pub(crate) const MEMORY_CLOCK_RATE: c_int = 36;
+pub(crate) const GLOBAL_MEMORY_BUS_WIDTH: c_int = 37;
+pub(crate) const COMPUTE_CAPABILITY_MAJOR: c_int = 75;
+pub(crate) const COMPUTE_CAPABILITY_MINOR: c_int = 76;
 pub(crate) const MAX_THREADS_PER_MULTIPROCESSOR: c_int = 39;
 pub(crate) const MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: c_int = 81;
 pub(crate) const MAX_REGISTERS_PER_MULTIPROCESSOR: c_int = 82;
@@ -31,6 +43,13 @@ pub(crate) type DriverGetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
 pub(crate) type DeviceGetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
 pub(crate) type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
 pub(crate) type DeviceGetAttribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
+pub(crate) type DeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
+pub(crate) type DeviceTotalMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
+/// `cuDeviceGetUuid`, the first version, looked up by that name: under MIG
+/// it names the physical GPU, as NVML's planes do (`_v2`, which CUDA 13's
+/// `cuda.h` spells `cuDeviceGetUuid`, names the MIG instance). Drivers keep
+/// it for programs built against CUDA 12.
+pub(crate) type DeviceGetUuid = unsafe extern "C" fn(*mut [u8; 16], c_int) -> c_int;
 
 /// The entry points found in the loaded driver.
 struct Driver {
@@ -38,6 +57,9 @@ struct Driver {
     get_count: Option<DeviceGetCount>,
     get: Option<DeviceGet>,
     get_attribute: Option<DeviceGetAttribute>,
+    get_name: Option<DeviceGetName>,
+    total_mem: Option<DeviceTotalMem>,
+    get_uuid: Option<DeviceGetUuid>,
 }
 
 fn driver() -> Option<&'static Driver> {
@@ -61,6 +83,12 @@ fn driver() -> Option<&'static Driver> {
                 get_attribute: unsafe {
                     entry::<DeviceGetAttribute>(handle, "cuDeviceGetAttribute")
                 },
+                // SAFETY: as above.
+                get_name: unsafe { entry::<DeviceGetName>(handle, "cuDeviceGetName") },
+                // SAFETY: as above.
+                total_mem: unsafe { entry::<DeviceTotalMem>(handle, "cuDeviceTotalMem_v2") },
+                // SAFETY: as above.
+                get_uuid: unsafe { entry::<DeviceGetUuid>(handle, "cuDeviceGetUuid") },
             })
         })
         .as_ref()
@@ -91,10 +119,12 @@ pub fn poke() {
     }
 }
 
-/// Gives the converter the devices' limits, until it knows some. Not to be
-/// called with the library's CUPTI gate held: another subscriber's
-/// callback may run on this thread and call CUPTI through the library.
-pub fn teach_limits(session: &Session) {
+/// Tells the agent what each device is and gives the converter its
+/// limits, once per process (while the converter knows no device's limits:
+/// CUPTI's DEVICE record, when it came first, said it all). Not to be called
+/// with the library's CUPTI gate held: another subscriber's callback may
+/// run on this thread and call CUPTI through the library.
+pub fn learn_devices(session: &Session) {
     let knows = session
         .converter
         .lock()
@@ -102,23 +132,43 @@ pub fn teach_limits(session: &Session) {
     if knows {
         return;
     }
-    let limits = device_limits();
+    let devices = devices();
+    // Before any event that needs them: the agent reads the metadata before
+    // it names what it drained.
+    for device in &devices {
+        if let Some(record) = &device.record {
+            session.write_meta(record);
+        }
+    }
     if let Ok(mut converter) = session.converter.lock() {
-        for (ordinal, device) in limits {
-            converter.know_limits(ordinal, device);
+        for device in devices {
+            if let Some(limits) = device.limits {
+                converter.know_limits(device.ordinal, limits);
+            }
         }
     }
 }
 
-/// The limits of each device the process sees, by CUDA ordinal (the
-/// `deviceId` of CUPTI's records); empty before the job's `cuInit` or
-/// without the entry points. A device whose attributes cannot all be read
-/// is left out.
-fn device_limits() -> Vec<(u32, Limits)> {
+/// What the driver says of one device.
+struct Learned {
+    /// The CUDA ordinal (the `deviceId` of CUPTI's records).
+    ordinal: u32,
+    /// Its description for the agent, when its UUID or name could be read.
+    record: Option<MetaRecord>,
+    /// Its limits, when every one could be read.
+    limits: Option<Limits>,
+}
+
+/// Each device the process sees; empty before the job's `cuInit` or
+/// without the entry points.
+fn devices() -> Vec<Learned> {
     let Some(Driver {
         get_count: Some(get_count),
         get: Some(get),
         get_attribute: Some(get_attribute),
+        get_name,
+        total_mem,
+        get_uuid,
         ..
     }) = driver()
     else {
@@ -135,6 +185,49 @@ fn device_limits() -> Vec<(u32, Limits)> {
         let result = unsafe { get_attribute(&mut value, which, device) };
         (result == CUDA_SUCCESS).then(|| value.max(0) as u32)
     };
+    let limits = |device: c_int| -> Option<Limits> {
+        let warp_size = attribute(device, WARP_SIZE)?;
+        let threads = attribute(device, MAX_THREADS_PER_MULTIPROCESSOR)?;
+        Some(Limits {
+            max_warps: threads.checked_div(warp_size)?,
+            max_blocks: attribute(device, MAX_BLOCKS_PER_MULTIPROCESSOR)?,
+            max_registers: attribute(device, MAX_REGISTERS_PER_MULTIPROCESSOR)?,
+            max_shared: attribute(device, MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+            warp_size,
+        })
+    };
+    let name = |device: c_int| -> Option<String> {
+        let get_name = (*get_name)?;
+        let mut text = [0 as c_char; 256];
+        // SAFETY: the driver writes at most `len` bytes, NUL included.
+        if unsafe { get_name(text.as_mut_ptr(), text.len() as c_int, device) } != CUDA_SUCCESS {
+            return None;
+        }
+        text[text.len() - 1] = 0;
+        // SAFETY: NUL-terminated just above, if the driver did not.
+        let text = unsafe { CStr::from_ptr(text.as_ptr()) };
+        Some(text.to_string_lossy().into_owned())
+    };
+    let uuid = |device: c_int| -> Option<[u8; 16]> {
+        let get_uuid = (*get_uuid)?;
+        let mut bytes = [0u8; 16];
+        // SAFETY: the driver writes one 16-byte CUuuid.
+        let read = unsafe { get_uuid(&mut bytes, device) } == CUDA_SUCCESS;
+        (read && bytes != [0; 16]).then_some(bytes)
+    };
+    let memory_bytes = |device: c_int| -> u64 {
+        let Some(total_mem) = *total_mem else {
+            return 0;
+        };
+        let mut bytes: usize = 0;
+        // SAFETY: the driver writes one size_t.
+        let read = unsafe { total_mem(&mut bytes, device) } == CUDA_SUCCESS;
+        if read {
+            bytes as u64
+        } else {
+            0
+        }
+    };
     (0..count.clamp(0, MAX_DEVICES))
         .filter_map(|ordinal| {
             let mut device: c_int = 0;
@@ -142,16 +235,36 @@ fn device_limits() -> Vec<(u32, Limits)> {
             if unsafe { get(&mut device, ordinal) } != CUDA_SUCCESS {
                 return None;
             }
-            let warp_size = attribute(device, WARP_SIZE)?;
-            let threads = attribute(device, MAX_THREADS_PER_MULTIPROCESSOR)?;
-            let limits = Limits {
-                max_warps: threads.checked_div(warp_size)?,
-                max_blocks: attribute(device, MAX_BLOCKS_PER_MULTIPROCESSOR)?,
-                max_registers: attribute(device, MAX_REGISTERS_PER_MULTIPROCESSOR)?,
-                max_shared: attribute(device, MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
-                warp_size,
-            };
-            Some((ordinal as u32, limits))
+            let uuid = uuid(device);
+            let name = name(device);
+            let read = |which| attribute(device, which).unwrap_or(0);
+            let record = (uuid.is_some() || name.is_some()).then(|| MetaRecord::Device {
+                ordinal: ordinal as u16,
+                uuid: uuid.as_ref().map(gpu_uuid_text),
+                info: DeviceInfo {
+                    vendor: "Nvidia".into(),
+                    model: name.unwrap_or_default(),
+                    compute_capability: (
+                        read(COMPUTE_CAPABILITY_MAJOR),
+                        read(COMPUTE_CAPABILITY_MINOR),
+                    ),
+                    core_count: read(MULTIPROCESSOR_COUNT),
+                    clock_rate_khz: u64::from(read(CLOCK_RATE)),
+                    memory_bytes: memory_bytes(device),
+                    // Double data rate: two transfers a clock, over the bus's
+                    // width in bits (CUPTI's DEVICE record says the same).
+                    memory_bandwidth_bytes_per_s: u64::from(read(MEMORY_CLOCK_RATE))
+                        .saturating_mul(1000)
+                        .saturating_mul(u64::from(read(GLOBAL_MEMORY_BUS_WIDTH)))
+                        .saturating_mul(2)
+                        / 8,
+                },
+            });
+            Some(Learned {
+                ordinal: ordinal as u32,
+                record,
+                limits: limits(device),
+            })
         })
         .collect()
 }

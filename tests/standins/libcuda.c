@@ -37,7 +37,11 @@
  *   values the CUPTI stand-in's DEVICE records give (sm_90): warp size 32
  *   (CU_DEVICE_ATTRIBUTE_WARP_SIZE, 10), 2048 threads (39), 233472 bytes of
  *   shared memory (81), 65536 registers (82) and 32 blocks (106) per SM;
- *   other attributes answer CUDA_ERROR_INVALID_VALUE.
+ *   and what describes the device, as those records do too: 132 SMs (16),
+ *   compute capability 9.0 (75, 76), a 1980000 kHz clock (13), and memory
+ *   at 2619000 kHz (36) on a 5120-bit bus (37), 3352320000 kB/s;
+ *   other attributes answer CUDA_ERROR_INVALID_VALUE. cuDeviceTotalMem_v2
+ *   answers 80 GiB, cuDeviceGetUuid the physical GPU's UUID.
  * - cuMemAlloc_v2 hands out increasing fake addresses from 0x7f0000000000,
  *   each rounded up to 256 bytes and never reused; the memory is not backed,
  *   so copies only check the device range and DtoH copies zero the host side.
@@ -115,6 +119,9 @@ typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUuuid_st {
+    char bytes[16];
+} CUuuid;
 
 typedef enum CUstreamCaptureMode_enum {
     CU_STREAM_CAPTURE_MODE_GLOBAL = 0,
@@ -166,6 +173,8 @@ enum {
     CBID_cuDeviceGetCount = 4,
     CBID_cuDeviceGetName = 5,
     CBID_cuDeviceGetAttribute = 9,
+    CBID_cuDeviceTotalMem_v2 = 259,
+    CBID_cuDeviceGetUuid = 482,
     CBID_cuCtxSynchronize = 17,
     CBID_cuModuleLoadData = 19,
     CBID_cuModuleGetFunction = 23,
@@ -522,8 +531,33 @@ CUAPI CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
     case 81: *pi = 233472; break; /* CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR */
     case 82: *pi = 65536; break;  /* CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR */
     case 106: *pi = 32; break;    /* CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR */
+    case 13: *pi = 1980000; break; /* CU_DEVICE_ATTRIBUTE_CLOCK_RATE, kHz */
+    case 16: *pi = 132; break;     /* CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT */
+    case 36: *pi = 2619000; break; /* CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, kHz */
+    case 37: *pi = 5120; break;    /* CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, bits */
+    case 75: *pi = 9; break;       /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR */
+    case 76: *pi = 0; break;       /* CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR */
     default: return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
     }
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    struct standin_call call = begin_call("cuDeviceTotalMem_v2", CBID_cuDeviceTotalMem_v2, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!bytes) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (dev < 0 || dev >= visible_count()) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    *bytes = (size_t)80 << 30;
+    return finish_call(&call, CUDA_SUCCESS);
+}
+
+CUAPI CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+    struct standin_call call = begin_call("cuDeviceGetUuid", CBID_cuDeviceGetUuid, STANDIN_CALL_API);
+    if (!is_initialized()) return finish_call(&call, CUDA_ERROR_NOT_INITIALIZED);
+    if (!uuid) return finish_call(&call, CUDA_ERROR_INVALID_VALUE);
+    if (dev < 0 || dev >= visible_count()) return finish_call(&call, CUDA_ERROR_INVALID_DEVICE);
+    const uint8_t bytes[16] = STANDIN_GPU_UUID(visible[dev]);
+    memcpy(uuid->bytes, bytes, sizeof bytes);
     return finish_call(&call, CUDA_SUCCESS);
 }
 

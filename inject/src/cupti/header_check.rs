@@ -391,8 +391,10 @@ fn the_callback_api_matches_the_real_headers() {
 #[test]
 fn the_driver_calls_match_the_real_headers() {
     use crate::driver::{
+        CLOCK_RATE, COMPUTE_CAPABILITY_MAJOR, COMPUTE_CAPABILITY_MINOR, GLOBAL_MEMORY_BUS_WIDTH,
         MAX_BLOCKS_PER_MULTIPROCESSOR, MAX_REGISTERS_PER_MULTIPROCESSOR,
-        MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, MAX_THREADS_PER_MULTIPROCESSOR, WARP_SIZE,
+        MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, MAX_THREADS_PER_MULTIPROCESSOR, MEMORY_CLOCK_RATE,
+        MULTIPROCESSOR_COUNT, WARP_SIZE,
     };
     for (release, dir, includes) in unpacked() {
         let source = format!(
@@ -414,8 +416,22 @@ fn the_driver_calls_match_the_real_headers() {
              {MAX_SHARED_MEMORY_PER_MULTIPROCESSOR} \
              && CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR == \
              {MAX_REGISTERS_PER_MULTIPROCESSOR} \
-             && CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR == {MAX_BLOCKS_PER_MULTIPROCESSOR}, \
-             \"attributes\");\n"
+             && CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR == {MAX_BLOCKS_PER_MULTIPROCESSOR} \
+             && CU_DEVICE_ATTRIBUTE_CLOCK_RATE == {CLOCK_RATE} \
+             && CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT == {MULTIPROCESSOR_COUNT} \
+             && CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE == {MEMORY_CLOCK_RATE} \
+             && CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH == {GLOBAL_MEMORY_BUS_WIDTH} \
+             && CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR == {COMPUTE_CAPABILITY_MAJOR} \
+             && CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR == {COMPUTE_CAPABILITY_MINOR}, \
+             \"attributes\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuDeviceGetName), \
+             CUresult (*)(char *, int, CUdevice)), \"cuDeviceGetName\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuDeviceTotalMem_v2), \
+             CUresult (*)(size_t *, CUdevice)), \"cuDeviceTotalMem_v2\");\n\
+             _Static_assert(sizeof(CUuuid) == 16 && sizeof(((CUuuid *)0)->bytes) == 16, \
+             \"CUuuid\");\n\
+             _Static_assert(__builtin_types_compatible_p(__typeof__(&cuDeviceGetUuid), \
+             CUresult (*)(CUuuid *, CUdevice)), \"cuDeviceGetUuid\");\n"
         );
         let what = format!(
             "CUDA {}: the driver calls differ from driver.rs",
