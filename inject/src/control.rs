@@ -32,13 +32,14 @@ const FLUSH_EVERY: Duration = Duration::from_millis(100);
 /// records to cost anything.
 const KEEPER_KIND: u32 = cupti::kind::CONTEXT;
 /// The kinds recorded between captures when the agent asks for the GPU's
-/// past: the device's work and what describes it, no API calls.
+/// past: the device's work and what describes it, no API calls; kernels
+/// last, as in [`cupti::KINDS`].
 const BACKGROUND_KINDS: [u32; 5] = [
     cupti::kind::DEVICE,
-    cupti::kind::CONCURRENT_KERNEL,
+    cupti::kind::CONTEXT,
     cupti::kind::MEMCPY,
     cupti::kind::MEMSET,
-    cupti::kind::CONTEXT,
+    cupti::kind::CONCURRENT_KERNEL,
 ];
 /// The kinds a capture enables beyond the [`BACKGROUND_KINDS`].
 fn capture_only_kinds() -> impl Iterator<Item = u32> {
@@ -574,10 +575,11 @@ impl Tracer {
             return Ok(());
         }
         self.may_time = detach::subscribed();
+        // The calls first: kernels are recorded already.
+        self.record_api_calls(session, false)?;
         for kind in capture_only_kinds() {
             cupti::enable(kind)?;
         }
-        self.record_api_calls(session, false)?;
         self.background = false;
         drop(gate);
         session.write_meta(&MetaRecord::Recording {
@@ -788,7 +790,8 @@ impl Tracer {
 
     /// As [`Tracer::disable`], leaving `kept` on. The caller holds the gate.
     fn disable_all_but(&mut self, session: &Session, kept: Option<u32>) -> Result<(), String> {
-        for kind in cupti::KINDS.into_iter().filter(|kind| Some(*kind) != kept) {
+        let on = cupti::KINDS.into_iter().rev();
+        for kind in on.filter(|kind| Some(*kind) != kept) {
             cupti::disable(kind)?;
         }
         self.stop_api_calls(session)?;

@@ -68,17 +68,25 @@ impl Setup {
         ]
     }
 
-    /// The CUDA workload, started plainly, waiting for `release`.
-    fn plain_workload(&self, name: &str, iterations: &str) -> (CudaWorkload, PathBuf) {
+    /// The CUDA workload, started plainly, waiting for `release`. With
+    /// `recorded` it then waits for recording too (`--wait-recording`): it
+    /// is to be attached and its kernels counted, however late a loaded
+    /// machine lets the library start recording.
+    fn plain_workload(
+        &self,
+        name: &str,
+        iterations: &str,
+        recorded: bool,
+    ) -> (CudaWorkload, PathBuf) {
         let program = cuda_programs(name);
         let release = self.runtime.path().join(format!("{name}.go"));
         let env = Setup::plain_env();
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let workload = CudaWorkload::start(
-            &program,
-            &[iterations, "--wait-file", release.to_str().unwrap()],
-            &env,
-        );
+        let mut args = vec![iterations, "--wait-file", release.to_str().unwrap()];
+        if recorded {
+            args.push("--wait-recording");
+        }
+        let workload = CudaWorkload::start(&program, &args, &env);
         workload.read_until("waiting");
         (workload, release)
     }
@@ -131,7 +139,7 @@ async fn a_workload_started_plainly_is_attached_and_its_kernels_are_in_the_next_
         return;
     }
     let setup = Setup::new();
-    let (workload, release) = setup.plain_workload("cuda_plain", "3");
+    let (workload, release) = setup.plain_workload("cuda_plain", "3", true);
     // It waits on its file: blocked in nanosleep, which the attach interrupts
     // and makes again.
     let out = attach(workload.workload.pid, setup.runtime(), &[]);
@@ -158,7 +166,7 @@ async fn a_workload_started_plainly_is_attached_and_its_kernels_are_in_the_next_
         .collect();
     assert!(staged.is_empty(), "{staged:?}");
     // A second attach finds it there and does nothing.
-    let (again, release_again) = setup.plain_workload("cuda_plain_again", "1");
+    let (again, release_again) = setup.plain_workload("cuda_plain_again", "1", false);
     let first = attach(again.workload.pid, setup.runtime(), &[]);
     assert!(first.status.success(), "{}", said(&first));
     let second = attach(again.workload.pid, setup.runtime(), &[]);
@@ -273,7 +281,7 @@ async fn an_attach_killed_at_any_step_leaves_the_workload_running_to_its_end() {
     }
     let setup = Setup::new();
     for step in STEPS {
-        let (workload, release) = setup.plain_workload(&format!("cuda_killed_{step}"), "2");
+        let (workload, release) = setup.plain_workload(&format!("cuda_killed_{step}"), "2", false);
         let mut attaching = Command::new(BIN)
             .args(["attach", &workload.workload.pid.to_string()])
             .args(["--runtime-dir", setup.runtime()])
@@ -322,7 +330,12 @@ async fn a_workload_in_namespaces_of_its_own_is_attached_by_its_host_pid() {
     command
         .args(["--pid", "--mount", "--fork", "--kill-child"])
         .arg(&program)
-        .args(["3", "--wait-file", release.to_str().unwrap()]);
+        .args([
+            "3",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--wait-recording",
+        ]);
     let mut child = command
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdout(Stdio::piped())
@@ -361,8 +374,8 @@ async fn the_agent_attaches_by_itself_to_processes_its_rules_match() {
         return;
     }
     let setup = Setup::with(&["--cuda-attach", "comm=cuda_auto*"]);
-    let (other, release_other) = setup.plain_workload("cuda_other", "1");
-    let (matched, release) = setup.plain_workload("cuda_auto_one", "3");
+    let (other, release_other) = setup.plain_workload("cuda_other", "1", false);
+    let (matched, release) = setup.plain_workload("cuda_auto_one", "3", true);
     wait_for_attached(&setup.agent, 1).await;
     let space = capture_while(&setup.agent, 2000, &release).await;
     assert_eq!(kernels_of(&space, matched.workload.pid), 6);
@@ -389,7 +402,7 @@ async fn a_process_that_execs_into_a_match_is_attached() {
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     // "sh" matches no rule for the watcher's first looks.
     let script = format!(
-        "sleep 2.5; exec {} 3 --wait-file {}",
+        "sleep 2.5; exec {} 3 --wait-file {} --wait-recording",
         program.display(),
         release.display()
     );
@@ -411,7 +424,7 @@ async fn a_capture_has_the_agent_attach_the_processes_it_names_first() {
         return;
     }
     let setup = Setup::new();
-    let (workload, release) = setup.plain_workload("cuda_named", "3");
+    let (workload, release) = setup.plain_workload("cuda_named", "3", true);
     let logdir = tempfile::tempdir().unwrap();
     let pid = workload.workload.pid.to_string();
     let capture = Command::new(BIN)
@@ -455,7 +468,7 @@ async fn a_capture_has_the_agent_attach_the_processes_it_names_first() {
     workload.read_until("done");
 
     // uid 65534 naming root's process: told why not; nothing is loaded.
-    let (roots, release) = setup.plain_workload("cuda_not_named", "1");
+    let (roots, release) = setup.plain_workload("cuda_not_named", "1", false);
     let space = capture_as(65534, &setup, roots.workload.pid).await;
     let why = format!(
         "process {} was not attached: it is uid 0's, not yours",
@@ -586,7 +599,7 @@ async fn attaches_that_cannot_or_need_not_be_made_say_why() {
     assert!(!out.status.success());
     assert!(said(&out).contains("no such process"), "{}", said(&out));
     // A user may not trace root's process.
-    let (workload, release) = setup.plain_workload("cuda_roots", "1");
+    let (workload, release) = setup.plain_workload("cuda_roots", "1", false);
     let out = Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
         .arg(BIN)

@@ -123,9 +123,17 @@ impl Setup {
     }
 }
 
-/// Waits until the agent reports `count` attached workload processes.
+/// The file whose creation releases a workload started with `--wait-file`.
 fn release_file(setup: &Setup, name: &str) -> PathBuf {
     setup.runtime.path().join(format!("{name}.go"))
+}
+
+/// A workload's arguments: `iterations`, run once `release` exists and
+/// kernels are recorded (however late a loaded machine lets the library
+/// start CUPTI after the release).
+fn recorded_run<'a>(iterations: &'a str, release: &'a std::path::Path) -> Vec<&'a str> {
+    let release = release.to_str().expect("a UTF-8 path");
+    vec![iterations, "--wait-file", release, "--wait-recording"]
 }
 
 /// Events of one plane with absolute times.
@@ -182,16 +190,21 @@ async fn kernels_copies_and_calls_arrive_exactly_with_cupti_13_4_records() {
 }
 
 /// One workload under the stand-in CUPTI of API `version`, whose records
-/// have that release's layout: the trace holds exactly what it did.
+/// have that release's layout: the trace holds exactly what it did. It
+/// starts the moment kernels are recorded, and each kind takes CUPTI
+/// 60 ms to enable: were kernels recorded before the other kinds, the
+/// copies, allocations and synchronizations around the first ones would be
+/// missing (they were, with kernels enabled second).
 async fn exact_run(version: &str) {
     let setup = setup("cuda_injected");
     let agent = setup.agent();
     let release = release_file(&setup, "exact");
     let workload = setup.workload(
-        &["3", "--wait-file", release.to_str().unwrap()],
+        &recorded_run("3", &release),
         &[
             ("DEVTRACE_STANDIN_CUPTI_DROP", "5"),
             ("DEVTRACE_STANDIN_CUPTI_VERSION", version),
+            ("DEVTRACE_STANDIN_CUPTI_ENABLE_MS", "60"),
         ],
     );
     workload.read_until("waiting");
@@ -320,7 +333,7 @@ async fn exact_run(version: &str) {
     match find_stat(env, &env.stats, &format!("devtrace_cuda_process_{pid}")) {
         Some(StatValue::Str(command)) => assert!(
             command.ends_with(&format!(
-                "cuda_injected 3 --wait-file {}",
+                "cuda_injected 3 --wait-file {} --wait-recording",
                 release.display()
             )),
             "{command}"
@@ -427,7 +440,7 @@ async fn runtime_launches_have_one_launch_call_each_timed_or_recorded() {
         let agent = setup.agent_with(agent_args);
         let release = release_file(&setup, "runtime");
         let workload = setup.workload(
-            &["3", "--wait-file", release.to_str().unwrap()],
+            &recorded_run("3", &release),
             &[("DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES", "1")],
         );
         workload.read_until("waiting");
@@ -534,7 +547,12 @@ async fn api_workload(
     let agent = AgentProcess::start(&all_args);
     let release = release_file(&setup, "api");
     let mut program_args = args.to_vec();
-    program_args.extend(["--extras", "--wait-file", release.to_str().unwrap()]);
+    program_args.extend([
+        "--extras",
+        "--wait-file",
+        release.to_str().unwrap(),
+        "--wait-recording",
+    ]);
     let workload = setup.workload(&program_args, extra_env);
     workload.read_until("waiting");
     let pid = workload.workload.pid;
@@ -758,6 +776,7 @@ async fn a_workload_that_exits_mid_capture_keeps_its_events_and_is_reported() {
             "2",
             "--wait-file",
             release.to_str().unwrap(),
+            "--wait-recording",
             "--sleep-ms",
             "50",
         ],
@@ -885,8 +904,8 @@ async fn two_workloads_keep_their_own_stream_lines() {
     let setup = setup("cuda_pair");
     let agent = setup.agent();
     let release = release_file(&setup, "pair");
-    let a = setup.workload(&["2", "--wait-file", release.to_str().unwrap()], &[]);
-    let b = setup.workload(&["3", "--wait-file", release.to_str().unwrap()], &[]);
+    let a = setup.workload(&recorded_run("2", &release), &[]);
+    let b = setup.workload(&recorded_run("3", &release), &[]);
     a.read_until("waiting");
     b.read_until("waiting");
     wait_for_attached(&agent, 2).await;
@@ -930,7 +949,8 @@ async fn a_users_capture_switches_cupti_on_only_in_that_users_processes() {
     let agent = setup.agent();
     let release = release_file(&setup, "users");
     let wait = ["--wait-file", release.to_str().unwrap()];
-    let own = setup.workload_as(65534, &["2", wait[0], wait[1]]);
+    // Only the asking user's process is recorded: it alone waits for it.
+    let own = setup.workload_as(65534, &["2", wait[0], wait[1], "--wait-recording"]);
     let other = setup.workload_as(1001, &["3", wait[0], wait[1]]);
     own.read_until("waiting");
     other.read_until("waiting");
@@ -1013,15 +1033,7 @@ async fn under_cuda_record_always_a_look_back_capture_holds_the_kernels_before_i
     let always = setup("cuda_past");
     let agent = always.agent_with(&["--cuda-record", "always"]);
     let release = release_file(&always, "past");
-    let workload = always.workload(
-        &[
-            "3",
-            "--wait-file",
-            release.to_str().unwrap(),
-            "--wait-recording",
-        ],
-        &[],
-    );
+    let workload = always.workload(&recorded_run("3", &release), &[]);
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
     let calls = run_released(&workload, &release);
@@ -1044,7 +1056,7 @@ async fn under_cuda_record_always_a_look_back_capture_holds_the_kernels_before_i
     // A capture adds the API calls for its window; afterwards the
     // kernels go on being recorded, and CUPTI stays armed for them.
     let release = release_file(&always, "during");
-    let during = always.workload(&["2", "--wait-file", release.to_str().unwrap()], &[]);
+    let during = always.workload(&recorded_run("2", &release), &[]);
     during.read_until("waiting");
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 2000, &release).await;
@@ -1224,8 +1236,8 @@ async fn workloads_in_pid_namespaces_of_their_own_are_traced_under_host_pids() {
     let agent = setup.agent();
     let release = release_file(&setup, "contained");
     let wait = ["--wait-file", release.to_str().unwrap()];
-    let a = setup.contained_workload(&["2", wait[0], wait[1]]);
-    let b = setup.contained_workload(&["3", wait[0], wait[1]]);
+    let a = setup.contained_workload(&["2", wait[0], wait[1], "--wait-recording"]);
+    let b = setup.contained_workload(&["3", wait[0], wait[1], "--wait-recording"]);
     for workload in [&a, &b] {
         let lines = workload.read_until("waiting");
         assert!(
@@ -1554,11 +1566,7 @@ async fn ld_preload_loads_the_library_as_well() {
     let setup = setup("cuda_preloaded");
     let agent = setup.agent();
     let release = release_file(&setup, "preloaded");
-    let workload = setup.workload_loading(
-        "LD_PRELOAD",
-        &["2", "--wait-file", release.to_str().unwrap()],
-        &[],
-    );
+    let workload = setup.workload_loading("LD_PRELOAD", &recorded_run("2", &release), &[]);
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 1500, &release).await;
@@ -1607,7 +1615,7 @@ async fn cupti_13_0_ga_is_read_with_a_warning_about_its_bugs() {
     let agent = setup.agent();
     let release = release_file(&setup, "ga");
     let mut workload = setup.workload(
-        &["2", "--wait-file", release.to_str().unwrap()],
+        &recorded_run("2", &release),
         &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130000")],
     );
     workload.read_until("waiting");
@@ -1634,7 +1642,13 @@ async fn kernels_of_cuda_graph_replays_carry_their_graph_and_node() {
     let agent = setup.agent();
     let release = release_file(&setup, "graphs");
     let workload = setup.workload(
-        &["2", "--graph", "--wait-file", release.to_str().unwrap()],
+        &[
+            "2",
+            "--graph",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--wait-recording",
+        ],
         &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130401")],
     );
     workload.read_until("waiting");
@@ -2079,7 +2093,7 @@ async fn a_libcupti_the_process_already_loaded_is_reused() {
     let release = release_file(&setup, "loaded");
     let preloaded = setup.libraries.join("libcupti.so.12");
     let workload = setup.workload(
-        &["2", "--wait-file", release.to_str().unwrap()],
+        &recorded_run("2", &release),
         &[
             ("LD_PRELOAD", preloaded.to_str().unwrap()),
             ("DEVTRACE_CUPTI_PATH", elsewhere.to_str().unwrap()),
@@ -2121,7 +2135,7 @@ async fn devtrace_cupti_path_names_the_library_to_load() {
     .unwrap();
     let workload = CudaWorkload::start(
         &setup.program,
-        &["2", "--wait-file", release.to_str().unwrap()],
+        &recorded_run("2", &release),
         &[
             ("LD_LIBRARY_PATH", driver_only.to_str().unwrap()),
             ("CUDA_INJECTION64_PATH", setup.inject.to_str().unwrap()),
@@ -2185,7 +2199,7 @@ async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() 
     let _rings = [fifo_ring.placed(), link_ring.placed()];
     let agent = setup.agent();
     let release = release_file(&setup, "hostile");
-    let workload = setup.workload(&["2", "--wait-file", release.to_str().unwrap()], &[]);
+    let workload = setup.workload(&recorded_run("2", &release), &[]);
     workload.read_until("waiting");
     wait_for_attached(&agent, 3).await;
     let space = capture_while(&agent, 1500, &release).await;

@@ -145,6 +145,12 @@
  *   record for its id, no kind its device work or synchronization would be
  *   recorded under, no subscriber listening) costs the call only a few
  *   loads: no lock, no correlation id.
+ * - What enabling takes: the first cuptiActivityEnable after load or a
+ *   finalize holds CUPTI's lock for $DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS
+ *   (default 100; CUPTI's took 0.1-0.3 s on an H100). Each enable of a kind
+ *   that was off returns $DEVTRACE_STANDIN_CUPTI_ENABLE_MS (default 0) after
+ *   the kind is on, so that records of it are written while its caller has
+ *   not yet enabled the next kind.
  * - $DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES=1 presents each kernel launch
  *   (cuLaunchKernel, cuLaunchKernelEx) as PyTorch's reach CUPTI: inside a
  *   runtime call, cudaLaunchKernel (CUPTI_RUNTIME_TRACE_CBID_
@@ -796,11 +802,13 @@ static int runtime_launches;
 /* Armed: some activity kind was enabled since load or the last
  * cuptiFinalize. Every driver call then pays armed_ns, enabled kinds or not,
  * as real CUPTI keeps its driver hooks until it is finalized. The first
- * enable while disarmed takes first_enable_ms. Each DRIVER record written
+ * enable while disarmed takes first_enable_ms; every enable of a kind that
+ * was off returns enable_ms after the kind is on (the caller is still inside
+ * it while records of that kind are written). Each DRIVER record written
  * costs its call api_record_ns more, and each call of the subscriber's
  * callback callback_ns (see the top of this file). */
 static int armed;
-static long long armed_ns = 1000, first_enable_ms = 100;
+static long long armed_ns = 1000, first_enable_ms = 100, enable_ms;
 static long long api_record_ns = 1900, callback_ns = 100;
 static unsigned long finalizes;
 
@@ -854,6 +862,7 @@ static void setup(void) {
     api_record_ns = env_or("DEVTRACE_STANDIN_CUPTI_API_RECORD_NS", 1900);
     callback_ns = env_or("DEVTRACE_STANDIN_CUPTI_CALLBACK_NS", 100);
     first_enable_ms = env_or("DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS", 100);
+    enable_ms = env_or("DEVTRACE_STANDIN_CUPTI_ENABLE_MS", 0);
     strict_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS", 0) != 0;
     deaf_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS", 0) != 0;
     runtime_launches = env_or("DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES", 0) != 0;
@@ -1701,6 +1710,7 @@ CUPTIAPI CUptiResult cuptiActivityEnable(CUpti_ActivityKind kind) {
         }
     }
     pthread_mutex_unlock(&lock);
+    if (!was && enable_ms > 0) usleep((useconds_t)(enable_ms * 1000));
     return CUPTI_SUCCESS;
 }
 
@@ -1915,7 +1925,10 @@ CUPTIAPI void devtrace_standin_cupti_state(int *is_armed, unsigned long *finaliz
 }
 
 /* Not CUPTI: whether kernels are being recorded now (a kernel kind is
- * enabled), for test programs that must not run ahead of a recording. */
+ * enabled), for test programs that must not run ahead of a recording. The
+ * injection library enables the kernel kind after every other kind, so a
+ * program that waits for this has its copies, memsets and syncs recorded
+ * too. */
 CUPTIAPI int devtrace_standin_cupti_recording_kernels(void) {
     pthread_once(&setup_once, setup);
     return __atomic_load_n(&enabled[CUPTI_ACTIVITY_KIND_KERNEL], __ATOMIC_RELAXED) ||

@@ -34,19 +34,22 @@ pub mod kind {
     pub const MEMORY2: u32 = 49;
 }
 
-/// The activity kinds a capture enables, in this order; the API calls'
-/// records (the DRIVER and RUNTIME kinds, or a selection) are
+/// The activity kinds a capture enables, in this order, and disables in
+/// the reverse one: kernels are recorded only while everything around them
+/// is (their device, copies, memsets, synchronizations, markers), so that
+/// no kernel at a capture's edge lacks the work it waited for. The API
+/// calls' records (the DRIVER and RUNTIME kinds, or a selection) are
 /// [`api_calls`]'s.
 pub const KINDS: [u32; 9] = [
     kind::DEVICE,
-    kind::CONCURRENT_KERNEL,
+    kind::CONTEXT,
     kind::MEMCPY,
     kind::MEMSET,
     kind::MEMORY2,
     kind::OVERHEAD,
     kind::SYNCHRONIZATION,
     kind::MARKER,
-    kind::CONTEXT,
+    kind::CONCURRENT_KERNEL,
 ];
 
 /// Finds and loads libcupti once; later calls answer the first outcome.
