@@ -2350,6 +2350,39 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
     assert_eq!(said, 3, "{stderr}");
 }
 
+/// A capture that ends before CUPTI starts recording in a process (here
+/// CUPTI's first enable takes 3 s, longer than the 1 s window) says so,
+/// from when the library was asked to the window's end, instead of
+/// leaving the process's missing kernels unexplained.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_capture_that_ends_before_cupti_starts_recording_says_so() {
+    let setup = setup("cuda_never_started");
+    let agent = setup.agent();
+    let release = release_file(&setup, "never");
+    let workload = setup.workload(
+        &["2", "--wait-file", release.to_str().unwrap()],
+        &[("DEVTRACE_STANDIN_CUPTI_FIRST_ENABLE_MS", "3000")],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 1000, &release).await;
+    assert!(program_kernels(&space).is_empty());
+    let told: Vec<&String> = space
+        .warnings
+        .iter()
+        .filter(|w| {
+            w.contains(&format!("process {pid} "))
+                && w.contains("CUPTI had not started recording when the capture ended, from ")
+        })
+        .collect();
+    assert_eq!(told.len(), 1, "{:?}", space.warnings);
+    // The job is unharmed: it ends once CUPTI is done starting (and
+    // stopping again).
+    let calls = calls_until_done(&workload);
+    assert!(calls.iter().all(|c| c.fields["rc"] == "0"), "{calls:?}");
+}
+
 /// A job that makes no CUDA call after a capture's window still gets the
 /// window's last kernels into the trace: on CUDA 13 a job thread's partly
 /// filled buffer comes back only as CUPTI is detached, and the library

@@ -452,9 +452,7 @@ impl Attachments {
                             .lost_from(pid, label, clock::now_ns(), cause);
                     }
                     if flags & CONTROL_CAPTURE == 0 {
-                        // A start that never came is no loss of a later capture.
-                        let starting = |cause| cause == LossCause::Starting;
-                        self.status.lock().lost_until(pid, 0, starting);
+                        self.status.lock().never_started(pid, clock::now_ns());
                     }
                     process.ring.set_control(flags);
                     process.control = flags;

@@ -30,6 +30,10 @@ pub(super) enum LossCause {
     OtherUser { seen: bool },
     /// The library was asked to capture and CUPTI was not recording yet.
     Starting,
+    /// The capture ended with CUPTI still not recording: the library was
+    /// slow to act (its thread not scheduled, CUPTI's first enable longer
+    /// than the window) or stopped tracing (its states say why).
+    NeverStarted,
     /// The timeline's API calls were not recorded: the library's subscriber
     /// that timed them stopped, for that reason (its GPU activity is there,
     /// without the calls that launched it).
@@ -48,8 +52,10 @@ pub(super) struct LostSpan {
 }
 
 impl LostSpan {
-    /// The warning for a window this span overlaps. A start that never
-    /// ended is not told: the process stopped tracing, which its states say.
+    /// The warning for a window this span overlaps. A start still awaited
+    /// is not told: its capture has not ended (then it is closed as
+    /// [`LossCause::NeverStarted`]), or the process is gone, which its
+    /// states say.
     pub(super) fn describe(&self, window: Window) -> Option<String> {
         if self.cause == LossCause::Starting && self.to_ns.is_none() {
             return None;
@@ -90,6 +96,11 @@ impl LostSpan {
                  it, so that the job runs at full speed between captures)",
                 self.label,
                 (to_ns - self.from_ns) as f64 / 1e6,
+            ),
+            LossCause::NeverStarted => format!(
+                "the injection library in {} was asked to record and CUPTI had not started \
+                 recording when the capture ended, {span}",
+                self.label,
             ),
             LossCause::ApiCalls(cause) => format!(
                 "the launch, copy and memset calls of {} from {:.3} s to {:.3} s of this window \
@@ -236,6 +247,18 @@ impl Status {
         }
     }
 
+    /// The capture ended at `at_ns`: a start of `pid` still awaited is a
+    /// span that never started, closed there (and no loss of a later
+    /// capture).
+    pub(super) fn never_started(&mut self, pid: u32, at_ns: u64) {
+        for span in self.lost_spans.iter_mut().rev() {
+            if span.pid == pid && span.to_ns.is_none() && span.cause == LossCause::Starting {
+                span.cause = LossCause::NeverStarted;
+                span.to_ns = Some(at_ns.max(span.from_ns));
+            }
+        }
+    }
+
     /// The remembered process `pid` (the latest of that pid).
     pub(super) fn traced_mut(&mut self, pid: u32) -> Option<&mut Traced> {
         self.traced.iter_mut().rev().find(|t| t.pid == pid)
@@ -340,10 +363,38 @@ mod tests {
             told.contains("CUPTI started recording 1000 ms later"),
             "{told}"
         );
-        // A start that never ended is the process's state, not a span.
+        // A start still awaited is not told before the capture ends.
         assert!(span(101, None, LossCause::Starting)
             .describe(WINDOW)
             .is_none());
+    }
+
+    #[test]
+    fn a_start_awaited_when_the_capture_ended_is_told_as_never_started() {
+        let mut status = Status::default();
+        let starting = LossCause::Starting;
+        status.lost_from(7, "process 7 (train.py)".into(), 101 * SECOND, starting);
+        status.lost_from(8, "process 8".into(), 101 * SECOND, starting);
+        status.lost_until(8, 102 * SECOND, |cause| cause == starting);
+        status.never_started(7, 103 * SECOND);
+        status.never_started(8, 103 * SECOND);
+        let told: Vec<String> = status
+            .lost_spans
+            .iter()
+            .filter_map(|span| span.describe(WINDOW))
+            .collect();
+        assert_eq!(told.len(), 2, "{told:?}");
+        assert!(
+            told[0].starts_with(
+                "the injection library in process 7 (train.py) was asked to record and CUPTI \
+                 had not started recording when the capture ended, from 1.000 s to 3.000 s"
+            ),
+            "{told:?}"
+        );
+        assert!(
+            told[1].contains("CUPTI started recording 1000 ms later"),
+            "{told:?}"
+        );
     }
 
     #[test]
