@@ -216,16 +216,15 @@ pub fn control_loop() {
         kernels_at_timing: 0,
     };
     let mut pulse = AgentPulse::new();
+    let mut seen = session.ring.control();
     while !quiet() {
-        std::thread::sleep(poll);
+        // Woken as soon as the agent changes the word (a capture starts or
+        // ends), else at the poll interval, for the flushes and detaches.
+        seen = session.ring.wait_for_control(seen, poll);
         if *detach::gate() == Attachment::Closed {
             return;
         }
-        let control = pulse.follow(
-            session,
-            session.ring.consumer_beat(),
-            session.ring.control(),
-        );
+        let control = pulse.follow(session, session.ring.consumer_beat(), seen);
         if let Err(error) = tracer.tick(session, control) {
             tracer.give_up(session);
             return fail(&error);

@@ -4,8 +4,9 @@
 //! into a shared-memory ring that the devtrace agent drains.
 //!
 //! While no capture runs it costs nothing per CUDA call: CUPTI is detached,
-//! and one thread reads the ring's control word every
-//! `DEVTRACE_INJECT_POLL_MS` (20 ms). When the agent sets the capture flag it
+//! and one thread waits on the ring's control word, which the agent wakes it
+//! at when it changes, looking at it every `DEVTRACE_INJECT_POLL_MS` (20 ms)
+//! anyway. When the agent sets the capture flag it
 //! enables CUPTI's activity kinds and times the API calls that put work on
 //! the GPU timeline from its own Callback API subscriber ([`timed_calls`]);
 //! buffers CUPTI fills are converted to events on a second thread; when the

@@ -91,7 +91,10 @@ pub enum BackendError {
     },
 }
 
-/// The traces in progress and whose they are (see [`Scope`]).
+/// The traces in progress and whose they are (see [`Scope`]). A trace
+/// beginning or ending wakes the backends waiting in
+/// [`TraceDemand::wait_for_change`], so that tracers switch on as a window
+/// opens rather than at their next pass.
 #[derive(Debug, Default)]
 pub struct TraceDemand {
     /// Every trace in progress, whatever its scope.
@@ -100,6 +103,9 @@ pub struct TraceDemand {
     host: AtomicUsize,
     /// Those scoped to one user, counted per uid.
     users: parking_lot::Mutex<BTreeMap<u32, usize>>,
+    /// How many times a trace began or ended.
+    changes: parking_lot::Mutex<u64>,
+    changed: parking_lot::Condvar,
 }
 
 impl TraceDemand {
@@ -112,6 +118,7 @@ impl TraceDemand {
             }
             Scope::User { uid } => *self.users.lock().entry(uid).or_default() += 1,
         }
+        self.tell_change();
     }
 
     pub fn end(&self, scope: Scope) {
@@ -130,6 +137,31 @@ impl TraceDemand {
             }
         }
         self.all.fetch_sub(1, Ordering::Relaxed);
+        self.tell_change();
+    }
+
+    fn tell_change(&self) {
+        *self.changes.lock() += 1;
+        self.changed.notify_all();
+    }
+
+    /// How many times a trace began or ended so far: what
+    /// [`Self::wait_for_change`] compares with.
+    pub fn changes(&self) -> u64 {
+        *self.changes.lock()
+    }
+
+    /// Waits until a trace begins or ends after `seen` (a value of
+    /// [`Self::changes`]) or `timeout` passes; answers whether one did.
+    pub fn wait_for_change(&self, seen: u64, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut changes = self.changes.lock();
+        while *changes == seen {
+            if self.changed.wait_until(&mut changes, deadline).timed_out() {
+                return *changes != seen;
+            }
+        }
+        true
     }
 
     /// Whether any trace is in progress.
@@ -295,5 +327,29 @@ impl CaptureEnd {
     /// Sleeps until the end.
     pub fn wait(&self) {
         while !self.sleep_until(u64::MAX) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trace_beginning_or_ending_wakes_a_waiting_backend() {
+        let demand = Arc::new(TraceDemand::default());
+        let seen = demand.changes();
+        assert!(!demand.wait_for_change(seen, Duration::from_millis(1)));
+        let waiter = {
+            let demand = Arc::clone(&demand);
+            std::thread::spawn(move || demand.wait_for_change(seen, Duration::from_secs(600)))
+        };
+        demand.begin(Scope::User { uid: 7 });
+        assert!(waiter.join().expect("the waiter"));
+        assert!(demand.covers_user(7) && !demand.covers_user(8));
+        // A change made before the wait began is not missed.
+        let seen = demand.changes();
+        demand.end(Scope::User { uid: 7 });
+        assert!(demand.wait_for_change(seen, Duration::from_secs(600)));
+        assert!(!demand.any());
     }
 }

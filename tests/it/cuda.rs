@@ -2350,6 +2350,32 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
     assert_eq!(said, 3, "{stderr}");
 }
 
+/// The agent wakes a library waiting on its ring's control word as a
+/// capture starts and ends, rather than leaving it to its next look: with
+/// the library looking every 10 s, a 2 s capture still records the job's
+/// kernels (none without the wake).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_library_is_woken_as_a_capture_starts_and_ends() {
+    let setup = setup("cuda_woken");
+    let agent = setup.agent();
+    let release = release_file(&setup, "woken");
+    let workload = setup.workload(
+        &recorded_run("2", &release),
+        &[("DEVTRACE_INJECT_POLL_MS", "10000")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    assert_eq!(program_kernels(&space).len(), 4, "{:?}", space.warnings);
+    let starts: Vec<&String> = space
+        .warnings
+        .iter()
+        .filter(|w| w.contains("CUPTI started recording"))
+        .collect();
+    assert_eq!(starts.len(), 1, "{:?}", space.warnings);
+    calls_until_done(&workload);
+}
+
 /// A capture that ends before CUPTI starts recording in a process (here
 /// CUPTI's first enable takes 3 s, longer than the 1 s window) says so,
 /// from when the library was asked to the window's end, instead of

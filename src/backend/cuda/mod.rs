@@ -254,6 +254,7 @@ impl Backend for CudaBackend {
             let mut last_scan: Option<Instant> = None;
             let mut last_capturing: Option<Instant> = None;
             while !stop.is_set() {
+                let demand = context.traces.changes();
                 let capturing = context.traces.any();
                 if capturing {
                     last_capturing = Some(Instant::now());
@@ -285,7 +286,10 @@ impl Backend for CudaBackend {
                 } else {
                     attach.config.drain_interval * 10
                 };
-                std::thread::sleep(pause);
+                // A capture starting or ending is served at once: the
+                // libraries start recording as its window opens, and stop
+                // (handing over the window's last records) as it closes.
+                context.traces.wait_for_change(demand, pause);
             }
             // Leave the libraries idle for the next agent.
             for process in attach.processes.values() {

@@ -38,7 +38,8 @@
 //! The shared header carries the creating process's pid, the clock
 //! (`CLOCK_REALTIME` nanoseconds), per-lane drop counters and a control word
 //! ([`Ring::control`], [`Ring::set_control`]) through which the agent asks
-//! producers to record ([`CONTROL_CAPTURE`]).
+//! producers to record ([`CONTROL_CAPTURE`]); a producer may sleep until it
+//! changes ([`Ring::wait_for_control`], a futex the set wakes).
 //!
 //! **Liveness.** A lane's owner word holds the producer's pid, and the
 //! consumer's pid is in the header. [`Ring::release_dead_producers`] frees the
@@ -49,6 +50,7 @@
 //! leftover temporary files) of processes that are gone. Pids are those of
 //! the pid namespace the ring was created in.
 
+mod control_wait;
 mod doorbell;
 mod guard;
 mod layout;

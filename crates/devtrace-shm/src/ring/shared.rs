@@ -41,7 +41,7 @@ pub struct Control {
 }
 
 impl Control {
-    fn from_word(word: u64) -> Control {
+    pub(super) fn from_word(word: u64) -> Control {
         Control {
             flags: word as u32,
             generation: (word >> 32) as u32,
@@ -519,7 +519,9 @@ impl Ring {
         Control::from_word(self.header().control.0.load(Ordering::Acquire))
     }
 
-    /// Sets the control flags and bumps the generation; returns the new word.
+    /// Sets the control flags and bumps the generation, and wakes the
+    /// producers waiting for it ([`Ring::wait_for_control`]); returns the
+    /// new word.
     pub fn set_control(&self, flags: u32) -> Control {
         let word = &self.header().control.0;
         let mut current = word.load(Ordering::Relaxed);
@@ -527,7 +529,10 @@ impl Ring {
             let generation = Control::from_word(current).generation.wrapping_add(1);
             let new = (u64::from(generation) << 32) | u64::from(flags);
             match word.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Relaxed) {
-                Ok(_) => return Control::from_word(new),
+                Ok(_) => {
+                    self.wake_control_waiters();
+                    return Control::from_word(new);
+                }
                 Err(actual) => current = actual,
             }
         }
