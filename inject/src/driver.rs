@@ -153,7 +153,7 @@ pub fn learn_devices(session: &Session) {
 struct Learned {
     /// The CUDA ordinal (the `deviceId` of CUPTI's records).
     ordinal: u32,
-    /// Its description for the agent, when its UUID or name could be read.
+    /// Its description for the agent, when all of it could be read.
     record: Option<MetaRecord>,
     /// Its limits, when every one could be read.
     limits: Option<Limits>,
@@ -215,18 +215,39 @@ fn devices() -> Vec<Learned> {
         let read = unsafe { get_uuid(&mut bytes, device) } == CUDA_SUCCESS;
         (read && bytes != [0; 16]).then_some(bytes)
     };
-    let memory_bytes = |device: c_int| -> u64 {
-        let Some(total_mem) = *total_mem else {
-            return 0;
-        };
+    let memory_bytes = |device: c_int| -> Option<u64> {
+        let total_mem = (*total_mem)?;
         let mut bytes: usize = 0;
         // SAFETY: the driver writes one size_t.
         let read = unsafe { total_mem(&mut bytes, device) } == CUDA_SUCCESS;
-        if read {
-            bytes as u64
-        } else {
-            0
-        }
+        (read && bytes > 0).then_some(bytes as u64)
+    };
+    // Whole or not at all: the agent keeps the first description of a GPU
+    // it is given, so one read in part is left to CUPTI's DEVICE record.
+    let describe = |ordinal: c_int, device: c_int| -> Option<MetaRecord> {
+        let read = |which| attribute(device, which);
+        Some(MetaRecord::Device {
+            ordinal: u16::try_from(ordinal).ok()?,
+            uuid: Some(gpu_uuid_text(&uuid(device)?)),
+            info: DeviceInfo {
+                vendor: "Nvidia".into(),
+                model: name(device).filter(|name| !name.is_empty())?,
+                compute_capability: (
+                    read(COMPUTE_CAPABILITY_MAJOR)?,
+                    read(COMPUTE_CAPABILITY_MINOR)?,
+                ),
+                core_count: read(MULTIPROCESSOR_COUNT)?,
+                clock_rate_khz: u64::from(read(CLOCK_RATE)?),
+                memory_bytes: memory_bytes(device)?,
+                // Double data rate: two transfers a clock, over the bus's
+                // width in bits (CUPTI's DEVICE record says the same).
+                memory_bandwidth_bytes_per_s: u64::from(read(MEMORY_CLOCK_RATE)?)
+                    .saturating_mul(1000)
+                    .saturating_mul(u64::from(read(GLOBAL_MEMORY_BUS_WIDTH)?))
+                    .saturating_mul(2)
+                    / 8,
+            },
+        })
     };
     (0..count.clamp(0, MAX_DEVICES))
         .filter_map(|ordinal| {
@@ -235,34 +256,9 @@ fn devices() -> Vec<Learned> {
             if unsafe { get(&mut device, ordinal) } != CUDA_SUCCESS {
                 return None;
             }
-            let uuid = uuid(device);
-            let name = name(device);
-            let read = |which| attribute(device, which).unwrap_or(0);
-            let record = (uuid.is_some() || name.is_some()).then(|| MetaRecord::Device {
-                ordinal: ordinal as u16,
-                uuid: uuid.as_ref().map(gpu_uuid_text),
-                info: DeviceInfo {
-                    vendor: "Nvidia".into(),
-                    model: name.unwrap_or_default(),
-                    compute_capability: (
-                        read(COMPUTE_CAPABILITY_MAJOR),
-                        read(COMPUTE_CAPABILITY_MINOR),
-                    ),
-                    core_count: read(MULTIPROCESSOR_COUNT),
-                    clock_rate_khz: u64::from(read(CLOCK_RATE)),
-                    memory_bytes: memory_bytes(device),
-                    // Double data rate: two transfers a clock, over the bus's
-                    // width in bits (CUPTI's DEVICE record says the same).
-                    memory_bandwidth_bytes_per_s: u64::from(read(MEMORY_CLOCK_RATE))
-                        .saturating_mul(1000)
-                        .saturating_mul(u64::from(read(GLOBAL_MEMORY_BUS_WIDTH)))
-                        .saturating_mul(2)
-                        / 8,
-                },
-            });
             Some(Learned {
                 ordinal: ordinal as u32,
-                record,
+                record: describe(ordinal, device),
                 limits: limits(device),
             })
         })
