@@ -41,6 +41,8 @@ const BACKGROUND_KINDS: [u32; 5] = [
     cupti::kind::MEMSET,
     cupti::kind::CONCURRENT_KERNEL,
 ];
+const _: () =
+    assert!(BACKGROUND_KINDS[BACKGROUND_KINDS.len() - 1] == cupti::kind::CONCURRENT_KERNEL);
 /// The kinds a capture enables beyond the [`BACKGROUND_KINDS`].
 fn capture_only_kinds() -> impl Iterator<Item = u32> {
     cupti::KINDS
@@ -369,8 +371,9 @@ impl Tracer {
         // Launches are recorded from before kernels are, so that no kernel
         // recorded as the capture starts lacks its launch call: timed when
         // the subscriber is ours already (else CUPTI records them for the
-        // whole capture), by CUPTI's records before the kinds only on a CUPTI
-        // already attached (on a fresh one they follow the kinds, as ever).
+        // whole capture), by CUPTI's records before the kinds on a CUPTI
+        // already attached, and on a fresh one after the other kinds but
+        // still before the kernels, which come last (see `cupti::KINDS`).
         self.may_time = capture && detach::subscribed();
         let early = capture && (self.may_time || !fresh);
         if early {
@@ -381,7 +384,10 @@ impl Tracer {
         } else {
             &BACKGROUND_KINDS
         };
-        for kind in kinds {
+        let Some((kernels, others)) = kinds.split_last() else {
+            return Err("no activity kind to enable".into());
+        };
+        for kind in others {
             cupti::enable(*kind)?;
         }
         if !fresh {
@@ -392,6 +398,7 @@ impl Tracer {
         } else {
             self.stop_api_calls(session)?;
         }
+        cupti::enable(*kernels)?;
         self.background = !capture;
         drop(gate);
         session.write_meta(&MetaRecord::Recording {

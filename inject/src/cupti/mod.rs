@@ -51,6 +51,7 @@ pub const KINDS: [u32; 9] = [
     kind::MARKER,
     kind::CONCURRENT_KERNEL,
 ];
+const _: () = assert!(KINDS[KINDS.len() - 1] == kind::CONCURRENT_KERNEL);
 
 /// Finds and loads libcupti once; later calls answer the first outcome.
 pub fn load() -> Result<&'static str, String> {
