@@ -376,8 +376,7 @@ impl Attachments {
                     self.status.lock().lost_from(pid, label, at_ns, cause);
                 }
                 MetaRecord::Recording { at_ns } => {
-                    let starting = |cause| cause == LossCause::Starting;
-                    self.status.lock().lost_until(pid, at_ns, starting);
+                    self.status.lock().recording_began(pid, at_ns);
                 }
                 MetaRecord::Detached { .. } => {
                     tracing::info!(

@@ -259,6 +259,28 @@ impl Status {
         }
     }
 
+    /// The library of `pid` says CUPTI began recording at `at_ns`: closes
+    /// the start it was asked for, also one taken for never started because
+    /// the capture ended between the library's word and the agent reading
+    /// it.
+    pub(super) fn recording_began(&mut self, pid: u32, at_ns: u64) {
+        for span in self.lost_spans.iter_mut().rev() {
+            if span.pid != pid {
+                continue;
+            }
+            match (span.cause, span.to_ns) {
+                (LossCause::Starting, None) => span.to_ns = Some(at_ns.max(span.from_ns)),
+                (LossCause::NeverStarted, Some(to_ns))
+                    if (span.from_ns..to_ns).contains(&at_ns) =>
+                {
+                    span.cause = LossCause::Starting;
+                    span.to_ns = Some(at_ns);
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// The remembered process `pid` (the latest of that pid).
     pub(super) fn traced_mut(&mut self, pid: u32) -> Option<&mut Traced> {
         self.traced.iter_mut().rev().find(|t| t.pid == pid)
@@ -393,6 +415,23 @@ mod tests {
         );
         assert!(
             told[1].contains("CUPTI started recording 1000 ms later"),
+            "{told:?}"
+        );
+        // The library's word that it began, read only after the capture
+        // ended, makes it a start again; one from after the capture does
+        // not.
+        status.recording_began(7, 102 * SECOND);
+        status.recording_began(8, 104 * SECOND);
+        let told: Vec<String> = status
+            .lost_spans
+            .iter()
+            .filter_map(|span| span.describe(WINDOW))
+            .collect();
+        assert!(
+            told.len() == 2
+                && told
+                    .iter()
+                    .all(|t| t.contains("CUPTI started recording 1000 ms later")),
             "{told:?}"
         );
     }
