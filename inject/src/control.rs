@@ -61,6 +61,10 @@ const SILENCE_LIMIT_NS: u64 = 1_000_000_000;
 /// only at the detach.
 const RETURN_WAIT: Duration = Duration::from_millis(100);
 
+/// How long the exit handler waits for buffers the converter thread is
+/// converting, before it counts those CUPTI kept.
+const EXIT_WAIT: Duration = Duration::from_millis(20);
+
 /// Whether the CUDA driver is loaded in this process.
 fn cuda_loaded() -> bool {
     ["libcuda.so.1", "libcuda.so"]
@@ -884,5 +888,22 @@ extern "C" fn flush_at_exit() {
         timed_calls::stop();
         timed_calls::deliver(session, true);
         records::convert_pending_now();
+        // What the converter thread may still be converting, briefly.
+        wait_for_buffers(EXIT_WAIT);
+        records::convert_pending_now();
+        // CUDA 13 hands a thread's partly filled buffer back only when
+        // CUPTI is detached, which an exiting process does not live to see
+        // (and finalizing from an exit handler, with the job's threads
+        // still in CUDA calls, is not safe): what they hold is lost, and
+        // said rather than left for the trace to pass over.
+        let out = buffers::out();
+        if out > 0 {
+            let message = format!(
+                "the process exited while recording, with {out} of its CUPTI activity buffers \
+                 not handed back (CUDA 13 returns a thread's partly filled buffer only when \
+                 CUPTI is detached): the GPU activity recorded in them, its last, is missing"
+            );
+            session.write_meta(&MetaRecord::Warning { message });
+        }
     });
 }
