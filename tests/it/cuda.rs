@@ -797,7 +797,9 @@ async fn a_workload_that_exits_mid_capture_keeps_its_events_and_is_reported() {
             .warnings
             .iter()
             .any(|w| w.contains(&format!("process {pid} "))
-                && w.contains("exited; its GPU events up to then are in the trace")),
+                && w.contains(
+                    "exited; the GPU events its library handed over up to then are in the trace"
+                )),
         "{:?}",
         space.warnings
     );

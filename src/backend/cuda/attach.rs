@@ -556,7 +556,7 @@ impl Attachments {
         }
         let text = match corruption {
             None => format!(
-                "{} exited; its GPU events up to then are in the trace",
+                "{} exited; the GPU events its library handed over up to then are in the trace",
                 process.label()
             ),
             Some(corruption) => {
