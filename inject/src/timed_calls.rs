@@ -80,9 +80,31 @@ static LOST: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static LOG: RefCell<Option<SharedLog>> = const { RefCell::new(None) };
-    /// The correlation id of the runtime API call this thread is inside (0:
-    /// none).
-    static RUNTIME_CALL: Cell<u32> = const { Cell::new(0) };
+    /// The correlation ids of the runtime API calls this thread is inside,
+    /// innermost first (0: none), so that a runtime call made inside
+    /// another hides its own driver call without unhiding the outer's.
+    static RUNTIME_CALLS: Cell<[u32; RUNTIME_DEPTH]> = const { Cell::new([0; RUNTIME_DEPTH]) };
+}
+
+/// Runtime calls followed inside one another; deeper ones push the
+/// outermost out.
+const RUNTIME_DEPTH: usize = 4;
+
+/// `calls` with the runtime call `id` entered (innermost first).
+fn entered(mut calls: [u32; RUNTIME_DEPTH], id: u32) -> [u32; RUNTIME_DEPTH] {
+    calls.rotate_right(1);
+    calls[0] = id;
+    calls
+}
+
+/// `calls` with the runtime call `id` left, wherever it is (one that
+/// entered before they were followed is in none).
+fn left(mut calls: [u32; RUNTIME_DEPTH], id: u32) -> [u32; RUNTIME_DEPTH] {
+    if let Some(at) = calls.iter().position(|call| *call == id && id != 0) {
+        calls[at..].rotate_left(1);
+        calls[RUNTIME_DEPTH - 1] = 0;
+    }
+    calls
 }
 
 /// The timeline's callback ids, as bit sets per domain.
@@ -173,9 +195,14 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
     } = unsafe { ApiCallback::read(data) };
     // Followed while not timing too, so that a runtime call that entered
     // before timing started still hides its driver call.
-    if runtime {
-        let inside = if site == API_ENTER { correlation_id } else { 0 };
-        let _ = RUNTIME_CALL.try_with(|call| call.set(inside));
+    if runtime && (site == API_ENTER || site == API_EXIT) {
+        let _ = RUNTIME_CALLS.try_with(|calls| {
+            calls.set(if site == API_ENTER {
+                entered(calls.get(), correlation_id)
+            } else {
+                left(calls.get(), correlation_id)
+            })
+        });
     }
     if !ON.load(Ordering::Relaxed) {
         return;
@@ -187,7 +214,7 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
     if !runtime
         && site == API_EXIT
         && correlation_id != 0
-        && RUNTIME_CALL.try_with(Cell::get) == Ok(correlation_id)
+        && RUNTIME_CALLS.try_with(|calls| calls.get()[0]) == Ok(correlation_id)
     {
         return;
     }
@@ -411,6 +438,18 @@ mod tests {
         call(driver, CU_LAUNCH_KERNEL, API_ENTER, 11, &mut inner);
         call(driver, CU_LAUNCH_KERNEL, API_EXIT, 11, &mut inner);
         call(runtime, CUDA_LAUNCH_KERNEL, API_EXIT, 10, &mut outer);
+        // A runtime call inside another (a library's launch inside a graph
+        // or copy call, say), each with its driver launch sharing its id:
+        // the inner's exit leaves the outer's driver launch hidden too.
+        let (mut outer, mut inner, mut outer_driver, mut inner_driver) = (0u64, 0u64, 0u64, 0u64);
+        call(runtime, CUDA_LAUNCH_KERNEL, API_ENTER, 30, &mut outer);
+        call(runtime, CUDA_LAUNCH_KERNEL, API_ENTER, 31, &mut inner);
+        call(driver, CU_LAUNCH_KERNEL, API_ENTER, 31, &mut inner_driver);
+        call(driver, CU_LAUNCH_KERNEL, API_EXIT, 31, &mut inner_driver);
+        call(runtime, CUDA_LAUNCH_KERNEL, API_EXIT, 31, &mut inner);
+        call(driver, CU_LAUNCH_KERNEL, API_ENTER, 30, &mut outer_driver);
+        call(driver, CU_LAUNCH_KERNEL, API_EXIT, 30, &mut outer_driver);
+        call(runtime, CUDA_LAUNCH_KERNEL, API_EXIT, 30, &mut outer);
         // A launch that entered before timing began: its slot holds no stamp.
         let mut unstamped = 12_345u64;
         call(driver, CU_LAUNCH_KERNEL, API_EXIT, 13, &mut unstamped);
@@ -436,6 +475,8 @@ mod tests {
                 (9, true, CUDA_LAUNCH_KERNEL),
                 (11, false, CU_LAUNCH_KERNEL),
                 (10, true, CUDA_LAUNCH_KERNEL),
+                (31, true, CUDA_LAUNCH_KERNEL),
+                (30, true, CUDA_LAUNCH_KERNEL),
                 (13, false, CU_LAUNCH_KERNEL),
                 (14, false, CU_LAUNCH_KERNEL),
             ]
