@@ -142,15 +142,39 @@ fn tcp_address(item: &str, address: &str) -> Finding {
         }
         Err(error) if error.kind() == std::io::ErrorKind::AddrInUse => {
             let port = address.rsplit(':').next().unwrap_or(address);
-            Finding::new(
-                Area::Agent,
-                format!("{item} {address}"),
-                Status::Fail,
-                "in use: another agent or program listens there",
-            )
-            .hint(format!(
-                "`ss -ltnp 'sport = :{port}'` names it; stop it or choose another address"
-            ))
+            let holder = port
+                .parse()
+                .ok()
+                .and_then(|port| holder_of(&crate::protocol::caller::tcp_listeners(port)));
+            let item = format!("{item} {address}");
+            match holder {
+                // Doctor run beside the agent it checks: not a fault.
+                Some((pid, command)) if command == "devtrace" => Finding::new(
+                    Area::Agent,
+                    item,
+                    Status::Warn,
+                    format!(
+                        "a devtrace agent (pid {pid}) listens there already; a second one \
+                         would not start on it"
+                    ),
+                ),
+                Some((pid, command)) => Finding::new(
+                    Area::Agent,
+                    item,
+                    Status::Fail,
+                    format!("in use: {command} (pid {pid}) listens there"),
+                )
+                .hint("stop it or choose another address"),
+                None => Finding::new(
+                    Area::Agent,
+                    item,
+                    Status::Fail,
+                    "in use: another agent or program listens there",
+                )
+                .hint(format!(
+                    "`ss -ltnp 'sport = :{port}'` names it; stop it or choose another address"
+                )),
+            }
         }
         Err(error) => Finding::new(
             Area::Agent,
@@ -159,6 +183,40 @@ fn tcp_address(item: &str, address: &str) -> Finding {
             error.to_string(),
         ),
     }
+}
+
+/// The process holding one of the sockets `inodes` (its pid and command
+/// name), found among the descriptors of `/proc`'s processes: every
+/// process's as root, one's own user's otherwise.
+fn holder_of(inodes: &[u64]) -> Option<(u32, String)> {
+    let wanted: Vec<String> = inodes
+        .iter()
+        .map(|inode| format!("socket:[{inode}]"))
+        .collect();
+    if wanted.is_empty() {
+        return None;
+    }
+    for process in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = process
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(descriptors) = std::fs::read_dir(process.path().join("fd")) else {
+            continue;
+        };
+        let holds = descriptors.flatten().any(|fd| {
+            std::fs::read_link(fd.path())
+                .is_ok_and(|target| wanted.iter().any(|w| target.as_os_str() == w.as_str()))
+        });
+        if holds {
+            let command = std::fs::read_to_string(process.path().join("comm")).unwrap_or_default();
+            return Some((pid, command.trim().to_string()));
+        }
+    }
+    None
 }
 
 fn unix_socket(path: &Path) -> Finding {
@@ -379,7 +437,13 @@ mod tests {
         let address = held.local_addr().unwrap().to_string();
         let finding = tcp_address("listen", &address);
         assert_eq!(finding.status, Status::Fail);
-        assert!(finding.hint.unwrap().contains("ss -ltnp"));
+        // This process holds it, under its own name.
+        assert!(
+            finding
+                .detail
+                .contains(&format!("(pid {}) listens there", std::process::id())),
+            "{finding:?}"
+        );
         drop(held);
         assert_eq!(tcp_address("listen", &address).status, Status::Ok);
     }

@@ -165,6 +165,38 @@ pub fn of_tcp(local: SocketAddr, peer: SocketAddr) -> Caller {
     Caller::Remote(peer.ip())
 }
 
+/// The inodes of the sockets listening on TCP `port` in this network
+/// namespace, at any address.
+pub fn tcp_listeners(port: u16) -> Vec<u64> {
+    let mut inodes = Vec::new();
+    for table in TCP_TABLES {
+        if let Ok(file) = std::fs::File::open(table) {
+            inodes.extend(listeners_in(BufReader::new(file), port));
+        }
+    }
+    inodes
+}
+
+/// The inodes of the sockets in `table` listening on `port`.
+fn listeners_in(table: impl BufRead, port: u16) -> Vec<u64> {
+    // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+    const LISTEN: &str = "0A";
+    table
+        .lines()
+        .skip(1)
+        .map_while(Result::ok)
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace().skip(1);
+            let own = parse_end(fields.next()?)?;
+            let state = fields.nth(1)?;
+            if own.port() != port || state != LISTEN {
+                return None;
+            }
+            fields.nth(5)?.parse().ok()
+        })
+        .collect()
+}
+
 /// The uid of the socket in `table` (the text of `/proc/net/tcp` or
 /// `tcp6`) whose own end is `peer` and whose other end is `local`.
 fn owner_in(table: impl BufRead, local: SocketAddr, peer: SocketAddr) -> Option<u32> {
@@ -212,6 +244,21 @@ fn canonical(address: SocketAddr) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listeners_are_found_by_port_and_state() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 00000000:07E8 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1077 1 00000000f7d56b66 100 0 0 10 0\n\
+   1: 0100007F:07E8 0100007F:9177 01 00000000:00000000 03:00000FF4 00000000     0        0 2088 3 000000000446ecab\n\
+   2: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1001        0 3099 1 0000000000000000 100 0 0 10 0\n";
+        assert_eq!(listeners_in(table.as_bytes(), 2024), [1077]);
+        assert_eq!(listeners_in(table.as_bytes(), 8080), [3099]);
+        assert!(listeners_in(table.as_bytes(), 9).is_empty());
+        // This process's own listener is in the real tables.
+        let held = std::net::TcpListener::bind("127.0.0.1:0").expect("a listener");
+        let port = held.local_addr().expect("its address").port();
+        assert_eq!(tcp_listeners(port).len(), 1);
+    }
 
     #[test]
     fn only_root_or_the_agents_user_may_name_whom_it_calls_for() {

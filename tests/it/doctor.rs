@@ -207,6 +207,28 @@ fn a_python_environments_cupti_and_torch_are_read() {
         .contains("nvidia/cu13/lib/libcupti.so.13: CUDA 13.0"));
 }
 
+/// Doctor run beside the agent it checks (in its container, say) finds the
+/// listen address taken by that agent: a warning naming it, not a failure.
+#[test]
+fn an_address_a_devtrace_agent_holds_is_named_and_does_not_fail_the_check() {
+    let agent = crate::common::AgentProcess::start(&["--backend", "mock"]);
+    let doctor = doctor(
+        &["--listen", &agent.address, "--backend", "mock"],
+        None,
+        &[],
+    );
+    let check = doctor.check(&format!("listen {}", agent.address));
+    assert_eq!(check["status"], "warn", "{check:#}");
+    assert!(
+        check["detail"].as_str().unwrap().starts_with(&format!(
+            "a devtrace agent (pid {}) listens there already",
+            agent.pid()
+        )),
+        "{check:#}"
+    );
+    assert_eq!(doctor.status, 0, "{:#}", doctor.report);
+}
+
 #[test]
 fn an_address_in_use_and_an_unsafe_runtime_directory_are_not_ready() {
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
