@@ -1087,7 +1087,9 @@ async fn under_cuda_record_always_a_look_back_capture_holds_the_kernels_before_i
     }
 
     // A capture adds the API calls for its window; afterwards the
-    // kernels go on being recorded, and CUPTI stays armed for them.
+    // kernels go on being recorded, and CUPTI stays armed for them. This
+    // process comes after the first one ended.
+    wait_for_attached(&agent, 0).await;
     let release = release_file(&always, "during");
     let during = always.workload(&recorded_run("2", &release), &[]);
     during.read_until("waiting");
@@ -1103,6 +1105,18 @@ async fn under_cuda_record_always_a_look_back_capture_holds_the_kernels_before_i
     assert!(
         ended.iter().any(|l| l == "cupti armed=1 finalized=0"),
         "{ended:?}"
+    );
+    // The first process's past still shows under its own lines' names: the
+    // later process did not take them over.
+    let space = look_back(&agent, from, to).await;
+    let first = format!("(pid {}: ", workload.workload.pid);
+    let lines: Vec<String> = program_kernels(&space)
+        .into_iter()
+        .map(|(e, _)| e.line)
+        .collect();
+    assert!(
+        lines.len() == 6 && lines.iter().all(|line| line.contains(&first)),
+        "{lines:?}"
     );
 
     // The default records during captures alone: the same run leaves

@@ -3,6 +3,7 @@
 //! metadata, setting its control word, draining its ring and letting go of
 //! it when it exits or breaks.
 
+use super::slots::Slots;
 use super::status::{remember_switch, LossCause, Refusal, Status, Traced, MAX_TRACED};
 use super::translate::translate;
 use super::*;
@@ -77,7 +78,7 @@ pub(super) struct Attachments {
     pub(super) registry: Arc<Registry>,
     pub(super) status: Arc<Mutex<Status>>,
     pub(super) processes: BTreeMap<FileIdentity, Process>,
-    pub(super) slots_in_use: Vec<u64>,
+    pub(super) slots: Slots,
     /// Ring files refused, by owner and inode.
     pub(super) refused: HashSet<FileIdentity>,
     /// Rings waiting for their user to have fewer attached (reported once).
@@ -138,12 +139,6 @@ impl Attachments {
         }
     }
 
-    pub(super) fn free_slot(&mut self) -> Option<u64> {
-        let slot = (1..(1u64 << (32 - STREAM_BITS))).find(|s| !self.slots_in_use.contains(s))?;
-        self.slots_in_use.push(slot);
-        Some(slot)
-    }
-
     /// Attaches the ring at `path`, whose name gives the pid its process has
     /// in its own namespace.
     pub(super) fn attach(&mut self, own_pid: u32, path: &Path) {
@@ -182,14 +177,14 @@ impl Attachments {
         self.over_quota.remove(&identity);
         // The slot first: a consumer taken and then dropped for want of one
         // would be let go of, but there is no need to take it at all.
-        let Some(slot) = self.free_slot() else {
+        let Some(slot) = self.slots.take() else {
             self.status.lock().last_error = Some("too many CUDA processes attached".into());
             return;
         };
         let consumer = match ring.consumer() {
             Ok(consumer) => consumer,
             Err(error) => {
-                self.slots_in_use.retain(|s| *s != slot);
+                self.slots.unused(slot);
                 self.status.lock().last_error = Some(format!(
                     "{}: {error} (another agent drains it)",
                     path.display()
@@ -531,7 +526,7 @@ impl Attachments {
             return;
         };
         let pid = process.pid;
-        self.slots_in_use.retain(|s| *s != process.slot);
+        self.slots.free(process.slot);
         // Only its own file: the name may be someone else's by now.
         if identity_at(&process.files.ring).is_some_and(|at| at.same_file(key)) {
             let _ = std::fs::remove_file(&process.files.ring);
@@ -629,7 +624,7 @@ mod tests {
             registry: Arc::clone(&registry),
             status: Arc::new(Mutex::new(Status::default())),
             processes: [(key, process)].into_iter().collect(),
-            slots_in_use: vec![1],
+            slots: Slots::default(),
             refused: HashSet::new(),
             over_quota: HashSet::new(),
             producer: agent_ring.producer().expect("the agent's producer"),

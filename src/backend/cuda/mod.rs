@@ -133,6 +133,7 @@ fn control_flags(capturing: bool, api_records: ApiRecords) -> u32 {
 }
 
 mod attach;
+mod slots;
 mod status;
 mod translate;
 
@@ -244,7 +245,7 @@ impl Backend for CudaBackend {
                 registry: Arc::clone(&context.registry),
                 status,
                 processes: BTreeMap::new(),
-                slots_in_use: Vec::new(),
+                slots: Default::default(),
                 refused: HashSet::new(),
                 over_quota: HashSet::new(),
                 producer,
