@@ -387,6 +387,7 @@ pub(super) fn run(
             .collect(),
     };
     while !stop.is_set() {
+        let demand = context.traces.changes();
         let wanted = config.attach == AttachMode::Always || context.traces.any();
         if wanted && !tracer.attached {
             tracer.attach();
@@ -396,11 +397,21 @@ pub(super) fn run(
         if tracer.attached {
             tracer.probe_new_libraries();
         }
-        tracer.drain();
+        if tracer.attached {
+            tracer.drain();
+        } else {
+            // Nothing is recorded while detached: a capture starting is
+            // waited for, so that the hooks go on as its window opens.
+            context.traces.wait_for_change(demand, IDLE_TICK);
+            tracer.drain_left();
+        }
         tracer.report_losses();
         tracer.push_pending();
     }
 }
+
+/// How often the loop looks around while no hook is attached.
+const IDLE_TICK: Duration = Duration::from_millis(100);
 
 /// The loop's state once everything is loaded: what is attached, the ring
 /// buffers and what their records became, and the loss counters.
@@ -506,15 +517,20 @@ impl Tracer<'_> {
     /// cuts open slices at their interval.
     fn drain(&mut self) {
         // Records do not wake this thread (see the BPF programs); it drains
-        // on this timer, which also bounds how late a capture is noticed.
-        let tick = if self.attached { 50 } else { 100 };
-        if let Err(error) = self.rings.poll(Duration::from_millis(tick)) {
+        // on this timer, which also bounds how late a capture's end is
+        // noticed.
+        if let Err(error) = self.rings.poll(Duration::from_millis(50)) {
             if error.kind() != libbpf_rs::ErrorKind::Interrupted {
                 warn!(%error, "polling the BPF ring buffers failed");
             }
         }
-        // A poll that timed out consumed nothing; what arrived without a
-        // wakeup is read here.
+        self.drain_left();
+    }
+
+    /// Reads what the ring buffers hold without waiting (a poll that timed
+    /// out consumed nothing; records arrive without a wakeup), and splits
+    /// the scheduler's spans on their interval while attached.
+    fn drain_left(&mut self) {
         if let Err(error) = self.rings.consume() {
             warn!(%error, "reading the BPF ring buffers failed");
         }
