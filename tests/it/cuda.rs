@@ -2199,14 +2199,7 @@ async fn devtrace_cupti_path_names_the_library_to_load() {
     workload.read_until("waiting");
     let pid = workload.workload.pid;
     wait_for_attached(&agent, 1).await;
-    // Released once recording has surely begun, however loaded the machine
-    // (what is checked is which libcupti recorded, not when).
-    let captured = capture(&agent, 2000);
-    let go = async {
-        tokio::time::sleep(std::time::Duration::from_millis(800)).await;
-        std::fs::write(&release, b"go").expect("releasing the workload");
-    };
-    let (space, ()) = tokio::join!(captured, go);
+    let space = capture_while(&agent, 2000, &release).await;
     calls_until_done(&workload);
     assert_eq!(
         cupti_of(&space, pid),
