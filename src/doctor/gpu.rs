@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use super::isolate::{isolated, CHECK_LIMIT};
 use super::{Area, Finding, Status};
 
 /// What the GPU checks need to know of the agent's flags.
@@ -21,7 +22,12 @@ pub struct GpuPlan<'a> {
 }
 
 pub fn check(plan: &GpuPlan) -> Vec<Finding> {
-    let mut findings = vec![nvml(plan.nvml_library), cuda_driver(plan.cuda_libraries)];
+    let mut findings = vec![
+        isolated(Area::Nvml, "NVML", CHECK_LIMIT, || nvml(plan.nvml_library)),
+        isolated(Area::Cuda, "CUDA driver", CHECK_LIMIT, || {
+            cuda_driver(plan.cuda_libraries)
+        }),
+    ];
     let (python, python_has_cupti) = cupti_of_python(plan.python);
     findings.extend(cupti_on_host().into_iter().map(|finding| {
         // Jobs of that environment bring their own: none on the host is
@@ -178,8 +184,27 @@ fn cuda_driver(libraries: &[PathBuf]) -> Finding {
     ))
 }
 
-/// What one libcupti file says of itself.
+/// What one libcupti file says of itself, asked in a child process (see
+/// [`isolated`]).
 fn cupti_version(path: &OsStr) -> Result<u32, String> {
+    let item = "libcupti";
+    let answer = isolated(
+        Area::Cuda,
+        item,
+        CHECK_LIMIT,
+        || match loaded_cupti_version(path) {
+            Ok(version) => Finding::new(Area::Cuda, item, Status::Ok, version.to_string()),
+            Err(error) => Finding::new(Area::Cuda, item, Status::Fail, error),
+        },
+    );
+    match answer.status {
+        Status::Ok => answer.detail.parse().map_err(|_| answer.detail),
+        _ => Err(answer.detail),
+    }
+}
+
+/// What one libcupti file says of itself, loaded into this process.
+fn loaded_cupti_version(path: &OsStr) -> Result<u32, String> {
     // SAFETY: cuptiGetVersion writes one u32 and needs no GPU or CUDA
     // context; the library's initialisers are those every profiler runs.
     unsafe {

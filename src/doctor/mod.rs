@@ -4,7 +4,8 @@
 //! clock ([`kernel`]), and the agent's own setup: runtime directory, listen
 //! addresses, allow-roots, TLS files and memory budgets ([`setup`]).
 //!
-//! Each check is one [`Finding`] with what to do when it is not fine. The
+//! Each check is one [`Finding`] with what to do when it is not fine; the
+//! checks that load a vendor library run in a child process ([`isolate`]). The
 //! [`Report`] decides whether the chosen backends can run: a backend named
 //! with `--backend` needs every check of its area to pass; under `auto`
 //! a missing device is no failure (the agent leaves that backend out, and
@@ -12,6 +13,7 @@
 //! always must pass.
 
 pub mod gpu;
+mod isolate;
 pub mod kernel;
 pub mod setup;
 pub mod tpu;
@@ -298,7 +300,12 @@ pub fn examine(plan: &Plan) -> Report {
     let mut findings = setup::check(&plan.setup);
     findings.extend(gpu::check(&plan.gpu));
     findings.extend(kernel::check(&plan.kernel));
-    findings.push(tpu::check(plan.tpu_library));
+    findings.push(isolate::isolated(
+        Area::Tpu,
+        "libtpu",
+        isolate::CHECK_LIMIT,
+        || tpu::check(plan.tpu_library),
+    ));
     // Grouped by area, each area's checks in the order they were made.
     findings.sort_by_key(|finding| finding.area);
     Report {

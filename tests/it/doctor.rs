@@ -229,6 +229,39 @@ fn an_address_a_devtrace_agent_holds_is_named_and_does_not_fail_the_check() {
     assert_eq!(doctor.status, 0, "{:#}", doctor.report);
 }
 
+/// A vendor library that crashes the process loading it (here a libtpu
+/// whose initialiser aborts) costs doctor that one check, with the reason:
+/// the libraries are loaded in a child process.
+#[test]
+fn a_library_that_crashes_as_it_loads_fails_its_check_and_not_doctor() {
+    let crashing = crate::common::build_program(
+        "libtpu.c",
+        "libtpu-aborting.so",
+        &["-shared", "-fPIC", "-DSTANDIN_TPU_ABORT_ON_LOAD"],
+    );
+    let doctor = doctor(
+        &[
+            "--backend",
+            "mock",
+            "--tpu-library",
+            crashing.to_str().unwrap(),
+        ],
+        None,
+        &[],
+    );
+    let check = doctor.check("libtpu");
+    assert_eq!(check["status"], "fail", "{check:#}");
+    assert!(
+        check["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("crashed (signal {})", libc::SIGABRT)),
+        "{check:#}"
+    );
+    // The mock backend runs: the TPU was not asked for.
+    assert_eq!(doctor.status, 0, "{:#}", doctor.report);
+}
+
 #[test]
 fn an_address_in_use_and_an_unsafe_runtime_directory_are_not_ready() {
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -11,7 +11,8 @@
  * The bytes come with a trailing NUL byte, as one libtpu version adds,
  * through a plugin-owned buffer.
  * DEVTRACE_TPU_STANDIN_FAIL selects a failure: no_extension, create, start,
- * collect.
+ * collect. Built with -DSTANDIN_TPU_ABORT_ON_LOAD, its initialiser aborts the
+ * process that loads it, as a broken vendor library's can.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -19,6 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#ifdef STANDIN_TPU_ABORT_ON_LOAD
+__attribute__((constructor)) static void abort_on_load(void) { abort(); }
+#endif
 
 typedef struct PJRT_Extension_Base {
     size_t struct_size;

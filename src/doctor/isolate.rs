@@ -1,0 +1,201 @@
+//! Checks that load a vendor library (NVML, the CUDA driver, libcupti,
+//! libtpu) run in a child process: a library whose initialisers hang or
+//! crash (a GPU fallen off the bus hangs NVML as it hangs `nvidia-smi`)
+//! then costs doctor that one check, with the reason, instead of its run.
+//! Doctor is single-threaded when it checks, so the child, a fork, has all
+//! of it; it sends its finding back through a pipe and exits at once.
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use super::{Area, Finding, Status};
+
+/// How long a check may take before it is taken for hung.
+pub const CHECK_LIMIT: Duration = Duration::from_secs(20);
+
+/// `check`'s finding, from a child process; `area` and `item` name it
+/// when the child hangs past `limit` or dies without answering.
+pub fn isolated(
+    area: Area,
+    item: &str,
+    limit: Duration,
+    check: impl FnOnce() -> Finding,
+) -> Finding {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return check();
+    }
+    // SAFETY: both were just opened and are owned here alone.
+    let (reader, writer) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: doctor forks while single-threaded; the child only runs the
+    // check, writes to the pipe and leaves with _exit (no exit handlers,
+    // no buffers of the parent's flushed twice).
+    let child = unsafe { libc::fork() };
+    if child < 0 {
+        return check();
+    }
+    if child == 0 {
+        drop(reader);
+        let answer = encode(&check());
+        let mut written = 0;
+        while written < answer.len() {
+            // SAFETY: writes from a live buffer to the pipe's write end.
+            let n = unsafe {
+                libc::write(
+                    writer.as_raw_fd(),
+                    answer[written..].as_ptr().cast(),
+                    answer.len() - written,
+                )
+            };
+            if n <= 0 {
+                break;
+            }
+            written += n as usize;
+        }
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(0) };
+    }
+    drop(writer);
+    let answer = read_until(reader, Instant::now() + limit);
+    let finished = answer.is_some();
+    if !finished {
+        // SAFETY: the child is ours and not yet reaped.
+        unsafe { libc::kill(child, libc::SIGKILL) };
+    }
+    let mut status = 0;
+    // SAFETY: reaps our own child.
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    if let Some(finding) = answer.as_deref().and_then(decode) {
+        return finding;
+    }
+    let detail = if !finished {
+        format!(
+            "did not finish within {} s (a library that hangs as it loads or initialises; \
+             a GPU in a bad state hangs NVML and nvidia-smi alike)",
+            limit.as_secs()
+        )
+    } else if libc::WIFSIGNALED(status) {
+        format!(
+            "crashed (signal {}) loading or asking its library",
+            libc::WTERMSIG(status)
+        )
+    } else {
+        "ended without an answer".to_string()
+    };
+    Finding::new(area, item, Status::Fail, detail)
+        .hint("see what `nvidia-smi` (or the library's own tool) says on this host")
+}
+
+/// Everything the child wrote before closing the pipe, unless `deadline`
+/// comes first.
+fn read_until(reader: OwnedFd, deadline: Instant) -> Option<Vec<u8>> {
+    let mut file = std::fs::File::from(reader);
+    let mut answer = Vec::new();
+    loop {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        let mut poll = libc::pollfd {
+            fd: file.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+        // SAFETY: polls one descriptor we own.
+        if unsafe { libc::poll(&mut poll, 1, ms) } < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return None;
+        }
+        if poll.revents == 0 {
+            continue;
+        }
+        let mut chunk = [0u8; 4096];
+        match file.read(&mut chunk) {
+            Ok(0) => return Some(answer),
+            Ok(n) => answer.extend_from_slice(&chunk[..n]),
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+}
+
+const AREAS: [Area; 6] = [
+    Area::Agent,
+    Area::Nvml,
+    Area::Cuda,
+    Area::Ebpf,
+    Area::Perf,
+    Area::Tpu,
+];
+const STATUSES: [Status; 4] = [Status::Ok, Status::Warn, Status::Absent, Status::Fail];
+
+/// A finding as bytes: area and status indices, then item, detail and
+/// hint, each ended by a NUL (the hint left empty for none).
+fn encode(finding: &Finding) -> Vec<u8> {
+    let index = |found: Option<usize>| found.unwrap_or(0) as u8;
+    let mut out = vec![
+        index(AREAS.iter().position(|a| *a == finding.area)),
+        index(STATUSES.iter().position(|s| *s == finding.status)),
+    ];
+    for text in [
+        finding.item.as_str(),
+        finding.detail.as_str(),
+        finding.hint.as_deref().unwrap_or(""),
+    ] {
+        out.extend(text.bytes().filter(|b| *b != 0));
+        out.push(0);
+    }
+    out
+}
+
+fn decode(bytes: &[u8]) -> Option<Finding> {
+    let (&area, rest) = bytes.split_first()?;
+    let (&status, rest) = rest.split_first()?;
+    let mut texts = rest.split(|b| *b == 0).map(String::from_utf8_lossy);
+    let item = texts.next()?.into_owned();
+    let detail = texts.next()?.into_owned();
+    let hint = texts.next()?.into_owned();
+    Some(Finding {
+        area: *AREAS.get(usize::from(area))?,
+        item,
+        status: *STATUSES.get(usize::from(status))?,
+        detail,
+        hint: (!hint.is_empty()).then_some(hint),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_check_answers_from_a_child_and_one_that_hangs_or_crashes_is_named() {
+        let found = isolated(Area::Cuda, "CUDA driver", CHECK_LIMIT, || {
+            Finding::new(Area::Cuda, "CUDA driver", Status::Warn, "from the child").hint("a hint")
+        });
+        assert_eq!(
+            (found.status, found.detail.as_str(), found.hint.as_deref()),
+            (Status::Warn, "from the child", Some("a hint"))
+        );
+        assert_ne!(found.item, "", "the child's item comes back: {found:?}");
+        let hung = isolated(Area::Nvml, "NVML", Duration::from_millis(200), || {
+            std::thread::sleep(Duration::from_secs(600));
+            Finding::new(Area::Nvml, "NVML", Status::Ok, "never")
+        });
+        assert_eq!(hung.status, Status::Fail);
+        assert!(hung.detail.starts_with("did not finish within"), "{hung:?}");
+        let crashed = isolated(Area::Tpu, "libtpu", CHECK_LIMIT, || {
+            std::process::abort();
+        });
+        assert_eq!(crashed.status, Status::Fail);
+        assert_eq!(crashed.item, "libtpu");
+        assert!(
+            crashed
+                .detail
+                .starts_with(&format!("crashed (signal {})", libc::SIGABRT)),
+            "{crashed:?}"
+        );
+    }
+}
