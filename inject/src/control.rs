@@ -61,8 +61,8 @@ const SILENCE_LIMIT_NS: u64 = 1_000_000_000;
 /// only at the detach.
 const RETURN_WAIT: Duration = Duration::from_millis(100);
 
-/// How long the exit handler waits for buffers the converter thread is
-/// converting, before it counts those CUPTI kept.
+/// How long the exit handler waits for buffers CUPTI delivers from a
+/// thread of its own, before it counts those it kept.
 const EXIT_WAIT: Duration = Duration::from_millis(20);
 
 /// Whether the CUDA driver is loaded in this process.
@@ -888,7 +888,7 @@ extern "C" fn flush_at_exit() {
         timed_calls::stop();
         timed_calls::deliver(session, true);
         records::convert_pending_now();
-        // What the converter thread may still be converting, briefly.
+        // Buffers CUPTI hands back on a thread of its own, briefly.
         wait_for_buffers(EXIT_WAIT);
         records::convert_pending_now();
         // CUDA 13 hands a thread's partly filled buffer back only when
@@ -901,7 +901,8 @@ extern "C" fn flush_at_exit() {
             let message = format!(
                 "the process exited while recording, with {out} of its CUPTI activity buffers \
                  not handed back (CUDA 13 returns a thread's partly filled buffer only when \
-                 CUPTI is detached): the GPU activity recorded in them, its last, is missing"
+                 CUPTI is detached; another profiler's callback may have taken some): the GPU \
+                 activity recorded in them, its last, is missing"
             );
             session.write_meta(&MetaRecord::Warning { message });
         }

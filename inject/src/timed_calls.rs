@@ -92,6 +92,10 @@ const RUNTIME_DEPTH: usize = 4;
 
 /// `calls` with the runtime call `id` entered (innermost first).
 fn entered(mut calls: [u32; RUNTIME_DEPTH], id: u32) -> [u32; RUNTIME_DEPTH] {
+    // No driver call carries id 0 to be hidden by it.
+    if id == 0 {
+        return calls;
+    }
     calls.rotate_right(1);
     calls[0] = id;
     calls

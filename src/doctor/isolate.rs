@@ -3,7 +3,10 @@
 //! crash (a GPU fallen off the bus hangs NVML as it hangs `nvidia-smi`)
 //! then costs doctor that one check, with the reason, instead of its run.
 //! Doctor is single-threaded when it checks, so the child, a fork, has all
-//! of it; it sends its finding back through a pipe and exits at once.
+//! of it; it closes every descriptor but its pipe (it must not hold the
+//! parent's sockets), sends its finding back with its length first and
+//! exits at once. A child stuck in the kernel is left behind, not waited
+//! for.
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -38,7 +41,16 @@ pub fn isolated(
     }
     if child == 0 {
         drop(reader);
-        let answer = encode(&check());
+        close_all_but(writer.as_raw_fd());
+        // A panic must not unwind into the parent's code in this child.
+        let finding = std::panic::catch_unwind(std::panic::AssertUnwindSafe(check));
+        let Ok(finding) = finding else {
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(1) };
+        };
+        let body = encode(&finding);
+        let mut answer = (body.len() as u32).to_le_bytes().to_vec();
+        answer.extend_from_slice(&body);
         let mut written = 0;
         while written < answer.len() {
             // SAFETY: writes from a live buffer to the pipe's write end.
@@ -64,36 +76,79 @@ pub fn isolated(
         // SAFETY: the child is ours and not yet reaped.
         unsafe { libc::kill(child, libc::SIGKILL) };
     }
-    let mut status = 0;
-    // SAFETY: reaps our own child.
-    unsafe { libc::waitpid(child, &mut status, 0) };
+    let status = reap(child, Duration::from_secs(1));
     if let Some(finding) = answer.as_deref().and_then(decode) {
         return finding;
     }
-    let detail = if !finished {
-        format!(
-            "did not finish within {} s (a library that hangs as it loads or initialises; \
-             a GPU in a bad state hangs NVML and nvidia-smi alike)",
+    let detail = match status {
+        _ if !finished => format!(
+            "did not finish within {} s (a library that hangs as it loads or initialises: a \
+             device in a bad state hangs its driver's library, as a GPU's hangs NVML and \
+             nvidia-smi alike)",
             limit.as_secs()
-        )
-    } else if libc::WIFSIGNALED(status) {
-        format!(
+        ),
+        Some(status) if libc::WIFSIGNALED(status) => format!(
             "crashed (signal {}) loading or asking its library",
             libc::WTERMSIG(status)
-        )
-    } else {
-        "ended without an answer".to_string()
+        ),
+        _ => "ended without an answer".to_string(),
     };
     Finding::new(area, item, Status::Fail, detail)
-        .hint("see what `nvidia-smi` (or the library's own tool) says on this host")
+        .hint("see whether the device vendor's own tool (nvidia-smi, say) answers on this host")
 }
 
-/// Everything the child wrote before closing the pipe, unless `deadline`
-/// comes first.
+/// Closes every descriptor of the child but stdio and `keep`: it must not
+/// hold the parent's sockets and files (a listener doctor let go of, say)
+/// while its check runs.
+fn close_all_but(keep: libc::c_int) {
+    let keep = keep as libc::c_uint;
+    // SAFETY: close_range only closes descriptors of this process.
+    let closed = unsafe {
+        (keep <= 3 || libc::syscall(libc::SYS_close_range, 3u32, keep - 1, 0u32) == 0)
+            && libc::syscall(libc::SYS_close_range, keep + 1, libc::c_uint::MAX, 0u32) == 0
+    };
+    if !closed {
+        for fd in (3..4096).filter(|fd| *fd != keep as libc::c_int) {
+            // SAFETY: closing a descriptor that may not be open is harmless.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+/// The child's wait status, waiting at most `grace` for it: one stuck in
+/// the kernel (a driver call that never returns) cannot be killed until it
+/// returns, and is left behind rather than waited for.
+fn reap(child: libc::pid_t, grace: Duration) -> Option<libc::c_int> {
+    let deadline = Instant::now() + grace;
+    loop {
+        let mut status = 0;
+        // SAFETY: asks about our own child without blocking.
+        let reaped = unsafe { libc::waitpid(child, &mut status, libc::WNOHANG) };
+        if reaped == child {
+            return Some(status);
+        }
+        let interrupted =
+            reaped < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
+        if (reaped < 0 && !interrupted) || Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The child's answer (after its length), once all of it came, unless
+/// `deadline` comes first; not waiting for the pipe's end, which a thread
+/// or child the library left behind may hold open.
 fn read_until(reader: OwnedFd, deadline: Instant) -> Option<Vec<u8>> {
     let mut file = std::fs::File::from(reader);
     let mut answer = Vec::new();
     loop {
+        if let Some(length) = answer.get(..4) {
+            let length = u32::from_le_bytes(length.try_into().ok()?) as usize;
+            if answer.len() >= 4 + length {
+                return Some(answer[4..4 + length].to_vec());
+            }
+        }
         let left = deadline.checked_duration_since(Instant::now())?;
         let mut poll = libc::pollfd {
             fd: file.as_raw_fd(),
@@ -113,7 +168,8 @@ fn read_until(reader: OwnedFd, deadline: Instant) -> Option<Vec<u8>> {
         }
         let mut chunk = [0u8; 4096];
         match file.read(&mut chunk) {
-            Ok(0) => return Some(answer),
+            // Ended before the whole answer: the child died.
+            Ok(0) => return Some(Vec::new()),
             Ok(n) => answer.extend_from_slice(&chunk[..n]),
             Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
             Err(_) => return None,

@@ -624,7 +624,12 @@ mod tests {
             registry: Arc::clone(&registry),
             status: Arc::new(Mutex::new(Status::default())),
             processes: [(key, process)].into_iter().collect(),
-            slots: Slots::default(),
+            slots: {
+                // The process above holds slot 1.
+                let mut slots = Slots::default();
+                slots.take();
+                slots
+            },
             refused: HashSet::new(),
             over_quota: HashSet::new(),
             producer: agent_ring.producer().expect("the agent's producer"),

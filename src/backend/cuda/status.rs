@@ -269,7 +269,9 @@ impl Status {
                 continue;
             }
             match (span.cause, span.to_ns) {
-                (LossCause::Starting, None) => span.to_ns = Some(at_ns.max(span.from_ns)),
+                // A word from before this start (a late one of the last
+                // capture's) closes nothing.
+                (LossCause::Starting, None) if at_ns >= span.from_ns => span.to_ns = Some(at_ns),
                 (LossCause::NeverStarted, Some(to_ns))
                     if (span.from_ns..to_ns).contains(&at_ns) =>
                 {
@@ -419,7 +421,18 @@ mod tests {
         );
         // The library's word that it began, read only after the capture
         // ended, makes it a start again; one from after the capture does
-        // not.
+        // not, nor one from before the start.
+        status.recording_began(7, 104 * SECOND);
+        status.recording_began(7, 100 * SECOND);
+        let still: Vec<String> = status
+            .lost_spans
+            .iter()
+            .filter_map(|span| span.describe(WINDOW))
+            .collect();
+        assert!(
+            still[0].contains("had not started recording when the capture ended"),
+            "{still:?}"
+        );
         status.recording_began(7, 102 * SECOND);
         status.recording_began(8, 104 * SECOND);
         let told: Vec<String> = status
