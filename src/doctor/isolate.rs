@@ -177,49 +177,13 @@ fn read_until(reader: OwnedFd, deadline: Instant) -> Option<Vec<u8>> {
     }
 }
 
-const AREAS: [Area; 6] = [
-    Area::Agent,
-    Area::Nvml,
-    Area::Cuda,
-    Area::Ebpf,
-    Area::Perf,
-    Area::Tpu,
-];
-const STATUSES: [Status; 4] = [Status::Ok, Status::Warn, Status::Absent, Status::Fail];
-
-/// A finding as bytes: area and status indices, then item, detail and
-/// hint, each ended by a NUL (the hint left empty for none).
+/// A finding as the child sends it: as `--json` prints it.
 fn encode(finding: &Finding) -> Vec<u8> {
-    let index = |found: Option<usize>| found.unwrap_or(0) as u8;
-    let mut out = vec![
-        index(AREAS.iter().position(|a| *a == finding.area)),
-        index(STATUSES.iter().position(|s| *s == finding.status)),
-    ];
-    for text in [
-        finding.item.as_str(),
-        finding.detail.as_str(),
-        finding.hint.as_deref().unwrap_or(""),
-    ] {
-        out.extend(text.bytes().filter(|b| *b != 0));
-        out.push(0);
-    }
-    out
+    finding.json().to_string().into_bytes()
 }
 
 fn decode(bytes: &[u8]) -> Option<Finding> {
-    let (&area, rest) = bytes.split_first()?;
-    let (&status, rest) = rest.split_first()?;
-    let mut texts = rest.split(|b| *b == 0).map(String::from_utf8_lossy);
-    let item = texts.next()?.into_owned();
-    let detail = texts.next()?.into_owned();
-    let hint = texts.next()?.into_owned();
-    Some(Finding {
-        area: *AREAS.get(usize::from(area))?,
-        item,
-        status: *STATUSES.get(usize::from(status))?,
-        detail,
-        hint: (!hint.is_empty()).then_some(hint),
-    })
+    Finding::from_json(&serde_json::from_slice(bytes).ok()?)
 }
 
 #[cfg(test)]

@@ -43,6 +43,13 @@ impl Status {
         }
     }
 
+    /// The status whose [`Status::word`] is `word`, in any case.
+    fn worded(word: &str) -> Option<Status> {
+        [Status::Ok, Status::Warn, Status::Absent, Status::Fail]
+            .into_iter()
+            .find(|status| status.word().eq_ignore_ascii_case(word))
+    }
+
     /// Whether the area's backend can run with it.
     fn usable(self) -> bool {
         matches!(self, Status::Ok | Status::Warn)
@@ -73,6 +80,13 @@ impl Area {
     }
 
     const BACKENDS: [Area; 5] = [Area::Nvml, Area::Cuda, Area::Ebpf, Area::Perf, Area::Tpu];
+
+    /// The area whose [`Area::name`] is `name`.
+    fn named(name: &str) -> Option<Area> {
+        std::iter::once(Area::Agent)
+            .chain(Area::BACKENDS)
+            .find(|area| area.name() == name)
+    }
 
     fn of(choice: BackendChoice) -> Option<Area> {
         match choice {
@@ -116,6 +130,29 @@ impl Finding {
     pub fn hint(mut self, hint: impl Into<String>) -> Self {
         self.hint = Some(hint.into());
         self
+    }
+
+    /// The finding as `--json` prints it.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "area": self.area.name(),
+            "item": self.item,
+            "status": self.status.word().to_ascii_lowercase(),
+            "detail": self.detail,
+            "hint": self.hint,
+        })
+    }
+
+    /// The finding [`Finding::json`] printed.
+    pub fn from_json(value: &serde_json::Value) -> Option<Finding> {
+        let text = |key: &str| value.get(key)?.as_str();
+        Some(Finding {
+            area: Area::named(text("area")?)?,
+            item: text("item")?.to_string(),
+            status: Status::worded(text("status")?)?,
+            detail: text("detail")?.to_string(),
+            hint: text("hint").map(str::to_string),
+        })
     }
 }
 
@@ -250,19 +287,7 @@ impl Report {
 
     /// The report as one JSON object for scripts.
     pub fn json(&self) -> serde_json::Value {
-        let findings: Vec<serde_json::Value> = self
-            .findings
-            .iter()
-            .map(|finding| {
-                serde_json::json!({
-                    "area": finding.area.name(),
-                    "item": finding.item,
-                    "status": finding.status.word().to_ascii_lowercase(),
-                    "detail": finding.detail,
-                    "hint": finding.hint,
-                })
-            })
-            .collect();
+        let findings: Vec<serde_json::Value> = self.findings.iter().map(Finding::json).collect();
         let mut backends = serde_json::Map::new();
         if self.mock_runs() {
             backends.insert("mock".into(), "runs".into());

@@ -393,6 +393,15 @@ mod tests {
             .is_none());
     }
 
+    /// What the trace of [`WINDOW`] says of the spans `status` holds.
+    fn warnings_of(status: &Status) -> Vec<String> {
+        status
+            .lost_spans
+            .iter()
+            .filter_map(|span| span.describe(WINDOW))
+            .collect()
+    }
+
     #[test]
     fn a_start_awaited_when_the_capture_ended_is_told_as_never_started() {
         let mut status = Status::default();
@@ -402,11 +411,7 @@ mod tests {
         status.lost_until(8, 102 * SECOND, |cause| cause == starting);
         status.never_started(7, 103 * SECOND);
         status.never_started(8, 103 * SECOND);
-        let told: Vec<String> = status
-            .lost_spans
-            .iter()
-            .filter_map(|span| span.describe(WINDOW))
-            .collect();
+        let told = warnings_of(&status);
         assert_eq!(told.len(), 2, "{told:?}");
         assert!(
             told[0].starts_with(
@@ -424,22 +429,14 @@ mod tests {
         // not, nor one from before the start.
         status.recording_began(7, 104 * SECOND);
         status.recording_began(7, 100 * SECOND);
-        let still: Vec<String> = status
-            .lost_spans
-            .iter()
-            .filter_map(|span| span.describe(WINDOW))
-            .collect();
+        let still = warnings_of(&status);
         assert!(
             still[0].contains("had not started recording when the capture ended"),
             "{still:?}"
         );
         status.recording_began(7, 102 * SECOND);
         status.recording_began(8, 104 * SECOND);
-        let told: Vec<String> = status
-            .lost_spans
-            .iter()
-            .filter_map(|span| span.describe(WINDOW))
-            .collect();
+        let told = warnings_of(&status);
         assert!(
             told.len() == 2
                 && told
