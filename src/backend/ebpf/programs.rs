@@ -396,8 +396,6 @@ pub(super) fn run(
         }
         if tracer.attached {
             tracer.probe_new_libraries();
-        }
-        if tracer.attached {
             tracer.drain();
         } else {
             // Nothing is recorded while detached: a capture starting is
