@@ -21,6 +21,7 @@
 pub mod elf;
 mod ptrace;
 pub mod rules;
+mod safe_point;
 mod stage;
 mod target;
 pub mod trampoline;
@@ -107,9 +108,9 @@ pub enum AttachError {
     Slow(Duration),
 }
 
-/// How often a thread picked for waiting is let run and stopped again
-/// until it is back in a wait.
-const BACK_IN_A_WAIT_TRIES: u32 = 200;
+/// How often the borrowed thread is let run and stopped again until it is
+/// at a point where it may be borrowed ([`safe_point`]).
+const SAFE_POINT_TRIES: u32 = 200;
 
 /// The `mmap` the borrowed thread makes: one page, readable, writable and
 /// executable, private and anonymous.
@@ -177,32 +178,40 @@ fn attach_here(
         .ok_or_else(|| AttachError::Refused("this CPU or kernel has no XSAVE".into()))?;
     let staged = stage::Staged::new(pid, config, target.credentials())?;
     pause_at("staged");
-    let (tid, thread, blocked) = target::pick_thread(pid);
+    let borrowed = safe_point::pick_thread(pid);
+    let tid = borrowed.tid;
+    let runtime = safe_point::RuntimeCode::of(&target.maps);
     let started = Instant::now();
     let mut stopped = Stopped::seize(pid, tid, config.stop_limit).map_err(permission)?;
     target.still_the_same(tid, owner)?;
     pause_at("stopped");
-    let saved = stopped.registers()?;
+    // Out of any restartable sequence before its instruction pointer is
+    // borrowed for the `mmap`: the kernel would drop the sequence's guard.
+    let mut tries = 0;
+    let saved = settle(
+        &mut stopped,
+        &borrowed,
+        config,
+        &mut tries,
+        |stopped, regs| {
+            safe_point::in_restartable_sequence(stopped, regs.rip)
+                .then_some("inside a restartable sequence")
+        },
+    )?;
     let gadget = find_syscall(&stopped, &code_region)?;
     let page = make_page(&mut stopped, &saved, gadget)?;
-    // Stopped anew, at wherever its own code took it meanwhile: a thread
-    // picked for waiting must be back in a wait (not holding a lock its
-    // code took after waking), or it is let run a little and stopped
-    // again.
+    // Stopped anew, at wherever its own code took it meanwhile, and let
+    // run a little and stopped again until that is a point where it may
+    // call `dlopen` (see `safe_point`).
     stopped.resume_and_stop(config.stop_limit)?;
-    let mut saved = stopped.registers()?;
-    let mut tries = 0;
-    while blocked && !target::in_blocking_call(&saved) {
-        tries += 1;
-        if tries > BACK_IN_A_WAIT_TRIES {
-            return Err(AttachError::Refused(format!(
-                "its thread {tid} did not come back to a wait in {BACK_IN_A_WAIT_TRIES} tries; \
-                 nothing was changed in it but one page of memory: attach again"
-            )));
-        }
-        stopped.run_for(Duration::from_millis(2), config.stop_limit)?;
-        saved = stopped.registers()?;
-    }
+    let saved = settle(
+        &mut stopped,
+        &borrowed,
+        config,
+        &mut tries,
+        |stopped, regs| safe_point::unsafe_here(stopped, regs, &borrowed, &runtime),
+    )?;
+    let thread = borrowed.describe(tries + 1);
     target.still_the_same(tid, owner)?;
     pause_at("mapped");
     let (entry, resume) = entry_registers(&saved, page);
@@ -224,6 +233,33 @@ fn attach_here(
         stopped_for,
         loaded_in: let_go.elapsed(),
     })
+}
+
+/// The stopped thread's registers once `not_here` finds nothing wrong
+/// with where it is, letting it run 2 ms between stops; refused after
+/// [`SAFE_POINT_TRIES`] stops in all (counted in `tries`).
+fn settle(
+    stopped: &mut Stopped,
+    borrowed: &safe_point::Borrowed,
+    config: &AttachConfig,
+    tries: &mut u32,
+    not_here: impl Fn(&Stopped, &libc::user_regs_struct) -> Option<&'static str>,
+) -> Result<libc::user_regs_struct, AttachError> {
+    loop {
+        let regs = stopped.registers()?;
+        let Some(why) = not_here(stopped, &regs) else {
+            return Ok(regs);
+        };
+        *tries += 1;
+        if *tries > SAFE_POINT_TRIES {
+            return Err(AttachError::Refused(format!(
+                "its thread {} was {why} at each of {SAFE_POINT_TRIES} stops; nothing was \
+                 changed in it but at most one page of memory: attach again",
+                borrowed.tid
+            )));
+        }
+        stopped.run_for(Duration::from_millis(2), config.stop_limit)?;
+    }
 }
 
 /// Whether a local caller who is `uid` may have process `pid` attached:
@@ -396,27 +432,9 @@ mod tests {
     use super::*;
 
     fn regs(rip: u64, rax: i64, orig_rax: i64) -> libc::user_regs_struct {
-        // SAFETY: all-zero is a valid user_regs_struct.
-        let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
-        regs.rip = rip;
-        regs.rax = rax as u64;
-        regs.orig_rax = orig_rax as u64;
+        let mut regs = safe_point::tests::regs(rip, rax, orig_rax);
         regs.rbx = 0xb;
         regs
-    }
-
-    #[test]
-    fn a_thread_is_in_a_wait_when_a_waiting_call_was_interrupted() {
-        assert!(target::in_blocking_call(&regs(
-            0,
-            ERESTART_RESTARTBLOCK,
-            35
-        )));
-        assert!(target::in_blocking_call(&regs(0, ERESTARTSYS, 202)));
-        assert!(!target::in_blocking_call(&regs(0, 5, -1)));
-        assert!(!target::in_blocking_call(&regs(0, -4, 202)));
-        // mmap is no wait: a thread there may hold the memory map's lock.
-        assert!(!target::in_blocking_call(&regs(0, ERESTARTSYS, 9)));
     }
 
     #[test]

@@ -202,6 +202,39 @@ impl Stopped {
         }
     }
 
+    /// Where the thread's `struct rseq` is, if it registered one and the
+    /// kernel says (`PTRACE_GET_RSEQ_CONFIGURATION`, Linux 5.13).
+    pub fn rseq_area(&self) -> Option<u64> {
+        /// `struct ptrace_rseq_configuration`.
+        #[repr(C)]
+        struct RseqConfiguration {
+            area: u64,
+            size: u32,
+            signature: u32,
+            flags: u32,
+            pad: u32,
+        }
+        const PTRACE_GET_RSEQ_CONFIGURATION: libc::c_uint = 0x420f;
+        let mut configuration = RseqConfiguration {
+            area: 0,
+            size: 0,
+            signature: 0,
+            flags: 0,
+            pad: 0,
+        };
+        // SAFETY: a stopped tracee; the kernel writes at most the size
+        // given into `configuration`.
+        let written = unsafe {
+            libc::ptrace(
+                PTRACE_GET_RSEQ_CONFIGURATION,
+                self.tid,
+                std::mem::size_of::<RseqConfiguration>(),
+                &mut configuration as *mut RseqConfiguration,
+            )
+        };
+        (written > 0 && configuration.area != 0).then_some(configuration.area)
+    }
+
     pub fn read(&self, address: u64, into: &mut [u8]) -> Result<(), TraceError> {
         self.memory
             .read_exact_at(into, address)

@@ -1,8 +1,7 @@
 //! What an attach needs to know of its target before touching it, all read
 //! from `/proc`: that it may be attached (a 64-bit glibc process that maps
 //! the CUDA driver, neither traced nor injected already, with ptrace
-//! allowed), where its `dlopen` is, a `syscall` instruction it maps, and
-//! which of its threads to borrow.
+//! allowed), where its `dlopen` is, and a `syscall` instruction it maps.
 
 use std::path::{Path, PathBuf};
 
@@ -248,72 +247,6 @@ fn field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
         .map(str::trim)
 }
 
-/// System calls a thread blocks in that hold no lock of the C library's
-/// (waits, sleeps, polls, reads): a thread stopped in one is at a point
-/// where it may call `dlopen`.
-const BLOCKING_CALLS: [u64; 14] = [
-    0,   // read
-    7,   // poll
-    23,  // select
-    35,  // nanosleep
-    61,  // wait4
-    202, // futex
-    230, // clock_nanosleep
-    232, // epoll_wait
-    270, // pselect6
-    271, // ppoll
-    281, // epoll_pwait
-    288, // accept4
-    43,  // accept
-    16,  // ioctl (a CUDA driver wait)
-];
-
-/// Whether a thread stopped with `regs` was stopped in one of the
-/// [`BLOCKING_CALLS`] (interrupted, to be made again).
-pub fn in_blocking_call(regs: &libc::user_regs_struct) -> bool {
-    let restarting = matches!(regs.rax as i64, -516..=-512);
-    restarting && (regs.orig_rax as i64) >= 0 && BLOCKING_CALLS.contains(&regs.orig_rax)
-}
-
-/// The thread to borrow: one blocked in a system call that holds no
-/// library lock, else the main thread; with why, and whether it was
-/// blocked so.
-pub fn pick_thread(pid: i32) -> (i32, String, bool) {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .map(|entries| {
-            let mut tids: Vec<i32> = entries
-                .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-                .collect();
-            tids.sort_unstable();
-            tids
-        })
-        .unwrap_or_default();
-    for tid in tasks {
-        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")) else {
-            continue;
-        };
-        let Some(number) = text
-            .split_whitespace()
-            .next()
-            .and_then(|n| n.parse::<u64>().ok())
-        else {
-            continue;
-        };
-        if BLOCKING_CALLS.contains(&number) {
-            return (
-                tid,
-                format!("thread {tid}, blocked in system call {number}"),
-                true,
-            );
-        }
-    }
-    (
-        pid,
-        format!("the main thread {pid} (no thread was blocked in a wait)"),
-        false,
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -342,7 +275,5 @@ mod tests {
             Err(AttachError::Refused(why)) => assert!(why.contains("libcuda.so"), "{why}"),
             other => panic!("{other:?}"),
         }
-        let (tid, why, _) = pick_thread(std::process::id() as i32);
-        assert!(tid > 0, "{why}");
     }
 }

@@ -1,7 +1,9 @@
 //! `devtrace attach` against the stand-in driver and CUPTI: a workload
 //! started without the injection library is attached while it waits in a
 //! system call and its kernels are in the next capture; a thread spinning
-//! in user code keeps every register through an attach; an attach killed
+//! in user code keeps every register through an attach; a thread that
+//! never waits is borrowed outside malloc and restartable sequences; an
+//! attach killed
 //! at each of its steps leaves the workload running to its end; a workload
 //! in pid and mount namespaces of its own is attached by its host pid;
 //! unprivileged callers, processes without the driver and processes
@@ -227,6 +229,28 @@ async fn a_workload_inside_a_driver_call_is_attached_and_runs_on() {
         .all(|c| c.fields.get("rc").map(String::as_str) == Some("0")));
 }
 
+/// A program of the stand-ins that never waits, started plainly, once it
+/// has said `first`; the rest of what it says.
+fn start_spinning(
+    program: &Path,
+    args: &[&str],
+    first: &str,
+) -> (
+    std::process::Child,
+    std::io::Lines<BufReader<std::process::ChildStdout>>,
+) {
+    let mut child = Command::new(program)
+        .args(args)
+        .envs(Setup::plain_env())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let said_first = lines.next().unwrap().unwrap();
+    assert!(said_first.starts_with(first), "{said_first}");
+    (child, lines)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_thread_spinning_in_user_code_keeps_every_register_through_an_attach() {
     if skip_without_root("attach_registers") {
@@ -239,15 +263,7 @@ async fn a_thread_spinning_in_user_code_keeps_every_register_through_an_attach()
     let setup = Setup::new();
     let program = cuda_linked("regs_workload.c", "regs_workload", &["-mavx"]);
     for round in 0..3 {
-        let mut child = Command::new(&program)
-            .arg("3")
-            .envs(Setup::plain_env())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let first = lines.next().unwrap().unwrap();
-        assert!(first.starts_with("spinning"), "{first}");
+        let (mut child, lines) = start_spinning(&program, &["3"], "spinning");
         // Into the spin, at a different moment each round.
         std::thread::sleep(std::time::Duration::from_millis(300 + 400 * round));
         let out = attach(child.id(), setup.runtime(), &[]);
@@ -266,6 +282,55 @@ async fn a_thread_spinning_in_user_code_keeps_every_register_through_an_attach()
         let rest: Vec<String> = lines.map_while(Result::ok).collect();
         assert_eq!(rest, ["registers intact", "done"], "round {round}");
         assert!(child.wait().unwrap().success());
+    }
+}
+
+/// A process whose only running thread never waits is borrowed where it
+/// runs, but never inside malloc (whose lock `dlopen` would wait on for
+/// ever: the attach would time out and the process hang) nor inside a
+/// restartable sequence (which would go on unguarded after the detour).
+/// Each round attaches at another moment of a program that spends most
+/// of its time in one or the other.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thread_that_never_waits_is_borrowed_outside_malloc_and_restartable_sequences() {
+    if skip_without_root("attach_busy") {
+        return;
+    }
+    let setup = Setup::new();
+    let program = cuda_linked("busy_workload.c", "busy_workload", &["-pthread"]);
+    for mode in ["malloc", "rseq"] {
+        for round in 0..4 {
+            let (mut child, lines) = start_spinning(&program, &[mode, "60"], "busy");
+            std::thread::sleep(std::time::Duration::from_millis(200 + 150 * round));
+            let out = Command::new(BIN)
+                .args(["attach", &child.id().to_string(), "--runtime-dir"])
+                .arg(setup.runtime())
+                .arg("--library")
+                .arg(inject_library())
+                // A dlopen stuck on malloc's lock never returns: fail soon.
+                .args(["--load-timeout", "5s"])
+                .output()
+                .expect("running devtrace attach");
+            if !out.status.success() {
+                let _ = child.kill();
+            }
+            assert!(out.status.success(), "{mode} round {round}: {}", said(&out));
+            assert!(said(&out).contains("the main thread"), "{}", said(&out));
+            // SAFETY: a signal to the child this test started and has not
+            // reaped.
+            unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+            let rest: Vec<String> = lines.map_while(Result::ok).collect();
+            let expected: &[&str] = match (mode, rest.first().map(String::as_str)) {
+                ("malloc", _) => &["done"],
+                (_, Some("rseq unavailable")) => {
+                    eprintln!("attach_busy: this kernel or C library has no rseq");
+                    &["rseq unavailable", "done"]
+                }
+                _ => &["sequences guarded", "done"],
+            };
+            assert_eq!(rest, expected, "{mode} round {round}");
+            assert!(child.wait().unwrap().success());
+        }
     }
 }
 

@@ -1,0 +1,287 @@
+//! Where a thread of the target may be borrowed to run `dlopen`: the
+//! thread, and the moment. `dlopen` takes the C library's locks (the
+//! loader's, malloc's, the thread list's), which are not recursive: a
+//! thread stopped while it holds one would wait on itself for ever, and
+//! the job with it. So the thread is taken either blocked in a wait (which
+//! holds none of them), or running code outside the libraries those locks
+//! live in ([`RuntimeCode`]) and outside a restartable sequence (whose
+//! per-CPU update would go on unguarded after the detour: the kernel
+//! drops a sequence's guard when it finds the thread outside it).
+
+use std::time::{Duration, Instant};
+
+use super::ptrace::Stopped;
+use super::target::Mapping;
+
+/// System calls a thread blocks in that hold no lock of the C library's
+/// (waits, sleeps, polls, reads): a thread stopped in one is at a point
+/// where it may call `dlopen`.
+const BLOCKING_CALLS: [u64; 14] = [
+    0,   // read
+    7,   // poll
+    23,  // select
+    35,  // nanosleep
+    61,  // wait4
+    202, // futex
+    230, // clock_nanosleep
+    232, // epoll_wait
+    270, // pselect6
+    271, // ppoll
+    281, // epoll_pwait
+    288, // accept4
+    43,  // accept
+    16,  // ioctl (a CUDA driver wait)
+];
+
+/// How long a thread blocked in a wait is looked for before the main
+/// thread is borrowed instead: a job's threads wait often (a synchronize,
+/// a queue), if only for moments.
+const LOOK_FOR_A_WAIT: Duration = Duration::from_millis(250);
+
+/// Whether a thread stopped with `regs` was stopped in one of the
+/// [`BLOCKING_CALLS`] (interrupted, to be made again).
+pub fn in_blocking_call(regs: &libc::user_regs_struct) -> bool {
+    let restarting = matches!(regs.rax as i64, -516..=-512);
+    restarting && (regs.orig_rax as i64) >= 0 && BLOCKING_CALLS.contains(&regs.orig_rax)
+}
+
+/// The thread an attach borrows.
+pub struct Borrowed {
+    pub tid: i32,
+    /// Why that thread, for the report.
+    why: String,
+    /// It was picked for being blocked in a wait, and is taken only in one.
+    pub waiting: bool,
+}
+
+impl Borrowed {
+    /// Which thread was borrowed, why, and where, for the report: taken
+    /// at stop `stop` (from 1).
+    pub fn describe(&self, stop: u32) -> String {
+        let tid = self.tid;
+        match (self.waiting, stop) {
+            (true, 1) => format!("thread {tid}, {}", self.why),
+            (true, _) => format!(
+                "thread {tid}, {} (back in its wait at stop {stop})",
+                self.why
+            ),
+            (false, _) => format!(
+                "the main thread {tid} ({}; taken at stop {stop}, outside the C library's code \
+                 and any restartable sequence)",
+                self.why
+            ),
+        }
+    }
+}
+
+/// The thread to borrow: one blocked in a system call that holds no
+/// library lock, looked for during [`LOOK_FOR_A_WAIT`], else the main
+/// thread.
+pub fn pick_thread(pid: i32) -> Borrowed {
+    let deadline = Instant::now() + LOOK_FOR_A_WAIT;
+    loop {
+        if let Some((tid, number)) = blocked_thread(pid) {
+            return Borrowed {
+                tid,
+                why: format!("blocked in system call {number}"),
+                waiting: true,
+            };
+        }
+        if Instant::now() >= deadline {
+            return Borrowed {
+                tid: pid,
+                why: "no thread was blocked in a wait".into(),
+                waiting: false,
+            };
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A thread of `pid` blocked in one of the [`BLOCKING_CALLS`] now, and
+/// the call.
+fn blocked_thread(pid: i32) -> Option<(i32, u64)> {
+    let mut tids: Vec<i32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    tids.sort_unstable();
+    tids.into_iter().find_map(|tid| {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).ok()?;
+        let number = text.split_whitespace().next()?.parse::<u64>().ok()?;
+        BLOCKING_CALLS.contains(&number).then_some((tid, number))
+    })
+}
+
+/// Libraries whose code may run with a lock `dlopen` takes held: the C
+/// library and its loader, the unwinders (which walk the loaded objects
+/// under the loader's lock) and the allocators that replace malloc.
+const RUNTIME_LIBRARIES: [&str; 10] = [
+    "libc.so",
+    "libc-",
+    "ld-linux",
+    "libpthread",
+    "libdl",
+    "libgcc_s",
+    "libunwind",
+    "libjemalloc",
+    "libtcmalloc",
+    "libmimalloc",
+];
+
+/// The executable ranges of the target's [`RUNTIME_LIBRARIES`].
+pub struct RuntimeCode(Vec<(u64, u64)>);
+
+impl RuntimeCode {
+    pub fn of(maps: &[Mapping]) -> RuntimeCode {
+        RuntimeCode(
+            maps.iter()
+                .filter(|m| m.perms.contains('x'))
+                .filter(|m| {
+                    let name = m.path.rsplit('/').next().unwrap_or(&m.path);
+                    RUNTIME_LIBRARIES.iter().any(|lib| name.starts_with(lib))
+                })
+                .map(|m| (m.start, m.end))
+                .collect(),
+        )
+    }
+
+    fn holds(&self, address: u64) -> bool {
+        self.0
+            .iter()
+            .any(|(start, end)| (*start..*end).contains(&address))
+    }
+}
+
+/// Why the stopped thread may not be borrowed where it is now (`None`:
+/// it may).
+pub fn unsafe_here(
+    stopped: &Stopped,
+    regs: &libc::user_regs_struct,
+    borrowed: &Borrowed,
+    runtime: &RuntimeCode,
+) -> Option<&'static str> {
+    if in_blocking_call(regs) {
+        return None;
+    }
+    if borrowed.waiting {
+        // Out of its wait, it may hold a lock its code took on waking.
+        return Some("out of its wait");
+    }
+    if runtime.holds(regs.rip) {
+        return Some("in the C library's code, where it may hold a lock dlopen takes");
+    }
+    if in_restartable_sequence(stopped, regs.rip) {
+        return Some("inside a restartable sequence");
+    }
+    None
+}
+
+/// Whether the stopped thread's instruction at `rip` lies in the
+/// restartable sequence it registered as under way. Unknown (a kernel
+/// without `PTRACE_GET_RSEQ_CONFIGURATION`, before 5.13) reads as not;
+/// a sequence that cannot be read reads as inside one.
+pub fn in_restartable_sequence(stopped: &Stopped, rip: u64) -> bool {
+    let Some(area) = stopped.rseq_area() else {
+        return false;
+    };
+    // `struct rseq`: the pointer to the sequence under way is at 8.
+    let mut word = [0u8; 8];
+    if stopped.read(area + 8, &mut word).is_err() {
+        return true;
+    }
+    let descriptor = u64::from_le_bytes(word);
+    if descriptor == 0 {
+        return false;
+    }
+    // `struct rseq_cs`: version, flags, start_ip, post_commit_offset.
+    let mut sequence = [0u8; 24];
+    if stopped.read(descriptor, &mut sequence).is_err() {
+        return true;
+    }
+    let field = |at: usize| {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&sequence[at..at + 8]);
+        u64::from_le_bytes(bytes)
+    };
+    sequence_holds(field(8), field(16), rip)
+}
+
+/// Whether a sequence from `start` spanning `length` bytes holds `rip`.
+fn sequence_holds(start: u64, length: u64, rip: u64) -> bool {
+    rip.checked_sub(start).is_some_and(|into| into < length)
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::super::target::parse_maps;
+    use super::*;
+
+    /// A thread's registers at `rip` with `rax` and `orig_rax` as given,
+    /// zero elsewhere.
+    pub(in crate::attach) fn regs(rip: u64, rax: i64, orig_rax: i64) -> libc::user_regs_struct {
+        // SAFETY: all-zero is a valid user_regs_struct.
+        let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
+        regs.rip = rip;
+        regs.rax = rax as u64;
+        regs.orig_rax = orig_rax as u64;
+        regs
+    }
+
+    #[test]
+    fn a_thread_is_in_a_wait_when_a_waiting_call_was_interrupted() {
+        assert!(in_blocking_call(&regs(0, -516, 35)));
+        assert!(in_blocking_call(&regs(0, -512, 202)));
+        assert!(!in_blocking_call(&regs(0, 5, -1)));
+        assert!(!in_blocking_call(&regs(0, -4, 202)));
+        // mmap is no wait: a thread there may hold the memory map's lock.
+        assert!(!in_blocking_call(&regs(0, -512, 9)));
+    }
+
+    #[test]
+    fn a_thread_blocked_in_a_wait_is_picked_over_the_main_thread() {
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let waiter = std::thread::spawn(move || wait.recv());
+        let borrowed = pick_thread(std::process::id() as i32);
+        assert!(borrowed.waiting, "{}", borrowed.describe(1));
+        assert!(
+            std::path::Path::new(&format!("/proc/self/task/{}", borrowed.tid)).exists(),
+            "{}",
+            borrowed.describe(1)
+        );
+        assert!(borrowed.describe(1).contains("blocked in system call"));
+        drop(done);
+        let _ = waiter.join();
+    }
+
+    #[test]
+    fn the_runtime_code_is_the_c_library_its_loader_unwinders_and_allocators() {
+        let code = RuntimeCode::of(&parse_maps(
+            "1000-2000 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n\
+             2000-3000 rw-p 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n\
+             3000-4000 r-xp 00000000 08:01 2 /lib64/ld-linux-x86-64.so.2\n\
+             4000-5000 r-xp 00000000 08:01 3 /usr/lib/libtcmalloc_minimal.so.4\n\
+             5000-6000 r-xp 00000000 08:01 4 /usr/lib/libgcc_s.so.1\n\
+             6000-7000 r-xp 00000000 08:01 5 /usr/bin/python3.11\n\
+             7000-8000 r-xp 00000000 08:01 6 /usr/lib/libcuda.so.1\n\
+             8000-9000 r-xp 00000000 00:00 0 \n",
+        ));
+        for inside in [0x1000, 0x1fff, 0x3000, 0x4800, 0x5000] {
+            assert!(code.holds(inside), "{inside:#x}");
+        }
+        // Data, the program's own code, the driver, anonymous (JIT) code.
+        for outside in [0x2000, 0x6000, 0x7000, 0x8000, 0x9000] {
+            assert!(!code.holds(outside), "{outside:#x}");
+        }
+    }
+
+    #[test]
+    fn a_sequence_holds_from_its_start_to_before_its_commit() {
+        assert!(sequence_holds(0x1000, 0x20, 0x1000));
+        assert!(sequence_holds(0x1000, 0x20, 0x101f));
+        assert!(!sequence_holds(0x1000, 0x20, 0x1020));
+        assert!(!sequence_holds(0x1000, 0x20, 0xfff));
+        assert!(!sequence_holds(0x1000, 0, 0x1000));
+        assert!(!sequence_holds(u64::MAX, u64::MAX, 0));
+    }
+}
