@@ -117,12 +117,6 @@ const SAFE_POINT_TRIES: u32 = 200;
 const MMAP: u64 = 9;
 const PROT_RWX: u64 = 7;
 const MAP_PRIVATE_ANONYMOUS: u64 = 0x22;
-/// `-ERESTART*`: a system call the stop interrupted, to be made again.
-const ERESTARTSYS: i64 = -512;
-const ERESTARTNOINTR: i64 = -513;
-const ERESTARTNOHAND: i64 = -514;
-const ERESTART_RESTARTBLOCK: i64 = -516;
-const RESTART_SYSCALL: u64 = 219;
 
 /// Loads the injection library into process `pid`.
 pub fn attach(pid: i32, config: &AttachConfig) -> Result<Attached, AttachError> {
@@ -199,6 +193,8 @@ fn attach_here(
         },
     )?;
     let gadget = find_syscall(&stopped, &code_region)?;
+    // A wait the stop broke is made again as the thread runs on, so that
+    // the program never sees the `EINTR` some waits fail with after a stop.
     let page = make_page(&mut stopped, &saved, gadget)?;
     // Stopped anew, at wherever its own code took it meanwhile, and let
     // run a little and stopped again until that is a point where it may
@@ -329,7 +325,8 @@ fn find_syscall(stopped: &Stopped, region: &target::Mapping) -> Result<u64, Atta
 }
 
 /// Has the stopped thread map the trampoline's page (one instruction run
-/// with borrowed registers), then gives it its own registers back.
+/// with borrowed registers), then gives it its own registers back, with a
+/// system call the stop broke to be made again.
 fn make_page(
     stopped: &mut Stopped,
     saved: &libc::user_regs_struct,
@@ -349,7 +346,7 @@ fn make_page(
     stopped.set_registers(&call)?;
     let stepped = stopped.step();
     let after = stopped.registers();
-    stopped.set_registers(saved)?;
+    stopped.set_registers(&safe_point::made_again(saved))?;
     stepped?;
     let address = after?.rax;
     if (address as i64) < 0 && (address as i64) > -4096 {
@@ -365,24 +362,10 @@ fn make_page(
 /// The registers the thread enters the trampoline with (its own, but the
 /// instruction pointer), and where the trampoline resumes it: where it
 /// was, or, when the stop interrupted a system call, at that call's
-/// instruction with its number again, so that it is made again as the
-/// kernel would have.
+/// instruction with its number again ([`safe_point::made_again`]).
 fn entry_registers(saved: &libc::user_regs_struct, page: u64) -> (libc::user_regs_struct, u64) {
-    let mut entry = *saved;
-    let mut resume = saved.rip;
-    let interrupted = saved.orig_rax as i64 >= 0;
-    match saved.rax as i64 {
-        ERESTARTSYS | ERESTARTNOINTR | ERESTARTNOHAND if interrupted => {
-            resume = saved.rip - 2;
-            entry.rax = saved.orig_rax;
-        }
-        ERESTART_RESTARTBLOCK if interrupted => {
-            resume = saved.rip - 2;
-            entry.rax = RESTART_SYSCALL;
-        }
-        _ => {}
-    }
-    entry.orig_rax = u64::MAX;
+    let mut entry = safe_point::made_again(saved);
+    let resume = entry.rip;
     entry.rip = page;
     (entry, resume)
 }
@@ -438,7 +421,7 @@ mod tests {
     }
 
     #[test]
-    fn an_interrupted_system_call_is_made_again_and_running_code_goes_on() {
+    fn the_trampoline_is_entered_with_the_threads_registers_and_resumes_it() {
         // Running user code: resumed where it was, rax untouched.
         let (entry, resume) = entry_registers(&regs(0x1000, 5, -1), 0x9000);
         assert_eq!(
@@ -447,16 +430,11 @@ mod tests {
         );
         assert_eq!(entry.orig_rax, u64::MAX);
         // A futex wait (202) interrupted: made again.
-        for restart in [ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND] {
-            let (entry, resume) = entry_registers(&regs(0x1002, restart, 202), 0x9000);
-            assert_eq!((resume, entry.rax), (0x1000, 202));
-            assert_eq!(entry.orig_rax, u64::MAX);
-        }
-        // A nanosleep with a restart block: restart_syscall.
-        let (entry, resume) = entry_registers(&regs(0x1002, ERESTART_RESTARTBLOCK, 35), 0x9000);
-        assert_eq!((resume, entry.rax), (0x1000, RESTART_SYSCALL));
-        // A call that returned (its result in rax) is not made again.
-        let (entry, resume) = entry_registers(&regs(0x1002, -4, 0), 0x9000);
-        assert_eq!((resume, entry.rax as i64), (0x1002, -4));
+        let (entry, resume) = entry_registers(&regs(0x1002, -512, 202), 0x9000);
+        assert_eq!(
+            (entry.rip, resume, entry.rax, entry.rbx),
+            (0x9000, 0x1000, 202, 0xb)
+        );
+        assert_eq!(entry.orig_rax, u64::MAX);
     }
 }

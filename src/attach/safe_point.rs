@@ -38,11 +38,59 @@ const BLOCKING_CALLS: [u64; 14] = [
 /// a queue), if only for moments.
 const LOOK_FOR_A_WAIT: Duration = Duration::from_millis(250);
 
+/// Waits the kernel fails with `EINTR` when their thread is stopped, even
+/// with no signal handler to run (signal(7), "Interruption of system
+/// calls and library functions by stop signals"), where the others are
+/// left to be made again: epoll_wait and epoll_pwait.
+const FAILED_BY_A_STOP: [u64; 2] = [232, 281];
+
+/// `-ERESTART*`: a system call the stop interrupted, to be made again.
+const ERESTARTSYS: i64 = -512;
+const ERESTARTNOINTR: i64 = -513;
+const ERESTARTNOHAND: i64 = -514;
+const ERESTART_RESTARTBLOCK: i64 = -516;
+const RESTART_SYSCALL: u64 = 219;
+const EINTR: i64 = -(libc::EINTR as i64);
+
+/// The system call to make again for a thread stopped with `regs` in one
+/// the stop interrupted (its own, or `restart_syscall` for a sleep with
+/// time left), as the kernel would have; `None` when the thread was not
+/// in a system call, or it returned.
+///
+/// A wait of [`FAILED_BY_A_STOP`] is made again too, rather than answer
+/// the program an `EINTR` that only the attach caused. (Were a signal
+/// with a handler to arrive during the attach, the handler runs and the
+/// wait goes on, as a call the kernel restarts would.)
+fn interrupted_call(regs: &libc::user_regs_struct) -> Option<u64> {
+    if (regs.orig_rax as i64) < 0 {
+        return None;
+    }
+    match regs.rax as i64 {
+        ERESTARTSYS | ERESTARTNOINTR | ERESTARTNOHAND => Some(regs.orig_rax),
+        ERESTART_RESTARTBLOCK => Some(RESTART_SYSCALL),
+        EINTR if FAILED_BY_A_STOP.contains(&regs.orig_rax) => Some(regs.orig_rax),
+        _ => None,
+    }
+}
+
+/// `regs` with the system call the stop interrupted to be made again as
+/// the thread runs from them: at the call's instruction (`syscall` is two
+/// bytes), with its number.
+pub fn made_again(regs: &libc::user_regs_struct) -> libc::user_regs_struct {
+    let mut again = *regs;
+    if let Some(call) = interrupted_call(regs) {
+        again.rip = regs.rip - 2;
+        again.rax = call;
+    }
+    // Not in a system call any more: the kernel leaves these alone.
+    again.orig_rax = u64::MAX;
+    again
+}
+
 /// Whether a thread stopped with `regs` was stopped in one of the
 /// [`BLOCKING_CALLS`] (interrupted, to be made again).
 pub fn in_blocking_call(regs: &libc::user_regs_struct) -> bool {
-    let restarting = matches!(regs.rax as i64, -516..=-512);
-    restarting && (regs.orig_rax as i64) >= 0 && BLOCKING_CALLS.contains(&regs.orig_rax)
+    interrupted_call(regs).is_some() && BLOCKING_CALLS.contains(&regs.orig_rax)
 }
 
 /// The thread an attach borrows.
@@ -230,12 +278,40 @@ pub(super) mod tests {
 
     #[test]
     fn a_thread_is_in_a_wait_when_a_waiting_call_was_interrupted() {
-        assert!(in_blocking_call(&regs(0, -516, 35)));
-        assert!(in_blocking_call(&regs(0, -512, 202)));
+        assert!(in_blocking_call(&regs(0, ERESTART_RESTARTBLOCK, 35)));
+        assert!(in_blocking_call(&regs(0, ERESTARTSYS, 202)));
+        assert!(in_blocking_call(&regs(0, EINTR, 232)));
         assert!(!in_blocking_call(&regs(0, 5, -1)));
-        assert!(!in_blocking_call(&regs(0, -4, 202)));
+        // A futex wait that failed EINTR: a signal's handler, not the stop.
+        assert!(!in_blocking_call(&regs(0, EINTR, 202)));
         // mmap is no wait: a thread there may hold the memory map's lock.
-        assert!(!in_blocking_call(&regs(0, -512, 9)));
+        assert!(!in_blocking_call(&regs(0, ERESTARTSYS, 9)));
+    }
+
+    #[test]
+    fn an_interrupted_system_call_is_made_again_as_the_kernel_would() {
+        let again = |rip, rax, orig_rax| {
+            let again = made_again(&regs(rip, rax, orig_rax));
+            assert_eq!(again.orig_rax, u64::MAX);
+            (again.rip, again.rax as i64)
+        };
+        // Running user code: goes on where it was, rax untouched.
+        assert_eq!(again(0x1000, 5, -1), (0x1000, 5));
+        // A futex wait (202) interrupted: made again.
+        for restart in [ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND] {
+            assert_eq!(again(0x1002, restart, 202), (0x1000, 202));
+        }
+        // A nanosleep with a restart block: restart_syscall.
+        assert_eq!(
+            again(0x1002, ERESTART_RESTARTBLOCK, 35),
+            (0x1000, RESTART_SYSCALL as i64)
+        );
+        // An epoll_wait the stop failed with EINTR: made again.
+        assert_eq!(again(0x1002, EINTR, 232), (0x1000, 232));
+        assert_eq!(again(0x1002, EINTR, 281), (0x1000, 281));
+        // A call that returned (its result in rax) is not made again.
+        assert_eq!(again(0x1002, EINTR, 0), (0x1002, EINTR));
+        assert_eq!(again(0x1002, 8, 232), (0x1002, 8));
     }
 
     #[test]

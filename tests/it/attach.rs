@@ -2,8 +2,8 @@
 //! started without the injection library is attached while it waits in a
 //! system call and its kernels are in the next capture; a thread spinning
 //! in user code keeps every register through an attach; a thread that
-//! never waits is borrowed outside malloc and restartable sequences; an
-//! attach killed
+//! never waits is borrowed outside malloc and restartable sequences, and
+//! one waiting in epoll_wait without an EINTR; an attach killed
 //! at each of its steps leaves the workload running to its end; a workload
 //! in pid and mount namespaces of its own is attached by its host pid;
 //! unprivileged callers, processes without the driver and processes
@@ -297,7 +297,7 @@ async fn a_thread_that_never_waits_is_borrowed_outside_malloc_and_restartable_se
         return;
     }
     let setup = Setup::new();
-    let program = cuda_linked("busy_workload.c", "busy_workload", &["-pthread"]);
+    let program = cuda_linked("borrow_workload.c", "borrow_workload", &["-pthread"]);
     for mode in ["malloc", "rseq"] {
         for round in 0..4 {
             let (mut child, lines) = start_spinning(&program, &[mode, "60"], "busy");
@@ -332,6 +332,31 @@ async fn a_thread_that_never_waits_is_borrowed_outside_malloc_and_restartable_se
             assert!(child.wait().unwrap().success());
         }
     }
+}
+
+/// A thread waiting in `epoll_wait` is borrowed without the program ever
+/// seeing the `EINTR` the kernel fails that wait with after a stop: the
+/// wait is made again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thread_waiting_in_epoll_is_borrowed_and_its_wait_goes_on() {
+    if skip_without_root("attach_epoll") {
+        return;
+    }
+    let setup = Setup::new();
+    let program = cuda_linked("borrow_workload.c", "borrow_workload", &["-pthread"]);
+    let (mut child, lines) = start_spinning(&program, &["epoll", "60"], "busy");
+    let out = attach(child.id(), setup.runtime(), &[]);
+    // SAFETY: a signal to the child this test started and has not reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+    assert!(out.status.success(), "{}", said(&out));
+    assert!(
+        said(&out).contains("blocked in system call 232"),
+        "{}",
+        said(&out)
+    );
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert_eq!(rest, ["epoll_wait interrupted: 0", "done"]);
+    assert!(child.wait().unwrap().success());
 }
 
 /// The steps an attach may be killed at (`DEVTRACE_ATTACH_PAUSE_AT`).

@@ -1,8 +1,8 @@
 /*
- * A program whose only running thread never waits, so that `devtrace
- * attach` must borrow it where it runs, for tests of where the attach
- * takes it. Most of its time is spent where borrowing it would harm it;
- * the rest in a plain spin of its own.
+ * A program for tests of where `devtrace attach` borrows a thread. In the
+ * first two modes its only running thread never waits, so the attach must
+ * borrow it where it runs; most of its time is spent where borrowing it
+ * would harm it, the rest in a plain spin of its own.
  *
  *   malloc: allocates and frees 64 KiB blocks (past malloc's per-thread
  *           cache, so each call takes its arena's lock; a second thread,
@@ -15,15 +15,21 @@
  *           descriptor is still set: the kernel clears it only when it
  *           finds the thread outside the sequence, so a thread sent off to
  *           other code from inside one and brought back finds it cleared.
+ *   epoll:  a second thread waits in epoll_wait on a pipe nobody writes
+ *           to until the end, and counts the calls that fail EINTR (its
+ *           signals are blocked, so only a stop can cause one: the kernel
+ *           fails epoll_wait after a stop rather than restart it).
  *
- * Build: cc -O2 -Wall -Werror -pthread -o busy_workload busy_workload.c -L<dir> -lcuda
- * Run:   busy_workload malloc|rseq SECONDS
+ * Build: cc -O2 -Wall -Werror -pthread -o borrow_workload borrow_workload.c -L<dir> -lcuda
+ * Run:   borrow_workload malloc|rseq|epoll SECONDS
  * Prints `busy pid=P`; then, for rseq, `sequences guarded` or
- * `sequences unguarded: N` (or `rseq unavailable`); then `done`. It loads
- * the stand-in driver (cuInit), so that the attach takes it for a CUDA
- * process. Stops on SIGUSR1, or after SECONDS.
+ * `sequences unguarded: N` (or `rseq unavailable`); for epoll,
+ * `epoll_wait interrupted: N`; then `done`. It loads the stand-in driver
+ * (cuInit), so that the attach takes it for a CUDA process. Stops on
+ * SIGUSR1, or after SECONDS.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stddef.h>
@@ -31,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/rseq.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -60,7 +67,7 @@ static void spin(long rounds) {
 static void run_malloc(void) {
     pthread_t thread;
     if (pthread_create(&thread, NULL, parked, NULL) != 0) {
-        fprintf(stderr, "busy_workload: pthread_create failed\n");
+        fprintf(stderr, "borrow_workload: pthread_create failed\n");
         exit(1);
     }
     while (!stop) {
@@ -129,14 +136,53 @@ static void run_rseq(void) {
         printf("sequences guarded\n");
 }
 
+static int wake_pipe[2];
+
+static void *wait_in_epoll(void *unused) {
+    (void)unused;
+    int epoll = epoll_create1(0);
+    struct epoll_event event = {.events = EPOLLIN};
+    if (epoll < 0 || epoll_ctl(epoll, EPOLL_CTL_ADD, wake_pipe[0], &event) != 0) abort();
+    long interrupted = 0;
+    for (;;) {
+        struct epoll_event ready;
+        int n = epoll_wait(epoll, &ready, 1, -1);
+        if (n == 1) break;
+        if (n < 0 && errno == EINTR) interrupted++;
+    }
+    return (void *)interrupted;
+}
+
+static void run_epoll(void) {
+    sigset_t stops;
+    sigemptyset(&stops);
+    sigaddset(&stops, SIGUSR1);
+    sigaddset(&stops, SIGALRM);
+    pthread_t thread;
+    /* The waiting thread starts with the stops blocked: they are the main
+     * thread's. */
+    pthread_sigmask(SIG_BLOCK, &stops, NULL);
+    if (pipe(wake_pipe) != 0 || pthread_create(&thread, NULL, wait_in_epoll, NULL) != 0) {
+        fprintf(stderr, "borrow_workload: cannot start the waiting thread\n");
+        exit(1);
+    }
+    pthread_sigmask(SIG_UNBLOCK, &stops, NULL);
+    while (!stop) spin(100000);
+    if (write(wake_pipe[1], "x", 1) != 1) abort();
+    void *interrupted;
+    pthread_join(thread, &interrupted);
+    printf("epoll_wait interrupted: %ld\n", (long)interrupted);
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3 || (strcmp(argv[1], "malloc") != 0 && strcmp(argv[1], "rseq") != 0)) {
-        fprintf(stderr, "usage: busy_workload malloc|rseq SECONDS\n");
+    const char *mode = argc == 3 ? argv[1] : "";
+    if (strcmp(mode, "malloc") != 0 && strcmp(mode, "rseq") != 0 && strcmp(mode, "epoll") != 0) {
+        fprintf(stderr, "usage: borrow_workload malloc|rseq|epoll SECONDS\n");
         return 2;
     }
     double seconds = atof(argv[2]);
     if (cuInit(0) != 0) {
-        fprintf(stderr, "busy_workload: cuInit failed\n");
+        fprintf(stderr, "borrow_workload: cuInit failed\n");
         return 1;
     }
     signal(SIGALRM, on_stop);
@@ -146,10 +192,12 @@ int main(int argc, char **argv) {
     setitimer(ITIMER_REAL, &timer, NULL);
     printf("busy pid=%d\n", (int)getpid());
     fflush(stdout);
-    if (strcmp(argv[1], "malloc") == 0)
+    if (strcmp(mode, "malloc") == 0)
         run_malloc();
-    else
+    else if (strcmp(mode, "rseq") == 0)
         run_rseq();
+    else
+        run_epoll();
     printf("done\n");
     return 0;
 }
