@@ -8,11 +8,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use prost::Message;
 
 use super::logdir::SessionOutput;
 use crate::clock;
-use crate::proto::tensorflow::profiler::XSpace;
 use crate::protocol::client;
 use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
 use crate::repository::XPLANE_SUFFIX;
@@ -36,8 +34,11 @@ pub struct CaptureArgs {
     #[arg(long)]
     pub logdir: PathBuf,
 
-    /// Session (run) name; default: the current UTC time as YYYY_MM_DD_HH_MM_SS.
-    #[arg(long)]
+    /// Session (run) name; default: the current UTC time as
+    /// YYYY_MM_DD_HH_MM_SS, with _2, _3, ... when a capture of the same
+    /// second made that session already. A session that holds a trace of
+    /// this host already is refused before capturing.
+    #[arg(long, value_parser = super::logdir::parse_session_id)]
     pub session_id: Option<String>,
 
     /// Start the window this long from now (e.g. 1s).
@@ -45,7 +46,8 @@ pub struct CaptureArgs {
     pub delay: Duration,
 
     /// Start the window this long in the past (served from devtrace's flight
-    /// recorder; other servers start at once).
+    /// recorder; other servers start at once). The window still lasts
+    /// --duration: `--delay-back 4s --duration 4s` is the 4 s before now.
     #[arg(long, default_value = "0s", value_parser = super::parse_duration, conflicts_with = "delay")]
     pub delay_back: Duration,
 
@@ -81,6 +83,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     let captured = runtime.block_on(capture(&args))?;
     let in_bucket = matches!(captured.session_dir, Location::Object(_));
+    let warnings = trace_warnings(&captured.reply);
     let received = Instant::now();
     let path = store(captured)?;
     // What a capture takes past its window, in two parts: the server's
@@ -90,6 +93,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         "trace stored"
     );
     println!("{path}");
+    tell_warnings(&warnings, &path);
     let logdir = args.logdir.display();
     if in_bucket {
         eprintln!(
@@ -101,6 +105,35 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The warnings of the reply's trace (a process not attached, a window
+/// the flight recorder did not hold whole, events lost): none for a trace
+/// in Riegeli chunks or written by the server itself.
+fn trace_warnings(reply: &client::RawProfileResponse) -> Vec<String> {
+    reply
+        .tool_data
+        .iter()
+        .find(|tool| tool.name == XPLANE_TOOL)
+        .and_then(|tool| crate::xspace::read::warnings(&tool.data).ok())
+        .unwrap_or_default()
+}
+
+/// How many of a trace's warnings are printed after a capture.
+const WARNINGS_SHOWN: usize = 10;
+
+/// Says on stderr what the trace at `path` warns of, so that a partial
+/// trace is not taken for a whole one.
+fn tell_warnings(warnings: &[String], path: &str) {
+    for warning in warnings.iter().take(WARNINGS_SHOWN) {
+        eprintln!("the trace warns: {warning}");
+    }
+    if warnings.len() > WARNINGS_SHOWN {
+        eprintln!(
+            "the trace warns of {} more: devtrace inspect {path} lists them all",
+            warnings.len() - WARNINGS_SHOWN
+        );
+    }
 }
 
 /// A reply and where its files go.
@@ -122,18 +155,78 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
     }
     let logdir = super::logdir::parse(&args.logdir)?;
     let repository_root = logdir.join("plugins").join("profile");
-    let session_id = args
-        .session_id
+    // The server names the trace after host_name; a local socket's server
+    // is this machine.
+    let host_name = if target.is_unix() {
+        crate::capture::local_hostname()
+    } else {
+        target.address.clone()
+    };
+    let host = args
+        .override_hostname
         .clone()
-        .unwrap_or_else(crate::model::calendar::session_timestamp);
-    let session_dir = repository_root.join(&session_id);
-    // Before capturing, so that a bucket's settings are checked first.
-    let output = SessionOutput::new(&session_dir)?;
+        .unwrap_or_else(|| host_name.replace(':', "_"));
+    // Before capturing, so that a logdir that cannot be written to (or a
+    // bucket's settings) fails now rather than after the window.
+    let (output, session_id) = SessionOutput::create(&repository_root, args.session_id.as_deref())?;
+    let session = Session {
+        logdir,
+        repository_root,
+        session_id,
+        host_name,
+        host,
+    };
+    let taken = [XPLANE_SUFFIX, RIEGELI_SUFFIX]
+        .iter()
+        .map(|suffix| format!("{}{suffix}", session.host))
+        .find(|name| output.holds(name));
+    if let Some(name) = taken {
+        bail!(
+            "session {} under {} holds a trace of this host already ({name}): name another \
+             --session-id, or leave it out for a new session",
+            session.session_id,
+            session.repository_root
+        );
+    }
+    match request_trace(args, &target, &config, duration_ms, &session).await {
+        Ok(reply) => Ok(Captured {
+            reply,
+            output,
+            session_dir: session.repository_root.join(&session.session_id),
+            session_id: session.session_id,
+            host: session.host,
+        }),
+        Err(error) => {
+            output.abandon();
+            Err(error)
+        }
+    }
+}
+
+/// Where a capture's trace is to go, and what the server calls it.
+struct Session {
+    logdir: Location,
+    repository_root: Location,
+    session_id: String,
+    /// The server's name for itself, in the request.
+    host_name: String,
+    /// The trace file's host part.
+    host: String,
+}
+
+/// Asks `target` for the window and waits for its reply.
+async fn request_trace(
+    args: &CaptureArgs,
+    target: &client::Target,
+    config: &client::ClientConfig,
+    duration_ms: u64,
+    session: &Session,
+) -> anyhow::Result<client::RawProfileResponse> {
     let start_ns =
         clock::now_ns() + clock::duration_ns(args.delay) - clock::duration_ns(args.delay_back);
     let mut options = client::default_profile_options(duration_ms, start_ns);
-    options.repository_path = logdir.to_string();
-    options.session_id = session_id.clone();
+    options.repository_path = session.logdir.to_string();
+    options.session_id = session.session_id.clone();
     if let Some(name) = &args.override_hostname {
         options.override_hostname = name.clone();
     }
@@ -151,21 +244,14 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
             },
         );
     }
-    // The server names the trace after host_name; a local socket's server
-    // is this machine.
-    let host_name = if target.is_unix() {
-        crate::capture::local_hostname()
-    } else {
-        target.address.clone()
-    };
     let request = client::trace_request(
         options,
-        &repository_root.to_string(),
-        &session_id,
-        &host_name,
+        &session.repository_root.to_string(),
+        &session.session_id,
+        &session.host_name,
     );
     let deadline = client::capture_deadline(args.duration) + args.delay;
-    let connection = client::connect(&target, &config, deadline)
+    let connection = client::connect(target, config, deadline)
         .await
         .with_context(|| format!("cannot reach a profiler server at {target}"))?;
     let progress = progress_bar(args, duration_ms);
@@ -187,13 +273,7 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
     if reply.empty_trace {
         // What the trace says of itself tells why (a capture scoped to the
         // caller's processes, a backend that is not running).
-        let said = reply
-            .tool_data
-            .iter()
-            .find(|tool| tool.name == XPLANE_TOOL)
-            .and_then(|tool| XSpace::decode(&tool.data[..]).ok())
-            .map(|space| space.warnings)
-            .unwrap_or_default();
+        let said = trace_warnings(&reply);
         if said.is_empty() {
             bail!("{target} collected no trace events in the window");
         }
@@ -202,17 +282,7 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
             said.join("; ")
         );
     }
-    let host = args
-        .override_hostname
-        .clone()
-        .unwrap_or_else(|| host_name.replace(':', "_"));
-    Ok(Captured {
-        reply,
-        output,
-        session_dir,
-        session_id,
-        host,
-    })
+    Ok(reply)
 }
 
 /// Writes the reply's files into the session (blocking: an upload runs

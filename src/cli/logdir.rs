@@ -38,31 +38,181 @@ pub fn repository_root(dir: &Path) -> anyhow::Result<Folder> {
     }
 }
 
+/// `--session-id`: one file-name component, as the agent requires of it.
+pub fn parse_session_id(text: &str) -> Result<String, String> {
+    if text.is_empty() || text == "." {
+        return Err("a session id names a directory: it cannot be empty or \".\"".into());
+    }
+    crate::service::validate::name_component("--session-id", text)
+        .map_err(|status| status.message().to_string())?;
+    Ok(text.to_string())
+}
+
 /// Where the files of one session go.
 pub enum SessionOutput {
-    Local(PathBuf),
+    Local {
+        directory: PathBuf,
+        /// The directories above it that were made for it, deepest first.
+        made: Vec<PathBuf>,
+    },
     Object(Folder),
 }
 
 impl SessionOutput {
-    pub fn new(session: &Location) -> anyhow::Result<SessionOutput> {
-        Ok(match session {
-            Location::Local(path) => SessionOutput::Local(path.clone()),
-            object => SessionOutput::Object(Folder::open(object)?),
-        })
+    /// The session `session_id` under repository root `root`, made now, so
+    /// that a logdir that cannot be written to is found before a capture
+    /// rather than after it; with the session's final name. Without an
+    /// id, the session is named after the current second, with `_2`, `_3`,
+    /// ... when a session of that name exists, so that captures of one
+    /// second never replace each other; a given id is used as is.
+    pub fn create(
+        root: &Location,
+        session_id: Option<&str>,
+    ) -> anyhow::Result<(SessionOutput, String)> {
+        let generated = session_id.is_none();
+        let base =
+            session_id.map_or_else(crate::model::calendar::session_timestamp, str::to_string);
+        let mut made = Vec::new();
+        if let Location::Local(path) = root {
+            made = path
+                .ancestors()
+                .take_while(|dir| !dir.exists())
+                .map(Path::to_path_buf)
+                .collect();
+            std::fs::create_dir_all(path)
+                .with_context(|| format!("cannot make {} under --logdir", path.display()))?;
+        }
+        let (folder, name) = Folder::open(root)
+            .and_then(|root| root.create_session(&base, generated))
+            .with_context(|| format!("cannot make session {base} in {root}"))?;
+        let output = match root {
+            Location::Local(path) => SessionOutput::Local {
+                directory: path.join(&name),
+                made,
+            },
+            Location::Object(_) => SessionOutput::Object(folder),
+        };
+        Ok((output, name))
+    }
+
+    /// Whether the session holds a file `name` already (on local disk;
+    /// object storage is not asked).
+    pub fn holds(&self, name: &str) -> bool {
+        match self {
+            SessionOutput::Local { directory, .. } => directory.join(name).exists(),
+            SessionOutput::Object(_) => false,
+        }
+    }
+
+    /// Removes the session's directory again, and those made for it, if
+    /// nothing was written into them (the capture they were made for
+    /// failed).
+    pub fn abandon(&self) {
+        if let SessionOutput::Local { directory, made } = self {
+            for dir in std::iter::once(directory).chain(made) {
+                if std::fs::remove_dir(dir).is_err() {
+                    return;
+                }
+            }
+        }
     }
 
     /// Writes one file of session `session_id` (blocking) and says where
-    /// it went. An upload that fails keeps the file in the temporary
-    /// directory, and the error says where.
+    /// it went. A write or upload that fails keeps the file in the
+    /// temporary directory, and the error says where.
     pub fn write(&self, session_id: &str, name: &str, data: &[u8]) -> Result<String, String> {
         match self {
-            SessionOutput::Local(directory) => super::write_file(directory, name, data)
+            SessionOutput::Local { directory, .. } => super::write_file(directory, name, data)
                 .map(|path| path.display().to_string())
-                .map_err(|e| format!("{e:#}")),
+                .map_err(|error| {
+                    let target = directory.join(name);
+                    let unsent = std::env::temp_dir();
+                    match repository::keep_unsent(&unsent, session_id, name, data) {
+                        Ok(kept) => format!(
+                            "writing {} failed ({error:#}); the trace is kept at {}",
+                            target.display(),
+                            kept.display()
+                        ),
+                        Err(keep) => format!(
+                            "writing {} failed ({error:#}), and keeping it under {} failed too \
+                             ({keep})",
+                            target.display(),
+                            unsent.display()
+                        ),
+                    }
+                }),
             SessionOutput::Object(folder) => {
                 repository::write_or_keep(folder, session_id, name, data, &std::env::temp_dir())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_id_is_one_plain_name() {
+        for bad in ["", ".", "..", "a/b", "x\ny", "tab\t"] {
+            assert!(parse_session_id(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse_session_id("run_1").as_deref(), Ok("run_1"));
+    }
+
+    #[test]
+    fn sessions_without_an_id_never_share_a_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = Location::Local(dir.path().join("plugins").join("profile"));
+        let mut names = Vec::new();
+        for _ in 0..3 {
+            let (output, name) = SessionOutput::create(&root, None).unwrap();
+            assert!(
+                matches!(output, SessionOutput::Local { ref directory, .. } if directory.is_dir())
+            );
+            names.push(name);
+        }
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), 3, "{names:?}");
+        // A given id is used as is, and again.
+        let (_, first) = SessionOutput::create(&root, Some("run")).unwrap();
+        let (again, second) = SessionOutput::create(&root, Some("run")).unwrap();
+        assert_eq!((first.as_str(), second.as_str()), ("run", "run"));
+        // A session nothing was written into goes when abandoned, with the
+        // directories made for it.
+        again.abandon();
+        assert!(!dir.path().join("plugins/profile/run").exists());
+        assert!(dir.path().join("plugins/profile").exists());
+        let fresh = Location::Local(dir.path().join("new/plugins/profile"));
+        let (output, _) = SessionOutput::create(&fresh, Some("run")).unwrap();
+        output.abandon();
+        assert!(!dir.path().join("new").exists());
+    }
+
+    #[test]
+    fn a_logdir_that_cannot_be_written_is_refused_before_anything_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, b"x").unwrap();
+        let root = Location::Local(file.join("plugins").join("profile"));
+        let error = SessionOutput::create(&root, None).err().unwrap();
+        assert!(format!("{error:#}").contains("under --logdir"), "{error:#}");
+    }
+
+    #[test]
+    fn a_trace_that_cannot_be_written_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let blocked = dir.path().join("session");
+        // A file where the session's directory should be.
+        std::fs::write(&blocked, b"x").unwrap();
+        let output = SessionOutput::Local {
+            directory: blocked.clone(),
+            made: Vec::new(),
+        };
+        let said = output.write("s1", "h.xplane.pb", b"trace").unwrap_err();
+        let kept = said.rsplit("kept at ").next().unwrap();
+        assert_eq!(std::fs::read(kept).unwrap(), b"trace", "{said}");
+        let _ = std::fs::remove_dir_all(Path::new(kept).parent().unwrap().parent().unwrap());
     }
 }

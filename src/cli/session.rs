@@ -14,7 +14,6 @@ use super::logdir::{self, SessionOutput};
 use crate::clock;
 use crate::fleet::hosts::{self, HostList, Origin, COMMAND_LINE_LIMIT};
 use crate::fleet::{self, HostOutcome};
-use crate::model::calendar::session_timestamp;
 use crate::protocol::client;
 
 #[derive(Debug, Args)]
@@ -48,8 +47,9 @@ pub struct NewSessionArgs {
     /// Length of the shared capture window.
     #[arg(long, default_value = "2s", value_parser = super::parse_duration)]
     pub duration: Duration,
-    /// Session name; default: the current UTC time as YYYY_MM_DD_HH_MM_SS.
-    #[arg(long)]
+    /// Session name; default: the current UTC time as YYYY_MM_DD_HH_MM_SS,
+    /// with _2, _3, ... when a session of the same second exists already.
+    #[arg(long, value_parser = super::logdir::parse_session_id)]
     pub session_id: Option<String>,
     #[command(flatten)]
     pub client: super::client_args::ClientArgs,
@@ -98,9 +98,11 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     if duration_ms == 0 {
         bail!("--duration must be at least 1ms");
     }
-    let session_id = args.session_id.clone().unwrap_or_else(session_timestamp);
     let root = logdir::parse(&args.logdir)?.join("plugins").join("profile");
-    let output = SessionOutput::new(&root.join(&session_id))?;
+    // Before any host is called: a logdir that cannot be written to fails
+    // now, not once the traces are in.
+    let (output, session_id) = SessionOutput::create(&root, args.session_id.as_deref())?;
+    let output = Arc::new(output);
     let config = args.client.config_for_calls()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -127,7 +129,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         };
         eprintln!("capturing {} hosts for {duration_ms} ms", hosts.len());
         let sink = Arc::new(LogdirSink {
-            output,
+            output: Arc::clone(&output),
             session_id: session_id.clone(),
         });
         outcomes.extend(runtime.block_on(fleet::fan_out(&hosts, &request, &plan, sink)));
@@ -146,6 +148,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         eprintln!("{headline}");
     }
     if delivered == 0 {
+        output.abandon();
         bail!("no host returned a trace");
     }
     eprintln!(
@@ -158,16 +161,18 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
 /// A session directory or bucket prefix under `--logdir`, made when the
 /// first trace arrives.
 struct LogdirSink {
-    output: SessionOutput,
+    output: Arc<SessionOutput>,
     session_id: String,
 }
 
 impl fleet::TraceSink for LogdirSink {
     fn create(&self, file_name: &str) -> Result<Box<dyn fleet::TraceFile>, String> {
-        match &self.output {
-            SessionOutput::Local(directory) => super::PendingFile::create(directory, file_name)
-                .map(|file| Box::new(file) as Box<dyn fleet::TraceFile>)
-                .map_err(|e| format!("{e:#}")),
+        match self.output.as_ref() {
+            SessionOutput::Local { directory, .. } => {
+                super::PendingFile::create(directory, file_name)
+                    .map(|file| Box::new(file) as Box<dyn fleet::TraceFile>)
+                    .map_err(|e| format!("{e:#}"))
+            }
             SessionOutput::Object(folder) => crate::repository::create_file(
                 Ok(folder),
                 &self.session_id,

@@ -17,14 +17,17 @@ pub enum UnitError {
         text: String,
         expected: &'static str,
     },
+    #[error("{0:?} has no unit: write {0}s or {0}ms")]
+    NoUnit(String),
     #[error("{0:?} is out of range")]
     OutOfRange(String),
     #[error("{0:?} is too large")]
     TooLarge(String),
 }
 
-/// Parses durations such as `2s`, `500ms`, `1.5s`, `10m`, `1h`; a bare number
-/// is milliseconds.
+/// Parses durations such as `2s`, `500ms`, `1.5s`, `10m`, `1h`. A number
+/// without a unit is refused (but 0): `--duration 5` meaning 5 ms to one
+/// reader and 5 s to another would capture the wrong window silently.
 pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
     let text = text.trim();
     let split = text
@@ -35,7 +38,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
         .parse()
         .map_err(|_| UnitError::NotADuration(text.to_string()))?;
     let seconds = match unit.trim() {
-        "" | "ms" => value / 1e3,
+        "" if value == 0.0 => 0.0,
+        "" => return Err(UnitError::NoUnit(text.to_string())),
+        "ms" => value / 1e3,
         "us" => value / 1e6,
         "s" => value,
         "m" | "min" => value * 60.0,
@@ -90,7 +95,11 @@ mod tests {
     fn durations_and_sizes_parse_with_units() {
         assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("1500"), Ok(Duration::from_millis(1500)));
+        assert_eq!(
+            parse_duration("1500"),
+            Err(UnitError::NoUnit("1500".into()))
+        );
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
         assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
         assert_eq!(
             parse_duration("two"),

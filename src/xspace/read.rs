@@ -388,6 +388,19 @@ pub fn plane_names(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
     Ok(names)
 }
 
+/// The warnings of an encoded XSpace (field 3), read without decoding its
+/// planes: what a client shows of a trace it has just received.
+pub fn warnings(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
+    let mut warnings = Vec::new();
+    let mut space = WireReader(bytes);
+    while let Some((field, value)) = space.next_field()? {
+        if let (3, WireValue::Bytes(warning)) = (field, value) {
+            warnings.push(String::from_utf8_lossy(warning).into_owned());
+        }
+    }
+    Ok(warnings)
+}
+
 pub(super) enum WireValue<'b> {
     Scalar,
     Bytes(&'b [u8]),
@@ -482,5 +495,27 @@ impl<'b> WireReader<'b> {
                 other => return Err(Malformed(format!("unsupported wire type {other}"))),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warnings_are_read_past_the_planes_without_decoding_them() {
+        let space = XSpace {
+            planes: vec![XPlane {
+                name: "/host:CPU".into(),
+                ..XPlane::default()
+            }],
+            errors: vec!["an error".into()],
+            warnings: vec!["first".into(), "second".into()],
+            hostnames: vec!["h".into()],
+        };
+        let bytes = space.encode_to_vec();
+        assert_eq!(warnings(&bytes).unwrap(), ["first", "second"]);
+        assert!(warnings(&bytes[..bytes.len() - 1]).is_err());
+        assert!(warnings(&[]).unwrap().is_empty());
     }
 }

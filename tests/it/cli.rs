@@ -92,6 +92,101 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
     assert!(doc["warnings"].is_array() && doc["errors"].is_array());
 }
 
+/// Captures never replace one another's traces, a logdir that cannot be
+/// written to fails before the window rather than after it, a failed
+/// capture leaves no directories behind, and what the trace warns of is
+/// said on the command line.
+#[test]
+fn captures_never_replace_each_other_and_a_bad_logdir_fails_first() {
+    let agent = AgentProcess::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let logdir = dir.path().join("logs");
+    let address = format!("grpc://{}", agent.address);
+    let capture = |extra: &[&str]| {
+        let mut args = vec!["capture", &address, "--duration", "100ms", "--quiet"];
+        args.extend_from_slice(extra);
+        devtrace(&args)
+    };
+    let logdir_arg = logdir.to_str().unwrap();
+    // Within one second, mostly: each its own session.
+    let mut paths = Vec::new();
+    for _ in 0..3 {
+        let out = capture(&["--logdir", logdir_arg]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        paths.push(String::from_utf8_lossy(&out.stdout).trim().to_string());
+    }
+    paths.sort();
+    paths.dedup();
+    assert_eq!(paths.len(), 3, "{paths:?}");
+    assert!(paths.iter().all(|p| std::path::Path::new(p).is_file()));
+
+    // A session named twice: the second capture is refused before it runs.
+    let named = ["--logdir", logdir_arg, "--session-id", "mine"];
+    let out = capture(&named);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let bytes = std::fs::read(&first).unwrap();
+    let out = capture(&named);
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("holds a trace of this host already"),
+        "{said}"
+    );
+    assert!(!said.contains("reply received"), "{said}");
+    assert_eq!(std::fs::read(&first).unwrap(), bytes);
+
+    // A file where the logdir should be: refused before the window.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let out = devtrace(&[
+        "capture",
+        &address,
+        "--duration",
+        "5s",
+        "--quiet",
+        "--logdir",
+        file.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("under --logdir"), "{said}");
+    assert!(!said.contains("reply received"), "{said}");
+
+    // A capture that fails leaves nothing of its logdir behind.
+    let fresh = dir.path().join("fresh");
+    let out = devtrace(&[
+        "capture",
+        "grpc://127.0.0.1:1",
+        "--quiet",
+        "--logdir",
+        fresh.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(!fresh.exists());
+
+    // What the trace warns of is said.
+    let out = capture(&["--logdir", logdir_arg, "--attach", "999999"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("the trace warns: process 999999 was not attached"),
+        "{said}"
+    );
+}
+
 #[test]
 fn mistakes_get_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
@@ -115,16 +210,25 @@ fn mistakes_get_clear_errors() {
     let out = devtrace(&["capture", "127.0.0.1", "--logdir", "x", "--quiet"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("at 127.0.0.1:6009"));
 
-    let out = devtrace(&[
-        "capture",
-        "127.0.0.1:6009",
-        "--logdir",
-        "x",
-        "--duration",
-        "soon",
-    ]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a duration"));
+    // A number alone could mean seconds or milliseconds: neither is guessed.
+    for (duration, says) in [
+        ("soon", "is not a duration"),
+        ("5", "\"5\" has no unit: write 5s or 5ms"),
+    ] {
+        let out = devtrace(&[
+            "capture",
+            "127.0.0.1:6009",
+            "--logdir",
+            "x",
+            "--duration",
+            duration,
+        ]);
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(says),
+            "{duration}"
+        );
+    }
 
     let garbage = dir.path().join("garbage.xplane.pb");
     std::fs::write(&garbage, b"\xff\xff\xff\xff not a protobuf").unwrap();
