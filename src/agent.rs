@@ -249,6 +249,11 @@ impl Agent {
         }
     }
 
+    /// Captures and Monitors under way now.
+    pub fn captures_in_progress(&self) -> usize {
+        self.captures.load(Ordering::Relaxed)
+    }
+
     /// As [`Agent::capture_activity`] for a Monitor: samplers sample faster,
     /// but nothing starts tracing for it.
     pub fn monitor_activity(&self) -> CaptureActivity {

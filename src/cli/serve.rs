@@ -15,6 +15,7 @@ use crate::backend::mock::MockConfig;
 use crate::capture::local_hostname;
 use crate::capture::spill::SpillSpace;
 use crate::protocol::client::{self, Target};
+use crate::protocol::unix_socket::{self, Occupant, PlacedSocket};
 use crate::recorder::StoreConfig;
 use crate::repository::roots::AllowedRoots;
 use crate::ring::DropPolicy;
@@ -701,7 +702,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let listeners = listen(&args).await?;
+    let (listeners, placed_socket) = listen(&args).await?;
     // Up while the backends start, so that probes see the process alive.
     let telemetry = Telemetry::new();
     let metrics = crate::telemetry::http::start(args.metrics_listen.as_ref(), &telemetry).await?;
@@ -796,7 +797,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         info!(roots = ?allowed_roots.roots(), "traces may be written under these roots");
     }
-    let shutdown = shutdown_signal();
+    let placed_socket = Arc::new(placed_socket);
+    let shutdown = stop_on_signal(Arc::clone(&agent), Arc::clone(&placed_socket));
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     println!("devtrace listening on {address}");
     super::tap::start_taps(&agent, &args.taps, Some(&telemetry)).await?;
@@ -818,8 +820,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let served =
         crate::service::serve(listeners, service, analysis, trigger_service, shutdown).await;
-    if let Some(path) = &args.listen_unix {
-        let _ = std::fs::remove_file(path);
+    if let Some(socket) = placed_socket.as_ref() {
+        socket.remove_if_ours();
     }
     served?;
     info!("shutting down");
@@ -882,8 +884,9 @@ fn start_triggers(
 }
 
 /// Binds `--listen` (refusing plaintext other hosts could reach, unless
-/// `--insecure`) and `--listen-unix`, with the server's TLS when asked for.
-async fn listen(args: &ServeArgs) -> anyhow::Result<Listeners> {
+/// `--insecure`) and `--listen-unix`, with the server's TLS when asked for;
+/// with the socket put in place for `--listen-unix`, to remove at exit.
+async fn listen(args: &ServeArgs) -> anyhow::Result<(Listeners, Option<PlacedSocket>)> {
     let tls = match (&args.client.tls_cert, &args.client.tls_key) {
         (Some(cert), Some(key)) => Some(
             crate::protocol::tls::server_config(cert, key, args.tls_client_ca.as_deref())
@@ -912,27 +915,41 @@ async fn listen(args: &ServeArgs) -> anyhow::Result<Listeners> {
         }
         Some(tcp)
     };
-    let unix = match &args.listen_unix {
-        Some(path) => Some(bind_unix(path, args.listen_unix_mode)?),
-        None => None,
+    let (unix, placed) = match &args.listen_unix {
+        Some(path) => {
+            let (listener, placed) = bind_unix(path, args.listen_unix_mode)?;
+            (Some(listener), Some(placed))
+        }
+        None => (None, None),
     };
-    Ok(Listeners {
+    let listeners = Listeners {
         tcp,
         tls,
         unix,
         max_connection_age: args.max_connection_age,
-    })
+    };
+    Ok((listeners, placed))
 }
 
 /// A UNIX socket at `path` with `mode`, never reachable with a wider mode:
 /// it is bound in a private directory, given its mode, then moved into
-/// place (replacing a stale socket, never another kind of file).
-fn bind_unix(path: &std::path::Path, mode: u32) -> anyhow::Result<tokio::net::UnixListener> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+/// place, replacing a stale socket, never another kind of file nor a
+/// socket another server accepts connections on.
+fn bind_unix(
+    path: &std::path::Path,
+    mode: u32,
+) -> anyhow::Result<(tokio::net::UnixListener, PlacedSocket)> {
+    use std::os::unix::fs::PermissionsExt;
     let shown = path.display();
-    if matches!(std::fs::symlink_metadata(path), Ok(existing) if !existing.file_type().is_socket())
-    {
-        bail!("--listen-unix {shown}: a file that is not a socket is already there");
+    match unix_socket::occupant(path) {
+        Occupant::NotASocket => {
+            bail!("--listen-unix {shown}: a file that is not a socket is already there")
+        }
+        Occupant::Listening => bail!(
+            "--listen-unix {shown}: another server accepts connections on it (another devtrace \
+             agent?): stop it, or choose another path"
+        ),
+        Occupant::Nothing | Occupant::Stale => {}
     }
     let parent = path
         .parent()
@@ -945,12 +962,44 @@ fn bind_unix(path: &std::path::Path, mode: u32) -> anyhow::Result<tokio::net::Un
     let staged = private.path().join("socket");
     let listener = std::os::unix::net::UnixListener::bind(&staged)
         .with_context(|| format!("--listen-unix {shown}: binding"))?;
-    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
+    let placed = std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
         .and_then(|()| std::fs::rename(&staged, path))
         .and_then(|()| listener.set_nonblocking(true))
+        .and_then(|()| PlacedSocket::at(path))
         .with_context(|| format!("--listen-unix {shown}: putting the socket in place"))?;
-    tokio::net::UnixListener::from_std(listener)
-        .with_context(|| format!("--listen-unix {shown}: listening"))
+    let listener = tokio::net::UnixListener::from_std(listener)
+        .with_context(|| format!("--listen-unix {shown}: listening"))?;
+    Ok((listener, placed))
+}
+
+/// Resolves at the first SIGINT or SIGTERM, which lets the captures in
+/// progress end (saying so at once, so that a stop that waits is not taken
+/// for a hang); a second one stops the agent at once, losing them.
+fn stop_on_signal(
+    agent: Arc<Agent>,
+    socket: Arc<Option<PlacedSocket>>,
+) -> impl std::future::Future<Output = ()> {
+    let first = shutdown_signal();
+    async move {
+        first.await;
+        let second = shutdown_signal();
+        match agent.captures_in_progress() {
+            0 => info!("stopping"),
+            running => info!(
+                in_progress = running,
+                "stopping once the captures in progress end; Ctrl-C or SIGTERM again stops now \
+                 and loses them"
+            ),
+        }
+        tokio::spawn(async move {
+            second.await;
+            tracing::warn!("stopping now: the captures in progress are lost");
+            if let Some(socket) = socket.as_ref() {
+                socket.remove_if_ours();
+            }
+            std::process::exit(130);
+        });
+    }
 }
 
 pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {

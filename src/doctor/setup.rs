@@ -220,46 +220,30 @@ fn holder_of(inodes: &[u64]) -> Option<(u32, String)> {
 }
 
 fn unix_socket(path: &Path) -> Finding {
-    use std::os::unix::fs::FileTypeExt;
+    use crate::protocol::unix_socket::{occupant, Occupant};
     let item = format!("listen unix {}", path.display());
-    match std::fs::symlink_metadata(path) {
-        Err(_) => {
+    let finding = |status, text: &str| Finding::new(Area::Agent, item.clone(), status, text);
+    match occupant(path) {
+        Occupant::Nothing => {
             let parent = path
                 .parent()
                 .filter(|p| !p.as_os_str().is_empty())
                 .unwrap_or(Path::new("."));
             if parent.is_dir() {
-                Finding::new(Area::Agent, item, Status::Ok, "free")
+                finding(Status::Ok, "free")
             } else {
-                Finding::new(
-                    Area::Agent,
-                    item,
+                finding(
                     Status::Fail,
-                    format!("{} does not exist", parent.display()),
+                    &format!("{} does not exist", parent.display()),
                 )
             }
         }
-        Ok(metadata) if !metadata.file_type().is_socket() => Finding::new(
-            Area::Agent,
-            item,
-            Status::Fail,
-            "a file that is not a socket is already there",
-        ),
-        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
-            Ok(_) => Finding::new(
-                Area::Agent,
-                item,
-                Status::Fail,
-                "in use: something accepts connections on it",
-            )
+        Occupant::NotASocket => {
+            finding(Status::Fail, "a file that is not a socket is already there")
+        }
+        Occupant::Listening => finding(Status::Fail, "in use: something accepts connections on it")
             .hint("stop the other agent, or choose another path"),
-            Err(_) => Finding::new(
-                Area::Agent,
-                item,
-                Status::Ok,
-                "a stale socket, which the agent replaces",
-            ),
-        },
+        Occupant::Stale => finding(Status::Ok, "a stale socket, which the agent replaces"),
     }
 }
 

@@ -9,6 +9,7 @@ pub mod client;
 pub mod listen;
 pub mod shares;
 pub mod tls;
+pub mod unix_socket;
 
 /// Largest request decoded. Requests are small (a `ProfileRequest`, a list
 /// of hosts); without a bound a caller could make the agent hold gigabytes

@@ -460,6 +460,63 @@ fn sigterm_right_after_the_listening_line_is_a_clean_stop() {
     }
 }
 
+/// A stop asked for during a capture says at once that it waits for the
+/// capture, and a second signal stops the agent then and there.
+#[test]
+fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+        .args(["--metrics-listen", "off", "--log-level", "info"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = child.stderr.take().unwrap();
+    let (lines, said) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(log).lines().map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
+    let wait_for = |words: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match said.recv_timeout(left) {
+                Ok(line) if line.contains(words) => return line,
+                Ok(_) => {}
+                Err(_) => panic!("the agent never said {words:?}"),
+            }
+        }
+    };
+    let mut agent = AgentProcess::adopt(child);
+    let logdir = tempfile::tempdir().unwrap();
+    let mut capture = std::process::Command::new(BIN)
+        .args(["capture", &agent.address, "--duration", "60s", "--quiet"])
+        .arg("--logdir")
+        .arg(logdir.path())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for("capture requested");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // SAFETY: signalling the agent this test started.
+    unsafe { libc::kill(agent.pid() as libc::pid_t, libc::SIGTERM) };
+    let line = wait_for("stopping");
+    assert!(
+        line.contains("stopping once the captures in progress end")
+            && line.contains("in_progress=1"),
+        "{line}"
+    );
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(20))
+        .expect("a second SIGTERM did not stop the agent");
+    assert_eq!(status.code(), Some(130));
+    wait_for("stopping now: the captures in progress are lost");
+    assert!(!capture.wait().unwrap().success());
+}
+
 /// The highest rate `--mock-rate` accepts still leaves an agent that SIGTERM
 /// stops cleanly (at 2^64 - 1, which it refuses now, the generator never
 /// caught up with its schedule and never looked at its stop flag).

@@ -1095,6 +1095,47 @@ async fn listen_off_serves_only_the_unix_socket() {
     fails_saying(&alone, "--listen-unix");
 }
 
+/// A second agent on a socket path another agent serves on refuses to
+/// start rather than take the socket over; an agent whose socket was
+/// replaced meanwhile leaves the new one in place as it exits.
+#[tokio::test]
+async fn an_agent_never_takes_or_removes_another_agents_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let mut first = AgentProcess::start(&["--listen-unix", path(&socket), "--mock-rate", "2000"]);
+    let second = Command::new(BIN)
+        .args(["serve", "--listen", "off", "--backend", "mock"])
+        .args(["--metrics-listen", "off", "--listen-unix", path(&socket)])
+        .output()
+        .unwrap();
+    fails_saying(&second, "another server accepts connections on it");
+    let logdir = tempfile::tempdir().unwrap();
+    let address = format!("unix:{}", socket.display());
+    assert!(
+        event_count(&captured_trace(
+            &capture(&address, logdir.path(), &[]).await
+        )) > 0
+    );
+
+    // The operator removes the socket and starts another agent there: the
+    // first one's exit leaves it.
+    std::fs::remove_file(&socket).unwrap();
+    let other = AgentProcess::adopt(AgentProcess::spawn_listening(
+        "off",
+        &["--listen-unix", path(&socket), "--mock-rate", "2000"],
+    ));
+    assert!(first
+        .stop_with_sigterm(std::time::Duration::from_secs(30))
+        .is_some());
+    let logdir = tempfile::tempdir().unwrap();
+    assert!(
+        event_count(&captured_trace(
+            &capture(&address, logdir.path(), &[]).await
+        )) > 0
+    );
+    drop(other);
+}
+
 /// The inodes of the sockets process `pid` has open.
 fn socket_inodes(pid: u32) -> Vec<String> {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
