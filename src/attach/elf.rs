@@ -1,7 +1,7 @@
-//! Finding one exported function in a 64-bit ELF shared object (the
-//! target's libc): its dynamic symbol table, read with every offset and
-//! size checked against the file, since the file is the target's and the
-//! target may be anyone's.
+//! Finding exported symbols in a 64-bit ELF shared object (the target's
+//! libc): its dynamic symbol table, read with every offset and size checked
+//! against the file, since the file is the target's and the target may be
+//! anyone's.
 
 /// Why a symbol was not found.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -12,11 +12,12 @@ pub enum ElfError {
     Truncated,
     #[error("it has no dynamic symbol table")]
     NoDynsym,
-    #[error("it exports no function {0}")]
+    #[error("it exports no {0}")]
     Missing(String),
 }
 
 const SHT_DYNSYM: u32 = 11;
+const STT_OBJECT: u8 = 1;
 const STT_FUNC: u8 = 2;
 const EM_X86_64: u16 = 62;
 
@@ -66,6 +67,22 @@ fn section(file: &[u8], index: usize) -> Option<Section> {
 /// The value (offset from the load base) of the exported function `name`
 /// in `file`, the default version when there are several.
 pub fn function_offset(file: &[u8], name: &str) -> Result<u64, ElfError> {
+    symbol_offset(file, name, STT_FUNC).map_err(|error| match error {
+        ElfError::Missing(name) => ElfError::Missing(format!("function {name}")),
+        other => other,
+    })
+}
+
+/// As [`function_offset`], for the exported variable `name`.
+pub fn variable_offset(file: &[u8], name: &str) -> Result<u64, ElfError> {
+    symbol_offset(file, name, STT_OBJECT).map_err(|error| match error {
+        ElfError::Missing(name) => ElfError::Missing(format!("variable {name}")),
+        other => other,
+    })
+}
+
+/// The value of the exported symbol `name` of type `kind`.
+fn symbol_offset(file: &[u8], name: &str, kind: u8) -> Result<u64, ElfError> {
     if file.get(..4) != Some(b"\x7fELF")
         || file.get(4) != Some(&2)
         || file.get(5) != Some(&1)
@@ -107,7 +124,7 @@ pub fn function_offset(file: &[u8], name: &str) -> Result<u64, ElfError> {
         let info = symbol[4];
         let defined = u16_at(symbol, 6).is_some_and(|index| index != 0);
         let value = u64_at(symbol, 8).unwrap_or(0);
-        if info & 0xf != STT_FUNC || !defined || value == 0 {
+        if info & 0xf != kind || !defined || value == 0 {
             continue;
         }
         let Some(rest) = names.get(name_at..) else {
@@ -153,6 +170,17 @@ mod tests {
         assert_eq!(base + offset, dlopen);
         assert!(matches!(
             function_offset(&libc, "no_such_function_here"),
+            Err(ElfError::Missing(_))
+        ));
+    }
+
+    #[test]
+    fn a_variable_is_found_and_a_function_is_no_variable() {
+        let libc = own_libc();
+        // glibc's own `environ`-like data: `stdout` is an exported object.
+        assert!(variable_offset(&libc, "stdout").is_ok_and(|offset| offset > 0));
+        assert!(matches!(
+            variable_offset(&libc, "dlopen"),
             Err(ElfError::Missing(_))
         ));
     }

@@ -163,7 +163,7 @@ fn attach_here(
 ) -> Result<Attached, AttachError> {
     let target = Target::read(pid)?;
     target.check()?;
-    let dlopen = target.dlopen()?;
+    let libc = target.libc()?;
     let code_region = target
         .libc_code()
         .cloned()
@@ -188,13 +188,11 @@ fn attach_here(
         config,
         &mut tries,
         |stopped, regs| {
-            safe_point::in_restartable_sequence(stopped, regs.rip)
+            safe_point::in_restartable_sequence(stopped, regs, libc.rseq)
                 .then_some("inside a restartable sequence")
         },
     )?;
     let gadget = find_syscall(&stopped, &code_region)?;
-    // A wait the stop broke is made again as the thread runs on, so that
-    // the program never sees the `EINTR` some waits fail with after a stop.
     let page = make_page(&mut stopped, &saved, gadget)?;
     // Stopped anew, at wherever its own code took it meanwhile, and let
     // run a little and stopped again until that is a point where it may
@@ -205,13 +203,14 @@ fn attach_here(
         &borrowed,
         config,
         &mut tries,
-        |stopped, regs| safe_point::unsafe_here(stopped, regs, &borrowed, &runtime),
+        |stopped, regs| safe_point::unsafe_here(stopped, regs, &borrowed, &runtime, libc.rseq),
     )?;
-    let thread = borrowed.describe(tries + 1);
+    // Stopped once as seized, once after the mmap, and once per try.
+    let thread = borrowed.describe(tries + 2);
     target.still_the_same(tid, owner)?;
     pause_at("mapped");
     let (entry, resume) = entry_registers(&saved, page);
-    let code = trampoline::page(dlopen, resume, staged.target_path(), xsave)
+    let code = trampoline::page(libc.dlopen, resume, staged.target_path(), xsave)
         .ok_or_else(|| AttachError::Stage("the staged path is too long".into()))?;
     stopped.write(page, &code)?;
     pause_at("written");
@@ -325,8 +324,10 @@ fn find_syscall(stopped: &Stopped, region: &target::Mapping) -> Result<u64, Atta
 }
 
 /// Has the stopped thread map the trampoline's page (one instruction run
-/// with borrowed registers), then gives it its own registers back, with a
-/// system call the stop broke to be made again.
+/// with borrowed registers), then gives it its own registers back
+/// ([`safe_point::given_back`]: a wait the stop broke is made again, so
+/// that the program never sees the `EINTR` some waits fail with after a
+/// stop).
 fn make_page(
     stopped: &mut Stopped,
     saved: &libc::user_regs_struct,
@@ -346,7 +347,7 @@ fn make_page(
     stopped.set_registers(&call)?;
     let stepped = stopped.step();
     let after = stopped.registers();
-    stopped.set_registers(&safe_point::made_again(saved))?;
+    stopped.set_registers(&safe_point::given_back(saved))?;
     stepped?;
     let address = after?.rax;
     if (address as i64) < 0 && (address as i64) > -4096 {

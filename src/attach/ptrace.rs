@@ -38,6 +38,15 @@ fn call(name: &'static str, result: libc::c_long) -> Result<libc::c_long, TraceE
     Ok(result)
 }
 
+/// Where a thread's `struct rseq` is.
+pub enum RseqArea {
+    Registered(u64),
+    /// The thread registered none.
+    None,
+    /// The kernel does not say (before Linux 5.13).
+    Unknown,
+}
+
 /// A seized, stopped thread of the target. Dropped, it is let go (with
 /// whatever registers it has then).
 pub struct Stopped {
@@ -202,9 +211,9 @@ impl Stopped {
         }
     }
 
-    /// Where the thread's `struct rseq` is, if it registered one and the
-    /// kernel says (`PTRACE_GET_RSEQ_CONFIGURATION`, Linux 5.13).
-    pub fn rseq_area(&self) -> Option<u64> {
+    /// Where the thread's `struct rseq` is, as the kernel says
+    /// (`PTRACE_GET_RSEQ_CONFIGURATION`, Linux 5.13).
+    pub fn rseq_area(&self) -> RseqArea {
         /// `struct ptrace_rseq_configuration`.
         #[repr(C)]
         struct RseqConfiguration {
@@ -232,7 +241,11 @@ impl Stopped {
                 &mut configuration as *mut RseqConfiguration,
             )
         };
-        (written > 0 && configuration.area != 0).then_some(configuration.area)
+        match (written > 0, configuration.area) {
+            (false, _) => RseqArea::Unknown,
+            (true, 0) => RseqArea::None,
+            (true, area) => RseqArea::Registered(area),
+        }
     }
 
     pub fn read(&self, address: u64, into: &mut [u8]) -> Result<(), TraceError> {

@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::ptrace::Stopped;
+use super::ptrace::{RseqArea, Stopped};
 use super::target::Mapping;
 
 /// System calls a thread blocks in that hold no lock of the C library's
@@ -41,8 +41,9 @@ const LOOK_FOR_A_WAIT: Duration = Duration::from_millis(250);
 /// Waits the kernel fails with `EINTR` when their thread is stopped, even
 /// with no signal handler to run (signal(7), "Interruption of system
 /// calls and library functions by stop signals"), where the others are
-/// left to be made again: epoll_wait and epoll_pwait.
-const FAILED_BY_A_STOP: [u64; 2] = [232, 281];
+/// left to be made again: epoll_wait and epoll_pwait, and reads and
+/// accepts on a socket with a receive timeout.
+const FAILED_BY_A_STOP: [u64; 5] = [232, 281, 0, 43, 288];
 
 /// `-ERESTART*`: a system call the stop interrupted, to be made again.
 const ERESTARTSYS: i64 = -512;
@@ -54,13 +55,11 @@ const EINTR: i64 = -(libc::EINTR as i64);
 
 /// The system call to make again for a thread stopped with `regs` in one
 /// the stop interrupted (its own, or `restart_syscall` for a sleep with
-/// time left), as the kernel would have; `None` when the thread was not
-/// in a system call, or it returned.
+/// time left), as the kernel would with no signal handler to run; `None`
+/// when the thread was not in a system call, or it returned.
 ///
 /// A wait of [`FAILED_BY_A_STOP`] is made again too, rather than answer
-/// the program an `EINTR` that only the attach caused. (Were a signal
-/// with a handler to arrive during the attach, the handler runs and the
-/// wait goes on, as a call the kernel restarts would.)
+/// the program an `EINTR` that only the attach caused.
 fn interrupted_call(regs: &libc::user_regs_struct) -> Option<u64> {
     if (regs.orig_rax as i64) < 0 {
         return None;
@@ -73,9 +72,28 @@ fn interrupted_call(regs: &libc::user_regs_struct) -> Option<u64> {
     }
 }
 
+/// The registers to let a stopped thread run on with, its own: a wait of
+/// [`FAILED_BY_A_STOP`] that the stop failed is given the
+/// `-ERESTARTNOHAND` the kernel leaves a wait it restarts, so that the
+/// kernel decides as for any interrupted call: made again, or ended with
+/// `EINTR` when a signal's handler runs first.
+pub fn given_back(regs: &libc::user_regs_struct) -> libc::user_regs_struct {
+    let mut back = *regs;
+    if regs.rax as i64 == EINTR
+        && (regs.orig_rax as i64) >= 0
+        && FAILED_BY_A_STOP.contains(&regs.orig_rax)
+    {
+        back.rax = ERESTARTNOHAND as u64;
+    }
+    back
+}
+
 /// `regs` with the system call the stop interrupted to be made again as
 /// the thread runs from them: at the call's instruction (`syscall` is two
-/// bytes), with its number.
+/// bytes), with its number. Where the thread goes elsewhere first (the
+/// trampoline), the kernel cannot decide at its return as it does for
+/// [`given_back`]: a signal whose handler runs during the detour does not
+/// end the wait it would have ended with `EINTR`.
 pub fn made_again(regs: &libc::user_regs_struct) -> libc::user_regs_struct {
     let mut again = *regs;
     if let Some(call) = interrupted_call(regs) {
@@ -162,12 +180,14 @@ fn blocked_thread(pid: i32) -> Option<(i32, u64)> {
 }
 
 /// Libraries whose code may run with a lock `dlopen` takes held: the C
-/// library and its loader, the unwinders (which walk the loaded objects
-/// under the loader's lock) and the allocators that replace malloc.
+/// library and its loader (`ld-linux-x86-64.so.2`, or `ld-2.31.so` as
+/// maps name it before glibc 2.34), the unwinders (which walk the loaded
+/// objects under the loader's lock) and the allocators that replace
+/// malloc.
 const RUNTIME_LIBRARIES: [&str; 10] = [
     "libc.so",
     "libc-",
-    "ld-linux",
+    "ld-",
     "libpthread",
     "libdl",
     "libgcc_s",
@@ -202,13 +222,20 @@ impl RuntimeCode {
 }
 
 /// Why the stopped thread may not be borrowed where it is now (`None`:
-/// it may).
+/// it may). `rseq` is where the target's libc keeps its
+/// restartable-sequence variables ([`super::target::Libc::rseq`]).
 pub fn unsafe_here(
     stopped: &Stopped,
     regs: &libc::user_regs_struct,
     borrowed: &Borrowed,
     runtime: &RuntimeCode,
+    rseq: Option<(u64, u64)>,
 ) -> Option<&'static str> {
+    if interrupted_call(regs).is_some() && !by_syscall_instruction(stopped, regs.rip) {
+        // `int 0x80` from a 64-bit program: a 32-bit call, whose number
+        // means another call here and is not made again as one.
+        return Some("in a 32-bit system call");
+    }
     if in_blocking_call(regs) {
         return None;
     }
@@ -219,19 +246,56 @@ pub fn unsafe_here(
     if runtime.holds(regs.rip) {
         return Some("in the C library's code, where it may hold a lock dlopen takes");
     }
-    if in_restartable_sequence(stopped, regs.rip) {
+    if in_restartable_sequence(stopped, regs, rseq) {
         return Some("inside a restartable sequence");
     }
     None
 }
 
-/// Whether the stopped thread's instruction at `rip` lies in the
-/// restartable sequence it registered as under way. Unknown (a kernel
-/// without `PTRACE_GET_RSEQ_CONFIGURATION`, before 5.13) reads as not;
-/// a sequence that cannot be read reads as inside one.
-pub fn in_restartable_sequence(stopped: &Stopped, rip: u64) -> bool {
-    let Some(area) = stopped.rseq_area() else {
-        return false;
+/// Whether the system call a thread stopped at `rip` is in was made with
+/// the `syscall` instruction (0F 05), just before `rip`.
+fn by_syscall_instruction(stopped: &Stopped, rip: u64) -> bool {
+    let mut instruction = [0u8; 2];
+    rip.checked_sub(2)
+        .is_some_and(|at| stopped.read(at, &mut instruction).is_ok())
+        && instruction == [0x0F, 0x05]
+}
+
+/// Whether the stopped thread's instruction lies in the restartable
+/// sequence it registered as under way. Its `struct rseq` is where the
+/// kernel says (`PTRACE_GET_RSEQ_CONFIGURATION`, Linux 5.13), else where
+/// glibc put it (`rseq`: its `__rseq_offset` from the thread pointer, when
+/// its `__rseq_size` is not 0); a C library that registers none has none.
+/// A sequence that cannot be read reads as inside one.
+pub fn in_restartable_sequence(
+    stopped: &Stopped,
+    regs: &libc::user_regs_struct,
+    rseq: Option<(u64, u64)>,
+) -> bool {
+    // Tests ask for the C library's word alone, as an older kernel gives.
+    let from_kernel = if std::env::var_os("DEVTRACE_ATTACH_RSEQ_FROM_LIBC").is_some() {
+        RseqArea::Unknown
+    } else {
+        stopped.rseq_area()
+    };
+    let area = match from_kernel {
+        RseqArea::Registered(area) => area,
+        RseqArea::None => return false,
+        RseqArea::Unknown => {
+            let Some((offset_at, size_at)) = rseq else {
+                return false;
+            };
+            let (mut offset, mut size) = ([0u8; 8], [0u8; 4]);
+            if stopped.read(offset_at, &mut offset).is_err()
+                || stopped.read(size_at, &mut size).is_err()
+            {
+                return true;
+            }
+            if u32::from_le_bytes(size) == 0 {
+                return false;
+            }
+            regs.fs_base.wrapping_add_signed(i64::from_le_bytes(offset))
+        }
     };
     // `struct rseq`: the pointer to the sequence under way is at 8.
     let mut word = [0u8; 8];
@@ -252,7 +316,7 @@ pub fn in_restartable_sequence(stopped: &Stopped, rip: u64) -> bool {
         bytes.copy_from_slice(&sequence[at..at + 8]);
         u64::from_le_bytes(bytes)
     };
-    sequence_holds(field(8), field(16), rip)
+    sequence_holds(field(8), field(16), regs.rip)
 }
 
 /// Whether a sequence from `start` spanning `length` bytes holds `rip`.
@@ -310,24 +374,44 @@ pub(super) mod tests {
         assert_eq!(again(0x1002, EINTR, 232), (0x1000, 232));
         assert_eq!(again(0x1002, EINTR, 281), (0x1000, 281));
         // A call that returned (its result in rax) is not made again.
-        assert_eq!(again(0x1002, EINTR, 0), (0x1002, EINTR));
+        assert_eq!(again(0x1002, EINTR, 202), (0x1002, EINTR));
         assert_eq!(again(0x1002, 8, 232), (0x1002, 8));
     }
 
     #[test]
     fn a_thread_blocked_in_a_wait_is_picked_over_the_main_thread() {
+        // This test's process has threads waiting (libtest's main thread
+        // waits for the test, the spawned one for the channel).
         let (done, wait) = std::sync::mpsc::channel::<()>();
         let waiter = std::thread::spawn(move || wait.recv());
         let borrowed = pick_thread(std::process::id() as i32);
         assert!(borrowed.waiting, "{}", borrowed.describe(1));
-        assert!(
-            std::path::Path::new(&format!("/proc/self/task/{}", borrowed.tid)).exists(),
-            "{}",
-            borrowed.describe(1)
-        );
-        assert!(borrowed.describe(1).contains("blocked in system call"));
+        let call = std::fs::read_to_string(format!("/proc/self/task/{}/syscall", borrowed.tid))
+            .unwrap_or_default();
+        assert!(call.starts_with("202 "), "{call}");
+        assert!(borrowed.describe(1).contains("blocked in system call 202"));
         drop(done);
         let _ = waiter.join();
+    }
+
+    #[test]
+    fn a_wait_a_stop_failed_is_given_back_for_the_kernel_to_make_again() {
+        // epoll_wait failed EINTR by the stop: restartable, as ERESTARTNOHAND.
+        let back = given_back(&regs(0x1002, EINTR, 232));
+        assert_eq!(
+            (back.rip, back.rax as i64, back.orig_rax),
+            (0x1002, ERESTARTNOHAND, 232)
+        );
+        // Anything else as it was: the kernel decides.
+        for (rax, orig) in [
+            (ERESTARTSYS, 202),
+            (EINTR, 202),
+            (5, -1),
+            (ERESTART_RESTARTBLOCK, 35),
+        ] {
+            let back = given_back(&regs(0x1002, rax, orig));
+            assert_eq!((back.rax as i64, back.orig_rax as i64), (rax, orig));
+        }
     }
 
     #[test]

@@ -44,6 +44,13 @@ fn base_name(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
+/// The dynamic loader: `ld-linux-x86-64.so.2`, or `ld-2.31.so` as maps
+/// name it before glibc 2.34.
+fn is_loader(path: &str) -> bool {
+    let name = base_name(path);
+    name.starts_with("ld-") && name.contains(".so")
+}
+
 fn is_libc(path: &str) -> bool {
     let name = base_name(path);
     name == "libc.so.6" || (name.starts_with("libc-") && name.ends_with(".so"))
@@ -56,6 +63,15 @@ pub const NOT_PERMITTED: &str = "not permitted to trace it: attach as root or wi
 
 /// The name every copy of the injection library is mapped under.
 pub const LIBRARY_STEM: &str = "libdevtrace_inject";
+
+/// What an attach uses of the target's libc, as addresses in the target.
+pub struct Libc {
+    pub dlopen: u64,
+    /// Where the loader's `__rseq_offset` and `__rseq_size` are (glibc 2.35
+    /// and later): a thread's `struct rseq` lies that far from its thread
+    /// pointer, when the size is not 0.
+    pub rseq: Option<(u64, u64)>,
+}
 
 /// What the target is, as far as an attach cares.
 pub struct Target {
@@ -199,25 +215,52 @@ impl Target {
         Some((first.start, first))
     }
 
-    /// The address of `dlopen` in the target, read from the libc file it
-    /// maps (through `/proc/PID/map_files`, so the very file mapped).
-    pub fn dlopen(&self) -> Result<u64, AttachError> {
+    /// Where the target's libc has `dlopen`, and where its loader keeps
+    /// the variables that say where each thread's restartable-sequence
+    /// area is, read from the files it maps (through
+    /// `/proc/PID/map_files`, so the very files mapped).
+    pub fn libc(&self) -> Result<Libc, AttachError> {
         let (base, mapping) = self
             .libc_base()
             .ok_or(AttachError::Refused("it maps no glibc (libc.so.6)".into()))?;
-        let file = PathBuf::from(format!(
-            "/proc/{}/map_files/{:x}-{:x}",
-            self.pid, mapping.start, mapping.end
-        ));
-        let bytes = read_bounded(&file, MAX_LIBC_BYTES).map_err(|e| {
+        let bytes = self.mapped_file(mapping).map_err(|e| {
             AttachError::Refused(format!("its libc ({}) cannot be read: {e}", mapping.path))
         })?;
         let offset = elf::function_offset(&bytes, "dlopen")
             .or_else(|_| elf::function_offset(&bytes, "__libc_dlopen_mode"))
             .map_err(|e| AttachError::Refused(format!("its libc ({}): {e}", mapping.path)))?;
-        base.checked_add(offset).ok_or_else(|| {
+        let dlopen = base.checked_add(offset).ok_or_else(|| {
             AttachError::Refused("its libc's dlopen lies past the address space".into())
+        })?;
+        Ok(Libc {
+            dlopen,
+            rseq: self.rseq_variables(),
         })
+    }
+
+    /// `__rseq_offset` and `__rseq_size` in the target, which its loader
+    /// exports from glibc 2.35 on.
+    fn rseq_variables(&self) -> Option<(u64, u64)> {
+        let loader = self
+            .maps
+            .iter()
+            .find(|m| is_loader(&m.path) && m.offset == 0)?;
+        let bytes = self.mapped_file(loader).ok()?;
+        let variable = |name| {
+            elf::variable_offset(&bytes, name)
+                .ok()
+                .and_then(|offset| loader.start.checked_add(offset))
+        };
+        variable("__rseq_offset").zip(variable("__rseq_size"))
+    }
+
+    /// The file behind `mapping`, as mapped, up to [`MAX_LIBC_BYTES`].
+    fn mapped_file(&self, mapping: &Mapping) -> std::io::Result<Vec<u8>> {
+        let file = PathBuf::from(format!(
+            "/proc/{}/map_files/{:x}-{:x}",
+            self.pid, mapping.start, mapping.end
+        ));
+        read_bounded(&file, MAX_LIBC_BYTES)
     }
 
     /// An executable mapping of libc, to find a `syscall` instruction in.
@@ -270,7 +313,13 @@ mod tests {
     fn this_test_process_is_refused_for_want_of_the_driver() {
         let target = Target::read(std::process::id() as i32).unwrap();
         assert!(target.libc_base().is_some());
-        assert!(target.dlopen().is_ok());
+        let libc = target.libc().unwrap();
+        // SAFETY: a lookup of a symbol name in the loaded objects.
+        let offset_at = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_offset".as_ptr()) };
+        if !offset_at.is_null() {
+            // glibc 2.35 or later: found where this process has it.
+            assert_eq!(libc.rseq.map(|(offset, _)| offset), Some(offset_at as u64));
+        }
         match target.check() {
             Err(AttachError::Refused(why)) => assert!(why.contains("libcuda.so"), "{why}"),
             other => panic!("{other:?}"),

@@ -38,7 +38,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <time.h>
+#if __has_include(<sys/rseq.h>)
 #include <sys/rseq.h>
+#define HAVE_RSEQ 1
+#endif
 #include <sys/time.h>
 #include <unistd.h>
 
@@ -81,6 +85,7 @@ static void run_malloc(void) {
     }
 }
 
+#ifdef HAVE_RSEQ
 /* One restartable sequence spinning `rounds` times; answers the
  * descriptor word as read at its end (the sequence's address while
  * guarded), or -1 when the kernel aborted it. */
@@ -135,6 +140,11 @@ static void run_rseq(void) {
     else
         printf("sequences guarded\n");
 }
+#else
+static void run_rseq(void) {
+    printf("rseq unavailable\n");
+}
+#endif
 
 static int wake_pipe[2];
 
@@ -169,8 +179,16 @@ static void run_epoll(void) {
     pthread_sigmask(SIG_UNBLOCK, &stops, NULL);
     while (!stop) spin(100000);
     if (write(wake_pipe[1], "x", 1) != 1) abort();
+    /* A waiting thread an attach left stuck must not hang the test. */
+    struct timespec limit;
+    clock_gettime(CLOCK_REALTIME, &limit);
+    limit.tv_sec += 10;
     void *interrupted;
-    pthread_join(thread, &interrupted);
+    if (pthread_timedjoin_np(thread, &interrupted, &limit) != 0) {
+        printf("epoll_wait thread stuck\n");
+        fflush(stdout);
+        _exit(1);
+    }
     printf("epoll_wait interrupted: %ld\n", (long)interrupted);
 }
 
