@@ -6,7 +6,7 @@ fn main() -> std::process::ExitCode {
     match devtrace::cli::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("devtrace: {error:#}");
+            eprintln!("devtrace: {}", devtrace::cli::failure_text(&error));
             std::process::ExitCode::FAILURE
         }
     }

@@ -77,11 +77,14 @@ pub struct CaptureArgs {
 }
 
 pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
+    // Outside the runtime: a bucket's session is looked into with blocking
+    // calls of their own.
+    let prepared = prepare(&args)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let captured = runtime.block_on(capture(&args))?;
+    let captured = runtime.block_on(capture(&args, prepared))?;
     let in_bucket = matches!(captured.session_dir, Location::Object(_));
     let warnings = trace_warnings(&captured.reply);
     let received = Instant::now();
@@ -94,17 +97,36 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     );
     println!("{path}");
     tell_warnings(&warnings, &path);
-    let logdir = args.logdir.display();
+    // As a shell reads it back: the logdir resolved (a `~` that reached
+    // here unexpanded named a directory of that name), quoted when needed.
+    let logdir = super::logdir::parse(&args.logdir)
+        .map_or_else(|_| args.logdir.display().to_string(), |l| l.to_string());
+    let logdir = shell_word(&logdir);
     if in_bucket {
         eprintln!(
             "view it with: xprof --logdir {logdir} (then open the Profile tab), or devtrace sessions {logdir}"
         );
     } else {
+        let path = shell_word(&path);
         eprintln!(
             "view it with: xprof --logdir {logdir} (then open the Profile tab), or devtrace inspect {path}"
         );
     }
     Ok(())
+}
+
+/// `text` as one word for a POSIX shell: as is when it holds nothing a
+/// shell reads specially, else in single quotes.
+fn shell_word(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_./:@%+=,-".contains(c));
+    if plain {
+        text.to_string()
+    } else {
+        format!("'{}'", text.replace('\'', "'\\''"))
+    }
 }
 
 /// The warnings of the reply's trace (a process not attached, a window
@@ -145,7 +167,19 @@ struct Captured {
     host: String,
 }
 
-async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
+/// What a capture needs before it calls the server.
+struct Prepared {
+    target: client::Target,
+    config: client::ClientConfig,
+    duration_ms: u64,
+    session: Session,
+    output: SessionOutput,
+}
+
+/// Reads the arguments and makes the session the trace goes into, before
+/// capturing, so that a logdir that cannot be written to (or a bucket's
+/// settings) fails now rather than after the window.
+fn prepare(args: &CaptureArgs) -> anyhow::Result<Prepared> {
     let target = client::Target::any(&args.address, client::DEFAULT_PORT)
         .with_context(|| format!("invalid address {:?}", args.address))?;
     let config = args.client.config_for_calls()?;
@@ -166,8 +200,6 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
         .override_hostname
         .clone()
         .unwrap_or_else(|| host_name.replace(':', "_"));
-    // Before capturing, so that a logdir that cannot be written to (or a
-    // bucket's settings) fails now rather than after the window.
     let (output, session_id) = SessionOutput::create(&repository_root, args.session_id.as_deref())?;
     let session = Session {
         logdir,
@@ -188,7 +220,32 @@ async fn capture(args: &CaptureArgs) -> anyhow::Result<Captured> {
             session.repository_root
         );
     }
-    match request_trace(args, &target, &config, duration_ms, &session).await {
+    Ok(Prepared {
+        target,
+        config,
+        duration_ms,
+        session,
+        output,
+    })
+}
+
+async fn capture(args: &CaptureArgs, prepared: Prepared) -> anyhow::Result<Captured> {
+    let Prepared {
+        target,
+        config,
+        duration_ms,
+        session,
+        output,
+    } = prepared;
+    let requested = tokio::select! {
+        reply = request_trace(args, &target, &config, duration_ms, &session) => reply,
+        // The call is dropped with its connection, which ends the capture
+        // on the server too.
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!(
+            "the capture was cancelled (Ctrl-C): nothing was written"
+        )),
+    };
+    match requested {
         Ok(reply) => Ok(Captured {
             reply,
             output,
@@ -346,4 +403,18 @@ fn progress_bar(args: &CaptureArgs, duration_ms: u64) -> Option<ProgressBar> {
         }
     });
     Some(bar)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_said_as_a_shell_reads_them_back() {
+        assert_eq!(shell_word("/tmp/logs/run_1"), "/tmp/logs/run_1");
+        assert_eq!(shell_word("/tmp/my logs"), "'/tmp/my logs'");
+        assert_eq!(shell_word("/tmp/~x"), "'/tmp/~x'");
+        assert_eq!(shell_word("it's"), "'it'\\''s'");
+        assert_eq!(shell_word(""), "''");
+    }
 }

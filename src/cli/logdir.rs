@@ -82,9 +82,24 @@ impl SessionOutput {
             std::fs::create_dir_all(path)
                 .with_context(|| format!("cannot make {} under --logdir", path.display()))?;
         }
-        let (folder, name) = Folder::open(root)
-            .and_then(|root| root.create_session(&base, generated))
-            .with_context(|| format!("cannot make session {base} in {root}"))?;
+        let created = Folder::open(root).and_then(|root| root.create_session(&base, generated));
+        let (folder, name) = match (created, root) {
+            (Ok(created), _) => created,
+            (Err(error), Location::Local(_)) => {
+                return Err(anyhow::Error::new(error)
+                    .context(format!("cannot make session {base} in {root}")))
+            }
+            // A bucket that cannot be asked now (down, a missing bucket)
+            // may take the trace later, and if not, the trace is kept
+            // locally: the capture goes on.
+            (Err(error), Location::Object(_)) => {
+                eprintln!(
+                    "devtrace: cannot look into {root} before capturing ({error}); the trace \
+                     is kept locally if its upload fails"
+                );
+                (Folder::open(&root.join(&base))?, base)
+            }
+        };
         let output = match root {
             Location::Local(path) => SessionOutput::Local {
                 directory: path.join(&name),

@@ -29,7 +29,11 @@ pub fn parse_filter(text: &str) -> Result<String, String> {
             strsim::damerau_levenshtein(&word, level) <= 2
                 || (word.len() >= 3 && (word.starts_with(level) || level.starts_with(&word)))
         };
-        if let Some(level) = LEVELS.into_iter().find(|level| near(level)) {
+        let other_tools = OTHER_TOOLS_LEVELS
+            .iter()
+            .find(|(said, _)| *said == word)
+            .map(|(_, level)| *level);
+        if let Some(level) = other_tools.or_else(|| LEVELS.into_iter().find(|level| near(level))) {
             return Err(format!(
                 "{directive:?} is not a level (did you mean {level}?); a target's logs are \
                  asked for as TARGET=LEVEL"
@@ -43,6 +47,19 @@ pub fn parse_filter(text: &str) -> Result<String, String> {
 
 /// The levels a filter names.
 const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+
+/// Level names of other tools, which to tracing would be targets logging
+/// nothing, with the level meant.
+const OTHER_TOOLS_LEVELS: [(&str, &str); 8] = [
+    ("verbose", "debug"),
+    ("all", "trace"),
+    ("fatal", "error"),
+    ("critical", "error"),
+    ("notice", "info"),
+    ("none", "off"),
+    ("quiet", "off"),
+    ("silent", "off"),
+];
 
 /// Installs the subscriber: `level` as the filter unless RUST_LOG says
 /// otherwise. A RUST_LOG that is not a filter is an error, not ignored.
@@ -95,6 +112,8 @@ mod tests {
             ("inof", "info"),
             ("warning", "warn"),
             ("trce", "trace"),
+            ("verbose", "debug"),
+            ("fatal", "error"),
         ] {
             let refused = parse_filter(typo).unwrap_err();
             assert!(

@@ -100,6 +100,24 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// What the command says of a failure: the error and its causes, each
+/// cause once (an error that names its cause in its own message, as many
+/// of the library's do, is not followed by it again).
+pub fn failure_text(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let said = cause.to_string();
+        if text.contains(&said) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&said);
+    }
+    text
+}
+
 /// Writes atomically: a temporary file beside the target, then rename.
 pub(crate) fn write_file(
     directory: &std::path::Path,
@@ -152,5 +170,29 @@ impl PendingFile {
         file.persist(&target)
             .with_context(|| format!("writing {}", target.display()))?;
         Ok(target)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_names_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file");
+        let read = crate::xspace::read::ReadError::Io {
+            path: "t.pb".into(),
+            source: io,
+        };
+        let error = anyhow::Error::new(read).context("inspecting");
+        assert_eq!(
+            failure_text(&error),
+            "inspecting: cannot read t.pb: No such file"
+        );
+        // Causes that are not in the message are all said.
+        let plain = anyhow::anyhow!("the root")
+            .context("the middle")
+            .context("the top");
+        assert_eq!(failure_text(&plain), "the top: the middle: the root");
     }
 }

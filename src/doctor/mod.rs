@@ -249,21 +249,26 @@ impl Report {
         if self.ready() {
             out.push_str("ready: `devtrace serve` with these flags can start its backends\n");
         } else {
-            let mut why: Vec<&str> = Vec::new();
+            let failing: Vec<&str> = Area::BACKENDS
+                .iter()
+                .filter(|area| self.verdict(**area) == Verdict::Fails)
+                .map(|area| area.name())
+                .collect();
             if !self.area_usable(Area::Agent) {
-                why.push("agent");
+                let mut why = vec!["agent"];
+                why.extend(&failing);
+                out.push_str(&format!(
+                    "not ready: `devtrace serve` with these flags would not start; see the FAIL \
+                     and absent lines of: {}\n",
+                    why.join(", ")
+                ));
+            } else {
+                out.push_str(&format!(
+                    "not ready: `devtrace serve` with these flags would run without {} (it says \
+                     so in its log, its health and every trace); see their FAIL and absent lines\n",
+                    failing.join(", ")
+                ));
             }
-            why.extend(
-                Area::BACKENDS
-                    .iter()
-                    .filter(|area| self.verdict(**area) == Verdict::Fails)
-                    .map(|area| area.name()),
-            );
-            out.push_str(&format!(
-                "not ready: `devtrace serve` with these flags would not start as asked; see the \
-                 FAIL and absent lines of: {}\n",
-                why.join(", ")
-            ));
         }
         out
     }
@@ -384,7 +389,7 @@ mod tests {
         assert!(!report.mock_runs());
         assert!(report.text().contains("nvml cannot start"));
         assert!(
-            report.text().contains("lines of: nvml\n"),
+            report.text().contains("would run without nvml (it says so"),
             "{}",
             report.text()
         );

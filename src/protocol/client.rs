@@ -209,11 +209,13 @@ pub(crate) fn with_causes(mut text: String, error: &dyn std::error::Error) -> St
     text
 }
 
-/// A connection the server dropped at once usually means the two sides
-/// disagree on TLS: a TLS server answers a plaintext HTTP/2 preface with an
-/// alert, and a server that requires client certificates drops a client
-/// without one after the handshake. Either reaches the client as an HTTP/2
-/// protocol error or a broken connection, so the likely cause is added.
+/// A connection the server dropped says little by itself: the server
+/// stopped, or the two sides disagree (on TLS: a TLS server answers a
+/// plaintext HTTP/2 preface with an alert, and a server that requires
+/// client certificates drops a client without one after the handshake;
+/// or on the protocol, an HTTP/1 server). Each reaches the client as an
+/// HTTP/2 protocol error or a broken connection, so the likely causes are
+/// added.
 fn with_hint(mut text: String, tls: bool) -> String {
     // TLS 1.3 servers send the refusal of a client certificate after the
     // client already counts the handshake done, so it arrives as a dropped
@@ -227,9 +229,9 @@ fn with_hint(mut text: String, tls: bool) -> String {
     ];
     if dropped.iter().any(|d| text.contains(d)) {
         text.push_str(if tls {
-            " (the server dropped the connection: one that requires client certificates needs --tls-cert and --tls-key signed by a CA it trusts)"
+            " (the server dropped the connection: it stopped or was killed, or it requires client certificates, which need --tls-cert and --tls-key signed by a CA it trusts)"
         } else {
-            " (the call was plaintext; a TLS server needs grpcs:// or --tls-ca)"
+            " (the server dropped the connection: it stopped or was killed, it is not a gRPC server, or it serves TLS, which needs grpcs:// or --tls-ca)"
         });
     }
     text

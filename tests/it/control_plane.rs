@@ -24,15 +24,14 @@ fn path(p: &Path) -> &str {
     p.to_str().expect("a UTF-8 path")
 }
 
-/// `devtrace capture TARGET --duration 300ms --logdir LOGDIR --quiet EXTRA`.
+/// `devtrace capture TARGET --duration 300ms --logdir LOGDIR --quiet EXTRA`,
+/// each in a session of its own.
 async fn capture(target: &str, logdir: &Path, extra: &[&str]) -> Output {
     let mut list = args(&[
         "capture",
         target,
         "--duration",
         "300ms",
-        "--session-id",
-        "run",
         "--logdir",
         path(logdir),
         "--quiet",
@@ -706,8 +705,7 @@ async fn the_agent_names_each_caller_by_the_kernels_word() {
     .unwrap();
     assert!(as_nobody.status.success(), "{}", text(&as_nobody.stderr));
     let unix = format!("unix:{}", socket.display());
-    // As session "run".
-    let out = capture(&unix, logdir.path(), &[]).await;
+    let out = capture(&unix, logdir.path(), &["--session-id", "run"]).await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     let mut client = agent.client().await;
     client

@@ -410,6 +410,26 @@ async fn the_cli_captures_into_lists_and_reads_from_a_bucket() {
         format!("s3://traces/{c1}")
     );
     assert!(event_count(&decodes(&server.object("traces", &c1))) > 0);
+    // Sessions named after the second: each capture its own, in a bucket too.
+    let unnamed: Vec<String> = (0..2)
+        .map(|_| {
+            let out = devtrace(
+                &server,
+                &["capture", &agent.address, "--duration", "100ms"]
+                    .into_iter()
+                    .chain(["--logdir", "s3://traces/unnamed", "--quiet"])
+                    .collect::<Vec<_>>(),
+                &[],
+            );
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        })
+        .collect();
+    assert_ne!(unnamed[0], unnamed[1]);
 
     let hosts = format!("{},{}", agent.address, other.address);
     let out = devtrace(
