@@ -24,7 +24,7 @@ pub struct CaptureArgs {
     pub address: String,
 
     /// Length of the capture window (e.g. 2s, 500ms).
-    #[arg(long, default_value = "2s", value_parser = super::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = super::parse_duration_with_unit)]
     pub duration: Duration,
 
     /// Log directory, or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (with the
@@ -36,19 +36,20 @@ pub struct CaptureArgs {
 
     /// Session (run) name; default: the current UTC time as
     /// YYYY_MM_DD_HH_MM_SS, with _2, _3, ... when a capture of the same
-    /// second made that session already. A session that holds a trace of
-    /// this host already is refused before capturing.
+    /// second made that session already. A session in a local logdir
+    /// that holds a trace of this host already is refused before
+    /// capturing, and a trace is never written over another.
     #[arg(long, value_parser = super::logdir::parse_session_id)]
     pub session_id: Option<String>,
 
     /// Start the window this long from now (e.g. 1s).
-    #[arg(long, default_value = "0s", value_parser = super::parse_duration)]
+    #[arg(long, default_value = "0s", value_parser = super::parse_duration_with_unit)]
     pub delay: Duration,
 
     /// Start the window this long in the past (served from devtrace's flight
     /// recorder; other servers start at once). The window still lasts
     /// --duration: `--delay-back 4s --duration 4s` is the 4 s before now.
-    #[arg(long, default_value = "0s", value_parser = super::parse_duration, conflicts_with = "delay")]
+    #[arg(long, default_value = "0s", value_parser = super::parse_duration_with_unit, conflicts_with = "delay")]
     pub delay_back: Duration,
 
     /// Name of the trace file's host part (default: the address with ':' as '_').
@@ -84,7 +85,11 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let captured = runtime.block_on(capture(&args, prepared))?;
+    let captured = runtime.block_on(capture(&args, prepared));
+    // Past the window Ctrl-C stops the command as it would any other (an
+    // upload in progress included).
+    default_interrupt();
+    let captured = captured?;
     let in_bucket = matches!(captured.session_dir, Location::Object(_));
     let warnings = trace_warnings(&captured.reply);
     let received = Instant::now();
@@ -113,6 +118,44 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Resolves at Ctrl-C (SIGINT), unless SIGINT was ignored when the command
+/// started (a background job of a shell, `trap '' INT`): then never.
+async fn interrupted() {
+    // SAFETY: a query of SIGINT's disposition into a zeroed sigaction.
+    let ignored = unsafe {
+        let mut current: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(libc::SIGINT, std::ptr::null(), &mut current) == 0
+            && current.sa_sigaction == libc::SIG_IGN
+    };
+    if ignored || tokio::signal::ctrl_c().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Gives SIGINT back its default action (ending the process), replacing
+/// the handler [`interrupted`] installed; an ignored SIGINT stays ignored.
+fn default_interrupt() {
+    // SAFETY: queries and sets SIGINT's disposition; no handler of ours
+    // is left half-installed.
+    unsafe {
+        let mut current: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGINT, std::ptr::null(), &mut current) == 0
+            && current.sa_sigaction != libc::SIG_IGN
+        {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+        }
+    }
+}
+
+/// Ends the process by SIGINT, as it would have ended without a handler,
+/// so that a shell running it in a loop or a script stops too.
+fn die_of_interrupt() -> ! {
+    default_interrupt();
+    // SAFETY: raising a signal whose action is now the default.
+    unsafe { libc::raise(libc::SIGINT) };
+    std::process::exit(130)
 }
 
 /// `text` as one word for a POSIX shell: as is when it holds nothing a
@@ -241,9 +284,11 @@ async fn capture(args: &CaptureArgs, prepared: Prepared) -> anyhow::Result<Captu
         reply = request_trace(args, &target, &config, duration_ms, &session) => reply,
         // The call is dropped with its connection, which ends the capture
         // on the server too.
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!(
-            "the capture was cancelled (Ctrl-C): nothing was written"
-        )),
+        () = interrupted() => {
+            output.abandon();
+            eprintln!("devtrace: the capture was cancelled (Ctrl-C): nothing was written");
+            die_of_interrupt();
+        }
     };
     match requested {
         Ok(reply) => Ok(Captured {
@@ -366,6 +411,8 @@ fn store(captured: Captured) -> anyhow::Result<String> {
             format!("{host}{XPLANE_SUFFIX}")
         };
         eprintln!("the server wrote the trace itself, on its own filesystem or bucket");
+        // Here, the session's directory holds nothing of it.
+        output.abandon();
         return Ok(session_dir.join(&name).to_string());
     }
     let mut written = None;

@@ -52,7 +52,8 @@ pub fn parse_session_id(text: &str) -> Result<String, String> {
 pub enum SessionOutput {
     Local {
         directory: PathBuf,
-        /// The directories above it that were made for it, deepest first.
+        /// The directories made for it (itself, unless it was there
+        /// already, and those above it), deepest first.
         made: Vec<PathBuf>,
     },
     Object(Folder),
@@ -74,11 +75,14 @@ impl SessionOutput {
             session_id.map_or_else(crate::model::calendar::session_timestamp, str::to_string);
         let mut made = Vec::new();
         if let Location::Local(path) = root {
-            made = path
-                .ancestors()
-                .take_while(|dir| !dir.exists())
-                .map(Path::to_path_buf)
-                .collect();
+            if generated || !path.join(&base).exists() {
+                made.push(path.join(&base));
+            }
+            made.extend(
+                path.ancestors()
+                    .take_while(|dir| !dir.exists())
+                    .map(Path::to_path_buf),
+            );
             std::fs::create_dir_all(path)
                 .with_context(|| format!("cannot make {} under --logdir", path.display()))?;
         }
@@ -101,10 +105,16 @@ impl SessionOutput {
             }
         };
         let output = match root {
-            Location::Local(path) => SessionOutput::Local {
-                directory: path.join(&name),
-                made,
-            },
+            Location::Local(path) => {
+                // A generated name may have become `_2`, `_3`, ...
+                if let Some(session) = made.first_mut().filter(|_| generated) {
+                    *session = path.join(&name);
+                }
+                SessionOutput::Local {
+                    directory: path.join(&name),
+                    made,
+                }
+            }
             Location::Object(_) => SessionOutput::Object(folder),
         };
         Ok((output, name))
@@ -119,12 +129,12 @@ impl SessionOutput {
         }
     }
 
-    /// Removes the session's directory again, and those made for it, if
-    /// nothing was written into them (the capture they were made for
-    /// failed).
+    /// Removes the directories made for the session again (its own, unless
+    /// it was there before, and those above it), if nothing was written into
+    /// them (the capture they were made for failed, or wrote elsewhere).
     pub fn abandon(&self) {
-        if let SessionOutput::Local { directory, made } = self {
-            for dir in std::iter::once(directory).chain(made) {
+        if let SessionOutput::Local { made, .. } = self {
+            for dir in made {
                 if std::fs::remove_dir(dir).is_err() {
                     return;
                 }
@@ -137,25 +147,27 @@ impl SessionOutput {
     /// temporary directory, and the error says where.
     pub fn write(&self, session_id: &str, name: &str, data: &[u8]) -> Result<String, String> {
         match self {
-            SessionOutput::Local { directory, .. } => super::write_file(directory, name, data)
-                .map(|path| path.display().to_string())
-                .map_err(|error| {
-                    let target = directory.join(name);
-                    let unsent = std::env::temp_dir();
-                    match repository::keep_unsent(&unsent, session_id, name, data) {
-                        Ok(kept) => format!(
-                            "writing {} failed ({error:#}); the trace is kept at {}",
-                            target.display(),
-                            kept.display()
-                        ),
-                        Err(keep) => format!(
+            SessionOutput::Local { directory, .. } => {
+                super::write_file(directory, name, data, false)
+                    .map(|path| path.display().to_string())
+                    .map_err(|error| {
+                        let target = directory.join(name);
+                        let unsent = std::env::temp_dir();
+                        match repository::keep_unsent(&unsent, session_id, name, data) {
+                            Ok(kept) => format!(
+                                "writing {} failed ({error:#}); the trace is kept at {}",
+                                target.display(),
+                                kept.display()
+                            ),
+                            Err(keep) => format!(
                             "writing {} failed ({error:#}), and keeping it under {} failed too \
                              ({keep})",
                             target.display(),
                             unsent.display()
                         ),
-                    }
-                }),
+                        }
+                    })
+            }
             SessionOutput::Object(folder) => {
                 repository::write_or_keep(folder, session_id, name, data, &std::env::temp_dir())
             }
@@ -191,14 +203,21 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), 3, "{names:?}");
         // A given id is used as is, and again.
-        let (_, first) = SessionOutput::create(&root, Some("run")).unwrap();
+        let (made_it, first) = SessionOutput::create(&root, Some("run")).unwrap();
         let (again, second) = SessionOutput::create(&root, Some("run")).unwrap();
         assert_eq!((first.as_str(), second.as_str()), ("run", "run"));
-        // A session nothing was written into goes when abandoned, with the
-        // directories made for it.
+        // A session nothing was written into goes when abandoned by the
+        // capture that made it, with the directories made for it.
         again.abandon();
+        assert!(dir.path().join("plugins/profile/run").is_dir());
+        made_it.abandon();
         assert!(!dir.path().join("plugins/profile/run").exists());
         assert!(dir.path().join("plugins/profile").exists());
+        // One the user made before is theirs: kept.
+        std::fs::create_dir(dir.path().join("plugins/profile/theirs")).unwrap();
+        let (output, _) = SessionOutput::create(&root, Some("theirs")).unwrap();
+        output.abandon();
+        assert!(dir.path().join("plugins/profile/theirs").is_dir());
         let fresh = Location::Local(dir.path().join("new/plugins/profile"));
         let (output, _) = SessionOutput::create(&fresh, Some("run")).unwrap();
         output.abandon();
@@ -228,6 +247,24 @@ mod tests {
         let said = output.write("s1", "h.xplane.pb", b"trace").unwrap_err();
         let kept = said.rsplit("kept at ").next().unwrap();
         assert_eq!(std::fs::read(kept).unwrap(), b"trace", "{said}");
+        let _ = std::fs::remove_dir_all(Path::new(kept).parent().unwrap().parent().unwrap());
+
+        // A trace written meanwhile by another capture is not replaced.
+        let directory = dir.path().join("run");
+        std::fs::create_dir(&directory).unwrap();
+        let output = SessionOutput::Local {
+            directory: directory.clone(),
+            made: Vec::new(),
+        };
+        output.write("run", "h.xplane.pb", b"first").unwrap();
+        let said = output.write("run", "h.xplane.pb", b"second").unwrap_err();
+        assert!(said.contains("was written meanwhile"), "{said}");
+        assert_eq!(
+            std::fs::read(directory.join("h.xplane.pb")).unwrap(),
+            b"first"
+        );
+        let kept = said.rsplit("kept at ").next().unwrap();
+        assert_eq!(std::fs::read(kept).unwrap(), b"second");
         let _ = std::fs::remove_dir_all(Path::new(kept).parent().unwrap().parent().unwrap());
     }
 }

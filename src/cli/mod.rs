@@ -27,7 +27,7 @@ pub use session::{SessionArgs, SessionsArgs, ToolArgs};
 pub use tap::TapArgs;
 pub use trigger::TriggerArgs;
 
-pub use crate::model::units::{parse_duration, parse_size};
+pub use crate::model::units::{parse_duration, parse_duration_with_unit, parse_size};
 
 /// Device-tracing agent for machine-learning hosts. It speaks TensorFlow's
 /// profiler protocol, so `tf.profiler.experimental.client.trace`, the XProf
@@ -107,7 +107,8 @@ pub fn failure_text(error: &anyhow::Error) -> String {
     let mut text = String::new();
     for cause in error.chain() {
         let said = cause.to_string();
-        if text.contains(&said) {
+        // Said already as the end of the message before it.
+        if text.ends_with(&said) {
             continue;
         }
         if !text.is_empty() {
@@ -118,15 +119,18 @@ pub fn failure_text(error: &anyhow::Error) -> String {
     text
 }
 
-/// Writes atomically: a temporary file beside the target, then rename.
+/// Writes atomically: a temporary file beside the target, then rename,
+/// over a file already there when `replace`, else refusing to (one another
+/// command wrote meanwhile).
 pub(crate) fn write_file(
     directory: &std::path::Path,
     name: &str,
     data: &[u8],
+    replace: bool,
 ) -> anyhow::Result<std::path::PathBuf> {
     let mut file = PendingFile::create(directory, name)?;
     file.write(data)?;
-    file.commit()
+    file.put_in_place(replace)
 }
 
 /// A file written in parts under a temporary name beside its target, and
@@ -160,6 +164,12 @@ impl PendingFile {
 
     /// Puts the file in place (mode 0644); where it is.
     pub(crate) fn commit(self) -> anyhow::Result<std::path::PathBuf> {
+        self.put_in_place(true)
+    }
+
+    /// As [`PendingFile::commit`]; with `replace` false, not over a file
+    /// at the target already.
+    fn put_in_place(self, replace: bool) -> anyhow::Result<std::path::PathBuf> {
         use anyhow::Context;
         use std::os::unix::fs::PermissionsExt;
         let PendingFile { file, target } = self;
@@ -167,8 +177,13 @@ impl PendingFile {
             .set_permissions(std::fs::Permissions::from_mode(0o644))
             .and_then(|()| file.as_file().sync_all())
             .with_context(|| format!("writing {}", target.display()))?;
-        file.persist(&target)
-            .with_context(|| format!("writing {}", target.display()))?;
+        if replace {
+            file.persist(&target)
+                .with_context(|| format!("writing {}", target.display()))?;
+        } else {
+            file.persist_noclobber(&target)
+                .with_context(|| format!("{} was written meanwhile", target.display()))?;
+        }
         Ok(target)
     }
 }

@@ -941,7 +941,8 @@ fn bind_unix(
 ) -> anyhow::Result<(tokio::net::UnixListener, PlacedSocket)> {
     use std::os::unix::fs::PermissionsExt;
     let shown = path.display();
-    match unix_socket::occupant(path) {
+    let occupant = unix_socket::occupant(path);
+    match occupant {
         Occupant::NotASocket => {
             bail!("--listen-unix {shown}: a file that is not a socket is already there")
         }
@@ -949,8 +950,13 @@ fn bind_unix(
             "--listen-unix {shown}: another server accepts connections on it (another devtrace \
              agent?): stop it, or choose another path"
         ),
+        Occupant::Unknown => bail!(
+            "--listen-unix {shown}: a socket is there that this agent cannot connect to (another \
+             user's?): remove it if no server uses it, or choose another path"
+        ),
         Occupant::Nothing | Occupant::Stale => {}
     }
+    let over_stale = occupant == Occupant::Stale;
     let parent = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -963,7 +969,7 @@ fn bind_unix(
     let listener = std::os::unix::net::UnixListener::bind(&staged)
         .with_context(|| format!("--listen-unix {shown}: binding"))?;
     let placed = std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
-        .and_then(|()| std::fs::rename(&staged, path))
+        .and_then(|()| unix_socket::put_in_place(&staged, path, over_stale))
         .and_then(|()| listener.set_nonblocking(true))
         .and_then(|()| PlacedSocket::at(path))
         .with_context(|| format!("--listen-unix {shown}: putting the socket in place"))?;
@@ -972,9 +978,12 @@ fn bind_unix(
     Ok((listener, placed))
 }
 
-/// Resolves at the first SIGINT or SIGTERM, which lets the captures in
-/// progress end (saying so at once, so that a stop that waits is not taken
-/// for a hang); a second one stops the agent at once, losing them.
+/// Resolves at the first SIGINT or SIGTERM, which lets the calls in
+/// progress end (saying so at once, so that a stop that waits for a capture
+/// is not taken for a hang); another one, a second or more later, stops the
+/// agent at once, losing them. (One sooner is the same request delivered
+/// twice: a terminal's Ctrl-C reaches a wrapper script too, which may pass
+/// it on as SIGTERM.)
 fn stop_on_signal(
     agent: Arc<Agent>,
     socket: Arc<Option<PlacedSocket>>,
@@ -982,18 +991,20 @@ fn stop_on_signal(
     let first = shutdown_signal();
     async move {
         first.await;
-        let second = shutdown_signal();
-        match agent.captures_in_progress() {
-            0 => info!("stopping"),
-            running => info!(
-                in_progress = running,
-                "stopping once the captures in progress end; Ctrl-C or SIGTERM again stops now \
-                 and loses them"
-            ),
-        }
+        let asked_at = std::time::Instant::now();
+        info!(
+            captures = agent.captures_in_progress(),
+            "stopping once the calls in progress end; Ctrl-C or SIGTERM again, a second or more \
+             from now, stops at once and loses them"
+        );
         tokio::spawn(async move {
-            second.await;
-            tracing::warn!("stopping now: the captures in progress are lost");
+            loop {
+                shutdown_signal().await;
+                if asked_at.elapsed() >= SECOND_STOP_AFTER {
+                    break;
+                }
+            }
+            tracing::warn!("stopping now: the calls in progress are lost");
             if let Some(socket) = socket.as_ref() {
                 socket.remove_if_ours();
             }
@@ -1001,6 +1012,9 @@ fn stop_on_signal(
         });
     }
 }
+
+/// How long after the first stop signal another one means "now".
+const SECOND_STOP_AFTER: Duration = Duration::from_secs(1);
 
 pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     // Registered now, not when first polled: a SIGTERM right after the

@@ -44,8 +44,8 @@ pub struct NewSessionArgs {
     /// kept in the temporary directory, named in its error.
     #[arg(long)]
     pub logdir: PathBuf,
-    /// Length of the shared capture window.
-    #[arg(long, default_value = "2s", value_parser = super::parse_duration)]
+    /// Length of the shared capture window (e.g. 2s, 500ms).
+    #[arg(long, default_value = "2s", value_parser = super::parse_duration_with_unit)]
     pub duration: Duration,
     /// Session name; default: the current UTC time as YYYY_MM_DD_HH_MM_SS,
     /// with _2, _3, ... when a session of the same second exists already.
@@ -99,11 +99,11 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         bail!("--duration must be at least 1ms");
     }
     let root = logdir::parse(&args.logdir)?.join("plugins").join("profile");
+    let config = args.client.config_for_calls()?;
     // Before any host is called: a logdir that cannot be written to fails
     // now, not once the traces are in.
     let (output, session_id) = SessionOutput::create(&root, args.session_id.as_deref())?;
     let output = Arc::new(output);
-    let config = args.client.config_for_calls()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -158,8 +158,8 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A session directory or bucket prefix under `--logdir`, made when the
-/// first trace arrives.
+/// A session directory or bucket prefix under `--logdir`, made before the
+/// hosts are called.
 struct LogdirSink {
     output: Arc<SessionOutput>,
     session_id: String,
@@ -235,6 +235,7 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
                 .and_then(|n| n.to_str())
                 .context("--output needs a file name")?,
             &bytes,
+            true,
         )
         .map(|_| ())?,
         None => std::io::stdout()

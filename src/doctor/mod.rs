@@ -254,8 +254,17 @@ impl Report {
                 .filter(|area| self.verdict(**area) == Verdict::Fails)
                 .map(|area| area.name())
                 .collect();
-            if !self.area_usable(Area::Agent) {
-                let mut why = vec!["agent"];
+            // With no backend at all to run, serve refuses to start.
+            let any_runs = self.mock_runs()
+                || Area::BACKENDS
+                    .iter()
+                    .any(|area| self.verdict(*area) == Verdict::Runs);
+            if !self.area_usable(Area::Agent) || !any_runs {
+                let mut why = if self.area_usable(Area::Agent) {
+                    Vec::new()
+                } else {
+                    vec!["agent"]
+                };
                 why.extend(&failing);
                 out.push_str(&format!(
                     "not ready: `devtrace serve` with these flags would not start; see the FAIL \
@@ -392,6 +401,18 @@ mod tests {
             report.text().contains("would run without nvml (it says so"),
             "{}",
             report.text()
+        );
+        // Alone, it leaves the agent nothing to run: it would not start.
+        let alone = self::report(
+            vec![BackendChoice::Nvml],
+            vec![(Area::Nvml, Status::Absent)],
+        );
+        assert!(
+            alone
+                .text()
+                .contains("would not start; see the FAIL and absent lines of: nvml"),
+            "{}",
+            alone.text()
         );
         assert_eq!(report.json()["ready"], false);
     }

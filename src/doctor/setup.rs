@@ -244,6 +244,11 @@ fn unix_socket(path: &Path) -> Finding {
         Occupant::Listening => finding(Status::Fail, "in use: something accepts connections on it")
             .hint("stop the other agent, or choose another path"),
         Occupant::Stale => finding(Status::Ok, "a stale socket, which the agent replaces"),
+        Occupant::Unknown => finding(
+            Status::Fail,
+            "a socket is there that cannot be connected to (another user's?)",
+        )
+        .hint("remove it if no server uses it, or choose another path"),
     }
 }
 

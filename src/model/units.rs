@@ -25,9 +25,8 @@ pub enum UnitError {
     TooLarge(String),
 }
 
-/// Parses durations such as `2s`, `500ms`, `1.5s`, `10m`, `1h`. A number
-/// without a unit is refused (but 0): `--duration 5` meaning 5 ms to one
-/// reader and 5 s to another would capture the wrong window silently.
+/// Parses durations such as `2s`, `500ms`, `1.5s`, `10m`, `1h`; a bare number
+/// is milliseconds (as configuration files and rules have written them).
 pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
     let text = text.trim();
     let split = text
@@ -38,9 +37,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
         .parse()
         .map_err(|_| UnitError::NotADuration(text.to_string()))?;
     let seconds = match unit.trim() {
-        "" if value == 0.0 => 0.0,
-        "" => return Err(UnitError::NoUnit(text.to_string())),
-        "ms" => value / 1e3,
+        "" | "ms" => value / 1e3,
         "us" => value / 1e6,
         "s" => value,
         "m" | "min" => value * 60.0,
@@ -57,6 +54,19 @@ pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
         return Err(UnitError::OutOfRange(text.to_string()));
     }
     Ok(Duration::from_secs_f64(seconds))
+}
+
+/// As [`parse_duration`], refusing a number without a unit (but 0): for
+/// the windows a capture asks for on a command line, where `--duration 5`
+/// would be 5 ms to the parser and 5 s to many a reader, and the wrong
+/// window would be captured without a word.
+pub fn parse_duration_with_unit(text: &str) -> Result<Duration, UnitError> {
+    let trimmed = text.trim();
+    let bare = !trimmed.is_empty() && trimmed.chars().all(|c| c.is_ascii_digit() || c == '.');
+    if bare && parse_duration(trimmed)? != Duration::ZERO {
+        return Err(UnitError::NoUnit(trimmed.to_string()));
+    }
+    parse_duration(text)
 }
 
 /// Parses sizes such as `512MiB`, `2GiB`, `64M`; a bare number is bytes.
@@ -95,11 +105,13 @@ mod tests {
     fn durations_and_sizes_parse_with_units() {
         assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1500"), Ok(Duration::from_millis(1500)));
         assert_eq!(
-            parse_duration("1500"),
+            parse_duration_with_unit("1500"),
             Err(UnitError::NoUnit("1500".into()))
         );
-        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration_with_unit("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration_with_unit("2s"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
         assert_eq!(
             parse_duration("two"),

@@ -18,6 +18,9 @@ pub enum Occupant {
     Listening,
     /// A socket no one accepts on (its server died): replaceable.
     Stale,
+    /// A socket that could not be connected to for another reason (another
+    /// user's, say): whether a server uses it is not known.
+    Unknown,
 }
 
 /// What is at `path` now. A socket is judged by connecting to it, which
@@ -28,8 +31,38 @@ pub fn occupant(path: &Path) -> Occupant {
         Ok(metadata) if !metadata.file_type().is_socket() => Occupant::NotASocket,
         Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
             Ok(_) => Occupant::Listening,
-            Err(_) => Occupant::Stale,
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused => Occupant::Stale,
+            Err(_) => Occupant::Unknown,
         },
+    }
+}
+
+/// Moves the socket bound at `staged` to `path`: into an empty place
+/// only if it is still empty (another server starting at the same moment
+/// is not replaced), or over a stale socket.
+pub fn put_in_place(staged: &Path, path: &Path, over_stale: bool) -> std::io::Result<()> {
+    if over_stale {
+        return std::fs::rename(staged, path);
+    }
+    let cstr = |p: &Path| {
+        std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(p.as_os_str()))
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    let (from, to) = (cstr(staged)?, cstr(path)?);
+    // SAFETY: two NUL-terminated paths, relative to the working directory.
+    let result = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -87,5 +120,13 @@ mod tests {
         assert_eq!(occupant(&path), Occupant::Nothing);
         std::fs::write(&path, b"x").unwrap();
         assert_eq!(occupant(&path), Occupant::NotASocket);
+        // Into an empty place only while it is empty.
+        let staged = dir.path().join("staged.sock");
+        let _staged = std::os::unix::net::UnixListener::bind(&staged).unwrap();
+        let refused = put_in_place(&staged, &path, false).unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::AlreadyExists);
+        std::fs::remove_file(&path).unwrap();
+        put_in_place(&staged, &path, false).unwrap();
+        assert_eq!(occupant(&path), Occupant::Listening);
     }
 }

@@ -460,8 +460,9 @@ fn sigterm_right_after_the_listening_line_is_a_clean_stop() {
     }
 }
 
-/// A stop asked for during a capture says at once that it waits for the
-/// capture, and a second signal stops the agent then and there.
+/// Ctrl-C of a capture cancels it cleanly; a stop asked for during a
+/// capture says at once that it waits for the capture, and a second
+/// signal stops the agent then and there.
 #[test]
 fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
     use std::io::BufRead;
@@ -492,28 +493,55 @@ fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
     };
     let mut agent = AgentProcess::adopt(child);
     let logdir = tempfile::tempdir().unwrap();
-    let mut capture = std::process::Command::new(BIN)
-        .args(["capture", &agent.address, "--duration", "60s", "--quiet"])
-        .arg("--logdir")
-        .arg(logdir.path())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let start_capture = |logdir: &std::path::Path| {
+        std::process::Command::new(BIN)
+            .args(["capture", &agent.address, "--duration", "60s", "--quiet"])
+            .arg("--logdir")
+            .arg(logdir)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Ctrl-C of a capture: cancelled with a word, nothing left behind, and
+    // the command ends as SIGINT ends commands, so that a script stops too.
+    let cancelled_logdir = logdir.path().join("cancelled");
+    let cancelled = start_capture(&cancelled_logdir);
+    wait_for("capture requested");
+    // SAFETY: signalling the capture this test started.
+    unsafe { libc::kill(cancelled.id() as libc::pid_t, libc::SIGINT) };
+    let out = cancelled.wait_with_output().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&out.status),
+        Some(libc::SIGINT)
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("the capture was cancelled (Ctrl-C)"),
+        "{said}"
+    );
+    assert!(!cancelled_logdir.exists());
+
+    let mut capture = start_capture(logdir.path());
     wait_for("capture requested");
     std::thread::sleep(std::time::Duration::from_millis(300));
     // SAFETY: signalling the agent this test started.
     unsafe { libc::kill(agent.pid() as libc::pid_t, libc::SIGTERM) };
     let line = wait_for("stopping");
     assert!(
-        line.contains("stopping once the captures in progress end")
-            && line.contains("in_progress=1"),
+        line.contains("stopping once the calls in progress end") && line.contains("captures=1"),
         "{line}"
     );
+    // The same request delivered twice (a wrapper passing Ctrl-C on) is
+    // one: the capture goes on.
+    // SAFETY: signalling the agent this test started.
+    unsafe { libc::kill(agent.pid() as libc::pid_t, libc::SIGINT) };
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(capture.try_wait().unwrap().is_none(), "the capture ended");
     let status = agent
         .stop_with_sigterm(std::time::Duration::from_secs(20))
         .expect("a second SIGTERM did not stop the agent");
     assert_eq!(status.code(), Some(130));
-    wait_for("stopping now: the captures in progress are lost");
+    wait_for("stopping now: the calls in progress are lost");
     assert!(!capture.wait().unwrap().success());
 }
 
