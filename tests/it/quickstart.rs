@@ -346,8 +346,11 @@ fn the_quick_starts_failures_print_what_the_page_quotes() {
         std::fs::copy(host.standins.join(name), driver_only.path().join(name)).unwrap();
     }
     let job = cuda_programs("quickstart_job");
+    // Long enough (a second) for the library's thread to look for libcupti
+    // before the job ends, however loaded the machine: a job of a few
+    // milliseconds could end first, and say nothing.
     let output = Command::new(&job)
-        .args(["3", "--sleep-ms", "1"])
+        .args(["100", "--sleep-ms", "10"])
         .env("LD_LIBRARY_PATH", driver_only.path())
         .env("CUDA_INJECTION64_PATH", inject_library())
         .env("DEVTRACE_RUNTIME_DIR", host.runtime.path())
