@@ -1,8 +1,8 @@
 //! Where a thread of the target may be borrowed to run `dlopen`: the
-//! thread, and the moment. `dlopen` takes the C library's locks (the
-//! loader's, malloc's, the thread list's), which are not recursive: a
-//! thread stopped while it holds one would wait on itself for ever, and
-//! the job with it. So the thread is taken either blocked in a wait (which
+//! thread, and the moment. `dlopen` takes the C library's locks: a thread
+//! stopped while it holds malloc's would wait on itself for ever, and the
+//! job with it; one inside the loader would re-enter it in the middle of
+//! an update. So the thread is taken either blocked in a wait (which
 //! holds none of them), or running code outside the libraries those locks
 //! live in ([`RuntimeCode`]) and outside a restartable sequence (whose
 //! per-CPU update would go on unguarded after the detour: the kernel
@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use super::ptrace::{RseqArea, Stopped};
-use super::target::Mapping;
+use super::target::{base_name, Mapping};
 
 /// System calls a thread blocks in that hold no lock of the C library's
 /// (waits, sleeps, polls, reads): a thread stopped in one is at a point
@@ -79,10 +79,8 @@ fn interrupted_call(regs: &libc::user_regs_struct) -> Option<u64> {
 /// `EINTR` when a signal's handler runs first.
 pub fn given_back(regs: &libc::user_regs_struct) -> libc::user_regs_struct {
     let mut back = *regs;
-    if regs.rax as i64 == EINTR
-        && (regs.orig_rax as i64) >= 0
-        && FAILED_BY_A_STOP.contains(&regs.orig_rax)
-    {
+    // EINTR is an interrupted call only for a wait a stop fails.
+    if regs.rax as i64 == EINTR && interrupted_call(regs).is_some() {
         back.rax = ERESTARTNOHAND as u64;
     }
     back
@@ -206,8 +204,9 @@ impl RuntimeCode {
             maps.iter()
                 .filter(|m| m.perms.contains('x'))
                 .filter(|m| {
-                    let name = m.path.rsplit('/').next().unwrap_or(&m.path);
-                    RUNTIME_LIBRARIES.iter().any(|lib| name.starts_with(lib))
+                    RUNTIME_LIBRARIES
+                        .iter()
+                        .any(|lib| base_name(&m.path).starts_with(lib))
                 })
                 .map(|m| (m.start, m.end))
                 .collect(),

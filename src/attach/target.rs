@@ -40,7 +40,8 @@ pub fn parse_maps(text: &str) -> Vec<Mapping> {
         .collect()
 }
 
-fn base_name(path: &str) -> &str {
+/// The file name of a path in the maps.
+pub fn base_name(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 

@@ -91,6 +91,9 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     default_interrupt();
     let captured = captured?;
     let in_bucket = matches!(captured.session_dir, Location::Object(_));
+    // As a shell reads it back: the logdir resolved (a `~` that reached
+    // here unexpanded named a directory of that name), quoted when needed.
+    let logdir = shell_word(&captured.logdir.to_string());
     let warnings = trace_warnings(&captured.reply);
     let received = Instant::now();
     let path = store(captured)?;
@@ -102,11 +105,6 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     );
     println!("{path}");
     tell_warnings(&warnings, &path);
-    // As a shell reads it back: the logdir resolved (a `~` that reached
-    // here unexpanded named a directory of that name), quoted when needed.
-    let logdir = super::logdir::parse(&args.logdir)
-        .map_or_else(|_| args.logdir.display().to_string(), |l| l.to_string());
-    let logdir = shell_word(&logdir);
     if in_bucket {
         eprintln!(
             "view it with: xprof --logdir {logdir} (then open the Profile tab), or devtrace sessions {logdir}"
@@ -120,16 +118,20 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Resolves at Ctrl-C (SIGINT), unless SIGINT was ignored when the command
-/// started (a background job of a shell, `trap '' INT`): then never.
-async fn interrupted() {
+/// Whether SIGINT is ignored (a background job of a shell, `trap '' INT`).
+fn interrupt_ignored() -> bool {
     // SAFETY: a query of SIGINT's disposition into a zeroed sigaction.
-    let ignored = unsafe {
+    unsafe {
         let mut current: libc::sigaction = std::mem::zeroed();
         libc::sigaction(libc::SIGINT, std::ptr::null(), &mut current) == 0
             && current.sa_sigaction == libc::SIG_IGN
-    };
-    if ignored || tokio::signal::ctrl_c().await.is_err() {
+    }
+}
+
+/// Resolves at Ctrl-C (SIGINT), unless SIGINT was ignored when the command
+/// started: then never.
+async fn interrupted() {
+    if interrupt_ignored() || tokio::signal::ctrl_c().await.is_err() {
         std::future::pending::<()>().await;
     }
 }
@@ -137,15 +139,9 @@ async fn interrupted() {
 /// Gives SIGINT back its default action (ending the process), replacing
 /// the handler [`interrupted`] installed; an ignored SIGINT stays ignored.
 fn default_interrupt() {
-    // SAFETY: queries and sets SIGINT's disposition; no handler of ours
-    // is left half-installed.
-    unsafe {
-        let mut current: libc::sigaction = std::mem::zeroed();
-        if libc::sigaction(libc::SIGINT, std::ptr::null(), &mut current) == 0
-            && current.sa_sigaction != libc::SIG_IGN
-        {
-            libc::signal(libc::SIGINT, libc::SIG_DFL);
-        }
+    if !interrupt_ignored() {
+        // SAFETY: sets SIGINT's disposition to the default.
+        unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
     }
 }
 
@@ -204,6 +200,7 @@ fn tell_warnings(warnings: &[String], path: &str) {
 /// A reply and where its files go.
 struct Captured {
     reply: client::RawProfileResponse,
+    logdir: Location,
     output: SessionOutput,
     session_dir: Location,
     session_id: String,
@@ -293,6 +290,7 @@ async fn capture(args: &CaptureArgs, prepared: Prepared) -> anyhow::Result<Captu
     match requested {
         Ok(reply) => Ok(Captured {
             reply,
+            logdir: session.logdir,
             output,
             session_dir: session.repository_root.join(&session.session_id),
             session_id: session.session_id,
@@ -396,6 +394,7 @@ fn store(captured: Captured) -> anyhow::Result<String> {
         session_dir,
         session_id,
         host,
+        ..
     } = captured;
     if reply.tool_data.is_empty() {
         // TensorFlow's own server writes the file itself, as does an agent

@@ -73,16 +73,17 @@ impl SessionOutput {
         let generated = session_id.is_none();
         let base =
             session_id.map_or_else(crate::model::calendar::session_timestamp, str::to_string);
-        let mut made = Vec::new();
+        // What this capture makes, to take back if it fails: the session
+        // (unless a given one was there already) and the missing
+        // directories above it.
+        let (mut session_there, mut made_above) = (false, Vec::new());
         if let Location::Local(path) = root {
-            if generated || !path.join(&base).exists() {
-                made.push(path.join(&base));
-            }
-            made.extend(
-                path.ancestors()
-                    .take_while(|dir| !dir.exists())
-                    .map(Path::to_path_buf),
-            );
+            session_there = !generated && path.join(&base).exists();
+            made_above = path
+                .ancestors()
+                .take_while(|dir| !dir.exists())
+                .map(Path::to_path_buf)
+                .collect();
             std::fs::create_dir_all(path)
                 .with_context(|| format!("cannot make {} under --logdir", path.display()))?;
         }
@@ -106,14 +107,13 @@ impl SessionOutput {
         };
         let output = match root {
             Location::Local(path) => {
-                // A generated name may have become `_2`, `_3`, ...
-                if let Some(session) = made.first_mut().filter(|_| generated) {
-                    *session = path.join(&name);
-                }
-                SessionOutput::Local {
-                    directory: path.join(&name),
-                    made,
-                }
+                let directory = path.join(&name);
+                let made = (!session_there)
+                    .then(|| directory.clone())
+                    .into_iter()
+                    .chain(made_above)
+                    .collect();
+                SessionOutput::Local { directory, made }
             }
             Location::Object(_) => SessionOutput::Object(folder),
         };
@@ -151,21 +151,15 @@ impl SessionOutput {
                 super::write_file(directory, name, data, false)
                     .map(|path| path.display().to_string())
                     .map_err(|error| {
-                        let target = directory.join(name);
-                        let unsent = std::env::temp_dir();
-                        match repository::keep_unsent(&unsent, session_id, name, data) {
-                            Ok(kept) => format!(
-                                "writing {} failed ({error:#}); the trace is kept at {}",
-                                target.display(),
-                                kept.display()
-                            ),
-                            Err(keep) => format!(
-                            "writing {} failed ({error:#}), and keeping it under {} failed too \
-                             ({keep})",
-                            target.display(),
-                            unsent.display()
-                        ),
-                        }
+                        let attempt = format!("writing {}", directory.join(name).display());
+                        repository::keep_failed_write(
+                            &attempt,
+                            &format!("{error:#}"),
+                            &std::env::temp_dir(),
+                            session_id,
+                            name,
+                            data,
+                        )
                     })
             }
             SessionOutput::Object(folder) => {

@@ -61,12 +61,12 @@ pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
 /// would be 5 ms to the parser and 5 s to many a reader, and the wrong
 /// window would be captured without a word.
 pub fn parse_duration_with_unit(text: &str) -> Result<Duration, UnitError> {
+    let duration = parse_duration(text)?;
     let trimmed = text.trim();
-    let bare = !trimmed.is_empty() && trimmed.chars().all(|c| c.is_ascii_digit() || c == '.');
-    if bare && parse_duration(trimmed)? != Duration::ZERO {
+    if duration != Duration::ZERO && trimmed.chars().all(|c| c.is_ascii_digit() || c == '.') {
         return Err(UnitError::NoUnit(trimmed.to_string()));
     }
-    parse_duration(text)
+    Ok(duration)
 }
 
 /// Parses sizes such as `512MiB`, `2GiB`, `64M`; a bare number is bytes.

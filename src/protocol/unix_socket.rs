@@ -41,29 +41,13 @@ pub fn occupant(path: &Path) -> Occupant {
 /// only if it is still empty (another server starting at the same moment
 /// is not replaced), or over a stale socket.
 pub fn put_in_place(staged: &Path, path: &Path, over_stale: bool) -> std::io::Result<()> {
-    if over_stale {
-        return std::fs::rename(staged, path);
-    }
-    let cstr = |p: &Path| {
-        std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(p.as_os_str()))
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
-    };
-    let (from, to) = (cstr(staged)?, cstr(path)?);
-    // SAFETY: two NUL-terminated paths, relative to the working directory.
-    let result = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            from.as_ptr(),
-            libc::AT_FDCWD,
-            to.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    if result == 0 {
-        Ok(())
+    use rustix::fs::{renameat_with, RenameFlags, CWD};
+    let flags = if over_stale {
+        RenameFlags::empty()
     } else {
-        Err(std::io::Error::last_os_error())
-    }
+        RenameFlags::NOREPLACE
+    };
+    renameat_with(CWD, staged, CWD, path, flags).map_err(std::io::Error::from)
 }
 
 /// A socket this process put at `path`.

@@ -456,13 +456,28 @@ pub fn keep_failed_upload(
     name: &str,
     bytes: &[u8],
 ) -> String {
+    let attempt = format!("uploading to {target}");
+    keep_failed_write(&attempt, error, unsent_dir, session_id, name, bytes)
+}
+
+/// Keeps a trace whose `attempt` to write it ("writing PATH", "uploading
+/// to URL") failed with `error` (see [`keep_unsent`]); returns the message
+/// that says both.
+pub fn keep_failed_write(
+    attempt: &str,
+    error: &dyn std::fmt::Display,
+    unsent_dir: &Path,
+    session_id: &str,
+    name: &str,
+    bytes: &[u8],
+) -> String {
     match keep_unsent(unsent_dir, session_id, name, bytes) {
         Ok(kept) => format!(
-            "uploading to {target} failed ({error}); the trace is kept at {}",
+            "{attempt} failed ({error}); the trace is kept at {}",
             kept.display()
         ),
         Err(keep) => format!(
-            "uploading to {target} failed ({error}), and keeping it under {} failed too ({keep})",
+            "{attempt} failed ({error}), and keeping it under {} failed too ({keep})",
             unsent_dir.display()
         ),
     }
