@@ -155,6 +155,7 @@ impl Agent {
             captures: Arc::clone(&captures),
             traces: Arc::clone(&traces),
             detailed_traces: Arc::clone(&detailed_traces),
+            library_processes: Arc::default(),
             source: "",
         };
         let (backends, unavailable) = start_backends(config, &context)?;

@@ -66,6 +66,8 @@ pub struct BackendContext {
     /// (`ProfileOptions.device_tracer_level` 2 or more): CUPTI in workloads
     /// then records every API call, not only the timeline's.
     pub detailed_traces: Arc<std::sync::atomic::AtomicUsize>,
+    /// The processes whose CUDA work the injection library records.
+    pub library_processes: Arc<LibraryProcesses>,
     /// The backend's name, under which its events are counted.
     pub source: &'static str,
 }
@@ -89,6 +91,31 @@ pub enum BackendError {
         backend: &'static str,
         reason: String,
     },
+}
+
+/// The processes whose kernels and CUDA calls the injection library
+/// records: the CUDA backend has their ring and they loaded CUPTI. The eBPF
+/// backend leaves their driver library unprobed, since a uprobe traps on
+/// every driver call for what the library already has: on an H200 the
+/// probes cost a launch-bound PyTorch loop 5.2 us a kernel during a capture,
+/// on top of the library's 3.1 us.
+#[derive(Debug, Default)]
+pub struct LibraryProcesses {
+    pids: parking_lot::Mutex<std::collections::HashSet<u32>>,
+}
+
+impl LibraryProcesses {
+    pub fn insert(&self, pid: u32) {
+        self.pids.lock().insert(pid);
+    }
+
+    pub fn remove(&self, pid: u32) {
+        self.pids.lock().remove(&pid);
+    }
+
+    pub fn contains(&self, pid: u32) -> bool {
+        self.pids.lock().contains(&pid)
+    }
 }
 
 /// The traces in progress and whose they are (see [`Scope`]). A trace

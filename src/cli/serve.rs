@@ -226,7 +226,10 @@ pub struct ServeArgs {
 
     /// A CUDA driver library to probe besides those found mapped in running
     /// processes (repeatable), e.g. /usr/lib/x86_64-linux-gnu/libcuda.so.1
-    /// so that programs started later are seen from their first call.
+    /// so that programs started later are seen from their first call. While
+    /// the injection library records some process that maps a driver
+    /// library, that library is probed in each other process alone, found
+    /// at the next rescan (each second).
     #[arg(long = "cuda-library", value_name = "PATH")]
     pub cuda_libraries: Vec<PathBuf>,
 

@@ -296,7 +296,11 @@ pub fn dumpable(pid: u32, euid: u32) -> bool {
 /// a second): with the pid, it names the process even after the pid is
 /// reused.
 pub fn start_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_start_ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// The start time in a `/proc/<pid>/stat` text.
+pub fn parse_start_ticks(stat: &str) -> Option<u64> {
     // The command name may hold spaces and parentheses: fields count from
     // the last ')'.
     stat[stat.rfind(')')? + 1..]

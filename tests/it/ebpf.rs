@@ -477,6 +477,103 @@ async fn driver_calls_of_a_program_started_before_the_agent_carry_their_argument
     assert_eq!(memory, expected);
 }
 
+/// A process the injection library records (its ring attached, CUPTI
+/// loaded) runs with its driver library unprobed, since a uprobe traps on
+/// every call for what the library already has; a process beside it that
+/// maps the same driver library is probed, each call once. The injection
+/// library's process still has its launches, timed by the library.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_the_injection_library_records_runs_unprobed() {
+    if skip_without_root("unprobed") {
+        return;
+    }
+    let program = cuda_programs("cuda_unprobed");
+    let runtime = tempfile::tempdir().unwrap();
+    let agent = AgentProcess::start(&[
+        "--backend",
+        "cuda",
+        "--backend",
+        "ebpf",
+        "--ebpf-hooks",
+        "cuda",
+        "--ebpf-attach",
+        "always",
+        "--ebpf-comm",
+        "cuda_unprobed",
+        "--runtime-dir",
+        runtime.path().to_str().unwrap(),
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("go");
+    let args = [
+        "5",
+        "--wait-file",
+        release.to_str().unwrap(),
+        "--sleep-ms",
+        "20",
+    ];
+    let cupti = cupti_standin().display().to_string();
+    let inject = inject_library().display().to_string();
+    let recorded = CudaWorkload::start(
+        &program,
+        &args,
+        &[
+            ("LD_LIBRARY_PATH", cupti.as_str()),
+            ("CUDA_INJECTION64_PATH", inject.as_str()),
+            ("DEVTRACE_RUNTIME_DIR", runtime.path().to_str().unwrap()),
+        ],
+    );
+    let probed = CudaWorkload::start(&program, &args, &[]);
+    recorded.read_until("waiting");
+    probed.read_until("waiting");
+    wait_for_probes(&agent).await;
+    let mut health = String::new();
+    for _ in 0..100 {
+        health = agent.monitor(100).await.data;
+        if health.contains("1 process left unprobed to the injection library") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        health.contains("1 process left unprobed to the injection library"),
+        "{health}"
+    );
+    let space = capture_while(&agent, 2000, &release).await;
+    let recorded_calls = calls_until_done(&recorded);
+    let probed_calls = calls_until_done(&probed);
+
+    assert_calls_match(
+        &space,
+        &probed_calls,
+        probed.workload.pid,
+        0,
+        0,
+        false,
+        false,
+    );
+    let trapped = driver_calls(&space, recorded.workload.pid);
+    assert!(
+        trapped.is_empty(),
+        "the recorded process was probed: {:?}",
+        trapped.iter().map(|(e, _)| &e.name).collect::<Vec<_>>()
+    );
+    let launches = recorded_calls
+        .iter()
+        .filter(|c| c.name.starts_with("cuLaunchKernel"))
+        .count();
+    let timed = events(common::plane(&space, "/host:CPU"))
+        .into_iter()
+        .filter(|e| e.name.starts_with("cuLaunchKernel") && e.stats.contains_key("correlation_id"))
+        .count();
+    assert_eq!(timed, launches, "the library's launches");
+    let env = common::plane(&space, "Task Environment");
+    match find_stat(env, &env.stats, "devtrace_ebpf_cuda_probes") {
+        Some(StatValue::Str(text)) => assert!(text.contains("not probed"), "{text}"),
+        other => panic!("the trace does not say which processes are probed: {other:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn driver_calls_of_a_program_started_after_the_agent_are_seen_from_cu_init() {
     if skip_without_root("driver_calls_after") {

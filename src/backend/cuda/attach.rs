@@ -76,6 +76,8 @@ impl Process {
 pub(super) struct Attachments {
     pub(super) config: CudaConfig,
     pub(super) registry: Arc<Registry>,
+    /// Told which processes the library records (those with CUPTI).
+    pub(super) library_processes: Arc<LibraryProcesses>,
     pub(super) status: Arc<Mutex<Status>>,
     pub(super) processes: BTreeMap<FileIdentity, Process>,
     pub(super) slots: Slots,
@@ -364,6 +366,7 @@ impl Attachments {
                         traced.cupti = Some(text.clone());
                     }
                     process.cupti = Some(text);
+                    self.library_processes.insert(pid);
                 }
                 MetaRecord::Displaced { at_ns, seen } => {
                     let label = process.label();
@@ -526,6 +529,7 @@ impl Attachments {
             return;
         };
         let pid = process.pid;
+        self.library_processes.remove(pid);
         self.slots.free(process.slot);
         // Only its own file: the name may be someone else's by now.
         if identity_at(&process.files.ring).is_some_and(|at| at.same_file(key)) {
@@ -622,6 +626,7 @@ mod tests {
         let mut attach = Attachments {
             config: CudaConfig::default(),
             registry: Arc::clone(&registry),
+            library_processes: Arc::default(),
             status: Arc::new(Mutex::new(Status::default())),
             processes: [(key, process)].into_iter().collect(),
             slots: {

@@ -42,8 +42,8 @@ use tracing::warn;
 
 use super::worker::Worker;
 use super::{
-    Backend, BackendContext, BackendError, Capabilities, Health, Loss, ProcessLines, Scope,
-    TraceDemand,
+    Backend, BackendContext, BackendError, Capabilities, Health, LibraryProcesses, Loss,
+    ProcessLines, Scope, TraceDemand,
 };
 use crate::clock;
 use crate::event::Payload;
@@ -243,6 +243,7 @@ impl Backend for CudaBackend {
             let mut attach = Attachments {
                 config,
                 registry: Arc::clone(&context.registry),
+                library_processes: Arc::clone(&context.library_processes),
                 status,
                 processes: BTreeMap::new(),
                 slots: Default::default(),

@@ -4,7 +4,7 @@
 //! events: a span on the calling thread's `/host:CPU` line and, for
 //! allocations and frees, memory events per process.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,6 +14,7 @@ use super::records::{
     CALL_FLAG_SYMBOL_ARG2,
 };
 use crate::event::{AllocatorTally, Device, DriverCallInfo, Event, NameId, Payload};
+use crate::model::host_process;
 use crate::model::registry::Registry;
 
 /// One probed entry point: its symbol, which driver function it is (the
@@ -167,19 +168,48 @@ pub(crate) fn is_driver_library(path: &str) -> bool {
         .is_some_and(|file| file == "libcuda.so" || file.starts_with("libcuda.so."))
 }
 
-/// Every driver library some process has mapped now, plus `extra` paths
-/// given by the operator, without duplicates.
-pub fn find_driver_libraries(proc_root: &Path, extra: &[PathBuf]) -> Vec<DriverLibrary> {
-    let mut found = Vec::new();
-    let mut seen = HashSet::new();
-    let mut add = |library: DriverLibrary| {
-        if seen.insert((library.dev, library.inode)) {
-            found.push(library);
+/// A process with a driver library mapped. Its start time tells it from a
+/// later process given the same pid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MappingProcess {
+    pub pid: u32,
+    /// Clock ticks after boot (`/proc/<pid>/stat` field 22).
+    pub started: u64,
+}
+
+/// A driver library and the processes that have it mapped now.
+#[derive(Clone, Debug)]
+pub struct MappedLibrary {
+    pub library: DriverLibrary,
+    pub processes: Vec<MappingProcess>,
+}
+
+/// Every driver library some process has mapped now, with those processes,
+/// plus `extra` paths given by the operator (with the processes that map
+/// the same file), without duplicates.
+pub fn find_driver_libraries(proc_root: &Path, extra: &[PathBuf]) -> Vec<MappedLibrary> {
+    let mut found: Vec<MappedLibrary> = Vec::new();
+    let mut index: HashMap<(u64, u64), usize> = HashMap::new();
+    let mut add = |library: DriverLibrary, process: Option<MappingProcess>| {
+        let at = *index
+            .entry((library.dev, library.inode))
+            .or_insert_with(|| {
+                found.push(MappedLibrary {
+                    library,
+                    processes: Vec::new(),
+                });
+                found.len() - 1
+            });
+        if let Some(process) = process {
+            let processes = &mut found[at].processes;
+            if !processes.contains(&process) {
+                processes.push(process);
+            }
         }
     };
     for path in extra {
         if let Some(library) = DriverLibrary::at(path) {
-            add(library);
+            add(library, None);
         }
     }
     let Ok(entries) = std::fs::read_dir(proc_root) else {
@@ -203,12 +233,20 @@ pub fn find_driver_libraries(proc_root: &Path, extra: &[PathBuf]) -> Vec<DriverL
             .filter(|path| path.starts_with('/') && is_driver_library(path))
             .collect();
         paths.dedup();
+        if paths.is_empty() {
+            continue;
+        }
+        let process = std::fs::read_to_string(entry.path().join("stat"))
+            .ok()
+            .and_then(|stat| host_process::parse_start_ticks(&stat))
+            .zip(pid.parse().ok())
+            .map(|(started, pid)| MappingProcess { pid, started });
         for path in paths {
             // Through the process's own root, so a container's library
             // resolves to the container's file.
             let through_root = proc_root.join(pid).join("root").join(&path[1..]);
             if let Some(library) = DriverLibrary::at(&through_root) {
-                add(library);
+                add(library, process);
             }
         }
     }

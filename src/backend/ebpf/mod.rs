@@ -101,6 +101,9 @@ pub(crate) struct Status {
     attached: bool,
     /// Probed driver libraries and the functions missing from each.
     libraries: Vec<(String, Vec<&'static str>)>,
+    /// Processes mapping a driver library that the injection library
+    /// records, so not probed.
+    library_processes: usize,
     losses: [u64; 3],
     events: u64,
     malformed: u64,
@@ -255,6 +258,13 @@ impl Backend for EbpfBackend {
             } else {
                 format!("CUDA probes on {}", libraries.join(", "))
             });
+            if status.library_processes > 0 {
+                let count = status.library_processes;
+                let plural = if count == 1 { "" } else { "es" };
+                parts.push(format!(
+                    "{count} process{plural} left unprobed to the injection library"
+                ));
+            }
         }
         parts.push(format!("{} events", status.events));
         let lost: u64 = status.losses.iter().sum();
@@ -289,7 +299,15 @@ impl Backend for EbpfBackend {
             }
             CudaReturns::All => "all: every probed call has its duration and result",
         };
-        vec![("devtrace_ebpf_cuda_returns".into(), returns.into())]
+        vec![
+            ("devtrace_ebpf_cuda_returns".into(), returns.into()),
+            (
+                "devtrace_ebpf_cuda_probes".into(),
+                "the driver calls of processes the injection library does not record; those it \
+                 records (with CUPTI loaded) are not probed, and their calls come from it"
+                    .into(),
+            ),
+        ]
     }
 
     fn losses(&self) -> Vec<Loss> {

@@ -5,7 +5,7 @@
 //! events until it is told to stop.
 
 use std::cell::RefCell;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
 use std::rc::Rc;
 use std::sync::mpsc;
@@ -17,14 +17,16 @@ use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, RingBufferBuilder, UprobeOp
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
-use super::cuda::{find_driver_libraries, CudaReturns, DriverCalls, DriverLibrary, CUDA_PROBES};
+use super::cuda::{
+    find_driver_libraries, CudaReturns, DriverCalls, DriverLibrary, MappingProcess, CUDA_PROBES,
+};
 use super::records::{
     CudaCall, Record, SchedRecord, LOSS_CUDA_INFLIGHT, LOSS_CUDA_RING, LOSS_KINDS, LOSS_SCHED_RING,
 };
 use super::sched::SchedTimeline;
 use super::{AttachMode, EbpfConfig, Status};
 use crate::backend::worker::StopFlag;
-use crate::backend::BackendContext;
+use crate::backend::{BackendContext, LibraryProcesses};
 use crate::clock;
 use crate::event::{Device, Event, Payload};
 use crate::model::timeline::COUNTER_TRACK;
@@ -216,16 +218,32 @@ fn attach_sched(skel: &SchedSkel<'_>) -> Result<Vec<Link>, libbpf_rs::Error> {
 }
 
 /// Uprobes on one driver library: per function it exports, an entry probe,
-/// and a return probe where `CudaReturns` asks for one.
+/// and a return probe where `CudaReturns` asks for one; in every process
+/// that maps the library (those that map it later too, from their first
+/// call), or in one process alone. The kernel puts a probe's breakpoints in
+/// the mappings of the processes it is for, and every call through one
+/// traps; so where the injection library records some of a library's
+/// processes, the others are probed one by one and those run untrapped.
 struct ProbedLibrary {
     _links: Vec<Link>,
 }
 
+/// A driver library (device, inode) probed in one process, or in all.
+type ProbeKey = ((u64, u64), Option<MappingProcess>);
+
 fn probe_library(
     skel: &CudaSkel<'_>,
     library: &DriverLibrary,
+    process: Option<MappingProcess>,
     returns: CudaReturns,
 ) -> Result<(ProbedLibrary, Vec<&'static str>), String> {
+    // -1: every process.
+    let pid = match process {
+        Some(process) => {
+            i32::try_from(process.pid).map_err(|_| format!("pid {} out of range", process.pid))?
+        }
+        None => -1,
+    };
     let mut links = Vec::new();
     let mut missing = Vec::new();
     let mut first_error = None;
@@ -238,19 +256,23 @@ fn probe_library(
             ..UprobeOpts::default()
         };
         let attached = if probe.has_return(returns) {
-            let entry =
-                skel.progs
-                    .on_cuda_entry
-                    .attach_uprobe_with_opts(-1, &library.path, 0, opts(false));
-            let exit =
-                skel.progs
-                    .on_cuda_return
-                    .attach_uprobe_with_opts(-1, &library.path, 0, opts(true));
+            let entry = skel.progs.on_cuda_entry.attach_uprobe_with_opts(
+                pid,
+                &library.path,
+                0,
+                opts(false),
+            );
+            let exit = skel.progs.on_cuda_return.attach_uprobe_with_opts(
+                pid,
+                &library.path,
+                0,
+                opts(true),
+            );
             entry.and_then(|entry| Ok(vec![entry, exit?]))
         } else {
             skel.progs
                 .on_cuda_call
-                .attach_uprobe_with_opts(-1, &library.path, 0, opts(false))
+                .attach_uprobe_with_opts(pid, &library.path, 0, opts(false))
                 .map(|entry| vec![entry])
         };
         match attached {
@@ -273,12 +295,21 @@ fn probe_library(
             };
             format!(": {error}{hint}")
         });
+        let whose = process.map_or(String::new(), |p| format!(" in process {}", p.pid));
         return Err(format!(
-            "{}: none of the driver entry points could be probed{why}",
+            "{}{whose}: none of the driver entry points could be probed{why}",
             library.path.display()
         ));
     }
     Ok((ProbedLibrary { _links: links }, missing))
+}
+
+/// Whether `process` still runs (not a later one with its pid).
+fn process_alive(proc_root: &std::path::Path, process: MappingProcess) -> bool {
+    std::fs::read_to_string(proc_root.join(process.pid.to_string()).join("stat"))
+        .ok()
+        .and_then(|stat| crate::model::host_process::parse_start_ticks(&stat))
+        == Some(process.started)
 }
 
 /// The backend thread; see the module documentation.
@@ -372,8 +403,8 @@ pub(super) fn run(
         decoder,
         producer,
         sched_links: Vec::new(),
-        libraries: Vec::new(),
-        probed: HashSet::new(),
+        library_processes: Arc::clone(&context.library_processes),
+        probes: HashMap::new(),
         refused: HashSet::new(),
         attached: false,
         last_scan: None,
@@ -395,7 +426,7 @@ pub(super) fn run(
             tracer.detach();
         }
         if tracer.attached {
-            tracer.probe_new_libraries();
+            tracer.probe_processes();
             tracer.drain();
         } else {
             // Nothing is recorded while detached: a capture starting is
@@ -425,8 +456,10 @@ struct Tracer<'a> {
     // skips programs whose link slot is set, so links dropped from it would
     // be handed back (freed) on the next attach.
     sched_links: Vec<Link>,
-    libraries: Vec<ProbedLibrary>,
-    probed: HashSet<(u64, u64)>,
+    /// Processes whose calls the injection library records: not probed.
+    library_processes: Arc<LibraryProcesses>,
+    probes: HashMap<ProbeKey, ProbedLibrary>,
+    /// Libraries no entry point of which could be probed.
     refused: HashSet<(u64, u64)>,
     attached: bool,
     last_scan: Option<Instant>,
@@ -467,18 +500,21 @@ impl Tracer<'_> {
             .sched
             .split(clock::now_ns(), &mut Vec::new());
         self.sched_links.clear();
-        self.libraries.clear();
-        self.probed.clear();
+        self.probes.clear();
         self.attached = false;
         let mut status = self.status.lock();
         status.attached = false;
         status.libraries.clear();
+        status.library_processes = 0;
         debug!("eBPF programs detached");
     }
 
     /// Probes driver libraries that appeared in processes' maps since the
-    /// last look (once per rescan interval).
-    fn probe_new_libraries(&mut self) {
+    /// last look (once per rescan interval): in every process that maps one,
+    /// or, where the injection library records some of them, in each of the
+    /// others alone; lets go of probes no longer wanted (their process
+    /// ended, or the injection library records it now).
+    fn probe_processes(&mut self) {
         let Some(skel) = self.cuda else { return };
         if self
             .last_scan
@@ -487,28 +523,59 @@ impl Tracer<'_> {
             return;
         }
         self.last_scan = Some(Instant::now());
-        for library in find_driver_libraries(&self.config.proc_root, &self.config.cuda_libraries) {
-            let key = (library.dev, library.inode);
-            if self.probed.contains(&key) || self.refused.contains(&key) {
+        let mut wanted: Vec<(ProbeKey, DriverLibrary)> = Vec::new();
+        let mut left_to_library = 0;
+        for mapped in find_driver_libraries(&self.config.proc_root, &self.config.cuda_libraries) {
+            let file = (mapped.library.dev, mapped.library.inode);
+            if self.refused.contains(&file) {
                 continue;
             }
-            match probe_library(skel, &library, self.config.cuda_returns) {
+            let (recorded, others): (Vec<_>, Vec<_>) = mapped
+                .processes
+                .into_iter()
+                .partition(|process| self.library_processes.contains(process.pid));
+            left_to_library += recorded.len();
+            if recorded.is_empty() {
+                wanted.push(((file, None), mapped.library));
+            } else {
+                wanted.extend(
+                    others
+                        .into_iter()
+                        .map(|process| ((file, Some(process)), mapped.library.clone())),
+                );
+            }
+        }
+        // Dropped before any is attached: a process probed both in all and
+        // alone would have each call recorded twice.
+        self.probes
+            .retain(|key, _| wanted.iter().any(|(wanted, _)| wanted == key));
+        for (key, library) in wanted {
+            if self.probes.contains_key(&key) {
+                continue;
+            }
+            let (file, process) = key;
+            match probe_library(skel, &library, process, self.config.cuda_returns) {
                 Ok((probes, missing)) => {
-                    info!(library = %library.path.display(), ?missing, "CUDA driver probed");
-                    self.libraries.push(probes);
-                    self.probed.insert(key);
-                    self.status
-                        .lock()
-                        .libraries
-                        .push((library.path.display().to_string(), missing));
+                    let pid = process.map(|p| p.pid);
+                    debug!(library = %library.path.display(), ?pid, ?missing, "CUDA driver probed");
+                    self.probes.insert(key, probes);
+                    let path = library.path.display().to_string();
+                    let mut status = self.status.lock();
+                    if !status.libraries.iter().any(|(known, _)| *known == path) {
+                        info!(library = %path, ?missing, "CUDA driver probed");
+                        status.libraries.push((path, missing));
+                    }
                 }
+                // It ended while we looked.
+                Err(_) if process.is_some_and(|p| !process_alive(&self.config.proc_root, p)) => {}
                 Err(reason) => {
                     warn!(%reason, "CUDA driver library not probed");
-                    self.refused.insert(key);
+                    self.refused.insert(file);
                     self.status.lock().error = Some(reason);
                 }
             }
         }
+        self.status.lock().library_processes = left_to_library;
     }
 
     /// Waits for the next tick and decodes what the BPF ring buffers hold;
