@@ -220,6 +220,8 @@ pub fn control_loop() {
         background: false,
         may_time: false,
         kernels_at_timing: 0,
+        selected: None,
+        selection_ignored: false,
     };
     let mut pulse = AgentPulse::new();
     let mut seen = session.ring.control();
@@ -280,9 +282,24 @@ struct Tracer {
     may_time: bool,
     /// Kernel records converted when timing started.
     kernels_at_timing: u64,
+    /// Since when CUPTI is to record the timeline's calls selected one by
+    /// one, until one of their records was seen.
+    selected: Option<Selected>,
+    /// CUPTI recorded none of the calls selected one by one while it
+    /// recorded kernels: from then on every call is recorded.
+    selection_ignored: bool,
     /// The stream is ours with [`BACKGROUND_KINDS`] alone on: the GPU's
     /// past is recorded, no capture runs.
     background: bool,
+}
+
+/// When the timeline's calls were selected for CUPTI to record, and the
+/// records converted by then.
+#[derive(Clone, Copy, Debug)]
+struct Selected {
+    at_ns: u64,
+    kernels: u64,
+    api_records: u64,
 }
 
 impl Tracer {
@@ -494,6 +511,31 @@ impl Tracer {
         Some(started)
     }
 
+    /// Whether CUPTI wrote no record of the timeline's calls in the second
+    /// since they were selected one by one, while it recorded kernels (so
+    /// it was on CUPTI 13.0 on an H200: not one of 128,608 kernels had its
+    /// launch's record); answers since when the calls are missing. One
+    /// record seen ends the watch.
+    fn selection_silent(&mut self, session: &Session) -> Option<u64> {
+        let selected = self.selected?;
+        if self.api != Some(ApiRecordSet::Timeline) {
+            return None;
+        }
+        if api_records_converted(session) != selected.api_records {
+            self.selected = None;
+            return None;
+        }
+        let now = devtrace_shm::clock::now_ns();
+        if now.saturating_sub(selected.at_ns) < SILENCE_LIMIT_NS
+            || kernels_converted(session) == selected.kernels
+        {
+            return None;
+        }
+        self.selected = None;
+        self.selection_ignored = true;
+        Some(selected.at_ns)
+    }
+
     /// Enables the API records the agent asks for, from `current`, and
     /// tells the agent which (and, once, why not the timeline's alone).
     /// The caller holds the gate.
@@ -502,7 +544,17 @@ impl Tracer {
         session: &Session,
         current: Option<ApiRecordSet>,
     ) -> Result<(), String> {
-        let (set, unselectable) = cupti::api_calls::switch(current, self.all_api)?;
+        let (set, unselectable) =
+            cupti::api_calls::switch(current, self.all_api, self.selection_ignored)?;
+        self.selected = match set {
+            ApiRecordSet::Timeline if current == Some(ApiRecordSet::Timeline) => self.selected,
+            ApiRecordSet::Timeline => Some(Selected {
+                at_ns: devtrace_shm::clock::now_ns(),
+                kernels: kernels_converted(session),
+                api_records: api_records_converted(session),
+            }),
+            _ => None,
+        };
         if let Some(why) = unselectable.filter(|_| !self.unselectable_told) {
             self.unselectable_told = true;
             eprintln!("devtrace-inject: {why}");
@@ -542,6 +594,7 @@ impl Tracer {
             return Ok(());
         }
         let silent_since = self.timing_silent(session);
+        let unselected_since = self.selection_silent(session);
         let timed = timed_calls::on();
         // Either the subscriber times the calls, or CUPTI records the set
         // asked for: never both, never neither.
@@ -553,6 +606,7 @@ impl Tracer {
         } else {
             timed
                 || self.api.is_none()
+                || unselected_since.is_some()
                 || (self.all_api != all_now && self.api != Some(ApiRecordSet::AllUnselectable))
         };
         if switch {
@@ -564,6 +618,18 @@ impl Tracer {
                 from_ns,
                 to_ns: devtrace_shm::clock::now_ns(),
                 cause: UntimedCause::Silent,
+            });
+        }
+        if let Some(from_ns) = unselected_since {
+            // Once every call is recorded.
+            eprintln!(
+                "devtrace-inject: CUPTI recorded none of the API calls selected one by one while \
+                 it recorded kernels; every driver and runtime API call is recorded from now on"
+            );
+            session.write_meta(&MetaRecord::Untimed {
+                from_ns,
+                to_ns: devtrace_shm::clock::now_ns(),
+                cause: UntimedCause::Unselected,
             });
         }
         if self
@@ -815,6 +881,13 @@ fn kernels_converted(session: &Session) -> u64 {
         .converter
         .lock()
         .map_or(0, |converter| converter.kernels_converted())
+}
+
+fn api_records_converted(session: &Session) -> u64 {
+    session
+        .converter
+        .lock()
+        .map_or(0, |converter| converter.api_records_converted())
 }
 
 /// Measures CUPTI's clock against `CLOCK_REALTIME`.

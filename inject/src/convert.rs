@@ -92,6 +92,8 @@ pub struct Converter {
     callback_name: fn(bool, u32) -> Option<String>,
     /// Kernel records converted so far.
     kernels: u64,
+    /// CUPTI's API records converted (not the calls the library timed).
+    api_records: u64,
 }
 
 impl Converter {
@@ -112,6 +114,7 @@ impl Converter {
             pending_meta: Vec::new(),
             callback_name,
             kernels: 0,
+            api_records: 0,
         }
     }
 
@@ -124,6 +127,11 @@ impl Converter {
     /// Kernel records converted so far.
     pub fn kernels_converted(&self) -> u64 {
         self.kernels
+    }
+
+    /// CUPTI's API records converted so far.
+    pub fn api_records_converted(&self) -> u64 {
+        self.api_records
     }
 
     /// Whether the limits of some device are known.
@@ -307,6 +315,7 @@ impl Converter {
 
     fn api(&mut self, r: RecordRef, runtime: bool, out: &mut Vec<Event>) {
         use layout::api as a;
+        self.api_records += 1;
         let (start, duration) = self.span(r.read(a::START), r.read(a::END));
         let name = self.api_name(runtime, r.read(a::CBID));
         out.push(api_event(

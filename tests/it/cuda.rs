@@ -662,6 +662,56 @@ async fn the_agent_can_have_cupti_record_the_timelines_calls() {
     assert_timeline_recorded(&run);
 }
 
+/// A CUPTI that takes the timeline's calls selected one by one and records
+/// none of them (as 13.0 did on an H200) is found out within a second of
+/// kernels arriving without them: from then on every call is recorded, and
+/// the trace names the span whose calls are missing. Before, a capture
+/// kept kernels without their launch calls and said nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cupti_that_ignores_the_selected_calls_records_every_call_and_says_so() {
+    let setup = setup("cuda_unselected");
+    let agent = setup.agent_with(&["--cuda-api-records", "timeline-cupti"]);
+    let workload = setup.workload(
+        &["700", "--sleep-ms", "5"],
+        &[("DEVTRACE_STANDIN_CUPTI_IGNORE_SELECTION", "1")],
+    );
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture(&agent, 2500).await;
+    let lines = workload.read_until("done");
+    let kernels = kernel_launches(&space, pid);
+    let first_linked = kernels.iter().position(|k| k.launches > 0);
+    let Some(first_linked) = first_linked else {
+        panic!("no kernel has its launch call: {:?}", space.warnings);
+    };
+    assert!(first_linked > 0, "the first kernels had their launch calls");
+    assert!(
+        kernels[first_linked..].iter().all(|k| k.launches == 1),
+        "after the switch every kernel has one launch call"
+    );
+    let said = "CUPTI wrote no record of the calls selected one by one";
+    let warning = space
+        .warnings
+        .iter()
+        .find(|w| w.contains(said))
+        .unwrap_or_else(|| panic!("{:?}", space.warnings));
+    assert!(
+        warning.contains(&format!("process {pid}")),
+        "the process is named: {warning}"
+    );
+    let unlinked_until = kernels[first_linked - 1].at_s;
+    assert!(
+        unlinked_until < 2.0,
+        "found out {unlinked_until} s into the window"
+    );
+    assert!(
+        lines
+            .iter()
+            .all(|l| !l.starts_with("call ") || l.contains("rc=0")),
+        "every call succeeded"
+    );
+}
+
 /// A libcupti without cuptiActivityEnableDriverApi (before CUDA 12.8's)
 /// cannot select calls: the timeline's are timed by the library's
 /// subscriber all the same, and when it has none, every call is recorded,

@@ -133,7 +133,10 @@
  *   CUPTI_ERROR_INVALID_PARAMETER. cuptiActivityEnableRuntimeApi is the same
  *   for runtime ids (sizes 487 and 567), though no call here is a runtime
  *   one. Built with -DSTANDIN_CUPTI_WITHOUT_PER_CALL_ENABLES the library has
- *   neither entry point, as libcupti before them.
+ *   neither entry point, as libcupti before them. With
+ *   $DEVTRACE_STANDIN_CUPTI_IGNORE_SELECTION=1 both succeed and select
+ *   nothing, as libcupti 13.0 did on an H200: not one of 128,608 kernels of
+ *   a capture had its launch's record.
  * - What CUPTI charges a driver call, modeled on what an H200 (CUDA 13.0)
  *   showed: from the first enable to cuptiFinalize every call pays
  *   $DEVTRACE_STANDIN_CUPTI_ARMED_NS (default 1000), kinds enabled or not;
@@ -794,6 +797,9 @@ static int subscriber_deaf;
 static int strict_subscribers;
 /* $DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS=1: no subscriber is ever called. */
 static int deaf_subscribers;
+/* $DEVTRACE_STANDIN_CUPTI_IGNORE_SELECTION=1: the per-call enables succeed
+ * and select nothing (see the top of this file). */
+static int ignore_selection;
 /* $DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES=1: launches come inside a
  * cudaLaunchKernel runtime call (see the top of this file). */
 static int runtime_launches;
@@ -865,6 +871,7 @@ static void setup(void) {
     enable_ms = env_or("DEVTRACE_STANDIN_CUPTI_ENABLE_MS", 0);
     strict_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_STRICT_SUBSCRIBERS", 0) != 0;
     deaf_subscribers = env_or("DEVTRACE_STANDIN_CUPTI_DEAF_SUBSCRIBERS", 0) != 0;
+    ignore_selection = env_or("DEVTRACE_STANDIN_CUPTI_IGNORE_SELECTION", 0) != 0;
     runtime_launches = env_or("DEVTRACE_STANDIN_CUPTI_RUNTIME_LAUNCHES", 0) != 0;
     late_ms = env_or("DEVTRACE_STANDIN_CUPTI_LATE_MS", 1500);
 }
@@ -1728,6 +1735,7 @@ CUPTIAPI CUptiResult cuptiActivityDisable(CUpti_ActivityKind kind) {
 #ifndef STANDIN_CUPTI_WITHOUT_PER_CALL_ENABLES
 static CUptiResult enable_call(uint8_t *calls, uint32_t size, CUpti_CallbackId cbid, uint8_t enable) {
     if (cbid == 0 || cbid >= size || cbid >= MAX_CALLBACK_IDS) return CUPTI_ERROR_INVALID_PARAMETER;
+    if (ignore_selection) return CUPTI_SUCCESS;
     pthread_mutex_lock(&lock);
     __atomic_store_n(&calls[cbid], enable ? 1 : 0, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&lock);

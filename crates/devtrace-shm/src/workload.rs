@@ -202,13 +202,16 @@ pub enum MetaRecord {
     },
 }
 
-/// Why the library's subscriber stopped timing the timeline's calls.
+/// Why the timeline's calls went unrecorded for a while.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UntimedCause {
     /// Another CUPTI user took the subscriber (or finalized CUPTI).
     Taken,
     /// CUPTI never called the subscriber while kernels were recorded.
     Silent,
+    /// CUPTI wrote no record of the calls selected one by one for it to
+    /// record, while it recorded kernels.
+    Unselected,
 }
 
 impl UntimedCause {
@@ -216,13 +219,18 @@ impl UntimedCause {
         match self {
             UntimedCause::Taken => "taken",
             UntimedCause::Silent => "silent",
+            UntimedCause::Unselected => "unselected",
         }
     }
 
     fn from_word(word: &str) -> Option<UntimedCause> {
-        [UntimedCause::Taken, UntimedCause::Silent]
-            .into_iter()
-            .find(|cause| cause.word() == word)
+        [
+            UntimedCause::Taken,
+            UntimedCause::Silent,
+            UntimedCause::Unselected,
+        ]
+        .into_iter()
+        .find(|cause| cause.word() == word)
     }
 }
 
@@ -237,7 +245,8 @@ pub enum ApiRecordSet {
     TimelineTimed,
     /// Every call, as a capture asked.
     All,
-    /// Every call, because the libcupti cannot select calls one by one.
+    /// Every call, because the libcupti cannot select calls one by one (it
+    /// lacks the entry points, or recorded none of the calls selected).
     AllUnselectable,
 }
 
@@ -279,7 +288,8 @@ impl ApiRecordSet {
             ApiRecordSet::All => "all: every driver and runtime API call",
             ApiRecordSet::AllUnselectable => {
                 "all: every driver and runtime API call (this libcupti cannot select calls one \
-                 by one: it has no cuptiActivityEnableDriverApi and cuptiActivityEnableRuntimeApi)"
+                 by one: it has no cuptiActivityEnableDriverApi and cuptiActivityEnableRuntimeApi, \
+                 or it recorded none of the calls selected with them)"
             }
         }
     }
@@ -715,6 +725,11 @@ pub fn sample_records() -> Vec<MetaRecord> {
             from_ns: 14,
             to_ns: 15,
             cause: UntimedCause::Silent,
+        },
+        MetaRecord::Untimed {
+            from_ns: 16,
+            to_ns: 17,
+            cause: UntimedCause::Unselected,
         },
         MetaRecord::Cupti {
             version: 130001,

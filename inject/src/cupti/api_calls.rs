@@ -299,15 +299,26 @@ pub const RUNTIME: &[(&str, u32)] = &[
 ];
 
 /// Switches the API records from `current` (`None`: none enabled) to every
-/// call (`all`) or the timeline's. Returns the set now in force and, when
-/// the timeline's could not be selected, why.
+/// call (`all`) or the timeline's; to every call too once CUPTI was seen
+/// ignoring the selection of the timeline's (`selection_ignored`, said by
+/// the caller). Returns the set now in force and, when the timeline's could
+/// not be selected, why.
 pub fn switch(
     current: Option<ApiRecordSet>,
     all: bool,
+    selection_ignored: bool,
 ) -> Result<(ApiRecordSet, Option<String>), String> {
     if all {
         enable_kinds()?;
         return Ok((ApiRecordSet::All, None));
+    }
+    if selection_ignored {
+        // Said when it was found out, with what it cost.
+        if current == Some(ApiRecordSet::Timeline) {
+            disable(ApiRecordSet::Timeline)?;
+        }
+        enable_kinds()?;
+        return Ok((ApiRecordSet::AllUnselectable, None));
     }
     if current == Some(ApiRecordSet::Timeline) {
         return Ok((ApiRecordSet::Timeline, None));

@@ -120,6 +120,12 @@ impl LostSpan {
                          which was to time them, while it recorded kernels, so CUPTI's API \
                          records took over"
                     }
+                    UntimedCause::Unselected => {
+                        "CUPTI wrote no record of the calls selected one by one for it to \
+                         record (cuptiActivityEnableDriverApi and RuntimeApi) while it recorded \
+                         kernels, so every driver and runtime API call is recorded in that \
+                         process from then on, at CUPTI's cost on each"
+                    }
                 },
             ),
         })
