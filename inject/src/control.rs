@@ -294,11 +294,10 @@ struct Tracer {
 }
 
 /// When the timeline's calls were selected for CUPTI to record, and the
-/// records converted by then.
+/// API records converted by then.
 #[derive(Clone, Copy, Debug)]
 struct Selected {
     at_ns: u64,
-    kernels: u64,
     api_records: u64,
 }
 
@@ -511,11 +510,11 @@ impl Tracer {
         Some(started)
     }
 
-    /// Whether CUPTI wrote no record of the timeline's calls in the second
-    /// since they were selected one by one, while it recorded kernels (so
-    /// it was on CUPTI 13.0 on an H200: not one of 128,608 kernels had its
-    /// launch's record); answers since when the calls are missing. One
-    /// record seen ends the watch.
+    /// Whether CUPTI wrote no record of the timeline's calls selected one
+    /// by one, while it recorded a kernel that started a second after the
+    /// selection, so was launched after it (so it was on CUPTI 13.0 on an
+    /// H200: not one of 128,608 kernels had its launch's record); answers
+    /// since when the calls are missing. One record seen ends the watch.
     fn selection_silent(&mut self, session: &Session) -> Option<u64> {
         let selected = self.selected?;
         if self.api != Some(ApiRecordSet::Timeline) {
@@ -525,10 +524,11 @@ impl Tracer {
             self.selected = None;
             return None;
         }
-        let now = devtrace_shm::clock::now_ns();
-        if now.saturating_sub(selected.at_ns) < SILENCE_LIMIT_NS
-            || kernels_converted(session) == selected.kernels
-        {
+        let latest_kernel_ns = session
+            .converter
+            .lock()
+            .map_or(0, |converter| converter.latest_kernel_ns());
+        if latest_kernel_ns < selected.at_ns.saturating_add(SILENCE_LIMIT_NS) {
             return None;
         }
         self.selected = None;
@@ -550,7 +550,6 @@ impl Tracer {
             ApiRecordSet::Timeline if current == Some(ApiRecordSet::Timeline) => self.selected,
             ApiRecordSet::Timeline => Some(Selected {
                 at_ns: devtrace_shm::clock::now_ns(),
-                kernels: kernels_converted(session),
                 api_records: api_records_converted(session),
             }),
             _ => None,
@@ -624,7 +623,8 @@ impl Tracer {
             // Once every call is recorded.
             eprintln!(
                 "devtrace-inject: CUPTI recorded none of the API calls selected one by one while \
-                 it recorded kernels; every driver and runtime API call is recorded from now on"
+                 it recorded kernels; whenever CUPTI records the calls from now on, it records \
+                 every driver and runtime API call"
             );
             session.write_meta(&MetaRecord::Untimed {
                 from_ns,

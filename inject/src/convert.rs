@@ -94,6 +94,8 @@ pub struct Converter {
     kernels: u64,
     /// CUPTI's API records converted (not the calls the library timed).
     api_records: u64,
+    /// The latest start of a kernel converted (host clock).
+    latest_kernel_ns: u64,
 }
 
 impl Converter {
@@ -115,6 +117,7 @@ impl Converter {
             callback_name,
             kernels: 0,
             api_records: 0,
+            latest_kernel_ns: 0,
         }
     }
 
@@ -132,6 +135,11 @@ impl Converter {
     /// CUPTI's API records converted so far.
     pub fn api_records_converted(&self) -> u64 {
         self.api_records
+    }
+
+    /// When the latest kernel converted so far started (host clock).
+    pub fn latest_kernel_ns(&self) -> u64 {
+        self.latest_kernel_ns
     }
 
     /// Whether the limits of some device are known.
@@ -208,6 +216,7 @@ impl Converter {
             )
         });
         let (start, duration) = self.span(r.read(k::START), r.read(k::END));
+        self.latest_kernel_ns = self.latest_kernel_ns.max(start);
         out.push(Event::new(
             start,
             duration,

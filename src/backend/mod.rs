@@ -99,22 +99,30 @@ pub enum BackendError {
 /// every driver call for what the library already has: on an H200 the
 /// probes cost a launch-bound PyTorch loop 5.2 us a kernel during a capture,
 /// on top of the library's 3.1 us.
+/// Counted per pid: an old ring of a process that ran `exec` may still be
+/// attached beside its new one.
 #[derive(Debug, Default)]
 pub struct LibraryProcesses {
-    pids: parking_lot::Mutex<std::collections::HashSet<u32>>,
+    pids: parking_lot::Mutex<std::collections::HashMap<u32, usize>>,
 }
 
 impl LibraryProcesses {
     pub fn insert(&self, pid: u32) {
-        self.pids.lock().insert(pid);
+        *self.pids.lock().entry(pid).or_default() += 1;
     }
 
     pub fn remove(&self, pid: u32) {
-        self.pids.lock().remove(&pid);
+        let mut pids = self.pids.lock();
+        if let Some(count) = pids.get_mut(&pid) {
+            *count -= 1;
+            if *count == 0 {
+                pids.remove(&pid);
+            }
+        }
     }
 
     pub fn contains(&self, pid: u32) -> bool {
-        self.pids.lock().contains(&pid)
+        self.pids.lock().contains_key(&pid)
     }
 }
 

@@ -477,11 +477,12 @@ async fn driver_calls_of_a_program_started_before_the_agent_carry_their_argument
     assert_eq!(memory, expected);
 }
 
-/// A process the injection library records (its ring attached, CUPTI
-/// loaded) runs with its driver library unprobed, since a uprobe traps on
-/// every call for what the library already has; a process beside it that
-/// maps the same driver library is probed, each call once. The injection
-/// library's process still has its launches, timed by the library.
+/// While a capture runs, a process the injection library records (its ring
+/// attached, CUPTI loaded) runs with its driver library unprobed, since a
+/// uprobe traps on every call for what the library already has; a process
+/// beside it that maps the same driver library is probed, each call once.
+/// The injection library's process still has its launches, timed by the
+/// library.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_process_the_injection_library_records_runs_unprobed() {
     if skip_without_root("unprobed") {
@@ -496,8 +497,6 @@ async fn a_process_the_injection_library_records_runs_unprobed() {
         "ebpf",
         "--ebpf-hooks",
         "cuda",
-        "--ebpf-attach",
-        "always",
         "--ebpf-comm",
         "cuda_unprobed",
         "--runtime-dir",
@@ -526,20 +525,27 @@ async fn a_process_the_injection_library_records_runs_unprobed() {
     let probed = CudaWorkload::start(&program, &args, &[]);
     recorded.read_until("waiting");
     probed.read_until("waiting");
-    wait_for_probes(&agent).await;
-    let mut health = String::new();
+    wait_for_attached(&agent, 1).await;
     for _ in 0..100 {
-        health = agent.monitor(100).await.data;
-        if health.contains("1 process left unprobed to the injection library") {
+        if agent
+            .monitor(100)
+            .await
+            .data
+            .contains("1 recording with CUPTI")
+        {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    // The probes go on as the capture starts, and are looked at during it.
+    let (space, health) = tokio::join!(capture_while(&agent, 2000, &release), async {
+        tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+        agent.monitor(100).await.data
+    });
     assert!(
         health.contains("1 process left unprobed to the injection library"),
         "{health}"
     );
-    let space = capture_while(&agent, 2000, &release).await;
     let recorded_calls = calls_until_done(&recorded);
     let probed_calls = calls_until_done(&probed);
 

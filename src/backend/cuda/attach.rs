@@ -38,6 +38,9 @@ pub(super) struct Process {
     /// Its CUDA ordinals to GPU planes (physical GPUs, by UUID).
     pub(super) planes: HashMap<u16, u16>,
     pub(super) cupti: Option<String>,
+    /// It is in the backends' [`LibraryProcesses`]: CUPTI loaded, and the
+    /// library has not stopped tracing since.
+    pub(super) told_recorded: bool,
     /// API record sets read before the process was remembered in
     /// `Status::traced`.
     pub(super) api_records: VecDeque<(u64, ApiRecordSet)>,
@@ -217,6 +220,7 @@ impl Attachments {
             cupti_dropped: 0,
             planes: HashMap::new(),
             cupti: None,
+            told_recorded: false,
             api_records: VecDeque::new(),
             states: Vec::new(),
         };
@@ -349,6 +353,10 @@ impl Attachments {
                     self.status.lock().cupti_dropped += grew;
                 }
                 MetaRecord::Error { message } => {
+                    if std::mem::take(&mut process.told_recorded) {
+                        self.library_processes.remove(pid);
+                        self.status.lock().recorded -= 1;
+                    }
                     let text = format!(
                         "the injection library in {} stopped tracing: {message}",
                         process.label()
@@ -366,7 +374,10 @@ impl Attachments {
                         traced.cupti = Some(text.clone());
                     }
                     process.cupti = Some(text);
-                    self.library_processes.insert(pid);
+                    if !std::mem::replace(&mut process.told_recorded, true) {
+                        self.library_processes.insert(pid);
+                        status.recorded += 1;
+                    }
                 }
                 MetaRecord::Displaced { at_ns, seen } => {
                     let label = process.label();
@@ -529,7 +540,10 @@ impl Attachments {
             return;
         };
         let pid = process.pid;
-        self.library_processes.remove(pid);
+        if process.told_recorded {
+            self.library_processes.remove(pid);
+            self.status.lock().recorded -= 1;
+        }
         self.slots.free(process.slot);
         // Only its own file: the name may be someone else's by now.
         if identity_at(&process.files.ring).is_some_and(|at| at.same_file(key)) {
@@ -620,6 +634,7 @@ mod tests {
             cupti_dropped: 0,
             planes: HashMap::new(),
             cupti: None,
+            told_recorded: false,
             api_records: VecDeque::new(),
             states: Vec::new(),
         };

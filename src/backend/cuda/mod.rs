@@ -319,6 +319,9 @@ impl Backend for CudaBackend {
             self.config.runtime_dir.display(),
             status.events
         );
+        if status.recorded > 0 {
+            detail.push_str(&format!("; {} recording with CUPTI", status.recorded));
+        }
         if let Some(error) = &status.last_error {
             detail.push_str(&format!("; last error: {error}"));
         }

@@ -123,8 +123,8 @@ impl LostSpan {
                     UntimedCause::Unselected => {
                         "CUPTI wrote no record of the calls selected one by one for it to \
                          record (cuptiActivityEnableDriverApi and RuntimeApi) while it recorded \
-                         kernels, so every driver and runtime API call is recorded in that \
-                         process from then on, at CUPTI's cost on each"
+                         kernels, so from then on, whenever CUPTI records that process's calls, \
+                         it records every driver and runtime API call, at its cost on each"
                     }
                 },
             ),
@@ -216,6 +216,8 @@ pub(super) enum Refusal {
 pub(super) struct Status {
     pub(super) traced: VecDeque<Traced>,
     pub(super) attached: usize,
+    /// Of those, the ones whose library loaded CUPTI (and has not stopped).
+    pub(super) recorded: usize,
     pub(super) seen: u64,
     pub(super) events: u64,
     pub(super) cupti_dropped: u64,

@@ -157,6 +157,7 @@ mod tests {
             cupti_dropped: 0,
             planes: [(1, 5)].into_iter().collect(),
             cupti: None,
+            told_recorded: false,
             api_records: VecDeque::new(),
             states: Vec::new(),
         }

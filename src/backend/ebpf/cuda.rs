@@ -181,7 +181,16 @@ pub struct MappingProcess {
 #[derive(Clone, Debug)]
 pub struct MappedLibrary {
     pub library: DriverLibrary,
-    pub processes: Vec<MappingProcess>,
+    pub mappers: Vec<Mapper>,
+}
+
+/// A process that maps a driver library, and the library's path through
+/// that process's own root (the one to probe it in that process by: the
+/// first process's may be gone).
+#[derive(Clone, Debug)]
+pub struct Mapper {
+    pub process: MappingProcess,
+    pub path: PathBuf,
 }
 
 /// Every driver library some process has mapped now, with those processes,
@@ -191,19 +200,20 @@ pub fn find_driver_libraries(proc_root: &Path, extra: &[PathBuf]) -> Vec<MappedL
     let mut found: Vec<MappedLibrary> = Vec::new();
     let mut index: HashMap<(u64, u64), usize> = HashMap::new();
     let mut add = |library: DriverLibrary, process: Option<MappingProcess>| {
+        let path = library.path.clone();
         let at = *index
             .entry((library.dev, library.inode))
             .or_insert_with(|| {
                 found.push(MappedLibrary {
                     library,
-                    processes: Vec::new(),
+                    mappers: Vec::new(),
                 });
                 found.len() - 1
             });
         if let Some(process) = process {
-            let processes = &mut found[at].processes;
-            if !processes.contains(&process) {
-                processes.push(process);
+            let mappers = &mut found[at].mappers;
+            if !mappers.iter().any(|m| m.process == process) {
+                mappers.push(Mapper { process, path });
             }
         }
     };

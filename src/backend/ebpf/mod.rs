@@ -104,6 +104,9 @@ pub(crate) struct Status {
     /// Processes mapping a driver library that the injection library
     /// records, so not probed.
     library_processes: usize,
+    /// More processes to probe one by one than [`programs`] does (how
+    /// many): a library is probed in every process then.
+    crowded: Option<usize>,
     losses: [u64; 3],
     events: u64,
     malformed: u64,
@@ -265,6 +268,12 @@ impl Backend for EbpfBackend {
                     "{count} process{plural} left unprobed to the injection library"
                 ));
             }
+            if let Some(count) = status.crowded {
+                parts.push(format!(
+                    "{count} processes to probe one by one, too many: their driver library is \
+                     probed in every process, those the injection library records too"
+                ));
+            }
         }
         parts.push(format!("{} events", status.events));
         let lost: u64 = status.losses.iter().sum();
@@ -303,9 +312,19 @@ impl Backend for EbpfBackend {
             ("devtrace_ebpf_cuda_returns".into(), returns.into()),
             (
                 "devtrace_ebpf_cuda_probes".into(),
-                "the driver calls of processes the injection library does not record; those it \
-                 records (with CUPTI loaded) are not probed, and their calls come from it"
-                    .into(),
+                match self.config.attach {
+                    AttachMode::Capture => {
+                        "the driver calls of processes the injection library does not record; \
+                         those it records (with CUPTI loaded) are not probed, and their calls \
+                         come from it"
+                    }
+                    AttachMode::Always => {
+                        "the driver calls of every process that maps a driver library, those the \
+                         injection library records too (--ebpf-attach always keeps the past's \
+                         calls, which the library does not record between captures)"
+                    }
+                }
+                .into(),
             ),
         ]
     }

@@ -7,6 +7,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -17,9 +18,7 @@ use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, RingBufferBuilder, UprobeOp
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
-use super::cuda::{
-    find_driver_libraries, CudaReturns, DriverCalls, DriverLibrary, MappingProcess, CUDA_PROBES,
-};
+use super::cuda::{find_driver_libraries, CudaReturns, DriverCalls, MappingProcess, CUDA_PROBES};
 use super::records::{
     CudaCall, Record, SchedRecord, LOSS_CUDA_INFLIGHT, LOSS_CUDA_RING, LOSS_KINDS, LOSS_SCHED_RING,
 };
@@ -231,9 +230,15 @@ struct ProbedLibrary {
 /// A driver library (device, inode) probed in one process, or in all.
 type ProbeKey = ((u64, u64), Option<MappingProcess>);
 
+/// Processes a driver library is probed in one by one at most; beyond, it
+/// is probed in every process (each probe is a perf event and a file
+/// descriptor, up to 54 a process), those the injection library records
+/// too, and `Monitor` says so.
+const MAX_PROBED_ALONE: usize = 64;
+
 fn probe_library(
     skel: &CudaSkel<'_>,
-    library: &DriverLibrary,
+    library: &Path,
     process: Option<MappingProcess>,
     returns: CudaReturns,
 ) -> Result<(ProbedLibrary, Vec<&'static str>), String> {
@@ -256,23 +261,19 @@ fn probe_library(
             ..UprobeOpts::default()
         };
         let attached = if probe.has_return(returns) {
-            let entry = skel.progs.on_cuda_entry.attach_uprobe_with_opts(
-                pid,
-                &library.path,
-                0,
-                opts(false),
-            );
-            let exit = skel.progs.on_cuda_return.attach_uprobe_with_opts(
-                pid,
-                &library.path,
-                0,
-                opts(true),
-            );
+            let entry =
+                skel.progs
+                    .on_cuda_entry
+                    .attach_uprobe_with_opts(pid, library, 0, opts(false));
+            let exit =
+                skel.progs
+                    .on_cuda_return
+                    .attach_uprobe_with_opts(pid, library, 0, opts(true));
             entry.and_then(|entry| Ok(vec![entry, exit?]))
         } else {
             skel.progs
                 .on_cuda_call
-                .attach_uprobe_with_opts(pid, &library.path, 0, opts(false))
+                .attach_uprobe_with_opts(pid, library, 0, opts(false))
                 .map(|entry| vec![entry])
         };
         match attached {
@@ -298,14 +299,14 @@ fn probe_library(
         let whose = process.map_or(String::new(), |p| format!(" in process {}", p.pid));
         return Err(format!(
             "{}{whose}: none of the driver entry points could be probed{why}",
-            library.path.display()
+            library.display()
         ));
     }
     Ok((ProbedLibrary { _links: links }, missing))
 }
 
 /// Whether `process` still runs (not a later one with its pid).
-fn process_alive(proc_root: &std::path::Path, process: MappingProcess) -> bool {
+fn process_alive(proc_root: &Path, process: MappingProcess) -> bool {
     std::fs::read_to_string(proc_root.join(process.pid.to_string()).join("stat"))
         .ok()
         .and_then(|stat| crate::model::host_process::parse_start_ticks(&stat))
@@ -406,6 +407,7 @@ pub(super) fn run(
         library_processes: Arc::clone(&context.library_processes),
         probes: HashMap::new(),
         refused: HashSet::new(),
+        failed: HashSet::new(),
         attached: false,
         last_scan: None,
         last_split: Instant::now(),
@@ -459,8 +461,10 @@ struct Tracer<'a> {
     /// Processes whose calls the injection library records: not probed.
     library_processes: Arc<LibraryProcesses>,
     probes: HashMap<ProbeKey, ProbedLibrary>,
-    /// Libraries no entry point of which could be probed.
+    /// Libraries no entry point of which could be probed in every process.
     refused: HashSet<(u64, u64)>,
+    /// Processes a library could not be probed in (until the next attach).
+    failed: HashSet<ProbeKey>,
     attached: bool,
     last_scan: Option<Instant>,
     last_split: Instant,
@@ -501,11 +505,13 @@ impl Tracer<'_> {
             .split(clock::now_ns(), &mut Vec::new());
         self.sched_links.clear();
         self.probes.clear();
+        self.failed.clear();
         self.attached = false;
         let mut status = self.status.lock();
         status.attached = false;
         status.libraries.clear();
         status.library_processes = 0;
+        status.crowded = None;
         debug!("eBPF programs detached");
     }
 
@@ -523,25 +529,32 @@ impl Tracer<'_> {
             return;
         }
         self.last_scan = Some(Instant::now());
-        let mut wanted: Vec<(ProbeKey, DriverLibrary)> = Vec::new();
+        // Attached always, the probes keep the past's driver calls, which
+        // the injection library does not record between captures.
+        let spare = self.config.attach == AttachMode::Capture;
+        let mut wanted: Vec<(ProbeKey, PathBuf)> = Vec::new();
         let mut left_to_library = 0;
+        let mut crowded = None;
         for mapped in find_driver_libraries(&self.config.proc_root, &self.config.cuda_libraries) {
             let file = (mapped.library.dev, mapped.library.inode);
             if self.refused.contains(&file) {
                 continue;
             }
             let (recorded, others): (Vec<_>, Vec<_>) = mapped
-                .processes
+                .mappers
                 .into_iter()
-                .partition(|process| self.library_processes.contains(process.pid));
-            left_to_library += recorded.len();
+                .partition(|mapper| spare && self.library_processes.contains(mapper.process.pid));
             if recorded.is_empty() {
-                wanted.push(((file, None), mapped.library));
+                wanted.push(((file, None), mapped.library.path));
+            } else if others.len() > MAX_PROBED_ALONE {
+                crowded = Some(others.len());
+                wanted.push(((file, None), mapped.library.path));
             } else {
+                left_to_library += recorded.len();
                 wanted.extend(
                     others
                         .into_iter()
-                        .map(|process| ((file, Some(process)), mapped.library.clone())),
+                        .map(|mapper| ((file, Some(mapper.process)), mapper.path)),
                 );
             }
         }
@@ -549,17 +562,17 @@ impl Tracer<'_> {
         // alone would have each call recorded twice.
         self.probes
             .retain(|key, _| wanted.iter().any(|(wanted, _)| wanted == key));
-        for (key, library) in wanted {
-            if self.probes.contains_key(&key) {
+        for (key, path) in wanted {
+            if self.probes.contains_key(&key) || self.failed.contains(&key) {
                 continue;
             }
             let (file, process) = key;
-            match probe_library(skel, &library, process, self.config.cuda_returns) {
+            match probe_library(skel, &path, process, self.config.cuda_returns) {
                 Ok((probes, missing)) => {
                     let pid = process.map(|p| p.pid);
-                    debug!(library = %library.path.display(), ?pid, ?missing, "CUDA driver probed");
+                    debug!(library = %path.display(), ?pid, ?missing, "CUDA driver probed");
                     self.probes.insert(key, probes);
-                    let path = library.path.display().to_string();
+                    let path = path.display().to_string();
                     let mut status = self.status.lock();
                     if !status.libraries.iter().any(|(known, _)| *known == path) {
                         info!(library = %path, ?missing, "CUDA driver probed");
@@ -568,6 +581,12 @@ impl Tracer<'_> {
                 }
                 // It ended while we looked.
                 Err(_) if process.is_some_and(|p| !process_alive(&self.config.proc_root, p)) => {}
+                // One process refused: the others are still probed.
+                Err(reason) if process.is_some() => {
+                    warn!(%reason, "CUDA driver library not probed in a process");
+                    self.failed.insert(key);
+                    self.status.lock().error = Some(reason);
+                }
                 Err(reason) => {
                     warn!(%reason, "CUDA driver library not probed");
                     self.refused.insert(file);
@@ -575,7 +594,9 @@ impl Tracer<'_> {
                 }
             }
         }
-        self.status.lock().library_processes = left_to_library;
+        let mut status = self.status.lock();
+        status.library_processes = left_to_library;
+        status.crowded = crowded;
     }
 
     /// Waits for the next tick and decodes what the BPF ring buffers hold;
