@@ -1,16 +1,21 @@
 //! `devtrace inspect`: a summary of a trace file, `.xplane.pb` or the
-//! Riegeli chunks of a large one (`.xplane.riegeli`).
+//! Riegeli chunks of a large one (`.xplane.riegeli`), or of each host's file
+//! in a session directory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use anyhow::Context;
 use clap::Args;
 
+use crate::repository::XPLANE_SUFFIX;
+use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::read::{read_trace, summarize};
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {
     /// The trace file (`<host>.xplane.pb`, or `<host>.xplane.riegeli`,
-    /// whose chunks are merged as XProf merges them).
+    /// whose chunks are merged as XProf merges them), or a session
+    /// directory (`LOGDIR/plugins/profile/SESSION`): each host's file in it.
     pub file: PathBuf,
     /// How many of the heaviest event names to list.
     #[arg(long, default_value_t = 10)]
@@ -24,11 +29,34 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
-    let trace = read_trace(&args.file)?;
+    if !args.file.is_dir() {
+        return inspect(&args.file, &args, false);
+    }
+    let files = session_files(&args.file)?;
+    let several = files.len() > 1;
+    for (index, file) in files.iter().enumerate() {
+        if several && !args.json {
+            if index > 0 {
+                println!();
+            }
+            println!("== {}", file.display());
+        }
+        inspect(file, &args, several)?;
+    }
+    Ok(())
+}
+
+/// Prints the summary of one trace file; `named`: with its path (one JSON
+/// document a line per file of a session).
+fn inspect(file: &Path, args: &InspectArgs, named: bool) -> anyhow::Result<()> {
+    let trace = read_trace(file)?;
     let summary = summarize(&trace.space, args.top);
     if args.json {
         let mut document = summary.to_json();
         document["chunks"] = trace.chunks.into();
+        if named {
+            document["file"] = file.display().to_string().into();
+        }
         println!("{document}");
         return Ok(());
     }
@@ -37,4 +65,29 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     }
     print!("{summary}");
     Ok(())
+}
+
+/// The trace files of a session directory, by name.
+fn session_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let entries =
+        std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|entry| entry.ok())
+        .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_file()))
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.ends_with(XPLANE_SUFFIX) || name.ends_with(RIEGELI_SUFFIX))
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        anyhow::bail!(
+            "{} holds no trace file (*{XPLANE_SUFFIX} or *{RIEGELI_SUFFIX}); give a session \
+             directory (LOGDIR/plugins/profile/SESSION) or a trace file",
+            dir.display()
+        );
+    }
+    Ok(files)
 }

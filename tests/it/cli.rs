@@ -59,6 +59,37 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
         assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
     }
 
+    // The session directory gives the same summary of its one host.
+    let session = expected.parent().unwrap();
+    let out = devtrace(&["inspect", session.to_str().unwrap(), "--top", "3"]);
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), text);
+    // With two hosts, each under its name, and one JSON document each.
+    let other = session.join("second_host.xplane.pb");
+    std::fs::copy(&expected, &other).unwrap();
+    let out = devtrace(&["inspect", session.to_str().unwrap(), "--top", "3"]);
+    let both = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        both.contains(&format!("== {}", expected.display())),
+        "{both}"
+    );
+    assert!(both.contains(&format!("== {}", other.display())), "{both}");
+    let out = devtrace(&["inspect", "--json", session.to_str().unwrap()]);
+    let files: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).expect("a JSON line"))
+        .map(|doc| doc["file"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        files,
+        [expected.display().to_string(), other.display().to_string()]
+    );
+    std::fs::remove_file(&other).unwrap();
+    let empty = tempfile::tempdir().unwrap();
+    let out = devtrace(&["inspect", empty.path().to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("holds no trace file"));
+
     // The same for scripts, with each plane's stats.
     let out = devtrace(&[
         "inspect",
