@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Args;
 
-use crate::repository::XPLANE_SUFFIX;
+use crate::fleet::session_traces;
+use crate::repository::{Folder, Location, XPLANE_SUFFIX};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::read::{read_trace, summarize};
 
@@ -67,21 +68,12 @@ fn inspect(file: &Path, args: &InspectArgs, named: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The trace files of a session directory, by name.
+/// The trace file of each host in a session directory, by host.
 fn session_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let entries =
-        std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
-    let mut files: Vec<PathBuf> = entries
-        .filter_map(|entry| entry.ok())
-        .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_file()))
-        .map(|entry| entry.path())
-        .filter(|path| {
-            path.file_name()
-                .and_then(|name| name.to_str())
-                .is_some_and(|name| name.ends_with(XPLANE_SUFFIX) || name.ends_with(RIEGELI_SUFFIX))
-        })
-        .collect();
-    files.sort();
+    let read = || format!("cannot read {}", dir.display());
+    let session = Folder::open(&Location::Local(dir.to_path_buf())).with_context(read)?;
+    let traces = session_traces(&session).with_context(read)?;
+    let files: Vec<PathBuf> = traces.into_values().map(|name| dir.join(name)).collect();
     if files.is_empty() {
         anyhow::bail!(
             "{} holds no trace file (*{XPLANE_SUFFIX} or *{RIEGELI_SUFFIX}); give a session \
