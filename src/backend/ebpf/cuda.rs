@@ -177,6 +177,15 @@ pub struct MappingProcess {
     pub started: u64,
 }
 
+impl MappingProcess {
+    /// Process `pid` as listed under `proc_root` now, if it runs.
+    pub fn at(proc_root: &Path, pid: u32) -> Option<MappingProcess> {
+        let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
+        let started = host_process::parse_start_ticks(&stat)?;
+        Some(MappingProcess { pid, started })
+    }
+}
+
 /// A driver library and the processes that have it mapped now.
 #[derive(Clone, Debug)]
 pub struct MappedLibrary {
@@ -246,11 +255,10 @@ pub fn find_driver_libraries(proc_root: &Path, extra: &[PathBuf]) -> Vec<MappedL
         if paths.is_empty() {
             continue;
         }
-        let process = std::fs::read_to_string(entry.path().join("stat"))
+        let process = pid
+            .parse()
             .ok()
-            .and_then(|stat| host_process::parse_start_ticks(&stat))
-            .zip(pid.parse().ok())
-            .map(|(started, pid)| MappingProcess { pid, started });
+            .and_then(|pid| MappingProcess::at(proc_root, pid));
         for path in paths {
             // Through the process's own root, so a container's library
             // resolves to the container's file.

@@ -100,7 +100,8 @@ pub fn cgroup_id(path: &std::path::Path) -> std::io::Result<u64> {
 pub(crate) struct Status {
     attached: bool,
     /// Probed driver libraries and the functions missing from each.
-    libraries: Vec<(String, Vec<&'static str>)>,
+    /// By (device, inode), with the path each was first probed through.
+    libraries: Vec<((u64, u64), String, Vec<&'static str>)>,
     /// Processes mapping a driver library that the injection library
     /// records, so not probed.
     library_processes: usize,
@@ -248,7 +249,7 @@ impl Backend for EbpfBackend {
             let libraries: Vec<String> = status
                 .libraries
                 .iter()
-                .map(|(path, missing)| {
+                .map(|(_, path, missing)| {
                     format!(
                         "{path} ({} of {} entry points)",
                         CUDA_PROBES.len() - missing.len(),

@@ -305,14 +305,6 @@ fn probe_library(
     Ok((ProbedLibrary { _links: links }, missing))
 }
 
-/// Whether `process` still runs (not a later one with its pid).
-fn process_alive(proc_root: &Path, process: MappingProcess) -> bool {
-    std::fs::read_to_string(proc_root.join(process.pid.to_string()).join("stat"))
-        .ok()
-        .and_then(|stat| crate::model::host_process::parse_start_ticks(&stat))
-        == Some(process.started)
-}
-
 /// The backend thread; see the module documentation.
 pub(super) fn run(
     config: EbpfConfig,
@@ -560,8 +552,9 @@ impl Tracer<'_> {
         }
         // Dropped before any is attached: a process probed both in all and
         // alone would have each call recorded twice.
-        self.probes
-            .retain(|key, _| wanted.iter().any(|(wanted, _)| wanted == key));
+        let is_wanted = |key: &ProbeKey| wanted.iter().any(|(wanted, _)| wanted == key);
+        self.probes.retain(|key, _| is_wanted(key));
+        self.failed.retain(is_wanted);
         for (key, path) in wanted {
             if self.probes.contains_key(&key) || self.failed.contains(&key) {
                 continue;
@@ -572,15 +565,19 @@ impl Tracer<'_> {
                     let pid = process.map(|p| p.pid);
                     debug!(library = %path.display(), ?pid, ?missing, "CUDA driver probed");
                     self.probes.insert(key, probes);
-                    let path = path.display().to_string();
+                    // Listed once, by the path it was first probed through.
                     let mut status = self.status.lock();
-                    if !status.libraries.iter().any(|(known, _)| *known == path) {
+                    if !status.libraries.iter().any(|(known, _, _)| *known == file) {
+                        let path = path.display().to_string();
                         info!(library = %path, ?missing, "CUDA driver probed");
-                        status.libraries.push((path, missing));
+                        status.libraries.push((file, path, missing));
                     }
                 }
                 // It ended while we looked.
-                Err(_) if process.is_some_and(|p| !process_alive(&self.config.proc_root, p)) => {}
+                Err(_)
+                    if process.is_some_and(|p| {
+                        MappingProcess::at(&self.config.proc_root, p.pid) != Some(p)
+                    }) => {}
                 // One process refused: the others are still probed.
                 Err(reason) if process.is_some() => {
                     warn!(%reason, "CUDA driver library not probed in a process");
