@@ -353,10 +353,9 @@ impl Attachments {
                     self.status.lock().cupti_dropped += grew;
                 }
                 MetaRecord::Error { message } => {
-                    if std::mem::take(&mut process.told_recorded) {
-                        self.library_processes.remove(pid);
-                        self.status.lock().recorded -= 1;
-                    }
+                    let mut status = self.status.lock();
+                    tell_recorded(&self.library_processes, &mut status, process, false);
+                    drop(status);
                     let text = format!(
                         "the injection library in {} stopped tracing: {message}",
                         process.label()
@@ -374,10 +373,7 @@ impl Attachments {
                         traced.cupti = Some(text.clone());
                     }
                     process.cupti = Some(text);
-                    if !std::mem::replace(&mut process.told_recorded, true) {
-                        self.library_processes.insert(pid);
-                        status.recorded += 1;
-                    }
+                    tell_recorded(&self.library_processes, &mut status, process, true);
                 }
                 MetaRecord::Displaced { at_ns, seen } => {
                     let label = process.label();
@@ -536,14 +532,10 @@ impl Attachments {
         key: FileIdentity,
         corruption: Option<crate::ring::Corruption>,
     ) {
-        let Some(process) = self.processes.remove(&key) else {
+        let Some(mut process) = self.processes.remove(&key) else {
             return;
         };
         let pid = process.pid;
-        if process.told_recorded {
-            self.library_processes.remove(pid);
-            self.status.lock().recorded -= 1;
-        }
         self.slots.free(process.slot);
         // Only its own file: the name may be someone else's by now.
         if identity_at(&process.files.ring).is_some_and(|at| at.same_file(key)) {
@@ -557,6 +549,7 @@ impl Attachments {
         }
         let mut status = self.status.lock();
         status.attached = self.processes.len();
+        tell_recorded(&self.library_processes, &mut status, &mut process, false);
         let now = clock::now_ns();
         status.lost_until(pid, now, |_| true);
         if let Some(traced) = status
@@ -591,6 +584,26 @@ pub(super) fn identity_at(path: &Path) -> Option<FileIdentity> {
     std::fs::symlink_metadata(path)
         .ok()
         .map(|meta| FileIdentity::of(&meta))
+}
+
+/// Tells the other backends, and the status, whether the injection library
+/// records `process` now (CUPTI loaded, not stopped), when that changed.
+fn tell_recorded(
+    library_processes: &LibraryProcesses,
+    status: &mut Status,
+    process: &mut Process,
+    recorded: bool,
+) {
+    if std::mem::replace(&mut process.told_recorded, recorded) == recorded {
+        return;
+    }
+    if recorded {
+        library_processes.insert(process.pid);
+        status.recorded += 1;
+    } else {
+        library_processes.remove(process.pid);
+        status.recorded -= 1;
+    }
 }
 
 #[cfg(test)]
