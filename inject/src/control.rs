@@ -441,7 +441,7 @@ impl Tracer {
                 cupti::api_calls::disable(set)?;
             }
             if !timed_calls::on() {
-                self.kernels_at_timing = kernels_converted(session);
+                self.kernels_at_timing = converted(session, Converter::kernels_converted);
                 timed_calls::start();
                 session.write_meta(&MetaRecord::ApiRecords {
                     at_ns: devtrace_shm::clock::now_ns(),
@@ -501,7 +501,7 @@ impl Tracer {
         if !timed_calls::on()
             || timed_calls::called()
             || now.saturating_sub(started) < SILENCE_LIMIT_NS
-            || kernels_converted(session) == self.kernels_at_timing
+            || converted(session, Converter::kernels_converted) == self.kernels_at_timing
         {
             return None;
         }
@@ -520,14 +520,11 @@ impl Tracer {
         if self.api != Some(ApiRecordSet::Timeline) {
             return None;
         }
-        if api_records_converted(session) != selected.api_records {
+        if converted(session, Converter::api_records_converted) != selected.api_records {
             self.selected = None;
             return None;
         }
-        let latest_kernel_ns = session
-            .converter
-            .lock()
-            .map_or(0, |converter| converter.latest_kernel_ns());
+        let latest_kernel_ns = converted(session, Converter::latest_kernel_ns);
         if latest_kernel_ns < selected.at_ns.saturating_add(SILENCE_LIMIT_NS) {
             return None;
         }
@@ -550,7 +547,7 @@ impl Tracer {
             ApiRecordSet::Timeline if current == Some(ApiRecordSet::Timeline) => self.selected,
             ApiRecordSet::Timeline => Some(Selected {
                 at_ns: devtrace_shm::clock::now_ns(),
-                api_records: api_records_converted(session),
+                api_records: converted(session, Converter::api_records_converted),
             }),
             _ => None,
         };
@@ -876,18 +873,13 @@ impl Tracer {
 }
 
 /// Kernel records converted so far.
-fn kernels_converted(session: &Session) -> u64 {
+/// What `read` answers of the session's converter (0 when a panic left
+/// its lock poisoned).
+fn converted(session: &Session, read: fn(&Converter) -> u64) -> u64 {
     session
         .converter
         .lock()
-        .map_or(0, |converter| converter.kernels_converted())
-}
-
-fn api_records_converted(session: &Session) -> u64 {
-    session
-        .converter
-        .lock()
-        .map_or(0, |converter| converter.api_records_converted())
+        .map_or(0, |converter| read(&converter))
 }
 
 /// Measures CUPTI's clock against `CLOCK_REALTIME`.
