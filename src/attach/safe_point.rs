@@ -379,18 +379,36 @@ pub(super) mod tests {
 
     #[test]
     fn a_thread_blocked_in_a_wait_is_picked_over_the_main_thread() {
-        // This test's process has threads waiting (libtest's main thread
-        // waits for the test, the spawned one for the channel).
-        let (done, wait) = std::sync::mpsc::channel::<()>();
-        let waiter = std::thread::spawn(move || wait.recv());
-        let borrowed = pick_thread(std::process::id() as i32);
-        assert!(borrowed.waiting, "{}", borrowed.describe(1));
-        let call = std::fs::read_to_string(format!("/proc/self/task/{}/syscall", borrowed.tid))
+        // Another process: in this one the thread looking would find
+        // itself in a system call (reading the task files), and other
+        // tests' threads wait in calls of their own. Its main thread spins;
+        // a second one waits on an event (a futex, 202).
+        let mut child = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import threading\n\
+                 threading.Thread(target=threading.Event().wait, daemon=True).start()\n\
+                 while True: pass",
+            ])
+            .spawn()
+            .expect("python3 runs");
+        let pid = child.id() as i32;
+        // Until the waiting thread is there.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, Iterator::count) < 2
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let borrowed = pick_thread(pid);
+        let call = std::fs::read_to_string(format!("/proc/{pid}/task/{}/syscall", borrowed.tid))
             .unwrap_or_default();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(borrowed.waiting, "{}", borrowed.describe(1));
+        assert_ne!(borrowed.tid, pid, "the main thread was picked");
         assert!(call.starts_with("202 "), "{call}");
         assert!(borrowed.describe(1).contains("blocked in system call 202"));
-        drop(done);
-        let _ = waiter.join();
     }
 
     #[test]
