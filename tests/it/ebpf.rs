@@ -477,18 +477,20 @@ async fn driver_calls_of_a_program_started_before_the_agent_carry_their_argument
     assert_eq!(memory, expected);
 }
 
-/// While a capture runs, a process the injection library records (its ring
-/// attached, CUPTI loaded) runs with its driver library unprobed, since a
-/// uprobe traps on every call for what the library already has; a process
-/// beside it that maps the same driver library is probed, each call once.
-/// The injection library's process still has its launches, timed by the
-/// library.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_process_the_injection_library_records_runs_unprobed() {
-    if skip_without_root("unprobed") {
-        return;
-    }
-    let program = cuda_programs("cuda_unprobed");
+/// A capture of a process the injection library records beside `others`
+/// plain processes on the same stand-in driver (`name` is the program's
+/// command name, which the agent's filter keeps), each making the same
+/// calls once the window is open.
+struct Beside {
+    space: XSpace,
+    /// `Monitor` during the capture.
+    health: String,
+    recorded: (u32, Vec<Call>),
+    probed: Vec<(u32, Vec<Call>)>,
+}
+
+async fn recorded_beside(name: &str, others: usize) -> Beside {
+    let program = cuda_programs(name);
     let runtime = tempfile::tempdir().unwrap();
     let agent = AgentProcess::start(&[
         "--backend",
@@ -498,7 +500,7 @@ async fn a_process_the_injection_library_records_runs_unprobed() {
         "--ebpf-hooks",
         "cuda",
         "--ebpf-comm",
-        "cuda_unprobed",
+        name,
         "--runtime-dir",
         runtime.path().to_str().unwrap(),
     ]);
@@ -522,9 +524,13 @@ async fn a_process_the_injection_library_records_runs_unprobed() {
             ("DEVTRACE_RUNTIME_DIR", runtime.path().to_str().unwrap()),
         ],
     );
-    let probed = CudaWorkload::start(&program, &args, &[]);
+    let probed: Vec<CudaWorkload> = (0..others)
+        .map(|_| CudaWorkload::start(&program, &args, &[]))
+        .collect();
     recorded.read_until("waiting");
-    probed.read_until("waiting");
+    for workload in &probed {
+        workload.read_until("waiting");
+    }
     wait_for_attached(&agent, 1).await;
     for _ in 0..100 {
         if agent
@@ -542,23 +548,41 @@ async fn a_process_the_injection_library_records_runs_unprobed() {
         tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
         agent.monitor(100).await.data
     });
+    Beside {
+        space,
+        health,
+        recorded: (recorded.workload.pid, calls_until_done(&recorded)),
+        probed: probed
+            .iter()
+            .map(|w| (w.workload.pid, calls_until_done(w)))
+            .collect(),
+    }
+}
+
+/// While a capture runs, a process the injection library records (its ring
+/// attached, CUPTI loaded) runs with its driver library unprobed, since a
+/// uprobe traps on every call for what the library already has; a process
+/// beside it that maps the same driver library is probed, each call once.
+/// The injection library's process still has its launches, timed by the
+/// library.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_the_injection_library_records_runs_unprobed() {
+    if skip_without_root("unprobed") {
+        return;
+    }
+    let Beside {
+        space,
+        health,
+        recorded: (recorded_pid, recorded_calls),
+        probed,
+    } = recorded_beside("cuda_unprobed", 1).await;
     assert!(
         health.contains("1 process left unprobed to the injection library"),
         "{health}"
     );
-    let recorded_calls = calls_until_done(&recorded);
-    let probed_calls = calls_until_done(&probed);
-
-    assert_calls_match(
-        &space,
-        &probed_calls,
-        probed.workload.pid,
-        0,
-        0,
-        false,
-        false,
-    );
-    let trapped = driver_calls(&space, recorded.workload.pid);
+    let (probed_pid, probed_calls) = &probed[0];
+    assert_calls_match(&space, probed_calls, *probed_pid, 0, 0, false, false);
+    let trapped = driver_calls(&space, recorded_pid);
     assert!(
         trapped.is_empty(),
         "the recorded process was probed: {:?}",
@@ -578,6 +602,34 @@ async fn a_process_the_injection_library_records_runs_unprobed() {
         Some(StatValue::Str(text)) => assert!(text.contains("not probed"), "{text}"),
         other => panic!("the trace does not say which processes are probed: {other:?}"),
     }
+}
+
+/// Past 64 other processes to probe one by one (each probe a file
+/// descriptor), the driver library is probed in every process, the
+/// recorded one too, and `Monitor` says why.
+#[tokio::test(flavor = "multi_thread")]
+async fn too_many_processes_to_probe_one_by_one_are_probed_all_at_once() {
+    if skip_without_root("crowded") {
+        return;
+    }
+    let Beside {
+        space,
+        health,
+        recorded: (recorded_pid, _),
+        probed,
+    } = recorded_beside("cuda_crowded", 65).await;
+    assert!(
+        health.contains("65 processes to probe one by one, too many"),
+        "{health}"
+    );
+    assert!(!health.contains("left unprobed"), "{health}");
+    for (pid, calls) in &probed {
+        assert_calls_match(&space, calls, *pid, 0, 0, false, false);
+    }
+    assert!(
+        !driver_calls(&space, recorded_pid).is_empty(),
+        "the recorded process was probed with all the others"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
