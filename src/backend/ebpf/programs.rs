@@ -231,10 +231,12 @@ struct ProbedLibrary {
 type ProbeKey = ((u64, u64), Option<MappingProcess>);
 
 /// Processes a driver library is probed in one by one at most; beyond, it
-/// is probed in every process (each probe is a perf event and a file
-/// descriptor, up to 54 a process), those the injection library records
-/// too, and `Monitor` says so.
-const MAX_PROBED_ALONE: usize = 64;
+/// is probed in every process, those the injection library records too,
+/// and `Monitor` says so. Probing one process alone took about 3 s here
+/// (54 probes, each a perf event and a file descriptor, each registered
+/// with the kernel on its own), on this thread, which drains nothing
+/// meanwhile: 65 processes took minutes.
+const MAX_PROBED_ALONE: usize = 4;
 
 fn probe_library(
     skel: &CudaSkel<'_>,
