@@ -21,7 +21,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     ("protocol", &["protocol"]),
     ("recording", &["recorder", "repository"]),
-    ("sources", &["attach", "backend", "tap"]),
+    ("sources", &["attach", "backend", "elf", "tap"]),
     ("products", &["agent", "analysis", "tools", "xspace"]),
     ("clients", &["doctor", "fleet", "telemetry"]),
     ("captures", &["capture"]),

@@ -15,6 +15,7 @@ pub mod backend;
 pub mod capture;
 pub mod cli;
 pub mod doctor;
+pub mod elf;
 pub mod fleet;
 #[cfg(test)]
 mod fuzz;

@@ -18,7 +18,6 @@
 //! What stays behind: the page (4 KiB, readable, writable and executable)
 //! and the library itself, which detaches CUPTI after each capture.
 
-pub mod elf;
 mod ptrace;
 pub mod rules;
 mod safe_point;

@@ -5,9 +5,9 @@
 
 use std::path::{Path, PathBuf};
 
-use super::elf;
 use super::AttachError;
 use crate::backend::ebpf::cuda::is_driver_library;
+use crate::elf;
 use crate::model::host_process;
 use crate::repository::acting::Credentials;
 

@@ -233,6 +233,17 @@ pub struct ServeArgs {
     #[arg(long = "cuda-library", value_name = "PATH")]
     pub cuda_libraries: Vec<PathBuf>,
 
+    /// While the injection library records some processes that map a CUDA
+    /// driver library, the other processes that map it (and pass the
+    /// --ebpf-pid and --ebpf-comm filters) are probed one by one, so that
+    /// the recorded ones run unprobed; past this many, the library is
+    /// probed in every process, the recorded ones too (Monitor says so).
+    /// Default: 64 where the kernel links a process's probes together
+    /// (Linux 6.12 and later), 4 before (each of a process's 54 probes is
+    /// then a perf event of its own).
+    #[arg(long, value_name = "N")]
+    pub ebpf_probe_alone_max: Option<usize>,
+
     /// Where CUDA workloads' injection libraries put their rings (the same
     /// DEVTRACE_RUNTIME_DIR must reach the workloads; share it as a volume
     /// with containers). Created world-writable and sticky when missing.
@@ -473,6 +484,7 @@ pub(super) fn agent_config(args: &ServeArgs) -> anyhow::Result<AgentConfig> {
             },
             comm: args.ebpf_comm.clone(),
             cuda_libraries: args.cuda_libraries.clone(),
+            probe_alone_max: args.ebpf_probe_alone_max,
             ring_bytes: args.ebpf_ring_size,
             ..EbpfConfig::default()
         },

@@ -119,6 +119,14 @@ fn ebpf(plan: &KernelPlan) -> Vec<Finding> {
                     .hint("use a kernel with CONFIG_UPROBE_EVENTS=y, or --ebpf-hooks sched"),
             );
         }
+        if let Some(linking) = crate::backend::ebpf::probe_linking().filter(|_| enough) {
+            findings.push(Finding::new(
+                Area::Ebpf,
+                item("uprobe links"),
+                Status::Ok,
+                format!("the CUDA driver's probes: {linking}"),
+            ));
+        }
     }
     if enough {
         findings.push(program_load());

@@ -266,6 +266,15 @@ fn driver_calls(space: &XSpace, pid: u32) -> Vec<(Seen, u64)> {
         .collect()
 }
 
+/// The thread id of a thread line named `... TID (pid PID)`.
+fn line_thread(line: &str) -> u32 {
+    line.split(" (pid ")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|tid| tid.parse().ok())
+        .unwrap_or_else(|| panic!("no thread id in line {line:?}"))
+}
+
 /// Every probed call the workload printed is in the trace once, on its
 /// thread's line, inside the interval the workload measured around it, with
 /// its arguments; and nothing else of that process is. Launches and
@@ -294,12 +303,14 @@ fn assert_calls_match(
         "cuMemFree_v2",
         "cuCtxSynchronize",
     ];
-    let expected: Vec<&Call> = calls
+    // Each thread's calls in order, thread after thread.
+    let mut expected: Vec<&Call> = calls
         .iter()
         .filter(|c| PROBED.contains(&c.name.as_str()))
         .collect();
+    expected.sort_by_key(|c| (c.tid, c.realtime.0));
     let mut seen = driver_calls(space, pid);
-    seen.sort_by_key(|(_, at)| *at);
+    seen.sort_by_key(|(event, at)| (line_thread(&event.line), *at));
     let names = |v: &[&str]| v.join(" ");
     assert_eq!(
         names(
@@ -480,7 +491,9 @@ async fn driver_calls_of_a_program_started_before_the_agent_carry_their_argument
 /// A capture of a process the injection library records beside `others`
 /// plain processes on the same stand-in driver (`name` is the program's
 /// command name, which the agent's filter keeps), each making the same
-/// calls once the window is open.
+/// calls once the window is open, the plain ones from two threads each
+/// (neither the first), until about a second into it. The agent gets
+/// `agent_args` too.
 struct Beside {
     space: XSpace,
     /// `Monitor` during the capture.
@@ -489,10 +502,10 @@ struct Beside {
     probed: Vec<(u32, Vec<Call>)>,
 }
 
-async fn recorded_beside(name: &str, others: usize) -> Beside {
+async fn recorded_beside(name: &str, others: usize, agent_args: &[&str]) -> Beside {
     let program = cuda_programs(name);
     let runtime = tempfile::tempdir().unwrap();
-    let agent = AgentProcess::start(&[
+    let mut args = vec![
         "--backend",
         "cuda",
         "--backend",
@@ -503,16 +516,21 @@ async fn recorded_beside(name: &str, others: usize) -> Beside {
         name,
         "--runtime-dir",
         runtime.path().to_str().unwrap(),
-    ]);
+    ];
+    args.extend_from_slice(agent_args);
+    let agent = AgentProcess::start(&args);
     let dir = tempfile::tempdir().unwrap();
     let release = dir.path().join("go");
+    // 40 iterations 20 ms apart: from the release (0.3 s into the window)
+    // to past the look at Monitor (0.7 s), done well before the end (2 s).
     let args = [
-        "5",
+        "40",
         "--wait-file",
         release.to_str().unwrap(),
         "--sleep-ms",
         "20",
     ];
+    let two_threads = [&args[..], &["--threads", "2"]].concat();
     let cupti = cupti_standin().display().to_string();
     let inject = inject_library().display().to_string();
     let recorded = CudaWorkload::start(
@@ -525,7 +543,7 @@ async fn recorded_beside(name: &str, others: usize) -> Beside {
         ],
     );
     let probed: Vec<CudaWorkload> = (0..others)
-        .map(|_| CudaWorkload::start(&program, &args, &[]))
+        .map(|_| CudaWorkload::start(&program, &two_threads, &[]))
         .collect();
     recorded.read_until("waiting");
     for workload in &probed {
@@ -545,7 +563,7 @@ async fn recorded_beside(name: &str, others: usize) -> Beside {
     }
     // The probes go on as the capture starts, and are looked at during it.
     let (space, health) = tokio::join!(capture_while(&agent, 2000, &release), async {
-        tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(700)).await;
         agent.monitor(100).await.data
     });
     Beside {
@@ -575,7 +593,7 @@ async fn a_process_the_injection_library_records_runs_unprobed() {
         health,
         recorded: (recorded_pid, recorded_calls),
         probed,
-    } = recorded_beside("cuda_unprobed", 1).await;
+    } = recorded_beside("cuda_unprobed", 1, &[]).await;
     assert!(
         health.contains("1 process left unprobed to the injection library"),
         "{health}"
@@ -604,9 +622,9 @@ async fn a_process_the_injection_library_records_runs_unprobed() {
     }
 }
 
-/// Past 4 other processes to probe one by one (each takes seconds to
-/// probe alone), the driver library is probed in every process, the
-/// recorded one too, and `Monitor` says why.
+/// Past `--ebpf-probe-alone-max` other processes to probe one by one,
+/// the driver library is probed in every process, the recorded one too,
+/// and `Monitor` says why.
 #[tokio::test(flavor = "multi_thread")]
 async fn too_many_processes_to_probe_one_by_one_are_probed_all_at_once() {
     if skip_without_root("crowded") {
@@ -617,7 +635,7 @@ async fn too_many_processes_to_probe_one_by_one_are_probed_all_at_once() {
         health,
         recorded: (recorded_pid, _),
         probed,
-    } = recorded_beside("cuda_crowded", 5).await;
+    } = recorded_beside("cuda_crowded", 5, &["--ebpf-probe-alone-max", "4"]).await;
     assert!(
         health.contains("5 processes to probe one by one, too many"),
         "{health}"

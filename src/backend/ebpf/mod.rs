@@ -14,6 +14,8 @@ pub(crate) mod cuda;
 mod programs;
 pub(crate) mod records;
 pub(crate) mod sched;
+#[cfg(devtrace_bpf)]
+mod uprobes;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -53,6 +55,10 @@ pub struct EbpfConfig {
     pub comm: Option<String>,
     /// Driver libraries to probe besides those found in processes' maps.
     pub cuda_libraries: Vec<PathBuf>,
+    /// Processes a driver library is probed in one by one at most, beside
+    /// those the injection library records (`None`: by how this kernel
+    /// links probes).
+    pub probe_alone_max: Option<usize>,
     /// Where processes are listed (`/proc`).
     pub proc_root: PathBuf,
     /// How often processes' maps are searched for new driver libraries.
@@ -74,11 +80,36 @@ impl Default for EbpfConfig {
             cgroup_id: None,
             comm: None,
             cuda_libraries: Vec::new(),
+            probe_alone_max: None,
             proc_root: PathBuf::from("/proc"),
             rescan_interval: Duration::from_secs(1),
             split_interval: Duration::from_millis(250),
             ring_bytes: 4 << 20,
         }
+    }
+}
+
+impl EbpfConfig {
+    /// Whether some thread of process `pid`, as listed under `proc_root`
+    /// now, passes the process and command-name filters the programs
+    /// apply (the cgroup filter is left to them): a process none of whose
+    /// threads would be recorded need not be probed on its own. A thread
+    /// renamed later is seen at the next look.
+    pub(crate) fn may_record(&self, pid: u32) -> bool {
+        if !self.pids.is_empty() && !self.pids.contains(&pid) {
+            return false;
+        }
+        let Some(prefix) = &self.comm else {
+            return true;
+        };
+        let prefix = &prefix.as_bytes()[..prefix.len().min(15)];
+        let Ok(threads) = std::fs::read_dir(self.proc_root.join(pid.to_string()).join("task"))
+        else {
+            return false;
+        };
+        threads.flatten().any(|thread| {
+            std::fs::read(thread.path().join("comm")).is_ok_and(|comm| comm.starts_with(prefix))
+        })
     }
 }
 
@@ -161,6 +192,19 @@ pub(crate) fn preflight(sched: bool, cuda: bool) -> Result<(), &'static str> {
         );
     }
     Ok(())
+}
+
+/// How this kernel links the CUDA driver's probes, in words (for `devtrace
+/// doctor`); `None` in a build without the BPF programs.
+pub(crate) fn probe_linking() -> Option<&'static str> {
+    #[cfg(devtrace_bpf)]
+    {
+        Some(uprobes::Linking::of_this_kernel().describe())
+    }
+    #[cfg(not(devtrace_bpf))]
+    {
+        None
+    }
 }
 
 /// Where the kernel's BTF is read from.

@@ -7,22 +7,25 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, RingBufferBuilder, UprobeOpts};
+use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, RingBufferBuilder};
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
-use super::cuda::{find_driver_libraries, CudaReturns, DriverCalls, MappingProcess, CUDA_PROBES};
+use super::cuda::{find_driver_libraries, DriverCalls, MappingProcess};
 use super::records::{
     CudaCall, Record, SchedRecord, LOSS_CUDA_INFLIGHT, LOSS_CUDA_RING, LOSS_KINDS, LOSS_SCHED_RING,
 };
 use super::sched::SchedTimeline;
+use super::uprobes::{
+    probe_library, EntryPoints, LibraryFile, Linking, ProbeKey, ProbedLibrary, Reaper,
+};
 use super::{AttachMode, EbpfConfig, Status};
 use crate::backend::worker::StopFlag;
 use crate::backend::{BackendContext, LibraryProcesses};
@@ -34,7 +37,7 @@ mod sched_skel {
     #![allow(clippy::all, clippy::pedantic, dead_code, non_camel_case_types)]
     include!(concat!(env!("OUT_DIR"), "/sched.skel.rs"));
 }
-mod cuda_skel {
+pub(super) mod cuda_skel {
     #![allow(clippy::all, clippy::pedantic, dead_code, non_camel_case_types)]
     include!(concat!(env!("OUT_DIR"), "/cuda.skel.rs"));
 }
@@ -157,11 +160,12 @@ macro_rules! configure_filters {
     }};
 }
 
-/// Opens, configures and loads one skeleton when `$wanted`: filters and the
-/// ring-buffer size before load, the pid table after. Evaluates to
-/// `Result<Option<Skel>, String>`.
+/// Opens, configures and loads one skeleton when `$wanted`: filters, the
+/// ring-buffer size and whatever `$prepare` sets before load, the pid table
+/// after. Evaluates to `Result<Option<Skel>, String>`.
 macro_rules! load {
-    ($config:expr, $wanted:ident, $builder:ident, $object:ident, $ring:ident, $what:literal) => {{
+    ($config:expr, $wanted:ident, $builder:ident, $object:ident, $ring:ident, $what:literal,
+     $prepare:expr) => {{
         let config = &$config;
         if !config.$wanted {
             Ok(None)
@@ -175,6 +179,7 @@ macro_rules! load {
                         .$ring
                         .set_max_entries(config.ring_bytes)
                         .map_err(|e| format!("sizing the {} ring buffer: {e}", $what))?;
+                    $prepare(&mut open);
                     open.load().map_err(|e| load_error($what, e))
                 })
                 .and_then(|skel| {
@@ -216,95 +221,17 @@ fn attach_sched(skel: &SchedSkel<'_>) -> Result<Vec<Link>, libbpf_rs::Error> {
     ])
 }
 
-/// Uprobes on one driver library: per function it exports, an entry probe,
-/// and a return probe where `CudaReturns` asks for one; in every process
-/// that maps the library (those that map it later too, from their first
-/// call), or in one process alone. The kernel puts a probe's breakpoints in
-/// the mappings of the processes it is for, and every call through one
-/// traps; so where the injection library records some of a library's
-/// processes, the others are probed one by one and those run untrapped.
-struct ProbedLibrary {
-    _links: Vec<Link>,
-}
-
-/// A driver library (device, inode) probed in one process, or in all.
-type ProbeKey = ((u64, u64), Option<MappingProcess>);
-
-/// Processes a driver library is probed in one by one at most; beyond, it
-/// is probed in every process, those the injection library records too,
-/// and `Monitor` says so. Probing one process alone took about 3 s here
-/// (54 probes, each a perf event and a file descriptor, each registered
-/// with the kernel on its own), on this thread, which drains nothing
-/// meanwhile: 65 processes took minutes.
-const MAX_PROBED_ALONE: usize = 4;
-
-fn probe_library(
-    skel: &CudaSkel<'_>,
-    library: &Path,
-    process: Option<MappingProcess>,
-    returns: CudaReturns,
-) -> Result<(ProbedLibrary, Vec<&'static str>), String> {
-    // -1: every process.
-    let pid = match process {
-        Some(process) => {
-            i32::try_from(process.pid).map_err(|_| format!("pid {} out of range", process.pid))?
-        }
-        None => -1,
-    };
-    let mut links = Vec::new();
-    let mut missing = Vec::new();
-    let mut first_error = None;
-    for (index, probe) in CUDA_PROBES.iter().enumerate() {
-        let cookie = probe.cookie(index, returns);
-        let opts = |retprobe| UprobeOpts {
-            func_name: Some(probe.symbol.to_string()),
-            retprobe,
-            cookie,
-            ..UprobeOpts::default()
-        };
-        let attached = if probe.has_return(returns) {
-            let entry =
-                skel.progs
-                    .on_cuda_entry
-                    .attach_uprobe_with_opts(pid, library, 0, opts(false));
-            let exit =
-                skel.progs
-                    .on_cuda_return
-                    .attach_uprobe_with_opts(pid, library, 0, opts(true));
-            entry.and_then(|entry| Ok(vec![entry, exit?]))
-        } else {
-            skel.progs
-                .on_cuda_call
-                .attach_uprobe_with_opts(pid, library, 0, opts(false))
-                .map(|entry| vec![entry])
-        };
-        match attached {
-            Ok(probes) => links.extend(probes),
-            Err(error) => {
-                first_error.get_or_insert(error);
-                missing.push(probe.symbol);
-            }
-        }
-    }
-    if links.is_empty() {
-        let why = first_error.map_or_else(String::new, |error| {
-            let denied = error.kind() == libbpf_rs::ErrorKind::PermissionDenied;
-            // Since Linux 6.16 a uprobe needs CAP_SYS_ADMIN; CAP_PERFMON
-            // alone gets EACCES.
-            let hint = if denied {
-                " (uprobes need CAP_SYS_ADMIN on Linux 6.16 and later, CAP_PERFMON before)"
-            } else {
-                ""
-            };
-            format!(": {error}{hint}")
-        });
-        let whose = process.map_or(String::new(), |p| format!(" in process {}", p.pid));
-        return Err(format!(
-            "{}{whose}: none of the driver entry points could be probed{why}",
-            library.display()
-        ));
-    }
-    Ok((ProbedLibrary { _links: links }, missing))
+/// Processes a driver library is probed in one by one at most, unless the
+/// operator says; beyond, it is probed in every process, those the
+/// injection library records too, and `Monitor` says so. Where each probe
+/// is a perf event of its own, a process's 54 cost file descriptors and,
+/// when a process needs probes that would fire with others still being let
+/// go of, a wait of seconds (about 3 s here); linked together, three links
+/// and milliseconds.
+fn max_probed_alone(config: &EbpfConfig, linking: Linking) -> usize {
+    config
+        .probe_alone_max
+        .unwrap_or(if linking.many_in_one { 64 } else { 4 })
 }
 
 /// The backend thread; see the module documentation.
@@ -318,6 +245,14 @@ pub(super) fn run(
     libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Debug, log_libbpf)));
     let mut sched_object = MaybeUninit::<OpenObject>::uninit();
     let mut cuda_object = MaybeUninit::<OpenObject>::uninit();
+    let linking = if config.cuda {
+        Linking::of_this_kernel()
+    } else {
+        Linking {
+            many_in_all: false,
+            many_in_one: false,
+        }
+    };
 
     let sched = match load!(
         config,
@@ -325,7 +260,8 @@ pub(super) fn run(
         SchedSkelBuilder,
         sched_object,
         sched_events,
-        "scheduler"
+        "scheduler",
+        |_: &mut _| {}
     ) {
         Ok(skel) => skel,
         Err(reason) => {
@@ -339,7 +275,14 @@ pub(super) fn run(
         CudaSkelBuilder,
         cuda_object,
         cuda_events,
-        "CUDA uprobe"
+        "CUDA uprobe",
+        |open: &mut cuda_skel::OpenCudaSkel<'_>| {
+            // Only the set of programs this kernel links is loaded.
+            let progs = &mut open.progs;
+            progs.on_cuda_call_multi.set_autoload(linking.many_in_all);
+            progs.on_cuda_entry_multi.set_autoload(linking.many_in_all);
+            progs.on_cuda_return_multi.set_autoload(linking.many_in_all);
+        }
     ) {
         Ok(skel) => skel,
         Err(reason) => {
@@ -388,18 +331,24 @@ pub(super) fn run(
         }
     };
     let _ = ready.send(Ok(()));
+    if cuda.is_some() {
+        info!(linking = linking.describe(), "CUDA driver probes ready");
+    }
 
     let mut tracer = Tracer {
         config: &config,
         status: &status,
         sched: sched.as_ref(),
         cuda: cuda.as_ref(),
+        linking,
         rings,
         decoder,
         producer,
         sched_links: Vec::new(),
         library_processes: Arc::clone(&context.library_processes),
         probes: HashMap::new(),
+        entry_points: HashMap::new(),
+        reaper: Reaper::start(),
         refused: HashSet::new(),
         failed: HashSet::new(),
         attached: false,
@@ -445,6 +394,8 @@ struct Tracer<'a> {
     status: &'a Mutex<Status>,
     sched: Option<&'a SchedSkel<'a>>,
     cuda: Option<&'a CudaSkel<'a>>,
+    /// How the driver's probes are linked on this kernel.
+    linking: Linking,
     rings: libbpf_rs::RingBuffer<'a>,
     decoder: Rc<RefCell<Decoder>>,
     producer: crate::ring::Producer,
@@ -455,8 +406,12 @@ struct Tracer<'a> {
     /// Processes whose calls the injection library records: not probed.
     library_processes: Arc<LibraryProcesses>,
     probes: HashMap<ProbeKey, ProbedLibrary>,
+    /// Each library's entry points, read once (`None`: unreadable, so
+    /// probed by name, one by one).
+    entry_points: HashMap<LibraryFile, Option<EntryPoints>>,
+    reaper: Reaper,
     /// Libraries no entry point of which could be probed in every process.
-    refused: HashSet<(u64, u64)>,
+    refused: HashSet<LibraryFile>,
     /// Processes a library could not be probed in (until the next attach).
     failed: HashSet<ProbeKey>,
     attached: bool,
@@ -499,6 +454,7 @@ impl Tracer<'_> {
             .split(clock::now_ns(), &mut Vec::new());
         self.sched_links.clear();
         self.probes.clear();
+        self.entry_points.clear();
         self.failed.clear();
         self.attached = false;
         let mut status = self.status.lock();
@@ -538,9 +494,14 @@ impl Tracer<'_> {
                 .mappers
                 .into_iter()
                 .partition(|mapper| spare && self.library_processes.contains(mapper.process.pid));
+            // Probed alone only where something may be recorded.
+            let others: Vec<_> = others
+                .into_iter()
+                .filter(|mapper| self.config.may_record(mapper.process.pid))
+                .collect();
             if recorded.is_empty() {
                 wanted.push(((file, None), mapped.library.path));
-            } else if others.len() > MAX_PROBED_ALONE {
+            } else if others.len() > max_probed_alone(self.config, self.linking) {
                 crowded = Some(others.len());
                 wanted.push(((file, None), mapped.library.path));
             } else {
@@ -562,7 +523,31 @@ impl Tracer<'_> {
                 continue;
             }
             let (file, process) = key;
-            match probe_library(skel, &path, process, self.config.cuda_returns) {
+            let linking = self.linking;
+            let entry_points = self
+                .entry_points
+                .entry(file)
+                .or_insert_with(|| {
+                    if !linking.many_in_all {
+                        return None;
+                    }
+                    EntryPoints::read(&path, file)
+                        .inspect_err(|reason| {
+                            debug!(library = %path.display(), %reason,
+                                "driver entry points not read; probing by name, one by one");
+                        })
+                        .ok()
+                })
+                .as_ref();
+            match probe_library(
+                skel,
+                &path,
+                key,
+                entry_points,
+                self.config.cuda_returns,
+                linking,
+                &self.reaper,
+            ) {
                 Ok((probes, missing)) => {
                     let pid = process.map(|p| p.pid);
                     debug!(library = %path.display(), ?pid, ?missing, "CUDA driver probed");
