@@ -27,6 +27,7 @@ pub enum ElfError {
 const SHT_DYNSYM: u32 = 11;
 const STT_OBJECT: u8 = 1;
 const STT_FUNC: u8 = 2;
+const STB_WEAK: u8 = 2;
 const EM_X86_64: u16 = 62;
 const EM_AARCH64: u16 = 183;
 
@@ -49,7 +50,10 @@ impl Source for [u8] {
 
 impl Source for File {
     fn piece(&self, at: usize, len: usize) -> Option<Cow<'_, [u8]>> {
-        if len > MAX_TABLE_BYTES {
+        // Nothing is allocated for bytes the file does not have.
+        let size = self.metadata().ok()?.len();
+        let end = u64::try_from(at.checked_add(len)?).ok()?;
+        if len > MAX_TABLE_BYTES || end > size {
             return None;
         }
         let mut bytes = vec![0; len];
@@ -115,6 +119,7 @@ struct Symbol<'a> {
     name: &'a [u8],
     value: u64,
     section: usize,
+    weak: bool,
 }
 
 impl<'a> DynamicSymbols<'a> {
@@ -180,6 +185,7 @@ impl<'a> DynamicSymbols<'a> {
                     name: &rest[..end],
                     value,
                     section: usize::from(section),
+                    weak: info >> 4 == STB_WEAK,
                 })
             })
     }
@@ -226,22 +232,51 @@ fn symbol_offset(file: &[u8], name: &str, kind: u8) -> Result<u64, ElfError> {
 /// Where each of `names` that the shared object `file` (x86-64 or
 /// aarch64) exports as a function begins in the file, the offset a uprobe
 /// is placed at; in the order of `names`, `None` for those it does not
-/// export.
+/// export. As libbpf chooses: a strong definition over a weak one, and
+/// none where two strong ones differ.
 pub fn exported_function_offsets(
     file: &File,
     names: &[&str],
 ) -> Result<Vec<Option<u64>>, ElfError> {
+    /// Per name: the strong and the weak offsets seen, and whether two
+    /// strong ones differed.
+    #[derive(Clone, Default)]
+    struct Seen {
+        strong: Option<u64>,
+        weak: Option<u64>,
+        ambiguous: bool,
+    }
     let table = DynamicSymbols::read(file, &[EM_X86_64, EM_AARCH64])?;
-    let mut found = vec![None; names.len()];
+    let mut seen = vec![Seen::default(); names.len()];
     for symbol in table.defined(STT_FUNC) {
-        if let Some(at) = names
+        let Some(at) = names
             .iter()
             .position(|wanted| wanted.as_bytes() == symbol.name)
-        {
-            found[at] = found[at].or(table.file_offset(&symbol));
+        else {
+            continue;
+        };
+        let Some(offset) = table.file_offset(&symbol) else {
+            continue;
+        };
+        let seen = &mut seen[at];
+        if symbol.weak {
+            seen.weak.get_or_insert(offset);
+        } else if seen.strong.is_some_and(|strong| strong != offset) {
+            seen.ambiguous = true;
+        } else {
+            seen.strong = Some(offset);
         }
     }
-    Ok(found)
+    Ok(seen
+        .into_iter()
+        .map(|seen| {
+            if seen.ambiguous {
+                None
+            } else {
+                seen.strong.or(seen.weak)
+            }
+        })
+        .collect())
 }
 
 #[cfg(test)]

@@ -119,7 +119,7 @@ fn ebpf(plan: &KernelPlan) -> Vec<Finding> {
                     .hint("use a kernel with CONFIG_UPROBE_EVENTS=y, or --ebpf-hooks sched"),
             );
         }
-        if let Some(linking) = crate::backend::ebpf::probe_linking().filter(|_| enough) {
+        if let Some(linking) = enough.then(crate::backend::ebpf::probe_linking).flatten() {
             findings.push(Finding::new(
                 Area::Ebpf,
                 item("uprobe links"),

@@ -12,6 +12,8 @@
 pub(crate) mod cuda;
 #[cfg(devtrace_bpf)]
 mod programs;
+#[cfg(devtrace_bpf)]
+mod reaper;
 pub(crate) mod records;
 pub(crate) mod sched;
 #[cfg(devtrace_bpf)]
@@ -94,7 +96,8 @@ impl EbpfConfig {
     /// now, passes the process and command-name filters the programs
     /// apply (the cgroup filter is left to them): a process none of whose
     /// threads would be recorded need not be probed on its own. A thread
-    /// renamed later is seen at the next look.
+    /// renamed later is seen at the next look; a process whose threads
+    /// cannot be listed is taken to pass.
     pub(crate) fn may_record(&self, pid: u32) -> bool {
         if !self.pids.is_empty() && !self.pids.contains(&pid) {
             return false;
@@ -196,7 +199,7 @@ pub(crate) fn preflight(sched: bool, cuda: bool) -> Result<(), &'static str> {
 
 /// How this kernel links the CUDA driver's probes, in words (for `devtrace
 /// doctor`); `None` in a build without the BPF programs.
-pub(crate) fn probe_linking() -> Option<&'static str> {
+pub(crate) fn probe_linking() -> Option<String> {
     #[cfg(devtrace_bpf)]
     {
         Some(uprobes::Linking::of_this_kernel().describe())

@@ -5,6 +5,7 @@
 //! events until it is told to stop.
 
 use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
 use std::path::PathBuf;
@@ -19,13 +20,12 @@ use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
 use super::cuda::{find_driver_libraries, DriverCalls, MappingProcess};
+use super::reaper::{LibraryFile, ProbeKey};
 use super::records::{
     CudaCall, Record, SchedRecord, LOSS_CUDA_INFLIGHT, LOSS_CUDA_RING, LOSS_KINDS, LOSS_SCHED_RING,
 };
 use super::sched::SchedTimeline;
-use super::uprobes::{
-    probe_library, EntryPoints, LibraryFile, Linking, ProbeKey, ProbedLibrary, Reaper,
-};
+use super::uprobes::{probe_library, EntryPoints, Linking, NotProbed, ProbedLibrary};
 use super::{AttachMode, EbpfConfig, Status};
 use crate::backend::worker::StopFlag;
 use crate::backend::{BackendContext, LibraryProcesses};
@@ -234,6 +234,15 @@ fn max_probed_alone(config: &EbpfConfig, linking: Linking) -> usize {
         .unwrap_or(if linking.many_in_one { 64 } else { 4 })
 }
 
+/// Whether the programs for links of many probes are loaded (only where
+/// the kernel has such links).
+fn load_links_of_many(open: &mut cuda_skel::OpenCudaSkel<'_>, load: bool) {
+    let progs = &mut open.progs;
+    progs.on_cuda_call_multi.set_autoload(load);
+    progs.on_cuda_entry_multi.set_autoload(load);
+    progs.on_cuda_return_multi.set_autoload(load);
+}
+
 /// The backend thread; see the module documentation.
 pub(super) fn run(
     config: EbpfConfig,
@@ -245,13 +254,11 @@ pub(super) fn run(
     libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Debug, log_libbpf)));
     let mut sched_object = MaybeUninit::<OpenObject>::uninit();
     let mut cuda_object = MaybeUninit::<OpenObject>::uninit();
-    let linking = if config.cuda {
+    let mut cuda_object_again = MaybeUninit::<OpenObject>::uninit();
+    let mut linking = if config.cuda {
         Linking::of_this_kernel()
     } else {
-        Linking {
-            many_in_all: false,
-            many_in_one: false,
-        }
+        Linking::default()
     };
 
     let sched = match load!(
@@ -269,21 +276,34 @@ pub(super) fn run(
             return;
         }
     };
-    let cuda = match load!(
+    let many = linking.many_in_all;
+    let loaded = match load!(
         config,
         cuda,
         CudaSkelBuilder,
         cuda_object,
         cuda_events,
         "CUDA uprobe",
-        |open: &mut cuda_skel::OpenCudaSkel<'_>| {
-            // Only the set of programs this kernel links is loaded.
-            let progs = &mut open.progs;
-            progs.on_cuda_call_multi.set_autoload(linking.many_in_all);
-            progs.on_cuda_entry_multi.set_autoload(linking.many_in_all);
-            progs.on_cuda_return_multi.set_autoload(linking.many_in_all);
-        }
+        |open: &mut cuda_skel::OpenCudaSkel<'_>| load_links_of_many(open, many)
     ) {
+        // Programs the feature test did not show the verifier: without
+        // them, one by one.
+        Err(reason) if many => {
+            warn!(%reason, "the programs for links of many CUDA probes were refused; probing one by one");
+            linking = Linking::default();
+            load!(
+                config,
+                cuda,
+                CudaSkelBuilder,
+                cuda_object_again,
+                cuda_events,
+                "CUDA uprobe",
+                |open: &mut cuda_skel::OpenCudaSkel<'_>| load_links_of_many(open, false)
+            )
+        }
+        loaded => loaded,
+    };
+    let cuda = match loaded {
         Ok(skel) => skel,
         Err(reason) => {
             let _ = ready.send(Err(reason));
@@ -348,7 +368,7 @@ pub(super) fn run(
         library_processes: Arc::clone(&context.library_processes),
         probes: HashMap::new(),
         entry_points: HashMap::new(),
-        reaper: Reaper::start(),
+        recordable: HashSet::new(),
         refused: HashSet::new(),
         failed: HashSet::new(),
         attached: false,
@@ -406,10 +426,12 @@ struct Tracer<'a> {
     /// Processes whose calls the injection library records: not probed.
     library_processes: Arc<LibraryProcesses>,
     probes: HashMap<ProbeKey, ProbedLibrary>,
-    /// Each library's entry points, read once (`None`: unreadable, so
+    /// Each library file mapped at the last look, open, with its entry
+    /// points (`None`: the file is no shared object with them, so it is
     /// probed by name, one by one).
     entry_points: HashMap<LibraryFile, Option<EntryPoints>>,
-    reaper: Reaper,
+    /// Processes mapping a driver library that passed the filters.
+    recordable: HashSet<MappingProcess>,
     /// Libraries no entry point of which could be probed in every process.
     refused: HashSet<LibraryFile>,
     /// Processes a library could not be probed in (until the next attach).
@@ -485,6 +507,8 @@ impl Tracer<'_> {
         let mut wanted: Vec<(ProbeKey, PathBuf)> = Vec::new();
         let mut left_to_library = 0;
         let mut crowded = None;
+        let recordable = std::mem::take(&mut self.recordable);
+        let mut seen_recordable = HashSet::new();
         for mapped in find_driver_libraries(&self.config.proc_root, &self.config.cuda_libraries) {
             let file = (mapped.library.dev, mapped.library.inode);
             if self.refused.contains(&file) {
@@ -494,14 +518,21 @@ impl Tracer<'_> {
                 .mappers
                 .into_iter()
                 .partition(|mapper| spare && self.library_processes.contains(mapper.process.pid));
-            // Probed alone only where something may be recorded.
-            let others: Vec<_> = others
-                .into_iter()
-                .filter(|mapper| self.config.may_record(mapper.process.pid))
-                .collect();
             if recorded.is_empty() {
                 wanted.push(((file, None), mapped.library.path));
-            } else if others.len() > max_probed_alone(self.config, self.linking) {
+                continue;
+            }
+            // Probed alone only where something may be recorded (once a
+            // thread passed, the process is not looked at again).
+            let others: Vec<_> = others
+                .into_iter()
+                .filter(|mapper| {
+                    let process = mapper.process;
+                    recordable.contains(&process) || self.config.may_record(process.pid)
+                })
+                .collect();
+            seen_recordable.extend(others.iter().map(|mapper| mapper.process));
+            if others.len() > max_probed_alone(self.config, self.linking) {
                 crowded = Some(others.len());
                 wanted.push(((file, None), mapped.library.path));
             } else {
@@ -513,40 +544,44 @@ impl Tracer<'_> {
                 );
             }
         }
+        self.recordable = seen_recordable;
         // Dropped before any is attached: a process probed both in all and
         // alone would have each call recorded twice.
         let is_wanted = |key: &ProbeKey| wanted.iter().any(|(wanted, _)| wanted == key);
         self.probes.retain(|key, _| is_wanted(key));
         self.failed.retain(is_wanted);
+        // Files no longer mapped are let go of (and their inodes with them).
+        self.entry_points
+            .retain(|file, _| wanted.iter().any(|((wanted, _), _)| wanted == file));
         for (key, path) in wanted {
             if self.probes.contains_key(&key) || self.failed.contains(&key) {
                 continue;
             }
             let (file, process) = key;
-            let linking = self.linking;
-            let entry_points = self
-                .entry_points
-                .entry(file)
-                .or_insert_with(|| {
-                    if !linking.many_in_all {
-                        return None;
+            if let Entry::Vacant(vacant) = self.entry_points.entry(file) {
+                match EntryPoints::read(&path, file) {
+                    Ok(read) => {
+                        vacant.insert(Some(read));
                     }
-                    EntryPoints::read(&path, file)
-                        .inspect_err(|reason| {
-                            debug!(library = %path.display(), %reason,
-                                "driver entry points not read; probing by name, one by one");
-                        })
-                        .ok()
-                })
-                .as_ref();
+                    Err(unread) => {
+                        debug!(library = %path.display(), reason = %unread.reason,
+                            "driver entry points not read; probing by name, one by one");
+                        // Looked at again next time, unless the file itself
+                        // is at fault.
+                        if unread.lasting {
+                            vacant.insert(None);
+                        }
+                    }
+                }
+            }
+            let entry_points = self.entry_points.get(&file).and_then(Option::as_ref);
             match probe_library(
                 skel,
                 &path,
                 key,
                 entry_points,
                 self.config.cuda_returns,
-                linking,
-                &self.reaper,
+                self.linking,
             ) {
                 Ok((probes, missing)) => {
                     let pid = process.map(|p| p.pid);
@@ -560,18 +595,21 @@ impl Tracer<'_> {
                         status.libraries.push((file, path, missing));
                     }
                 }
+                Err(NotProbed::Overlapping) => {
+                    debug!(library = %path.display(), "probes being let go of would fire on the same calls; trying again next time");
+                }
                 // It ended while we looked.
-                Err(_)
+                Err(NotProbed::Failed(_))
                     if process.is_some_and(|p| {
                         MappingProcess::at(&self.config.proc_root, p.pid) != Some(p)
                     }) => {}
                 // One process refused: the others are still probed.
-                Err(reason) if process.is_some() => {
+                Err(NotProbed::Failed(reason)) if process.is_some() => {
                     warn!(%reason, "CUDA driver library not probed in a process");
                     self.failed.insert(key);
                     self.status.lock().error = Some(reason);
                 }
-                Err(reason) => {
+                Err(NotProbed::Failed(reason)) => {
                     warn!(%reason, "CUDA driver library not probed");
                     self.refused.insert(file);
                     self.status.lock().error = Some(reason);

@@ -2,50 +2,54 @@
 //! process alone, and how this kernel lets them be linked.
 //!
 //! Letting go of a uprobe waits until the kernel is sure no CPU still runs
-//! its program, on the thread that lets go (the backend's, which drains
-//! nothing meanwhile). Attached one at a time (a perf event each), a
-//! library's 54 probes wait 54 times: about 3 s here for one process, and
-//! as long again at the end of every capture. Where the kernel links many
-//! uprobes to one BPF link (Linux 6.6 and later), each program's probes on
-//! a library form one link, let go of with one wait. Linked for one
-//! process alone, such a link ran its program only for calls of the
-//! process's first thread before Linux 6.12 (the kernel compared threads,
-//! not address spaces), so one process alone is linked that way from 6.12
-//! on, and probe by probe before.
+//! its program. Attached one at a time (a perf event each), a library's 54
+//! probes wait 54 times. Where the kernel links many uprobes to one BPF
+//! link (Linux 6.6 and later), each program's probes on a library form one
+//! link, let go of with one wait; either way the waiting is done by the
+//! [`Reaper`]'s thread. Linked for one process alone, such a link ran its
+//! program only for calls of the process's first thread before Linux 6.12
+//! (the kernel compared threads, not address spaces), so one process alone
+//! is linked that way from 6.12 on, and probe by probe before.
 
 use std::fs::File;
-use std::os::unix::fs::MetadataExt;
-use std::path::Path;
-use std::sync::{mpsc, Arc};
-
-use parking_lot::{Condvar, Mutex};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use libbpf_rs::libbpf_sys;
 use libbpf_rs::{Link, UprobeMultiOpts, UprobeOpts};
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::cuda::{CudaReturns, MappingProcess, CUDA_PROBES};
 use super::programs::cuda_skel::CudaSkel;
+use super::reaper::{LibraryFile, ProbeKey, Reaper};
 use crate::elf;
 
-/// How the probes on a library are linked on this kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How the probes on a library are linked on this kernel (by default,
+/// one by one).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Linking {
     /// One link of many probes for every process.
     pub many_in_all: bool,
     /// One link of many probes for a single process.
     pub many_in_one: bool,
+    /// Why not many to a link: the error the kernel gave (an errno), where
+    /// it refused for another reason than not knowing such links.
+    refused: Option<i32>,
 }
 
 impl Linking {
     /// What the running kernel supports, found by asking it (as libbpf
     /// does) and, for one process alone, by its release.
     pub fn of_this_kernel() -> Linking {
-        let many = kernel_links_many_uprobes();
+        let refused = kernel_links_many_uprobes().err();
+        let many = refused.is_none();
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
         Linking {
             many_in_all: many,
             many_in_one: many && release_at_least(&release, (6, 12)),
+            refused: refused.filter(|errno| *errno != libc::EINVAL && *errno != 0),
         }
     }
 
@@ -58,14 +62,17 @@ impl Linking {
     }
 
     /// How it reads in a status line.
-    pub fn describe(self) -> &'static str {
-        match (self.many_in_all, self.many_in_one) {
-            (true, true) => "one link per program and process (Linux 6.12 and later)",
-            (true, false) => {
-                "one link per program for every process, probe by probe for one process alone \
-                 (Linux before 6.12)"
-            }
-            _ => "probe by probe, each a perf event (Linux before 6.6)",
+    pub fn describe(self) -> String {
+        match (self.many_in_all, self.many_in_one, self.refused) {
+            (true, true, _) => "one link per program and process (Linux 6.12 and later)".into(),
+            (true, false, _) => "one link per program for every process, probe by probe for one \
+                                 process alone (Linux before 6.12)"
+                .into(),
+            (false, _, Some(errno)) => format!(
+                "probe by probe, each a perf event: asked for a link of many, the kernel said {}",
+                std::io::Error::from_raw_os_error(errno)
+            ),
+            (false, _, None) => "probe by probe, each a perf event (Linux before 6.6)".into(),
         }
     }
 }
@@ -85,7 +92,8 @@ fn release_at_least(release: &str, wanted: (u32, u32)) -> bool {
 /// libbpf's own test for multi-uprobe links: a program of that attach
 /// type loads, and a link asked for on `/` (no executable) is refused with
 /// `EBADF`, which only a kernel that has such links gets that far to say.
-fn kernel_links_many_uprobes() -> bool {
+/// Otherwise the error the kernel gave (`EINVAL`: it has no such links).
+fn kernel_links_many_uprobes() -> Result<(), i32> {
     // r0 = 0; exit
     let mut set_zero = libbpf_sys::bpf_insn {
         code: 0xb7,
@@ -115,7 +123,7 @@ fn kernel_links_many_uprobes() -> bool {
         )
     };
     if program_fd < 0 {
-        return false;
+        return Err(-program_fd);
     }
     let offset: std::os::raw::c_ulong = 0;
     let mut link = libbpf_sys::bpf_link_create_opts {
@@ -140,42 +148,72 @@ fn kernel_links_many_uprobes() -> bool {
         }
         libc::close(program_fd);
     }
-    link_fd == -libc::EBADF
+    match link_fd {
+        fd if fd == -libc::EBADF => Ok(()),
+        fd if fd < 0 => Err(-fd),
+        // A link on `/`: not the kernel libbpf knows.
+        _ => Err(libc::EINVAL),
+    }
 }
 
-/// A driver library file, by device and inode.
-pub(super) type LibraryFile = (u64, u64);
-
-/// A driver library probed in one process, or in every process (`None`).
-pub(super) type ProbeKey = (LibraryFile, Option<MappingProcess>);
-
-/// Whether two sets of probes would both fire on some call: the same file,
-/// and a process they share.
-fn overlap(a: &ProbeKey, b: &ProbeKey) -> bool {
-    a.0 == b.0 && (a.1.is_none() || b.1.is_none() || a.1 == b.1)
-}
-
-/// Where the probed entry points begin in one driver library file (by
-/// `CUDA_PROBES` index), read from its symbol table once per file.
+/// One driver library file, kept open (so that its inode cannot go to
+/// another file while its offsets are remembered), with where the probed
+/// entry points begin in it (by `CUDA_PROBES` index), read from its symbol
+/// table once. Probes are attached through the open file, never by a path
+/// a process could swap for another file in between.
 pub(super) struct EntryPoints {
+    file: File,
     offsets: Vec<Option<u64>>,
+}
+
+/// Why a library's entry points were not read, and whether looking again
+/// could change that.
+pub(super) struct Unread {
+    pub reason: String,
+    pub lasting: bool,
 }
 
 impl EntryPoints {
     /// Reads them from `library`, which must still be the file `file`.
-    pub fn read(library: &Path, file: LibraryFile) -> Result<EntryPoints, String> {
-        let opened = File::open(library).map_err(|error| error.to_string())?;
-        let meta = opened.metadata().map_err(|error| error.to_string())?;
-        if (meta.dev(), meta.ino()) != file {
-            return Err("the file was replaced while it was looked at".to_string());
+    pub fn read(library: &Path, file: LibraryFile) -> Result<EntryPoints, Unread> {
+        let passing = |reason: String| Unread {
+            reason,
+            lasting: false,
+        };
+        // Not blocking on a FIFO put where the library was.
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(library)
+            .map_err(|error| passing(error.to_string()))?;
+        let meta = opened
+            .metadata()
+            .map_err(|error| passing(error.to_string()))?;
+        if !meta.is_file() || (meta.dev(), meta.ino()) != file {
+            return Err(passing(
+                "the file was replaced while it was looked at".into(),
+            ));
         }
         let names: Vec<&str> = CUDA_PROBES.iter().map(|probe| probe.symbol).collect();
-        let offsets =
-            elf::exported_function_offsets(&opened, &names).map_err(|error| error.to_string())?;
+        let offsets = elf::exported_function_offsets(&opened, &names).map_err(|error| Unread {
+            reason: error.to_string(),
+            lasting: true,
+        })?;
         if offsets.iter().all(Option::is_none) {
-            return Err("it exports none of the driver entry points".to_string());
+            return Err(Unread {
+                reason: "it exports none of the driver entry points".into(),
+                lasting: true,
+            });
         }
-        Ok(EntryPoints { offsets })
+        Ok(EntryPoints {
+            file: opened,
+            offsets,
+        })
+    }
+
+    /// A path to the open file that the kernel and libbpf resolve to it.
+    fn path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
     }
 }
 
@@ -187,87 +225,31 @@ impl EntryPoints {
 pub(super) struct ProbedLibrary {
     key: ProbeKey,
     links: Vec<Link>,
-    reaper: Reaper,
 }
 
 impl Drop for ProbedLibrary {
     fn drop(&mut self) {
-        self.reaper
-            .release(self.key, Box::new(std::mem::take(&mut self.links)));
+        Reaper::global().release(self.key, Box::new(std::mem::take(&mut self.links)));
     }
 }
 
-/// Lets go of probes on a thread of its own, so that the backend's thread
-/// goes on draining while the kernel waits for each; keeps count of what
-/// it still holds, so that probes that would fire on the same calls are
-/// not attached before those are gone (each call would be recorded twice).
-#[derive(Clone)]
-pub(super) struct Reaper {
-    sender: Option<mpsc::Sender<(ProbeKey, Box<dyn Send>)>>,
-    held: Arc<(Mutex<Vec<ProbeKey>>, Condvar)>,
+/// How long attaching waits for probes still being let go of that would
+/// fire on the same calls; past it, the next look tries again.
+const WAIT_FOR_OVERLAP: Duration = Duration::from_millis(200);
+
+/// Probes could not go on yet, or at all.
+pub(super) enum NotProbed {
+    /// Probes that would fire on the same calls are still being let go of.
+    Overlapping,
+    Failed(String),
 }
 
-impl Reaper {
-    pub fn start() -> Reaper {
-        let held: Arc<(Mutex<Vec<ProbeKey>>, Condvar)> = Arc::default();
-        let (sender, receiver) = mpsc::channel::<(ProbeKey, Box<dyn Send>)>();
-        let shared = Arc::clone(&held);
-        let spawned = std::thread::Builder::new()
-            .name("devtrace-unprobe".into())
-            .spawn(move || {
-                for (key, probes) in receiver {
-                    drop(probes);
-                    forget(&shared, key);
-                }
-            });
-        match spawned {
-            Ok(_) => Reaper {
-                sender: Some(sender),
-                held,
-            },
-            Err(error) => {
-                warn!(%error, "no thread to let go of probes on; the backend's thread does");
-                Reaper { sender: None, held }
-            }
-        }
-    }
-
-    /// Lets go of `probes` (those of `key`) once the thread gets to them.
-    fn release(&self, key: ProbeKey, probes: Box<dyn Send>) {
-        let Some(sender) = &self.sender else { return };
-        self.held.0.lock().push(key);
-        if let Err(mpsc::SendError((key, probes))) = sender.send((key, probes)) {
-            drop(probes);
-            forget(&self.held, key);
-        }
-    }
-
-    /// Waits until no probes that would fire with those of `key` are
-    /// still held.
-    pub fn wait_clear_of(&self, key: &ProbeKey) {
-        let (held, gone) = &*self.held;
-        let mut held = held.lock();
-        while held.iter().any(|pending| overlap(pending, key)) {
-            gone.wait(&mut held);
-        }
-    }
-}
-
-/// Takes one `key` off the list of those held, and says so to waiters.
-fn forget(held: &(Mutex<Vec<ProbeKey>>, Condvar), key: ProbeKey) {
-    let (list, gone) = held;
-    let mut list = list.lock();
-    if let Some(at) = list.iter().position(|k| *k == key) {
-        list.swap_remove(at);
-    }
-    gone.notify_all();
-}
-
-/// Probes `library` (through a path valid in the process probed): per
-/// driver function it exports, an entry probe, and a return probe where
-/// `returns` asks for one. Linked many to a link where `linking` says so
-/// and `entry_points` were read, else one by one by name. Answers the
-/// probes and the functions missing.
+/// Probes `library` (a path valid in the process probed, used where its
+/// `entry_points` could not be read): per driver function it exports, an
+/// entry probe, and a return probe where `returns` asks for one. Linked
+/// many to a link where `linking` says so and the entry points were read,
+/// else one by one by name. Waits a little for overlapping probes still
+/// being let go of. Answers the probes and the functions missing.
 pub(super) fn probe_library(
     skel: &CudaSkel<'_>,
     library: &Path,
@@ -275,41 +257,39 @@ pub(super) fn probe_library(
     entry_points: Option<&EntryPoints>,
     returns: CudaReturns,
     linking: Linking,
-    reaper: &Reaper,
-) -> Result<(ProbedLibrary, Vec<&'static str>), String> {
+) -> Result<(ProbedLibrary, Vec<&'static str>), NotProbed> {
     let process = key.1;
     // -1: every process.
     let pid = match process {
-        Some(process) => {
-            i32::try_from(process.pid).map_err(|_| format!("pid {} out of range", process.pid))?
-        }
+        Some(process) => i32::try_from(process.pid)
+            .map_err(|_| NotProbed::Failed(format!("pid {} out of range", process.pid)))?,
         None => -1,
     };
-    reaper.wait_clear_of(&key);
-    let probed = |(links, missing)| {
-        let probed = ProbedLibrary {
-            key,
-            links,
-            reaper: reaper.clone(),
-        };
-        (probed, missing)
-    };
+    if !Reaper::global().wait_clear_of(&key, WAIT_FOR_OVERLAP) {
+        return Err(NotProbed::Overlapping);
+    }
+    let probed = |(links, missing)| (ProbedLibrary { key, links }, missing);
+    let through = entry_points.map(EntryPoints::path);
+    let path = through.as_deref().unwrap_or(library);
     if let Some(entry_points) = entry_points.filter(|_| linking.many(process)) {
-        match link_many(skel, library, pid, entry_points, returns) {
+        match link_many(skel, path, pid, entry_points, returns) {
             Ok(links) => return Ok(probed(links)),
             // Probe by probe instead, which says for itself what fails.
             Err(reason) => debug!(library = %library.display(), pid, %reason,
                 "the driver's probes could not be linked together; probing one by one"),
         }
     }
-    link_one_by_one(skel, library, process, pid, returns).map(probed)
+    link_one_by_one(skel, path, library, process, pid, returns)
+        .map(probed)
+        .map_err(NotProbed::Failed)
 }
 
-/// One link per program: entry-only probes, entries of calls with a
-/// return probe, their returns.
+/// One link per program, at the entry points' offsets in the file at
+/// `path`: entry-only probes, entries of calls with a return probe, their
+/// returns.
 fn link_many(
     skel: &CudaSkel<'_>,
-    library: &Path,
+    path: &Path,
     pid: i32,
     entry_points: &EntryPoints,
     returns: CudaReturns,
@@ -336,7 +316,7 @@ fn link_many(
         if !opts.offsets.is_empty() {
             links.push(
                 program
-                    .attach_uprobe_multi_with_opts(pid, library, "", opts.clone())
+                    .attach_uprobe_multi_with_opts(pid, path, "", opts.clone())
                     .map_err(|error| error.to_string())?,
             );
         }
@@ -349,9 +329,11 @@ fn link_many(
     Ok((links, missing))
 }
 
-/// A perf event per probe.
+/// A perf event per probe, each placed by name in the file at `path`
+/// (`library` names it in messages).
 fn link_one_by_one(
     skel: &CudaSkel<'_>,
+    path: &Path,
     library: &Path,
     process: Option<MappingProcess>,
     pid: i32,
@@ -369,19 +351,19 @@ fn link_one_by_one(
             ..UprobeOpts::default()
         };
         let attached = if probe.has_return(returns) {
-            let entry =
-                skel.progs
-                    .on_cuda_entry
-                    .attach_uprobe_with_opts(pid, library, 0, opts(false));
-            let exit =
-                skel.progs
-                    .on_cuda_return
-                    .attach_uprobe_with_opts(pid, library, 0, opts(true));
+            let entry = skel
+                .progs
+                .on_cuda_entry
+                .attach_uprobe_with_opts(pid, path, 0, opts(false));
+            let exit = skel
+                .progs
+                .on_cuda_return
+                .attach_uprobe_with_opts(pid, path, 0, opts(true));
             entry.and_then(|entry| Ok(vec![entry, exit?]))
         } else {
             skel.progs
                 .on_cuda_call
-                .attach_uprobe_with_opts(pid, library, 0, opts(false))
+                .attach_uprobe_with_opts(pid, path, 0, opts(false))
                 .map(|entry| vec![entry])
         };
         match attached {
@@ -415,81 +397,39 @@ fn link_one_by_one(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::{Duration, Instant};
-
     use super::*;
 
-    /// Probes that take until `open` is set to let go of (the kernel's
-    /// wait), and say on which thread they were let go of.
-    struct Gated {
-        open: Arc<AtomicBool>,
-        dropped_on: Arc<Mutex<Option<std::thread::ThreadId>>>,
-    }
-
-    impl Drop for Gated {
-        fn drop(&mut self) {
-            let give_up = Instant::now() + Duration::from_secs(10);
-            while !self.open.load(Ordering::SeqCst) && Instant::now() < give_up {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            *self.dropped_on.lock() = Some(std::thread::current().id());
-        }
-    }
-
-    const LIBRARY: LibraryFile = (1, 2);
-
-    fn alone(pid: u32) -> ProbeKey {
-        (LIBRARY, Some(MappingProcess { pid, started: 7 }))
+    fn identity(path: &Path) -> LibraryFile {
+        let meta = std::fs::metadata(path).unwrap();
+        (meta.dev(), meta.ino())
     }
 
     #[test]
-    fn probes_are_let_go_of_elsewhere_and_waited_for_only_where_they_would_overlap() {
-        let reaper = Reaper::start();
-        let open = Arc::new(AtomicBool::new(false));
-        let dropped_on = Arc::new(Mutex::new(None));
-        let gated = Gated {
-            open: Arc::clone(&open),
-            dropped_on: Arc::clone(&dropped_on),
-        };
-        reaper.release(alone(10), Box::new(gated));
-        // Neither another process nor another file waits for them.
-        reaper.wait_clear_of(&alone(11));
-        reaper.wait_clear_of(&((3, 4), None));
-        assert_eq!(
-            *dropped_on.lock(),
-            None,
-            "waited for probes that do not overlap"
-        );
-        // Every process of the same file overlaps them: that waits.
-        let opener = std::thread::spawn({
-            let open = Arc::clone(&open);
-            move || {
-                std::thread::sleep(Duration::from_millis(50));
-                open.store(true, Ordering::SeqCst);
-            }
-        });
-        reaper.wait_clear_of(&(LIBRARY, None));
-        let dropped = *dropped_on.lock();
-        assert!(dropped.is_some(), "did not wait for overlapping probes");
-        assert_ne!(
-            dropped,
-            Some(std::thread::current().id()),
-            "let go of inline"
-        );
-        opener.join().unwrap();
-    }
-
-    #[test]
-    fn probe_sets_overlap_where_they_share_a_file_and_a_process() {
-        assert!(overlap(&alone(1), &alone(1)));
-        assert!(!overlap(&alone(1), &alone(2)));
-        assert!(overlap(&alone(1), &(LIBRARY, None)));
-        assert!(overlap(&(LIBRARY, None), &alone(2)));
-        assert!(!overlap(&((9, 9), None), &(LIBRARY, None)));
-        // The same pid, a later process: no shared calls.
-        let later = (LIBRARY, Some(MappingProcess { pid: 1, started: 8 }));
-        assert!(!overlap(&alone(1), &later));
+    fn entry_points_are_read_only_from_the_regular_file_that_was_found() {
+        let dir = tempfile::tempdir().unwrap();
+        // A FIFO where the library was: refused at once, not waited on.
+        let fifo = dir.path().join("libcuda.so.1");
+        let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path we own.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        let unread = EntryPoints::read(&fifo, identity(&fifo)).err().unwrap();
+        assert!(!unread.lasting, "{}", unread.reason);
+        // Another file than the one found: looked at again later.
+        let other = dir.path().join("other.so");
+        std::fs::write(&other, b"\x7fELF").unwrap();
+        let unread = EntryPoints::read(&other, identity(&fifo)).err().unwrap();
+        assert!(unread.reason.contains("replaced"), "{}", unread.reason);
+        assert!(!unread.lasting);
+        // A shared object without the driver's functions: not looked at
+        // again.
+        let libc = std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .filter_map(|line| line.split_whitespace().nth(5).map(PathBuf::from))
+            .find(|path| path.to_string_lossy().contains("/libc.so.6"))
+            .expect("this test links libc");
+        let unread = EntryPoints::read(&libc, identity(&libc)).err().unwrap();
+        assert!(unread.lasting, "{}", unread.reason);
     }
 
     #[test]
