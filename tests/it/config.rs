@@ -58,6 +58,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ("ebpf-cgroup", r#""/sys/fs/cgroup/kubepods.slice""#),
     ("ebpf-comm", r#""python""#),
     ("ebpf-ring-size", r#""8MiB""#),
+    ("ebpf-probe-alone-max", "16"),
     (
         "cuda-library",
         r#"["/usr/lib/x86_64-linux-gnu/libcuda.so.1"]"#,
