@@ -247,6 +247,8 @@ pub struct ServeArgs {
     /// Where CUDA workloads' injection libraries put their rings (the same
     /// DEVTRACE_RUNTIME_DIR must reach the workloads; share it as a volume
     /// with containers). Created world-writable and sticky when missing.
+    /// One agent per directory: a second agent's CUDA backend does not
+    /// start on it.
     #[arg(long, default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
     pub runtime_dir: PathBuf,
 

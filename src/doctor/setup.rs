@@ -117,6 +117,21 @@ fn runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
             dir.display()
         ));
     }
+    if let Some(holder) = crate::backend::cuda::runtime_lock::holder(dir).filter(|_| cuda_chosen) {
+        let pid = holder
+            .map(|pid| format!(" (pid {pid})"))
+            .unwrap_or_default();
+        return Finding::new(
+            area,
+            item,
+            Status::Warn,
+            format!(
+                "mode {mode:04o}, owned by uid {owner}; another agent{pid} serves it, so this \
+                 agent's CUDA backend would not start on it"
+            ),
+        )
+        .hint("stop the other agent, or give this one its own --runtime-dir");
+    }
     Finding::new(
         area,
         item,

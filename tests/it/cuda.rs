@@ -3070,3 +3070,35 @@ fn which(program: &str) -> Option<PathBuf> {
         .map(|dir| PathBuf::from(dir).join(program))
         .find(|path| path.is_file())
 }
+
+/// Two agents on one runtime directory would split its workloads' rings
+/// between them, each capture missing the other's processes: the second
+/// agent's CUDA backend refuses to start and names the first, whose
+/// backend runs on; once the first is gone, the directory is free again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_agent_on_a_runtime_directory_is_refused_its_cuda_backend() {
+    let runtime = tempfile::tempdir().unwrap();
+    let dir = runtime.path().to_str().unwrap();
+    let first = AgentProcess::start(&["--backend", "cuda", "--runtime-dir", dir]);
+    let second = AgentProcess::start(&[
+        "--backend",
+        "cuda",
+        "--backend",
+        "mock",
+        "--runtime-dir",
+        dir,
+    ]);
+    let refused = second.monitor(100).await.data;
+    let holder = format!(
+        "another devtrace agent (pid {}) serves the runtime directory {dir}",
+        first.pid()
+    );
+    assert!(refused.contains(&holder), "{refused}");
+    let running = first.monitor(100).await.data;
+    assert!(running.contains("backend cuda: running"), "{running}");
+    drop(first);
+    drop(second);
+    let third = AgentProcess::start(&["--backend", "cuda", "--runtime-dir", dir]);
+    let running = third.monitor(100).await.data;
+    assert!(running.contains("backend cuda: running"), "{running}");
+}

@@ -122,7 +122,7 @@ impl Attachments {
                         self.attach(pid, &path);
                     } else if let Some(identity) = identity {
                         let text = format!(
-                            "ignoring {}: it was made by an injection library older than this                              agent; restart the workload with this agent's library",
+                            "ignoring {}: it was made by an injection library older than this agent; restart the workload with this agent's library",
                             path.display()
                         );
                         self.refuse(identity, text);

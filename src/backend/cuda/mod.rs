@@ -133,6 +133,7 @@ fn control_flags(capturing: bool, api_records: ApiRecords) -> u32 {
 }
 
 mod attach;
+pub(crate) mod runtime_lock;
 mod slots;
 mod status;
 mod translate;
@@ -182,6 +183,8 @@ pub struct CudaBackend {
     config: CudaConfig,
     status: Arc<Mutex<Status>>,
     worker: Option<Worker>,
+    /// This agent's hold on the runtime directory, while it runs.
+    lock: Option<runtime_lock::AgentLock>,
 }
 
 impl CudaBackend {
@@ -190,6 +193,7 @@ impl CudaBackend {
             config,
             status: Arc::default(),
             worker: None,
+            lock: None,
         }
     }
 }
@@ -233,6 +237,19 @@ impl Backend for CudaBackend {
                 reason,
             }
         })?;
+        self.lock = match runtime_lock::take(&self.config.runtime_dir) {
+            Ok(lock) => Some(lock),
+            Err(held @ runtime_lock::LockError::Held { .. }) => {
+                return Err(BackendError::Unavailable {
+                    backend: "cuda",
+                    reason: held.to_string(),
+                })
+            }
+            Err(runtime_lock::LockError::Unguarded(why)) => {
+                warn!("{why}");
+                None
+            }
+        };
         let producer = context.producer().map_err(|e| BackendError::Start {
             backend: "cuda",
             reason: format!("no ring lane: {e}"),
@@ -305,6 +322,7 @@ impl Backend for CudaBackend {
         if let Some(worker) = self.worker.take() {
             worker.stop();
         }
+        self.lock = None;
     }
 
     fn health(&self) -> Health {
