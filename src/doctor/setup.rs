@@ -117,7 +117,10 @@ fn runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
             dir.display()
         ));
     }
-    if let Some(holder) = crate::backend::cuda::runtime_lock::holder(dir).filter(|_| cuda_chosen) {
+    if let Some(holder) = cuda_chosen
+        .then(|| crate::backend::cuda::runtime_lock::holder(dir))
+        .flatten()
+    {
         let pid = holder
             .map(|pid| format!(" (pid {pid})"))
             .unwrap_or_default();

@@ -291,3 +291,38 @@ fn an_address_in_use_and_an_unsafe_runtime_directory_are_not_ready() {
     );
     assert!(text.contains("\nnot ready:"), "{text}");
 }
+
+/// A runtime directory another agent serves: doctor warns (a second
+/// agent's CUDA backend would not start there) and names that agent,
+/// without getting in its way.
+#[test]
+fn a_runtime_directory_another_agent_serves_is_warned_of() {
+    use std::os::unix::fs::PermissionsExt;
+    let runtime = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(runtime.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let dir = runtime.path().to_str().unwrap();
+    let agent = crate::common::AgentProcess::start(&["--backend", "cuda", "--runtime-dir", dir]);
+    let output = Command::new(BIN)
+        .args([
+            "doctor",
+            "--json",
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "cuda",
+        ])
+        .args(["--runtime-dir", dir])
+        .output()
+        .unwrap();
+    let doctor = Doctor {
+        status: output.status.code().unwrap_or(-1),
+        report: serde_json::from_slice(&output.stdout).expect("doctor --json"),
+    };
+    let check = doctor.check(&format!("runtime directory {dir}"));
+    assert_eq!(check["status"], "warn", "{check:#}");
+    let detail = check["detail"].as_str().unwrap();
+    assert!(
+        detail.contains(&format!("another agent (pid {}) serves it", agent.pid())),
+        "{detail}"
+    );
+}
