@@ -70,14 +70,40 @@ pub async fn store_trace<B: TraceFile>(
     let file_name = format!("{}{suffix}", plan.file_host);
     tokio::task::spawn_blocking(move || {
         clear_abandoned_once(&root);
-        let written = root
-            .create_session(&session_id, generated)
-            .and_then(|(session, _)| bytes.write_to(&session, &file_name));
+        let written = write_in_new_session(&root, &session_id, generated, &bytes, &file_name);
         (written, bytes)
     })
     .await
     .map_err(|e| CaptureError::Write(e.to_string()))
 }
+
+/// Writes `bytes` as `file_name` in session `session_id` of `root`. A
+/// generated name that another capture took between the look and the
+/// write (in a bucket nothing marks a session taken until its first object
+/// lands, so two captures of one second both find it free, and the second
+/// write is refused rather than replace the first) goes to the next free
+/// name instead.
+fn write_in_new_session<B: TraceFile>(
+    root: &Folder,
+    session_id: &str,
+    generated: bool,
+    bytes: &B,
+    file_name: &str,
+) -> Result<String, StorageError> {
+    let mut attempts = 0;
+    loop {
+        let (session, _) = root.create_session(session_id, generated)?;
+        match bytes.write_to(&session, file_name) {
+            Err(error) if generated && error.is_taken() && attempts < MAX_TAKEN_RETRIES => {
+                attempts += 1;
+            }
+            written => return written,
+        }
+    }
+}
+
+/// Names found taken at the write, tried again at most.
+const MAX_TAKEN_RETRIES: usize = 8;
 
 /// Removes, the first time this process writes under `root`, the
 /// unfinished trace files that writes killed in the middle left in its
@@ -174,6 +200,61 @@ mod tests {
         assert!(!unfinished.exists());
         // The session stays: clients make sessions too.
         assert!(session.is_dir());
+    }
+
+    /// A trace whose first write finds its object there already, as a
+    /// bucket answers the second of two captures that chose one name.
+    struct TakenOnce {
+        tries: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl TraceFile for TakenOnce {
+        fn size(&self) -> usize {
+            1
+        }
+
+        fn write_to(&self, session: &Folder, name: &str) -> Result<String, StorageError> {
+            let mut tries = self.tries.lock().unwrap();
+            tries.push(session.display());
+            if tries.len() == 1 {
+                return Err(StorageError::Object {
+                    path: format!("{}/{name}", session.display()),
+                    reason: object_store::Error::AlreadyExists {
+                        path: name.to_string(),
+                        source: "taken".into(),
+                    },
+                });
+            }
+            session.write(name, b"x")
+        }
+    }
+
+    #[tokio::test]
+    async fn a_generated_name_taken_at_the_write_goes_to_the_next_name() {
+        let root = tempfile::tempdir().unwrap();
+        let folder = Folder::local(Dir::open(root.path()).unwrap());
+        let trace = TakenOnce {
+            tries: std::sync::Mutex::new(Vec::new()),
+        };
+        let (written, trace) = store_trace(
+            folder.clone(),
+            &plan("2026_01_01", true),
+            ".xplane.pb",
+            trace,
+        )
+        .await
+        .unwrap();
+        let path = written.unwrap();
+        assert!(path.ends_with("2026_01_01_2/host-a.xplane.pb"), "{path}");
+        assert_eq!(trace.tries.lock().unwrap().len(), 2);
+        // A client's own session name is the client's: not renamed.
+        let trace = TakenOnce {
+            tries: std::sync::Mutex::new(Vec::new()),
+        };
+        let (written, _) = store_trace(folder, &plan("mine", false), ".xplane.pb", trace)
+            .await
+            .unwrap();
+        assert!(written.is_err());
     }
 
     #[tokio::test]

@@ -53,6 +53,21 @@ pub enum StorageError {
     Url(#[from] UrlError),
 }
 
+impl StorageError {
+    /// Whether a write was refused because the object was there already (a
+    /// create-only write: a generated session another capture took).
+    pub fn is_taken(&self) -> bool {
+        matches!(
+            self,
+            StorageError::Object {
+                reason: object_store::Error::AlreadyExists { .. }
+                    | object_store::Error::Precondition { .. },
+                ..
+            }
+        )
+    }
+}
+
 impl From<BeneathError> for StorageError {
     fn from(error: BeneathError) -> StorageError {
         match error {
