@@ -108,7 +108,7 @@ impl EbpfConfig {
         let prefix = &prefix.as_bytes()[..prefix.len().min(15)];
         let Ok(threads) = std::fs::read_dir(self.proc_root.join(pid.to_string()).join("task"))
         else {
-            return false;
+            return true;
         };
         threads.flatten().any(|thread| {
             std::fs::read(thread.path().join("comm")).is_ok_and(|comm| comm.starts_with(prefix))
@@ -403,5 +403,41 @@ impl Backend for EbpfBackend {
 impl Drop for EbpfBackend {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A process as `proc_root/PID/task/TID/comm` lists it.
+    fn process(root: &std::path::Path, pid: u32, threads: &[(u32, &str)]) {
+        for (tid, comm) in threads {
+            let dir = root.join(format!("{pid}/task/{tid}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("comm"), format!("{comm}\n")).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_process_may_be_recorded_when_one_of_its_threads_passes_the_filters() {
+        let root = tempfile::tempdir().unwrap();
+        process(root.path(), 10, &[(10, "python"), (11, "pt_autograd_0")]);
+        process(root.path(), 20, &[(20, "bash")]);
+        let config = EbpfConfig {
+            comm: Some("pt_auto".into()),
+            proc_root: root.path().to_path_buf(),
+            ..EbpfConfig::default()
+        };
+        assert!(config.may_record(10), "a thread of its passes");
+        assert!(!config.may_record(20));
+        // One whose threads cannot be listed is not left out.
+        assert!(config.may_record(30));
+        let config = EbpfConfig {
+            pids: vec![20],
+            ..config
+        };
+        assert!(!config.may_record(10), "not among --ebpf-pid");
+        assert!(!config.may_record(30));
     }
 }
