@@ -21,6 +21,8 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::model::host_process;
+
 /// The lock file's name (no workload file looks like it).
 pub const LOCK_FILE: &str = ".agent.lock";
 
@@ -89,6 +91,14 @@ pub fn take(dir: &Path) -> Result<AgentLock, LockError> {
                         tracing::debug!(%error, "the agent's pid was not written to its lock file");
                     }
                     return Ok(AgentLock { _file: file });
+                }
+                // Replaced again and again: only another agent replacing
+                // the file could, and it serves the directory then.
+                Ok(()) if Instant::now() >= give_up => {
+                    let holder = std::fs::symlink_metadata(&path)
+                        .ok()
+                        .and_then(|meta| flock_holder(&meta));
+                    return Err(held(holder.flatten()));
                 }
                 Ok(()) => continue,
                 Err(error) if error.raw_os_error() == Some(libc::EWOULDBLOCK) => {
@@ -207,29 +217,19 @@ fn open_own(path: &Path) -> Result<File, Refusal> {
     Ok(file)
 }
 
-/// Whether some process holds an exclusive flock on the file `meta`
-/// describes, as the kernel lists locks (`/proc/locks`), and its pid where
-/// this process can see it. No lock is taken to find out, so that asking
-/// cannot get in the way of an agent taking it.
+/// Whether some process holds a flock on the file `meta` describes, as
+/// the kernel lists locks ([`host_process::lock_holders`]), and its pid
+/// where this process can see it. No lock is taken to find out, so that
+/// asking cannot get in the way of an agent taking it. Any flock counts:
+/// only an agent can open the file, and any lock keeps the next agent
+/// from its exclusive one.
 fn flock_holder(meta: &Metadata) -> Option<Option<u32>> {
-    let locks = std::fs::read_to_string("/proc/locks").ok()?;
-    let device = format!(
-        "{:02x}:{:02x}:{}",
-        libc::major(meta.dev()),
-        libc::minor(meta.dev()),
-        meta.ino()
-    );
-    locks.lines().find_map(|line| {
-        // "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5530630 0 EOF"; waiters'
-        // lines have "->" after the number.
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        match fields.as_slice() {
-            [_, "FLOCK", _, "WRITE", pid, file, ..] if *file == device => {
-                Some(pid.parse::<u32>().ok().filter(|pid| *pid > 0))
-            }
-            _ => None,
-        }
-    })
+    let holders = host_process::lock_holders(meta.dev(), meta.ino()).ok()?;
+    if holders.is_empty() {
+        return None;
+    }
+    // 0: a holder in a pid namespace this process cannot see.
+    Some(holders.into_iter().find(|pid| *pid > 0))
 }
 
 /// The agent holding `dir`'s lock now, if one does, with its pid where
