@@ -12,7 +12,6 @@ pub mod perf;
 pub mod tpu;
 pub mod worker;
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -93,6 +92,33 @@ pub enum BackendError {
     },
 }
 
+/// A set of ids each counted as often as it was added, and in it until it
+/// was removed as often.
+#[derive(Debug, Default)]
+pub struct CountedSet {
+    counts: parking_lot::Mutex<std::collections::HashMap<u32, usize>>,
+}
+
+impl CountedSet {
+    pub fn insert(&self, id: u32) {
+        *self.counts.lock().entry(id).or_default() += 1;
+    }
+
+    pub fn remove(&self, id: u32) {
+        let mut counts = self.counts.lock();
+        if let Some(count) = counts.get_mut(&id) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&id);
+            }
+        }
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        self.counts.lock().contains_key(&id)
+    }
+}
+
 /// The processes whose kernels and CUDA calls the injection library
 /// records: the CUDA backend has their ring and they loaded CUPTI. The eBPF
 /// backend leaves their driver library unprobed, since a uprobe traps on
@@ -101,30 +127,7 @@ pub enum BackendError {
 /// on top of the library's 3.1 us.
 /// Counted per pid: an old ring of a process that ran `exec` may still be
 /// attached beside its new one.
-#[derive(Debug, Default)]
-pub struct LibraryProcesses {
-    pids: parking_lot::Mutex<std::collections::HashMap<u32, usize>>,
-}
-
-impl LibraryProcesses {
-    pub fn insert(&self, pid: u32) {
-        *self.pids.lock().entry(pid).or_default() += 1;
-    }
-
-    pub fn remove(&self, pid: u32) {
-        let mut pids = self.pids.lock();
-        if let Some(count) = pids.get_mut(&pid) {
-            *count -= 1;
-            if *count == 0 {
-                pids.remove(&pid);
-            }
-        }
-    }
-
-    pub fn contains(&self, pid: u32) -> bool {
-        self.pids.lock().contains_key(&pid)
-    }
-}
+pub type LibraryProcesses = CountedSet;
 
 /// The traces in progress and whose they are (see [`Scope`]). A trace
 /// beginning or ending wakes the backends waiting in
@@ -137,7 +140,7 @@ pub struct TraceDemand {
     /// Those of the whole host.
     host: AtomicUsize,
     /// Those scoped to one user, counted per uid.
-    users: parking_lot::Mutex<BTreeMap<u32, usize>>,
+    users: CountedSet,
     /// How many times a trace began or ended.
     changes: parking_lot::Mutex<u64>,
     changed: parking_lot::Condvar,
@@ -151,7 +154,7 @@ impl TraceDemand {
             Scope::Host => {
                 self.host.fetch_add(1, Ordering::Relaxed);
             }
-            Scope::User { uid } => *self.users.lock().entry(uid).or_default() += 1,
+            Scope::User { uid } => self.users.insert(uid),
         }
         self.tell_change();
     }
@@ -161,15 +164,7 @@ impl TraceDemand {
             Scope::Host => {
                 self.host.fetch_sub(1, Ordering::Relaxed);
             }
-            Scope::User { uid } => {
-                let mut users = self.users.lock();
-                if let Some(count) = users.get_mut(&uid) {
-                    *count -= 1;
-                    if *count == 0 {
-                        users.remove(&uid);
-                    }
-                }
-            }
+            Scope::User { uid } => self.users.remove(uid),
         }
         self.all.fetch_sub(1, Ordering::Relaxed);
         self.tell_change();
@@ -206,7 +201,7 @@ impl TraceDemand {
 
     /// Whether a trace in progress covers the processes of user `uid`.
     pub fn covers_user(&self, uid: u32) -> bool {
-        self.host.load(Ordering::Relaxed) > 0 || self.users.lock().contains_key(&uid)
+        self.host.load(Ordering::Relaxed) > 0 || self.users.contains(uid)
     }
 }
 
