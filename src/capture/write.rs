@@ -78,11 +78,11 @@ pub async fn store_trace<B: TraceFile>(
 }
 
 /// Writes `bytes` as `file_name` in session `session_id` of `root`. A
-/// generated name that another capture took between the look and the
-/// write (in a bucket nothing marks a session taken until its first object
-/// lands, so two captures of one second both find it free, and the second
-/// write is refused rather than replace the first) goes to the next free
-/// name instead.
+/// generated name is taken before the write ([`Folder::create_session`]);
+/// should the write still find its object there (a client writing, under
+/// an id of its own, a session named like a generated one), the trace goes
+/// to the next free name rather than off the bucket. A generated session
+/// whose write failed otherwise is given back.
 fn write_in_new_session<B: TraceFile>(
     root: &Folder,
     session_id: &str,
@@ -96,6 +96,12 @@ fn write_in_new_session<B: TraceFile>(
         match bytes.write_to(&session, file_name) {
             Err(error) if generated && error.is_taken() && attempts < MAX_TAKEN_RETRIES => {
                 attempts += 1;
+            }
+            Err(error) if generated => {
+                if let Err(left) = session.release_session() {
+                    warn!(%left, "could not give back the session's name");
+                }
+                return Err(error);
             }
             written => return written,
         }

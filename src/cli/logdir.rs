@@ -56,7 +56,13 @@ pub enum SessionOutput {
         /// already, and those above it), deepest first.
         made: Vec<PathBuf>,
     },
-    Object(Folder),
+    Object {
+        folder: Folder,
+        /// Its generated name was taken here (see
+        /// [`Folder::create_session`]), to be given back if nothing is
+        /// written.
+        reserved: bool,
+    },
 }
 
 impl SessionOutput {
@@ -88,6 +94,7 @@ impl SessionOutput {
                 .with_context(|| format!("cannot make {} under --logdir", path.display()))?;
         }
         let created = Folder::open(root).and_then(|root| root.create_session(&base, generated));
+        let reserved = generated && created.is_ok();
         let (folder, name) = match (created, root) {
             (Ok(created), _) => created,
             (Err(error), Location::Local(_)) => {
@@ -115,7 +122,7 @@ impl SessionOutput {
                     .collect();
                 SessionOutput::Local { directory, made }
             }
-            Location::Object(_) => SessionOutput::Object(folder),
+            Location::Object(_) => SessionOutput::Object { folder, reserved },
         };
         Ok((output, name))
     }
@@ -125,18 +132,34 @@ impl SessionOutput {
     pub fn holds(&self, name: &str) -> bool {
         match self {
             SessionOutput::Local { directory, .. } => directory.join(name).exists(),
-            SessionOutput::Object(_) => false,
+            SessionOutput::Object { .. } => false,
         }
     }
 
     /// Removes the directories made for the session again (its own, unless
     /// it was there before, and those above it), if nothing was written into
-    /// them (the capture they were made for failed, or wrote elsewhere).
+    /// them (the capture they were made for failed, or wrote elsewhere); in
+    /// a bucket, gives a generated session's name back.
     pub fn abandon(&self) {
-        if let SessionOutput::Local { made, .. } = self {
-            for dir in made {
-                if std::fs::remove_dir(dir).is_err() {
+        match self {
+            SessionOutput::Local { made, .. } => {
+                for dir in made {
+                    if std::fs::remove_dir(dir).is_err() {
+                        return;
+                    }
+                }
+            }
+            SessionOutput::Object { folder, reserved } => {
+                if !reserved {
                     return;
+                }
+                // On a thread of its own: this is called from async code
+                // too, whose runtime's threads may not block on the
+                // storage runtime's calls.
+                let released =
+                    std::thread::scope(|scope| scope.spawn(|| folder.release_session()).join());
+                if let Ok(Err(error)) = released {
+                    eprintln!("devtrace: could not give back the session's name: {error}");
                 }
             }
         }
@@ -162,7 +185,7 @@ impl SessionOutput {
                         )
                     })
             }
-            SessionOutput::Object(folder) => {
+            SessionOutput::Object { folder, .. } => {
                 repository::write_or_keep(folder, session_id, name, data, &std::env::temp_dir())
             }
         }

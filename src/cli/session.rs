@@ -173,7 +173,7 @@ impl fleet::TraceSink for LogdirSink {
                     .map(|file| Box::new(file) as Box<dyn fleet::TraceFile>)
                     .map_err(|e| format!("{e:#}"))
             }
-            SessionOutput::Object(folder) => crate::repository::create_file(
+            SessionOutput::Object { folder, .. } => crate::repository::create_file(
                 Ok(folder),
                 &self.session_id,
                 file_name,

@@ -25,6 +25,13 @@ pub use local::LocalFolder;
 pub use object::ObjectFolder;
 pub use url::{scheme_of, ObjectUrl, Provider, UrlError};
 
+/// The object that takes a generated session name in a bucket (see
+/// [`Folder::create_session`]). Its leading dot keeps it from being taken
+/// for a host's trace.
+pub const SESSION_MARKER: &str = ".devtrace-session";
+const SESSION_MARKER_TEXT: &[u8] =
+    b"This session's name was taken by a devtrace capture; its traces are the <host>.xplane.pb files beside this.\n";
+
 /// Suffix of trace files in a session directory (`<host>.xplane.pb`).
 pub const XPLANE_SUFFIX: &str = ".xplane.pb";
 
@@ -241,6 +248,12 @@ impl Folder {
     /// captures of one second never overwrite each other (in object storage
     /// its writes also refuse to replace an object); a client's id names
     /// its folder as is.
+    ///
+    /// A directory is taken the moment it is made; a bucket has no
+    /// directories, so a generated name is taken there by writing its
+    /// [`SESSION_MARKER`] create-only: of two captures that found a name
+    /// free in the same second, the second's marker is refused and it
+    /// moves on to the next name, before either has captured anything.
     pub fn create_session(
         &self,
         session_id: &str,
@@ -262,9 +275,15 @@ impl Folder {
                         1 => session_id.to_string(),
                         n => format!("{session_id}_{n}"),
                     };
-                    let folder = object.join(&name);
-                    if !folder.exists()? {
-                        return Ok((Folder::Object(folder.create_only()), name));
+                    let folder = object.join(&name).create_only();
+                    if folder.exists()? {
+                        continue;
+                    }
+                    match folder.write(SESSION_MARKER, SESSION_MARKER_TEXT) {
+                        Ok(_) => return Ok((Folder::Object(folder), name)),
+                        // Taken between the look and the write.
+                        Err(error) if error.is_taken() => continue,
+                        Err(error) => return Err(error),
                     }
                 }
                 Err(StorageError::Io {
@@ -279,6 +298,19 @@ impl Folder {
                 Folder::Object(object.join(session_id)),
                 session_id.to_string(),
             )),
+        }
+    }
+
+    /// Gives back a session [`Folder::create_session`] made for a capture
+    /// that wrote nothing into it: in a bucket, its marker goes when it is
+    /// all the session holds. A local directory is its maker's to remove.
+    pub fn release_session(&self) -> Result<(), StorageError> {
+        match self {
+            Folder::Local(_) => Ok(()),
+            Folder::Object(object) if object.files()? == [SESSION_MARKER] => {
+                object.remove(SESSION_MARKER)
+            }
+            Folder::Object(_) => Ok(()),
         }
     }
 

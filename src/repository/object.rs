@@ -222,6 +222,15 @@ impl ObjectFolder {
         })?;
         Ok(self.url.join(name).to_string())
     }
+
+    /// Deletes object `name`; one already gone is no error.
+    pub fn remove(&self, name: &str) -> Result<(), StorageError> {
+        let key = self.key().join(name);
+        match block_on(self.store.delete(&key))? {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(source) => Err(self.error(Some(name), source)),
+        }
+    }
 }
 
 /// The runtime object-store calls run on, started at the first call.

@@ -192,6 +192,16 @@ fn devtrace(server: &S3Server, args: &[&str], extra: &[(&str, &Path)]) -> std::p
         .expect("running devtrace")
 }
 
+/// The standard output of a command that must have succeeded, trimmed.
+fn succeeded(out: std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
 fn decodes(bytes: &[u8]) -> XSpace {
     XSpace::decode(bytes).expect("an XSpace")
 }
@@ -285,8 +295,17 @@ async fn generated_session_names_never_replace_objects_in_a_bucket() {
         .iter()
         .filter(|k| !taken.iter().any(|t| k.starts_with(&format!("logs/{t}/"))))
         .collect();
-    assert_eq!(new.len(), 1, "{keys:?}");
-    assert!(new[0].contains("_2/127.0.0.1_6009.xplane.pb"), "{}", new[0]);
+    // The trace, and the marker that took its session's name.
+    assert_eq!(new.len(), 2, "{keys:?}");
+    let session = new[0].rsplit_once('/').unwrap().0;
+    assert!(session.ends_with("_2"), "{keys:?}");
+    assert_eq!(
+        new,
+        [
+            &format!("{session}/.devtrace-session"),
+            &format!("{session}/127.0.0.1_6009.xplane.pb")
+        ]
+    );
     for name in &taken {
         let key = format!("logs/{name}/127.0.0.1_6009.xplane.pb");
         assert_eq!(server.object("traces", &key), b"earlier capture");
@@ -421,12 +440,7 @@ async fn the_cli_captures_into_lists_and_reads_from_a_bucket() {
                     .collect::<Vec<_>>(),
                 &[],
             );
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            String::from_utf8_lossy(&out.stdout).trim().to_string()
+            succeeded(out)
         })
         .collect();
     assert_ne!(unnamed[0], unnamed[1]);
@@ -504,6 +518,73 @@ async fn the_cli_captures_into_lists_and_reads_from_a_bucket() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Captures started in the same second into one bucket, each naming its
+/// session after that second: each takes a name of its own before it
+/// captures (a bucket has no directory to make), so none is refused at the
+/// upload and kept off the bucket.
+#[tokio::test]
+async fn captures_of_one_second_into_a_bucket_each_land_in_a_session_of_their_own() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("traces");
+    let agent = AgentProcess::start(&[]);
+    let host = agent.address.replace(':', "_");
+    // Early in a second, so that every capture names its session after it.
+    let into_second = now_ns() % 1_000_000_000;
+    if into_second > 100_000_000 {
+        std::thread::sleep(std::time::Duration::from_nanos(1_000_000_000 - into_second));
+    }
+    let captures: Vec<Child> = (0..3)
+        .map(|_| {
+            Command::new(BIN)
+                .args(["capture", &agent.address, "--duration", "300ms"])
+                .args(["--logdir", "s3://traces/same", "--quiet"])
+                .args(["--log-level", "warn"])
+                .envs(server.env())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("running devtrace")
+        })
+        .collect();
+    let mut written: Vec<String> = captures
+        .into_iter()
+        .map(|capture| succeeded(capture.wait_with_output().unwrap()))
+        .collect();
+    written.sort();
+    written.dedup();
+    assert_eq!(written.len(), 3, "{written:?}");
+    let keys = server.keys("traces");
+    let traces: Vec<&String> = keys.iter().filter(|k| k.ends_with(".xplane.pb")).collect();
+    assert_eq!(traces.len(), 3, "{keys:?}");
+    for key in traces {
+        assert!(written.contains(&format!("s3://traces/{key}")), "{key}");
+        assert!(key.ends_with(&format!("/{host}.xplane.pb")), "{key}");
+        assert!(event_count(&decodes(&server.object("traces", key))) > 0);
+    }
+
+    // A capture that fails gives its session's name back: nothing is left.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let out = devtrace(
+        &server,
+        &["capture", &address, "--duration", "100ms"]
+            .into_iter()
+            .chain(["--logdir", "s3://traces/failed", "--quiet"])
+            .collect::<Vec<_>>(),
+        &[],
+    );
+    assert!(!out.status.success());
+    let left: Vec<String> = server
+        .keys("traces")
+        .into_iter()
+        .filter(|k| k.starts_with("failed/"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// Asserts that `message` says the trace is kept in a file under `dir`,
