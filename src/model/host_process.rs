@@ -299,6 +299,26 @@ pub fn start_ticks(pid: u32) -> Option<u64> {
     parse_start_ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
+/// Whether the process that had `pid` and started at `started` clock
+/// ticks after boot ([`start_ticks`]) still runs: it has not exited, is
+/// not a zombie, and its pid was not taken since by another process.
+pub fn still_runs(pid: u32, started: u64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    parse_start_ticks(&stat) == Some(started)
+        && !matches!(parse_state(&stat), Some('Z' | 'X' | 'x'))
+}
+
+/// The state letter in a `/proc/<pid>/stat` text (`R`, `S`, `Z`, ...).
+fn parse_state(stat: &str) -> Option<char> {
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .next()?
+        .chars()
+        .next()
+}
+
 /// The start time in a `/proc/<pid>/stat` text.
 pub fn parse_start_ticks(stat: &str) -> Option<u64> {
     // The command name may hold spaces and parentheses: fields count from
@@ -312,6 +332,40 @@ pub fn parse_start_ticks(stat: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_runs_while_its_pid_names_it() {
+        let me = std::process::id();
+        let started = start_ticks(me).expect("this process's start");
+        assert!(still_runs(me, started));
+        // The same pid started at another moment: another process.
+        assert!(!still_runs(me, started + 1));
+
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        let pid = child.id();
+        let started = start_ticks(pid).expect("the child's start");
+        assert!(still_runs(pid, started));
+        child.kill().expect("kill");
+        // Killed but not reaped: a zombie, which runs no more.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while still_runs(pid, started) {
+            assert!(std::time::Instant::now() < deadline, "{pid} still runs");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.wait().expect("reaped");
+        assert!(!still_runs(pid, started));
+    }
+
+    #[test]
+    fn the_state_follows_the_last_parenthesis() {
+        assert_eq!(parse_state("42 (a) b) Z 1 2"), Some('Z'));
+        assert_eq!(parse_state("42 (x) S 1"), Some('S'));
+        assert_eq!(parse_state("garbage"), None);
+    }
     #[test]
     fn credentials_are_read_from_the_status_text() {
         let status = "Name:\tpython3\nUid:\t1001\t1001\t1001\t1001\nGid:\t1001\t27\t1001\t1001\n\
@@ -336,7 +390,6 @@ mod tests {
         assert!(!dumpable(pid, euid.wrapping_add(1)));
     }
 
-    use super::*;
     use std::os::unix::fs::MetadataExt;
 
     #[test]

@@ -863,6 +863,72 @@ async fn a_workload_that_exits_mid_capture_keeps_its_events_and_is_reported() {
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// A workload that exits while the agent looks away, its pid taken by
+/// another process before the agent's next pass: the agent lets go of it
+/// all the same (the pid names another process now).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_whose_pid_is_reused_before_the_agent_looks_is_let_go_of() {
+    let setup = setup("cuda_pid_reused");
+    let agent = setup.agent();
+    let release = release_file(&setup, "never");
+    let mut workload = setup.workload(&["1", "--wait-file", release.to_str().unwrap()], &[]);
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+
+    // The agent stopped, the workload gone and its pid given to another
+    // process, then the agent let go on.
+    let agent_pid = agent.pid() as i32;
+    // SAFETY: signals to a child process of this test.
+    unsafe { libc::kill(agent_pid, libc::SIGSTOP) };
+    workload.workload.child.kill().unwrap();
+    workload.workload.child.wait().unwrap();
+    let successor = with_pid(pid);
+    // SAFETY: as above.
+    unsafe { libc::kill(agent_pid, libc::SIGCONT) };
+    let Some(mut successor) = successor else {
+        eprintln!("skipped: pid {pid} could not be given to another process");
+        return;
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let monitor = agent.monitor(100).await.data;
+        if monitor.contains("backend cuda: running (0 processes attached") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent still holds process {pid}, now another: {monitor}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    successor.kill().unwrap();
+    successor.wait().unwrap();
+}
+
+/// A process started with pid `pid` (through `ns_last_pid`, as root), or
+/// `None` when this host does not allow it or another process keeps
+/// taking the pid first.
+fn with_pid(pid: u32) -> Option<std::process::Child> {
+    const LAST_PID: &str = "/proc/sys/kernel/ns_last_pid";
+    for _ in 0..100 {
+        if let Err(error) = std::fs::write(LAST_PID, (pid - 1).to_string()) {
+            eprintln!("cannot write {LAST_PID}: {error}");
+            return None;
+        }
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .expect("sleep");
+        if child.id() == pid {
+            return Some(child);
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    None
+}
+
 /// A process that exits moments into a capture, on CUDA 13, keeps its
 /// kernels' occupancy: CUPTI's DEVICE record of the GPU sits in the
 /// library's own thread's buffer, which is not back yet when the exiting

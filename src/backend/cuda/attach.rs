@@ -12,6 +12,9 @@ use super::*;
 pub(super) struct Process {
     /// Its pid on the host (in the agent's pid namespace).
     pub(super) pid: u32,
+    /// When it started ([`host_process::start_ticks`]), so that a later
+    /// process given its pid is not taken for it; `None` when unreadable.
+    pub(super) started: Option<u64>,
     /// Its pid in a pid namespace of its own, when it runs in one.
     pub(super) own_pid: Option<u32>,
     /// Host ids of its threads, when it runs in a namespace of its own.
@@ -199,6 +202,7 @@ impl Attachments {
         };
         let process = Process {
             pid,
+            started: host_process::start_ticks(pid),
             own_pid: (own_pid != pid).then_some(own_pid),
             threads: if own_pid == pid {
                 Threads::default()
@@ -427,12 +431,16 @@ impl Attachments {
     pub(super) fn service(&mut self, flags: u32, background: u32, traces: &TraceDemand) {
         let keys: Vec<FileIdentity> = self.processes.keys().copied().collect();
         for key in keys {
-            let Some(pid) = self.processes.get(&key).map(|p| p.pid) else {
+            let Some((pid, started)) = self.processes.get(&key).map(|p| (p.pid, p.started)) else {
                 continue;
             };
             // Whether it is alive is asked before the last drain, so that
-            // nothing it pushed before exiting is missed.
-            let alive = pid_alive(pid);
+            // nothing it pushed before exiting is missed. By its start too:
+            // a pid reused between two passes is another process.
+            let alive = match started {
+                Some(started) => host_process::still_runs(pid, started),
+                None => pid_alive(pid),
+            };
             self.read_meta(key);
             if let Some(process) = self.processes.get_mut(&key) {
                 let flags = background
@@ -629,6 +637,7 @@ mod tests {
         let key = identity_at(&files.meta).expect("the file's identity");
         let process = Process {
             pid: std::process::id(),
+            started: None,
             own_pid: None,
             threads: Default::default(),
             files: files.clone(),

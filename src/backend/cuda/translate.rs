@@ -140,6 +140,7 @@ mod tests {
         let consumer = ring.consumer().expect("its consumer");
         Process {
             pid: std::process::id(),
+            started: None,
             own_pid: None,
             threads: Default::default(),
             files: WorkloadFiles::of_ring(Path::new("/nonexistent/cuda-1-0.ring")),
