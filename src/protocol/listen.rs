@@ -189,7 +189,19 @@ pub struct Admitted<IO> {
     closer: Closer,
     /// Who is calling, named once the connection is admitted.
     caller: Caller,
+    /// Once its side is shut: until when what the peer still sends is read
+    /// and dropped ([`LINGER_LIMIT`]).
+    lingering_until: Option<Pin<Box<Sleep>>>,
 }
+
+/// How long a connection the server is done with is kept open, reading and
+/// dropping what the peer still sends, so that closing it does not reset
+/// it: a socket closed with unread bytes (the peer's flow-control updates
+/// while it reads a long reply) sends a reset, and the peer then loses the
+/// end of the reply it had not read yet, as every capture in flight did
+/// now and then when the agent was stopped. A peer closes its side as soon
+/// as it has read the reply.
+pub const LINGER_LIMIT: Duration = Duration::from_secs(5);
 
 impl<IO> Admitted<IO> {
     fn new(io: IO, admission: Admission, first_bytes: Option<Duration>) -> Admitted<IO> {
@@ -199,6 +211,7 @@ impl<IO> Admitted<IO> {
             silent_until: first_bytes.map(|deadline| Box::pin(tokio::time::sleep(deadline))),
             closer: Closer::default(),
             caller: Caller::Unknown,
+            lingering_until: None,
         }
     }
 }
@@ -218,6 +231,10 @@ struct CloserState {
 }
 
 impl Closer {
+    fn is_closed(&self) -> bool {
+        self.0.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     pub fn close(&self) {
         self.0
             .closed
@@ -338,7 +355,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Admitted<IO> {
     }
 }
 
-impl<IO: AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
+impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
     // A connection stuck writing to a peer that reads nothing is closed
     // here, as a reading one is in `poll_read`.
     fn poll_write(
@@ -355,8 +372,37 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
         Pin::new(&mut self.io).poll_flush(cx)
     }
 
+    /// Shuts this side, then lingers ([`LINGER_LIMIT`]) until the peer
+    /// closes its own.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        let this = &mut *self;
+        if this.lingering_until.is_none() {
+            std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
+            this.lingering_until = Some(Box::pin(tokio::time::sleep(LINGER_LIMIT)));
+        }
+        if this.closer.is_closed() {
+            return Poll::Ready(Ok(()));
+        }
+        let mut scratch = [0u8; 4096];
+        loop {
+            let mut buf = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut this.io).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => continue,
+                // The peer closed (or reset) its side: nothing is left to lose.
+                Poll::Ready(_) => return Poll::Ready(Ok(())),
+                Poll::Pending => {
+                    let over = this
+                        .lingering_until
+                        .as_mut()
+                        .is_none_or(|until| until.as_mut().poll(cx).is_ready());
+                    return if over {
+                        Poll::Ready(Ok(()))
+                    } else {
+                        Poll::Pending
+                    };
+                }
+            }
+        }
     }
 
     fn poll_write_vectored(

@@ -230,9 +230,14 @@ impl AgentProcess {
     /// Sends SIGTERM and waits up to `limit` for the agent to exit; how it
     /// exited, or `None` if it was still running (it is then killed).
     pub fn stop_with_sigterm(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
-        let started = std::time::Instant::now();
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.pid() as libc::pid_t, libc::SIGTERM) };
+        self.wait_for_exit(limit)
+    }
+
+    /// Its exit status once it exits, waiting at most `limit`.
+    pub fn wait_for_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let started = std::time::Instant::now();
         while started.elapsed() < limit {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Some(status);
