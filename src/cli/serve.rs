@@ -335,9 +335,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     pub unsent_dir: Option<PathBuf>,
 
-    /// Longest capture window a request may ask for (at least 1ms).
-    #[arg(long, default_value = "10m", value_parser = parse_max_duration)]
-    pub max_duration: Duration,
+    /// Longest capture window a request may ask for (at least 1ms); at
+    /// most --store-retention, which is the default: a window is built from
+    /// the flight recorder once it ends, and the recorder holds no more.
+    #[arg(long, value_parser = parse_max_duration)]
+    pub max_duration: Option<Duration>,
 
     /// How long a gRPC connection is served before its client is asked to
     /// open a new one (HTTP/2 GOAWAY; gRPC clients move without failing a
@@ -640,6 +642,23 @@ fn parse_session_bytes(text: &str) -> Result<usize, String> {
     Ok(bytes)
 }
 
+/// The longest window a request may ask for: `--max-duration`, which may
+/// not pass what the flight recorder keeps, or that.
+fn max_duration(args: &ServeArgs) -> anyhow::Result<Duration> {
+    let retention = args.store_retention;
+    match args.max_duration {
+        None => Ok(retention),
+        Some(longest) if longest > retention => bail!(
+            "--max-duration {}s is longer than the flight recorder keeps (--store-retention {}s): \
+             the start of such a window would be gone before its trace is built; raise \
+             --store-retention or lower --max-duration",
+            longest.as_secs_f64(),
+            retention.as_secs_f64()
+        ),
+        Some(longest) => Ok(longest),
+    }
+}
+
 fn parse_max_duration(text: &str) -> Result<Duration, String> {
     let duration = super::parse_duration(text).map_err(|e| e.to_string())?;
     at_least(duration, Duration::from_millis(1), "1ms")
@@ -719,6 +738,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let max_duration = max_duration(&args)?;
     let (listeners, placed_socket) = listen(&args).await?;
     // Up while the backends start, so that probes see the process alive.
     let telemetry = Telemetry::new();
@@ -752,7 +772,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let service = Arc::new(ProfilerService::new(
         Arc::clone(&agent),
         ServiceConfig {
-            max_duration: args.max_duration,
+            max_duration,
             allowed_roots: allowed_roots.clone(),
             hostname: args.hostname.clone().unwrap_or_else(local_hostname),
             upstreams: args.upstreams.clone(),
@@ -773,7 +793,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     ));
     let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig {
         allowed_roots: allowed_roots.clone(),
-        max_duration: args.max_duration,
+        max_duration,
         default_port: client::DEFAULT_PORT,
         client: client_config,
         session_hosts: SessionHosts::new(args.session_hosts.clone()),

@@ -298,6 +298,15 @@ fn values_that_would_make_every_capture_fail_are_usage_errors() {
         assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
         assert!(stderr.contains(says), "{flag} {value}: {stderr}");
     }
+    // A window longer than the flight recorder keeps would lose its start.
+    let out = devtrace(&["serve", "--max-duration", "10m", "--listen", "127.0.0.1:0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--max-duration 600s is longer than the flight recorder keeps")
+            && stderr.contains("--store-retention 120s"),
+        "{stderr}"
+    );
     // RUST_LOG overrides --log-level: one that is not a filter is refused
     // rather than quietly replaced by `info`.
     let out = Command::new(BIN)

@@ -49,7 +49,8 @@ pub fn plan(
         return Err(invalid(
             duration_field,
             format!(
-                "{duration_ms} ms exceeds this agent's maximum of {max_ms} ms (--max-duration)"
+                "{duration_ms} ms exceeds this agent's maximum of {max_ms} ms (--max-duration, \
+                 by default --store-retention: the flight recorder holds no longer a window)"
             ),
         ));
     }
