@@ -88,7 +88,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     let captured = runtime.block_on(capture(&args, prepared));
     // Past the window Ctrl-C stops the command as it would any other (an
     // upload in progress included).
-    default_interrupt();
+    default_cancelling();
     let captured = captured?;
     let in_bucket = matches!(captured.session_dir, Location::Object(_));
     // As a shell reads it back: the logdir resolved (a `~` that reached
@@ -118,40 +118,65 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Whether SIGINT is ignored (a background job of a shell, `trap '' INT`).
-fn interrupt_ignored() -> bool {
-    // SAFETY: a query of SIGINT's disposition into a zeroed sigaction.
+/// The signals that cancel a capture during its window: Ctrl-C, a stop
+/// from a service manager or `timeout` (SIGTERM), a closed terminal.
+const CANCELLING: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// Whether `signal` is ignored (SIGINT of a shell's background job,
+/// SIGHUP under `nohup`, a `trap '' TERM`).
+fn ignored(signal: libc::c_int) -> bool {
+    // SAFETY: a query of the signal's disposition into a zeroed sigaction.
     unsafe {
         let mut current: libc::sigaction = std::mem::zeroed();
-        libc::sigaction(libc::SIGINT, std::ptr::null(), &mut current) == 0
+        libc::sigaction(signal, std::ptr::null(), &mut current) == 0
             && current.sa_sigaction == libc::SIG_IGN
     }
 }
 
-/// Resolves at Ctrl-C (SIGINT), unless SIGINT was ignored when the command
-/// started: then never.
-async fn interrupted() {
-    if interrupt_ignored() || tokio::signal::ctrl_c().await.is_err() {
-        std::future::pending::<()>().await;
+/// Resolves with the first of the [`CANCELLING`] signals to arrive that
+/// was not ignored when the command started; never, if all were.
+async fn cancelled() -> libc::c_int {
+    use super::serve::next_signal;
+    use tokio::signal::unix::{signal, SignalKind};
+    let [mut interrupt, mut terminate, mut hang_up] = CANCELLING.map(|number| {
+        (!ignored(number))
+            .then(|| signal(SignalKind::from_raw(number)).ok())
+            .flatten()
+    });
+    tokio::select! {
+        () = next_signal(&mut interrupt) => libc::SIGINT,
+        () = next_signal(&mut terminate) => libc::SIGTERM,
+        () = next_signal(&mut hang_up) => libc::SIGHUP,
     }
 }
 
-/// Gives SIGINT back its default action (ending the process), replacing
-/// the handler [`interrupted`] installed; an ignored SIGINT stays ignored.
-fn default_interrupt() {
-    if !interrupt_ignored() {
-        // SAFETY: sets SIGINT's disposition to the default.
-        unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
+/// Gives the [`CANCELLING`] signals back their default action (ending the
+/// process), replacing the handlers [`cancelled`] installed; an ignored one
+/// stays ignored.
+fn default_cancelling() {
+    for number in CANCELLING {
+        if !ignored(number) {
+            // SAFETY: sets the signal's disposition to the default.
+            unsafe { libc::signal(number, libc::SIG_DFL) };
+        }
     }
 }
 
-/// Ends the process by SIGINT, as it would have ended without a handler,
+/// Ends the process by `signal`, as it would have ended without a handler,
 /// so that a shell running it in a loop or a script stops too.
-fn die_of_interrupt() -> ! {
-    default_interrupt();
+fn die_of(signal: libc::c_int) -> ! {
+    default_cancelling();
     // SAFETY: raising a signal whose action is now the default.
-    unsafe { libc::raise(libc::SIGINT) };
-    std::process::exit(130)
+    unsafe { libc::raise(signal) };
+    std::process::exit(128 + signal)
+}
+
+fn signal_name(signal: libc::c_int) -> &'static str {
+    match signal {
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGHUP => "SIGHUP",
+        _ => "a signal",
+    }
 }
 
 /// `text` as one word for a POSIX shell: as is when it holds nothing a
@@ -281,10 +306,11 @@ async fn capture(args: &CaptureArgs, prepared: Prepared) -> anyhow::Result<Captu
         reply = request_trace(args, &target, &config, duration_ms, &session) => reply,
         // The call is dropped with its connection, which ends the capture
         // on the server too.
-        () = interrupted() => {
+        signal = cancelled() => {
             output.abandon();
-            eprintln!("devtrace: the capture was cancelled (Ctrl-C): nothing was written");
-            die_of_interrupt();
+            let by = if signal == libc::SIGINT { "Ctrl-C" } else { signal_name(signal) };
+            eprintln!("devtrace: the capture was cancelled ({by}): nothing was written");
+            die_of(signal);
         }
     };
     match requested {
@@ -356,9 +382,7 @@ async fn request_trace(
         .with_context(|| format!("cannot reach a profiler server at {target}"))?;
     let progress = progress_bar(args, duration_ms);
     let reply = connection.profile(request).await;
-    if let Some(progress) = progress {
-        progress.finish_and_clear();
-    }
+    drop(progress);
     let reply = reply.with_context(|| format!("capture from {target} failed"))?;
     let window_end_ns = start_ns.saturating_add(duration_ms.saturating_mul(1_000_000));
     tracing::info!(
@@ -430,7 +454,18 @@ fn store(captured: Captured) -> anyhow::Result<String> {
     written.context("the reply carried no trace (xplane.pb or xplane.riegeli)")
 }
 
-fn progress_bar(args: &CaptureArgs, duration_ms: u64) -> Option<ProgressBar> {
+/// The capture's progress bar, cleared from the terminal when it goes: at
+/// the reply, or when the capture is cancelled (so that what is said then
+/// starts a line of its own).
+struct Progress(ProgressBar);
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
+fn progress_bar(args: &CaptureArgs, duration_ms: u64) -> Option<Progress> {
     if args.quiet {
         return None;
     }
@@ -448,7 +483,7 @@ fn progress_bar(args: &CaptureArgs, duration_ms: u64) -> Option<ProgressBar> {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
-    Some(bar)
+    Some(Progress(bar))
 }
 
 #[cfg(test)]

@@ -1076,7 +1076,7 @@ pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 
 /// The next delivery of `signal`; never, where it could not be registered.
 #[cfg(unix)]
-async fn next_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
+pub(super) async fn next_signal(signal: &mut Option<tokio::signal::unix::Signal>) {
     match signal {
         Some(signal) => {
             signal.recv().await;

@@ -502,24 +502,27 @@ fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
             .spawn()
             .unwrap()
     };
-    // Ctrl-C of a capture: cancelled with a word, nothing left behind, and
-    // the command ends as SIGINT ends commands, so that a script stops too.
-    let cancelled_logdir = logdir.path().join("cancelled");
-    let cancelled = start_capture(&cancelled_logdir);
-    wait_for("capture requested");
-    // SAFETY: signalling the capture this test started.
-    unsafe { libc::kill(cancelled.id() as libc::pid_t, libc::SIGINT) };
-    let out = cancelled.wait_with_output().unwrap();
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&out.status),
-        Some(libc::SIGINT)
-    );
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        said.contains("the capture was cancelled (Ctrl-C)"),
-        "{said}"
-    );
-    assert!(!cancelled_logdir.exists());
+    // Ctrl-C of a capture (or a service manager's or `timeout`'s SIGTERM):
+    // cancelled with a word, nothing left behind, and the command ends as
+    // the signal ends commands, so that a script stops too.
+    for (signal, named) in [(libc::SIGINT, "Ctrl-C"), (libc::SIGTERM, "SIGTERM")] {
+        let cancelled_logdir = logdir.path().join(named);
+        let cancelled = start_capture(&cancelled_logdir);
+        wait_for("capture requested");
+        // SAFETY: signalling the capture this test started.
+        unsafe { libc::kill(cancelled.id() as libc::pid_t, signal) };
+        let out = cancelled.wait_with_output().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&out.status),
+            Some(signal)
+        );
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            said.contains(&format!("the capture was cancelled ({named})")),
+            "{said}"
+        );
+        assert!(!cancelled_logdir.exists());
+    }
 
     let mut capture = start_capture(logdir.path());
     wait_for("capture requested");
