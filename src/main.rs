@@ -5,6 +5,8 @@ fn main() -> std::process::ExitCode {
     let cli = devtrace::cli::parse();
     match devtrace::cli::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // What a shell reports for a command a closed pipe ended.
+        Err(error) if devtrace::cli::output_closed(&error) => std::process::ExitCode::from(141),
         Err(error) => {
             eprintln!("devtrace: {}", devtrace::cli::failure_text(&error));
             std::process::ExitCode::FAILURE

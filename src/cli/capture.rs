@@ -53,7 +53,7 @@ pub struct CaptureArgs {
     pub delay_back: Duration,
 
     /// Name of the trace file's host part (default: the address with ':' as '_').
-    #[arg(long)]
+    #[arg(long, value_parser = parse_override_hostname)]
     pub override_hostname: Option<String>,
 
     /// ProfileOptions.device_tracer_level: 0 off, 1 on (TensorFlow's
@@ -116,6 +116,21 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--override-hostname`: what names the trace file `<host>.xplane.pb`,
+/// so one plain file-name component that readers of sessions take for a
+/// host's (not empty, not hidden).
+fn parse_override_hostname(text: &str) -> Result<String, String> {
+    if text.is_empty() || text.starts_with('.') {
+        return Err(format!(
+            "{text:?} would name a hidden file that XProf and devtrace sessions pass over: \
+             give a host name"
+        ));
+    }
+    crate::service::validate::name_component("--override-hostname", text)
+        .map_err(|status| status.message().to_string())?;
+    Ok(text.to_string())
 }
 
 /// The signals that cancel a capture during its window: Ctrl-C, a stop
@@ -383,6 +398,13 @@ async fn request_trace(
     let progress = progress_bar(args, duration_ms);
     let reply = connection.profile(request).await;
     drop(progress);
+    if let Err(refused @ client::CallError::TooLarge { .. }) = &reply {
+        bail!(
+            "capture from {target} failed: {refused}; ask again with a larger --max-reply-size \
+             (the same window, with --delay-back, while the server's flight recorder still \
+             holds it)"
+        );
+    }
     let reply = reply.with_context(|| format!("capture from {target} failed"))?;
     let window_end_ns = start_ns.saturating_add(duration_ms.saturating_mul(1_000_000));
     tracing::info!(

@@ -2,6 +2,7 @@
 //! Riegeli chunks of a large one (`.xplane.riegeli`), or of each host's file
 //! in a session directory.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -30,26 +31,32 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
     if !args.file.is_dir() {
-        return inspect(&args.file, &args, false);
+        return inspect(&mut out, &args.file, &args, false);
     }
     let files = session_files(&args.file)?;
     let several = files.len() > 1;
     for (index, file) in files.iter().enumerate() {
         if several && !args.json {
             if index > 0 {
-                println!();
+                writeln!(out).context(super::WRITING_OUTPUT)?;
             }
-            println!("== {}", file.display());
+            writeln!(out, "== {}", file.display()).context(super::WRITING_OUTPUT)?;
         }
-        inspect(file, &args, several)?;
+        inspect(&mut out, file, &args, several)?;
     }
     Ok(())
 }
 
 /// Prints the summary of one trace file; `named`: with its path (one JSON
 /// document a line per file of a session).
-fn inspect(file: &Path, args: &InspectArgs, named: bool) -> anyhow::Result<()> {
+fn inspect(
+    out: &mut impl Write,
+    file: &Path,
+    args: &InspectArgs,
+    named: bool,
+) -> anyhow::Result<()> {
     let trace = read_trace(file)?;
     let summary = summarize(&trace.space, args.top);
     if args.json {
@@ -58,13 +65,13 @@ fn inspect(file: &Path, args: &InspectArgs, named: bool) -> anyhow::Result<()> {
         if named {
             document["file"] = file.display().to_string().into();
         }
-        println!("{document}");
+        writeln!(out, "{document}").context(super::WRITING_OUTPUT)?;
         return Ok(());
     }
     if trace.chunks != 1 {
-        println!("chunks: {}", trace.chunks);
+        writeln!(out, "chunks: {}", trace.chunks).context(super::WRITING_OUTPUT)?;
     }
-    print!("{summary}");
+    write!(out, "{summary}").context(super::WRITING_OUTPUT)?;
     Ok(())
 }
 

@@ -177,7 +177,7 @@ impl SessionOutput {
                         let attempt = format!("writing {}", directory.join(name).display());
                         repository::keep_failed_write(
                             &attempt,
-                            &format!("{error:#}"),
+                            &super::failure_text(&error),
                             &std::env::temp_dir(),
                             session_id,
                             name,

@@ -103,6 +103,20 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 /// What the command says of a failure: the error and its causes, each
 /// cause once (an error that names its cause in its own message, as many
 /// of the library's do, is not followed by it again).
+/// What a failed write of a command's output says.
+pub(crate) const WRITING_OUTPUT: &str = "writing to standard output";
+
+/// Whether `error` is the command's output closed under it (`| head`):
+/// a reader that has what it wanted, so the command ends without a word,
+/// as other command-line tools do.
+pub fn output_closed(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    }) && error.to_string() == WRITING_OUTPUT
+}
+
 pub fn failure_text(error: &anyhow::Error) -> String {
     let mut text = String::new();
     for cause in error.chain() {

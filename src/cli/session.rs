@@ -200,13 +200,16 @@ pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
     if sessions.is_empty() {
         eprintln!("no sessions under {}", root.display());
     }
+    let mut out = std::io::stdout().lock();
     for s in sessions {
-        println!(
+        writeln!(
+            out,
             "{}\thosts: {}\ttools: {}",
             s.session_id,
             s.hosts.join(","),
             s.tools.join(",")
-        );
+        )
+        .context(super::WRITING_OUTPUT)?;
     }
     Ok(())
 }
@@ -240,7 +243,7 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
         .map(|_| ())?,
         None => std::io::stdout()
             .write_all(&bytes)
-            .context("writing to standard output")?,
+            .context(super::WRITING_OUTPUT)?,
     }
     Ok(())
 }

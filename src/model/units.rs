@@ -46,7 +46,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
             return Err(UnitError::UnknownUnit {
                 unit: other.to_string(),
                 text: text.to_string(),
-                expected: "ms, s, m or h",
+                expected: "us, ms, s, m or h",
             })
         }
     };

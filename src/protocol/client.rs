@@ -44,6 +44,11 @@ pub enum AddressError {
     BadPort(String),
     #[error("{0:?} contains characters a host name cannot have")]
     BadHost(String),
+    #[error(
+        "{0:?}: profiler servers speak gRPC; give grpc://HOST:PORT (plaintext), \
+         grpcs://HOST:PORT (TLS), HOST:PORT or unix:PATH"
+    )]
+    Scheme(String),
 }
 
 /// `host:port` from `grpc://host:port`, `host:port` or `host` (then with
@@ -108,6 +113,8 @@ impl Target {
             (Scheme::Tls, rest)
         } else if let Some(rest) = trimmed.strip_prefix("grpc://") {
             (Scheme::Plain, rest)
+        } else if trimmed.contains("://") {
+            return Err(AddressError::Scheme(trimmed.to_string()));
         } else {
             (Scheme::Unspecified, trimmed)
         };
@@ -227,7 +234,13 @@ fn with_hint(mut text: String, tls: bool) -> String {
         "connection reset",
         "received fatal alert",
     ];
-    if dropped.iter().any(|d| text.contains(d)) {
+    // The server had begun its reply: it was a gRPC server, and it went.
+    if text.contains("error reading a body") {
+        text.push_str(
+            " (the server dropped the connection while its reply was on the way: it stopped or \
+             was killed, and this reply is lost)",
+        );
+    } else if dropped.iter().any(|d| text.contains(d)) {
         text.push_str(if tls {
             " (the server dropped the connection: it stopped or was killed, or it requires client certificates, which need --tls-cert and --tls-key signed by a CA it trusts)"
         } else {
@@ -446,6 +459,32 @@ pub fn trace_bytes(reply: RawProfileResponse) -> Option<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_lost_mid_reply_is_not_blamed_on_tls() {
+        let mid_reply = with_hint(
+            "h2 protocol error: error reading a body from connection: connection reset".into(),
+            false,
+        );
+        assert!(
+            mid_reply.contains("while its reply was on the way"),
+            "{mid_reply}"
+        );
+        assert!(!mid_reply.contains("TLS"), "{mid_reply}");
+        let at_first = with_hint("h2 protocol error: connection reset".into(), false);
+        assert!(at_first.contains("it serves TLS"), "{at_first}");
+    }
+
+    #[test]
+    fn other_protocols_are_named_as_such() {
+        for text in ["http://host:6009", "https://host", "s3://bucket"] {
+            assert!(matches!(
+                Target::tcp(text, 6009),
+                Err(AddressError::Scheme(_))
+            ));
+        }
+        assert!(Target::tcp("grpcs://host:1", 6009).is_ok());
+    }
 
     #[test]
     fn addresses_get_ports_and_lose_schemes() {

@@ -27,6 +27,10 @@ pub enum ReadError {
         path: String,
         source: super::chunks::ChunkError,
     },
+    /// Zero bytes decode as an XSpace with nothing in it; no writer of
+    /// traces leaves one (a write cut short, a file truncated).
+    #[error("{path} is empty (0 bytes): not a trace")]
+    Empty { path: String },
 }
 
 /// A trace file as read: its XSpace, and how many chunks it was stored in
@@ -51,6 +55,11 @@ pub fn read_trace(path: &Path) -> Result<TraceFile, ReadError> {
 /// Decodes the bytes of the trace file at `path` (named in errors), by its
 /// suffix: Riegeli chunks merged for `.xplane.riegeli`, one XSpace otherwise.
 pub fn decode_trace(bytes: &[u8], path: &Path) -> Result<TraceFile, ReadError> {
+    if bytes.is_empty() {
+        return Err(ReadError::Empty {
+            path: path.display().to_string(),
+        });
+    }
     let chunked = path
         .file_name()
         .and_then(|name| name.to_str())

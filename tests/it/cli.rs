@@ -19,17 +19,21 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
     let agent = AgentProcess::start(&[]);
     let logdir = tempfile::tempdir().unwrap();
     let address = format!("grpc://{}", agent.address);
-    let out = devtrace(&[
-        "capture",
-        &address,
-        "--duration",
-        "500ms",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-        "--session-id",
-        "cli_run",
-        "--quiet",
-    ]);
+    let capture = |extra: &[&str]| {
+        let logdir = logdir.path().to_str().unwrap();
+        let mut args = vec![
+            "capture",
+            &address,
+            "--duration",
+            "500ms",
+            "--logdir",
+            logdir,
+        ];
+        args.extend_from_slice(extra);
+        args.push("--quiet");
+        devtrace(&args)
+    };
+    let out = capture(&["--session-id", "cli_run"]);
     assert!(
         out.status.success(),
         "{}",
@@ -44,6 +48,15 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
         expected.display().to_string()
     );
     assert!(std::fs::metadata(&expected).unwrap().len() > 10_000);
+    // A reply over --max-reply-size says how to have it after all.
+    let out = capture(&["--max-reply-size", "4KiB"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("is more than --max-reply-size allows (4096 bytes); ask again with a larger")
+            && said.contains("--delay-back"),
+        "{said}"
+    );
 
     let out = devtrace(&["inspect", expected.to_str().unwrap(), "--top", "3"]);
     assert!(out.status.success());
@@ -85,6 +98,27 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
         [expected.display().to_string(), other.display().to_string()]
     );
     std::fs::remove_file(&other).unwrap();
+    // A reader that stops reading (`| head`) ends the command quietly, as a
+    // closed pipe ends other tools.
+    for listing in [
+        vec!["inspect", expected.to_str().unwrap()],
+        vec!["sessions", logdir.path().to_str().unwrap()],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(BIN)
+            .args(&listing)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(141), "{listing:?}");
+        assert!(
+            out.stderr.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     let empty = tempfile::tempdir().unwrap();
     let out = devtrace(&["inspect", empty.path().to_str().unwrap()]);
     assert!(!out.status.success());
@@ -240,6 +274,30 @@ fn mistakes_get_clear_errors() {
     // A host alone means the default port.
     let out = devtrace(&["capture", "127.0.0.1", "--logdir", "x", "--quiet"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("at 127.0.0.1:6009"));
+    // An address of another protocol names the ones that work.
+    let out = devtrace(&["capture", "http://127.0.0.1:6009", "--logdir", "x"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("profiler servers speak gRPC; give grpc://"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The trace's host part names a file others can find.
+    for hidden in ["", ".x"] {
+        let out = devtrace(&[
+            "capture",
+            "127.0.0.1",
+            "--logdir",
+            "x",
+            "--override-hostname",
+            hidden,
+        ]);
+        assert_eq!(out.status.code(), Some(2));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("would name a hidden file"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 
     // A number alone could mean seconds or milliseconds: neither is guessed.
     for (duration, says) in [
@@ -266,6 +324,11 @@ fn mistakes_get_clear_errors() {
     let out = devtrace(&["inspect", garbage.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not an XSpace"));
+    let empty = dir.path().join("empty.xplane.pb");
+    std::fs::write(&empty, b"").unwrap();
+    let out = devtrace(&["inspect", empty.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is empty (0 bytes): not a trace"));
 
     let out = devtrace(&[
         "inspect",
