@@ -105,7 +105,8 @@ impl Budgets {
     }
 }
 
-fn mib(bytes: u64) -> String {
+/// A size as the log says it (`512 MiB`, `4.0 GiB`).
+pub(super) fn mib(bytes: u64) -> String {
     if bytes >= 1 << 40 {
         format!("{:.1} TiB", bytes as f64 / (1u64 << 40) as f64)
     } else if bytes >= 1 << 30 {

@@ -564,9 +564,9 @@ fn spill_space(args: &ServeArgs) -> anyhow::Result<Option<Arc<SpillSpace>>> {
         },
     };
     info!(
-        "traces larger than their share of --capture-memory spill to {} (at most {} bytes at once, --spill-size)",
+        "traces larger than their share of --capture-memory spill to {} (at most {} at once, --spill-size)",
         space.dir().display(),
-        space.limit()
+        super::memory::mib(space.limit() as u64)
     );
     Ok(Some(Arc::new(space)))
 }

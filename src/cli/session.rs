@@ -69,6 +69,7 @@ pub struct ToolArgs {
     /// A logdir (its plugins/profile is read) or a repository root; a
     /// directory, or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX.
     pub dir: PathBuf,
+    /// The session (run) to read, as `devtrace sessions DIR` lists them.
     pub session: String,
     /// kernel_stats, memory_profile, overview, trace_viewer or xplane.
     pub tool: String,

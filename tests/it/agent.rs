@@ -502,6 +502,19 @@ fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
             .spawn()
             .unwrap()
     };
+    // A refused request is said in the log, as an accepted one is.
+    let refused = std::process::Command::new(BIN)
+        .args(["capture", &agent.address, "--duration", "1h", "--quiet"])
+        .arg("--logdir")
+        .arg(logdir.path().join("refused"))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let line = wait_for("capture refused");
+    assert!(
+        line.contains("InvalidArgument") && line.contains("--max-duration"),
+        "{line}"
+    );
     // Ctrl-C of a capture (or a service manager's or `timeout`'s SIGTERM):
     // cancelled with a word, nothing left behind, and the command ends as
     // the signal ends commands, so that a script stops too.

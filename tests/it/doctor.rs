@@ -80,6 +80,9 @@ fn without_a_gpu_auto_is_ready_and_the_gpu_parts_say_what_to_install() {
     assert_eq!(doctor.report["ready"], true);
     assert_eq!(doctor.report["backends"]["mock"], "runs");
     assert_eq!(doctor.report["backends"]["nvml"], "not_usable");
+    // As `serve` starts it: it serves the jobs that bring their own driver
+    // (in containers sharing its runtime directory).
+    assert_eq!(doctor.report["backends"]["cuda"], "runs");
     let nvml = doctor.check("NVML");
     assert_eq!(nvml["status"], "absent");
     assert!(nvml["hint"]

@@ -430,8 +430,19 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let deadline = memory_wait_deadline(request.metadata());
         let caller = caller_of_request(&request);
         let request = request.into_inner();
-        let mut plan = self.plan(&request, true)?;
-        self.plan_for(&mut plan, &caller)?;
+        let planned = self.plan(&request, true).and_then(|mut plan| {
+            self.plan_for(&mut plan, &caller)?;
+            Ok(plan)
+        });
+        // Said where the operator looks, as an accepted request is.
+        let mut plan = planned.inspect_err(|refusal| {
+            info!(
+                %caller,
+                code = ?refusal.code(),
+                reason = refusal.message(),
+                "capture refused"
+            );
+        })?;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
@@ -440,7 +451,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             scope = %plan.scope,
             "capture requested"
         );
-        let (_registration, terminate) = self.register(&plan.session_id, caller.clone())?;
+        let (_registration, terminate) = self
+            .register(&plan.session_id, caller.clone())
+            .inspect_err(|refusal| {
+                info!(%caller, reason = refusal.message(), "capture refused");
+            })?;
         let attached = self.attach_first(&plan.attach, &caller).await;
         plan.warnings.extend(attached);
         let admission = self.captures.admit(&plan);
