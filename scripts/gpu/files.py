@@ -3,6 +3,7 @@ to a temporary name and renamed into place, so a reader never sees half."""
 
 import json
 import os
+import traceback
 
 
 def touch(path, text=""):
@@ -19,3 +20,20 @@ def write_json(path, doc):
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(tmp, path)
+
+
+def run_to_file(path, run, skipped=()):
+    """Runs `run()` and writes what it answers as the JSON file `path`;
+    answers the exit status: 0, 3 when it raised one of `skipped` (written
+    as {"skip": ...}: the workload cannot run here), 1 when it raised
+    anything else (written as {"error": ..., "traceback": ...})."""
+    try:
+        result = run()
+    except skipped as e:
+        write_json(path, {"skip": f"{type(e).__name__}: {e}"})
+        return 3
+    except Exception as e:  # noqa: BLE001 - the result says what went wrong
+        write_json(path, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        return 1
+    write_json(path, result)
+    return 0

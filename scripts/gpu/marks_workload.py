@@ -41,9 +41,8 @@ import json
 import os
 import sys
 import time
-import traceback
 
-from files import touch, write_json  # beside this script
+from files import run_to_file, touch  # beside this script
 
 LAUNCH_KERNELS = 40
 LAUNCH_ELEMENTS = 1024
@@ -196,18 +195,9 @@ def profiled_steps(torch, one_step, args):
 
 def main():
     args = parse_args()
-    try:
-        result = run(args)
-    except ImportError as e:
-        if args.mode != "gpt2":
-            raise
-        write_json(args.out, {"skip": f"{type(e).__name__}: {e}"})
-        return 3
-    except Exception as e:  # noqa: BLE001 - the result says what went wrong
-        write_json(args.out, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-        return 1
-    write_json(args.out, result)
-    return 0
+    # Only GPT-2 needs more than torch (transformers).
+    skipped = (ImportError,) if args.mode == "gpt2" else ()
+    return run_to_file(args.out, lambda: run(args), skipped)
 
 
 if __name__ == "__main__":

@@ -863,6 +863,62 @@ async fn a_workload_that_exits_mid_capture_keeps_its_events_and_is_reported() {
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// The probe of plain CUPTI that `scripts/gpu-check`'s check l runs
+/// (`scripts/gpu/cupti_cost.c`), built against CUDA 13.0's real headers,
+/// through its phases on the stand-in CUPTI: each phase records all its
+/// kernels, its subscriber is called for its own calls alone, and nothing
+/// is recorded once it has finalized CUPTI.
+#[test]
+fn the_cupti_cost_probe_counts_each_phase_and_detaches_after_it() {
+    let includes: Vec<String> = [
+        "nvidia-cuda-cupti==13.0.85",
+        "nvidia-cuda-runtime==13.0.96",
+        "nvidia-cuda-crt==13.0.88",
+    ]
+    .into_iter()
+    .map(|wheel| {
+        format!(
+            "-I{}",
+            real_cupti_wheel(wheel).join("cu13/include").display()
+        )
+    })
+    .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let probe = dir.path().join("libcupti_cost.so");
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu/cupti_cost.c");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror"])
+        .args(&includes)
+        .arg("-o")
+        .arg(&probe)
+        .arg(&source)
+        .arg("-ldl")
+        .output()
+        .expect("cc runs");
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let check = cuda_linked("cupti_cost_check.c", "cupti_cost_check", &["-ldl"]);
+    let out = std::process::Command::new(check)
+        .arg(&probe)
+        .arg(cupti_standin().join("libcupti.so.12"))
+        .output()
+        .expect("the check runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("kernels: 100 of 100 kernels recorded, 0 subscriber calls"),
+        "{said}"
+    );
+    assert!(said.ends_with("ok\n"), "{said}");
+}
+
 /// A workload that exits while the agent looks away, its pid taken by
 /// another process before the agent's next pass: the agent lets go of it
 /// all the same (the pid names another process now).

@@ -5,7 +5,9 @@
 //! at its offset in every release from its `since` version on, and must lie
 //! past the end of the record in every release before. Each callback id of
 //! the timeline's API calls must be that call's in every release that has
-//! it, and past the last id of every release that does not.
+//! it, and past the last id of every release that does not. The probe of
+//! plain CUPTI's costs that `scripts/gpu-check` runs
+//! (`scripts/gpu/cupti_cost.c`) compiles against each release too.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -438,5 +440,21 @@ fn the_driver_calls_match_the_real_headers() {
             release.name
         );
         assert_compiles(&dir.join("driver_check.c"), &source, &includes, &what);
+    }
+}
+
+/// The probe `scripts/gpu-check` measures plain CUPTI's costs with
+/// (`scripts/gpu/cupti_cost.c`) takes its function types from the headers:
+/// it compiles against every release's.
+#[test]
+fn the_cupti_cost_probe_compiles_against_the_real_headers() {
+    let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/gpu/cupti_cost.c");
+    let source = std::fs::read_to_string(&probe).expect("scripts/gpu/cupti_cost.c");
+    for (release, dir, includes) in unpacked() {
+        let what = format!(
+            "CUPTI {}: scripts/gpu/cupti_cost.c does not compile",
+            release.name
+        );
+        assert_compiles(&dir.join("cupti_cost_check.c"), &source, &includes, &what);
     }
 }

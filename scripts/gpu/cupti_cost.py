@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""What plain CUPTI charges a launch-bound PyTorch loop for each part of a
+capture, without devtrace, in one process: scripts/gpu-check's check l.
+
+    cupti_cost.py --probe libcupti_cost.so --cupti PATH/libcupti.so.13 --out RESULT.json
+                  [--device 0] [--seconds 1.5] [--configs kernels,capture,...]
+
+The loop is marks_workload.py's launch mode (40 tiny elementwise kernels,
+then a synchronize). It runs plain, then for each configuration: CUPTI
+started that way through the probe (scripts/gpu/cupti_cost.c: a
+subscriber first, kernels last, as devtrace starts a capture), --seconds
+of steps, CUPTI stopped (kinds off, buffers flushed, subscriber gone,
+cuptiFinalize), --seconds of plain steps. A configuration's cost is judged
+against the mean rate of the plain phases either side of it, as
+microseconds per kernel, (1/on - 1/plain) / 40; what it left behind as the
+plain phase after it against the one before.
+
+The result JSON: {"cupti_version", "kernels_per_step", "plain": [steps/s
+of each plain phase], "configs": [{"name", "kinds", "subscriber",
+"on" (steps/s), "plain" (the mean either side), "ratio", "us_per_kernel",
+"after_ratio", "kernels_recorded", "kernels_launched", "callbacks_per_kernel",
+"records": {kind: count}, "error"}]}; {"error": ...} with exit status 1
+when the loop or the probe could not run at all.
+"""
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+import traceback
+
+from files import write_json  # beside this script
+
+KERNELS_PER_STEP = 40
+ELEMENTS = 1024
+
+# CUpti_ActivityKind, unchanged from CUDA 12 to 13.
+MEMCPY, MEMSET, DRIVER, RUNTIME, DEVICE, CONTEXT = 1, 2, 4, 5, 8, 9
+CONCURRENT_KERNEL, MARKER, OVERHEAD, SYNCHRONIZATION, MEMORY2 = 10, 12, 17, 38, 49
+KIND_NAMES = {
+    MEMCPY: "memcpy", MEMSET: "memset", DRIVER: "driver", RUNTIME: "runtime", DEVICE: "device",
+    CONTEXT: "context", CONCURRENT_KERNEL: "kernel", MARKER: "marker", OVERHEAD: "overhead",
+    SYNCHRONIZATION: "synchronization", MEMORY2: "memory2",
+}
+
+# devtrace's kinds: between captures with --cuda-record always, and during
+# a capture (inject/src/control.rs and inject/src/cupti/mod.rs), kernels last.
+ALWAYS = [DEVICE, CONTEXT, MEMCPY, MEMSET, CONCURRENT_KERNEL]
+CAPTURE = [DEVICE, CONTEXT, MEMCPY, MEMSET, MEMORY2, OVERHEAD, SYNCHRONIZATION, MARKER, CONCURRENT_KERNEL]
+
+
+def before_kernels(kinds, *more):
+    """`kinds` with `more` enabled before their kernels."""
+    return kinds[:-1] + list(more) + kinds[-1:]
+
+
+# name -> (kinds, whether a subscriber to the driver and runtime domains).
+CONFIGS = {
+    "kernels": ([CONCURRENT_KERNEL], False),
+    "subscriber": ([], True),
+    "kernels+subscriber": ([CONCURRENT_KERNEL], True),
+    "always": (ALWAYS, False),
+    "always+synchronization": (before_kernels(ALWAYS, SYNCHRONIZATION), False),
+    "always+memory2": (before_kernels(ALWAYS, MEMORY2), False),
+    "always+marker": (before_kernels(ALWAYS, MARKER), False),
+    "always+overhead": (before_kernels(ALWAYS, OVERHEAD), False),
+    "capture": (CAPTURE, False),
+    "capture+subscriber": (CAPTURE, True),
+    "capture+runtime": (before_kernels(CAPTURE, RUNTIME), False),
+    "capture+runtime+driver": (before_kernels(CAPTURE, RUNTIME, DRIVER), False),
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--probe", required=True, help="libcupti_cost.so (scripts/gpu-pack builds it)")
+    p.add_argument("--cupti", required=True, help="the libcupti the job's environment loads")
+    p.add_argument("--out", required=True, help="result JSON")
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--seconds", type=float, default=1.5, help="length of each phase")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="configurations, comma-separated (default: all): " + ", ".join(CONFIGS))
+    return p.parse_args()
+
+
+class Probe:
+    def __init__(self, path, cupti):
+        self.lib = ctypes.CDLL(path)
+        self.lib.cost_open.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32)]
+        self.lib.cost_start.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        for name in ("cost_records",):
+            getattr(self.lib, name).argtypes = [ctypes.c_int]
+        for name in ("cost_records", "cost_callbacks", "cost_buffers_failed"):
+            getattr(self.lib, name).restype = ctypes.c_uint64
+        self.lib.cost_error.restype = ctypes.c_char_p
+        version = ctypes.c_uint32(0)
+        self.check(self.lib.cost_open(cupti.encode(), ctypes.byref(version)))
+        self.version = version.value
+
+    def check(self, status):
+        if status != 0:
+            raise RuntimeError(self.lib.cost_error().decode(errors="replace"))
+
+    def start(self, kinds, subscriber):
+        array = (ctypes.c_int * max(len(kinds), 1))(*kinds)
+        self.check(self.lib.cost_start(array, len(kinds), int(subscriber)))
+
+    def stop(self):
+        self.check(self.lib.cost_stop())
+
+    def counts(self):
+        kinds = {KIND_NAMES[k]: self.lib.cost_records(k) for k in KIND_NAMES}
+        return kinds, self.lib.cost_callbacks()
+
+
+def run(args):
+    import torch
+
+    torch.cuda.set_device(args.device)
+    x = torch.zeros(ELEMENTS, device=torch.device("cuda", args.device))
+
+    def step():
+        for _ in range(KERNELS_PER_STEP):
+            x.add_(1.0)
+        torch.cuda.synchronize()
+
+    def rate(seconds):
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            step()
+            steps += 1
+        return steps / (time.perf_counter() - start), steps
+
+    for _ in range(200):
+        step()
+    probe = Probe(args.probe, args.cupti)
+    plain = [rate(args.seconds)[0]]
+    configs = []
+    for name in args.configs.split(","):
+        kinds, subscriber = CONFIGS[name]
+        entry = {"name": name, "kinds": [KIND_NAMES[k] for k in kinds], "subscriber": subscriber}
+        before, callbacks_before = probe.counts()
+        try:
+            probe.start(kinds, subscriber)
+            on, steps = rate(args.seconds)
+        except RuntimeError as e:
+            entry["error"] = str(e)
+            on, steps = None, 0
+        try:
+            probe.stop()
+        except RuntimeError as e:
+            entry.setdefault("error", str(e))
+        after, callbacks_after = probe.counts()
+        plain.append(rate(args.seconds)[0])
+        mean = (plain[-2] + plain[-1]) / 2
+        launched = steps * KERNELS_PER_STEP
+        entry.update({
+            "on": on,
+            "plain": mean,
+            "ratio": on / mean if on else None,
+            "us_per_kernel": (1 / on - 1 / mean) / KERNELS_PER_STEP * 1e6 if on else None,
+            "after_ratio": plain[-1] / plain[-2],
+            "kernels_launched": launched,
+            "kernels_recorded": after["kernel"] - before["kernel"],
+            "callbacks_per_kernel": (callbacks_after - callbacks_before) / launched if launched else None,
+            "records": {k: after[k] - before[k] for k in after if after[k] != before[k]},
+        })
+        configs.append(entry)
+        print(json.dumps(entry), flush=True)
+    return {
+        "cupti_version": probe.version,
+        "kernels_per_step": KERNELS_PER_STEP,
+        "plain": plain,
+        "buffers_failed": probe.lib.cost_buffers_failed(),
+        "configs": configs,
+    }
+
+
+def main():
+    args = parse_args()
+    unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
+    if unknown:
+        print(f"cupti_cost.py: unknown configurations {unknown}; known: {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    try:
+        result = run(args)
+    except Exception as e:  # noqa: BLE001 - the result says what went wrong
+        write_json(args.out, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        return 1
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
