@@ -28,9 +28,8 @@ import ctypes
 import json
 import sys
 import time
-import traceback
 
-from files import write_json  # beside this script
+from files import run_to_file  # beside this script
 
 KERNELS_PER_STEP = 40
 ELEMENTS = 1024
@@ -183,13 +182,7 @@ def main():
     if unknown:
         print(f"cupti_cost.py: unknown configurations {unknown}; known: {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    try:
-        result = run(args)
-    except Exception as e:  # noqa: BLE001 - the result says what went wrong
-        write_json(args.out, {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-        return 1
-    write_json(args.out, result)
-    return 0
+    return run_to_file(args.out, lambda: run(args))
 
 
 if __name__ == "__main__":

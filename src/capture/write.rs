@@ -96,6 +96,9 @@ fn write_in_new_session<B: TraceFile>(
         match bytes.write_to(&session, file_name) {
             Err(error) if generated && error.is_taken() && attempts < MAX_TAKEN_RETRIES => {
                 attempts += 1;
+                if let Err(left) = session.remove_session_marker() {
+                    warn!(%left, "could not take this capture's marker back");
+                }
             }
             Err(error) if generated => {
                 if let Err(left) = session.release_session() {

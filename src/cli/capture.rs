@@ -322,6 +322,8 @@ async fn capture(args: &CaptureArgs, prepared: Prepared) -> anyhow::Result<Captu
         // The call is dropped with its connection, which ends the capture
         // on the server too.
         signal = cancelled() => {
+            // Another signal now ends the command at once.
+            default_cancelling();
             output.abandon();
             let by = if signal == libc::SIGINT { "Ctrl-C" } else { signal_name(signal) };
             eprintln!("devtrace: the capture was cancelled ({by}): nothing was written");
@@ -465,9 +467,15 @@ fn store(captured: Captured) -> anyhow::Result<String> {
         if tool.name.ends_with("tf_stats_helper_result") {
             continue;
         }
-        let path = output
-            .write(&session_id, &format!("{host}.{}", tool.name), &tool.data)
-            .map_err(anyhow::Error::msg)?;
+        let stored = output.write(&session_id, &format!("{host}.{}", tool.name), &tool.data);
+        let path = match stored {
+            Ok(path) => path,
+            Err(kept) => {
+                // What was made for it goes when nothing else lies there.
+                output.abandon();
+                bail!(kept);
+            }
+        };
         // A large trace comes as Riegeli chunks (`xplane.riegeli`).
         if tool.name == XPLANE_TOOL || tool.name == RIEGELI_TOOL {
             written = Some(path);

@@ -96,6 +96,7 @@ fn report(args: &DoctorArgs) -> doctor::Report {
             tls_client_ca: serve.tls_client_ca.as_deref(),
             memory,
             cuda_chosen,
+            window_limit: super::serve::window_limit(serve),
         },
     };
     doctor::examine(&plan)

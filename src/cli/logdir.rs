@@ -48,6 +48,9 @@ pub fn parse_session_id(text: &str) -> Result<String, String> {
     Ok(text.to_string())
 }
 
+/// How long a capture given up waits to give its session's name back.
+const RELEASE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Where the files of one session go.
 pub enum SessionOutput {
     Local {
@@ -155,11 +158,23 @@ impl SessionOutput {
                 }
                 // On a thread of its own: this is called from async code
                 // too, whose runtime's threads may not block on the
-                // storage runtime's calls.
-                let released =
-                    std::thread::scope(|scope| scope.spawn(|| folder.release_session()).join());
-                if let Ok(Err(error)) = released {
-                    eprintln!("devtrace: could not give back the session's name: {error}");
+                // storage runtime's calls; and not waited for long, since
+                // the bucket may be why the capture is given up.
+                let folder = folder.clone();
+                let (done, released) = std::sync::mpsc::channel();
+                std::thread::spawn(move || {
+                    let _ = done.send(folder.release_session());
+                });
+                match released.recv_timeout(RELEASE_LIMIT) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => {
+                        eprintln!("devtrace: could not give back the session's name: {error}")
+                    }
+                    Err(_) => eprintln!(
+                        "devtrace: gave up giving back the session's name after {} s: its \
+                         marker stays",
+                        RELEASE_LIMIT.as_secs()
+                    ),
                 }
             }
         }

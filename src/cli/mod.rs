@@ -100,9 +100,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// What the command says of a failure: the error and its causes, each
-/// cause once (an error that names its cause in its own message, as many
-/// of the library's do, is not followed by it again).
 /// What a failed write of a command's output says.
 pub(crate) const WRITING_OUTPUT: &str = "writing to standard output";
 
@@ -117,6 +114,9 @@ pub fn output_closed(error: &anyhow::Error) -> bool {
     }) && error.to_string() == WRITING_OUTPUT
 }
 
+/// What the command says of a failure: the error and its causes, each
+/// cause once (an error that names its cause in its own message, as many
+/// of the library's do, is not followed by it again).
 pub fn failure_text(error: &anyhow::Error) -> String {
     let mut text = String::new();
     for cause in error.chain() {

@@ -335,9 +335,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     pub unsent_dir: Option<PathBuf>,
 
-    /// Longest capture window a request may ask for (at least 1ms); at
-    /// most --store-retention, which is the default: a window is built from
-    /// the flight recorder once it ends, and the recorder holds no more.
+    /// Longest capture window a request may ask for (at least 1ms).
+    /// Default, and most: --store-retention less a margin (a quarter, at most
+    /// 5s) for the trace's build to begin, since a window is built from the
+    /// flight recorder once it ends and the recorder holds no more.
     #[arg(long, value_parser = parse_max_duration)]
     pub max_duration: Option<Duration>,
 
@@ -642,21 +643,36 @@ fn parse_session_bytes(text: &str) -> Result<usize, String> {
     Ok(bytes)
 }
 
-/// The longest window a request may ask for: `--max-duration`, which may
-/// not pass what the flight recorder keeps, or that.
-fn max_duration(args: &ServeArgs) -> anyhow::Result<Duration> {
-    let retention = args.store_retention;
+/// The longest window a request may ask for, and why it is less than
+/// `--max-duration` asked, if it is: a window is built from the flight
+/// recorder once it ends, so it may reach back no further than the recorder
+/// keeps, less a margin for the build to begin ([`kept_window`]); the
+/// default.
+pub(super) fn window_limit(args: &ServeArgs) -> (Duration, Option<String>) {
+    let kept = kept_window(args.store_retention);
     match args.max_duration {
-        None => Ok(retention),
-        Some(longest) if longest > retention => bail!(
-            "--max-duration {}s is longer than the flight recorder keeps (--store-retention {}s): \
-             the start of such a window would be gone before its trace is built; raise \
-             --store-retention or lower --max-duration",
-            longest.as_secs_f64(),
-            retention.as_secs_f64()
+        Some(asked) if asked > kept => (
+            kept,
+            Some(format!(
+                "--max-duration {}s is longer than the flight recorder keeps whole to the \
+                 trace's build (--store-retention {}s, less {}s): captures are held to {}s; \
+                 raise --store-retention for longer ones",
+                asked.as_secs_f64(),
+                args.store_retention.as_secs_f64(),
+                (args.store_retention - kept).as_secs_f64(),
+                kept.as_secs_f64()
+            )),
         ),
-        Some(longest) => Ok(longest),
+        Some(asked) => (asked, None),
+        None => (kept, None),
     }
+}
+
+/// The longest window whose start the flight recorder, keeping
+/// `retention`, still holds when the window's trace is built: a quarter of
+/// the retention, at most 5 s, is left for the build to begin.
+fn kept_window(retention: Duration) -> Duration {
+    retention - (retention / 4).min(Duration::from_secs(5))
 }
 
 fn parse_max_duration(text: &str) -> Result<Duration, String> {
@@ -738,7 +754,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let max_duration = max_duration(&args)?;
+    let (max_duration, held) = window_limit(&args);
+    if let Some(held) = held {
+        tracing::warn!("{held}");
+    }
     let (listeners, placed_socket) = listen(&args).await?;
     // Up while the backends start, so that probes see the process alive.
     let telemetry = Telemetry::new();

@@ -23,6 +23,9 @@ pub struct SetupPlan<'a> {
     pub memory: Result<String, String>,
     /// Whether the CUDA backend would run (the runtime directory is its).
     pub cuda_chosen: bool,
+    /// The longest capture window, and why it is less than --max-duration
+    /// asked, if it is.
+    pub window_limit: (std::time::Duration, Option<String>),
 }
 
 pub fn check(plan: &SetupPlan) -> Vec<Finding> {
@@ -44,6 +47,15 @@ pub fn check(plan: &SetupPlan) -> Vec<Finding> {
     if let Some(ca) = plan.tls_client_ca {
         findings.push(tls_certificate("--tls-client-ca", ca, None));
     }
+    findings.push(match &plan.window_limit {
+        (_, Some(held)) => Finding::new(Area::Agent, "max duration", Status::Warn, held.clone()),
+        (longest, None) => Finding::new(
+            Area::Agent,
+            "max duration",
+            Status::Ok,
+            format!("captures of up to {}s", longest.as_secs_f64()),
+        ),
+    });
     findings.push(match &plan.memory {
         Ok(budgets) => Finding::new(Area::Agent, "memory", Status::Ok, budgets.clone()),
         Err(reason) => Finding::new(Area::Agent, "memory", Status::Fail, reason.clone()),

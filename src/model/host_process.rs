@@ -303,11 +303,16 @@ pub fn start_ticks(pid: u32) -> Option<u64> {
 /// ticks after boot ([`start_ticks`]) still runs: it has not exited, is
 /// not a zombie, and its pid was not taken since by another process.
 pub fn still_runs(pid: u32, started: u64) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    parse_start_ticks(&stat) == Some(started)
-        && !matches!(parse_state(&stat), Some('Z' | 'X' | 'x'))
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            parse_start_ticks(&stat) == Some(started)
+                && !matches!(parse_state(&stat), Some('Z' | 'X' | 'x'))
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => false,
+        // Not readable now (out of file descriptors, say): a live process
+        // must not be taken for gone, so the pid alone decides.
+        Err(_) => crate::ring::pid_alive(pid),
+    }
 }
 
 /// The state letter in a `/proc/<pid>/stat` text (`R`, `S`, `Z`, ...).

@@ -234,11 +234,11 @@ fn with_hint(mut text: String, tls: bool) -> String {
         "connection reset",
         "received fatal alert",
     ];
-    // The server had begun its reply: it was a gRPC server, and it went.
+    // The server had begun its reply: it was a gRPC server.
     if text.contains("error reading a body") {
         text.push_str(
-            " (the server dropped the connection while its reply was on the way: it stopped or \
-             was killed, and this reply is lost)",
+            " (the connection ended while the reply was on the way: the server stopped, was \
+             killed or gave up on this client, which read too slowly; this reply is lost)",
         );
     } else if dropped.iter().any(|d| text.contains(d)) {
         text.push_str(if tls {
@@ -467,7 +467,7 @@ mod tests {
             false,
         );
         assert!(
-            mid_reply.contains("while its reply was on the way"),
+            mid_reply.contains("while the reply was on the way"),
             "{mid_reply}"
         );
         assert!(!mid_reply.contains("TLS"), "{mid_reply}");

@@ -190,8 +190,17 @@ pub struct Admitted<IO> {
     /// Who is calling, named once the connection is admitted.
     caller: Caller,
     /// Once its side is shut: until when what the peer still sends is read
-    /// and dropped ([`LINGER_LIMIT`]).
-    lingering_until: Option<Pin<Box<Sleep>>>,
+    /// and dropped ([`LINGER_LIMIT`]), and how much of it was.
+    lingering: Option<Lingering>,
+}
+
+/// A connection waiting for its peer to close, within bounds.
+#[derive(Debug)]
+struct Lingering {
+    until: std::time::Instant,
+    /// Wakes the connection at `until` when the peer sends nothing.
+    timer: Pin<Box<Sleep>>,
+    dropped: usize,
 }
 
 /// How long a connection the server is done with is kept open, reading and
@@ -203,6 +212,10 @@ pub struct Admitted<IO> {
 /// as it has read the reply.
 pub const LINGER_LIMIT: Duration = Duration::from_secs(5);
 
+/// The most a lingering connection reads and drops: a peer that keeps
+/// sending is not waited for.
+const LINGER_MAX_BYTES: usize = 1 << 20;
+
 impl<IO> Admitted<IO> {
     fn new(io: IO, admission: Admission, first_bytes: Option<Duration>) -> Admitted<IO> {
         Admitted {
@@ -211,7 +224,7 @@ impl<IO> Admitted<IO> {
             silent_until: first_bytes.map(|deadline| Box::pin(tokio::time::sleep(deadline))),
             closer: Closer::default(),
             caller: Caller::Unknown,
-            lingering_until: None,
+            lingering: None,
         }
     }
 }
@@ -376,33 +389,40 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
     /// closes its own.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if this.lingering_until.is_none() {
+        if this.lingering.is_none() {
             std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
-            this.lingering_until = Some(Box::pin(tokio::time::sleep(LINGER_LIMIT)));
+            this.lingering = Some(Lingering {
+                until: std::time::Instant::now() + LINGER_LIMIT,
+                timer: Box::pin(tokio::time::sleep(LINGER_LIMIT)),
+                dropped: 0,
+            });
         }
-        if this.closer.is_closed() {
+        let Some(lingering) = this.lingering.as_mut() else {
             return Poll::Ready(Ok(()));
-        }
+        };
         let mut scratch = [0u8; 4096];
-        loop {
+        // The bounds are looked at before each read: reads that keep
+        // succeeding never reach the timer.
+        while !this.closer.is_closed()
+            && lingering.dropped < LINGER_MAX_BYTES
+            && std::time::Instant::now() < lingering.until
+        {
             let mut buf = ReadBuf::new(&mut scratch);
             match Pin::new(&mut this.io).poll_read(cx, &mut buf) {
-                Poll::Ready(Ok(())) if !buf.filled().is_empty() => continue,
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => {
+                    lingering.dropped += buf.filled().len();
+                }
                 // The peer closed (or reset) its side: nothing is left to lose.
                 Poll::Ready(_) => return Poll::Ready(Ok(())),
                 Poll::Pending => {
-                    let over = this
-                        .lingering_until
-                        .as_mut()
-                        .is_none_or(|until| until.as_mut().poll(cx).is_ready());
-                    return if over {
-                        Poll::Ready(Ok(()))
-                    } else {
-                        Poll::Pending
-                    };
+                    if lingering.timer.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Ok(()));
+                    }
+                    return Poll::Pending;
                 }
             }
         }
+        Poll::Ready(Ok(()))
     }
 
     fn poll_write_vectored(

@@ -314,6 +314,15 @@ impl Folder {
         }
     }
 
+    /// Takes back the marker [`Folder::create_session`] wrote, from a
+    /// session another writer put files of its own in after all.
+    pub fn remove_session_marker(&self) -> Result<(), StorageError> {
+        match self {
+            Folder::Local(_) => Ok(()),
+            Folder::Object(object) => object.remove(SESSION_MARKER),
+        }
+    }
+
     pub fn is_object(&self) -> bool {
         matches!(self, Folder::Object(_))
     }

@@ -210,6 +210,15 @@ impl ObjectFolder {
                 // (AWS_CONDITIONAL_PUT=disabled) cannot refuse to replace;
                 // the session's name was checked free when it was chosen.
                 Err(object_store::Error::NotImplemented { .. }) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        tracing::warn!(
+                            bucket = %self.url,
+                            "this store takes no conditional writes (AWS_CONDITIONAL_PUT=disabled?): \
+                             a capture's objects may replace others', and two captures of one \
+                             second may share a session"
+                        )
+                    });
                     self.store.put(&key, payload).await
                 }
                 other => other,

@@ -84,7 +84,7 @@ type MethodLabel = [(&'static str, &'static str); 1];
 type Histograms = Family<MethodLabel, Histogram, fn() -> Histogram>;
 
 /// Call durations: a Monitor or capture lasts its window, up to
-/// `--max-duration` (10 minutes by default).
+/// `--max-duration` (by default a little under `--store-retention`).
 fn call_durations() -> Histogram {
     Histogram::new([
         0.005, 0.025, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,

@@ -568,7 +568,7 @@ fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
 /// in about one stop in six.)
 #[test]
 fn a_capture_in_flight_when_the_agent_stops_reaches_its_client() {
-    for round in 0..12 {
+    for round in 0..20 {
         let mut agent = AgentProcess::start(&["--metrics-listen", "off"]);
         let logdir = tempfile::tempdir().unwrap();
         let capture = std::process::Command::new(BIN)

@@ -361,14 +361,42 @@ fn values_that_would_make_every_capture_fail_are_usage_errors() {
         assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
         assert!(stderr.contains(says), "{flag} {value}: {stderr}");
     }
-    // A window longer than the flight recorder keeps would lose its start.
-    let out = devtrace(&["serve", "--max-duration", "10m", "--listen", "127.0.0.1:0"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    // A window longer than the flight recorder keeps would lose its start:
+    // it is held to what the recorder keeps, and doctor says so.
+    let out = devtrace(&[
+        "doctor",
+        "--max-duration",
+        "10m",
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+    ]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor's JSON");
+    let finding = report["checks"]
+        .as_array()
+        .and_then(|checks| checks.iter().find(|c| c["item"] == "max duration"))
+        .cloned()
+        .unwrap_or_else(|| panic!("no max duration finding in {report}"));
+    assert_eq!(finding["status"], "warn", "{finding}");
     assert!(
-        stderr.contains("--max-duration 600s is longer than the flight recorder keeps")
-            && stderr.contains("--store-retention 120s"),
-        "{stderr}"
+        finding["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("captures are held to 115s")),
+        "{finding}"
+    );
+    let agent = AgentProcess::start(&["--max-duration", "10m"]);
+    let out = devtrace(&[
+        "capture",
+        &agent.address,
+        "--duration",
+        "116s",
+        "--logdir",
+        "x",
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("exceeds this agent's maximum of 115000 ms"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
     // RUST_LOG overrides --log-level: one that is not a filter is refused
     // rather than quietly replaced by `info`.

@@ -50,7 +50,7 @@ pub fn plan(
             duration_field,
             format!(
                 "{duration_ms} ms exceeds this agent's maximum of {max_ms} ms (--max-duration, \
-                 by default --store-retention: the flight recorder holds no longer a window)"
+                 by default a little under --store-retention: the flight recorder holds no longer a window)"
             ),
         ));
     }
