@@ -805,7 +805,10 @@ impl InProcessAgent {
                 .expect("bind");
             let address = listener.local_addr().expect("address");
             let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig::default()));
-            let trigger = Arc::new(devtrace::service::trigger::TriggerService::new(None));
+            let trigger = Arc::new(devtrace::service::trigger::TriggerService::new(
+                None,
+                devtrace::service::access::Access::default(),
+            ));
             let server = tokio::spawn(devtrace::service::serve(
                 listener,
                 service,

@@ -137,7 +137,8 @@ fn clear_abandoned_once(root: &Folder) {
             files = ?abandoned.unfinished_files,
             "removed unfinished trace files that an agent stopped while writing left here"
         ),
-        Ok(_) => {}
+        // A root not made yet holds nothing unfinished.
+        Ok(_) | Err(StorageError::NotFound { .. }) => {}
         Err(error) => warn!(root = %shown, %error, "could not look for unfinished trace files"),
     }
 }

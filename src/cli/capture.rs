@@ -212,12 +212,17 @@ fn shell_word(text: &str) -> String {
 /// the flight recorder did not hold whole, events lost): none for a trace
 /// in Riegeli chunks or written by the server itself.
 fn trace_warnings(reply: &client::RawProfileResponse) -> Vec<String> {
-    reply
-        .tool_data
-        .iter()
-        .find(|tool| tool.name == XPLANE_TOOL)
-        .and_then(|tool| crate::xspace::read::warnings(&tool.data).ok())
-        .unwrap_or_default()
+    let Some(trace) = reply.tool_data.iter().find(|tool| tool.name == XPLANE_TOOL) else {
+        return Vec::new();
+    };
+    // What failed (an upstream that did not answer) first, then the rest.
+    let errors = crate::xspace::read::errors(&trace.data).unwrap_or_default();
+    let warnings = crate::xspace::read::warnings(&trace.data).unwrap_or_default();
+    errors
+        .into_iter()
+        .map(|error| format!("(error) {error}"))
+        .chain(warnings)
+        .collect()
 }
 
 /// How many of a trace's warnings are printed after a capture.

@@ -130,12 +130,16 @@ impl SessionOutput {
         Ok((output, name))
     }
 
-    /// Whether the session holds a file `name` already (on local disk;
-    /// object storage is not asked).
+    /// Whether the session holds a file `name` already. A bucket that
+    /// cannot be asked counts as not holding it (writes into a session
+    /// named after the second refuse to replace an object anyway). Blocks:
+    /// not for async code.
     pub fn holds(&self, name: &str) -> bool {
         match self {
             SessionOutput::Local { directory, .. } => directory.join(name).exists(),
-            SessionOutput::Object { .. } => false,
+            SessionOutput::Object { folder, .. } => folder
+                .files()
+                .is_ok_and(|files| files.iter().any(|file| file == name)),
         }
     }
 

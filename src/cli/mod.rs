@@ -176,13 +176,14 @@ impl PendingFile {
             .with_context(|| format!("writing {}", self.target.display()))
     }
 
-    /// Puts the file in place (mode 0644); where it is.
-    pub(crate) fn commit(self) -> anyhow::Result<std::path::PathBuf> {
-        self.put_in_place(true)
+    /// Puts the file in place (mode 0644), not over a file at the target
+    /// already (it is an error then); where it is.
+    pub(crate) fn commit_new(self) -> anyhow::Result<std::path::PathBuf> {
+        self.put_in_place(false)
     }
 
-    /// As [`PendingFile::commit`]; with `replace` false, not over a file
-    /// at the target already.
+    /// Puts the file in place (mode 0644); with `replace` false, not over a
+    /// file at the target already.
     fn put_in_place(self, replace: bool) -> anyhow::Result<std::path::PathBuf> {
         use anyhow::Context;
         use std::os::unix::fs::PermissionsExt;

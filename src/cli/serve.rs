@@ -788,6 +788,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         args.admin_clients.clone(),
     )
     .with_remote_callers(args.remote_callers);
+    let trigger_access = access.clone();
     let service = Arc::new(ProfilerService::new(
         Arc::clone(&agent),
         ServiceConfig {
@@ -830,7 +831,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(triggers) = &triggers {
         telemetry.triggers_started(triggers);
     }
-    let trigger_service = Arc::new(TriggerService::new(triggers.clone()));
+    let trigger_service = Arc::new(TriggerService::new(triggers.clone(), trigger_access));
     // Where clients reach it: the TCP address, or the socket with --listen off.
     let address = match &listeners.tcp {
         Some(tcp) => tcp

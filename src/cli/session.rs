@@ -15,6 +15,7 @@ use crate::clock;
 use crate::fleet::hosts::{self, HostList, Origin, COMMAND_LINE_LIMIT};
 use crate::fleet::{self, HostOutcome};
 use crate::protocol::client;
+use crate::xspace::chunks::RIEGELI_SUFFIX;
 
 #[derive(Debug, Args)]
 pub struct SessionArgs {
@@ -118,6 +119,24 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     ));
     let mut outcomes = HostOutcome::unresolved(resolved.failures);
     let hosts = resolved.targets;
+    // A session named on the command line may hold traces already: none
+    // is written over, as `capture` writes none over.
+    let taken: Vec<String> = hosts
+        .iter()
+        .map(|host| fleet::host_file_name(&host.to_string()))
+        .filter(|name| {
+            let chunked = name.replace(fleet::XPLANE_SUFFIX, RIEGELI_SUFFIX);
+            output.holds(name) || output.holds(&chunked)
+        })
+        .collect();
+    if !taken.is_empty() {
+        output.abandon();
+        bail!(
+            "session {session_id} under {root} holds traces of these hosts already ({}): name \
+             another --session-id, or leave it out for a new session",
+            taken.join(", ")
+        );
+    }
     if !hosts.is_empty() {
         // The window starts once the hosts are known, so that lookups do
         // not eat into it.
@@ -191,7 +210,8 @@ impl fleet::TraceFile for super::PendingFile {
     }
 
     fn commit(self: Box<Self>) -> Result<PathBuf, String> {
-        super::PendingFile::commit(*self).map_err(|e| format!("{e:#}"))
+        // Not over a trace another command wrote meanwhile.
+        super::PendingFile::commit_new(*self).map_err(|e| format!("{e:#}"))
     }
 }
 

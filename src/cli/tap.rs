@@ -119,7 +119,10 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen on {listen}"))?;
         let address = listener.local_addr().context("reading the bound address")?;
         println!("devtrace listening on {address}");
-        let trigger = Arc::new(crate::service::trigger::TriggerService::new(None));
+        let trigger = Arc::new(crate::service::trigger::TriggerService::new(
+            None,
+            crate::service::access::Access::default(),
+        ));
         tokio::spawn(async move {
             let serve =
                 crate::service::serve(listener, service, analysis, trigger, std::future::pending());

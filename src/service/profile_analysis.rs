@@ -395,12 +395,31 @@ impl ProfileAnalysis for ProfileAnalysisService {
             client,
         };
         if !hosts.is_empty() {
-            outcomes.extend(fleet::fan_out(&hosts, &profile, &plan, sink).await);
+            outcomes.extend(
+                fleet::fan_out(
+                    &hosts,
+                    &profile,
+                    &plan,
+                    Arc::clone(&sink) as Arc<dyn fleet::TraceSink>,
+                )
+                .await,
+            );
         }
         let delivered = outcomes
             .iter()
             .filter(|o| matches!(o.result, Ok(Some(_))))
             .count();
+        // A session nothing reached gives its bucket name back, without
+        // holding up the reply (the bucket may be why nothing reached it).
+        let made = sink.made.lock().clone();
+        if let (0, Some(folder)) = (delivered, made) {
+            let session = session_id.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Err(error) = folder.release_session() {
+                    info!(%session, %error, "could not give back the session's name");
+                }
+            });
+        }
         for outcome in &outcomes {
             if let Err(e) = &outcome.result {
                 info!(session = %session_id, host = %outcome.host, error = %e, "host failed");

@@ -6,26 +6,42 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::validate::invalid;
+use tracing::info;
+
+use super::access::Access;
+use super::validate::{check_characters, invalid};
+use crate::backend::Scope;
 use crate::proto::devtrace::trigger_server;
 use crate::proto::devtrace::{FireRequest, FireResponse};
+use crate::protocol::listen::caller_of_request;
 use crate::trigger::rule::MAX_NAME;
 use crate::trigger::{FireError, Triggers, MAX_REASON};
 
 /// See the module documentation; without rules every name is NOT_FOUND.
+/// A rule saves the whole host's window, so only a caller whose captures
+/// hold the whole host may fire one.
 pub struct TriggerService {
     triggers: Option<Arc<Triggers>>,
+    access: Access,
 }
 
 impl TriggerService {
-    pub fn new(triggers: Option<Arc<Triggers>>) -> TriggerService {
-        TriggerService { triggers }
+    pub fn new(triggers: Option<Arc<Triggers>>, access: Access) -> TriggerService {
+        TriggerService { triggers, access }
     }
 }
 
 #[tonic::async_trait]
 impl trigger_server::Trigger for TriggerService {
     async fn fire(&self, request: Request<FireRequest>) -> Result<Response<FireResponse>, Status> {
+        let caller = caller_of_request(&request);
+        if self.access.scope_of(&caller) != Ok(Scope::Host) {
+            info!(%caller, "trigger firing refused");
+            return Err(Status::permission_denied(format!(
+                "{caller} may not fire a trigger: its saved session holds the whole host's \
+                 window, which only admins (--admin-group, --admin-client) capture"
+            )));
+        }
         let request = request.into_inner();
         if request.name.is_empty() || request.name.len() > MAX_NAME {
             return Err(invalid(
@@ -36,6 +52,8 @@ impl trigger_server::Trigger for TriggerService {
         if request.reason.len() > MAX_REASON {
             return Err(invalid("reason", format!("at most {MAX_REASON} bytes")));
         }
+        // It goes into logs and traces.
+        check_characters("reason", &request.reason)?;
         let Some(triggers) = &self.triggers else {
             return Err(Status::not_found(format!(
                 "no trigger rule is named {:?}: this agent has no rules (devtrace serve --trigger)",
@@ -43,11 +61,14 @@ impl trigger_server::Trigger for TriggerService {
             )));
         };
         match triggers.fire(&request.name, &request.reason) {
-            Ok(fired) => Ok(Response::new(FireResponse {
-                fired_at_ns: fired.at_ns,
-                window_start_ns: fired.window.start_ns,
-                window_stop_ns: fired.window.stop_ns,
-            })),
+            Ok(fired) => {
+                info!(%caller, rule = %request.name, "trigger fired on request");
+                Ok(Response::new(FireResponse {
+                    fired_at_ns: fired.at_ns,
+                    window_start_ns: fired.window.start_ns,
+                    window_stop_ns: fired.window.stop_ns,
+                }))
+            }
             Err(error @ FireError::NotFound { .. }) => Err(Status::not_found(error.to_string())),
             Err(error @ FireError::Held { .. }) => {
                 Err(Status::resource_exhausted(error.to_string()))

@@ -12,7 +12,7 @@ pub fn invalid(field: &str, problem: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!("{field}: {problem}"))
 }
 
-fn check_characters(field: &str, value: &str) -> Result<(), Status> {
+pub fn check_characters(field: &str, value: &str) -> Result<(), Status> {
     if value.contains('\0') {
         return Err(invalid(field, "must not contain NUL"));
     }

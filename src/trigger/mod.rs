@@ -273,6 +273,8 @@ impl Triggers {
     fn clear_abandoned_saves(&self) {
         let abandoned = match self.repository.remove_abandoned(true) {
             Ok(abandoned) => abandoned,
+            // A repository not made yet holds nothing an earlier agent left.
+            Err(crate::repository::StorageError::NotFound { .. }) => return,
             Err(error) => {
                 warn!(%error, "could not look for saves an earlier agent left unfinished");
                 return;

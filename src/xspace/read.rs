@@ -400,14 +400,31 @@ pub fn plane_names(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
 /// The warnings of an encoded XSpace (field 3), read without decoding its
 /// planes: what a client shows of a trace it has just received.
 pub fn warnings(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
-    let mut warnings = Vec::new();
+    strings(bytes, XSPACE_WARNINGS)
+}
+
+/// An encoded XSpace's `errors` (what failed: an upstream that did not
+/// answer, say), as [`warnings`] reads its warnings.
+pub fn errors(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
+    strings(bytes, XSPACE_ERRORS)
+}
+
+/// `XSpace.errors` and `XSpace.warnings`: repeated strings 2 and 3.
+const XSPACE_ERRORS: u64 = 2;
+const XSPACE_WARNINGS: u64 = 3;
+
+/// The strings of top-level field `wanted` of an encoded XSpace.
+fn strings(bytes: &[u8], wanted: u64) -> Result<Vec<String>, Malformed> {
+    let mut found = Vec::new();
     let mut space = WireReader(bytes);
     while let Some((field, value)) = space.next_field()? {
-        if let (3, WireValue::Bytes(warning)) = (field, value) {
-            warnings.push(String::from_utf8_lossy(warning).into_owned());
+        if let WireValue::Bytes(text) = value {
+            if field == wanted {
+                found.push(String::from_utf8_lossy(text).into_owned());
+            }
         }
     }
-    Ok(warnings)
+    Ok(found)
 }
 
 pub(super) enum WireValue<'b> {

@@ -90,6 +90,22 @@ async fn an_upstream_that_is_down_makes_the_capture_partial() {
     let space = space_of(&reply);
     assert_error_starting(&space, &format!("upstream {unused}: cannot connect"));
     assert!(event_count(&space) > 1000, "our own events are all there");
+    // The command line says so, not only the file.
+    let logdir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["capture", &agent.address, "--duration", "300ms", "--quiet"])
+        .arg("--logdir")
+        .arg(logdir.path())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains(&format!(
+            "the trace warns: (error) upstream {unused}: cannot connect"
+        )),
+        "{said}"
+    );
 }
 
 /// An upstream that accepts the call and never answers (as a port bound by

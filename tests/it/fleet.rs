@@ -221,21 +221,24 @@ async fn a_dns_name_stands_for_every_address_it_resolves_to() {
 
     // The command line takes the same entry and the same flag.
     let logdir = tempfile::tempdir().unwrap();
-    let out = devtrace(args(&[
-        "session",
-        "new",
-        "--hosts",
-        &format!("dns:{NAME}:{port}"),
-        "--dns-server",
-        &dns.server,
-        "--duration",
-        "300ms",
-        "--session-id",
-        "cli",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-    ]))
-    .await;
+    let hosts = format!("dns:{NAME}:{port}");
+    let session_new = || {
+        devtrace(args(&[
+            "session",
+            "new",
+            "--hosts",
+            &hosts,
+            "--dns-server",
+            &dns.server,
+            "--duration",
+            "300ms",
+            "--session-id",
+            "cli",
+            "--logdir",
+            logdir.path().to_str().unwrap(),
+        ]))
+    };
+    let out = session_new().await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(
         trace_files(&logdir.path().join("plugins/profile/cli")),
@@ -246,6 +249,24 @@ async fn a_dns_name_stands_for_every_address_it_resolves_to() {
         "{}",
         text(&out.stderr)
     );
+    // The same session named again: its traces are not written over.
+    let session = logdir.path().join("plugins/profile/cli");
+    let before: Vec<Vec<u8>> = expected
+        .iter()
+        .map(|name| std::fs::read(session.join(name)).unwrap())
+        .collect();
+    let again = session_new().await;
+    assert!(!again.status.success());
+    assert!(
+        text(&again.stderr).contains("holds traces of these hosts already"),
+        "{}",
+        text(&again.stderr)
+    );
+    let after: Vec<Vec<u8>> = expected
+        .iter()
+        .map(|name| std::fs::read(session.join(name)).unwrap())
+        .collect();
+    assert!(before == after, "a trace was written over");
 }
 
 // ---------------------------------------------------------------------------

@@ -503,15 +503,17 @@ async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap()
     let armed = armed(&[watchdog, careful], &[]);
     // Enough history for the window before the first firing.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let out = devtrace(args(&[
-        "trigger",
-        "watchdog",
-        "--agent",
-        &armed.agent.address,
-        "--reason",
-        "loss is NaN",
-    ]))
-    .await;
+    let fire_with_reason = |reason: &'static str| {
+        devtrace(args(&[
+            "trigger",
+            "watchdog",
+            "--agent",
+            &armed.agent.address,
+            "--reason",
+            reason,
+        ]))
+    };
+    let out = fire_with_reason("loss is NaN").await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).starts_with("trigger watchdog fired at "));
     armed
@@ -556,6 +558,35 @@ async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap()
         "{}",
         text(&out.stderr)
     );
+    // A reason goes into logs and traces: no line breaks or escapes in it.
+    let out = fire_with_reason("bad\nline\x1b[31m").await;
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("must not contain control characters"),
+        "{}",
+        text(&out.stderr)
+    );
+    // A rule saves the whole host: a local user who is no admin, whose own
+    // captures hold only their processes, may not fire one.
+    if is_root() {
+        let out = std::process::Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "--",
+                BIN,
+            ])
+            .args(["trigger", "watchdog", "--agent", &armed.agent.address])
+            .output()
+            .expect("setpriv runs");
+        assert!(!out.status.success());
+        assert!(
+            text(&out.stderr).contains("may not fire a trigger"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
 
     let found = wait_for_sessions(&armed.repository, 3);
     assert_eq!(found.len(), 3, "{found:?}");
