@@ -130,7 +130,7 @@ impl RpcMetrics {
         );
         registry.register(
             "devtrace_capture_latency_seconds",
-            "Time from the end of a capture's window to its reply being ready, by method",
+            "Time from the end of a capture's window (or its request, for a window that ended before) to its reply being ready, by method",
             self.capture_latency.clone(),
         );
     }

@@ -294,12 +294,13 @@ impl ProfilerService {
         &self.config.telemetry
     }
 
-    /// A capture of `window` has its reply ready now.
-    fn capture_ready(&self, rpc: &'static str, window: Window) {
-        let late_ns = clock::now_ns().saturating_sub(window.stop_ns);
-        self.config
-            .telemetry
-            .capture_ready(rpc, Duration::from_nanos(late_ns));
+    /// A capture of `window`, asked for at `asked_ns`, has its reply ready
+    /// now: how long after its window ended, or after it was asked for when
+    /// that was later (a look-back window ended long before; its age is
+    /// not the agent's slowness).
+    fn capture_ready(&self, rpc: &'static str, window: Window, asked_ns: u64) {
+        let latency = reply_latency(clock::now_ns(), window, asked_ns);
+        self.config.telemetry.capture_ready(rpc, latency);
     }
 
     /// Whose processes `caller`'s captures hold, or why it gets none.
@@ -427,6 +428,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
+        let asked_ns = clock::now_ns();
         let deadline = memory_wait_deadline(request.metadata());
         let caller = caller_of_request(&request);
         let request = request.into_inner();
@@ -487,7 +489,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let encoded = with_warnings(encoded, &plan.warnings);
         let reply = self.respond(&plan, window, encoded, deadline).await?;
         drop(active);
-        self.capture_ready("Profile", window);
+        self.capture_ready("Profile", window, asked_ns);
         Ok(reply)
     }
 
@@ -659,11 +661,43 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             // A failure is logged; the snapshot goes inline either way.
             let _ = write_trace(root, &plan, XPLANE_SUFFIX, Arc::clone(&encoded)).await?;
         }
-        self.capture_ready("GetSnapshot", plan.window);
+        self.capture_ready("GetSnapshot", plan.window, now);
         let empty_trace = encoded.events == 0;
         Ok(framed(
             FramedReply::xspace(encoded.parts(), empty_trace),
             encoded,
         ))
+    }
+}
+
+/// How long a reply ready at `now_ns` took, for a window asked for at
+/// `asked_ns`: from the window's end, or from the request when the window
+/// ended before it (a look-back).
+fn reply_latency(now_ns: u64, window: Window, asked_ns: u64) -> Duration {
+    Duration::from_nanos(now_ns.saturating_sub(window.stop_ns.max(asked_ns)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{reply_latency, Window};
+    use std::time::Duration;
+
+    #[test]
+    fn a_look_back_is_late_from_its_request_not_its_window() {
+        let second = 1_000_000_000;
+        let window = Window {
+            start_ns: 100 * second,
+            stop_ns: 102 * second,
+        };
+        // Asked for while it ran: from its end.
+        assert_eq!(
+            reply_latency(103 * second, window, 100 * second),
+            Duration::from_secs(1)
+        );
+        // Asked for 200 s after it ended: from the request.
+        assert_eq!(
+            reply_latency(302 * second + second / 2, window, 302 * second),
+            Duration::from_millis(500)
+        );
     }
 }
