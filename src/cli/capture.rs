@@ -293,10 +293,11 @@ fn prepare(args: &CaptureArgs) -> anyhow::Result<Prepared> {
         host_name,
         host,
     };
+    let held = output.held();
     let taken = [XPLANE_SUFFIX, RIEGELI_SUFFIX]
         .iter()
         .map(|suffix| format!("{}{suffix}", session.host))
-        .find(|name| output.holds(name));
+        .find(|name| held.contains(name));
     if let Some(name) = taken {
         bail!(
             "session {} under {} holds a trace of this host already ({name}): name another \

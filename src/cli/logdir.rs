@@ -130,17 +130,21 @@ impl SessionOutput {
         Ok((output, name))
     }
 
-    /// Whether the session holds a file `name` already. A bucket that
-    /// cannot be asked counts as not holding it (writes into a session
-    /// named after the second refuse to replace an object anyway). Blocks:
-    /// not for async code.
-    pub fn holds(&self, name: &str) -> bool {
-        match self {
-            SessionOutput::Local { directory, .. } => directory.join(name).exists(),
-            SessionOutput::Object { folder, .. } => folder
-                .files()
-                .is_ok_and(|files| files.iter().any(|file| file == name)),
-        }
+    /// The names of the files the session holds already: one listing, for
+    /// a bucket too. A session that cannot be read counts as empty (writes
+    /// into a session named after the second refuse to replace a file or
+    /// object anyway). Blocks: not for async code.
+    pub fn held(&self) -> Vec<String> {
+        let listed = match self {
+            SessionOutput::Local { directory, .. } => std::fs::read_dir(directory).map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|entry| entry.file_name().into_string().ok())
+                    .collect()
+            }),
+            SessionOutput::Object { folder, .. } => folder.files().map_err(std::io::Error::other),
+        };
+        listed.unwrap_or_default()
     }
 
     /// Removes the directories made for the session again (its own, unless

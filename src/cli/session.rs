@@ -121,12 +121,13 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let hosts = resolved.targets;
     // A session named on the command line may hold traces already: none
     // is written over, as `capture` writes none over.
+    let held = output.held();
     let taken: Vec<String> = hosts
         .iter()
         .map(|host| fleet::host_file_name(&host.to_string()))
         .filter(|name| {
             let chunked = name.replace(fleet::XPLANE_SUFFIX, RIEGELI_SUFFIX);
-            output.holds(name) || output.holds(&chunked)
+            held.contains(name) || held.contains(&chunked)
         })
         .collect();
     if !taken.is_empty() {
