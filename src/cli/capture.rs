@@ -186,8 +186,10 @@ fn die_of(signal: libc::c_int) -> ! {
     std::process::exit(128 + signal)
 }
 
+/// One of the [`CANCELLING`] signals as a user would name it.
 fn signal_name(signal: libc::c_int) -> &'static str {
     match signal {
+        libc::SIGINT => "Ctrl-C",
         libc::SIGTERM => "SIGTERM",
         libc::SIGHUP => "SIGHUP",
         _ => "a signal",
@@ -216,8 +218,8 @@ fn trace_warnings(reply: &client::RawProfileResponse) -> Vec<String> {
         return Vec::new();
     };
     // What failed (an upstream that did not answer) first, then the rest.
-    let errors = crate::xspace::read::errors(&trace.data).unwrap_or_default();
-    let warnings = crate::xspace::read::warnings(&trace.data).unwrap_or_default();
+    let (errors, warnings) =
+        crate::xspace::read::errors_and_warnings(&trace.data).unwrap_or_default();
     errors
         .into_iter()
         .map(|error| format!("(error) {error}"))
@@ -284,7 +286,7 @@ fn prepare(args: &CaptureArgs) -> anyhow::Result<Prepared> {
     let host = args
         .override_hostname
         .clone()
-        .unwrap_or_else(|| host_name.replace(':', "_"));
+        .unwrap_or_else(|| crate::fleet::host_file_part(&host_name));
     let (output, session_id) = SessionOutput::create(&repository_root, args.session_id.as_deref())?;
     let session = Session {
         logdir,
@@ -293,12 +295,7 @@ fn prepare(args: &CaptureArgs) -> anyhow::Result<Prepared> {
         host_name,
         host,
     };
-    let held = output.held();
-    let taken = [XPLANE_SUFFIX, RIEGELI_SUFFIX]
-        .iter()
-        .map(|suffix| format!("{}{suffix}", session.host))
-        .find(|name| held.contains(name));
-    if let Some(name) = taken {
+    if let Some(name) = output.traces().get(&session.host) {
         bail!(
             "session {} under {} holds a trace of this host already ({name}): name another \
              --session-id, or leave it out for a new session",
@@ -331,8 +328,10 @@ async fn capture(args: &CaptureArgs, prepared: Prepared) -> anyhow::Result<Captu
             // Another signal now ends the command at once.
             default_cancelling();
             output.abandon();
-            let by = if signal == libc::SIGINT { "Ctrl-C" } else { signal_name(signal) };
-            eprintln!("devtrace: the capture was cancelled ({by}): nothing was written");
+            eprintln!(
+                "devtrace: the capture was cancelled ({}): nothing was written",
+                signal_name(signal)
+            );
             die_of(signal);
         }
     };

@@ -3,6 +3,7 @@
 //! `session new` write a session's files, and where `sessions` and `tool`
 //! find a repository root.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -130,21 +131,21 @@ impl SessionOutput {
         Ok((output, name))
     }
 
-    /// The names of the files the session holds already: one listing, for
-    /// a bucket too. A session that cannot be read counts as empty (writes
-    /// into a session named after the second refuse to replace a file or
-    /// object anyway). Blocks: not for async code.
-    pub fn held(&self) -> Vec<String> {
-        let listed = match self {
-            SessionOutput::Local { directory, .. } => std::fs::read_dir(directory).map(|entries| {
-                entries
-                    .flatten()
-                    .filter_map(|entry| entry.file_name().into_string().ok())
-                    .collect()
-            }),
-            SessionOutput::Object { folder, .. } => folder.files().map_err(std::io::Error::other),
+    /// The trace file of each host the session holds one of already, by
+    /// host ([`crate::fleet::session_traces`]): one listing, for a bucket
+    /// too. A session that cannot be read counts as empty (writes into a
+    /// session named after the second refuse to replace a file or object
+    /// anyway). Blocks: not for async code.
+    pub fn traces(&self) -> BTreeMap<String, String> {
+        let folder = match self {
+            SessionOutput::Local { directory, .. } => {
+                Folder::open(&Location::Local(directory.clone()))
+            }
+            SessionOutput::Object { folder, .. } => Ok(folder.clone()),
         };
-        listed.unwrap_or_default()
+        folder
+            .and_then(|folder| crate::fleet::session_traces(&folder))
+            .unwrap_or_default()
     }
 
     /// Removes the directories made for the session again (its own, unless

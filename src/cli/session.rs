@@ -15,7 +15,6 @@ use crate::clock;
 use crate::fleet::hosts::{self, HostList, Origin, COMMAND_LINE_LIMIT};
 use crate::fleet::{self, HostOutcome};
 use crate::protocol::client;
-use crate::xspace::chunks::RIEGELI_SUFFIX;
 
 #[derive(Debug, Args)]
 pub struct SessionArgs {
@@ -121,14 +120,11 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let hosts = resolved.targets;
     // A session named on the command line may hold traces already: none
     // is written over, as `capture` writes none over.
-    let held = output.held();
+    let traces = output.traces();
     let taken: Vec<String> = hosts
         .iter()
-        .map(|host| fleet::host_file_name(&host.to_string()))
-        .filter(|name| {
-            let chunked = name.replace(fleet::XPLANE_SUFFIX, RIEGELI_SUFFIX);
-            held.contains(name) || held.contains(&chunked)
-        })
+        .filter_map(|host| traces.get(&fleet::host_file_part(&host.to_string())))
+        .cloned()
         .collect();
     if !taken.is_empty() {
         output.abandon();

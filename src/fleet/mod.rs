@@ -79,7 +79,13 @@ impl HostError {
 
 /// `10.0.0.2:8466` -> `10.0.0.2_8466.xplane.pb`, as TensorFlow names files.
 pub fn host_file_name(host: &str) -> String {
-    format!("{}{XPLANE_SUFFIX}", host.replace(':', "_"))
+    format!("{}{XPLANE_SUFFIX}", host_file_part(host))
+}
+
+/// `10.0.0.2:8466` -> `10.0.0.2_8466`: the host part of its trace file's
+/// name ([`host_file_name`]), as [`session_traces`] keys a session's.
+pub fn host_file_part(host: &str) -> String {
+    host.replace(':', "_")
 }
 
 pub use crate::fleet::streaming::{TraceFile, TraceSink};

@@ -304,24 +304,12 @@ pub fn start_ticks(pid: u32) -> Option<u64> {
 /// not a zombie, and its pid was not taken since by another process.
 pub fn still_runs(pid: u32, started: u64) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            parse_start_ticks(&stat) == Some(started)
-                && !matches!(parse_state(&stat), Some('Z' | 'X' | 'x'))
-        }
+        Ok(stat) => parse_start_ticks(&stat) == Some(started) && crate::ring::alive_in_stat(&stat),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => false,
         // Not readable now (out of file descriptors, say): a live process
         // must not be taken for gone, so the pid alone decides.
         Err(_) => crate::ring::pid_alive(pid),
     }
-}
-
-/// The state letter in a `/proc/<pid>/stat` text (`R`, `S`, `Z`, ...).
-fn parse_state(stat: &str) -> Option<char> {
-    stat[stat.rfind(')')? + 1..]
-        .split_whitespace()
-        .next()?
-        .chars()
-        .next()
 }
 
 /// The start time in a `/proc/<pid>/stat` text.
@@ -365,12 +353,6 @@ mod tests {
         assert!(!still_runs(pid, started));
     }
 
-    #[test]
-    fn the_state_follows_the_last_parenthesis() {
-        assert_eq!(parse_state("42 (a) b) Z 1 2"), Some('Z'));
-        assert_eq!(parse_state("42 (x) S 1"), Some('S'));
-        assert_eq!(parse_state("garbage"), None);
-    }
     #[test]
     fn credentials_are_read_from_the_status_text() {
         let status = "Name:\tpython3\nUid:\t1001\t1001\t1001\t1001\nGid:\t1001\t27\t1001\t1001\n\

@@ -197,8 +197,8 @@ pub struct Admitted<IO> {
 /// A connection waiting for its peer to close, within bounds.
 #[derive(Debug)]
 struct Lingering {
-    until: std::time::Instant,
-    /// Wakes the connection at `until` when the peer sends nothing.
+    /// Ends the wait, and wakes the connection then when the peer sends
+    /// nothing.
     timer: Pin<Box<Sleep>>,
     dropped: usize,
 }
@@ -391,21 +391,17 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Admitted<IO> {
         let this = &mut *self;
         if this.lingering.is_none() {
             std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
-            this.lingering = Some(Lingering {
-                until: std::time::Instant::now() + LINGER_LIMIT,
-                timer: Box::pin(tokio::time::sleep(LINGER_LIMIT)),
-                dropped: 0,
-            });
         }
-        let Some(lingering) = this.lingering.as_mut() else {
-            return Poll::Ready(Ok(()));
-        };
+        let lingering = this.lingering.get_or_insert_with(|| Lingering {
+            timer: Box::pin(tokio::time::sleep(LINGER_LIMIT)),
+            dropped: 0,
+        });
         let mut scratch = [0u8; 4096];
         // The bounds are looked at before each read: reads that keep
         // succeeding never reach the timer.
         while !this.closer.is_closed()
             && lingering.dropped < LINGER_MAX_BYTES
-            && std::time::Instant::now() < lingering.until
+            && tokio::time::Instant::now() < lingering.timer.deadline()
         {
             let mut buf = ReadBuf::new(&mut scratch);
             match Pin::new(&mut this.io).poll_read(cx, &mut buf) {

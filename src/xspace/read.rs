@@ -397,34 +397,25 @@ pub fn plane_names(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
     Ok(names)
 }
 
-/// The warnings of an encoded XSpace (field 3), read without decoding its
-/// planes: what a client shows of a trace it has just received.
-pub fn warnings(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
-    strings(bytes, XSPACE_WARNINGS)
-}
-
-/// An encoded XSpace's `errors` (what failed: an upstream that did not
-/// answer, say), as [`warnings`] reads its warnings.
-pub fn errors(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
-    strings(bytes, XSPACE_ERRORS)
-}
-
-/// `XSpace.errors` and `XSpace.warnings`: repeated strings 2 and 3.
-const XSPACE_ERRORS: u64 = 2;
-const XSPACE_WARNINGS: u64 = 3;
-
-/// The strings of top-level field `wanted` of an encoded XSpace.
-fn strings(bytes: &[u8], wanted: u64) -> Result<Vec<String>, Malformed> {
-    let mut found = Vec::new();
+/// The errors (what failed: an upstream that did not answer, say) and
+/// warnings of an encoded XSpace (its fields 2 and 3), read in one walk
+/// without decoding its planes: what a client shows of a trace it has just
+/// received.
+pub fn errors_and_warnings(bytes: &[u8]) -> Result<(Vec<String>, Vec<String>), Malformed> {
+    let (mut errors, mut warnings) = (Vec::new(), Vec::new());
     let mut space = WireReader(bytes);
     while let Some((field, value)) = space.next_field()? {
-        if let WireValue::Bytes(text) = value {
-            if field == wanted {
-                found.push(String::from_utf8_lossy(text).into_owned());
-            }
+        let text = match value {
+            WireValue::Bytes(text) => String::from_utf8_lossy(text).into_owned(),
+            WireValue::Scalar => continue,
+        };
+        match field {
+            2 => errors.push(text),
+            3 => warnings.push(text),
+            _ => {}
         }
     }
-    Ok(found)
+    Ok((errors, warnings))
 }
 
 pub(super) enum WireValue<'b> {
@@ -529,7 +520,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn warnings_are_read_past_the_planes_without_decoding_them() {
+    fn errors_and_warnings_are_read_past_the_planes_without_decoding_them() {
         let space = XSpace {
             planes: vec![XPlane {
                 name: "/host:CPU".into(),
@@ -540,8 +531,11 @@ mod tests {
             hostnames: vec!["h".into()],
         };
         let bytes = space.encode_to_vec();
-        assert_eq!(warnings(&bytes).unwrap(), ["first", "second"]);
-        assert!(warnings(&bytes[..bytes.len() - 1]).is_err());
-        assert!(warnings(&[]).unwrap().is_empty());
+        let (errors, warnings) = errors_and_warnings(&bytes).unwrap();
+        assert_eq!(warnings, ["first", "second"]);
+        assert_eq!(errors, ["an error"]);
+        assert!(errors_and_warnings(&bytes[..bytes.len() - 1]).is_err());
+        let (errors, warnings) = errors_and_warnings(&[]).unwrap();
+        assert!(errors.is_empty() && warnings.is_empty());
     }
 }

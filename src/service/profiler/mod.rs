@@ -432,19 +432,22 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let deadline = memory_wait_deadline(request.metadata());
         let caller = caller_of_request(&request);
         let request = request.into_inner();
-        let planned = self.plan(&request, true).and_then(|mut plan| {
-            self.plan_for(&mut plan, &caller)?;
-            Ok(plan)
-        });
         // Said where the operator looks, as an accepted request is.
-        let mut plan = planned.inspect_err(|refusal| {
+        let refused = |refusal: &Status| {
             info!(
                 %caller,
                 code = ?refusal.code(),
                 reason = refusal.message(),
                 "capture refused"
             );
-        })?;
+        };
+        let mut plan = self
+            .plan(&request, true)
+            .and_then(|mut plan| {
+                self.plan_for(&mut plan, &caller)?;
+                Ok(plan)
+            })
+            .inspect_err(refused)?;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
@@ -455,9 +458,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         );
         let (_registration, terminate) = self
             .register(&plan.session_id, caller.clone())
-            .inspect_err(|refusal| {
-                info!(%caller, reason = refusal.message(), "capture refused");
-            })?;
+            .inspect_err(refused)?;
         let attached = self.attach_first(&plan.attach, &caller).await;
         plan.warnings.extend(attached);
         let admission = self.captures.admit(&plan);

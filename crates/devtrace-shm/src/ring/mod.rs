@@ -65,8 +65,8 @@ pub use doorbell::Doorbell;
 use layout::{LaneHeader, RingHeader, Slot, SlotSeq, REGION_ALIGN};
 pub use layout::{RingLayout, CLOCK_REALTIME_NS, LAYOUT_VERSION, RING_MAGIC};
 pub use shared::{
-    pid_alive, remove_stale_rings, Control, FileIdentity, OpenLimits, CONTROL_ALL_API_RECORDS,
-    CONTROL_CAPTURE, CONTROL_CUPTI_API_RECORDS, CONTROL_RECORD_ALWAYS,
+    alive_in_stat, pid_alive, remove_stale_rings, Control, FileIdentity, OpenLimits,
+    CONTROL_ALL_API_RECORDS, CONTROL_CAPTURE, CONTROL_CUPTI_API_RECORDS, CONTROL_RECORD_ALWAYS,
 };
 pub use sources::SourceCounts;
 

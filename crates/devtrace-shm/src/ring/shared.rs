@@ -80,13 +80,7 @@ pub fn pid_alive(pid: u32) -> bool {
         return false;
     }
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the command name, which is in parentheses and may
-        // itself contain parentheses and spaces.
-        Ok(stat) => !matches!(
-            stat.rfind(')')
-                .and_then(|end| stat[end + 1..].split_whitespace().next()),
-            Some("Z" | "X" | "x")
-        ),
+        Ok(stat) => alive_in_stat(&stat),
         Err(error) if error.kind() == io::ErrorKind::NotFound => false,
         Err(_) => {
             // SAFETY: signal 0 only checks that the process exists.
@@ -94,6 +88,18 @@ pub fn pid_alive(pid: u32) -> bool {
             result == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
         }
     }
+}
+
+/// Whether a `/proc/<pid>/stat` text is of a process that has not exited:
+/// not a zombie (or dead).
+pub fn alive_in_stat(stat: &str) -> bool {
+    // The state follows the command name, which is in parentheses and may
+    // itself contain parentheses and spaces.
+    !matches!(
+        stat.rfind(')')
+            .and_then(|end| stat[end + 1..].split_whitespace().next()),
+        Some("Z" | "X" | "x")
+    )
 }
 
 impl Region {
@@ -621,6 +627,13 @@ fn ring_is_stale(path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_state_follows_the_last_parenthesis() {
+        assert!(!alive_in_stat("42 (a) b) Z 1 2"));
+        assert!(!alive_in_stat("42 (x) X 1"));
+        assert!(alive_in_stat("42 (a) Z) S 1"));
+    }
 
     #[test]
     fn control_word_bumps_its_generation() {
