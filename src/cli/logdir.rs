@@ -126,7 +126,11 @@ impl SessionOutput {
                     .collect();
                 SessionOutput::Local { directory, made }
             }
-            Location::Object(_) => SessionOutput::Object { folder, reserved },
+            // No upload replaces a trace the session held.
+            Location::Object(_) => SessionOutput::Object {
+                folder: folder.create_only(),
+                reserved,
+            },
         };
         Ok((output, name))
     }

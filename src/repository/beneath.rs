@@ -333,6 +333,7 @@ impl Dir {
                 temporary,
                 name: name.to_string(),
                 target,
+                replace: true,
                 file: Some(file),
             })
         })
@@ -535,6 +536,8 @@ pub struct AtomicFile {
     temporary: String,
     name: String,
     target: PathBuf,
+    /// Whether the commit may replace a file already called `name`.
+    replace: bool,
     /// `None` once committed.
     file: Option<File>,
 }
@@ -556,12 +559,26 @@ impl AtomicFile {
         written.map_err(|source| self.io_error(source))
     }
 
-    /// Syncs the file and renames it over `name` (mode 0644); where it is.
+    /// The same file, whose commit fails with `AlreadyExists` rather than
+    /// replace a file already called `name`.
+    pub fn keeping_existing(mut self) -> AtomicFile {
+        self.replace = false;
+        self
+    }
+
+    /// Syncs the file and renames it over `name` (mode 0644), or beside
+    /// it, failing, when kept ([`AtomicFile::keeping_existing`]); where it
+    /// is.
     pub fn commit(mut self) -> Result<PathBuf, BeneathError> {
         let Some(file) = self.file.take() else {
             return Err(self.io_error(io::Error::other("already committed")));
         };
         let (directory, temporary, name) = (&self.directory, &self.temporary, &self.name);
+        let flags = if self.replace {
+            RenameFlags::empty()
+        } else {
+            RenameFlags::NOREPLACE
+        };
         let done = act(self.acting.as_deref(), &self.target, || {
             let renamed = (|| -> io::Result<()> {
                 // Traces are for reading by the people who asked for them.
@@ -572,7 +589,7 @@ impl AtomicFile {
                     temporary.as_str(),
                     directory,
                     name.as_str(),
-                    RenameFlags::empty(),
+                    flags,
                 )?;
                 Ok(())
             })();

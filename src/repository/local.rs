@@ -13,20 +13,30 @@ pub struct LocalFolder {
     root: Arc<Dir>,
     /// Beneath the root: plain names only.
     relative: PathBuf,
+    /// Writes fail rather than replace a file (see [`LocalFolder::create_only`]).
+    create_only: bool,
 }
 
 impl LocalFolder {
     /// The root directory itself.
     pub fn new(root: Arc<Dir>) -> LocalFolder {
-        LocalFolder {
-            root,
-            relative: PathBuf::new(),
-        }
+        LocalFolder::beneath(root, PathBuf::new())
     }
 
     /// `relative` beneath `root` (plain names; the resolution refuses the rest).
     pub fn beneath(root: Arc<Dir>, relative: PathBuf) -> LocalFolder {
-        LocalFolder { root, relative }
+        LocalFolder {
+            root,
+            relative,
+            create_only: false,
+        }
+    }
+
+    /// The same folder, whose writes fail (`AlreadyExists`) rather than
+    /// replace a file.
+    pub fn create_only(mut self) -> LocalFolder {
+        self.create_only = true;
+        self
     }
 
     /// The same folder, touched with `credentials`' rights.
@@ -37,6 +47,7 @@ impl LocalFolder {
         Ok(LocalFolder {
             root: Arc::new(self.root.acting_as(credentials)?),
             relative: self.relative.clone(),
+            create_only: self.create_only,
         })
     }
 
@@ -44,6 +55,7 @@ impl LocalFolder {
         LocalFolder {
             root: Arc::clone(&self.root),
             relative: self.relative.join(name),
+            create_only: self.create_only,
         }
     }
 
@@ -110,9 +122,9 @@ impl LocalFolder {
     /// Writes atomically (a temporary file, then rename), making the
     /// directory first. Says where it went.
     pub fn write(&self, name: &str, bytes: &[u8]) -> Result<String, StorageError> {
-        let directory = self.root.create_dir_all(&self.relative)?;
-        let written = directory.write_atomic(name, bytes)?;
-        Ok(written.display().to_string())
+        let mut file = self.create_atomic(name)?;
+        file.write_all(bytes)?;
+        Ok(file.commit()?.display().to_string())
     }
 
     /// Writes as [`LocalFolder::write`] does, the content given in parts.
@@ -131,7 +143,12 @@ impl LocalFolder {
         name: &str,
     ) -> Result<crate::repository::beneath::AtomicFile, StorageError> {
         let directory = self.root.create_dir_all(&self.relative)?;
-        Ok(directory.create_atomic(name)?)
+        let file = directory.create_atomic(name)?;
+        Ok(if self.create_only {
+            file.keeping_existing()
+        } else {
+            file
+        })
     }
 
     /// Makes a new directory named `base`, or `base_2`, `base_3`, ... when

@@ -61,17 +61,19 @@ pub enum StorageError {
 }
 
 impl StorageError {
-    /// Whether a write was refused because the object was there already (a
-    /// create-only write: a generated session another capture took).
+    /// Whether a write was refused because the file or object was there
+    /// already (a create-only write: a generated session another capture
+    /// took, a trace a session held before).
     pub fn is_taken(&self) -> bool {
-        matches!(
-            self,
-            StorageError::Object {
-                reason: object_store::Error::AlreadyExists { .. }
-                    | object_store::Error::Precondition { .. },
-                ..
-            }
-        )
+        match self {
+            StorageError::Object { reason, .. } => matches!(
+                reason,
+                object_store::Error::AlreadyExists { .. }
+                    | object_store::Error::Precondition { .. }
+            ),
+            StorageError::Io { source, .. } => source.kind() == io::ErrorKind::AlreadyExists,
+            _ => false,
+        }
     }
 }
 
@@ -327,6 +329,15 @@ impl Folder {
         matches!(self, Folder::Object(_))
     }
 
+    /// The same folder, whose writes fail ([`StorageError::is_taken`])
+    /// rather than replace a file or object.
+    pub fn create_only(self) -> Folder {
+        match self {
+            Folder::Local(local) => Folder::Local(local.create_only()),
+            Folder::Object(object) => Folder::Object(object.create_only()),
+        }
+    }
+
     /// Removes what writes into this repository root left when the agent
     /// writing them was killed: unfinished trace files in its sessions and,
     /// with `empty_sessions` (a root only the agent makes sessions in),
@@ -560,6 +571,36 @@ mod tests {
                 .join("plugins")
                 .to_string(),
             "gs://b/logs/plugins"
+        );
+    }
+
+    #[test]
+    fn a_create_only_folder_never_replaces_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = Folder::open(&Location::Local(dir.path().to_path_buf())).unwrap();
+        let session = root.join("s1");
+        session.write("h.xplane.pb", b"first").unwrap();
+        // Written whole, then refused at the commit: a trace that arrived
+        // between a look and the write.
+        let kept = session.clone().create_only();
+        let mut late = create_file(Ok(&kept), "s1", "h.xplane.pb", dir.path()).unwrap();
+        late.write(b"second").unwrap();
+        let refused = late.commit().unwrap_err();
+        assert!(refused.contains("exists"), "{refused}");
+        let error = kept.write("h.xplane.pb", b"third").unwrap_err();
+        assert!(error.is_taken(), "{error}");
+        assert_eq!(
+            std::fs::read(dir.path().join("s1/h.xplane.pb")).unwrap(),
+            b"first"
+        );
+        let names: Vec<_> = std::fs::read_dir(dir.path().join("s1")).unwrap().collect();
+        assert_eq!(names.len(), 1, "no temporary left: {names:?}");
+        // A new name is written, and a plain folder still replaces.
+        kept.write("g.xplane.pb", b"other").unwrap();
+        session.write("h.xplane.pb", b"fourth").unwrap();
+        assert_eq!(
+            std::fs::read(dir.path().join("s1/h.xplane.pb")).unwrap(),
+            b"fourth"
         );
     }
 

@@ -191,7 +191,9 @@ impl fleet::TraceSink for SessionSink {
                     .root
                     .create_session(&self.session_id, self.generated_id)
                 {
-                    Ok((folder, _)) => Ok(made.insert(folder).clone()),
+                    // No trace replaces one the session held: a caller's
+                    // session named twice, or two sessions of one name.
+                    Ok((folder, _)) => Ok(made.insert(folder.create_only()).clone()),
                     Err(error) if self.root.is_object() => Err(format!(
                         "{}/{}: {error}",
                         self.root.display(),
@@ -217,6 +219,17 @@ impl fleet::TraceSink for SessionSink {
             })),
         }
     }
+}
+
+/// The trace files `session` holds of `hosts` (each named as its files
+/// are, [`fleet::host_file_part`]). A session that cannot be read
+/// counts as empty: its writes refuse to replace a trace anyway. Blocks.
+fn held_traces(session: &Folder, hosts: &[String]) -> Vec<String> {
+    let traces = fleet::session_traces(session).unwrap_or_default();
+    hosts
+        .iter()
+        .filter_map(|host| traces.get(host).cloned())
+        .collect()
 }
 
 /// A session file whose writes count against its caller's bounds; one
@@ -347,6 +360,24 @@ impl ProfileAnalysis for ProfileAnalysisService {
             hosts::resolve(entries, &self.config.resolver, MAX_HOSTS, lookup_limit).await;
         let mut outcomes = HostOutcome::unresolved(resolved.failures);
         let hosts = resolved.targets;
+        if !generated_id {
+            let session = root.join(&session_id);
+            let files: Vec<String> = hosts
+                .iter()
+                .map(|host| fleet::host_file_part(&host.to_string()))
+                .collect();
+            let taken = tokio::task::spawn_blocking(move || held_traces(&session, &files))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?;
+            if !taken.is_empty() {
+                return Err(Status::already_exists(format!(
+                    "session_id: session {session_id} under {} holds traces of these hosts \
+                     already ({}); name another session, or leave session_id empty for a new one",
+                    root.display(),
+                    taken.join(", ")
+                )));
+            }
+        }
         // One absolute start for every host, so that the traces line up.
         let now = clock::now_ns();
         let start_ns = if modern && options.start_timestamp_ns > now {

@@ -323,16 +323,13 @@ async fn sessions_in_a_bucket_are_made_listed_and_read_over_the_protocol() {
     let root = "s3://traces/fleet/plugins/profile";
     let hosts = vec![coordinator.address.clone(), worker.address.clone()];
     let mut client = coordinator.analysis().await;
-    let reply = client
-        .new_session(NewProfileSessionRequest {
-            request: Some(request(300, "ignored")),
-            repository_root: root.into(),
-            hosts: hosts.clone(),
-            session_id: "f1".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let session_f1 = || NewProfileSessionRequest {
+        request: Some(request(300, "ignored")),
+        repository_root: root.into(),
+        hosts: hosts.clone(),
+        session_id: "f1".into(),
+    };
+    let reply = client.new_session(session_f1()).await.unwrap().into_inner();
     assert!(!reply.empty_trace, "{}", reply.error_message);
     assert_eq!(reply.error_message, "");
     let mut expected: Vec<String> = hosts
@@ -370,6 +367,14 @@ async fn sessions_in_a_bucket_are_made_listed_and_read_over_the_protocol() {
         .unwrap()
         .into_inner();
     let key = format!("fleet/plugins/profile/f1/{host}.xplane.pb");
+    assert_eq!(xplane.output, server.object("traces", &key));
+
+    // The session named again: refused before any host is called, and
+    // nothing in it replaced.
+    let again = client.new_session(session_f1()).await.unwrap_err();
+    assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
+    assert!(again.message().contains(&host), "{}", again.message());
+    assert_eq!(server.keys("traces"), expected);
     assert_eq!(xplane.output, server.object("traces", &key));
     let overview = client
         .get_session_tool_data(ask("overview", "f1"))

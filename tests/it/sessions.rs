@@ -87,6 +87,36 @@ async fn a_session_lands_every_good_host_and_names_each_failure() {
         })
         .collect();
     assert_eq!(starts[0], starts[1]);
+
+    // Named again with a host it holds a trace of: refused before any host
+    // is called, and no trace written over.
+    let held: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| std::fs::read(root.join("fleet").join(f)).unwrap())
+        .collect();
+    let again = coordinator
+        .analysis()
+        .await
+        .new_session(session_request(
+            &root,
+            &[empty.address.as_str(), worker.address.as_str()],
+            "fleet",
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
+    let worker_file = format!("{}.xplane.pb", worker.address.replace(':', "_"));
+    assert!(
+        again.message().contains(&worker_file),
+        "{}",
+        again.message()
+    );
+    for (file, bytes) in files.iter().zip(&held) {
+        assert_eq!(
+            &std::fs::read(root.join("fleet").join(file)).unwrap(),
+            bytes
+        );
+    }
 }
 
 #[tokio::test]
