@@ -9,7 +9,7 @@ fn main() -> std::process::ExitCode {
         Err(error) if devtrace::cli::output_closed(&error) => std::process::ExitCode::from(141),
         Err(error) => {
             eprintln!("devtrace: {}", devtrace::cli::failure_text(&error));
-            std::process::ExitCode::FAILURE
+            std::process::ExitCode::from(devtrace::cli::exit_status(&error))
         }
     }
 }

@@ -103,6 +103,25 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 /// What a failed write of a command's output says.
 pub(crate) const WRITING_OUTPUT: &str = "writing to standard output";
 
+/// A command that did part of what it was asked (a session some hosts gave
+/// no trace to): what it did not do, and the exit status that says so, so
+/// that scripts tell it from both success and failure.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct PartlyDone(pub String);
+
+/// The exit status of [`PartlyDone`]; 1 is a failure, 2 a usage error.
+pub const PARTLY_DONE_STATUS: u8 = 3;
+
+/// The exit status a command that failed with `error` ends with.
+pub fn exit_status(error: &anyhow::Error) -> u8 {
+    if error.downcast_ref::<PartlyDone>().is_some() {
+        PARTLY_DONE_STATUS
+    } else {
+        1
+    }
+}
+
 /// Whether `error` is the command's output closed under it (`| head`):
 /// a reader that has what it wanted, so the command ends without a word,
 /// as other command-line tools do.

@@ -26,8 +26,13 @@ pub struct SessionArgs {
 pub enum SessionCommand {
     /// Capture every host with one shared window; traces land in
     /// LOGDIR/plugins/profile/SESSION/<host>.xplane.pb.
+    #[command(after_help = NEW_SESSION_EXIT_STATUS)]
     New(NewSessionArgs),
 }
+
+const NEW_SESSION_EXIT_STATUS: &str = "Exit status: 0 when every host's trace landed; 3 when \
+some did and others gave none (those are named with their reasons, the traces that landed are \
+listed on standard output and kept); 1 when none did or the session could not start.";
 
 #[derive(Debug, Args)]
 pub struct NewSessionArgs {
@@ -168,10 +173,14 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         output.abandon();
         bail!("no host returned a trace");
     }
-    eprintln!(
+    let summary = format!(
         "session {session_id}: {delivered} of {} hosts",
         outcomes.len()
     );
+    if delivered < outcomes.len() {
+        return Err(super::PartlyDone(summary).into());
+    }
+    eprintln!("{summary}");
     Ok(())
 }
 

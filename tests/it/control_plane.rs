@@ -212,7 +212,8 @@ async fn clients_refuse_a_hostile_reply_and_name_the_host() {
         CAP,
     ]))
     .await;
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Some hosts' traces landed, not all.
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
     assert!(
         text(&out.stderr).contains(&format!("{hostile}: reply refused: ")),
         "{}",
