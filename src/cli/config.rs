@@ -245,33 +245,51 @@ fn fill_in(
             sources.insert(id.to_owned(), Source::CommandLine);
             continue;
         }
-        let (source, place, values) = if let Some((name, text)) = env_value(arg, environment) {
+        // Where each value came from, for messages: a table of an array
+        // of tables (`[[trigger]]`) by its number, not the whole array.
+        let (source, place, tables, values) = if let Some((name, text)) =
+            env_value(arg, environment)
+        {
             let place = format!("{name}={text:?}");
             (
                 Source::Environment(name),
                 place,
+                None,
                 from_environment(arg, &text),
             )
         } else if let Some((file, value)) = file.and_then(|file| Some((file, file.value(arg)?))) {
             let key = arg.get_long().unwrap_or_default();
-            let place = format!("{}: {key} = {value}", file.path.display());
+            let path = file.path.display();
+            let place = format!("{path}: {key} = {value}");
+            let tables = is_array_of_tables(value).then(|| format!("{path}: [[{key}]]"));
             (
                 Source::File(file.path.clone()),
                 place,
+                tables,
                 from_file(arg, value),
             )
         } else {
             continue;
         };
-        let bad_value = |reason| {
+        let bad = |place: &str, reason: String| {
             usage_error(
                 subcommand,
                 ErrorKind::ValueValidation,
                 format!("{place}: {reason}"),
             )
         };
-        let arg_words = values.map_err(bad_value)?.into_words(arg);
-        try_alone(subcommand, &arg_words).map_err(bad_value)?;
+        let arg_words = values
+            .map_err(|reason| bad(tables.as_deref().unwrap_or(&place), reason))?
+            .into_words(arg);
+        match &tables {
+            Some(tables) => {
+                for (index, word) in arg_words.iter().enumerate() {
+                    try_alone(subcommand, std::slice::from_ref(word))
+                        .map_err(|reason| bad(&format!("{tables}: table {}", index + 1), reason))?;
+                }
+            }
+            None => try_alone(subcommand, &arg_words).map_err(|reason| bad(&place, reason))?,
+        }
         words.extend(arg_words);
         sources.insert(id.to_owned(), source);
     }
@@ -345,7 +363,11 @@ fn from_file(arg: &Arg, value: &toml::Value) -> Result<Values, String> {
         }
         (ArgAction::Append, toml::Value::Array(items)) => items
             .iter()
-            .map(file_scalar)
+            .enumerate()
+            .map(|(index, item)| match file_scalar(item) {
+                Err(reason) if item.is_table() => Err(format!("table {}: {reason}", index + 1)),
+                scalar => scalar,
+            })
             .collect::<Result<_, _>>()
             .map(Values::List),
         (_, value) => file_scalar(value).map(|value| Values::List(vec![value])),
@@ -359,6 +381,11 @@ fn file_scalar(value: &toml::Value) -> Result<OsString, String> {
         toml::Value::Table(table) => table_fields(table).map(OsString::from),
         number_or_other => Ok(number_or_other.to_string().into()),
     }
+}
+
+fn is_array_of_tables(value: &toml::Value) -> bool {
+    matches!(value, toml::Value::Array(items)
+        if !items.is_empty() && items.iter().all(toml::Value::is_table))
 }
 
 /// A table's keys and values as one value of `key=value` fields separated

@@ -355,7 +355,7 @@ fn a_trigger_table_in_the_file_is_a_trigger_rule() {
         "[[trigger]]\nname = \"slow-step\"\nwhen = \"step > 3x median(20)\"\nmax-per-hour = 2\n\n\
          [[trigger]]\nname = \"watchdog\"\nwhen = \"explicit\"\n",
     );
-    let printed = effective(&["--config", &file], &[]);
+    let printed = effective(&["--config", &file, "--trigger-repository", "/tb"], &[]);
     let rules: Vec<devtrace::trigger::rule::Rule> = printed["trigger"]
         .as_array()
         .expect("trigger is a list")
@@ -379,7 +379,7 @@ fn a_trigger_table_in_the_file_is_a_trigger_rule() {
     );
     // The flag's form works in the file and in the variable too.
     let printed = effective(
-        &[],
+        &["--trigger-repository", "/tb"],
         &[(
             "DEVTRACE_TRIGGER",
             "name=a; when=dropped,name=b; when=explicit",
@@ -391,9 +391,26 @@ fn a_trigger_table_in_the_file_is_a_trigger_rule() {
 #[test]
 fn a_bad_trigger_rule_is_named_with_its_bad_part() {
     refused(
-        Some("[[trigger]]\nname = \"slow\"\nwhen = \"step > 3 median(20)\"\n"),
+        Some(
+            "[[trigger]]\nname = \"fine\"\nwhen = \"explicit\"\n\n\
+             [[trigger]]\nname = \"slow\"\nwhen = \"step > 3 median(20)\"\n",
+        ),
         &[],
-        &["trigger = ", "in \"3\": a factor of at least 1"],
+        &[
+            "agent.toml: [[trigger]]: table 2: ",
+            "in \"3\": a factor of at least 1",
+        ],
+    );
+    refused(
+        Some("[[trigger]]\nname = \"slow\"\nwhen = \"explicit\"\nbefore = [1]\n"),
+        &[],
+        &["agent.toml: [[trigger]]: table 1: before: a value here is a string"],
+    );
+    // A rule needs somewhere to save to, like any other flag it needs.
+    refused(
+        None,
+        &[("DEVTRACE_TRIGGER", "name=fine; when=explicit")],
+        &["--trigger-repository"],
     );
     refused(
         None,
