@@ -417,7 +417,12 @@ pub struct ServeArgs {
     /// name or prefix: NVTX ranges, ops), `dropped`, `explicit` (only `devtrace
     /// trigger NAME` fires it; any rule can be fired so). In a --config
     /// file, a `[[trigger]]` table per rule with the same keys.
-    #[arg(long = "trigger", value_name = "RULE", value_parser = parse_trigger)]
+    #[arg(
+        long = "trigger",
+        value_name = "RULE",
+        value_parser = parse_trigger,
+        requires = "trigger_repository"
+    )]
     pub triggers: Vec<Rule>,
 
     /// Where triggers save their sessions: a directory or bucket prefix
@@ -905,6 +910,8 @@ fn start_triggers(
     if args.triggers.is_empty() {
         return Ok(None);
     }
+    // Made a usage error by the parser; kept for callers that build the
+    // arguments themselves.
     let Some(repository) = &args.trigger_repository else {
         bail!("--trigger needs --trigger-repository, the directory or bucket prefix its sessions go to");
     };

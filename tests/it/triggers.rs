@@ -684,9 +684,13 @@ fn a_bad_rule_or_repository_is_refused_naming_what_is_wrong() {
         stderr.contains("in \"afterwards=2s\": unknown key"),
         "{stderr}"
     );
-    let stderr = refused(&["--trigger", "name=w; when=explicit"]);
+    // A usage error, as other flags that need one another are.
+    let alone = serve_to_end(&["--backend", "mock", "--trigger", "name=w; when=explicit"]);
+    assert_eq!(alone.status.code(), Some(2));
+    let stderr = text(&alone.stderr);
     assert!(
-        stderr.contains("--trigger needs --trigger-repository"),
+        stderr.contains("required arguments were not provided")
+            && stderr.contains("--trigger-repository"),
         "{stderr}"
     );
     let outside = [
