@@ -34,8 +34,9 @@ pub struct ClientArgs {
     #[arg(long, value_name = "NAME")]
     pub tls_domain: Option<String>,
 
-    /// Largest reply accepted from each server (e.g. 512MiB, 1GiB; at most 2GiB - 1, protobuf's bound). A larger
-    /// one is refused before it is read, and the host is reported.
+    /// Largest reply accepted from a server (e.g. 512MiB, 1GiB; at most
+    /// 2GiB - 1, protobuf's bound). A larger one is refused before it is
+    /// read, naming the server that sent it.
     #[arg(long, value_name = "SIZE", default_value = "512MiB", value_parser = parse_reply_size)]
     pub max_reply_size: usize,
 }

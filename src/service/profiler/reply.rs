@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tonic::{Response, Status};
-use tracing::info;
+use tracing::{debug, info};
 
 use super::ProfilerService;
 use crate::capture::write::write_trace;
@@ -163,8 +163,10 @@ impl ProfilerService {
         }
         let root = match self.config.allowed_roots.confine(&plan.repository_root) {
             Ok(root) => root,
+            // The usual case, not news: a client that writes the trace
+            // itself names its own logdir, outside this host's roots.
             Err(reason) => {
-                info!(%reason, "repository_root not writable by policy; returning the trace inline");
+                debug!(%reason, "repository_root outside --allow-root; returning the trace inline");
                 return None;
             }
         };
