@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::Router;
 use tonic::transport::ServerTlsConfig;
 use tower_layer::{Identity, Stack};
+use tracing::info;
 
 use crate::proto::devtrace::trigger_server::TriggerServer;
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysisServer;
@@ -50,6 +51,10 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
 /// [`KEEPALIVE_TIMEOUT`] after [`KEEPALIVE_INTERVAL`] of silence is closed:
 /// a peer that vanished does not hold its place forever.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
+
+/// How long a stopping agent keeps connections open once no call is in
+/// progress: for the last replies to be read and the peers to close.
+const DRAIN_GRACE: Duration = listen::LINGER_LIMIT;
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How long a connection is served before the agent asks its client to
@@ -138,12 +143,32 @@ pub async fn serve(
         }
         None => None,
     };
-    let result = match (tcp, unix) {
-        (Some(tcp), Some(unix)) => tokio::try_join!(tcp, unix).map(|_| ()),
-        (Some(tcp), None) => tcp.await,
-        (None, Some(unix)) => unix.await,
-        // The command line refuses to start without a listener.
-        (None, None) => Ok(()),
+    let served = async {
+        match (tcp, unix) {
+            (Some(tcp), Some(unix)) => tokio::try_join!(tcp, unix).map(|_| ()),
+            (Some(tcp), None) => tcp.await,
+            (None, Some(unix)) => unix.await,
+            // The command line refuses to start without a listener.
+            (None, None) => Ok(()),
+        }
+    };
+    // A stop lets the calls in progress end; connections still open
+    // [`DRAIN_GRACE`] after that (a peer that does not answer the goodbye,
+    // which HTTP/2 waits for) are closed, not waited for.
+    let drained = async {
+        stop.cancelled().await;
+        telemetry.calls_ended().await;
+        tokio::time::sleep(DRAIN_GRACE).await;
+    };
+    let result = tokio::select! {
+        result = served => result,
+        () = drained => {
+            info!(
+                "closing the connections still open {} s after the last call ended",
+                DRAIN_GRACE.as_secs()
+            );
+            Ok(())
+        }
     };
     // One listener failing ends the other too.
     stop.cancel();

@@ -185,6 +185,13 @@ impl Telemetry {
         self.health.not_serving().await;
     }
 
+    /// Resolves once no gRPC call of the profiler's services is in
+    /// progress (health checks are not counted): every reply sent, or
+    /// dropped with its connection.
+    pub async fn calls_ended(&self) {
+        self.rpcs.calls_ended().await;
+    }
+
     /// What `/readyz` answers: the backends' states when ready, else why not.
     pub fn readiness(&self) -> Result<String, String> {
         let agent = self.agent.get();

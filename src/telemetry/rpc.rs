@@ -104,6 +104,8 @@ pub struct RpcMetrics {
     calls: Family<RpcLabels, Counter>,
     durations: Histograms,
     capture_latency: Histograms,
+    /// Calls from their arrival until their reply is sent or dropped.
+    in_progress: tokio::sync::watch::Sender<usize>,
 }
 
 impl Default for RpcMetrics {
@@ -112,6 +114,7 @@ impl Default for RpcMetrics {
             calls: Family::default(),
             durations: Family::new_with_constructor(call_durations),
             capture_latency: Family::new_with_constructor(capture_latencies),
+            in_progress: tokio::sync::watch::Sender::new(0),
         }
     }
 }
@@ -142,6 +145,13 @@ impl RpcMetrics {
         self.durations
             .get_or_create(&[("rpc", method)])
             .observe(took.as_secs_f64());
+    }
+
+    /// Resolves once no counted call is in progress.
+    pub(super) async fn calls_ended(&self) {
+        let mut in_progress = self.in_progress.subscribe();
+        // The sender lives in `self`: the wait cannot fail.
+        let _ = in_progress.wait_for(|calls| *calls == 0).await;
     }
 
     pub(super) fn capture_ready(&self, method: &'static str, latency: Duration) {
@@ -195,12 +205,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let call = method_of(request.uri().path()).map(|method| Call {
-            metrics: Arc::clone(&self.metrics),
-            method,
-            started: Instant::now(),
-            done: false,
-        });
+        let call = method_of(request.uri().path()).map(|method| Call::new(&self.metrics, method));
         let response = self.inner.call(request);
         Box::pin(async move {
             // Dropped here (the client went away): `call` counts CANCELLED.
@@ -226,6 +231,16 @@ struct Call {
 }
 
 impl Call {
+    fn new(metrics: &Arc<RpcMetrics>, method: &'static str) -> Call {
+        metrics.in_progress.send_modify(|calls| *calls += 1);
+        Call {
+            metrics: Arc::clone(metrics),
+            method,
+            started: Instant::now(),
+            done: false,
+        }
+    }
+
     fn finish(&mut self, code: Code) {
         if !self.done {
             self.done = true;
@@ -238,6 +253,7 @@ impl Call {
 impl Drop for Call {
     fn drop(&mut self) {
         self.finish(Code::Cancelled);
+        self.metrics.in_progress.send_modify(|calls| *calls -= 1);
     }
 }
 

@@ -600,6 +600,28 @@ fn a_capture_in_flight_when_the_agent_stops_reaches_its_client() {
     }
 }
 
+/// A peer that opened an HTTP/2 connection and went silent does not hold a
+/// stopping agent: HTTP/2 waits for the peer to answer the goodbye, and the
+/// agent closes such connections a few seconds after its last call ended
+/// (it waited until the peer's keep-alive timed out, over a minute, so that
+/// a supervisor's stop timeout killed it with its trigger saves).
+#[test]
+fn a_silent_peer_does_not_hold_a_stopping_agent() {
+    use std::io::Write;
+    let mut agent = AgentProcess::start(&[]);
+    let mut silent = std::net::TcpStream::connect(&agent.address).unwrap();
+    // The client preface and an empty SETTINGS frame, then nothing more.
+    silent
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(30))
+        .expect("the silent connection held the agent for 30 s");
+    assert!(status.success(), "{status:?}");
+    drop(silent);
+}
+
 /// The highest rate `--mock-rate` accepts still leaves an agent that SIGTERM
 /// stops cleanly (at 2^64 - 1, which it refuses now, the generator never
 /// caught up with its schedule and never looked at its stop flag).
