@@ -251,9 +251,9 @@ impl Captures {
     }
 
     /// Builds the trace of `window` from the flight recorder and writes it
-    /// under `root` as a new session named `session_id` (with a suffix when
-    /// the name is taken), `properties` in its Task Environment: how a
-    /// trigger saves the past. Where it went.
+    /// into session `session_id` of `root`, one the caller made for it
+    /// ([`Folder::create_session`]), `properties` in its Task Environment:
+    /// how a trigger saves the past. Where it went.
     pub async fn save_window(
         &self,
         window: Window,

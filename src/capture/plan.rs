@@ -45,8 +45,8 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The plan of a save of `window` from the flight recorder into a new
-    /// session `session_id` (suffixed when taken) on this host, with the
+    /// The plan of a save of `window` from the flight recorder into
+    /// session `session_id`, made for it beforehand, on this host, with the
     /// options a default client capture sends and `properties` in its Task
     /// Environment: what a trigger saves.
     pub fn save(
@@ -60,7 +60,7 @@ impl Plan {
         Plan {
             window,
             session_id: session_id.to_string(),
-            generated_session_id: true,
+            generated_session_id: false,
             file_host: hostname.to_string(),
             repository_root: String::new(),
             emit_xspace: false,

@@ -166,6 +166,7 @@ impl LocalFolder {
         &self,
         grace: std::time::Duration,
         empty_sessions: bool,
+        in_use: &[String],
     ) -> Result<super::Abandoned, StorageError> {
         let root = self.open()?;
         let mut removed = super::Abandoned::default();
@@ -186,11 +187,25 @@ impl LocalFolder {
             for file in directory.remove_abandoned_temporaries(grace)? {
                 removed.unfinished_files.push(format!("{session}/{file}"));
             }
-            if empty_sessions && old && root.remove_empty_dir(&session) {
+            let ours = in_use.contains(&session);
+            if empty_sessions && old && !ours && root.remove_empty_dir(&session) {
                 removed.empty_sessions.push(session);
             }
         }
         Ok(removed)
+    }
+
+    /// Removes this directory if it holds nothing; whether it did.
+    pub fn remove_if_empty(&self) -> bool {
+        let (Some(parent), Some(name)) = (self.relative.parent(), self.relative.file_name()) else {
+            return false;
+        };
+        let Some(name) = name.to_str() else {
+            return false;
+        };
+        self.root
+            .open_dir(parent)
+            .is_ok_and(|parent| parent.remove_empty_dir(name))
     }
 
     /// Makes this directory and what is missing above it.

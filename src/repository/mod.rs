@@ -305,10 +305,13 @@ impl Folder {
 
     /// Gives back a session [`Folder::create_session`] made for a capture
     /// that wrote nothing into it: in a bucket, its marker goes when it is
-    /// all the session holds. A local directory is its maker's to remove.
+    /// all the session holds; a directory goes when it is empty.
     pub fn release_session(&self) -> Result<(), StorageError> {
         match self {
-            Folder::Local(_) => Ok(()),
+            Folder::Local(local) => {
+                local.remove_if_empty();
+                Ok(())
+            }
             Folder::Object(object) if object.files()? == [SESSION_MARKER] => {
                 object.remove(SESSION_MARKER)
             }
@@ -344,10 +347,25 @@ impl Folder {
     /// sessions that hold nothing. Only what has lain untouched for
     /// [`ABANDONED_AFTER`] and no process holds goes. Objects are written
     /// whole or not at all: nothing to do there.
-    pub fn remove_abandoned(&self, empty_sessions: bool) -> Result<Abandoned, StorageError> {
+    /// Sessions named in `in_use` (this process's, being written) are left
+    /// alone however old. In a bucket, where objects are written whole,
+    /// only sessions that hold nothing but their marker are looked for.
+    pub fn remove_abandoned(
+        &self,
+        empty_sessions: bool,
+        in_use: &[String],
+    ) -> Result<Abandoned, StorageError> {
         match self {
-            Folder::Local(local) => local.remove_abandoned(ABANDONED_AFTER, empty_sessions),
-            Folder::Object(_) => Ok(Abandoned::default()),
+            Folder::Local(local) => local.remove_abandoned(ABANDONED_AFTER, empty_sessions, in_use),
+            Folder::Object(_) if !empty_sessions => Ok(Abandoned::default()),
+            Folder::Object(object) => Ok(Abandoned {
+                unfinished_files: Vec::new(),
+                empty_sessions: object.remove_lone_markers(
+                    SESSION_MARKER,
+                    ABANDONED_AFTER,
+                    in_use,
+                )?,
+            }),
         }
     }
 }

@@ -148,6 +148,51 @@ impl ObjectFolder {
         listed.map_err(|source| self.error(None, source))
     }
 
+    /// Removes `marker` from each folder one level down that holds nothing
+    /// else and was written more than `grace` ago, unless named in
+    /// `in_use`; the names of those folders.
+    pub fn remove_lone_markers(
+        &self,
+        marker: &str,
+        grace: std::time::Duration,
+        in_use: &[String],
+    ) -> Result<Vec<String>, StorageError> {
+        let key = self.key();
+        // Per folder: whether all it holds is an old marker.
+        let listed = block_on(async {
+            let mut folders: Vec<(String, bool)> = Vec::new();
+            let mut objects = self.store.list(Some(&key));
+            while let Some(meta) = objects.next().await {
+                let meta = meta?;
+                let Some(parts) = meta.location.prefix_match(&key) else {
+                    continue;
+                };
+                let parts: Vec<_> = parts.collect();
+                let [folder, rest @ ..] = parts.as_slice() else {
+                    continue;
+                };
+                let old = SystemTime::from(meta.last_modified)
+                    .elapsed()
+                    .is_ok_and(|age| age > grace);
+                let lone_old_marker = old && rest.len() == 1 && rest[0].as_ref() == marker;
+                match folders.iter_mut().find(|(name, _)| name == folder.as_ref()) {
+                    Some((_, lone)) => *lone = false,
+                    None => folders.push((folder.as_ref().to_string(), lone_old_marker)),
+                }
+            }
+            Ok(folders)
+        })?;
+        let folders = listed.map_err(|source| self.error(None, source))?;
+        let mut removed = Vec::new();
+        for (folder, lone) in folders {
+            if lone && !in_use.contains(&folder) {
+                self.join(&folder).remove(marker)?;
+                removed.push(folder);
+            }
+        }
+        Ok(removed)
+    }
+
     /// The names of the objects directly under this prefix.
     pub fn files(&self) -> Result<Vec<String>, StorageError> {
         let key = self.key();
@@ -267,5 +312,45 @@ fn block_on<F: Future>(future: F) -> Result<F::Output, StorageError> {
             path: "the object-storage runtime".into(),
             source: std::io::Error::other("not started"),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A folder of `s3://b/repo` over a store in memory.
+    fn in_memory() -> ObjectFolder {
+        let url = ObjectUrl::parse("s3://b/repo")
+            .ok()
+            .flatten()
+            .expect("an object URL");
+        ObjectFolder {
+            store: Arc::new(object_store::memory::InMemory::new()),
+            url,
+            create_only: false,
+        }
+    }
+
+    #[test]
+    fn only_sessions_holding_nothing_but_an_old_marker_lose_it() {
+        let repo = in_memory();
+        let marker = ".devtrace-session";
+        for session in ["lone", "filled", "in-use", "young"] {
+            repo.join(session).write(marker, b"").unwrap();
+        }
+        repo.join("filled").write("h.xplane.pb", b"trace").unwrap();
+        repo.join("deeper").join("x").write(marker, b"").unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        repo.join("young").write(marker, b"again").unwrap();
+
+        let removed = repo
+            .remove_lone_markers(marker, Duration::from_millis(10), &["in-use".into()])
+            .unwrap();
+        assert_eq!(removed, ["lone"]);
+        assert!(!repo.join("lone").exists().unwrap());
+        for kept in ["filled", "in-use", "young", "deeper"] {
+            assert!(repo.join(kept).exists().unwrap(), "{kept}");
+        }
     }
 }

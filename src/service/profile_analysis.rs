@@ -440,9 +440,10 @@ impl ProfileAnalysis for ProfileAnalysisService {
             .iter()
             .filter(|o| matches!(o.result, Ok(Some(_))))
             .count();
-        // A session nothing reached gives its bucket name back, without
-        // holding up the reply (the bucket may be why nothing reached it).
-        let made = sink.made.lock().clone();
+        // A generated session nothing reached gives its name back, without
+        // holding up the reply (the bucket may be why nothing reached it);
+        // a named one may be the caller's own.
+        let made = sink.made.lock().clone().filter(|_| generated_id);
         if let (0, Some(folder)) = (delivered, made) {
             let session = session_id.clone();
             tokio::task::spawn_blocking(move || {

@@ -70,11 +70,21 @@ struct Armed {
     counts: Counts,
 }
 
-/// A save set off and not yet done: its rule, when it fired, its task.
+/// A save set off and not yet done: its rule, when it fired, its task,
+/// and the session it took once it has.
 struct Pending {
     rule: usize,
     at_ns: u64,
     task: tokio::task::JoinHandle<()>,
+    session: Arc<Mutex<Option<Taken>>>,
+}
+
+/// A session a save took as its firing came, before its window ended: one
+/// the agent is killed before it fills is found empty at the next start,
+/// and the firing counted as lost rather than forgotten.
+struct Taken {
+    folder: Folder,
+    name: String,
 }
 
 /// See the module documentation.
@@ -235,12 +245,21 @@ impl Triggers {
         };
         let (rule, at_ns) = (firing.rule, firing.at_ns);
         let triggers = Arc::clone(self);
+        let session = Arc::new(Mutex::new(None));
+        let taken = Arc::clone(&session);
+        // Held while the task is set off, so that a save that is quick to
+        // end is not looked for before it is listed.
+        let mut pending = self.pending.lock();
         let task = self
             .runtime
-            .spawn(async move { triggers.save(firing, window).await });
-        let mut pending = self.pending.lock();
+            .spawn(async move { triggers.save(firing, window, taken).await });
         pending.retain(|save| !save.task.is_finished());
-        pending.push(Pending { rule, at_ns, task });
+        pending.push(Pending {
+            rule,
+            at_ns,
+            task,
+            session,
+        });
         Ok(Fired { at_ns, window })
     }
 
@@ -253,6 +272,11 @@ impl Triggers {
             let mut task = save.task;
             if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
                 task.abort();
+                // Counted as failed here, not as lost at the next start.
+                let taken = save.session.lock().take();
+                if let Some(taken) = taken {
+                    let _ = tokio::task::spawn_blocking(move || release(&taken)).await;
+                }
                 self.rules[save.rule]
                     .counts
                     .failed
@@ -271,7 +295,13 @@ impl Triggers {
     /// counting each lost save against its rule and saying so in the log:
     /// a firing that was never saved is reported, not forgotten.
     fn clear_abandoned_saves(&self) {
-        let abandoned = match self.repository.remove_abandoned(true) {
+        let in_use: Vec<String> = self
+            .pending
+            .lock()
+            .iter()
+            .filter_map(|save| Some(save.session.lock().as_ref()?.name.clone()))
+            .collect();
+        let abandoned = match self.repository.remove_abandoned(true, &in_use) {
             Ok(abandoned) => abandoned,
             // A repository not made yet holds nothing an earlier agent left.
             Err(crate::repository::StorageError::NotFound { .. }) => return,
@@ -304,10 +334,33 @@ impl Triggers {
         }
     }
 
-    async fn save(&self, firing: Firing, window: Window) {
+    async fn save(&self, firing: Firing, window: Window, taken: Arc<Mutex<Option<Taken>>>) {
         let armed = &self.rules[firing.rule];
         let rule = &armed.rule;
-        let session = format!("{}_{}", session_timestamp_at(firing.at_ns), rule.name);
+        let fail = |error: &dyn std::fmt::Display| {
+            armed.counts.failed.fetch_add(1, Ordering::Relaxed);
+            warn!(
+                rule = %rule.name,
+                value = %firing.value,
+                %error,
+                "trigger fired but its trace could not be saved"
+            );
+        };
+        let base = format!("{}_{}", session_timestamp_at(firing.at_ns), rule.name);
+        let repository = self.repository.clone();
+        let made =
+            tokio::task::spawn_blocking(move || repository.create_session(&base, true)).await;
+        let session = match made {
+            Ok(Ok((folder, name))) => {
+                *taken.lock() = Some(Taken {
+                    folder,
+                    name: name.clone(),
+                });
+                name
+            }
+            Ok(Err(error)) => return fail(&error),
+            Err(error) => return fail(&error),
+        };
         let properties = vec![
             ("trigger.name".to_string(), rule.name.clone()),
             ("trigger.rule".to_string(), rule.text.clone()),
@@ -319,6 +372,7 @@ impl Triggers {
             .captures
             .save_window(window, &session, properties, self.repository.clone())
             .await;
+        let taken = taken.lock().take();
         match saved {
             Ok(path) => {
                 armed.counts.saved.fetch_add(1, Ordering::Relaxed);
@@ -331,15 +385,19 @@ impl Triggers {
                 );
             }
             Err(error) => {
-                armed.counts.failed.fetch_add(1, Ordering::Relaxed);
-                warn!(
-                    rule = %rule.name,
-                    value = %firing.value,
-                    %error,
-                    "trigger fired but its trace could not be saved"
-                );
+                fail(&error);
+                if let Some(taken) = taken {
+                    let _ = tokio::task::spawn_blocking(move || release(&taken)).await;
+                }
             }
         }
+    }
+}
+
+/// Gives back the session a save took and did not fill.
+fn release(taken: &Taken) {
+    if let Err(error) = taken.folder.release_session() {
+        warn!(session = %taken.name, %error, "could not give back an unsaved firing's session");
     }
 }
 

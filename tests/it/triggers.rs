@@ -802,3 +802,67 @@ async fn saves_an_earlier_agent_was_killed_during_are_cleared_and_counted_lost()
     assert!(!before_file.exists() && !while_writing.exists());
     assert!(finished.join("host.xplane.pb").exists() && just_made.exists());
 }
+
+/// A firing acknowledged to its client whose agent is killed before the
+/// window's end: the session it took at the firing is found empty by the
+/// next agent and the firing counted lost, not forgotten. An agent stopped
+/// instead counts it as failed itself and gives the session back.
+#[tokio::test]
+async fn a_firing_whose_agent_dies_before_its_window_ends_is_never_forgotten() {
+    let rule = "name=late; when=explicit; before=1s; after=30s";
+    let taken = |repository: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(repository)
+            .map(|entries| entries.filter_map(Result::ok).map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+    let wait_for_session = |repository: &Path| -> PathBuf {
+        let started = Instant::now();
+        loop {
+            if let [session] = taken(repository).as_slice() {
+                return session.clone();
+            }
+            assert!(
+                started.elapsed() < PATIENCE,
+                "no session taken at the firing"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+
+    // Killed: the next agent finds the empty session and counts it lost.
+    let Armed {
+        mut agent,
+        _dir: dir,
+        repository,
+        ..
+    } = armed(&[rule], &[]);
+    agent.fire_trigger("late").await.expect("the firing");
+    let session = wait_for_session(&repository);
+    // SAFETY: killing our own child.
+    unsafe { libc::kill(agent.pid() as libc::pid_t, libc::SIGKILL) };
+    agent
+        .wait_for_exit(Duration::from_secs(10))
+        .expect("killed");
+    let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    std::fs::File::open(&session)
+        .unwrap()
+        .set_modified(an_hour_ago)
+        .unwrap();
+    let next = armed_in(dir, &[rule], &[], &[]);
+    let line = counts_line(&next.agent, "late").await;
+    assert_eq!(count_of(&line, "lost "), 1, "{line}");
+    assert!(!session.exists(), "the empty session stays");
+    drop(next);
+
+    // Stopped: counted failed by the agent that stops, nothing left behind.
+    let mut stopped = armed(&[rule], &[]);
+    stopped
+        .agent
+        .fire_trigger("late")
+        .await
+        .expect("the firing");
+    wait_for_session(&stopped.repository);
+    let status = stopped.agent.stop_with_sigterm(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert_eq!(taken(&stopped.repository), Vec::<PathBuf>::new());
+}
