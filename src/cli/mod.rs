@@ -100,6 +100,15 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// Says `line` on standard output for the scripts that read it (the
+/// address a server bound); a reader that is gone, or an output that
+/// cannot be written, is no reason for a server to stop.
+pub(crate) fn announce(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
 /// What a failed write of a command's output says.
 pub(crate) const WRITING_OUTPUT: &str = "writing to standard output";
 

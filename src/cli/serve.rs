@@ -862,13 +862,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let placed_socket = Arc::new(placed_socket);
     let shutdown = stop_on_signal(Arc::clone(&agent), Arc::clone(&placed_socket));
     // Scripts and tests read the bound address (useful with port 0) from stdout.
-    println!("devtrace listening on {address}");
+    super::announce(&format!("devtrace listening on {address}"));
     super::tap::start_taps(&agent, &args.taps, Some(&telemetry)).await?;
     if let Some(address) = metrics {
-        // After the lines above, which scripts read first; a reader that is
-        // gone is no reason to stop.
-        use std::io::Write;
-        let _ = writeln!(std::io::stdout(), "devtrace metrics on http://{address}");
+        // After the lines above, which scripts read first.
+        super::announce(&format!("devtrace metrics on http://{address}"));
         info!("metrics on http://{address}/metrics, probes on /healthz and /readyz");
     }
     let scheme = match (&listeners.tcp, &listeners.tls) {
@@ -1042,7 +1040,7 @@ fn bind_unix(
     Ok((listener, placed))
 }
 
-/// Resolves at the first SIGINT or SIGTERM, which lets the calls in
+/// Resolves at the first SIGINT, SIGTERM or SIGHUP, which lets the calls in
 /// progress end (saying so at once, so that a stop that waits for a capture
 /// is not taken for a hang); another one, a second or more later, stops the
 /// agent at once, losing them. (One sooner is the same request delivered
@@ -1080,6 +1078,9 @@ fn stop_on_signal(
 /// How long after the first stop signal another one means "now".
 const SECOND_STOP_AFTER: Duration = Duration::from_secs(1);
 
+/// Resolves at SIGINT, SIGTERM or SIGHUP. SIGHUP stops cleanly too: there
+/// is no configuration to reload, and its default action would end the
+/// agent on the spot, losing the captures in flight without a word.
 pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     // Registered now, not when first polled: a SIGTERM right after the
     // agent says it listens must stop it cleanly, not kill it.
@@ -1088,10 +1089,12 @@ pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
         use tokio::signal::unix::{signal, SignalKind};
         let mut interrupt = signal(SignalKind::interrupt()).ok();
         let mut terminate = signal(SignalKind::terminate()).ok();
+        let mut hangup = signal(SignalKind::hangup()).ok();
         async move {
             tokio::select! {
                 _ = next_signal(&mut interrupt) => {}
                 _ = next_signal(&mut terminate) => {}
+                _ = next_signal(&mut hangup) => {}
             }
         }
     }

@@ -67,7 +67,9 @@ pub(crate) async fn start_taps(
             .with_context(|| format!("starting the tap {listen}={upstream}"))?;
         let address = tap.local_addr().context("reading the tap's address")?;
         // Scripts and tests read the bound address (useful with port 0).
-        println!("devtrace tap listening on {address} -> {upstream}");
+        super::announce(&format!(
+            "devtrace tap listening on {address} -> {upstream}"
+        ));
         info!(%address, upstream, "tap forwarding");
         if let Some(telemetry) = telemetry {
             // One name per tap, made once for the agent's life.
@@ -118,7 +120,7 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;
         let address = listener.local_addr().context("reading the bound address")?;
-        println!("devtrace listening on {address}");
+        super::announce(&format!("devtrace listening on {address}"));
         let trigger = Arc::new(crate::service::trigger::TriggerService::new(
             None,
             crate::service::access::Access::default(),

@@ -580,8 +580,15 @@ fn a_capture_in_flight_when_the_agent_stops_reaches_its_client() {
             .spawn()
             .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(700));
+        // SIGHUP (a closed terminal, an operator's `kill -HUP`) stops the
+        // agent as SIGTERM does; it used to kill it on the spot.
+        let signal = if round % 4 == 3 {
+            libc::SIGHUP
+        } else {
+            libc::SIGTERM
+        };
         // SAFETY: signalling the agent this test started.
-        unsafe { libc::kill(agent.pid() as libc::pid_t, libc::SIGTERM) };
+        unsafe { libc::kill(agent.pid() as libc::pid_t, signal) };
         let out = capture.wait_with_output().unwrap();
         assert!(
             out.status.success(),
