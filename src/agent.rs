@@ -400,18 +400,21 @@ impl Drop for Agent {
 type Started = (Vec<Box<dyn Backend>>, Vec<(&'static str, String)>);
 
 /// Starts the chosen backends. `auto` starts every hardware backend that
-/// works here and falls back to the mock when none does; a backend named
-/// explicitly that cannot start is reported, and the agent fails only when
-/// nothing starts at all.
+/// works here and falls back to the mock when no device is here; a device
+/// whose backend fails to start is reported, never stood in for by made-up
+/// events. A backend named explicitly that cannot start is reported, and
+/// the agent fails only when nothing starts at all.
 fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Started, AgentError> {
     let mut started: Vec<Box<dyn Backend>> = Vec::new();
     let mut unavailable = Vec::new();
+    // Whether the backend failed to start (its device is here), rather
+    // than found nothing to record.
     let try_start = |mut backend: Box<dyn Backend>,
                      started: &mut Vec<Box<dyn Backend>>,
                      unavailable: &mut Vec<(&'static str, String)>| {
         let name = backend.name();
         if started.iter().any(|b| b.name() == name) || unavailable.iter().any(|(n, _)| *n == name) {
-            return;
+            return false;
         }
         let context = BackendContext {
             source: name,
@@ -421,62 +424,46 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
             Ok(()) => {
                 info!(backend = backend.name(), records = ?backend.capabilities().records, "backend started");
                 started.push(backend);
+                false
             }
             Err(error) => {
                 warn!(backend = backend.name(), %error, "backend not started");
                 unavailable.push((backend.name(), error.to_string()));
+                matches!(error, BackendError::Start { .. })
             }
         }
     };
     let auto = config.backends.contains(&BackendChoice::Auto);
     for choice in &config.backends {
-        match choice {
-            BackendChoice::Auto => {}
-            BackendChoice::Mock => try_start(
-                Box::new(MockBackend::new(config.mock)),
-                &mut started,
-                &mut unavailable,
-            ),
-            BackendChoice::Nvml => try_start(
-                Box::new(NvmlBackend::new(config.nvml.clone())),
-                &mut started,
-                &mut unavailable,
-            ),
-            BackendChoice::Tpu => try_start(
-                Box::new(TpuBackend::new(config.tpu.clone())),
-                &mut started,
-                &mut unavailable,
-            ),
-            BackendChoice::Perf => try_start(
-                Box::new(PerfBackend::new(config.perf.clone())),
-                &mut started,
-                &mut unavailable,
-            ),
-            BackendChoice::Ebpf => try_start(
-                Box::new(EbpfBackend::new(config.ebpf.clone())),
-                &mut started,
-                &mut unavailable,
-            ),
-            BackendChoice::Cuda => try_start(
-                Box::new(CudaBackend::new(config.cuda.clone())),
-                &mut started,
-                &mut unavailable,
-            ),
-        }
+        let backend: Box<dyn Backend> = match choice {
+            BackendChoice::Auto => continue,
+            BackendChoice::Mock => Box::new(MockBackend::new(config.mock)),
+            BackendChoice::Nvml => Box::new(NvmlBackend::new(config.nvml.clone())),
+            BackendChoice::Tpu => Box::new(TpuBackend::new(config.tpu.clone())),
+            BackendChoice::Perf => Box::new(PerfBackend::new(config.perf.clone())),
+            BackendChoice::Ebpf => Box::new(EbpfBackend::new(config.ebpf.clone())),
+            BackendChoice::Cuda => Box::new(CudaBackend::new(config.cuda.clone())),
+        };
+        try_start(backend, &mut started, &mut unavailable);
     }
     if auto {
-        try_start(
+        let nvml_failed = try_start(
             Box::new(NvmlBackend::new(config.nvml.clone())),
             &mut started,
             &mut unavailable,
         );
-        try_start(
+        let tpu_failed = try_start(
             Box::new(TpuBackend::new(config.tpu.clone())),
             &mut started,
             &mut unavailable,
         );
-        if started.is_empty() {
-            info!("backend auto: no hardware backend works here; using the mock backend");
+        if nvml_failed || tpu_failed {
+            warn!(
+                "backend auto: a device backend failed to start on a host with the device; no mock \
+                 backend stands in for it"
+            );
+        } else if started.is_empty() {
+            info!("backend auto: no device here; using the mock backend");
             // Hardware that is merely absent is not a failure under auto.
             unavailable.clear();
             try_start(

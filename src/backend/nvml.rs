@@ -223,6 +223,17 @@ impl NvmlBackend {
     }
 }
 
+/// The loaded NVIDIA kernel module's version, when there is one (its
+/// procfs entry shows in containers too).
+pub fn kernel_module() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let first = text.lines().next()?;
+    first
+        .split_whitespace()
+        .find(|word| word.starts_with(|c: char| c.is_ascii_digit()) && word.contains('.'))
+        .map(str::to_string)
+}
+
 fn unavailable(reason: impl std::fmt::Display) -> BackendError {
     BackendError::Unavailable {
         backend: "nvml",
@@ -252,10 +263,18 @@ impl Backend for NvmlBackend {
             .lib_path(&self.config.library)
             .init()
             .map_err(|e| {
-                unavailable(format!(
-                    "cannot load NVML from {:?}: {e}",
-                    self.config.library
-                ))
+                let reason = format!("cannot load NVML from {:?}: {e}", self.config.library);
+                // A library that loads and fails, or a driver without its
+                // library, is a GPU host whose counters are missing, not a
+                // host without GPUs.
+                if matches!(e, NvmlError::LibloadingError(_)) && kernel_module().is_none() {
+                    unavailable(reason)
+                } else {
+                    BackendError::Start {
+                        backend: "nvml",
+                        reason,
+                    }
+                }
             })?;
         let count = nvml.device_count().map_err(unavailable)?;
         if count == 0 {

@@ -55,23 +55,13 @@ const INSTALL_DRIVER: &str =
     "install the NVIDIA driver (it brings the kernel module, libcuda.so.1 and libnvidia-ml.so.1); \
      without a GPU, `--backend mock` shows what devtrace records";
 
-/// The loaded NVIDIA kernel module's version, when there is one.
-fn kernel_module() -> Option<String> {
-    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
-    let first = text.lines().next()?;
-    first
-        .split_whitespace()
-        .find(|word| word.starts_with(|c: char| c.is_ascii_digit()) && word.contains('.'))
-        .map(str::to_string)
-}
-
 /// NVML, initialised as the backend does it.
 fn nvml(library: &OsStr) -> Finding {
     let shown = library.to_string_lossy();
     let nvml = match nvml_wrapper::Nvml::builder().lib_path(library).init() {
         Ok(nvml) => nvml,
         Err(nvml_wrapper::error::NvmlError::LibloadingError(error)) => {
-            return match kernel_module() {
+            return match crate::backend::nvml::kernel_module() {
                 // The driver is there but its library is not where the
                 // loader looks (a container without the NVIDIA runtime's
                 // mounts, or a driver installed under another prefix).

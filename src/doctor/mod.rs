@@ -209,18 +209,32 @@ impl Report {
         match (named, in_auto, self.area_usable(area)) {
             (_, _, true) if named || in_auto => Verdict::Runs,
             (true, _, false) => Verdict::Fails,
+            // A device that is here and cannot be used fails under auto
+            // too; one that is not here is left out.
+            (false, true, false) if self.device_broken(area) => Verdict::Fails,
             (false, true, false) => Verdict::LeftOut,
             _ => Verdict::NotChosen,
         }
     }
 
-    /// Whether the mock runs: asked for, or `auto` with neither NVML nor
-    /// a TPU to record (the agent's own rule).
+    /// Whether `area` is a device whose backend failed a check (rather than
+    /// found no device): the agent's `auto` reports it failed.
+    fn device_broken(&self, area: Area) -> bool {
+        matches!(area, Area::Nvml | Area::Tpu)
+            && self
+                .findings
+                .iter()
+                .any(|finding| finding.area == area && finding.status == Status::Fail)
+    }
+
+    /// Whether the mock runs: asked for, or `auto` with no NVIDIA GPU or
+    /// TPU here, working or not (the agent's own rule).
     pub fn mock_runs(&self) -> bool {
         self.chosen.contains(&BackendChoice::Mock)
             || (self.auto()
-                && self.verdict(Area::Nvml) != Verdict::Runs
-                && self.verdict(Area::Tpu) != Verdict::Runs)
+                && [Area::Nvml, Area::Tpu]
+                    .iter()
+                    .all(|area| self.verdict(*area) == Verdict::LeftOut))
     }
 
     /// Whether `devtrace serve` with these flags would start with every
@@ -430,6 +444,22 @@ mod tests {
         assert!(!report.ready());
         assert!(report.mock_runs());
         assert_eq!(report.verdict(Area::Nvml), Verdict::NotChosen);
+    }
+
+    #[test]
+    fn a_gpu_whose_nvml_fails_under_auto_fails_and_means_no_mock() {
+        let report = report(
+            vec![BackendChoice::Auto],
+            vec![
+                (Area::Agent, Status::Ok),
+                (Area::Nvml, Status::Fail),
+                (Area::Tpu, Status::Absent),
+            ],
+        );
+        assert_eq!(report.verdict(Area::Nvml), Verdict::Fails);
+        assert_eq!(report.verdict(Area::Tpu), Verdict::LeftOut);
+        assert!(!report.mock_runs());
+        assert!(!report.ready());
     }
 
     #[test]

@@ -376,7 +376,7 @@ async fn a_backend_that_cannot_start_is_named_in_monitor_and_the_trace() {
         space
             .warnings
             .iter()
-            .any(|w| w.starts_with("backend nvml is not running: nvml is not available here")),
+            .any(|w| w.starts_with("backend nvml is not running: nvml failed to start")),
         "{:?}",
         space.warnings
     );
@@ -384,7 +384,7 @@ async fn a_backend_that_cannot_start_is_named_in_monitor_and_the_trace() {
     assert!(
         reply
             .data
-            .contains("backend nvml: failed: nvml is not available here"),
+            .contains("backend nvml: failed: nvml failed to start"),
         "{}",
         reply.data
     );
@@ -392,6 +392,48 @@ async fn a_backend_that_cannot_start_is_named_in_monitor_and_the_trace() {
         reply.data.contains("backend mock: running"),
         "{}",
         reply.data
+    );
+}
+
+/// A GPU host whose NVML loads and fails is not a host without GPUs: `auto`
+/// reports NVML failed and starts no mock, whose made-up GPU events would
+/// pass for the host's own.
+#[tokio::test]
+async fn auto_stands_no_mock_in_for_an_nvml_that_fails() {
+    let library = standin().to_str().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("nvml.ctl");
+    // NVML_ERROR_DRIVER_NOT_LOADED.
+    std::fs::write(&control, "fail_init=9\n").unwrap();
+    let agent = AgentProcess::start_with_env(
+        &["--backend", "auto", "--nvml-library", &library],
+        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
+    );
+    let reply = agent.monitor(50).await;
+    assert!(
+        reply
+            .data
+            .contains("backend nvml: failed: nvml failed to start"),
+        "{}",
+        reply.data
+    );
+    assert!(!reply.data.contains("backend mock"), "{}", reply.data);
+    let space = capture(&agent, 200).await;
+    assert!(
+        !space
+            .planes
+            .iter()
+            .any(|p| p.name.starts_with("/device:GPU")),
+        "{:?}",
+        space.planes.iter().map(|p| &p.name).collect::<Vec<_>>()
+    );
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("backend nvml is not running: nvml failed to start")),
+        "{:?}",
+        space.warnings
     );
 }
 
