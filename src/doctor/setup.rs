@@ -7,6 +7,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::{Area, Finding, Status};
+use crate::backend::cuda::runtime_dir;
 
 /// What the setup checks need to know of the agent's flags.
 pub struct SetupPlan<'a> {
@@ -63,14 +64,14 @@ pub fn check(plan: &SetupPlan) -> Vec<Finding> {
     findings
 }
 
-/// The directory every injected job creates its ring in: it must let jobs
-/// of every user in (world-writable) without letting them remove each
-/// other's rings (sticky), and belong to root or the agent's user.
+/// The directory every injected job creates its ring in, judged as
+/// `serve` judges it ([`runtime_dir::concern`]): only one it cannot use
+/// fails; the others are warned of, as `serve` warns of them and runs.
 fn runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
     let area = if cuda_chosen { Area::Cuda } else { Area::Agent };
     let item = format!("runtime directory {}", dir.display());
-    let metadata = match std::fs::symlink_metadata(dir) {
-        Ok(metadata) => metadata,
+    let concern = match runtime_dir::concern(dir) {
+        Ok(concern) => concern,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
             return Finding::new(
                 area,
@@ -81,54 +82,19 @@ fn runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
         }
         Err(error) => return Finding::new(area, item, Status::Fail, error.to_string()),
     };
-    if !metadata.is_dir() {
-        return Finding::new(
-            area,
-            item,
-            Status::Fail,
-            "not a directory (a symbolic link is not followed)",
-        )
-        .hint("remove it, or give --runtime-dir another path");
+    if let Some(concern) = concern {
+        let status = if concern.fatal() {
+            Status::Fail
+        } else {
+            Status::Warn
+        };
+        return Finding::new(area, item, status, concern.text()).hint(concern.hint(dir));
     }
-    let mode = metadata.mode() & 0o7777;
-    let owner = metadata.uid();
-    // SAFETY: geteuid has no preconditions.
-    let agent = unsafe { libc::geteuid() };
-    if owner != 0 && owner != agent {
-        return Finding::new(
-            area,
-            item,
-            Status::Fail,
-            format!(
-                "owned by uid {owner}, who can replace what injected jobs and the agent find there"
-            ),
-        )
-        .hint(format!(
-            "chown root {} (or remove it: the agent makes it)",
-            dir.display()
-        ));
-    }
-    if mode & 0o002 != 0 && mode & 0o1000 == 0 {
-        return Finding::new(
-            area,
-            item,
-            Status::Fail,
-            format!("mode {mode:04o}: any user can remove or replace another job's ring"),
-        )
-        .hint(format!("chmod 1777 {}", dir.display()));
-    }
-    if mode & 0o002 == 0 {
-        return Finding::new(
-            area,
-            item,
-            Status::Warn,
-            format!("mode {mode:04o}: only jobs of its owner's user and group can register"),
-        )
-        .hint(format!(
-            "chmod 1777 {} to trace jobs of every user",
-            dir.display()
-        ));
-    }
+    let metadata = match std::fs::metadata(dir) {
+        Ok(metadata) => metadata,
+        Err(error) => return Finding::new(area, item, Status::Fail, error.to_string()),
+    };
+    let (mode, owner) = (metadata.mode() & 0o7777, metadata.uid());
     if let Some(holder) = cuda_chosen
         .then(|| crate::backend::cuda::runtime_lock::holder(dir))
         .flatten()
@@ -436,9 +402,11 @@ mod tests {
         let runtime = dir.path().join("run");
         assert_eq!(runtime_dir(&runtime, true).status, Status::Ok);
         std::fs::create_dir(&runtime).unwrap();
+        // What serve warns of and runs on is a warning; only what it
+        // cannot use fails.
         for (mode, status) in [
             (0o1777, Status::Ok),
-            (0o777, Status::Fail),
+            (0o777, Status::Warn),
             (0o755, Status::Warn),
         ] {
             std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(mode)).unwrap();
@@ -446,8 +414,11 @@ mod tests {
         }
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&runtime, &link).unwrap();
-        assert_eq!(runtime_dir(&link, true).status, Status::Fail);
+        assert_eq!(runtime_dir(&link, true).status, Status::Warn);
         assert_eq!(runtime_dir(&link, false).area, Area::Agent);
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        assert_eq!(runtime_dir(&file, true).status, Status::Fail);
     }
 
     #[test]

@@ -31,7 +31,6 @@
 //! replace what others declared.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -133,6 +132,7 @@ fn control_flags(capturing: bool, api_records: ApiRecords) -> u32 {
 }
 
 mod attach;
+pub mod runtime_dir;
 pub(crate) mod runtime_lock;
 mod slots;
 mod status;
@@ -198,18 +198,6 @@ impl CudaBackend {
     }
 }
 
-/// Makes the runtime directory when it is missing: world-writable and
-/// sticky like /tmp, so workloads of any user can add their rings and only
-/// remove their own.
-fn prepare_runtime_dir(dir: &Path) -> Result<(), String> {
-    if dir.is_dir() {
-        return Ok(());
-    }
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777))
-        .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))
-}
-
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -231,12 +219,19 @@ impl Backend for CudaBackend {
     }
 
     fn start(&mut self, context: BackendContext) -> Result<(), BackendError> {
-        prepare_runtime_dir(&self.config.runtime_dir).map_err(|reason| {
-            BackendError::Unavailable {
-                backend: "cuda",
-                reason,
-            }
+        let dir = &self.config.runtime_dir;
+        let concern = runtime_dir::prepare(dir).map_err(|reason| BackendError::Unavailable {
+            backend: "cuda",
+            reason,
         })?;
+        if let Some(concern) = concern {
+            warn!(
+                dir = %dir.display(),
+                hint = %concern.hint(dir),
+                "runtime directory: {}",
+                concern.text()
+            );
+        }
         self.lock = match runtime_lock::take(&self.config.runtime_dir) {
             Ok(lock) => Some(lock),
             Err(held @ runtime_lock::LockError::Held { .. }) => {
