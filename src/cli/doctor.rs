@@ -97,6 +97,7 @@ fn report(args: &DoctorArgs) -> doctor::Report {
             memory,
             cuda_chosen,
             window_limit: super::serve::window_limit(serve),
+            refusals: super::serve::refusals(serve),
         },
     };
     doctor::examine(&plan)

@@ -55,7 +55,7 @@ pub struct ServeArgs {
     /// Also serve on a UNIX socket at this path (plaintext; only users the
     /// socket's mode lets in can connect), e.g. for local clients while
     /// --listen uses TLS. Capture with `devtrace capture unix:PATH`.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", required_if_eq("listen", "off"))]
     pub listen_unix: Option<PathBuf>,
 
     /// How long a continuous profiling session lives without a snapshot: a
@@ -577,12 +577,9 @@ fn spill_space(args: &ServeArgs) -> anyhow::Result<Option<Arc<SpillSpace>>> {
     Ok(Some(Arc::new(space)))
 }
 
-/// The thread that attaches to processes matching `--cuda-attach`, if any
-/// rule is given.
-fn start_attaching(args: &ServeArgs) -> anyhow::Result<Option<crate::attach::Watcher>> {
-    if args.cuda_attach.is_empty() {
-        return Ok(None);
-    }
+/// What `--cuda-attach` attaches with; fails without an injection
+/// library to load.
+fn attach_config(args: &ServeArgs) -> anyhow::Result<crate::attach::AttachConfig> {
     let config = crate::attach::AttachConfig::for_runtime(
         args.runtime_dir.clone(),
         args.inject_library.clone(),
@@ -593,6 +590,39 @@ fn start_attaching(args: &ServeArgs) -> anyhow::Result<Option<crate::attach::Wat
             config.library.display()
         );
     }
+    Ok(config)
+}
+
+/// Why `serve` with these flags would stop as it starts, found without
+/// starting anything (for `devtrace doctor`, which must not claim ready
+/// what serve refuses): the checks serve itself makes of its client TLS,
+/// its --spill-dir and --cuda-attach's library.
+pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
+    let mut refusals = Vec::new();
+    if let Err(error) = args.client.config() {
+        refusals.push(super::failure_text(&error));
+    }
+    if let (Some(dir), super::memory::SpillSize::Bytes(limit)) = (&args.spill_dir, args.spill_size)
+    {
+        if let Err(why) = SpillSpace::new(dir, limit) {
+            refusals.push(why);
+        }
+    }
+    if !args.cuda_attach.is_empty() {
+        if let Err(error) = attach_config(args) {
+            refusals.push(super::failure_text(&error));
+        }
+    }
+    refusals
+}
+
+/// The thread that attaches to processes matching `--cuda-attach`, if any
+/// rule is given.
+fn start_attaching(args: &ServeArgs) -> anyhow::Result<Option<crate::attach::Watcher>> {
+    if args.cuda_attach.is_empty() {
+        return Ok(None);
+    }
+    let config = attach_config(args)?;
     let rules: Vec<String> = args.cuda_attach.iter().map(|r| r.to_string()).collect();
     info!(rules = %rules.join("; "), library = %config.library.display(), "attaching to CUDA processes that match --cuda-attach");
     let watcher = crate::attach::Watcher::start(args.cuda_attach.clone(), config)

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::{Area, Finding, Status};
 use crate::backend::cuda::runtime_dir;
+use crate::protocol::tls::{self, TlsError};
 
 /// What the setup checks need to know of the agent's flags.
 pub struct SetupPlan<'a> {
@@ -27,11 +28,18 @@ pub struct SetupPlan<'a> {
     /// The longest capture window, and why it is less than --max-duration
     /// asked, if it is.
     pub window_limit: (std::time::Duration, Option<String>),
+    /// Why serve would stop at start, by its own checks of these flags.
+    pub refusals: Vec<String>,
 }
 
 pub fn check(plan: &SetupPlan) -> Vec<Finding> {
     let mut findings = Vec::new();
     findings.push(runtime_dir(plan.runtime_dir, plan.cuda_chosen));
+    findings.extend(
+        plan.refusals
+            .iter()
+            .map(|why| Finding::new(Area::Agent, "serve", Status::Fail, why.clone())),
+    );
     if let Some(listen) = plan.listen {
         findings.push(tcp_address("listen", listen));
     }
@@ -47,6 +55,20 @@ pub fn check(plan: &SetupPlan) -> Vec<Finding> {
     }
     if let Some(ca) = plan.tls_client_ca {
         findings.push(tls_certificate("--tls-client-ca", ca, None));
+    }
+    // What the TLS library itself refuses (a v1 certificate, say), as
+    // serve finds it before it listens; unreadable files are said above.
+    if let (Some(cert), Some(key)) = (plan.tls_cert, plan.tls_key) {
+        if let Err(error @ TlsError::Unusable { .. }) =
+            tls::server_config(cert, key, plan.tls_client_ca)
+        {
+            findings.push(Finding::new(
+                Area::Agent,
+                "TLS",
+                Status::Fail,
+                error.to_string(),
+            ));
+        }
     }
     findings.push(match &plan.window_limit {
         (_, Some(held)) => Finding::new(Area::Agent, "max duration", Status::Warn, held.clone()),

@@ -28,6 +28,10 @@ pub enum TlsError {
     },
     #[error("{path} holds no PEM {what} (a -----BEGIN {what}----- block)")]
     NotPem { path: String, what: &'static str },
+    /// Read, but refused by the TLS library (a key not the certificate's, a
+    /// certificate or CA of a form it does not take).
+    #[error("{files} cannot serve TLS: {reason}")]
+    Unusable { files: String, reason: String },
 }
 
 /// The contents of a PEM file that holds at least one `what` block
@@ -76,7 +80,41 @@ pub fn server_config(
     if let Some(ca) = client_ca {
         config = config.client_ca_root(certificate(ca)?);
     }
+    // Built now as the server builds it, so that files the TLS library
+    // refuses stop the agent before it says it listens.
+    if let Err(error) = tonic::transport::Server::builder().tls_config(config.clone()) {
+        let mut files = format!(
+            "--tls-cert {} with --tls-key {}",
+            cert.display(),
+            key.display()
+        );
+        if let Some(ca) = client_ca {
+            files.push_str(&format!(" and --tls-client-ca {}", ca.display()));
+        }
+        return Err(TlsError::Unusable {
+            files,
+            reason: error_chain(&error),
+        });
+    }
     Ok(config)
+}
+
+/// An error and its causes, each once: tonic's own says only "transport
+/// error".
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = String::new();
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        let said = error.to_string();
+        if !text.contains(&said) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&said);
+        }
+        cause = error.source();
+    }
+    text
 }
 
 /// A client's TLS: the CA servers' certificates must chain to, a certificate

@@ -100,6 +100,68 @@ fn without_a_gpu_auto_is_ready_and_the_gpu_parts_say_what_to_install() {
     assert_eq!(doctor.status_of("listen 127.0.0.1:0"), "ok");
 }
 
+/// What serve stops at as it starts, doctor does not call ready: each such
+/// flag is named, by serve's own check, and serve refuses it too.
+#[test]
+fn flags_serve_would_stop_at_are_not_ready() {
+    let runtime = tempfile::tempdir().unwrap();
+    for (flags, said) in [
+        (
+            &["--spill-dir", "/dev/shm"][..],
+            "--spill-dir /dev/shm: its files are kept in memory",
+        ),
+        (
+            &["--tls-ca", "/nonexistent/ca.pem"][..],
+            "cannot read /nonexistent/ca.pem",
+        ),
+        (
+            &[
+                "--cuda-attach",
+                "all",
+                "--inject-library",
+                "/nonexistent.so",
+            ][..],
+            "--cuda-attach: no injection library at /nonexistent.so",
+        ),
+    ] {
+        let args: Vec<&str> = [&["--backend", "mock"][..], flags].concat();
+        let doctor = doctor(&args, None, &[]);
+        assert_eq!(doctor.status, 1, "{flags:?}: {:#}", doctor.report);
+        let check = doctor.check("serve");
+        assert_eq!(check["status"], "fail", "{check:#}");
+        assert!(
+            check["detail"].as_str().unwrap().contains(said),
+            "{check:#}"
+        );
+
+        let serve_args: Vec<&str> = [
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "off",
+            ][..],
+            &args,
+            &["--runtime-dir", runtime.path().to_str().unwrap()],
+        ]
+        .concat();
+        let served = Command::new(BIN).args(&serve_args).output().unwrap();
+        assert_eq!(served.status.code(), Some(1), "{flags:?}");
+        let stderr = String::from_utf8_lossy(&served.stderr);
+        assert!(stderr.contains(said), "{stderr}");
+    }
+    // A rule between flags is a usage error for both.
+    for command in ["serve", "doctor"] {
+        let out = Command::new(BIN)
+            .args([command, "--listen", "off"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{command}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--listen-unix"));
+    }
+}
+
 #[test]
 fn a_backend_asked_for_that_cannot_run_fails_the_check() {
     let doctor = doctor(&["--backend", "nvml"], None, &[]);
