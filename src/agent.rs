@@ -399,6 +399,67 @@ impl Drop for Agent {
 
 type Started = (Vec<Box<dyn Backend>>, Vec<(&'static str, String)>);
 
+/// Says in the log which backend is still starting, every
+/// [`StartWatch::EVERY`], so that a driver or library that hangs as it is
+/// loaded or initialised is named rather than taken for a hung agent.
+struct StartWatch {
+    state: Arc<(std::sync::Mutex<Starting>, std::sync::Condvar)>,
+}
+
+/// The backend starting (empty between backends), since when; `None` once
+/// every backend is done.
+type Starting = Option<(&'static str, std::time::Instant)>;
+
+impl StartWatch {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn new() -> StartWatch {
+        let state = Arc::new((
+            std::sync::Mutex::new(Some(("", std::time::Instant::now()))),
+            std::sync::Condvar::new(),
+        ));
+        let watched = Arc::clone(&state);
+        let spawned = std::thread::Builder::new()
+            .name("devtrace-start-watch".into())
+            .spawn(move || {
+                let (lock, changed) = &*watched;
+                let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+                while let Some((name, since)) = *guard {
+                    let (next, timeout) = changed
+                        .wait_timeout(guard, Self::EVERY)
+                        .unwrap_or_else(|e| e.into_inner());
+                    guard = next;
+                    if timeout.timed_out() && *guard == Some((name, since)) && !name.is_empty() {
+                        warn!(
+                            backend = name,
+                            seconds = since.elapsed().as_secs(),
+                            "backend still starting: its driver or library has not returned"
+                        );
+                    }
+                }
+            });
+        if let Err(error) = spawned {
+            warn!(%error, "cannot watch the backends start");
+        }
+        StartWatch { state }
+    }
+
+    /// `name` starts now ("": none).
+    fn starting(&self, name: &'static str) {
+        let (lock, changed) = &*self.state;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = Some((name, std::time::Instant::now()));
+        changed.notify_one();
+    }
+}
+
+impl Drop for StartWatch {
+    fn drop(&mut self) {
+        let (lock, changed) = &*self.state;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        changed.notify_one();
+    }
+}
+
 /// Starts the chosen backends. `auto` starts every hardware backend that
 /// works here and falls back to the mock when no device is here; a device
 /// whose backend fails to start is reported, never stood in for by made-up
@@ -407,6 +468,7 @@ type Started = (Vec<Box<dyn Backend>>, Vec<(&'static str, String)>);
 fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Started, AgentError> {
     let mut started: Vec<Box<dyn Backend>> = Vec::new();
     let mut unavailable = Vec::new();
+    let watch = StartWatch::new();
     // Whether the backend failed to start (its device is here), rather
     // than found nothing to record.
     let try_start = |mut backend: Box<dyn Backend>,
@@ -420,7 +482,10 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
             source: name,
             ..context.clone()
         };
-        match backend.start(context) {
+        watch.starting(name);
+        let result = backend.start(context);
+        watch.starting("");
+        match result {
             Ok(()) => {
                 info!(backend = backend.name(), records = ?backend.capabilities().records, "backend started");
                 started.push(backend);

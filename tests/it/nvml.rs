@@ -395,6 +395,49 @@ async fn a_backend_that_cannot_start_is_named_in_monitor_and_the_trace() {
     );
 }
 
+/// A driver that hangs as it initialises is named in the log while the
+/// agent waits for it, and the probes answer meanwhile (not ready).
+#[test]
+fn a_backend_that_hangs_as_it_starts_is_named_while_probes_answer() {
+    use std::io::BufRead;
+    let library = standin().to_str().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("nvml.ctl");
+    std::fs::write(&control, "hang_init_ms=12000\n").unwrap();
+    let metrics = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    let mut agent = std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "nvml"])
+        .args(["--nvml-library", &library, "--metrics-listen", &metrics])
+        .env("DEVTRACE_NVML_STANDIN", &control)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = std::io::BufReader::new(agent.stderr.take().unwrap());
+    let mut answered = None;
+    let mut named = None;
+    for line in log.lines() {
+        let line = line.unwrap();
+        if answered.is_none() {
+            answered = try_http_get(&metrics, "/readyz").ok();
+        }
+        if line.contains("backend still starting") {
+            named = Some(line);
+            break;
+        }
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let named = named.expect("the hanging backend was never named");
+    assert!(named.contains("backend=\"nvml\""), "{named}");
+    let (status, body) = answered.expect("/readyz did not answer while the backends started");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("the backends are starting"), "{body}");
+}
+
 /// A GPU host whose NVML loads and fails is not a host without GPUs: `auto`
 /// reports NVML failed and starts no mock, whose made-up GPU events would
 /// pass for the host's own.

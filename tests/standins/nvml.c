@@ -43,6 +43,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "standin_call.h"
 
@@ -98,6 +99,9 @@ static nvmlReturn_t check(nvmlDevice_t device, const char *metric) {
 }
 
 nvmlReturn_t nvmlInit_v2(void) {
+    /* A driver that hangs as it initialises. */
+    long long hang_ms = setting("hang_init_ms", 0);
+    if (hang_ms > 0) usleep((useconds_t)(hang_ms * 1000));
     if (setting("fail_init", 0)) return (nvmlReturn_t)setting("fail_init", 0);
     for (unsigned i = 0; i < MAX_GPUS; i++) devices[i].index = i;
     initialized = 1;
