@@ -310,7 +310,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "auto", value_parser = super::memory::parse_store_size)]
     pub store_size: MemorySize,
 
-    /// Slots per ring lane (rounded up to a power of two; 128 bytes each;
+    /// Slots per ring lane (rounded up to a power of two; 136 bytes each: an event and its sequence word;
     /// 2 to 16777216).
     #[arg(long, default_value_t = 65_536,
           value_parser = clap::value_parser!(u64).range(crate::ring::LANE_CAPACITIES))]
