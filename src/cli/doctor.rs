@@ -52,7 +52,7 @@ fn report(args: &DoctorArgs) -> doctor::Report {
     let memory = super::serve::agent_config(serve)
         .map_err(|error| format!("{error:#}"))
         .and_then(|config| super::serve::memory_budgets(serve, &config))
-        .map(|budgets| budgets.describe());
+        .map(|budgets| (budgets.describe(), budgets.scant()));
     let python = args.python.clone().or_else(|| find_on_path("python3"));
     let inject_library = serve
         .inject_library

@@ -90,7 +90,28 @@ pub struct Budgets {
     pub capture: usize,
 }
 
+/// Below this, a budget `auto` sized holds too little for a capture of a
+/// busy host (two seconds of 50,000 events a second take some 10 MiB to
+/// build).
+const SCANT: usize = 32 << 20;
+
 impl Budgets {
+    /// What is wrong with budgets the memory limit left scant, if they are.
+    pub fn scant(&self) -> Option<String> {
+        if self.store >= SCANT && self.capture >= SCANT {
+            return None;
+        }
+        Some(format!(
+            "the flight recorder ({}) or capture memory ({}) is under {}: captures of a busy \
+             host will be cut short or refused (RESOURCE_EXHAUSTED). Raise the memory limit \
+             ({}), or lower --ring-capacity to leave the budgets more",
+            mib(self.store as u64),
+            mib(self.capture as u64),
+            mib(SCANT as u64),
+            self.limit.source
+        ))
+    }
+
     /// One line for the log at start.
     pub fn describe(&self) -> String {
         format!(
@@ -225,6 +246,30 @@ mod tests {
         )
         .unwrap();
         assert_eq!((big.store, big.capture), (STORE_AT_MOST, CAPTURE_AT_MOST));
+    }
+
+    #[test]
+    fn budgets_a_small_limit_leaves_scant_are_warned_of() {
+        // A 300 MiB cgroup beside the default rings: 1 MiB each.
+        let scant = size(
+            limit(300 * MIB),
+            136 * MIB,
+            64 * MIB,
+            MemorySize::Auto,
+            MemorySize::Auto,
+        )
+        .unwrap();
+        let warning = scant.scant().expect("scant budgets");
+        assert!(warning.contains("memory.max"), "{warning}");
+        let fine = size(
+            limit(1024 * MIB),
+            136 * MIB,
+            64 * MIB,
+            MemorySize::Auto,
+            MemorySize::Auto,
+        )
+        .unwrap();
+        assert_eq!(fine.scant(), None);
     }
 
     #[test]

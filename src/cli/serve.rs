@@ -803,6 +803,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = agent_config(&args)?;
     let budgets = memory_budgets(&args, &config).map_err(anyhow::Error::msg)?;
     info!("memory: {}", budgets.describe());
+    if let Some(scant) = budgets.scant() {
+        tracing::warn!("memory: {scant}");
+    }
     telemetry.memory_budgets(budgets.limit.bytes, budgets.capture);
     let config = AgentConfig {
         store: StoreConfig {

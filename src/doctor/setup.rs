@@ -21,8 +21,9 @@ pub struct SetupPlan<'a> {
     pub tls_cert: Option<&'a Path>,
     pub tls_key: Option<&'a Path>,
     pub tls_client_ca: Option<&'a Path>,
-    /// The budgets as serve sizes them: its log line, or why they fail.
-    pub memory: Result<String, String>,
+    /// The budgets as serve sizes them: its log line and what it warns of
+    /// them, or why they fail.
+    pub memory: Result<(String, Option<String>), String>,
     /// Whether the CUDA backend would run (the runtime directory is its).
     pub cuda_chosen: bool,
     /// The longest capture window, and why it is less than --max-duration
@@ -80,7 +81,13 @@ pub fn check(plan: &SetupPlan) -> Vec<Finding> {
         ),
     });
     findings.push(match &plan.memory {
-        Ok(budgets) => Finding::new(Area::Agent, "memory", Status::Ok, budgets.clone()),
+        Ok((budgets, None)) => Finding::new(Area::Agent, "memory", Status::Ok, budgets.clone()),
+        Ok((budgets, Some(scant))) => Finding::new(
+            Area::Agent,
+            "memory",
+            Status::Warn,
+            format!("{budgets}; {scant}"),
+        ),
         Err(reason) => Finding::new(Area::Agent, "memory", Status::Fail, reason.clone()),
     });
     findings
