@@ -165,7 +165,7 @@ impl LocalFolder {
     pub fn remove_abandoned(
         &self,
         grace: std::time::Duration,
-        empty_sessions: bool,
+        empty_sessions: Option<std::time::Duration>,
         in_use: &[String],
     ) -> Result<super::Abandoned, StorageError> {
         let root = self.open()?;
@@ -176,7 +176,9 @@ impl LocalFolder {
             .into_iter()
             .filter(|entry| entry.kind == EntryKind::Directory)
             .filter_map(|entry| {
-                let old = entry.modified.elapsed().is_ok_and(|age| age > grace);
+                let old = empty_sessions.is_some_and(|empty_grace| {
+                    entry.modified.elapsed().is_ok_and(|age| age > empty_grace)
+                });
                 Some((entry.name.into_string().ok()?, old))
             })
             .collect();
@@ -188,7 +190,7 @@ impl LocalFolder {
                 removed.unfinished_files.push(format!("{session}/{file}"));
             }
             let ours = in_use.contains(&session);
-            if empty_sessions && old && !ours && root.remove_empty_dir(&session) {
+            if old && !ours && root.remove_empty_dir(&session) {
                 removed.empty_sessions.push(session);
             }
         }

@@ -342,29 +342,26 @@ impl Folder {
     }
 
     /// Removes what writes into this repository root left when the agent
-    /// writing them was killed: unfinished trace files in its sessions and,
-    /// with `empty_sessions` (a root only the agent makes sessions in),
-    /// sessions that hold nothing. Only what has lain untouched for
-    /// [`ABANDONED_AFTER`] and no process holds goes. Objects are written
-    /// whole or not at all: nothing to do there.
-    /// Sessions named in `in_use` (this process's, being written) are left
-    /// alone however old. In a bucket, where objects are written whole,
-    /// only sessions that hold nothing but their marker are looked for.
+    /// writing them was killed: unfinished trace files in its sessions
+    /// (untouched for [`ABANDONED_AFTER`], held by no process) and, with
+    /// `empty_sessions` (a root only agents make sessions in), sessions
+    /// that have held nothing for that long. Sessions named in `in_use`
+    /// (this process's, being written) are left alone however old. In a
+    /// bucket, where objects are written whole, only sessions that hold
+    /// nothing but their marker are looked for.
     pub fn remove_abandoned(
         &self,
-        empty_sessions: bool,
+        empty_sessions: Option<std::time::Duration>,
         in_use: &[String],
     ) -> Result<Abandoned, StorageError> {
-        match self {
-            Folder::Local(local) => local.remove_abandoned(ABANDONED_AFTER, empty_sessions, in_use),
-            Folder::Object(_) if !empty_sessions => Ok(Abandoned::default()),
-            Folder::Object(object) => Ok(Abandoned {
+        match (self, empty_sessions) {
+            (Folder::Local(local), _) => {
+                local.remove_abandoned(ABANDONED_AFTER, empty_sessions, in_use)
+            }
+            (Folder::Object(_), None) => Ok(Abandoned::default()),
+            (Folder::Object(object), Some(grace)) => Ok(Abandoned {
                 unfinished_files: Vec::new(),
-                empty_sessions: object.remove_lone_markers(
-                    SESSION_MARKER,
-                    ABANDONED_AFTER,
-                    in_use,
-                )?,
+                empty_sessions: object.remove_lone_markers(SESSION_MARKER, grace, in_use)?,
             }),
         }
     }

@@ -97,7 +97,16 @@ pub struct Triggers {
     /// Events picked for the rules that the rules' thread fell too far
     /// behind to take.
     unevaluated: AtomicU64,
+    /// How long a session must have held nothing before a sweep takes it
+    /// for a save an agent was killed during: longer than a save of the
+    /// longest rule takes, so that the saves in progress of another agent
+    /// sharing the repository (with the same rules) are left alone.
+    empty_after: Duration,
 }
+
+/// What a save takes past its rule's `after`: waiting for capture memory
+/// (up to a minute), building and writing, with room to spare.
+const SAVE_SLACK: Duration = Duration::from_secs(120);
 
 impl Triggers {
     /// Arms `rules`, saving into `repository` through `captures`, and starts
@@ -110,6 +119,12 @@ impl Triggers {
         repository: Folder,
     ) -> std::io::Result<Arc<Triggers>> {
         let watcher = Watcher::new(&rules, agent.registry());
+        let longest_after = rules
+            .iter()
+            .map(|rule| rule.after)
+            .max()
+            .unwrap_or_default();
+        let empty_after = crate::repository::ABANDONED_AFTER.max(longest_after + SAVE_SLACK);
         let dropped_rules: Vec<usize> = rules
             .iter()
             .enumerate()
@@ -130,13 +145,20 @@ impl Triggers {
             runtime: tokio::runtime::Handle::current(),
             pending: Mutex::new(Vec::new()),
             unevaluated: AtomicU64::new(0),
+            empty_after,
         });
-        triggers.clear_abandoned_saves();
+        // Before the agent serves, on a thread outside the async runtime (a
+        // bucket is asked through a runtime of its own, which cannot be
+        // entered from within another).
+        std::thread::scope(|scope| {
+            scope.spawn(|| triggers.clear_abandoned_saves());
+        });
         // What a save killed just before this start left is not old enough
         // yet to be told from one in progress: look again once it is.
         let later = Arc::downgrade(&triggers);
+        let again_after = triggers.empty_after + Duration::from_secs(5);
         triggers.runtime.spawn(async move {
-            tokio::time::sleep(crate::repository::ABANDONED_AFTER + Duration::from_secs(5)).await;
+            tokio::time::sleep(again_after).await;
             if let Some(triggers) = later.upgrade() {
                 let _ = tokio::task::spawn_blocking(move || triggers.clear_abandoned_saves()).await;
             }
@@ -301,7 +323,10 @@ impl Triggers {
             .iter()
             .filter_map(|save| Some(save.session.lock().as_ref()?.name.clone()))
             .collect();
-        let abandoned = match self.repository.remove_abandoned(true, &in_use) {
+        let abandoned = match self
+            .repository
+            .remove_abandoned(Some(self.empty_after), &in_use)
+        {
             Ok(abandoned) => abandoned,
             // A repository not made yet holds nothing an earlier agent left.
             Err(crate::repository::StorageError::NotFound { .. }) => return,
