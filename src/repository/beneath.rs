@@ -574,23 +574,17 @@ impl AtomicFile {
             return Err(self.io_error(io::Error::other("already committed")));
         };
         let (directory, temporary, name) = (&self.directory, &self.temporary, &self.name);
-        let flags = if self.replace {
-            RenameFlags::empty()
-        } else {
-            RenameFlags::NOREPLACE
-        };
+        let replace = self.replace;
         let done = act(self.acting.as_deref(), &self.target, || {
             let renamed = (|| -> io::Result<()> {
                 // Traces are for reading by the people who asked for them.
                 rfs::fchmod(&file, Mode::from_raw_mode(0o644))?;
                 file.sync_all()?;
-                rfs::renameat_with(
-                    directory,
-                    temporary.as_str(),
-                    directory,
-                    name.as_str(),
-                    flags,
-                )?;
+                if replace {
+                    rfs::renameat(directory, temporary.as_str(), directory, name.as_str())?;
+                } else {
+                    put_beside(directory, temporary, name)?;
+                }
                 Ok(())
             })();
             if renamed.is_err() {
@@ -606,6 +600,29 @@ impl AtomicFile {
             Err(BeneathError::Io { source, .. }) => Err(self.io_error(source)),
             Err(other) => Err(other),
         }
+    }
+}
+
+/// Gives `temporary` the name `name` in `directory` unless a file has it,
+/// failing with `AlreadyExists` then. NFS, FUSE and other filesystems
+/// refuse the rename flag that does it at once (`EINVAL`): there a hard
+/// link, which fails when the name is taken, does it, the temporary name
+/// then removed.
+fn put_beside(directory: &OwnedFd, temporary: &str, name: &str) -> io::Result<()> {
+    match rfs::renameat_with(
+        directory,
+        temporary,
+        directory,
+        name,
+        RenameFlags::NOREPLACE,
+    ) {
+        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => {
+            rfs::linkat(directory, temporary, directory, name, AtFlags::empty())?;
+            // Linked: the trace is in place whether this goes or not.
+            let _ = rfs::unlinkat(directory, temporary, AtFlags::empty());
+            Ok(())
+        }
+        renamed => Ok(renamed?),
     }
 }
 
