@@ -403,12 +403,12 @@ type Started = (Vec<Box<dyn Backend>>, Vec<(&'static str, String)>);
 /// [`StartWatch::EVERY`], so that a driver or library that hangs as it is
 /// loaded or initialised is named rather than taken for a hung agent.
 struct StartWatch {
-    state: Arc<(std::sync::Mutex<Starting>, std::sync::Condvar)>,
+    state: Arc<(std::sync::Mutex<InStart>, std::sync::Condvar)>,
 }
 
 /// The backend starting (empty between backends), since when; `None` once
 /// every backend is done.
-type Starting = Option<(&'static str, std::time::Instant)>;
+type InStart = Option<(&'static str, std::time::Instant)>;
 
 impl StartWatch {
     const EVERY: Duration = Duration::from_secs(10);
@@ -466,94 +466,110 @@ impl Drop for StartWatch {
 /// events. A backend named explicitly that cannot start is reported, and
 /// the agent fails only when nothing starts at all.
 fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Started, AgentError> {
-    let mut started: Vec<Box<dyn Backend>> = Vec::new();
-    let mut unavailable = Vec::new();
-    let watch = StartWatch::new();
-    // Whether the backend failed to start (its device is here), rather
-    // than found nothing to record.
-    let try_start = |mut backend: Box<dyn Backend>,
-                     started: &mut Vec<Box<dyn Backend>>,
-                     unavailable: &mut Vec<(&'static str, String)>| {
-        let name = backend.name();
-        if started.iter().any(|b| b.name() == name) || unavailable.iter().any(|(n, _)| *n == name) {
-            return false;
-        }
-        let context = BackendContext {
-            source: name,
-            ..context.clone()
-        };
-        watch.starting(name);
-        let result = backend.start(context);
-        watch.starting("");
-        match result {
-            Ok(()) => {
-                info!(backend = backend.name(), records = ?backend.capabilities().records, "backend started");
-                started.push(backend);
-                false
-            }
-            Err(error) => {
-                warn!(backend = backend.name(), %error, "backend not started");
-                unavailable.push((backend.name(), error.to_string()));
-                matches!(error, BackendError::Start { .. })
-            }
-        }
+    let mut starting = BackendStarts {
+        context,
+        watch: StartWatch::new(),
+        started: Vec::new(),
+        unavailable: Vec::new(),
+        failed: Vec::new(),
     };
-    let auto = config.backends.contains(&BackendChoice::Auto);
+    let named = |device: &str| match device {
+        "nvml" => config.backends.contains(&BackendChoice::Nvml),
+        "tpu" => config.backends.contains(&BackendChoice::Tpu),
+        _ => false,
+    };
     for choice in &config.backends {
-        let backend: Box<dyn Backend> = match choice {
-            BackendChoice::Auto => continue,
-            BackendChoice::Mock => Box::new(MockBackend::new(config.mock)),
-            BackendChoice::Nvml => Box::new(NvmlBackend::new(config.nvml.clone())),
-            BackendChoice::Tpu => Box::new(TpuBackend::new(config.tpu.clone())),
-            BackendChoice::Perf => Box::new(PerfBackend::new(config.perf.clone())),
-            BackendChoice::Ebpf => Box::new(EbpfBackend::new(config.ebpf.clone())),
-            BackendChoice::Cuda => Box::new(CudaBackend::new(config.cuda.clone())),
-        };
-        try_start(backend, &mut started, &mut unavailable);
+        if let Some(backend) = backend_of(config, *choice) {
+            starting.try_start(backend);
+        }
     }
-    if auto {
-        let nvml_failed = try_start(
-            Box::new(NvmlBackend::new(config.nvml.clone())),
-            &mut started,
-            &mut unavailable,
-        );
-        let tpu_failed = try_start(
-            Box::new(TpuBackend::new(config.tpu.clone())),
-            &mut started,
-            &mut unavailable,
-        );
-        if nvml_failed || tpu_failed {
+    if config.backends.contains(&BackendChoice::Auto) {
+        starting.try_start(Box::new(NvmlBackend::new(config.nvml.clone())));
+        starting.try_start(Box::new(TpuBackend::new(config.tpu.clone())));
+        let devices = ["nvml", "tpu"];
+        if starting.failed.iter().any(|name| devices.contains(name)) {
             warn!(
                 "backend auto: a device backend failed to start on a host with the device; no mock \
                  backend stands in for it"
             );
-        } else if started.is_empty() {
+        } else if starting.started.is_empty() {
             info!("backend auto: no device here; using the mock backend");
-            // Hardware that is merely absent is not a failure under auto.
-            unavailable.clear();
-            try_start(
-                Box::new(MockBackend::new(config.mock)),
-                &mut started,
-                &mut unavailable,
-            );
+            // A device that is merely absent is not a failure under auto,
+            // unless it was named too.
+            starting
+                .unavailable
+                .retain(|(name, _)| !devices.contains(name) || named(name));
+            starting.try_start(Box::new(MockBackend::new(config.mock)));
         }
         // Kernel hooks complement whatever device backend runs. When they
         // cannot run (not root, no BTF), the reason stays in `unavailable`
         // so that serve's log, Monitor and every trace say so.
-        try_start(
-            Box::new(EbpfBackend::new(config.ebpf.clone())),
-            &mut started,
-            &mut unavailable,
-        );
-        try_start(
-            Box::new(CudaBackend::new(config.cuda.clone())),
-            &mut started,
-            &mut unavailable,
-        );
+        starting.try_start(Box::new(EbpfBackend::new(config.ebpf.clone())));
+        starting.try_start(Box::new(CudaBackend::new(config.cuda.clone())));
     }
+    let BackendStarts {
+        started,
+        unavailable,
+        ..
+    } = starting;
     if started.is_empty() {
         let reasons: Vec<String> = unavailable.iter().map(|(_, r)| r.clone()).collect();
         return Err(AgentError::NoBackend(reasons.join("; ")));
     }
     Ok((started, unavailable))
+}
+
+/// The backend `choice` names; `None` for `auto`, which stands for several.
+fn backend_of(config: &AgentConfig, choice: BackendChoice) -> Option<Box<dyn Backend>> {
+    Some(match choice {
+        BackendChoice::Auto => return None,
+        BackendChoice::Mock => Box::new(MockBackend::new(config.mock)),
+        BackendChoice::Nvml => Box::new(NvmlBackend::new(config.nvml.clone())),
+        BackendChoice::Tpu => Box::new(TpuBackend::new(config.tpu.clone())),
+        BackendChoice::Perf => Box::new(PerfBackend::new(config.perf.clone())),
+        BackendChoice::Ebpf => Box::new(EbpfBackend::new(config.ebpf.clone())),
+        BackendChoice::Cuda => Box::new(CudaBackend::new(config.cuda.clone())),
+    })
+}
+
+/// The backends as they are started, each at most once.
+struct BackendStarts<'a> {
+    context: &'a BackendContext,
+    watch: StartWatch,
+    started: Vec<Box<dyn Backend>>,
+    /// Those that did not start, with why.
+    unavailable: Vec<(&'static str, String)>,
+    /// Those among them whose device is here and could not be used.
+    failed: Vec<&'static str>,
+}
+
+impl BackendStarts<'_> {
+    fn try_start(&mut self, mut backend: Box<dyn Backend>) {
+        let name = backend.name();
+        let tried = self.started.iter().any(|b| b.name() == name)
+            || self.unavailable.iter().any(|(n, _)| *n == name);
+        if tried {
+            return;
+        }
+        let context = BackendContext {
+            source: name,
+            ..self.context.clone()
+        };
+        self.watch.starting(name);
+        let result = backend.start(context);
+        self.watch.starting("");
+        match result {
+            Ok(()) => {
+                info!(backend = name, records = ?backend.capabilities().records, "backend started");
+                self.started.push(backend);
+            }
+            Err(error) => {
+                warn!(backend = name, %error, "backend not started");
+                if matches!(error, BackendError::Start { .. }) {
+                    self.failed.push(name);
+                }
+                self.unavailable.push((name, error.to_string()));
+            }
+        }
+    }
 }

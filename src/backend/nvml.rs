@@ -234,6 +234,25 @@ pub fn kernel_module() -> Option<String> {
         .map(str::to_string)
 }
 
+/// Whether NVML failing to initialise with `error` says this host has no
+/// NVIDIA GPU (no library, or a library and no driver, with no kernel
+/// module loaded) rather than a GPU whose counters cannot be read. One
+/// rule for the backend and `devtrace doctor`.
+pub fn init_failure_means_no_gpu(error: &NvmlError) -> bool {
+    matches!(
+        error,
+        NvmlError::LibloadingError(_) | NvmlError::DriverNotLoaded
+    ) && kernel_module().is_none()
+}
+
+/// The backend's device is here and cannot be used.
+fn failed(reason: impl std::fmt::Display) -> BackendError {
+    BackendError::Start {
+        backend: "nvml",
+        reason: reason.to_string(),
+    }
+}
+
 fn unavailable(reason: impl std::fmt::Display) -> BackendError {
     BackendError::Unavailable {
         backend: "nvml",
@@ -264,25 +283,19 @@ impl Backend for NvmlBackend {
             .init()
             .map_err(|e| {
                 let reason = format!("cannot load NVML from {:?}: {e}", self.config.library);
-                // A library that loads and fails, or a driver without its
-                // library, is a GPU host whose counters are missing, not a
-                // host without GPUs.
-                if matches!(e, NvmlError::LibloadingError(_)) && kernel_module().is_none() {
+                if init_failure_means_no_gpu(&e) {
                     unavailable(reason)
                 } else {
-                    BackendError::Start {
-                        backend: "nvml",
-                        reason,
-                    }
+                    failed(reason)
                 }
             })?;
-        let count = nvml.device_count().map_err(unavailable)?;
+        let count = nvml.device_count().map_err(failed)?;
         if count == 0 {
             return Err(unavailable("NVML reports no GPU"));
         }
         let mut latest = Vec::new();
         for index in 0..count {
-            let device = nvml.device_by_index(index).map_err(unavailable)?;
+            let device = nvml.device_by_index(index).map_err(failed)?;
             // NVML's index is the GPU's plane, so that the CUDA backend's
             // kernels (keyed by UUID) land beside these counters.
             let uuid = device.uuid().unwrap_or_default();

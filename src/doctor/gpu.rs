@@ -81,6 +81,16 @@ fn nvml(library: &OsStr) -> Finding {
                 .hint(INSTALL_DRIVER),
             };
         }
+        // A library without a driver: no GPU here, as the backend judges.
+        Err(error) if crate::backend::nvml::init_failure_means_no_gpu(&error) => {
+            return Finding::new(
+                Area::Nvml,
+                "NVML",
+                Status::Absent,
+                format!("{shown} loaded, but no NVIDIA driver is: {error}"),
+            )
+            .hint(INSTALL_DRIVER);
+        }
         Err(error) => {
             return Finding::new(Area::Nvml, "NVML", Status::Fail, format!("{shown} loaded, but nvmlInit failed: {error}"))
                 .hint("check that `nvidia-smi` works for this user; in a container, give it the GPUs (--gpus, or the NVIDIA device plugin)");
@@ -94,10 +104,11 @@ fn nvml(library: &OsStr) -> Finding {
         .map(|v| format!(", CUDA {}.{}", v / 1000, (v % 1000) / 10))
         .unwrap_or_default();
     match nvml.device_count() {
+        // No GPU to record, as the backend judges: `auto` runs the mock.
         Ok(0) => Finding::new(
             Area::Nvml,
             "NVML",
-            Status::Fail,
+            Status::Absent,
             format!("driver {driver}{cuda}, but no GPU is visible"),
         )
         .hint("in a container, give it the GPUs; on a host, see `nvidia-smi`"),

@@ -446,21 +446,35 @@ async fn auto_stands_no_mock_in_for_an_nvml_that_fails() {
     let library = standin().to_str().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
     let control = dir.path().join("nvml.ctl");
-    // NVML_ERROR_DRIVER_NOT_LOADED.
-    std::fs::write(&control, "fail_init=9\n").unwrap();
+    // NVML_ERROR_UNKNOWN: a driver that fails.
+    std::fs::write(&control, "fail_init=999\n").unwrap();
     let agent = AgentProcess::start_with_env(
         &["--backend", "auto", "--nvml-library", &library],
         &[("DEVTRACE_NVML_STANDIN", control.as_path())],
     );
-    let reply = agent.monitor(50).await;
-    assert!(
-        reply
-            .data
-            .contains("backend nvml: failed: nvml failed to start"),
-        "{}",
-        reply.data
+    // Named besides auto, the same.
+    let named = AgentProcess::start_with_env(
+        &[
+            "--backend",
+            "nvml",
+            "--backend",
+            "auto",
+            "--nvml-library",
+            &library,
+        ],
+        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
     );
-    assert!(!reply.data.contains("backend mock"), "{}", reply.data);
+    for agent in [&agent, &named] {
+        let reply = agent.monitor(50).await;
+        assert!(
+            reply
+                .data
+                .contains("backend nvml: failed: nvml failed to start"),
+            "{}",
+            reply.data
+        );
+        assert!(!reply.data.contains("backend mock"), "{}", reply.data);
+    }
     let space = capture(&agent, 200).await;
     assert!(
         !space
@@ -477,6 +491,22 @@ async fn auto_stands_no_mock_in_for_an_nvml_that_fails() {
             .any(|w| w.starts_with("backend nvml is not running: nvml failed to start")),
         "{:?}",
         space.warnings
+    );
+    // A library and no driver (NVML_ERROR_DRIVER_NOT_LOADED, no kernel
+    // module here) is a host without a GPU: the mock runs.
+    if devtrace::backend::nvml::kernel_module().is_some() {
+        return;
+    }
+    std::fs::write(&control, "fail_init=9\n").unwrap();
+    let agent = AgentProcess::start_with_env(
+        &["--backend", "auto", "--nvml-library", &library],
+        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
+    );
+    let reply = agent.monitor(50).await;
+    assert!(
+        reply.data.contains("backend mock: running"),
+        "{}",
+        reply.data
     );
 }
 
