@@ -111,19 +111,19 @@ fn runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
         }
         Err(error) => return Finding::new(area, item, Status::Fail, error.to_string()),
     };
-    if let Some(concern) = concern {
-        let status = if concern.fatal() {
-            Status::Fail
-        } else {
-            Status::Warn
-        };
-        return Finding::new(area, item, status, concern.text()).hint(concern.hint(dir));
+    if let Some(concern) = concern.as_ref().filter(|concern| concern.fatal()) {
+        return Finding::new(area, item, Status::Fail, concern.text()).hint(concern.hint(dir));
     }
     let metadata = match std::fs::metadata(dir) {
         Ok(metadata) => metadata,
         Err(error) => return Finding::new(area, item, Status::Fail, error.to_string()),
     };
     let (mode, owner) = (metadata.mode() & 0o7777, metadata.uid());
+    // Each thing to warn of, with what to do about it.
+    let mut warnings: Vec<(String, String)> = Vec::new();
+    if let Some(concern) = &concern {
+        warnings.push((concern.text(), concern.hint(dir)));
+    }
     if let Some(holder) = cuda_chosen
         .then(|| crate::backend::cuda::runtime_lock::holder(dir))
         .flatten()
@@ -131,23 +131,31 @@ fn runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
         let pid = holder
             .map(|pid| format!(" (pid {pid})"))
             .unwrap_or_default();
+        warnings.push((
+            format!(
+                "another agent{pid} serves it, so this agent's CUDA backend would not start on it"
+            ),
+            "stop the other agent, or give this one its own --runtime-dir".into(),
+        ));
+    }
+    if warnings.is_empty() {
         return Finding::new(
             area,
             item,
-            Status::Warn,
-            format!(
-                "mode {mode:04o}, owned by uid {owner}; another agent{pid} serves it, so this \
-                 agent's CUDA backend would not start on it"
-            ),
-        )
-        .hint("stop the other agent, or give this one its own --runtime-dir");
+            Status::Ok,
+            format!("mode {mode:04o}, owned by uid {owner}"),
+        );
     }
-    Finding::new(
-        area,
-        item,
-        Status::Ok,
-        format!("mode {mode:04o}, owned by uid {owner}"),
-    )
+    let (texts, hints): (Vec<String>, Vec<String>) = warnings.into_iter().unzip();
+    // A concern names the mode or owner itself.
+    let detail = match concern {
+        Some(_) => texts.join("; "),
+        None => format!(
+            "mode {mode:04o}, owned by uid {owner}; {}",
+            texts.join("; ")
+        ),
+    };
+    Finding::new(area, item, Status::Warn, detail).hint(hints.join("; "))
 }
 
 /// Binds a TCP address the way the agent will, and lets it go.
