@@ -37,7 +37,7 @@ pub struct ServeArgs {
     /// hosts; an address other hosts can reach needs --tls-cert (or
     /// --insecure). `off`: no TCP listener, only --listen-unix, whose
     /// clients the kernel names and the socket's mode lets in.
-    #[arg(long, default_value = "127.0.0.1:6009")]
+    #[arg(long, default_value = "127.0.0.1:6009", value_parser = parse_listen)]
     pub listen: String,
 
     /// Serve plaintext gRPC on an address other hosts can reach. Anyone who
@@ -1073,6 +1073,14 @@ fn bind_unix(
     Ok((listener, placed))
 }
 
+/// `--listen`: an address, or `off`.
+fn parse_listen(text: &str) -> Result<String, String> {
+    if text != "off" {
+        crate::protocol::listen::check_listen_address(text)?;
+    }
+    Ok(text.to_string())
+}
+
 /// Resolves at the first SIGINT, SIGTERM or SIGHUP, which lets the calls in
 /// progress end (saying so at once, so that a stop that waits for a capture
 /// is not taken for a hang); another one, a second or more later, stops the
@@ -1113,7 +1121,8 @@ const SECOND_STOP_AFTER: Duration = Duration::from_secs(1);
 
 /// Resolves at SIGINT, SIGTERM or SIGHUP. SIGHUP stops cleanly too: there
 /// is no configuration to reload, and its default action would end the
-/// agent on the spot, losing the captures in flight without a word.
+/// agent on the spot, losing the captures in flight without a word; but
+/// an agent started ignoring it (`nohup`) goes on ignoring it.
 pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     // Registered now, not when first polled: a SIGTERM right after the
     // agent says it listens must stop it cleanly, not kill it.
@@ -1122,7 +1131,9 @@ pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
         use tokio::signal::unix::{signal, SignalKind};
         let mut interrupt = signal(SignalKind::interrupt()).ok();
         let mut terminate = signal(SignalKind::terminate()).ok();
-        let mut hangup = signal(SignalKind::hangup()).ok();
+        let mut hangup = (!hangup_ignored())
+            .then(|| signal(SignalKind::hangup()).ok())
+            .flatten();
         async move {
             tokio::select! {
                 _ = next_signal(&mut interrupt) => {}
@@ -1135,6 +1146,22 @@ pub(super) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     async {
         let _ = tokio::signal::ctrl_c().await;
     }
+}
+
+/// Whether this process was started with SIGHUP ignored (`nohup`), as
+/// found before this process handles it itself.
+#[cfg(unix)]
+fn hangup_ignored() -> bool {
+    static IGNORED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *IGNORED.get_or_init(|| {
+        // SAFETY: reads the disposition only (no new action is given), into
+        // a zeroed struct of the right type.
+        unsafe {
+            let mut current: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGHUP, std::ptr::null(), &mut current) == 0
+                && current.sa_sigaction == libc::SIG_IGN
+        }
+    })
 }
 
 /// The next delivery of `signal`; never, where it could not be registered.

@@ -52,9 +52,11 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
 /// a peer that vanished does not hold its place forever.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
 
-/// How long a stopping agent keeps connections open once no call is in
-/// progress: for the last replies to be read and the peers to close.
-const DRAIN_GRACE: Duration = listen::LINGER_LIMIT;
+/// How long a stopping agent waits for connections once no call is in
+/// progress: for the last replies to be read (a call ends once its last
+/// bytes are handed to HTTP/2, which may still hold up to a window of
+/// them) and the peers to close.
+const DRAIN_GRACE: Duration = Duration::from_secs(10);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How long a connection is served before the agent asks its client to
@@ -154,7 +156,8 @@ pub async fn serve(
     };
     // A stop lets the calls in progress end; connections still open
     // [`DRAIN_GRACE`] after that (a peer that does not answer the goodbye,
-    // which HTTP/2 waits for) are closed, not waited for.
+    // which HTTP/2 waits for) are not waited for: they close as the agent
+    // exits.
     let drained = async {
         stop.cancelled().await;
         telemetry.calls_ended().await;
@@ -164,7 +167,8 @@ pub async fn serve(
         result = served => result,
         () = drained => {
             info!(
-                "closing the connections still open {} s after the last call ended",
+                "not waiting for the connections still open {} s after the last call ended; \
+                 they close as the agent exits",
                 DRAIN_GRACE.as_secs()
             );
             Ok(())

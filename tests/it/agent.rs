@@ -607,6 +607,38 @@ fn a_capture_in_flight_when_the_agent_stops_reaches_its_client() {
     }
 }
 
+/// An agent started with SIGHUP ignored (`nohup`) goes on ignoring it: a
+/// closed terminal does not stop it.
+#[test]
+fn an_agent_started_under_nohup_ignores_sighup() {
+    use std::os::unix::process::CommandExt;
+    let mut command = std::process::Command::new(BIN);
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+        .args(["--metrics-listen", "off"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let mut agent = AgentProcess::adopt(command.spawn().unwrap());
+    // SAFETY: signalling the agent this test started.
+    unsafe { libc::kill(agent.pid() as libc::pid_t, libc::SIGHUP) };
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(
+        agent.is_running(),
+        "SIGHUP stopped an agent started ignoring it"
+    );
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(20))
+        .expect("SIGTERM stops it");
+    assert!(status.success(), "{status:?}");
+}
+
 /// A peer that opened an HTTP/2 connection and went silent does not hold a
 /// stopping agent: HTTP/2 waits for the peer to answer the goodbye, and the
 /// agent closes such connections a few seconds after its last call ended
