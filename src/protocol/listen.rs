@@ -37,6 +37,31 @@ use super::caller::{self, Caller, Transport};
 pub use super::shares::Peer;
 use super::shares::{Over, Shares};
 
+/// Checks `text` as an address to listen on, `HOST:PORT` (`[V6]:PORT`
+/// for IPv6), before anything binds it: a mistyped one is refused as the
+/// flags are read, not once the agent has started.
+pub fn check_listen_address(text: &str) -> Result<(), String> {
+    let shape = "an address such as 127.0.0.1:6009, 0.0.0.0:6009 or [::1]:6009";
+    if text.chars().any(char::is_whitespace) {
+        return Err(format!("{text:?} holds spaces: {shape}"));
+    }
+    let Some((host, port)) = text.rsplit_once(':') else {
+        return Err(format!("{text:?} has no port: {shape}"));
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(format!("{text:?}: {port:?} is not a port (0 to 65535)"));
+    }
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+    let valid_host = match bare {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => !host.is_empty() && !host.contains(['[', ']', ':', '/']),
+    };
+    if !valid_host {
+        return Err(format!("{text:?}: {host:?} is not a host: {shape}"));
+    }
+    Ok(())
+}
+
 /// How long accepting pauses when the process is out of file descriptors
 /// (or the kernel of memory for sockets): long enough for connections to
 /// close, short enough not to be noticed.
@@ -579,6 +604,31 @@ pub fn unix_incoming(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listen_addresses_are_checked_before_anything_binds_them() {
+        for good in [
+            "127.0.0.1:6009",
+            "0.0.0.0:0",
+            "[::1]:6009",
+            "[::]:80",
+            "localhost:6009",
+        ] {
+            assert_eq!(check_listen_address(good), Ok(()), "{good}");
+        }
+        for (bad, said) in [
+            ("bogus", "has no port"),
+            (" 127.0.0.1:1 ", "holds spaces"),
+            ("127.0.0.1:99999", "is not a port"),
+            (":6009", "is not a host"),
+            ("::1:6009", "is not a host"),
+            ("[::1:6009", "is not a host"),
+            ("[nothost]:1", "is not a host"),
+        ] {
+            let error = check_listen_address(bad).unwrap_err();
+            assert!(error.contains(said), "{bad}: {error}");
+        }
+    }
 
     fn address(last: u8) -> Peer {
         Peer::Address(std::net::IpAddr::from([127, 0, 0, last]))

@@ -43,7 +43,8 @@ impl std::str::FromStr for MetricsListen {
         match text {
             "off" => Ok(MetricsListen::Off),
             "" => Err("an address such as 127.0.0.1:6010, or off".into()),
-            address => Ok(MetricsListen::At(address.to_string())),
+            address => crate::protocol::listen::check_listen_address(address)
+                .map(|()| MetricsListen::At(address.to_string())),
         }
     }
 }
