@@ -336,9 +336,20 @@ fn mistakes_get_clear_errors() {
     ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
 
+    // An address that cannot be one is a usage error before anything
+    // starts; one that looks like a host name fails when bound.
     let out = devtrace(&["serve", "--listen", "256.0.0.1:99999"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot listen on 256.0.0.1:99999"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"99999\" is not a port"));
+    let out = devtrace(&[
+        "serve",
+        "--listen",
+        "256.0.0.1:6009",
+        "--metrics-listen",
+        "off",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot listen on 256.0.0.1:6009"));
 }
 
 /// Values that would start an agent unable to capture, or not start it at
