@@ -8,7 +8,7 @@ fn main() -> std::process::ExitCode {
         // What a shell reports for a command a closed pipe ended.
         Err(error) if devtrace::cli::output_closed(&error) => std::process::ExitCode::from(141),
         Err(error) => {
-            eprintln!("devtrace: {}", devtrace::cli::failure_text(&error));
+            devtrace::cli::say_failure(&error);
             std::process::ExitCode::from(devtrace::cli::exit_status(&error))
         }
     }

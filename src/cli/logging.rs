@@ -61,12 +61,40 @@ const OTHER_TOOLS_LEVELS: [(&str, &str); 8] = [
     ("silent", "off"),
 ];
 
+/// Whether the log is JSON, so that the command's last word is too.
+static JSON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Says why the command failed, on standard error: `devtrace: TEXT`, or
+/// under `--log-format json` one object with the log's fields, so that a
+/// collector that parses every line gets this one (whatever the filter).
+/// A standard error that cannot be written is left be.
+pub fn say_failure(text: &str) {
+    use std::io::Write;
+    let line = if JSON.load(std::sync::atomic::Ordering::Relaxed) {
+        serde_json::json!({
+            "timestamp": crate::model::calendar::utc_text(crate::clock::now_ns()),
+            "level": "ERROR",
+            "message": text,
+            "target": "devtrace",
+        })
+        .to_string()
+    } else {
+        format!("devtrace: {text}")
+    };
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 /// Installs the subscriber: `level` as the filter unless RUST_LOG says
 /// otherwise. A RUST_LOG that is not a filter is an error, not ignored.
 pub fn init(level: &str, format: LogFormat) -> anyhow::Result<()> {
+    JSON.store(
+        matches!(format, LogFormat::Json),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let filter = match std::env::var("RUST_LOG") {
-        Ok(text) if !text.is_empty() => EnvFilter::try_new(&text)
-            .map_err(|error| anyhow::anyhow!("RUST_LOG={text:?} is not a log filter: {error}"))?,
+        Ok(text) if !text.is_empty() => EnvFilter::try_new(&text).map_err(|error| {
+            super::UsageError(format!("RUST_LOG={text:?} is not a log filter: {error}"))
+        })?,
         _ => EnvFilter::try_new(level)
             .map_err(|error| anyhow::anyhow!("--log-level {level:?}: {error}"))?,
     };

@@ -122,13 +122,26 @@ pub struct PartlyDone(pub String);
 /// The exit status of [`PartlyDone`]; 1 is a failure, 2 a usage error.
 pub const PARTLY_DONE_STATUS: u8 = 3;
 
+/// A mistake in what the command was given that its parser cannot see (a
+/// variable it reads itself): exit status 2, as the parser's own.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
 /// The exit status a command that failed with `error` ends with.
 pub fn exit_status(error: &anyhow::Error) -> u8 {
     if error.downcast_ref::<PartlyDone>().is_some() {
         PARTLY_DONE_STATUS
+    } else if error.downcast_ref::<UsageError>().is_some() {
+        2
     } else {
         1
     }
+}
+
+/// Says why the command failed, as the log is written (text or JSON).
+pub fn say_failure(error: &anyhow::Error) {
+    logging::say_failure(&failure_text(error));
 }
 
 /// Whether `error` is the command's output closed under it (`| head`):

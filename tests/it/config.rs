@@ -487,4 +487,39 @@ fn log_format_json_writes_one_object_per_line() {
     json_log_until(&args, &[("DEVTRACE_LOG_FORMAT", "json")], |line| {
         line["message"] == "tap summary" && line["calls"] == 0
     });
+
+    // The failure that ends a command is one such object too, whatever
+    // the filter lets through.
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = held.local_addr().unwrap().to_string();
+    let out = devtrace(
+        &["serve", "--listen", &address, "--backend", "mock"],
+        &[
+            ("DEVTRACE_LOG_FORMAT", "json"),
+            ("DEVTRACE_LOG_LEVEL", "off"),
+            ("DEVTRACE_METRICS_LISTEN", "off"),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().expect("a last word");
+    let line: serde_json::Value = serde_json::from_str(last).expect("a JSON object");
+    assert_eq!(line["level"], "ERROR", "{line}");
+    assert!(
+        line["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&format!("cannot listen on {address}"))),
+        "{line}"
+    );
+    assert!(line["timestamp"].is_string() && line["target"] == "devtrace");
+}
+
+/// A RUST_LOG that is not a filter is a usage error, as a bad
+/// --log-level is.
+#[test]
+fn a_bad_rust_log_is_a_usage_error() {
+    let out = devtrace(&["sessions", "/nonexistent"], &[("RUST_LOG", "devtrace=[")]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("RUST_LOG=\"devtrace=[\" is not a log filter"));
 }
