@@ -596,7 +596,7 @@ fn attach_config(args: &ServeArgs) -> anyhow::Result<crate::attach::AttachConfig
 /// Why `serve` with these flags would stop as it starts, found without
 /// starting anything (for `devtrace doctor`, which must not claim ready
 /// what serve refuses): the checks serve itself makes of its client TLS,
-/// its --spill-dir and --cuda-attach's library.
+/// its --spill-dir, --cuda-attach's library and where triggers save.
 pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
     let mut refusals = Vec::new();
     if let Err(error) = args.client.config() {
@@ -611,6 +611,21 @@ pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
     if !args.cuda_attach.is_empty() {
         if let Err(error) = attach_config(args) {
             refusals.push(super::failure_text(&error));
+        }
+    }
+    if let Some(repository) = args
+        .trigger_repository
+        .as_ref()
+        .filter(|_| !args.triggers.is_empty())
+    {
+        let inside = repository
+            .to_str()
+            .is_some_and(|path| crate::repository::roots::lies_in(&args.allow_roots, path));
+        if !inside {
+            refusals.push(format!(
+                "--trigger-repository {} must lie inside an --allow-root",
+                repository.display()
+            ));
         }
     }
     refusals

@@ -177,6 +177,40 @@ impl AllowedRoots {
     }
 }
 
+/// Whether [`AllowedRoots::confine`] over `roots` would take `requested`,
+/// judged without making, opening or contacting any root (for `devtrace
+/// doctor`): by the same text rules, a local root by its absolute name and,
+/// when it exists, the name its links resolve to.
+pub fn lies_in(roots: &[PathBuf], requested: &str) -> bool {
+    if scheme_of(requested).is_some() {
+        let Ok(Some(url)) = ObjectUrl::parse(requested) else {
+            return false;
+        };
+        return roots.iter().any(|root| {
+            root.to_str()
+                .and_then(|root| ObjectUrl::parse(root).ok().flatten())
+                .is_some_and(|allowed| allowed.relative(&url).is_some())
+        });
+    }
+    let requested = Path::new(requested);
+    let Some(requested) = requested
+        .is_absolute()
+        .then(|| lexical(requested))
+        .flatten()
+    else {
+        return false;
+    };
+    roots
+        .iter()
+        .filter(|root| root.to_str().is_some_and(|r| scheme_of(r).is_none()))
+        .flat_map(|root| {
+            let given = std::path::absolute(root).ok().and_then(|a| lexical(&a));
+            [given, std::fs::canonicalize(root).ok()]
+        })
+        .flatten()
+        .any(|name| requested.starts_with(name))
+}
+
 /// `path` with `.` and repeated separators dropped; `None` when it holds
 /// `..`.
 fn lexical(path: &Path) -> Option<PathBuf> {
@@ -195,6 +229,29 @@ fn lexical(path: &Path) -> Option<PathBuf> {
 mod tests {
     use super::*;
     use std::fs;
+
+    #[test]
+    fn where_a_path_lies_is_told_without_making_the_roots() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("not-made");
+        let roots = [missing.clone(), PathBuf::from("s3://b/team")];
+        let inside = missing.join("plugins/profile");
+        assert!(lies_in(&roots, text(&inside)));
+        assert!(!missing.exists(), "a root was made");
+        assert!(lies_in(&roots, "s3://b/team/plugins/profile"));
+        assert!(!lies_in(&roots, "s3://b/other"));
+        assert!(!lies_in(&roots, "/var/tmp/elsewhere"));
+        assert!(!lies_in(&roots, "relative/plugins"));
+        let climbing = format!("{}/../up", text(&missing));
+        assert!(!lies_in(&roots, &climbing));
+        // A root reached through a link is known by both names.
+        let real = dir.path().join("real");
+        fs::create_dir(&real).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        assert!(lies_in(std::slice::from_ref(&link), text(&real.join("s"))));
+        assert!(lies_in(std::slice::from_ref(&link), text(&link.join("s"))));
+    }
 
     fn text(path: &Path) -> &str {
         path.to_str().unwrap()

@@ -105,6 +105,7 @@ fn without_a_gpu_auto_is_ready_and_the_gpu_parts_say_what_to_install() {
 #[test]
 fn flags_serve_would_stop_at_are_not_ready() {
     let runtime = tempfile::tempdir().unwrap();
+    let allowed = runtime.path().join("allowed").display().to_string();
     for (flags, said) in [
         (
             &["--spill-dir", "/dev/shm"][..],
@@ -122,6 +123,17 @@ fn flags_serve_would_stop_at_are_not_ready() {
                 "/nonexistent.so",
             ][..],
             "--cuda-attach: no injection library at /nonexistent.so",
+        ),
+        (
+            &[
+                "--trigger",
+                "name=w; when=explicit",
+                "--trigger-repository",
+                "/var/tmp/elsewhere",
+                "--allow-root",
+                allowed.as_str(),
+            ][..],
+            "--trigger-repository /var/tmp/elsewhere must lie inside an --allow-root",
         ),
     ] {
         let args: Vec<&str> = [&["--backend", "mock"][..], flags].concat();
