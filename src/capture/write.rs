@@ -131,7 +131,7 @@ fn clear_abandoned_once(root: &Folder) {
         }
         cleared.push(shown.clone());
     }
-    match root.remove_abandoned(None, &[]) {
+    match root.remove_abandoned(None, &|_| true) {
         Ok(abandoned) if !abandoned.unfinished_files.is_empty() => info!(
             root = %shown,
             files = ?abandoned.unfinished_files,

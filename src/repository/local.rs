@@ -166,7 +166,7 @@ impl LocalFolder {
         &self,
         grace: std::time::Duration,
         empty_sessions: Option<std::time::Duration>,
-        in_use: &[String],
+        leave: &dyn Fn(&str) -> bool,
     ) -> Result<super::Abandoned, StorageError> {
         let root = self.open()?;
         let mut removed = super::Abandoned::default();
@@ -189,8 +189,7 @@ impl LocalFolder {
             for file in directory.remove_abandoned_temporaries(grace)? {
                 removed.unfinished_files.push(format!("{session}/{file}"));
             }
-            let ours = in_use.contains(&session);
-            if old && !ours && root.remove_empty_dir(&session) {
+            if old && !leave(&session) && root.remove_empty_dir(&session) {
                 removed.empty_sessions.push(session);
             }
         }

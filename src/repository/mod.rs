@@ -345,23 +345,23 @@ impl Folder {
     /// writing them was killed: unfinished trace files in its sessions
     /// (untouched for [`ABANDONED_AFTER`], held by no process) and, with
     /// `empty_sessions` (a root only agents make sessions in), sessions
-    /// that have held nothing for that long. Sessions named in `in_use`
-    /// (this process's, being written) are left alone however old. In a
-    /// bucket, where objects are written whole, only sessions that hold
-    /// nothing but their marker are looked for.
+    /// that have held nothing for that long, unless `leave` says to leave
+    /// one alone (one being written, one not named as the agent names its
+    /// own). In a bucket, where objects are written whole, only sessions
+    /// that hold nothing but their marker are looked for.
     pub fn remove_abandoned(
         &self,
         empty_sessions: Option<std::time::Duration>,
-        in_use: &[String],
+        leave: &dyn Fn(&str) -> bool,
     ) -> Result<Abandoned, StorageError> {
         match (self, empty_sessions) {
             (Folder::Local(local), _) => {
-                local.remove_abandoned(ABANDONED_AFTER, empty_sessions, in_use)
+                local.remove_abandoned(ABANDONED_AFTER, empty_sessions, leave)
             }
             (Folder::Object(_), None) => Ok(Abandoned::default()),
             (Folder::Object(object), Some(grace)) => Ok(Abandoned {
                 unfinished_files: Vec::new(),
-                empty_sessions: object.remove_lone_markers(SESSION_MARKER, grace, in_use)?,
+                empty_sessions: object.remove_lone_markers(SESSION_MARKER, grace, leave)?,
             }),
         }
     }

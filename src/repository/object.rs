@@ -149,13 +149,13 @@ impl ObjectFolder {
     }
 
     /// Removes `marker` from each folder one level down that holds nothing
-    /// else and was written more than `grace` ago, unless named in
-    /// `in_use`; the names of those folders.
+    /// else and was written more than `grace` ago, unless `leave` says to
+    /// leave it; the names of those folders.
     pub fn remove_lone_markers(
         &self,
         marker: &str,
         grace: std::time::Duration,
-        in_use: &[String],
+        leave: &dyn Fn(&str) -> bool,
     ) -> Result<Vec<String>, StorageError> {
         let key = self.key();
         // Per folder: whether all it holds is an old marker.
@@ -185,7 +185,7 @@ impl ObjectFolder {
         let folders = listed.map_err(|source| self.error(None, source))?;
         let mut removed = Vec::new();
         for (folder, lone) in folders {
-            if lone && !in_use.contains(&folder) {
+            if lone && !leave(&folder) {
                 self.join(&folder).remove(marker)?;
                 removed.push(folder);
             }
@@ -345,7 +345,7 @@ mod tests {
         repo.join("young").write(marker, b"again").unwrap();
 
         let removed = repo
-            .remove_lone_markers(marker, Duration::from_millis(10), &["in-use".into()])
+            .remove_lone_markers(marker, Duration::from_millis(10), &|name| name == "in-use")
             .unwrap();
         assert_eq!(removed, ["lone"]);
         assert!(!repo.join("lone").exists().unwrap());

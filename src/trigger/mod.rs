@@ -323,9 +323,13 @@ impl Triggers {
             .iter()
             .filter_map(|save| Some(save.session.lock().as_ref()?.name.clone()))
             .collect();
+        // Only sessions named as saves name theirs are looked at: an empty
+        // directory of another maker is not a lost firing.
+        let leave =
+            |session: &str| in_use.iter().any(|name| name == session) || !is_save_session(session);
         let abandoned = match self
             .repository
-            .remove_abandoned(Some(self.empty_after), &in_use)
+            .remove_abandoned(Some(self.empty_after), &leave)
         {
             Ok(abandoned) => abandoned,
             // A repository not made yet holds nothing an earlier agent left.
@@ -424,6 +428,18 @@ fn release(taken: &Taken) {
     if let Err(error) = taken.folder.release_session() {
         warn!(session = %taken.name, %error, "could not give back an unsaved firing's session");
     }
+}
+
+/// Whether `session` is named as saves name theirs:
+/// `<YYYY_MM_DD_HH_MM_SS>_<rule>`, with `_2`, `_3`, ... when taken.
+fn is_save_session(session: &str) -> bool {
+    const SHAPE: &[u8] = b"dddd_dd_dd_dd_dd_dd_";
+    let bytes = session.as_bytes();
+    bytes.len() > SHAPE.len()
+        && SHAPE.iter().zip(bytes).all(|(shape, byte)| match shape {
+            b'd' => byte.is_ascii_digit(),
+            other => byte == other,
+        })
 }
 
 /// The rule a save's session is named after (`<YYYY_MM_DD_HH_MM_SS>_<rule>`,
@@ -559,6 +575,20 @@ impl crate::telemetry::ArmedRules for Triggers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_sessions_named_as_saves_are_saves() {
+        assert!(is_save_session("2026_01_01_00_00_00_soon"));
+        assert!(is_save_session("2026_01_01_00_00_00_soon_2"));
+        for other in [
+            "myempty",
+            "2026_01_01_00_00_00_",
+            "2026_01_01_00_00_0x_soon",
+            "",
+        ] {
+            assert!(!is_save_session(other), "{other}");
+        }
+    }
 
     #[test]
     fn a_saves_session_names_its_rule_with_or_without_a_suffix() {

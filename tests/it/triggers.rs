@@ -788,7 +788,10 @@ async fn saves_an_earlier_agent_was_killed_during_are_cleared_and_counted_lost()
     std::fs::write(finished.join("host.xplane.pb"), b"a trace").unwrap();
     let just_made = repository.join("2026_01_01_00_00_03_soon");
     std::fs::create_dir_all(&just_made).unwrap();
-    for session in [&before_file, &while_writing, &finished] {
+    // Not named as a save: someone else's, not a lost firing.
+    let others = repository.join("myempty");
+    std::fs::create_dir_all(&others).unwrap();
+    for session in [&before_file, &while_writing, &finished, &others] {
         age(session);
     }
     let armed = armed_in(
@@ -801,6 +804,10 @@ async fn saves_an_earlier_agent_was_killed_during_are_cleared_and_counted_lost()
     assert_eq!(count_of(&line, "lost "), 2, "{line}");
     assert!(!before_file.exists() && !while_writing.exists());
     assert!(finished.join("host.xplane.pb").exists() && just_made.exists());
+    assert!(
+        others.exists(),
+        "a directory not named as a save was removed"
+    );
 }
 
 /// A firing acknowledged to its client whose agent is killed before the
