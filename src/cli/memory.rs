@@ -88,6 +88,9 @@ pub struct Budgets {
     pub fixed: u64,
     pub store: usize,
     pub capture: usize,
+    /// Whether each was sized by `auto` (not given).
+    pub auto_store: bool,
+    pub auto_capture: bool,
 }
 
 /// Below this, a budget `auto` sized holds too little for a capture of a
@@ -96,9 +99,12 @@ pub struct Budgets {
 const SCANT: usize = 32 << 20;
 
 impl Budgets {
-    /// What is wrong with budgets the memory limit left scant, if they are.
+    /// What is wrong with budgets the memory limit left scant, if they are
+    /// (sizes given are the operator's to choose).
     pub fn scant(&self) -> Option<String> {
-        if self.store >= SCANT && self.capture >= SCANT {
+        let store_scant = self.auto_store && self.store < SCANT;
+        let capture_scant = self.auto_capture && self.capture < SCANT;
+        if !store_scant && !capture_scant {
             return None;
         }
         Some(format!(
@@ -208,6 +214,8 @@ pub fn size(
         fixed,
         store: store_bytes,
         capture: capture_bytes,
+        auto_store: store == MemorySize::Auto,
+        auto_capture: capture == MemorySize::Auto,
     })
 }
 
@@ -270,6 +278,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(fine.scant(), None);
+        // Sizes given are the operator's choice.
+        let given = size(
+            limit(1024 * MIB),
+            136 * MIB,
+            64 * MIB,
+            MemorySize::Bytes(2 << 20),
+            MemorySize::Bytes(2 << 20),
+        )
+        .unwrap();
+        assert_eq!(given.scant(), None);
     }
 
     #[test]
