@@ -38,6 +38,14 @@ pub fn name_component(field: &str, value: &str) -> Result<(), Status> {
     if value.contains("..") {
         return Err(invalid(field, format!("{value:?} must not contain '..'")));
     }
+    // A name padded by a script's quoting would be a second session
+    // beside the one meant, shown alike.
+    if value.trim() != value {
+        return Err(invalid(
+            field,
+            format!("{value:?} must not begin or end with white space"),
+        ));
+    }
     Ok(())
 }
 
@@ -68,6 +76,8 @@ mod tests {
         }
         assert!(name_component("host_name", "10.0.0.2:8466").is_ok());
         assert!(name_component("session_id", "2026_11_21_10_00_00").is_ok());
+        assert!(name_component("session_id", " s1").is_err());
+        assert!(name_component("session_id", "s1 ").is_err());
         assert!(name_component("session_id", &"x".repeat(256)).is_err());
     }
 
