@@ -613,6 +613,17 @@ pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
             refusals.push(super::failure_text(&error));
         }
     }
+    // Addresses as given (a host name is resolved only when bound).
+    if let Ok(address) = args.listen.parse::<std::net::SocketAddr>() {
+        refusals.extend(plaintext_beyond_this_host(args, address.ip()));
+    }
+    if let Some(MetricsListen::At(metrics)) = &args.metrics_listen {
+        if *metrics == args.listen && !metrics.ends_with(":0") {
+            refusals.push(format!(
+                "--listen and --metrics-listen are both {metrics}: one address serves one of them"
+            ));
+        }
+    }
     if let Some(repository) = args
         .trigger_repository
         .as_ref()
@@ -629,6 +640,21 @@ pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
         }
     }
     refusals
+}
+
+/// Why serving plaintext on `ip` is refused: other hosts can reach it and
+/// neither TLS nor `--insecure` was given.
+fn plaintext_beyond_this_host(args: &ServeArgs, ip: std::net::IpAddr) -> Option<String> {
+    let tls = args.client.tls_cert.is_some() && args.client.tls_key.is_some();
+    (!tls && !args.insecure && !ip.is_loopback()).then(|| {
+        format!(
+            "--listen {} can be reached from other hosts and would serve plaintext: anyone \
+             reaching it could capture and use --allow-root. Give --tls-cert and --tls-key (and \
+             --tls-client-ca to require client certificates), or --insecure to serve plaintext \
+             anyway on a network you trust",
+            args.listen
+        )
+    })
 }
 
 /// The thread that attaches to processes matching `--cuda-attach`, if any
@@ -1014,14 +1040,8 @@ async fn listen(args: &ServeArgs) -> anyhow::Result<(Listeners, Option<PlacedSoc
             .await
             .with_context(|| format!("cannot listen on {}", args.listen))?;
         let address = tcp.local_addr().context("reading the bound address")?;
-        if tls.is_none() && !args.insecure && !address.ip().is_loopback() {
-            bail!(
-                "--listen {} can be reached from other hosts and would serve plaintext: \
-                 anyone reaching it could capture and use --allow-root. Give --tls-cert and \
-                 --tls-key (and --tls-client-ca to require client certificates), or --insecure \
-                 to serve plaintext anyway on a network you trust",
-                args.listen
-            );
+        if let Some(why) = plaintext_beyond_this_host(args, address.ip()) {
+            bail!(why);
         }
         Some(tcp)
     };
@@ -1112,8 +1132,8 @@ fn stop_on_signal(
         let asked_at = std::time::Instant::now();
         info!(
             captures = agent.captures_in_progress(),
-            "stopping once the calls in progress end; Ctrl-C or SIGTERM again, a second or more \
-             from now, stops at once and loses them"
+            "stopping once the calls in progress end; another stop signal (Ctrl-C, SIGTERM, \
+             SIGHUP), a second or more from now, stops at once and loses them"
         );
         tokio::spawn(async move {
             loop {

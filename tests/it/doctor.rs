@@ -163,6 +163,42 @@ fn flags_serve_would_stop_at_are_not_ready() {
         let stderr = String::from_utf8_lossy(&served.stderr);
         assert!(stderr.contains(said), "{stderr}");
     }
+    // Addresses serve refuses once it binds them: plaintext other hosts
+    // reach, and one address for both listeners.
+    let taken = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    for (flags, doctor_said, serve_said) in [
+        (
+            vec!["--listen", "0.0.0.0:0"],
+            "can be reached from other hosts and would serve plaintext".to_string(),
+            "can be reached from other hosts and would serve plaintext".to_string(),
+        ),
+        (
+            vec!["--listen", &taken, "--metrics-listen", &taken],
+            format!("--listen and --metrics-listen are both {taken}"),
+            format!("cannot listen on {taken}"),
+        ),
+    ] {
+        let args: Vec<&str> = [&["--backend", "mock"][..], &flags].concat();
+        let doctor = doctor(&args, None, &[]);
+        assert_eq!(doctor.status, 1, "{flags:?}: {:#}", doctor.report);
+        let check = doctor.check("serve");
+        assert!(
+            check["detail"].as_str().unwrap().contains(&doctor_said),
+            "{check:#}"
+        );
+        let served = Command::new(BIN)
+            .arg("serve")
+            .args(&args)
+            .args(["--runtime-dir", runtime.path().to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert_eq!(served.status.code(), Some(1), "{flags:?}");
+        let stderr = String::from_utf8_lossy(&served.stderr);
+        assert!(stderr.contains(&serve_said), "{stderr}");
+    }
     // A rule between flags is a usage error for both.
     for command in ["serve", "doctor"] {
         let out = Command::new(BIN)
