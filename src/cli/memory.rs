@@ -258,36 +258,19 @@ mod tests {
 
     #[test]
     fn budgets_a_small_limit_leaves_scant_are_warned_of() {
-        // A 300 MiB cgroup beside the default rings: 1 MiB each.
-        let scant = size(
-            limit(300 * MIB),
-            136 * MIB,
-            64 * MIB,
-            MemorySize::Auto,
-            MemorySize::Auto,
-        )
-        .unwrap();
+        // Beside the default rings, in a limit of `mib` MiB.
+        let sized = |mib: u64, store, capture| {
+            size(limit(mib * MIB), 136 * MIB, 64 * MIB, store, capture).unwrap()
+        };
+        // A 300 MiB cgroup: 1 MiB each.
+        let scant = sized(300, MemorySize::Auto, MemorySize::Auto);
         let warning = scant.scant().expect("scant budgets");
         assert!(warning.contains("memory.max"), "{warning}");
-        let fine = size(
-            limit(1024 * MIB),
-            136 * MIB,
-            64 * MIB,
-            MemorySize::Auto,
-            MemorySize::Auto,
-        )
-        .unwrap();
+        let fine = sized(1024, MemorySize::Auto, MemorySize::Auto);
         assert_eq!(fine.scant(), None);
         // Sizes given are the operator's choice.
-        let given = size(
-            limit(1024 * MIB),
-            136 * MIB,
-            64 * MIB,
-            MemorySize::Bytes(2 << 20),
-            MemorySize::Bytes(2 << 20),
-        )
-        .unwrap();
-        assert_eq!(given.scant(), None);
+        let small = MemorySize::Bytes(2 << 20);
+        assert_eq!(sized(1024, small, small).scant(), None);
     }
 
     #[test]
