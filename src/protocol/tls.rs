@@ -93,28 +93,11 @@ pub fn server_config(
         }
         return Err(TlsError::Unusable {
             files,
-            reason: error_chain(&error),
+            // tonic's own text is only "transport error".
+            reason: super::client::with_causes(error.to_string(), &error),
         });
     }
     Ok(config)
-}
-
-/// An error and its causes, each once: tonic's own says only "transport
-/// error".
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = String::new();
-    let mut cause = Some(error);
-    while let Some(error) = cause {
-        let said = error.to_string();
-        if !text.contains(&said) {
-            if !text.is_empty() {
-                text.push_str(": ");
-            }
-            text.push_str(&said);
-        }
-        cause = error.source();
-    }
-    text
 }
 
 /// A client's TLS: the CA servers' certificates must chain to, a certificate

@@ -42,19 +42,22 @@ fn agent_with(settings: &str) -> Gpu {
 }
 
 fn agent_on(library: &Path, settings: &str) -> Gpu {
+    agent_told(
+        library,
+        settings,
+        &["--backend", "nvml", "--nvml-interval", "5ms"],
+    )
+}
+
+/// An agent with `flags` and `--nvml-library library`, the stand-in there
+/// told `settings`.
+fn agent_told(library: &Path, settings: &str, flags: &[&str]) -> Gpu {
     let dir = tempfile::tempdir().unwrap();
     let control = dir.path().join("nvml.ctl");
     std::fs::write(&control, settings).unwrap();
-    let library = library.to_str().unwrap().to_string();
+    let library = library.to_str().unwrap();
     let agent = AgentProcess::start_with_env(
-        &[
-            "--backend",
-            "nvml",
-            "--nvml-library",
-            &library,
-            "--nvml-interval",
-            "5ms",
-        ],
+        &[flags, &["--nvml-library", library]].concat(),
         &[("DEVTRACE_NVML_STANDIN", control.as_path())],
     );
     Gpu {
@@ -356,22 +359,13 @@ fn without_nvml_the_backend_says_so() {
 
 #[tokio::test]
 async fn a_backend_that_cannot_start_is_named_in_monitor_and_the_trace() {
-    let library = standin().to_str().unwrap().to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let control = dir.path().join("nvml.ctl");
-    std::fs::write(&control, "fail_init=999\n").unwrap();
-    let agent = AgentProcess::start_with_env(
-        &[
-            "--backend",
-            "mock",
-            "--backend",
-            "nvml",
-            "--nvml-library",
-            &library,
-        ],
-        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
+    let gpu = agent_told(
+        standin(),
+        "fail_init=999\n",
+        &["--backend", "mock", "--backend", "nvml"],
     );
-    let space = capture(&agent, 200).await;
+    let agent = &gpu.agent;
+    let space = capture(agent, 200).await;
     assert!(
         space
             .warnings
@@ -443,28 +437,17 @@ fn a_backend_that_hangs_as_it_starts_is_named_while_probes_answer() {
 /// pass for the host's own.
 #[tokio::test]
 async fn auto_stands_no_mock_in_for_an_nvml_that_fails() {
-    let library = standin().to_str().unwrap().to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let control = dir.path().join("nvml.ctl");
     // NVML_ERROR_UNKNOWN: a driver that fails.
-    std::fs::write(&control, "fail_init=999\n").unwrap();
-    let agent = AgentProcess::start_with_env(
-        &["--backend", "auto", "--nvml-library", &library],
-        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
-    );
+    let failing = "fail_init=999\n";
+    let auto = agent_told(standin(), failing, &["--backend", "auto"]);
     // Named besides auto, the same.
-    let named = AgentProcess::start_with_env(
-        &[
-            "--backend",
-            "nvml",
-            "--backend",
-            "auto",
-            "--nvml-library",
-            &library,
-        ],
-        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
+    let named = agent_told(
+        standin(),
+        failing,
+        &["--backend", "nvml", "--backend", "auto"],
     );
-    for agent in [&agent, &named] {
+    let agent = &auto.agent;
+    for agent in [agent, &named.agent] {
         let reply = agent.monitor(50).await;
         assert!(
             reply
@@ -475,7 +458,7 @@ async fn auto_stands_no_mock_in_for_an_nvml_that_fails() {
         );
         assert!(!reply.data.contains("backend mock"), "{}", reply.data);
     }
-    let space = capture(&agent, 200).await;
+    let space = capture(agent, 200).await;
     assert!(
         !space
             .planes
@@ -497,12 +480,8 @@ async fn auto_stands_no_mock_in_for_an_nvml_that_fails() {
     if devtrace::backend::nvml::kernel_module().is_some() {
         return;
     }
-    std::fs::write(&control, "fail_init=9\n").unwrap();
-    let agent = AgentProcess::start_with_env(
-        &["--backend", "auto", "--nvml-library", &library],
-        &[("DEVTRACE_NVML_STANDIN", control.as_path())],
-    );
-    let reply = agent.monitor(50).await;
+    let absent = agent_told(standin(), "fail_init=9\n", &["--backend", "auto"]);
+    let reply = absent.agent.monitor(50).await;
     assert!(
         reply.data.contains("backend mock: running"),
         "{}",
