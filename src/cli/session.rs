@@ -125,12 +125,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let hosts = resolved.targets;
     // A session named on the command line may hold traces already: none
     // is written over, as `capture` writes none over.
-    let traces = output.traces();
-    let taken: Vec<String> = hosts
-        .iter()
-        .filter_map(|host| traces.get(&fleet::host_file_part(&host.to_string())))
-        .cloned()
-        .collect();
+    let taken = fleet::traces_of_hosts(&output.traces(), &hosts);
     if !taken.is_empty() {
         output.abandon();
         bail!(

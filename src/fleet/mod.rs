@@ -313,6 +313,17 @@ pub fn session_traces(session: &Folder) -> Result<BTreeMap<String, String>, Stor
     Ok(traces)
 }
 
+/// The trace files among `traces` (a session's, [`session_traces`]) of
+/// `hosts`: those a session named again holds already, which nothing may
+/// write over.
+pub fn traces_of_hosts(traces: &BTreeMap<String, String>, hosts: &[Target]) -> Vec<String> {
+    hosts
+        .iter()
+        .filter_map(|host| traces.get(&host_file_part(&host.to_string())))
+        .cloned()
+        .collect()
+}
+
 /// Hosts with a trace in a session directory, sorted.
 pub fn session_hosts(session: &Folder) -> Result<Vec<String>, StorageError> {
     Ok(session_traces(session)?.into_keys().collect())

@@ -221,17 +221,6 @@ impl fleet::TraceSink for SessionSink {
     }
 }
 
-/// The trace files `session` holds of `hosts` (each named as its files
-/// are, [`fleet::host_file_part`]). A session that cannot be read
-/// counts as empty: its writes refuse to replace a trace anyway. Blocks.
-fn held_traces(session: &Folder, hosts: &[String]) -> Vec<String> {
-    let traces = fleet::session_traces(session).unwrap_or_default();
-    hosts
-        .iter()
-        .filter_map(|host| traces.get(host).cloned())
-        .collect()
-}
-
 /// A session file whose writes count against its caller's bounds; one
 /// that would pass them fails, and the file is not committed.
 struct BoundedFile {
@@ -362,13 +351,14 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let hosts = resolved.targets;
         if !generated_id {
             let session = root.join(&session_id);
-            let files: Vec<String> = hosts
-                .iter()
-                .map(|host| fleet::host_file_part(&host.to_string()))
-                .collect();
-            let taken = tokio::task::spawn_blocking(move || held_traces(&session, &files))
-                .await
-                .map_err(|e| Status::internal(e.to_string()))?;
+            // A session that cannot be read counts as empty: its writes
+            // refuse to replace a trace anyway.
+            let traces = tokio::task::spawn_blocking(move || {
+                fleet::session_traces(&session).unwrap_or_default()
+            })
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+            let taken = fleet::traces_of_hosts(&traces, &hosts);
             if !taken.is_empty() {
                 return Err(Status::already_exists(format!(
                     "session_id: session {session_id} under {} holds traces of these hosts \
