@@ -325,8 +325,9 @@ impl Triggers {
             .collect();
         // Only sessions named as saves name theirs are looked at: an empty
         // directory of another maker is not a lost firing.
-        let leave =
-            |session: &str| in_use.iter().any(|name| name == session) || !is_save_session(session);
+        let leave = |session: &str| {
+            in_use.iter().any(|name| name == session) || rule_of_session(session).is_none()
+        };
         let abandoned = match self
             .repository
             .remove_abandoned(Some(self.empty_after), &leave)
@@ -430,24 +431,21 @@ fn release(taken: &Taken) {
     }
 }
 
-/// Whether `session` is named as saves name theirs:
-/// `<YYYY_MM_DD_HH_MM_SS>_<rule>`, with `_2`, `_3`, ... when taken.
-fn is_save_session(session: &str) -> bool {
-    const SHAPE: &[u8] = b"dddd_dd_dd_dd_dd_dd_";
-    let bytes = session.as_bytes();
-    bytes.len() > SHAPE.len()
-        && SHAPE.iter().zip(bytes).all(|(shape, byte)| match shape {
-            b'd' => byte.is_ascii_digit(),
-            other => byte == other,
-        })
-}
-
 /// The rule a save's session is named after (`<YYYY_MM_DD_HH_MM_SS>_<rule>`,
 /// `_2`, `_3`, ... appended when taken): the name as it stands, then
-/// without such a suffix, the likelier first.
+/// without such a suffix, the likelier first. `None` for a name of
+/// another shape: not a save's.
 fn rule_of_session(session: &str) -> Option<Vec<&str>> {
-    const TIMESTAMP: usize = "YYYY_MM_DD_HH_MM_SS_".len();
-    let named = session.get(TIMESTAMP..).filter(|n| !n.is_empty())?;
+    const TIMESTAMP: &[u8] = b"dddd_dd_dd_dd_dd_dd_";
+    let stamped = session.len() > TIMESTAMP.len()
+        && TIMESTAMP
+            .iter()
+            .zip(session.as_bytes())
+            .all(|(shape, byte)| match shape {
+                b'd' => byte.is_ascii_digit(),
+                other => byte == other,
+            });
+    let named = session.get(TIMESTAMP.len()..).filter(|_| stamped)?;
     let mut names = vec![named];
     if let Some((rule, n)) = named.rsplit_once('_') {
         if !rule.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) {
@@ -578,15 +576,15 @@ mod tests {
 
     #[test]
     fn only_sessions_named_as_saves_are_saves() {
-        assert!(is_save_session("2026_01_01_00_00_00_soon"));
-        assert!(is_save_session("2026_01_01_00_00_00_soon_2"));
+        assert!(rule_of_session("2026_01_01_00_00_00_soon").is_some());
+        assert!(rule_of_session("2026_01_01_00_00_00_soon_2").is_some());
         for other in [
             "myempty",
             "2026_01_01_00_00_00_",
             "2026_01_01_00_00_0x_soon",
             "",
         ] {
-            assert!(!is_save_session(other), "{other}");
+            assert!(rule_of_session(other).is_none(), "{other}");
         }
     }
 
