@@ -87,7 +87,7 @@ fn report(args: &DoctorArgs) -> doctor::Report {
         },
         setup: SetupPlan {
             runtime_dir: &serve.runtime_dir,
-            listen: (serve.listen.trim() != "off").then_some(serve.listen.as_str()),
+            listen: (serve.listen != "off").then_some(serve.listen.as_str()),
             listen_unix: serve.listen_unix.as_deref(),
             metrics_listen,
             allow_roots: &serve.allow_roots,

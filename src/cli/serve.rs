@@ -1030,10 +1030,8 @@ async fn listen(args: &ServeArgs) -> anyhow::Result<(Listeners, Option<PlacedSoc
         ),
         _ => None,
     };
-    let tcp = if args.listen.trim() == "off" {
-        if args.listen_unix.is_none() {
-            bail!("--listen off leaves nothing to serve on: give --listen-unix PATH as well");
-        }
+    // `off` comes with --listen-unix: the parser requires it.
+    let tcp = if args.listen == "off" {
         None
     } else {
         let tcp = tokio::net::TcpListener::bind(&args.listen)
