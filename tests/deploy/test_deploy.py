@@ -13,7 +13,9 @@ which has PyYAML and pytest) after the manifests passed kubernetes-validate:
   and the container declares it;
 - the DaemonSet adds the capabilities the systemd unit bounds to (plus
   SYS_RESOURCE, which the unit replaces with LimitMEMLOCK=);
-- every devtrace image reference is the same.
+- every devtrace image reference is the same;
+- every pod running an agent, and the unit, give it time to stop: the
+  captures in flight end their windows first.
 
 The flag checks need an agent that reads --config (and --print-config);
 against one that does not, they are skipped.
@@ -41,6 +43,9 @@ IMAGE = re.compile(r"/devtrace:[^/]+$")
 # The unit bounds root to these; the DaemonSet also needs SYS_RESOURCE
 # (containers cannot raise RLIMIT_MEMLOCK without it).
 CONTAINER_ONLY_CAPABILITIES = {"SYS_RESOURCE"}
+# What a stopping agent may wait for: a capture window of up to the default
+# --max-duration (115 s), its reply, and trigger saves of up to 10 s.
+AGENT_STOP_SECONDS = 125
 
 
 class Failed(AssertionError):
@@ -242,3 +247,21 @@ def test_images():
     if len(images) != 1:
         raise Failed(f"the manifests name different devtrace images: {sorted(images)}")
     print(f"one devtrace image: {images.pop()}")
+
+
+def test_stop_grace():
+    pods = set()
+    for path, resource, _ in agent_containers():
+        grace = pod_spec(resource).get("terminationGracePeriodSeconds", 30)
+        if grace < AGENT_STOP_SECONDS:
+            raise Failed(
+                f"{path}: terminationGracePeriodSeconds {grace} kills a stopping agent "
+                f"before its captures in flight end (it needs {AGENT_STOP_SECONDS})"
+            )
+        pods.add(path)
+    with open(UNIT) as f:
+        line = next(l for l in f if l.startswith("TimeoutStopSec="))
+    timeout = line.split("=", 1)[1].strip()
+    if not re.fullmatch(r"\d+s?", timeout) or int(timeout.rstrip("s")) < AGENT_STOP_SECONDS:
+        raise Failed(f"{os.path.relpath(UNIT, ROOT)}: TimeoutStopSec={timeout} is under {AGENT_STOP_SECONDS}s")
+    print(f"{len(pods)} pod files and the unit give a stopping agent {AGENT_STOP_SECONDS}s or more")
