@@ -534,6 +534,58 @@ impl ConfigFile {
     }
 }
 
+/// Beginnings of the `DEVTRACE_*` variables other parts of devtrace read
+/// (the injection library in jobs, its stand-ins, tests and benchmarks):
+/// never taken for a misspelt setting.
+const OTHER_VARIABLES: &[&str] = &[
+    "DEVTRACE_INJECT_",
+    "DEVTRACE_CUPTI_",
+    "DEVTRACE_ATTACH_",
+    "DEVTRACE_STANDIN_",
+    "DEVTRACE_FUZZ_",
+    "DEVTRACE_BENCH_",
+];
+
+/// The `DEVTRACE_*` variables among `names` that set nothing for the
+/// configured subcommand `name` yet come close to one that would, each
+/// with that one: a typo would otherwise be ignored without a word.
+pub(super) fn misspelt_variables(
+    name: &str,
+    names: impl IntoIterator<Item = String>,
+) -> Vec<(String, String)> {
+    if !CONFIGURED.contains(&name) {
+        return Vec::new();
+    }
+    let mut command = command();
+    command.build();
+    let Some(subcommand) = command.find_subcommand(name) else {
+        return Vec::new();
+    };
+    let known: Vec<String> = settings(subcommand).map(env_name).collect();
+    names
+        .into_iter()
+        .filter(|given| given.starts_with(ENV_PREFIX) && !known.contains(given))
+        .filter(|given| !OTHER_VARIABLES.iter().any(|other| given.starts_with(other)))
+        .filter_map(|given| {
+            // Only the names after the prefix are compared, and strictly:
+            // other tools name their variables DEVTRACE_ too.
+            let suffix = &given[ENV_PREFIX.len()..];
+            let closest = known
+                .iter()
+                .map(|candidate| {
+                    let similarity = strsim::normalized_damerau_levenshtein(
+                        suffix,
+                        &candidate[ENV_PREFIX.len()..],
+                    );
+                    (similarity, candidate)
+                })
+                .filter(|(similarity, _)| *similarity >= 0.8)
+                .max_by(|a, b| a.0.total_cmp(&b.0))?;
+            Some((given, closest.1.clone()))
+        })
+        .collect()
+}
+
 /// An unknown key, with the flag it was likely meant to be.
 fn unknown_key(key: &str, value: &toml::Value, keys: &[&str]) -> String {
     if value.is_table() {
@@ -608,4 +660,69 @@ fn wrap(text: &str, width: usize) -> Vec<String> {
         lines.push(line);
     }
     lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_variable_close_to_a_setting_is_named_and_others_are_left_alone() {
+        let names = |names: &[&str]| {
+            names
+                .iter()
+                .map(|name| name.to_string())
+                .collect::<Vec<_>>()
+        };
+        let misspelt = misspelt_variables(
+            "serve",
+            names(&[
+                "DEVTRACE_LISTN",
+                "DEVTRACE_ALLOW_ROOTS",
+                "DEVTRACE_LOGLEVEL",
+                "DEVTRACE_LISTEN",
+                "DEVTRACE_STORE_SIZ",
+                "PATH",
+            ]),
+        );
+        assert_eq!(
+            misspelt,
+            [
+                ("DEVTRACE_LISTN", "DEVTRACE_LISTEN"),
+                ("DEVTRACE_ALLOW_ROOTS", "DEVTRACE_ALLOW_ROOT"),
+                ("DEVTRACE_LOGLEVEL", "DEVTRACE_LOG_LEVEL"),
+                ("DEVTRACE_STORE_SIZ", "DEVTRACE_STORE_SIZE"),
+            ]
+            .map(|(given, meant)| (given.to_string(), meant.to_string()))
+        );
+        // What the injection library, stand-ins, tests and scripts read.
+        let others = names(&[
+            "DEVTRACE_BIN",
+            "DEVTRACE_BINARY",
+            "DEVTRACE_CUPTI_PATH",
+            "DEVTRACE_DEPLOY_VENV",
+            "DEVTRACE_DNS_SERVER",
+            "DEVTRACE_INJECT_DEBUG",
+            "DEVTRACE_INJECT_RING_CAPACITY",
+            "DEVTRACE_JSON",
+            "DEVTRACE_MOTO_SERVER",
+            "DEVTRACE_NVML_STANDIN",
+            "DEVTRACE_PROFILE_DIR",
+            "DEVTRACE_PYTHON",
+            "DEVTRACE_RING_COUNT",
+            "DEVTRACE_RING_PATH",
+            "DEVTRACE_SKIP_PROMETHEUS",
+            "DEVTRACE_STANDIN_GPUS",
+            "DEVTRACE_STORAGE_VENV",
+            "DEVTRACE_TPU_STANDIN_FAIL",
+            "DEVTRACE_VENV",
+            "DEVTRACE_XPROF_PYTHON",
+        ]);
+        assert_eq!(misspelt_variables("serve", others.clone()), []);
+        // Only serve and doctor read their flags from the environment.
+        assert_eq!(
+            misspelt_variables("capture", names(&["DEVTRACE_LISTN"])),
+            []
+        );
+    }
 }

@@ -85,6 +85,17 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     logging::init(&cli.log_level, cli.log_format)?;
+    let name = match &cli.command {
+        Command::Serve(_) => "serve",
+        Command::Doctor(_) => "doctor",
+        _ => "",
+    };
+    let variables = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
+    for (given, meant) in config::misspelt_variables(name, variables) {
+        tracing::warn!(
+            "{given} sets nothing for devtrace {name} and is ignored: did you mean {meant}?"
+        );
+    }
     match cli.command {
         Command::Serve(args) => serve::run(*args),
         Command::Attach(args) => attach::run(args),
