@@ -49,9 +49,7 @@ pub fn run(args: DoctorArgs) -> anyhow::Result<()> {
 
 fn report(args: &DoctorArgs) -> doctor::Report {
     let serve = &args.serve;
-    let memory = super::serve::agent_config(serve)
-        .map_err(|error| format!("{error:#}"))
-        .and_then(|config| super::serve::memory_budgets(serve, &config))
+    let memory = super::serve::memory_budgets(serve, &super::serve::agent_config(serve))
         .map(|budgets| (budgets.describe(), budgets.scant()));
     let python = args.python.clone().or_else(|| find_on_path("python3"));
     let inject_library = serve

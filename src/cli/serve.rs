@@ -101,10 +101,11 @@ pub struct ServeArgs {
     #[arg(long = "admin-client", value_name = "NAME", requires = "tls_client_ca")]
     pub admin_clients: Vec<String>,
 
-    /// Mode of the --listen-unix socket: 0600 (the agent's user) or 0660
-    /// (also its group; change the socket's group after start).
-    #[arg(long, value_name = "MODE", default_value = "0600", value_parser = parse_socket_mode)]
-    pub listen_unix_mode: u32,
+    /// Mode of the --listen-unix socket: 0600 (the agent's user; the
+    /// default) or 0660 (also its group; change the socket's group after
+    /// start).
+    #[arg(long, value_name = "MODE", requires = "listen_unix", value_parser = parse_socket_mode)]
+    pub listen_unix_mode: Option<u32>,
 
     /// Hosts a NewSession may make this agent call (repeatable): host[:port]
     /// glob patterns, e.g. `10.0.*:6009` or `*.cluster.local:*` (no port
@@ -452,9 +453,10 @@ pub enum EbpfHook {
 }
 
 /// The agent's configuration from the flags (the flight recorder's size is
-/// set once the budgets are sized).
-pub(super) fn agent_config(args: &ServeArgs) -> anyhow::Result<AgentConfig> {
-    Ok(AgentConfig {
+/// set once the budgets are sized; the eBPF cgroup once
+/// [`ebpf_cgroup_id`] found it).
+pub(super) fn agent_config(args: &ServeArgs) -> AgentConfig {
+    AgentConfig {
         backends: args.backends.clone(),
         mock: MockConfig {
             seed: args.mock_seed,
@@ -486,12 +488,6 @@ pub(super) fn agent_config(args: &ServeArgs) -> anyhow::Result<AgentConfig> {
             cuda_returns: args.ebpf_cuda_returns,
             attach: args.ebpf_attach,
             pids: args.ebpf_pids.clone(),
-            cgroup_id: match &args.ebpf_cgroup {
-                Some(dir) => Some(
-                    cgroup_id(dir).with_context(|| format!("--ebpf-cgroup {}", dir.display()))?,
-                ),
-                None => None,
-            },
             comm: args.ebpf_comm.clone(),
             cuda_libraries: args.cuda_libraries.clone(),
             probe_alone_max: args.ebpf_probe_alone_max,
@@ -511,7 +507,16 @@ pub(super) fn agent_config(args: &ServeArgs) -> anyhow::Result<AgentConfig> {
         ring_capacity: args.ring_capacity,
         drop_policy: args.drop_policy.into(),
         ..AgentConfig::default()
-    })
+    }
+}
+
+/// The id of the cgroup `--ebpf-cgroup` names (the inode of its
+/// directory), if it names one.
+pub(super) fn ebpf_cgroup_id(args: &ServeArgs) -> anyhow::Result<Option<u64>> {
+    args.ebpf_cgroup
+        .as_ref()
+        .map(|dir| cgroup_id(dir).with_context(|| format!("--ebpf-cgroup {}", dir.display())))
+        .transpose()
 }
 
 /// The memory budgets `serve` runs with, sized inside the limit this
@@ -596,9 +601,13 @@ fn attach_config(args: &ServeArgs) -> anyhow::Result<crate::attach::AttachConfig
 /// Why `serve` with these flags would stop as it starts, found without
 /// starting anything (for `devtrace doctor`, which must not claim ready
 /// what serve refuses): the checks serve itself makes of its client TLS,
-/// its --spill-dir, --cuda-attach's library and where triggers save.
+/// its --spill-dir, --cuda-attach's library, where triggers save and
+/// --ebpf-cgroup.
 pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
     let mut refusals = Vec::new();
+    if let Err(error) = ebpf_cgroup_id(args) {
+        refusals.push(super::failure_text(&error));
+    }
     if let Err(error) = args.client.config() {
         refusals.push(super::failure_text(&error));
     }
@@ -841,7 +850,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let client_config = args.client.config()?;
     let allowed_roots = AllowedRoots::new(&args.allow_roots)
         .with_context(|| format!("preparing --allow-root {:?}", args.allow_roots))?;
-    let config = agent_config(&args)?;
+    let mut config = agent_config(&args);
+    config.ebpf.cgroup_id = ebpf_cgroup_id(&args)?;
     let budgets = memory_budgets(&args, &config).map_err(anyhow::Error::msg)?;
     info!("memory: {}", budgets.describe());
     if let Some(scant) = budgets.scant() {
@@ -1045,7 +1055,7 @@ async fn listen(args: &ServeArgs) -> anyhow::Result<(Listeners, Option<PlacedSoc
     };
     let (unix, placed) = match &args.listen_unix {
         Some(path) => {
-            let (listener, placed) = bind_unix(path, args.listen_unix_mode)?;
+            let (listener, placed) = bind_unix(path, args.listen_unix_mode.unwrap_or(0o600))?;
             (Some(listener), Some(placed))
         }
         None => (None, None),

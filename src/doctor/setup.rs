@@ -97,17 +97,38 @@ pub fn check(plan: &SetupPlan) -> Vec<Finding> {
 /// `serve` judges it ([`runtime_dir::concern`]): only one it cannot use
 /// fails; the others are warned of, as `serve` warns of them and runs.
 fn runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
+    let finding = judge_runtime_dir(dir, cuda_chosen);
+    if cuda_chosen || finding.status != Status::Fail {
+        return finding;
+    }
+    // Only the CUDA backend uses it: serve without it starts all the same.
+    Finding {
+        status: Status::Warn,
+        detail: format!(
+            "{}; unused while the CUDA backend is not chosen",
+            finding.detail
+        ),
+        ..finding
+    }
+}
+
+fn judge_runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
     let area = if cuda_chosen { Area::Cuda } else { Area::Agent };
     let item = format!("runtime directory {}", dir.display());
     let concern = match runtime_dir::concern(dir) {
         Ok(concern) => concern,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-            return Finding::new(
-                area,
-                item,
-                Status::Ok,
-                "missing: the agent makes it (mode 1777, like /tmp)",
-            )
+            return match kernel_filesystem_above(dir) {
+                Some(refusal) => Finding::new(area, item, Status::Fail, refusal).hint(
+                    "choose a --runtime-dir on an ordinary filesystem, such as /run/devtrace",
+                ),
+                None => Finding::new(
+                    area,
+                    item,
+                    Status::Ok,
+                    "missing: the agent makes it (mode 1777, like /tmp)",
+                ),
+            }
         }
         Err(error) => return Finding::new(area, item, Status::Fail, error.to_string()),
     };
@@ -310,6 +331,13 @@ fn allow_root(root: &Path) -> Finding {
             format!("{} is not a directory", existing.display()),
         );
     }
+    if let Some(refusal) = (existing != root)
+        .then(|| kernel_filesystem_above(root))
+        .flatten()
+    {
+        return Finding::new(Area::Agent, item, Status::Fail, refusal)
+            .hint("choose an --allow-root on an ordinary filesystem");
+    }
     let writable = rustix::fs::access(existing, rustix::fs::Access::WRITE_OK).is_ok();
     match (existing == root, writable) {
         (true, true) => Finding::new(Area::Agent, item, Status::Ok, "writable"),
@@ -327,6 +355,30 @@ fn allow_root(root: &Path) -> Finding {
         )
         .hint("run the agent as a user that can write there, or choose another --allow-root"),
     }
+}
+
+/// Why a missing directory `path` cannot be made: its nearest existing
+/// ancestor is on a filesystem the kernel makes up (`/proc`, `/sys`),
+/// where even root's `mkdir` fails though `access` says writable.
+fn kernel_filesystem_above(path: &Path) -> Option<String> {
+    const PROC_MAGIC: u64 = 0x9fa0;
+    const SYSFS_MAGIC: u64 = 0x6265_6572;
+    const CGROUP2_MAGIC: u64 = 0x6367_7270;
+    const DEBUGFS_MAGIC: u64 = 0x6462_6720;
+    let existing = path.ancestors().skip(1).find(|dir| dir.exists())?;
+    let fs = rustix::fs::statfs(existing).ok()?;
+    #[allow(clippy::unnecessary_cast)] // its type differs between targets
+    let name = match fs.f_type as u64 {
+        PROC_MAGIC => "procfs",
+        SYSFS_MAGIC => "sysfs",
+        CGROUP2_MAGIC => "the cgroup filesystem",
+        DEBUGFS_MAGIC => "debugfs",
+        _ => return None,
+    };
+    Some(format!(
+        "missing, and cannot be made: {} is on {name}, which the kernel makes up",
+        existing.display()
+    ))
 }
 
 /// A PEM certificate (and its key): readable, parsed, within its validity
@@ -456,6 +508,10 @@ mod tests {
         let file = dir.path().join("file");
         std::fs::write(&file, b"").unwrap();
         assert_eq!(runtime_dir(&file, true).status, Status::Fail);
+        assert_eq!(runtime_dir(&file, false).status, Status::Warn);
+        let made_up = runtime_dir(Path::new("/sys/devtrace"), true);
+        assert_eq!(made_up.status, Status::Fail);
+        assert!(made_up.detail.contains("sysfs"), "{}", made_up.detail);
     }
 
     #[test]
@@ -526,5 +582,9 @@ mod tests {
             allow_root(Path::new("s3://bucket/traces")).status,
             Status::Ok
         );
+        // Writable by access(2) for root, yet mkdir fails there.
+        let made_up = allow_root(Path::new("/proc/devtrace-traces"));
+        assert_eq!(made_up.status, Status::Fail);
+        assert!(made_up.detail.contains("procfs"), "{}", made_up.detail);
     }
 }

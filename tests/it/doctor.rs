@@ -135,6 +135,10 @@ fn flags_serve_would_stop_at_are_not_ready() {
             ][..],
             "--trigger-repository /var/tmp/elsewhere must lie inside an --allow-root",
         ),
+        (
+            &["--ebpf-cgroup", "/nonexistent/cgroup"][..],
+            "--ebpf-cgroup /nonexistent/cgroup: No such file",
+        ),
     ] {
         let args: Vec<&str> = [&["--backend", "mock"][..], flags].concat();
         let doctor = doctor(&args, None, &[]);
@@ -145,6 +149,8 @@ fn flags_serve_would_stop_at_are_not_ready() {
             check["detail"].as_str().unwrap().contains(said),
             "{check:#}"
         );
+        // Each is said once, where it belongs, and not as a memory failure.
+        assert_ne!(doctor.status_of("memory"), "fail", "{:#}", doctor.report);
 
         let serve_args: Vec<&str> = [
             &[
@@ -199,14 +205,14 @@ fn flags_serve_would_stop_at_are_not_ready() {
         let stderr = String::from_utf8_lossy(&served.stderr);
         assert!(stderr.contains(&serve_said), "{stderr}");
     }
-    // A rule between flags is a usage error for both.
-    for command in ["serve", "doctor"] {
-        let out = Command::new(BIN)
-            .args([command, "--listen", "off"])
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(2), "{command}");
-        assert!(String::from_utf8_lossy(&out.stderr).contains("--listen-unix"));
+    // A rule between flags is a usage error for both: no TCP listener and
+    // no socket, or a socket mode for no socket.
+    for flags in [["--listen", "off"], ["--listen-unix-mode", "0660"]] {
+        for command in ["serve", "doctor"] {
+            let out = Command::new(BIN).arg(command).args(flags).output().unwrap();
+            assert_eq!(out.status.code(), Some(2), "{command} {flags:?}");
+            assert!(String::from_utf8_lossy(&out.stderr).contains("--listen-unix <PATH>"));
+        }
     }
 }
 
