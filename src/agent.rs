@@ -512,7 +512,8 @@ fn start_backends(config: &AgentConfig, context: &BackendContext) -> Result<Star
         unavailable,
         ..
     } = starting;
-    if started.is_empty() {
+    // None asked for is an agent fed only from outside (a standalone tap).
+    if started.is_empty() && !config.backends.is_empty() {
         let reasons: Vec<String> = unavailable.iter().map(|(_, r)| r.clone()).collect();
         return Err(AgentError::NoBackend(reasons.join("; ")));
     }

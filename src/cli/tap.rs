@@ -8,8 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use tracing::info;
 
-use crate::agent::{Agent, AgentConfig, BackendChoice};
-use crate::backend::mock::MockConfig;
+use crate::agent::{Agent, AgentConfig};
 use crate::capture::local_hostname;
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
 use crate::service::profiler::{ProfilerService, ServiceConfig};
@@ -92,14 +91,9 @@ pub fn run(args: TapArgs) -> anyhow::Result<()> {
 
 async fn tap(args: TapArgs) -> anyhow::Result<()> {
     let shutdown = super::serve::shutdown_signal();
-    // An idle mock backend: the agent then holds only the tap's events.
+    // No backend: the agent holds only the tap's events.
     let config = AgentConfig {
-        backends: vec![BackendChoice::Mock],
-        mock: MockConfig {
-            events_per_second: 0,
-            gpus: 1,
-            ..MockConfig::default()
-        },
+        backends: Vec::new(),
         ..AgentConfig::default()
     };
     let agent = Agent::start(&config).context("starting the agent")?;

@@ -804,6 +804,14 @@ async fn standalone_tap_serves_captures_of_its_own_events() {
         .flat_map(|l| l.events.iter().map(|e| event_name(host, e)))
         .collect();
     assert_eq!(names, vec!["test.Echo/Unary"]);
+    // The tap's agent has no device backend: no made-up device planes.
+    let devices: Vec<&str> = space
+        .planes
+        .iter()
+        .map(|plane| plane.name.as_str())
+        .filter(|name| name.starts_with("/device:"))
+        .collect();
+    assert!(devices.is_empty(), "{devices:?}");
 }
 
 #[tokio::test]
