@@ -1694,6 +1694,47 @@ fn without_libcupti_the_workload_runs_untraced_with_one_message() {
     assert!(lines[0].contains("libcupti was not found"), "{}", lines[0]);
 }
 
+/// A runtime directory whose filesystem cannot hold a ring (a container's
+/// small `/dev/shm`, an `emptyDir` with a size limit): the library says so
+/// once and the job runs on, never killed by a store into a page the
+/// filesystem could not find.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runtime_directory_too_full_for_a_ring_leaves_the_job_untraced_and_alive() {
+    let setup = setup("cuda_full_runtime_dir");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "devtrace-test"])
+        .arg(setup.runtime.path())
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mounting a tmpfs needs root");
+    struct Unmount<'a>(&'a std::path::Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(setup.runtime.path());
+    // Recording all along, the ring's pages are written well past the
+    // filesystem's 256 KiB.
+    let _agent = setup.agent_with(&["--cuda-record", "always"]);
+    let env = setup.environment("CUDA_INJECTION64_PATH");
+    let output = std::process::Command::new(&setup.program)
+        .args(["3000", "--sleep-ms", "1"])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("running the workload");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    // Before rings were allocated as they were made: SIGBUS (status 7)
+    // some 700 iterations in.
+    assert!(output.status.success(), "{:?}: {stderr}", output.status);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("devtrace-inject:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("No space left"), "{}", lines[0]);
+}
+
 /// The real CUDA driver, as the dynamic loader knows it.
 fn real_driver() -> Option<PathBuf> {
     let listing = std::process::Command::new("ldconfig")

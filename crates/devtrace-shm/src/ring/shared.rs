@@ -321,14 +321,41 @@ fn initialise(
     held: Option<File>,
 ) -> Result<Arc<Ring>, RingError> {
     let size = layout.total_size().expect("checked by shape");
-    file.set_len(size as u64)
-        .map_err(|e| io_error("resize", path, e))?;
+    allocate(file, size, path)?;
     let mut region = Region::map_shared(file, size, path, false)?;
     region.held = held;
     // SAFETY: the file was just created and sized; nobody else can reach it
     // until it is linked under its final name (or its descriptor is passed on).
     unsafe { Ring::write_header(&region, layout, policy) };
     Ok(Ring::from_region(region, layout, policy, false))
+}
+
+/// Gives `file` all `size` bytes of storage now. A file merely sized
+/// (`ftruncate`) is sparse: its pages are found only when first written,
+/// and a full filesystem (a container's 64 MiB `/dev/shm`, an `emptyDir`
+/// with a size limit) then answers a producer's store with SIGBUS, which
+/// kills the traced process. Allocated up front, a full filesystem is an
+/// error here instead. (glibc writes the blocks itself where the
+/// filesystem has no `fallocate`.)
+fn allocate(file: &File, size: usize, path: &Path) -> Result<(), RingError> {
+    let length = libc::off_t::try_from(size).map_err(|_| RingError::BadHeader {
+        path: path.display().to_string(),
+        reason: format!("{size} bytes do not fit in a file offset"),
+    })?;
+    loop {
+        // SAFETY: a descriptor this function borrows; no memory is passed.
+        match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, length) } {
+            0 => return Ok(()),
+            libc::EINTR => continue,
+            code => {
+                return Err(io_error(
+                    "allocate",
+                    path,
+                    io::Error::from_raw_os_error(code),
+                ))
+            }
+        }
+    }
 }
 
 /// The temporary name a ring file is prepared under, unique to this process
@@ -650,6 +677,61 @@ mod tests {
         assert!(ring.control().all_api_records());
         assert!(!ring.set_control(0).capture());
         assert_eq!(ring.control().generation, 4);
+    }
+
+    /// A tmpfs of `bytes` mounted on a new directory, unmounted on drop.
+    struct SmallFilesystem(tempfile::TempDir);
+
+    impl SmallFilesystem {
+        fn mount(bytes: u64) -> SmallFilesystem {
+            let dir = tempfile::tempdir().unwrap();
+            let mounted = std::process::Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={bytes}")])
+                .arg("devtrace-test")
+                .arg(dir.path())
+                .status()
+                .unwrap();
+            assert!(mounted.success(), "mounting a tmpfs needs root");
+            SmallFilesystem(dir)
+        }
+    }
+
+    impl Drop for SmallFilesystem {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg(self.0.path())
+                .status();
+        }
+    }
+
+    #[test]
+    fn a_ring_that_does_not_fit_its_filesystem_is_refused_as_it_is_made() {
+        let small = SmallFilesystem::mount(1 << 20);
+        // 16,384 slots of 136 bytes: about 2.1 MiB, twice the room.
+        let path = small.0.path().join("big.ring");
+        match Ring::create_shared(&path, 1, 1 << 14, DropPolicy::DropNewest) {
+            Err(RingError::Io { op, kind, .. }) => {
+                assert_eq!((op, kind), ("allocate", io::ErrorKind::StorageFull))
+            }
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("a ring larger than its filesystem was made"),
+        }
+        assert_eq!(std::fs::read_dir(small.0.path()).unwrap().count(), 0);
+        // One that fits is made, and every slot of it can be written: its
+        // pages were found as it was made, not at a producer's store.
+        let ring = Ring::create_shared(&path, 1, 1 << 12, DropPolicy::DropNewest).unwrap();
+        let mut producer = ring.producer().unwrap();
+        use crate::event::{Device, Event, NameId, Payload};
+        let event = Event::new(
+            1,
+            0,
+            Device::Host,
+            1,
+            NameId(1),
+            Payload::Step { step_num: 1 },
+        );
+        let pushed = (0..1 << 12).filter(|_| producer.push(&event)).count();
+        assert_eq!(pushed, 1 << 12);
     }
 
     #[test]
