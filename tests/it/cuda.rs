@@ -1686,12 +1686,7 @@ fn without_libcupti_the_workload_runs_untraced_with_one_message() {
         .expect("running the workload");
     assert!(output.status.success(), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    let lines: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with("devtrace-inject:"))
-        .collect();
-    assert_eq!(lines.len(), 1, "{stderr}");
-    assert!(lines[0].contains("libcupti was not found"), "{}", lines[0]);
+    assert_one_library_message(&stderr, "libcupti was not found");
 }
 
 /// A runtime directory whose filesystem cannot hold a ring (a container's
@@ -1727,12 +1722,18 @@ async fn a_runtime_directory_too_full_for_a_ring_leaves_the_job_untraced_and_ali
     // Before rings were allocated as they were made: SIGBUS (status 7)
     // some 700 iterations in.
     assert!(output.status.success(), "{:?}: {stderr}", output.status);
+    assert_one_library_message(&stderr, "No space left");
+}
+
+/// The library said one thing on the job's standard error, and it holds
+/// `needle`.
+fn assert_one_library_message(stderr: &str, needle: &str) {
     let lines: Vec<&str> = stderr
         .lines()
         .filter(|l| l.starts_with("devtrace-inject:"))
         .collect();
     assert_eq!(lines.len(), 1, "{stderr}");
-    assert!(lines[0].contains("No space left"), "{}", lines[0]);
+    assert!(lines[0].contains(needle), "{}", lines[0]);
 }
 
 /// The real CUDA driver, as the dynamic loader knows it.
