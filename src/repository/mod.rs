@@ -247,9 +247,9 @@ impl Folder {
     /// The folder of session `session_id` in this repository root, and the
     /// session's final name. A generated id (a timestamp) names a new
     /// folder, `_2`, `_3`, ... appended when the name is taken, so that two
-    /// captures of one second never overwrite each other (in object storage
-    /// its writes also refuse to replace an object); a client's id names
-    /// its folder as is.
+    /// captures of one second never overwrite each other; a client's id
+    /// names its folder as is. Either way the folder is create-only: no
+    /// write into it replaces a file it holds.
     ///
     /// A directory is taken the moment it is made; a bucket has no
     /// directories, so a generated name is taken there by writing its
@@ -264,12 +264,12 @@ impl Folder {
         match (self, generated) {
             (Folder::Local(local), true) => {
                 let (folder, name) = local.create_unique(session_id)?;
-                Ok((Folder::Local(folder), name))
+                Ok((Folder::Local(folder.create_only()), name))
             }
             (Folder::Local(local), false) => {
                 let folder = local.join(session_id);
                 folder.create()?;
-                Ok((Folder::Local(folder), session_id.to_string()))
+                Ok((Folder::Local(folder.create_only()), session_id.to_string()))
             }
             (Folder::Object(object), true) => {
                 for attempt in 1..=MAX_UNIQUE_ATTEMPTS {
@@ -297,7 +297,7 @@ impl Folder {
                 })
             }
             (Folder::Object(object), false) => Ok((
-                Folder::Object(object.join(session_id)),
+                Folder::Object(object.join(session_id).create_only()),
                 session_id.to_string(),
             )),
         }

@@ -262,6 +262,19 @@ async fn traces_are_written_only_inside_allowed_roots() {
         "override_hostname names the file"
     );
 
+    // The client's session named again for a host it holds: refused, the
+    // trace there unchanged. (Returned inline, the
+    // trace would be written over it by TensorFlow's client.)
+    let held = session.join("worker-7.xplane.pb");
+    let before = std::fs::read(&held).unwrap();
+    let mut again = request(200, "run1");
+    again.repository_root = allowed.join("logs/plugins/profile").display().to_string();
+    again.opts.as_mut().unwrap().override_hostname = "worker-7".into();
+    let refused = client.profile(again).await.unwrap_err();
+    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+    assert!(refused.message().contains("worker-7"), "{refused:?}");
+    assert_eq!(std::fs::read(&held).unwrap(), before);
+
     let mut outside = request(200, "run2");
     outside.repository_root = dir.path().join("elsewhere").display().to_string();
     let reply = client.profile(outside).await.unwrap().into_inner();
@@ -706,6 +719,45 @@ async fn an_unattended_continuous_session_ends_by_itself() {
 }
 
 /// A continuous session's request: 1 s snapshots, from when it is asked.
+/// Snapshots of a continuous session written under `repository_root`: each
+/// a session of its own, named after the start request's, none written
+/// over another.
+#[tokio::test]
+async fn continuous_snapshots_written_by_the_agent_each_keep_their_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = AgentProcess::start(&["--allow-root", dir.path().to_str().unwrap()]);
+    let mut client = agent.client().await;
+    let repository = dir.path().join("plugins/profile");
+    let mut req = continuous_request();
+    req.repository_root = repository.display().to_string();
+    client.start_continuous_profiling(req).await.unwrap();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        client
+            .get_snapshot(GetSnapshotRequest::default())
+            .await
+            .unwrap();
+    }
+    client
+        .stop_continuous_profiling(StopContinuousProfilingRequest {})
+        .await
+        .unwrap();
+    let mut sessions: Vec<String> = std::fs::read_dir(&repository)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    sessions.sort();
+    assert_eq!(sessions, ["continuous", "continuous_2", "continuous_3"]);
+    for session in &sessions {
+        let files: Vec<_> = std::fs::read_dir(repository.join(session))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(files.len(), 1, "{session}: {files:?}");
+        assert!(std::fs::metadata(&files[0]).unwrap().len() > 0);
+    }
+}
+
 fn continuous_request() -> devtrace::proto::tensorflow::ProfileRequest {
     let mut req = request(1000, "continuous");
     if let Some(options) = req.opts.as_mut() {

@@ -448,6 +448,9 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 Ok(plan)
             })
             .inspect_err(refused)?;
+        self.refuse_a_held_session(&plan)
+            .await
+            .inspect_err(refused)?;
         info!(
             session = %plan.session_id,
             host = %plan.file_host,
@@ -636,7 +639,13 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             stop_ns: now,
         };
         plan.warnings.clear();
-        if !snapshot_id.is_empty() {
+        if snapshot_id.is_empty() {
+            // Each snapshot a session of its own, named after the
+            // continuous session's (`_2`, `_3`, ... for the later ones):
+            // one named by its start request would otherwise hold only the
+            // last snapshot's trace.
+            plan.generated_session_id = true;
+        } else {
             plan.session_id = snapshot_id;
             plan.generated_session_id = false;
         }

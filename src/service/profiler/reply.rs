@@ -54,6 +54,7 @@ impl ProfilerService {
             match written {
                 Ok(_) => return Ok(Response::new(written_reply(empty_trace))),
                 Err(error) => {
+                    refuse_taken(plan, &error)?;
                     encoded = with_warnings(encoded, &[unwritten_warning(&error)]);
                 }
             }
@@ -102,7 +103,10 @@ impl ProfilerService {
                     )));
                 }
                 Ok(_) => return Ok(Response::new(written_reply(empty_trace))),
-                Err(error) => not_written = Some(error),
+                Err(error) => {
+                    refuse_taken(plan, &error)?;
+                    not_written = Some(error)
+                }
             }
         }
         if !needs_xspace && chunked.bytes().len() <= limit {
@@ -155,6 +159,31 @@ impl ProfilerService {
         )))
     }
 
+    /// Refuses, before its window, a capture into a client's own session
+    /// that holds this host's trace already: it could only be refused
+    /// after ([`refuse_taken`]), or, returned for the client to write,
+    /// replace the one there.
+    pub(super) async fn refuse_a_held_session(&self, plan: &Plan) -> Result<(), Status> {
+        if plan.generated_session_id || plan.emit_xspace {
+            return Ok(());
+        }
+        let Some(root) = self.server_side_root(plan) else {
+            return Ok(());
+        };
+        let session = root.join(&plan.session_id);
+        // A session that cannot be read counts as empty: the write refuses
+        // to replace a trace anyway.
+        let traces = tokio::task::spawn_blocking(move || {
+            crate::fleet::session_traces(&session).unwrap_or_default()
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
+        match traces.get(&plan.file_host) {
+            Some(file) => Err(held_session(plan, file)),
+            None => Ok(()),
+        }
+    }
+
     /// The repository root to write into, when the request's lies inside an
     /// allowed root; otherwise the trace goes inline.
     pub(super) fn server_side_root(&self, plan: &Plan) -> Option<Folder> {
@@ -204,6 +233,24 @@ pub(super) fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<E
         xspace::append_warning(&mut own, warning);
     }
     Arc::new(own)
+}
+
+/// A client's own session found holding this host's trace as the trace
+/// was written: ALREADY_EXISTS, as NewSession answers, rather than the
+/// trace returned inline, which TensorFlow's client would write over the
+/// one there. (A generated session name moves on to a free one instead.)
+fn refuse_taken(plan: &Plan, error: &StorageError) -> Result<(), Status> {
+    if plan.generated_session_id || !error.is_taken() {
+        return Ok(());
+    }
+    Err(held_session(plan, &error.to_string()))
+}
+
+fn held_session(plan: &Plan, held: &str) -> Status {
+    Status::already_exists(format!(
+        "session_id: session {} holds a trace of {} already ({held}); no trace replaces          another: name another session, or leave session_id empty for a new one",
+        plan.session_id, plan.file_host
+    ))
 }
 
 /// The reply to a capture whose trace the agent wrote itself.
