@@ -228,20 +228,22 @@ impl PendingFile {
             .with_context(|| format!("writing {}", self.target.display()))
     }
 
-    /// Puts the file in place (mode 0644), not over a file at the target
-    /// already (it is an error then); where it is.
+    /// Puts the file in place (mode 0644 less the umask), not over a file
+    /// at the target already (it is an error then); where it is.
     pub(crate) fn commit_new(self) -> anyhow::Result<std::path::PathBuf> {
         self.put_in_place(false)
     }
 
-    /// Puts the file in place (mode 0644); with `replace` false, not over a
-    /// file at the target already.
+    /// Puts the file in place (mode 0644 less the umask); with `replace`
+    /// false, not over a file at the target already.
     fn put_in_place(self, replace: bool) -> anyhow::Result<std::path::PathBuf> {
         use anyhow::Context;
         use std::os::unix::fs::PermissionsExt;
         let PendingFile { file, target } = self;
         file.as_file()
-            .set_permissions(std::fs::Permissions::from_mode(0o644))
+            .set_permissions(std::fs::Permissions::from_mode(
+                0o644 & !crate::repository::beneath::process_umask(),
+            ))
             .and_then(|()| file.as_file().sync_all())
             .with_context(|| format!("writing {}", target.display()))?;
         if replace {

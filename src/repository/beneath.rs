@@ -13,6 +13,12 @@
 //! name and renamed into place (`renameat`), both relative to it. A
 //! directory given a caller's credentials ([`Dir::acting_as`]) does all of
 //! this with that caller's rights ([`crate::repository::acting`]).
+//!
+//! What it makes is readable as this process's umask allows (directories
+//! 0755, files 0644 under the usual 022), and files less where a directory
+//! was told to withhold more ([`Dir::withholding`]): traces of the whole
+//! host are kept from other users. (Directories stay searchable: session
+//! and host names are what other users' TensorBoard lists anyway.)
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
@@ -101,6 +107,25 @@ pub struct Dir {
     resolver: Resolver,
     /// Whose rights everything beneath it is done with; none: the agent's.
     acting: Option<Arc<Credentials>>,
+    /// Permission bits the files made beneath it never have, beyond what
+    /// the umask takes.
+    withheld: u32,
+}
+
+/// This process's umask, read without changing it (`umask(2)` can only
+/// be read by setting it, which races with other threads making files).
+pub fn process_umask() -> u32 {
+    static UMASK: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *UMASK.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|status| {
+                let line = status.lines().find(|line| line.starts_with("Umask:"))?;
+                u32::from_str_radix(line["Umask:".len()..].trim(), 8).ok()
+            })
+            // Linux before 4.7 does not say: the usual one.
+            .unwrap_or(0o022)
+    })
 }
 
 impl Dir {
@@ -118,7 +143,16 @@ impl Dir {
             path: path.to_path_buf(),
             resolver: Resolver::detect(),
             acting: None,
+            withheld: 0,
         })
+    }
+
+    /// The same directory, whose files made beneath it never have the
+    /// permission bits `bits` (0o007: nothing for other users).
+    pub fn withholding(&self, bits: u32) -> Result<Dir, BeneathError> {
+        let mut dir = self.duplicate()?;
+        dir.withheld |= bits;
+        Ok(dir)
     }
 
     /// The same directory, everything beneath it done with `credentials`'
@@ -330,6 +364,7 @@ impl Dir {
             Ok(AtomicFile {
                 directory,
                 acting: self.acting.clone(),
+                mode: 0o644 & !self.withheld & !process_umask(),
                 temporary,
                 name: name.to_string(),
                 target,
@@ -425,6 +460,7 @@ impl Dir {
             path: self.path.clone(),
             resolver: self.resolver,
             acting: self.acting.clone(),
+            withheld: self.withheld,
         })
     }
 
@@ -434,6 +470,7 @@ impl Dir {
             path: self.path.join(relative),
             resolver: self.resolver,
             acting: self.acting.clone(),
+            withheld: self.withheld,
         }
     }
 
@@ -533,6 +570,8 @@ pub struct AtomicFile {
     directory: OwnedFd,
     /// The rights of the directory it is made in.
     acting: Option<Arc<Credentials>>,
+    /// Its permission bits once committed.
+    mode: u32,
     temporary: String,
     name: String,
     target: PathBuf,
@@ -566,7 +605,8 @@ impl AtomicFile {
         self
     }
 
-    /// Syncs the file and renames it over `name` (mode 0644), or beside
+    /// Syncs the file and renames it over `name` (mode 0644 less the
+    /// umask and what its directory withholds), or beside
     /// it, failing, when kept ([`AtomicFile::keeping_existing`]); where it
     /// is.
     pub fn commit(mut self) -> Result<PathBuf, BeneathError> {
@@ -574,11 +614,12 @@ impl AtomicFile {
             return Err(self.io_error(io::Error::other("already committed")));
         };
         let (directory, temporary, name) = (&self.directory, &self.temporary, &self.name);
-        let replace = self.replace;
+        let (replace, mode) = (self.replace, self.mode);
         let done = act(self.acting.as_deref(), &self.target, || {
             let renamed = (|| -> io::Result<()> {
-                // Traces are for reading by the people who asked for them.
-                rfs::fchmod(&file, Mode::from_raw_mode(0o644))?;
+                // Traces are for reading by the people who asked for them
+                // (the temporary file was private while it was written).
+                rfs::fchmod(&file, Mode::from_raw_mode(mode))?;
                 file.sync_all()?;
                 if replace {
                     rfs::renameat(directory, temporary.as_str(), directory, name.as_str())?;
@@ -949,6 +990,36 @@ mod tests {
             ));
             assert!(!f.root.parent().unwrap().join("up").exists());
         }
+    }
+
+    #[test]
+    fn files_are_as_open_as_the_umask_and_their_directory_allow() {
+        use std::os::unix::fs::PermissionsExt;
+        let f = fixture();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        let root = Dir::open(&f.root).unwrap();
+        let open = root.write_atomic("open.pb", b"x").unwrap();
+        assert_eq!(mode(&open), 0o644 & !process_umask());
+        let kept = root.withholding(0o007).unwrap();
+        let whole_host = kept
+            .create_dir_all(Path::new("session"))
+            .unwrap()
+            .write_atomic("host.pb", b"x")
+            .unwrap();
+        assert_eq!(mode(&whole_host), 0o640 & !process_umask());
+        // Directories stay as they are made: only contents are kept.
+        assert_eq!(mode(&f.root.join("session")), 0o755 & !process_umask());
+    }
+
+    #[test]
+    fn process_umask_is_read_without_changing_it() {
+        // SAFETY: umask has no preconditions; set back at once.
+        let actual = unsafe {
+            let old = libc::umask(0o022);
+            libc::umask(old);
+            old
+        };
+        assert_eq!(process_umask(), actual as u32);
     }
 
     #[test]

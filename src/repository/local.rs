@@ -51,6 +51,15 @@ impl LocalFolder {
         })
     }
 
+    /// The same folder, making nothing with the permission bits `bits`.
+    pub fn withholding(&self, bits: u32) -> Result<LocalFolder, StorageError> {
+        Ok(LocalFolder {
+            root: Arc::new(self.root.withholding(bits)?),
+            relative: self.relative.clone(),
+            create_only: self.create_only,
+        })
+    }
+
     pub fn join(&self, name: &str) -> LocalFolder {
         LocalFolder {
             root: Arc::clone(&self.root),

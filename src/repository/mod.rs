@@ -170,6 +170,16 @@ impl Folder {
         }
     }
 
+    /// The same folder, the files it writes kept from other users (0640
+    /// at most), for traces of the whole host (every user's processes,
+    /// command lines and kernels). A bucket's access is its own policy's.
+    pub fn kept_from_others(&self) -> Result<Folder, StorageError> {
+        match self {
+            Folder::Local(local) => Ok(Folder::Local(local.withholding(0o007)?)),
+            Folder::Object(_) => Ok(self.clone()),
+        }
+    }
+
     pub fn join(&self, name: &str) -> Folder {
         match self {
             Folder::Local(local) => Folder::Local(local.join(name)),

@@ -306,7 +306,11 @@ impl ProfileAnalysis for ProfileAnalysisService {
         };
         let entries = self.session_hosts(&request.hosts)?;
         validate::name_component("session_id", &request.session_id)?;
-        let root = self.root(&request.repository_root, &caller)?;
+        // The hosts' traces may each hold a whole host: not for other users.
+        let root = self
+            .root(&request.repository_root, &caller)?
+            .kept_from_others()
+            .map_err(|e| Status::internal(format!("repository_root: {e}")))?;
         let generated_id = request.session_id.is_empty();
         let session_id = if generated_id {
             session_timestamp()

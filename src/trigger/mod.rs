@@ -141,7 +141,10 @@ impl Triggers {
                 })
                 .collect(),
             captures,
-            repository,
+            // A saved window holds the whole host: not for other users.
+            repository: repository
+                .kept_from_others()
+                .map_err(std::io::Error::other)?,
             runtime: tokio::runtime::Handle::current(),
             pending: Mutex::new(Vec::new()),
             unevaluated: AtomicU64::new(0),

@@ -252,6 +252,11 @@ async fn traces_are_written_only_inside_allowed_roots() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     assert_eq!(files, vec!["10.0.0.2_8466.xplane.pb".to_string()]);
+    // This caller (root) sees the whole host: its trace is kept from other
+    // users.
+    use std::os::unix::fs::PermissionsExt;
+    let written = std::fs::metadata(session.join(&files[0])).unwrap();
+    assert_eq!(written.permissions().mode() & 0o007, 0, "{written:?}");
 
     let mut renamed = request(200, "run1");
     renamed.repository_root = allowed.join("logs/plugins/profile").display().to_string();

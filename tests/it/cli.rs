@@ -48,6 +48,24 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
         expected.display().to_string()
     );
     assert!(std::fs::metadata(&expected).unwrap().len() > 10_000);
+    // The trace is as open as the user's umask lets it be.
+    let private = Command::new("sh")
+        .arg("-c")
+        .arg(r#"umask 077; exec "$0" "$@""#)
+        .arg(BIN)
+        .args(["capture", &address, "--duration", "200ms", "--quiet"])
+        .args(["--session-id", "private", "--logdir"])
+        .arg(logdir.path())
+        .output()
+        .unwrap();
+    assert!(private.status.success(), "{private:?}");
+    let private = logdir
+        .path()
+        .join("plugins/profile/private")
+        .join(format!("{}.xplane.pb", agent.address.replace(':', "_")));
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&private).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
     // A reply over --max-reply-size says how to have it after all.
     let out = capture(&["--max-reply-size", "4KiB"]);
     let said = String::from_utf8_lossy(&out.stderr);

@@ -167,6 +167,10 @@ struct Saved {
 }
 
 fn saved(path: &Path) -> Saved {
+    // A saved window holds the whole host: kept from other users.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o007, 0, "{} is mode {mode:o}", path.display());
     let space = read_xspace(path).expect("reading the saved trace");
     let env = plane(&space, "Task Environment");
     let text = |name: &str| match find_stat(env, &env.stats, name) {

@@ -201,7 +201,15 @@ impl ProfilerService {
         };
         // Written with the caller's rights: what it could not write there
         // itself is not written for it.
-        match root.acting_for(&plan.caller) {
+        // A trace of the whole host is not for other users; one of a
+        // user's own processes is as open as the agent's umask makes it.
+        let root = root
+            .acting_for(&plan.caller)
+            .and_then(|root| match plan.scope {
+                crate::model::scope::Scope::Host => root.kept_from_others(),
+                crate::model::scope::Scope::User { .. } => Ok(root),
+            });
+        match root {
             Ok(root) => Some(root),
             Err(reason) => {
                 info!(%reason, caller = %plan.caller, "repository_root not open to the caller; returning the trace inline");
