@@ -254,6 +254,13 @@ fn storage_status(error: &StorageError, message: String) -> Status {
         StorageError::Refused(_) | StorageError::TooLarge { .. } | StorageError::Url(_) => {
             Status::permission_denied(message)
         }
+        // The caller's own rights refused it (their files are read and
+        // written with them): not a fault of the agent's.
+        StorageError::Io { source, .. }
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            Status::permission_denied(message)
+        }
         StorageError::Io { .. } => Status::internal(message),
         // The bucket's server or credentials failed, not this agent.
         StorageError::Object { .. } => Status::unavailable(message),
