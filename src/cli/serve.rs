@@ -601,8 +601,8 @@ fn attach_config(args: &ServeArgs) -> anyhow::Result<crate::attach::AttachConfig
 /// Why `serve` with these flags would stop as it starts, found without
 /// starting anything (for `devtrace doctor`, which must not claim ready
 /// what serve refuses): the checks serve itself makes of its client TLS,
-/// its --spill-dir, --cuda-attach's library, where triggers save and
-/// --ebpf-cgroup.
+/// its --spill-dir, --cuda-attach's library, where triggers save,
+/// --ebpf-cgroup and --admin-group.
 pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
     let mut refusals = Vec::new();
     if let Err(error) = ebpf_cgroup_id(args) {
@@ -610,6 +610,13 @@ pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
     }
     if let Err(error) = args.client.config() {
         refusals.push(super::failure_text(&error));
+    }
+    if let Some(Err(why)) = args
+        .admin_group
+        .as_deref()
+        .map(crate::service::access::group_id)
+    {
+        refusals.push(why);
     }
     if let (Some(dir), super::memory::SpillSize::Bytes(limit)) = (&args.spill_dir, args.spill_size)
     {

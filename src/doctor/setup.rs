@@ -295,8 +295,23 @@ fn unix_socket(path: &Path) -> Finding {
         Occupant::NotASocket => {
             finding(Status::Fail, "a file that is not a socket is already there")
         }
-        Occupant::Listening => finding(Status::Fail, "in use: something accepts connections on it")
-            .hint("stop the other agent, or choose another path"),
+        Occupant::Listening => match unix_listener(path) {
+            // Doctor run beside the agent it checks: not a fault.
+            Some((pid, command)) if command == "devtrace" => finding(
+                Status::Warn,
+                &format!(
+                    "a devtrace agent (pid {pid}) listens there already; a second one would \
+                     not start on it"
+                ),
+            ),
+            Some((pid, command)) => finding(
+                Status::Fail,
+                &format!("in use: {command} (pid {pid}) listens there"),
+            )
+            .hint("stop it, or choose another path"),
+            None => finding(Status::Fail, "in use: something accepts connections on it")
+                .hint("stop the other agent, or choose another path"),
+        },
         Occupant::Stale => finding(Status::Ok, "a stale socket, which the agent replaces"),
         Occupant::Unknown => finding(
             Status::Fail,
@@ -304,6 +319,34 @@ fn unix_socket(path: &Path) -> Finding {
         )
         .hint("remove it if no server uses it, or choose another path"),
     }
+}
+
+/// The process listening on the Unix socket at `path` (its pid and
+/// command name): the credentials its peer had when it listened
+/// (`SO_PEERCRED`). (`/proc/net/unix` would name the path the socket was
+/// bound at, which the agent moves into place after binding.)
+fn unix_listener(path: &Path) -> Option<(u32, String)> {
+    use std::os::fd::AsRawFd;
+    let stream = std::os::unix::net::UnixStream::connect(path).ok()?;
+    // SAFETY: plain data, filled in by getsockopt below.
+    let mut credentials: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut length = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a connected socket this function owns, and a buffer of the
+    // length given.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut credentials as *mut libc::ucred).cast(),
+            &mut length,
+        )
+    };
+    let pid = u32::try_from(credentials.pid)
+        .ok()
+        .filter(|pid| rc == 0 && *pid > 0)?;
+    let command = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    Some((pid, command.trim().to_string()))
 }
 
 /// A root the agent writes traces under: a local directory it can write

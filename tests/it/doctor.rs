@@ -139,6 +139,10 @@ fn flags_serve_would_stop_at_are_not_ready() {
             &["--ebpf-cgroup", "/nonexistent/cgroup"][..],
             "--ebpf-cgroup /nonexistent/cgroup: No such file",
         ),
+        (
+            &["--admin-group", "no-such-devtrace-group"][..],
+            "--admin-group no-such-devtrace-group: no such group on this host",
+        ),
     ] {
         let args: Vec<&str> = [&["--backend", "mock"][..], flags].concat();
         let doctor = doctor(&args, None, &[]);
@@ -330,21 +334,37 @@ fn a_python_environments_cupti_and_torch_are_read() {
 /// listen address taken by that agent: a warning naming it, not a failure.
 #[test]
 fn an_address_a_devtrace_agent_holds_is_named_and_does_not_fail_the_check() {
-    let agent = crate::common::AgentProcess::start(&["--backend", "mock"]);
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let socket = socket.to_str().unwrap();
+    let agent = crate::common::AgentProcess::start(&["--backend", "mock", "--listen-unix", socket]);
     let doctor = doctor(
-        &["--listen", &agent.address, "--backend", "mock"],
+        &[
+            "--listen",
+            &agent.address,
+            "--listen-unix",
+            socket,
+            "--backend",
+            "mock",
+        ],
         None,
         &[],
     );
-    let check = doctor.check(&format!("listen {}", agent.address));
-    assert_eq!(check["status"], "warn", "{check:#}");
-    assert!(
-        check["detail"].as_str().unwrap().starts_with(&format!(
-            "a devtrace agent (pid {}) listens there already",
-            agent.pid()
-        )),
-        "{check:#}"
+    let held = format!(
+        "a devtrace agent (pid {}) listens there already",
+        agent.pid()
     );
+    for item in [
+        format!("listen {}", agent.address),
+        format!("listen unix {socket}"),
+    ] {
+        let check = doctor.check(&item);
+        assert_eq!(check["status"], "warn", "{check:#}");
+        assert!(
+            check["detail"].as_str().unwrap().starts_with(&held),
+            "{check:#}"
+        );
+    }
     assert_eq!(doctor.status, 0, "{:#}", doctor.report);
 }
 
