@@ -212,37 +212,60 @@ impl fleet::TraceSink for SessionSink {
         match &self.bounds {
             None => Ok(Box::new(file)),
             Some(bounds) => Ok(Box::new(BoundedFile {
-                file: Box::new(file),
+                file: Some(Box::new(file)),
                 caller: self.caller.clone(),
                 bounds: Arc::clone(bounds),
                 written: Arc::clone(&self.written),
+                counted: 0,
             })),
         }
     }
 }
 
 /// A session file whose writes count against its caller's bounds; one
-/// that would pass them fails, and the file is not committed.
+/// that would pass them fails, and the file is not committed. What a file
+/// that never lands counted is given back: the bounds are of bytes
+/// written.
 struct BoundedFile {
-    file: Box<dyn fleet::TraceFile>,
+    /// `None` once committed.
+    file: Option<Box<dyn fleet::TraceFile>>,
     caller: Caller,
     bounds: Arc<SessionBytes>,
     written: Arc<parking_lot::Mutex<u64>>,
+    /// What this file's writes counted so far.
+    counted: u64,
 }
 
 impl fleet::TraceFile for BoundedFile {
     fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let file = self.file.as_mut().ok_or("already committed")?;
         {
             let mut written = self.written.lock();
             self.bounds
                 .take(&self.caller, *written, bytes.len() as u64)?;
             *written += bytes.len() as u64;
         }
-        self.file.write(bytes)
+        self.counted += bytes.len() as u64;
+        file.write(bytes)
     }
 
-    fn commit(self: Box<Self>) -> Result<PathBuf, String> {
-        self.file.commit()
+    fn commit(mut self: Box<Self>) -> Result<PathBuf, String> {
+        let file = self.file.take().ok_or("already committed")?;
+        let committed = file.commit();
+        if committed.is_ok() {
+            self.counted = 0;
+        }
+        committed
+    }
+}
+
+impl Drop for BoundedFile {
+    fn drop(&mut self) {
+        if self.counted > 0 {
+            let mut written = self.written.lock();
+            *written = written.saturating_sub(self.counted);
+            self.bounds.give_back(&self.caller, self.counted);
+        }
     }
 }
 
@@ -360,15 +383,20 @@ impl ProfileAnalysis for ProfileAnalysisService {
             hosts::resolve(entries, &self.config.resolver, MAX_HOSTS, lookup_limit).await;
         let mut outcomes = HostOutcome::unresolved(resolved.failures);
         let hosts = resolved.targets;
+        // Whether the caller's session was there before this one (then it
+        // is the caller's, and stays even if nothing reaches it).
+        let mut named_existed = false;
         if !generated_id {
             let session = root.join(&session_id);
             // A session that cannot be read counts as empty: its writes
             // refuse to replace a trace anyway.
-            let traces = tokio::task::spawn_blocking(move || {
-                fleet::session_traces(&session).unwrap_or_default()
+            let (traces, existed) = tokio::task::spawn_blocking(move || {
+                let traces = fleet::session_traces(&session).unwrap_or_default();
+                (traces, session.exists().unwrap_or(true))
             })
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
+            named_existed = existed;
             let taken = fleet::traces_of_hosts(&traces, &hosts);
             if !taken.is_empty() {
                 return Err(Status::already_exists(format!(
@@ -441,10 +469,10 @@ impl ProfileAnalysis for ProfileAnalysisService {
             .iter()
             .filter(|o| matches!(o.result, Ok(Some(_))))
             .count();
-        // A generated session nothing reached gives its name back, without
-        // holding up the reply (the bucket may be why nothing reached it);
-        // a named one may be the caller's own.
-        let made = sink.made.lock().clone().filter(|_| generated_id);
+        // A session this call made and nothing reached is taken back,
+        // without holding up the reply (the bucket may be why nothing
+        // reached it); a named one that was there before is the caller's.
+        let made = sink.made.lock().clone().filter(|_| !named_existed);
         if let (0, Some(folder)) = (delivered, made) {
             let session = session_id.clone();
             tokio::task::spawn_blocking(move || {

@@ -94,6 +94,14 @@ impl SessionBytes {
         hour.written += bytes;
         Ok(())
     }
+
+    /// Gives back `bytes` [`SessionBytes::take`] counted for `caller` that
+    /// were never written after all (a trace refused or failed part-way).
+    pub fn give_back(&self, caller: &Caller, bytes: u64) {
+        if let Some(hour) = self.hours.lock().get_mut(&caller.owner()) {
+            hour.written = hour.written.saturating_sub(bytes);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -116,5 +124,8 @@ mod tests {
         assert!(refused.contains("--session-bytes-per-hour"), "{refused}");
         // Another caller has its own hour.
         assert!(bytes.take(&user(2), 0, 90).is_ok());
+        // Bytes given back (a trace that did not land) count no more.
+        bytes.give_back(&user(1), 80);
+        assert!(bytes.take(&user(1), 0, 80).is_ok());
     }
 }

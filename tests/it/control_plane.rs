@@ -989,8 +989,10 @@ async fn a_caller_past_its_captures_in_progress_is_refused_and_others_go_on() {
 }
 
 /// A NewSession of a caller that is not an admin writes at most
-/// --session-bytes: past it, the host's trace is not written and the
-/// session's errors name the flag. Root's session of the same host lands.
+/// --session-bytes: past it, the host's trace is not written, the
+/// session's errors name the flag and no empty session is left. What was
+/// not written does not count against the caller's hour. Root's session
+/// of the same host lands.
 #[tokio::test]
 async fn a_callers_session_writes_at_most_its_bytes() {
     use devtrace::proto::tensorflow::NewProfileSessionResponse;
@@ -1004,32 +1006,44 @@ async fn a_callers_session_writes_at_most_its_bytes() {
         path(shared.path()),
         "--session-bytes",
         "1MiB",
+        "--session-bytes-per-hour",
+        "2MiB",
         "--mock-rate",
         "200000",
         "--mock-uid",
         "65534",
     ]);
-    // 0.3 s at 200,000 events/s: a trace of about 4 MB.
+    // 0.3 s at 200,000 events/s: a trace of about 4 MB. Each refusal
+    // counted up to 1 MiB against the hour, before what did not land was
+    // given back: the third would have named --session-bytes-per-hour.
     let hosts = [agent.address.as_str()];
-    let io = common::raw_call::connect_as(65534, &agent.address).await;
-    let (reply, status) = common::raw_call::unary_on(
-        io,
-        &agent.address,
-        "/tensorflow.ProfileAnalysis/NewSession",
-        &session_request(shared.path(), &hosts, "bounded"),
-    )
-    .await;
-    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
-    let reply = NewProfileSessionResponse::decode(&reply[..]).unwrap();
-    assert!(
-        reply.error_message.contains("--session-bytes"),
-        "{}",
-        reply.error_message
-    );
-    let written = std::fs::read_dir(shared.path().join("bounded"))
-        .map(|files| files.count())
-        .unwrap_or(0);
-    assert_eq!(written, 0, "a trace past --session-bytes was written");
+    for round in 0..3 {
+        let io = common::raw_call::connect_as(65534, &agent.address).await;
+        let (reply, status) = common::raw_call::unary_on(
+            io,
+            &agent.address,
+            "/tensorflow.ProfileAnalysis/NewSession",
+            &session_request(shared.path(), &hosts, "bounded"),
+        )
+        .await;
+        assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+        let reply = NewProfileSessionResponse::decode(&reply[..]).unwrap();
+        assert!(
+            reply
+                .error_message
+                .contains("--session-bytes lets one session write"),
+            "round {round}: {}",
+            reply.error_message
+        );
+        // The session this call made, empty, is taken back (just after
+        // the reply).
+        let bounded = shared.path().join("bounded");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while bounded.exists() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(!bounded.exists(), "an empty session was left");
+    }
     let reply = analysis(plain_channel(&agent.address).await)
         .await
         .new_session(session_request(shared.path(), &hosts, "roots"))
