@@ -995,7 +995,6 @@ async fn a_caller_past_its_captures_in_progress_is_refused_and_others_go_on() {
 /// of the same host lands.
 #[tokio::test]
 async fn a_callers_session_writes_at_most_its_bytes() {
-    use devtrace::proto::tensorflow::NewProfileSessionResponse;
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: needs root to call as other users");
         return;
@@ -1018,16 +1017,8 @@ async fn a_callers_session_writes_at_most_its_bytes() {
     // given back: the third would have named --session-bytes-per-hour.
     let hosts = [agent.address.as_str()];
     for round in 0..3 {
-        let io = common::raw_call::connect_as(65534, &agent.address).await;
-        let (reply, status) = common::raw_call::unary_on(
-            io,
-            &agent.address,
-            "/tensorflow.ProfileAnalysis/NewSession",
-            &session_request(shared.path(), &hosts, "bounded"),
-        )
-        .await;
-        assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
-        let reply = NewProfileSessionResponse::decode(&reply[..]).unwrap();
+        let request = session_request(shared.path(), &hosts, "bounded");
+        let reply = common::raw_call::new_session_as(65534, &agent.address, &request).await;
         assert!(
             reply
                 .error_message

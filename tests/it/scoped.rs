@@ -10,10 +10,10 @@ use crate::common;
 
 use std::os::unix::fs::MetadataExt;
 
-use common::raw_call::{connect_as, unary_on};
+use common::raw_call::{connect_as, new_session_as, unary_on};
 use common::*;
 use devtrace::proto::tensorflow::profiler::XSpace;
-use devtrace::proto::tensorflow::{NewProfileSessionResponse, ProfileRequest, ProfileResponse};
+use devtrace::proto::tensorflow::{ProfileRequest, ProfileResponse};
 use devtrace::xspace::read::{find_stat, StatValue};
 use prost::Message;
 
@@ -130,16 +130,8 @@ async fn a_users_session_of_this_host_is_captured_for_that_user() {
         "20000",
     ]);
     let hosts = [agent.address.as_str()];
-    let io = connect_as(1001, &agent.address).await;
-    let (reply, status) = unary_on(
-        io,
-        &agent.address,
-        "/tensorflow.ProfileAnalysis/NewSession",
-        &session_request(shared.path(), &hosts, "theirs"),
-    )
-    .await;
-    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
-    let reply = NewProfileSessionResponse::decode(&reply[..]).unwrap();
+    let request = session_request(shared.path(), &hosts, "theirs");
+    let reply = new_session_as(1001, &agent.address, &request).await;
     assert!(reply.error_message.is_empty(), "{}", reply.error_message);
     let file = std::fs::read_dir(shared.path().join("theirs"))
         .unwrap()

@@ -154,3 +154,17 @@ pub async fn unary_on(
     body.send_data(grpc_frame(message), true).expect("sending");
     read_reply(response).await
 }
+
+/// A NewSession made as `uid` over a connection of that user's: the
+/// call answers OK, and this is its reply.
+pub async fn new_session_as(
+    uid: u32,
+    address: &str,
+    request: &devtrace::proto::tensorflow::NewProfileSessionRequest,
+) -> devtrace::proto::tensorflow::NewProfileSessionResponse {
+    let io = connect_as(uid, address).await;
+    let path = "/tensorflow.ProfileAnalysis/NewSession";
+    let (reply, status) = unary_on(io, address, path, request).await;
+    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+    prost::Message::decode(&reply[..]).expect("a NewSession reply")
+}
