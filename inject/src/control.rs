@@ -61,6 +61,10 @@ const SILENCE_LIMIT_NS: u64 = 1_000_000_000;
 /// only at the detach.
 const RETURN_WAIT: Duration = Duration::from_millis(100);
 
+/// How long a library gone quiet keeps trying to leave the job detached
+/// before it leaves CUPTI as it is.
+const STAND_DOWN_LIMIT: Duration = Duration::from_secs(10);
+
 /// How long the exit handler waits for buffers CUPTI delivers from a
 /// thread of its own, before it counts those it kept.
 const EXIT_WAIT: Duration = Duration::from_millis(20);
@@ -134,7 +138,7 @@ impl AgentPulse {
                  stopped): recording stopped and CUPTI detached until an agent attaches again",
                 self.changed_at.elapsed().as_millis()
             );
-            eprintln!("devtrace-inject: {message}");
+            say!("devtrace-inject: {message}");
             session.write_meta(&MetaRecord::Warning { message });
         }
         Control {
@@ -179,6 +183,10 @@ pub fn control_loop() {
     if SESSION.set(session).is_err() {
         return;
     }
+    // From now on, not from the first capture: one starting while the
+    // process exits must find the gate closed, not call into a libcupti
+    // being torn down.
+    sys::process::at_exit(flush_at_exit);
     // Refused or missing CUPTI is told to the agent through the metadata.
     let loaded = match loaded {
         Ok(loaded) => loaded,
@@ -192,7 +200,7 @@ pub fn control_loop() {
         origin: loaded.origin.to_string(),
     });
     if let Some(text) = loaded.warning {
-        eprintln!("devtrace-inject: {text}");
+        say!("devtrace-inject: {text}");
         session.write_meta(&MetaRecord::Warning {
             message: text.to_string(),
         });
@@ -206,7 +214,6 @@ pub fn control_loop() {
     }
     let mut tracer = Tracer {
         stream: Stream::Off,
-        exit_flush_set: false,
         displaced: false,
         last_flush: None,
         api: None,
@@ -225,17 +232,27 @@ pub fn control_loop() {
     };
     let mut pulse = AgentPulse::new();
     let mut seen = session.ring.control();
-    while !quiet() {
+    let mut quiet_since: Option<Instant> = None;
+    loop {
         // Woken as soon as the agent changes the word (a capture starts or
         // ends), else at the poll interval, for the flushes and detaches.
         seen = session.ring.wait_for_control(seen, poll);
         if *detach::gate() == Attachment::Closed {
             return;
         }
+        if quiet() {
+            // A failure was said, here or on another thread (a callback's
+            // panic, a metadata write that failed).
+            let since = *quiet_since.get_or_insert_with(Instant::now);
+            if tracer.stand_down(session, since) {
+                return;
+            }
+            continue;
+        }
         let control = pulse.follow(session, session.ring.consumer_beat(), seen);
         if let Err(error) = tracer.tick(session, control) {
-            tracer.give_up(session);
-            return fail(&error);
+            // Said at once; what it had on is ended by the ticks to come.
+            fail(&error);
         }
     }
 }
@@ -255,8 +272,6 @@ enum Stream {
 /// The control loop's state across ticks.
 struct Tracer {
     stream: Stream,
-    /// `flush_at_exit` is registered with atexit (once, at the first take).
-    exit_flush_set: bool,
     /// The stream was taken from us and not yet taken back.
     displaced: bool,
     last_flush: Option<Instant>,
@@ -357,10 +372,6 @@ impl Tracer {
         self.kept_attached_told = false;
         self.next_detach_try = None;
         self.keeper_on = false;
-        if !self.exit_flush_set {
-            sys::process::at_exit(flush_at_exit);
-            self.exit_flush_set = true;
-        }
         // Libraries loaded since the last look (a framework imported late).
         coexist::redirect_callers();
         // Driver calls, without the gate: another subscriber's callback may
@@ -553,7 +564,7 @@ impl Tracer {
         };
         if let Some(why) = unselectable.filter(|_| !self.unselectable_told) {
             self.unselectable_told = true;
-            eprintln!("devtrace-inject: {why}");
+            say!("devtrace-inject: {why}");
             session.write_meta(&MetaRecord::Warning { message: why });
         }
         session.write_meta(&MetaRecord::ApiRecords {
@@ -618,7 +629,7 @@ impl Tracer {
         }
         if let Some(from_ns) = unselected_since {
             // Once every call is recorded.
-            eprintln!(
+            say!(
                 "devtrace-inject: CUPTI recorded none of the API calls selected one by one while \
                  it recorded kernels; whenever CUPTI records the calls from now on, it records \
                  every driver and runtime API call"
@@ -706,13 +717,16 @@ impl Tracer {
                 timed_calls::deliver(session, true);
                 return Ok(());
             }
-            self.disable_all_but(session, Some(KEEPER_KIND))?;
+            // The teardown's kind counts as on whatever fails after it
+            // was enabled, so that giving up switches it off.
+            let disabled = self.disable_all_but(session, Some(KEEPER_KIND));
             self.keeper_on = true;
+            disabled?;
         }
         let waited = Instant::now();
         wait_for_buffers(RETURN_WAIT);
         if crate::debug_enabled() {
-            eprintln!(
+            say!(
                 "devtrace-inject: capture stopped; {} of the library's buffers still with CUPTI \
                  after {} ms",
                 buffers::out(),
@@ -767,7 +781,7 @@ impl Tracer {
             Progress::Detached => self.end_teardown(session),
             Progress::Refused(why) => {
                 if crate::debug_enabled() {
-                    eprintln!("devtrace-inject: CUPTI stays attached: {why}");
+                    say!("devtrace-inject: CUPTI stays attached: {why}");
                 }
                 self.teardown = None;
                 self.switch_keeper_off();
@@ -794,7 +808,7 @@ impl Tracer {
     /// buffers CUPTI did not hand back.
     fn detached(&mut self, session: &Session, teardown: &Teardown) {
         if crate::debug_enabled() {
-            eprintln!(
+            say!(
                 "devtrace-inject: CUPTI detached {} ms after the teardown began",
                 teardown.age().as_millis()
             );
@@ -844,6 +858,37 @@ impl Tracer {
     }
 
     /// After a failure: leaves CUPTI as the process needs it.
+    /// After the library went quiet: ends what it had on as a capture's
+    /// end does, and detaches CUPTI, for as long as [`STAND_DOWN_LIMIT`]
+    /// from `since` allows (a job left attached pays for CUPTI's hooks on
+    /// every CUDA call for the rest of its life). Errors on the way do not
+    /// stop it: each step is tried. True once nothing is left to do.
+    fn stand_down(&mut self, session: &Session, since: Instant) -> bool {
+        if crate::forked() {
+            // A forked child never calls CUPTI.
+            return true;
+        }
+        self.end_timing(session, devtrace_shm::clock::now_ns());
+        match self.stream {
+            // `stop` leaves the stream off, and the kind the teardown needs
+            // on, even when a step of it fails.
+            Stream::Ours => {
+                let _ = self.stop(session);
+            }
+            Stream::Taken { .. } | Stream::Off => {
+                self.stream = Stream::Off;
+                self.detach_when_alone(session);
+            }
+        }
+        let detached = *detach::gate() != Attachment::Attached;
+        let kept_for_another = self.teardown.is_none() && coexist::other_user_active().is_some();
+        if detached || kept_for_another || since.elapsed() >= STAND_DOWN_LIMIT {
+            self.give_up(session);
+            return true;
+        }
+        false
+    }
+
     fn give_up(&mut self, session: &Session) {
         self.end_timing(session, devtrace_shm::clock::now_ns());
         let gate = detach::gate();

@@ -94,6 +94,12 @@ static SUBSCRIBE_REFUSED: Mutex<Option<String>> = Mutex::new(None);
 /// Converts the buffers CUPTI handed back so far; the gate is held.
 static CONVERT_PENDING: OnceLock<fn()> = OnceLock::new();
 
+/// In a forked child: no teardown is armed there (the child's CUDA calls
+/// must not finalize a CUPTI whose state is its parent's).
+pub fn disarm_in_child() {
+    ARMED.store(false, Ordering::Release);
+}
+
 /// Whether a finalize of ours is under way: buffers handed back now must be
 /// converted at once.
 pub fn finalizing() -> bool {
@@ -203,7 +209,7 @@ impl Teardown {
         let busy = ARMED_GATE_BUSY.swap(0, Ordering::AcqRel);
         let other = ARMED_OTHER_USER.swap(0, Ordering::AcqRel);
         if crate::debug_enabled() && !self.finalized() {
-            eprintln!(
+            say!(
                 "devtrace-inject: teardown ended without a detach after {} ms: {exits} API exits, \
                  {busy} with the library's CUPTI lock busy, {other} with another CUPTI user active",
                 self.age().as_millis()
@@ -338,8 +344,11 @@ pub fn given_away_at_ns() -> Option<u64> {
 /// see keeps CUPTI attached for good: ours would only block its
 /// subscriber).
 pub fn release_subscriber() {
-    let _gate = gate();
-    disarm_locked();
+    let gate = gate();
+    // An exiting process's libcupti may be going already.
+    if *gate != Attachment::Closed {
+        disarm_locked();
+    }
 }
 
 /// Another CUPTI user enabled a kind: CUPTI is attached whatever this
@@ -370,6 +379,11 @@ unsafe extern "C" fn on_api_callback(
     data: *const c_void,
 ) {
     crate::ffi::guard("the API callback", (), || {
+        // A forked child never calls CUPTI: a finalize there could wait
+        // forever on a lock a parent's thread held at the fork.
+        if crate::forked() {
+            return;
+        }
         // SAFETY: as CUPTI passes it.
         unsafe { crate::timed_calls::on_callback(domain, cbid, data) };
         if !ARMED.load(Ordering::Acquire) || data.is_null() {

@@ -16,7 +16,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 /// the caller gets `fallback`.
 pub fn guard<T>(entry_point: &str, fallback: T, body: impl FnOnce() -> T) -> T {
     catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|_| {
-        crate::fail(&format!("internal error (panic) in {entry_point}"));
+        // Saying so must not unwind into C either.
+        let _ = catch_unwind(|| crate::fail(&format!("internal error (panic) in {entry_point}")));
         fallback
     })
 }

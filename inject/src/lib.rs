@@ -16,11 +16,23 @@
 //! It must never crash or stall the workload: every failure (no libcupti, a
 //! CUPTI error, a panic, an unwritable runtime directory) is logged once to
 //! stderr and recorded in the metadata file when there is one, and the
-//! library then stays quiet for the rest of the process. Another CUPTI user
+//! library then ends what it had on, detaches CUPTI as after a capture, and
+//! stays quiet for the rest of the process. Another CUPTI user
 //! in the process (a framework profiler) is stepped aside for, never fought
 //! ([`coexist`]).
 
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
+/// Writes one line to the job's standard error, whatever becomes of the
+/// write. Never `eprintln!`, which panics when it fails (a pipe whose
+/// reader is gone: Python ignores SIGPIPE), and the panic may be the second
+/// in a guard already handling one, which aborts the job.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
 
 mod buffers;
 mod coexist;
@@ -55,7 +67,7 @@ static SESSION: OnceLock<Session> = OnceLock::new();
 /// Logs the first failure and silences the library.
 fn fail(message: &str) {
     if !QUIET.swap(true, Ordering::SeqCst) {
-        eprintln!("devtrace-inject: {message}; tracing is off in this process");
+        say!("devtrace-inject: {message}; tracing is off in this process");
         if let Some(session) = SESSION.get() {
             session.write_meta(&MetaRecord::Error {
                 message: message.to_string(),
@@ -76,6 +88,7 @@ fn forked() -> bool {
 extern "C" fn in_forked_child() {
     FORKED.store(true, Ordering::Relaxed);
     QUIET.store(true, Ordering::Relaxed);
+    detach::disarm_in_child();
     timed_calls::stop();
 }
 

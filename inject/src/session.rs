@@ -66,7 +66,7 @@ impl Session {
         if let Err(error) = written {
             // Not through `fail`, which would write metadata again.
             if !QUIET.swap(true, Ordering::SeqCst) {
-                eprintln!("devtrace-inject: writing metadata failed: {error}; tracing is off in this process");
+                say!("devtrace-inject: writing metadata failed: {error}; tracing is off in this process");
             }
         }
     }

@@ -1397,6 +1397,24 @@ async fn a_workload_captured_when_its_agent_is_killed_is_detached() {
     assert_left_detached(&workload);
 }
 
+/// A library that fails in the middle of a capture (here every flush of
+/// CUPTI's buffers fails) says so once and still leaves the job as it found
+/// it: what it had on is switched off and CUPTI detached, as at a capture's
+/// end. (It used to stop where it failed, CUPTI armed for the rest of the
+/// job's life.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_library_failing_mid_capture_leaves_the_job_detached() {
+    let setup = setup("cuda_failing_mid_capture");
+    let agent = setup.agent();
+    let failing = ("DEVTRACE_STANDIN_CUPTI_FAIL", "cuptiActivityFlushAll");
+    let mut workload = paced_workload_with(&setup, &agent, "200", "10", &[failing]).await;
+    let mut client = agent.client().await;
+    let _ = client.profile(common::request(1000, "failing")).await;
+    assert_left_detached(&workload);
+    let stderr = stderr_of(&mut workload);
+    assert_one_library_message(&stderr, "cuptiActivityFlushAll");
+}
+
 /// Under `--cuda-record always` a trigger's saved session holds the GPU
 /// kernels from before the moment it fired: the mock's slow step fires a
 /// step-time rule while a CUDA workload runs, and the saved trace has the
