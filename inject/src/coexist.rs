@@ -110,27 +110,61 @@ pub fn join_global_scope() {
 /// to, which may be libcupti's.
 pub fn redirect_callers() -> usize {
     use crate::sys::got::Redirect;
-    let hooks: [(&'static std::ffi::CStr, *const ()); 7] = [
+    // Only callers of the libcupti in use are redirected: the hooks
+    // forward to it.
+    let Some(lib) = crate::cupti::library_ref() else {
+        return 0;
+    };
+    let hooks: [(&'static std::ffi::CStr, Option<usize>, *const ()); 7] = [
         (
             c"cuptiActivityRegisterCallbacks",
+            Some(lib.register_callbacks as usize),
             register_callbacks_hook as *const (),
         ),
-        (c"cuptiActivityEnable", enable_hook as *const ()),
-        (c"cuptiActivityDisable", disable_hook as *const ()),
-        (c"cuptiActivityFlushAll", flush_all_hook as *const ()),
-        (c"cuptiFinalize", finalize_hook as *const ()),
-        (c"cuptiSubscribe", subscribe_hook as *const ()),
-        (c"cuptiUnsubscribe", unsubscribe_hook as *const ()),
+        (
+            c"cuptiActivityEnable",
+            Some(lib.enable as usize),
+            enable_hook as *const (),
+        ),
+        (
+            c"cuptiActivityDisable",
+            Some(lib.disable as usize),
+            disable_hook as *const (),
+        ),
+        (
+            c"cuptiActivityFlushAll",
+            Some(lib.flush_all as usize),
+            flush_all_hook as *const (),
+        ),
+        (
+            c"cuptiFinalize",
+            lib.finalize.map(|f| f as usize),
+            finalize_hook as *const (),
+        ),
+        (
+            c"cuptiSubscribe",
+            lib.subscribe.map(|f| f as usize),
+            subscribe_hook as *const (),
+        ),
+        (
+            c"cuptiUnsubscribe",
+            lib.unsubscribe.map(|f| f as usize),
+            unsubscribe_hook as *const (),
+        ),
     ];
-    let redirects = hooks.map(|(name, hook)| Redirect {
-        name,
-        to: hook as usize,
-    });
-    // Once the real entry points are resolved, later lookups in libcupti
-    // itself find the hooks too.
-    if crate::cupti::library_ref().is_some() {
-        crate::sys::got::retarget_exports(&redirects);
-    }
+    let redirects: Vec<Redirect> = hooks
+        .into_iter()
+        .filter_map(|(name, from, hook)| {
+            Some(Redirect {
+                name,
+                from: from?,
+                to: hook as usize,
+            })
+        })
+        .collect();
+    // Later lookups in libcupti itself (dlsym, a library bound later) find
+    // the hooks too.
+    crate::sys::got::retarget_exports(&redirects);
     crate::sys::got::redirect(&redirects)
 }
 

@@ -5,11 +5,23 @@
 //! JAX bind to libcupti directly.
 //!
 //! Every loaded object's PLT (`JUMP_SLOT`) and GOT (`GLOB_DAT`) relocations
-//! naming one of the entry points get this library's function instead. A
+//! naming one of the entry points get this library's function instead,
+//! where they hold that entry point of the libcupti this library uses: a
+//! slot bound to another copy of libcupti in the process (a framework's
+//! own `.so.12` beside the `.so.13` found first) stays with it, and so
+//! does one not bound yet (which the retargeted exports below cover). A
 //! slot in a RELRO segment is made writable for the write and read-only
 //! again. libcupti itself (whose internal calls stay as they are) and this
 //! library are left alone. Slots already redirected are skipped, so it can
 //! run again for libraries loaded later.
+//!
+//! The loader lists an object (`dl_iterate_phdr`) as soon as it maps it,
+//! before it relocates it and makes its RELRO pages read-only: a slot
+//! written then, its page made read-only by us, faults the loader's next
+//! relocation in that page. So the walk first lists the objects, then
+//! opens each again (`dlopen` with `RTLD_NOLOAD`, which waits for a
+//! `dlopen` under way to finish, and keeps the object loaded) and only then
+//! patches it.
 //!
 //! Callers that have not bound the names yet are covered at the source
 //! ([`retarget_exports`]): libcupti's own dynamic symbol table entries for
@@ -63,9 +75,11 @@ struct Sym {
     size: u64,
 }
 
-/// An entry point and the function calls to it should reach instead.
+/// An entry point, where the libcupti in use has it, and the function
+/// calls to it should reach instead.
 pub struct Redirect {
     pub name: &'static CStr,
+    pub from: usize,
     pub to: usize,
 }
 
@@ -104,47 +118,161 @@ fn walk(redirects: &[Redirect], target: Target) -> usize {
         target,
         patched: 0,
     };
-    // SAFETY: the callback only reads the loader's structures for each
-    // object and writes pointer-sized slots of their GOTs.
-    unsafe { libc::dl_iterate_phdr(Some(visit), (&mut walk as *mut Walk).cast()) };
+    let mut listed = Listed {
+        objects: Vec::with_capacity(MAX_OBJECTS),
+        names: Vec::with_capacity(NAME_BYTES),
+    };
+    // SAFETY: the callback only copies the loader's description of each
+    // object into `listed`'s room, allocating nothing.
+    unsafe { libc::dl_iterate_phdr(Some(list), (&mut listed as *mut Listed).cast()) };
+    for object in &listed.objects {
+        let name = &listed.names[object.name.clone()];
+        let Some(held) = Held::open(name) else {
+            continue; // unloaded since, or never finished loading
+        };
+        // The same object as listed (not one loaded at its name since).
+        if held.base() != Some(object.base) {
+            continue;
+        }
+        // SAFETY: the program headers of a loaded object, which `held`
+        // keeps loaded.
+        let phdrs = unsafe { std::slice::from_raw_parts(object.phdrs, usize::from(object.phnum)) };
+        let name = CStr::from_bytes_until_nul(name)
+            .ok()
+            .and_then(|name| name.to_str().ok())
+            .unwrap_or("");
+        // SAFETY: as above.
+        unsafe { patch_loaded(name, object.base, phdrs, &mut walk) };
+        drop(held);
+    }
     walk.patched
 }
 
-/// `dl_iterate_phdr`'s callback: a panic here must not unwind into the
-/// loader (it would abort the workload), so it ends the walk instead.
+/// Most objects one walk looks at, and the bytes of their names: room
+/// made before the walk, since the loader's lock is held during it.
+const MAX_OBJECTS: usize = 4096;
+const NAME_BYTES: usize = 1 << 20;
+
+/// The loaded objects as `dl_iterate_phdr` listed them.
+struct Listed {
+    objects: Vec<ListedObject>,
+    /// Their names, NUL-terminated, one after another.
+    names: Vec<u8>,
+}
+
+struct ListedObject {
+    /// Where its name (with the NUL) lies in [`Listed::names`].
+    name: std::ops::Range<usize>,
+    base: usize,
+    phdrs: *const libc::Elf64_Phdr,
+    phnum: u16,
+}
+
+/// `dl_iterate_phdr`'s callback: notes each object, in the room made for
+/// them (one past it waits for the next walk). A panic here must not
+/// unwind into the loader (it would abort the workload), so it ends the
+/// walk instead.
 ///
 /// # Safety
-/// `info` is the loader's description of one object and `data` our `Walk`.
-unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, size: usize, data: *mut c_void) -> c_int {
+/// `info` is the loader's description of one object and `data` our
+/// `Listed`.
+unsafe extern "C" fn list(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
     crate::ffi::guard("the loaded-object walk", 1, || {
         // SAFETY: as the caller promises.
-        unsafe { visit_object(info, size, data) }
+        let (info, listed) = unsafe { (&*info, &mut *data.cast::<Listed>()) };
+        let name: &[u8] = if info.dlpi_name.is_null() {
+            b"\0"
+        } else {
+            // SAFETY: a NUL-terminated path owned by the loader.
+            unsafe { CStr::from_ptr(info.dlpi_name) }.to_bytes_with_nul()
+        };
+        let start = listed.names.len();
+        if listed.objects.len() == listed.objects.capacity()
+            || start + name.len() > listed.names.capacity()
+        {
+            return 0;
+        }
+        listed.names.extend_from_slice(name);
+        listed.objects.push(ListedObject {
+            name: start..start + name.len(),
+            base: info.dlpi_addr as usize,
+            phdrs: info.dlpi_phdr,
+            phnum: info.dlpi_phnum,
+        });
+        0
     })
 }
 
+/// A loaded object opened again, so that the loader has finished loading
+/// it and keeps it loaded until this is dropped.
+struct Held(*mut c_void);
+
+impl Held {
+    /// Opens the object named `name` (NUL-terminated; empty: the main
+    /// program) only if it is loaded, waiting for a `dlopen` under way.
+    fn open(name: &[u8]) -> Option<Held> {
+        let name = CStr::from_bytes_until_nul(name).ok()?;
+        let path = if name.is_empty() {
+            std::ptr::null()
+        } else {
+            name.as_ptr()
+        };
+        // SAFETY: a NUL-terminated name (or null: the main program);
+        // RTLD_NOLOAD loads nothing new.
+        let handle = unsafe { libc::dlopen(path, libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        (!handle.is_null()).then_some(Held(handle))
+    }
+
+    /// Its load base (`l_addr` of its `link_map`).
+    fn base(&self) -> Option<usize> {
+        /// The public head of glibc's `struct link_map` (`<link.h>`).
+        #[repr(C)]
+        struct LinkMap {
+            addr: usize,
+        }
+        let mut map: *const LinkMap = std::ptr::null();
+        // SAFETY: a handle of dlopen's; RTLD_DI_LINKMAP writes a pointer.
+        let rc = unsafe {
+            libc::dlinfo(
+                self.0,
+                libc::RTLD_DI_LINKMAP,
+                (&mut map as *mut *const LinkMap).cast(),
+            )
+        };
+        // SAFETY: the loader's link_map of an object held open.
+        (rc == 0 && !map.is_null()).then(|| unsafe { (*map).addr })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // SAFETY: a handle of dlopen's, closed once.
+        unsafe { libc::dlclose(self.0) };
+    }
+}
+
+/// Patches one loaded object, relocated and held open: its slots, or, for
+/// the libcupti in use, its exports.
+///
 /// # Safety
-/// As [`visit`].
-unsafe fn visit_object(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
-    // SAFETY: the loader passes a valid `info`; `data` is our `Walk`.
-    let (info, walk) = unsafe { (&*info, &mut *data.cast::<Walk>()) };
-    let name = if info.dlpi_name.is_null() {
-        ""
-    } else {
-        // SAFETY: a NUL-terminated path owned by the loader.
-        unsafe { CStr::from_ptr(info.dlpi_name) }
-            .to_str()
-            .unwrap_or("")
-    };
+/// `phdrs` are the program headers of the object loaded at `base`, held
+/// loaded by the caller.
+unsafe fn patch_loaded(name: &str, base: usize, phdrs: &[libc::Elf64_Phdr], walk: &mut Walk) {
     let is_cupti = name.contains("libcupti");
     if name.contains("linux-vdso") || is_cupti != (walk.target == Target::Exports) {
-        return 0;
+        return;
     }
-    // SAFETY: as above; phdrs are the object's program headers.
-    let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
-    let base = info.dlpi_addr as usize;
     if walk.target == Target::Exports {
+        // Another copy of libcupti keeps its own exports.
+        let ours = walk
+            .redirects
+            .iter()
+            .any(|redirect| segment_of(redirect.from, base, phdrs).is_some());
+        if !ours {
+            return;
+        }
         let Some(dynamic) = phdrs.iter().find(|p| p.p_type == PT_DYNAMIC) else {
-            return 0;
+            return;
         };
         // SAFETY: the dynamic section and program headers of a loaded object.
         unsafe {
@@ -155,16 +283,16 @@ unsafe fn visit_object(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c
                 walk,
             )
         };
-        return 0;
+        return;
     }
     // This library's own slots stay as they are. It is known by its load
     // base; the main program's base is 0 (and so is an unknown own base),
     // which never counts as a match.
     if base != 0 && base == walk.own_base {
-        return 0;
+        return;
     }
     let Some(dynamic) = phdrs.iter().find(|p| p.p_type == PT_DYNAMIC) else {
-        return 0;
+        return;
     };
     let relro = phdrs
         .iter()
@@ -179,7 +307,6 @@ unsafe fn visit_object(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c
             walk,
         )
     };
-    0
 }
 
 /// Some loaders leave the dynamic section's addresses unrelocated.
@@ -278,8 +405,10 @@ unsafe fn patch_object(
                 continue;
             };
             let slot = (base + relocation.offset as usize) as *mut usize;
+            // Only a slot bound to the libcupti in use: not one bound to
+            // another copy, nor one not bound yet (or redirected already).
             // SAFETY: the GOT slot of this relocation.
-            if unsafe { slot.read_volatile() } == redirect.to {
+            if unsafe { slot.read_volatile() } != redirect.from {
                 continue;
             }
             // SAFETY: as above; `relro` is this object's RELRO range.
@@ -422,6 +551,18 @@ unsafe fn patch_exports(
     }
 }
 
+/// The loaded segment of the object at `base` that holds `address`.
+fn segment_of(
+    address: usize,
+    base: usize,
+    phdrs: &[libc::Elf64_Phdr],
+) -> Option<&libc::Elf64_Phdr> {
+    phdrs.iter().find(|p| {
+        let start = base + p.p_vaddr as usize;
+        p.p_type == PT_LOAD && address >= start && address < start + p.p_memsz as usize
+    })
+}
+
 /// Writes one u64 of a loaded object's read-only segment: the page is made
 /// writable for the write, then given the segment's own protection back.
 /// (A concurrent lookup reads either the old or the new value: the write
@@ -437,10 +578,7 @@ unsafe fn write_in_segment(
     phdrs: &[libc::Elf64_Phdr],
 ) -> bool {
     let address = field as usize;
-    let Some(segment) = phdrs.iter().find(|p| {
-        let start = base + p.p_vaddr as usize;
-        p.p_type == PT_LOAD && address >= start && address < start + p.p_memsz as usize
-    }) else {
+    let Some(segment) = segment_of(address, base, phdrs) else {
         return false;
     };
     let mut protection = 0;
