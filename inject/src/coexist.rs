@@ -115,53 +115,28 @@ pub fn redirect_callers() -> usize {
     let Some(lib) = crate::cupti::library_ref() else {
         return 0;
     };
-    let hooks: [(&'static std::ffi::CStr, Option<usize>, *const ()); 7] = [
-        (
-            c"cuptiActivityRegisterCallbacks",
-            Some(lib.register_callbacks as usize),
-            register_callbacks_hook as *const (),
-        ),
-        (
-            c"cuptiActivityEnable",
-            Some(lib.enable as usize),
-            enable_hook as *const (),
-        ),
-        (
-            c"cuptiActivityDisable",
-            Some(lib.disable as usize),
-            disable_hook as *const (),
-        ),
-        (
-            c"cuptiActivityFlushAll",
-            Some(lib.flush_all as usize),
-            flush_all_hook as *const (),
-        ),
-        (
-            c"cuptiFinalize",
-            lib.finalize.map(|f| f as usize),
-            finalize_hook as *const (),
-        ),
-        (
-            c"cuptiSubscribe",
-            lib.subscribe.map(|f| f as usize),
-            subscribe_hook as *const (),
-        ),
-        (
-            c"cuptiUnsubscribe",
-            lib.unsubscribe.map(|f| f as usize),
-            unsubscribe_hook as *const (),
-        ),
-    ];
-    let redirects: Vec<Redirect> = hooks
-        .into_iter()
-        .filter_map(|(name, from, hook)| {
-            Some(Redirect {
-                name,
-                from: from?,
-                to: hook as usize,
-            })
+    let redirect = |name, from: Option<usize>, hook: *const ()| {
+        Some(Redirect {
+            name,
+            from: from?,
+            to: hook as usize,
         })
-        .collect();
+    };
+    let register = lib.register_callbacks as usize;
+    // One line a name: a table.
+    #[rustfmt::skip]
+    let redirects: Vec<Redirect> = [
+        redirect(c"cuptiActivityRegisterCallbacks", Some(register), register_callbacks_hook as _),
+        redirect(c"cuptiActivityEnable", Some(lib.enable as usize), enable_hook as _),
+        redirect(c"cuptiActivityDisable", Some(lib.disable as usize), disable_hook as _),
+        redirect(c"cuptiActivityFlushAll", Some(lib.flush_all as usize), flush_all_hook as _),
+        redirect(c"cuptiFinalize", lib.finalize.map(|f| f as usize), finalize_hook as _),
+        redirect(c"cuptiSubscribe", lib.subscribe.map(|f| f as usize), subscribe_hook as _),
+        redirect(c"cuptiUnsubscribe", lib.unsubscribe.map(|f| f as usize), unsubscribe_hook as _),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     // Later lookups in libcupti itself (dlsym, a library bound later) find
     // the hooks too.
     crate::sys::got::retarget_exports(&redirects);
