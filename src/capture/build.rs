@@ -195,10 +195,20 @@ impl Captures {
             }
         }
         if let Some(history) = data.history_starts_ns {
-            warnings.push(format!(
-                "the flight recorder holds nothing before {:.3} s into the window; earlier events were evicted or never recorded",
-                history.saturating_sub(window.start_ns) as f64 / 1e9
-            ));
+            warnings.push(if history >= window.stop_ns {
+                format!(
+                    "the flight recorder holds nothing of this window: its oldest event is \
+                     {:.3} s after the window's end; earlier events were evicted or never \
+                     recorded (--store-retention bounds how far back a window can reach)",
+                    history.saturating_sub(window.stop_ns) as f64 / 1e9
+                )
+            } else {
+                format!(
+                    "the flight recorder holds nothing before {:.3} s into the window; earlier \
+                     events were evicted or never recorded",
+                    history.saturating_sub(window.start_ns) as f64 / 1e9
+                )
+            });
         }
         let mut errors = Vec::new();
         let mut merged = Vec::new();

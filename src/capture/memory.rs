@@ -46,27 +46,28 @@ const GROWTH_STEP: usize = 4 << 20;
 pub enum MemoryError {
     /// It waited for other captures' traces past its request's deadline.
     #[error(
-        "waited {:.3} s for {needed} bytes of capture memory (--capture-memory {budget} bytes, \
-         held by other captures' traces) until this request's deadline; ask again later, for \
-         a shorter window, or start the agent with a larger --capture-memory",
+        "waited {:.3} s for {needed} bytes of capture memory ({held}) until this request's \
+         deadline; ask again later, for a shorter window, or start the agent with a larger \
+         --capture-memory",
         waited.as_secs_f64()
     )]
     OutOfTime {
         waited: Duration,
         needed: usize,
-        budget: usize,
+        /// What held it, as the message says it.
+        held: String,
     },
-    /// It alone needs more than the whole budget.
+    /// It alone needs more than it may ever hold.
     #[error(
-        "{what} takes at least {needed} bytes, more than all of --capture-memory ({budget} \
-         bytes); ask for less (a shorter window, one host), or start the agent with a larger \
-         --capture-memory"
+        "{what} takes at least {needed} bytes, more than {allowed}; ask for less (a shorter \
+         window, one host), or start the agent with a larger --capture-memory"
     )]
     TooLarge {
         /// What needs it, as the message says it.
         what: String,
         needed: usize,
-        budget: usize,
+        /// The most it may hold, as the message says it.
+        allowed: String,
     },
     /// Its trace outgrew its reservation while the rest of the budget was
     /// held by other captures.
@@ -202,17 +203,19 @@ impl CaptureMemory {
             None => self.units,
         };
         let Some(units32) = u32::try_from(units).ok().filter(|_| units <= limit) else {
-            let mut what = what();
-            if owner.is_some() {
-                what.push_str(
-                    " (for a caller that is not an admin: half of it, the most one caller \
-                     holds at once)",
-                );
-            }
+            let allowed = match owner {
+                Some(_) => format!(
+                    "a caller's share of --capture-memory ({} bytes: half of its {} bytes, the \
+                     most a caller that is not an admin holds at once)",
+                    limit * UNIT,
+                    self.budget
+                ),
+                None => format!("all of --capture-memory ({} bytes)", self.budget),
+            };
             return Err(MemoryError::TooLarge {
-                what,
+                what: what(),
                 needed,
-                budget: limit * UNIT,
+                allowed,
             });
         };
         let share = owner.map(|owner| self.share_of(owner));
@@ -242,10 +245,21 @@ impl CaptureMemory {
             }
             let now = Instant::now();
             if now >= deadline {
+                let held = match owner {
+                    Some(_) => format!(
+                        "this caller's share, half of --capture-memory's {} bytes, held by its \
+                         other captures' traces, or the rest by other callers'",
+                        self.budget
+                    ),
+                    None => format!(
+                        "--capture-memory {} bytes, held by other captures' traces",
+                        self.budget
+                    ),
+                };
                 return Err(MemoryError::OutOfTime {
                     waited: started.elapsed(),
                     needed,
-                    budget: self.budget,
+                    held,
                 });
             }
             let _ = tokio::time::timeout_at(deadline.min(now + RECHECK).into(), released).await;
@@ -512,6 +526,21 @@ mod tests {
         assert!(
             matches!(refused, MemoryError::OutOfTime { .. }),
             "{refused}"
+        );
+        // Said as the share it waited for, not the whole budget.
+        assert!(
+            refused.to_string().contains("this caller's share, half of"),
+            "{refused}"
+        );
+        // A window larger than the share is refused at once, as such.
+        let too_large = memory
+            .reserve_as(Some(&first), 5 << 20, test_build, Instant::now())
+            .await
+            .unwrap_err();
+        let said = too_large.to_string();
+        assert!(
+            said.contains("more than a caller's share of --capture-memory (4194304 bytes: half of its 8388608 bytes"),
+            "{said}"
         );
         // Its build outgrowing the half is stopped there.
         let outgrown = held.take(5 << 20).unwrap_err();

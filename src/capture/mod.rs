@@ -239,7 +239,7 @@ impl Captures {
             return Err(MemoryError::TooLarge {
                 what: format!("{} (with the trace itself)", what()),
                 needed: with_trace,
-                budget: self.memory.budget(),
+                allowed: format!("all of --capture-memory ({} bytes)", self.memory.budget()),
             }
             .into());
         }

@@ -298,11 +298,7 @@ async fn traces_are_written_only_inside_allowed_roots() {
 
 /// The warnings of a reply's trace that say it could not be written.
 fn write_failures(space: &devtrace::proto::tensorflow::profiler::XSpace) -> Vec<&String> {
-    space
-        .warnings
-        .iter()
-        .filter(|w| w.contains("could not write this trace"))
-        .collect()
+    warnings_with(space, "could not write this trace")
 }
 
 #[tokio::test]
@@ -724,6 +720,24 @@ async fn an_unattended_continuous_session_ends_by_itself() {
 }
 
 /// A continuous session's request: 1 s snapshots, from when it is asked.
+/// A window from before anything the flight recorder holds says so as
+/// that: nothing of the window, the recorder's oldest event after its end.
+#[tokio::test]
+async fn a_window_older_than_the_recorder_says_it_holds_nothing_of_it() {
+    let agent = AgentProcess::start(&[]);
+    let mut req = request(1000, "too_old");
+    req.opts.as_mut().unwrap().start_timestamp_ns = now_ns() - 10_000_000_000;
+    let space = space_of(&agent.profile(req).await);
+    let said = warnings_with(&space, "flight recorder holds nothing");
+    assert_eq!(said.len(), 1, "{:?}", space.warnings);
+    assert!(
+        said[0].contains("holds nothing of this window: its oldest event is")
+            && said[0].contains("s after the window's end"),
+        "{}",
+        said[0]
+    );
+}
+
 /// Snapshots of a continuous session written under `repository_root`: each
 /// a session of its own, named after the start request's, none written
 /// over another.

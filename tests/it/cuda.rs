@@ -2642,11 +2642,7 @@ async fn a_library_is_woken_as_a_capture_starts_and_ends() {
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 2000, &release).await;
     assert_eq!(program_kernels(&space).len(), 4, "{:?}", space.warnings);
-    let starts: Vec<&String> = space
-        .warnings
-        .iter()
-        .filter(|w| w.contains("CUPTI started recording"))
-        .collect();
+    let starts = common::warnings_with(&space, "CUPTI started recording");
     assert_eq!(starts.len(), 1, "{:?}", space.warnings);
     calls_until_done(&workload);
 }

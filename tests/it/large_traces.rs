@@ -210,11 +210,7 @@ async fn a_large_trace_goes_to_the_client_as_chunks_when_the_agent_does_not_writ
     let reply = client.profile(blocked.clone()).await.unwrap().into_inner();
     let (space, _) = chunked_tool_data(&reply);
     assert_whole(&space, &blocked);
-    let failures: Vec<&String> = space
-        .warnings
-        .iter()
-        .filter(|w| w.contains("could not write this trace"))
-        .collect();
+    let failures = warnings_with(&space, "could not write this trace");
     assert_eq!(failures.len(), 1, "{:?}", space.warnings);
 
     // A client that needs the XSpace itself is told how to get the trace.

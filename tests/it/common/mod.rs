@@ -390,6 +390,15 @@ pub fn request(duration_ms: u64, session_id: &str) -> ProfileRequest {
     }
 }
 
+/// The warnings of `space` that hold `needle`.
+pub fn warnings_with<'s>(space: &'s XSpace, needle: &str) -> Vec<&'s String> {
+    space
+        .warnings
+        .iter()
+        .filter(|w| w.contains(needle))
+        .collect()
+}
+
 /// The XSpace a reply carries, inline or as `tool_data`.
 pub fn space_of(reply: &ProfileResponse) -> XSpace {
     if let Some(space) = &reply.xspace {
