@@ -484,13 +484,17 @@ async fn admitted<IO, F, A>(
 ) -> Admitted<IO>
 where
     F: FnMut() -> A,
-    A: Future<Output = io::Result<(IO, Peer)>>,
+    A: Future<Output = io::Result<(IO, Peer, Option<Caller>)>>,
 {
     loop {
         match accept().await {
-            Ok((stream, peer)) => {
+            Ok((stream, peer, caller)) => {
                 if let Ok(admission) = gate.admit(peer) {
-                    return Admitted::new(stream, admission, first_bytes);
+                    let mut admitted = Admitted::new(stream, admission, first_bytes);
+                    if let Some(caller) = caller {
+                        admitted.caller = caller;
+                    }
+                    return admitted;
                 }
             }
             Err(error) => gate.pause_after(&error, name).await,
@@ -500,8 +504,11 @@ where
 
 /// Accepts the next connection `gate` admits from a TCP listener, with
 /// TCP_NODELAY set (small replies must not wait on Nagle's algorithm), and
-/// names its caller (after admission: a refused connection costs no look
-/// at the socket tables).
+/// names its caller. A loopback peer is named first and bounded as its
+/// user, as over the UNIX socket (else one local user's connections would
+/// use up the place every local caller shares, 127.0.0.1's); another is
+/// bounded by its address and named after admission, so that a refused
+/// connection from elsewhere costs no look at the socket tables.
 pub async fn accept_tcp(
     listener: &TcpListener,
     gate: &Arc<Gate>,
@@ -511,15 +518,33 @@ pub async fn accept_tcp(
     let mut admitted = admitted(gate, name, first_bytes, || async {
         let (stream, address) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
-        Ok((stream, Peer::Address(address.ip().to_canonical())))
+        let ip = address.ip().to_canonical();
+        if !ip.is_loopback() {
+            return Ok((stream, Peer::Address(ip), None));
+        }
+        let caller = tcp_caller(&stream).await;
+        let peer = match caller {
+            Caller::User { uid, .. } => Peer::User(uid),
+            _ => Peer::Address(ip),
+        };
+        Ok((stream, peer, Some(caller)))
     })
     .await;
-    if let (Ok(local), Ok(peer)) = (admitted.io.local_addr(), admitted.io.peer_addr()) {
-        admitted.caller = tokio::task::spawn_blocking(move || caller::of_tcp(local, peer))
-            .await
-            .unwrap_or(Caller::Unknown);
+    if admitted.caller == Caller::Unknown {
+        admitted.caller = tcp_caller(&admitted.io).await;
     }
     admitted
+}
+
+/// Who is calling on `stream`: the local user owning its other end, else
+/// its address.
+async fn tcp_caller(stream: &TcpStream) -> Caller {
+    let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else {
+        return Caller::Unknown;
+    };
+    tokio::task::spawn_blocking(move || caller::of_tcp(local, peer))
+        .await
+        .unwrap_or(Caller::Unknown)
 }
 
 /// Accepts the next connection `gate` admits from a UNIX listener, bounded
@@ -535,7 +560,7 @@ pub async fn accept_unix(
         let peer = stream
             .peer_cred()
             .map_or(Peer::Unknown, |credentials| Peer::User(credentials.uid()));
-        Ok((stream, peer))
+        Ok((stream, peer, None))
     })
     .await;
     if let Peer::User(uid) = admitted.admission.peer {

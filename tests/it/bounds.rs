@@ -1,6 +1,6 @@
 //! What a peer can make the agent hold, through connections it opens and
-//! requests it never finishes: connections past one address's bound are
-//! closed at once, silent connections do not make the health probes wait,
+//! requests it never finishes: connections past one peer's bound (a local
+//! user's, another host's address) are closed at once, silent connections do not make the health probes wait,
 //! a call's body must arrive within its deadline, and one connection may
 //! open so many calls at once. The agent keeps serving others throughout.
 
@@ -8,7 +8,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::raw_call::{connect_from, half_sent_call, read_reply, RawCall};
+use common::raw_call::{connect_as, half_sent_call, read_reply, RawCall};
 use common::*;
 use devtrace::protocol::listen::Limits;
 use tokio::io::AsyncReadExt;
@@ -28,13 +28,30 @@ async fn closed(stream: &mut TcpStream) -> bool {
     }
 }
 
+/// Whether this test may connect as other users (it needs root).
+fn cannot_act_as_others() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        eprintln!("skipped: needs root to connect as another user");
+    }
+    !root
+}
+
+/// A local user past its bound is refused, on 127.0.0.1 as any other
+/// local user: each is bounded as itself (before, every local caller on
+/// TCP shared 127.0.0.1's place, and one user's connections locked the
+/// others out).
 #[tokio::test(flavor = "multi_thread")]
 async fn connections_past_one_peers_bound_are_closed_and_others_are_still_served() {
+    if cannot_act_as_others() {
+        return;
+    }
     let (agent, metrics) = AgentProcess::start_with_metrics(&["--mock-rate", "1000"], &[]);
     let Limits { per_peer, .. } = devtrace::service::CONNECTION_LIMITS;
     let mut held = Vec::new();
     for _ in 0..per_peer {
-        let mut stream = connect_from([127, 0, 0, 2], &agent.address).await;
+        let mut stream = connect_as(65534, &agent.address).await;
         // The HTTP/2 preface and no more: the connection has spoken, so it
         // keeps its place past the first-bytes deadline however slow the
         // rest of the test.
@@ -45,7 +62,7 @@ async fn connections_past_one_peers_bound_are_closed_and_others_are_still_served
     }
     let mut past = Vec::new();
     for _ in 0..4 {
-        past.push(connect_from([127, 0, 0, 2], &agent.address).await);
+        past.push(connect_as(65534, &agent.address).await);
     }
     for stream in &mut past {
         assert!(
@@ -53,7 +70,7 @@ async fn connections_past_one_peers_bound_are_closed_and_others_are_still_served
             "a connection past the peer's bound was kept"
         );
     }
-    // Another address is served meanwhile.
+    // Another local user (this one, root) is served meanwhile.
     let space = space_of(&agent.profile(request(200, "bounds")).await);
     assert!(!space.planes.is_empty());
     let (_, text) =
@@ -72,12 +89,15 @@ async fn connections_past_one_peers_bound_are_closed_and_others_are_still_served
 
 #[tokio::test(flavor = "multi_thread")]
 async fn silent_connections_to_the_metrics_port_do_not_make_the_probes_wait() {
+    if cannot_act_as_others() {
+        return;
+    }
     let (_agent, metrics) = AgentProcess::start_with_metrics(&["--mock-rate", "1000"], &[]);
     // More silent connections than the endpoint serves at once used to
     // hold every place for the 10 s header deadline, and probes queued.
     let mut silent = Vec::new();
     for _ in 0..100 {
-        silent.push(connect_from([127, 0, 0, 3], &metrics).await);
+        silent.push(connect_as(65534, &metrics).await);
     }
     for _ in 0..5 {
         let (status, reply) = http_get_within(&metrics, "/healthz", Some(Duration::from_secs(2)))
@@ -177,7 +197,9 @@ async fn unfinished_bodies_of_one_caller_hold_at_most_its_share() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_silent_connection_is_closed_after_its_deadline() {
     let agent = AgentProcess::start(&["--mock-rate", "1000"]);
-    let mut silent = connect_from([127, 0, 0, 4], &agent.address).await;
+    let mut silent = TcpStream::connect(&agent.address)
+        .await
+        .expect("connecting");
     assert!(closed(&mut silent).await, "a silent connection was kept");
 }
 

@@ -316,9 +316,9 @@ async fn a_burst_of_distinct_captures_stays_inside_the_cgroup_each_delivered_or_
     assert!(status.success());
 }
 
-/// The same cgroup under a hostile mix at once: callers from six addresses
+/// The same cgroup under a hostile mix at once: six local users
 /// holding 4 MiB request bodies half sent on a dozen calls each, hundreds
-/// of idle connections from eight more, and three tool requests on a large
+/// of idle connections from eight more users, and three tool requests on a large
 /// session file (one whose output would be ten times the file). The agent
 /// is not OOM-killed, a capture and `/healthz` still answer meanwhile, and
 /// every tool request is answered or refused naming the budget.
@@ -371,23 +371,32 @@ async fn a_hostile_mix_of_bodies_connections_and_tool_requests_stays_inside_the_
     let file_bytes = std::fs::metadata(&file).expect("the session file").len();
     assert!(file_bytes > 10 << 20, "{file_bytes} bytes");
 
-    // Half-sent bodies: 6 addresses x 12 calls x 4 MiB claimed, three times
-    // what one caller may hold and more than all callers together may.
+    // Half-sent bodies: 6 local users x 12 calls x 4 MiB claimed, three
+    // times what one caller may hold and more than all callers together
+    // may. (A local caller is bounded as its user, whatever its address.)
     let claimed = (devtrace::service::MAX_REQUEST_BYTES - 5) as u32;
     let sent = claimed as usize - 1000;
     let mut bodies = Vec::new();
     for peer in 0..6u8 {
         for _ in 0..12 {
             bodies.push(
-                half_sent_call_from([127, 0, 2, peer + 1], &agent.address, claimed, sent).await,
+                half_sent_call_from(
+                    61_000 + u32::from(peer),
+                    [127, 0, 2, peer + 1],
+                    &agent.address,
+                    claimed,
+                    sent,
+                )
+                .await,
             );
         }
     }
-    // Idle connections: 8 addresses x 60.
+    // Idle connections: 8 local users x 60.
     let mut idle = Vec::new();
     for peer in 0..8u8 {
+        let uid = 62_000 + u32::from(peer);
         for _ in 0..60 {
-            idle.push(connect_from([127, 0, 3, peer + 1], &agent.address).await);
+            idle.push(connect_from(uid, [127, 0, 3, peer + 1], &agent.address).await);
         }
     }
     // Tool requests on the large file.

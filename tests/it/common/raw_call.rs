@@ -17,12 +17,23 @@ pub struct RawCall {
 /// A connection to `to` from the loopback address `from` (127.0.0.0/8 is
 /// all loopback), so that the agent sees another peer than the test's
 /// other calls, which come from 127.0.0.1.
-pub async fn connect_from(from: [u8; 4], to: &str) -> TcpStream {
+pub async fn connect_from(uid: u32, from: [u8; 4], to: &str) -> TcpStream {
     let to: SocketAddr = to.parse().expect("an address");
-    let socket = TcpSocket::new_v4().expect("a socket");
-    socket
-        .bind(SocketAddr::from((from, 0)))
-        .expect("binding a loopback address");
+    // The socket is its maker's: the agent names (and bounds) a local
+    // caller by the owner of its end.
+    let user = devtrace::repository::acting::Credentials {
+        uid,
+        gid: uid,
+        groups: Vec::new(),
+    };
+    let socket = user
+        .run(|| {
+            let socket = TcpSocket::new_v4()?;
+            socket.bind(SocketAddr::from((from, 0)))?;
+            Ok::<_, std::io::Error>(socket)
+        })
+        .expect("acting as the user")
+        .expect("a socket bound to a loopback address");
     socket.connect(to).await.expect("connecting")
 }
 
@@ -34,14 +45,16 @@ pub async fn start_profile_call(address: &str, first: Bytes) -> RawCall {
 }
 
 /// Starts a `Profile` call whose body stops after `sent` of the `claimed`
-/// bytes its gRPC frame announces, from the loopback address `from`.
+/// bytes its gRPC frame announces, from the loopback address `from`, as
+/// user `uid`.
 pub async fn half_sent_call_from(
+    uid: u32,
     from: [u8; 4],
     address: &str,
     claimed: u32,
     sent: usize,
 ) -> RawCall {
-    let io = connect_from(from, address).await;
+    let io = connect_from(uid, from, address).await;
     start_profile_call_on(io, address, half_frame(claimed, sent)).await
 }
 
