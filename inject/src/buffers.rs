@@ -28,6 +28,7 @@ pub const MAX_LENT: usize = 64;
 
 static LENT: Mutex<Lent> = Mutex::new(Lent {
     addresses: None,
+    given_up: None,
     unreturned_total: 0,
 });
 
@@ -35,13 +36,23 @@ struct Lent {
     /// Addresses of the buffers CUPTI holds (or completed and not yet
     /// released), created on first use.
     addresses: Option<HashSet<usize>>,
+    /// Addresses of the buffers given up at a detach, in case CUPTI hands
+    /// one back after all: it is then ours, not another user's.
+    given_up: Option<HashSet<usize>>,
     /// Buffers CUPTI never handed back before it was detached.
     unreturned_total: u64,
 }
 
+/// Given-up addresses remembered at most (a bound on a leak's bookkeeping).
+const MAX_GIVEN_UP: usize = 4096;
+
 impl Lent {
     fn addresses(&mut self) -> &mut HashSet<usize> {
         self.addresses.get_or_insert_with(HashSet::new)
+    }
+
+    fn given_up(&mut self) -> &mut HashSet<usize> {
+        self.given_up.get_or_insert_with(HashSet::new)
     }
 }
 
@@ -63,6 +74,8 @@ pub fn lend() -> Option<(*mut u8, usize)> {
         return None;
     }
     lent.addresses().insert(buffer as usize);
+    // A given-up buffer freed elsewhere, its address ours again.
+    lent.given_up().remove(&(buffer as usize));
     Some((buffer, BUFFER_BYTES))
 }
 
@@ -73,6 +86,23 @@ pub fn returned(buffer: *mut u8, size: usize) -> bool {
         && LENT
             .lock()
             .is_ok_and(|mut lent| lent.addresses().contains(&(buffer as usize)))
+}
+
+/// Whether a buffer CUPTI handed back is one of ours given up at a detach
+/// ([`give_up_unreturned`]): it never went to another user then, so it is
+/// freed here, unread (reading records would attach CUPTI again), and not
+/// taken for another CUPTI user's.
+pub fn returned_late(buffer: *mut u8, size: usize) -> bool {
+    let Ok(mut lent) = LENT.lock() else {
+        return false;
+    };
+    if size != BUFFER_BYTES || !lent.given_up().remove(&(buffer as usize)) {
+        return false;
+    }
+    // SAFETY: allocated by `lend` with this layout; given up, so never
+    // freed here, and removed from the given-up set now, so freed once.
+    unsafe { std::alloc::dealloc(buffer, layout()) };
+    true
 }
 
 /// Frees a buffer of ours that came back.
@@ -98,9 +128,13 @@ pub fn out() -> usize {
 /// were this time.
 pub fn give_up_unreturned() -> usize {
     let Ok(mut lent) = LENT.lock() else { return 0 };
-    let given_up = lent.addresses().drain().count();
-    lent.unreturned_total += given_up as u64;
-    given_up
+    let addresses: Vec<usize> = lent.addresses().drain().collect();
+    if lent.given_up().len() + addresses.len() > MAX_GIVEN_UP {
+        lent.given_up().clear();
+    }
+    lent.given_up().extend(&addresses);
+    lent.unreturned_total += addresses.len() as u64;
+    addresses.len()
 }
 
 /// Buffers given up since the process started.
@@ -112,8 +146,12 @@ pub fn unreturned_total() -> u64 {
 mod tests {
     use super::*;
 
+    /// The lent buffers are the process's: one test at a time.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
     #[test]
     fn a_buffer_is_ours_only_at_our_address_and_size() {
+        let _alone = ONE_AT_A_TIME.lock();
         let (buffer, size) = lend().expect("a buffer");
         assert_eq!(size, BUFFER_BYTES);
         assert!(!BUFFER_BYTES.is_power_of_two());
@@ -126,5 +164,18 @@ mod tests {
         assert!(!returned(buffer, size));
         // A second release of the same address frees nothing.
         release(buffer);
+    }
+
+    #[test]
+    fn a_buffer_given_up_and_handed_back_late_is_ours_and_freed_once() {
+        let _alone = ONE_AT_A_TIME.lock();
+        let (buffer, size) = lend().expect("a buffer");
+        assert!(give_up_unreturned() >= 1);
+        assert!(!returned(buffer, size));
+        // Another user's buffer at that address has another size.
+        assert!(!returned_late(buffer, 1 << 20));
+        assert!(returned_late(buffer, size));
+        // Freed: not again.
+        assert!(!returned_late(buffer, size));
     }
 }

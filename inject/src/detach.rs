@@ -386,7 +386,8 @@ unsafe extern "C" fn on_api_callback(
         }
         // SAFETY: as CUPTI passes it.
         unsafe { crate::timed_calls::on_callback(domain, cbid, data) };
-        if !ARMED.load(Ordering::Acquire) || data.is_null() {
+        if !ARMED.load(Ordering::Acquire) || data.is_null() || !callbacks::DOMAINS.contains(&domain)
+        {
             return;
         }
         // SAFETY: CUPTI passes a `CUpti_CallbackData` for the API domains.

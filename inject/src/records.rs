@@ -52,7 +52,11 @@ pub unsafe extern "C" fn buffer_completed(
             return;
         }
         if !buffers::returned(buffer, size) {
-            coexist::foreign_buffer_arrived();
+            // One of ours CUPTI kept past a detach is no sign of another
+            // user (which would keep CUPTI attached for good).
+            if !buffers::returned_late(buffer, size) {
+                coexist::foreign_buffer_arrived();
+            }
             return;
         }
         let completed = Completed {
