@@ -89,14 +89,25 @@ const WARN_13_0_GA: &str =
      concurrent kernel records and a possible crash in cuptiActivityFlushAll; use CUDA 13.0 \
      Update 1 or later";
 
+const WARN_NEWER_13: &str =
+    "this libcupti is newer than the newest release whose record layouts were checked \
+     against its headers (13.5): its records are read with 13.5's layouts, which NVIDIA has \
+     so far only grown at their end; a field moved in it would be misread";
+
+/// The newest API version whose record layouts were checked against the
+/// release's own headers (any 13.5 update).
+const NEWEST_CHECKED: u32 = 130599;
+
 /// Whether records of a libcupti with API `version` are read correctly: 12.2
-/// (20) and every later 12.x, and every 13.x. Older releases lay records
-/// out differently; a major after 13 is unknown and refused.
+/// (20) and every later 12.x, and every 13.x (past 13.5, with a warning).
+/// Older releases lay records out differently; a major after 13 is unknown
+/// and refused.
 pub fn support(version: u32) -> Result<Support, String> {
     match version {
         20..=99 => Ok(Support::Supported),
         130000 => Ok(Support::Warn(WARN_13_0_GA)),
-        130001..=139999 => Ok(Support::Supported),
+        130001..=NEWEST_CHECKED => Ok(Support::Supported),
+        130600..=139999 => Ok(Support::Warn(WARN_NEWER_13)),
         140000.. => Err(format!(
             "libcupti has API version {version} (CUDA {}); the injection library reads the record \
              layouts of CUDA 12.2 to 13.x only",
@@ -121,6 +132,13 @@ mod tests {
             assert_eq!(support(supported), Ok(Support::Supported), "{supported}");
         }
         assert!(matches!(support(130000), Ok(Support::Warn(text)) if text.contains("Update 1")));
+        assert!(matches!(support(130501), Ok(Support::Supported)));
+        for newer in [130600, 139999] {
+            assert!(
+                matches!(support(newer), Ok(Support::Warn(text)) if text.contains("13.5's layouts")),
+                "{newer}"
+            );
+        }
         for refused in [0, 12, 19, 100, 120000, 140000, 150100] {
             assert!(support(refused).is_err(), "{refused}");
         }
