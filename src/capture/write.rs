@@ -50,6 +50,12 @@ pub async fn write_trace<B: TraceFile>(
     let (written, bytes) = store_trace(root, plan, suffix, bytes).await?;
     match &written {
         Ok(path) => info!(%path, bytes = bytes.size(), "trace written"),
+        // The caller refuses the capture then: nothing replaces a trace.
+        Err(error) if error.is_taken() && !plan.generated_session_id => warn!(
+            %error,
+            session = %plan.session_id,
+            "trace not written: the session holds this host's trace already"
+        ),
         Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
     }
     Ok((written, bytes))

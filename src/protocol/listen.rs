@@ -504,11 +504,12 @@ where
 
 /// Accepts the next connection `gate` admits from a TCP listener, with
 /// TCP_NODELAY set (small replies must not wait on Nagle's algorithm), and
-/// names its caller. A loopback peer is named first and bounded as its
-/// user, as over the UNIX socket (else one local user's connections would
-/// use up the place every local caller shares, 127.0.0.1's); another is
-/// bounded by its address and named after admission, so that a refused
-/// connection from elsewhere costs no look at the socket tables.
+/// names its caller. A peer on this host (loopback, or this end's own
+/// address) is named first and bounded as its user, as over the UNIX
+/// socket (else one local user's connections would use up the place every
+/// local caller shares, 127.0.0.1's); another is bounded by its address
+/// and named after admission, so that a refused connection from elsewhere
+/// costs no look at the socket tables.
 pub async fn accept_tcp(
     listener: &TcpListener,
     gate: &Arc<Gate>,
@@ -519,7 +520,11 @@ pub async fn accept_tcp(
         let (stream, address) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
         let ip = address.ip().to_canonical();
-        if !ip.is_loopback() {
+        let this_host = ip.is_loopback()
+            || stream
+                .local_addr()
+                .is_ok_and(|local| local.ip().to_canonical() == ip);
+        if !this_host {
             return Ok((stream, Peer::Address(ip), None));
         }
         let caller = tcp_caller(&stream).await;

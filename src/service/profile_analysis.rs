@@ -284,6 +284,10 @@ fn storage_status(error: &StorageError, message: String) -> Status {
         {
             Status::permission_denied(message)
         }
+        // A file where a directory is named: there is no such directory.
+        StorageError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotADirectory => {
+            Status::not_found(message)
+        }
         StorageError::Io { .. } => Status::internal(message),
         // The bucket's server or credentials failed, not this agent.
         StorageError::Object { .. } => Status::unavailable(message),

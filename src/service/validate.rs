@@ -38,6 +38,10 @@ pub fn name_component(field: &str, value: &str) -> Result<(), Status> {
     if value.contains("..") {
         return Err(invalid(field, format!("{value:?} must not contain '..'")));
     }
+    // "." names the folder it would be made in.
+    if value == "." {
+        return Err(invalid(field, "\".\" names no folder of its own"));
+    }
     // A name padded by a script's quoting would be a second session
     // beside the one meant, shown alike.
     if value.trim() != value {
@@ -65,7 +69,16 @@ mod tests {
 
     #[test]
     fn names_refuse_traversal_separators_and_control_characters() {
-        for bad in ["a/b", "a\\b", "..", "x..y", "nul\0", "tab\t", "new\nline"] {
+        for bad in [
+            "a/b",
+            "a\\b",
+            "..",
+            ".",
+            "x..y",
+            "nul\0",
+            "tab\t",
+            "new\nline",
+        ] {
             let status = name_component("session_id", bad).unwrap_err();
             assert_eq!(status.code(), tonic::Code::InvalidArgument);
             assert!(

@@ -757,6 +757,17 @@ async fn continuous_snapshots_written_by_the_agent_each_keep_their_trace() {
             .await
             .unwrap();
     }
+    // A snapshot named after a session holding its host's trace is not
+    // written over it: it comes inline, saying why.
+    let named = client
+        .get_snapshot(GetSnapshotRequest {
+            snapshot_session_id: "continuous".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let space = named.xspace.expect("snapshots carry the XSpace");
+    assert_eq!(write_failures(&space).len(), 1, "{:?}", space.warnings);
     client
         .stop_continuous_profiling(StopContinuousProfilingRequest {})
         .await

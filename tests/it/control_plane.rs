@@ -849,8 +849,16 @@ async fn files_under_an_allowed_root_are_touched_with_the_callers_rights() {
         panic!("uid 65534 listed their sessions: {listed:?}");
     }
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
-    // Root still reads it.
+    // A file named where a directory goes: no such directory, not a fault.
     let mut analysis = agent.analysis().await;
+    let onto_file = analysis
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: path(&trace).to_string(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(onto_file.code(), tonic::Code::NotFound, "{onto_file:?}");
+    // Root still reads it.
     let served = analysis
         .get_session_tool_data(ask)
         .await

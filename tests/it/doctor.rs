@@ -140,6 +140,10 @@ fn flags_serve_would_stop_at_are_not_ready() {
             "--ebpf-cgroup /nonexistent/cgroup: No such file",
         ),
         (
+            &["--ebpf-cgroup", "/tmp"][..],
+            "--ebpf-cgroup /tmp: /tmp is not a cgroup v2 directory",
+        ),
+        (
             &["--admin-group", "no-such-devtrace-group"][..],
             "--admin-group no-such-devtrace-group: no such group on this host",
         ),

@@ -666,10 +666,14 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 .respond_chunked(&plan, plan.window, Arc::new(encoded), true, deadline)
                 .await;
         }
-        let encoded = Arc::new(encoded);
+        let mut encoded = Arc::new(encoded);
         if let Some(root) = self.server_side_root(&plan) {
-            // A failure is logged; the snapshot goes inline either way.
-            let _ = write_trace(root, &plan, XPLANE_SUFFIX, Arc::clone(&encoded)).await?;
+            // The snapshot goes inline either way; one not written says why.
+            let (written, _) =
+                write_trace(root, &plan, XPLANE_SUFFIX, Arc::clone(&encoded)).await?;
+            if let Err(error) = written {
+                encoded = reply::with_warnings(encoded, &[reply::unwritten_warning(&error)]);
+            }
         }
         self.capture_ready("GetSnapshot", plan.window, now);
         let empty_trace = encoded.events == 0;

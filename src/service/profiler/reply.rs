@@ -171,15 +171,22 @@ impl ProfilerService {
             return Ok(());
         };
         let session = root.join(&plan.session_id);
+        let host = plan.file_host.clone();
         // A session that cannot be read counts as empty: the write refuses
-        // to replace a trace anyway.
-        let traces = tokio::task::spawn_blocking(move || {
-            crate::fleet::session_traces(&session).unwrap_or_default()
+        // to replace a trace anyway. Only a trace counts as held: a link
+        // or other file planted under its name is refused at the write,
+        // and the trace returned, saying why.
+        let held = tokio::task::spawn_blocking(move || {
+            let traces = crate::fleet::session_traces(&session).unwrap_or_default();
+            traces
+                .get(&host)
+                .filter(|file| session.size(file).is_ok())
+                .cloned()
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?;
-        match traces.get(&plan.file_host) {
-            Some(file) => Err(held_session(plan, file)),
+        match held {
+            Some(file) => Err(held_session(plan, &file)),
             None => Ok(()),
         }
     }
@@ -256,7 +263,8 @@ fn refuse_taken(plan: &Plan, error: &StorageError) -> Result<(), Status> {
 
 fn held_session(plan: &Plan, held: &str) -> Status {
     Status::already_exists(format!(
-        "session_id: session {} holds a trace of {} already ({held}); no trace replaces          another: name another session, or leave session_id empty for a new one",
+        "session_id: session {} holds a trace of {} already ({held}); no trace replaces \
+         another: name another session, or leave session_id empty for a new one",
         plan.session_id, plan.file_host
     ))
 }
@@ -277,7 +285,7 @@ fn frame_trace(encoded: &Encoded) -> FramedReply {
 }
 
 /// The warning a trace the agent failed to write carries to the client.
-fn unwritten_warning(error: &StorageError) -> String {
+pub(super) fn unwritten_warning(error: &StorageError) -> String {
     format!(
         "the agent could not write this trace under repository_root ({error}); \
          it was returned to the client instead"
