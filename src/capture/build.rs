@@ -158,14 +158,7 @@ impl Captures {
         memory.take(data.chunk_bytes())?;
         memory.take(decoding_theirs)?;
         let mut warnings = plan.warnings.clone();
-        if let Some(waited) = memory.waited {
-            warnings.push(format!(
-                "this trace waited {:.3} s for capture memory: other captures' traces held \
-                 --capture-memory ({} bytes)",
-                waited.as_secs_f64(),
-                self.memory.budget()
-            ));
-        }
+        warnings.extend(memory.wait_note());
         // A backend that was asked for and could not run leaves a gap the
         // trace should admit to.
         for (name, reason) in self.agent.unavailable_backends() {

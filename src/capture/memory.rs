@@ -310,6 +310,26 @@ pub struct BuildMemory {
 }
 
 impl BuildMemory {
+    /// What the build waited for, as its trace says it, when it waited.
+    pub fn wait_note(&self) -> Option<String> {
+        let waited = self.waited?;
+        let held = match self.share {
+            Some(_) => format!(
+                "this caller's share of it (half of --capture-memory's {} bytes) was held by \
+                 its other captures' traces, or the rest by other callers'",
+                self.budget
+            ),
+            None => format!(
+                "other captures' traces held --capture-memory ({} bytes)",
+                self.budget
+            ),
+        };
+        Some(format!(
+            "this trace waited {:.3} s for capture memory: {held}",
+            waited.as_secs_f64()
+        ))
+    }
+
     /// Bytes held from the budget.
     pub fn held(&self) -> usize {
         self.permit.as_ref().map_or(0, |p| p.num_permits() * UNIT)
@@ -560,7 +580,17 @@ mod tests {
             .await
             .unwrap_err();
         assert!(too_large.to_string().contains("half of it"), "{too_large}");
-        drop((held, other));
+        // A build that waited on its own share says so, not that the
+        // whole budget was held.
+        let waiter = memory.reserve_as(Some(&first), 2 << 20, test_build, Instant::now() + FAR);
+        let (waited, ()) = tokio::join!(waiter, async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(held);
+        });
+        let waited = waited.unwrap();
+        let note = waited.wait_note().expect("it waited");
+        assert!(note.contains("this caller's share of it"), "{note}");
+        drop((waited, other));
         assert_eq!(memory.held(), 0);
         // An admin's build is bounded by the budget alone.
         let admin = memory
