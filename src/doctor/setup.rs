@@ -374,10 +374,14 @@ fn allow_root(root: &Path) -> Finding {
             format!("{} is not a directory", existing.display()),
         );
     }
-    if let Some(refusal) = (existing != root)
-        .then(|| kernel_filesystem_above(root))
-        .flatten()
-    {
+    let refusal = if existing == root {
+        kernel_filesystem(root).map(|name| {
+            format!("on {name}, which the kernel makes up: no trace file can be made there")
+        })
+    } else {
+        kernel_filesystem_above(root)
+    };
+    if let Some(refusal) = refusal {
         return Finding::new(Area::Agent, item, Status::Fail, refusal)
             .hint("choose an --allow-root on an ordinary filesystem");
     }
@@ -404,24 +408,30 @@ fn allow_root(root: &Path) -> Finding {
 /// ancestor is on a filesystem the kernel makes up (`/proc`, `/sys`),
 /// where even root's `mkdir` fails though `access` says writable.
 fn kernel_filesystem_above(path: &Path) -> Option<String> {
-    const PROC_MAGIC: u64 = 0x9fa0;
-    const SYSFS_MAGIC: u64 = 0x6265_6572;
-    const CGROUP2_MAGIC: u64 = 0x6367_7270;
-    const DEBUGFS_MAGIC: u64 = 0x6462_6720;
     let existing = path.ancestors().skip(1).find(|dir| dir.exists())?;
-    let fs = rustix::fs::statfs(existing).ok()?;
-    #[allow(clippy::unnecessary_cast)] // its type differs between targets
-    let name = match fs.f_type as u64 {
-        PROC_MAGIC => "procfs",
-        SYSFS_MAGIC => "sysfs",
-        CGROUP2_MAGIC => "the cgroup filesystem",
-        DEBUGFS_MAGIC => "debugfs",
-        _ => return None,
-    };
+    let name = kernel_filesystem(existing)?;
     Some(format!(
         "missing, and cannot be made: {} is on {name}, which the kernel makes up",
         existing.display()
     ))
+}
+
+/// The name of the filesystem the kernel makes up that `dir` is on, if it
+/// is on one: no trace file can be made there, root's neither.
+fn kernel_filesystem(dir: &Path) -> Option<&'static str> {
+    const PROC_MAGIC: u64 = 0x9fa0;
+    const SYSFS_MAGIC: u64 = 0x6265_6572;
+    const CGROUP2_MAGIC: u64 = 0x6367_7270;
+    const DEBUGFS_MAGIC: u64 = 0x6462_6720;
+    let fs = rustix::fs::statfs(dir).ok()?;
+    #[allow(clippy::unnecessary_cast)] // its type differs between targets
+    match fs.f_type as u64 {
+        PROC_MAGIC => Some("procfs"),
+        SYSFS_MAGIC => Some("sysfs"),
+        CGROUP2_MAGIC => Some("the cgroup filesystem"),
+        DEBUGFS_MAGIC => Some("debugfs"),
+        _ => None,
+    }
 }
 
 /// A PEM certificate (and its key): readable, parsed, within its validity
@@ -625,9 +635,12 @@ mod tests {
             allow_root(Path::new("s3://bucket/traces")).status,
             Status::Ok
         );
-        // Writable by access(2) for root, yet mkdir fails there.
-        let made_up = allow_root(Path::new("/proc/devtrace-traces"));
-        assert_eq!(made_up.status, Status::Fail);
-        assert!(made_up.detail.contains("procfs"), "{}", made_up.detail);
+        // Writable by access(2) for root, yet mkdir fails there, and no
+        // file can be made in an existing directory of it either.
+        for root in ["/proc/devtrace-traces", "/sys/kernel"] {
+            let made_up = allow_root(Path::new(root));
+            assert_eq!(made_up.status, Status::Fail, "{root}");
+            assert!(made_up.detail.contains("fs"), "{}", made_up.detail);
+        }
     }
 }
