@@ -21,6 +21,11 @@ pub struct Plan {
     pub file_host: String,
     pub repository_root: String,
     pub emit_xspace: bool,
+    /// The client takes a trace too large for one XSpace as
+    /// `xplane.riegeli` tool data even though it set `emit_xspace`: it
+    /// lists that tool in the request's `tools`, as a session's fan-out
+    /// does ([`crate::fleet::fan_out`]).
+    pub takes_chunks: bool,
     /// The request's encoded `ProfileOptions`, recorded in the trace.
     pub options: Vec<u8>,
     /// Said in this capture's reply alone (not in a build it shares).
@@ -64,6 +69,7 @@ impl Plan {
             file_host: hostname.to_string(),
             repository_root: String::new(),
             emit_xspace: false,
+            takes_chunks: false,
             options: client::default_profile_options(duration_ms, window.start_ns).encode_to_vec(),
             warnings: Vec::new(),
             losses_at_start,

@@ -356,9 +356,10 @@ pub struct ServeArgs {
     /// read them. Under --allow-root the agent writes that file; otherwise
     /// the reply carries it as `xplane.riegeli` tool data (TensorFlow's
     /// client and `devtrace capture` write it) when the file is within this
-    /// size too. A client that needs the XSpace itself (emit_xspace,
-    /// GetSnapshot) gets RESOURCE_EXHAUSTED saying where the trace was
-    /// written or how to get it. 1KiB to 2GiB - 1.
+    /// size too, as it does for a session's fan-out. A client that needs
+    /// the XSpace itself (emit_xspace, GetSnapshot) gets RESOURCE_EXHAUSTED
+    /// saying where the trace was written or how to get it. 1KiB to 2GiB -
+    /// 1.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_chunk_size)]
     pub chunk_traces_over: usize,
 

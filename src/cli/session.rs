@@ -25,7 +25,9 @@ pub struct SessionArgs {
 #[derive(Debug, Subcommand)]
 pub enum SessionCommand {
     /// Capture every host with one shared window; traces land in
-    /// LOGDIR/plugins/profile/SESSION/<host>.xplane.pb.
+    /// LOGDIR/plugins/profile/SESSION/<host>.xplane.pb (<host>.xplane.riegeli
+    /// for one a devtrace agent stores as chunks, past its
+    /// --chunk-traces-over).
     #[command(after_help = NEW_SESSION_EXIT_STATUS)]
     New(NewSessionArgs),
 }

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use crate::model::timeline;
 use crate::proto::tensorflow::ProfileRequest;
 use crate::protocol::client::{self, ClientConfig, Target};
+use crate::protocol::RIEGELI_TOOL;
 use crate::repository::{Folder, StorageError};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::read::plane_names;
@@ -77,13 +78,9 @@ impl HostError {
     }
 }
 
-/// `10.0.0.2:8466` -> `10.0.0.2_8466.xplane.pb`, as TensorFlow names files.
-pub fn host_file_name(host: &str) -> String {
-    format!("{}{XPLANE_SUFFIX}", host_file_part(host))
-}
-
 /// `10.0.0.2:8466` -> `10.0.0.2_8466`: the host part of its trace file's
-/// name ([`host_file_name`]), as [`session_traces`] keys a session's.
+/// name (`10.0.0.2_8466.xplane.pb`, as TensorFlow names files), as
+/// [`session_traces`] keys a session's.
 pub fn host_file_part(host: &str) -> String {
     host.replace(':', "_")
 }
@@ -130,6 +127,13 @@ pub async fn fan_out(
         let host = target.to_string();
         request.host_name = host.clone();
         request.emit_xspace = true;
+        // The trace comes back here to be written through `sink`, never
+        // written by the host where it stands: a devtrace agent sends one
+        // too large for an XSpace as Riegeli chunks instead.
+        request.repository_root.clear();
+        if !request.tools.iter().any(|tool| tool == RIEGELI_TOOL) {
+            request.tools.push(RIEGELI_TOOL.to_string());
+        }
         let (target, client) = (target.clone(), plan.client.clone());
         let (slots, sink) = (Arc::clone(&slots), Arc::clone(&sink));
         let concurrency = plan.concurrent_hosts;
@@ -174,8 +178,8 @@ async fn capture_host_to_file(
         let connection = client::connect(target, config, deadline + Duration::from_secs(1))
             .await
             .map_err(HostError::Connect)?;
-        let file_name = host_file_name(&target.to_string());
-        Ok(streaming::profile_to_file(&connection, request, sink, &file_name).await?)
+        let host = host_file_part(&target.to_string());
+        Ok(streaming::profile_to_file(&connection, request, sink, &host).await?)
     };
     match tokio::time::timeout_at(until, call).await {
         Ok(result) => result,

@@ -24,7 +24,9 @@ use tower_service::Service;
 
 use crate::proto::tensorflow::ProfileRequest;
 use crate::protocol::client::{CallError, Connection};
-use crate::protocol::XPLANE_TOOL;
+use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
+use crate::repository::XPLANE_SUFFIX;
+use crate::xspace::chunks::RIEGELI_SUFFIX;
 
 /// Where a session's traces go (see `session`): one file per host, each
 /// written as its reply arrives.
@@ -100,13 +102,14 @@ impl ReceiveError {
     }
 }
 
-/// Calls `Profile` on `connection` and writes the trace of its reply as
-/// `file_name` through `sink`: where it landed, or `None` for an empty trace.
+/// Calls `Profile` on `connection` and writes the trace of its reply
+/// through `sink` as `<host>.xplane.pb`, or `<host>.xplane.riegeli` when it
+/// comes as Riegeli chunks: where it landed, or `None` for an empty trace.
 pub async fn profile_to_file(
     connection: &Connection,
     request: &ProfileRequest,
     sink: Arc<dyn TraceSink>,
-    file_name: &str,
+    host: &str,
 ) -> Result<Option<PathBuf>, ReceiveError> {
     let body = grpc_frame(request);
     let mut call = http::Request::builder()
@@ -140,26 +143,26 @@ pub async fn profile_to_file(
         )));
     }
     let refused = |status| connection.call_error(status);
-    let trace = read_reply(body, connection.max_reply_bytes(), sink, file_name, refused).await?;
+    let trace = read_reply(body, connection.max_reply_bytes(), sink, host, refused).await?;
     match trace {
         Some(file) => blocking(move || file.commit()).await.map(Some),
         None => Ok(None),
     }
 }
 
-/// Reads a reply's body: its trace written through `sink` as `file_name`,
-/// not yet committed, or `None` when the reply holds none or says it is
-/// empty. A status other than OK in the trailers is turned into an error by
+/// Reads a reply's body: its trace written through `sink` as `host`'s
+/// file, not yet committed, or `None` when the reply holds none or says it
+/// is empty. A status other than OK in the trailers is turned into an error by
 /// `refused`, whatever the body held.
 pub(crate) async fn read_reply(
     body: tonic::body::Body,
     limit: usize,
     sink: Arc<dyn TraceSink>,
-    file_name: &str,
+    host: &str,
     refused: impl Fn(Status) -> CallError,
 ) -> Result<Option<Box<dyn TraceFile>>, ReceiveError> {
     let mut reader = Reader::new(body);
-    let mut trace = TraceOut::new(sink, file_name);
+    let mut trace = TraceOut::new(sink, host);
     let received = receive(&mut reader, limit, &mut trace).await;
     let status = match &received {
         Ok(_) => reader.status().await,
@@ -238,7 +241,7 @@ async fn receive(
             (RESPONSE_EMPTY_TRACE, VARINT) => empty = reader.varint().await? != 0,
             (RESPONSE_XSPACE, LENGTH_DELIMITED) => {
                 let length = reader.length(end).await?;
-                trace.take(reader, length).await?;
+                trace.take(reader, length, XPLANE_SUFFIX).await?;
             }
             _ => reader.skip_field(wire, end).await?,
         }
@@ -252,8 +255,10 @@ async fn receive(
 }
 
 /// One `ProfileToolData`: its data is the trace when it is named
-/// `xplane.pb`. Encoders write the name first; data that comes before any
-/// name is kept until the name says otherwise.
+/// `xplane.pb`, or `xplane.riegeli` for a trace too large for one XSpace
+/// (which a devtrace agent sends as Riegeli chunks). Encoders write the
+/// name first; data that comes before any name is kept as `xplane.pb` until
+/// the name says otherwise.
 async fn tool_data(
     reader: &mut Reader,
     end: u64,
@@ -275,10 +280,15 @@ async fn tool_data(
             }
             (TOOL_DATA, LENGTH_DELIMITED) => {
                 let length = reader.length(end).await?;
-                let named_trace = name.as_deref().is_none_or(|n| n == XPLANE_TOOL.as_bytes());
-                if named_trace && trace.wants_more() {
+                let suffix = match name.as_deref() {
+                    None => Some(XPLANE_SUFFIX),
+                    Some(name) if name == XPLANE_TOOL.as_bytes() => Some(XPLANE_SUFFIX),
+                    Some(name) if name == RIEGELI_TOOL.as_bytes() => Some(RIEGELI_SUFFIX),
+                    Some(_) => None,
+                };
+                if let Some(suffix) = suffix.filter(|_| trace.wants_more()) {
                     tentative = name.is_none();
-                    trace.take(reader, length).await?;
+                    trace.take(reader, length, suffix).await?;
                 } else {
                     reader.skip(length).await?;
                 }
@@ -296,16 +306,16 @@ async fn tool_data(
 /// The first trace field of the reply is the trace; later ones are skipped.
 struct TraceOut {
     sink: Arc<dyn TraceSink>,
-    file_name: String,
+    host: String,
     file: Option<Box<dyn TraceFile>>,
     batch: Vec<u8>,
 }
 
 impl TraceOut {
-    fn new(sink: Arc<dyn TraceSink>, file_name: &str) -> TraceOut {
+    fn new(sink: Arc<dyn TraceSink>, host: &str) -> TraceOut {
         TraceOut {
             sink,
-            file_name: file_name.to_string(),
+            host: host.to_string(),
             file: None,
             batch: Vec::new(),
         }
@@ -315,12 +325,18 @@ impl TraceOut {
         self.file.is_none()
     }
 
-    /// Copies `length` bytes of the reader into the file.
-    async fn take(&mut self, reader: &mut Reader, length: u64) -> Result<(), ReceiveError> {
+    /// Copies `length` bytes of the reader into the file, named for the
+    /// host with `suffix` (what the trace is stored as).
+    async fn take(
+        &mut self,
+        reader: &mut Reader,
+        length: u64,
+        suffix: &'static str,
+    ) -> Result<(), ReceiveError> {
         if !self.wants_more() {
             return reader.skip(length).await;
         }
-        let (sink, name) = (Arc::clone(&self.sink), self.file_name.clone());
+        let (sink, name) = (Arc::clone(&self.sink), format!("{}{suffix}", self.host));
         self.file = Some(blocking(move || sink.create(&name)).await?);
         self.batch = Vec::with_capacity(BATCH_BYTES.min(length as usize));
         let mut left = length;
@@ -658,6 +674,33 @@ mod tests {
         );
         let empty = reply(vec![], Some(b"ignored"), true);
         assert_eq!(received(framed(&empty, 0), 1 << 20).await, Ok(None));
+    }
+
+    #[tokio::test]
+    async fn a_chunked_trace_is_written_as_riegeli() {
+        let chunked = reply(
+            vec![tool("trace_viewer", b"json"), tool(RIEGELI_TOOL, b"chunks")],
+            None,
+            false,
+        );
+        assert_eq!(
+            received(framed(&chunked, 0), 1 << 20).await,
+            Ok(Some(b"chunks".to_vec()))
+        );
+        let sink = Arc::new(MemorySink::default());
+        let refused = |status| CallError::Status { status, tls: false };
+        let body = body_in_pieces(framed(&chunked, 0), 3, Some(Code::Ok));
+        let file = read_reply(body, 1 << 20, Arc::new(Arc::clone(&sink)), "h_1", refused)
+            .await
+            .expect("a good reply");
+        file.expect("a trace").commit().expect("committed");
+        let names: Vec<String> = sink
+            .committed
+            .lock()
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect();
+        assert_eq!(names, vec![format!("h_1{RIEGELI_SUFFIX}")]);
     }
 
     #[tokio::test]

@@ -735,7 +735,7 @@ fn reply(input: &[u8]) -> Option<u64> {
             body,
             1 << 20,
             Arc::new(Arc::clone(&sink)),
-            "host.xplane.pb",
+            "host",
             refused,
         ))
     });

@@ -247,6 +247,50 @@ async fn a_large_trace_goes_to_the_client_as_chunks_when_the_agent_does_not_writ
     assert!(inspect(&file).contains("plane /host:CPU"));
 }
 
+/// A session's fan-out takes a host's chunked trace into the session,
+/// where the other hosts' traces go: through the agent's NewSession and
+/// through `devtrace session new`. Before, the host wrote the chunks on its
+/// own disk and the session said it "gave no trace".
+#[tokio::test]
+async fn a_session_takes_a_hosts_chunked_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let allowed = dir.path().join("allowed");
+    let agent = chunking_agent(&allowed);
+    let host = agent.address.replace(':', "_");
+    let expected = vec![format!("{host}.xplane.riegeli")];
+
+    let root = allowed.join("logs/plugins/profile");
+    let mut new_session = session_request(&root, &[&agent.address], "fanned");
+    new_session.request = Some(request(200, "ignored"));
+    let reply = agent
+        .new_session_within(new_session, std::time::Duration::from_secs(30))
+        .await;
+    assert_eq!(reply.error_message, "");
+    assert!(!reply.empty_trace);
+    assert_eq!(files_in(&root.join("fanned")), expected);
+    let trace = read_trace(&root.join("fanned").join(&expected[0])).unwrap();
+    assert!(trace.chunks > 2, "{} chunks", trace.chunks);
+    assert!(event_count(&trace.space) > 3_000);
+
+    let logdir = dir.path().join("client-logs");
+    let out = Command::new(BIN)
+        .args(["session", "new", "--hosts", &agent.address])
+        .args(["--duration", "200ms", "--session-id", "cli", "--logdir"])
+        .arg(&logdir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let session = logdir.join("plugins/profile/cli");
+    assert_eq!(files_in(&session), expected);
+    assert!(inspect(&session.join(&expected[0])).contains("plane /device:GPU:0"));
+    // Nothing was written on the host's side of either session.
+    assert_eq!(files_in(&root), vec!["fanned".to_string()]);
+}
+
 #[tokio::test]
 async fn a_trace_too_large_even_as_chunks_is_refused_with_the_way_to_get_it() {
     let agent = AgentProcess::start(&["--chunk-traces-over", "16KiB"]);

@@ -37,7 +37,13 @@ impl ProfilerService {
     ) -> Result<Response<ProfileResponse>, Status> {
         if encoded.len() > self.config.chunk_traces_over {
             return self
-                .respond_chunked(plan, window, encoded, plan.emit_xspace, deadline)
+                .respond_chunked(
+                    plan,
+                    window,
+                    encoded,
+                    plan.emit_xspace && !plan.takes_chunks,
+                    deadline,
+                )
                 .await;
         }
         let empty_trace = encoded.events == 0;

@@ -13,6 +13,7 @@ use crate::model::calendar::session_timestamp;
 use crate::proto::tensorflow::profile_options::advanced_config_value;
 use crate::proto::tensorflow::{ProfileOptions, ProfileRequest};
 use crate::protocol::caller::{Caller, Owner};
+use crate::protocol::RIEGELI_TOOL;
 use crate::recorder::Window;
 use crate::service::validate::{self, invalid};
 
@@ -128,6 +129,7 @@ pub fn plan(
         file_host,
         repository_root: request.repository_root.clone(),
         emit_xspace: request.emit_xspace,
+        takes_chunks: request.tools.iter().any(|tool| tool == RIEGELI_TOOL),
         options: options.encode_to_vec(),
         warnings,
         losses_at_start,
