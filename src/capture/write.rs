@@ -51,7 +51,7 @@ pub async fn write_trace<B: TraceFile>(
     match &written {
         Ok(path) => info!(%path, bytes = bytes.size(), "trace written"),
         // The caller refuses the capture then: nothing replaces a trace.
-        Err(error) if error.is_taken() && !plan.generated_session_id => warn!(
+        Err(error) if session_taken(plan, error) => warn!(
             %error,
             session = %plan.session_id,
             "trace not written: the session holds this host's trace already"
@@ -59,6 +59,14 @@ pub async fn write_trace<B: TraceFile>(
         Err(error) => warn!(%error, "trace not written; returning it to the client instead"),
     }
     Ok((written, bytes))
+}
+
+/// Whether `error` refused a write into the client's own session because
+/// it holds this host's trace already: such a capture is refused, since
+/// nothing replaces a trace (a generated session moves on to a free name
+/// instead, and never ends here).
+pub fn session_taken(plan: &Plan, error: &StorageError) -> bool {
+    error.is_taken() && !plan.generated_session_id
 }
 
 /// Writes a trace file, `<root>/<session>/<host><suffix>` (one XSpace,

@@ -295,7 +295,10 @@ fn prepare(args: &CaptureArgs) -> anyhow::Result<Prepared> {
         host_name,
         host,
     };
-    if let Some(name) = output.traces().get(&session.host) {
+    if let Some(name) = output
+        .held_traces(std::slice::from_ref(&session.host))
+        .first()
+    {
         bail!(
             "session {} under {} holds a trace of this host already ({name}): name another \
              --session-id, or leave it out for a new session",

@@ -3,7 +3,6 @@
 //! `session new` write a session's files, and where `sessions` and `tool`
 //! find a repository root.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -135,21 +134,21 @@ impl SessionOutput {
         Ok((output, name))
     }
 
-    /// The trace file of each host the session holds one of already, by
-    /// host ([`crate::fleet::session_traces`]): one listing, for a bucket
-    /// too. A session that cannot be read counts as empty (writes into a
-    /// session named after the second refuse to replace a file or object
-    /// anyway). Blocks: not for async code.
-    pub fn traces(&self) -> BTreeMap<String, String> {
+    /// The trace files the session holds already of `hosts` (host parts of
+    /// file names), which no trace may be written over
+    /// ([`crate::fleet::held_traces`]): one listing, for a bucket too.
+    /// Blocks: not for async code.
+    pub fn held_traces(&self, hosts: &[String]) -> Vec<String> {
         let folder = match self {
             SessionOutput::Local { directory, .. } => {
                 Folder::open(&Location::Local(directory.clone()))
             }
             SessionOutput::Object { folder, .. } => Ok(folder.clone()),
         };
-        folder
-            .and_then(|folder| crate::fleet::session_traces(&folder))
-            .unwrap_or_default()
+        folder.map_or_else(
+            |_| Vec::new(),
+            |folder| crate::fleet::held_traces(&folder, hosts),
+        )
     }
 
     /// Removes the directories made for the session again (its own, unless

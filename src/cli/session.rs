@@ -127,7 +127,11 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let hosts = resolved.targets;
     // A session named on the command line may hold traces already: none
     // is written over, as `capture` writes none over.
-    let taken = fleet::traces_of_hosts(&output.traces(), &hosts);
+    let files: Vec<String> = hosts
+        .iter()
+        .map(|host| fleet::host_file_part(&host.to_string()))
+        .collect();
+    let taken = output.held_traces(&files);
     if !taken.is_empty() {
         output.abandon();
         bail!(

@@ -317,13 +317,20 @@ pub fn session_traces(session: &Folder) -> Result<BTreeMap<String, String>, Stor
     Ok(traces)
 }
 
-/// The trace files among `traces` (a session's, [`session_traces`]) of
-/// `hosts`: those a session named again holds already, which nothing may
-/// write over.
-pub fn traces_of_hosts(traces: &BTreeMap<String, String>, hosts: &[Target]) -> Vec<String> {
+/// The trace files `session` holds already of `hosts` (the host parts of
+/// their names, [`host_file_part`]): a session named again, which no
+/// trace of theirs may be written over. A session that cannot be read
+/// holds none (a write refuses to replace a trace anyway). Only files
+/// count: a link or other entry planted under a trace's name is refused
+/// when the trace is written instead, and said then.
+pub fn held_traces(session: &Folder, hosts: &[String]) -> Vec<String> {
+    let Ok(traces) = session_traces(session) else {
+        return Vec::new();
+    };
     hosts
         .iter()
-        .filter_map(|host| traces.get(&host_file_part(&host.to_string())))
+        .filter_map(|host| traces.get(host))
+        .filter(|file| session.size(file).is_ok())
         .cloned()
         .collect()
 }

@@ -392,16 +392,17 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let mut named_existed = false;
         if !generated_id {
             let session = root.join(&session_id);
-            // A session that cannot be read counts as empty: its writes
-            // refuse to replace a trace anyway.
-            let (traces, existed) = tokio::task::spawn_blocking(move || {
-                let traces = fleet::session_traces(&session).unwrap_or_default();
-                (traces, session.exists().unwrap_or(true))
+            let files: Vec<String> = hosts
+                .iter()
+                .map(|host| fleet::host_file_part(&host.to_string()))
+                .collect();
+            let (taken, existed) = tokio::task::spawn_blocking(move || {
+                let taken = fleet::held_traces(&session, &files);
+                (taken, session.exists().unwrap_or(true))
             })
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
             named_existed = existed;
-            let taken = fleet::traces_of_hosts(&traces, &hosts);
             if !taken.is_empty() {
                 return Err(Status::already_exists(format!(
                     "session_id: session {session_id} under {} holds traces of these hosts \

@@ -296,6 +296,50 @@ async fn traces_are_written_only_inside_allowed_roots() {
     assert!(!dir.path().join("elsewhere").exists());
 }
 
+/// Two captures of one host into one new session of the client's: the
+/// second is refused when it asks, while the first is still recording, not
+/// after its own window with its trace dropped.
+#[tokio::test]
+async fn a_second_capture_of_a_host_into_a_session_is_refused_before_its_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let allowed = dir.path().join("allowed");
+    let agent = AgentProcess::start(&["--allow-root", allowed.to_str().unwrap()]);
+    let root = allowed.join("logs/plugins/profile");
+    let into_race = |host: &str| {
+        let mut request = request(2_000, "race");
+        request.repository_root = root.display().to_string();
+        request.opts.as_mut().unwrap().override_hostname = host.into();
+        request
+    };
+    let mut client = agent.client().await;
+    let first = {
+        let mut client = client.clone();
+        let request = into_race("worker-8");
+        tokio::spawn(async move { client.profile(request).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let refused = client.profile(into_race("worker-8")).await.unwrap_err();
+    assert!(!first.is_finished(), "refused only after the first ended");
+    assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+    assert!(
+        refused.message().contains("another capture in progress"),
+        "{refused:?}"
+    );
+    // Another host of the same session is not held up.
+    client.profile(into_race("worker-9")).await.unwrap();
+    first.await.unwrap().unwrap();
+    let mut files: Vec<String> = std::fs::read_dir(root.join("race"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    assert_eq!(files, vec!["worker-8.xplane.pb", "worker-9.xplane.pb"]);
+    // Once written, the trace itself holds the name.
+    let again = client.profile(into_race("worker-8")).await.unwrap_err();
+    assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
+    assert!(again.message().contains("worker-8.xplane.pb"), "{again:?}");
+}
+
 /// The warnings of a reply's trace that say it could not be written.
 fn write_failures(space: &devtrace::proto::tensorflow::profiler::XSpace) -> Vec<&String> {
     warnings_with(space, "could not write this trace")

@@ -244,6 +244,11 @@ pub struct ProfilerService {
     next_continuous: std::sync::atomic::AtomicU64,
     /// Monitor calls in progress, per caller.
     monitors: Mutex<HashMap<Owner, usize>>,
+    /// The trace files that captures in progress will write into clients'
+    /// own sessions (`<session folder>/<host>`), so that a second capture
+    /// of one host into one session is refused before its window, not
+    /// after it ([`Self::refuse_a_held_session`]).
+    claimed: Mutex<std::collections::HashSet<String>>,
 }
 
 /// A capture in progress: its number, who started it, and what stops it.
@@ -277,6 +282,7 @@ impl ProfilerService {
             agent,
             config,
             running: Mutex::new(HashMap::new()),
+            claimed: Mutex::default(),
             next_capture: Default::default(),
             continuous: Arc::default(),
             next_continuous: Default::default(),
@@ -448,7 +454,8 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 Ok(plan)
             })
             .inspect_err(refused)?;
-        self.refuse_a_held_session(&plan)
+        let _claim = self
+            .refuse_a_held_session(&plan)
             .await
             .inspect_err(refused)?;
         info!(

@@ -12,7 +12,7 @@ use tonic::{Response, Status};
 use tracing::{debug, info};
 
 use super::ProfilerService;
-use crate::capture::write::write_trace;
+use crate::capture::write::{session_taken, write_trace};
 use crate::capture::{CaptureError, Plan};
 use crate::proto::tensorflow::ProfileResponse;
 use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
@@ -166,35 +166,40 @@ impl ProfilerService {
     }
 
     /// Refuses, before its window, a capture into a client's own session
-    /// that holds this host's trace already: it could only be refused
-    /// after ([`refuse_taken`]), or, returned for the client to write,
-    /// replace the one there.
-    pub(super) async fn refuse_a_held_session(&self, plan: &Plan) -> Result<(), Status> {
+    /// that holds this host's trace already, or that another capture in
+    /// progress will write this host's trace into: it could only be
+    /// refused after ([`refuse_taken`]), or, returned for the client to
+    /// write, replace the one there. What it returns holds the session's
+    /// file for this capture until it is dropped.
+    pub(super) async fn refuse_a_held_session(
+        &self,
+        plan: &Plan,
+    ) -> Result<Option<SessionClaim<'_>>, Status> {
         if plan.generated_session_id || plan.emit_xspace {
-            return Ok(());
+            return Ok(None);
         }
         let Some(root) = self.server_side_root(plan) else {
-            return Ok(());
+            return Ok(None);
         };
         let session = root.join(&plan.session_id);
-        let host = plan.file_host.clone();
-        // A session that cannot be read counts as empty: the write refuses
-        // to replace a trace anyway. Only a trace counts as held: a link
-        // or other file planted under its name is refused at the write,
-        // and the trace returned, saying why.
-        let held = tokio::task::spawn_blocking(move || {
-            let traces = crate::fleet::session_traces(&session).unwrap_or_default();
-            traces
-                .get(&host)
-                .filter(|file| session.size(file).is_ok())
-                .cloned()
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?;
-        match held {
-            Some(file) => Err(held_session(plan, &file)),
-            None => Ok(()),
+        let file = format!("{}/{}", session.display(), plan.file_host);
+        let hosts = [plan.file_host.clone()];
+        let held = tokio::task::spawn_blocking(move || crate::fleet::held_traces(&session, &hosts))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        if let Some(file) = held.first() {
+            return Err(held_session(plan, file));
         }
+        if !self.claimed.lock().insert(file.clone()) {
+            return Err(held_session(
+                plan,
+                "another capture in progress writes it there",
+            ));
+        }
+        Ok(Some(SessionClaim {
+            service: self,
+            file,
+        }))
     }
 
     /// The repository root to write into, when the request's lies inside an
@@ -232,6 +237,19 @@ impl ProfilerService {
     }
 }
 
+/// A trace file of a client's own session that a capture in progress will
+/// write; given up when dropped, however the capture ends.
+pub(super) struct SessionClaim<'s> {
+    service: &'s ProfilerService,
+    file: String,
+}
+
+impl Drop for SessionClaim<'_> {
+    fn drop(&mut self) {
+        self.service.claimed.lock().remove(&self.file);
+    }
+}
+
 /// The reply sending `reply`, framed from `encoded`'s own parts by
 /// `FramedRepliesLayer`: the trace (and its share of capture memory) is
 /// kept until they are out.
@@ -261,10 +279,10 @@ pub(super) fn with_warnings(encoded: Arc<Encoded>, warnings: &[String]) -> Arc<E
 /// trace returned inline, which TensorFlow's client would write over the
 /// one there. (A generated session name moves on to a free one instead.)
 fn refuse_taken(plan: &Plan, error: &StorageError) -> Result<(), Status> {
-    if plan.generated_session_id || !error.is_taken() {
-        return Ok(());
+    if session_taken(plan, error) {
+        return Err(held_session(plan, &error.to_string()));
     }
-    Err(held_session(plan, &error.to_string()))
+    Ok(())
 }
 
 fn held_session(plan: &Plan, held: &str) -> Status {
