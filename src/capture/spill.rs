@@ -19,14 +19,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::memory::MemoryError;
+use crate::model::filesystem::Filesystem;
 use crate::xspace::grant::Spill;
 
 /// The default `--spill-size`.
 pub const DEFAULT_SPILL_SIZE: u64 = 4 << 30;
-
-/// `statfs` magic numbers of filesystems whose files are memory.
-const TMPFS_MAGIC: u64 = 0x0102_1994;
-const RAMFS_MAGIC: u64 = 0x8584_58f6;
 
 /// The directory spill files go in, and how much of it they may take.
 #[derive(Debug)]
@@ -45,11 +42,8 @@ impl SpillSpace {
         if !meta.is_dir() {
             return Err(format!("--spill-dir {}: not a directory", dir.display()));
         }
-        let fs =
-            rustix::fs::statfs(dir).map_err(|e| format!("--spill-dir {}: {e}", dir.display()))?;
-        #[allow(clippy::unnecessary_cast)] // its type differs between targets
-        let kind = fs.f_type as u64;
-        if kind == TMPFS_MAGIC || kind == RAMFS_MAGIC {
+        let fs = Filesystem::of(dir).map_err(|e| format!("--spill-dir {}: {e}", dir.display()))?;
+        if fs.keeps_files_in_memory() {
             return Err(format!(
                 "--spill-dir {}: its files are kept in memory (tmpfs or ramfs), which spilling \
                  is meant to spare; name a directory on a disk, or --spill-size off",

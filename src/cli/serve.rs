@@ -326,7 +326,9 @@ pub struct ServeArgs {
     /// request's repository_root lies inside it (repeatable). Buckets are
     /// reached with the credentials of the environment (AWS_*, GOOGLE_*,
     /// instance roles). Without it, traces are always returned to the
-    /// client, which writes them on its own machine.
+    /// client, which writes them on its own machine. A missing directory is
+    /// made at start; one on procfs, sysfs, the cgroup filesystem or
+    /// debugfs is refused.
     #[arg(long = "allow-root", value_name = "DIR|URL")]
     pub allow_roots: Vec<PathBuf>,
 

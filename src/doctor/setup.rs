@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::{Area, Finding, Status};
 use crate::backend::cuda::runtime_dir;
+use crate::model::filesystem::Filesystem;
 use crate::protocol::tls::{self, TlsError};
 
 /// What the setup checks need to know of the agent's flags.
@@ -419,19 +420,7 @@ fn kernel_filesystem_above(path: &Path) -> Option<String> {
 /// The name of the filesystem the kernel makes up that `dir` is on, if it
 /// is on one: no trace file can be made there, root's neither.
 fn kernel_filesystem(dir: &Path) -> Option<&'static str> {
-    const PROC_MAGIC: u64 = 0x9fa0;
-    const SYSFS_MAGIC: u64 = 0x6265_6572;
-    const CGROUP2_MAGIC: u64 = 0x6367_7270;
-    const DEBUGFS_MAGIC: u64 = 0x6462_6720;
-    let fs = rustix::fs::statfs(dir).ok()?;
-    #[allow(clippy::unnecessary_cast)] // its type differs between targets
-    match fs.f_type as u64 {
-        PROC_MAGIC => Some("procfs"),
-        SYSFS_MAGIC => Some("sysfs"),
-        CGROUP2_MAGIC => Some("the cgroup filesystem"),
-        DEBUGFS_MAGIC => Some("debugfs"),
-        _ => None,
-    }
+    Filesystem::of(dir).ok()?.made_up_by_the_kernel()
 }
 
 /// A PEM certificate (and its key): readable, parsed, within its validity

@@ -6,6 +6,7 @@
 //! the injection library, are the `devtrace-shm` crate's.)
 
 pub mod calendar;
+pub mod filesystem;
 pub mod glob;
 pub mod host_process;
 pub mod memory_limit;

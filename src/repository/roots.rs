@@ -10,6 +10,7 @@
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
+use crate::model::filesystem::Filesystem;
 use crate::repository::beneath::{BeneathError, Dir};
 use crate::repository::{
     scheme_of, Folder, LocalFolder, ObjectFolder, ObjectUrl, StorageError, UrlError,
@@ -102,6 +103,17 @@ impl AllowedRoots {
             let absolute = std::path::absolute(root).map_err(prepare)?;
             let given = lexical(&absolute).unwrap_or_else(|| root.clone());
             let canonical = std::fs::canonicalize(root).map_err(prepare)?;
+            // Open and writable to `access(2)`, yet no file can be made
+            // there: every capture would fail its write.
+            if let Some(name) = Filesystem::of(&canonical)
+                .ok()
+                .and_then(Filesystem::made_up_by_the_kernel)
+            {
+                return Err(prepare(std::io::Error::other(format!(
+                    "it is on {name}, whose files the kernel makes up: no trace can be \
+                     written there"
+                ))));
+            }
             let dir = Arc::new(Dir::open(&canonical)?);
             let mut names = vec![canonical];
             if !names.contains(&given) {
@@ -280,6 +292,20 @@ mod tests {
             roots.confine(text(&dir.path().join("traces2/x"))),
             Err(RepositoryError::NotAllowed { .. })
         ));
+    }
+
+    #[test]
+    fn a_root_on_a_filesystem_the_kernel_makes_up_is_refused() {
+        // Writable to access(2) for root, yet no file can be made there.
+        for root in ["/sys/kernel", "/proc/self"] {
+            let refused = AllowedRoots::new(&[PathBuf::from(root)]).unwrap_err();
+            assert!(
+                refused
+                    .to_string()
+                    .contains("whose files the kernel makes up"),
+                "{refused}"
+            );
+        }
     }
 
     #[test]

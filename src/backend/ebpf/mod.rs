@@ -118,15 +118,12 @@ impl EbpfConfig {
 
 /// The cgroup id the kernel reports for the cgroup v2 directory `path`.
 pub fn cgroup_id(path: &std::path::Path) -> std::io::Result<u64> {
+    use crate::model::filesystem::Filesystem;
     use std::os::unix::fs::MetadataExt;
-    /// `statfs`'s magic number of the cgroup v2 filesystem.
-    const CGROUP2_MAGIC: u64 = 0x6367_7270;
     let meta = std::fs::metadata(path)?;
     // Any other directory's inode is no cgroup's id: the filter would
     // match nothing, and the backend record nothing, without a word.
-    #[allow(clippy::unnecessary_cast)] // its type differs between targets
-    let cgroup2 =
-        meta.is_dir() && rustix::fs::statfs(path).is_ok_and(|fs| fs.f_type as u64 == CGROUP2_MAGIC);
+    let cgroup2 = meta.is_dir() && Filesystem::of(path).is_ok_and(|fs| fs == Filesystem::Cgroup2);
     if !cgroup2 {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,

@@ -1,0 +1,99 @@
+//! The kind of filesystem a path is on, from `statfs(2)`'s magic number:
+//! the few kinds the agent treats differently. Files kept in memory make a
+//! poor spill directory; files the kernel makes up take no trace (root's
+//! `mkdir` and `open(O_CREAT)` fail there though `access(2)` says
+//! writable); a cgroup v2 directory is what an eBPF cgroup filter needs.
+
+use std::path::Path;
+
+/// See the module documentation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Filesystem {
+    Tmpfs,
+    Ramfs,
+    Proc,
+    Sysfs,
+    Cgroup2,
+    Debugfs,
+    /// Any other: a disk's, a network's, an overlay.
+    Other,
+}
+
+// From linux/magic.h.
+const TMPFS_MAGIC: u64 = 0x0102_1994;
+const RAMFS_MAGIC: u64 = 0x8584_58f6;
+const PROC_SUPER_MAGIC: u64 = 0x9fa0;
+const SYSFS_MAGIC: u64 = 0x6265_6572;
+const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
+const DEBUGFS_MAGIC: u64 = 0x6462_6720;
+
+impl Filesystem {
+    /// The filesystem `path` is on.
+    pub fn of(path: &Path) -> std::io::Result<Filesystem> {
+        let fs = rustix::fs::statfs(path)?;
+        #[allow(clippy::unnecessary_cast)] // its type differs between targets
+        Ok(Filesystem::from_magic(fs.f_type as u64))
+    }
+
+    fn from_magic(magic: u64) -> Filesystem {
+        match magic {
+            TMPFS_MAGIC => Filesystem::Tmpfs,
+            RAMFS_MAGIC => Filesystem::Ramfs,
+            PROC_SUPER_MAGIC => Filesystem::Proc,
+            SYSFS_MAGIC => Filesystem::Sysfs,
+            CGROUP2_SUPER_MAGIC => Filesystem::Cgroup2,
+            DEBUGFS_MAGIC => Filesystem::Debugfs,
+            _ => Filesystem::Other,
+        }
+    }
+
+    /// Whether its files are kept in memory.
+    pub fn keeps_files_in_memory(self) -> bool {
+        matches!(self, Filesystem::Tmpfs | Filesystem::Ramfs)
+    }
+
+    /// Its name for people when the kernel makes its files up, so that no
+    /// trace file can be made there, root's neither.
+    pub fn made_up_by_the_kernel(self) -> Option<&'static str> {
+        match self {
+            Filesystem::Proc => Some("procfs"),
+            Filesystem::Sysfs => Some("sysfs"),
+            Filesystem::Cgroup2 => Some("the cgroup filesystem"),
+            Filesystem::Debugfs => Some("debugfs"),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernels_own_filesystems_are_told_apart() {
+        assert_eq!(
+            Filesystem::of(Path::new("/proc")).unwrap(),
+            Filesystem::Proc
+        );
+        assert_eq!(
+            Filesystem::of(Path::new("/sys")).unwrap(),
+            Filesystem::Sysfs
+        );
+        assert_eq!(
+            Filesystem::of(Path::new("/proc/self"))
+                .unwrap()
+                .made_up_by_the_kernel(),
+            Some("procfs")
+        );
+        // /dev/shm is tmpfs on every Linux this runs on.
+        assert!(Filesystem::of(Path::new("/dev/shm"))
+            .unwrap()
+            .keeps_files_in_memory());
+        let here = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        assert_eq!(
+            Filesystem::of(here.path()).unwrap().made_up_by_the_kernel(),
+            None
+        );
+        assert!(Filesystem::of(Path::new("/no/such/directory")).is_err());
+    }
+}
