@@ -246,11 +246,15 @@ impl PendingFile {
             ))
             .and_then(|()| file.as_file().sync_all())
             .with_context(|| format!("writing {}", target.display()))?;
+        // A failed persist's own message repeats its cause's: the cause
+        // alone is said.
         if replace {
             file.persist(&target)
+                .map_err(|failed| failed.error)
                 .with_context(|| format!("writing {}", target.display()))?;
         } else {
             file.persist_noclobber(&target)
+                .map_err(|failed| failed.error)
                 .with_context(|| format!("{} was written meanwhile", target.display()))?;
         }
         Ok(target)

@@ -150,7 +150,8 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
             concurrent_hosts: args.fleet.concurrent_hosts,
             client: config,
         };
-        eprintln!("capturing {} hosts for {duration_ms} ms", hosts.len());
+        let noun = if hosts.len() == 1 { "host" } else { "hosts" };
+        eprintln!("capturing {} {noun} for {duration_ms} ms", hosts.len());
         let sink = Arc::new(LogdirSink {
             output: Arc::clone(&output),
             session_id: session_id.clone(),

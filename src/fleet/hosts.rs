@@ -538,7 +538,8 @@ pub struct Resolved {
 }
 
 /// Resolves the `dns:` entries (concurrently, each within `within`) and
-/// drops repeated hosts. A name that cannot be resolved in time, or whose
+/// drops repeated hosts: one address is one host, whatever scheme it was
+/// named with (its trace has one file name), called as first named. A name that cannot be resolved in time, or whose
 /// answer would take the list past `limit` hosts, is a failure of that
 /// entry; the others stand.
 pub async fn resolve(
@@ -575,7 +576,8 @@ pub async fn resolve(
         }
     }
     let mut resolved = Resolved::default();
-    let mut seen = HashSet::new();
+    // By address: what names a host's trace file.
+    let mut seen: HashSet<String> = HashSet::new();
     for entry in entries {
         let hosts = match &entry {
             HostEntry::Host(target) => vec![target.clone()],
@@ -600,20 +602,22 @@ pub async fn resolve(
         };
         let mut new: Vec<Target> = Vec::new();
         for target in hosts {
-            if !seen.contains(&target) && !new.contains(&target) {
+            let address = target.to_string();
+            if !seen.contains(&address) && !new.iter().any(|t| t.to_string() == address) {
                 new.push(target);
             }
         }
         if resolved.targets.len() + new.len() > limit {
             let why = format!(
-                "{} more hosts would pass the limit of {limit} per session",
-                new.len()
+                "{} more {} would pass the limit of {limit} per session",
+                new.len(),
+                if new.len() == 1 { "host" } else { "hosts" }
             );
             resolved.failures.push((entry.to_string(), why));
             continue;
         }
         for target in new {
-            seen.insert(target.clone());
+            seen.insert(target.to_string());
             resolved.targets.push(target);
         }
     }
@@ -879,7 +883,7 @@ mod tests {
     #[tokio::test]
     async fn resolving_keeps_each_host_once_and_names_what_failed() {
         let mut hosts = HostList::new(Origin::Peer, 6009, 8);
-        hosts.add("a,b,a,grpc://a,c").unwrap();
+        hosts.add("a,b,a,grpc://a,c,d").unwrap();
         let resolver = Arc::new(HostResolver::default());
         let resolved = resolve(
             hosts.finish().unwrap(),
@@ -889,13 +893,15 @@ mod tests {
         )
         .await;
         let targets: Vec<String> = resolved.targets.iter().map(|t| t.to_string()).collect();
-        // grpc://a is the same address asked for in plaintext: another target.
-        assert_eq!(targets, ["a:6009", "b:6009", "a:6009"]);
+        // grpc://a is the same address, whose trace would have the same
+        // file: the same host, called as first named.
+        assert_eq!(targets, ["a:6009", "b:6009", "c:6009"]);
+        assert_eq!(resolved.targets[0].scheme, Scheme::Unspecified);
         assert_eq!(
             resolved.failures,
             [(
-                "c:6009".to_string(),
-                "1 more hosts would pass the limit of 3 per session".to_string()
+                "d:6009".to_string(),
+                "1 more host would pass the limit of 3 per session".to_string()
             )]
         );
     }

@@ -270,6 +270,29 @@ async fn a_dns_name_stands_for_every_address_it_resolves_to() {
     assert!(before == after, "a trace was written over");
 }
 
+/// One address named with and without a scheme is one host: captured once,
+/// the session whole. (Called twice, the second trace collided with the
+/// first's file and the session was reported partial.)
+#[test]
+fn a_host_named_with_and_without_a_scheme_is_captured_once() {
+    let agent = AgentProcess::start(&[]);
+    let logdir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["session", "new", "--hosts", &agent.address, "--hosts"])
+        .arg(format!("grpc://{}", agent.address))
+        .args(["--duration", "200ms", "--session-id", "twice", "--logdir"])
+        .arg(logdir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("capturing 1 host for 200 ms"), "{stderr}");
+    assert_eq!(
+        trace_files(&logdir.path().join("plugins/profile/twice")),
+        vec![format!("{}.xplane.pb", agent.address.replace(':', "_"))]
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Many hosts
 
