@@ -60,7 +60,8 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Profile several hosts at once into one session of a logdir.
     Session(SessionArgs),
-    /// List the sessions of a logdir (or repository root), newest first.
+    /// List the sessions of a logdir (or repository root), newest first (by
+    /// when their traces were written).
     Sessions(SessionsArgs),
     /// Compute a tool's data (trace_viewer, memory_profile, ...) from a session.
     Tool(ToolArgs),

@@ -271,19 +271,28 @@ pub fn list_sessions(root: &Folder) -> Result<Vec<SessionInfo>, StorageError> {
     for subfolder in root.subfolders()? {
         let session = root.join(&subfolder.name);
         // Removed or swapped for a link since it was listed: not a session.
-        let Ok(traces) = session_traces(&session) else {
+        let Ok(files) = session.listed_files() else {
             continue;
         };
+        let traces = traces_among(files.iter().map(|file| file.name.clone()));
         if traces.is_empty() {
             continue;
         }
+        // When its traces were written: the caches XProf writes into a
+        // session as it is opened do not make it newer.
+        let modified = files
+            .iter()
+            .filter(|file| traces.values().any(|trace| *trace == file.name))
+            .map(|file| file.modified)
+            .max()
+            .unwrap_or(subfolder.modified);
         let tools = session_tools(&session, &traces);
         let hosts = traces.into_keys().collect();
         sessions.push(SessionInfo {
             session_id: subfolder.name,
             hosts,
             tools,
-            modified: subfolder.modified,
+            modified,
         });
     }
     sessions.sort_by(|a, b| {
@@ -299,8 +308,14 @@ pub fn list_sessions(root: &Folder) -> Result<Vec<SessionInfo>, StorageError> {
 /// `<host>.xplane.riegeli` (the `.pb` when both are there). A link or FIFO
 /// named like a trace counts, so that asking for it is refused by name.
 pub fn session_traces(session: &Folder) -> Result<BTreeMap<String, String>, StorageError> {
+    Ok(traces_among(session.files()?))
+}
+
+/// The trace file of each host among a session's file `names`, by host
+/// ([`session_traces`]).
+fn traces_among(names: impl IntoIterator<Item = String>) -> BTreeMap<String, String> {
     let mut traces = BTreeMap::new();
-    for name in session.files()? {
+    for name in names {
         let whole = name.ends_with(XPLANE_SUFFIX);
         let host = name
             .strip_suffix(XPLANE_SUFFIX)
@@ -314,7 +329,7 @@ pub fn session_traces(session: &Folder) -> Result<BTreeMap<String, String>, Stor
             }
         }
     }
-    Ok(traces)
+    traces
 }
 
 /// The trace files `session` holds already of `hosts` (the host parts of
@@ -665,5 +680,33 @@ impl ToolPlan {
         }
         out.push_str("}}");
         Ok(ToolOutput::Json(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::repository::Location;
+    use std::time::Duration;
+
+    #[test]
+    fn sessions_are_newest_first_by_when_their_traces_were_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = SystemTime::now();
+        for (session, age) in [("older", 100), ("newer", 50)] {
+            std::fs::create_dir(dir.path().join(session)).unwrap();
+            let trace =
+                std::fs::File::create(dir.path().join(session).join("h.xplane.pb")).unwrap();
+            trace.set_modified(now - Duration::from_secs(age)).unwrap();
+        }
+        // XProf's caches, written as the older session is opened.
+        std::fs::write(dir.path().join("older/h.trace_viewer.SSTABLE"), b"cache").unwrap();
+        let root = Folder::open(&Location::Local(dir.path().to_path_buf())).unwrap();
+        let listed: Vec<String> = list_sessions(&root)
+            .unwrap()
+            .into_iter()
+            .map(|session| session.session_id)
+            .collect();
+        assert_eq!(listed, ["newer", "older"]);
     }
 }

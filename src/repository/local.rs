@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::repository::beneath::{Dir, EntryKind};
 
-use super::{StorageError, Subfolder};
+use super::{Listed, StorageError};
 
 #[derive(Clone, Debug)]
 pub struct LocalFolder {
@@ -85,14 +85,14 @@ impl LocalFolder {
     }
 
     /// Directories in this one; links are not directories here.
-    pub fn subfolders(&self) -> Result<Vec<Subfolder>, StorageError> {
+    pub fn subfolders(&self) -> Result<Vec<Listed>, StorageError> {
         Ok(self
             .open()?
             .entries()?
             .into_iter()
             .filter(|entry| entry.kind == EntryKind::Directory)
             .filter_map(|entry| {
-                Some(Subfolder {
+                Some(Listed {
                     name: entry.name.into_string().ok()?,
                     modified: entry.modified,
                 })
@@ -102,13 +102,18 @@ impl LocalFolder {
 
     /// Everything in this directory that is not a directory: a link or FIFO
     /// named like a trace counts, so that asking for it is refused by name.
-    pub fn files(&self) -> Result<Vec<String>, StorageError> {
+    pub fn files(&self) -> Result<Vec<Listed>, StorageError> {
         Ok(self
             .open()?
             .entries()?
             .into_iter()
             .filter(|entry| entry.kind != EntryKind::Directory)
-            .filter_map(|entry| entry.name.into_string().ok())
+            .filter_map(|entry| {
+                Some(Listed {
+                    name: entry.name.into_string().ok()?,
+                    modified: entry.modified,
+                })
+            })
             .collect())
     }
 

@@ -88,9 +88,10 @@ impl From<BeneathError> for StorageError {
     }
 }
 
-/// A folder one level down, with the newest modification time in it.
+/// A folder or file one level down, and when it was last modified (a
+/// folder: the newest modification in it).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Subfolder {
+pub struct Listed {
     pub name: String,
     pub modified: SystemTime,
 }
@@ -205,7 +206,7 @@ impl Folder {
 
     /// The folders in this one. An object prefix counts when objects lie
     /// under it.
-    pub fn subfolders(&self) -> Result<Vec<Subfolder>, StorageError> {
+    pub fn subfolders(&self) -> Result<Vec<Listed>, StorageError> {
         match self {
             Folder::Local(local) => local.subfolders(),
             Folder::Object(object) => object.subfolders(),
@@ -214,6 +215,11 @@ impl Folder {
 
     /// The names of the files directly in this folder.
     pub fn files(&self) -> Result<Vec<String>, StorageError> {
+        Ok(self.listed_files()?.into_iter().map(|f| f.name).collect())
+    }
+
+    /// The files directly in this folder, with when each was modified.
+    pub fn listed_files(&self) -> Result<Vec<Listed>, StorageError> {
         match self {
             Folder::Local(local) => local.files(),
             Folder::Object(object) => object.files(),
@@ -322,7 +328,13 @@ impl Folder {
                 local.remove_if_empty();
                 Ok(())
             }
-            Folder::Object(object) if object.files()? == [SESSION_MARKER] => {
+            Folder::Object(object)
+                if object
+                    .files()?
+                    .iter()
+                    .map(|f| f.name.as_str())
+                    .eq([SESSION_MARKER]) =>
+            {
                 object.remove(SESSION_MARKER)
             }
             Folder::Object(_) => Ok(()),

@@ -22,7 +22,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
 use tokio_stream::StreamExt;
 
 use super::url::{ObjectUrl, Provider};
-use super::{StorageError, Subfolder, MAX_READ_BYTES};
+use super::{Listed, StorageError, MAX_READ_BYTES};
 
 /// Retries of one request: a few, within a bound that keeps a session's
 /// answer in time (the crate's default retries for three minutes).
@@ -121,10 +121,10 @@ impl ObjectFolder {
 
     /// The names one level down that hold objects further down, each with
     /// the newest modification time beneath it.
-    pub fn subfolders(&self) -> Result<Vec<Subfolder>, StorageError> {
+    pub fn subfolders(&self) -> Result<Vec<Listed>, StorageError> {
         let key = self.key();
         let listed = block_on(async {
-            let mut newest: Vec<Subfolder> = Vec::new();
+            let mut newest: Vec<Listed> = Vec::new();
             let mut objects = self.store.list(Some(&key));
             while let Some(meta) = objects.next().await {
                 let meta = meta?;
@@ -137,7 +137,7 @@ impl ObjectFolder {
                 let modified = SystemTime::from(meta.last_modified);
                 match newest.iter_mut().find(|s| s.name == first.as_ref()) {
                     Some(known) => known.modified = known.modified.max(modified),
-                    None => newest.push(Subfolder {
+                    None => newest.push(Listed {
                         name: first.as_ref().to_string(),
                         modified,
                     }),
@@ -193,15 +193,20 @@ impl ObjectFolder {
         Ok(removed)
     }
 
-    /// The names of the objects directly under this prefix.
-    pub fn files(&self) -> Result<Vec<String>, StorageError> {
+    /// The objects directly under this prefix, with when each was written.
+    pub fn files(&self) -> Result<Vec<Listed>, StorageError> {
         let key = self.key();
         let listed = block_on(self.store.list_with_delimiter(Some(&key)))?
             .map_err(|source| self.error(None, source))?;
         Ok(listed
             .objects
             .iter()
-            .filter_map(|meta| meta.location.filename().map(str::to_string))
+            .filter_map(|meta| {
+                Some(Listed {
+                    name: meta.location.filename()?.to_string(),
+                    modified: SystemTime::from(meta.last_modified),
+                })
+            })
             .collect())
     }
 
