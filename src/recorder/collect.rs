@@ -20,8 +20,6 @@ use crate::event::Event;
 use crate::recorder::{DropRecord, Store};
 use crate::ring::{Consumer, Ring, RingError};
 
-/// Events per sealed chunk.
-const CHUNK_EVENTS: usize = 1 << 16;
 /// How often the rings are drained while events flow.
 const TICK: Duration = Duration::from_millis(2);
 /// The longest pause between drains of idle rings. Bounded so that a burst
@@ -116,6 +114,8 @@ struct Worker {
     store: Arc<Store>,
     consumers: Vec<Consumer>,
     pending: Vec<Event>,
+    /// Events sealed into one chunk ([`Store::events_per_chunk`]).
+    chunk_events: usize,
     last_seal: Instant,
     /// Current pause between drains: short while events flow, doubling up
     /// to `IDLE_TICK` while the rings stay empty.
@@ -128,6 +128,7 @@ struct Worker {
 impl Worker {
     fn new(store: Arc<Store>, longest_sleep: Duration) -> Worker {
         Worker {
+            chunk_events: store.events_per_chunk(),
             store,
             consumers: Vec::new(),
             pending: Vec::new(),
@@ -228,12 +229,12 @@ impl Worker {
                 oldest: 0,
             };
             for consumer in &mut self.consumers {
-                let room = CHUNK_EVENTS - self.pending.len();
+                let room = self.chunk_events.saturating_sub(self.pending.len());
                 let report = consumer.drain(&mut self.pending, room);
                 read += report.events;
                 dropped.newest += report.dropped_newest;
                 dropped.oldest += report.dropped_oldest;
-                if self.pending.len() >= CHUNK_EVENTS {
+                if self.pending.len() >= self.chunk_events {
                     seal(&self.store, &mut self.pending);
                     self.last_seal = Instant::now();
                 }

@@ -157,7 +157,7 @@ impl State {
 
 /// The longest encoded event: the kind byte and word, the start delta and
 /// the mask, and every differenced word, each varint at most 10 bytes.
-const MAX_ENCODED_EVENT: usize = 1 + 10 * (3 + DIFFERENCED.len());
+pub(crate) const MAX_ENCODED_EVENT: usize = 1 + 10 * (3 + DIFFERENCED.len());
 
 /// Where the next byte of a chunk's encoding goes, in a buffer sized for
 /// the longest encodings: no growth checks on the collector's hottest loop.
