@@ -337,10 +337,6 @@ fn merge_upstreams(
     Ok(Encoded::whole(space.encode_to_vec(), events))
 }
 
-/// How late an upstream may start its recording and still count as having
-/// recorded the window: the call's own latency.
-const UPSTREAM_START_SLACK_NS: u64 = 50_000_000;
-
 /// Checks that an upstream's trace covers `window`: its `profile_start_time`
 /// may lag the window's start by the call's latency, no more. Returns the
 /// offset (theirs minus ours, on their clock against ours) when it reports
@@ -351,7 +347,7 @@ fn upstream_start(space: &XSpace, window: Window) -> Result<Option<i64>, String>
         return Ok(None);
     };
     let offset = their_start as i128 - window.start_ns as i128;
-    if offset > i128::from(UPSTREAM_START_SLACK_NS) {
+    if offset > i128::from(xspace::read::RECORDING_START_SLACK_NS) {
         return Err(format!(
             "it recorded from {:.3} s after this window's start, not the window itself (a \
              server that cannot serve a window in the past, or a clock {:.3} s ahead of ours); \
@@ -525,10 +521,10 @@ mod tests {
 
     #[test]
     fn an_upstream_that_started_within_the_calls_latency_recorded_the_window() {
-        let late = WINDOW.start_ns + UPSTREAM_START_SLACK_NS;
+        let late = WINDOW.start_ns + xspace::read::RECORDING_START_SLACK_NS;
         assert_eq!(
             upstream_start(&started_at(late), WINDOW),
-            Ok(Some(UPSTREAM_START_SLACK_NS as i64))
+            Ok(Some(xspace::read::RECORDING_START_SLACK_NS as i64))
         );
         // Early (a clock behind ours) is their offset, not a refusal.
         assert_eq!(
@@ -539,7 +535,7 @@ mod tests {
 
     #[test]
     fn an_upstream_that_started_later_recorded_another_window() {
-        let late = WINDOW.start_ns + UPSTREAM_START_SLACK_NS + 1;
+        let late = WINDOW.start_ns + xspace::read::RECORDING_START_SLACK_NS + 1;
         let refused = upstream_start(&started_at(late), WINDOW).unwrap_err();
         assert!(refused.contains("not the window itself"), "{refused}");
     }

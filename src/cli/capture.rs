@@ -47,7 +47,7 @@ pub struct CaptureArgs {
     pub delay: Duration,
 
     /// Start the window this long in the past (served from devtrace's flight
-    /// recorder; other servers start at once). The window still lasts
+    /// recorder; other servers start at once, which is then said). The window still lasts
     /// --duration: `--delay-back 4s --duration 4s` is the 4 s before now.
     #[arg(long, default_value = "0s", value_parser = super::parse_duration_with_unit, conflicts_with = "delay")]
     pub delay_back: Duration,
@@ -95,6 +95,9 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     // here unexpanded named a directory of that name), quoted when needed.
     let logdir = shell_word(&captured.logdir.to_string());
     let warnings = trace_warnings(&captured.reply);
+    if !args.delay_back.is_zero() {
+        tell_late_start(&captured);
+    }
     let received = Instant::now();
     let path = store(captured)?;
     // What a capture takes past its window, in two parts: the server's
@@ -247,6 +250,9 @@ fn tell_warnings(warnings: &[String], path: &str) {
 /// A reply and where its files go.
 struct Captured {
     reply: client::RawProfileResponse,
+    target: String,
+    /// Where the window asked for began.
+    asked_start_ns: u64,
     logdir: Location,
     output: SessionOutput,
     session_dir: Location,
@@ -339,8 +345,10 @@ async fn capture(args: &CaptureArgs, prepared: Prepared) -> anyhow::Result<Captu
         }
     };
     match requested {
-        Ok(reply) => Ok(Captured {
+        Ok((reply, asked_start_ns)) => Ok(Captured {
             reply,
+            target: target.to_string(),
+            asked_start_ns,
             logdir: session.logdir,
             output,
             session_dir: session.repository_root.join(&session.session_id),
@@ -372,7 +380,7 @@ async fn request_trace(
     config: &client::ClientConfig,
     duration_ms: u64,
     session: &Session,
-) -> anyhow::Result<client::RawProfileResponse> {
+) -> anyhow::Result<(client::RawProfileResponse, u64)> {
     let start_ns =
         clock::now_ns() + clock::duration_ns(args.delay) - clock::duration_ns(args.delay_back);
     let mut options = client::default_profile_options(duration_ms, start_ns);
@@ -416,7 +424,12 @@ async fn request_trace(
         );
     }
     let reply = reply.with_context(|| format!("capture from {target} failed"))?;
-    let window_end_ns = start_ns.saturating_add(duration_ms.saturating_mul(1_000_000));
+    // Timed from the window the server recorded, which for one that
+    // records from when it is called is not the one asked for in the past.
+    let recorded_from_ns = inline_trace(&reply)
+        .and_then(crate::xspace::read::recording_start_ns)
+        .unwrap_or(start_ns);
+    let window_end_ns = recorded_from_ns.saturating_add(duration_ms.saturating_mul(1_000_000));
     tracing::info!(
         after_window_ms = clock::now_ns().saturating_sub(window_end_ns) / 1_000_000,
         bytes = reply
@@ -438,7 +451,43 @@ async fn request_trace(
             said.join("; ")
         );
     }
-    Ok(reply)
+    Ok((reply, start_ns))
+}
+
+/// The XSpace a reply carries, when it carries one whole.
+fn inline_trace(reply: &client::RawProfileResponse) -> Option<&[u8]> {
+    reply
+        .tool_data
+        .iter()
+        .find(|tool| tool.name == XPLANE_TOOL)
+        .map(|tool| &tool.data[..])
+}
+
+/// Says when the server began recording well after the window asked for
+/// began: a window in the past (`--delay-back`) asked of a server that
+/// records from when it is called is another window. Read from the reply's
+/// trace, or the one the server wrote itself where this side can read it.
+fn tell_late_start(captured: &Captured) {
+    let recorded_from_ns = match inline_trace(&captured.reply) {
+        Some(trace) => crate::xspace::read::recording_start_ns(trace),
+        None => Folder::open(&captured.session_dir)
+            .and_then(|folder| folder.read(&format!("{}{XPLANE_SUFFIX}", captured.host)))
+            .ok()
+            .and_then(|trace| crate::xspace::read::recording_start_ns(&trace)),
+    };
+    let Some(late_ns) = recorded_from_ns
+        .map(|start| start.saturating_sub(captured.asked_start_ns))
+        .filter(|late| *late > crate::xspace::read::RECORDING_START_SLACK_NS)
+    else {
+        return;
+    };
+    eprintln!(
+        "{} recorded from {:.3} s after the window's start, not the past asked for with \
+         --delay-back: it records from when it is called (as TensorFlow's and JAX's servers \
+         do); devtrace agents serve a past window from their flight recorder",
+        captured.target,
+        late_ns as f64 / 1e9
+    );
 }
 
 /// Writes the reply's files into the session (blocking: an upload runs

@@ -397,6 +397,38 @@ pub fn plane_names(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
     Ok(names)
 }
 
+/// How late a server may begin recording and still count as having
+/// recorded the window asked for: a call's own latency.
+pub const RECORDING_START_SLACK_NS: u64 = 50_000_000;
+
+/// The `profile_start_time` of an encoded XSpace's Task Environment
+/// plane (when its server began recording; TensorFlow's servers record it
+/// too), decoding that plane alone.
+pub fn recording_start_ns(bytes: &[u8]) -> Option<u64> {
+    let mut space = WireReader(bytes);
+    while let Ok(Some((field, value))) = space.next_field() {
+        let (1, WireValue::Bytes(plane)) = (field, value) else {
+            continue;
+        };
+        let mut fields = WireReader(plane);
+        let mut name = None;
+        while let Ok(Some((field, value))) = fields.next_field() {
+            if let (2, WireValue::Bytes(text)) = (field, value) {
+                name = Some(text);
+            }
+        }
+        if name != Some(crate::model::timeline::TASK_ENVIRONMENT_PLANE.as_bytes()) {
+            continue;
+        }
+        let space = XSpace {
+            planes: vec![XPlane::decode(plane).ok()?],
+            ..XSpace::default()
+        };
+        return super::merge::profile_start_ns(&space);
+    }
+    None
+}
+
 /// The errors (what failed: an upstream that did not answer, say) and
 /// warnings of an encoded XSpace (its fields 2 and 3), read in one walk
 /// without decoding its planes: what a client shows of a trace it has just

@@ -38,7 +38,18 @@ def test_devtrace_capture_against_tf_server(run):
         events = sum(len(l.events) for p in space.planes for l in p.lines)
         check(events > 0, "no events in the trace TF's server wrote")
         run.tf_trace = (logdir, "from_tf", os.path.basename(path)[: -len(".xplane.pb")], path)
-        return "%s: %d events, planes %s" % (os.path.basename(path), events, names)
+        # TensorFlow's server records from when it is called: a past window
+        # asked of it is another window, and the client says so.
+        past = subprocess.run([run.args.bin, "capture", "grpc://127.0.0.1:%d" % port,
+                               "--duration", "1s", "--delay-back", "3s", "--logdir", logdir,
+                               "--session-id", "past_from_tf", "--quiet"],
+                              capture_output=True, text=True, timeout=180)
+        check(past.returncode == 0, "devtrace capture --delay-back failed: %s" % past.stderr.strip())
+        said = [line for line in past.stderr.splitlines() if "after the window's start" in line]
+        check(len(said) == 1 and "--delay-back" in said[0],
+              "a past window TF's server did not record, not said: %r" % past.stderr)
+        return "%s: %d events, planes %s; --delay-back said: %s" % (
+            os.path.basename(path), events, names, said[0])
     finally:
         proc.kill()
         proc.wait()
