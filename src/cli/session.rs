@@ -83,7 +83,9 @@ pub struct ToolArgs {
     /// One host (as in the file name, e.g. 10.0.0.2_8466); default: all hosts.
     #[arg(long)]
     pub host: Option<String>,
-    /// Tool parameter, e.g. start_time_ms=100 (repeatable).
+    /// Tool parameter, e.g. start_time_ms=100 (repeatable). trace_viewer
+    /// takes start_time_ms, end_time_ms and resolution (the most events:
+    /// 100000 unless given; 0 for all); overview takes top.
     #[arg(long = "param", value_name = "KEY=VALUE")]
     pub params: Vec<String>,
     /// Write the output here instead of standard output.
@@ -256,8 +258,11 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
     if !session.exists()? {
         bail!("no session {:?} in {}", args.session, root.display());
     }
-    let output = fleet::tool_data(&session, args.host.as_deref(), &args.tool, &parameters)?;
-    let bytes = output.into_bytes();
+    let computed = fleet::tool_data(&session, args.host.as_deref(), &args.tool, &parameters)?;
+    for left_out in &computed.left_out {
+        eprintln!("{}: {left_out}", args.tool);
+    }
+    let bytes = computed.output.into_bytes();
     match &args.output {
         Some(path) => super::write_file(
             path.parent()

@@ -498,8 +498,17 @@ pub fn tool_data(
     host: Option<&str>,
     tool: &str,
     parameters: &std::collections::HashMap<String, String>,
-) -> Result<ToolOutput, ToolDataError> {
+) -> Result<Computed, ToolDataError> {
     plan_tool(session, host, tool, parameters)?.run(session)
+}
+
+/// A tool's output, and what it leaves out of the traces it was computed
+/// from, for people (a trace viewer cut to its resolution), one line per
+/// host that it cut.
+#[derive(Debug)]
+pub struct Computed {
+    pub output: ToolOutput,
+    pub left_out: Vec<String>,
 }
 
 /// What computing a tool takes at most per byte of the trace it reads:
@@ -633,7 +642,7 @@ impl ToolPlan {
     /// Reads the traces and computes the tool. A trace that grew since it
     /// was planned is refused: what the tool takes was counted for the
     /// size it had.
-    pub fn run(self, session: &Folder) -> Result<ToolOutput, ToolDataError> {
+    pub fn run(self, session: &Folder) -> Result<Computed, ToolDataError> {
         use crate::tools;
         let read = |file: &str, planned: u64| -> Result<Vec<u8>, ToolDataError> {
             let bytes = session.read(file)?;
@@ -648,8 +657,12 @@ impl ToolPlan {
         };
         if self.tool == "xplane" {
             let (_, file, size) = &self.traces[0];
-            return Ok(ToolOutput::Blob(read(file, *size)?));
+            return Ok(Computed {
+                output: ToolOutput::Blob(read(file, *size)?),
+                left_out: Vec::new(),
+            });
         }
+        let mut left_out = Vec::new();
         let mut per_host = Vec::with_capacity(self.traces.len());
         for (name, file, size) in &self.traces {
             let bytes = read(file, *size)?;
@@ -658,7 +671,17 @@ impl ToolPlan {
             drop(bytes);
             let json = match self.tool.as_str() {
                 "trace_viewer" => {
-                    tools::trace_viewer::trace_viewer(&space, &self.viewer)?.to_json()
+                    let trace = tools::trace_viewer::trace_viewer(&space, &self.viewer)?;
+                    if trace.events.len() < trace.events_in_window {
+                        left_out.push(format!(
+                            "{name}: {} of the {} events in the window, the longest in each \
+                             part of it (resolution {}; resolution=0 returns every one)",
+                            trace.events.len(),
+                            trace.events_in_window,
+                            self.viewer.resolution
+                        ));
+                    }
+                    trace.to_json()
                 }
                 "memory_profile" => tools::memory_profile::memory_profile_json(&space)?,
                 "kernel_stats" => tools::kernel_stats::kernel_stats(&space)?.to_json(),
@@ -667,7 +690,10 @@ impl ToolPlan {
             per_host.push((name.clone(), json));
         }
         if self.one_host {
-            return Ok(ToolOutput::Json(per_host.remove(0).1));
+            return Ok(Computed {
+                output: ToolOutput::Json(per_host.remove(0).1),
+                left_out,
+            });
         }
         let mut out = String::from("{\"hosts\":{");
         for (i, (name, json)) in per_host.iter().enumerate() {
@@ -679,7 +705,10 @@ impl ToolPlan {
             out.push_str(json);
         }
         out.push_str("}}");
-        Ok(ToolOutput::Json(out))
+        Ok(Computed {
+            output: ToolOutput::Json(out),
+            left_out,
+        })
     }
 }
 

@@ -20,6 +20,12 @@ use crate::repository::{
 pub enum RepositoryError {
     #[error("{path} is not inside any directory or bucket prefix allowed with --allow-root")]
     NotAllowed { path: String },
+    #[error(
+        "{path}: this agent was started without --allow-root, so it writes and reads no \
+         session itself; start it with --allow-root naming the directory or bucket prefix \
+         that holds this path"
+    )]
+    NoRoots { path: String },
     #[error("{path} is relative; only absolute paths can be matched to --allow-root")]
     Relative { path: String },
     #[error("{path} contains '..'")]
@@ -141,6 +147,9 @@ impl AllowedRoots {
     /// resolved here.
     pub fn confine(&self, requested: &str) -> Result<Folder, RepositoryError> {
         let shown = || requested.to_string();
+        if self.is_empty() {
+            return Err(RepositoryError::NoRoots { path: shown() });
+        }
         if scheme_of(requested).is_some() {
             let url = ObjectUrl::parse(requested)?
                 .ok_or_else(|| RepositoryError::NotAllowed { path: shown() })?;
@@ -263,6 +272,18 @@ mod tests {
         std::os::unix::fs::symlink(&real, &link).unwrap();
         assert!(lies_in(std::slice::from_ref(&link), text(&real.join("s"))));
         assert!(lies_in(std::slice::from_ref(&link), text(&link.join("s"))));
+    }
+
+    #[test]
+    fn an_agent_without_roots_says_so() {
+        let refused = AllowedRoots::default()
+            .confine("/var/tmp/logs")
+            .unwrap_err();
+        assert!(matches!(refused, RepositoryError::NoRoots { .. }));
+        assert!(
+            refused.to_string().contains("started without --allow-root"),
+            "{refused}"
+        );
     }
 
     fn text(path: &Path) -> &str {

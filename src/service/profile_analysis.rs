@@ -593,9 +593,15 @@ impl ProfileAnalysis for ProfileAnalysisService {
             }
             None => None,
         };
-        let output = tokio::task::spawn_blocking(move || plan.run(&directory).map_err(tool_status))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+        // XProf's trace viewer asks for what it shows by resolution and
+        // window: what a cut leaves out is its own choice, not news.
+        let output = tokio::task::spawn_blocking(move || {
+            plan.run(&directory)
+                .map(|computed| computed.output)
+                .map_err(tool_status)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
         // Sent from the output itself by `FramedRepliesLayer`, not copied
         // into a buffer of tonic's.
         let mut response = Response::new(ProfileSessionDataResponse::default());

@@ -238,8 +238,11 @@ async fn sessions_are_listed_newest_first_with_their_tools() {
         let session = root.join(format!("copy_{i:02}"));
         std::fs::create_dir_all(&session).unwrap();
         std::fs::write(session.join("worker.xplane.pb"), &trace).unwrap();
+        // Sessions are ordered by when their traces were written.
         let when = std::time::SystemTime::now() + Duration::from_secs(i + 1);
-        std::fs::File::open(&session)
+        std::fs::File::options()
+            .write(true)
+            .open(session.join("worker.xplane.pb"))
             .unwrap()
             .set_modified(when)
             .unwrap();
@@ -344,6 +347,25 @@ async fn tool_data_serves_every_tool_and_refuses_what_it_cannot() {
         (1..=50).contains(&complete),
         "{complete} events with resolution 50"
     );
+    // The command line says what a cut output leaves out.
+    let cut = std::process::Command::new(BIN)
+        .args(["tool", dir.path().to_str().unwrap(), "run", "trace_viewer"])
+        .args(["--host", &host, "--param", "resolution=50"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&cut.stderr);
+    assert!(cut.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("trace_viewer: {host}: 50 of the ")),
+        "{said}"
+    );
+    let whole = std::process::Command::new(BIN)
+        .args(["tool", dir.path().to_str().unwrap(), "run", "trace_viewer"])
+        .args(["--host", &host, "--param", "resolution=0"])
+        .output()
+        .unwrap();
+    assert!(whole.status.success());
+    assert!(!String::from_utf8_lossy(&whole.stderr).contains("events in the window"));
 
     for (req, code, field) in [
         (
