@@ -2271,6 +2271,104 @@ async fn seen_rival(variable: &str, binding: Binding) {
         .any(|w| w.contains("has the CUPTI activity stream again")));
 }
 
+/// A framework library linked against another toolkit's libcupti
+/// (`libcupti.so.13` beside the library's `.so.12`), loaded once CUDA is
+/// up: built once, with that copy in a directory of its own that only the
+/// framework's RUNPATH names.
+fn framework_with_its_own_libcupti() -> PathBuf {
+    let other = common::build_program(
+        "cupti.c",
+        "cupti_other_toolkit.so",
+        &[
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcupti.so.13",
+            "-ldl",
+            "-pthread",
+        ],
+    );
+    let toolkit = other.with_file_name("other-toolkit");
+    std::fs::create_dir_all(&toolkit).unwrap();
+    let copy = toolkit.join("libcupti.so.13");
+    if !copy.exists() {
+        let partial = toolkit.join(format!("libcupti.so.13.{}", std::process::id()));
+        std::fs::copy(&other, &partial).unwrap();
+        std::fs::rename(&partial, &copy).unwrap();
+    }
+    let rpath = format!("-Wl,-rpath,{}", toolkit.display());
+    common::build_program(
+        "cupti_framework.c",
+        "libother_toolkit_framework.so",
+        &["-shared", "-fPIC", copy.to_str().unwrap(), &rpath],
+    )
+}
+
+/// A framework bound to another copy of libcupti than the library's (two
+/// CUDA toolkits in one process), loaded after the library loaded its own,
+/// keeps calling its own copy: the library redirects only GOT slots that
+/// hold the addresses of the libcupti it uses. So the framework is not
+/// taken for a user of that CUPTI, nothing is stepped aside for, and every
+/// kernel of the framework's iterations in a later capture is recorded.
+/// (Redirected, its calls reached the library's libcupti, and the capture
+/// lost its part to it.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_framework_bound_to_another_libcupti_copy_keeps_it() {
+    let framework = framework_with_its_own_libcupti();
+    let setup = setup("cuda_rival_other_copy");
+    let agent = setup.agent();
+    let release = release_file(&setup, "other_copy");
+    // The framework is loaded as its first part starts (iteration 2), and
+    // its second part (iterations 7 and 8) runs 0.9 s after the first ends.
+    let workload = setup.workload(
+        &[
+            "10",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "300",
+            "--rival-at",
+            "2",
+            "--rival-iterations",
+            "2",
+            "--rival-every",
+            "5",
+        ],
+        &[(
+            "DEVTRACE_STANDIN_RIVAL_FRAMEWORK",
+            framework.to_str().unwrap(),
+        )],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    // The library loads its libcupti (the process has none yet).
+    let first = capture(&agent, 300).await;
+    assert!(cupti_of(&first, pid).contains("libcupti.so.12"));
+    std::fs::write(&release, b"go").unwrap();
+    workload.read_until("rival:");
+    // The framework is loaded now: this capture looks at its GOT.
+    let space = capture(&agent, 3000).await;
+    let mut lines = workload.read_until("rival:");
+    lines.extend(workload.read_until("done"));
+    assert!(
+        !space
+            .warnings
+            .iter()
+            .any(|w| w.contains("another CUPTI user")),
+        "{:?}",
+        space.warnings
+    );
+    let (rival_kernels, rival_start, rival_end) = rival_report(&lines);
+    // The driver serves the first copy to attach alone (the stand-in's
+    // reading of two toolkits in one process).
+    assert_eq!(rival_kernels, 0);
+    let during_its_part = program_kernels(&space)
+        .iter()
+        .filter(|(_, at)| (rival_start..=rival_end).contains(at))
+        .count();
+    assert_eq!(during_its_part, 4, "{:?}", space.warnings);
+}
+
 /// The libcupti a process of this test loaded, as the trace names it.
 fn cupti_of(space: &XSpace, pid: u32) -> String {
     let env = common::plane(space, "Task Environment");

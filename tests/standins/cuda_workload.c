@@ -17,6 +17,10 @@
  *   --rival-iterations M   ... for M iterations (default 1)
  *   --rival-direct         the rival binds to libcupti directly (its handle), never to
  *                          a preloaded or global library that exports the same names
+ *   $DEVTRACE_STANDIN_RIVAL_FRAMEWORK=PATH: the rival calls CUPTI through the
+ *                          library at PATH (cupti_framework.c), loaded as the rival
+ *                          first starts (RTLD_DEEPBIND), which calls another copy of
+ *                          libcupti
  *   --rival-linked         the rival calls the CUPTI functions this program imports (it
  *                          must be linked with -lcupti), through its PLT and GOT, as a
  *                          framework linked against libcupti (PyTorch's Kineto) does
@@ -532,11 +536,37 @@ static void rival_failed(const char *what, int code) {
     failed = 1;
 }
 
+/* The rival's CUPTI functions from the framework library at `path`
+ * (cupti_framework.c), which calls another copy of libcupti. Loaded with
+ * RTLD_DEEPBIND: otherwise the dynamic linker binds its calls to a libcupti
+ * already in the global scope (the injected library's), not its own. */
+static void rival_resolve_framework(const char *path) {
+    void *framework = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+    if (!framework) {
+        fprintf(stderr, "cuda_workload: rival: %s\n", dlerror());
+        failed = 1;
+        return;
+    }
+    rival.register_callbacks = (int (*)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc))dlsym(
+        framework, "fw_cuptiActivityRegisterCallbacks");
+    rival.enable = (int (*)(int))dlsym(framework, "fw_cuptiActivityEnable");
+    rival.disable = (int (*)(int))dlsym(framework, "fw_cuptiActivityDisable");
+    rival.flush_all = (int (*)(uint32_t))dlsym(framework, "fw_cuptiActivityFlushAll");
+    rival.next_record =
+        (int (*)(uint8_t *, size_t, CUpti_Activity **))dlsym(framework, "fw_cuptiActivityGetNextRecord");
+    rival.subscribe = (int (*)(void **, RivalCallbackFunc, void *))dlsym(framework, "fw_cuptiSubscribe");
+    rival.unsubscribe = (int (*)(void *))dlsym(framework, "fw_cuptiUnsubscribe");
+    rival.finalize = (int (*)(void))dlsym(framework, "fw_cuptiFinalize");
+}
+
 /* Finds the rival's CUPTI functions (once). */
 static void rival_resolve(void) {
     static int resolved;
     if (resolved++) return;
-    if (options.rival_linked) {
+    const char *framework = getenv("DEVTRACE_STANDIN_RIVAL_FRAMEWORK");
+    if (framework) {
+        rival_resolve_framework(framework);
+    } else if (options.rival_linked) {
         rival.register_callbacks = cuptiActivityRegisterCallbacks;
         rival.enable = cuptiActivityEnable;
         rival.disable = cuptiActivityDisable;

@@ -408,8 +408,11 @@ static int is_device(CUdeviceptr ptr, size_t bytes) {
 
 /* ---- hook plumbing (not part of the CUDA ABI) -------------------------- */
 
+/* The driver serves one CUPTI, the first copy to attach: a second copy
+ * loaded later (another toolkit's) is not served. */
 CUAPI void devtrace_standin_cuda_set_hook(devtrace_standin_hook h) {
-    __atomic_store_n(&hook, h, __ATOMIC_RELEASE);
+    devtrace_standin_hook none = NULL;
+    __atomic_compare_exchange_n(&hook, &none, h, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
 
 CUAPI unsigned int devtrace_standin_stream_id(CUstream stream) {
