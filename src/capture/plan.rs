@@ -22,9 +22,9 @@ pub struct Plan {
     pub repository_root: String,
     pub emit_xspace: bool,
     /// The client takes a trace too large for one XSpace as
-    /// `xplane.riegeli` tool data even though it set `emit_xspace`: it
-    /// lists that tool in the request's `tools`, as a session's fan-out
-    /// does ([`crate::fleet::fan_out`]).
+    /// `xplane.riegeli` tool data even though it set `emit_xspace`, and
+    /// writes it itself: it lists that tool in the request's `tools`, as a
+    /// session's fan-out does ([`crate::fleet::fan_out`]).
     pub takes_chunks: bool,
     /// The request's encoded `ProfileOptions`, recorded in the trace.
     pub options: Vec<u8>,

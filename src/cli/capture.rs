@@ -466,14 +466,21 @@ fn inline_trace(reply: &client::RawProfileResponse) -> Option<&[u8]> {
 /// Says when the server began recording well after the window asked for
 /// began: a window in the past (`--delay-back`) asked of a server that
 /// records from when it is called is another window. Read from the reply's
-/// trace, or the one the server wrote itself where this side can read it.
+/// trace, or the one the server wrote itself where this side can read it,
+/// if it is small enough to read for a message (its Task Environment comes
+/// last).
 fn tell_late_start(captured: &Captured) {
+    const MOST_READ: u64 = 64 << 20;
     let recorded_from_ns = match inline_trace(&captured.reply) {
         Some(trace) => crate::xspace::read::recording_start_ns(trace),
-        None => Folder::open(&captured.session_dir)
-            .and_then(|folder| folder.read(&format!("{}{XPLANE_SUFFIX}", captured.host)))
-            .ok()
-            .and_then(|trace| crate::xspace::read::recording_start_ns(&trace)),
+        None => {
+            let name = format!("{}{XPLANE_SUFFIX}", captured.host);
+            Folder::open(&captured.session_dir)
+                .ok()
+                .filter(|folder| folder.size(&name).is_ok_and(|size| size <= MOST_READ))
+                .and_then(|folder| folder.read(&name).ok())
+                .and_then(|trace| crate::xspace::read::recording_start_ns(&trace))
+        }
     };
     let Some(late_ns) = recorded_from_ns
         .map(|start| start.saturating_sub(captured.asked_start_ns))

@@ -327,8 +327,8 @@ pub struct ServeArgs {
     /// reached with the credentials of the environment (AWS_*, GOOGLE_*,
     /// instance roles). Without it, traces are always returned to the
     /// client, which writes them on its own machine. A missing directory is
-    /// made at start; one on procfs, sysfs, the cgroup filesystem or
-    /// debugfs is refused.
+    /// made at start; one on procfs, sysfs, a cgroup filesystem, debugfs or
+    /// tracefs is refused.
     #[arg(long = "allow-root", value_name = "DIR|URL")]
     pub allow_roots: Vec<PathBuf>,
 

@@ -601,9 +601,10 @@ pub async fn resolve(
             },
         };
         let mut new: Vec<Target> = Vec::new();
+        let mut new_addresses: HashSet<String> = HashSet::new();
         for target in hosts {
             let address = target.to_string();
-            if !seen.contains(&address) && !new.iter().any(|t| t.to_string() == address) {
+            if !seen.contains(&address) && new_addresses.insert(address) {
                 new.push(target);
             }
         }
@@ -616,8 +617,8 @@ pub async fn resolve(
             resolved.failures.push((entry.to_string(), why));
             continue;
         }
+        seen.extend(new_addresses);
         for target in new {
-            seen.insert(target.to_string());
             resolved.targets.push(target);
         }
     }

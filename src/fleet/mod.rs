@@ -127,10 +127,10 @@ pub async fn fan_out(
         let host = target.to_string();
         request.host_name = host.clone();
         request.emit_xspace = true;
-        // The trace comes back here to be written through `sink`, never
-        // written by the host where it stands: a devtrace agent sends one
-        // too large for an XSpace as Riegeli chunks instead.
-        request.repository_root.clear();
+        // The trace comes back here to be written through `sink`: a devtrace
+        // agent sends one too large for an XSpace as Riegeli chunks rather
+        // than writing it where it stands. (`repository_root` stays: servers
+        // that ignore `emit_xspace` write the trace there themselves.)
         if !request.tools.iter().any(|tool| tool == RIEGELI_TOOL) {
             request.tools.push(RIEGELI_TOOL.to_string());
         }
@@ -280,9 +280,10 @@ pub fn list_sessions(root: &Folder) -> Result<Vec<SessionInfo>, StorageError> {
         }
         // When its traces were written: the caches XProf writes into a
         // session as it is opened do not make it newer.
+        let trace_files: std::collections::HashSet<&String> = traces.values().collect();
         let modified = files
             .iter()
-            .filter(|file| traces.values().any(|trace| *trace == file.name))
+            .filter(|file| trace_files.contains(&file.name))
             .map(|file| file.modified)
             .max()
             .unwrap_or(subfolder.modified);
@@ -335,9 +336,10 @@ fn traces_among(names: impl IntoIterator<Item = String>) -> BTreeMap<String, Str
 /// The trace files `session` holds already of `hosts` (the host parts of
 /// their names, [`host_file_part`]): a session named again, which no
 /// trace of theirs may be written over. A session that cannot be read
-/// holds none (a write refuses to replace a trace anyway). Only files
-/// count: a link or other entry planted under a trace's name is refused
-/// when the trace is written instead, and said then.
+/// holds none (a write refuses to replace a trace anyway). A link or other
+/// entry planted under a trace's name does not count (it is refused when
+/// the trace is written, and said then); a trace the caller may not read
+/// (another user's) does.
 pub fn held_traces(session: &Folder, hosts: &[String]) -> Vec<String> {
     let Ok(traces) = session_traces(session) else {
         return Vec::new();
@@ -345,7 +347,12 @@ pub fn held_traces(session: &Folder, hosts: &[String]) -> Vec<String> {
     hosts
         .iter()
         .filter_map(|host| traces.get(host))
-        .filter(|file| session.size(file).is_ok())
+        .filter(|file| {
+            !matches!(
+                session.size(file),
+                Err(StorageError::NotFound { .. } | StorageError::Refused(_))
+            )
+        })
         .cloned()
         .collect()
 }

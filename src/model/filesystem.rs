@@ -13,8 +13,11 @@ pub enum Filesystem {
     Ramfs,
     Proc,
     Sysfs,
+    /// A cgroup v1 hierarchy.
+    Cgroup,
     Cgroup2,
     Debugfs,
+    Tracefs,
     /// Any other: a disk's, a network's, an overlay.
     Other,
 }
@@ -24,8 +27,10 @@ const TMPFS_MAGIC: u64 = 0x0102_1994;
 const RAMFS_MAGIC: u64 = 0x8584_58f6;
 const PROC_SUPER_MAGIC: u64 = 0x9fa0;
 const SYSFS_MAGIC: u64 = 0x6265_6572;
+const CGROUP_SUPER_MAGIC: u64 = 0x0027_e0eb;
 const CGROUP2_SUPER_MAGIC: u64 = 0x6367_7270;
 const DEBUGFS_MAGIC: u64 = 0x6462_6720;
+const TRACEFS_MAGIC: u64 = 0x7472_6163;
 
 impl Filesystem {
     /// The filesystem `path` is on.
@@ -41,8 +46,10 @@ impl Filesystem {
             RAMFS_MAGIC => Filesystem::Ramfs,
             PROC_SUPER_MAGIC => Filesystem::Proc,
             SYSFS_MAGIC => Filesystem::Sysfs,
+            CGROUP_SUPER_MAGIC => Filesystem::Cgroup,
             CGROUP2_SUPER_MAGIC => Filesystem::Cgroup2,
             DEBUGFS_MAGIC => Filesystem::Debugfs,
+            TRACEFS_MAGIC => Filesystem::Tracefs,
             _ => Filesystem::Other,
         }
     }
@@ -58,8 +65,9 @@ impl Filesystem {
         match self {
             Filesystem::Proc => Some("procfs"),
             Filesystem::Sysfs => Some("sysfs"),
-            Filesystem::Cgroup2 => Some("the cgroup filesystem"),
+            Filesystem::Cgroup | Filesystem::Cgroup2 => Some("a cgroup filesystem"),
             Filesystem::Debugfs => Some("debugfs"),
+            Filesystem::Tracefs => Some("tracefs"),
             _ => None,
         }
     }

@@ -100,6 +100,18 @@ impl AllowedRoots {
                 path: root.display().to_string(),
                 source,
             };
+            // Made nowhere the kernel makes files up (a cgroup directory
+            // made by mkdir is a new cgroup).
+            let existing = root.ancestors().find(|dir| dir.exists()).unwrap_or(root);
+            if let Some(name) = Filesystem::of(existing)
+                .ok()
+                .and_then(Filesystem::made_up_by_the_kernel)
+            {
+                return Err(prepare(std::io::Error::other(format!(
+                    "it is on {name}, whose files the kernel makes up: no trace can be \
+                     written there"
+                ))));
+            }
             if !root.exists() {
                 std::fs::create_dir_all(root).map_err(prepare)?;
                 // Said, so that a mistyped root is noticed at start rather
@@ -109,17 +121,6 @@ impl AllowedRoots {
             let absolute = std::path::absolute(root).map_err(prepare)?;
             let given = lexical(&absolute).unwrap_or_else(|| root.clone());
             let canonical = std::fs::canonicalize(root).map_err(prepare)?;
-            // Open and writable to `access(2)`, yet no file can be made
-            // there: every capture would fail its write.
-            if let Some(name) = Filesystem::of(&canonical)
-                .ok()
-                .and_then(Filesystem::made_up_by_the_kernel)
-            {
-                return Err(prepare(std::io::Error::other(format!(
-                    "it is on {name}, whose files the kernel makes up: no trace can be \
-                     written there"
-                ))));
-            }
             let dir = Arc::new(Dir::open(&canonical)?);
             let mut names = vec![canonical];
             if !names.contains(&given) {
@@ -318,7 +319,12 @@ mod tests {
     #[test]
     fn a_root_on_a_filesystem_the_kernel_makes_up_is_refused() {
         // Writable to access(2) for root, yet no file can be made there.
-        for root in ["/sys/kernel", "/proc/self"] {
+        for root in [
+            "/sys/kernel",
+            "/proc/self",
+            "/proc/devtrace-never-made",
+            "/sys/kernel/devtrace-never-made",
+        ] {
             let refused = AllowedRoots::new(&[PathBuf::from(root)]).unwrap_err();
             assert!(
                 refused
@@ -327,6 +333,9 @@ mod tests {
                 "{refused}"
             );
         }
+        // A missing one is refused before mkdir is tried (in a cgroup
+        // filesystem a directory made is a new cgroup): by that message, not
+        // mkdir's error.
     }
 
     #[test]

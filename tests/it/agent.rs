@@ -312,14 +312,22 @@ async fn a_second_capture_of_a_host_into_a_session_is_refused_before_its_window(
         request
     };
     let mut client = agent.client().await;
-    let first = {
+    let start = |host: &str| {
         let mut client = client.clone();
-        let request = into_race("worker-8");
+        let request = into_race(host);
         tokio::spawn(async move { client.profile(request).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let refused = client.profile(into_race("worker-8")).await.unwrap_err();
-    assert!(!first.is_finished(), "refused only after the first ended");
+    // Whichever asks first captures; the other is refused at once.
+    let (mut one, mut other) = (start("worker-8"), start("worker-8"));
+    let (first_answer, still_running) = tokio::select! {
+        answer = &mut one => (answer.unwrap(), other),
+        answer = &mut other => (answer.unwrap(), one),
+    };
+    let refused = first_answer.unwrap_err();
+    assert!(
+        !still_running.is_finished(),
+        "refused only after the first ended"
+    );
     assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
     assert!(
         refused.message().contains("another capture in progress"),
@@ -327,7 +335,7 @@ async fn a_second_capture_of_a_host_into_a_session_is_refused_before_its_window(
     );
     // Another host of the same session is not held up.
     client.profile(into_race("worker-9")).await.unwrap();
-    first.await.unwrap().unwrap();
+    still_running.await.unwrap().unwrap();
     let mut files: Vec<String> = std::fs::read_dir(root.join("race"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())

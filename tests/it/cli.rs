@@ -226,6 +226,25 @@ fn captures_never_replace_each_other_and_a_bad_logdir_fails_first() {
     );
     assert!(!said.contains("reply received"), "{said}");
     assert_eq!(std::fs::read(&first).unwrap(), bytes);
+    // Held too where the caller may not read it (another user's): refused
+    // before the window, not after it by the write.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&first, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(BIN)
+        .args(["capture", &address, "--duration", "100ms", "--quiet"])
+        .args(named)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        said.contains("holds a trace of this host already"),
+        "{said}"
+    );
+    assert!(!said.contains("reply received"), "{said}");
 
     // A file where the logdir should be: refused before the window.
     let file = dir.path().join("a-file");

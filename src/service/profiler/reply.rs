@@ -95,7 +95,12 @@ impl ProfilerService {
             "trace over --chunk-traces-over stored as Riegeli chunks"
         );
         let mut not_written = None;
-        if let Some(root) = self.server_side_root(plan) {
+        // A session's fan-out writes the chunks it is sent into the session
+        // itself.
+        let server_side = (!plan.takes_chunks)
+            .then(|| self.server_side_root(plan))
+            .flatten();
+        if let Some(root) = server_side {
             let written;
             (written, chunked) = write_trace(root, plan, RIEGELI_SUFFIX, chunked).await?;
             match written {
@@ -183,23 +188,26 @@ impl ProfilerService {
         };
         let session = root.join(&plan.session_id);
         let file = format!("{}/{}", session.display(), plan.file_host);
-        let hosts = [plan.file_host.clone()];
-        let held = tokio::task::spawn_blocking(move || crate::fleet::held_traces(&session, &hosts))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?;
-        if let Some(file) = held.first() {
-            return Err(held_session(plan, file));
-        }
+        // Claimed before the session is looked into: a capture that ends
+        // meanwhile has written its trace by the time it gives the claim up.
         if !self.claimed.lock().insert(file.clone()) {
             return Err(held_session(
                 plan,
                 "another capture in progress writes it there",
             ));
         }
-        Ok(Some(SessionClaim {
+        let claim = SessionClaim {
             service: self,
             file,
-        }))
+        };
+        let hosts = [plan.file_host.clone()];
+        let held = tokio::task::spawn_blocking(move || crate::fleet::held_traces(&session, &hosts))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        match held.first() {
+            Some(file) => Err(held_session(plan, file)),
+            None => Ok(Some(claim)),
+        }
     }
 
     /// The repository root to write into, when the request's lies inside an
