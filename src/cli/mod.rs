@@ -253,10 +253,13 @@ impl PendingFile {
             file.persist(&target)
                 .map_err(|failed| failed.error)
                 .with_context(|| format!("writing {}", target.display()))?;
-        } else {
-            file.persist_noclobber(&target)
-                .map_err(|failed| failed.error)
-                .with_context(|| format!("{} was written meanwhile", target.display()))?;
+        } else if let Err(failed) = file.persist_noclobber(&target) {
+            let error = failed.error;
+            if error.kind() == std::io::ErrorKind::AlreadyExists {
+                return Err(error)
+                    .with_context(|| format!("{} was written meanwhile", target.display()));
+            }
+            return Err(error).with_context(|| format!("writing {}", target.display()));
         }
         Ok(target)
     }
