@@ -30,10 +30,10 @@ pub struct AttachArgs {
     #[arg(long, value_name = "DIR", default_value = "/tmp")]
     pub stage_dir: PathBuf,
     /// How long the process's thread may take to stop.
-    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = super::parse_duration)]
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", default_value = "2s", value_parser = super::parse_duration)]
     pub stop_timeout: Duration,
     /// How long the library may take to load once the thread runs again.
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = super::parse_duration)]
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", default_value = "30s", value_parser = super::parse_duration)]
     pub load_timeout: Duration,
 }
 

@@ -24,7 +24,7 @@ pub struct CaptureArgs {
     pub address: String,
 
     /// Length of the capture window (e.g. 2s, 500ms).
-    #[arg(long, default_value = "2s", value_parser = super::parse_duration_with_unit)]
+    #[arg(long, allow_hyphen_values = true, default_value = "2s", value_parser = super::parse_duration_with_unit)]
     pub duration: Duration,
 
     /// Log directory, or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (with the
@@ -43,13 +43,13 @@ pub struct CaptureArgs {
     pub session_id: Option<String>,
 
     /// Start the window this long from now (e.g. 1s).
-    #[arg(long, default_value = "0s", value_parser = super::parse_duration_with_unit)]
+    #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = super::parse_duration_with_unit)]
     pub delay: Duration,
 
     /// Start the window this long in the past (served from devtrace's flight
     /// recorder; other servers start at once, which is then said). The window still lasts
     /// --duration: `--delay-back 4s --duration 4s` is the 4 s before now.
-    #[arg(long, default_value = "0s", value_parser = super::parse_duration_with_unit, conflicts_with = "delay")]
+    #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = super::parse_duration_with_unit, conflicts_with = "delay")]
     pub delay_back: Duration,
 
     /// Name of the trace file's host part (default: the address with ':' as '_').

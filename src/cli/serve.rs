@@ -150,7 +150,7 @@ pub struct ServeArgs {
     /// Scenario: the first mock step starting this long after the agent
     /// starts lasts four times as long as the others (for trying a
     /// slow-step trigger).
-    #[arg(long, value_name = "AFTER", value_parser = super::parse_duration)]
+    #[arg(long, allow_hyphen_values = true, value_name = "AFTER", value_parser = super::parse_duration)]
     pub mock_slow_step: Option<Duration>,
 
     /// Scenario: the mock samples each GPU's SM utilisation at every step,
@@ -165,11 +165,11 @@ pub struct ServeArgs {
     pub nvml_library: std::ffi::OsString,
 
     /// How often the nvml backend samples each GPU while a capture runs.
-    #[arg(long, default_value = "10ms", value_parser = super::parse_duration)]
+    #[arg(long, allow_hyphen_values = true, default_value = "10ms", value_parser = super::parse_duration)]
     pub nvml_interval: Duration,
 
     /// How often it samples when no capture runs.
-    #[arg(long, default_value = "1s", value_parser = super::parse_duration)]
+    #[arg(long, allow_hyphen_values = true, default_value = "1s", value_parser = super::parse_duration)]
     pub nvml_idle_interval: Duration,
 
     /// libtpu for the tpu backend (default: $TPU_LIBRARY_PATH, else
@@ -182,7 +182,7 @@ pub struct ServeArgs {
     pub perf_pids: Vec<i32>,
 
     /// How often the perf backend reads its counters while a capture runs.
-    #[arg(long, default_value = "10ms", value_parser = super::parse_duration)]
+    #[arg(long, allow_hyphen_values = true, default_value = "10ms", value_parser = super::parse_duration)]
     pub perf_interval: Duration,
 
     /// When the eBPF backend's kernel hooks are attached: during captures

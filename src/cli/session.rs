@@ -52,7 +52,7 @@ pub struct NewSessionArgs {
     #[arg(long)]
     pub logdir: PathBuf,
     /// Length of the shared capture window (e.g. 2s, 500ms).
-    #[arg(long, default_value = "2s", value_parser = super::parse_duration_with_unit)]
+    #[arg(long, allow_hyphen_values = true, default_value = "2s", value_parser = super::parse_duration_with_unit)]
     pub duration: Duration,
     /// Session name; default: the current UTC time as YYYY_MM_DD_HH_MM_SS,
     /// with _2, _3, ... when a session of the same second exists already.

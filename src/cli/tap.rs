@@ -30,7 +30,7 @@ pub struct TapArgs {
     pub profiler_listen: Option<String>,
 
     /// How often to log a summary of the calls forwarded (0: only at exit).
-    #[arg(long, default_value = "10s", value_parser = super::parse_duration)]
+    #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = super::parse_duration)]
     pub summary_every: Duration,
 }
 

@@ -9,6 +9,8 @@ use std::time::Duration;
 pub enum UnitError {
     #[error("{0:?} is not a duration (try 2s, 500ms, 10m)")]
     NotADuration(String),
+    #[error("{0:?} is negative: a duration is 0 or more")]
+    Negative(String),
     #[error("{0:?} is not a size (try 512MiB)")]
     NotASize(String),
     #[error("unknown unit {unit:?} in {text:?} (use {expected})")]
@@ -29,6 +31,9 @@ pub enum UnitError {
 /// is milliseconds (as configuration files and rules have written them).
 pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
     let text = text.trim();
+    if text.starts_with('-') && text.len() > 1 {
+        return Err(UnitError::Negative(text.to_string()));
+    }
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(text.len());
@@ -116,6 +121,10 @@ mod tests {
         assert_eq!(
             parse_duration("two"),
             Err(UnitError::NotADuration("two".into()))
+        );
+        assert_eq!(
+            parse_duration_with_unit("-1s"),
+            Err(UnitError::Negative("-1s".into()))
         );
         assert!(matches!(
             parse_duration("3 weeks"),

@@ -340,6 +340,8 @@ fn mistakes_get_clear_errors() {
     for (duration, says) in [
         ("soon", "is not a duration"),
         ("5", "\"5\" has no unit: write 5s or 5ms"),
+        // Taken as the value, not as a flag of its own.
+        ("-1s", "\"-1s\" is negative: a duration is 0 or more"),
     ] {
         let out = devtrace(&[
             "capture",
