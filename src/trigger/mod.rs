@@ -297,15 +297,32 @@ impl Triggers {
             let mut task = save.task;
             if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
                 task.abort();
-                // Counted as failed here, not as lost at the next start.
-                let taken = save.session.lock().take();
-                if let Some(taken) = taken {
-                    let _ = tokio::task::spawn_blocking(move || release(&taken)).await;
+                // A save that took its session back has finished its write
+                // and counted itself, whichever way it went.
+                let Some(taken) = save.session.lock().take() else {
+                    continue;
+                };
+                // Its write, on the blocking pool, may have landed as the
+                // grace ran out: a trace in the session is saved.
+                let folder = taken.folder.clone();
+                let landed = tokio::task::spawn_blocking(move || {
+                    crate::fleet::session_traces(&folder).is_ok_and(|traces| !traces.is_empty())
+                })
+                .await
+                .unwrap_or(false);
+                let counts = &self.rules[save.rule].counts;
+                if landed {
+                    counts.saved.fetch_add(1, Ordering::Relaxed);
+                    info!(
+                        rule = %self.rules[save.rule].rule.name,
+                        session = %taken.name,
+                        "trigger fired; its window was saved as the agent stopped"
+                    );
+                    continue;
                 }
-                self.rules[save.rule]
-                    .counts
-                    .failed
-                    .fetch_add(1, Ordering::Relaxed);
+                // Counted as failed here, not as lost at the next start.
+                let _ = tokio::task::spawn_blocking(move || release(&taken)).await;
+                counts.failed.fetch_add(1, Ordering::Relaxed);
                 warn!(
                     rule = %self.rules[save.rule].rule.name,
                     fired_at = %utc_text(save.at_ns),
