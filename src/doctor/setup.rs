@@ -425,61 +425,21 @@ fn kernel_filesystem(dir: &Path) -> Option<&'static str> {
 
 /// A PEM certificate (and its key): readable, parsed, within its validity
 /// dates, and, with a key, the key of that certificate.
-fn tls_certificate(flag: &str, path: &Path, key: Option<&Path>) -> Finding {
+fn tls_certificate(flag: &'static str, path: &Path, key: Option<&Path>) -> Finding {
     let item = format!("{flag} {}", path.display());
-    let bytes = match crate::model::small_file::read(path, 4 << 20) {
-        Ok(bytes) => bytes,
+    // Judged as serve judges it as it starts.
+    let facts = match tls::certificate_facts(flag, path, flag == "--tls-cert") {
+        Ok(facts) => facts,
         Err(error) => {
-            return Finding::new(
-                Area::Agent,
-                item,
-                Status::Fail,
-                format!("cannot read it: {error}"),
-            )
+            let reason = match error {
+                TlsError::Refused { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            return Finding::new(Area::Agent, item, Status::Fail, reason);
         }
     };
-    let Some(pem) = x509_parser::pem::Pem::iter_from_buffer(&bytes)
-        .filter_map(Result::ok)
-        .find(|pem| pem.label == "CERTIFICATE")
-    else {
-        return Finding::new(Area::Agent, item, Status::Fail, "no PEM CERTIFICATE block");
-    };
-    let certificate = match pem.parse_x509() {
-        Ok(certificate) => certificate,
-        Err(error) => {
-            return Finding::new(
-                Area::Agent,
-                item,
-                Status::Fail,
-                format!("the certificate does not parse: {error}"),
-            )
-        }
-    };
-    let validity = certificate.validity();
-    let now = x509_parser::time::ASN1Time::now();
-    let subject = certificate.subject().to_string();
-    if now < validity.not_before {
-        return Finding::new(
-            Area::Agent,
-            item,
-            Status::Fail,
-            format!("{subject}: not valid before {}", validity.not_before),
-        );
-    }
-    if now > validity.not_after {
-        return Finding::new(
-            Area::Agent,
-            item,
-            Status::Fail,
-            format!("{subject}: expired {}", validity.not_after),
-        )
-        .hint("renew it; clients refuse an expired certificate at the handshake");
-    }
-    let days_left = validity
-        .time_to_expiration()
-        .map_or(0, |left| left.whole_days());
     if let Some(key) = key {
-        if let Err(reason) = key_matches(key, certificate.public_key().raw) {
+        if let Err(reason) = key_matches(key, &facts.public_key) {
             return Finding::new(Area::Agent, item, Status::Fail, reason);
         }
     }
@@ -488,7 +448,20 @@ fn tls_certificate(flag: &str, path: &Path, key: Option<&Path>) -> Finding {
     } else {
         ""
     };
-    let detail = format!("{subject}, valid {days_left} more days{paired}");
+    let days_left = facts.days_left;
+    let detail = format!("{}, valid {days_left} more days{paired}", facts.subject);
+    if flag == "--tls-cert" && facts.not_for_clients {
+        return Finding::new(
+            Area::Agent,
+            item,
+            Status::Warn,
+            format!(
+                "{detail}; its purposes leave out client authentication, so hosts that \
+                 require client certificates refuse it when this agent calls them"
+            ),
+        )
+        .hint("give it both the server and the client purpose, or neither");
+    }
     if days_left < 14 {
         Finding::new(Area::Agent, item, Status::Warn, detail).hint("renew it soon")
     } else {
@@ -608,6 +581,43 @@ mod tests {
             tls_certificate("--tls-cert", &cert_path, None).status,
             Status::Fail
         );
+    }
+
+    /// What every client would refuse, serve refuses as it starts, and
+    /// doctor fails; what only mTLS hosts it calls would refuse is a
+    /// warning.
+    #[test]
+    fn a_certificate_is_judged_by_its_purposes_and_dates_as_serve_judges_it() {
+        use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let key_path = dir.path().join("agent.key");
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        let made = |name: &str, purposes: Vec<rcgen::ExtendedKeyUsagePurpose>, expired: bool| {
+            let mut params = rcgen::CertificateParams::new(vec!["agent".into()]).unwrap();
+            params.extended_key_usages = purposes;
+            if expired {
+                params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+                params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+            }
+            let path = dir.path().join(name);
+            std::fs::write(&path, params.self_signed(&key).unwrap().pem()).unwrap();
+            path
+        };
+        for (cert, status) in [
+            (
+                made("both.pem", vec![ServerAuth, ClientAuth], false),
+                Status::Ok,
+            ),
+            (made("server.pem", vec![ServerAuth], false), Status::Warn),
+            (made("client.pem", vec![ClientAuth], false), Status::Fail),
+            (made("expired.pem", vec![], true), Status::Fail),
+        ] {
+            let finding = tls_certificate("--tls-cert", &cert, Some(&key_path));
+            assert_eq!(finding.status, status, "{finding:?}");
+            let served = tls::server_config(&cert, &key_path, None);
+            assert_eq!(served.is_err(), status == Status::Fail, "{cert:?}");
+        }
     }
 
     #[test]

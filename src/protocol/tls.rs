@@ -32,6 +32,87 @@ pub enum TlsError {
     /// certificate or CA of a form it does not take).
     #[error("{files} cannot serve TLS: {reason}")]
     Unusable { files: String, reason: String },
+    /// A certificate every peer would refuse (expired, not valid yet, not
+    /// for servers).
+    #[error("{flag} {path}: {reason}")]
+    Refused {
+        flag: &'static str,
+        path: String,
+        reason: String,
+    },
+}
+
+/// What a certificate says of itself, as TLS peers judge it.
+#[derive(Debug)]
+pub struct CertificateFacts {
+    pub subject: String,
+    /// Whole days until it expires.
+    pub days_left: i64,
+    /// Its SubjectPublicKeyInfo (DER), to match a key against.
+    pub public_key: Vec<u8>,
+    /// It names its purposes (extended key usage) and client
+    /// authentication is not among them: servers that require client
+    /// certificates refuse it.
+    pub not_for_clients: bool,
+}
+
+/// Reads the first certificate of the PEM file at `path` (given as `flag`)
+/// and refuses what every peer would refuse of it: a certificate expired or
+/// not valid yet and, when it is a server's (`serving`), one whose
+/// purposes leave out server authentication.
+pub fn certificate_facts(
+    flag: &'static str,
+    path: &Path,
+    serving: bool,
+) -> Result<CertificateFacts, TlsError> {
+    let refused = |reason: String| TlsError::Refused {
+        flag,
+        path: path.display().to_string(),
+        reason,
+    };
+    let bytes = read_pem(path, "CERTIFICATE")?;
+    let pem = x509_parser::pem::Pem::iter_from_buffer(&bytes)
+        .filter_map(Result::ok)
+        .find(|pem| pem.label == "CERTIFICATE")
+        .ok_or_else(|| refused("its CERTIFICATE block is not PEM".into()))?;
+    let certificate = pem
+        .parse_x509()
+        .map_err(|error| refused(format!("the certificate does not parse: {error}")))?;
+    let subject = certificate.subject().to_string();
+    let validity = certificate.validity();
+    let now = x509_parser::time::ASN1Time::now();
+    if now < validity.not_before {
+        return Err(refused(format!(
+            "{subject}: not valid before {}",
+            validity.not_before
+        )));
+    }
+    if now > validity.not_after {
+        return Err(refused(format!(
+            "{subject}: expired {}; renew it: peers refuse an expired certificate at the \
+             handshake",
+            validity.not_after
+        )));
+    }
+    let purposes = certificate
+        .extended_key_usage()
+        .ok()
+        .flatten()
+        .map(|extension| extension.value);
+    if serving && purposes.is_some_and(|usage| !usage.any && !usage.server_auth) {
+        return Err(refused(format!(
+            "{subject}: its purposes (extended key usage) leave out server authentication, \
+             so clients refuse it as a server's"
+        )));
+    }
+    Ok(CertificateFacts {
+        subject,
+        days_left: validity
+            .time_to_expiration()
+            .map_or(0, |left| left.whole_days()),
+        public_key: certificate.public_key().raw.to_vec(),
+        not_for_clients: purposes.is_some_and(|usage| !usage.any && !usage.client_auth),
+    })
 }
 
 /// The contents of a PEM file that holds at least one `what` block
@@ -74,6 +155,10 @@ pub fn server_config(
     key: &Path,
     client_ca: Option<&Path>,
 ) -> Result<ServerTlsConfig, TlsError> {
+    certificate_facts("--tls-cert", cert, true)?;
+    if let Some(ca) = client_ca {
+        certificate_facts("--tls-client-ca", ca, false)?;
+    }
     let mut config = ServerTlsConfig::new()
         .identity(identity(cert, key)?)
         .timeout(HANDSHAKE_TIMEOUT);
