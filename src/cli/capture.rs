@@ -85,11 +85,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let captured = runtime.block_on(capture(&args, prepared));
-    // Past the window Ctrl-C stops the command as it would any other (an
-    // upload in progress included).
-    default_cancelling();
-    let captured = captured?;
+    let captured = runtime.block_on(capture(&args, prepared))?;
     let in_bucket = matches!(captured.session_dir, Location::Object(_));
     // As a shell reads it back: the logdir resolved (a `~` that reached
     // here unexpanded named a directory of that name), quoted when needed.
@@ -99,7 +95,26 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         tell_late_start(&captured);
     }
     let received = Instant::now();
-    let path = store(captured)?;
+    // A signal while the files are written (an upload can take minutes)
+    // keeps the trace on this machine, says where, and ends the command.
+    let unsent = Unsent::of(&captured);
+    let stored = runtime.block_on(async {
+        let storing = tokio::task::spawn_blocking(move || store(captured));
+        tokio::select! {
+            stored = storing => stored.context("writing the trace")?,
+            signal = cancelled() => unsent.keep_and_die(signal),
+        }
+    });
+    default_cancelling();
+    let path = match stored {
+        Ok(path) => path,
+        Err(error) => {
+            // The trace was kept elsewhere, or lost: what it warns of still
+            // matters.
+            tell_warnings(&warnings, "the kept trace");
+            return Err(error);
+        }
+    };
     // What a capture takes past its window, in two parts: the server's
     // answer, and this side's writing (and syncing) of the files.
     tracing::info!(
@@ -244,6 +259,57 @@ fn tell_warnings(warnings: &[String], path: &str) {
             "the trace warns of {} more: devtrace inspect {path} lists them all",
             warnings.len() - WARNINGS_SHOWN
         );
+    }
+}
+
+/// The trace files of a reply, kept aside while they are written, so that
+/// a signal in the meantime can keep them on this machine.
+struct Unsent {
+    session_id: String,
+    files: Vec<(String, bytes::Bytes)>,
+}
+
+impl Unsent {
+    fn of(captured: &Captured) -> Unsent {
+        let files = captured
+            .reply
+            .tool_data
+            .iter()
+            .filter(|tool| tool.name == XPLANE_TOOL || tool.name == RIEGELI_TOOL)
+            .map(|tool| {
+                (
+                    format!("{}.{}", captured.host, tool.name),
+                    tool.data.clone(),
+                )
+            })
+            .collect();
+        Unsent {
+            session_id: captured.session_id.clone(),
+            files,
+        }
+    }
+
+    /// Keeps the trace under the temporary directory, says where (it may
+    /// land where it was going too, if its write ends first), and ends the
+    /// process by `signal`.
+    fn keep_and_die(&self, signal: libc::c_int) -> ! {
+        for (name, bytes) in &self.files {
+            let dir = std::env::temp_dir();
+            match crate::repository::keep_unsent(&dir, &self.session_id, name, bytes) {
+                Ok(kept) => eprintln!(
+                    "devtrace: {} while the trace was written: it is kept at {}",
+                    signal_name(signal),
+                    kept.display()
+                ),
+                Err(error) => eprintln!(
+                    "devtrace: {} while the trace was written, and keeping it under {} failed \
+                     ({error}): it is lost",
+                    signal_name(signal),
+                    dir.display()
+                ),
+            }
+        }
+        die_of(signal)
     }
 }
 

@@ -234,8 +234,11 @@ fn with_hint(mut text: String, tls: bool) -> String {
         "connection reset",
         "received fatal alert",
     ];
-    // The server had begun its reply: it was a gRPC server.
-    if text.contains("error reading a body") {
+    // A TLS client's handshake met the bytes of a plaintext HTTP/2 server.
+    if tls && text.contains("InvalidContentType") {
+        text.push_str(" (the server does not speak TLS: call it with grpc://, without --tls-ca)");
+    } else if text.contains("error reading a body") {
+        // The server had begun its reply: it was a gRPC server.
         text.push_str(
             " (the connection ended while the reply was on the way: the server stopped, was \
              killed or gave up on this client, which read too slowly; this reply is lost)",
@@ -473,6 +476,15 @@ mod tests {
         assert!(!mid_reply.contains("TLS"), "{mid_reply}");
         let at_first = with_hint("h2 protocol error: connection reset".into(), false);
         assert!(at_first.contains("it serves TLS"), "{at_first}");
+    }
+
+    #[test]
+    fn a_tls_client_meeting_a_plaintext_server_is_told_so() {
+        let plaintext = with_hint(
+            "transport error: received corrupt message of type InvalidContentType".into(),
+            true,
+        );
+        assert!(plaintext.ends_with("without --tls-ca)"), "{plaintext}");
     }
 
     #[test]

@@ -660,6 +660,8 @@ async fn a_failed_upload_keeps_the_trace() {
         .unwrap()
         .into_inner();
     assert_kept(&reply.error_message, unsent.path());
+    // The host returned a trace, kept here: not an empty one.
+    assert!(!reply.empty_trace, "{}", reply.error_message);
 
     // The CLI: the trace lands in the temporary directory, and the command
     // fails naming it.
@@ -760,4 +762,60 @@ fn malformed_bucket_roots_are_refused_at_start() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// A signal while a capture's trace is being uploaded keeps the trace on
+/// this machine and says where; the command then ends by that signal.
+/// (It ended at once, and the trace was lost without a word.)
+#[tokio::test]
+async fn a_signal_during_an_upload_keeps_the_trace_here() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("traces");
+    let agent = AgentProcess::start(&[]);
+    let temporary = tempfile::tempdir().unwrap();
+    let mut capture = Command::new(BIN)
+        .args(["capture", &agent.address, "--duration", "3s", "--quiet"])
+        .args(["--session-id", "stalled", "--logdir", "s3://traces/cli"])
+        .envs(server.env())
+        .env("TMPDIR", temporary.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Within the window, after the command looked into the bucket: the
+    // server stops answering, so that the upload waits on it.
+    let moto = server.child.id() as libc::pid_t;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    // SAFETY: signalling a child of this test.
+    unsafe { libc::kill(moto, libc::SIGSTOP) };
+    tokio::time::sleep(std::time::Duration::from_millis(3500)).await;
+    // SAFETY: as above.
+    unsafe { libc::kill(capture.id() as libc::pid_t, libc::SIGTERM) };
+    let out = tokio::task::spawn_blocking(move || {
+        let mut stderr = String::new();
+        if let Some(mut pipe) = capture.stderr.take() {
+            let _ = pipe.read_to_string(&mut stderr);
+        }
+        (capture.wait().unwrap(), stderr)
+    })
+    .await
+    .unwrap();
+    // SAFETY: as above.
+    unsafe { libc::kill(moto, libc::SIGCONT) };
+    let (status, stderr) = out;
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{stderr}");
+    let kept = stderr
+        .split("SIGTERM while the trace was written: it is kept at ")
+        .nth(1)
+        .and_then(|rest| rest.lines().next())
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(
+        kept.starts_with(&*temporary.path().to_string_lossy()),
+        "{kept}"
+    );
+    let trace = devtrace::xspace::read::read_trace(Path::new(kept)).unwrap();
+    assert!(trace.space.planes.iter().any(|p| p.name == "/host:CPU"));
 }
