@@ -845,7 +845,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .thread_name("devtrace-rpc")
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(args))
+    let served = runtime.block_on(serve(args));
+    // Blocking work left once the agent has stopped (a write it gave up
+    // waiting for, to a stalled bucket) is not waited for: its outcome was
+    // said already.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    served
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
