@@ -2,6 +2,7 @@
 //! request as TensorFlow's `client.trace`, so it works against devtrace and
 //! against TensorFlow's or JAX's own profiler servers.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -91,15 +92,19 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     // here unexpanded named a directory of that name), quoted when needed.
     let logdir = shell_word(&captured.logdir.to_string());
     let warnings = trace_warnings(&captured.reply);
-    if !args.delay_back.is_zero() {
-        tell_late_start(&captured);
-    }
     let received = Instant::now();
-    // A signal while the files are written (an upload can take minutes)
-    // keeps the trace on this machine, says where, and ends the command.
+    // A signal while the files are written (an upload can take minutes),
+    // or a written one is looked into, keeps the trace on this machine,
+    // says where, and ends the command.
     let unsent = Unsent::of(&captured);
+    let look_back = !args.delay_back.is_zero();
     let stored = runtime.block_on(async {
-        let storing = tokio::task::spawn_blocking(move || store(captured));
+        let storing = tokio::task::spawn_blocking(move || {
+            if look_back {
+                tell_late_start(&captured);
+            }
+            store(captured)
+        });
         tokio::select! {
             stored = storing => stored.context("writing the trace")?,
             signal = cancelled() => unsent.keep_and_die(signal),
@@ -111,7 +116,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         Err(error) => {
             // The trace was kept elsewhere, or lost: what it warns of still
             // matters.
-            tell_warnings(&warnings, "the kept trace");
+            tell_warnings(&warnings, None);
             return Err(error);
         }
     };
@@ -122,7 +127,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
         "trace stored"
     );
     println!("{path}");
-    tell_warnings(&warnings, &path);
+    tell_warnings(&warnings, Some(&path));
     if in_bucket {
         eprintln!(
             "view it with: xprof --logdir {logdir} (then open the Profile tab), or devtrace sessions {logdir}"
@@ -248,15 +253,17 @@ fn trace_warnings(reply: &client::RawProfileResponse) -> Vec<String> {
 /// How many of a trace's warnings are printed after a capture.
 const WARNINGS_SHOWN: usize = 10;
 
-/// Says on stderr what the trace at `path` warns of, so that a partial
-/// trace is not taken for a whole one.
-fn tell_warnings(warnings: &[String], path: &str) {
+/// Says on stderr what the trace at `path` (where it went, when it went
+/// where it was meant to) warns of, so that a partial trace is not taken
+/// for a whole one.
+fn tell_warnings(warnings: &[String], path: Option<&str>) {
     for warning in warnings.iter().take(WARNINGS_SHOWN) {
         eprintln!("the trace warns: {warning}");
     }
     if warnings.len() > WARNINGS_SHOWN {
+        let inspect = path.unwrap_or("FILE");
         eprintln!(
-            "the trace warns of {} more: devtrace inspect {path} lists them all",
+            "the trace warns of {} more: devtrace inspect {inspect} lists them all",
             warnings.len() - WARNINGS_SHOWN
         );
     }
@@ -289,25 +296,40 @@ impl Unsent {
         }
     }
 
-    /// Keeps the trace under the temporary directory, says where (it may
-    /// land where it was going too, if its write ends first), and ends the
-    /// process by `signal`.
+    /// Keeps the trace under the temporary directory, says where (its
+    /// write may still finish too), and ends the process by `signal`.
+    /// Everything is kept before anything is said: after a hangup the
+    /// terminal may refuse what is written to it.
     fn keep_and_die(&self, signal: libc::c_int) -> ! {
-        for (name, bytes) in &self.files {
-            let dir = std::env::temp_dir();
-            match crate::repository::keep_unsent(&dir, &self.session_id, name, bytes) {
-                Ok(kept) => eprintln!(
-                    "devtrace: {} while the trace was written: it is kept at {}",
-                    signal_name(signal),
-                    kept.display()
-                ),
-                Err(error) => eprintln!(
-                    "devtrace: {} while the trace was written, and keeping it under {} failed \
-                     ({error}): it is lost",
-                    signal_name(signal),
-                    dir.display()
-                ),
-            }
+        let dir = std::env::temp_dir();
+        let kept: Vec<String> = self
+            .files
+            .iter()
+            .map(|(name, bytes)| {
+                match crate::repository::keep_unsent(&dir, &self.session_id, name, bytes) {
+                    Ok(kept) => format!("it is kept at {}", kept.display()),
+                    Err(error) => format!(
+                        "keeping it under {} failed ({error}): it is lost",
+                        dir.display()
+                    ),
+                }
+            })
+            .collect();
+        let signal_text = signal_name(signal);
+        let mut stderr = std::io::stderr();
+        if kept.is_empty() {
+            let _ = writeln!(
+                stderr,
+                "devtrace: {signal_text} while the trace was being stored: the server wrote it \
+                 itself, and nothing of it is held here"
+            );
+        }
+        for said in kept {
+            let _ = writeln!(
+                stderr,
+                "devtrace: {signal_text} while the trace was being written, which may still \
+                 finish: {said}"
+            );
         }
         die_of(signal)
     }
@@ -403,7 +425,9 @@ async fn capture(args: &CaptureArgs, prepared: Prepared) -> anyhow::Result<Captu
             // Another signal now ends the command at once.
             default_cancelling();
             output.abandon();
-            eprintln!(
+            // After a hangup the terminal may refuse what is written to it.
+            let _ = writeln!(
+                std::io::stderr(),
                 "devtrace: the capture was cancelled ({}): nothing was written",
                 signal_name(signal)
             );

@@ -61,7 +61,7 @@ pub struct ServeArgs {
     /// How long a continuous profiling session lives without a snapshot: a
     /// client that went away leaves no backend attached (nor CUPTI on in
     /// every workload) for longer.
-    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_retention)]
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", default_value = "10m", value_parser = parse_retention)]
     pub continuous_timeout: Duration,
 
     /// Captures one caller may have in progress at once (admins: any
@@ -300,7 +300,7 @@ pub struct ServeArgs {
 
     /// How much history the flight recorder keeps (e.g. 120s, 10m; at least
     /// 1s).
-    #[arg(long, default_value = "120s", value_parser = parse_retention)]
+    #[arg(long, allow_hyphen_values = true, default_value = "120s", value_parser = parse_retention)]
     pub store_retention: Duration,
 
     /// Memory bound of the flight recorder (e.g. 512MiB, 2GiB; at least
@@ -342,14 +342,14 @@ pub struct ServeArgs {
     /// Default, and most: --store-retention less a margin (a quarter, at most
     /// 5s) for the trace's build to begin, since a window is built from the
     /// flight recorder once it ends and the recorder holds no more.
-    #[arg(long, value_parser = parse_max_duration)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_max_duration)]
     pub max_duration: Option<Duration>,
 
     /// How long a gRPC connection is served before its client is asked to
     /// open a new one (HTTP/2 GOAWAY; gRPC clients move without failing a
     /// call): idle connections do not keep their places for good. Calls in
     /// progress on it still finish (at least 1s).
-    #[arg(long, value_name = "DURATION", default_value = "15m", value_parser = parse_connection_age)]
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", default_value = "15m", value_parser = parse_connection_age)]
     pub max_connection_age: Duration,
 
     /// Store a trace larger than this (encoded) as Riegeli chunks of XSpace,
@@ -845,12 +845,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .thread_name("devtrace-rpc")
         .build()
         .context("starting the async runtime")?;
-    let served = runtime.block_on(serve(args));
-    // Blocking work left once the agent has stopped (a write it gave up
-    // waiting for, to a stalled bucket) is not waited for: its outcome was
-    // said already.
-    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
-    served
+    runtime.block_on(serve(args))
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -1048,8 +1043,10 @@ fn start_triggers(
 /// `--insecure`) and `--listen-unix`, with the server's TLS when asked for;
 /// with the socket put in place for `--listen-unix`, to remove at exit.
 async fn listen(args: &ServeArgs) -> anyhow::Result<(Listeners, Option<PlacedSocket>)> {
+    // The UNIX socket is plaintext: with no TCP listener the certificate is
+    // this agent's as a client alone.
     let tls = match (&args.client.tls_cert, &args.client.tls_key) {
-        (Some(cert), Some(key)) => Some(
+        (Some(cert), Some(key)) if args.listen != "off" => Some(
             crate::protocol::tls::server_config(cert, key, args.tls_client_ca.as_deref())
                 .context("loading the TLS files of --tls-cert/--tls-key/--tls-client-ca")?,
         ),

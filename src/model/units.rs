@@ -31,7 +31,11 @@ pub enum UnitError {
 /// is milliseconds (as configuration files and rules have written them).
 pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
     let text = text.trim();
-    if text.starts_with('-') && text.len() > 1 {
+    // `-1s`; `--duration` is a flag taken for the value.
+    let negative = text
+        .strip_prefix('-')
+        .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit() || c == '.'));
+    if negative {
         return Err(UnitError::Negative(text.to_string()));
     }
     let split = text
@@ -125,6 +129,10 @@ mod tests {
         assert_eq!(
             parse_duration_with_unit("-1s"),
             Err(UnitError::Negative("-1s".into()))
+        );
+        assert_eq!(
+            parse_duration("--duration"),
+            Err(UnitError::NotADuration("--duration".into()))
         );
         assert!(matches!(
             parse_duration("3 weeks"),

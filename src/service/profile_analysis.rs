@@ -16,7 +16,6 @@ use tracing::info;
 use crate::capture::memory::CaptureMemory;
 use crate::clock;
 use crate::fleet::hosts::{self, HostEntry, HostList, HostResolver, HostsError, Origin};
-use crate::fleet::streaming::ReceiveError;
 use crate::fleet::{self, HostOutcome, ToolDataError};
 use crate::proto::tensorflow::profile_analysis_server::ProfileAnalysis;
 use crate::proto::tensorflow::{
@@ -496,17 +495,11 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let error_message = fleet::failure_summary(&outcomes)
             .map(|(headline, lines)| format!("{headline}: {}", lines.join("; ")))
             .unwrap_or_default();
-        // A trace that reached this host but not the session (an upload
-        // that failed, kept in --unsent-dir and named above) was returned.
-        let returned = outcomes.iter().any(|outcome| {
-            matches!(
-                outcome.result,
-                Ok(Some(_)) | Err(fleet::HostError::Receive(ReceiveError::Write(_)))
-            )
-        });
+        // Nothing reached the session: a trace kept on this host's disk
+        // instead is named in error_message.
         Ok(Response::new(NewProfileSessionResponse {
             error_message,
-            empty_trace: !returned,
+            empty_trace: delivered == 0,
         }))
     }
 

@@ -303,13 +303,15 @@ impl Triggers {
                     continue;
                 };
                 // Its write, on the blocking pool, may have landed as the
-                // grace ran out: a trace in the session is saved.
+                // grace ran out: a trace in the session is saved. (A bucket
+                // that stalls is not waited on for long.)
                 let folder = taken.folder.clone();
-                let landed = tokio::task::spawn_blocking(move || {
+                let look = tokio::task::spawn_blocking(move || {
                     crate::fleet::session_traces(&folder).is_ok_and(|traces| !traces.is_empty())
-                })
-                .await
-                .unwrap_or(false);
+                });
+                let landed = tokio::time::timeout(Duration::from_secs(2), look)
+                    .await
+                    .is_ok_and(|looked| looked.unwrap_or(false));
                 let counts = &self.rules[save.rule].counts;
                 if landed {
                     counts.saved.fetch_add(1, Ordering::Relaxed);
@@ -423,6 +425,10 @@ impl Triggers {
             .save_window(window, &session, properties, self.repository.clone())
             .await;
         let taken = taken.lock().take();
+        // Taken by a stopping agent's `finish`, which counts this save.
+        if taken.is_none() {
+            return;
+        }
         match saved {
             Ok(path) => {
                 armed.counts.saved.fetch_add(1, Ordering::Relaxed);
