@@ -2314,42 +2314,8 @@ fn framework_with_its_own_libcupti() -> PathBuf {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_framework_bound_to_another_libcupti_copy_keeps_it() {
     let framework = framework_with_its_own_libcupti();
-    let setup = setup("cuda_rival_other_copy");
-    let agent = setup.agent();
-    let release = release_file(&setup, "other_copy");
-    // The framework is loaded as its first part starts (iteration 2), and
-    // its second part (iterations 7 and 8) runs 0.9 s after the first ends.
-    let workload = setup.workload(
-        &[
-            "10",
-            "--wait-file",
-            release.to_str().unwrap(),
-            "--sleep-ms",
-            "300",
-            "--rival-at",
-            "2",
-            "--rival-iterations",
-            "2",
-            "--rival-every",
-            "5",
-        ],
-        &[(
-            "DEVTRACE_STANDIN_RIVAL_FRAMEWORK",
-            framework.to_str().unwrap(),
-        )],
-    );
-    workload.read_until("waiting");
-    let pid = workload.workload.pid;
-    wait_for_attached(&agent, 1).await;
-    // The library loads its libcupti (the process has none yet).
-    let first = capture(&agent, 300).await;
-    assert!(cupti_of(&first, pid).contains("libcupti.so.12"));
-    std::fs::write(&release, b"go").unwrap();
-    workload.read_until("rival:");
-    // The framework is loaded now: this capture looks at its GOT.
-    let space = capture(&agent, 3000).await;
-    let mut lines = workload.read_until("rival:");
-    lines.extend(workload.read_until("done"));
+    let (space, lines) =
+        capture_a_framework_rival("cuda_rival_other_copy", &framework, false).await;
     assert!(
         !space
             .warnings
@@ -2367,6 +2333,87 @@ async fn a_framework_bound_to_another_libcupti_copy_keeps_it() {
         .filter(|(_, at)| (rival_start..=rival_end).contains(at))
         .count();
     assert_eq!(during_its_part, 4, "{:?}", space.warnings);
+}
+
+/// A framework library bound to the libcupti in use is seen as a user of
+/// it, whatever its file is called: one named like a libcupti
+/// (`libcupti_wrapper.so`) has its GOT redirected too. (Objects were told
+/// apart by name, and such a library was passed over: its profiler unseen.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_framework_named_like_libcupti_is_still_seen_through_its_got() {
+    let libraries = cupti_standin();
+    let rpath = format!("-Wl,-rpath,{}", libraries.display());
+    let framework = common::build_program(
+        "cupti_framework.c",
+        "libcupti_wrapper.so",
+        &[
+            "-shared",
+            "-fPIC",
+            libraries.join("libcupti.so.12").to_str().unwrap(),
+            &rpath,
+        ],
+    );
+    // Loaded before CUDA is: bound to libcupti's own functions, which only
+    // the walk of its GOT redirects (one loaded later finds the hooks in
+    // libcupti's exports).
+    let (space, lines) = capture_a_framework_rival("cuda_rival_named_like", &framework, true).await;
+    let (_, rival_start, rival_end) = rival_report(&lines);
+    let (start, _) = common::window_of(&space);
+    let (from, to) = lost_span(&space);
+    let seconds = |ns: u64| (ns - start) as f64 / 1e9;
+    assert!(from <= seconds(rival_start) + 0.001 && to + 0.001 >= seconds(rival_end));
+}
+
+/// Runs a workload whose rival profiler calls CUPTI through `framework`
+/// (loaded before cuInit when `early`, else as the rival first starts,
+/// between two captures) for iterations 2-3 and 7-8, and captures the
+/// second part: that capture's trace, and the workload's lines.
+async fn capture_a_framework_rival(
+    name: &str,
+    framework: &std::path::Path,
+    early: bool,
+) -> (XSpace, Vec<String>) {
+    let setup = setup(name);
+    let agent = setup.agent();
+    let release = release_file(&setup, "framework");
+    // Its second part (iterations 7 and 8) runs 0.9 s after the first
+    // ends.
+    let mut args = vec![
+        "10",
+        "--wait-file",
+        release.to_str().unwrap(),
+        "--sleep-ms",
+        "300",
+        "--rival-at",
+        "2",
+        "--rival-iterations",
+        "2",
+        "--rival-every",
+        "5",
+    ];
+    if early {
+        args.push("--rival-early");
+    }
+    let workload = setup.workload(
+        &args,
+        &[(
+            "DEVTRACE_STANDIN_RIVAL_FRAMEWORK",
+            framework.to_str().unwrap(),
+        )],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    // The library loads its libcupti (the process has none yet).
+    let first = capture(&agent, 300).await;
+    assert!(cupti_of(&first, pid).contains("libcupti.so.12"));
+    std::fs::write(&release, b"go").unwrap();
+    workload.read_until("rival:");
+    // The framework is loaded now: this capture looks at its GOT.
+    let space = capture(&agent, 3000).await;
+    let mut lines = workload.read_until("rival:");
+    lines.extend(workload.read_until("done"));
+    (space, lines)
 }
 
 /// The libcupti a process of this test loaded, as the trace names it.

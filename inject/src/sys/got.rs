@@ -258,19 +258,18 @@ impl Drop for Held {
 /// `phdrs` are the program headers of the object loaded at `base`, held
 /// loaded by the caller.
 unsafe fn patch_loaded(name: &str, base: usize, phdrs: &[libc::Elf64_Phdr], walk: &mut Walk) {
-    let is_cupti = name.contains("libcupti");
-    if name.contains("linux-vdso") || is_cupti != (walk.target == Target::Exports) {
+    // The libcupti in use is the object its functions lie in, whatever its
+    // file is called; another copy of libcupti, or a library merely named
+    // like one, is an object like any other (its slots are redirected only
+    // where they hold the functions of the libcupti in use).
+    let in_use = walk
+        .redirects
+        .iter()
+        .any(|redirect| segment_of(redirect.from, base, phdrs).is_some());
+    if name.contains("linux-vdso") || in_use != (walk.target == Target::Exports) {
         return;
     }
     if walk.target == Target::Exports {
-        // Another copy of libcupti keeps its own exports.
-        let ours = walk
-            .redirects
-            .iter()
-            .any(|redirect| segment_of(redirect.from, base, phdrs).is_some());
-        if !ours {
-            return;
-        }
         let Some(dynamic) = phdrs.iter().find(|p| p.p_type == PT_DYNAMIC) else {
             return;
         };
