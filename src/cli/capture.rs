@@ -237,12 +237,11 @@ fn shell_word(text: &str) -> String {
 /// the flight recorder did not hold whole, events lost): none for a trace
 /// in Riegeli chunks or written by the server itself.
 fn trace_warnings(reply: &client::RawProfileResponse) -> Vec<String> {
-    let Some(trace) = reply.tool_data.iter().find(|tool| tool.name == XPLANE_TOOL) else {
+    let Some(trace) = inline_trace(reply) else {
         return Vec::new();
     };
     // What failed (an upstream that did not answer) first, then the rest.
-    let (errors, warnings) =
-        crate::xspace::read::errors_and_warnings(&trace.data).unwrap_or_default();
+    let (errors, warnings) = crate::xspace::read::errors_and_warnings(trace).unwrap_or_default();
     errors
         .into_iter()
         .map(|error| format!("(error) {error}"))

@@ -129,11 +129,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let hosts = resolved.targets;
     // A session named on the command line may hold traces already: none
     // is written over, as `capture` writes none over.
-    let files: Vec<String> = hosts
-        .iter()
-        .map(|host| fleet::host_file_part(&host.to_string()))
-        .collect();
-    let taken = output.held_traces(&files);
+    let taken = output.held_traces(&fleet::host_file_parts(&hosts));
     if !taken.is_empty() {
         output.abandon();
         bail!(

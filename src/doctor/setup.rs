@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::{Area, Finding, Status};
 use crate::backend::cuda::runtime_dir;
-use crate::model::filesystem::Filesystem;
+use crate::model::filesystem;
 use crate::protocol::tls::{self, TlsError};
 
 /// What the setup checks need to know of the agent's flags.
@@ -119,7 +119,7 @@ fn judge_runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
     let concern = match runtime_dir::concern(dir) {
         Ok(concern) => concern,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-            return match kernel_filesystem_above(dir) {
+            return match made_up_refusal(dir) {
                 Some(refusal) => Finding::new(area, item, Status::Fail, refusal).hint(
                     "choose a --runtime-dir on an ordinary filesystem, such as /run/devtrace",
                 ),
@@ -375,14 +375,7 @@ fn allow_root(root: &Path) -> Finding {
             format!("{} is not a directory", existing.display()),
         );
     }
-    let refusal = if existing == root {
-        kernel_filesystem(root).map(|name| {
-            format!("on {name}, which the kernel makes up: no trace file can be made there")
-        })
-    } else {
-        kernel_filesystem_above(root)
-    };
-    if let Some(refusal) = refusal {
+    if let Some(refusal) = made_up_refusal(root) {
         return Finding::new(Area::Agent, item, Status::Fail, refusal)
             .hint("choose an --allow-root on an ordinary filesystem");
     }
@@ -405,22 +398,19 @@ fn allow_root(root: &Path) -> Finding {
     }
 }
 
-/// Why a missing directory `path` cannot be made: its nearest existing
-/// ancestor is on a filesystem the kernel makes up (`/proc`, `/sys`),
-/// where even root's `mkdir` fails though `access` says writable.
-fn kernel_filesystem_above(path: &Path) -> Option<String> {
-    let existing = path.ancestors().skip(1).find(|dir| dir.exists())?;
-    let name = kernel_filesystem(existing)?;
-    Some(format!(
-        "missing, and cannot be made: {} is on {name}, which the kernel makes up",
-        existing.display()
-    ))
-}
-
-/// The name of the filesystem the kernel makes up that `dir` is on, if it
-/// is on one: no trace file can be made there, root's neither.
-fn kernel_filesystem(dir: &Path) -> Option<&'static str> {
-    Filesystem::of(dir).ok()?.made_up_by_the_kernel()
+/// Why no trace file can be made at `path`, root's neither, though
+/// `access` says writable: it is on a filesystem the kernel makes up
+/// (`/proc`, `/sys`), or, missing, cannot be made on one.
+fn made_up_refusal(path: &Path) -> Option<String> {
+    let (existing, name) = filesystem::made_up_part(path)?;
+    Some(if existing == path {
+        format!("on {name}, which the kernel makes up: no trace file can be made there")
+    } else {
+        format!(
+            "missing, and cannot be made: {} is on {name}, which the kernel makes up",
+            existing.display()
+        )
+    })
 }
 
 /// A PEM certificate (and its key): readable, parsed, within its validity

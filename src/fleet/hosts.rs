@@ -539,9 +539,9 @@ pub struct Resolved {
 
 /// Resolves the `dns:` entries (concurrently, each within `within`) and
 /// drops repeated hosts: one address is one host, whatever scheme it was
-/// named with (its trace has one file name), called as first named. A name that cannot be resolved in time, or whose
-/// answer would take the list past `limit` hosts, is a failure of that
-/// entry; the others stand.
+/// named with (its trace has one file name), called as first named. A name
+/// that cannot be resolved in time, or whose answer would take the list
+/// past `limit` hosts, is a failure of that entry; the others stand.
 pub async fn resolve(
     entries: Vec<HostEntry>,
     resolver: &Arc<HostResolver>,

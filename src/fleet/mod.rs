@@ -85,6 +85,15 @@ pub fn host_file_part(host: &str) -> String {
     host.replace(':', "_")
 }
 
+/// The host part of each target's trace file ([`host_file_part`]), as
+/// [`held_traces`] takes them.
+pub fn host_file_parts(hosts: &[Target]) -> Vec<String> {
+    hosts
+        .iter()
+        .map(|host| host_file_part(&host.to_string()))
+        .collect()
+}
+
 pub use crate::fleet::streaming::{TraceFile, TraceSink};
 
 /// Most hosts called at once unless configured otherwise.

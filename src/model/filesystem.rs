@@ -73,6 +73,17 @@ impl Filesystem {
     }
 }
 
+/// Where no file can be made at or below `path`, root's neither: the
+/// nearest part of it that exists (`path` itself, or its closest existing
+/// ancestor) and the name of the filesystem the kernel makes up that it is
+/// on. `None` on any other filesystem, or when nothing of it can be looked
+/// at.
+pub fn made_up_part(path: &Path) -> Option<(&Path, &'static str)> {
+    let existing = path.ancestors().find(|dir| dir.exists())?;
+    let name = Filesystem::of(existing).ok()?.made_up_by_the_kernel()?;
+    Some((existing, name))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,5 +114,8 @@ mod tests {
             None
         );
         assert!(Filesystem::of(Path::new("/no/such/directory")).is_err());
+        let missing = Path::new("/proc/devtrace/never");
+        assert_eq!(made_up_part(missing), Some((Path::new("/proc"), "procfs")));
+        assert_eq!(made_up_part(here.path()), None);
     }
 }

@@ -10,7 +10,7 @@
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
-use crate::model::filesystem::Filesystem;
+use crate::model::filesystem;
 use crate::repository::beneath::{BeneathError, Dir};
 use crate::repository::{
     scheme_of, Folder, LocalFolder, ObjectFolder, ObjectUrl, StorageError, UrlError,
@@ -102,11 +102,7 @@ impl AllowedRoots {
             };
             // Made nowhere the kernel makes files up (a cgroup directory
             // made by mkdir is a new cgroup).
-            let existing = root.ancestors().find(|dir| dir.exists()).unwrap_or(root);
-            if let Some(name) = Filesystem::of(existing)
-                .ok()
-                .and_then(Filesystem::made_up_by_the_kernel)
-            {
+            if let Some((_, name)) = filesystem::made_up_part(root) {
                 return Err(prepare(std::io::Error::other(format!(
                     "it is on {name}, whose files the kernel makes up: no trace can be \
                      written there"

@@ -392,10 +392,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let mut named_existed = false;
         if !generated_id {
             let session = root.join(&session_id);
-            let files: Vec<String> = hosts
-                .iter()
-                .map(|host| fleet::host_file_part(&host.to_string()))
-                .collect();
+            let files = fleet::host_file_parts(&hosts);
             let (taken, existed) = tokio::task::spawn_blocking(move || {
                 let taken = fleet::held_traces(&session, &files);
                 (taken, session.exists().unwrap_or(true))

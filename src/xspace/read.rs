@@ -383,18 +383,23 @@ pub fn plane_names(bytes: &[u8]) -> Result<Vec<String>, Malformed> {
     let mut space = WireReader(bytes);
     while let Some((field, value)) = space.next_field()? {
         if let (1, WireValue::Bytes(plane)) = (field, value) {
-            let mut plane = WireReader(plane);
-            // A field that occurs twice takes its last value, as in protobuf.
-            let mut plane_name = None;
-            while let Some((field, value)) = plane.next_field()? {
-                if let (2, WireValue::Bytes(name)) = (field, value) {
-                    plane_name = Some(name);
-                }
-            }
-            names.extend(plane_name.map(|n| String::from_utf8_lossy(n).into_owned()));
+            names.extend(plane_name(plane)?.map(|n| String::from_utf8_lossy(n).into_owned()));
         }
     }
     Ok(names)
+}
+
+/// The name of an encoded XPlane (its field 2), read without decoding the
+/// rest. A field that occurs twice takes its last value, as in protobuf.
+fn plane_name(plane: &[u8]) -> Result<Option<&[u8]>, Malformed> {
+    let mut fields = WireReader(plane);
+    let mut name = None;
+    while let Some((field, value)) = fields.next_field()? {
+        if let (2, WireValue::Bytes(text)) = (field, value) {
+            name = Some(text);
+        }
+    }
+    Ok(name)
 }
 
 /// How late a server may begin recording and still count as having
@@ -410,13 +415,7 @@ pub fn recording_start_ns(bytes: &[u8]) -> Option<u64> {
         let (1, WireValue::Bytes(plane)) = (field, value) else {
             continue;
         };
-        let mut fields = WireReader(plane);
-        let mut name = None;
-        while let Ok(Some((field, value))) = fields.next_field() {
-            if let (2, WireValue::Bytes(text)) = (field, value) {
-                name = Some(text);
-            }
-        }
+        let name = plane_name(plane).ok().flatten();
         if name != Some(crate::model::timeline::TASK_ENVIRONMENT_PLANE.as_bytes()) {
             continue;
         }

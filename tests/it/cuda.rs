@@ -2198,6 +2198,12 @@ fn rival_report(lines: &[String]) -> (usize, u64, u64) {
     )
 }
 
+/// The trace blames no other CUPTI user for a gap.
+fn assert_no_other_cupti_user(space: &XSpace) {
+    let blamed = common::warnings_with(space, "another CUPTI user");
+    assert!(blamed.is_empty(), "{:?}", space.warnings);
+}
+
 /// The lost span a warning reports, in seconds from the window's start.
 fn lost_span(space: &XSpace) -> (f64, f64) {
     span_in_warning(space, "another CUPTI user")
@@ -2316,14 +2322,7 @@ async fn a_framework_bound_to_another_libcupti_copy_keeps_it() {
     let framework = framework_with_its_own_libcupti();
     let (space, lines) =
         capture_a_framework_rival("cuda_rival_other_copy", &framework, false).await;
-    assert!(
-        !space
-            .warnings
-            .iter()
-            .any(|w| w.contains("another CUPTI user")),
-        "{:?}",
-        space.warnings
-    );
+    assert_no_other_cupti_user(&space);
     let (rival_kernels, rival_start, rival_end) = rival_report(&lines);
     // The driver serves the first copy to attach alone (the stand-in's
     // reading of two toolkits in one process).
@@ -2719,14 +2718,7 @@ async fn each_capture_detaches_cupti_and_reports_no_phantom_user() {
         .filter(|c| c.name.starts_with("cuLaunchKernel"))
         .collect();
     for space in &spaces {
-        assert!(
-            !space
-                .warnings
-                .iter()
-                .any(|w| w.contains("another CUPTI user")),
-            "{:?}",
-            space.warnings
-        );
+        assert_no_other_cupti_user(space);
         let (start, stop) = common::window_of(space);
         let (_, began) = span_in_warning(space, "started recording")
             .unwrap_or_else(|| panic!("no recording start in {:?}", space.warnings));
