@@ -845,8 +845,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .thread_name("devtrace-rpc")
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(args))
+    let served = runtime.block_on(serve(args));
+    // What is left on the blocking pool was given up on by `serve` (and
+    // named there): a stalled write must not hold the exit.
+    runtime.shutdown_timeout(LEFT_WORK_AT_EXIT);
+    served
 }
+
+/// How long the exit waits for blocking work no call waits for any more.
+const LEFT_WORK_AT_EXIT: Duration = Duration::from_millis(500);
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let (max_duration, held) = window_limit(&args);
@@ -979,17 +986,46 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     served?;
     info!("shutting down");
+    let deadline = tokio::time::Instant::now() + STOP_GRACE;
     if let Some(triggers) = &triggers {
-        triggers.finish(TRIGGER_SAVE_GRACE).await;
+        triggers.finish(deadline).await;
     }
+    wait_for_writes(deadline).await;
     agent.shutdown();
     Ok(())
 }
 
-/// How long a stopping agent waits for trigger saves in progress: a firing
-/// just before the stop is saved once its `after` has passed (2 s by
-/// default), within what service managers allow a stop.
-const TRIGGER_SAVE_GRACE: Duration = Duration::from_secs(10);
+/// How long a stopping agent waits, once the calls in progress have ended,
+/// for trigger saves and trace writes still under way (writes whose client
+/// gave up go on): a firing just before the stop is saved once its `after`
+/// has passed (2 s by default), within what service managers allow a stop.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Waits for the trace writes still under way until `deadline`, saying
+/// which ones it waits for, and names those it stops without: their traces
+/// are lost (a file half written is cleared by the next agent to write
+/// there; an upload not finished leaves nothing).
+async fn wait_for_writes(deadline: tokio::time::Instant) {
+    let under_way = crate::repository::writes::under_way();
+    if under_way.is_empty() {
+        return;
+    }
+    info!(
+        writes = ?under_way,
+        "waiting at most {:.1} s for the trace writes still under way",
+        deadline
+            .saturating_duration_since(tokio::time::Instant::now())
+            .as_secs_f64()
+    );
+    let left = crate::repository::writes::settled_by(deadline).await;
+    if !left.is_empty() {
+        tracing::warn!(
+            writes = ?left,
+            "stopping without the trace writes still under way (a stalled disk or bucket): \
+             those traces are lost"
+        );
+    }
+}
 
 /// Arms the `--trigger` rules, saving into `--trigger-repository`; none
 /// without rules.

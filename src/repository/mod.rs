@@ -13,6 +13,7 @@ mod local;
 mod object;
 pub mod roots;
 mod url;
+pub mod writes;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -538,6 +539,7 @@ pub fn write_or_keep(
     bytes: &[u8],
     unsent_dir: &Path,
 ) -> Result<String, String> {
+    let _writing = writes::begin(format!("{}/{name}", folder.display()));
     match folder.write(name, bytes) {
         Ok(written) => Ok(written),
         Err(error) if folder.is_object() => {

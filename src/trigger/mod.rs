@@ -288,11 +288,10 @@ impl Triggers {
         Ok(Fired { at_ns, window })
     }
 
-    /// At shutdown: lets the saves in progress finish within `grace`, and
+    /// At shutdown: lets the saves in progress finish by `deadline`, and
     /// names those that cannot, so that no firing is lost unsaid.
-    pub async fn finish(&self, grace: Duration) {
+    pub async fn finish(&self, deadline: tokio::time::Instant) {
         let pending = std::mem::take(&mut *self.pending.lock());
-        let deadline = tokio::time::Instant::now() + grace;
         for save in pending {
             let mut task = save.task;
             if tokio::time::timeout_at(deadline, &mut task).await.is_err() {

@@ -828,3 +828,76 @@ async fn a_signal_during_an_upload_keeps_the_trace_here() {
     let trace = devtrace::xspace::read::read_trace(Path::new(kept)).unwrap();
     assert!(trace.space.planes.iter().any(|p| p.name == "/host:CPU"));
 }
+
+/// A stopping agent waits for a trace write its client gave up on only so
+/// long, and names it: an upload to a bucket that stopped answering held
+/// the exit for as long as object storage's requests take (30 s each), saying
+/// nothing past "shutting down".
+#[tokio::test]
+async fn a_stopping_agent_names_the_stalled_write_it_stops_without() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("traces");
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+        .args([
+            "--metrics-listen",
+            "off",
+            "--allow-root",
+            "s3://traces/team",
+        ])
+        .envs(server.env())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let logged = std::thread::spawn(move || {
+        stderr
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
+    let mut agent = AgentProcess::adopt(child);
+
+    let mut client = agent.client().await;
+    let mut call = tonic::Request::new(devtrace::proto::tensorflow::ProfileRequest {
+        repository_root: "s3://traces/team/run".into(),
+        ..request(1000, "stalled")
+    });
+    call.set_timeout(std::time::Duration::from_secs(4));
+    let profile = tokio::spawn(async move { client.profile(call).await });
+    // Within the window, after the agent looked into the bucket: the server
+    // stops answering, so that the trace's upload waits on it.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let moto = server.child.id() as libc::pid_t;
+    // SAFETY: signalling a child of this test.
+    unsafe { libc::kill(moto, libc::SIGSTOP) };
+    let given_up = profile.await.unwrap().unwrap_err();
+    assert!(
+        matches!(given_up.code(), Code::Cancelled | Code::DeadlineExceeded),
+        "{given_up:?}"
+    );
+
+    let status = tokio::task::spawn_blocking(move || {
+        let status = agent.stop_with_sigterm(std::time::Duration::from_secs(60));
+        (status, agent)
+    })
+    .await
+    .unwrap();
+    // SAFETY: as above.
+    unsafe { libc::kill(moto, libc::SIGCONT) };
+    let (status, _agent) = status;
+    let log = logged.join().unwrap();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{log}");
+    let stopped_without = log
+        .lines()
+        .find(|line| line.contains("stopping without the trace writes still under way"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        stopped_without.contains("s3://traces/team/run/stalled/"),
+        "{stopped_without}"
+    );
+}
