@@ -122,6 +122,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     let resolved = runtime.block_on(hosts::resolve(
         entries,
         &resolver,
+        &config,
         COMMAND_LINE_LIMIT,
         client::capture_deadline(args.duration),
     ));

@@ -21,7 +21,7 @@ use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::TokioResolver;
 use tokio::sync::OnceCell;
 
-use crate::protocol::client::{AddressError, Scheme, Target};
+use crate::protocol::client::{AddressError, ClientConfig, Scheme, Target};
 
 /// Most hosts a list given on the command line may stand for.
 pub const COMMAND_LINE_LIMIT: usize = 65_536;
@@ -538,13 +538,17 @@ pub struct Resolved {
 }
 
 /// Resolves the `dns:` entries (concurrently, each within `within`) and
-/// drops repeated hosts: one address is one host, whatever scheme it was
-/// named with (its trace has one file name), called as first named. A name
+/// drops repeated hosts: one address is one host (its trace has one file
+/// name), called as first named. Named again with a scheme that makes
+/// `config` call it another way (`a` without TLS settings, then
+/// `grpcs://a`), it is still called once, as first named, and the later
+/// naming is a failure saying so, since it asked for another way in. A name
 /// that cannot be resolved in time, or whose answer would take the list
 /// past `limit` hosts, is a failure of that entry; the others stand.
 pub async fn resolve(
     entries: Vec<HostEntry>,
     resolver: &Arc<HostResolver>,
+    config: &ClientConfig,
     limit: usize,
     within: Duration,
 ) -> Resolved {
@@ -576,8 +580,8 @@ pub async fn resolve(
         }
     }
     let mut resolved = Resolved::default();
-    // By address: what names a host's trace file.
-    let mut seen: HashSet<String> = HashSet::new();
+    // By address, what names a host's trace file: how it was first named.
+    let mut seen: HashMap<String, Target> = HashMap::new();
     for entry in entries {
         let hosts = match &entry {
             HostEntry::Host(target) => vec![target.clone()],
@@ -604,8 +608,23 @@ pub async fn resolve(
         let mut new_addresses: HashSet<String> = HashSet::new();
         for target in hosts {
             let address = target.to_string();
-            if !seen.contains(&address) && new_addresses.insert(address) {
-                new.push(target);
+            match seen.get(&address) {
+                Some(first) if first.uses_tls(config) != target.uses_tls(config) => {
+                    let why = format!(
+                        "{address} is named before as {}: one address is one host, called \
+                         as first named",
+                        named_as(first.scheme, &address)
+                    );
+                    resolved
+                        .failures
+                        .push((named_as(target.scheme, &address), why));
+                }
+                Some(_) => {}
+                None => {
+                    if new_addresses.insert(address) {
+                        new.push(target);
+                    }
+                }
             }
         }
         if resolved.targets.len() + new.len() > limit {
@@ -617,12 +636,21 @@ pub async fn resolve(
             resolved.failures.push((entry.to_string(), why));
             continue;
         }
-        seen.extend(new_addresses);
         for target in new {
+            seen.insert(target.to_string(), target.clone());
             resolved.targets.push(target);
         }
     }
     resolved
+}
+
+/// `address` as named with `scheme`, for messages.
+fn named_as(scheme: Scheme, address: &str) -> String {
+    match scheme {
+        Scheme::Plain => format!("grpc://{address}"),
+        Scheme::Tls => format!("grpcs://{address}"),
+        Scheme::Unspecified | Scheme::Unix => address.to_string(),
+    }
 }
 
 #[cfg(test)]
@@ -884,26 +912,38 @@ mod tests {
     #[tokio::test]
     async fn resolving_keeps_each_host_once_and_names_what_failed() {
         let mut hosts = HostList::new(Origin::Peer, 6009, 8);
-        hosts.add("a,b,a,grpc://a,c,d").unwrap();
+        // Without TLS settings `a` and `grpc://a` are one way in.
+        hosts.add("a,b,a,grpcs://a,grpc://b,c,d,grpc://c").unwrap();
         let resolver = Arc::new(HostResolver::default());
         let resolved = resolve(
             hosts.finish().unwrap(),
             &resolver,
+            &ClientConfig::default(),
             3,
             Duration::from_secs(1),
         )
         .await;
         let targets: Vec<String> = resolved.targets.iter().map(|t| t.to_string()).collect();
-        // grpc://a is the same address, whose trace would have the same
-        // file: the same host, called as first named.
+        // grpcs://a is the same address, whose trace would have the same
+        // file: the same host, called as first named, and the naming that
+        // asked for TLS is not dropped without a word; grpc://b and
+        // grpc://c are the way b and c are called anyway.
         assert_eq!(targets, ["a:6009", "b:6009", "c:6009"]);
         assert_eq!(resolved.targets[0].scheme, Scheme::Unspecified);
+        let failure = |entry: &str, why: &str| (entry.to_string(), why.to_string());
         assert_eq!(
             resolved.failures,
-            [(
-                "d:6009".to_string(),
-                "1 more host would pass the limit of 3 per session".to_string()
-            )]
+            [
+                failure(
+                    "grpcs://a:6009",
+                    "a:6009 is named before as a:6009: one address is one host, called as \
+                     first named"
+                ),
+                failure(
+                    "d:6009",
+                    "1 more host would pass the limit of 3 per session"
+                ),
+            ]
         );
     }
 }

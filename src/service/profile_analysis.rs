@@ -383,8 +383,14 @@ impl ProfileAnalysis for ProfileAnalysisService {
             end.saturating_duration_since(Instant::now())
                 .min(LOOKUP_LIMIT)
         });
-        let resolved =
-            hosts::resolve(entries, &self.config.resolver, MAX_HOSTS, lookup_limit).await;
+        let resolved = hosts::resolve(
+            entries,
+            &self.config.resolver,
+            &self.config.client,
+            MAX_HOSTS,
+            lookup_limit,
+        )
+        .await;
         let mut outcomes = HostOutcome::unresolved(resolved.failures);
         let hosts = resolved.targets;
         // Whether the caller's session was there before this one (then it
