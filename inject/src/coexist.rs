@@ -16,7 +16,8 @@
 //! - **Interposition.** Other users' calls to
 //!   `cuptiActivityRegisterCallbacks`, `cuptiActivityEnable`,
 //!   `cuptiActivityDisable`, `cuptiActivityFlushAll`, `cuptiFinalize`,
-//!   `cuptiSubscribe` and `cuptiUnsubscribe` pass through this library on
+//!   `cuptiSubscribe`, `cuptiSubscribe_v2` and `cuptiUnsubscribe` pass
+//!   through this library on
 //!   their way to libcupti, unchanged: through the names it exports (enough
 //!   when it is preloaded; [`join_global_scope`] adds them to the global
 //!   scope when the driver loads it), through other libraries' GOT slots,
@@ -44,7 +45,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::cupti::library::{
     BufferCompleted, BufferRequested, CallbackFunc, CuptiResult, SubscriberHandle,
-    CUPTI_ERROR_NOT_INITIALIZED, CUPTI_SUCCESS,
+    CUPTI_ERROR_NOT_INITIALIZED, CUPTI_ERROR_NOT_SUPPORTED, CUPTI_SUCCESS,
 };
 use crate::detach::{self, Attachment};
 
@@ -132,6 +133,7 @@ pub fn redirect_callers() -> usize {
         redirect(c"cuptiActivityFlushAll", Some(lib.flush_all as usize), flush_all_hook as _),
         redirect(c"cuptiFinalize", lib.finalize.map(|f| f as usize), finalize_hook as _),
         redirect(c"cuptiSubscribe", lib.subscribe.map(|f| f as usize), subscribe_hook as _),
+        redirect(c"cuptiSubscribe_v2", lib.subscribe_v2.map(|f| f as usize), subscribe_v2_hook as _),
         redirect(c"cuptiUnsubscribe", lib.unsubscribe.map(|f| f as usize), unsubscribe_hook as _),
     ]
     .into_iter()
@@ -470,24 +472,56 @@ unsafe extern "C" fn subscribe_hook(
         let Some(subscribe) = real().and_then(|lib| lib.subscribe) else {
             return CUPTI_ERROR_NOT_INITIALIZED;
         };
-        if !foreign() {
-            // SAFETY: forwarded unchanged.
-            return unsafe { subscribe(subscriber, callback, userdata) };
-        }
-        // The gate is held from making way to the other user's subscriber
-        // being in place, so that a capture starting meanwhile cannot
-        // subscribe in between and leave it refused.
-        let mut gate = detach::gate();
-        detach::give_way(&mut gate);
         // SAFETY: forwarded unchanged.
-        let result = unsafe { subscribe(subscriber, callback, userdata) };
-        if result == CUPTI_SUCCESS {
-            seen_foreign();
-            OTHERS.subscribed.store(true, Ordering::Release);
-        }
-        drop(gate);
-        result
+        subscribed_by(|| unsafe { subscribe(subscriber, callback, userdata) })
     })
+}
+
+/// Interposed `cuptiSubscribe_v2`, as [`subscribe_hook`]: Kineto built for
+/// CUDA 13 subscribes this way, and from CUDA 13.3 its subscriber may live
+/// beside ours (`allowMultipleSubscribers`), so that only this hook tells
+/// that another user needs CUPTI attached.
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+unsafe extern "C" fn subscribe_v2_hook(
+    subscriber: *mut SubscriberHandle,
+    callback: Option<CallbackFunc>,
+    userdata: *mut c_void,
+    params: *mut c_void,
+) -> CuptiResult {
+    guarded(|| {
+        let Some(lib) = real() else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        // Reached through the exported name only: a libcupti without it is
+        // older than its caller's headers.
+        let Some(subscribe_v2) = lib.subscribe_v2 else {
+            return CUPTI_ERROR_NOT_SUPPORTED;
+        };
+        // SAFETY: forwarded unchanged.
+        subscribed_by(|| unsafe { subscribe_v2(subscriber, callback, userdata, params) })
+    })
+}
+
+/// Runs a subscription (`subscribe`, forwarded unchanged): the library's
+/// own as it is; another user's with the gate held from the subscriber of
+/// ours making way to the other's being in place (so that a capture
+/// starting meanwhile cannot subscribe in between and leave it refused),
+/// and counted as another user's subscriber once it succeeded.
+fn subscribed_by(subscribe: impl FnOnce() -> CuptiResult) -> CuptiResult {
+    if !foreign() {
+        return subscribe();
+    }
+    let mut gate = detach::gate();
+    detach::give_way(&mut gate);
+    let result = subscribe();
+    if result == CUPTI_SUCCESS {
+        seen_foreign();
+        OTHERS.subscribed.store(true, Ordering::Release);
+    }
+    drop(gate);
+    result
 }
 
 /// The exported name of [`subscribe_hook`].
@@ -502,6 +536,21 @@ pub unsafe extern "C" fn cuptiSubscribe(
 ) -> CuptiResult {
     // SAFETY: forwarded with the caller's contract.
     unsafe { subscribe_hook(subscriber, callback, userdata) }
+}
+
+/// The exported name of [`subscribe_v2_hook`].
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuptiSubscribe_v2(
+    subscriber: *mut SubscriberHandle,
+    callback: Option<CallbackFunc>,
+    userdata: *mut c_void,
+    params: *mut c_void,
+) -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { subscribe_v2_hook(subscriber, callback, userdata, params) }
 }
 
 /// Interposed `cuptiUnsubscribe`.

@@ -687,9 +687,11 @@ impl Tracer {
         }
         self.stop_api_calls(session)?;
         self.background = true;
-        drop(gate);
         // Not forced: a forced flush while kernels run loses their records.
+        // Under the gate, as every CUPTI call of the library: another user's
+        // finalize must not run beside it (or attach CUPTI again after it).
         flush(session, false)?;
+        drop(gate);
         timed_calls::deliver(session, true);
         Ok(())
     }
@@ -795,9 +797,14 @@ impl Tracer {
     }
 
     /// Ends the teardown under way, if any (disarming its subscriber), and
-    /// tells of the finalize it saw, if it saw one since the last tick.
+    /// tells of the finalize it saw, if it saw one since the last tick. The
+    /// caller does not hold the gate.
     fn end_teardown(&mut self, session: &Session) {
-        if let Some(teardown) = self.teardown.take() {
+        if let Some(mut teardown) = self.teardown.take() {
+            // A finalize the subscriber began before the disarm is waited
+            // for: one untold would leave the buffers it took as lent, and
+            // a capture starting now would attach CUPTI again unaware.
+            teardown.disarm_and_settle();
             if teardown.finalized() {
                 self.detached(session, &teardown);
             }
@@ -981,11 +988,24 @@ extern "C" fn flush_at_exit() {
         if crate::forked() {
             return;
         }
+        crate::EXITING.store(true, Ordering::Release);
         let mut gate = detach::gate();
         let attached = *gate == Attachment::Attached;
         *gate = Attachment::Closed;
         let Some(session) = SESSION.get() else { return };
         if quiet() || !attached {
+            return;
+        }
+        // A flush now would hand buffers to that user's callbacks, whose
+        // state its own exit handlers and destructors (registered after
+        // this one, so run before it) may have freed already.
+        if let Some(why) = coexist::other_user_active() {
+            let message = format!(
+                "the process exited while CUPTI was attached beside another CUPTI user ({why}): \
+                 the library made no CUPTI call at exit, so the GPU activity CUPTI still held \
+                 for it, its last, is missing"
+            );
+            session.write_meta(&MetaRecord::Warning { message });
             return;
         }
         // CUPTI hands the buffers back to our callback, which queues them.

@@ -199,6 +199,16 @@ impl Teardown {
         self.began.elapsed()
     }
 
+    /// Disarms the subscriber, then waits for a finalize it began before
+    /// that to end, so that [`Teardown::finalized`] is settled. The caller
+    /// does not hold the gate (the finalize holds it).
+    pub fn disarm_and_settle(&mut self) {
+        if self.armed {
+            ARMED.store(false, Ordering::Release);
+        }
+        drop(gate());
+    }
+
     /// Disarms the subscriber, keeping it for the next capture's end.
     pub fn cancel(&mut self) {
         if !std::mem::take(&mut self.armed) {

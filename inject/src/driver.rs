@@ -112,6 +112,9 @@ unsafe fn entry<F: Copy>(handle: *mut c_void, name: &str) -> Option<F> {
 /// otherwise keep them past the trace. The caller must not hold the
 /// library's CUPTI gate (the callback takes it).
 pub fn poke() {
+    if crate::exiting() {
+        return;
+    }
     if let Some(get_version) = driver().and_then(|d| d.get_version) {
         let mut version: c_int = 0;
         // SAFETY: the driver writes one int.
@@ -129,7 +132,7 @@ pub fn learn_devices(session: &Session) {
         .converter
         .lock()
         .map_or(true, |converter| converter.knows_limits());
-    if knows {
+    if knows || crate::exiting() {
         return;
     }
     let devices = devices();

@@ -61,6 +61,9 @@ static QUIET: AtomicBool = AtomicBool::new(false);
 /// libcupti) may have been held by a thread that is gone. The library stays
 /// quiet there and makes no CUPTI call, at exit neither.
 static FORKED: AtomicBool = AtomicBool::new(false);
+/// The process is exiting: the driver and libcupti may be tearing down,
+/// so the library's own threads make no driver call from then on.
+static EXITING: AtomicBool = AtomicBool::new(false);
 static START: Once = Once::new();
 static SESSION: OnceLock<Session> = OnceLock::new();
 
@@ -82,6 +85,10 @@ fn quiet() -> bool {
 
 fn forked() -> bool {
     FORKED.load(Ordering::Relaxed)
+}
+
+fn exiting() -> bool {
+    EXITING.load(Ordering::Acquire)
 }
 
 /// Runs in the child of each `fork`.

@@ -3003,6 +3003,34 @@ async fn rival_from(
     (setup, agent, release, workload)
 }
 
+/// A workload that exits during a capture while another profiler holds the
+/// activity stream: the library makes no CUPTI call at exit (a flush then
+/// would hand buffers to that profiler's callbacks, whose state its own
+/// exit handlers may have freed) and the trace says what that costs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_workload_exiting_beside_another_profiler_makes_no_cupti_call_at_exit() {
+    let (_setup, agent, release, workload) = rival_from(
+        "2",
+        "cuda_exit_beside_rival",
+        "6",
+        "100",
+        &["--rival-stays"],
+    )
+    .await;
+    let pid = workload.workload.pid;
+    let space = capture_while(&agent, 2000, &release).await;
+    let lines = workload.read_until("done");
+    assert!(
+        !lines.iter().any(|l| l.starts_with("rival:")),
+        "the other profiler was still running at exit: {lines:?}"
+    );
+    let told = space.warnings.iter().any(|w| {
+        w.contains(&format!("process {pid} "))
+            && w.contains("exited while CUPTI was attached beside another CUPTI user")
+    });
+    assert!(told, "{:?}", space.warnings);
+}
+
 /// A profiler seen subscribing during a capture (as XLA's tracer does)
 /// gets the library's Callback API subscriber and holds it past the
 /// capture's end. CUPTI then stays attached, also once that profiler is
@@ -3011,8 +3039,21 @@ async fn rival_from(
 /// detaches it when it ends.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_capture() {
+    subscriber_given_and_taken_back("cuda_teardown_subscriber", "--rival-subscribe").await;
+}
+
+/// The same with a profiler that subscribes with `cuptiSubscribe_v2`, as
+/// Kineto built for CUDA 13 does: it was not seen, so it was refused the
+/// subscriber (and from CUDA 13.3, where both may be held, CUPTI would have
+/// been finalized under it).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_profiler_subscribing_with_the_v2_call_is_seen_too() {
+    subscriber_given_and_taken_back("cuda_teardown_subscriber_v2", "--rival-subscribe-v2").await;
+}
+
+async fn subscriber_given_and_taken_back(name: &str, subscribe: &str) {
     let (_setup, agent, release, workload) =
-        rival_from_iteration_4("cuda_teardown_subscriber", "160", "30", "--rival-subscribe").await;
+        rival_from_iteration_4(name, "160", "30", subscribe).await;
     // The rival's iterations 4 to 33 begin inside this capture and end
     // after it.
     capture_while(&agent, 1200, &release).await;
@@ -3020,7 +3061,10 @@ async fn a_subscriber_given_to_another_profiler_is_taken_back_by_the_next_captur
     capture(&agent, 600).await;
     let lines = workload.read_until("done");
     let (rival_kernels, _, _) = rival_report(&lines);
-    assert!(rival_kernels > 0, "the other profiler got the subscriber");
+    assert!(
+        rival_kernels > 0,
+        "the other profiler got the subscriber: {lines:?}"
+    );
     let (armed, finalized) = cupti_state(&lines);
     let stderr = stderr_to_end(workload);
     assert_eq!(

@@ -29,6 +29,10 @@
  *                          (taken before its activity callbacks, as XLA's CUPTI tracer
  *                          does); refused one, it traces nothing that time (said on
  *                          stderr and counted, not fatal)
+ *   --rival-subscribe-v2   as --rival-subscribe, with cuptiSubscribe_v2 (as Kineto built
+ *                          for CUDA 13 subscribes)
+ *   --rival-stays          a rival still running when the iterations end is left running
+ *                          as the program exits (no disable, flush or `rival:` line)
  *   --rival-callbacks-only the rival holds a Callback API subscriber and nothing else
  *                          (a tool that times API calls itself): no activity callbacks,
  *                          kinds or flush; it reports kernels=0
@@ -230,7 +234,7 @@ static const char real_ptx[] =
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
     int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all,
-        rival_finalize, rival_callbacks_only;
+        rival_finalize, rival_callbacks_only, rival_subscribe_v2, rival_stays;
     int rival_early, wait_recording;
     int quiet, rate_ms;
     const char *wait_file, *init_wait_file;
@@ -453,6 +457,15 @@ extern int cuptiActivityFlushAll(uint32_t flag) __attribute__((weak));
 extern int cuptiActivityGetNextRecord(uint8_t *buffer, size_t valid, CUpti_Activity **record) __attribute__((weak));
 typedef void (*RivalCallbackFunc)(void *userdata, int domain, uint32_t cbid, const void *data);
 extern int cuptiSubscribe(void **subscriber, RivalCallbackFunc callback, void *userdata) __attribute__((weak));
+/* CUDA 13.0's CUpti_SubscriberParams. */
+struct rival_subscriber_params {
+    size_t struct_size;
+    const char *subscriber_name;
+    char *old_subscriber_name;
+    size_t old_subscriber_size;
+};
+extern int cuptiSubscribe_v2(void **subscriber, RivalCallbackFunc callback, void *userdata,
+                             struct rival_subscriber_params *params) __attribute__((weak));
 extern int cuptiUnsubscribe(void *subscriber) __attribute__((weak));
 extern int cuptiFinalize(void) __attribute__((weak));
 
@@ -463,6 +476,8 @@ static struct {
     int (*flush_all)(uint32_t flag);
     int (*next_record)(uint8_t *buffer, size_t valid, CUpti_Activity **record);
     int (*subscribe)(void **subscriber, RivalCallbackFunc callback, void *userdata);
+    int (*subscribe_v2)(void **subscriber, RivalCallbackFunc callback, void *userdata,
+                        struct rival_subscriber_params *params);
     int (*unsubscribe)(void *subscriber);
     int (*finalize)(void);
 } rival;
@@ -573,6 +588,7 @@ static void rival_resolve(void) {
         rival.flush_all = cuptiActivityFlushAll;
         rival.next_record = cuptiActivityGetNextRecord;
         rival.subscribe = cuptiSubscribe;
+        rival.subscribe_v2 = cuptiSubscribe_v2;
         rival.unsubscribe = cuptiUnsubscribe;
         rival.finalize = cuptiFinalize;
     } else {
@@ -584,6 +600,8 @@ static void rival_resolve(void) {
         rival.next_record =
             (int (*)(uint8_t *, size_t, CUpti_Activity **))rival_symbol("cuptiActivityGetNextRecord");
         rival.subscribe = (int (*)(void **, RivalCallbackFunc, void *))rival_symbol("cuptiSubscribe");
+        rival.subscribe_v2 = (int (*)(void **, RivalCallbackFunc, void *, struct rival_subscriber_params *))rival_symbol(
+            "cuptiSubscribe_v2");
         rival.unsubscribe = (int (*)(void *))rival_symbol("cuptiUnsubscribe");
         rival.finalize = (int (*)(void))rival_symbol("cuptiFinalize");
     }
@@ -599,13 +617,16 @@ static void rival_begin(void) {
     rival_t0 = now(CLOCK_REALTIME);
     int rc;
     if (options.rival_subscribe) {
-        if (!rival.subscribe || !rival.unsubscribe) {
-            fprintf(stderr, "cuda_workload: rival: no cuptiSubscribe\n");
+        if (!(options.rival_subscribe_v2 ? !!rival.subscribe_v2 : !!rival.subscribe) || !rival.unsubscribe) {
+            fprintf(stderr, "cuda_workload: rival: no cuptiSubscribe%s\n", options.rival_subscribe_v2 ? "_v2" : "");
             failed = 1;
             return;
         }
         rival_subscriber = NULL;
-        if ((rc = rival.subscribe(&rival_subscriber, rival_callback, NULL)) != 0) {
+        struct rival_subscriber_params params = {.struct_size = sizeof params, .subscriber_name = "rival"};
+        rc = options.rival_subscribe_v2 ? rival.subscribe_v2(&rival_subscriber, rival_callback, NULL, &params)
+                                        : rival.subscribe(&rival_subscriber, rival_callback, NULL);
+        if (rc != 0) {
             /* As XLA's tracer: no subscriber, no tracing this time. */
             fprintf(stderr, "cuda_workload: rival: cuptiSubscribe refused (%d)\n", rc);
             rival_subscribe_refused++;
@@ -682,7 +703,7 @@ static void *run_worker(void *arg) {
         }
         if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
     }
-    if (rival_active) rival_end();
+    if (rival_active && !options.rival_stays) rival_end();
     return NULL;
 }
 
@@ -731,7 +752,8 @@ static int usage(void) {
             "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
             "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph]\n"
             "                     [--rival-at N [--rival-iterations M] [--rival-every K] [--rival-direct]\n"
-            "                      [--rival-linked] [--rival-subscribe] [--rival-frees-all] [--rival-early]]\n"
+            "                      [--rival-linked] [--rival-subscribe] [--rival-subscribe-v2] [--rival-frees-all]\n"
+            "                      [--rival-early] [--rival-stays]]\n"
             "                     [--wait-recording] [--quiet] [--rate-ms N]\n");
     return 2;
 }
@@ -755,6 +777,8 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-linked") == 0) options.rival_linked = 1;
         else if (strcmp(a, "--rival-every") == 0 && i + 1 < argc) options.rival_every = atoi(argv[++i]);
         else if (strcmp(a, "--rival-subscribe") == 0) options.rival_subscribe = 1;
+        else if (strcmp(a, "--rival-stays") == 0) options.rival_stays = 1;
+        else if (strcmp(a, "--rival-subscribe-v2") == 0) options.rival_subscribe = options.rival_subscribe_v2 = 1;
         else if (strcmp(a, "--rival-callbacks-only") == 0) options.rival_subscribe = options.rival_callbacks_only = 1;
         else if (strcmp(a, "--rival-frees-all") == 0) options.rival_frees_all = 1;
         else if (strcmp(a, "--rival-finalize") == 0) options.rival_finalize = 1;

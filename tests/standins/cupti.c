@@ -165,7 +165,9 @@
  *   kind is enabled) and never a DRIVER record, as CUPTI writes none for a
  *   driver call made by the runtime. cuptiGetCallbackName knows the name.
  * - cuptiSubscribe allows one subscriber (a second gets
- *   CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED). Its callback is called
+ *   CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED), and so does
+ *   cuptiSubscribe_v2 (CUDA 13.0's: its CUpti_SubscriberParams, when given,
+ *   must say its size; the name fields are ignored). Its callback is called
  *   at the entry and exit sites of each driver call once it enabled the
  *   driver API domain, with the call's correlation id (the one its activity
  *   records carry) and a correlationData slot shared by the two sites,
@@ -631,6 +633,13 @@ typedef void (*CUpti_BuffersCallbackCompleteFunc)(CUcontext context, uint32_t st
                                                   size_t size, size_t validSize);
 typedef struct CUpti_Subscriber_st *CUpti_SubscriberHandle;
 typedef void (*CUpti_CallbackFunc)(void *userdata, int domain, CUpti_CallbackId cbid, const void *cbdata);
+/* CUDA 13.0's cupti_callbacks.h. */
+typedef struct {
+    size_t structSize;
+    const char *subscriberName;
+    char *oldSubscriberName;
+    size_t oldSubscriberSize;
+} CUpti_SubscriberParams;
 
 /* cupti_callbacks.h: what a driver or runtime API callback is passed. */
 typedef enum { CUPTI_API_ENTER = 0, CUPTI_API_EXIT = 1 } CUpti_ApiCallbackSite;
@@ -1855,8 +1864,9 @@ CUPTIAPI CUptiResult cuptiGetThreadIdType(CUpti_ActivityThreadIdType *type) {
     return CUPTI_SUCCESS;
 }
 
-CUPTIAPI CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_CallbackFunc callback, void *userdata) {
-    ENTER("cuptiSubscribe");
+/* Both subscribe entry points; not an exported name, so that neither goes
+ * through the other's interposition. */
+static CUptiResult subscribe(CUpti_SubscriberHandle *subscriber, CUpti_CallbackFunc callback, void *userdata) {
     if (!subscriber) return CUPTI_ERROR_INVALID_PARAMETER;
     pthread_mutex_lock(&lock);
     if (subscribed) {
@@ -1873,6 +1883,18 @@ CUPTIAPI CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_Ca
     pthread_mutex_unlock(&lock);
     *subscriber = &the_subscriber;
     return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_CallbackFunc callback, void *userdata) {
+    ENTER("cuptiSubscribe");
+    return subscribe(subscriber, callback, userdata);
+}
+
+CUPTIAPI CUptiResult cuptiSubscribe_v2(CUpti_SubscriberHandle *subscriber, CUpti_CallbackFunc callback,
+                                       void *userdata, CUpti_SubscriberParams *params) {
+    ENTER("cuptiSubscribe_v2");
+    if (params && params->structSize == 0) return CUPTI_ERROR_INVALID_PARAMETER;
+    return subscribe(subscriber, callback, userdata);
 }
 
 CUPTIAPI CUptiResult cuptiEnableDomain(uint32_t enable, CUpti_SubscriberHandle subscriber, CUpti_CallbackDomain domain) {

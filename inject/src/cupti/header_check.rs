@@ -384,6 +384,20 @@ fn the_callback_api_matches_the_real_headers() {
             release.name
         );
         assert_compiles(&dir.join("detach_check.c"), &source, &includes, &what);
+        // Interposed where the release has it (`coexist.rs`).
+        let callbacks_header = std::fs::read_to_string(includes[0].join("cupti_callbacks.h"))
+            .expect("cupti_callbacks.h");
+        if callbacks_header.contains("cuptiSubscribe_v2(") {
+            let source = format!(
+                "#include <cupti.h>\n\
+                 _Static_assert(__builtin_types_compatible_p(__typeof__(&cuptiSubscribe_v2), \
+                 CUptiResult (*)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *, \
+                 CUpti_SubscriberParams *)), \"SubscribeV2\");\n\
+                 _Static_assert(CUPTI_ERROR_NOT_SUPPORTED == {}, \"not supported\");\n",
+                crate::cupti::library::CUPTI_ERROR_NOT_SUPPORTED
+            );
+            assert_compiles(&dir.join("subscribe_v2_check.c"), &source, &includes, &what);
+        }
     }
 }
 

@@ -19,6 +19,8 @@ pub type CuptiResult = c_int;
 pub const CUPTI_SUCCESS: CuptiResult = 0;
 /// What a call answers when CUPTI could not be reached at all.
 pub const CUPTI_ERROR_NOT_INITIALIZED: CuptiResult = 15;
+/// What a hook answers for an entry point the libcupti in use lacks.
+pub const CUPTI_ERROR_NOT_SUPPORTED: CuptiResult = 27;
 
 pub type BufferRequested = unsafe extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
 pub type BufferCompleted = unsafe extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
@@ -45,6 +47,14 @@ pub type SubscriberHandle = *mut c_void;
 pub type CallbackFunc = unsafe extern "C" fn(*mut c_void, c_int, u32, *const c_void);
 pub type Subscribe =
     unsafe extern "C" fn(*mut SubscriberHandle, Option<CallbackFunc>, *mut c_void) -> CuptiResult;
+/// `cuptiSubscribe_v2` (CUDA 13.0's libcupti and later): as [`Subscribe`],
+/// with a `CUpti_SubscriberParams` (or null) that is only ever passed on.
+pub type SubscribeV2 = unsafe extern "C" fn(
+    *mut SubscriberHandle,
+    Option<CallbackFunc>,
+    *mut c_void,
+    *mut c_void,
+) -> CuptiResult;
 pub type Unsubscribe = unsafe extern "C" fn(SubscriberHandle) -> CuptiResult;
 pub type EnableDomain = unsafe extern "C" fn(u32, SubscriberHandle, c_int) -> CuptiResult;
 /// `cuptiActivityEnableDriverApi` and `cuptiActivityEnableRuntimeApi`:
@@ -69,6 +79,9 @@ pub struct Library {
     pub finalize: Option<Finalize>,
     /// The Callback API entry points detaching needs (`detach`).
     pub subscribe: Option<Subscribe>,
+    /// Only other users' calls of it are seen (interposed); the library
+    /// itself subscribes with [`Subscribe`].
+    pub subscribe_v2: Option<SubscribeV2>,
     pub unsubscribe: Option<Unsubscribe>,
     pub enable_domain: Option<EnableDomain>,
     /// Absent before CUDA 12.8's libcupti: every API call is then recorded.
@@ -178,6 +191,7 @@ fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
         get_next_record: entry!("cuptiActivityGetNextRecord", GetNextRecord),
         finalize: optional!("cuptiFinalize", Finalize),
         subscribe: optional!("cuptiSubscribe", Subscribe),
+        subscribe_v2: optional!("cuptiSubscribe_v2", SubscribeV2),
         unsubscribe: optional!("cuptiUnsubscribe", Unsubscribe),
         enable_domain: optional!("cuptiEnableDomain", EnableDomain),
         enable_driver_api: optional!("cuptiActivityEnableDriverApi", EnableApi),
