@@ -273,6 +273,11 @@ fn tell_warnings(warnings: &[String], path: Option<&str>) {
 struct Unsent {
     session_id: String,
     files: Vec<(String, bytes::Bytes)>,
+    /// The session's directory, when it is one: a write there cut off
+    /// never finishes.
+    local_directory: Option<std::path::PathBuf>,
+    /// The local directories made for the session, deepest first.
+    made: Vec<std::path::PathBuf>,
 }
 
 impl Unsent {
@@ -292,45 +297,77 @@ impl Unsent {
         Unsent {
             session_id: captured.session_id.clone(),
             files,
+            local_directory: match &captured.output {
+                SessionOutput::Local { directory, .. } => Some(directory.clone()),
+                SessionOutput::Object { .. } => None,
+            },
+            made: captured.output.made_directories().to_vec(),
         }
     }
 
-    /// Keeps the trace under the temporary directory, says where (its
-    /// write may still finish too), and ends the process by `signal`.
-    /// Everything is kept before anything is said: after a hangup the
-    /// terminal may refuse what is written to it.
+    /// Ends the process by `signal` with the trace safe, saying where it
+    /// is. A local write is cut off: a file already in place is where the
+    /// trace is; else its unfinished file goes (with the directories made
+    /// for it, when nothing else is in them) and the trace is kept under
+    /// the temporary directory. An upload may still finish (the server may
+    /// have it all), and the trace is kept too. Everything is done before
+    /// anything is said: after a hangup the terminal may refuse what is
+    /// written to it.
     fn keep_and_die(&self, signal: libc::c_int) -> ! {
-        let dir = std::env::temp_dir();
-        let kept: Vec<String> = self
-            .files
-            .iter()
-            .map(|(name, bytes)| {
-                match crate::repository::keep_unsent(&dir, &self.session_id, name, bytes) {
-                    Ok(kept) => format!("it is kept at {}", kept.display()),
-                    Err(error) => format!(
-                        "keeping it under {} failed ({error}): it is lost",
-                        dir.display()
-                    ),
-                }
-            })
-            .collect();
+        let removed = super::remove_unfinished_files();
+        let mut said = Vec::new();
+        for (name, bytes) in &self.files {
+            let in_place = self
+                .local_directory
+                .as_ref()
+                .map(|directory| directory.join(name))
+                // Put in place whole (a rename), or not at all.
+                .filter(|path| path.exists());
+            said.push(match in_place {
+                Some(path) => format!("as the trace was written: it is at {}", path.display()),
+                None => self.keep(name, bytes, &removed),
+            });
+        }
+        for dir in &self.made {
+            if std::fs::remove_dir(dir).is_err() {
+                break;
+            }
+        }
         let signal_text = signal_name(signal);
         let mut stderr = std::io::stderr();
-        if kept.is_empty() {
+        if said.is_empty() {
             let _ = writeln!(
                 stderr,
                 "devtrace: {signal_text} while the trace was being stored: the server wrote it \
                  itself, and nothing of it is held here"
             );
         }
-        for said in kept {
-            let _ = writeln!(
-                stderr,
-                "devtrace: {signal_text} while the trace was being written, which may still \
-                 finish: {said}"
-            );
+        for said in said {
+            let _ = writeln!(stderr, "devtrace: {signal_text} {said}");
         }
         die_of(signal)
+    }
+
+    /// Keeps one file of the trace under the temporary directory; what to
+    /// say of it.
+    fn keep(&self, name: &str, bytes: &[u8], removed: &[std::path::PathBuf]) -> String {
+        let dir = std::env::temp_dir();
+        let kept = match crate::repository::keep_unsent(&dir, &self.session_id, name, bytes) {
+            Ok(kept) => format!("it is kept at {}", kept.display()),
+            Err(error) => format!(
+                "keeping it under {} failed ({error}): it is lost",
+                dir.display()
+            ),
+        };
+        let cut_off = if self.local_directory.is_none() {
+            ", which may still finish".to_string()
+        } else if removed.is_empty() {
+            String::new()
+        } else {
+            let removed: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
+            format!(" (its unfinished file {} is removed)", removed.join(", "))
+        };
+        format!("while the trace was being written{cut_off}: {kept}")
     }
 }
 

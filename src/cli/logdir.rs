@@ -151,6 +151,15 @@ impl SessionOutput {
         )
     }
 
+    /// The local directories made for the session (deepest first); none in
+    /// a bucket.
+    pub fn made_directories(&self) -> &[PathBuf] {
+        match self {
+            SessionOutput::Local { made, .. } => made,
+            SessionOutput::Object { .. } => &[],
+        }
+    }
+
     /// Removes the directories made for the session again (its own, unless
     /// it was there before, and those above it), if nothing was written into
     /// them (the capture they were made for failed, or wrote elsewhere); in
@@ -202,6 +211,10 @@ impl SessionOutput {
                     .map(|path| path.display().to_string())
                     .map_err(|error| {
                         let attempt = format!("writing {}", directory.join(name).display());
+                        if super::cut_off() {
+                            // The command is ending, keeping the trace itself.
+                            return format!("{attempt} was cut off");
+                        }
                         repository::keep_failed_write(
                             &attempt,
                             &super::failure_text(&error),

@@ -205,6 +205,51 @@ pub(crate) fn write_file(
 pub(crate) struct PendingFile {
     file: tempfile::NamedTempFile,
     target: std::path::PathBuf,
+    _listed: Unfinished,
+}
+
+/// The temporary files of the [`PendingFile`]s of this process not yet in
+/// place: a command ended by a signal removes them with
+/// [`remove_unfinished_files`], since no drop runs then.
+static UNFINISHED: parking_lot::Mutex<Vec<std::path::PathBuf>> =
+    parking_lot::Mutex::new(Vec::new());
+
+/// A temporary file's place in [`UNFINISHED`], while it is there.
+struct Unfinished(std::path::PathBuf);
+
+impl Unfinished {
+    fn list(path: &std::path::Path) -> Unfinished {
+        UNFINISHED.lock().push(path.to_path_buf());
+        Unfinished(path.to_path_buf())
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        UNFINISHED.lock().retain(|path| *path != self.0);
+    }
+}
+
+/// Set once [`remove_unfinished_files`] has run: the process is ending,
+/// and a write it cut off keeps nothing of its own (a copy made as the
+/// process dies would be cut off too).
+static CUT_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process's writes were cut off ([`remove_unfinished_files`]).
+pub(crate) fn cut_off() -> bool {
+    CUT_OFF.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Removes the temporary files of the files this process is writing, for a
+/// command that ends at once (by a signal): what it removed. A file being
+/// put in place meanwhile may have been put there.
+pub(crate) fn remove_unfinished_files() -> Vec<std::path::PathBuf> {
+    CUT_OFF.store(true, std::sync::atomic::Ordering::Release);
+    let listed = std::mem::take(&mut *UNFINISHED.lock());
+    listed
+        .into_iter()
+        .filter(|path| std::fs::remove_file(path).is_ok())
+        .collect()
 }
 
 impl PendingFile {
@@ -216,6 +261,7 @@ impl PendingFile {
         let file = tempfile::NamedTempFile::new_in(directory)
             .with_context(|| format!("writing into {}", directory.display()))?;
         Ok(PendingFile {
+            _listed: Unfinished::list(file.path()),
             file,
             target: directory.join(name),
         })
@@ -240,7 +286,7 @@ impl PendingFile {
     fn put_in_place(self, replace: bool) -> anyhow::Result<std::path::PathBuf> {
         use anyhow::Context;
         use std::os::unix::fs::PermissionsExt;
-        let PendingFile { file, target } = self;
+        let PendingFile { file, target, .. } = self;
         file.as_file()
             .set_permissions(std::fs::Permissions::from_mode(
                 0o644 & !crate::repository::beneath::process_umask(),
@@ -268,6 +314,32 @@ impl PendingFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A command ended by a signal finds the temporary files of the files
+    /// it was writing, and only those (a drop that never runs left them in
+    /// the logdir, hundreds of megabytes each).
+    #[test]
+    fn unfinished_files_are_found_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cut_off = PendingFile::create(dir.path(), "cut.xplane.pb").unwrap();
+        cut_off.write(b"half a trace").unwrap();
+        let temporary = cut_off.file.path().to_path_buf();
+        let mut done = PendingFile::create(dir.path(), "done.xplane.pb").unwrap();
+        done.write(b"a trace").unwrap();
+        let written = done.commit_new().unwrap();
+
+        let removed = remove_unfinished_files();
+        // Other tests may write at the same time: this one's are in this
+        // directory.
+        let ours: Vec<_> = removed
+            .iter()
+            .filter(|p| p.starts_with(dir.path()))
+            .collect();
+        assert_eq!(ours, [&temporary]);
+        assert!(!temporary.exists());
+        assert!(written.exists(), "a file in place stays");
+        std::mem::forget(cut_off);
+    }
 
     #[test]
     fn a_failure_names_each_cause_once() {
