@@ -1053,12 +1053,21 @@ fn start_triggers(
         if args.triggers[..index].iter().any(|r| r.name == rule.name) {
             bail!("--trigger {rule}: another rule is named {:?}", rule.name);
         }
-        if rule.before > args.store_retention {
+        // The session is built once `after` has passed: its window's start
+        // is then `before + after` old, and must still be held as the
+        // build begins, as a capture's must.
+        let reach = rule.before.saturating_add(rule.after);
+        let kept = kept_window(args.store_retention);
+        if reach > kept {
             bail!(
-                "--trigger {rule}: before={}s reaches past what the flight recorder keeps \
-                 (--store-retention {}s)",
+                "--trigger {rule}: before={}s and after={}s reach {}s back when the session is \
+                 saved, past what the flight recorder holds then (--store-retention {}s, less \
+                 {}s for the trace's build): shorten them or raise --store-retention",
                 rule.before.as_secs_f64(),
-                args.store_retention.as_secs_f64()
+                rule.after.as_secs_f64(),
+                reach.as_secs_f64(),
+                args.store_retention.as_secs_f64(),
+                (args.store_retention - kept).as_secs_f64(),
             );
         }
     }

@@ -613,7 +613,7 @@ async fn explicit_firings_save_the_past_within_the_cooldown_and_the_hourly_cap()
 #[tokio::test]
 async fn a_stopping_agent_saves_the_firings_it_can_and_names_those_it_cannot() {
     let soon = "name=soon; when=explicit; before=1s; after=500ms";
-    let late = "name=late; when=explicit; before=1s; after=10m";
+    let late = "name=late; when=explicit; before=1s; after=100s";
     let dir = tempfile::tempdir().unwrap();
     let repository = dir.path().join("plugins").join("profile");
     let log = dir.path().join("agent.log");
@@ -728,6 +728,25 @@ fn a_bad_rule_or_repository_is_refused_naming_what_is_wrong() {
         "name=w; when=explicit; before=10m",
     ];
     assert!(refused(&too_far).contains("--store-retention"));
+    // Each within the 5 s held, both together past what is held when the
+    // session is saved, once `after` has passed (the start of `before`
+    // was lost from the saved session without a word but the trace's).
+    let together = [
+        "--allow-root",
+        &root,
+        "--trigger-repository",
+        &repository,
+        "--store-retention",
+        "5s",
+        "--trigger",
+        "name=w; when=explicit; before=3s; after=2s",
+    ];
+    let stderr = refused(&together);
+    assert!(
+        stderr.contains("before=3s and after=2s reach 5s back when the session is saved")
+            && stderr.contains("(--store-retention 5s, less 1.25s for the trace's build)"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test]
