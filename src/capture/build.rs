@@ -15,7 +15,7 @@ use crate::backend::{CaptureEnd, Scope};
 use crate::clock;
 use crate::fleet;
 use crate::proto::tensorflow::profiler::XSpace;
-use crate::protocol::client;
+use crate::protocol::{client, via};
 use crate::recorder::Window;
 use crate::xspace::{self, CaptureInfo, Encoded, Grant};
 
@@ -62,7 +62,8 @@ impl Captures {
             let mut request = client::trace_request(options, "", &plan.session_id, &name);
             request.emit_xspace = true;
             let upstream = upstream.clone();
-            let config = self.settings.client.clone();
+            let mut config = self.settings.client.clone();
+            config.via = via::onwards(&plan.via);
             let memory = Arc::clone(&self.memory);
             upstream_calls.spawn(async move {
                 // Servers that record from the moment they are asked (TensorFlow's,

@@ -47,6 +47,9 @@ pub struct Plan {
     /// Processes to load the injection library into before the window
     /// (`opts.advanced_configuration["devtrace_attach"]`).
     pub attach: Vec<i32>,
+    /// The agents the capture passed through on its way here, along their
+    /// `--upstream`s ([`crate::protocol::via`]); none for a client's.
+    pub via: Vec<u64>,
 }
 
 impl Plan {
@@ -79,6 +82,7 @@ impl Plan {
             scope: Scope::Host,
             memory_owner: None,
             attach: Vec::new(),
+            via: Vec::new(),
         }
     }
 }

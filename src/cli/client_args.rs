@@ -69,6 +69,7 @@ impl ClientArgs {
             tls,
             max_reply_bytes: self.max_reply_size,
             on_behalf_of_uid: None,
+            via: Vec::new(),
         })
     }
 

@@ -172,6 +172,9 @@ pub struct ClientConfig {
     /// calls on a user's behalf: an agent on this host honours it from its
     /// own user alone ([`crate::protocol::caller::ON_BEHALF_OF_UID`]).
     pub on_behalf_of_uid: Option<u32>,
+    /// The agents a capture asked for with it passed through, this one
+    /// last, for an agent's calls to its upstreams ([`super::via`]).
+    pub via: Vec<u64>,
 }
 
 impl Default for ClientConfig {
@@ -180,6 +183,7 @@ impl Default for ClientConfig {
             tls: None,
             max_reply_bytes: DEFAULT_MAX_REPLY_BYTES,
             on_behalf_of_uid: None,
+            via: Vec::new(),
         }
     }
 }
@@ -330,6 +334,7 @@ pub struct Connection {
     max_reply_bytes: usize,
     tls: bool,
     on_behalf_of_uid: Option<u32>,
+    via: Vec<u64>,
 }
 
 /// Connects to `target` as `config` says, allowing each call `deadline`.
@@ -359,6 +364,7 @@ pub async fn connect(
         max_reply_bytes: config.max_reply_bytes,
         tls,
         on_behalf_of_uid: config.on_behalf_of_uid,
+        via: config.via.clone(),
     })
 }
 
@@ -374,7 +380,13 @@ impl Connection {
             .map_err(|e| self.call_error(Status::unavailable(e.to_string())))?;
         let codec = tonic_prost::ProstCodec::<ProfileRequest, RawProfileResponse>::default();
         let path = http::uri::PathAndQuery::from_static("/tensorflow.ProfilerService/Profile");
-        grpc.unary(tonic::Request::new(request), path, codec)
+        let mut call = tonic::Request::new(request);
+        if let Some(via) = super::via::header_value(&self.via) {
+            call.metadata_mut()
+                .as_mut()
+                .insert(super::via::VIA_HEADER, via);
+        }
+        grpc.unary(call, path, codec)
             .await
             .map(tonic::Response::into_inner)
             .map_err(|status| self.call_error(status))

@@ -10,6 +10,7 @@ pub mod listen;
 pub mod shares;
 pub mod tls;
 pub mod unix_socket;
+pub mod via;
 
 /// Largest request decoded. Requests are small (a `ProfileRequest`, a list
 /// of hosts); without a bound a caller could make the agent hold gigabytes

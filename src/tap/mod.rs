@@ -40,8 +40,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tracing::{debug, info};
 
 use crate::protocol::listen::{self, Gate, Limits};
+use crate::protocol::via;
 
-use record::{Call, Direction, Observer, CANCELLED, UNAVAILABLE, UNKNOWN};
+use record::{Call, Direction, Observer, CANCELLED, FAILED_PRECONDITION, UNAVAILABLE, UNKNOWN};
 pub use record::{Recorder, TapStats};
 
 /// HTTP/2 flow-control windows and frame size on both sides of the tap:
@@ -188,6 +189,18 @@ impl Upstream {
         let (mut parts, body) = request.into_parts();
         let path = parts.uri.path().to_owned();
         let (call, request_observer, response_observer) = self.recorder.call(line, &path);
+        let passed = via::of_request(&parts.headers);
+        if passed.contains(&via::this_agent()) {
+            call.finish(FAILED_PRECONDITION);
+            return status_only(
+                FAILED_PRECONDITION,
+                "devtrace tap: this call came back to the tap that forwarded it (its --upstream \
+                 leads back to it): not forwarded again",
+            );
+        }
+        if let Some(onwards) = via::header_value(&via::onwards(&passed)) {
+            parts.headers.insert(via::VIA_HEADER, onwards);
+        }
         let path_and_query = parts
             .uri
             .path_and_query()

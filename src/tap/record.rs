@@ -38,6 +38,7 @@ const MAX_PENDING: usize = 1024;
 /// gRPC status codes the tap produces itself.
 pub const CANCELLED: u32 = 1;
 pub const UNKNOWN: u32 = 2;
+pub const FAILED_PRECONDITION: u32 = 9;
 pub const UNAVAILABLE: u32 = 14;
 
 /// Counters over everything a tap forwarded.

@@ -142,3 +142,52 @@ async fn a_silent_upstream_makes_the_capture_partial_within_its_grace() {
     assert_error_starting(&space, &format!("upstream {address}: "));
     assert!(event_count(&space) > 1000, "our own events are all there");
 }
+
+/// Upstreams that lead back to an agent already asked, itself or one down
+/// the chain, are refused at once, saying so: each agent of such a loop
+/// asked the next for the same window until every deadline ran out (a 1 s
+/// capture took 6 s), and the trace said only that an upstream did not
+/// answer.
+#[tokio::test]
+async fn upstreams_that_loop_are_refused_at_once_naming_the_loop() {
+    let port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .to_string()
+    };
+    let looped = "came back to the agent that asked for it along --upstream";
+
+    let itself = port();
+    let agent = AgentProcess::adopt(AgentProcess::spawn_listening(
+        &itself,
+        &["--upstream", &format!("grpc://{itself}")],
+    ));
+    let space = space_of(&agent.profile(request(300, "self")).await);
+    assert_error_starting(&space, &format!("upstream {itself}: "));
+    let error = &space.errors[0];
+    assert!(error.contains(looped), "{error}");
+    assert!(event_count(&space) > 1000, "its own events are all there");
+
+    // A asks B, which asks A.
+    let (a, b) = (port(), port());
+    let agent_a = AgentProcess::spawn_listening(&a, &["--upstream", &b, "--mock-seed", "3"]);
+    let agent_b = AgentProcess::spawn_listening(&b, &["--upstream", &a, "--mock-seed", "4"]);
+    let (agent_a, _agent_b) = (AgentProcess::adopt(agent_a), AgentProcess::adopt(agent_b));
+    let space = space_of(&agent_a.profile(request(300, "pair")).await);
+    assert!(
+        space
+            .errors
+            .iter()
+            .all(|e| !e.contains(&format!("upstream {b}"))),
+        "B answered: {:?}",
+        space.errors
+    );
+    let refused: Vec<&String> = space
+        .errors
+        .iter()
+        .filter(|e| e.contains(&format!("upstream {a}")) && e.contains(looped))
+        .collect();
+    assert_eq!(refused.len(), 1, "B's call back to A: {:?}", space.errors);
+}

@@ -573,6 +573,31 @@ async fn an_unreachable_upstream_is_unavailable_and_the_tap_keeps_serving() {
     assert_eq!(tap.stats().failed, 2);
 }
 
+/// A tap whose upstream leads back to itself answers FAILED_PRECONDITION,
+/// naming the loop, instead of forwarding each call to itself until the
+/// client gives up.
+#[tokio::test]
+async fn a_tap_forwarding_to_itself_refuses_the_call_it_sees_again() {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = free.local_addr().unwrap().to_string();
+    drop(free);
+    let registry = Registry::new();
+    let ring = Ring::new(1, 4096, DropPolicy::DropNewest).unwrap();
+    let recorder = Recorder::new(Arc::clone(&registry), ring.producer().unwrap());
+    let tap = Tap::bind(&address, &address, Arc::clone(&recorder))
+        .await
+        .unwrap();
+    tokio::spawn(tap.run(std::future::pending()));
+    let mut client = connect(address.parse().unwrap()).await;
+    let reply = unary(&mut client, "/test.Echo/Unary", &[], grpc(false, b"x")).await;
+    assert_eq!(reply.status(), 9);
+    let message = reply.headers["grpc-message"].to_str().unwrap();
+    assert!(
+        message.contains("came back to the tap that forwarded it"),
+        "{message}"
+    );
+}
+
 #[tokio::test]
 async fn an_upstream_reset_mid_call_ends_it_unavailable() {
     let upstream = upstream().await;

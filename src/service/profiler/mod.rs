@@ -37,8 +37,8 @@ use crate::proto::tensorflow::{
     StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
 };
 use crate::protocol::caller::{Caller, Owner};
-use crate::protocol::client;
 use crate::protocol::listen::caller_of_request;
+use crate::protocol::{client, via};
 use crate::recorder::Window;
 use crate::repository::XPLANE_SUFFIX;
 use crate::service::access::Access;
@@ -437,6 +437,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let asked_ns = clock::now_ns();
         let deadline = memory_wait_deadline(request.metadata());
         let caller = caller_of_request(&request);
+        let via = via::of_request(request.metadata().as_ref());
         let request = request.into_inner();
         // Said where the operator looks, as an accepted request is.
         let refused = |refusal: &Status| {
@@ -447,10 +448,19 @@ impl profiler_service_server::ProfilerService for ProfilerService {
                 "capture refused"
             );
         };
+        if via.contains(&via::this_agent()) {
+            let looped = Status::failed_precondition(
+                "this capture came back to the agent that asked for it along --upstream \
+                 (the upstreams form a loop): it is not captured again",
+            );
+            refused(&looped);
+            return Err(looped);
+        }
         let mut plan = self
             .plan(&request, true)
             .and_then(|mut plan| {
                 self.plan_for(&mut plan, &caller)?;
+                plan.via = via;
                 Ok(plan)
             })
             .inspect_err(refused)?;

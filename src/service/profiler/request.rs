@@ -142,6 +142,7 @@ pub fn plan(
         scope: Scope::NO_ONE,
         memory_owner: Some(Owner::Unnamed),
         attach,
+        via: Vec::new(),
     })
 }
 
