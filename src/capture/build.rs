@@ -189,17 +189,23 @@ impl Captures {
             }
         }
         if let Some(history) = data.history_starts_ns {
+            // Which bound cut it, so that the right flag is raised.
+            let why = if data.evicted_for_size {
+                "earlier events were evicted to keep the flight recorder within --store-size \
+                 (at this event rate it holds less than --store-retention)"
+            } else {
+                "earlier events were evicted or never recorded (--store-retention bounds how \
+                 far back a window can reach)"
+            };
             warnings.push(if history >= window.stop_ns {
                 format!(
                     "the flight recorder holds nothing of this window: its oldest event is \
-                     {:.3} s after the window's end; earlier events were evicted or never \
-                     recorded (--store-retention bounds how far back a window can reach)",
+                     {:.3} s after the window's end; {why}",
                     history.saturating_sub(window.stop_ns) as f64 / 1e9
                 )
             } else {
                 format!(
-                    "the flight recorder holds nothing before {:.3} s into the window; earlier \
-                     events were evicted or never recorded",
+                    "the flight recorder holds nothing before {:.3} s into the window; {why}",
                     history.saturating_sub(window.start_ns) as f64 / 1e9
                 )
             });

@@ -117,6 +117,9 @@ pub struct WindowData {
     pub dropped_oldest: u64,
     /// Set when part of the window was already evicted (or never recorded).
     pub history_starts_ns: Option<u64>,
+    /// Part of the window was evicted to keep the store within its size
+    /// (`--store-size`), not for its age.
+    pub evicted_for_size: bool,
 }
 
 impl WindowData {
@@ -184,6 +187,9 @@ struct Inner {
     drops: VecDeque<DropRecord>,
     /// Nothing older than this is held any more (0 = nothing evicted yet).
     evicted_before_ns: u64,
+    /// Nothing older than this is held because the store was full, while
+    /// younger than its retention (0 = never so).
+    evicted_for_size_before_ns: u64,
     /// When the store started recording.
     recording_since_ns: u64,
 }
@@ -312,6 +318,9 @@ impl Store {
             inner.bytes -= front.bytes();
             inner.chunks.pop_front();
             inner.evicted_before_ns = inner.evicted_before_ns.max(evicted);
+            if !too_old {
+                inner.evicted_for_size_before_ns = inner.evicted_for_size_before_ns.max(evicted);
+            }
         }
         while inner
             .drops
@@ -343,6 +352,7 @@ impl Store {
             dropped_newest,
             dropped_oldest,
             history_starts_ns: (window.start_ns < history_start).then_some(history_start),
+            evicted_for_size: window.start_ns < inner.evicted_for_size_before_ns,
         }
     }
 
@@ -464,6 +474,7 @@ mod tests {
         });
         assert_eq!(starts(&data), vec![2 * second]);
         assert_eq!(data.history_starts_ns, Some(11));
+        assert!(!data.evicted_for_size, "evicted for its age");
     }
 
     /// The smallest store (`--store-size 1MiB`) with chunks as full as the
@@ -524,6 +535,14 @@ mod tests {
             stop_ns: 1000,
         });
         assert_eq!(starts(&data).first(), Some(&300));
+        // The trace says which bound cut the window: the size.
+        assert_eq!(data.history_starts_ns, Some(210));
+        assert!(data.evicted_for_size);
+        let held = store.query(Window {
+            start_ns: 300,
+            stop_ns: 1000,
+        });
+        assert!(!held.evicted_for_size, "nothing of it was evicted");
     }
 
     #[test]

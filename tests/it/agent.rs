@@ -790,6 +790,22 @@ async fn a_window_older_than_the_recorder_says_it_holds_nothing_of_it() {
     );
 }
 
+/// A window the flight recorder lost to its size, not its age, names the
+/// flag that bounds it: `--store-size` (the warning named
+/// `--store-retention`, which was not the limit).
+#[tokio::test]
+async fn a_window_cut_by_the_recorders_size_names_store_size() {
+    let agent = AgentProcess::start(&["--store-size", "1MiB", "--mock-rate", "500000"]);
+    let space = space_of(&agent.profile(request(1500, "small_store")).await);
+    let said = warnings_with(&space, "flight recorder holds nothing before");
+    assert_eq!(said.len(), 1, "{:?}", space.warnings);
+    assert!(
+        said[0].contains("evicted to keep the flight recorder within --store-size"),
+        "{}",
+        said[0]
+    );
+}
+
 /// Snapshots of a continuous session written under `repository_root`: each
 /// a session of its own, named after the start request's, none written
 /// over another.
