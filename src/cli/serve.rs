@@ -960,11 +960,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         info!(roots = ?allowed_roots.roots(), "traces may be written under these roots");
     }
+    // Before the address is announced: a busy tap address fails first.
+    let taps = super::tap::bind_taps(&agent, &args.taps).await?;
     let placed_socket = Arc::new(placed_socket);
-    let shutdown = stop_on_signal(Arc::clone(&agent), Arc::clone(&placed_socket));
+    let shutdown = stop_on_signal(
+        Arc::clone(&agent),
+        triggers.clone(),
+        Arc::clone(&placed_socket),
+    );
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     super::announce(&format!("devtrace listening on {address}"));
-    super::tap::start_taps(&agent, &args.taps, Some(&telemetry)).await?;
+    if let Some(taps) = taps {
+        super::tap::start_taps(taps, Some(&telemetry))?;
+    }
     if let Some(address) = metrics {
         // After the lines above, which scripts read first.
         super::announce(&format!("devtrace metrics on http://{address}"));
@@ -1181,24 +1189,27 @@ fn parse_listen(text: &str) -> Result<String, String> {
     Ok(text.to_string())
 }
 
-/// Resolves at the first SIGINT, SIGTERM or SIGHUP, which lets the calls in
-/// progress end (saying so at once, so that a stop that waits for a capture
-/// is not taken for a hang); another one, a second or more later, stops the
-/// agent at once, losing them. (One sooner is the same request delivered
-/// twice: a terminal's Ctrl-C reaches a wrapper script too, which may pass
-/// it on as SIGTERM.)
+/// Resolves at the first SIGINT, SIGTERM or SIGHUP, which lets the calls
+/// and trigger saves in progress end (saying so at once, so that a stop
+/// that waits for a capture is not taken for a hang); another one, a second
+/// or more later, stops the agent at once, losing them. (One sooner is the
+/// same request delivered twice: a terminal's Ctrl-C reaches a wrapper
+/// script too, which may pass it on as SIGTERM.)
 fn stop_on_signal(
     agent: Arc<Agent>,
+    triggers: Option<Arc<Triggers>>,
     socket: Arc<Option<PlacedSocket>>,
 ) -> impl std::future::Future<Output = ()> {
     let first = shutdown_signal();
     async move {
         first.await;
         let asked_at = std::time::Instant::now();
+        let trigger_saves = triggers.as_ref().map_or(0, |t| t.saves_in_progress());
         info!(
             captures = agent.captures_in_progress(),
-            "stopping once the calls in progress end; another stop signal (Ctrl-C, SIGTERM, \
-             SIGHUP), a second or more from now, stops at once and loses them"
+            trigger_saves,
+            "stopping once the calls and trigger saves in progress end; another stop signal \
+             (Ctrl-C, SIGTERM, SIGHUP), a second or more from now, stops at once and loses them"
         );
         tokio::spawn(async move {
             loop {
@@ -1207,7 +1218,7 @@ fn stop_on_signal(
                     break;
                 }
             }
-            tracing::warn!("stopping now: the calls in progress are lost");
+            tracing::warn!("stopping now: the calls and trigger saves in progress are lost");
             if let Some(socket) = socket.as_ref() {
                 socket.remove_if_ours();
             }

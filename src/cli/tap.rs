@@ -46,13 +46,18 @@ pub fn parse_tap_spec(text: &str) -> Result<(String, String), String> {
     }
 }
 
-/// Binds every tap, recording into `agent`'s ring through one shared lane,
-/// and runs them on the current runtime. Prints each bound address.
-pub(crate) async fn start_taps(
+/// Taps bound, not yet serving.
+pub(crate) struct BoundTaps {
+    taps: Vec<(Tap, String)>,
+    recorder: Arc<Recorder>,
+}
+
+/// Binds every tap, recording into `agent`'s ring through one shared lane:
+/// a busy address fails here, before anything says the process listens.
+pub(crate) async fn bind_taps(
     agent: &Agent,
     specs: &[(String, String)],
-    telemetry: Option<&crate::telemetry::Telemetry>,
-) -> anyhow::Result<Option<Arc<Recorder>>> {
+) -> anyhow::Result<Option<BoundTaps>> {
     if specs.is_empty() {
         return Ok(None);
     }
@@ -60,10 +65,22 @@ pub(crate) async fn start_taps(
         .producer()
         .context("claiming a ring lane for the tap")?;
     let recorder = Recorder::new(Arc::clone(agent.registry()), producer);
+    let mut taps = Vec::new();
     for (listen, upstream) in specs {
         let tap = Tap::bind(listen, upstream, Arc::clone(&recorder))
             .await
             .with_context(|| format!("starting the tap {listen}={upstream}"))?;
+        taps.push((tap, upstream.clone()));
+    }
+    Ok(Some(BoundTaps { taps, recorder }))
+}
+
+/// Runs the bound taps on the current runtime. Prints each bound address.
+pub(crate) fn start_taps(
+    bound: BoundTaps,
+    telemetry: Option<&crate::telemetry::Telemetry>,
+) -> anyhow::Result<Arc<Recorder>> {
+    for (tap, upstream) in bound.taps {
         let address = tap.local_addr().context("reading the tap's address")?;
         // Scripts and tests read the bound address (useful with port 0).
         super::announce(&format!(
@@ -77,7 +94,7 @@ pub(crate) async fn start_taps(
         }
         tokio::spawn(tap.run(std::future::pending()));
     }
-    Ok(Some(recorder))
+    Ok(bound.recorder)
 }
 
 pub fn run(args: TapArgs) -> anyhow::Result<()> {
@@ -98,10 +115,20 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
     };
     let agent = Agent::start(&config).context("starting the agent")?;
     let specs = [(args.listen.clone(), args.upstream.clone())];
-    let recorder = start_taps(&agent, &specs, None)
+    let bound = bind_taps(&agent, &specs)
         .await?
         .context("the tap did not start")?;
-    if let Some(listen) = &args.profiler_listen {
+    // Bound before either address is announced: a busy one fails first.
+    let profiler_listener = match &args.profiler_listen {
+        Some(listen) => Some(
+            tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot listen on {listen}"))?,
+        ),
+        None => None,
+    };
+    let recorder = start_taps(bound, None)?;
+    if let Some(listener) = profiler_listener {
         let service = Arc::new(ProfilerService::new(
             Arc::clone(&agent),
             ServiceConfig {
@@ -110,9 +137,6 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
             },
         ));
         let analysis = Arc::new(ProfileAnalysisService::new(AnalysisConfig::default()));
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("cannot listen on {listen}"))?;
         let address = listener.local_addr().context("reading the bound address")?;
         super::announce(&format!("devtrace listening on {address}"));
         let trigger = Arc::new(crate::service::trigger::TriggerService::new(

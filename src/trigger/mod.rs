@@ -288,6 +288,16 @@ impl Triggers {
         Ok(Fired { at_ns, window })
     }
 
+    /// How many firings are being saved now (waiting for their `after`, or
+    /// writing).
+    pub fn saves_in_progress(&self) -> usize {
+        self.pending
+            .lock()
+            .iter()
+            .filter(|save| !save.task.is_finished())
+            .count()
+    }
+
     /// At shutdown: lets the saves in progress finish by `deadline`, and
     /// names those that cannot, so that no firing is lost unsaid.
     pub async fn finish(&self, deadline: tokio::time::Instant) {

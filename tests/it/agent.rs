@@ -610,7 +610,8 @@ fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
     unsafe { libc::kill(agent.pid() as libc::pid_t, libc::SIGTERM) };
     let line = wait_for("stopping");
     assert!(
-        line.contains("stopping once the calls in progress end") && line.contains("captures=1"),
+        line.contains("stopping once the calls and trigger saves in progress end")
+            && line.contains("captures=1"),
         "{line}"
     );
     // The same request delivered twice (a wrapper passing Ctrl-C on) is
@@ -623,7 +624,7 @@ fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
         .stop_with_sigterm(std::time::Duration::from_secs(20))
         .expect("a second SIGTERM did not stop the agent");
     assert_eq!(status.code(), Some(130));
-    wait_for("stopping now: the calls in progress are lost");
+    wait_for("stopping now: the calls and trigger saves in progress are lost");
     assert!(!capture.wait().unwrap().success());
 }
 

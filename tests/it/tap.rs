@@ -919,3 +919,30 @@ async fn a_slow_run_step_through_the_tap_fires_a_slow_step_trigger() {
         "no step ends at the firing: {ends:?}"
     );
 }
+
+/// An address that is taken fails the command before it says it listens on
+/// any: scripts wait for that line (it came first, then the failure).
+#[test]
+fn a_busy_address_fails_before_anything_is_announced() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = held.local_addr().unwrap().to_string();
+    let serve =
+        common::serve_to_end(&["--backend", "mock", "--tap", &format!("{busy}=127.0.0.1:1")]);
+    let tap = Command::new(BIN)
+        .args([
+            "tap",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "127.0.0.1:1",
+        ])
+        .args(["--profiler-listen", &busy])
+        .output()
+        .unwrap();
+    for out in [serve, tap] {
+        let (stdout, stderr) = (common::text(&out.stdout), common::text(&out.stderr));
+        assert!(!out.status.success(), "{stderr}");
+        assert!(!stdout.contains("listening"), "{stdout}");
+        assert!(stderr.contains("Address already in use"), "{stderr}");
+    }
+}
