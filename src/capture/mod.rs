@@ -259,7 +259,8 @@ impl Captures {
         window: Window,
         session_id: &str,
         properties: Vec<(String, String)>,
-        root: Folder,
+        root: Result<Folder, String>,
+        unsent_dir: &std::path::Path,
     ) -> Result<String, CaptureError> {
         let plan = Plan::save(
             window,
@@ -271,16 +272,49 @@ impl Captures {
         let deadline = Instant::now() + SAVE_MEMORY_WAIT;
         let encoded = self.build(&plan, window, deadline).await?;
         // Stored without a log line of its own: the trigger logs the save.
-        let written = if encoded.len() > self.settings.chunk_traces_over {
+        // One that cannot be written (nor its session made: `root` says
+        // why) is kept under `unsent_dir`, as a session's trace is: a
+        // firing's window is gone from the flight recorder soon after.
+        let (error, suffix, bytes) = if encoded.len() > self.settings.chunk_traces_over {
             let (chunked, _memory) = self.chunk(Arc::new(encoded), deadline).await?;
-            write::store_trace(root, &plan, RIEGELI_SUFFIX, chunked)
-                .await?
-                .0
+            let (error, chunked) = match root {
+                Ok(root) => match write::store_trace(root, &plan, RIEGELI_SUFFIX, chunked).await? {
+                    (Ok(path), _) => return Ok(path),
+                    (Err(error), chunked) => (error.to_string(), chunked),
+                },
+                Err(why) => (why, chunked),
+            };
+            let bytes = bytes::Bytes::copy_from_slice(chunked.bytes());
+            (error, RIEGELI_SUFFIX, bytes)
         } else {
-            write::store_trace(root, &plan, XPLANE_SUFFIX, Arc::new(encoded))
-                .await?
-                .0
+            let encoded = Arc::new(encoded);
+            let error = match root {
+                Ok(root) => {
+                    match write::store_trace(root, &plan, XPLANE_SUFFIX, Arc::clone(&encoded))
+                        .await?
+                    {
+                        (Ok(path), _) => return Ok(path),
+                        (Err(error), _) => error.to_string(),
+                    }
+                }
+                Err(why) => why,
+            };
+            (error, XPLANE_SUFFIX, encoded.contiguous())
         };
-        Ok(written?)
+        let (unsent_dir, session_id) = (unsent_dir.to_path_buf(), session_id.to_string());
+        let name = format!("{}{suffix}", plan.file_host);
+        let kept = tokio::task::spawn_blocking(move || {
+            crate::repository::keep_failed_write(
+                "saving it",
+                &error,
+                &unsent_dir,
+                &session_id,
+                &name,
+                &bytes,
+            )
+        })
+        .await
+        .map_err(|e| CaptureError::Write(e.to_string()))?;
+        Err(CaptureError::Write(kept))
     }
 }

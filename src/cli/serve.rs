@@ -1057,6 +1057,18 @@ fn start_triggers(
         .context("--trigger-repository is not UTF-8")
         .and_then(|path| Ok(allowed_roots.confine(path)?))
         .with_context(|| format!("--trigger-repository {shown} must lie inside an --allow-root"))?;
+    // Said now, not at the first firing: a read-only mount or a directory
+    // of another user's (a bucket is not contacted here).
+    if !folder.is_object() {
+        let (existing, writable) = crate::model::filesystem::writable_part(repository);
+        if !writable {
+            tracing::warn!(
+                "--trigger-repository {shown}: {} is not writable by this user: trigger saves \
+                 will fail and be kept under --unsent-dir instead",
+                existing.display()
+            );
+        }
+    }
     for (index, rule) in args.triggers.iter().enumerate() {
         if args.triggers[..index].iter().any(|r| r.name == rule.name) {
             bail!("--trigger {rule}: another rule is named {:?}", rule.name);
@@ -1084,6 +1096,7 @@ fn start_triggers(
         agent,
         Arc::clone(service.captures()),
         folder,
+        args.unsent_dir.clone().unwrap_or_else(std::env::temp_dir),
     )
     .context("starting the trigger watcher")?;
     for rule in &args.triggers {

@@ -363,10 +363,7 @@ fn allow_root(root: &Path) -> Finding {
             "object storage: not contacted here (credentials come from the agent's environment)",
         );
     }
-    let existing = root
-        .ancestors()
-        .find(|dir| dir.exists())
-        .unwrap_or(Path::new("/"));
+    let (existing, writable) = filesystem::writable_part(root);
     if existing != root && !existing.is_dir() {
         return Finding::new(
             Area::Agent,
@@ -379,7 +376,6 @@ fn allow_root(root: &Path) -> Finding {
         return Finding::new(Area::Agent, item, Status::Fail, refusal)
             .hint("choose an --allow-root on an ordinary filesystem");
     }
-    let writable = rustix::fs::access(existing, rustix::fs::Access::WRITE_OK).is_ok();
     match (existing == root, writable) {
         (true, true) => Finding::new(Area::Agent, item, Status::Ok, "writable"),
         (false, true) => Finding::new(

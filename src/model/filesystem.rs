@@ -84,6 +84,20 @@ pub fn made_up_part(path: &Path) -> Option<(&Path, &'static str)> {
     Some((existing, name))
 }
 
+/// The nearest part of `path` that exists (`path` itself, or its closest
+/// existing ancestor; `/` when none is found) and whether this process may
+/// write there (`access(2)`: a read-only mount or another user's directory
+/// says no; a filesystem the kernel makes up may say yes, see
+/// [`made_up_part`]).
+pub fn writable_part(path: &Path) -> (&Path, bool) {
+    let existing = path
+        .ancestors()
+        .find(|dir| dir.exists())
+        .unwrap_or(Path::new("/"));
+    let writable = rustix::fs::access(existing, rustix::fs::Access::WRITE_OK).is_ok();
+    (existing, writable)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

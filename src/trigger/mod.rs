@@ -94,6 +94,8 @@ pub struct Triggers {
     repository: Folder,
     runtime: tokio::runtime::Handle,
     pending: Mutex<Vec<Pending>>,
+    /// Where a save that cannot be written is kept (`--unsent-dir`).
+    unsent_dir: std::path::PathBuf,
     /// Events picked for the rules that the rules' thread fell too far
     /// behind to take.
     unevaluated: AtomicU64,
@@ -117,6 +119,7 @@ impl Triggers {
         agent: &Arc<Agent>,
         captures: Arc<Captures>,
         repository: Folder,
+        unsent_dir: std::path::PathBuf,
     ) -> std::io::Result<Arc<Triggers>> {
         let watcher = Watcher::new(&rules, agent.registry());
         let longest_after = rules
@@ -141,6 +144,7 @@ impl Triggers {
                 })
                 .collect(),
             captures,
+            unsent_dir,
             // A saved window holds the whole host: not for other users.
             repository: repository
                 .kept_from_others()
@@ -407,20 +411,22 @@ impl Triggers {
                 "trigger fired but its trace could not be saved"
             );
         };
-        let base = format!("{}_{}", session_timestamp_at(firing.at_ns), rule.name);
+        let base = base_name(&firing, rule);
         let repository = self.repository.clone();
         let made =
             tokio::task::spawn_blocking(move || repository.create_session(&base, true)).await;
-        let session = match made {
+        // A session that cannot be made still has its window saved: kept
+        // under the unsent directory, named as the session would have been.
+        let (session, destination) = match made {
             Ok(Ok((folder, name))) => {
                 *taken.lock() = Some(Taken {
-                    folder,
+                    folder: folder.clone(),
                     name: name.clone(),
                 });
-                name
+                (name, Ok(folder))
             }
-            Ok(Err(error)) => return fail(&error),
-            Err(error) => return fail(&error),
+            Ok(Err(error)) => (base_name(&firing, rule), Err(error.to_string())),
+            Err(error) => (base_name(&firing, rule), Err(error.to_string())),
         };
         let properties = vec![
             ("trigger.name".to_string(), rule.name.clone()),
@@ -431,11 +437,17 @@ impl Triggers {
         ];
         let saved = self
             .captures
-            .save_window(window, &session, properties, self.repository.clone())
+            .save_window(
+                window,
+                &session,
+                properties,
+                destination.clone().map(|_| self.repository.clone()),
+                &self.unsent_dir,
+            )
             .await;
         let taken = taken.lock().take();
         // Taken by a stopping agent's `finish`, which counts this save.
-        if taken.is_none() {
+        if taken.is_none() && destination.is_ok() {
             return;
         }
         match saved {
@@ -457,6 +469,12 @@ impl Triggers {
             }
         }
     }
+}
+
+/// The name of a firing's session before a suffix makes it free:
+/// `<YYYY_MM_DD_HH_MM_SS>_<rule>`.
+fn base_name(firing: &Firing, rule: &Rule) -> String {
+    format!("{}_{}", session_timestamp_at(firing.at_ns), rule.name)
 }
 
 /// Gives back the session a save took and did not fill.

@@ -896,3 +896,80 @@ async fn a_firing_whose_agent_dies_before_its_window_ends_is_never_forgotten() {
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
     assert_eq!(taken(&stopped.repository), Vec::<PathBuf>::new());
 }
+
+/// A repository the agent cannot write is said at start, and a firing's
+/// save that fails there is kept under `--unsent-dir`, as a session's trace
+/// is: the window is gone from the flight recorder soon after, and the save
+/// was lost with only a count.
+#[tokio::test]
+async fn a_save_that_cannot_be_written_is_kept_and_its_repository_named_at_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    // Root's, and not writable by the agent's user.
+    std::fs::set_permissions(&root, PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755)).unwrap();
+    let unsent = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(unsent.path(), PermissionsExt::from_mode(0o777)).unwrap();
+    let log = unsent.path().join("agent.log");
+    let repository = root.join("plugins").join("profile");
+    let child = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+        .args(["--metrics-listen", "off", "--log-level", "warn"])
+        .args(["--allow-root", &path_text(&root)])
+        .args(["--trigger-repository", &path_text(&repository)])
+        .args(["--unsent-dir", &path_text(unsent.path())])
+        .args(["--trigger", "name=w; when=explicit; before=300ms; after=0s"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("starting devtrace serve as nobody");
+    let agent = AgentProcess::adopt(child);
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        said.contains(&format!(
+            "{} is not writable by this user: trigger saves will fail and be kept under \
+             --unsent-dir instead",
+            root.display()
+        )),
+        "{said}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    agent.fire_trigger("w").await.expect("fired");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let kept = loop {
+        let kept: Vec<PathBuf> = walk(unsent.path())
+            .into_iter()
+            .filter(|p| p.to_string_lossy().ends_with(".xplane.pb"))
+            .collect();
+        if !kept.is_empty() || Instant::now() > deadline {
+            break kept;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(kept.len(), 1, "{}", std::fs::read_to_string(&log).unwrap());
+    let space = read_xspace(&kept[0]).expect("the kept trace");
+    assert!(event_count(&space) > 0);
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        said.contains("the trace is kept at") && said.contains("rule=w"),
+        "{said}"
+    );
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(walk(&path));
+        } else {
+            found.push(path);
+        }
+    }
+    found
+}
