@@ -970,9 +970,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     // Scripts and tests read the bound address (useful with port 0) from stdout.
     super::announce(&format!("devtrace listening on {address}"));
-    if let Some(taps) = taps {
-        super::tap::start_taps(taps, Some(&telemetry))?;
-    }
+    let tap_stop = tokio_util::sync::CancellationToken::new();
+    let tap_recorder = match taps {
+        Some(taps) => Some(super::tap::start_taps(taps, Some(&telemetry), &tap_stop)?),
+        None => None,
+    };
     if let Some(address) = metrics {
         // After the lines above, which scripts read first.
         super::announce(&format!("devtrace metrics on http://{address}"));
@@ -995,8 +997,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     served?;
     info!("shutting down");
     let deadline = tokio::time::Instant::now() + STOP_GRACE;
+    tap_stop.cancel();
     if let Some(triggers) = &triggers {
         triggers.finish(deadline).await;
+    }
+    if let Some(recorder) = &tap_recorder {
+        super::tap::drain_taps(recorder, deadline, std::future::pending()).await;
     }
     wait_for_writes(deadline).await;
     agent.shutdown();
@@ -1004,8 +1010,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// How long a stopping agent waits, once the calls in progress have ended,
-/// for trigger saves and trace writes still under way (writes whose client
-/// gave up go on): a firing just before the stop is saved once its `after`
+/// for trigger saves, calls its taps forward and trace writes still under
+/// way (writes whose client gave up go on): a firing just before the stop
+/// is saved once its `after`
 /// has passed (2 s by default), within what service managers allow a stop.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::agent::{Agent, AgentConfig};
@@ -75,10 +76,13 @@ pub(crate) async fn bind_taps(
     Ok(Some(BoundTaps { taps, recorder }))
 }
 
-/// Runs the bound taps on the current runtime. Prints each bound address.
+/// Runs the bound taps on the current runtime until `stop` is cancelled
+/// (then they accept no new connection; calls in progress go on, see
+/// [`drain_taps`]). Prints each bound address.
 pub(crate) fn start_taps(
     bound: BoundTaps,
     telemetry: Option<&crate::telemetry::Telemetry>,
+    stop: &CancellationToken,
 ) -> anyhow::Result<Arc<Recorder>> {
     for (tap, upstream) in bound.taps {
         let address = tap.local_addr().context("reading the tap's address")?;
@@ -92,10 +96,52 @@ pub(crate) fn start_taps(
             let name: &'static str = Box::leak(format!("tap {address}").into_boxed_str());
             telemetry.watch_connections(name, tap.gate());
         }
-        tokio::spawn(tap.run(std::future::pending()));
+        tokio::spawn(tap.run(stop.clone().cancelled_owned()));
     }
     Ok(bound.recorder)
 }
+
+/// Waits, once the taps stopped accepting, for the calls they forward to
+/// end, until `deadline` or `now` resolves (a second stop signal), and says
+/// how many it stops without: they are cut off, and not in the summary.
+pub(crate) async fn drain_taps(
+    recorder: &Recorder,
+    deadline: tokio::time::Instant,
+    now: impl std::future::Future<Output = ()>,
+) {
+    let open = recorder.calls_in_progress();
+    if open == 0 {
+        return;
+    }
+    info!(
+        calls = open,
+        "taps: waiting at most {:.0} s for the calls in progress to end",
+        deadline
+            .saturating_duration_since(tokio::time::Instant::now())
+            .as_secs_f64()
+    );
+    let ended = async {
+        while recorder.calls_in_progress() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        _ = ended => {}
+        _ = tokio::time::sleep_until(deadline) => {}
+        _ = now => {}
+    }
+    let cut = recorder.calls_in_progress();
+    if cut > 0 {
+        tracing::warn!(
+            calls = cut,
+            "taps: stopping with calls still in progress; they are cut off (their clients see \
+             the connection end)"
+        );
+    }
+}
+
+/// How long a stopping tap waits for the calls it forwards.
+pub(crate) const TAP_DRAIN: Duration = Duration::from_secs(10);
 
 pub fn run(args: TapArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -127,7 +173,8 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let recorder = start_taps(bound, None)?;
+    let stop = CancellationToken::new();
+    let recorder = start_taps(bound, None, &stop)?;
     if let Some(listener) = profiler_listener {
         let service = Arc::new(ProfilerService::new(
             Arc::clone(&agent),
@@ -177,6 +224,18 @@ async fn tap(args: TapArgs) -> anyhow::Result<()> {
             _ = tokio::time::sleep(args.summary_every) => summary(&recorder),
         }
     }
+    stop.cancel();
+    // A second signal, a second or more after the first, stops at once.
+    let asked_at = std::time::Instant::now();
+    let again = async {
+        loop {
+            super::serve::shutdown_signal().await;
+            if asked_at.elapsed() >= Duration::from_secs(1) {
+                break;
+            }
+        }
+    };
+    drain_taps(&recorder, tokio::time::Instant::now() + TAP_DRAIN, again).await;
     summary(&recorder);
     agent.shutdown();
     Ok(())

@@ -73,6 +73,8 @@ struct Counters {
     request_bytes: AtomicU64,
     response_bytes: AtomicU64,
     dropped_events: AtomicU64,
+    /// Calls begun and not yet ended.
+    open: AtomicU64,
 }
 
 /// Shared by every connection of one or more taps; owns one ring lane.
@@ -136,9 +138,15 @@ impl Recorder {
         }
     }
 
+    /// Calls begun and not yet ended: what a stopping tap waits for.
+    pub fn calls_in_progress(&self) -> u64 {
+        self.counters.open.load(Ordering::Acquire)
+    }
+
     /// Starts recording one call of `path` (`/package.Service/Method`):
     /// returns the call and the observers of its two directions.
     pub fn call(self: &Arc<Self>, line: u64, path: &str) -> (Arc<Call>, Observer, Observer) {
+        self.counters.open.fetch_add(1, Ordering::AcqRel);
         let kind = Kind::of(path);
         let call = Arc::new(Call {
             recorder: Arc::clone(self),
@@ -549,6 +557,7 @@ impl Call {
             }
             ending.ended = Some((status, end_ns));
         }
+        self.recorder.counters.open.fetch_sub(1, Ordering::AcqRel);
         if self.queued.load(Ordering::Acquire) == 0 {
             self.record();
         }

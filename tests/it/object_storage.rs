@@ -852,14 +852,7 @@ async fn a_stopping_agent_names_the_stalled_write_it_stops_without() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let logged = std::thread::spawn(move || {
-        stderr
-            .lines()
-            .map_while(Result::ok)
-            .collect::<Vec<_>>()
-            .join("\n")
-    });
+    let logged = read_in_background(child.stderr.take().unwrap());
     let mut agent = AgentProcess::adopt(child);
 
     let mut client = agent.client().await;

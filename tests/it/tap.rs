@@ -772,19 +772,19 @@ async fn serve_tap_captures_show_steps_and_enqueued_ops() {
 #[tokio::test]
 async fn standalone_tap_serves_captures_of_its_own_events() {
     let upstream = upstream().await;
-    let mut child = Command::new(BIN)
-        .args(["tap", "--listen", "127.0.0.1:0", "--upstream"])
-        .arg(upstream.address.to_string())
-        .args(["--profiler-listen", "127.0.0.1:0", "--summary-every", "0"])
-        .args(["--log-level", "warn"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut next = || lines.next().unwrap().unwrap();
-    let tap_line = next();
-    let agent_line = next();
+    let (child, tap_address, mut lines) = standalone_tap(
+        &upstream,
+        &[
+            "--profiler-listen",
+            "127.0.0.1:0",
+            "--summary-every",
+            "0",
+            "--log-level",
+            "warn",
+        ],
+        Stdio::inherit(),
+    );
+    let agent_line = lines.next().unwrap().unwrap();
     struct Kill(std::process::Child);
     impl Drop for Kill {
         fn drop(&mut self) {
@@ -793,12 +793,6 @@ async fn standalone_tap_serves_captures_of_its_own_events() {
         }
     }
     let _child = Kill(child);
-    let tap_address: SocketAddr = tap_line
-        .strip_prefix("devtrace tap listening on ")
-        .and_then(|rest| rest.split(' ').next())
-        .unwrap()
-        .parse()
-        .unwrap();
     let agent = agent_line
         .strip_prefix("devtrace listening on ")
         .unwrap()
@@ -945,4 +939,96 @@ fn a_busy_address_fails_before_anything_is_announced() {
         assert!(!stdout.contains("listening"), "{stdout}");
         assert!(stderr.contains("Address already in use"), "{stderr}");
     }
+}
+
+/// A stopping tap lets the calls in progress end (up to 10 s), saying so,
+/// and a second signal cuts the rest off, saying how many: calls were cut
+/// at the first signal, unsaid and uncounted.
+#[tokio::test]
+async fn a_stopping_tap_lets_calls_in_progress_end_and_names_those_it_cuts() {
+    let upstream = upstream().await;
+    let (mut child, tap_address, _) = standalone_tap(
+        &upstream,
+        &["--summary-every", "0", "--log-level", "info"],
+        Stdio::piped(),
+    );
+    let logged = common::read_in_background(child.stderr.take().unwrap());
+    let mut slow_client = connect(tap_address).await;
+    let slow = tokio::spawn(async move {
+        let message = grpc(false, b"slow");
+        let reply = unary(
+            &mut slow_client,
+            "/test.Echo/Unary",
+            &[("x-delay-ms", "1500")],
+            message.clone(),
+        )
+        .await;
+        (reply.status(), reply.data == message)
+    });
+    let mut hanging_client = connect(tap_address).await;
+    let hanging = tokio::spawn(async move {
+        let body = http_body_util::Full::new(grpc(false, b"x"))
+            .map_err(|never| match never {})
+            .boxed();
+        // Its reply held open: the call goes on until the tap cuts it.
+        let _reply = hanging_client
+            .send_request(request("/test.Echo/Hang", &[], body))
+            .await;
+        std::future::pending::<()>().await;
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: signalling a child of this test.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(slow.await.unwrap(), (0, true), "the slow call ends whole");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    hanging.abort();
+    let log = logged.join().unwrap();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(
+        log.contains("taps: waiting at most 10 s for the calls in progress to end")
+            && log.contains("calls=2"),
+        "{log}"
+    );
+    let cut = log
+        .lines()
+        .find(|line| line.contains("taps: stopping with calls still in progress"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(cut.contains("calls=1"), "{cut}");
+}
+
+/// `devtrace tap --listen 127.0.0.1:0 --upstream UPSTREAM <extra>`, once it
+/// has said where it listens: the child, that address and the rest of its
+/// standard output.
+fn standalone_tap(
+    upstream: &Upstream,
+    extra: &[&str],
+    stderr: Stdio,
+) -> (
+    std::process::Child,
+    SocketAddr,
+    std::io::Lines<BufReader<std::process::ChildStdout>>,
+) {
+    let mut child = Command::new(BIN)
+        .args(["tap", "--listen", "127.0.0.1:0", "--upstream"])
+        .arg(upstream.address.to_string())
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let tap_line = lines.next().unwrap().unwrap();
+    let address = tap_line
+        .strip_prefix("devtrace tap listening on ")
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    (child, address, lines)
 }

@@ -255,6 +255,20 @@ impl Drop for AgentProcess {
     }
 }
 
+/// Reads `stream` (a child's standard error) to its end on a thread of its
+/// own, so that the child never blocks on a full pipe: its lines, joined.
+pub fn read_in_background(
+    stream: impl std::io::Read + Send + 'static,
+) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        BufReader::new(stream)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+}
+
 /// Runs `devtrace ARGS` off the async runtime, so that servers of the test
 /// keep answering it.
 pub async fn devtrace(args: Vec<String>) -> std::process::Output {
