@@ -540,6 +540,7 @@ async fn request_trace(
         .await
         .with_context(|| format!("cannot reach a profiler server at {target}"))?;
     let progress = progress_bar(args, duration_ms);
+    let asked_ns = clock::now_ns();
     let reply = connection.profile(request).await;
     drop(progress);
     if let Err(refused @ client::CallError::TooLarge { .. }) = &reply {
@@ -556,8 +557,10 @@ async fn request_trace(
         .and_then(crate::xspace::read::recording_start_ns)
         .unwrap_or(start_ns);
     let window_end_ns = recorded_from_ns.saturating_add(duration_ms.saturating_mul(1_000_000));
+    // What the reply took past the window, or past the request for a window
+    // over before it was asked for (a look back).
     tracing::info!(
-        after_window_ms = clock::now_ns().saturating_sub(window_end_ns) / 1_000_000,
+        after_window_ms = clock::now_ns().saturating_sub(window_end_ns.max(asked_ns)) / 1_000_000,
         bytes = reply
             .tool_data
             .iter()

@@ -215,9 +215,15 @@ impl SessionOutput {
                             // The command is ending, keeping the trace itself.
                             return format!("{attempt} was cut off");
                         }
+                        // The attempt is named once, not again as the
+                        // cause's first words.
+                        let cause = super::failure_text(&error);
+                        let cause = cause
+                            .strip_prefix(&format!("{attempt}: "))
+                            .unwrap_or(&cause);
                         repository::keep_failed_write(
                             &attempt,
-                            &super::failure_text(&error),
+                            &cause,
                             &std::env::temp_dir(),
                             session_id,
                             name,

@@ -22,7 +22,8 @@ pub struct TriggerArgs {
     #[arg(long, default_value = "127.0.0.1:6009")]
     pub agent: String,
 
-    /// Why it fires, recorded as the trigger's value in the saved trace.
+    /// Why it fires, recorded as the trigger's value in the saved trace: at
+    /// most 1024 bytes, no control characters (the agent refuses others).
     #[arg(long, default_value = "")]
     pub reason: String,
 

@@ -21,7 +21,7 @@ pub enum UnitError {
     },
     #[error("{0:?} has no unit: write {0}s or {0}ms")]
     NoUnit(String),
-    #[error("{0:?} is out of range")]
+    #[error("{0:?} is out of range: a duration is at most 1000000000s (about 31 years)")]
     OutOfRange(String),
     #[error("{0:?} is too large")]
     TooLarge(String),
@@ -93,12 +93,14 @@ pub fn parse_size(text: &str) -> Result<usize, UnitError> {
         "k" | "kib" | "kb" => 1 << 10,
         "m" | "mib" | "mb" => 1 << 20,
         "g" | "gib" | "gb" => 1 << 30,
-        other => {
+        "t" | "tib" | "tb" => 1 << 40,
+        _ => {
+            // Named as written.
             return Err(UnitError::UnknownUnit {
-                unit: other.to_string(),
+                unit: unit.trim().to_string(),
                 text: text.to_string(),
-                expected: "KiB, MiB or GiB",
-            })
+                expected: "KiB, MiB, GiB or TiB",
+            });
         }
     };
     value
@@ -140,9 +142,14 @@ mod tests {
         ));
         assert_eq!(parse_size("512MiB"), Ok(512 << 20));
         assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("1TiB"), Ok(1 << 40));
         assert_eq!(
-            parse_size("1TiB").unwrap_err().to_string(),
-            "unknown unit \"tib\" in \"1TiB\" (use KiB, MiB or GiB)"
+            parse_size("1PiB").unwrap_err().to_string(),
+            "unknown unit \"PiB\" in \"1PiB\" (use KiB, MiB, GiB or TiB)"
+        );
+        assert_eq!(
+            parse_duration("1000000h").unwrap_err().to_string(),
+            "\"1000000h\" is out of range: a duration is at most 1000000000s (about 31 years)"
         );
     }
 }

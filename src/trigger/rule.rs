@@ -216,7 +216,7 @@ fn parse_name(field: &str, value: &str) -> Result<String, RuleError> {
         return Err(bad(
             field,
             format!(
-                "a name is 1 to {MAX_NAME} letters, digits, '-', '_' or '.', not starting with '.'"
+                "a name is 1 to {MAX_NAME} ASCII letters, digits, '-', '_' or '.', not starting with '.'"
             ),
         ));
     }
