@@ -35,10 +35,11 @@
 //! attached: after a finalize any CUPTI call would attach it again, so
 //! nothing calls CUPTI until the next capture takes the stream. Buffers
 //! CUPTI hands back while it is being finalized are converted then and
-//! there, as CUPTI is still attached ([`finalizing`]).
+//! there, as CUPTI is still attached, and the finalize does not end before
+//! they are ([`convert_if_finalizing`]).
 
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -74,6 +75,16 @@ static ARMED: AtomicBool = AtomicBool::new(false);
 static SUBSCRIBER: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 /// Set while `cuptiFinalize` of ours runs.
 static FINALIZING: AtomicBool = AtomicBool::new(false);
+/// The thread that runs it, meanwhile.
+static FINALIZING_THREAD: AtomicU32 = AtomicU32::new(0);
+/// Buffers CUPTI hands back during a finalize of ours on another thread
+/// than the finalizing one, being converted now: the finalize does not end
+/// (and nothing counts CUPTI detached) before they are done.
+static CONVERTING_ELSEWHERE: AtomicU32 = AtomicU32::new(0);
+/// How many buffers CUPTI ever handed back on another thread during a
+/// finalize, for `DEVTRACE_INJECT_DEBUG` (which thread CUPTI delivers them
+/// on is not documented).
+static DELIVERED_ELSEWHERE: AtomicU64 = AtomicU64::new(0);
 /// How many finalizes of ours succeeded.
 static DETACHES: AtomicU64 = AtomicU64::new(0);
 /// What the last finalize of ours answered, when it failed.
@@ -100,11 +111,40 @@ pub fn disarm_in_child() {
     ARMED.store(false, Ordering::Release);
 }
 
-/// Whether a finalize of ours is under way: buffers handed back now must be
-/// converted at once.
-pub fn finalizing() -> bool {
-    FINALIZING.load(Ordering::Acquire)
+/// Runs `convert` on a buffer CUPTI handed back, if a finalize of ours is
+/// under way (CUPTI is still attached then; after, reading records would
+/// attach it again): whether it ran. On the finalizing thread itself CUPTI
+/// is inside the finalize; on another thread the finalize is held from
+/// ending until `convert` is done.
+pub fn convert_if_finalizing(convert: impl FnOnce()) -> bool {
+    if !FINALIZING.load(Ordering::SeqCst) {
+        return false;
+    }
+    if FINALIZING_THREAD.load(Ordering::SeqCst) == crate::sys::process::thread_id() {
+        convert();
+        return true;
+    }
+    // Counted before the second look: a finalize that clears the flag
+    // after that look waits for the count (both sequentially consistent).
+    CONVERTING_ELSEWHERE.fetch_add(1, Ordering::SeqCst);
+    struct Done;
+    impl Drop for Done {
+        fn drop(&mut self) {
+            CONVERTING_ELSEWHERE.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let _done = Done;
+    if !FINALIZING.load(Ordering::SeqCst) {
+        return false;
+    }
+    DELIVERED_ELSEWHERE.fetch_add(1, Ordering::Relaxed);
+    convert();
+    true
 }
+
+/// How long a finalize waits for conversions on other threads once
+/// `cuptiFinalize` returned.
+const CONVERSIONS_WAIT: Duration = Duration::from_millis(200);
 
 /// Names what converts pending buffers (the library's converter).
 pub fn set_converter(convert_pending: fn()) {
@@ -223,6 +263,13 @@ impl Teardown {
                 "devtrace-inject: teardown ended without a detach after {} ms: {exits} API exits, \
                  {busy} with the library's CUPTI lock busy, {other} with another CUPTI user active",
                 self.age().as_millis()
+            );
+        }
+        if crate::debug_enabled() && self.finalized() {
+            say!(
+                "devtrace-inject: buffers CUPTI handed back on a thread other than the \
+                 finalizing one while it finalized, so far: {}",
+                DELIVERED_ELSEWHERE.load(Ordering::Relaxed)
             );
         }
     }
@@ -431,11 +478,23 @@ fn finalize(gate: &mut Attachment) {
         return;
     };
     convert_pending();
-    FINALIZING.store(true, Ordering::Release);
+    FINALIZING_THREAD.store(crate::sys::process::thread_id(), Ordering::SeqCst);
+    FINALIZING.store(true, Ordering::SeqCst);
     // SAFETY: called at an API exit site, as CUPTI's dynamic detach asks,
     // with every other CUPTI call of this library held off by the gate.
     let result = crate::coexist::own(|| unsafe { finalize() });
-    FINALIZING.store(false, Ordering::Release);
+    // Buffers CUPTI handed back on its own threads while it finalized are
+    // still being read: their conversions end before the finalize counts
+    // as done (CUPTI itself presumably waits for its callbacks before it
+    // returns; this holds if it does not).
+    FINALIZING.store(false, Ordering::SeqCst);
+    let waited_from = Instant::now();
+    while CONVERTING_ELSEWHERE.load(Ordering::SeqCst) > 0
+        && waited_from.elapsed() < CONVERSIONS_WAIT
+    {
+        std::thread::yield_now();
+    }
+    FINALIZING_THREAD.store(0, Ordering::SeqCst);
     if result == CUPTI_SUCCESS {
         forget_subscriber();
         *gate = Attachment::Detached;

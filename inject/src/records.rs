@@ -66,10 +66,9 @@ pub unsafe extern "C" fn buffer_completed(
         let Some(session) = SESSION.get() else {
             return buffers::release(buffer);
         };
-        if detach::finalizing() {
-            // CUPTI is still attached while it finalizes; after, reading
-            // records would attach it again.
-            return convert_all(session, VecDeque::from([completed]), true);
+        if detach::convert_if_finalizing(|| convert_all(session, VecDeque::from([completed]), true))
+        {
+            return;
         }
         match session.pending.lock() {
             Ok(mut pending) => {
