@@ -48,7 +48,10 @@ pub unsafe extern "C" fn buffer_completed(
     valid: usize,
 ) {
     ffi::guard("bufferCompleted", (), || {
-        if buffer.is_null() {
+        // In a forked child a lock of the library's may have been held by a
+        // parent's thread at the fork: no lock is taken there, and what
+        // CUPTI hands back is left alone.
+        if buffer.is_null() || crate::forked() {
             return;
         }
         if !buffers::returned(buffer, size) {
