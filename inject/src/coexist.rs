@@ -76,8 +76,9 @@ struct Others {
     /// the stream back before its final flush would send its last buffers
     /// to us.
     idle_since_ns: AtomicU64,
-    /// A foreign user holds a Callback API subscriber.
-    subscribed: AtomicBool,
+    /// Callback API subscribers foreign users hold (several from CUDA 13.3,
+    /// `allowMultipleSubscribers`).
+    subscribers: AtomicU64,
     /// A foreign user was seen through interposition at some time.
     ever_seen: AtomicBool,
     /// Buffers that were not ours reached our callback.
@@ -90,7 +91,7 @@ static OTHERS: Others = Others {
     kinds: AtomicU64::new(0),
     done: AtomicBool::new(false),
     idle_since_ns: AtomicU64::new(0),
-    subscribed: AtomicBool::new(false),
+    subscribers: AtomicU64::new(0),
     ever_seen: AtomicBool::new(false),
     buffers: AtomicU64::new(0),
 };
@@ -174,7 +175,7 @@ pub fn foreign_buffer_arrived() {
 /// Why CUPTI must stay attached for another user, if it must: the
 /// evidence, in words for the trace.
 pub fn other_user_active() -> Option<String> {
-    if OTHERS.subscribed.load(Ordering::Acquire) {
+    if OTHERS.subscribers.load(Ordering::Acquire) > 0 {
         return Some("another CUPTI user in the process holds a Callback API subscriber".into());
     }
     if OTHERS.registered.load(Ordering::Acquire) {
@@ -239,6 +240,16 @@ fn guarded(body: impl FnOnce() -> CuptiResult) -> CuptiResult {
 
 fn seen_foreign() {
     OTHERS.ever_seen.store(true, Ordering::Release);
+}
+
+/// A foreign subscriber went: one of several, the others keep CUPTI
+/// attached.
+fn foreign_unsubscribed() {
+    let _ = OTHERS
+        .subscribers
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            held.checked_sub(1)
+        });
 }
 
 fn foreign_finished() {
@@ -441,7 +452,7 @@ unsafe extern "C" fn finalize_hook() -> CuptiResult {
                 *gate = Attachment::Detached;
             }
             OTHERS.kinds.store(0, Ordering::Release);
-            OTHERS.subscribed.store(false, Ordering::Release);
+            OTHERS.subscribers.store(0, Ordering::Release);
             foreign_finished();
         }
         result
@@ -518,7 +529,7 @@ fn subscribed_by(subscribe: impl FnOnce() -> CuptiResult) -> CuptiResult {
     let result = subscribe();
     if result == CUPTI_SUCCESS {
         seen_foreign();
-        OTHERS.subscribed.store(true, Ordering::Release);
+        OTHERS.subscribers.fetch_add(1, Ordering::AcqRel);
     }
     drop(gate);
     result
@@ -565,7 +576,7 @@ unsafe extern "C" fn unsubscribe_hook(subscriber: SubscriberHandle) -> CuptiResu
         // SAFETY: forwarded unchanged.
         let result = unsafe { unsubscribe(subscriber) };
         if result == CUPTI_SUCCESS && foreign() {
-            OTHERS.subscribed.store(false, Ordering::Release);
+            foreign_unsubscribed();
         }
         result
     })
@@ -579,4 +590,26 @@ unsafe extern "C" fn unsubscribe_hook(subscriber: SubscriberHandle) -> CuptiResu
 pub unsafe extern "C" fn cuptiUnsubscribe(subscriber: SubscriberHandle) -> CuptiResult {
     // SAFETY: forwarded with the caller's contract.
     unsafe { unsubscribe_hook(subscriber) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two other users' subscribers (CUDA 13.3 allows several): CUPTI stays
+    /// attached until both went (one flag was cleared by the first to go).
+    #[test]
+    fn every_foreign_subscriber_keeps_cupti_attached_until_it_goes() {
+        assert!(other_user_active().is_none());
+        for _ in 0..2 {
+            assert_eq!(subscribed_by(|| CUPTI_SUCCESS), CUPTI_SUCCESS);
+        }
+        assert_eq!(subscribed_by(|| 39), 39, "a refused one is not counted");
+        foreign_unsubscribed();
+        assert!(other_user_active().is_some(), "one subscriber is left");
+        foreign_unsubscribed();
+        assert!(other_user_active().is_none());
+        foreign_unsubscribed();
+        assert_eq!(OTHERS.subscribers.load(Ordering::Acquire), 0);
+    }
 }

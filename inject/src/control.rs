@@ -1000,10 +1000,18 @@ extern "C" fn flush_at_exit() {
         // state its own exit handlers and destructors (registered after
         // this one, so run before it) may have freed already.
         if let Some(why) = coexist::other_user_active() {
+            // The calls the library timed are its own memory: handed over.
+            timed_calls::stop();
+            timed_calls::deliver(session, true);
+            // Reading the buffers CUPTI handed back is a CUPTI call too, and
+            // their records point at names CUPTI may have freed by now.
+            let pending = session.take_pending();
+            let unread = pending.len();
+            records::convert_all(session, pending, false);
             let message = format!(
                 "the process exited while CUPTI was attached beside another CUPTI user ({why}): \
-                 the library made no CUPTI call at exit, so the GPU activity CUPTI still held \
-                 for it, its last, is missing"
+                 the library made no CUPTI call at exit, so its last GPU activity is missing \
+                 (what CUPTI still held, and {unread} buffer(s) handed back but not yet read)"
             );
             session.write_meta(&MetaRecord::Warning { message });
             return;

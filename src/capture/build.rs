@@ -63,7 +63,7 @@ impl Captures {
             request.emit_xspace = true;
             let upstream = upstream.clone();
             let mut config = self.settings.client.clone();
-            config.via = via::onwards(&plan.via);
+            config.via = via::onwards(&plan.via, via::this_agent());
             let memory = Arc::clone(&self.memory);
             upstream_calls.spawn(async move {
                 // Servers that record from the moment they are asked (TensorFlow's,

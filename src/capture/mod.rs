@@ -303,7 +303,12 @@ impl Captures {
         };
         let (unsent_dir, session_id) = (unsent_dir.to_path_buf(), session_id.to_string());
         let name = format!("{}{suffix}", plan.file_host);
+        let keeping = crate::model::under_way::begin(format!(
+            "keeping {name} under {}",
+            unsent_dir.display()
+        ));
         let kept = tokio::task::spawn_blocking(move || {
+            let _keeping = keeping;
             crate::repository::keep_failed_write(
                 "saving it",
                 &error,

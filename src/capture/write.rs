@@ -82,10 +82,14 @@ pub async fn store_trace<B: TraceFile>(
     let session_id = plan.session_id.clone();
     let generated = plan.generated_session_id;
     let file_name = format!("{}{suffix}", plan.file_host);
-    let target = format!("{}/{session_id}/{file_name}", root.display());
+    // From before the look at the root on (a stalled bucket stalls that
+    // too), queued on the blocking pool included.
+    let writing = crate::model::under_way::begin(format!(
+        "writing {}/{session_id}/{file_name}",
+        root.display()
+    ));
     tokio::task::spawn_blocking(move || {
-        // From the look at the root on: a stalled bucket stalls that too.
-        let _writing = crate::repository::writes::begin(target);
+        let _writing = writing;
         clear_abandoned_once(&root);
         let written = write_in_new_session(&root, &session_id, generated, &bytes, &file_name);
         (written, bytes)

@@ -173,7 +173,7 @@ fn ignored(signal: libc::c_int) -> bool {
 
 /// Resolves with the first of the [`CANCELLING`] signals to arrive that
 /// was not ignored when the command started; never, if all were.
-async fn cancelled() -> libc::c_int {
+pub(super) async fn cancelled() -> libc::c_int {
     use super::serve::next_signal;
     use tokio::signal::unix::{signal, SignalKind};
     let [mut interrupt, mut terminate, mut hang_up] = CANCELLING.map(|number| {
@@ -202,7 +202,7 @@ fn default_cancelling() {
 
 /// Ends the process by `signal`, as it would have ended without a handler,
 /// so that a shell running it in a loop or a script stops too.
-fn die_of(signal: libc::c_int) -> ! {
+pub(super) fn die_of(signal: libc::c_int) -> ! {
     default_cancelling();
     // SAFETY: raising a signal whose action is now the default.
     unsafe { libc::raise(signal) };
@@ -210,7 +210,7 @@ fn die_of(signal: libc::c_int) -> ! {
 }
 
 /// One of the [`CANCELLING`] signals as a user would name it.
-fn signal_name(signal: libc::c_int) -> &'static str {
+pub(super) fn signal_name(signal: libc::c_int) -> &'static str {
     match signal {
         libc::SIGINT => "Ctrl-C",
         libc::SIGTERM => "SIGTERM",
@@ -321,13 +321,17 @@ impl Unsent {
                 .local_directory
                 .as_ref()
                 .map(|directory| directory.join(name))
-                // Put in place whole (a rename), or not at all.
-                .filter(|path| path.exists());
+                // Put in place whole (a rename) by this command, or not at
+                // all.
+                .filter(|path| super::placed(path));
             said.push(match in_place {
                 Some(path) => format!("as the trace was written: it is at {}", path.display()),
                 None => self.keep(name, bytes, &removed),
             });
         }
+        // One begun as the first were removed is refused; one that began
+        // just before goes now.
+        super::remove_unfinished_files();
         for dir in &self.made {
             if std::fs::remove_dir(dir).is_err() {
                 break;

@@ -95,8 +95,50 @@ pub fn parse() -> Cli {
             let _ = std::io::stdout().write_all(text.as_bytes());
             std::process::exit(0)
         }
-        Err(error) => error.exit(),
+        Err(error) => {
+            // A usage error, not --help or --version: in the log's format,
+            // so that a collector parsing every line gets it too.
+            if error.use_stderr()
+                && json_asked(&std::env::args_os().collect::<Vec<_>>(), &environment)
+            {
+                super::logging::failures_as_json();
+                let text = error.render().to_string();
+                let text = text.trim().trim_start_matches("error: ");
+                super::logging::say_failure(text);
+                std::process::exit(error.exit_code());
+            }
+            error.exit()
+        }
     }
+}
+
+/// Whether `--log-format json` was asked for, on the command line, in
+/// `DEVTRACE_LOG_FORMAT` or in the configuration file, in that order, read
+/// as well as a command line that did not parse allows.
+fn json_asked(argv: &[OsString], environment: Environment) -> bool {
+    let value_of = |flag: &str| {
+        let with_equals = format!("{flag}=");
+        argv.iter().enumerate().find_map(|(index, arg)| {
+            let arg = arg.to_str()?;
+            if arg == flag {
+                argv.get(index + 1)?.to_str().map(str::to_owned)
+            } else {
+                arg.strip_prefix(&with_equals).map(str::to_owned)
+            }
+        })
+    };
+    if let Some(format) = value_of("--log-format") {
+        return format == "json";
+    }
+    if let Some(format) = environment("DEVTRACE_LOG_FORMAT") {
+        return format == "json";
+    }
+    let file = value_of("--config")
+        .map(PathBuf::from)
+        .or_else(|| environment("DEVTRACE_CONFIG").map(PathBuf::from));
+    file.and_then(|path| small_file::read_text(&path, MAX_CONFIG_BYTES).ok())
+        .and_then(|text| text.parse::<toml::Table>().ok())
+        .is_some_and(|table| table.get("log-format").and_then(|v| v.as_str()) == Some("json"))
 }
 
 enum Parsed {

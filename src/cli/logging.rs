@@ -64,6 +64,13 @@ const OTHER_TOOLS_LEVELS: [(&str, &str); 8] = [
 /// Whether the log is JSON, so that the command's last word is too.
 static JSON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Makes [`say_failure`] write JSON, for a failure found before the log is
+/// set up (a command line or configuration that does not parse) when JSON
+/// was asked for.
+pub fn failures_as_json() {
+    JSON.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Says why the command failed, on standard error: `devtrace: TEXT`, or
 /// under `--log-format json` one object with the log's fields, so that a
 /// collector that parses every line gets this one (whatever the filter).

@@ -240,13 +240,35 @@ pub(crate) fn cut_off() -> bool {
     CUT_OFF.load(std::sync::atomic::Ordering::Acquire)
 }
 
+/// The files this process put in place, whole.
+static PLACED: parking_lot::Mutex<Vec<std::path::PathBuf>> = parking_lot::Mutex::new(Vec::new());
+
+/// Whether this process put `path` in place, whole (not whether a file is
+/// there: another command may have put one there).
+pub(crate) fn placed(path: &std::path::Path) -> bool {
+    PLACED.lock().iter().any(|placed| placed == path)
+}
+
 /// Removes the temporary files of the files this process is writing, for a
-/// command that ends at once (by a signal): what it removed. A file being
-/// put in place meanwhile may have been put there.
+/// command that ends at once (by a signal): what it removed. From then on
+/// no new one is begun ([`cut_off`]); a file being put in place meanwhile
+/// may have been put there ([`placed`]).
 pub(crate) fn remove_unfinished_files() -> Vec<std::path::PathBuf> {
     CUT_OFF.store(true, std::sync::atomic::Ordering::Release);
-    let listed = std::mem::take(&mut *UNFINISHED.lock());
-    listed
+    remove_listed(|_| true)
+}
+
+/// Removes the listed temporary files `which` picks: what it removed.
+fn remove_listed(which: impl Fn(&std::path::Path) -> bool) -> Vec<std::path::PathBuf> {
+    let picked: Vec<std::path::PathBuf> = {
+        let mut listed = UNFINISHED.lock();
+        let (picked, kept) = std::mem::take(&mut *listed)
+            .into_iter()
+            .partition(|path| which(path));
+        *listed = kept;
+        picked
+    };
+    picked
         .into_iter()
         .filter(|path| std::fs::remove_file(path).is_ok())
         .collect()
@@ -256,6 +278,12 @@ impl PendingFile {
     /// Starts `directory/name`, making the directory when needed.
     pub(crate) fn create(directory: &std::path::Path, name: &str) -> anyhow::Result<PendingFile> {
         use anyhow::Context;
+        if cut_off() {
+            anyhow::bail!(
+                "the command is ending: {} is not begun",
+                directory.join(name).display()
+            );
+        }
         std::fs::create_dir_all(directory)
             .with_context(|| format!("creating {}", directory.display()))?;
         let file = tempfile::NamedTempFile::new_in(directory)
@@ -307,6 +335,7 @@ impl PendingFile {
             }
             return Err(error).with_context(|| format!("writing {}", target.display()));
         }
+        PLACED.lock().push(target.clone());
         Ok(target)
     }
 }
@@ -328,16 +357,15 @@ mod tests {
         done.write(b"a trace").unwrap();
         let written = done.commit_new().unwrap();
 
-        let removed = remove_unfinished_files();
-        // Other tests may write at the same time: this one's are in this
-        // directory.
-        let ours: Vec<_> = removed
-            .iter()
-            .filter(|p| p.starts_with(dir.path()))
-            .collect();
-        assert_eq!(ours, [&temporary]);
+        // Other tests write at the same time: this one's are in this
+        // directory (and the process is not cut off: `remove_unfinished_files`
+        // is `remove_listed` of them all, and says so).
+        let removed = remove_listed(|path| path.starts_with(dir.path()));
+        assert_eq!(removed, std::slice::from_ref(&temporary));
         assert!(!temporary.exists());
         assert!(written.exists(), "a file in place stays");
+        assert!(placed(&written));
+        assert!(!placed(&dir.path().join("cut.xplane.pb")));
         std::mem::forget(cut_off);
     }
 

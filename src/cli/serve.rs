@@ -102,10 +102,16 @@ pub struct ServeArgs {
     pub admin_clients: Vec<String>,
 
     /// Mode of the --listen-unix socket: 0600 (the agent's user; the
-    /// default) or 0660 (also its group; change the socket's group after
-    /// start).
+    /// default) or 0660 (also its group: --listen-unix-group, else the
+    /// agent's own).
     #[arg(long, value_name = "MODE", requires = "listen_unix", value_parser = parse_socket_mode)]
     pub listen_unix_mode: Option<u32>,
+
+    /// Group of the --listen-unix socket (a name or a gid), set each time
+    /// the agent makes it, before it is reachable: with
+    /// --listen-unix-mode 0660, that group's members capture through it.
+    #[arg(long, value_name = "GROUP", requires = "listen_unix")]
+    pub listen_unix_group: Option<String>,
 
     /// Hosts a NewSession may make this agent call (repeatable): host[:port]
     /// glob patterns, e.g. `10.0.*:6009` or `*.cluster.local:*` (no port
@@ -122,9 +128,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub fleet: super::fleet_args::FleetArgs,
 
-    /// Backends to run (repeatable). `auto` runs every backend that works on
-    /// this machine and falls back to the mock when no device backend does.
-    #[arg(long = "backend", value_enum, default_values_t = [BackendChoice::Auto])]
+    /// Backends to run (repeatable, or comma-separated). `auto` runs every
+    /// backend that works on this machine and falls back to the mock when no
+    /// device backend does.
+    #[arg(long = "backend", value_enum, value_delimiter = ',', default_values_t = [BackendChoice::Auto])]
     pub backends: Vec<BackendChoice>,
 
     /// Events per second the mock backend produces (0: none, an idle agent;
@@ -601,11 +608,17 @@ fn attach_config(args: &ServeArgs) -> anyhow::Result<crate::attach::AttachConfig
     Ok(config)
 }
 
+/// The gid of the group `flag` names, if it names one.
+fn named_group(flag: &str, name: Option<&str>) -> Result<Option<u32>, String> {
+    name.map(|group| crate::service::access::group_id(flag, group))
+        .transpose()
+}
+
 /// Why `serve` with these flags would stop as it starts, found without
 /// starting anything (for `devtrace doctor`, which must not claim ready
 /// what serve refuses): the checks serve itself makes of its client TLS,
 /// its --spill-dir, --cuda-attach's library, where triggers save,
-/// --ebpf-cgroup and --admin-group.
+/// --ebpf-cgroup, --admin-group and --listen-unix-group.
 pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
     let mut refusals = Vec::new();
     if let Err(error) = ebpf_cgroup_id(args) {
@@ -614,12 +627,13 @@ pub(super) fn refusals(args: &ServeArgs) -> Vec<String> {
     if let Err(error) = args.client.config() {
         refusals.push(super::failure_text(&error));
     }
-    if let Some(Err(why)) = args
-        .admin_group
-        .as_deref()
-        .map(crate::service::access::group_id)
-    {
-        refusals.push(why);
+    for (flag, group) in [
+        ("--admin-group", &args.admin_group),
+        ("--listen-unix-group", &args.listen_unix_group),
+    ] {
+        if let Err(why) = named_group(flag, group.as_deref()) {
+            refusals.push(why);
+        }
     }
     if let (Some(dir), super::memory::SpillSize::Bytes(limit)) = (&args.spill_dir, args.spill_size)
     {
@@ -882,18 +896,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         ..config
     };
+    // Before the backends start (loading eBPF programs): a group that does
+    // not exist stops the agent at once.
+    let admin_group =
+        named_group("--admin-group", args.admin_group.as_deref()).map_err(anyhow::Error::msg)?;
     let agent = Agent::start(&config).context("starting the agent")?;
     telemetry.agent_started(&agent);
     let _attacher = start_attaching(&args)?;
-    let access = Access::new(
-        args.admin_group
-            .as_deref()
-            .map(crate::service::access::group_id)
-            .transpose()
-            .map_err(anyhow::Error::msg)?,
-        args.admin_clients.clone(),
-    )
-    .with_remote_callers(args.remote_callers);
+    let access = Access::new(admin_group, args.admin_clients.clone())
+        .with_remote_callers(args.remote_callers);
     let trigger_access = access.clone();
     let service = Arc::new(ProfilerService::new(
         Arc::clone(&agent),
@@ -1004,7 +1015,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(recorder) = &tap_recorder {
         super::tap::drain_taps(recorder, deadline, std::future::pending()).await;
     }
-    wait_for_writes(deadline).await;
+    wait_for_work(deadline).await;
     agent.shutdown();
     Ok(())
 }
@@ -1016,28 +1027,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// has passed (2 s by default), within what service managers allow a stop.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
-/// Waits for the trace writes still under way until `deadline`, saying
-/// which ones it waits for, and names those it stops without: their traces
-/// are lost (a file half written is cleared by the next agent to write
-/// there; an upload not finished leaves nothing).
-async fn wait_for_writes(deadline: tokio::time::Instant) {
-    let under_way = crate::repository::writes::under_way();
+/// Waits for the work still under way (trace writes, attaches) until
+/// `deadline`, saying what it waits for, and names what it stops without:
+/// those traces are lost (a file half written is cleared by the next agent
+/// to write there; an upload not finished leaves nothing).
+async fn wait_for_work(deadline: tokio::time::Instant) {
+    use crate::model::under_way;
+    let under_way = under_way::under_way();
     if under_way.is_empty() {
         return;
     }
     info!(
-        writes = ?under_way,
-        "waiting at most {:.1} s for the trace writes still under way",
+        work = ?under_way,
+        "waiting at most {:.1} s for the work still under way",
         deadline
             .saturating_duration_since(tokio::time::Instant::now())
             .as_secs_f64()
     );
-    let left = crate::repository::writes::settled_by(deadline).await;
+    let left = under_way::settled_by(deadline).await;
     if !left.is_empty() {
         tracing::warn!(
-            writes = ?left,
-            "stopping without the trace writes still under way (a stalled disk or bucket): \
-             those traces are lost"
+            work = ?left,
+            "stopping without the work still under way (a stalled disk or bucket): the traces \
+             it was writing are lost"
         );
     }
 }
@@ -1140,7 +1152,10 @@ async fn listen(args: &ServeArgs) -> anyhow::Result<(Listeners, Option<PlacedSoc
     };
     let (unix, placed) = match &args.listen_unix {
         Some(path) => {
-            let (listener, placed) = bind_unix(path, args.listen_unix_mode.unwrap_or(0o600))?;
+            let group = named_group("--listen-unix-group", args.listen_unix_group.as_deref())
+                .map_err(anyhow::Error::msg)?;
+            let mode = args.listen_unix_mode.unwrap_or(0o600);
+            let (listener, placed) = bind_unix(path, mode, group)?;
             (Some(listener), Some(placed))
         }
         None => (None, None),
@@ -1161,6 +1176,7 @@ async fn listen(args: &ServeArgs) -> anyhow::Result<(Listeners, Option<PlacedSoc
 fn bind_unix(
     path: &std::path::Path,
     mode: u32,
+    group: Option<u32>,
 ) -> anyhow::Result<(tokio::net::UnixListener, PlacedSocket)> {
     use std::os::unix::fs::PermissionsExt;
     let shown = path.display();
@@ -1191,7 +1207,8 @@ fn bind_unix(
     let staged = private.path().join("socket");
     let listener = std::os::unix::net::UnixListener::bind(&staged)
         .with_context(|| format!("--listen-unix {shown}: binding"))?;
-    let placed = std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
+    let placed = std::os::unix::fs::chown(&staged, None, group)
+        .and_then(|()| std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode)))
         .and_then(|()| unix_socket::put_in_place(&staged, path, over_stale))
         .and_then(|()| listener.set_nonblocking(true))
         .and_then(|()| PlacedSocket::at(path))
@@ -1238,7 +1255,9 @@ fn stop_on_signal(
                     break;
                 }
             }
-            tracing::warn!("stopping now: the calls and trigger saves in progress are lost");
+            tracing::warn!(
+                "stopping now: the calls, trigger saves and writes still in progress are lost"
+            );
             if let Some(socket) = socket.as_ref() {
                 socket.remove_if_ours();
             }

@@ -155,7 +155,13 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
             output: Arc::clone(&output),
             session_id: session_id.clone(),
         });
-        outcomes.extend(runtime.block_on(fleet::fan_out(&hosts, &request, &plan, sink)));
+        let fanned_out = runtime.block_on(async {
+            tokio::select! {
+                outcomes = fleet::fan_out(&hosts, &request, &plan, sink) => outcomes,
+                signal = super::capture::cancelled() => cancel(&output, signal),
+            }
+        });
+        outcomes.extend(fanned_out);
     }
     let mut delivered = 0;
     for outcome in &outcomes {
@@ -183,6 +189,33 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
     }
     eprintln!("{summary}");
     Ok(())
+}
+
+/// Ends the command by `signal` during a session: the traces written whole
+/// so far stay; those being written are removed (no drop runs as the
+/// process ends), with the directories made for the session when nothing
+/// else is in them; the hosts' captures end as their calls go.
+fn cancel(output: &SessionOutput, signal: libc::c_int) -> ! {
+    let removed = super::remove_unfinished_files();
+    for dir in output.made_directories() {
+        if std::fs::remove_dir(dir).is_err() {
+            break;
+        }
+    }
+    let signal_text = super::capture::signal_name(signal);
+    let kept = match output {
+        SessionOutput::Local { directory, .. } => format!(
+            "{} unfinished trace file(s) removed; the traces written whole stay in {}",
+            removed.len(),
+            directory.display()
+        ),
+        SessionOutput::Object { folder, .. } => format!(
+            "the traces uploaded stay in {}, and an upload under way may still finish",
+            folder.display()
+        ),
+    };
+    eprintln!("devtrace: the session was cancelled ({signal_text}): {kept}");
+    super::capture::die_of(signal)
 }
 
 /// A session directory or bucket prefix under `--logdir`, made before the

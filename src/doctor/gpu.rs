@@ -443,17 +443,26 @@ fn run_with_limit(command: &mut Command, limit: Duration) -> Result<String, Stri
 
 /// The library workloads load through `CUDA_INJECTION64_PATH`: there, and
 /// safe to hand to every job (no other user can replace it or a directory
-/// above it, which would run their code inside every traced job).
+/// above it, which would run their code inside every traced job). Missing,
+/// it is a warning: the agent starts without it (no job can be traced
+/// until it is there), and `--cuda-attach`, which needs it, is refused by
+/// serve itself ([`crate::cli::serve`]'s refusals).
 fn inject_library(path: &Path) -> Finding {
     let item = "injection library";
     let shown = path.display();
+    let missing = |detail: String| {
+        Finding::new(
+            Area::Cuda,
+            item,
+            Status::Warn,
+            format!("{detail}: the agent starts, but no job can load it (CUDA_INJECTION64_PATH), so none is traced"),
+        )
+        .hint("build it with `cargo build --release` (target/release/libdevtrace_inject.so) or install the image's /opt/devtrace/lib; --inject-library names another")
+    };
     let metadata = match std::fs::metadata(path) {
         Ok(metadata) if metadata.is_file() => metadata,
-        Ok(_) => return Finding::new(Area::Cuda, item, Status::Fail, format!("{shown} is not a file")),
-        Err(error) => {
-            return Finding::new(Area::Cuda, item, Status::Fail, format!("{shown}: {error}"))
-                .hint("build it with `cargo build --release` (target/release/libdevtrace_inject.so) or install the image's /opt/devtrace/lib; --inject-library names another")
-        }
+        Ok(_) => return missing(format!("{shown} is not a file")),
+        Err(error) => return missing(format!("{shown}: {error}")),
     };
     if metadata.mode() & 0o004 == 0 {
         return Finding::new(
@@ -534,5 +543,10 @@ mod tests {
         assert!(finding.detail.contains("CUDA_INJECTION64_PATH="));
         std::fs::set_permissions(&library, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert_eq!(inject_library(&library).status, Status::Warn);
+        // Missing: serve starts all the same (only --cuda-attach needs it,
+        // and serve refuses that itself).
+        let missing = inject_library(&dir.path().join("absent.so"));
+        assert_eq!(missing.status, Status::Warn, "{missing:?}");
+        assert!(missing.detail.contains("no job can load it"), "{missing:?}");
     }
 }

@@ -123,12 +123,24 @@ fn judge_runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
                 Some(refusal) => Finding::new(area, item, Status::Fail, refusal).hint(
                     "choose a --runtime-dir on an ordinary filesystem, such as /run/devtrace",
                 ),
-                None => Finding::new(
-                    area,
-                    item,
-                    Status::Ok,
-                    "missing: the agent makes it (mode 1777, like /tmp)",
-                ),
+                None => match filesystem::writable_part(dir) {
+                    (_, true) => Finding::new(
+                        area,
+                        item,
+                        Status::Ok,
+                        "missing: the agent makes it (mode 1777, like /tmp)",
+                    ),
+                    (existing, false) => Finding::new(
+                        area,
+                        item,
+                        Status::Fail,
+                        format!(
+                            "missing, and this user cannot make it: {} is not writable by it",
+                            existing.display()
+                        ),
+                    )
+                    .hint("make it beforehand (mode 1777, or owned by the agent's user), or choose a --runtime-dir this user can make"),
+                },
             }
         }
         Err(error) => return Finding::new(area, item, Status::Fail, error.to_string()),
@@ -150,15 +162,20 @@ fn judge_runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
         .then(|| crate::backend::cuda::runtime_lock::holder(dir))
         .flatten()
     {
+        // Serve's CUDA backend refuses to start there: a failure, not a
+        // warning.
         let pid = holder
             .map(|pid| format!(" (pid {pid})"))
             .unwrap_or_default();
-        warnings.push((
+        return Finding::new(
+            area,
+            item,
+            Status::Fail,
             format!(
                 "another agent{pid} serves it, so this agent's CUDA backend would not start on it"
             ),
-            "stop the other agent, or give this one its own --runtime-dir".into(),
-        ));
+        )
+        .hint("stop the other agent, or give this one its own --runtime-dir");
     }
     if warnings.is_empty() {
         return Finding::new(

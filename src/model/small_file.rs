@@ -1,6 +1,6 @@
-//! Small files an operator names for the agent (a configuration, a
-//! certificate or key): read whole, but only when the name is a regular
-//! file and at most up to a bound, so that `/dev/zero` or a FIFO in its
+//! Files an operator names (a configuration, a certificate or key, a trace
+//! to inspect): read whole, but only when the name is a regular file and
+//! at most up to a bound, so that `/dev/zero` or a FIFO in its
 //! place is refused at once instead of growing the agent by gigabytes or
 //! hanging its start. The name is looked at before it is opened (opening
 //! some devices does something), and the file opened is checked again.

@@ -6,8 +6,8 @@
 //! said only that an upstream did not answer; a tap forwarded to itself
 //! until the client gave up.
 //!
-//! Each process has a random id for its life. One that passes a call on
-//! sends the ids of the processes it passed through, its own last, as
+//! Each agent, and each tap, has a random id for its life. One that passes
+//! a call on sends the ids of those it passed through, its own last, as
 //! request metadata; other servers (TensorFlow's, JAX's) ignore it.
 
 use std::hash::{BuildHasher, Hasher};
@@ -20,15 +20,19 @@ pub const VIA_HEADER: &str = "devtrace-via";
 /// Most ids read from a request: a chain longer than this is no fleet's.
 pub const MAX_HOPS: usize = 32;
 
-/// This agent's id, the same for the life of the process.
+/// This agent's id (its profiler service's), the same for the life of the
+/// process.
 pub fn this_agent() -> u64 {
     static ID: OnceLock<u64> = OnceLock::new();
-    *ID.get_or_init(|| {
-        // Seeded from the system's randomness, as every `RandomState` is.
-        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-        hasher.write_u32(std::process::id());
-        hasher.finish()
-    })
+    *ID.get_or_init(new_id)
+}
+
+/// A new random id, for an agent or a tap.
+pub fn new_id() -> u64 {
+    // Seeded from the system's randomness, as every `RandomState` is.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.finish()
 }
 
 /// The agents a request passed through, as its metadata names them: what
@@ -55,11 +59,11 @@ pub fn header_value(agents: &[u64]) -> Option<http::HeaderValue> {
     http::HeaderValue::from_str(&text.join(",")).ok()
 }
 
-/// The chain a capture's upstream calls carry: the agents it passed
-/// through, then this one, within [`MAX_HOPS`].
-pub fn onwards(passed: &[u64]) -> Vec<u64> {
+/// The chain a call passed on carries: those it passed through, then
+/// `own` (the agent's or the tap's id), within [`MAX_HOPS`].
+pub fn onwards(passed: &[u64], own: u64) -> Vec<u64> {
     let mut chain: Vec<u64> = passed.iter().copied().take(MAX_HOPS - 1).collect();
-    chain.push(this_agent());
+    chain.push(own);
     chain
 }
 
@@ -69,7 +73,7 @@ mod tests {
 
     #[test]
     fn a_chain_goes_there_and_back_and_garbage_is_left_out() {
-        let chain = onwards(&[0xabc, 7]);
+        let chain = onwards(&[0xabc, 7], this_agent());
         assert_eq!(chain, [0xabc, 7, this_agent()]);
         let mut headers = http::HeaderMap::new();
         headers.insert(VIA_HEADER, header_value(&chain).unwrap());
@@ -84,6 +88,7 @@ mod tests {
         assert_eq!(read[0], 0);
         assert!(of_request(&http::HeaderMap::new()).is_empty());
         assert!(header_value(&[]).is_none());
-        assert_eq!(onwards(&read).len(), MAX_HOPS, "bounded onwards too");
+        assert_eq!(onwards(&read, 1).len(), MAX_HOPS, "bounded onwards too");
+        assert_ne!(new_id(), new_id(), "each tap has an id of its own");
     }
 }

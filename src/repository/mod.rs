@@ -13,7 +13,6 @@ mod local;
 mod object;
 pub mod roots;
 mod url;
-pub mod writes;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -539,7 +538,7 @@ pub fn write_or_keep(
     bytes: &[u8],
     unsent_dir: &Path,
 ) -> Result<String, String> {
-    let _writing = writes::begin(format!("{}/{name}", folder.display()));
+    let _writing = crate::model::under_way::begin(format!("writing {}/{name}", folder.display()));
     match folder.write(name, bytes) {
         Ok(written) => Ok(written),
         Err(error) if folder.is_object() => {

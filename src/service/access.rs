@@ -153,10 +153,14 @@ impl Access {
     }
 }
 
-/// The gid of the group named `name`, for `--admin-group`.
-pub fn group_id(name: &str) -> Result<u32, String> {
+/// The gid of the group named `name` (or given by number), for the flag
+/// `flag` (`--admin-group`), which its errors name.
+pub fn group_id(flag: &str, name: &str) -> Result<u32, String> {
+    if let Ok(gid) = name.parse::<u32>() {
+        return Ok(gid);
+    }
     let Ok(c_name) = std::ffi::CString::new(name) else {
-        return Err(format!("--admin-group {name:?}: not a group name"));
+        return Err(format!("{flag} {name:?}: not a group name"));
     };
     // SAFETY: group is plain data; getgrnam_r fills it.
     let mut group: libc::group = unsafe { std::mem::zeroed() };
@@ -173,7 +177,7 @@ pub fn group_id(name: &str) -> Result<u32, String> {
         )
     };
     if rc != 0 || found.is_null() {
-        return Err(format!("--admin-group {name}: no such group on this host"));
+        return Err(format!("{flag} {name}: no such group on this host"));
     }
     Ok(group.gr_gid)
 }
@@ -241,7 +245,11 @@ mod tests {
         assert!(!Access::default().is_admin(&user(65_534)));
         // A uid the user database does not list is in no group.
         assert!(!access.is_admin(&user(4_000_000)));
-        assert_eq!(group_id("root"), Ok(0));
-        assert!(group_id("no-such-group-here").is_err());
+        assert_eq!(group_id("--admin-group", "root"), Ok(0));
+        assert_eq!(group_id("--admin-group", "1234"), Ok(1234));
+        assert_eq!(
+            group_id("--listen-unix-group", "no-such-group-here"),
+            Err("--listen-unix-group no-such-group-here: no such group on this host".into())
+        );
     }
 }

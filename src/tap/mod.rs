@@ -86,6 +86,10 @@ struct Upstream {
     authority: String,
     client: Client<HttpConnector, TapBody>,
     recorder: Arc<Recorder>,
+    /// This tap's own id in the chains of calls it forwards
+    /// ([`crate::protocol::via`]): not the agent's, so that an agent that
+    /// reaches its upstream through its own tap is no loop.
+    id: u64,
 }
 
 impl Tap {
@@ -125,6 +129,7 @@ impl Tap {
                 authority,
                 client,
                 recorder,
+                id: via::new_id(),
             }),
         })
     }
@@ -144,10 +149,12 @@ impl Tap {
         self
     }
 
-    /// Accepts client connections until `shutdown` resolves; calls in flight
-    /// then go on to their end on their own tasks.
+    /// Accepts client connections until `shutdown` resolves; then tells
+    /// each open connection to go away (HTTP/2 GOAWAY: no new call on it),
+    /// and the calls in flight go on to their end on their own tasks.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
         tokio::pin!(shutdown);
+        let stopping = tokio_util::sync::CancellationToken::new();
         loop {
             // Accept errors (out of descriptors among them) are waited out
             // by the gate, as on the agent's own listeners.
@@ -161,6 +168,7 @@ impl Tap {
             let upstream = Arc::clone(&self.upstream);
             let line = upstream.recorder.connection(peer, &upstream.authority);
             debug!(%peer, line, "tap: client connected");
+            let stopping = stopping.clone();
             tokio::spawn(async move {
                 // Its place in the gate, until the connection ends.
                 let _admission = admission;
@@ -168,18 +176,26 @@ impl Tap {
                     let upstream = Arc::clone(&upstream);
                     async move { Ok::<_, Infallible>(upstream.forward(line, request).await) }
                 });
-                let served = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                     .initial_stream_window_size(STREAM_WINDOW)
                     .initial_connection_window_size(CONNECTION_WINDOW)
                     .max_frame_size(MAX_FRAME)
                     .max_header_list_size(1 << 20)
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
+                    .serve_connection(TokioIo::new(stream), service);
+                tokio::pin!(connection);
+                let served = tokio::select! {
+                    served = connection.as_mut() => served,
+                    _ = stopping.cancelled() => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                };
                 if let Err(error) = served {
                     debug!(%peer, %error, "tap: client connection ended");
                 }
             });
         }
+        stopping.cancel();
         info!("tap: stopped accepting connections");
     }
 }
@@ -189,8 +205,11 @@ impl Upstream {
         let (mut parts, body) = request.into_parts();
         let path = parts.uri.path().to_owned();
         let (call, request_observer, response_observer) = self.recorder.call(line, &path);
+        // A client that gives up before the upstream answers drops this
+        // future: the call ends then, cancelled, rather than stay open.
+        let mut unanswered = Unanswered(Some(Arc::clone(&call)));
         let passed = via::of_request(&parts.headers);
-        if passed.contains(&via::this_agent()) {
+        if passed.contains(&self.id) {
             call.finish(FAILED_PRECONDITION);
             return status_only(
                 FAILED_PRECONDITION,
@@ -198,7 +217,7 @@ impl Upstream {
                  leads back to it): not forwarded again",
             );
         }
-        if let Some(onwards) = via::header_value(&via::onwards(&passed)) {
+        if let Some(onwards) = via::header_value(&via::onwards(&passed, self.id)) {
             parts.headers.insert(via::VIA_HEADER, onwards);
         }
         let path_and_query = parts
@@ -226,6 +245,8 @@ impl Upstream {
                     call.set_status(status);
                 }
                 let body = Tapped::new(body, response_observer).boxed();
+                // Its body ends it from here on.
+                unanswered.0 = None;
                 Response::from_parts(parts, body)
             }
             Err(error) => {
@@ -238,6 +259,18 @@ impl Upstream {
                 call.finish(UNAVAILABLE);
                 status_only(UNAVAILABLE, &message)
             }
+        }
+    }
+}
+
+/// A call not yet answered by the upstream: ended as cancelled if dropped
+/// so (ending is idempotent: one ended already stays as it ended).
+struct Unanswered(Option<Arc<Call>>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(call) = self.0.take() {
+            call.finish(CANCELLED);
         }
     }
 }

@@ -83,7 +83,9 @@ struct Pending {
 /// the agent is killed before it fills is found empty at the next start,
 /// and the firing counted as lost rather than forgotten.
 struct Taken {
-    folder: Folder,
+    /// `None`: the session could not be made (its trace goes to the
+    /// unsent directory), but the firing still counts once.
+    folder: Option<Folder>,
     name: String,
 }
 
@@ -306,6 +308,8 @@ impl Triggers {
     /// names those that cannot, so that no firing is lost unsaid.
     pub async fn finish(&self, deadline: tokio::time::Instant) {
         let pending = std::mem::take(&mut *self.pending.lock());
+        // The looks at what landed share one short grace past the deadline.
+        let looked_by = deadline + Duration::from_secs(2);
         for save in pending {
             let mut task = save.task;
             if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
@@ -318,13 +322,18 @@ impl Triggers {
                 // Its write, on the blocking pool, may have landed as the
                 // grace ran out: a trace in the session is saved. (A bucket
                 // that stalls is not waited on for long.)
-                let folder = taken.folder.clone();
-                let look = tokio::task::spawn_blocking(move || {
-                    crate::fleet::session_traces(&folder).is_ok_and(|traces| !traces.is_empty())
-                });
-                let landed = tokio::time::timeout(Duration::from_secs(2), look)
-                    .await
-                    .is_ok_and(|looked| looked.unwrap_or(false));
+                let landed = match taken.folder.clone() {
+                    Some(folder) => {
+                        let look = tokio::task::spawn_blocking(move || {
+                            crate::fleet::session_traces(&folder)
+                                .is_ok_and(|traces| !traces.is_empty())
+                        });
+                        tokio::time::timeout_at(looked_by, look)
+                            .await
+                            .is_ok_and(|looked| looked.unwrap_or(false))
+                    }
+                    None => false,
+                };
                 let counts = &self.rules[save.rule].counts;
                 if landed {
                     counts.saved.fetch_add(1, Ordering::Relaxed);
@@ -418,16 +427,14 @@ impl Triggers {
         // A session that cannot be made still has its window saved: kept
         // under the unsent directory, named as the session would have been.
         let (session, destination) = match made {
-            Ok(Ok((folder, name))) => {
-                *taken.lock() = Some(Taken {
-                    folder: folder.clone(),
-                    name: name.clone(),
-                });
-                (name, Ok(folder))
-            }
+            Ok(Ok((folder, name))) => (name, Ok(folder)),
             Ok(Err(error)) => (base_name(&firing, rule), Err(error.to_string())),
             Err(error) => (base_name(&firing, rule), Err(error.to_string())),
         };
+        *taken.lock() = Some(Taken {
+            folder: destination.clone().ok(),
+            name: session.clone(),
+        });
         let properties = vec![
             ("trigger.name".to_string(), rule.name.clone()),
             ("trigger.rule".to_string(), rule.text.clone()),
@@ -447,7 +454,7 @@ impl Triggers {
             .await;
         let taken = taken.lock().take();
         // Taken by a stopping agent's `finish`, which counts this save.
-        if taken.is_none() && destination.is_ok() {
+        if taken.is_none() {
             return;
         }
         match saved {
@@ -479,7 +486,10 @@ fn base_name(firing: &Firing, rule: &Rule) -> String {
 
 /// Gives back the session a save took and did not fill.
 fn release(taken: &Taken) {
-    if let Err(error) = taken.folder.release_session() {
+    let Some(folder) = &taken.folder else {
+        return;
+    };
+    if let Err(error) = folder.release_session() {
         warn!(session = %taken.name, %error, "could not give back an unsaved firing's session");
     }
 }

@@ -45,7 +45,9 @@ pub struct TraceFile {
 /// one XSpace. Files a client names are read beneath their allowed root
 /// and decoded with [`decode_xspace`].
 pub fn read_trace(path: &Path) -> Result<TraceFile, ReadError> {
-    let bytes = std::fs::read(path).map_err(|source| ReadError::Io {
+    // A regular file only: `/dev/zero` grew the reader until the kernel
+    // killed it (and others), a FIFO hung it. Its size is the user's.
+    let bytes = crate::model::small_file::read(path, u64::MAX).map_err(|source| ReadError::Io {
         path: path.display().to_string(),
         source,
     })?;

@@ -624,7 +624,7 @@ fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
         .stop_with_sigterm(std::time::Duration::from_secs(20))
         .expect("a second SIGTERM did not stop the agent");
     assert_eq!(status.code(), Some(130));
-    wait_for("stopping now: the calls and trigger saves in progress are lost");
+    wait_for("stopping now: the calls, trigger saves and writes still in progress are lost");
     assert!(!capture.wait().unwrap().success());
 }
 

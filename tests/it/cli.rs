@@ -540,3 +540,36 @@ fn the_agent_outlives_a_closed_log_pipe() {
     );
     assert!(agent.is_running());
 }
+
+/// `inspect` of a name that is not a regular file is refused at once: a
+/// FIFO hung it, and `/dev/zero` grew it until the kernel killed it (and
+/// took other processes' memory on the way).
+#[test]
+fn inspect_refuses_what_is_not_a_regular_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("trace.xplane.pb");
+    let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid C string; makes a FIFO in the test's directory.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    let mut child = Command::new(BIN)
+        .args(["inspect"])
+        .arg(&fifo)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("inspect waited on the FIFO");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    assert!(!status.success());
+    let said = text(&out.stderr);
+    assert!(said.contains("not a regular file"), "{said}");
+}

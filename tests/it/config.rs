@@ -27,6 +27,7 @@ const SAMPLES: &[(&str, &str)] = &[
     ("session-bytes", r#""8GiB""#),
     ("session-bytes-per-hour", r#""32GiB""#),
     ("listen-unix-mode", r#""0660""#),
+    ("listen-unix-group", r#""root""#),
     ("session-hosts", r#"["10.0.*:6009", "*.cluster.local:*"]"#),
     ("tls-ca", r#""/etc/devtrace/fleet-ca.pem""#),
     ("tls-cert", r#""/etc/devtrace/agent.pem""#),
@@ -512,6 +513,39 @@ fn log_format_json_writes_one_object_per_line() {
         "{line}"
     );
     assert!(line["timestamp"].is_string() && line["target"] == "devtrace");
+
+    // So is a usage error, found before the log is set up, however JSON
+    // was asked for: on the command line, in the environment or in the
+    // file that holds the mistake.
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "typo.toml",
+        "log-format = \"json\"\nlisen = \"x\"\n",
+    );
+    for (args, env) in [
+        (
+            vec!["serve", "--log-format", "json", "--store-size", "lots"],
+            vec![],
+        ),
+        (
+            vec!["serve", "--store-size", "lots"],
+            vec![("DEVTRACE_LOG_FORMAT", "json")],
+        ),
+        (vec!["serve", "--config", file.as_str()], vec![]),
+    ] {
+        let out = devtrace(&args, &env);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let line: serde_json::Value = serde_json::from_str(stderr.trim())
+            .unwrap_or_else(|e| panic!("{args:?} {env:?}: {e}: {stderr}"));
+        assert_eq!(line["level"], "ERROR", "{line}");
+        let message = line["message"].as_str().unwrap();
+        assert!(
+            message.contains("lots") || message.contains("lisen"),
+            "{message}"
+        );
+    }
 }
 
 /// A RUST_LOG that is not a filter is a usage error, as a bad

@@ -461,11 +461,12 @@ fn an_address_in_use_is_not_ready_and_an_unsafe_runtime_directory_is_warned_of()
     assert!(warned, "serve did not warn of the runtime directory");
 }
 
-/// A runtime directory another agent serves: doctor warns (a second
-/// agent's CUDA backend would not start there) and names that agent,
-/// without getting in its way.
+/// A runtime directory another agent serves: a second agent's CUDA
+/// backend would not start there (serve exits 1 with `--backend cuda`), so
+/// doctor fails it, names that agent, and does not get in its way. (It
+/// warned, and said ready.)
 #[test]
-fn a_runtime_directory_another_agent_serves_is_warned_of() {
+fn a_runtime_directory_another_agent_serves_fails_the_cuda_backend() {
     use std::os::unix::fs::PermissionsExt;
     let runtime = tempfile::tempdir().unwrap();
     std::fs::set_permissions(runtime.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
@@ -488,10 +489,58 @@ fn a_runtime_directory_another_agent_serves_is_warned_of() {
         report: serde_json::from_slice(&output.stdout).expect("doctor --json"),
     };
     let check = doctor.check(&format!("runtime directory {dir}"));
-    assert_eq!(check["status"], "warn", "{check:#}");
+    assert_eq!(check["status"], "fail", "{check:#}");
     let detail = check["detail"].as_str().unwrap();
     assert!(
         detail.contains(&format!("another agent (pid {}) serves it", agent.pid())),
         "{detail}"
     );
+    assert_ne!(doctor.status, 0, "not ready: {:#}", doctor.report);
+}
+
+/// An agent's user that cannot make its missing runtime directory fails
+/// the CUDA backend, as serve does (`cannot create ...: Permission
+/// denied`); doctor said the agent would make it and was ready.
+#[test]
+fn a_runtime_directory_the_agents_user_cannot_make_fails() {
+    // The agent runs as another user, which takes root.
+    if !crate::common::is_root() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let runtime = dir.path().join("run");
+    let output = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(BIN)
+        .args([
+            "doctor",
+            "--json",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "off",
+        ])
+        .args(["--backend", "cuda", "--runtime-dir"])
+        .arg(&runtime)
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&output.stderr)));
+    let doctor = Doctor {
+        status: output.status.code().unwrap_or(-1),
+        report,
+    };
+    assert_eq!(
+        doctor.status_of("runtime directory"),
+        "fail",
+        "{:#}",
+        doctor.report
+    );
+    let detail = doctor.check("runtime directory")["detail"]
+        .as_str()
+        .unwrap();
+    assert!(detail.contains("this user cannot make it"), "{detail}");
+    assert_ne!(doctor.status, 0, "not ready: {:#}", doctor.report);
 }

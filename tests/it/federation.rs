@@ -190,4 +190,25 @@ async fn upstreams_that_loop_are_refused_at_once_naming_the_loop() {
         .filter(|e| e.contains(&format!("upstream {a}")) && e.contains(looped))
         .collect();
     assert_eq!(refused.len(), 1, "B's call back to A: {:?}", space.errors);
+
+    // An agent reaching its upstream through its own tap is no loop: the
+    // tap is a hop of its own.
+    let upstream = AgentProcess::start(&["--mock-seed", "5"]);
+    let tap = port();
+    let agent = AgentProcess::start(&[
+        "--tap",
+        &format!("{tap}={}", upstream.address),
+        "--upstream",
+        &format!("grpc://{tap}"),
+    ]);
+    let space = space_of(&agent.profile(request(300, "tapped")).await);
+    assert!(space.errors.is_empty(), "{:?}", space.errors);
+    assert!(
+        space
+            .planes
+            .iter()
+            .flat_map(|p| &p.lines)
+            .any(|l| l.display_name.starts_with(&tap)),
+        "the upstream's lines, named after the tap it was reached through"
+    );
 }

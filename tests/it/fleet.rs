@@ -530,3 +530,41 @@ async fn a_peer_cannot_make_the_agent_read_files() {
     assert!(!status.message().contains("secret-host"));
     assert!(!dir.path().join("files").exists());
 }
+
+/// `session new` cancelled during its window ends by the signal, saying
+/// so, and leaves no empty session behind (it was killed, leaving the
+/// directories it made and any file being written).
+#[test]
+fn a_cancelled_session_says_so_and_leaves_nothing_half_made() {
+    let agent = AgentProcess::start(&[]);
+    let logdir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(BIN)
+        .args(["session", "new", "--hosts", &agent.address])
+        .args(["--duration", "5s", "--session-id", "cancelled", "--logdir"])
+        .arg(logdir.path())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("capturing 1 host") {
+        line.clear();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "ended early");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // SAFETY: signalling a child of this test.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let status = child.wait().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGINT), "{rest}");
+    assert!(
+        rest.contains("the session was cancelled (Ctrl-C): 0 unfinished trace file(s) removed"),
+        "{rest}"
+    );
+    assert!(
+        !logdir.path().join("plugins").exists(),
+        "the directories made for it are gone"
+    );
+}

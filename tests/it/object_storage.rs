@@ -887,7 +887,7 @@ async fn a_stopping_agent_names_the_stalled_write_it_stops_without() {
     assert!(status.is_some_and(|s| s.success()), "{status:?}\n{log}");
     let stopped_without = log
         .lines()
-        .find(|line| line.contains("stopping without the trace writes still under way"))
+        .find(|line| line.contains("stopping without the work still under way"))
         .unwrap_or_else(|| panic!("{log}"));
     assert!(
         stopped_without.contains("s3://traces/team/run/stalled/"),

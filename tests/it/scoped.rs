@@ -200,13 +200,17 @@ async fn over_a_unix_socket_each_user_captures_its_own_processes() {
         socket.to_str().unwrap(),
         "--listen-unix-mode",
         "0660",
+        // A group both users are in, set as the agent makes the socket.
+        "--listen-unix-group",
+        "65534",
         "--mock-uid",
         "1001",
         "--mock-rate",
         "20000",
     ]);
-    // The socket's group is one both users are in.
-    std::os::unix::fs::chown(&socket, None, Some(65534)).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    let made = std::fs::metadata(&socket).unwrap();
+    assert_eq!((made.gid(), made.mode() & 0o777), (65534, 0o660));
     let logdir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(logdir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let capture_as = |uid: u32| {

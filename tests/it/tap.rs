@@ -573,6 +573,37 @@ async fn an_unreachable_upstream_is_unavailable_and_the_tap_keeps_serving() {
     assert_eq!(tap.stats().failed, 2);
 }
 
+/// A call whose client gives up before the upstream answers at all ends
+/// (cancelled) rather than stay open: a stopping tap waited for such calls
+/// in vain, and named them cut off.
+#[tokio::test]
+async fn a_call_given_up_before_the_upstream_answers_is_not_left_open() {
+    // Accepts, and never says a word of HTTP/2.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = silent.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in silent.incoming() {
+            held.push(stream);
+        }
+    });
+    let tap = tap_to(&address.to_string()).await;
+    let mut client = connect(tap.address).await;
+    let call = unary(&mut client, "/test.Echo/Unary", &[], grpc(false, b"x"));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), call)
+            .await
+            .is_err(),
+        "no answer"
+    );
+    drop(client);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while tap.recorder.calls_in_progress() > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(tap.recorder.calls_in_progress(), 0);
+}
+
 /// A tap whose upstream leads back to itself answers FAILED_PRECONDITION,
 /// naming the loop, instead of forwarding each call to itself until the
 /// client gives up.
@@ -976,11 +1007,21 @@ async fn a_stopping_tap_lets_calls_in_progress_end_and_names_those_it_cuts() {
             .await;
         std::future::pending::<()>().await;
     });
+    let mut idle_client = connect(tap_address).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let pid = child.id() as libc::pid_t;
     // SAFETY: signalling a child of this test.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     assert_eq!(slow.await.unwrap(), (0, true), "the slow call ends whole");
+    // A connection open before the stop takes no new call (GOAWAY): the
+    // drain would otherwise never end for a client calling every step.
+    let body = http_body_util::Full::new(grpc(false, b"late"))
+        .map_err(|never| match never {})
+        .boxed();
+    let late = idle_client
+        .send_request(request("/test.Echo/Unary", &[], body))
+        .await;
+    assert!(late.is_err(), "a call after the stop was taken: {late:?}");
     tokio::time::sleep(Duration::from_millis(1200)).await;
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGTERM) };

@@ -904,6 +904,10 @@ async fn a_firing_whose_agent_dies_before_its_window_ends_is_never_forgotten() {
 #[tokio::test]
 async fn a_save_that_cannot_be_written_is_kept_and_its_repository_named_at_start() {
     use std::os::unix::fs::PermissionsExt;
+    // The agent runs as another user, which takes root.
+    if !is_root() {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
     std::fs::create_dir(&root).unwrap();
@@ -923,11 +927,15 @@ async fn a_save_that_cannot_be_written_is_kept_and_its_repository_named_at_start
         .args(["--trigger-repository", &path_text(&repository)])
         .args(["--unsent-dir", &path_text(unsent.path())])
         .args(["--trigger", "name=w; when=explicit; before=300ms; after=0s"])
+        .args([
+            "--trigger",
+            "name=late; when=explicit; before=300ms; after=60s",
+        ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("starting devtrace serve as nobody");
-    let agent = AgentProcess::adopt(child);
+    let mut agent = AgentProcess::adopt(child);
     let said = std::fs::read_to_string(&log).unwrap();
     assert!(
         said.contains(&format!(
@@ -958,6 +966,18 @@ async fn a_save_that_cannot_be_written_is_kept_and_its_repository_named_at_start
         said.contains("the trace is kept at") && said.contains("rule=w"),
         "{said}"
     );
+    // One stopped while it waits for its `after`, with no session made:
+    // not lost without a word.
+    agent.fire_trigger("late").await.expect("fired");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let status = agent.stop_with_sigterm(Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    let said = std::fs::read_to_string(&log).unwrap();
+    let stopped = said
+        .lines()
+        .find(|line| line.contains("stopped before its window could be saved"))
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(stopped.contains("rule=late"), "{stopped}");
 }
 
 /// Every file under `dir`.

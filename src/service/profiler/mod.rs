@@ -347,9 +347,16 @@ impl ProfilerService {
                 continue;
             };
             // A user's process must still be that user's once it is stopped.
-            let outcome =
-                tokio::task::spawn_blocking(move || crate::attach::attach_as(pid, &config, owner))
-                    .await;
+            // Not cut off by a stopping agent while the process is held:
+            // it goes on if this call's client gives up.
+            let attaching = crate::model::under_way::begin(format!(
+                "attaching the injection library to process {pid}"
+            ));
+            let outcome = tokio::task::spawn_blocking(move || {
+                let _attaching = attaching;
+                crate::attach::attach_as(pid, &config, owner)
+            })
+            .await;
             let text = match outcome {
                 Ok(Ok(attached)) => {
                     info!(pid, %caller, stopped_ms = attached.stopped_for.as_secs_f64() * 1e3, "attached for a capture");

@@ -1,10 +1,12 @@
-//! The trace writes under way in this process, so that a stopping agent
-//! waits for them up to one deadline and names those it stops without.
+//! The blocking work under way in this process that must not be cut off
+//! unsaid (trace writes and uploads, attaching the injection library), so
+//! that a stopping agent waits for it up to one deadline and names what it
+//! stops without.
 //!
-//! A write runs on the blocking pool and goes on after the call that asked
-//! for it is gone (a client that gave up, a trigger save past its grace).
-//! Without this, the process would wait at exit for each such write for as
-//! long as the disk or bucket under it takes: an upload to a bucket that
+//! Such work runs on the blocking pool and goes on after the call that
+//! asked for it is gone (a client that gave up, a trigger save past its
+//! grace). Without this, the process would wait at exit for each piece for
+//! as long as the disk or bucket under it takes: an upload to a bucket that
 //! stopped answering gives up only after object storage's request timeout.
 
 use std::collections::BTreeMap;
@@ -13,44 +15,45 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-/// What each write under way writes, by the order it began in.
+/// What each piece of work under way does, by the order it began in.
 static UNDER_WAY: Mutex<BTreeMap<u64, String>> = Mutex::new(BTreeMap::new());
 static NEXT: AtomicU64 = AtomicU64::new(0);
 
-/// One write under way, from [`begin`] until it is dropped.
-#[must_use = "the write is under way only while this is held"]
-pub struct Writing {
+/// One piece of work under way, from [`begin`] until it is dropped.
+#[must_use = "the work is under way only while this is held"]
+pub struct UnderWay {
     id: u64,
 }
 
-/// Marks the write of `target` (where it goes, as the log names it) under
-/// way until the returned guard is dropped.
-pub fn begin(target: String) -> Writing {
+/// Marks `what` (as the log names it: "writing PATH") under way until the
+/// returned guard is dropped. Taken before the work is handed to the
+/// blocking pool, so that work queued there counts too.
+pub fn begin(what: String) -> UnderWay {
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    UNDER_WAY.lock().insert(id, target);
-    Writing { id }
+    UNDER_WAY.lock().insert(id, what);
+    UnderWay { id }
 }
 
-impl Drop for Writing {
+impl Drop for UnderWay {
     fn drop(&mut self) {
         UNDER_WAY.lock().remove(&self.id);
     }
 }
 
-/// Where the writes under way now are going, oldest first.
+/// The work under way now, oldest first.
 pub fn under_way() -> Vec<String> {
     UNDER_WAY.lock().values().cloned().collect()
 }
 
-/// Waits until no write is under way or `deadline` passes; returns the
-/// writes still under way then, which the caller stops without.
+/// Waits until no work is under way or `deadline` passes; returns what is
+/// still under way then, which the caller stops without.
 pub async fn settled_by(deadline: tokio::time::Instant) -> Vec<String> {
     loop {
         let left = under_way();
         if left.is_empty() || tokio::time::Instant::now() >= deadline {
             return left;
         }
-        // Polled: a stop waits on this once, and a write's end need not
+        // Polled: a stop waits on this once, and the work's end need not
         // wake anything the rest of the time.
         let next = tokio::time::Instant::now() + POLL;
         tokio::time::sleep_until(next.min(deadline)).await;
@@ -63,7 +66,7 @@ const POLL: Duration = Duration::from_millis(20);
 mod tests {
     use super::*;
 
-    /// Of the writes left, this test's: the writes under way are the whole
+    /// Of the work left, this test's: the work under way is the whole
     /// process's, and other tests write at the same time.
     fn ours(left: Vec<String>) -> Vec<String> {
         left.into_iter()
