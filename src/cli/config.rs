@@ -163,7 +163,7 @@ fn parse_from(argv: Vec<OsString>, environment: Environment) -> Result<Parsed, c
     };
     let configured = matches!(path.as_slice(), [name] if CONFIGURED.contains(&name.as_str()));
     let file = match configured.then(|| config_path(subcommand, given, environment)) {
-        Some(Some(path)) => Some(ConfigFile::read(path, subcommand)?),
+        Some(Some((path, named_by))) => Some(ConfigFile::read(path, &named_by, subcommand)?),
         _ => None,
     };
     let (words, sources) = fill_in(subcommand, given, configured, environment, file.as_ref())?;
@@ -233,19 +233,20 @@ fn env_value(arg: &Arg, environment: Environment) -> Option<(String, OsString)> 
     Some((name, value))
 }
 
-/// The `--config` file the command line names, else DEVTRACE_CONFIG.
+/// The `--config` file the command line names, else DEVTRACE_CONFIG, with
+/// which of the two named it (for errors).
 fn config_path(
     subcommand: &Command,
     given: &ArgMatches,
     environment: Environment,
-) -> Option<PathBuf> {
+) -> Option<(PathBuf, String)> {
     if let Some(path) = given.get_one::<PathBuf>(CONFIG) {
-        return Some(path.clone());
+        return Some((path.clone(), "--config".into()));
     }
     let arg = subcommand
         .get_arguments()
         .find(|arg| arg.get_id() == CONFIG)?;
-    env_value(arg, environment).map(|(_, value)| PathBuf::from(value))
+    env_value(arg, environment).map(|(name, value)| (PathBuf::from(value), name.to_string()))
 }
 
 /// Where a setting's value came from.
@@ -532,13 +533,17 @@ struct ConfigFile {
 impl ConfigFile {
     /// Reads and parses the file, refusing keys that are not flags of
     /// `subcommand`.
-    fn read(path: PathBuf, subcommand: &Command) -> Result<ConfigFile, clap::Error> {
+    fn read(
+        path: PathBuf,
+        named_by: &str,
+        subcommand: &Command,
+    ) -> Result<ConfigFile, clap::Error> {
         let shown = path.display();
         let text = small_file::read_text(&path, MAX_CONFIG_BYTES).map_err(|error| {
             usage_error(
                 subcommand,
                 ErrorKind::Io,
-                format!("--config {shown}: {error}"),
+                format!("{named_by} {shown}: {error}"),
             )
         })?;
         let table: toml::Table = text.parse().map_err(|error: toml::de::Error| {
@@ -546,7 +551,7 @@ impl ConfigFile {
             usage_error(
                 subcommand,
                 ErrorKind::InvalidValue,
-                format!("--config {shown}: {}", error.trim_end()),
+                format!("{named_by} {shown}: {}", error.trim_end()),
             )
         })?;
         let keys: Vec<&str> = file_keys(subcommand).filter_map(Arg::get_long).collect();

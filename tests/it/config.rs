@@ -343,7 +343,7 @@ fn an_unknown_key_or_a_bad_value_is_named() {
     refused(
         None,
         &[("DEVTRACE_CONFIG", "/nonexistent/devtrace.toml")],
-        &["--config /nonexistent/devtrace.toml: No such file or directory"],
+        &["DEVTRACE_CONFIG /nonexistent/devtrace.toml: No such file or directory"],
     );
 }
 
