@@ -76,9 +76,9 @@ struct Others {
     /// the stream back before its final flush would send its last buffers
     /// to us.
     idle_since_ns: AtomicU64,
-    /// Callback API subscribers foreign users hold (several from CUDA 13.3,
-    /// `allowMultipleSubscribers`).
-    subscribers: AtomicU64,
+    /// Whether foreign users hold Callback API subscribers (see
+    /// [`FOREIGN_SUBSCRIBERS`]).
+    subscribed: AtomicBool,
     /// A foreign user was seen through interposition at some time.
     ever_seen: AtomicBool,
     /// Buffers that were not ours reached our callback.
@@ -91,7 +91,7 @@ static OTHERS: Others = Others {
     kinds: AtomicU64::new(0),
     done: AtomicBool::new(false),
     idle_since_ns: AtomicU64::new(0),
-    subscribers: AtomicU64::new(0),
+    subscribed: AtomicBool::new(false),
     ever_seen: AtomicBool::new(false),
     buffers: AtomicU64::new(0),
 };
@@ -175,7 +175,7 @@ pub fn foreign_buffer_arrived() {
 /// Why CUPTI must stay attached for another user, if it must: the
 /// evidence, in words for the trace.
 pub fn other_user_active() -> Option<String> {
-    if OTHERS.subscribers.load(Ordering::Acquire) > 0 {
+    if OTHERS.subscribed.load(Ordering::Acquire) {
         return Some("another CUPTI user in the process holds a Callback API subscriber".into());
     }
     if OTHERS.registered.load(Ordering::Acquire) {
@@ -242,14 +242,38 @@ fn seen_foreign() {
     OTHERS.ever_seen.store(true, Ordering::Release);
 }
 
-/// A foreign subscriber went: one of several, the others keep CUPTI
-/// attached.
-fn foreign_unsubscribed() {
-    let _ = OTHERS
-        .subscribers
-        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-            held.checked_sub(1)
-        });
+/// The handles of the Callback API subscribers foreign users made through
+/// the hooks (several from CUDA 13.3, `allowMultipleSubscribers`): one that
+/// goes takes only itself away (a user that subscribed unseen and
+/// unsubscribes through the hooks takes nothing).
+static FOREIGN_SUBSCRIBERS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+fn foreign_subscribers() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    FOREIGN_SUBSCRIBERS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A foreign subscriber `handle` came.
+fn foreign_subscribed(handle: usize) {
+    let mut held = foreign_subscribers();
+    held.push(handle);
+    OTHERS.subscribed.store(true, Ordering::Release);
+}
+
+/// A foreign subscriber `handle` went; the others keep CUPTI attached.
+fn foreign_unsubscribed(handle: usize) {
+    let mut held = foreign_subscribers();
+    if let Some(index) = held.iter().position(|h| *h == handle) {
+        held.swap_remove(index);
+    }
+    OTHERS.subscribed.store(!held.is_empty(), Ordering::Release);
+}
+
+/// Every subscriber went with a finalize.
+fn foreign_subscribers_gone() {
+    foreign_subscribers().clear();
+    OTHERS.subscribed.store(false, Ordering::Release);
 }
 
 fn foreign_finished() {
@@ -452,7 +476,7 @@ unsafe extern "C" fn finalize_hook() -> CuptiResult {
                 *gate = Attachment::Detached;
             }
             OTHERS.kinds.store(0, Ordering::Release);
-            OTHERS.subscribers.store(0, Ordering::Release);
+            foreign_subscribers_gone();
             foreign_finished();
         }
         result
@@ -484,7 +508,9 @@ unsafe extern "C" fn subscribe_hook(
             return CUPTI_ERROR_NOT_INITIALIZED;
         };
         // SAFETY: forwarded unchanged.
-        subscribed_by(|| unsafe { subscribe(subscriber, callback, userdata) })
+        subscribed_by(subscriber, || unsafe {
+            subscribe(subscriber, callback, userdata)
+        })
     })
 }
 
@@ -511,7 +537,9 @@ unsafe extern "C" fn subscribe_v2_hook(
             return CUPTI_ERROR_NOT_SUPPORTED;
         };
         // SAFETY: forwarded unchanged.
-        subscribed_by(|| unsafe { subscribe_v2(subscriber, callback, userdata, params) })
+        subscribed_by(subscriber, || unsafe {
+            subscribe_v2(subscriber, callback, userdata, params)
+        })
     })
 }
 
@@ -519,17 +547,22 @@ unsafe extern "C" fn subscribe_v2_hook(
 /// own as it is; another user's with the gate held from the subscriber of
 /// ours making way to the other's being in place (so that a capture
 /// starting meanwhile cannot subscribe in between and leave it refused),
-/// and counted as another user's subscriber once it succeeded.
-fn subscribed_by(subscribe: impl FnOnce() -> CuptiResult) -> CuptiResult {
+/// and known as another user's subscriber (by the handle CUPTI wrote to
+/// `subscriber`) once it succeeded.
+fn subscribed_by(
+    subscriber: *mut SubscriberHandle,
+    subscribe: impl FnOnce() -> CuptiResult,
+) -> CuptiResult {
     if !foreign() {
         return subscribe();
     }
     let mut gate = detach::gate();
     detach::give_way(&mut gate);
     let result = subscribe();
-    if result == CUPTI_SUCCESS {
+    if result == CUPTI_SUCCESS && !subscriber.is_null() {
         seen_foreign();
-        OTHERS.subscribers.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: CUPTI wrote the handle there, as it succeeded.
+        foreign_subscribed(unsafe { *subscriber } as usize);
     }
     drop(gate);
     result
@@ -576,7 +609,7 @@ unsafe extern "C" fn unsubscribe_hook(subscriber: SubscriberHandle) -> CuptiResu
         // SAFETY: forwarded unchanged.
         let result = unsafe { unsubscribe(subscriber) };
         if result == CUPTI_SUCCESS && foreign() {
-            foreign_unsubscribed();
+            foreign_unsubscribed(subscriber as usize);
         }
         result
     })
@@ -597,19 +630,35 @@ mod tests {
     use super::*;
 
     /// Two other users' subscribers (CUDA 13.3 allows several): CUPTI stays
-    /// attached until both went (one flag was cleared by the first to go).
+    /// attached until both went (one flag was cleared by the first to go),
+    /// and one that was never seen going takes none of them away.
     #[test]
     fn every_foreign_subscriber_keeps_cupti_attached_until_it_goes() {
         assert!(other_user_active().is_none());
-        for _ in 0..2 {
-            assert_eq!(subscribed_by(|| CUPTI_SUCCESS), CUPTI_SUCCESS);
+        // What CUPTI would write: a handle, for two; a refusal for the third.
+        for (value, result) in [
+            (0x10usize, CUPTI_SUCCESS),
+            (0x20, CUPTI_SUCCESS),
+            (0x30, 39),
+        ] {
+            let mut handle: SubscriberHandle = std::ptr::null_mut();
+            let slot: *mut SubscriberHandle = &mut handle;
+            let subscribe = || {
+                // SAFETY: the test's own slot.
+                unsafe { *slot = value as SubscriberHandle };
+                result
+            };
+            assert_eq!(subscribed_by(slot, subscribe), result);
         }
-        assert_eq!(subscribed_by(|| 39), 39, "a refused one is not counted");
-        foreign_unsubscribed();
+        // The refused one is not held.
+        foreign_unsubscribed(0x30);
+        assert!(other_user_active().is_some(), "two are held");
+        // One subscribed unseen goes: nothing of the others.
+        foreign_unsubscribed(0x99);
+        assert!(other_user_active().is_some());
+        foreign_unsubscribed(0x10);
         assert!(other_user_active().is_some(), "one subscriber is left");
-        foreign_unsubscribed();
+        foreign_unsubscribed(0x20);
         assert!(other_user_active().is_none());
-        foreign_unsubscribed();
-        assert_eq!(OTHERS.subscribers.load(Ordering::Acquire), 0);
     }
 }

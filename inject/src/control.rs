@@ -1000,7 +1000,9 @@ extern "C" fn flush_at_exit() {
         // state its own exit handlers and destructors (registered after
         // this one, so run before it) may have freed already.
         if let Some(why) = coexist::other_user_active() {
-            // The calls the library timed are its own memory: handed over.
+            // The calls the library timed are its own memory: handed over,
+            // named by their ids where CUPTI was not asked their names yet.
+            cupti::make_no_more_calls();
             timed_calls::stop();
             timed_calls::deliver(session, true);
             // Reading the buffers CUPTI handed back is a CUPTI call too, and

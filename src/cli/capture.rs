@@ -191,7 +191,7 @@ pub(super) async fn cancelled() -> libc::c_int {
 /// Gives the [`CANCELLING`] signals back their default action (ending the
 /// process), replacing the handlers [`cancelled`] installed; an ignored one
 /// stays ignored.
-fn default_cancelling() {
+pub(super) fn default_cancelling() {
     for number in CANCELLING {
         if !ignored(number) {
             // SAFETY: sets the signal's disposition to the default.

@@ -98,9 +98,11 @@ pub fn parse() -> Cli {
         Err(error) => {
             // A usage error, not --help or --version: in the log's format,
             // so that a collector parsing every line gets it too.
-            if error.use_stderr()
-                && json_asked(&std::env::args_os().collect::<Vec<_>>(), &environment)
-            {
+            // (A command line missing its subcommand prints help, as an
+            // error: text still.)
+            let help = error.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand;
+            let argv: Vec<OsString> = std::env::args_os().collect();
+            if error.use_stderr() && !help && json_asked(&argv, &environment) {
                 super::logging::failures_as_json();
                 let text = error.render().to_string();
                 let text = text.trim().trim_start_matches("error: ");
@@ -130,12 +132,22 @@ fn json_asked(argv: &[OsString], environment: Environment) -> bool {
     if let Some(format) = value_of("--log-format") {
         return format == "json";
     }
-    if let Some(format) = environment("DEVTRACE_LOG_FORMAT") {
+    // An empty variable is unset, as the parser takes it.
+    if let Some(format) = environment("DEVTRACE_LOG_FORMAT").filter(|f| !f.is_empty()) {
         return format == "json";
     }
-    let file = value_of("--config")
-        .map(PathBuf::from)
-        .or_else(|| environment("DEVTRACE_CONFIG").map(PathBuf::from));
+    // Only the subcommands that read a file.
+    let configured = argv
+        .iter()
+        .any(|arg| arg.to_str().is_some_and(|arg| CONFIGURED.contains(&arg)));
+    if !configured {
+        return false;
+    }
+    let file = value_of("--config").map(PathBuf::from).or_else(|| {
+        environment("DEVTRACE_CONFIG")
+            .filter(|path| !path.is_empty())
+            .map(PathBuf::from)
+    });
     file.and_then(|path| small_file::read_text(&path, MAX_CONFIG_BYTES).ok())
         .and_then(|text| text.parse::<toml::Table>().ok())
         .is_some_and(|table| table.get("log-format").and_then(|v| v.as_str()) == Some("json"))

@@ -217,13 +217,6 @@ static UNFINISHED: parking_lot::Mutex<Vec<std::path::PathBuf>> =
 /// A temporary file's place in [`UNFINISHED`], while it is there.
 struct Unfinished(std::path::PathBuf);
 
-impl Unfinished {
-    fn list(path: &std::path::Path) -> Unfinished {
-        UNFINISHED.lock().push(path.to_path_buf());
-        Unfinished(path.to_path_buf())
-    }
-}
-
 impl Drop for Unfinished {
     fn drop(&mut self) {
         UNFINISHED.lock().retain(|path| *path != self.0);
@@ -254,7 +247,11 @@ pub(crate) fn placed(path: &std::path::Path) -> bool {
 /// no new one is begun ([`cut_off`]); a file being put in place meanwhile
 /// may have been put there ([`placed`]).
 pub(crate) fn remove_unfinished_files() -> Vec<std::path::PathBuf> {
-    CUT_OFF.store(true, std::sync::atomic::Ordering::Release);
+    {
+        // Under the list's lock: see `PendingFile::create`.
+        let _listed = UNFINISHED.lock();
+        CUT_OFF.store(true, std::sync::atomic::Ordering::Release);
+    }
     remove_listed(|_| true)
 }
 
@@ -278,18 +275,23 @@ impl PendingFile {
     /// Starts `directory/name`, making the directory when needed.
     pub(crate) fn create(directory: &std::path::Path, name: &str) -> anyhow::Result<PendingFile> {
         use anyhow::Context;
+        std::fs::create_dir_all(directory)
+            .with_context(|| format!("creating {}", directory.display()))?;
+        // Begun and listed under the list's lock, which the cut-off takes
+        // too: no file is begun after it that it would not remove.
+        let mut listed = UNFINISHED.lock();
         if cut_off() {
             anyhow::bail!(
                 "the command is ending: {} is not begun",
                 directory.join(name).display()
             );
         }
-        std::fs::create_dir_all(directory)
-            .with_context(|| format!("creating {}", directory.display()))?;
         let file = tempfile::NamedTempFile::new_in(directory)
             .with_context(|| format!("writing into {}", directory.display()))?;
+        listed.push(file.path().to_path_buf());
+        drop(listed);
         Ok(PendingFile {
-            _listed: Unfinished::list(file.path()),
+            _listed: Unfinished(file.path().to_path_buf()),
             file,
             target: directory.join(name),
         })

@@ -80,10 +80,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "64GiB", value_parser = parse_session_bytes)]
     pub session_bytes_per_hour: usize,
 
-    /// Members of this group (besides root) are admins: their captures
-    /// hold the whole host, and they may stop any capture and take or stop
-    /// any continuous session. Any other local user captures only its own
-    /// processes and acts only on what it started.
+    /// Members of this group (a name or a gid; besides root) are admins:
+    /// their captures hold the whole host, and they may stop any capture and
+    /// take or stop any continuous session. Any other local user captures
+    /// only its own processes and acts only on what it started.
     #[arg(long, value_name = "GROUP")]
     pub admin_group: Option<String>,
 
@@ -1048,8 +1048,9 @@ async fn wait_for_work(deadline: tokio::time::Instant) {
     if !left.is_empty() {
         tracing::warn!(
             work = ?left,
-            "stopping without the work still under way (a stalled disk or bucket): the traces \
-             it was writing are lost"
+            "stopping without the work still under way (a stalled disk or bucket, or a process \
+             that does not let an attach finish): what it was writing is lost, and a process \
+             being attached is let go as the agent exits"
         );
     }
 }
@@ -1207,8 +1208,15 @@ fn bind_unix(
     let staged = private.path().join("socket");
     let listener = std::os::unix::net::UnixListener::bind(&staged)
         .with_context(|| format!("--listen-unix {shown}: binding"))?;
-    let placed = std::os::unix::fs::chown(&staged, None, group)
-        .and_then(|()| std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode)))
+    if let Some(gid) = group {
+        std::os::unix::fs::chown(&staged, None, Some(gid)).with_context(|| {
+            format!(
+                "--listen-unix-group {gid}: the agent's user may not give the socket that group \
+                 (root may, or a member of the group)"
+            )
+        })?;
+    }
+    let placed = std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
         .and_then(|()| unix_socket::put_in_place(&staged, path, over_stale))
         .and_then(|()| listener.set_nonblocking(true))
         .and_then(|()| PlacedSocket::at(path))

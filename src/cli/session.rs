@@ -119,13 +119,19 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     let resolver = Arc::new(args.fleet.resolver());
-    let resolved = runtime.block_on(hosts::resolve(
-        entries,
-        &resolver,
-        &config,
-        COMMAND_LINE_LIMIT,
-        client::capture_deadline(args.duration),
-    ));
+    // From the lookups on, a signal ends the session cleanly (see `cancel`).
+    let resolved = runtime.block_on(async {
+        tokio::select! {
+            resolved = hosts::resolve(
+                entries,
+                &resolver,
+                &config,
+                COMMAND_LINE_LIMIT,
+                client::capture_deadline(args.duration),
+            ) => resolved,
+            signal = super::capture::cancelled() => cancel(&output, signal),
+        }
+    });
     let mut outcomes = HostOutcome::unresolved(resolved.failures);
     let hosts = resolved.targets;
     // A session named on the command line may hold traces already: none
@@ -163,6 +169,8 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
         });
         outcomes.extend(fanned_out);
     }
+    // The signals end the command again, as before the session.
+    super::capture::default_cancelling();
     let mut delivered = 0;
     for outcome in &outcomes {
         if let Ok(Some(path)) = &outcome.result {
@@ -210,7 +218,7 @@ fn cancel(output: &SessionOutput, signal: libc::c_int) -> ! {
             directory.display()
         ),
         SessionOutput::Object { folder, .. } => format!(
-            "the traces uploaded stay in {}, and an upload under way may still finish",
+            "the traces uploaded whole stay in {}; one being received or uploaded is cut off",
             folder.display()
         ),
     };

@@ -162,20 +162,19 @@ fn judge_runtime_dir(dir: &Path, cuda_chosen: bool) -> Finding {
         .then(|| crate::backend::cuda::runtime_lock::holder(dir))
         .flatten()
     {
-        // Serve's CUDA backend refuses to start there: a failure, not a
-        // warning.
+        // A warning, as for a listen address an agent holds: doctor is run
+        // beside the very agent it checks, which holds the lock; a second
+        // agent's CUDA backend would not start on it.
         let pid = holder
             .map(|pid| format!(" (pid {pid})"))
             .unwrap_or_default();
-        return Finding::new(
-            area,
-            item,
-            Status::Fail,
+        warnings.push((
             format!(
-                "another agent{pid} serves it, so this agent's CUDA backend would not start on it"
+                "an agent{pid} serves it: if it is not the one these flags are for, this \
+                 agent's CUDA backend would not start on it"
             ),
-        )
-        .hint("stop the other agent, or give this one its own --runtime-dir");
+            "stop the other agent, or give this one its own --runtime-dir".into(),
+        ));
     }
     if warnings.is_empty() {
         return Finding::new(

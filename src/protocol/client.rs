@@ -239,7 +239,15 @@ fn with_hint(mut text: String, tls: bool) -> String {
         "received fatal alert",
     ];
     // A TLS client's handshake met the bytes of a plaintext HTTP/2 server.
-    if tls && text.contains("InvalidContentType") {
+    if text.ends_with("Connection refused (os error 111)") {
+        text.push_str(
+            " (nothing listens there: is the agent running, `devtrace serve`, and on this port?)",
+        );
+    } else if text.starts_with("Operation is not implemented or not supported") {
+        // UNIMPLEMENTED with an empty message: a gRPC server without the
+        // profiler service (another program's port).
+        text.push_str(" (the server speaks gRPC but serves no profiler: is this the agent's or the job's profiler port?)");
+    } else if tls && text.contains("InvalidContentType") {
         text.push_str(" (the server does not speak TLS: call it with grpc://, without --tls-ca)");
     } else if text.contains("error reading a body") {
         // The server had begun its reply: it was a gRPC server.

@@ -157,6 +157,10 @@ impl Access {
 /// `flag` (`--admin-group`), which its errors name.
 pub fn group_id(flag: &str, name: &str) -> Result<u32, String> {
     if let Ok(gid) = name.parse::<u32>() {
+        // (gid_t)-1 means "unchanged" to chown: no group.
+        if gid == u32::MAX {
+            return Err(format!("{flag} {name}: not a group id"));
+        }
         return Ok(gid);
     }
     let Ok(c_name) = std::ffi::CString::new(name) else {

@@ -345,7 +345,9 @@ impl Triggers {
                     continue;
                 }
                 // Counted as failed here, not as lost at the next start.
-                let _ = tokio::task::spawn_blocking(move || release(&taken)).await;
+                // A bucket that stalled the look stalls this too.
+                let releasing = tokio::task::spawn_blocking(move || release(&taken));
+                let _ = tokio::time::timeout_at(looked_by, releasing).await;
                 counts.failed.fetch_add(1, Ordering::Relaxed);
                 warn!(
                     rule = %self.rules[save.rule].rule.name,
@@ -421,6 +423,12 @@ impl Triggers {
             );
         };
         let base = base_name(&firing, rule);
+        // Taken from the start, so that a stop while the session is being
+        // made (a stalled bucket) counts and names this firing too.
+        *taken.lock() = Some(Taken {
+            folder: None,
+            name: base.clone(),
+        });
         let repository = self.repository.clone();
         let made =
             tokio::task::spawn_blocking(move || repository.create_session(&base, true)).await;
@@ -431,10 +439,27 @@ impl Triggers {
             Ok(Err(error)) => (base_name(&firing, rule), Err(error.to_string())),
             Err(error) => (base_name(&firing, rule), Err(error.to_string())),
         };
-        *taken.lock() = Some(Taken {
-            folder: destination.clone().ok(),
-            name: session.clone(),
-        });
+        let counted_by_stop = {
+            let mut taken = taken.lock();
+            match taken.as_mut() {
+                Some(taken) => {
+                    taken.folder = destination.clone().ok();
+                    taken.name = session.clone();
+                    false
+                }
+                None => true,
+            }
+        };
+        if counted_by_stop {
+            // A stopping agent counted this firing while its session was
+            // being made: the session it made goes back.
+            let unfilled = Taken {
+                folder: destination.ok(),
+                name: session,
+            };
+            let _ = tokio::task::spawn_blocking(move || release(&unfilled)).await;
+            return;
+        }
         let properties = vec![
             ("trigger.name".to_string(), rule.name.clone()),
             ("trigger.rule".to_string(), rule.text.clone()),

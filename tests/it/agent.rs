@@ -532,13 +532,7 @@ fn sigterm_right_after_the_listening_line_is_a_clean_stop() {
 #[test]
 fn a_stop_during_a_capture_says_it_waits_and_a_second_one_stops_at_once() {
     use std::io::BufRead;
-    let mut child = std::process::Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
-        .args(["--metrics-listen", "off", "--log-level", "info"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = agent_logging_at_info();
     let log = child.stderr.take().unwrap();
     let (lines, said) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -863,4 +857,40 @@ fn continuous_request() -> devtrace::proto::tensorflow::ProfileRequest {
         options.start_timestamp_ns = 0;
     }
     req
+}
+
+/// The agent's log says how each capture ended, not only that it was
+/// asked for: answered, or without a reply (a client that went away).
+#[tokio::test]
+async fn the_log_says_how_each_capture_ended() {
+    let mut child = agent_logging_at_info();
+    let logged = read_in_background(child.stderr.take().unwrap());
+    let mut agent = AgentProcess::adopt(child);
+    agent.profile(request(200, "answered")).await;
+    let mut client = agent.client().await;
+    let mut call = tonic::Request::new(request(3000, "abandoned"));
+    call.set_timeout(Duration::from_millis(500));
+    assert!(client.profile(call).await.is_err(), "given up");
+    // The agent sees the call go, at once.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    agent.stop_with_sigterm(Duration::from_secs(30));
+    let log = logged.join().unwrap();
+    let ended = |session: &str, how: &str| {
+        log.lines()
+            .any(|line| line.contains(how) && line.contains(&format!("session={session}")))
+    };
+    assert!(ended("answered", "capture answered"), "{log}");
+    assert!(ended("abandoned", "capture ended without a reply"), "{log}");
+}
+
+/// `devtrace serve` on the mock, logging at `info`, its standard output and
+/// error piped (not yet listening: [`AgentProcess::adopt`] waits).
+fn agent_logging_at_info() -> std::process::Child {
+    std::process::Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+        .args(["--metrics-listen", "off", "--log-level", "info"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
 }

@@ -573,3 +573,43 @@ fn inspect_refuses_what_is_not_a_regular_file() {
     let said = text(&out.stderr);
     assert!(said.contains("not a regular file"), "{said}");
 }
+
+/// The beginner's wrong ports say what is wrong: nothing listening (is the
+/// agent running?) and a gRPC server without the profiler service (its
+/// status came with an empty message, and the error ended in a colon).
+#[tokio::test]
+async fn a_wrong_port_says_what_is_there() {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed = free.local_addr().unwrap().to_string();
+    drop(free);
+    let dir = tempfile::tempdir().unwrap();
+    let logdir = dir.path().to_str().unwrap();
+    let out = devtrace(&["capture", &closed, "--duration", "1s", "--logdir", logdir]);
+    assert!(
+        text(&out.stderr).contains("is the agent running"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // A gRPC server of the health service alone.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let args: Vec<String> = ["capture", &address, "--duration", "1s", "--logdir", logdir]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    let out = tokio::task::spawn_blocking(move || Command::new(BIN).args(&args).output().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        text(&out.stderr).contains("serves no profiler"),
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -461,12 +461,12 @@ fn an_address_in_use_is_not_ready_and_an_unsafe_runtime_directory_is_warned_of()
     assert!(warned, "serve did not warn of the runtime directory");
 }
 
-/// A runtime directory another agent serves: a second agent's CUDA
-/// backend would not start there (serve exits 1 with `--backend cuda`), so
-/// doctor fails it, names that agent, and does not get in its way. (It
-/// warned, and said ready.)
+/// A runtime directory an agent serves: doctor warns (a second agent's
+/// CUDA backend would not start there, though doctor is mostly run beside
+/// the very agent it checks) and names that agent, without getting in its
+/// way.
 #[test]
-fn a_runtime_directory_another_agent_serves_fails_the_cuda_backend() {
+fn a_runtime_directory_an_agent_serves_is_warned_of() {
     use std::os::unix::fs::PermissionsExt;
     let runtime = tempfile::tempdir().unwrap();
     std::fs::set_permissions(runtime.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
@@ -489,13 +489,17 @@ fn a_runtime_directory_another_agent_serves_fails_the_cuda_backend() {
         report: serde_json::from_slice(&output.stdout).expect("doctor --json"),
     };
     let check = doctor.check(&format!("runtime directory {dir}"));
-    assert_eq!(check["status"], "fail", "{check:#}");
+    assert_eq!(check["status"], "warn", "{check:#}");
     let detail = check["detail"].as_str().unwrap();
     assert!(
-        detail.contains(&format!("another agent (pid {}) serves it", agent.pid())),
+        detail.contains(&format!("an agent (pid {}) serves it", agent.pid())),
         "{detail}"
     );
-    assert_ne!(doctor.status, 0, "not ready: {:#}", doctor.report);
+    assert_eq!(
+        doctor.status, 0,
+        "ready beside its agent: {:#}",
+        doctor.report
+    );
 }
 
 /// An agent's user that cannot make its missing runtime directory fails

@@ -551,7 +551,8 @@ fn a_cancelled_session_says_so_and_leaves_nothing_half_made() {
         line.clear();
         assert!(stderr.read_line(&mut line).unwrap() > 0, "ended early");
     }
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Well inside the 5 s window, with the handlers long in place.
+    std::thread::sleep(std::time::Duration::from_secs(1));
     // SAFETY: signalling a child of this test.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
     let status = child.wait().unwrap();

@@ -596,6 +596,8 @@ async fn a_call_given_up_before_the_upstream_answers_is_not_left_open() {
             .is_err(),
         "no answer"
     );
+    // It reached the tap, which holds it open while the upstream is silent.
+    assert_eq!(tap.recorder.calls_in_progress(), 1);
     drop(client);
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while tap.recorder.calls_in_progress() > 0 && std::time::Instant::now() < deadline {

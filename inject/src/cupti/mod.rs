@@ -181,10 +181,24 @@ pub fn dropped_since_last() -> Result<u64, String> {
     Ok(dropped as u64)
 }
 
-/// The API's name for a driver (`runtime` false) or runtime callback id.
+/// Set when the library must make no CUPTI call at all any more (an exit
+/// beside another CUPTI user, whose state may be gone).
+static NO_MORE_CALLS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// From now on [`callback_name`] asks CUPTI nothing (its callers name a
+/// call by its id instead).
+pub fn make_no_more_calls() {
+    NO_MORE_CALLS.store(true, std::sync::atomic::Ordering::Release);
+}
+
+/// The API's name for a driver (`runtime` false) or runtime callback id;
+/// none once [`make_no_more_calls`] was called.
 pub fn callback_name(runtime: bool, cbid: u32) -> Option<String> {
     const DRIVER_API: c_int = 1;
     const RUNTIME_API: c_int = 2;
+    if NO_MORE_CALLS.load(std::sync::atomic::Ordering::Acquire) {
+        return None;
+    }
     let lib = lib().ok()?;
     let domain = if runtime { RUNTIME_API } else { DRIVER_API };
     let mut name: *const std::ffi::c_char = std::ptr::null();

@@ -435,6 +435,27 @@ impl ProfilerService {
     }
 }
 
+/// Logs how a capture ended: answered, or without a reply (an error the
+/// client was told, or a client gone, whose call was dropped).
+struct CaptureEnd {
+    session: String,
+    answered: bool,
+}
+
+impl Drop for CaptureEnd {
+    fn drop(&mut self) {
+        if self.answered {
+            info!(session = %self.session, "capture answered");
+        } else {
+            info!(
+                session = %self.session,
+                "capture ended without a reply: it failed (the client was told why) or its client \
+                 went away"
+            );
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl profiler_service_server::ProfilerService for ProfilerService {
     async fn profile(
@@ -483,6 +504,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             scope = %plan.scope,
             "capture requested"
         );
+        // Its end is logged too, answered or not.
+        let mut ended = CaptureEnd {
+            session: plan.session_id.clone(),
+            answered: false,
+        };
         let (_registration, terminate) = self
             .register(&plan.session_id, caller.clone())
             .inspect_err(refused)?;
@@ -518,6 +544,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let reply = self.respond(&plan, window, encoded, deadline).await?;
         drop(active);
         self.capture_ready("Profile", window, asked_ns);
+        ended.answered = true;
         Ok(reply)
     }
 
