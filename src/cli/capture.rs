@@ -221,7 +221,7 @@ pub(super) fn signal_name(signal: libc::c_int) -> &'static str {
 
 /// `text` as one word for a POSIX shell: as is when it holds nothing a
 /// shell reads specially, else in single quotes.
-fn shell_word(text: &str) -> String {
+pub(super) fn shell_word(text: &str) -> String {
     let plain = !text.is_empty()
         && text
             .chars()

@@ -268,6 +268,14 @@ pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
     let sessions = fleet::list_sessions(&root)?;
     if sessions.is_empty() {
         eprintln!("no sessions under {}", root.display());
+        if let Some(logdir) = logdir_of_session(&root) {
+            // XProf shows such a directory as empty too.
+            eprintln!(
+                "it is a session itself: give its logdir, `devtrace sessions {}` (and point \
+                 XProf there)",
+                super::capture::shell_word(&logdir.display().to_string())
+            );
+        }
     }
     let mut out = std::io::stdout().lock();
     for s in sessions {
@@ -281,6 +289,23 @@ pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
         .context(super::WRITING_OUTPUT)?;
     }
     Ok(())
+}
+
+/// The logdir of `folder` when it is a session directory holding traces
+/// (`LOGDIR/plugins/profile/SESSION`), given where a logdir was expected.
+fn logdir_of_session(folder: &crate::repository::Folder) -> Option<std::path::PathBuf> {
+    let crate::repository::Folder::Local(local) = folder else {
+        return None;
+    };
+    let holds_traces = folder.files().ok()?.iter().any(|name| {
+        name.ends_with(crate::repository::XPLANE_SUFFIX)
+            || name.ends_with(crate::xspace::chunks::RIEGELI_SUFFIX)
+    });
+    let path = local.path();
+    let profile = path.parent()?;
+    let plugins = profile.parent()?;
+    let named = profile.file_name()? == "profile" && plugins.file_name()? == "plugins";
+    (holds_traces && named).then(|| plugins.parent().map(Path::to_path_buf))?
 }
 
 pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
@@ -313,9 +338,19 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
             true,
         )
         .map(|_| ())?,
-        None => std::io::stdout()
-            .write_all(&bytes)
-            .context(super::WRITING_OUTPUT)?,
+        None => {
+            use std::io::IsTerminal;
+            // An XSpace or other binary output is for a file, not a screen.
+            if std::io::stdout().is_terminal() && std::str::from_utf8(&bytes).is_err() {
+                bail!(
+                    "{}'s output is binary: write it to a file with -o FILE",
+                    args.tool
+                );
+            }
+            std::io::stdout()
+                .write_all(&bytes)
+                .context(super::WRITING_OUTPUT)?
+        }
     }
     Ok(())
 }

@@ -613,3 +613,69 @@ async fn a_wrong_port_says_what_is_there() {
         text(&out.stderr)
     );
 }
+
+/// A session directory given where a logdir belongs (as XProf is often
+/// pointed, showing nothing) is named a session, with the logdir to give;
+/// and `tool ... xplane`, whose output is binary, is not written to a
+/// terminal.
+#[test]
+fn a_session_given_for_a_logdir_and_binary_tool_output_are_told_apart() {
+    let agent = AgentProcess::start(&[]);
+    let logdir = tempfile::tempdir().unwrap();
+    let out = devtrace(&[
+        "capture",
+        &agent.address,
+        "--duration",
+        "200ms",
+        "--session-id",
+        "s1",
+        "--quiet",
+        "--logdir",
+        logdir.path().to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let session = logdir.path().join("plugins/profile/s1");
+    let out = devtrace(&["sessions", session.to_str().unwrap()]);
+    let said = text(&out.stderr);
+    assert!(
+        said.contains(&format!(
+            "it is a session itself: give its logdir, `devtrace sessions {}`",
+            logdir.path().display()
+        )),
+        "{said}"
+    );
+
+    // Standard output a terminal: a pseudo-terminal's other end.
+    let (mut main, mut secondary) = (0, 0);
+    // SAFETY: out-pointers to two descriptors; no name, settings or size.
+    let opened = unsafe {
+        libc::openpty(
+            &mut main,
+            &mut secondary,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(opened, 0);
+    // SAFETY: descriptors openpty just made, each owned once.
+    let (_main, terminal) = unsafe {
+        use std::os::fd::FromRawFd;
+        (
+            std::fs::File::from_raw_fd(main),
+            std::fs::File::from_raw_fd(secondary),
+        )
+    };
+    let out = Command::new(BIN)
+        .args(["tool", logdir.path().to_str().unwrap(), "s1", "xplane"])
+        .stdout(terminal)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("xplane's output is binary: write it to a file with -o FILE"),
+        "{}",
+        text(&out.stderr)
+    );
+}
