@@ -332,11 +332,7 @@ impl Unsent {
         // One begun as the first were removed is refused; one that began
         // just before goes now.
         super::remove_unfinished_files();
-        for dir in &self.made {
-            if std::fs::remove_dir(dir).is_err() {
-                break;
-            }
-        }
+        super::logdir::remove_made_directories(&self.made);
         let signal_text = signal_name(signal);
         let mut stderr = std::io::stderr();
         if said.is_empty() {

@@ -38,6 +38,16 @@ pub fn repository_root(dir: &Path) -> anyhow::Result<Folder> {
     }
 }
 
+/// Removes the directories `made` for a session (deepest first) while
+/// nothing else is in them: the first one that holds something stops it.
+pub fn remove_made_directories(made: &[PathBuf]) {
+    for dir in made {
+        if std::fs::remove_dir(dir).is_err() {
+            return;
+        }
+    }
+}
+
 /// `--session-id`: one file-name component, as the agent requires of it.
 pub fn parse_session_id(text: &str) -> Result<String, String> {
     if text.is_empty() || text == "." {
@@ -151,7 +161,8 @@ impl SessionOutput {
         )
     }
 
-    /// The local directories made for the session (deepest first); none in
+    /// The local directories made for the session (deepest first, see
+    /// [`remove_made_directories`]); none in
     /// a bucket.
     pub fn made_directories(&self) -> &[PathBuf] {
         match self {
@@ -166,13 +177,7 @@ impl SessionOutput {
     /// a bucket, gives a generated session's name back.
     pub fn abandon(&self) {
         match self {
-            SessionOutput::Local { made, .. } => {
-                for dir in made {
-                    if std::fs::remove_dir(dir).is_err() {
-                        return;
-                    }
-                }
-            }
+            SessionOutput::Local { made, .. } => remove_made_directories(made),
             SessionOutput::Object { folder, reserved } => {
                 if !reserved {
                     return;

@@ -608,6 +608,12 @@ fn attach_config(args: &ServeArgs) -> anyhow::Result<crate::attach::AttachConfig
     Ok(config)
 }
 
+/// Where traces that cannot be written or uploaded are kept
+/// (`--unsent-dir`, else the temporary directory).
+fn unsent_dir(args: &ServeArgs) -> PathBuf {
+    args.unsent_dir.clone().unwrap_or_else(std::env::temp_dir)
+}
+
 /// The gid of the group `flag` names, if it names one.
 fn named_group(flag: &str, name: Option<&str>) -> Result<Option<u32>, String> {
     name.map(|group| crate::service::access::group_id(flag, group))
@@ -934,7 +940,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         default_port: client::DEFAULT_PORT,
         client: client_config,
         session_hosts: SessionHosts::new(args.session_hosts.clone()),
-        unsent_dir: args.unsent_dir.clone().unwrap_or_else(std::env::temp_dir),
+        unsent_dir: unsent_dir(&args),
         resolver: Arc::new(args.fleet.resolver()),
         concurrent_hosts: args.fleet.concurrent_hosts,
         memory: Some(service.captures().memory()),
@@ -1116,7 +1122,7 @@ fn start_triggers(
         agent,
         Arc::clone(service.captures()),
         folder,
-        args.unsent_dir.clone().unwrap_or_else(std::env::temp_dir),
+        unsent_dir(args),
     )
     .context("starting the trigger watcher")?;
     for rule in &args.triggers {

@@ -205,11 +205,7 @@ pub fn run_session(args: SessionArgs) -> anyhow::Result<()> {
 /// else is in them; the hosts' captures end as their calls go.
 fn cancel(output: &SessionOutput, signal: libc::c_int) -> ! {
     let removed = super::remove_unfinished_files();
-    for dir in output.made_directories() {
-        if std::fs::remove_dir(dir).is_err() {
-            break;
-        }
-    }
+    super::logdir::remove_made_directories(output.made_directories());
     let signal_text = super::capture::signal_name(signal);
     let kept = match output {
         SessionOutput::Local { directory, .. } => format!(
@@ -297,10 +293,7 @@ fn logdir_of_session(folder: &crate::repository::Folder) -> Option<std::path::Pa
     let crate::repository::Folder::Local(local) = folder else {
         return None;
     };
-    let holds_traces = folder.files().ok()?.iter().any(|name| {
-        name.ends_with(crate::repository::XPLANE_SUFFIX)
-            || name.ends_with(crate::xspace::chunks::RIEGELI_SUFFIX)
-    });
+    let holds_traces = fleet::session_traces(folder).is_ok_and(|traces| !traces.is_empty());
     let path = local.path();
     let profile = path.parent()?;
     let plugins = profile.parent()?;
