@@ -886,7 +886,42 @@ async fn programs_attach_again_for_every_capture() {
             .filter(|e| e.line.starts_with("CPU ") && e.name == "dt-spinner")
             .count();
         assert!(slices > 0, "capture {round}: no scheduler events");
+        // A window of the present is the hooks' own: nothing said.
+        let told = common::warnings_with(&space, "eBPF backend's hooks were off");
+        assert!(told.is_empty(), "capture {round}: {told:?}");
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
     assert!(agent.is_running(), "the agent survived");
+}
+
+/// A window reaching back before its capture, with the hooks attached
+/// during captures only, says which part has no scheduler slices and how to
+/// record them, rather than showing CPUs that look idle.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_look_back_before_the_hooks_attached_says_which_part_they_missed() {
+    if skip_without_root("a_look_back_before_the_hooks_attached") {
+        return;
+    }
+    let _workload = start_sched_workload("20");
+    let agent = ebpf_agent("sched", &["--ebpf-comm", "dt-sp"]);
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    // 2 s back, 0.5 s ahead: the hooks go on 2 s into the window.
+    let mut req = common::request(2500, "look_back");
+    req.opts.as_mut().unwrap().start_timestamp_ns = common::now_ns() - 2_000_000_000;
+    let space = common::space_of(&agent.profile(req).await);
+    let told = common::warnings_with(&space, "eBPF backend's hooks were off");
+    assert_eq!(told.len(), 1, "{:?}", space.warnings);
+    assert!(
+        told[0].contains("the eBPF backend's hooks were off from 0.000 s to 2.")
+            && told[0].contains("--ebpf-attach always")
+            && told[0].contains("it holds no scheduler slices (the /host:CPUs plane) for that"),
+        "{}",
+        told[0]
+    );
+    // What the hooks saw after attaching is there.
+    let slices = events(common::plane(&space, "/host:CPUs"))
+        .iter()
+        .filter(|e| e.line.starts_with("CPU ") && e.name == "dt-spinner")
+        .count();
+    assert!(slices > 0, "no scheduler events after the attach");
 }

@@ -9,6 +9,7 @@
 //! starts, so a kernel that refuses them is reported at once; they are
 //! attached while a capture runs, or always with [`AttachMode::Always`].
 
+mod coverage;
 pub(crate) mod cuda;
 #[cfg(devtrace_bpf)]
 mod programs;
@@ -140,6 +141,8 @@ pub fn cgroup_id(path: &std::path::Path) -> std::io::Result<u64> {
 #[derive(Debug, Default)]
 pub(crate) struct Status {
     attached: bool,
+    /// When the hooks were attached, for the windows they missed.
+    coverage: coverage::Coverage,
     /// Probed driver libraries and the functions missing from each.
     /// By (device, inode), with the path each was first probed through.
     libraries: Vec<((u64, u64), String, Vec<&'static str>)>,
@@ -243,6 +246,7 @@ impl Backend for EbpfBackend {
     #[cfg(devtrace_bpf)]
     fn start(&mut self, context: BackendContext) -> Result<(), BackendError> {
         self.preflight()?;
+        self.status.lock().coverage = coverage::Coverage::since(crate::clock::now_ns());
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let config = self.config.clone();
         let status = Arc::clone(&self.status);
@@ -382,6 +386,26 @@ impl Backend for EbpfBackend {
                 .into(),
             ),
         ]
+    }
+
+    /// The part of the window the hooks were off for, when they were.
+    fn notices(
+        &self,
+        window: crate::recorder::Window,
+        _scope: crate::backend::Scope,
+    ) -> Vec<String> {
+        let missing = match (self.config.sched, self.config.cuda) {
+            (true, true) => "scheduler slices (the /host:CPUs plane) or probed driver calls",
+            (true, false) => "scheduler slices (the /host:CPUs plane)",
+            (false, _) => "probed driver calls",
+        };
+        let between_captures = self.config.attach == AttachMode::Capture;
+        self.status
+            .lock()
+            .coverage
+            .describe(window, missing, between_captures)
+            .into_iter()
+            .collect()
     }
 
     fn losses(&self) -> Vec<Loss> {

@@ -464,11 +464,15 @@ impl Tracer<'_> {
         }
         self.attached = true;
         self.last_scan = None;
-        self.status.lock().attached = true;
+        let mut status = self.status.lock();
+        status.attached = true;
+        status.coverage.attached(clock::now_ns());
+        drop(status);
         debug!("eBPF programs attached");
     }
 
     fn detach(&mut self) {
+        self.status.lock().coverage.detached(clock::now_ns());
         let _ = self.rings.consume();
         self.decoder
             .borrow_mut()
