@@ -561,7 +561,7 @@ impl BackendStarts<'_> {
         self.watch.starting("");
         match result {
             Ok(()) => {
-                info!(backend = name, records = ?backend.capabilities().records, "backend started");
+                info!(backend = name, records = %backend.capabilities().records.join(", "), "backend started");
                 self.started.push(backend);
             }
             Err(error) => {

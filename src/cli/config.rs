@@ -42,6 +42,8 @@ const CONFIG: &str = "config";
 /// Largest `--config` file read: a page of flags, not a data set.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 const PRINT_CONFIG: &str = "print_config";
+/// The global `--log-level`, which RUST_LOG overrides.
+const LOG_LEVEL: &str = "log_level";
 
 const LAYERS_HELP: &str = "\
 Every flag can also be set in the environment, as DEVTRACE_ and its name in
@@ -530,7 +532,16 @@ fn finish(
     let (path, innermost) = innermost(&matches);
     if let Ok(Some(true)) = innermost.try_get_one::<bool>(PRINT_CONFIG) {
         let subcommand = find_subcommand(&command, &path).unwrap_or(&command);
-        return Ok(Parsed::Print(render(subcommand, innermost, sources)));
+        // The filter the command would log with, checked as a run checks it.
+        let rust_log = super::logging::rust_log()
+            .map_err(|error| usage_error(subcommand, ErrorKind::InvalidValue, error.0))?
+            .map(|(text, _)| text);
+        return Ok(Parsed::Print(render(
+            subcommand,
+            innermost,
+            sources,
+            rust_log.as_deref(),
+        )));
     }
     let cli = Cli::from_arg_matches(&matches).map_err(|error| error.format(&mut command))?;
     Ok(Parsed::Run(Box::new(cli)))
@@ -665,7 +676,12 @@ fn unknown_key(key: &str, value: &toml::Value, keys: &[&str]) -> String {
 /// The effective settings as a `--config` file: every key with its help as
 /// a comment and, past its default, where its value came from; unset ones
 /// are commented out.
-fn render(subcommand: &Command, matches: &ArgMatches, sources: &Sources) -> String {
+fn render(
+    subcommand: &Command,
+    matches: &ArgMatches,
+    sources: &Sources,
+    rust_log: Option<&str>,
+) -> String {
     let name = subcommand.get_name();
     let mut out = format!(
         "# The effective configuration of `devtrace {name}`: the command line over\n\
@@ -698,6 +714,9 @@ fn render(subcommand: &Command, matches: &ArgMatches, sources: &Sources) -> Stri
             out += &format!("  # {source}");
         }
         out.push('\n');
+        if let (LOG_LEVEL, Some(text)) = (id, rust_log) {
+            out += &format!("# but RUST_LOG={text:?} is set, and overrides it\n");
+        }
     }
     out
 }

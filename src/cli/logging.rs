@@ -91,6 +91,20 @@ pub fn say_failure(text: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
+/// RUST_LOG, when set, and the filter it says: it overrides `--log-level`.
+/// One that is not a filter is a usage error, not ignored.
+pub fn rust_log() -> Result<Option<(String, EnvFilter)>, super::UsageError> {
+    match std::env::var("RUST_LOG") {
+        Ok(text) if !text.is_empty() => match EnvFilter::try_new(&text) {
+            Ok(filter) => Ok(Some((text, filter))),
+            Err(error) => Err(super::UsageError(format!(
+                "RUST_LOG={text:?} is not a log filter: {error}"
+            ))),
+        },
+        _ => Ok(None),
+    }
+}
+
 /// Installs the subscriber: `level` as the filter unless RUST_LOG says
 /// otherwise. A RUST_LOG that is not a filter is an error, not ignored.
 pub fn init(level: &str, format: LogFormat) -> anyhow::Result<()> {
@@ -98,11 +112,9 @@ pub fn init(level: &str, format: LogFormat) -> anyhow::Result<()> {
         matches!(format, LogFormat::Json),
         std::sync::atomic::Ordering::Relaxed,
     );
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(text) if !text.is_empty() => EnvFilter::try_new(&text).map_err(|error| {
-            super::UsageError(format!("RUST_LOG={text:?} is not a log filter: {error}"))
-        })?,
-        _ => EnvFilter::try_new(level)
+    let filter = match rust_log()? {
+        Some((_, filter)) => filter,
+        None => EnvFilter::try_new(level)
             .map_err(|error| anyhow::anyhow!("--log-level {level:?}: {error}"))?,
     };
     let builder = tracing_subscriber::fmt()

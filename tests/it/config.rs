@@ -557,3 +557,23 @@ fn a_bad_rust_log_is_a_usage_error() {
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("RUST_LOG=\"devtrace=[\" is not a log filter"));
 }
+
+/// --print-config shows what a run would log with: a RUST_LOG that
+/// overrides --log-level is named beside it, and a bad one is refused as a
+/// run refuses it.
+#[test]
+fn print_config_names_an_overriding_rust_log_and_refuses_a_bad_one() {
+    let out = devtrace(&["serve", "--print-config"], &[("RUST_LOG", "debug")]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("log-level = \"info\"\n# but RUST_LOG=\"debug\" is set, and overrides it"),
+        "{stdout}"
+    );
+
+    let out = devtrace(&["serve", "--print-config"], &[("RUST_LOG", "devtrace=[")]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("RUST_LOG=\"devtrace=[\" is not a log filter"));
+    assert!(out.stdout.is_empty());
+}
