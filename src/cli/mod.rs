@@ -244,8 +244,8 @@ pub(crate) fn placed(path: &std::path::Path) -> bool {
 
 /// Removes the temporary files of the files this process is writing, for a
 /// command that ends at once (by a signal): what it removed. From then on
-/// no new one is begun ([`cut_off`]); a file being put in place meanwhile
-/// may have been put there ([`placed`]).
+/// no new one is begun or put in place ([`cut_off`]); one put in place
+/// before is [`placed`].
 pub(crate) fn remove_unfinished_files() -> Vec<std::path::PathBuf> {
     {
         // Under the list's lock: see `PendingFile::create`.
@@ -323,6 +323,17 @@ impl PendingFile {
             ))
             .and_then(|()| file.as_file().sync_all())
             .with_context(|| format!("writing {}", target.display()))?;
+        // Renamed and listed as placed under the list's lock, which the
+        // cut-off takes too: a signal's handler finds the file either
+        // unfinished (and removes it) or placed, never renamed but unlisted
+        // (it kept a second copy then).
+        let listed = UNFINISHED.lock();
+        if cut_off() {
+            anyhow::bail!(
+                "the command is ending: {} is not put in place",
+                target.display()
+            );
+        }
         // A failed persist's own message repeats its cause's: the cause
         // alone is said.
         if replace {
@@ -338,6 +349,7 @@ impl PendingFile {
             return Err(error).with_context(|| format!("writing {}", target.display()));
         }
         PLACED.lock().push(target.clone());
+        drop(listed);
         Ok(target)
     }
 }
