@@ -353,6 +353,39 @@ impl BuildMemory {
     }
 }
 
+/// A build's memory drawn by a reader of stored traces (a tool's work, a
+/// listing), its refusals said for that reader rather than for a capture.
+pub struct ReadingMemory<'m>(pub &'m mut BuildMemory);
+
+impl Grant for ReadingMemory<'_> {
+    type Refusal = String;
+
+    fn take(&mut self, bytes: usize) -> Result<(), String> {
+        let budget = self.0.budget;
+        if self.0.used.saturating_add(bytes) > budget {
+            return Err(format!(
+                "that is more than all of --capture-memory ({budget} bytes); start the agent \
+                 with a larger --capture-memory (or look at the file: a few bytes of protobuf \
+                 or Brotli can stand for far more)"
+            ));
+        }
+        self.0.take(bytes).map_err(|refusal| match refusal {
+            MemoryError::OverShare { share, .. } => format!(
+                "this caller's other work holds the rest of its share of --capture-memory \
+                 ({share} bytes); ask again when it has ended"
+            ),
+            _ => format!(
+                "captures and tool requests hold the rest of --capture-memory ({budget} bytes) \
+                 now; ask again later, or start the agent with a larger --capture-memory"
+            ),
+        })
+    }
+
+    fn let_go(&mut self, bytes: usize) {
+        self.0.let_go(bytes);
+    }
+}
+
 impl Drop for BuildMemory {
     fn drop(&mut self) {
         // Back first, then told: a waiter told finds it there.

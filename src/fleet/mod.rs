@@ -23,6 +23,7 @@ use crate::protocol::RIEGELI_TOOL;
 use crate::repository::{Folder, StorageError};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::read::plane_names;
+use crate::xspace::Grant;
 use streaming::ReceiveError;
 
 pub use crate::repository::XPLANE_SUFFIX;
@@ -276,6 +277,20 @@ pub const BASE_TOOLS: &[&str] = &["trace_viewer", "overview", "xplane"];
 /// The sessions in `root`, newest first. Local files are opened beneath
 /// `root` without following links; entries that are links are skipped.
 pub fn list_sessions(root: &Folder) -> Result<Vec<SessionInfo>, StorageError> {
+    list_sessions_within(root, &mut crate::xspace::Unlimited)
+}
+
+/// As [`list_sessions`], each trace read for its plane names (which tools
+/// serve it) drawn from `grant` while it is read; one the grant cannot
+/// hold now is listed with the tools every trace has.
+pub fn list_sessions_within<G>(
+    root: &Folder,
+    grant: &mut G,
+) -> Result<Vec<SessionInfo>, StorageError>
+where
+    G: Grant,
+    G::Refusal: std::fmt::Display,
+{
     let mut sessions = Vec::new();
     for subfolder in root.subfolders()? {
         let session = root.join(&subfolder.name);
@@ -296,7 +311,7 @@ pub fn list_sessions(root: &Folder) -> Result<Vec<SessionInfo>, StorageError> {
             .map(|file| file.modified)
             .max()
             .unwrap_or(subfolder.modified);
-        let tools = session_tools(&session, &traces);
+        let tools = session_tools(&session, &traces, grant);
         let hosts = traces.into_keys().collect();
         sessions.push(SessionInfo {
             session_id: subfolder.name,
@@ -371,28 +386,88 @@ pub fn session_hosts(session: &Folder) -> Result<Vec<String>, StorageError> {
     Ok(session_traces(session)?.into_keys().collect())
 }
 
-/// The planes of a session's trace file `file`, by its suffix.
-fn trace_planes(file: &str, bytes: &[u8]) -> Vec<String> {
-    if file.ends_with(RIEGELI_SUFFIX) {
-        return crate::xspace::chunks::decode(bytes)
-            .map(|(space, _)| space.planes.into_iter().map(|p| p.name).collect())
-            .unwrap_or_default();
-    }
-    plane_names(bytes).unwrap_or_default()
+/// What a look into a session's trace file for its plane names found.
+enum Planes {
+    Named(Vec<String>),
+    /// Not looked into: more than the listing may hold now.
+    Unread,
+    /// Not a trace, or not one the caller may read: no tool serves it.
+    Unreadable,
 }
 
-fn session_tools(session: &Folder, traces: &BTreeMap<String, String>) -> Vec<String> {
-    let mut tools: Vec<String> = BASE_TOOLS.iter().map(|t| t.to_string()).collect();
-    let (mut host_plane, mut gpu_plane) = (false, false);
-    for file in traces.values() {
-        let Ok(bytes) = session.read(file) else {
-            continue;
-        };
-        for name in trace_planes(file, &bytes) {
-            host_plane |= name == timeline::HOST_PLANE;
-            gpu_plane |= name.starts_with("/device:GPU:");
+/// The plane names of a session's trace file `file`, the file and what
+/// reading it takes drawn from `grant`. The planes of a chunked trace are
+/// read chunk by chunk, none decoded.
+fn trace_planes<G>(session: &Folder, file: &str, grant: &mut G) -> Planes
+where
+    G: Grant,
+    G::Refusal: std::fmt::Display,
+{
+    let Ok(size) = session.size(file) else {
+        return Planes::Unreadable;
+    };
+    let held = usize::try_from(size).unwrap_or(usize::MAX);
+    if grant.take(held).is_err() {
+        return Planes::Unread;
+    }
+    let planes = match session.read(file) {
+        Ok(bytes) if bytes.is_empty() => Planes::Unreadable,
+        Ok(bytes) if file.ends_with(RIEGELI_SUFFIX) => {
+            chunk_planes(&bytes, &mut crate::xspace::grant::Said(&mut *grant))
+        }
+        Ok(bytes) => plane_names(&bytes).map_or(Planes::Unreadable, Planes::Named),
+        Err(_) => Planes::Unreadable,
+    };
+    grant.let_go(held);
+    planes
+}
+
+/// The plane names in the chunks of a chunked trace.
+fn chunk_planes(file: &[u8], grant: crate::xspace::riegeli::ChunkGrant<'_>) -> Planes {
+    use crate::xspace::riegeli::RiegeliError;
+    let mut names = Vec::new();
+    for record in crate::xspace::riegeli::records_within(file, grant) {
+        match record.map(|record| plane_names(&record)) {
+            Ok(Ok(more)) => names.extend(more),
+            Err(RiegeliError::Refused { .. }) => return Planes::Unread,
+            // What was read before the damage is what XProf would show.
+            Ok(Err(_)) | Err(_) if !names.is_empty() => break,
+            Ok(Err(_)) | Err(_) => return Planes::Unreadable,
         }
     }
+    Planes::Named(names)
+}
+
+/// The tools that serve a session whose traces are `traces`: none when no
+/// trace in it can be read (a tool would only fail); the tools every trace
+/// has when one could not be looked into now.
+fn session_tools<G>(
+    session: &Folder,
+    traces: &BTreeMap<String, String>,
+    grant: &mut G,
+) -> Vec<String>
+where
+    G: Grant,
+    G::Refusal: std::fmt::Display,
+{
+    let (mut readable, mut host_plane, mut gpu_plane) = (false, false, false);
+    for file in traces.values() {
+        match trace_planes(session, file, grant) {
+            Planes::Named(names) => {
+                readable = true;
+                for name in names {
+                    host_plane |= name == timeline::HOST_PLANE;
+                    gpu_plane |= name.starts_with("/device:GPU:");
+                }
+            }
+            Planes::Unread => readable = true,
+            Planes::Unreadable => {}
+        }
+    }
+    if !readable {
+        return Vec::new();
+    }
+    let mut tools: Vec<String> = BASE_TOOLS.iter().map(|t| t.to_string()).collect();
     if host_plane {
         tools.push("memory_profile".into());
     }
@@ -461,6 +536,8 @@ pub enum ToolDataError {
     },
     #[error("parameters[{name}]: {reason}")]
     Parameter { name: String, reason: String },
+    #[error("{what} would take more memory than may be held: {why}")]
+    Refused { what: String, why: String },
     #[error(transparent)]
     Storage(#[from] StorageError),
     #[error(transparent)]
@@ -659,8 +736,27 @@ impl ToolPlan {
     /// was planned is refused: what the tool takes was counted for the
     /// size it had.
     pub fn run(self, session: &Folder) -> Result<Computed, ToolDataError> {
+        self.run_within(session, &mut crate::xspace::Unlimited)
+    }
+
+    /// As [`Self::run`], drawing from `grant` each trace read and what
+    /// decoding it takes before it is taken ([`crate::xspace::footprint`]),
+    /// and each host's output as it is kept: a trace that would take more
+    /// than the grant gives is refused, whatever its size on disk.
+    pub fn run_within<G>(self, session: &Folder, grant: &mut G) -> Result<Computed, ToolDataError>
+    where
+        G: crate::xspace::Grant,
+        G::Refusal: std::fmt::Display,
+    {
         use crate::tools;
-        let read = |file: &str, planned: u64| -> Result<Vec<u8>, ToolDataError> {
+        let mut grant = crate::xspace::grant::Tally::new(grant);
+        let read = |file: &str, planned: u64, grant: &mut crate::xspace::grant::Tally<'_, G>| {
+            grant
+                .take(usize::try_from(planned).unwrap_or(usize::MAX))
+                .map_err(|refusal| ToolDataError::Refused {
+                    what: format!("reading {}/{file} ({planned} bytes)", session.display()),
+                    why: refusal.to_string(),
+                })?;
             let bytes = session.read(file)?;
             if bytes.len() as u64 > planned {
                 return Err(ToolDataError::Grew {
@@ -674,16 +770,17 @@ impl ToolPlan {
         if self.tool == "xplane" {
             let (_, file, size) = &self.traces[0];
             return Ok(Computed {
-                output: ToolOutput::Blob(read(file, *size)?),
+                output: ToolOutput::Blob(read(file, *size, &mut grant)?),
                 left_out: Vec::new(),
             });
         }
         let mut left_out = Vec::new();
         let mut per_host = Vec::with_capacity(self.traces.len());
         for (name, file, size) in &self.traces {
-            let bytes = read(file, *size)?;
+            let before = grant.held();
+            let bytes = read(file, *size, &mut grant)?;
             let shown = PathBuf::from(format!("{}/{file}", session.display()));
-            let space = crate::xspace::read::decode_trace(&bytes, &shown)?.space;
+            let space = crate::xspace::read::decode_trace_within(&bytes, &shown, &mut grant)?.space;
             drop(bytes);
             let json = match self.tool.as_str() {
                 "trace_viewer" => {
@@ -703,6 +800,15 @@ impl ToolPlan {
                 "kernel_stats" => tools::kernel_stats::kernel_stats(&space)?.to_json(),
                 _ => tools::overview::overview(&space, self.top)?.to_json(),
             };
+            drop(space);
+            // What this host's work drew is let go of; its output is kept.
+            grant.let_go(grant.held() - before);
+            grant
+                .take(json.len())
+                .map_err(|refusal| ToolDataError::Refused {
+                    what: format!("keeping {name}'s {} ({} bytes)", self.tool, json.len()),
+                    why: refusal.to_string(),
+                })?;
             per_host.push((name.clone(), json));
         }
         if self.one_host {

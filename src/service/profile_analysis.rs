@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use crate::capture::memory::CaptureMemory;
+use crate::capture::memory::{CaptureMemory, ReadingMemory};
 use crate::clock;
 use crate::fleet::hosts::{self, HostEntry, HostList, HostResolver, HostsError, Origin};
 use crate::fleet::{self, HostOutcome, ToolDataError};
@@ -29,6 +29,7 @@ use crate::protocol::listen::caller_of_request;
 use crate::repository::{self, Folder, StorageError};
 use crate::service::access::Access;
 use crate::service::session_bytes::SessionBytes;
+use crate::xspace::read::ReadError;
 
 use super::deadline;
 use super::framed_reply::FramedReply;
@@ -308,11 +309,33 @@ fn tool_status(error: ToolDataError) -> Status {
             Status::not_found(message)
         }
         ToolDataError::Storage(error) => storage_status(&error, message),
-        ToolDataError::Read(_) => Status::internal(message),
+        ToolDataError::Refused { .. } => Status::resource_exhausted(message),
+        ToolDataError::Read(error) => read_status(&error, message),
         ToolDataError::Tool(_) | ToolDataError::Chunked { .. } => {
             Status::failed_precondition(message)
         }
         ToolDataError::Grew { .. } => Status::aborted(message),
+    }
+}
+
+/// How long a listing waits for memory to look into traces with; without
+/// it, sessions are listed with the tools every trace has.
+const LISTING_MEMORY_WAIT: Duration = Duration::from_secs(1);
+
+/// A trace that could not be read: too large to hold now, or not a trace
+/// (a file someone else wrote, cut short or damaged: nothing this agent
+/// did wrong, nor a call worth repeating).
+fn read_status(error: &ReadError, message: String) -> Status {
+    use crate::xspace::chunks::ChunkError;
+    use crate::xspace::riegeli::RiegeliError;
+    match error {
+        ReadError::Refused { .. }
+        | ReadError::Chunked {
+            source: ChunkError::Refused { .. } | ChunkError::Riegeli(RiegeliError::Refused { .. }),
+            ..
+        } => Status::resource_exhausted(message),
+        ReadError::Io { .. } => Status::internal(message),
+        _ => Status::data_loss(message),
     }
 }
 
@@ -512,6 +535,23 @@ impl ProfileAnalysis for ProfileAnalysisService {
     ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
         let caller = caller_of_request(&request);
         let root = self.root(&request.into_inner().repository_root, &caller)?;
+        // Which tools serve a session is read from its traces (their plane
+        // names), each drawn from the budget while it is read: a listing
+        // is asked for on every XProf page, and a repository's files are
+        // anyone's who could write there.
+        let memory = match &self.config.memory {
+            Some(memory) => Some(
+                memory
+                    .reserve(
+                        1,
+                        || "listing the sessions' tools".to_string(),
+                        std::time::Instant::now() + LISTING_MEMORY_WAIT,
+                    )
+                    .await
+                    .ok(),
+            ),
+            None => None,
+        };
         let sessions = tokio::task::spawn_blocking(move || {
             let missing = || StorageError::NotFound {
                 path: root.display(),
@@ -521,7 +561,16 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 Ok(false) => return Err(field_status("repository_root", missing())),
                 Err(error) => return Err(field_status("repository_root", error)),
             }
-            fleet::list_sessions(&root).map_err(|e| field_status("repository_root", e))
+            match memory {
+                Some(Some(mut memory)) => {
+                    fleet::list_sessions_within(&root, &mut ReadingMemory(&mut memory))
+                }
+                Some(None) => {
+                    fleet::list_sessions_within(&root, &mut crate::xspace::grant::Nothing)
+                }
+                None => fleet::list_sessions(&root),
+            }
+            .map_err(|e| field_status("repository_root", e))
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
@@ -599,10 +648,17 @@ impl ProfileAnalysis for ProfileAnalysisService {
             None => None,
         };
         // XProf's trace viewer asks for what it shows by resolution and
-        // window: what a cut leaves out is its own choice, not news.
-        let output = tokio::task::spawn_blocking(move || {
-            plan.run(&directory)
-                .map(|computed| computed.output)
+        // window: what a cut leaves out is its own choice, not news. What
+        // decoding takes is drawn as the traces are read: their sizes say
+        // little of it.
+        let (output, memory) = tokio::task::spawn_blocking(move || {
+            let mut memory = memory;
+            let computed = match memory.as_mut() {
+                Some(memory) => plan.run_within(&directory, &mut ReadingMemory(memory)),
+                None => plan.run(&directory),
+            };
+            computed
+                .map(|computed| (computed.output, memory))
                 .map_err(tool_status)
         })
         .await

@@ -18,7 +18,7 @@ use std::ops::Range;
 use prost::Message;
 
 use crate::proto::tensorflow::profiler::{x_event, x_stat, XLine, XPlane, XSpace, XStat};
-use crate::xspace::riegeli::{self, FileWriter, RiegeliError};
+use crate::xspace::riegeli::{self, ChunkGrant, FileWriter, RiegeliError};
 
 use super::builder::field;
 use super::merge::FreshIds;
@@ -45,6 +45,12 @@ pub enum ChunkError {
     Decode {
         index: usize,
         source: prost::DecodeError,
+    },
+    #[error("chunk {index} decodes to {bytes} bytes, more than may be held: {why}")]
+    Refused {
+        index: usize,
+        bytes: u64,
+        why: String,
     },
 }
 
@@ -104,10 +110,26 @@ fn compression_threads() -> usize {
 
 /// A chunked trace read back as one XSpace, and how many chunks it had.
 pub fn decode(file: &[u8]) -> Result<(XSpace, usize), ChunkError> {
+    decode_records(riegeli::records(file))
+}
+
+/// As [`decode`], drawing from `grant` what each chunk decompresses to and
+/// what each decodes to before it does: the most it holds is granted.
+pub fn decode_within(file: &[u8], grant: ChunkGrant<'_>) -> Result<(XSpace, usize), ChunkError> {
+    decode_records(riegeli::records_within(file, grant))
+}
+
+fn decode_records(mut records: riegeli::Records<'_>) -> Result<(XSpace, usize), ChunkError> {
     let mut merged = XSpace::default();
     let mut chunks = 0;
-    for record in riegeli::records(file) {
+    while let Some(record) = records.next() {
         let record = record?;
+        let decoded = super::footprint::decoded_bytes(&record)?;
+        records.draw(decoded).map_err(|why| ChunkError::Refused {
+            index: chunks,
+            bytes: decoded,
+            why,
+        })?;
         let chunk = XSpace::decode(record.as_slice()).map_err(|source| ChunkError::Decode {
             index: chunks,
             source,

@@ -56,3 +56,70 @@ impl Grant for Unlimited {
 
     fn let_go(&mut self, _bytes: usize) {}
 }
+
+/// A grant whose refusals are said as text, for readers that take any
+/// grant as one type ([`super::riegeli::ChunkGrant`]).
+pub struct Said<'g, G>(pub &'g mut G);
+
+impl<G: Grant> Grant for Said<'_, G>
+where
+    G::Refusal: std::fmt::Display,
+{
+    type Refusal = String;
+
+    fn take(&mut self, bytes: usize) -> Result<(), String> {
+        self.0.take(bytes).map_err(|refusal| refusal.to_string())
+    }
+
+    fn let_go(&mut self, bytes: usize) {
+        self.0.let_go(bytes);
+    }
+}
+
+/// A grant that counts what is held through it, so that a reader done with
+/// one part of its work lets go of all that part drew.
+pub struct Tally<'g, G> {
+    grant: &'g mut G,
+    held: usize,
+}
+
+impl<'g, G: Grant> Tally<'g, G> {
+    pub fn new(grant: &'g mut G) -> Tally<'g, G> {
+        Tally { grant, held: 0 }
+    }
+
+    /// Bytes held through it now.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+}
+
+impl<G: Grant> Grant for Tally<'_, G> {
+    type Refusal = G::Refusal;
+
+    fn take(&mut self, bytes: usize) -> Result<(), G::Refusal> {
+        self.grant.take(bytes)?;
+        self.held = self.held.saturating_add(bytes);
+        Ok(())
+    }
+
+    fn let_go(&mut self, bytes: usize) {
+        let bytes = bytes.min(self.held);
+        self.held -= bytes;
+        self.grant.let_go(bytes);
+    }
+}
+
+/// A grant that gives nothing: for a reader whose budget is all held now,
+/// which then reads nothing it would have to hold.
+pub struct Nothing;
+
+impl Grant for Nothing {
+    type Refusal = &'static str;
+
+    fn take(&mut self, _bytes: usize) -> Result<(), &'static str> {
+        Err("the memory budget is all held now")
+    }
+
+    fn let_go(&mut self, _bytes: usize) {}
+}

@@ -5,6 +5,7 @@
 
 pub mod builder;
 pub mod chunks;
+pub mod footprint;
 pub mod grant;
 pub mod merge;
 pub mod read;

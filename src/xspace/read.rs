@@ -27,10 +27,18 @@ pub enum ReadError {
         path: String,
         source: super::chunks::ChunkError,
     },
+    #[error("{path} is not an XSpace (.xplane.pb): {source}")]
+    Malformed { path: String, source: Malformed },
     /// Zero bytes decode as an XSpace with nothing in it; no writer of
     /// traces leaves one (a write cut short, a file truncated).
     #[error("{path} is empty (0 bytes): not a trace")]
     Empty { path: String },
+    #[error("{path} decodes to {bytes} bytes, more than may be held: {why}")]
+    Refused {
+        path: String,
+        bytes: u64,
+        why: String,
+    },
 }
 
 /// A trace file as read: its XSpace, and how many chunks it was stored in
@@ -57,6 +65,21 @@ pub fn read_trace(path: &Path) -> Result<TraceFile, ReadError> {
 /// Decodes the bytes of the trace file at `path` (named in errors), by its
 /// suffix: Riegeli chunks merged for `.xplane.riegeli`, one XSpace otherwise.
 pub fn decode_trace(bytes: &[u8], path: &Path) -> Result<TraceFile, ReadError> {
+    decode_trace_within(bytes, path, &mut super::Unlimited)
+}
+
+/// As [`decode_trace`], drawing from `grant` what decoding takes before it
+/// is taken ([`super::footprint`]): for traces read for others, whose size
+/// says little of what decoding them takes.
+pub fn decode_trace_within<G>(
+    bytes: &[u8],
+    path: &Path,
+    grant: &mut G,
+) -> Result<TraceFile, ReadError>
+where
+    G: super::Grant,
+    G::Refusal: std::fmt::Display,
+{
     if bytes.is_empty() {
         return Err(ReadError::Empty {
             path: path.display().to_string(),
@@ -67,13 +90,26 @@ pub fn decode_trace(bytes: &[u8], path: &Path) -> Result<TraceFile, ReadError> {
         .and_then(|name| name.to_str())
         .is_some_and(|name| name.ends_with(super::chunks::RIEGELI_SUFFIX));
     if !chunked {
+        let decoded =
+            super::footprint::decoded_bytes(bytes).map_err(|source| ReadError::Malformed {
+                path: path.display().to_string(),
+                source,
+            })?;
+        grant
+            .take(usize::try_from(decoded).unwrap_or(usize::MAX))
+            .map_err(|refusal| ReadError::Refused {
+                path: path.display().to_string(),
+                bytes: decoded,
+                why: refusal.to_string(),
+            })?;
         let space = decode_xspace(bytes, path)?;
         return Ok(TraceFile { space, chunks: 1 });
     }
-    let (space, chunks) = super::chunks::decode(bytes).map_err(|source| ReadError::Chunked {
-        path: path.display().to_string(),
-        source,
-    })?;
+    let (space, chunks) = super::chunks::decode_within(bytes, &mut super::grant::Said(grant))
+        .map_err(|source| ReadError::Chunked {
+            path: path.display().to_string(),
+            source,
+        })?;
     Ok(TraceFile { space, chunks })
 }
 

@@ -65,7 +65,14 @@ pub enum RiegeliError {
     Unsupported { at: u64, what: String },
     #[error("Brotli: {0}")]
     Brotli(std::io::Error),
+    #[error("the chunk at byte {at} decompresses to {bytes} bytes, more than may be held: {why}")]
+    Refused { at: u64, bytes: u64, why: String },
 }
+
+/// What reading chunks may hold: asked for each chunk's decompressed bytes
+/// before it is decompressed, and told when they are let go of. A grant's
+/// refusal is said as text.
+pub type ChunkGrant<'g> = &'g mut dyn super::Grant<Refusal = String>;
 
 fn hash(bytes: &[u8]) -> u64 {
     HighwayHasher::new(Key(HASH_KEY)).hash64(bytes)
@@ -304,6 +311,10 @@ pub struct Records<'f> {
     /// Records of the chunk read last, still to be handed out.
     pending: std::vec::IntoIter<Vec<u8>>,
     failed: bool,
+    grant: Option<ChunkGrant<'f>>,
+    /// Bytes of the chunk read last drawn from the grant, let go of when
+    /// the next is read.
+    drawn: usize,
 }
 
 /// Reads the records of `file`.
@@ -313,6 +324,18 @@ pub fn records(file: &[u8]) -> Records<'_> {
         pos: 0,
         pending: Vec::new().into_iter(),
         failed: false,
+        grant: None,
+        drawn: 0,
+    }
+}
+
+/// Reads the records of `file`, drawing what each chunk decompresses to
+/// from `grant` before decompressing it (a file's sizes are anyone's who
+/// could write it: 350 bytes can claim, and inflate to, 32 MiB).
+pub fn records_within<'f>(file: &'f [u8], grant: ChunkGrant<'f>) -> Records<'f> {
+    Records {
+        grant: Some(grant),
+        ..records(file)
     }
 }
 
@@ -323,6 +346,9 @@ impl Iterator for Records<'_> {
         loop {
             if let Some(record) = self.pending.next() {
                 return Some(Ok(record));
+            }
+            if let Some(grant) = self.grant.as_mut() {
+                grant.let_go(std::mem::take(&mut self.drawn));
             }
             if self.failed || self.pos >= self.file.len() as u64 {
                 return None;
@@ -346,6 +372,15 @@ impl Iterator for Records<'_> {
 }
 
 impl Records<'_> {
+    /// Draws `bytes` more from the grant it reads within (what its records
+    /// decode to), kept until the whole file is read.
+    pub fn draw(&mut self, bytes: u64) -> Result<(), String> {
+        match self.grant.as_mut() {
+            Some(grant) => grant.take(usize::try_from(bytes).unwrap_or(usize::MAX)),
+            None => Ok(()),
+        }
+    }
+
     /// Reads the chunk at `self.pos` and moves past it.
     fn next_chunk(&mut self) -> Result<Vec<Vec<u8>>, RiegeliError> {
         let begin = self.pos;
@@ -380,7 +415,20 @@ impl Records<'_> {
             chunk_type::FILE_SIGNATURE | chunk_type::FILE_METADATA | chunk_type::PADDING => {
                 Ok(Vec::new())
             }
-            chunk_type::SIMPLE => simple_records(&data, num_records, decoded_data_size, begin),
+            chunk_type::SIMPLE => {
+                let chunk = SimpleChunk::parse(&data, num_records, decoded_data_size, begin)?;
+                if let Some(grant) = self.grant.as_mut() {
+                    let bytes = chunk.held_bytes();
+                    let held = usize::try_from(bytes).unwrap_or(usize::MAX);
+                    grant.take(held).map_err(|why| RiegeliError::Refused {
+                        at: begin,
+                        bytes,
+                        why,
+                    })?;
+                    self.drawn = held;
+                }
+                chunk.records()
+            }
             chunk_type::TRANSPOSED => Err(RiegeliError::Unsupported {
                 at: begin,
                 what: "a transposed chunk".into(),
@@ -419,73 +467,127 @@ fn to_range(pos: u64, len: u64) -> Option<Range<usize>> {
     Some(start..end)
 }
 
-/// The records of a simple chunk's `data`.
-fn simple_records(
-    data: &[u8],
+/// A simple chunk's parts, their decompressed sizes known (and checked
+/// against its header) before anything is decompressed.
+struct SimpleChunk<'d> {
+    kind: u8,
+    sizes: &'d [u8],
+    sizes_len: u64,
+    values: &'d [u8],
+    values_len: u64,
     num_records: u64,
-    decoded_data_size: u64,
     at: u64,
-) -> Result<Vec<Vec<u8>>, RiegeliError> {
-    let corrupted = |what| RiegeliError::Corrupted { what, at };
-    let (&kind, rest) = data.split_first().ok_or(corrupted("empty simple chunk"))?;
-    let (sizes_size, rest) = take_varint(rest).ok_or(corrupted("bad sizes length"))?;
-    let sizes_size = usize::try_from(sizes_size)
-        .ok()
-        .filter(|size| *size <= rest.len())
-        .ok_or(corrupted("sizes past the chunk's end"))?;
-    let (sizes, values) = rest.split_at(sizes_size);
-    let sizes = decompress(kind, sizes, at)?;
-    let values = decompress(kind, values, at)?;
-    if values.len() as u64 != decoded_data_size {
-        return Err(corrupted("values of another size than the header says"));
-    }
-    let mut records = Vec::new();
-    let mut sizes = sizes.as_slice();
-    let mut values = values.as_slice();
-    for _ in 0..num_records {
-        let (size, rest) = take_varint(sizes).ok_or(corrupted("bad record size"))?;
-        sizes = rest;
-        let size = usize::try_from(size)
-            .ok()
-            .filter(|size| *size <= values.len())
-            .ok_or(corrupted("record past the chunk's values"))?;
-        let (record, rest) = values.split_at(size);
-        records.push(record.to_vec());
-        values = rest;
-    }
-    if !sizes.is_empty() || !values.is_empty() {
-        return Err(corrupted("more sizes or values than records"));
-    }
-    Ok(records)
 }
 
-/// A compressed block of compression `kind`, decompressed.
-fn decompress(kind: u8, block: &[u8], at: u64) -> Result<Vec<u8>, RiegeliError> {
-    let compressed = match kind {
-        compression::NONE => return Ok(block.to_vec()),
-        compression::BROTLI => block,
-        compression::ZSTD | compression::SNAPPY => {
-            return Err(RiegeliError::Unsupported {
-                at,
-                what: format!(
-                    "{}-compressed",
-                    if kind == compression::ZSTD {
-                        "Zstd"
-                    } else {
-                        "Snappy"
-                    }
-                ),
-            })
+impl<'d> SimpleChunk<'d> {
+    fn parse(
+        data: &'d [u8],
+        num_records: u64,
+        decoded_data_size: u64,
+        at: u64,
+    ) -> Result<SimpleChunk<'d>, RiegeliError> {
+        let corrupted = |what| RiegeliError::Corrupted { what, at };
+        let (&kind, rest) = data.split_first().ok_or(corrupted("empty simple chunk"))?;
+        let (sizes_size, rest) = take_varint(rest).ok_or(corrupted("bad sizes length"))?;
+        let sizes_size = usize::try_from(sizes_size)
+            .ok()
+            .filter(|size| *size <= rest.len())
+            .ok_or(corrupted("sizes past the chunk's end"))?;
+        let (sizes, values) = rest.split_at(sizes_size);
+        let sizes_len = decompressed_len(kind, sizes, at)?;
+        let values_len = decompressed_len(kind, values, at)?;
+        if values_len != decoded_data_size {
+            return Err(corrupted("values of another size than the header says"));
         }
-        other => {
-            return Err(RiegeliError::Unsupported {
-                at,
-                what: format!("compressed with unknown type 0x{other:02x}"),
-            })
+        // A record's size takes one byte at least, ten at most.
+        if sizes_len < num_records || sizes_len > num_records.saturating_mul(10) {
+            return Err(corrupted("sizes of another length than the records need"));
         }
-    };
+        Ok(SimpleChunk {
+            kind,
+            sizes,
+            sizes_len,
+            values,
+            values_len,
+            num_records,
+            at,
+        })
+    }
+
+    /// What reading its records holds at most: both parts decompressed,
+    /// and the records copied out of them.
+    fn held_bytes(&self) -> u64 {
+        let record = std::mem::size_of::<Vec<u8>>() as u64;
+        self.sizes_len
+            .saturating_add(self.values_len.saturating_mul(2))
+            .saturating_add(self.num_records.saturating_mul(record))
+    }
+
+    fn records(self) -> Result<Vec<Vec<u8>>, RiegeliError> {
+        let at = self.at;
+        let corrupted = |what| RiegeliError::Corrupted { what, at };
+        let sizes = decompress(self.kind, self.sizes, self.sizes_len, at)?;
+        let values = decompress(self.kind, self.values, self.values_len, at)?;
+        let mut records = Vec::new();
+        let mut sizes = sizes.as_slice();
+        let mut values = values.as_slice();
+        for _ in 0..self.num_records {
+            let (size, rest) = take_varint(sizes).ok_or(corrupted("bad record size"))?;
+            sizes = rest;
+            let size = usize::try_from(size)
+                .ok()
+                .filter(|size| *size <= values.len())
+                .ok_or(corrupted("record past the chunk's values"))?;
+            let (record, rest) = values.split_at(size);
+            records.push(record.to_vec());
+            values = rest;
+        }
+        if !sizes.is_empty() || !values.is_empty() {
+            return Err(corrupted("more sizes or values than records"));
+        }
+        Ok(records)
+    }
+}
+
+/// The size a block of compression `kind` says it decompresses to (its
+/// own length, uncompressed).
+fn decompressed_len(kind: u8, block: &[u8], at: u64) -> Result<u64, RiegeliError> {
+    match kind {
+        compression::NONE => Ok(block.len() as u64),
+        compression::BROTLI => {
+            take_varint(block)
+                .map(|(size, _)| size)
+                .ok_or(RiegeliError::Corrupted {
+                    what: "bad decompressed size",
+                    at,
+                })
+        }
+        compression::ZSTD | compression::SNAPPY => Err(RiegeliError::Unsupported {
+            at,
+            what: format!(
+                "{}-compressed",
+                if kind == compression::ZSTD {
+                    "Zstd"
+                } else {
+                    "Snappy"
+                }
+            ),
+        }),
+        other => Err(RiegeliError::Unsupported {
+            at,
+            what: format!("compressed with unknown type 0x{other:02x}"),
+        }),
+    }
+}
+
+/// A compressed block of compression `kind`, decompressed: `size` bytes
+/// ([`decompressed_len`]), never more.
+fn decompress(kind: u8, block: &[u8], size: u64, at: u64) -> Result<Vec<u8>, RiegeliError> {
+    if kind == compression::NONE {
+        return Ok(block.to_vec());
+    }
     let corrupted = |what| RiegeliError::Corrupted { what, at };
-    let (size, compressed) = take_varint(compressed).ok_or(corrupted("bad decompressed size"))?;
+    let (_, compressed) = take_varint(block).ok_or(corrupted("bad decompressed size"))?;
     let mut out = Vec::with_capacity(
         usize::try_from(size)
             .unwrap_or(MAX_RESERVE)
@@ -666,5 +768,77 @@ mod tests {
         });
         let error = all(&file.into_bytes()).unwrap_err();
         assert!(error.to_string().contains("Zstd"), "{error}");
+    }
+
+    /// A grant of `left` bytes in all.
+    struct Limit {
+        left: usize,
+        held: usize,
+    }
+
+    impl crate::xspace::Grant for Limit {
+        type Refusal = String;
+
+        fn take(&mut self, bytes: usize) -> Result<(), String> {
+            if self.held + bytes > self.left {
+                return Err(format!("{bytes} bytes more than {}", self.left));
+            }
+            self.held += bytes;
+            Ok(())
+        }
+
+        fn let_go(&mut self, bytes: usize) {
+            self.held -= bytes;
+        }
+    }
+
+    /// A few hundred bytes that inflate to 8 MiB are drawn at what they
+    /// inflate to before they do, and refused past the grant; read within a
+    /// grant that holds them, each chunk's bytes are let go of after it.
+    #[test]
+    fn a_small_chunk_that_inflates_far_is_refused_before_it_does() {
+        let mut file = FileWriter::default();
+        file.write_record(&vec![0; 8 << 20]).unwrap();
+        file.write_record(&vec![0; 8 << 20]).unwrap();
+        let file = file.into_bytes();
+        assert!(file.len() < 4096, "{} bytes", file.len());
+
+        let mut small = Limit {
+            left: 1 << 20,
+            held: 0,
+        };
+        let first = records_within(&file, &mut small).next().unwrap();
+        assert!(
+            matches!(first, Err(RiegeliError::Refused { bytes, .. }) if bytes >= 16 << 20),
+            "{first:?}"
+        );
+        assert_eq!(small.held, 0);
+
+        let mut enough = Limit {
+            left: 20 << 20,
+            held: 0,
+        };
+        let read = records_within(&file, &mut enough)
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        assert_eq!(read.len(), 2);
+        assert_eq!(enough.held, 0, "a chunk's bytes are let go of after it");
+    }
+
+    /// A block whose size prefix says more than the chunk's header is
+    /// refused before anything is inflated.
+    #[test]
+    fn a_block_claiming_more_than_its_header_is_corrupted() {
+        let mut chunk = Chunk::simple(b"a record").unwrap();
+        chunk.decoded_data_size = 1 << 40;
+        let mut file = FileWriter::default();
+        file.push(&chunk);
+        let error = all(&file.into_bytes()).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("values of another size than the header says"),
+            "{error}"
+        );
     }
 }

@@ -567,3 +567,91 @@ async fn a_trace_larger_than_the_capture_budget_is_spilled_and_delivered() {
         .expect("stopped");
     assert!(status.success());
 }
+
+/// Files that decode to far more than their size, put into a session by
+/// anyone who can write under the repository: 8 MiB of empty planes (two
+/// bytes each on the wire, a couple of hundred decoded) and a Riegeli file
+/// of a few KiB whose chunks inflate to 384 MiB. XProf's listing and tool
+/// requests on them are refused naming --capture-memory, or served within
+/// it; the agent, in a cgroup far smaller than what decoding them would
+/// take, is not OOM-killed and goes on serving (it was, at the first
+/// listing, when the sizes on disk were all it went by).
+#[tokio::test(flavor = "multi_thread")]
+async fn traces_that_decode_far_larger_than_their_size_are_refused_not_decoded() {
+    use devtrace::proto::tensorflow::{
+        EnumProfileSessionsAndToolsRequest, ProfileSessionDataRequest,
+    };
+
+    let Some(cgroup) = MemoryCgroup::with_limit("bombs", 512 << 20) else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let session = work.path().join("bombs");
+    std::fs::create_dir(&session).unwrap();
+    // 8 MiB: the reservation by size (ten times it) fits the budget.
+    let empty_planes = |bytes: usize| [0x0a, 0x00].repeat(bytes / 2);
+    std::fs::write(session.join("planes.xplane.pb"), empty_planes(8 << 20)).unwrap();
+    let mut inflating = devtrace::xspace::riegeli::FileWriter::default();
+    for _ in 0..2 {
+        inflating.write_record(&empty_planes(192 << 20)).unwrap();
+    }
+    let inflating = inflating.into_bytes();
+    assert!(inflating.len() < 64 << 10, "{} bytes", inflating.len());
+    std::fs::write(session.join("inflating.xplane.riegeli"), inflating).unwrap();
+    let root = work.path().display().to_string();
+    let child = cgroup
+        .serve(&["--capture-memory", "96MiB", "--store-size", "32MiB"])
+        .args(["--allow-root", &root])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting the agent");
+    let (mut agent, metrics) = AgentProcess::adopt_with_metrics(child);
+
+    let mut analysis = agent.analysis().await;
+    let listed = analysis
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: root.clone(),
+        })
+        .await
+        .expect("EnumSessions")
+        .into_inner();
+    assert_eq!(listed.sessions.len(), 1, "{listed:?}");
+    for (host, tool) in [
+        ("planes", "overview"),
+        ("planes", "trace_viewer"),
+        ("inflating", "overview"),
+    ] {
+        let refused = analysis
+            .get_session_tool_data(ProfileSessionDataRequest {
+                repository_root: root.clone(),
+                session_id: "bombs".into(),
+                host_name: host.into(),
+                tool_name: tool.into(),
+                parameters: Default::default(),
+            })
+            .await
+            .expect_err("served a trace that decodes past the budget");
+        assert_eq!(
+            refused.code(),
+            tonic::Code::ResourceExhausted,
+            "{host} {tool}: {refused:?}"
+        );
+        let said = refused.message();
+        assert!(
+            (said.contains("decodes to") || said.contains("decompresses to"))
+                && said.contains("more than all of --capture-memory"),
+            "{host} {tool}: {refused:?}"
+        );
+    }
+    // Still serving, inside its cgroup.
+    let space = space_of(&agent.profile(request(300, "after")).await);
+    assert!(!space.planes.is_empty());
+    assert_healthy_within_2s(&metrics);
+    assert_eq!(cgroup.oom_kills(), 0, "the kernel OOM-killed in the cgroup");
+    assert!(agent.is_running(), "the agent died");
+    let status = agent
+        .stop_with_sigterm(std::time::Duration::from_secs(10))
+        .expect("stopped");
+    assert!(status.success());
+}
