@@ -86,7 +86,10 @@ pub fn say_failure(text: &str) {
         })
         .to_string()
     } else {
-        format!("devtrace: {text}")
+        format!(
+            "devtrace: {}",
+            crate::model::printable::printable_lines(text)
+        )
     };
     let _ = writeln!(std::io::stderr(), "{line}");
 }
@@ -119,16 +122,25 @@ pub fn init(level: &str, format: LogFormat) -> anyhow::Result<()> {
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
         // A log that can no longer be written (a closed pipe) must not take
         // the agent down: by default a failed write is reported with
         // eprintln!, which panics when stderr itself is the problem.
         .log_internal_errors(false);
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = match format {
-        LogFormat::Text => builder
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // Lines read by a journal or a collector, one record each: text a
+        // peer sent (a host's error, a file's name) must not forge one.
+        LogFormat::Text if !terminal => builder
+            .with_ansi(false)
+            .with_writer(|| OneLineRecords(std::io::stderr()))
             .try_init(),
+        LogFormat::Text => builder
+            .with_ansi(true)
+            .with_writer(std::io::stderr)
+            .try_init(),
+        // JSON strings escape control characters themselves.
         LogFormat::Json => builder
+            .with_writer(std::io::stderr)
             .json()
             .flatten_event(true)
             .with_current_span(false)
@@ -136,6 +148,26 @@ pub fn init(level: &str, format: LogFormat) -> anyhow::Result<()> {
             .try_init(),
     };
     Ok(())
+}
+
+/// A writer of log records, one formatted record a write: its control
+/// characters but the line's end are escapes
+/// ([`crate::model::printable`]).
+struct OneLineRecords<W>(W);
+
+impl<W: std::io::Write> std::io::Write for OneLineRecords<W> {
+    fn write(&mut self, record: &[u8]) -> std::io::Result<usize> {
+        let body = record.strip_suffix(b"\n").unwrap_or(record);
+        let text = String::from_utf8_lossy(body);
+        let mut line = crate::model::printable::printable(&text).into_owned();
+        line.push('\n');
+        self.0.write_all(line.as_bytes())?;
+        Ok(record.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use super::logdir::{self, SessionOutput};
 use crate::clock;
 use crate::fleet::hosts::{self, HostList, Origin, COMMAND_LINE_LIMIT};
 use crate::fleet::{self, HostOutcome};
+use crate::model::printable::printable;
 use crate::protocol::client;
 
 #[derive(Debug, Args)]
@@ -274,12 +275,13 @@ pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
         }
     }
     let mut out = std::io::stdout().lock();
+    // Names of directories and files anyone who could write there chose.
     for s in sessions {
         writeln!(
             out,
             "{}\thosts: {}\ttools: {}",
-            s.session_id,
-            s.hosts.join(","),
+            printable(&s.session_id),
+            printable(&s.hosts.join(",")),
             s.tools.join(",")
         )
         .context(super::WRITING_OUTPUT)?;

@@ -11,6 +11,7 @@ pub mod filesystem;
 pub mod glob;
 pub mod host_process;
 pub mod memory_limit;
+pub mod printable;
 pub mod registry;
 pub mod scope;
 pub mod small_file;

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use prost::Message;
 
+use crate::model::printable::printable;
 use crate::proto::tensorflow::profiler::{x_event, x_stat, XEvent, XPlane, XSpace};
 
 #[derive(Debug, thiserror::Error)]
@@ -294,9 +295,11 @@ fn ms(ps: i64) -> f64 {
     ps as f64 / 1e9
 }
 
+/// Names and messages come from the file, whoever wrote it: printed
+/// escaped ([`crate::model::printable`]).
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "hosts: {}", self.hostnames.join(", "))?;
+        writeln!(f, "hosts: {}", printable(&self.hostnames.join(", ")))?;
         match self.span_ps {
             Some((start, end)) => writeln!(
                 f,
@@ -312,7 +315,7 @@ impl fmt::Display for Summary {
             writeln!(
                 f,
                 "plane {} (id {}): {} lines, {} events",
-                plane.name,
+                printable(&plane.name),
                 plane.id,
                 plane.lines.len(),
                 plane.events
@@ -321,7 +324,9 @@ impl fmt::Display for Summary {
                 writeln!(
                     f,
                     "  line {} (id {}): {} events",
-                    line.name, line.id, line.events
+                    printable(&line.name),
+                    line.id,
+                    line.events
                 )?;
             }
         }
@@ -333,15 +338,15 @@ impl fmt::Display for Summary {
                     "  {:>12.3} ms {:>9}x  {}",
                     ms(total.total_ps),
                     total.count,
-                    total.name
+                    printable(&total.name)
                 )?;
             }
         }
         for warning in &self.warnings {
-            writeln!(f, "warning: {warning}")?;
+            writeln!(f, "warning: {}", printable(warning))?;
         }
         for error in &self.errors {
-            writeln!(f, "error: {error}")?;
+            writeln!(f, "error: {}", printable(error))?;
         }
         Ok(())
     }

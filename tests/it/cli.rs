@@ -679,3 +679,60 @@ fn a_session_given_for_a_logdir_and_binary_tool_output_are_told_apart() {
         text(&out.stderr)
     );
 }
+
+/// Names in a trace file and in a repository are whoever wrote them's:
+/// `inspect` and `sessions` print them escaped, so that they cannot set
+/// the terminal's title, clear it or forge lines of the listing.
+#[test]
+fn names_others_wrote_are_printed_escaped() {
+    use devtrace::proto::tensorflow::profiler::{XLine, XPlane, XSpace};
+    use prost::Message;
+
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("plugins/profile/esc\u{1b}[2Jsession");
+    std::fs::create_dir_all(&session).unwrap();
+    let space = XSpace {
+        hostnames: vec!["host\u{1b}]0;PWNED\u{7}".into()],
+        planes: vec![XPlane {
+            name: "/host:CPU\r\nplane forged (id 9): 0 lines, 0 events".into(),
+            lines: vec![XLine {
+                name: "line\u{202e}".into(),
+                ..XLine::default()
+            }],
+            ..XPlane::default()
+        }],
+        warnings: vec!["warned\u{1b}[31m".into()],
+        ..XSpace::default()
+    };
+    let file = session.join("h\u{1b}[1m.xplane.pb");
+    std::fs::write(&file, space.encode_to_vec()).unwrap();
+
+    let inspected = devtrace(&["inspect", file.to_str().unwrap()]);
+    assert!(inspected.status.success(), "{}", text(&inspected.stderr));
+    let printed = text(&inspected.stdout);
+    assert!(
+        printed.contains("hosts: host\\u{1b}]0;PWNED\\u{7}"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("plane /host:CPU\\r\\nplane forged"),
+        "{printed}"
+    );
+    assert!(printed.contains("line line\\u{202e} (id 0)"), "{printed}");
+    assert!(printed.contains("warning: warned\\u{1b}[31m"), "{printed}");
+
+    let listed = devtrace(&["sessions", dir.path().to_str().unwrap()]);
+    assert!(listed.status.success(), "{}", text(&listed.stderr));
+    let printed = text(&listed.stdout);
+    assert!(
+        printed.starts_with("esc\\u{1b}[2Jsession\thosts: h\\u{1b}[1m\t"),
+        "{printed}"
+    );
+    for output in [&inspected.stdout, &listed.stdout] {
+        let output = text(output);
+        assert!(
+            !output.contains(['\u{1b}', '\r', '\u{7}', '\u{202e}']),
+            "{output:?}"
+        );
+    }
+}

@@ -569,3 +569,35 @@ fn a_cancelled_session_says_so_and_leaves_nothing_half_made() {
         "the directories made for it are gone"
     );
 }
+
+/// A host's error, which its server wrote, reaches the agent's log (and a
+/// journal or collector reading it) as one escaped line: a newline and a
+/// fake record in it forged a line of the log, and escape sequences
+/// reached whatever displayed it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hosts_error_cannot_forge_a_line_of_the_log() {
+    let forged = "2026-11-27T00:00:00.000000Z  INFO devtrace::agent: forged";
+    let evil = common::bulky::failing_host(&format!("evil\u{1b}[31mRED\n{forged}")).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut agent, logged) = spawn_logging(
+        Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+            .args(["--metrics-listen", "off", "--log-level", "info"])
+            .args(["--allow-root", dir.path().to_str().unwrap()]),
+    );
+    let reply = agent
+        .new_session_within(
+            session_request(dir.path(), &[&evil], "evil"),
+            Duration::from_secs(20),
+        )
+        .await;
+    assert!(reply.error_message.contains("evil"), "{reply:?}");
+    agent.stop_with_sigterm(Duration::from_secs(30));
+    let log = logged.join().unwrap();
+    assert!(
+        log.contains("evil\\u{1b}[31mRED\\n2026-11-27T00:00:00.000000Z  INFO"),
+        "{log}"
+    );
+    assert!(!log.lines().any(|line| line.starts_with(forged)), "{log}");
+    assert!(!log.contains('\u{1b}'), "{log}");
+}

@@ -839,21 +839,17 @@ async fn a_stopping_agent_names_the_stalled_write_it_stops_without() {
         return;
     };
     server.create_bucket("traces");
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
-        .args([
-            "--metrics-listen",
-            "off",
-            "--allow-root",
-            "s3://traces/team",
-        ])
-        .envs(server.env())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let logged = read_in_background(child.stderr.take().unwrap());
-    let mut agent = AgentProcess::adopt(child);
+    let (mut agent, logged) = spawn_logging(
+        Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+            .args([
+                "--metrics-listen",
+                "off",
+                "--allow-root",
+                "s3://traces/team",
+            ])
+            .envs(server.env()),
+    );
 
     let mut client = agent.client().await;
     let mut call = tonic::Request::new(devtrace::proto::tensorflow::ProfileRequest {

@@ -1,5 +1,6 @@
 //! A profiler server that speaks the protocol but answers with a trace as
-//! large as a test asks for, from inside the test process.
+//! large as a test asks for, or fails with the message a test gives, from
+//! inside the test process.
 
 use devtrace::proto::tensorflow::profiler::XSpace;
 use devtrace::proto::tensorflow::profiler_service_server::{
@@ -19,6 +20,8 @@ use tonic::{Request, Response, Status};
 /// accept, a busy host's otherwise.
 struct Bulky {
     bytes: usize,
+    /// Every `Profile` fails with this, when set.
+    failure: Option<String>,
 }
 
 #[tonic::async_trait]
@@ -27,6 +30,9 @@ impl ProfilerService for Bulky {
         &self,
         _: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
+        if let Some(message) = &self.failure {
+            return Err(Status::internal(message.clone()));
+        }
         let space = XSpace {
             hostnames: vec!["h".repeat(self.bytes)],
             ..XSpace::default()
@@ -74,9 +80,27 @@ impl ProfilerService for Bulky {
 
 /// Starts a [`Bulky`] server on loopback; its address.
 pub async fn bulky_host(bytes: usize) -> String {
+    serve(Bulky {
+        bytes,
+        failure: None,
+    })
+    .await
+}
+
+/// Starts a server whose every `Profile` fails with INTERNAL and
+/// `message`; its address.
+pub async fn failing_host(message: &str) -> String {
+    serve(Bulky {
+        bytes: 0,
+        failure: Some(message.to_string()),
+    })
+    .await
+}
+
+async fn serve(server: Bulky) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
-    let service = ProfilerServiceServer::new(Bulky { bytes });
+    let service = ProfilerServiceServer::new(server);
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(service)

@@ -269,6 +269,19 @@ pub fn read_in_background(
     })
 }
 
+/// Starts the agent `command` runs, its standard error read on a thread
+/// of its own: the agent once listening, and its log (whole once it has
+/// exited).
+pub fn spawn_logging(command: &mut Command) -> (AgentProcess, std::thread::JoinHandle<String>) {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the agent");
+    let logged = read_in_background(child.stderr.take().expect("piped"));
+    (AgentProcess::adopt(child), logged)
+}
+
 /// Runs `devtrace ARGS` off the async runtime, so that servers of the test
 /// keep answering it.
 pub async fn devtrace(args: Vec<String>) -> std::process::Output {
