@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Args;
 
 use crate::fleet::session_traces;
+use crate::model::printable::printable;
 use crate::repository::{Folder, Location, XPLANE_SUFFIX};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
 use crate::xspace::read::{read_trace, summarize};
@@ -37,14 +38,30 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     }
     let files = session_files(&args.file)?;
     let several = files.len() > 1;
+    // One host's trace that cannot be read does not hide the others'.
+    let mut unread = 0;
     for (index, file) in files.iter().enumerate() {
         if several && !args.json {
             if index > 0 {
                 writeln!(out).context(super::WRITING_OUTPUT)?;
             }
-            writeln!(out, "== {}", file.display()).context(super::WRITING_OUTPUT)?;
+            writeln!(out, "== {}", printable(&file.display().to_string()))
+                .context(super::WRITING_OUTPUT)?;
         }
-        inspect(&mut out, file, &args, several)?;
+        match inspect(&mut out, file, &args, several) {
+            Err(error) if several && !super::output_closed(&error) => {
+                super::say_failure(&error);
+                unread += 1;
+            }
+            other => other?,
+        }
+    }
+    if unread > 0 {
+        anyhow::bail!(
+            "{unread} of the {} traces in {} could not be read (said above)",
+            files.len(),
+            printable(&args.file.display().to_string())
+        );
     }
     Ok(())
 }

@@ -621,6 +621,8 @@ pub struct ToolPlan {
     one_host: bool,
     /// (host, file, size) of each trace to read.
     traces: Vec<(String, String, u64)>,
+    /// The hosts whose trace cannot be read, and why.
+    unplanned: Vec<(String, ToolDataError)>,
     viewer: crate::tools::trace_viewer::TraceViewerOptions,
     top: usize,
 }
@@ -687,15 +689,26 @@ pub fn plan_tool(
     };
     let top: usize = parameter(parameters, "top")?.unwrap_or(10);
     let mut planned = Vec::with_capacity(selected.len());
+    let mut unplanned = Vec::new();
     for name in selected {
         let file = traces[&name].clone();
-        let size = session.size(&file)?;
-        planned.push((name, file, size));
+        match session.size(&file) {
+            Ok(size) => planned.push((name, file, size)),
+            // Of every host, one whose file cannot be read is left out.
+            Err(error) if host.is_none() && tool != "xplane" => {
+                unplanned.push((name, ToolDataError::from(error)));
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    if planned.is_empty() && !unplanned.is_empty() {
+        return Err(unplanned.swap_remove(0).1);
     }
     Ok(ToolPlan {
         tool: tool.to_string(),
         one_host: host.is_some(),
         traces: planned,
+        unplanned,
         viewer,
         top,
     })
@@ -742,74 +755,58 @@ impl ToolPlan {
     /// As [`Self::run`], drawing from `grant` each trace read and what
     /// decoding it takes before it is taken ([`crate::xspace::footprint`]),
     /// and each host's output as it is kept: a trace that would take more
-    /// than the grant gives is refused, whatever its size on disk.
-    pub fn run_within<G>(self, session: &Folder, grant: &mut G) -> Result<Computed, ToolDataError>
+    /// than the grant gives is refused, whatever its size on disk. Of
+    /// several hosts, one whose trace cannot be read or computed is named
+    /// in the output (`"failed"`) and the others are served; only when none
+    /// can be is it an error.
+    pub fn run_within<G>(
+        mut self,
+        session: &Folder,
+        grant: &mut G,
+    ) -> Result<Computed, ToolDataError>
     where
-        G: crate::xspace::Grant,
+        G: Grant,
         G::Refusal: std::fmt::Display,
     {
-        use crate::tools;
         let mut grant = crate::xspace::grant::Tally::new(grant);
-        let read = |file: &str, planned: u64, grant: &mut crate::xspace::grant::Tally<'_, G>| {
-            grant
-                .take(usize::try_from(planned).unwrap_or(usize::MAX))
-                .map_err(|refusal| ToolDataError::Refused {
-                    what: format!("reading {}/{file} ({planned} bytes)", session.display()),
-                    why: refusal.to_string(),
-                })?;
-            let bytes = session.read(file)?;
-            if bytes.len() as u64 > planned {
-                return Err(ToolDataError::Grew {
-                    file: format!("{}/{file}", session.display()),
-                    planned,
-                    now: bytes.len() as u64,
-                });
-            }
-            Ok(bytes)
-        };
         if self.tool == "xplane" {
             let (_, file, size) = &self.traces[0];
             return Ok(Computed {
-                output: ToolOutput::Blob(read(file, *size, &mut grant)?),
+                output: ToolOutput::Blob(read_planned(session, file, *size, &mut grant)?),
                 left_out: Vec::new(),
             });
         }
         let mut left_out = Vec::new();
         let mut per_host = Vec::with_capacity(self.traces.len());
+        let mut failed = std::mem::take(&mut self.unplanned);
+        for (name, error) in &failed {
+            left_out.push(format!("{name}: left out: {error}"));
+        }
         for (name, file, size) in &self.traces {
             let before = grant.held();
-            let bytes = read(file, *size, &mut grant)?;
-            let shown = PathBuf::from(format!("{}/{file}", session.display()));
-            let space = crate::xspace::read::decode_trace_within(&bytes, &shown, &mut grant)?.space;
-            drop(bytes);
-            let json = match self.tool.as_str() {
-                "trace_viewer" => {
-                    let trace = tools::trace_viewer::trace_viewer(&space, &self.viewer)?;
-                    if trace.events.len() < trace.events_in_window {
-                        left_out.push(format!(
-                            "{name}: {} of the {} events in the window, the longest in each \
-                             part of it (resolution {}; resolution=0 returns every one)",
-                            trace.events.len(),
-                            trace.events_in_window,
-                            self.viewer.resolution
-                        ));
-                    }
-                    trace.to_json()
-                }
-                "memory_profile" => tools::memory_profile::memory_profile_json(&space)?,
-                "kernel_stats" => tools::kernel_stats::kernel_stats(&space)?.to_json(),
-                _ => tools::overview::overview(&space, self.top)?.to_json(),
-            };
-            drop(space);
+            let computed = self.host_output(session, name, file, *size, &mut grant, &mut left_out);
             // What this host's work drew is let go of; its output is kept.
             grant.let_go(grant.held() - before);
-            grant
-                .take(json.len())
-                .map_err(|refusal| ToolDataError::Refused {
-                    what: format!("keeping {name}'s {} ({} bytes)", self.tool, json.len()),
-                    why: refusal.to_string(),
-                })?;
-            per_host.push((name.clone(), json));
+            let kept = computed.and_then(|json| {
+                grant
+                    .take(json.len())
+                    .map(|()| json)
+                    .map_err(|refusal| ToolDataError::Refused {
+                        what: format!("keeping {name}'s {}", self.tool),
+                        why: refusal.to_string(),
+                    })
+            });
+            match kept {
+                Ok(json) => per_host.push((name.clone(), json)),
+                Err(error) if self.one_host => return Err(error),
+                Err(error) => {
+                    left_out.push(format!("{name}: left out: {error}"));
+                    failed.push((name.clone(), error));
+                }
+            }
+        }
+        if per_host.is_empty() && !failed.is_empty() {
+            return Err(failed.swap_remove(0).1);
         }
         if self.one_host {
             return Ok(Computed {
@@ -826,12 +823,94 @@ impl ToolPlan {
             out.push(':');
             out.push_str(json);
         }
-        out.push_str("}}");
+        out.push('}');
+        if !failed.is_empty() {
+            out.push_str(",\"failed\":{");
+            for (i, (name, error)) in failed.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                crate::tools::json::string(&mut out, name);
+                out.push(':');
+                crate::tools::json::string(&mut out, &error.to_string());
+            }
+            out.push('}');
+        }
+        out.push('}');
         Ok(Computed {
             output: ToolOutput::Json(out),
             left_out,
         })
     }
+
+    /// One host's output: its trace read, decoded and the tool computed.
+    fn host_output<G>(
+        &self,
+        session: &Folder,
+        name: &str,
+        file: &str,
+        size: u64,
+        grant: &mut G,
+        left_out: &mut Vec<String>,
+    ) -> Result<String, ToolDataError>
+    where
+        G: Grant,
+        G::Refusal: std::fmt::Display,
+    {
+        use crate::tools;
+        let bytes = read_planned(session, file, size, grant)?;
+        let shown = PathBuf::from(format!("{}/{file}", session.display()));
+        let space = crate::xspace::read::decode_trace_within(&bytes, &shown, grant)?.space;
+        drop(bytes);
+        Ok(match self.tool.as_str() {
+            "trace_viewer" => {
+                let trace = tools::trace_viewer::trace_viewer(&space, &self.viewer)?;
+                if trace.events.len() < trace.events_in_window {
+                    left_out.push(format!(
+                        "{name}: {} of the {} events in the window, the longest in each part \
+                         of it (resolution {}; resolution=0 returns every one)",
+                        trace.events.len(),
+                        trace.events_in_window,
+                        self.viewer.resolution
+                    ));
+                }
+                trace.to_json()
+            }
+            "memory_profile" => tools::memory_profile::memory_profile_json(&space)?,
+            "kernel_stats" => tools::kernel_stats::kernel_stats(&space)?.to_json(),
+            _ => tools::overview::overview(&space, self.top)?.to_json(),
+        })
+    }
+}
+
+/// A session's trace `file`, drawn from `grant` at the size it was planned
+/// at; one that grew since is refused (what the tool takes was counted for
+/// the size it had).
+fn read_planned<G>(
+    session: &Folder,
+    file: &str,
+    planned: u64,
+    grant: &mut G,
+) -> Result<Vec<u8>, ToolDataError>
+where
+    G: Grant,
+    G::Refusal: std::fmt::Display,
+{
+    grant
+        .take(usize::try_from(planned).unwrap_or(usize::MAX))
+        .map_err(|refusal| ToolDataError::Refused {
+            what: format!("reading {}/{file} ({planned} bytes)", session.display()),
+            why: refusal.to_string(),
+        })?;
+    let bytes = session.read(file)?;
+    if bytes.len() as u64 > planned {
+        return Err(ToolDataError::Grew {
+            file: format!("{}/{file}", session.display()),
+            planned,
+            now: bytes.len() as u64,
+        });
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -434,6 +434,54 @@ fn tools_report_missing_planes() {
     assert!(trace.events.is_empty() && trace.processes.is_empty());
 }
 
+/// Of a session's hosts, one whose file cannot be read (a FIFO someone
+/// put in its place) is named and left out; the others are served, by
+/// `tool` and by `inspect` (one such file failed the whole session, and
+/// `inspect` stopped at it).
+#[test]
+fn one_unreadable_host_leaves_the_others_served() {
+    let logdir = scratch("one-bad-host");
+    let session = logdir.join("plugins/profile/mixed");
+    std::fs::create_dir_all(&session).unwrap();
+    let trace = capture().space.encode_to_vec();
+    std::fs::write(session.join("worker-0.xplane.pb"), &trace).unwrap();
+    std::fs::write(session.join("worker-2.xplane.pb"), &trace).unwrap();
+    let fifo = session.join("worker-1.xplane.pb");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+
+    let tool = Command::new(BIN)
+        .arg("tool")
+        .args([&logdir, Path::new("mixed"), Path::new("overview")])
+        .output()
+        .expect("running devtrace tool");
+    let said = String::from_utf8_lossy(&tool.stderr);
+    assert!(tool.status.success(), "{said}");
+    let output = parse(&String::from_utf8_lossy(&tool.stdout));
+    let served: Vec<&String> = output["hosts"].as_object().unwrap().keys().collect();
+    assert_eq!(served, ["worker-0", "worker-2"]);
+    let failed = output["failed"]["worker-1"]
+        .as_str()
+        .expect("worker-1 named");
+    assert!(failed.contains("not a regular file"), "{failed}");
+    assert!(said.contains("worker-1: left out:"), "{said}");
+
+    let inspect = Command::new(BIN)
+        .arg("inspect")
+        .arg(&session)
+        .output()
+        .expect("running devtrace inspect");
+    let printed = String::from_utf8_lossy(&inspect.stdout);
+    let said = String::from_utf8_lossy(&inspect.stderr);
+    assert_eq!(inspect.status.code(), Some(1), "{said}");
+    assert_eq!(printed.matches("hosts: ").count(), 2, "{printed}");
+    assert!(said.contains("worker-1.xplane.pb"), "{said}");
+    assert!(
+        said.contains("1 of the 3 traces in") && said.contains("could not be read"),
+        "{said}"
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Synthetic traces for the comparison with XProf.
 
