@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::logdir::SessionOutput;
 use crate::clock;
+use crate::model::printable::printable;
 use crate::protocol::client;
 use crate::protocol::{RIEGELI_TOOL, XPLANE_TOOL};
 use crate::repository::XPLANE_SUFFIX;
@@ -655,11 +656,34 @@ fn store(captured: Captured) -> anyhow::Result<String> {
         output.abandon();
         return Ok(session_dir.join(&name).to_string());
     }
-    let mut written = None;
+    // The server names the files and fills them: a name that is not a plain
+    // file name is not written (`../` would leave the logdir), and a trace
+    // that does not begin as one is not kept as one.
+    let mut files = Vec::new();
     for tool in &reply.tool_data {
         if tool.name.ends_with("tf_stats_helper_result") {
             continue;
         }
+        if let Err(refused) = crate::service::validate::name_component("name", &tool.name) {
+            eprintln!(
+                "devtrace: the reply's file {} is not written: {}",
+                printable(&format!("{:?}", tool.name)),
+                printable(refused.message())
+            );
+            continue;
+        }
+        if tool.name == XPLANE_TOOL || tool.name == RIEGELI_TOOL {
+            let chunked = tool.name == RIEGELI_TOOL;
+            crate::xspace::read::check_trace_head(&tool.data, tool.data.len() as u64, chunked)
+                .map_err(|why| {
+                    output.abandon();
+                    anyhow::anyhow!("the server's reply is not a trace: its {} {why}", tool.name)
+                })?;
+        }
+        files.push(tool);
+    }
+    let mut written = None;
+    for tool in files {
         let stored = output.write(&session_id, &format!("{host}.{}", tool.name), &tool.data);
         let path = match stored {
             Ok(path) => path,

@@ -520,8 +520,9 @@ pub enum ToolDataError {
     #[error("host_name: {tool} returns one host's file; name one of: {}", hosts.join(", "))]
     NeedsHost { tool: String, hosts: Vec<String> },
     #[error(
-        "host_name: this host's trace is stored as Riegeli chunks ({file}), too large for one \
-         XSpace; read that file itself (XProf 2.23 and later, devtrace inspect)"
+        "host_name: this host's trace is stored as Riegeli chunks ({file}), as traces too \
+         large for one XSpace are, which xplane does not return; read that file itself (XProf \
+         2.23 and later, devtrace inspect)"
     )]
     Chunked { file: String },
     #[error("session_id: no traces in {path}")]

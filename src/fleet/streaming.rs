@@ -241,7 +241,7 @@ async fn receive(
             (RESPONSE_EMPTY_TRACE, VARINT) => empty = reader.varint().await? != 0,
             (RESPONSE_XSPACE, LENGTH_DELIMITED) => {
                 let length = reader.length(end).await?;
-                trace.take(reader, length, XPLANE_SUFFIX).await?;
+                trace.take(reader, length, XPLANE_SUFFIX, false).await?;
             }
             _ => reader.skip_field(wire, end).await?,
         }
@@ -287,8 +287,8 @@ async fn tool_data(
                     Some(_) => None,
                 };
                 if let Some(suffix) = suffix.filter(|_| trace.wants_more()) {
-                    tentative = name.is_none();
-                    trace.take(reader, length, suffix).await?;
+                    trace.take(reader, length, suffix, name.is_none()).await?;
+                    tentative = name.is_none() && !trace.wants_more();
                 } else {
                     reader.skip(length).await?;
                 }
@@ -326,20 +326,41 @@ impl TraceOut {
     }
 
     /// Copies `length` bytes of the reader into the file, named for the
-    /// host with `suffix` (what the trace is stored as).
+    /// host with `suffix` (what the trace is stored as), when they begin as
+    /// a trace does; else it is an error, or, when `tentative` (data whose
+    /// name has not come yet), they are passed over.
     async fn take(
         &mut self,
         reader: &mut Reader,
         length: u64,
         suffix: &'static str,
+        tentative: bool,
     ) -> Result<(), ReceiveError> {
         if !self.wants_more() {
             return reader.skip(length).await;
         }
+        // A peer's bytes are stored only when they begin as a trace does:
+        // junk saved as a host's trace failed every tool later, as if the
+        // agent were at fault.
+        let head_length = length.min(crate::xspace::read::TRACE_HEAD_BYTES as u64);
+        let mut head = Vec::with_capacity(BATCH_BYTES.min(length as usize));
+        while (head.len() as u64) < head_length {
+            let piece = reader.piece(head_length - head.len() as u64).await?;
+            head.extend_from_slice(&piece);
+        }
+        if let Err(why) =
+            crate::xspace::read::check_trace_head(&head, length, suffix == RIEGELI_SUFFIX)
+        {
+            // Data not yet named may be another tool's.
+            if tentative {
+                return reader.skip(length - head_length).await;
+            }
+            return Err(ReceiveError::Malformed(format!("its trace {why}")));
+        }
         let (sink, name) = (Arc::clone(&self.sink), format!("{}{suffix}", self.host));
         self.file = Some(blocking(move || sink.create(&name)).await?);
-        self.batch = Vec::with_capacity(BATCH_BYTES.min(length as usize));
-        let mut left = length;
+        self.batch = head;
+        let mut left = length - head_length;
         while left > 0 {
             let room = (BATCH_BYTES - self.batch.len()) as u64;
             let piece = reader.piece(left.min(room)).await?;
@@ -595,6 +616,23 @@ mod tests {
         body
     }
 
+    /// An encoded XSpace of one host, `name`: bytes that begin as a trace
+    /// does.
+    fn trace(name: &str) -> Vec<u8> {
+        crate::proto::tensorflow::profiler::XSpace {
+            hostnames: vec![name.into()],
+            ..Default::default()
+        }
+        .encode_to_vec()
+    }
+
+    /// A Riegeli/records file of one chunk.
+    fn chunks() -> Vec<u8> {
+        let mut file = crate::xspace::riegeli::FileWriter::default();
+        file.write_record(&trace("chunk")).expect("a chunk");
+        file.into_bytes()
+    }
+
     fn tool(name: &str, data: &[u8]) -> RawToolData {
         RawToolData {
             name: name.into(),
@@ -650,7 +688,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_first_trace_field_of_a_reply_is_its_trace() {
-        let big: Vec<u8> = (0..(BATCH_BYTES * 2 + 17)).map(|i| i as u8).collect();
+        let big = trace(&"b".repeat(BATCH_BYTES * 2 + 17));
         let only_xspace = reply(vec![], Some(&big), false);
         assert_eq!(
             received(framed(&only_xspace, 0), 1 << 30).await,
@@ -659,33 +697,36 @@ mod tests {
         // Tool data first (field 6 before 8), as TensorFlow's servers send
         // both: the tool data is the trace, the xspace is skipped.
         let both = reply(
-            vec![tool("trace_viewer", b"json"), tool("xplane.pb", b"first")],
-            Some(b"second"),
+            vec![
+                tool("trace_viewer", b"json"),
+                tool("xplane.pb", &trace("first")),
+            ],
+            Some(&trace("second")),
             false,
         );
         assert_eq!(
             received(framed(&both, 0), 1 << 20).await,
-            Ok(Some(b"first".to_vec()))
+            Ok(Some(trace("first")))
         );
         let other_tools_only = reply(vec![tool("trace_viewer", b"json")], None, false);
         assert_eq!(
             received(framed(&other_tools_only, 0), 1 << 20).await,
             Ok(None)
         );
-        let empty = reply(vec![], Some(b"ignored"), true);
+        let empty = reply(vec![], Some(&trace("ignored")), true);
         assert_eq!(received(framed(&empty, 0), 1 << 20).await, Ok(None));
     }
 
     #[tokio::test]
     async fn a_chunked_trace_is_written_as_riegeli() {
         let chunked = reply(
-            vec![tool("trace_viewer", b"json"), tool(RIEGELI_TOOL, b"chunks")],
+            vec![tool("trace_viewer", b"json"), tool(RIEGELI_TOOL, &chunks())],
             None,
             false,
         );
         assert_eq!(
             received(framed(&chunked, 0), 1 << 20).await,
-            Ok(Some(b"chunks".to_vec()))
+            Ok(Some(chunks()))
         );
         let sink = Arc::new(MemorySink::default());
         let refused = |status| CallError::Status { status, tls: false };
@@ -712,19 +753,19 @@ mod tests {
         prost::encoding::string::encode(1, &"memory_viewer".to_string(), &mut reversed);
         let mut message = Vec::new();
         prost::encoding::bytes::encode(6, &reversed, &mut message);
-        prost::encoding::bytes::encode(8, &b"the trace".to_vec(), &mut message);
+        prost::encoding::bytes::encode(8, &trace("the trace"), &mut message);
         assert_eq!(
             received(framed(&message, 0), 1 << 20).await,
-            Ok(Some(b"the trace".to_vec()))
+            Ok(Some(trace("the trace")))
         );
         let mut named_late = Vec::new();
-        prost::encoding::bytes::encode(2, &b"late name".to_vec(), &mut named_late);
+        prost::encoding::bytes::encode(2, &trace("late name"), &mut named_late);
         prost::encoding::string::encode(1, &XPLANE_TOOL.to_string(), &mut named_late);
         let mut message = Vec::new();
         prost::encoding::bytes::encode(6, &named_late, &mut message);
         assert_eq!(
             received(framed(&message, 0), 1 << 20).await,
-            Ok(Some(b"late name".to_vec()))
+            Ok(Some(trace("late name")))
         );
     }
 
@@ -745,7 +786,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_status_in_the_trailers_decides() {
-        let good = framed(&reply(vec![], Some(b"trace"), false), 0);
+        let good = framed(&reply(vec![], Some(&trace("trace")), false), 0);
         let error = received_with(good.clone(), 1 << 20, Some(Code::ResourceExhausted))
             .await
             .unwrap_err();
@@ -753,7 +794,7 @@ mod tests {
         let error = received_with(good, 1 << 20, None).await.unwrap_err();
         assert_eq!(error, "malformed reply: no grpc-status in the trailers");
         // A status that ends the reply early is what is reported.
-        let cut = framed(&reply(vec![], Some(b"trace"), false), 0)[..9].to_vec();
+        let cut = framed(&reply(vec![], Some(&trace("trace")), false), 0)[..9].to_vec();
         let error = received_with(cut, 1 << 20, Some(Code::Internal))
             .await
             .unwrap_err();
@@ -765,7 +806,7 @@ mod tests {
 
     #[tokio::test]
     async fn malformed_replies_are_named_and_leave_no_file() {
-        let good = reply(vec![], Some(b"trace"), false);
+        let good = reply(vec![], Some(&trace("trace")), false);
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (
                 framed(&good, 1),
@@ -778,6 +819,14 @@ mod tests {
                 "malformed reply: a field runs past its message",
             ),
             (framed(&[0x0b], 0), "malformed reply: wire type 3"),
+            (
+                framed(&reply(vec![tool(RIEGELI_TOOL, b"\0junk")], None, false), 0),
+                "malformed reply: its trace is said to be Riegeli chunks",
+            ),
+            (
+                framed(&reply(vec![tool(XPLANE_TOOL, b"\0junk")], None, false), 0),
+                "malformed reply: its trace (xplane.pb) does not begin with a protobuf field",
+            ),
             (
                 // empty_trace with a value of 11 continued bytes.
                 framed(

@@ -445,6 +445,49 @@ fn plane_name(plane: &[u8]) -> Result<Option<&[u8]>, Malformed> {
     Ok(name)
 }
 
+/// Bytes of a trace [`check_trace_head`] looks at.
+pub const TRACE_HEAD_BYTES: usize = 64;
+
+/// Whether `head`, the first bytes of a trace of `length` bytes, begins as
+/// a trace does: a Riegeli/records file's signature when `chunked`, else a
+/// protobuf field that fits the message (an XSpace's first). Cheap, for
+/// bytes a peer sends before they are stored; why not, when not.
+pub fn check_trace_head(head: &[u8], length: u64, chunked: bool) -> Result<(), String> {
+    if chunked {
+        return if super::riegeli::begins_with_signature(head) {
+            Ok(())
+        } else {
+            Err(
+                "is said to be Riegeli chunks (xplane.riegeli) but does not begin with that \
+                 format's signature"
+                    .into(),
+            )
+        };
+    }
+    if length == 0 {
+        return Ok(());
+    }
+    let mut fields = WireReader(head);
+    let malformed =
+        || "(xplane.pb) does not begin with a protobuf field: not an XSpace".to_string();
+    let key = fields.varint().map_err(|_| malformed())?;
+    let consumed = (head.len() - fields.0.len()) as u64;
+    match (key >> 3, key & 7) {
+        (0, _) => Err(malformed()),
+        (_, 0 | 1 | 5) => Ok(()),
+        (_, 2) => match fields.varint() {
+            Ok(field) if field <= length - consumed => Ok(()),
+            Ok(_) => Err(format!(
+                "(xplane.pb) begins with a field longer than its {length} bytes"
+            )),
+            // The length's varint may run past a short head.
+            Err(_) if (head.len() as u64) < length => Ok(()),
+            Err(_) => Err(malformed()),
+        },
+        _ => Err(malformed()),
+    }
+}
+
 /// How late a server may begin recording and still count as having
 /// recorded the window asked for: a call's own latency.
 pub const RECORDING_START_SLACK_NS: u64 = 50_000_000;

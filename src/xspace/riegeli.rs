@@ -303,6 +303,13 @@ impl FileWriter {
     }
 }
 
+/// Whether `bytes` begin with the file signature every Riegeli/records
+/// file begins with (its first 64 bytes).
+pub fn begins_with_signature(bytes: &[u8]) -> bool {
+    let signature = FileWriter::default().into_bytes();
+    bytes.starts_with(&signature)
+}
+
 /// The records of a Riegeli/records file, in order. Chunks other than
 /// records (signature, metadata, padding) are passed over.
 pub struct Records<'f> {

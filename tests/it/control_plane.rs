@@ -1187,3 +1187,108 @@ async fn a_unix_socket_serves_local_clients_with_its_mode() {
     assert!(event_count(&captured_trace(&out)) > 0);
     drop(agent);
 }
+
+/// A reply's files are named by the server: `devtrace capture` writes only
+/// those whose names are plain file names (one naming `../` wrote outside
+/// the logdir), and refuses a trace that does not begin as one.
+#[tokio::test]
+async fn a_hostile_servers_file_names_and_junk_stay_out_of_the_logdir() {
+    use devtrace::proto::tensorflow::{ProfileResponse, ProfileToolData};
+    let tool = |name: &str, data: &[u8]| ProfileToolData {
+        name: name.into(),
+        data: data.to_vec().into(),
+    };
+    let trace = XSpace {
+        hostnames: vec!["h".into()],
+        ..XSpace::default()
+    }
+    .encode_to_vec();
+    let escaping = common::bulky::replying_host(ProfileResponse {
+        tool_data: vec![
+            tool("/../../../escaped.txt", b"outside"),
+            tool("xplane.pb", &trace),
+        ],
+        ..ProfileResponse::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let logdir = dir.path().join("logs");
+    let out = capture(&escaping, &logdir, &["--session-id", "run"]).await;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("is not written"),
+        "{}",
+        text(&out.stderr)
+    );
+    let written: Vec<_> = walk(dir.path());
+    assert_eq!(written.len(), 1, "{written:?}");
+    assert!(
+        written[0].to_string_lossy().ends_with(".xplane.pb"),
+        "{written:?}"
+    );
+
+    let junk = common::bulky::replying_host(ProfileResponse {
+        tool_data: vec![tool("xplane.riegeli", &b"\0junk".repeat(100))],
+        ..ProfileResponse::default()
+    })
+    .await;
+    let out = capture(&junk, &logdir, &["--session-id", "junk"]).await;
+    fails_saying(
+        &out,
+        "the server's reply is not a trace: its xplane.riegeli",
+    );
+    assert!(!logdir.join("plugins/profile/junk").exists());
+}
+
+/// Every file under `dir`, recursively.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// A session host whose reply's trace is junk (not Riegeli, though named
+/// so) is a failed host; nothing of it is stored (it was, and every tool on
+/// the session failed with INTERNAL later).
+#[tokio::test]
+async fn a_session_host_sending_junk_for_a_trace_is_a_failed_host() {
+    use devtrace::proto::tensorflow::{ProfileResponse, ProfileToolData};
+    let junk = common::bulky::replying_host(ProfileResponse {
+        tool_data: vec![ProfileToolData {
+            name: "xplane.riegeli".into(),
+            data: b"\0junk".repeat(100).into(),
+        }],
+        ..ProfileResponse::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = AgentProcess::start(&["--allow-root", path(dir.path())]);
+    let reply = agent
+        .new_session_within(
+            session_request(dir.path(), &[junk.as_str(), agent.address.as_str()], "s"),
+            std::time::Duration::from_secs(20),
+        )
+        .await;
+    assert!(
+        reply
+            .error_message
+            .contains("does not begin with that format's signature"),
+        "{}",
+        reply.error_message
+    );
+    let files: Vec<String> = std::fs::read_dir(dir.path().join("s"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(
+        files,
+        vec![format!("{}.xplane.pb", agent.address.replace(':', "_"))]
+    );
+}

@@ -1,6 +1,6 @@
 //! A profiler server that speaks the protocol but answers with a trace as
-//! large as a test asks for, or fails with the message a test gives, from
-//! inside the test process.
+//! large as a test asks for, the reply a test gives, or fails with the
+//! message a test gives, from inside the test process.
 
 use devtrace::proto::tensorflow::profiler::XSpace;
 use devtrace::proto::tensorflow::profiler_service_server::{
@@ -19,9 +19,17 @@ use tonic::{Request, Response, Status};
 /// as some servers do): a hostile one when that is more than its callers
 /// accept, a busy host's otherwise.
 struct Bulky {
-    bytes: usize,
-    /// Every `Profile` fails with this, when set.
-    failure: Option<String>,
+    answer: Answer,
+}
+
+/// What every `Profile` gets.
+enum Answer {
+    /// An XSpace of about this many bytes.
+    Trace(usize),
+    /// INTERNAL, with this message.
+    Failure(String),
+    /// This reply.
+    Reply(ProfileResponse),
 }
 
 #[tonic::async_trait]
@@ -30,11 +38,13 @@ impl ProfilerService for Bulky {
         &self,
         _: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
-        if let Some(message) = &self.failure {
-            return Err(Status::internal(message.clone()));
-        }
+        let bytes = match &self.answer {
+            Answer::Trace(bytes) => *bytes,
+            Answer::Failure(message) => return Err(Status::internal(message.clone())),
+            Answer::Reply(reply) => return Ok(Response::new(reply.clone())),
+        };
         let space = XSpace {
-            hostnames: vec!["h".repeat(self.bytes)],
+            hostnames: vec!["h".repeat(bytes)],
             ..XSpace::default()
         };
         Ok(Response::new(ProfileResponse {
@@ -81,8 +91,7 @@ impl ProfilerService for Bulky {
 /// Starts a [`Bulky`] server on loopback; its address.
 pub async fn bulky_host(bytes: usize) -> String {
     serve(Bulky {
-        bytes,
-        failure: None,
+        answer: Answer::Trace(bytes),
     })
     .await
 }
@@ -91,8 +100,15 @@ pub async fn bulky_host(bytes: usize) -> String {
 /// `message`; its address.
 pub async fn failing_host(message: &str) -> String {
     serve(Bulky {
-        bytes: 0,
-        failure: Some(message.to_string()),
+        answer: Answer::Failure(message.to_string()),
+    })
+    .await
+}
+
+/// Starts a server whose every `Profile` gets `reply`; its address.
+pub async fn replying_host(reply: ProfileResponse) -> String {
+    serve(Bulky {
+        answer: Answer::Reply(reply),
     })
     .await
 }
