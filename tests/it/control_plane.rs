@@ -134,14 +134,7 @@ async fn a_hostile_session_host_is_refused_and_the_other_hosts_land() {
     );
     assert!(errors.contains("--max-reply-size"), "{errors}");
     assert!(!reply.empty_trace);
-    let files: Vec<String> = std::fs::read_dir(dir.path().join("fleet"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    assert_eq!(
-        files,
-        vec![format!("{}.xplane.pb", agent.address.replace(':', "_"))]
-    );
+    assert_only_agents_trace(&dir.path().join("fleet"), &agent);
     assert!(agent.is_running());
     assert!(!agent.monitor(50).await.data.is_empty());
 }
@@ -1240,6 +1233,18 @@ async fn a_hostile_servers_file_names_and_junk_stay_out_of_the_logdir() {
     assert!(!logdir.join("plugins/profile/junk").exists());
 }
 
+/// Asserts that `session` holds `agent`'s trace and nothing else.
+fn assert_only_agents_trace(session: &Path, agent: &AgentProcess) {
+    let files: Vec<String> = std::fs::read_dir(session)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(
+        files,
+        vec![format!("{}.xplane.pb", agent.address.replace(':', "_"))]
+    );
+}
+
 /// Every file under `dir`, recursively.
 fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut files = Vec::new();
@@ -1283,12 +1288,5 @@ async fn a_session_host_sending_junk_for_a_trace_is_a_failed_host() {
         "{}",
         reply.error_message
     );
-    let files: Vec<String> = std::fs::read_dir(dir.path().join("s"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    assert_eq!(
-        files,
-        vec![format!("{}.xplane.pb", agent.address.replace(':', "_"))]
-    );
+    assert_only_agents_trace(&dir.path().join("s"), &agent);
 }
