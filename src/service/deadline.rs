@@ -1,8 +1,15 @@
 //! What a caller's `grpc-timeout` says, read the one way every service
 //! reads it: strictly (eight digits at most, as the gRPC specification
-//! writes it), so that no peer's header overflows a deadline.
+//! writes it), so that no peer's header overflows a deadline; and the layer
+//! that answers a call whose deadline passed.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use tonic::Status;
+use tracing::info;
 
 use crate::protocol::client;
 
@@ -46,6 +53,69 @@ pub fn parse_grpc_timeout(text: &str) -> Option<Duration> {
         "n" => Duration::from_nanos(value),
         _ => return None,
     })
+}
+
+/// Answers a call whose `grpc-timeout` passed before its reply with
+/// DEADLINE_EXCEEDED, as the gRPC specification has a server do, and logs
+/// it. (tonic's own timeout, which fires with it, answers CANCELLED, which
+/// says the client went away, and the call was counted so.)
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeadlineLayer;
+
+impl<S> tower_layer::Layer<S> for DeadlineLayer {
+    type Service = Deadline<S>;
+
+    fn layer(&self, inner: S) -> Deadline<S> {
+        Deadline { inner }
+    }
+}
+
+/// See [`DeadlineLayer`].
+#[derive(Clone, Debug)]
+pub struct Deadline<S> {
+    inner: S,
+}
+
+impl<S, B> tower_service::Service<http::Request<B>> for Deadline<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let timeout = request
+            .headers()
+            .get("grpc-timeout")
+            .and_then(|value| value.to_str().ok())
+            .and_then(parse_grpc_timeout);
+        let rpc = request.uri().path().to_string();
+        // Begun before tonic's timer (which starts after this call), so it
+        // fires first.
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let Some(timeout) = timeout else {
+                return response.await;
+            };
+            match tokio::time::timeout(timeout, response).await {
+                Ok(answered) => answered,
+                Err(_) => {
+                    info!(%rpc, ?timeout, "the caller's deadline passed before the reply");
+                    Ok(Status::deadline_exceeded(format!(
+                        "the call's deadline (grpc-timeout, {timeout:?}) passed before it was \
+                         answered"
+                    ))
+                    .into_http())
+                }
+            }
+        })
+    }
 }
 
 #[cfg(test)]

@@ -182,7 +182,10 @@ pub async fn serve(
 /// What every route passes through, innermost first: request bodies are
 /// bounded and replies framed inside the RPC counter, which reads their
 /// status.
-type Layers = Stack<BoundedBodiesLayer, Stack<FramedRepliesLayer, Stack<CountRpcsLayer, Identity>>>;
+type Layers = Stack<
+    BoundedBodiesLayer,
+    Stack<FramedRepliesLayer, Stack<deadline::DeadlineLayer, Stack<CountRpcsLayer, Identity>>>,
+>;
 
 fn router(
     profiler: &Arc<profiler::ProfilerService>,
@@ -205,6 +208,7 @@ fn router(
     }
     Ok(server
         .layer(telemetry.rpc_layer())
+        .layer(deadline::DeadlineLayer)
         .layer(FramedRepliesLayer)
         .layer(bodies.clone())
         .add_service(telemetry.health_service())

@@ -61,6 +61,38 @@ const SERVICES: [&str; 3] = [
     "tensorflow.ProfileAnalysis",
 ];
 
+/// A call whose deadline (`grpc-timeout`) passes before its reply is
+/// answered DEADLINE_EXCEEDED, and counted so (it was answered CANCELLED,
+/// which the metrics keep for a client that went away).
+#[tokio::test]
+async fn a_passed_deadline_is_deadline_exceeded() {
+    use common::raw_call::unary_with_headers;
+    let (agent, metrics) = AgentProcess::start_with_metrics(&[], &[]);
+    let io = tokio::net::TcpStream::connect(&agent.address)
+        .await
+        .unwrap();
+    let (_, status) = unary_with_headers(
+        io,
+        &agent.address,
+        "/tensorflow.ProfilerService/Profile",
+        &request(5000, "late"),
+        &[("grpc-timeout", "1S")],
+    )
+    .await;
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    assert!(status.message().contains("deadline"), "{status:?}");
+    let text = scrape(&metrics);
+    let calls = |code| {
+        metric_value(
+            &text,
+            "devtrace_rpcs_total",
+            &[("rpc", "Profile"), ("code", code)],
+        )
+    };
+    assert_eq!(calls("DEADLINE_EXCEEDED"), Some(1.0), "{text}");
+    assert_eq!(calls("CANCELLED"), None, "{text}");
+}
+
 #[tokio::test]
 async fn metrics_count_what_the_agent_did() {
     let (agent, metrics) = AgentProcess::start_with_metrics(&["--mock-rate", "20000"], &[]);

@@ -153,16 +153,30 @@ pub async fn unary_on(
     path: &str,
     message: &impl prost::Message,
 ) -> (Vec<u8>, tonic::Status) {
+    unary_with_headers(io, address, path, message, &[]).await
+}
+
+/// As [`unary_on`], with `headers` too (a `grpc-timeout` no client of
+/// tonic's would also enforce itself).
+pub async fn unary_with_headers(
+    io: TcpStream,
+    address: &str,
+    path: &str,
+    message: &impl prost::Message,
+    headers: &[(&str, &str)],
+) -> (Vec<u8>, tonic::Status) {
     let (client, connection) = h2::client::handshake(io).await.expect("HTTP/2");
     tokio::spawn(connection);
     let mut client = client.ready().await.expect("ready");
-    let request = http::Request::builder()
+    let mut request = http::Request::builder()
         .method("POST")
         .uri(format!("http://{address}{path}"))
         .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .expect("a request");
+        .header("te", "trailers");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(()).expect("a request");
     let (response, mut body) = client.send_request(request, false).expect("a stream");
     body.send_data(grpc_frame(message), true).expect("sending");
     read_reply(response).await
