@@ -23,6 +23,7 @@ use tonic::Status;
 
 use crate::protocol::listen;
 use crate::protocol::shares::{Over, Peer, Shares};
+use crate::protocol::MAX_REQUEST_BYTES;
 
 /// How long a request's body may take to arrive after its headers.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
@@ -256,6 +257,15 @@ impl Body for BoundedBody {
                             this.prefix[4],
                         ]);
                         this.declared = Some(GRPC_PREFIX + length as usize);
+                        // Never accepted, however often sent: said so, not
+                        // that the pools are full now.
+                        if length as usize > MAX_REQUEST_BYTES {
+                            this.done = true;
+                            return Poll::Ready(Some(Err(Status::out_of_range(format!(
+                                "the request's message is {length} bytes, more than the \
+                                 {MAX_REQUEST_BYTES} this agent accepts"
+                            )))));
+                        }
                     }
                 }
                 let holds = this.received.max(this.declared.unwrap_or(0));

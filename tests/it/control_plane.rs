@@ -97,6 +97,19 @@ async fn requests_over_the_limit_are_refused_and_the_agent_keeps_serving() {
         .unwrap_err();
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
 
+    // A prefix declaring 20 MiB, or 2 GiB, with nothing after it: refused
+    // for its size from the prefix alone, not told to be sent again (as if
+    // the agent's pools were full now).
+    for claimed in [20 << 20, 2 << 30] {
+        let call = common::raw_call::half_sent_call(&agent.address, claimed, 0).await;
+        let (_, status) = common::raw_call::read_reply(call.response).await;
+        assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+        assert!(
+            status.message().contains(&format!("is {claimed} bytes, more than the 4194304")),
+            "{status:?}"
+        );
+    }
+
     assert!(agent.is_running());
     let monitor = agent.monitor(50).await;
     assert!(!monitor.data.is_empty());
