@@ -55,6 +55,31 @@ pub fn parse_grpc_timeout(text: &str) -> Option<Duration> {
     })
 }
 
+/// Refuses a window that ends after the caller's deadline (its
+/// `grpc-timeout`, [`caller_timeout`]):
+/// its reply could never arrive, and recording it would be work for no one.
+/// `field` names what set the window, for the message.
+pub fn refuse_window_past_deadline(
+    caller_timeout: Option<Duration>,
+    field: &str,
+    window_stop_ns: u64,
+) -> Result<(), Status> {
+    let Some(timeout) = caller_timeout else {
+        return Ok(());
+    };
+    let ends_in = Duration::from_nanos(window_stop_ns.saturating_sub(crate::clock::now_ns()));
+    if ends_in < timeout {
+        return Ok(());
+    }
+    Err(Status::invalid_argument(format!(
+        "{field}: the window ends {:.1} s from now, after this call's deadline (grpc-timeout, \
+         {:.1} s): its reply could never arrive; ask for an earlier or shorter window, or give \
+         the call longer",
+        ends_in.as_secs_f64(),
+        timeout.as_secs_f64()
+    )))
+}
+
 /// Answers a call whose `grpc-timeout` passed before its reply with
 /// DEADLINE_EXCEEDED, as the gRPC specification has a server do, and logs
 /// it. (tonic's own timeout, which fires with it, answers CANCELLED, which

@@ -445,6 +445,11 @@ impl ProfileAnalysis for ProfileAnalysisService {
         } else {
             now
         };
+        deadline::refuse_window_past_deadline(
+            caller_deadline,
+            "request.opts",
+            start_ns.saturating_add(duration_ms.saturating_mul(1_000_000)),
+        )?;
         options.version = 1;
         options.start_timestamp_ns = start_ns;
         options.duration_ms = duration_ms;

@@ -142,3 +142,46 @@ async fn profile_fields_are_validated() {
     assert!(!reply.empty_trace);
     assert!(agent.is_running());
 }
+
+/// A window that ends after the call's own deadline is refused at once,
+/// naming both: its reply could never arrive (the call was dropped at its
+/// deadline, the window recorded for no one, and the log said nothing of
+/// why).
+#[tokio::test]
+async fn a_window_ending_after_the_calls_deadline_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = AgentProcess::start(&["--allow-root", dir.path().to_str().unwrap()]);
+    let mut later = request(50, "later");
+    later.opts.as_mut().unwrap().start_timestamp_ns = now_ns() + 30_000_000_000;
+    let mut call = tonic::Request::new(later.clone());
+    call.set_timeout(std::time::Duration::from_secs(5));
+    let refused = agent.client().await.profile(call).await;
+    expect_invalid(refused, "opts");
+
+    let mut session = session_request(dir.path(), &[&agent.address], "later");
+    session.request = Some(later);
+    let mut call = tonic::Request::new(session);
+    call.set_timeout(std::time::Duration::from_secs(5));
+    let status = agent
+        .analysis()
+        .await
+        .new_session(call)
+        .await
+        .expect_err("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status
+            .message()
+            .starts_with("request.opts: the window ends 30.")
+            && status
+                .message()
+                .contains("after this call's deadline (grpc-timeout, 5.0 s)"),
+        "{status:?}"
+    );
+    assert!(!dir.path().join("later").exists());
+
+    // Within the deadline, served.
+    let mut call = tonic::Request::new(request(50, "sooner"));
+    call.set_timeout(std::time::Duration::from_secs(5));
+    agent.client().await.profile(call).await.expect("served");
+}

@@ -105,7 +105,9 @@ async fn requests_over_the_limit_are_refused_and_the_agent_keeps_serving() {
         let (_, status) = common::raw_call::read_reply(call.response).await;
         assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
         assert!(
-            status.message().contains(&format!("is {claimed} bytes, more than the 4194304")),
+            status
+                .message()
+                .contains(&format!("is {claimed} bytes, more than the 4194304")),
             "{status:?}"
         );
     }

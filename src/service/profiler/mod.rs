@@ -466,6 +466,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let deadline = memory_wait_deadline(request.metadata());
         let caller = caller_of_request(&request);
         let via = via::of_request(request.metadata().as_ref());
+        let caller_timeout = super::deadline::caller_timeout(request.metadata());
         let request = request.into_inner();
         // Said where the operator looks, as an accepted request is.
         let refused = |refusal: &Status| {
@@ -487,6 +488,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let mut plan = self
             .plan(&request, true)
             .and_then(|mut plan| {
+                super::deadline::refuse_window_past_deadline(
+                    caller_timeout,
+                    "opts",
+                    plan.window.stop_ns,
+                )?;
                 self.plan_for(&mut plan, &caller)?;
                 plan.via = via;
                 Ok(plan)
