@@ -688,6 +688,12 @@ pub fn plan_tool(
         resolution: parameter(parameters, "resolution")?
             .unwrap_or(tools::trace_viewer::TraceViewerOptions::default().resolution),
     };
+    if let Err(tools::ToolError::InvalidParameter { name, reason }) = viewer.window_ps() {
+        return Err(ToolDataError::Parameter {
+            name: name.to_string(),
+            reason,
+        });
+    }
     let top: usize = parameter(parameters, "top")?.unwrap_or(10);
     let mut planned = Vec::with_capacity(selected.len());
     let mut unplanned = Vec::new();

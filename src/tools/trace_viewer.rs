@@ -188,28 +188,44 @@ fn metadata_name<'p>(plane: &'p XPlane, event: &XEvent) -> &'p str {
 }
 
 fn window_bound(name: &'static str, ms: Option<f64>) -> Result<Option<i64>, ToolError> {
+    // Picoseconds in an i64: no trace reaches further.
+    const LATEST_MS: f64 = i64::MAX as f64 / 1e9;
     match ms {
         None => Ok(None),
-        Some(ms) if ms.is_finite() && ms >= 0.0 => Ok(Some((ms * 1e9).round() as i64)),
+        Some(ms) if ms.is_finite() && (0.0..=LATEST_MS).contains(&ms) => {
+            Ok(Some((ms * 1e9).round() as i64))
+        }
         Some(ms) => Err(ToolError::InvalidParameter {
             name,
-            reason: format!("{ms} is not a time in milliseconds from the capture start (>= 0)"),
+            reason: format!(
+                "{ms} is not a time in milliseconds from the capture start (0 to {})",
+                LATEST_MS.floor()
+            ),
         }),
+    }
+}
+
+impl TraceViewerOptions {
+    /// The window in picoseconds from the capture start, each end open
+    /// when not given; its bounds checked.
+    pub fn window_ps(&self) -> Result<(Option<i64>, Option<i64>), ToolError> {
+        let start = window_bound("start_time_ms", self.start_time_ms)?;
+        let end = window_bound("end_time_ms", self.end_time_ms)?;
+        if let (Some(s), Some(e)) = (start, end) {
+            if e <= s {
+                return Err(ToolError::InvalidParameter {
+                    name: "end_time_ms",
+                    reason: "must be after start_time_ms".into(),
+                });
+            }
+        }
+        Ok((start, end))
     }
 }
 
 /// The trace of `space` in the window and at the resolution of `options`.
 pub fn trace_viewer(space: &XSpace, options: &TraceViewerOptions) -> Result<Trace, ToolError> {
-    let start = window_bound("start_time_ms", options.start_time_ms)?;
-    let end = window_bound("end_time_ms", options.end_time_ms)?;
-    if let (Some(s), Some(e)) = (start, end) {
-        if e <= s {
-            return Err(ToolError::InvalidParameter {
-                name: "end_time_ms",
-                reason: "must be after start_time_ms".into(),
-            });
-        }
-    }
+    let (start, end) = options.window_ps()?;
     let window = (start.unwrap_or(i64::MIN), end.unwrap_or(i64::MAX));
 
     let mut candidates = Vec::new();
@@ -638,6 +654,14 @@ mod tests {
                 ..
             })
         ));
+        // Beyond any trace: named as such, not saturated into a window
+        // that is then "not after" its start.
+        let far = bad(Some(1e20), Some(2e20)).unwrap_err().to_string();
+        assert!(
+            far.starts_with("start_time_ms: 100000000000000000000 is not a time")
+                && far.contains("(0 to 9223372036)"),
+            "{far}"
+        );
         assert!(bad(None, None).is_ok());
     }
 

@@ -385,6 +385,20 @@ async fn tool_data_serves_every_tool_and_refuses_what_it_cannot() {
             "parameters[colour]",
         ),
         (
+            ask("trace_viewer", &host, &[("start_time_ms", "-5")]),
+            Code::InvalidArgument,
+            "parameters[start_time_ms]",
+        ),
+        (
+            ask(
+                "trace_viewer",
+                &host,
+                &[("start_time_ms", "9"), ("end_time_ms", "inf")],
+            ),
+            Code::InvalidArgument,
+            "parameters[end_time_ms]",
+        ),
+        (
             ask("overview", "../x", &[]),
             Code::InvalidArgument,
             "host_name",
