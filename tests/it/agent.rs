@@ -454,12 +454,13 @@ async fn captures_of_the_same_second_without_a_session_id_keep_both_traces() {
 async fn a_client_that_gives_up_cancels_its_capture() {
     let mut agent = AgentProcess::start(&[]);
     let mut client = agent.client().await;
-    let mut req = tonic::Request::new(request(60_000, "impatient"));
-    req.set_timeout(Duration::from_millis(300));
-    let status = client.profile(req).await.unwrap_err();
+    // Given up after 300 ms of a 60 s window: the call goes away.
+    let impatient = client.profile(request(60_000, "impatient"));
     assert!(
-        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
-        "{status:?}"
+        tokio::time::timeout(Duration::from_millis(300), impatient)
+            .await
+            .is_err(),
+        "given up"
     );
     // The agent forgot the capture and keeps serving.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -868,9 +869,14 @@ async fn the_log_says_how_each_capture_ended() {
     let mut agent = AgentProcess::adopt(child);
     agent.profile(request(200, "answered")).await;
     let mut client = agent.client().await;
-    let mut call = tonic::Request::new(request(3000, "abandoned"));
-    call.set_timeout(Duration::from_millis(500));
-    assert!(client.profile(call).await.is_err(), "given up");
+    // Given up by the client (no deadline the agent would know of).
+    let abandoned = client.profile(request(3000, "abandoned"));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), abandoned)
+            .await
+            .is_err(),
+        "given up"
+    );
     // The agent sees the call go, at once.
     tokio::time::sleep(Duration::from_millis(500)).await;
     agent.stop_with_sigterm(Duration::from_secs(30));
@@ -880,7 +886,10 @@ async fn the_log_says_how_each_capture_ended() {
             .any(|line| line.contains(how) && line.contains(&format!("session={session}")))
     };
     assert!(ended("answered", "capture answered"), "{log}");
-    assert!(ended("abandoned", "capture ended without a reply"), "{log}");
+    assert!(
+        ended("abandoned", "capture dropped before its reply"),
+        "{log}"
+    );
 }
 
 /// `devtrace serve` on the mock, logging at `info`, its standard output and
@@ -893,4 +902,35 @@ fn agent_logging_at_info() -> std::process::Child {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap()
+}
+
+/// A capture that fails is logged with the code and reason its client was
+/// given, told apart from one whose client went away.
+#[tokio::test]
+async fn the_log_says_why_a_capture_failed() {
+    let (agent, logged) = spawn_logging(
+        std::process::Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+            .args(["--metrics-listen", "off", "--log-level", "info"])
+            .args(["--mock-rate", "200000", "--capture-memory", "1MiB"]),
+    );
+    let mut agent = agent;
+    let refused = agent
+        .client()
+        .await
+        .profile(request(1000, "too_large"))
+        .await
+        .expect_err("more than all of --capture-memory");
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+    agent.stop_with_sigterm(Duration::from_secs(30));
+    let log = logged.join().unwrap();
+    let line = log
+        .lines()
+        .find(|line| line.contains("capture failed") && line.contains("session=too_large"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        line.contains("code=ResourceExhausted") && line.contains("--capture-memory"),
+        "{line}"
+    );
+    assert!(!log.contains("capture dropped before its reply"), "{log}");
 }

@@ -440,18 +440,36 @@ impl ProfilerService {
 struct CaptureEnd {
     session: String,
     answered: bool,
+    /// The error the client was answered with, when it was.
+    failed: Option<(tonic::Code, String)>,
+}
+
+impl CaptureEnd {
+    fn new(session: &str) -> CaptureEnd {
+        CaptureEnd {
+            session: session.to_string(),
+            answered: false,
+            failed: None,
+        }
+    }
+
+    fn failed(&mut self, status: &Status) {
+        self.failed = Some((status.code(), status.message().to_string()));
+    }
 }
 
 impl Drop for CaptureEnd {
     fn drop(&mut self) {
-        if self.answered {
-            info!(session = %self.session, "capture answered");
-        } else {
-            info!(
+        match &self.failed {
+            _ if self.answered => info!(session = %self.session, "capture answered"),
+            Some((code, reason)) => {
+                info!(session = %self.session, ?code, %reason, "capture failed");
+            }
+            None => info!(
                 session = %self.session,
-                "capture ended without a reply: it failed (the client was told why) or its client \
-                 went away"
-            );
+                "capture dropped before its reply: its client went away, or the call's deadline \
+                 passed (said apart)"
+            ),
         }
     }
 }
@@ -511,13 +529,13 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             "capture requested"
         );
         // Its end is logged too, answered or not.
-        let mut ended = CaptureEnd {
-            session: plan.session_id.clone(),
-            answered: false,
-        };
+        let mut ended = CaptureEnd::new(&plan.session_id);
         let (_registration, terminate) = self
             .register(&plan.session_id, caller.clone())
-            .inspect_err(refused)?;
+            .inspect_err(|status| {
+                refused(status);
+                ended.failed(status);
+            })?;
         let attached = self.attach_first(&plan.attach, &caller).await;
         plan.warnings.extend(attached);
         let admission = self.captures.admit(&plan);
@@ -545,9 +563,14 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         let encoded = self
             .captures
             .build_admitted(&admission, &common, window, remote, terminated, deadline)
-            .await?;
+            .await
+            .map_err(Status::from)
+            .inspect_err(|status| ended.failed(status))?;
         let encoded = with_warnings(encoded, &plan.warnings);
-        let reply = self.respond(&plan, window, encoded, deadline).await?;
+        let reply = self
+            .respond(&plan, window, encoded, deadline)
+            .await
+            .inspect_err(|status| ended.failed(status))?;
         drop(active);
         self.capture_ready("Profile", window, asked_ns);
         ended.answered = true;
