@@ -87,6 +87,19 @@ async fn profile_fields_are_validated() {
             "host_name",
             with(base.clone(), |r| r.host_name = "h/x:1".into()),
         ),
+        // A valid name, too long for the trace's file name (with
+        // `.xplane.riegeli`): it fell back to an inline reply, leaving an
+        // empty session directory.
+        (
+            "host_name",
+            with(base.clone(), |r| r.host_name = "h".repeat(250)),
+        ),
+        (
+            "opts.override_hostname",
+            with(base.clone(), |r| {
+                r.opts.as_mut().unwrap().override_hostname = "h".repeat(241)
+            }),
+        ),
         (
             "opts.override_hostname",
             with(base.clone(), |r| {

@@ -103,6 +103,27 @@ pub fn plan(
                 request.host_name.replace(':', "_")
             }
         });
+    // The trace is written as `<host>.xplane.riegeli` at the longest, one
+    // file name of at most 255 bytes.
+    let longest_host = validate::MAX_NAME_LEN - crate::xspace::chunks::RIEGELI_SUFFIX.len();
+    if file_host.len() > longest_host {
+        let field = if !options.override_hostname.is_empty() {
+            "opts.override_hostname"
+        } else if !legacy_override.is_empty() {
+            "opts.advanced_configuration[override_hostname]"
+        } else {
+            "host_name"
+        };
+        return Err(invalid(
+            field,
+            format!(
+                "{} bytes: the trace's file is named after it, and a file name holds at most {} \
+                 bytes, so a host name at most {longest_host}",
+                file_host.len(),
+                validate::MAX_NAME_LEN
+            ),
+        ));
+    }
     let generated_session_id = request.session_id.is_empty() && options.session_id.is_empty();
     let session_id = if !request.session_id.is_empty() {
         request.session_id.clone()
