@@ -75,7 +75,9 @@ pub enum HostsError {
     NotANumber { entry: String, part: String },
     #[error("{entry}: the range {part} runs backwards")]
     Backwards { entry: String, part: String },
-    #[error("{entry}: stands for more than {limit} hosts (the most one list may name)")]
+    #[error(
+        "{entry}: with it the list names more than {limit} hosts (the most one list may name)"
+    )]
     TooMany { entry: String, limit: usize },
     #[error("{entry}: {source}")]
     Address { entry: String, source: AddressError },
@@ -818,7 +820,8 @@ mod tests {
         let message = error(&["gpu[1-100000]"]);
         assert_eq!(
             message,
-            "gpu[1-100000]: stands for more than 65536 hosts (the most one list may name)"
+            "gpu[1-100000]: with it the list names more than 65536 hosts (the most one list may \
+             name)"
         );
         // The product of groups, and the total over lists, count too.
         assert!(error(&["a[1-1000]b[1-1000]"]).contains("more than 65536"));
@@ -838,9 +841,18 @@ mod tests {
             .to_string();
         assert_eq!(
             message,
-            "b[1-2]: stands for more than 4 hosts (the most one list may name)"
+            "b[1-2]: with it the list names more than 4 hosts (the most one list may name)"
         );
         assert_eq!(list_within(&["a[1-4]"], 4).unwrap().len(), 4);
+        // A single host past the bound is named as the one past it, not as
+        // standing for many.
+        let message = list_within(&["a:1", "b:1", "c:1"], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.starts_with("c:1: with it the list names more than 2 hosts"),
+            "{message}"
+        );
         assert_eq!(list(&["n[1-65536]"]).unwrap().len(), 65536);
     }
 

@@ -73,7 +73,8 @@ impl HostError {
         match self {
             HostError::Unresolved(_) => "not resolved",
             HostError::Connect(_) => "cannot connect",
-            HostError::NoSlot(_) | HostError::Deadline(_) => "no reply in time",
+            HostError::NoSlot(_) => "not called in time",
+            HostError::Deadline(_) => "no reply in time",
             HostError::Receive(error) => error.kind(),
         }
     }
