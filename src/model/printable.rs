@@ -41,7 +41,7 @@ fn escaped(text: &str, kept: impl Fn(char) -> bool) -> Cow<'_, str> {
 
 /// Control characters (C0, DEL, C1), line and paragraph separators, and
 /// the marks and overrides that change the direction of what follows.
-fn unsafe_to_print(c: char) -> bool {
+pub fn unsafe_to_print(c: char) -> bool {
     c.is_control()
         || matches!(
             c,

@@ -16,8 +16,12 @@ pub fn check_characters(field: &str, value: &str) -> Result<(), Status> {
     if value.contains('\0') {
         return Err(invalid(field, "must not contain NUL"));
     }
-    if value.chars().any(char::is_control) {
-        return Err(invalid(field, "must not contain control characters"));
+    // They would reach logs, terminals and directory listings.
+    if value.chars().any(crate::model::printable::unsafe_to_print) {
+        return Err(invalid(
+            field,
+            "must not contain control characters, line separators or marks that reverse text",
+        ));
     }
     Ok(())
 }

@@ -80,6 +80,14 @@ async fn profile_fields_are_validated() {
             with(base.clone(), |r| r.session_id = "bell\u{7}".into()),
         ),
         (
+            "session_id",
+            with(base.clone(), |r| r.session_id = "run\u{202e}gpj.exe".into()),
+        ),
+        (
+            "session_id",
+            with(base.clone(), |r| r.session_id = "two\u{2028}lines".into()),
+        ),
+        (
             "host_name",
             with(base.clone(), |r| r.host_name = "../etc".into()),
         ),
