@@ -383,14 +383,28 @@ mod tests {
         use http_body_util::BodyExt;
         let budget = Arc::new(BodyBudget::with_limits(
             Shares::new(8 << 20, 1 << 20),
-            Shares::new(64 << 20, 4 << 20),
+            Shares::new(64 << 20, 2 << 20),
         ));
-        let length = (8u32 << 20).to_be_bytes();
+        let length = (3u32 << 20).to_be_bytes();
         let prefix = [0, length[0], length[1], length[2], length[3]];
         let mut bounded = body(&budget, &[&prefix]);
         let refused = bounded.frame().await.expect("a frame").unwrap_err();
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
         assert!(refused.message().contains("this caller"), "{refused:?}");
+        assert_eq!(budget.held(), 0);
+    }
+
+    /// A length past what the agent ever accepts is out of range, whatever
+    /// the pools hold: sending it again would not help.
+    #[tokio::test]
+    async fn a_declared_length_past_the_largest_request_is_out_of_range() {
+        use http_body_util::BodyExt;
+        let budget = Arc::new(BodyBudget::new());
+        let length = (MAX_REQUEST_BYTES as u32 + 1).to_be_bytes();
+        let prefix = [0, length[0], length[1], length[2], length[3]];
+        let mut bounded = body(&budget, &[&prefix]);
+        let refused = bounded.frame().await.expect("a frame").unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::OutOfRange);
         assert_eq!(budget.held(), 0);
     }
 
