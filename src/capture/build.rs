@@ -137,12 +137,28 @@ impl Captures {
         }
         let (data, registry) = local.map_err(|e| CaptureError::Collect(e.to_string()))?;
         let events = data.held();
-        // Other servers' traces are decoded into messages to be merged in.
-        let theirs: usize = remote
-            .iter()
-            .filter_map(|(_, result)| result.as_ref().ok()?.as_ref().map(|b| b.len()))
-            .sum();
-        let decoding_theirs = theirs.saturating_mul(MERGE_BYTES_PER_ENCODED_BYTE);
+        // Other servers' traces are decoded into messages to be merged in:
+        // by what they decode to when that is more than the usual multiple
+        // of their size (a few bytes of protobuf can stand for far more).
+        // One that would take more than its share is left out, as a failed
+        // upstream: the capture is partial, not failed.
+        let most_for_one = self.memory.budget() / 2;
+        let mut decoding_theirs = 0usize;
+        for (_, result) in remote.iter_mut() {
+            let Ok(Some(bytes)) = result else { continue };
+            let usual = bytes.len().saturating_mul(MERGE_BYTES_PER_ENCODED_BYTE);
+            let decoded = crate::xspace::footprint::decoded_bytes(bytes).unwrap_or(0);
+            let needed = usual.max(usize::try_from(decoded).unwrap_or(usize::MAX));
+            if needed > most_for_one {
+                *result = Err(format!(
+                    "its trace of {} bytes decodes to {decoded} bytes, more than one upstream's \
+                     share of --capture-memory ({most_for_one} bytes, half of it): left out",
+                    bytes.len()
+                ));
+                continue;
+            }
+            decoding_theirs = decoding_theirs.saturating_add(needed);
+        }
         // A build that may spill reserves at most a share of the budget for
         // its trace: past it, its finished blocks go to the spill.
         let mut trace_expected = events.saturating_mul(memory::EXPECTED_BYTES_PER_EVENT);

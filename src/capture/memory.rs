@@ -364,9 +364,10 @@ impl Grant for ReadingMemory<'_> {
         let budget = self.0.budget;
         if self.0.used.saturating_add(bytes) > budget {
             return Err(format!(
-                "that is more than all of --capture-memory ({budget} bytes); start the agent \
-                 with a larger --capture-memory (or look at the file: a few bytes of protobuf \
-                 or Brotli can stand for far more)"
+                "with what this request holds already, that is more than all of \
+                 --capture-memory ({budget} bytes); ask for one host, or start the agent with a \
+                 larger --capture-memory (or look at the file: a few bytes of protobuf or \
+                 Brotli can stand for far more)"
             ));
         }
         self.0.take(bytes).map_err(|refusal| match refusal {

@@ -316,7 +316,13 @@ impl PendingFile {
     fn put_in_place(self, replace: bool) -> anyhow::Result<std::path::PathBuf> {
         use anyhow::Context;
         use std::os::unix::fs::PermissionsExt;
-        let PendingFile { file, target, .. } = self;
+        // Its place in the list is left (taking the list's lock) only once
+        // the list's lock below is let go.
+        let PendingFile {
+            file,
+            target,
+            _listed: unfinished,
+        } = self;
         file.as_file()
             .set_permissions(std::fs::Permissions::from_mode(
                 0o644 & !crate::repository::beneath::process_umask(),
@@ -350,6 +356,7 @@ impl PendingFile {
         }
         PLACED.lock().push(target.clone());
         drop(listed);
+        drop(unfinished);
         Ok(target)
     }
 }

@@ -411,8 +411,10 @@ where
     if grant.take(held).is_err() {
         return Planes::Unread;
     }
-    let planes = match session.read(file) {
+    let planes = match session.read_at_most(file, size) {
         Ok(bytes) if bytes.is_empty() => Planes::Unreadable,
+        // Grown since its size was drawn: looked into another time.
+        Err(StorageError::TooLarge { .. }) => Planes::Unread,
         Ok(bytes) if file.ends_with(RIEGELI_SUFFIX) => {
             chunk_planes(&bytes, &mut crate::xspace::grant::Said(&mut *grant))
         }
@@ -910,15 +912,17 @@ where
             what: format!("reading {}/{file} ({planned} bytes)", session.display()),
             why: refusal.to_string(),
         })?;
-    let bytes = session.read(file)?;
-    if bytes.len() as u64 > planned {
-        return Err(ToolDataError::Grew {
-            file: format!("{}/{file}", session.display()),
-            planned,
-            now: bytes.len() as u64,
-        });
+    let grew = |now| ToolDataError::Grew {
+        file: format!("{}/{file}", session.display()),
+        planned,
+        now,
+    };
+    match session.read_at_most(file, planned) {
+        Err(StorageError::TooLarge { .. }) if planned < crate::repository::MAX_READ_BYTES => {
+            Err(grew(session.size(file).unwrap_or(0)))
+        }
+        read => Ok(read?),
     }
-    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -266,6 +266,8 @@ async fn tool_data(
 ) -> Result<(), ReceiveError> {
     let mut name: Option<Vec<u8>> = None;
     let mut tentative = false;
+    // Why data that came before its name was not taken for the trace.
+    let mut passed_over = None;
     while reader.consumed < end {
         let (field, wire) = reader.tag().await?;
         match (field, wire) {
@@ -287,7 +289,7 @@ async fn tool_data(
                     Some(_) => None,
                 };
                 if let Some(suffix) = suffix.filter(|_| trace.wants_more()) {
-                    trace.take(reader, length, suffix, name.is_none()).await?;
+                    passed_over = trace.take(reader, length, suffix, name.is_none()).await?;
                     tentative = name.is_none() && !trace.wants_more();
                 } else {
                     reader.skip(length).await?;
@@ -296,8 +298,13 @@ async fn tool_data(
             _ => reader.skip_field(wire, end).await?,
         }
     }
-    if tentative && name.as_deref() != Some(XPLANE_TOOL.as_bytes()) {
+    let named_trace = name.as_deref() == Some(XPLANE_TOOL.as_bytes());
+    if tentative && !named_trace {
         trace.discard();
+    }
+    // It was the trace after all.
+    if let (Some(why), true) = (passed_over, named_trace) {
+        return Err(ReceiveError::Malformed(format!("its trace {why}")));
     }
     Ok(())
 }
@@ -328,16 +335,16 @@ impl TraceOut {
     /// Copies `length` bytes of the reader into the file, named for the
     /// host with `suffix` (what the trace is stored as), when they begin as
     /// a trace does; else it is an error, or, when `tentative` (data whose
-    /// name has not come yet), they are passed over.
+    /// name has not come yet), they are passed over and why is returned.
     async fn take(
         &mut self,
         reader: &mut Reader,
         length: u64,
         suffix: &'static str,
         tentative: bool,
-    ) -> Result<(), ReceiveError> {
+    ) -> Result<Option<String>, ReceiveError> {
         if !self.wants_more() {
-            return reader.skip(length).await;
+            return reader.skip(length).await.map(|()| None);
         }
         // A peer's bytes are stored only when they begin as a trace does:
         // junk saved as a host's trace failed every tool later, as if the
@@ -353,7 +360,8 @@ impl TraceOut {
         {
             // Data not yet named may be another tool's.
             if tentative {
-                return reader.skip(length - head_length).await;
+                reader.skip(length - head_length).await?;
+                return Ok(Some(why));
             }
             return Err(ReceiveError::Malformed(format!("its trace {why}")));
         }
@@ -370,7 +378,7 @@ impl TraceOut {
                 self.flush().await?;
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     async fn flush(&mut self) -> Result<(), ReceiveError> {
@@ -766,6 +774,18 @@ mod tests {
         assert_eq!(
             received(framed(&message, 0), 1 << 20).await,
             Ok(Some(trace("late name")))
+        );
+        // Passed over for not beginning as a trace, then named the trace:
+        // said, not taken for a reply without one.
+        let mut junk_named_late = Vec::new();
+        prost::encoding::bytes::encode(2, &b"\0junk".to_vec(), &mut junk_named_late);
+        prost::encoding::string::encode(1, &XPLANE_TOOL.to_string(), &mut junk_named_late);
+        let mut message = Vec::new();
+        prost::encoding::bytes::encode(6, &junk_named_late, &mut message);
+        let error = received(framed(&message, 0), 1 << 20).await.unwrap_err();
+        assert!(
+            error.starts_with("malformed reply: its trace (xplane.pb) does not begin"),
+            "{error}"
         );
     }
 

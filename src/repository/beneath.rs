@@ -261,25 +261,33 @@ impl Dir {
     /// [`MAX_READ_BYTES`] (files under a root are anyone's who can write
     /// there; a trace is decoded in several times its size).
     pub fn read(&self, relative: &Path) -> Result<Vec<u8>, BeneathError> {
+        self.read_at_most(relative, MAX_READ_BYTES)
+    }
+
+    /// As [`Dir::read`], refused beyond `limit` bytes (at most
+    /// [`MAX_READ_BYTES`]): what was counted for a file is all that is
+    /// read of it, whatever it has grown to since.
+    pub fn read_at_most(&self, relative: &Path, limit: u64) -> Result<Vec<u8>, BeneathError> {
+        let limit = limit.min(MAX_READ_BYTES);
         self.acting(|| {
             let path = || self.path.join(relative).display().to_string();
             let too_large = || BeneathError::TooLarge {
                 path: path(),
-                limit: MAX_READ_BYTES,
+                limit,
             };
             let file = self.open_file(relative)?;
-            if file.metadata().is_ok_and(|m| m.len() > MAX_READ_BYTES) {
+            if file.metadata().is_ok_and(|m| m.len() > limit) {
                 return Err(too_large());
             }
             let mut bytes = Vec::new();
             // One byte past the limit tells a file that grew since.
-            file.take(MAX_READ_BYTES + 1)
+            file.take(limit + 1)
                 .read_to_end(&mut bytes)
                 .map_err(|source| BeneathError::Io {
                     path: path(),
                     source,
                 })?;
-            if bytes.len() as u64 > MAX_READ_BYTES {
+            if bytes.len() as u64 > limit {
                 return Err(too_large());
             }
             Ok(bytes)

@@ -121,6 +121,10 @@ impl LocalFolder {
         Ok(self.root.read(&self.relative.join(name))?)
     }
 
+    pub fn read_at_most(&self, name: &str, limit: u64) -> Result<Vec<u8>, StorageError> {
+        Ok(self.root.read_at_most(&self.relative.join(name), limit)?)
+    }
+
     pub fn size(&self, name: &str) -> Result<u64, StorageError> {
         let path = self.relative.join(name);
         let file = self.root.open_file(&path)?;

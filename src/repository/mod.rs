@@ -242,6 +242,16 @@ impl Folder {
         }
     }
 
+    /// A file's bytes, refused beyond `limit` (and [`MAX_READ_BYTES`]):
+    /// for a reader that counted the file's size before, so that one grown
+    /// since is not read past what was counted.
+    pub fn read_at_most(&self, name: &str, limit: u64) -> Result<Vec<u8>, StorageError> {
+        match self {
+            Folder::Local(local) => local.read_at_most(name, limit),
+            Folder::Object(object) => object.read_at_most(name, limit),
+        }
+    }
+
     /// Writes a whole file (never a partial one), making the folder first
     /// where folders exist. Returns where it went.
     pub fn write(&self, name: &str, bytes: &[u8]) -> Result<String, StorageError> {

@@ -218,20 +218,28 @@ impl ObjectFolder {
     }
 
     pub fn read(&self, name: &str) -> Result<Vec<u8>, StorageError> {
+        self.read_at_most(name, MAX_READ_BYTES)
+    }
+
+    /// As [`ObjectFolder::read`], refused beyond `limit` bytes (at most
+    /// [`MAX_READ_BYTES`]), known from the object's size before its body
+    /// is read.
+    pub fn read_at_most(&self, name: &str, limit: u64) -> Result<Vec<u8>, StorageError> {
+        let limit = limit.min(MAX_READ_BYTES);
         let key = self.key().join(name);
         let read = block_on(async {
             let object = self.store.get(&key).await?;
-            if object.meta.size > MAX_READ_BYTES {
+            if object.meta.size > limit {
                 return Ok(Err(object.meta.size));
             }
             object.bytes().await.map(Ok)
         })?
         .map_err(|source| self.error(Some(name), source))?;
         match read {
-            Ok(bytes) if bytes.len() as u64 <= MAX_READ_BYTES => Ok(Vec::from(bytes)),
+            Ok(bytes) if bytes.len() as u64 <= limit => Ok(Vec::from(bytes)),
             _ => Err(StorageError::TooLarge {
                 path: self.url.join(name).to_string(),
-                limit: MAX_READ_BYTES,
+                limit,
             }),
         }
     }

@@ -55,28 +55,28 @@ pub fn parse_grpc_timeout(text: &str) -> Option<Duration> {
     })
 }
 
-/// Refuses a window that ends after the caller's deadline (its
-/// `grpc-timeout`, [`caller_timeout`]):
-/// its reply could never arrive, and recording it would be work for no one.
-/// `field` names what set the window, for the message.
+/// Refuses a window that ends after the time a call has left to be
+/// answered (by its `grpc-timeout`, [`caller_timeout`]): its reply could
+/// never arrive, and recording it would be work for no one. `field` names
+/// what set the window, for the message.
 pub fn refuse_window_past_deadline(
-    caller_timeout: Option<Duration>,
+    time_left: Option<Duration>,
     field: &str,
     window_stop_ns: u64,
 ) -> Result<(), Status> {
-    let Some(timeout) = caller_timeout else {
+    let Some(left) = time_left else {
         return Ok(());
     };
     let ends_in = Duration::from_nanos(window_stop_ns.saturating_sub(crate::clock::now_ns()));
-    if ends_in < timeout {
+    if ends_in < left {
         return Ok(());
     }
     Err(Status::invalid_argument(format!(
-        "{field}: the window ends {:.1} s from now, after this call's deadline (grpc-timeout, \
-         {:.1} s): its reply could never arrive; ask for an earlier or shorter window, or give \
-         the call longer",
+        "{field}: the window ends {:.1} s from now, after this call's deadline ({:.1} s from \
+         now, by its grpc-timeout): its reply could never arrive; ask for an earlier or shorter \
+         window, or give the call longer",
         ends_in.as_secs_f64(),
-        timeout.as_secs_f64()
+        left.as_secs_f64()
     )))
 }
 
@@ -121,16 +121,18 @@ where
             .and_then(|value| value.to_str().ok())
             .and_then(parse_grpc_timeout);
         let rpc = request.uri().path().to_string();
-        // Begun before tonic's timer (which starts after this call), so it
-        // fires first.
+        // Its timer starts here, before tonic's (which starts once this call
+        // returns), and its future is polled first: it fires first.
+        let expiry = timeout.map(|timeout| (timeout, tokio::time::sleep(timeout)));
         let response = self.inner.call(request);
         Box::pin(async move {
-            let Some(timeout) = timeout else {
+            let Some((timeout, expiry)) = expiry else {
                 return response.await;
             };
-            match tokio::time::timeout(timeout, response).await {
-                Ok(answered) => answered,
-                Err(_) => {
+            tokio::select! {
+                biased;
+                answered = response => answered,
+                () = expiry => {
                     info!(%rpc, ?timeout, "the caller's deadline passed before the reply");
                     Ok(Status::deadline_exceeded(format!(
                         "the call's deadline (grpc-timeout, {timeout:?}) passed before it was \

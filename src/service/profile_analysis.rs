@@ -400,6 +400,20 @@ impl ProfileAnalysis for ProfileAnalysisService {
         let caller_end = caller_deadline.and_then(|caller| {
             arrived.checked_add(caller.saturating_sub(caller / 10 + REPLY_MARGIN))
         });
+        // A window that ends after the session is cut short for the caller
+        // could never reach it: refused before any name is looked up.
+        let asked_start = if modern {
+            options.start_timestamp_ns
+        } else {
+            0
+        };
+        deadline::refuse_window_past_deadline(
+            caller_end.map(|end| end.saturating_duration_since(Instant::now())),
+            "request.opts",
+            asked_start
+                .max(clock::now_ns())
+                .saturating_add(duration_ms.saturating_mul(1_000_000)),
+        )?;
         // Names are looked up before the window is placed, so that lookups
         // do not eat into it.
         let lookup_limit = caller_end.map_or(LOOKUP_LIMIT, |end| {
@@ -445,11 +459,6 @@ impl ProfileAnalysis for ProfileAnalysisService {
         } else {
             now
         };
-        deadline::refuse_window_past_deadline(
-            caller_deadline,
-            "request.opts",
-            start_ns.saturating_add(duration_ms.saturating_mul(1_000_000)),
-        )?;
         options.version = 1;
         options.start_timestamp_ns = start_ns;
         options.duration_ms = duration_ms;

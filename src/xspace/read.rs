@@ -471,12 +471,13 @@ pub fn check_trace_head(head: &[u8], length: u64, chunked: bool) -> Result<(), S
     let malformed =
         || "(xplane.pb) does not begin with a protobuf field: not an XSpace".to_string();
     let key = fields.varint().map_err(|_| malformed())?;
-    let consumed = (head.len() - fields.0.len()) as u64;
     match (key >> 3, key & 7) {
         (0, _) => Err(malformed()),
         (_, 0 | 1 | 5) => Ok(()),
         (_, 2) => match fields.varint() {
-            Ok(field) if field <= length - consumed => Ok(()),
+            Ok(field) if field <= length.saturating_sub((head.len() - fields.0.len()) as u64) => {
+                Ok(())
+            }
             Ok(_) => Err(format!(
                 "(xplane.pb) begins with a field longer than its {length} bytes"
             )),

@@ -340,10 +340,9 @@ pub fn records(file: &[u8]) -> Records<'_> {
 /// from `grant` before decompressing it (a file's sizes are anyone's who
 /// could write it: 350 bytes can claim, and inflate to, 32 MiB).
 pub fn records_within<'f>(file: &'f [u8], grant: ChunkGrant<'f>) -> Records<'f> {
-    Records {
-        grant: Some(grant),
-        ..records(file)
-    }
+    let mut records = records(file);
+    records.grant = Some(grant);
+    records
 }
 
 impl Iterator for Records<'_> {
@@ -374,6 +373,16 @@ impl Iterator for Records<'_> {
                     }));
                 }
             }
+        }
+    }
+}
+
+impl Drop for Records<'_> {
+    /// A reader that stops early (at damage, or having found what it
+    /// wanted) lets go of the chunk it read last.
+    fn drop(&mut self) {
+        if let Some(grant) = self.grant.as_mut() {
+            grant.let_go(std::mem::take(&mut self.drawn));
         }
     }
 }
@@ -521,12 +530,15 @@ impl<'d> SimpleChunk<'d> {
         })
     }
 
-    /// What reading its records holds at most: both parts decompressed,
-    /// and the records copied out of them.
+    /// What reading its records holds at most: both parts decompressed
+    /// (at up to twice their size while they grow), and the records copied
+    /// out of them, each an allocation of its own.
     fn held_bytes(&self) -> u64 {
-        let record = std::mem::size_of::<Vec<u8>>() as u64;
+        const ALLOCATION: u64 = 16;
+        let record = std::mem::size_of::<Vec<u8>>() as u64 + ALLOCATION;
         self.sizes_len
-            .saturating_add(self.values_len.saturating_mul(2))
+            .saturating_mul(2)
+            .saturating_add(self.values_len.saturating_mul(3))
             .saturating_add(self.num_records.saturating_mul(record))
     }
 
@@ -535,7 +547,8 @@ impl<'d> SimpleChunk<'d> {
         let corrupted = |what| RiegeliError::Corrupted { what, at };
         let sizes = decompress(self.kind, self.sizes, self.sizes_len, at)?;
         let values = decompress(self.kind, self.values, self.values_len, at)?;
-        let mut records = Vec::new();
+        // No more records than sizes, which are there now.
+        let mut records = Vec::with_capacity(usize::try_from(self.num_records).unwrap_or(0));
         let mut sizes = sizes.as_slice();
         let mut values = values.as_slice();
         for _ in 0..self.num_records {
@@ -822,7 +835,7 @@ mod tests {
         assert_eq!(small.held, 0);
 
         let mut enough = Limit {
-            left: 20 << 20,
+            left: 32 << 20,
             held: 0,
         };
         let read = records_within(&file, &mut enough)
@@ -830,6 +843,16 @@ mod tests {
             .unwrap();
         assert_eq!(read.len(), 2);
         assert_eq!(enough.held, 0, "a chunk's bytes are let go of after it");
+
+        // A reader that stops after the first record lets go of its chunk.
+        let mut first_only = Limit {
+            left: 32 << 20,
+            held: 0,
+        };
+        let mut reading = records_within(&file, &mut first_only);
+        assert!(reading.next().unwrap().is_ok());
+        drop(reading);
+        assert_eq!(first_only.held, 0, "a chunk held by a reader that stopped");
     }
 
     /// A block whose size prefix says more than the chunk's header is

@@ -171,6 +171,46 @@ async fn a_hostile_upstream_makes_the_capture_partial() {
     assert!(agent.is_running());
 }
 
+/// An upstream's trace small on the wire but far larger decoded (empty
+/// planes, two bytes each) is left out by what it decodes to, not merged
+/// on the strength of its size: the capture is partial, our own events all
+/// there.
+#[tokio::test]
+async fn an_upstream_trace_that_decodes_past_its_share_is_left_out() {
+    use devtrace::proto::tensorflow::{ProfileResponse, ProfileToolData};
+    let hostile = common::bulky::replying_host(ProfileResponse {
+        tool_data: vec![ProfileToolData {
+            name: "xplane.pb".into(),
+            data: [0x0a, 0x00].repeat(1 << 20).into(),
+        }],
+        ..ProfileResponse::default()
+    })
+    .await;
+    let mut agent = AgentProcess::start(&["--upstream", &hostile, "--capture-memory", "64MiB"]);
+    let reply = agent
+        .client()
+        .await
+        .profile(request(300, "decoded"))
+        .await
+        .unwrap()
+        .into_inner();
+    let space = space_of(&reply);
+    assert_error_starting(
+        &space,
+        &format!("upstream {hostile}: its trace of 2097152 bytes"),
+    );
+    assert!(
+        space
+            .errors
+            .iter()
+            .any(|e| e.contains("more than one upstream's share")),
+        "{:?}",
+        space.errors
+    );
+    assert!(event_count(&space) > 0, "our own events are all there");
+    assert!(agent.is_running());
+}
+
 /// An upstream's reply is held to a quarter of `--capture-memory` even
 /// under a larger `--max-reply-size` (its bytes are held before the build
 /// knows their size): a larger one makes the capture partial, naming the

@@ -71,11 +71,15 @@ async fn a_passed_deadline_is_deadline_exceeded() {
     let io = tokio::net::TcpStream::connect(&agent.address)
         .await
         .unwrap();
+    // A monitoring window of 5 s, asked with a deadline of 1 s.
     let (_, status) = unary_with_headers(
         io,
         &agent.address,
-        "/tensorflow.ProfilerService/Profile",
-        &request(5000, "late"),
+        "/tensorflow.ProfilerService/Monitor",
+        &devtrace::proto::tensorflow::MonitorRequest {
+            duration_ms: 5000,
+            ..Default::default()
+        },
         &[("grpc-timeout", "1S")],
     )
     .await;
@@ -86,7 +90,7 @@ async fn a_passed_deadline_is_deadline_exceeded() {
         metric_value(
             &text,
             "devtrace_rpcs_total",
-            &[("rpc", "Profile"), ("code", code)],
+            &[("rpc", "Monitor"), ("code", code)],
         )
     };
     assert_eq!(calls("DEADLINE_EXCEEDED"), Some(1.0), "{text}");

@@ -528,14 +528,11 @@ impl profiler_service_server::ProfilerService for ProfilerService {
             scope = %plan.scope,
             "capture requested"
         );
-        // Its end is logged too, answered or not.
-        let mut ended = CaptureEnd::new(&plan.session_id);
         let (_registration, terminate) = self
             .register(&plan.session_id, caller.clone())
-            .inspect_err(|status| {
-                refused(status);
-                ended.failed(status);
-            })?;
+            .inspect_err(refused)?;
+        // Its end is logged too, answered or not.
+        let mut ended = CaptureEnd::new(&plan.session_id);
         let attached = self.attach_first(&plan.attach, &caller).await;
         plan.warnings.extend(attached);
         let admission = self.captures.admit(&plan);
