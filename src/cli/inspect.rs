@@ -12,7 +12,7 @@ use crate::fleet::session_traces;
 use crate::model::printable::printable;
 use crate::repository::{Folder, Location, XPLANE_SUFFIX};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
-use crate::xspace::read::{read_trace, summarize};
+use crate::xspace::read::{read_trace_within, summarize};
 
 #[derive(Debug, Args)]
 pub struct InspectArgs {
@@ -74,7 +74,7 @@ fn inspect(
     args: &InspectArgs,
     named: bool,
 ) -> anyhow::Result<()> {
-    let trace = read_trace(file)?;
+    let trace = read_trace_within(file, &mut super::reading_memory())?;
     let summary = summarize(&trace.space, args.top);
     if args.json {
         let mut document = summary.to_json();

@@ -186,6 +186,18 @@ pub fn failure_text(error: &anyhow::Error) -> String {
     text
 }
 
+/// What a command may hold of the traces it reads and decodes: three
+/// quarters of this machine's memory (or its cgroup's), so that a file that
+/// decodes to more (a few bytes of protobuf or Brotli can stand for far
+/// more) is refused, naming that, rather than taking the machine's memory.
+pub(crate) fn reading_memory() -> crate::xspace::grant::Bounded {
+    let limit = crate::model::memory_limit::of_this_process();
+    crate::xspace::grant::Bounded::new(
+        usize::try_from(limit.bytes / 4 * 3).unwrap_or(usize::MAX),
+        format!("three quarters of {}", limit.source),
+    )
+}
+
 /// Writes atomically: a temporary file beside the target, then rename,
 /// over a file already there when `replace`, else refusing to (one another
 /// command wrote meanwhile).

@@ -262,7 +262,7 @@ impl fleet::TraceFile for super::PendingFile {
 
 pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
     let root = logdir::repository_root(&args.dir)?;
-    let sessions = fleet::list_sessions(&root)?;
+    let sessions = fleet::list_sessions_within(&root, &mut super::reading_memory())?;
     if sessions.is_empty() {
         eprintln!("no sessions under {}", root.display());
         if let Some(logdir) = logdir_of_session(&root) {
@@ -316,7 +316,13 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
     if !session.exists()? {
         bail!("no session {:?} in {}", args.session, root.display());
     }
-    let computed = fleet::tool_data(&session, args.host.as_deref(), &args.tool, &parameters)?;
+    let computed = fleet::tool_data(
+        &session,
+        args.host.as_deref(),
+        &args.tool,
+        &parameters,
+        &mut super::reading_memory(),
+    )?;
     for left_out in &computed.left_out {
         eprintln!("{}: {left_out}", args.tool);
     }

@@ -589,14 +589,20 @@ fn check_parameters(
 }
 
 /// Computes `tool` for one host of a session, or for every host (a JSON
-/// object keyed by host) when `host` is `None`.
-pub fn tool_data(
+/// object keyed by host) when `host` is `None`, what it reads and decodes
+/// drawn from `grant`.
+pub fn tool_data<G>(
     session: &Folder,
     host: Option<&str>,
     tool: &str,
     parameters: &std::collections::HashMap<String, String>,
-) -> Result<Computed, ToolDataError> {
-    plan_tool(session, host, tool, parameters)?.run(session)
+    grant: &mut G,
+) -> Result<Computed, ToolDataError>
+where
+    G: Grant,
+    G::Refusal: std::fmt::Display,
+{
+    plan_tool(session, host, tool, parameters)?.run_within(session, grant)
 }
 
 /// A tool's output, and what it leaves out of the traces it was computed

@@ -575,7 +575,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 Ok(false) => return Err(field_status("repository_root", missing())),
                 Err(error) => return Err(field_status("repository_root", error)),
             }
-            match memory {
+            let sessions = match memory {
                 Some(Some(mut memory)) => {
                     fleet::list_sessions_within(&root, &mut ReadingMemory(&mut memory))
                 }
@@ -584,12 +584,26 @@ impl ProfileAnalysis for ProfileAnalysisService {
                 }
                 None => fleet::list_sessions(&root),
             }
-            .map_err(|e| field_status("repository_root", e))
+            .map_err(|e| field_status("repository_root", e))?;
+            // XProf pointed one level too deep shows nothing, unsaid.
+            let said = if sessions.is_empty()
+                && fleet::session_traces(&root).is_ok_and(|traces| !traces.is_empty())
+            {
+                format!(
+                    "repository_root: {} is a session itself (it holds traces): give the \
+                     directory above it",
+                    root.display()
+                )
+            } else {
+                String::new()
+            };
+            Ok((sessions, said))
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
+        let (sessions, error_message) = sessions;
         Ok(Response::new(EnumProfileSessionsAndToolsResponse {
-            error_message: String::new(),
+            error_message,
             sessions: sessions
                 .into_iter()
                 .map(|s| ProfileSessionInfo {

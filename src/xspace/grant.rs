@@ -123,3 +123,40 @@ impl Grant for Nothing {
 
     fn let_go(&mut self, _bytes: usize) {}
 }
+
+/// A grant of at most `limit` bytes at once, named in its refusals: for a
+/// reader with no budget of its own (a command run by hand) whose files may
+/// claim far more than the machine holds.
+pub struct Bounded {
+    limit: usize,
+    held: usize,
+    /// What `limit` is, as a refusal says it.
+    what: String,
+}
+
+impl Bounded {
+    pub fn new(limit: usize, what: impl Into<String>) -> Bounded {
+        Bounded {
+            limit,
+            held: 0,
+            what: what.into(),
+        }
+    }
+}
+
+impl Grant for Bounded {
+    type Refusal = String;
+
+    fn take(&mut self, bytes: usize) -> Result<(), String> {
+        let held = self.held.saturating_add(bytes);
+        if held > self.limit {
+            return Err(format!("more than {} ({} bytes)", self.what, self.limit));
+        }
+        self.held = held;
+        Ok(())
+    }
+
+    fn let_go(&mut self, bytes: usize) {
+        self.held = self.held.saturating_sub(bytes);
+    }
+}

@@ -54,13 +54,23 @@ pub struct TraceFile {
 /// one XSpace. Files a client names are read beneath their allowed root
 /// and decoded with [`decode_xspace`].
 pub fn read_trace(path: &Path) -> Result<TraceFile, ReadError> {
+    read_trace_within(path, &mut super::Unlimited)
+}
+
+/// As [`read_trace`], what decoding takes drawn from `grant`
+/// ([`decode_trace_within`]).
+pub fn read_trace_within<G>(path: &Path, grant: &mut G) -> Result<TraceFile, ReadError>
+where
+    G: super::Grant,
+    G::Refusal: std::fmt::Display,
+{
     // A regular file only: `/dev/zero` grew the reader until the kernel
     // killed it (and others), a FIFO hung it. Its size is the user's.
     let bytes = crate::model::small_file::read(path, u64::MAX).map_err(|source| ReadError::Io {
         path: path.display().to_string(),
         source,
     })?;
-    decode_trace(&bytes, path)
+    decode_trace_within(&bytes, path, grant)
 }
 
 /// Decodes the bytes of the trace file at `path` (named in errors), by its

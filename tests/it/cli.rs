@@ -736,3 +736,33 @@ fn names_others_wrote_are_printed_escaped() {
         );
     }
 }
+
+/// A file of a few KiB whose chunks decode to tens of gigabytes (empty
+/// planes, two bytes each, under Brotli) is refused by `inspect` before it
+/// is decoded, naming the machine's memory, rather than taking it.
+#[test]
+fn inspect_refuses_a_trace_that_decodes_past_the_machines_memory() {
+    // One chunk decodes to about 33 GiB: past three quarters of a machine
+    // of up to 44 GiB, such as the one CI runs on.
+    let limit = devtrace::model::memory_limit::of_this_process();
+    if limit.bytes > 44 << 30 {
+        eprintln!("skipped: {} is too large to exceed cheaply", limit.source);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut chunks = devtrace::xspace::riegeli::FileWriter::default();
+    let empty_planes = [0x0a, 0x00].repeat(96 << 20);
+    for _ in 0..2 {
+        chunks.write_record(&empty_planes).unwrap();
+    }
+    drop(empty_planes);
+    let file = dir.path().join("h.xplane.riegeli");
+    std::fs::write(&file, chunks.into_bytes()).unwrap();
+    let out = devtrace(&["inspect", file.to_str().unwrap()]);
+    let said = text(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("decodes to") && said.contains("more than three quarters of"),
+        "{said}"
+    );
+}

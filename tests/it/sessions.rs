@@ -275,6 +275,25 @@ async fn sessions_are_listed_newest_first_with_their_tools() {
             "xplane"
         ]
     );
+    assert!(listed.error_message.is_empty(), "{}", listed.error_message);
+
+    // A session's own directory (XProf pointed one level too deep) lists
+    // nothing, and says why.
+    let within = client
+        .enum_sessions(EnumProfileSessionsAndToolsRequest {
+            repository_root: root.join("first").display().to_string(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(within.sessions.is_empty());
+    assert!(
+        within
+            .error_message
+            .contains("is a session itself (it holds traces)"),
+        "{}",
+        within.error_message
+    );
 }
 
 #[tokio::test]
