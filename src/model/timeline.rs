@@ -172,6 +172,10 @@ pub const XID_TRACK: u64 = u64::MAX - 1;
 /// `CpuSlice::end_state` of a slice cut while its thread still ran.
 pub const STILL_RUNNING: u32 = u32::MAX;
 
+/// What the name of a thread's off-CPU span begins with (`off-CPU: S
+/// (sleeping)`): a state of the thread, not work it did.
+pub const OFF_CPU_PREFIX: &str = "off-CPU: ";
+
 /// A scheduler task state as `ps` letters it, with a word.
 pub fn task_state_label(state: u32) -> std::borrow::Cow<'static, str> {
     const INTERRUPTIBLE: u32 = 0x1;

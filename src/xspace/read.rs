@@ -9,6 +9,7 @@ use std::path::Path;
 use prost::Message;
 
 use crate::model::printable::printable;
+use crate::model::timeline::OFF_CPU_PREFIX;
 use crate::proto::tensorflow::profiler::{x_event, x_stat, XEvent, XPlane, XSpace};
 
 #[derive(Debug, thiserror::Error)]
@@ -227,6 +228,8 @@ pub struct Summary {
     /// First start and last end over all events, picoseconds.
     pub span_ps: Option<(i64, i64)>,
     pub top: Vec<EventTotal>,
+    /// Threads' off-CPU spans (the eBPF backend's), left out of `top`.
+    pub off_cpu: Option<EventTotal>,
     pub warnings: Vec<String>,
     pub errors: Vec<String>,
 }
@@ -234,6 +237,7 @@ pub struct Summary {
 /// Summarises `space`, keeping the `top` heaviest event names by total time.
 pub fn summarize(space: &XSpace, top: usize) -> Summary {
     let mut totals: HashMap<String, (u64, i64)> = HashMap::new();
+    let mut off_cpu: (u64, i64) = (0, 0);
     let mut span: Option<(i64, i64)> = None;
     let mut planes = Vec::new();
     let mut all_events = 0;
@@ -245,11 +249,16 @@ pub fn summarize(space: &XSpace, top: usize) -> Summary {
                 let start = event_start_ps(line.timestamp_ns, event);
                 let end = start.saturating_add(event.duration_ps);
                 span = Some(span.map_or((start, end), |(s, e)| (s.min(start), e.max(end))));
-                let total = totals
-                    .entry(event_name(plane, event).to_string())
-                    .or_default();
+                let name = event_name(plane, event);
+                // Threads waiting are no work: totalled apart, so that the
+                // top events are what ran.
+                let total = if name.starts_with(OFF_CPU_PREFIX) {
+                    &mut off_cpu
+                } else {
+                    totals.entry(name.to_string()).or_default()
+                };
                 total.0 += 1;
-                total.1 += event.duration_ps;
+                total.1 = total.1.saturating_add(event.duration_ps);
             }
             plane_events += line.events.len();
             lines.push(LineSummary {
@@ -291,6 +300,11 @@ pub fn summarize(space: &XSpace, top: usize) -> Summary {
     top_events.sort_by(|a, b| b.total_ps.cmp(&a.total_ps).then(a.name.cmp(&b.name)));
     top_events.truncate(top);
     Summary {
+        off_cpu: (off_cpu.0 > 0).then(|| EventTotal {
+            name: "off-CPU".into(),
+            count: off_cpu.0,
+            total_ps: off_cpu.1,
+        }),
         hostnames: space.hostnames.clone(),
         planes,
         events: all_events,
@@ -352,6 +366,14 @@ impl fmt::Display for Summary {
                 )?;
             }
         }
+        if let Some(off) = &self.off_cpu {
+            writeln!(
+                f,
+                "off-CPU (threads waiting, not among the top events): {:.3} ms in {} spans",
+                ms(off.total_ps),
+                off.count
+            )?;
+        }
         for warning in &self.warnings {
             writeln!(f, "warning: {}", printable(warning))?;
         }
@@ -412,6 +434,10 @@ impl Summary {
                 "count": total.count,
                 "total_ps": total.total_ps,
             })).collect::<Vec<_>>(),
+            "off_cpu": self.off_cpu.as_ref().map(|off| json!({
+                "count": off.count,
+                "total_ps": off.total_ps,
+            })),
             "warnings": self.warnings,
             "errors": self.errors,
         })
@@ -646,6 +672,49 @@ impl<'b> WireReader<'b> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Threads' off-CPU spans, long as they are, are no work: the top
+    /// events are what ran, and the waiting is totalled on its own.
+    #[test]
+    fn off_cpu_spans_are_totalled_apart_from_the_top_events() {
+        use crate::proto::tensorflow::profiler::{XEventMetadata, XLine};
+        let event = |id: i64, duration_ps: i64| XEvent {
+            metadata_id: id,
+            duration_ps,
+            ..XEvent::default()
+        };
+        let named = |id: i64, name: &str| {
+            (
+                id,
+                XEventMetadata {
+                    id,
+                    name: name.into(),
+                    ..XEventMetadata::default()
+                },
+            )
+        };
+        let space = XSpace {
+            planes: vec![XPlane {
+                name: "/host:CPUs".into(),
+                event_metadata: [named(1, "off-CPU: S (sleeping)"), named(2, "train")].into(),
+                lines: vec![XLine {
+                    events: vec![event(1, 9_000_000_000), event(1, i64::MAX), event(2, 1_000)],
+                    ..XLine::default()
+                }],
+                ..XPlane::default()
+            }],
+            ..XSpace::default()
+        };
+        let summary = summarize(&space, 5);
+        let top: Vec<&str> = summary.top.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(top, ["train"]);
+        let off = summary.off_cpu.as_ref().expect("off-CPU totalled");
+        assert_eq!((off.count, off.total_ps), (2, i64::MAX));
+        assert!(summary
+            .to_string()
+            .contains("off-CPU (threads waiting, not among the top events)"));
+        assert_eq!(summary.to_json()["off_cpu"]["count"], 2);
+    }
 
     #[test]
     fn errors_and_warnings_are_read_past_the_planes_without_decoding_them() {

@@ -15,7 +15,7 @@ use super::records::{
 use crate::event::{Device, Event, NameId, Payload};
 use crate::model::registry::Registry;
 use crate::model::timeline::{cpu_line_name, THREAD_LINE_BIT};
-use crate::model::timeline::{task_state_label, STILL_RUNNING};
+use crate::model::timeline::{task_state_label, OFF_CPU_PREFIX, STILL_RUNNING};
 
 /// Task states of a thread that has exited (EXIT_DEAD, EXIT_ZOMBIE,
 /// TASK_DEAD).
@@ -215,7 +215,7 @@ impl SchedTimeline {
         }
         let name = *self.state_names.entry(off.state).or_insert_with(|| {
             self.registry
-                .intern(&format!("off-CPU: {}", task_state_label(off.state)))
+                .intern(&format!("{OFF_CPU_PREFIX}{}", task_state_label(off.state)))
         });
         out.push(Event::new(
             off.since_ns,
