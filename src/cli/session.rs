@@ -295,12 +295,11 @@ fn logdir_of_session(folder: &crate::repository::Folder) -> Option<std::path::Pa
     let crate::repository::Folder::Local(local) = folder else {
         return None;
     };
-    let holds_traces = fleet::session_traces(folder).is_ok_and(|traces| !traces.is_empty());
     let path = local.path();
     let profile = path.parent()?;
     let plugins = profile.parent()?;
     let named = profile.file_name()? == "profile" && plugins.file_name()? == "plugins";
-    (holds_traces && named).then(|| plugins.parent().map(Path::to_path_buf))?
+    (named && fleet::holds_traces(folder)).then(|| plugins.parent().map(Path::to_path_buf))?
 }
 
 pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {

@@ -382,6 +382,12 @@ pub fn held_traces(session: &Folder, hosts: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// Whether `folder` is a session directory itself: it holds traces (given
+/// where a logdir or repository was expected, it lists no sessions).
+pub fn holds_traces(folder: &Folder) -> bool {
+    session_traces(folder).is_ok_and(|traces| !traces.is_empty())
+}
+
 /// Hosts with a trace in a session directory, sorted.
 pub fn session_hosts(session: &Folder) -> Result<Vec<String>, StorageError> {
     Ok(session_traces(session)?.into_keys().collect())
@@ -830,29 +836,22 @@ impl ToolPlan {
                 left_out,
             });
         }
-        let mut out = String::from("{\"hosts\":{");
-        for (i, (name, json)) in per_host.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            crate::tools::json::string(&mut out, name);
-            out.push(':');
-            out.push_str(json);
+        use crate::tools::json::Object;
+        let mut out = String::new();
+        let mut whole = Object::new(&mut out);
+        let mut hosts = Object::new(whole.key("hosts"));
+        for (name, json) in &per_host {
+            hosts.raw(name, json);
         }
-        out.push('}');
+        hosts.end();
         if !failed.is_empty() {
-            out.push_str(",\"failed\":{");
-            for (i, (name, error)) in failed.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                crate::tools::json::string(&mut out, name);
-                out.push(':');
-                crate::tools::json::string(&mut out, &error.to_string());
+            let mut why = Object::new(whole.key("failed"));
+            for (name, error) in &failed {
+                why.str(name, &error.to_string());
             }
-            out.push('}');
+            why.end();
         }
-        out.push('}');
+        whole.end();
         Ok(Computed {
             output: ToolOutput::Json(out),
             left_out,

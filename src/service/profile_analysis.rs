@@ -586,9 +586,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
             }
             .map_err(|e| field_status("repository_root", e))?;
             // XProf pointed one level too deep shows nothing, unsaid.
-            let said = if sessions.is_empty()
-                && fleet::session_traces(&root).is_ok_and(|traces| !traces.is_empty())
-            {
+            let said = if sessions.is_empty() && fleet::holds_traces(&root) {
                 format!(
                     "repository_root: {} is a session itself (it holds traces): give the \
                      directory above it",
