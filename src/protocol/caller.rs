@@ -25,6 +25,29 @@ use tonic::transport::CertificateDer;
 /// own user, who could act as anyone anyway ([`Caller::acting_for`]).
 pub const ON_BEHALF_OF_UID: &str = "devtrace-on-behalf-of-uid";
 
+/// An [`ON_BEHALF_OF_UID`] value that is not a user id.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{ON_BEHALF_OF_UID} must be a user id, 0 to 4294967294 in decimal, not {0:?}")]
+pub struct NotAUser(String);
+
+/// The uid `value` names: decimal digits only, and not 4294967295, which
+/// the kernel uses for "no user".
+fn named_uid(value: &[u8]) -> Result<u32, NotAUser> {
+    const MOST_DIGITS: usize = 10;
+    let refused = || {
+        let shown = &value[..value.len().min(64)];
+        NotAUser(crate::model::printable::printable(&String::from_utf8_lossy(shown)).into_owned())
+    };
+    if value.is_empty() || value.len() > MOST_DIGITS || !value.iter().all(u8::is_ascii_digit) {
+        return Err(refused());
+    }
+    std::str::from_utf8(value)
+        .ok()
+        .and_then(|digits| digits.parse::<u32>().ok())
+        .filter(|uid| *uid != u32::MAX)
+        .ok_or_else(refused)
+}
+
 /// How a local caller reached the agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
@@ -86,19 +109,22 @@ impl Caller {
 
     /// The caller a request counts as: the user an agent names in
     /// [`ON_BEHALF_OF_UID`] when the connection is root's or the agent's
-    /// own user's, else who is on the connection.
-    pub fn acting_for(self, on_behalf_of: Option<&str>) -> Caller {
-        let named = on_behalf_of.and_then(|text| text.parse::<u32>().ok());
-        match (self, named) {
-            (Caller::User { uid, transport }, Some(delegated))
-                if Caller::User { uid, transport }.is_agents_equal() =>
-            {
-                Caller::User {
-                    uid: delegated,
-                    transport,
-                }
-            }
-            (caller, _) => caller,
+    /// own user's, else who is on the connection. From such a connection a
+    /// value that names no user is refused rather than ignored: ignoring it
+    /// would run the request as root.
+    pub fn acting_for(self, on_behalf_of: Option<&[u8]>) -> Result<Caller, NotAUser> {
+        let Some(value) = on_behalf_of else {
+            return Ok(self);
+        };
+        if !self.is_agents_equal() {
+            return Ok(self);
+        }
+        match self {
+            Caller::User { transport, .. } => Ok(Caller::User {
+                uid: named_uid(value)?,
+                transport,
+            }),
+            caller => Ok(caller),
         }
     }
 
@@ -266,16 +292,47 @@ mod tests {
             uid,
             transport: Transport::Tcp,
         };
-        assert_eq!(tcp(0).acting_for(Some("1001")), tcp(1001));
-        assert_eq!(tcp(0).acting_for(None), tcp(0));
-        assert_eq!(tcp(0).acting_for(Some("not a uid")), tcp(0));
+        let named = |caller: Caller, value: &str| caller.acting_for(Some(value.as_bytes()));
+        assert_eq!(named(tcp(0), "1001"), Ok(tcp(1001)));
+        assert_eq!(named(tcp(0), "0"), Ok(tcp(0)));
+        assert_eq!(named(tcp(0), "4294967294"), Ok(tcp(4_294_967_294)));
+        assert_eq!(tcp(0).acting_for(None), Ok(tcp(0)));
         // Anyone else's claim is ignored (unless it runs the agent).
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 65_534 {
-            assert_eq!(tcp(65_534).acting_for(Some("1001")), tcp(65_534));
+            assert_eq!(named(tcp(65_534), "1001"), Ok(tcp(65_534)));
+            assert_eq!(named(tcp(65_534), "garbage"), Ok(tcp(65_534)));
         }
         let remote = Caller::Remote([10, 0, 0, 7].into());
-        assert_eq!(remote.clone().acting_for(Some("0")), remote);
+        assert_eq!(named(remote.clone(), "0"), Ok(remote));
+    }
+
+    /// From root, a value that names no user is refused: ignoring it ran
+    /// the request as root, and 4294967295 is the kernel's "no user".
+    #[test]
+    fn a_trusted_caller_naming_no_user_is_refused() {
+        let root = Caller::tcp_user(0);
+        for value in [
+            "",
+            "not a uid",
+            "+1001",
+            " 1001",
+            "1001 ",
+            "-1",
+            "0x10",
+            "4294967295",
+            "4294967296",
+            "00000000001001",
+        ] {
+            let refused = root.clone().acting_for(Some(value.as_bytes()));
+            assert!(refused.is_err(), "{value:?} was taken as {refused:?}");
+        }
+        let error = root
+            .acting_for(Some(b"\x1b[2J\xff"))
+            .expect_err("not a uid");
+        let message = error.to_string();
+        assert!(message.contains(ON_BEHALF_OF_UID), "{message}");
+        assert!(!message.contains('\x1b'), "{message}");
     }
 
     /// Words as a little-endian host prints them.

@@ -323,13 +323,16 @@ pub fn connection_of(extensions: &http::Extensions) -> Option<&ConnectionInfo> {
 
 /// The caller `request` counts as: who is on its connection
 /// ([`caller_of`]), or the local user an agent of this host named as the
-/// one it calls for ([`caller::ON_BEHALF_OF_UID`]).
-pub fn caller_of_request<T>(request: &tonic::Request<T>) -> Caller {
+/// one it calls for ([`caller::ON_BEHALF_OF_UID`]); `INVALID_ARGUMENT`
+/// when root or the agent's user names no user there.
+pub fn caller_of_request<T>(request: &tonic::Request<T>) -> Result<Caller, tonic::Status> {
     let named = request
         .metadata()
         .get(caller::ON_BEHALF_OF_UID)
-        .and_then(|value| value.to_str().ok());
-    caller_of(request.extensions()).acting_for(named)
+        .map(|value| value.as_bytes());
+    caller_of(request.extensions())
+        .acting_for(named)
+        .map_err(|refused| tonic::Status::invalid_argument(refused.to_string()))
 }
 
 /// Who is calling, from a call's extensions: a local user as the kernel

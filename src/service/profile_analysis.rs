@@ -347,7 +347,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
     ) -> Result<Response<NewProfileSessionResponse>, Status> {
         let arrived = Instant::now();
         let caller_deadline = deadline::caller_timeout(request.metadata());
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         // Who may not capture here may not have this agent capture for it
         // elsewhere either.
         self.config
@@ -547,7 +547,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         &self,
         request: Request<EnumProfileSessionsAndToolsRequest>,
     ) -> Result<Response<EnumProfileSessionsAndToolsResponse>, Status> {
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         let root = self.root(&request.into_inner().repository_root, &caller)?;
         // Which tools serve a session is read from its traces (their plane
         // names), each drawn from the budget while it is read: a listing
@@ -617,7 +617,7 @@ impl ProfileAnalysis for ProfileAnalysisService {
         request: Request<ProfileSessionDataRequest>,
     ) -> Result<Response<ProfileSessionDataResponse>, Status> {
         let wait_until = deadline::memory_wait_deadline(request.metadata());
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         let request = request.into_inner();
         let root = self.root(&request.repository_root, &caller)?;
         if request.session_id.is_empty() {

@@ -34,7 +34,7 @@ impl TriggerService {
 #[tonic::async_trait]
 impl trigger_server::Trigger for TriggerService {
     async fn fire(&self, request: Request<FireRequest>) -> Result<Response<FireResponse>, Status> {
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         if self.access.scope_of(&caller) != Ok(Scope::Host) {
             info!(%caller, "trigger firing refused");
             return Err(Status::permission_denied(format!(

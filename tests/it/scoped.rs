@@ -181,6 +181,47 @@ async fn only_the_agents_own_user_may_capture_on_another_users_behalf() {
     assert_eq!(kernels(&space), 0);
 }
 
+/// From root, a header that names no user is refused, not ignored: an
+/// agent forwarding a session whose uid got lost on the way must not have
+/// it captured as root's, unscoped. 4294967295 is the kernel's "no user".
+#[tokio::test(flavor = "multi_thread")]
+async fn root_naming_no_user_on_whose_behalf_it_calls_is_refused() {
+    use common::raw_call::unary_with_headers;
+    if skip_without_root() {
+        return;
+    }
+    let agent = AgentProcess::start(&["--mock-uid", "1001", "--mock-rate", "20000"]);
+    let asked = request(200, "unnamed");
+    for value in ["4294967295", "uid 1001", "-1", ""] {
+        let io = connect_as(0, &agent.address).await;
+        let headers = [("devtrace-on-behalf-of-uid", value)];
+        let (_, status) = unary_with_headers(io, &agent.address, PROFILE, &asked, &headers).await;
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{value:?}: {status:?}"
+        );
+        assert!(
+            status
+                .message()
+                .contains("devtrace-on-behalf-of-uid must be a user id"),
+            "{status:?}"
+        );
+    }
+    // A well-formed one still scopes the capture to that user.
+    let io = connect_as(0, &agent.address).await;
+    let headers = [("devtrace-on-behalf-of-uid", "1001")];
+    let mut asked = request(300, "named");
+    asked.emit_xspace = true;
+    let (reply, status) = unary_with_headers(io, &agent.address, PROFILE, &asked, &headers).await;
+    assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+    let space = space_of(&ProfileResponse::decode(&reply[..]).unwrap());
+    assert_eq!(
+        environment(&space, "devtrace_scope").as_deref(),
+        Some("uid 1001")
+    );
+}
+
 /// Over a UNIX socket the kernel names the caller too (`SO_PEERCRED`): a
 /// user the socket's mode lets in captures its own processes, and one
 /// whose processes the agent does not trace is told why its trace is

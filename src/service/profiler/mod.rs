@@ -482,7 +482,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
     ) -> Result<Response<ProfileResponse>, Status> {
         let asked_ns = clock::now_ns();
         let deadline = memory_wait_deadline(request.metadata());
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         let via = via::of_request(request.metadata().as_ref());
         let caller_timeout = super::deadline::caller_timeout(request.metadata());
         let request = request.into_inner();
@@ -578,7 +578,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<TerminateRequest>,
     ) -> Result<Response<TerminateResponse>, Status> {
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         let session_id = request.into_inner().session_id;
         validate::name_component("session_id", &session_id)?;
         let (mine, others): (Vec<_>, Vec<_>) = self
@@ -613,7 +613,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<MonitorRequest>,
     ) -> Result<Response<MonitorResponse>, Status> {
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         self.monitor_report(request.into_inner(), caller)
             .await
             .map(Response::new)
@@ -623,7 +623,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ContinuousProfilingResponse>, Status> {
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         let request = request.into_inner();
         let plan = self.plan(&request, false)?;
         let scope = self.scope_of(&caller)?;
@@ -671,7 +671,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         &self,
         request: Request<StopContinuousProfilingRequest>,
     ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         let mut sessions = self.continuous.lock();
         let admin = self.config.access.is_admin(&caller);
         let owner = session_of(&sessions, &caller, admin)?;
@@ -686,7 +686,7 @@ impl profiler_service_server::ProfilerService for ProfilerService {
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
         let deadline = memory_wait_deadline(request.metadata());
-        let caller = caller_of_request(&request);
+        let caller = caller_of_request(&request)?;
         let snapshot_id = request.into_inner().snapshot_session_id;
         validate::name_component("snapshot_session_id", &snapshot_id)?;
         let now = clock::now_ns();
