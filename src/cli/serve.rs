@@ -820,10 +820,10 @@ fn parse_hostname(text: &str) -> Result<String, String> {
             "{text:?} names trace files, so it has no '/' or control characters"
         ));
     }
-    // 255 bytes of file name, less `.xplane.riegeli`.
-    if text.len() > 240 {
+    let longest = crate::xspace::chunks::LONGEST_HOST_PART;
+    if text.len() > longest {
         return Err(format!(
-            "{} bytes; a host name names files (<host>.xplane.riegeli), at most 240 bytes",
+            "{} bytes; a host name names files (<host>.xplane.riegeli), at most {longest} bytes",
             text.len()
         ));
     }

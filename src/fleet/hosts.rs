@@ -21,7 +21,9 @@ use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::TokioResolver;
 use tokio::sync::OnceCell;
 
+use crate::fleet::host_file_part;
 use crate::protocol::client::{AddressError, ClientConfig, Scheme, Target};
+use crate::xspace::chunks::LONGEST_HOST_PART;
 
 /// Most hosts a list given on the command line may stand for.
 pub const COMMAND_LINE_LIMIT: usize = 65_536;
@@ -82,9 +84,16 @@ pub enum HostsError {
     #[error("{entry}: {source}")]
     Address { entry: String, source: AddressError },
     #[error(
-        "{entry}: a DNS name holds letters, digits, '-', '_' and '.' (dns:NAME or dns:NAME:PORT)"
+        "{entry}: a DNS name holds letters, digits, '-', '_' and '.' (dns:NAME or dns:NAME:PORT), \
+         at most 253 of them"
     )]
     DnsName { entry: String },
+    #[error(
+        "{entry}: {bytes} bytes as host_port, which names the host's trace file \
+         (host_port.xplane.riegeli); a file name holds 255 bytes, so host:port at most {}",
+        LONGEST_HOST_PART
+    )]
+    TooLongForAFile { entry: String, bytes: usize },
     #[error("{entry}: files are read only from the command line; over RPC a peer may not make the agent read files (list the hosts instead)")]
     FileRefused { entry: String },
     #[error("{entry}: a file of hosts cannot name another file")]
@@ -192,6 +201,13 @@ impl HostList {
                     entry: named(entry),
                     source,
                 })?;
+            let bytes = host_file_part(&target.to_string()).len();
+            if bytes > LONGEST_HOST_PART {
+                return Err(HostsError::TooLongForAFile {
+                    entry: named(entry),
+                    bytes,
+                });
+            }
             self.entries.push(HostEntry::Host(target));
         }
         Ok(())
@@ -432,8 +448,14 @@ fn parse_dns(entry: &str, text: &str, default_port: u16) -> Result<(String, u16)
         }
         None => (text, default_port),
     };
+    // RFC 1035's longest name, in its dotted form.
+    const LONGEST_DNS_NAME: usize = 253;
     let valid = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
-    if name.is_empty() || name.starts_with('.') || !name.chars().all(valid) {
+    if name.is_empty()
+        || name.len() > LONGEST_DNS_NAME
+        || name.starts_with('.')
+        || !name.chars().all(valid)
+    {
         return Err(HostsError::DnsName {
             entry: named(entry),
         });
@@ -777,6 +799,25 @@ mod tests {
         assert!(error(&["dns:a b"]).starts_with("dns:a b: a DNS name"));
         assert!(error(&["dns:svc:99999"]).starts_with("dns:svc:99999: "));
         assert!(error(&["dns:svc:0"]).contains("port"));
+        let longest = format!("dns:{}", "a".repeat(253));
+        assert!(HostList::new(Origin::Peer, 6009, 8).add(&longest).is_ok());
+        assert!(error(&[&format!("dns:{}", "a".repeat(254))]).contains("at most 253"));
+    }
+
+    /// A host names its trace's file (`host_port.xplane.riegeli`): one
+    /// whose file name would pass 255 bytes is refused with the list, not
+    /// left to fail when its trace arrives.
+    #[test]
+    fn hosts_too_long_to_name_a_file_are_refused() {
+        let fits = format!("{}:6009", "h".repeat(LONGEST_HOST_PART - 5));
+        assert!(HostList::new(Origin::Peer, 6009, 8).add(&fits).is_ok());
+        let named = format!("{}.example:6009", "h".repeat(240));
+        let said = error(&[&named]);
+        assert!(said.contains("names the host's trace file"), "{said}");
+        assert!(said.contains("at most 240"), "{said}");
+        // Expanded names are checked one by one.
+        let expanded = format!("{}[1-2]", "n".repeat(LONGEST_HOST_PART - 5));
+        assert!(error(&[&expanded]).contains("bytes as host_port"));
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //! does: planes by name, lines by id (events appended in chunk order),
 //! metadata by name.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasher, RandomState};
 use std::ops::Range;
 
 use prost::Message;
@@ -27,6 +28,11 @@ use super::wire::{varint_len, Writer};
 
 /// Suffix of chunked trace files.
 pub const RIEGELI_SUFFIX: &str = ".xplane.riegeli";
+
+/// Longest host part of a trace's file name: the longest name it is given
+/// is `<host>.xplane.riegeli`, and a file name holds at most 255 bytes
+/// (`NAME_MAX` on every Linux file system).
+pub const LONGEST_HOST_PART: usize = 255 - RIEGELI_SUFFIX.len();
 
 /// Largest chunk whatever the limit: chunks are compressed several at a
 /// time, and each is held whole while it is.
@@ -120,7 +126,7 @@ pub fn decode_within(file: &[u8], grant: ChunkGrant<'_>) -> Result<(XSpace, usiz
 }
 
 fn decode_records(mut records: riegeli::Records<'_>) -> Result<(XSpace, usize), ChunkError> {
-    let mut merged = XSpace::default();
+    let mut merged = ChunkMerge::default();
     let mut chunks = 0;
     while let Some(record) = records.next() {
         let record = record?;
@@ -134,14 +140,10 @@ fn decode_records(mut records: riegeli::Records<'_>) -> Result<(XSpace, usize), 
             index: chunks,
             source,
         })?;
-        if chunks == 0 {
-            merged = chunk;
-        } else {
-            merge_chunk(&mut merged, chunk);
-        }
+        merged.add(chunk);
         chunks += 1;
     }
-    Ok((merged, chunks))
+    Ok((merged.finish(), chunks))
 }
 
 /// What a chunk is made of: spans of the trace's bytes, and messages put
@@ -432,30 +434,195 @@ impl<'b> Splitter<'b> {
     }
 }
 
-/// Folds `chunk` into `merged` as XProf merges the chunks of a trace: host
-/// names, errors and warnings not yet there are added; a plane joins the
-/// plane of the same name, its metadata matched by name (an entry with a
-/// new name gets an id of its own, and references to it follow), its
+/// Chunks folded into one XSpace as XProf merges the chunks of a trace:
+/// host names, errors and warnings not yet there are added; a plane joins
+/// the plane of the same name, its metadata matched by name (an entry with
+/// a new name gets an id of its own, and references to it follow), its
 /// stats added when the plane lacks them; a line joins the line of the
 /// same id, its events appended after those already there.
-pub fn merge_chunk(merged: &mut XSpace, chunk: XSpace) {
-    add_missing(&mut merged.hostnames, chunk.hostnames);
-    add_missing(&mut merged.errors, chunk.errors);
-    add_missing(&mut merged.warnings, chunk.warnings);
-    for plane in chunk.planes {
-        match merged.planes.iter_mut().find(|p| p.name == plane.name) {
-            Some(ours) => merge_plane(ours, plane),
-            None => merged.planes.push(plane),
+///
+/// What has been folded is indexed as it is folded, so that each chunk
+/// costs what it holds: a file of a million small chunks, each naming a
+/// warning or a plane of its own, would otherwise cost a million times
+/// everything before it.
+#[derive(Default)]
+pub struct ChunkMerge {
+    space: XSpace,
+    /// Hashes of the host names, errors and warnings already there.
+    texts: HashSet<u64>,
+    /// Plane name's hash -> its index in `space.planes`, and what the
+    /// plane's merging needs to find there.
+    planes: HashMap<u64, PlaneIndex>,
+    hasher: RandomState,
+    /// Whether a chunk has been folded in: the first is taken whole.
+    started: bool,
+}
+
+/// One plane's entries by what chunks match them on.
+struct PlaneIndex {
+    at: usize,
+    stat_names: NameIndex,
+    event_names: NameIndex,
+    /// Metadata ids of the plane's own stats.
+    plane_stats: HashSet<i64>,
+    /// Line id -> index in the plane's lines.
+    lines: HashMap<i64, usize>,
+}
+
+/// Metadata ids by the hash of their name, and ids not yet used.
+struct NameIndex {
+    by_name: HashMap<u64, i64>,
+    fresh: FreshIds,
+}
+
+impl ChunkMerge {
+    /// Folds `chunk` in (see the type's documentation).
+    pub fn add(&mut self, chunk: XSpace) {
+        if !self.started {
+            self.started = true;
+            self.take_first(chunk);
+            return;
+        }
+        let hostnames = self.new_texts(chunk.hostnames);
+        self.space.hostnames.extend(hostnames);
+        let errors = self.new_texts(chunk.errors);
+        self.space.errors.extend(errors);
+        let warnings = self.new_texts(chunk.warnings);
+        self.space.warnings.extend(warnings);
+        for plane in chunk.planes {
+            let key = self.hash(&plane.name);
+            match self.planes.get_mut(&key) {
+                Some(index) if self.space.planes[index.at].name == plane.name => {
+                    merge_plane(&mut self.space.planes[index.at], index, plane, &self.hasher);
+                }
+                // Another name of the same hash (never met in practice)
+                // keeps its own plane.
+                Some(_) => self.space.planes.push(plane),
+                None => {
+                    let index = PlaneIndex::of(&plane, self.space.planes.len(), &self.hasher);
+                    self.planes.insert(key, index);
+                    self.space.planes.push(plane);
+                }
+            }
+        }
+    }
+
+    pub fn finish(self) -> XSpace {
+        self.space
+    }
+
+    /// The first chunk, as it is (a trace of one chunk reads back exactly
+    /// as it was written), indexed for those after it.
+    fn take_first(&mut self, chunk: XSpace) {
+        let texts = [&chunk.hostnames, &chunk.errors, &chunk.warnings];
+        for text in texts.into_iter().flatten() {
+            self.texts.insert(self.hasher.hash_one(text.as_str()));
+        }
+        for (at, plane) in chunk.planes.iter().enumerate() {
+            let key = self.hash(&plane.name);
+            if !self.planes.contains_key(&key) {
+                let index = PlaneIndex::of(plane, at, &self.hasher);
+                self.planes.insert(key, index);
+            }
+        }
+        self.space = chunk;
+    }
+
+    /// Those of `texts` not seen before, each once.
+    fn new_texts(&mut self, texts: Vec<String>) -> Vec<String> {
+        texts
+            .into_iter()
+            .filter(|text| self.texts.insert(self.hasher.hash_one(text.as_str())))
+            .collect()
+    }
+
+    fn hash(&self, name: &str) -> u64 {
+        self.hasher.hash_one(name)
+    }
+}
+
+impl PlaneIndex {
+    fn of(plane: &XPlane, at: usize, hasher: &RandomState) -> PlaneIndex {
+        PlaneIndex {
+            at,
+            stat_names: NameIndex::of(
+                plane.stat_metadata.iter().map(|(id, m)| (*id, &*m.name)),
+                hasher,
+            ),
+            event_names: NameIndex::of(
+                plane.event_metadata.iter().map(|(id, m)| (*id, &*m.name)),
+                hasher,
+            ),
+            plane_stats: plane.stats.iter().map(|stat| stat.metadata_id).collect(),
+            lines: plane
+                .lines
+                .iter()
+                .enumerate()
+                .map(|(index, line)| (line.id, index))
+                .collect(),
         }
     }
 }
 
-fn add_missing(ours: &mut Vec<String>, theirs: Vec<String>) {
-    for item in theirs {
-        if !ours.contains(&item) {
-            ours.push(item);
+impl NameIndex {
+    /// `entries` (id, name) indexed by name; of two of one name, the
+    /// lower id.
+    fn of<'a>(entries: impl Iterator<Item = (i64, &'a str)>, hasher: &RandomState) -> NameIndex {
+        let mut ids = Vec::new();
+        let mut by_name: HashMap<u64, i64> = HashMap::new();
+        for (id, name) in entries {
+            ids.push(id);
+            if !name.is_empty() {
+                let entry = by_name.entry(hasher.hash_one(name)).or_insert(id);
+                *entry = (*entry).min(id);
+            }
+        }
+        NameIndex {
+            by_name,
+            fresh: FreshIds::new(ids),
         }
     }
+}
+
+/// Matches the entries of `theirs` to those of `ours` by name and adds the
+/// others under fresh ids. Returns the mapping and the ids added.
+fn match_by_name<T>(
+    ours: &mut HashMap<i64, T>,
+    index: &mut NameIndex,
+    theirs: HashMap<i64, T>,
+    name: fn(&T) -> &str,
+    set_id: fn(&mut T, i64),
+    hasher: &RandomState,
+) -> (IdMap, Vec<i64>) {
+    let mut map = HashMap::new();
+    let mut added = Vec::new();
+    // Entries added are matched from the next chunk on: within one chunk,
+    // two entries of one name stay two.
+    let mut named_later = Vec::new();
+    let mut theirs: Vec<(i64, T)> = theirs.into_iter().collect();
+    theirs.sort_by_key(|(id, _)| *id);
+    for (id, mut entry) in theirs {
+        let key = (!name(&entry).is_empty()).then(|| hasher.hash_one(name(&entry)));
+        let existing = key
+            .and_then(|key| index.by_name.get(&key))
+            .filter(|existing| ours.get(existing).is_some_and(|e| name(e) == name(&entry)));
+        if let Some(existing) = existing {
+            map.insert(id, *existing);
+            continue;
+        }
+        let new = index.fresh.next();
+        set_id(&mut entry, new);
+        ours.insert(new, entry);
+        if let Some(key) = key {
+            named_later.push((key, new));
+        }
+        map.insert(id, new);
+        added.push(new);
+    }
+    for (key, id) in named_later {
+        index.by_name.entry(key).or_insert(id);
+    }
+    (IdMap(map), added)
 }
 
 /// Their metadata ids and the ids they have in ours.
@@ -476,53 +643,27 @@ impl IdMap {
     }
 }
 
-/// Matches the entries of `theirs` to those of `ours` by name and adds the
-/// others under fresh ids. Returns the mapping and the ids added.
-fn match_by_name<T>(
-    ours: &mut HashMap<i64, T>,
-    theirs: HashMap<i64, T>,
-    name: fn(&T) -> &str,
-    set_id: fn(&mut T, i64),
-) -> (IdMap, Vec<i64>) {
-    let by_name: HashMap<String, i64> = ours
-        .iter()
-        .filter(|(_, entry)| !name(entry).is_empty())
-        .map(|(id, entry)| (name(entry).to_string(), *id))
-        .collect();
-    let mut fresh = FreshIds::new(ours.keys().copied());
-    let mut map = HashMap::new();
-    let mut added = Vec::new();
-    let mut theirs: Vec<(i64, T)> = theirs.into_iter().collect();
-    theirs.sort_by_key(|(id, _)| *id);
-    for (id, mut entry) in theirs {
-        if let Some(existing) = by_name
-            .get(name(&entry))
-            .filter(|_| !name(&entry).is_empty())
-        {
-            map.insert(id, *existing);
-            continue;
-        }
-        let new = fresh.next();
-        set_id(&mut entry, new);
-        ours.insert(new, entry);
-        map.insert(id, new);
-        added.push(new);
-    }
-    (IdMap(map), added)
-}
-
-fn merge_plane(ours: &mut XPlane, mut theirs: XPlane) {
+fn merge_plane(
+    ours: &mut XPlane,
+    index: &mut PlaneIndex,
+    mut theirs: XPlane,
+    hasher: &RandomState,
+) {
     let (stats, _) = match_by_name(
         &mut ours.stat_metadata,
+        &mut index.stat_names,
         std::mem::take(&mut theirs.stat_metadata),
         |m| &m.name,
         |m, id| m.id = id,
+        hasher,
     );
     let (events, added) = match_by_name(
         &mut ours.event_metadata,
+        &mut index.event_names,
         std::mem::take(&mut theirs.event_metadata),
         |m| &m.name,
         |m, id| m.id = id,
+        hasher,
     );
     for id in added {
         if let Some(metadata) = ours.event_metadata.get_mut(&id) {
@@ -534,25 +675,19 @@ fn merge_plane(ours: &mut XPlane, mut theirs: XPlane) {
     }
     stats.stats(&mut theirs.stats);
     for stat in theirs.stats {
-        if !ours.stats.iter().any(|s| s.metadata_id == stat.metadata_id) {
+        if index.plane_stats.insert(stat.metadata_id) {
             ours.stats.push(stat);
         }
     }
-    let mut line_index: HashMap<i64, usize> = ours
-        .lines
-        .iter()
-        .enumerate()
-        .map(|(index, line)| (line.id, index))
-        .collect();
     for mut line in theirs.lines {
         for event in &mut line.events {
             event.metadata_id = events.get(event.metadata_id);
             stats.stats(&mut event.stats);
         }
-        match line_index.get(&line.id) {
-            Some(&index) => append_line(&mut ours.lines[index], line),
+        match index.lines.get(&line.id) {
+            Some(&at) => append_line(&mut ours.lines[at], line),
             None => {
-                line_index.insert(line.id, ours.lines.len());
+                index.lines.insert(line.id, ours.lines.len());
                 ours.lines.push(line);
             }
         }
@@ -769,6 +904,70 @@ mod tests {
         ));
     }
 
+    /// What is folded stays found from every later chunk: texts already
+    /// there are not added again, planes and names join those of earlier
+    /// chunks however many chunks came between, while the first chunk is
+    /// taken whole and two entries of one name within a chunk stay two.
+    #[test]
+    fn every_later_chunk_finds_what_earlier_chunks_brought() {
+        let space = |warnings: &[&str], planes: Vec<XPlane>| XSpace {
+            warnings: warnings.iter().map(|w| w.to_string()).collect(),
+            planes,
+            ..XSpace::default()
+        };
+        let named = |name: &str, events: &[(i64, &str)]| {
+            let mut plane = XPlane {
+                name: name.into(),
+                ..XPlane::default()
+            };
+            add_metadata(&mut plane, &[], events);
+            plane
+        };
+        let mut merging = ChunkMerge::default();
+        // The first chunk keeps its repeated warning and its second plane
+        // of one name, as it was written.
+        merging.add(space(
+            &["late", "late"],
+            vec![named("/a", &[(1, "x")]), named("/a", &[(1, "y")])],
+        ));
+        for i in 0..50 {
+            merging.add(space(
+                &[&format!("w{i}")],
+                vec![named(&format!("/p{i}"), &[])],
+            ));
+        }
+        merging.add(space(
+            &["late", "w3", "new"],
+            vec![
+                named("/a", &[(7, "x"), (8, "z"), (9, "z")]),
+                named("/p3", &[(2, "q")]),
+            ],
+        ));
+        merging.add(space(&[], vec![named("/a", &[(4, "z")])]));
+        let merged = merging.finish();
+        assert_eq!(merged.warnings.len(), 2 + 50 + 1);
+        assert_eq!(merged.warnings.last().map(String::as_str), Some("new"));
+        assert_eq!(merged.planes.len(), 2 + 50);
+        let names = |plane: &XPlane| {
+            let mut names: Vec<(i64, String)> = plane
+                .event_metadata
+                .values()
+                .map(|m| (m.id, m.name.clone()))
+                .collect();
+            names.sort();
+            names
+        };
+        // "x" matched the first plane's; the two "z" of one chunk stayed
+        // two; the last chunk's "z" found the first of them.
+        let first = &merged.planes[0];
+        assert_eq!(
+            names(first),
+            [(1, "x".into()), (2, "z".into()), (3, "z".into())]
+        );
+        assert_eq!(names(&merged.planes[1]), [(1, "y".into())]);
+        assert_eq!(names(&merged.planes[5]), [(1, "q".into())]);
+    }
+
     #[test]
     fn chunks_with_their_own_ids_merge_by_name() {
         // As TensorFlow writes chunks of separate captures: each its own ids.
@@ -802,17 +1001,16 @@ mod tests {
             id: 77,
             ..XLine::default()
         });
-        let mut merged = XSpace {
+        let mut merging = ChunkMerge::default();
+        merging.add(XSpace {
             planes: vec![first],
             ..XSpace::default()
-        };
-        merge_chunk(
-            &mut merged,
-            XSpace {
-                planes: vec![second],
-                ..XSpace::default()
-            },
-        );
+        });
+        merging.add(XSpace {
+            planes: vec![second],
+            ..XSpace::default()
+        });
+        let merged = merging.finish();
         let plane = &merged.planes[0];
         assert_eq!(merged.planes.len(), 1);
         assert_eq!(

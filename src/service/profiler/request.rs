@@ -103,9 +103,7 @@ pub fn plan(
                 request.host_name.replace(':', "_")
             }
         });
-    // The trace is written as `<host>.xplane.riegeli` at the longest, one
-    // file name of at most 255 bytes.
-    let longest_host = validate::MAX_NAME_LEN - crate::xspace::chunks::RIEGELI_SUFFIX.len();
+    let longest_host = crate::xspace::chunks::LONGEST_HOST_PART;
     if file_host.len() > longest_host {
         let field = if !options.override_hostname.is_empty() {
             "opts.override_hostname"
