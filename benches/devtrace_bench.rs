@@ -488,7 +488,64 @@ fn bench_xspace(settings: &Settings) {
         bytes.len() as f64 / (1 << 20) as f64,
         bytes.len() as f64 / count as f64
     );
+    bench_chunk_merge(settings);
     println!();
+}
+
+/// Folding a chunked trace's chunks costs what each chunk holds, not what
+/// came before it: a file of many small chunks, each with a warning, a
+/// plane and an event name of its own, is read at the same cost per chunk
+/// whether it has few chunks or ten times as many.
+fn bench_chunk_merge(settings: &Settings) {
+    use devtrace::proto::tensorflow::profiler::{XEventMetadata, XPlane};
+    use devtrace::xspace::chunks::ChunkMerge;
+    let chunk = |i: usize| {
+        let shared = XPlane {
+            name: "/host:CPU".into(),
+            event_metadata: [(
+                1,
+                XEventMetadata {
+                    id: 1,
+                    name: format!("op {i}"),
+                    ..XEventMetadata::default()
+                },
+            )]
+            .into(),
+            ..XPlane::default()
+        };
+        let own = XPlane {
+            name: format!("/custom:{i}"),
+            ..XPlane::default()
+        };
+        XSpace {
+            warnings: vec![format!("warning {i}")],
+            planes: vec![shared, own],
+            ..XSpace::default()
+        }
+    };
+    let per_chunk = |chunks: usize| {
+        let made: Vec<XSpace> = (0..chunks).map(chunk).collect();
+        let t = Instant::now();
+        let mut merging = ChunkMerge::default();
+        for space in made {
+            merging.add(space);
+        }
+        let merged = black_box(merging.finish());
+        let took = t.elapsed().as_secs_f64() / chunks as f64;
+        assert_eq!(merged.warnings.len(), chunks);
+        took
+    };
+    let few = if settings.quick { 2_000 } else { 10_000 };
+    let baseline = per_chunk(few);
+    let many = per_chunk(few * 10);
+    let ratio = many / baseline;
+    println!(
+        "chunk merge: {:.2} us a chunk over {} chunks, {:.2} us over {few} ({ratio:.2}x; target at most 2x, i.e. linear) {}",
+        many * 1e6,
+        few * 10,
+        baseline * 1e6,
+        verdict(ratio <= 2.0)
+    );
 }
 
 // ------------------------------------------------------------------ store --
