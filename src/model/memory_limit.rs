@@ -21,7 +21,9 @@ impl std::fmt::Display for LimitSource {
             LimitSource::Cgroup(file) => {
                 write!(f, "the memory limit of its cgroup ({})", file.display())
             }
-            LimitSource::Machine => write!(f, "this machine's memory (no cgroup limits the agent)"),
+            LimitSource::Machine => {
+                write!(f, "this machine's memory (no cgroup limits this process)")
+            }
         }
     }
 }
