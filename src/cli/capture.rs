@@ -83,10 +83,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     // Outside the runtime: a bucket's session is looked into with blocking
     // calls of their own.
     let prepared = prepare(&args)?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = super::call_runtime()?;
     let captured = runtime.block_on(capture(&args, prepared))?;
     let in_bucket = matches!(captured.session_dir, Location::Object(_));
     // As a shell reads it back: the logdir resolved (a `~` that reached
@@ -398,8 +395,7 @@ struct Prepared {
 /// capturing, so that a logdir that cannot be written to (or a bucket's
 /// settings) fails now rather than after the window.
 fn prepare(args: &CaptureArgs) -> anyhow::Result<Prepared> {
-    let target = client::Target::any(&args.address, client::DEFAULT_PORT)
-        .with_context(|| format!("invalid address {:?}", args.address))?;
+    let target = super::server_address(&args.address)?;
     let config = args.client.config_for_calls()?;
     let duration_ms = u64::try_from(args.duration.as_millis()).unwrap_or(u64::MAX);
     if duration_ms == 0 {

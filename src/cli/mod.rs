@@ -1,5 +1,7 @@
 //! The command line: one module per subcommand.
 
+use anyhow::Context;
+
 mod attach;
 mod capture;
 mod client_args;
@@ -11,6 +13,7 @@ mod inspect;
 mod logdir;
 mod logging;
 mod memory;
+mod monitor;
 mod serve;
 mod session;
 mod tap;
@@ -67,6 +70,9 @@ pub enum Command {
     Tool(ToolArgs),
     /// Forward a TensorFlow server's gRPC traffic and record its steps and ops.
     Tap(TapArgs),
+    /// Ask a profiler server how busy its devices are over a short period
+    /// (the Monitor RPC), once or period after period.
+    Monitor(monitor::MonitorArgs),
     /// Fire a running agent's trigger rule: it saves the flight recorder's
     /// window around now as a new session.
     Trigger(TriggerArgs),
@@ -109,6 +115,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tool(args) => session::run_tool(args),
         Command::Tap(args) => tap::run(args),
         Command::Trigger(args) => trigger::run(args),
+        Command::Monitor(args) => monitor::run(args),
     }
 }
 
@@ -184,6 +191,20 @@ pub fn failure_text(error: &anyhow::Error) -> String {
         text.push_str(&said);
     }
     text
+}
+
+/// The runtime a command's calls run on: one thread, the command's own.
+pub(crate) fn call_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// The server a command calls, from its address argument.
+pub(crate) fn server_address(address: &str) -> anyhow::Result<crate::protocol::client::Target> {
+    use crate::protocol::client::{Target, DEFAULT_PORT};
+    Target::any(address, DEFAULT_PORT).with_context(|| format!("invalid address {address:?}"))
 }
 
 /// What a command may hold of the traces it reads and decodes: three
@@ -286,7 +307,6 @@ fn remove_listed(which: impl Fn(&std::path::Path) -> bool) -> Vec<std::path::Pat
 impl PendingFile {
     /// Starts `directory/name`, making the directory when needed.
     pub(crate) fn create(directory: &std::path::Path, name: &str) -> anyhow::Result<PendingFile> {
-        use anyhow::Context;
         std::fs::create_dir_all(directory)
             .with_context(|| format!("creating {}", directory.display()))?;
         // Begun and listed under the list's lock, which the cut-off takes
@@ -310,7 +330,6 @@ impl PendingFile {
     }
 
     pub(crate) fn write(&mut self, data: &[u8]) -> anyhow::Result<()> {
-        use anyhow::Context;
         use std::io::Write;
         self.file
             .write_all(data)
@@ -326,7 +345,6 @@ impl PendingFile {
     /// Puts the file in place (mode 0644 less the umask); with `replace`
     /// false, not over a file at the target already.
     fn put_in_place(self, replace: bool) -> anyhow::Result<std::path::PathBuf> {
-        use anyhow::Context;
         use std::os::unix::fs::PermissionsExt;
         // Its place in the list is left (taking the list's lock) only once
         // the list's lock below is let go.

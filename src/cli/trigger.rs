@@ -32,12 +32,8 @@ pub struct TriggerArgs {
 }
 
 pub fn run(args: TriggerArgs) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let target = client::Target::any(&args.agent, client::DEFAULT_PORT)
-        .with_context(|| format!("invalid address {:?}", args.agent))?;
+    let runtime = super::call_runtime()?;
+    let target = super::server_address(&args.agent)?;
     let config = args.client.config_for_calls()?;
     let fired = runtime.block_on(async {
         let connection = client::connect(&target, &config, DEADLINE)

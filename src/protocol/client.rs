@@ -10,7 +10,9 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
 use crate::proto::tensorflow::profiler_service_client::ProfilerServiceClient;
-use crate::proto::tensorflow::{ProfileOptions, ProfileRequest, TerminateRequest};
+use crate::proto::tensorflow::{
+    MonitorRequest, MonitorResponse, ProfileOptions, ProfileRequest, TerminateRequest,
+};
 use crate::protocol::tls::ClientTls;
 use crate::protocol::MAX_REPLY_BYTES;
 
@@ -411,6 +413,17 @@ impl Connection {
                 name: name.to_string(),
                 reason: reason.to_string(),
             })
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| self.call_error(status))
+    }
+
+    /// `Monitor`: what the server measured of its devices over the period
+    /// `request` asks for.
+    pub async fn monitor(&self, request: MonitorRequest) -> Result<MonitorResponse, CallError> {
+        ProfilerServiceClient::new(self.channel.clone())
+            .max_decoding_message_size(self.max_reply_bytes)
+            .monitor(request)
             .await
             .map(tonic::Response::into_inner)
             .map_err(|status| self.call_error(status))

@@ -614,6 +614,55 @@ async fn a_wrong_port_says_what_is_there() {
     );
 }
 
+/// `devtrace monitor` asks the agent period after period and prints each
+/// answer; what a server answers is printed escaped; a level the protocol
+/// lacks and a server that is not there are clear errors.
+#[tokio::test(flavor = "multi_thread")]
+async fn monitor_prints_each_period_the_server_measured() {
+    let agent = AgentProcess::start(&["--mock-rate", "20000"]);
+    let address = agent.address.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        devtrace(&[
+            "monitor",
+            &address,
+            "--duration",
+            "300ms",
+            "--count",
+            "2",
+            "--timestamp",
+        ])
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let printed = text(&out.stdout);
+    assert_eq!(printed.matches("timestamp: ").count(), 2, "{printed}");
+    assert_eq!(printed.matches(" over 300 ms\n").count(), 2, "{printed}");
+    assert!(printed.contains("% busy"), "{printed}");
+
+    let hostile = common::bulky::monitoring_host("GPU 0: 1% busy\u{1b}]0;PWNED\u{7}\r").await;
+    let out =
+        tokio::task::spawn_blocking(move || devtrace(&["monitor", &hostile, "--duration", "10ms"]))
+            .await
+            .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let printed = text(&out.stdout);
+    assert!(
+        printed.contains("GPU 0: 1% busy\\u{1b}]0;PWNED"),
+        "{printed}"
+    );
+    assert!(!printed.contains(['\u{1b}', '\u{7}', '\r']), "{printed:?}");
+
+    let out = devtrace(&["monitor", &agent.address, "--level", "3"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed = free.local_addr().unwrap().to_string();
+    drop(free);
+    let out = devtrace(&["monitor", &closed]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains(&closed), "{}", text(&out.stderr));
+}
+
 /// A session directory given where a logdir belongs (as XProf is often
 /// pointed, showing nothing) is named a session, with the logdir to give;
 /// and `tool ... xplane`, whose output is binary, is not written to a

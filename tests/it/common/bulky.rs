@@ -1,6 +1,7 @@
 //! A profiler server that speaks the protocol but answers with a trace as
 //! large as a test asks for, the reply a test gives, or fails with the
-//! message a test gives, from inside the test process.
+//! message a test gives (or answers `Monitor` with the text a test gives),
+//! from inside the test process.
 
 use devtrace::proto::tensorflow::profiler::XSpace;
 use devtrace::proto::tensorflow::profiler_service_server::{
@@ -30,6 +31,8 @@ enum Answer {
     Failure(String),
     /// This reply.
     Reply(ProfileResponse),
+    /// UNIMPLEMENTED; every `Monitor` gets this text.
+    Monitoring(String),
 }
 
 #[tonic::async_trait]
@@ -42,6 +45,7 @@ impl ProfilerService for Bulky {
             Answer::Trace(bytes) => *bytes,
             Answer::Failure(message) => return Err(Status::internal(message.clone())),
             Answer::Reply(reply) => return Ok(Response::new(reply.clone())),
+            Answer::Monitoring(_) => return Err(Status::unimplemented("monitoring only")),
         };
         let space = XSpace {
             hostnames: vec!["h".repeat(bytes)],
@@ -66,7 +70,13 @@ impl ProfilerService for Bulky {
         &self,
         _: Request<MonitorRequest>,
     ) -> Result<Response<MonitorResponse>, Status> {
-        Err(Status::unimplemented("bulky"))
+        match &self.answer {
+            Answer::Monitoring(data) => Ok(Response::new(MonitorResponse {
+                data: data.clone(),
+                monitor_result: None,
+            })),
+            _ => Err(Status::unimplemented("bulky")),
+        }
     }
     async fn start_continuous_profiling(
         &self,
@@ -109,6 +119,14 @@ pub async fn failing_host(message: &str) -> String {
 pub async fn replying_host(reply: ProfileResponse) -> String {
     serve(Bulky {
         answer: Answer::Reply(reply),
+    })
+    .await
+}
+
+/// Starts a server whose every `Monitor` is answered `data`; its address.
+pub async fn monitoring_host(data: &str) -> String {
+    serve(Bulky {
+        answer: Answer::Monitoring(data.to_string()),
     })
     .await
 }
