@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::common::workload::cupti_standin;
+use crate::common::workload::{cupti_standin, standin_driver_dir};
 use crate::common::{build_standin, BIN};
 
 struct Doctor {
@@ -67,9 +67,12 @@ fn doctor(args: &[&str], library_path: Option<&Path>, env: &[(&str, &str)]) -> D
     }
 }
 
+/// The directory of the stand-in CUPTI, NVML and driver, each built here:
+/// a check must not pass only when another test happened to build one.
 fn standins() -> std::path::PathBuf {
     let dir = cupti_standin();
     build_standin("nvml.c", "libnvidia-ml.so.1");
+    assert_eq!(standin_driver_dir(), dir);
     dir
 }
 
