@@ -59,7 +59,9 @@ line wins over the environment, the environment over the file.
 pub fn command() -> Command {
     CONFIGURED.iter().fold(Cli::command(), |command, name| {
         command.mut_subcommand(name, |subcommand| {
+            // Under "Options", not the heading serve's flags ended on.
             subcommand
+                .next_help_heading(None::<&str>)
                 .arg(
                     Arg::new(CONFIG)
                         .long("config")

@@ -100,6 +100,26 @@ fn subcommands<'c>(command: &'c Command, declared: &[String]) -> Vec<&'c Command
     subcommands
 }
 
+/// `arguments` as `--help` shows them: those of no section first, then
+/// each section in the order its first flag was declared.
+fn in_sections(arguments: Vec<&Arg>) -> Vec<&Arg> {
+    let mut sections: Vec<Option<&str>> = vec![None];
+    for arg in &arguments {
+        if !sections.contains(&arg.get_help_heading()) {
+            sections.push(arg.get_help_heading());
+        }
+    }
+    sections
+        .into_iter()
+        .flat_map(|section| {
+            arguments
+                .iter()
+                .copied()
+                .filter(move |arg| arg.get_help_heading() == section)
+        })
+        .collect()
+}
+
 fn describe(command: &Command, path: &str, declared: &[String], out: &mut String) {
     out.push_str(&format!("\n## `{path}`\n\n"));
     if let Some(about) = command.get_long_about().or(command.get_about()) {
@@ -107,10 +127,17 @@ fn describe(command: &Command, path: &str, declared: &[String], out: &mut String
     }
     let mut any = false;
     let top = path == "devtrace";
-    for arg in command
+    let arguments: Vec<&Arg> = command
         .get_arguments()
         .filter(|arg| shown(arg) && (top || !arg.is_global_set()))
-    {
+        .collect();
+    let mut section = None;
+    for arg in in_sections(arguments) {
+        if arg.get_help_heading() != section {
+            section = arg.get_help_heading();
+            let heading = section.unwrap_or("Options");
+            out.push_str(&format!("\n### {path}: {heading}\n\n"));
+        }
         any = true;
         out.push_str(&format!("- {}", signature(arg)));
         let mut facts = Vec::new();

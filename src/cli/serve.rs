@@ -31,175 +31,87 @@ use crate::telemetry::Telemetry;
 use crate::trigger::rule::Rule;
 use crate::trigger::Triggers;
 
+/// The sections of `serve --help` (and `doctor --help`), in this order.
+const BACKENDS: &str = "Backends (what is recorded)";
+const TRACES: &str = "Traces (where they are written, what they may hold)";
+const MEMORY: &str = "Memory (the flight recorder and captures)";
+const LISTENING: &str = "Listening (who may call, and how much)";
+const CALLING: &str = "Calling other servers (session hosts and upstreams)";
+
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Address to listen on. Use 0.0.0.0:6009 to accept captures from other
-    /// hosts; an address other hosts can reach needs --tls-cert (or
-    /// --insecure). `off`: no TCP listener, only --listen-unix, whose
-    /// clients the kernel names and the socket's mode lets in.
-    #[arg(long, default_value = "127.0.0.1:6009", value_parser = parse_listen)]
-    pub listen: String,
-
-    /// Serve plaintext gRPC on an address other hosts can reach. Anyone who
-    /// reaches the port can then capture, and read and write sessions under
-    /// --allow-root; keep such a port on a private network. TensorFlow's and
-    /// XProf's clients speak only plaintext.
-    #[arg(long)]
-    pub insecure: bool,
-
-    /// Require every client of --listen to present a certificate signed by
-    /// this CA (PEM): mutual TLS. Needs --tls-cert.
-    #[arg(long, value_name = "FILE", requires = "tls_cert")]
-    pub tls_client_ca: Option<PathBuf>,
-
-    /// Also serve on a UNIX socket at this path (plaintext; only users the
-    /// socket's mode lets in can connect), e.g. for local clients while
-    /// --listen uses TLS. Capture with `devtrace capture unix:PATH`.
-    #[arg(long, value_name = "PATH", required_if_eq("listen", "off"))]
-    pub listen_unix: Option<PathBuf>,
-
-    /// How long a continuous profiling session lives without a snapshot: a
-    /// client that went away leaves no backend attached (nor CUPTI on in
-    /// every workload) for longer.
-    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", default_value = "10m", value_parser = parse_retention)]
-    pub continuous_timeout: Duration,
-
-    /// Captures one caller may have in progress at once (admins: any
-    /// number); one more is refused with RESOURCE_EXHAUSTED until one ends.
-    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
-    pub captures_per_caller: u16,
-
-    /// Bytes one NewSession of a caller that is not an admin may have the
-    /// agent write (its hosts' traces together); a host whose trace would
-    /// pass it is not written, and the session's errors say so.
-    #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = parse_session_bytes)]
-    pub session_bytes: usize,
-
-    /// Bytes the NewSessions of one caller that is not an admin may have
-    /// the agent write within an hour, together.
-    #[arg(long, value_name = "SIZE", default_value = "64GiB", value_parser = parse_session_bytes)]
-    pub session_bytes_per_hour: usize,
-
-    /// Members of this group (a name or a gid; besides root) are admins:
-    /// their captures hold the whole host, and they may stop any capture and
-    /// take or stop any continuous session. Any other local user captures
-    /// only its own processes and acts only on what it started.
-    #[arg(long, value_name = "GROUP")]
-    pub admin_group: Option<String>,
-
-    /// What callers on other hosts that are not admins (--admin-client) may
-    /// capture: refuse (nothing; their captures and sessions are refused
-    /// with PERMISSION_DENIED) or host (the whole host: anyone who can reach
-    /// --listen, so only on a network that trusted clients alone reach).
-    #[arg(long, value_name = "POLICY", value_enum, default_value_t = RemoteCallers::Refuse)]
-    pub remote_callers: RemoteCallers,
-
-    /// A client certificate name (its first URI name, such as a SPIFFE ID,
-    /// else its first DNS name) whose bearer is an admin (repeatable);
-    /// other certificate names act only on what they started. Needs
-    /// --tls-client-ca, which verifies them.
-    #[arg(long = "admin-client", value_name = "NAME", requires = "tls_client_ca")]
-    pub admin_clients: Vec<String>,
-
-    /// Mode of the --listen-unix socket: 0600 (the agent's user; the
-    /// default) or 0660 (also its group: --listen-unix-group, else the
-    /// agent's own).
-    #[arg(long, value_name = "MODE", requires = "listen_unix", value_parser = parse_socket_mode)]
-    pub listen_unix_mode: Option<u32>,
-
-    /// Group of the --listen-unix socket (a name or a gid), set each time
-    /// the agent makes it, before it is reachable: with
-    /// --listen-unix-mode 0660, that group's members capture through it.
-    #[arg(long, value_name = "GROUP", requires = "listen_unix")]
-    pub listen_unix_group: Option<String>,
-
-    /// Hosts a NewSession may make this agent call (repeatable): host[:port]
-    /// glob patterns, e.g. `10.0.*:6009` or `*.cluster.local:*` (no port
-    /// means 6009). Default: any host.
-    #[arg(long = "session-hosts", value_name = "PATTERN", value_parser = parse_session_hosts)]
-    pub session_hosts: Vec<HostPattern>,
-
-    // --tls-ca, --tls-cert, --tls-key, --tls-domain, --max-reply-size: this
-    // agent's certificate, and how it calls session hosts and upstreams.
-    #[command(flatten)]
-    pub client: super::client_args::ClientArgs,
-
-    // --dns-server, --concurrent-hosts: how NewSession finds and calls hosts.
-    #[command(flatten)]
-    pub fleet: super::fleet_args::FleetArgs,
-
     /// Backends to run (repeatable, or comma-separated). `auto` runs every
     /// backend that works on this machine and falls back to the mock when no
     /// device backend does.
-    #[arg(long = "backend", value_enum, value_delimiter = ',', default_values_t = [BackendChoice::Auto])]
+    #[arg(help_heading = BACKENDS, long = "backend", value_enum, value_delimiter = ',', default_values_t = [BackendChoice::Auto])]
     pub backends: Vec<BackendChoice>,
 
     /// Events per second the mock backend produces (0: none, an idle agent;
     /// at most 100000000).
-    #[arg(long, default_value_t = 50_000,
+    #[arg(help_heading = BACKENDS, long, default_value_t = 50_000,
           value_parser = clap::value_parser!(u64).range(0..=crate::backend::mock::MAX_EVENTS_PER_SECOND))]
     pub mock_rate: u64,
 
     /// Seed of the mock backend; the same seed gives the same workload.
-    #[arg(long, default_value_t = 1)]
+    #[arg(help_heading = BACKENDS, long, default_value_t = 1)]
     pub mock_seed: u64,
 
     /// Number of GPUs the mock backend simulates.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(help_heading = BACKENDS, long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub mock_gpus: u16,
 
     /// The user the mock's simulated job runs as (a uid), for trying
     /// captures of a user who is not an admin, which hold only that user's
     /// processes. Default: the agent's own user.
-    #[arg(long, value_name = "UID")]
+    #[arg(help_heading = BACKENDS, long, value_name = "UID")]
     pub mock_uid: Option<u32>,
 
     /// Scenario: the first mock step starting this long after the agent
     /// starts lasts four times as long as the others (for trying a
     /// slow-step trigger).
-    #[arg(long, allow_hyphen_values = true, value_name = "AFTER", value_parser = super::parse_duration)]
+    #[arg(help_heading = BACKENDS, long, allow_hyphen_values = true, value_name = "AFTER", value_parser = super::parse_duration)]
     pub mock_slow_step: Option<Duration>,
 
     /// Scenario: the mock samples each GPU's SM utilisation at every step,
     /// 92% except from AFTER the agent starts for LENGTH, when it reads 3%
     /// (for trying a utilisation trigger), e.g. `10s+5s`.
-    #[arg(long, value_name = "AFTER+LENGTH")]
+    #[arg(help_heading = BACKENDS, long, value_name = "AFTER+LENGTH")]
     pub mock_utilization_dip: Option<crate::backend::mock::Dip>,
 
     /// The NVML library for the nvml backend (a path, or a name the dynamic
     /// loader resolves).
-    #[arg(long, default_value = crate::backend::nvml::DEFAULT_LIBRARY)]
+    #[arg(help_heading = BACKENDS, long, default_value = crate::backend::nvml::DEFAULT_LIBRARY)]
     pub nvml_library: std::ffi::OsString,
 
     /// How often the nvml backend samples each GPU while a capture runs.
-    #[arg(long, allow_hyphen_values = true, default_value = "10ms", value_parser = super::parse_duration)]
+    #[arg(help_heading = BACKENDS, long, allow_hyphen_values = true, default_value = "10ms", value_parser = super::parse_duration)]
     pub nvml_interval: Duration,
 
     /// How often it samples when no capture runs.
-    #[arg(long, allow_hyphen_values = true, default_value = "1s", value_parser = super::parse_duration)]
+    #[arg(help_heading = BACKENDS, long, allow_hyphen_values = true, default_value = "1s", value_parser = super::parse_duration)]
     pub nvml_idle_interval: Duration,
 
     /// libtpu for the tpu backend (default: $TPU_LIBRARY_PATH, else
     /// libtpu.so through the dynamic loader).
-    #[arg(long)]
+    #[arg(help_heading = BACKENDS, long)]
     pub tpu_library: Option<std::ffi::OsString>,
 
     /// A process the perf backend also counts on its own (repeatable).
-    #[arg(long = "perf-pid", value_name = "PID")]
+    #[arg(help_heading = BACKENDS, long = "perf-pid", value_name = "PID")]
     pub perf_pids: Vec<i32>,
 
     /// How often the perf backend reads its counters while a capture runs.
-    #[arg(long, allow_hyphen_values = true, default_value = "10ms", value_parser = super::parse_duration)]
+    #[arg(help_heading = BACKENDS, long, allow_hyphen_values = true, default_value = "10ms", value_parser = super::parse_duration)]
     pub perf_interval: Duration,
 
     /// When the eBPF backend's kernel hooks are attached: during captures
     /// only (no cost otherwise), or always (so snapshots of the past hold
     /// scheduling and CUDA calls too).
-    #[arg(long, value_enum, default_value_t = AttachMode::Capture)]
+    #[arg(help_heading = BACKENDS, long, value_enum, default_value_t = AttachMode::Capture)]
     pub ebpf_attach: AttachMode,
 
     /// Which kernel hooks the eBPF backend uses (comma-separated).
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [EbpfHook::Sched, EbpfHook::Cuda])]
+    #[arg(help_heading = BACKENDS, long, value_enum, value_delimiter = ',', default_values_t = [EbpfHook::Sched, EbpfHook::Cuda])]
     pub ebpf_hooks: Vec<EbpfHook>,
 
     /// Which probed CUDA driver calls also get a return probe (a second trap
@@ -209,27 +121,27 @@ pub struct ServeArgs {
     /// are then instants with their arguments but no API duration or
     /// CUresult. `all`: every probed call, at about twice the cost of a
     /// launch.
-    #[arg(long, value_enum, default_value_t = CudaReturns::Needed)]
+    #[arg(help_heading = BACKENDS, long, value_enum, default_value_t = CudaReturns::Needed)]
     pub ebpf_cuda_returns: CudaReturns,
 
     /// Limit the eBPF backend to this process (repeatable).
-    #[arg(long = "ebpf-pid", value_name = "PID")]
+    #[arg(help_heading = BACKENDS, long = "ebpf-pid", value_name = "PID")]
     pub ebpf_pids: Vec<u32>,
 
     /// Limit the eBPF backend to one cgroup v2, e.g. a pod's
     /// /sys/fs/cgroup/kubepods.slice/.../ directory.
-    #[arg(long, value_name = "DIR")]
+    #[arg(help_heading = BACKENDS, long, value_name = "DIR")]
     pub ebpf_cgroup: Option<PathBuf>,
 
     /// Limit the eBPF backend to threads whose command name starts with this
     /// (at most 15 bytes, the kernel's limit).
-    #[arg(long, value_name = "PREFIX", value_parser = parse_comm)]
+    #[arg(help_heading = BACKENDS, long, value_name = "PREFIX", value_parser = parse_comm)]
     pub ebpf_comm: Option<String>,
 
     /// Size of each BPF ring buffer between the kernel and the agent (a
     /// power of two, 4KiB to 1GiB). Records that find it full are counted
     /// in the trace's warnings and loss counters.
-    #[arg(long, default_value = "4MiB", value_parser = parse_ring_size)]
+    #[arg(help_heading = BACKENDS, long, default_value = "4MiB", value_parser = parse_ring_size)]
     pub ebpf_ring_size: u32,
 
     /// A CUDA driver library to probe besides those found mapped in running
@@ -238,7 +150,7 @@ pub struct ServeArgs {
     /// the injection library records some process that maps a driver
     /// library, that library is probed in each other process alone, found
     /// at the next rescan (each second).
-    #[arg(long = "cuda-library", value_name = "PATH")]
+    #[arg(help_heading = BACKENDS, long = "cuda-library", value_name = "PATH")]
     pub cuda_libraries: Vec<PathBuf>,
 
     /// While the injection library records some processes that map a CUDA
@@ -249,7 +161,7 @@ pub struct ServeArgs {
     /// Default: 64 where the kernel links a process's probes together
     /// (Linux 6.12 and later), 4 before (each of a process's 54 probes is
     /// then a perf event of its own).
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = BACKENDS, long, value_name = "N")]
     pub ebpf_probe_alone_max: Option<usize>,
 
     /// Where CUDA workloads' injection libraries put their rings (the same
@@ -257,7 +169,7 @@ pub struct ServeArgs {
     /// with containers). Created world-writable and sticky when missing.
     /// One agent per directory: a second agent's CUDA backend does not
     /// start on it.
-    #[arg(long, default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
+    #[arg(help_heading = BACKENDS, long, default_value = crate::workload::DEFAULT_RUNTIME_DIR)]
     pub runtime_dir: PathBuf,
 
     /// Attach the injection library by itself to running processes that
@@ -266,13 +178,13 @@ pub struct ServeArgs {
     /// user and cgroup and `*`/`?` wildcards, e.g. `cmdline=*train.py*` or
     /// `user=alice,comm=python*`. Processes are looked at every second;
     /// needs root or CAP_SYS_PTRACE (see `devtrace attach`).
-    #[arg(long = "cuda-attach", value_name = "RULE")]
+    #[arg(help_heading = BACKENDS, long = "cuda-attach", value_name = "RULE")]
     pub cuda_attach: Vec<crate::attach::rules::Rule>,
 
     /// The injection library --cuda-attach and captures naming processes
     /// to attach (devtrace capture --attach) load; by default the one
     /// beside this program, else /opt/devtrace/lib/libdevtrace_inject.so.
-    #[arg(long, value_name = "FILE")]
+    #[arg(help_heading = BACKENDS, long, value_name = "FILE")]
     pub inject_library: Option<PathBuf>,
 
     /// Which CUDA driver and runtime API calls injected workloads record
@@ -293,7 +205,7 @@ pub struct ServeArgs {
     /// call, at CUPTI's cost on each (scripts/bench-inject measures them).
     /// A capture asks for `all` with ProfileOptions.device_tracer_level 2 or
     /// more (devtrace capture --device-tracer-level 2).
-    #[arg(long, value_enum, default_value_t = crate::backend::cuda::ApiRecords::Timeline)]
+    #[arg(help_heading = BACKENDS, long, value_enum, default_value_t = crate::backend::cuda::ApiRecords::Timeline)]
     pub cuda_api_records: crate::backend::cuda::ApiRecords,
 
     /// When injected workloads record their GPU's work: capture (during
@@ -302,31 +214,21 @@ pub struct ServeArgs {
     /// so that look-back captures, continuous snapshots and triggers hold
     /// the GPU's past; every job pays CUPTI's cost on its kernels all the
     /// time).
-    #[arg(long, value_name = "WHEN", value_enum, default_value_t = crate::backend::cuda::Recording::Capture)]
+    #[arg(help_heading = BACKENDS, long, value_name = "WHEN", value_enum, default_value_t = crate::backend::cuda::Recording::Capture)]
     pub cuda_record: crate::backend::cuda::Recording,
 
-    /// How much history the flight recorder keeps (e.g. 120s, 10m; at least
-    /// 1s).
-    #[arg(long, allow_hyphen_values = true, default_value = "120s", value_parser = parse_retention)]
-    pub store_retention: Duration,
+    /// An in-process profiler server (TensorFlow's or JAX's, or another
+    /// devtrace) whose trace every capture folds in, over the same window
+    /// (repeatable), e.g. `--upstream grpc://127.0.0.1:9999`. Reached with
+    /// TLS when --tls-ca is given, unless named grpc://.
+    #[arg(help_heading = BACKENDS, long = "upstream", value_name = "ADDR", value_parser = parse_upstream)]
+    pub upstreams: Vec<Target>,
 
-    /// Memory bound of the flight recorder (e.g. 512MiB, 2GiB; at least
-    /// 1MiB), or auto: half of what the agent may use (its cgroup's memory
-    /// limit, else the machine's memory) after its ring and its own needs,
-    /// at most 512MiB. Sizes that do not fit beside --capture-memory are
-    /// refused at start.
-    #[arg(long, value_name = "SIZE", default_value = "auto", value_parser = super::memory::parse_store_size)]
-    pub store_size: MemorySize,
-
-    /// Slots per ring lane (rounded up to a power of two; 136 bytes each: an event and its sequence word;
-    /// 2 to 16777216).
-    #[arg(long, default_value_t = 65_536,
-          value_parser = clap::value_parser!(u64).range(crate::ring::LANE_CAPACITIES))]
-    pub ring_capacity: u64,
-
-    /// What a full ring gives up. Every drop is counted in the trace.
-    #[arg(long, value_enum, default_value_t = DropPolicyArg::DropNewest)]
-    pub drop_policy: DropPolicyArg,
+    /// Run a tap (repeatable): forward gRPC from LISTEN to a TensorFlow
+    /// server at UPSTREAM and record its steps and ops in this agent's
+    /// captures, e.g. `--tap 127.0.0.1:2223=127.0.0.1:2222`.
+    #[arg(help_heading = BACKENDS, long = "tap", value_name = "LISTEN=UPSTREAM", value_parser = super::tap::parse_tap_spec)]
+    pub taps: Vec<(String, String)>,
 
     /// Directory or bucket prefix (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX)
     /// the agent may write traces into, and read sessions from, when a
@@ -336,28 +238,21 @@ pub struct ServeArgs {
     /// client, which writes them on its own machine. A missing directory is
     /// made at start; one on procfs, sysfs, a cgroup filesystem, debugfs or
     /// tracefs is refused.
-    #[arg(long = "allow-root", value_name = "DIR|URL")]
+    #[arg(help_heading = TRACES, long = "allow-root", value_name = "DIR|URL")]
     pub allow_roots: Vec<PathBuf>,
 
     /// Where a session host's trace is kept when its upload to object
     /// storage fails (a new private directory per trace, named in the
     /// session's error); default: the temporary directory ($TMPDIR or /tmp).
-    #[arg(long, value_name = "DIR")]
+    #[arg(help_heading = TRACES, long, value_name = "DIR")]
     pub unsent_dir: Option<PathBuf>,
 
     /// Longest capture window a request may ask for (at least 1ms).
     /// Default, and most: --store-retention less a margin (a quarter, at most
     /// 5s) for the trace's build to begin, since a window is built from the
     /// flight recorder once it ends and the recorder holds no more.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_max_duration)]
+    #[arg(help_heading = TRACES, long, allow_hyphen_values = true, value_parser = parse_max_duration)]
     pub max_duration: Option<Duration>,
-
-    /// How long a gRPC connection is served before its client is asked to
-    /// open a new one (HTTP/2 GOAWAY; gRPC clients move without failing a
-    /// call): idle connections do not keep their places for good. Calls in
-    /// progress on it still finish (at least 1s).
-    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", default_value = "15m", value_parser = parse_connection_age)]
-    pub max_connection_age: Duration,
 
     /// Store a trace larger than this (encoded) as Riegeli chunks of XSpace,
     /// `<host>.xplane.riegeli`, instead of one `.xplane.pb` message, which
@@ -369,54 +264,13 @@ pub struct ServeArgs {
     /// the XSpace itself (emit_xspace, GetSnapshot) gets RESOURCE_EXHAUSTED
     /// saying where the trace was written or how to get it. 1KiB to 2GiB -
     /// 1.
-    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_chunk_size)]
+    #[arg(help_heading = TRACES, long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_chunk_size)]
     pub chunk_traces_over: usize,
-
-    /// Memory for traces being built and replied at once. A build reserves
-    /// what its window's events are expected to take once they are in,
-    /// draws every further byte as it grows, and holds its trace's size
-    /// until its reply has been sent; captures of one window share one
-    /// trace, whose bytes their replies send without copying. Past it,
-    /// captures wait for earlier ones to reply, within their deadline, and
-    /// say so in their trace's warnings; one whose deadline passes first
-    /// fails with RESOURCE_EXHAUSTED. A trace that outgrows its share spills
-    /// to --spill-dir. auto: what the agent may use after its ring, its own
-    /// needs and the flight recorder, at most 2GiB.
-    #[arg(long, value_name = "SIZE", default_value = "auto", value_parser = super::memory::parse_capture_memory)]
-    pub capture_memory: MemorySize,
-
-    /// Directory a trace's finished parts are spilled to when it outgrows
-    /// its share of --capture-memory (a window larger than the budget, many
-    /// large captures at once): it is then sent from a file with no name,
-    /// mapped into memory, whose pages the kernel can drop and read again,
-    /// instead of being refused. Not a directory in memory (tmpfs). Default:
-    /// the temporary directory ($TMPDIR or /tmp), unless it is in memory.
-    #[arg(long, value_name = "DIR")]
-    pub spill_dir: Option<PathBuf>,
-
-    /// Disk space spilled traces may take at once (SIZE, e.g. 8GiB), or
-    /// `off`: a trace that outgrows its share of --capture-memory is then
-    /// refused with RESOURCE_EXHAUSTED.
-    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = super::memory::parse_spill_size)]
-    pub spill_size: super::memory::SpillSize,
-
-    /// An in-process profiler server (TensorFlow's or JAX's, or another
-    /// devtrace) whose trace every capture folds in, over the same window
-    /// (repeatable), e.g. `--upstream grpc://127.0.0.1:9999`. Reached with
-    /// TLS when --tls-ca is given, unless named grpc://.
-    #[arg(long = "upstream", value_name = "ADDR", value_parser = parse_upstream)]
-    pub upstreams: Vec<Target>,
 
     /// Host name recorded in traces and naming their files,
     /// `<host>.xplane.pb` (default: this machine's).
-    #[arg(long, value_parser = parse_hostname)]
+    #[arg(help_heading = TRACES, long, value_parser = parse_hostname)]
     pub hostname: Option<String>,
-
-    /// Run a tap (repeatable): forward gRPC from LISTEN to a TensorFlow
-    /// server at UPSTREAM and record its steps and ops in this agent's
-    /// captures, e.g. `--tap 127.0.0.1:2223=127.0.0.1:2222`.
-    #[arg(long = "tap", value_name = "LISTEN=UPSTREAM", value_parser = super::tap::parse_tap_spec)]
-    pub taps: Vec<(String, String)>,
 
     /// A trigger rule (repeatable): when its condition is met, the flight
     /// recorder's window around that moment is saved as a new session in
@@ -428,7 +282,7 @@ pub struct ServeArgs {
     /// name or prefix: NVTX ranges, ops), `dropped`, `explicit` (only `devtrace
     /// trigger NAME` fires it; any rule can be fired so). In a --config
     /// file, a `[[trigger]]` table per rule with the same keys.
-    #[arg(
+    #[arg(help_heading = TRACES,
         long = "trigger",
         value_name = "RULE",
         value_parser = parse_trigger,
@@ -439,8 +293,146 @@ pub struct ServeArgs {
     /// Where triggers save their sessions: a directory or bucket prefix
     /// inside an --allow-root (a logdir's plugins/profile, so that XProf and
     /// `devtrace sessions` list them). Needed with --trigger.
-    #[arg(long, value_name = "DIR|URL")]
+    #[arg(help_heading = TRACES, long, value_name = "DIR|URL")]
     pub trigger_repository: Option<PathBuf>,
+
+    /// How much history the flight recorder keeps (e.g. 120s, 10m; at least
+    /// 1s).
+    #[arg(help_heading = MEMORY, long, allow_hyphen_values = true, default_value = "120s", value_parser = parse_retention)]
+    pub store_retention: Duration,
+
+    /// Memory bound of the flight recorder (e.g. 512MiB, 2GiB; at least
+    /// 1MiB), or auto: half of what the agent may use (its cgroup's memory
+    /// limit, else the machine's memory) after its ring and its own needs,
+    /// at most 512MiB. Sizes that do not fit beside --capture-memory are
+    /// refused at start.
+    #[arg(help_heading = MEMORY, long, value_name = "SIZE", default_value = "auto", value_parser = super::memory::parse_store_size)]
+    pub store_size: MemorySize,
+
+    /// Slots per ring lane (rounded up to a power of two; 136 bytes each: an event and its sequence word;
+    /// 2 to 16777216).
+    #[arg(help_heading = MEMORY, long, default_value_t = 65_536,
+          value_parser = clap::value_parser!(u64).range(crate::ring::LANE_CAPACITIES))]
+    pub ring_capacity: u64,
+
+    /// What a full ring gives up. Every drop is counted in the trace.
+    #[arg(help_heading = MEMORY, long, value_enum, default_value_t = DropPolicyArg::DropNewest)]
+    pub drop_policy: DropPolicyArg,
+
+    /// Memory for traces being built and replied at once. A build reserves
+    /// what its window's events are expected to take once they are in,
+    /// draws every further byte as it grows, and holds its trace's size
+    /// until its reply has been sent; captures of one window share one
+    /// trace, whose bytes their replies send without copying. Past it,
+    /// captures wait for earlier ones to reply, within their deadline, and
+    /// say so in their trace's warnings; one whose deadline passes first
+    /// fails with RESOURCE_EXHAUSTED. A trace that outgrows its share spills
+    /// to --spill-dir. auto: what the agent may use after its ring, its own
+    /// needs and the flight recorder, at most 2GiB.
+    #[arg(help_heading = MEMORY, long, value_name = "SIZE", default_value = "auto", value_parser = super::memory::parse_capture_memory)]
+    pub capture_memory: MemorySize,
+
+    /// Directory a trace's finished parts are spilled to when it outgrows
+    /// its share of --capture-memory (a window larger than the budget, many
+    /// large captures at once): it is then sent from a file with no name,
+    /// mapped into memory, whose pages the kernel can drop and read again,
+    /// instead of being refused. Not a directory in memory (tmpfs). Default:
+    /// the temporary directory ($TMPDIR or /tmp), unless it is in memory.
+    #[arg(help_heading = MEMORY, long, value_name = "DIR")]
+    pub spill_dir: Option<PathBuf>,
+
+    /// Disk space spilled traces may take at once (SIZE, e.g. 8GiB), or
+    /// `off`: a trace that outgrows its share of --capture-memory is then
+    /// refused with RESOURCE_EXHAUSTED.
+    #[arg(help_heading = MEMORY, long, value_name = "SIZE", default_value = "4GiB", value_parser = super::memory::parse_spill_size)]
+    pub spill_size: super::memory::SpillSize,
+
+    /// Address to listen on. Use 0.0.0.0:6009 to accept captures from other
+    /// hosts; an address other hosts can reach needs --tls-cert (or
+    /// --insecure). `off`: no TCP listener, only --listen-unix, whose
+    /// clients the kernel names and the socket's mode lets in.
+    #[arg(help_heading = LISTENING, long, default_value = "127.0.0.1:6009", value_parser = parse_listen)]
+    pub listen: String,
+
+    /// Serve plaintext gRPC on an address other hosts can reach. Anyone who
+    /// reaches the port can then capture, and read and write sessions under
+    /// --allow-root; keep such a port on a private network. TensorFlow's and
+    /// XProf's clients speak only plaintext.
+    #[arg(help_heading = LISTENING, long)]
+    pub insecure: bool,
+
+    /// Require every client of --listen to present a certificate signed by
+    /// this CA (PEM): mutual TLS. Needs --tls-cert.
+    #[arg(help_heading = LISTENING, long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Also serve on a UNIX socket at this path (plaintext; only users the
+    /// socket's mode lets in can connect), e.g. for local clients while
+    /// --listen uses TLS. Capture with `devtrace capture unix:PATH`.
+    #[arg(help_heading = LISTENING, long, value_name = "PATH", required_if_eq("listen", "off"))]
+    pub listen_unix: Option<PathBuf>,
+
+    /// How long a continuous profiling session lives without a snapshot: a
+    /// client that went away leaves no backend attached (nor CUPTI on in
+    /// every workload) for longer.
+    #[arg(help_heading = LISTENING, long, allow_hyphen_values = true, value_name = "DURATION", default_value = "10m", value_parser = parse_retention)]
+    pub continuous_timeout: Duration,
+
+    /// Captures one caller may have in progress at once (admins: any
+    /// number); one more is refused with RESOURCE_EXHAUSTED until one ends.
+    #[arg(help_heading = LISTENING, long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub captures_per_caller: u16,
+
+    /// Bytes one NewSession of a caller that is not an admin may have the
+    /// agent write (its hosts' traces together); a host whose trace would
+    /// pass it is not written, and the session's errors say so.
+    #[arg(help_heading = LISTENING, long, value_name = "SIZE", default_value = "16GiB", value_parser = parse_session_bytes)]
+    pub session_bytes: usize,
+
+    /// Bytes the NewSessions of one caller that is not an admin may have
+    /// the agent write within an hour, together.
+    #[arg(help_heading = LISTENING, long, value_name = "SIZE", default_value = "64GiB", value_parser = parse_session_bytes)]
+    pub session_bytes_per_hour: usize,
+
+    /// Members of this group (a name or a gid; besides root) are admins:
+    /// their captures hold the whole host, and they may stop any capture and
+    /// take or stop any continuous session. Any other local user captures
+    /// only its own processes and acts only on what it started.
+    #[arg(help_heading = LISTENING, long, value_name = "GROUP")]
+    pub admin_group: Option<String>,
+
+    /// What callers on other hosts that are not admins (--admin-client) may
+    /// capture: refuse (nothing; their captures and sessions are refused
+    /// with PERMISSION_DENIED) or host (the whole host: anyone who can reach
+    /// --listen, so only on a network that trusted clients alone reach).
+    #[arg(help_heading = LISTENING, long, value_name = "POLICY", value_enum, default_value_t = RemoteCallers::Refuse)]
+    pub remote_callers: RemoteCallers,
+
+    /// A client certificate name (its first URI name, such as a SPIFFE ID,
+    /// else its first DNS name) whose bearer is an admin (repeatable);
+    /// other certificate names act only on what they started. Needs
+    /// --tls-client-ca, which verifies them.
+    #[arg(help_heading = LISTENING, long = "admin-client", value_name = "NAME", requires = "tls_client_ca")]
+    pub admin_clients: Vec<String>,
+
+    /// Mode of the --listen-unix socket: 0600 (the agent's user; the
+    /// default) or 0660 (also its group: --listen-unix-group, else the
+    /// agent's own).
+    #[arg(help_heading = LISTENING, long, value_name = "MODE", requires = "listen_unix", value_parser = parse_socket_mode)]
+    pub listen_unix_mode: Option<u32>,
+
+    /// Group of the --listen-unix socket (a name or a gid), set each time
+    /// the agent makes it, before it is reachable: with
+    /// --listen-unix-mode 0660, that group's members capture through it.
+    #[arg(help_heading = LISTENING, long, value_name = "GROUP", requires = "listen_unix")]
+    pub listen_unix_group: Option<String>,
+
+    /// How long a gRPC connection is served before its client is asked to
+    /// open a new one (HTTP/2 GOAWAY; gRPC clients move without failing a
+    /// call): idle connections do not keep their places for good. Calls in
+    /// progress on it still finish (at least 1s).
+    #[arg(help_heading = LISTENING, long, allow_hyphen_values = true, value_name = "DURATION", default_value = "15m", value_parser = parse_connection_age)]
+    pub max_connection_age: Duration,
 
     /// HTTP endpoint for probes and monitoring: /metrics (Prometheus),
     /// /healthz (liveness), /readyz (readiness); `off` for none. Default
@@ -449,8 +441,23 @@ pub struct ServeArgs {
     /// address other hosts reach (0.0.0.0:6010, for a Prometheus elsewhere)
     /// needs no TLS, but tells whoever reaches it what this host's GPUs and
     /// the agent are doing.
-    #[arg(long, value_name = "ADDR|off")]
+    #[arg(help_heading = LISTENING, long, value_name = "ADDR|off")]
     pub metrics_listen: Option<MetricsListen>,
+
+    /// Hosts a NewSession may make this agent call (repeatable): host[:port]
+    /// glob patterns, e.g. `10.0.*:6009` or `*.cluster.local:*` (no port
+    /// means 6009). Default: any host.
+    #[arg(help_heading = CALLING, long = "session-hosts", value_name = "PATTERN", value_parser = parse_session_hosts)]
+    pub session_hosts: Vec<HostPattern>,
+
+    // --tls-ca, --tls-cert, --tls-key, --tls-domain, --max-reply-size: this
+    // agent's certificate, and how it calls session hosts and upstreams.
+    #[command(flatten, next_help_heading = CALLING)]
+    pub client: super::client_args::ClientArgs,
+
+    // --dns-server, --concurrent-hosts: how NewSession finds and calls hosts.
+    #[command(flatten, next_help_heading = CALLING)]
+    pub fleet: super::fleet_args::FleetArgs,
 }
 
 /// Kernel hooks of the eBPF backend.

@@ -508,6 +508,27 @@ fn serve_help_explains_the_flags() {
     ] {
         assert!(text.contains(flag), "{flag} missing from serve --help");
     }
+    // Sectioned, what is recorded first: --backend is not a hundred
+    // lines in, after the listening and TLS flags.
+    let at = |needle: &str| text.find(needle).unwrap_or(usize::MAX);
+    let sections = [
+        "\nOptions:\n",
+        "\nBackends (what is recorded):\n      --backend ",
+        "\nTraces (",
+        "\nMemory (",
+        "\nListening (",
+        "\nCalling other servers (",
+    ];
+    let places: Vec<usize> = sections.iter().map(|s| at(s)).collect();
+    assert!(
+        places.windows(2).all(|w| w[0] < w[1] && w[1] != usize::MAX),
+        "{places:?}\n{text}"
+    );
+    // Flags that are not serve's own stay under Options.
+    let options = &text[..places[1]];
+    for flag in ["--log-level", "--config", "--print-config"] {
+        assert!(options.contains(flag), "{flag} not under Options:\n{text}");
+    }
 }
 
 #[test]
