@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Args;
 
-use crate::fleet::session_traces;
+use crate::fleet::{host_of_trace_file, session_traces};
 use crate::model::printable::printable;
 use crate::repository::{Folder, Location, XPLANE_SUFFIX};
 use crate::xspace::chunks::RIEGELI_SUFFIX;
@@ -25,8 +25,9 @@ pub struct InspectArgs {
     pub top: usize,
     /// Print one JSON document instead of text, for scripts: hosts, event
     /// count and span, planes with their lines, event counts and stats (an
-    /// object by stat name), the heaviest events, warnings, errors and the
-    /// number of chunks.
+    /// object by stat name), the heaviest events, warnings, errors, the
+    /// number of chunks and `file_host`, the host its file's name gives
+    /// (as sessions, `devtrace tool --host` and XProf name it).
     #[arg(long)]
     pub json: bool,
 }
@@ -76,14 +77,31 @@ fn inspect(
 ) -> anyhow::Result<()> {
     let trace = read_trace_within(file, &mut super::reading_memory())?;
     let summary = summarize(&trace.space, args.top);
+    // The hosts a trace names (its machine's name) are not what sessions
+    // and tools name it by: its file's.
+    let file_host = file
+        .file_name()
+        .and_then(|name| name.to_str())
+        .and_then(host_of_trace_file);
     if args.json {
         let mut document = summary.to_json();
         document["chunks"] = trace.chunks.into();
+        if let Some(host) = file_host {
+            document["file_host"] = host.into();
+        }
         if named {
             document["file"] = file.display().to_string().into();
         }
         writeln!(out, "{document}").context(super::WRITING_OUTPUT)?;
         return Ok(());
+    }
+    if let Some(host) = file_host {
+        let host = printable(host);
+        writeln!(
+            out,
+            "session host: {host} (as `devtrace tool --host` and XProf name it)"
+        )
+        .context(super::WRITING_OUTPUT)?;
     }
     if trace.chunks != 1 {
         writeln!(out, "chunks: {}", trace.chunks).context(super::WRITING_OUTPUT)?;

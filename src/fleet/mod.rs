@@ -337,16 +337,22 @@ pub fn session_traces(session: &Folder) -> Result<BTreeMap<String, String>, Stor
     Ok(traces_among(session.files()?))
 }
 
+/// The host a session's trace file is of, as its name says
+/// (`10.0.0.2_8466.xplane.pb` -> `10.0.0.2_8466`): how sessions, tools
+/// and XProf name it. None for a name that is not a trace's.
+pub fn host_of_trace_file(name: &str) -> Option<&str> {
+    name.strip_suffix(XPLANE_SUFFIX)
+        .or_else(|| name.strip_suffix(RIEGELI_SUFFIX))
+        .filter(|host| !host.is_empty() && !host.starts_with('.'))
+}
+
 /// The trace file of each host among a session's file `names`, by host
 /// ([`session_traces`]).
 fn traces_among(names: impl IntoIterator<Item = String>) -> BTreeMap<String, String> {
     let mut traces = BTreeMap::new();
     for name in names {
         let whole = name.ends_with(XPLANE_SUFFIX);
-        let host = name
-            .strip_suffix(XPLANE_SUFFIX)
-            .or_else(|| name.strip_suffix(RIEGELI_SUFFIX));
-        if let Some(host) = host.filter(|h| !h.is_empty() && !h.starts_with('.')) {
+        if let Some(host) = host_of_trace_file(&name) {
             let file = traces
                 .entry(host.to_string())
                 .or_insert_with(|| name.clone());

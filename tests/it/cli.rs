@@ -89,6 +89,14 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
     ] {
         assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
     }
+    // The trace names its machine; sessions and tools name it by its file.
+    let file_host = agent.address.replace(':', "_");
+    assert!(
+        text.starts_with(&format!(
+            "session host: {file_host} (as `devtrace tool --host`"
+        )),
+        "{text}"
+    );
 
     // The session directory gives the same summary of its one host.
     let session = expected.parent().unwrap();
@@ -106,15 +114,21 @@ fn capture_writes_into_the_logdir_and_inspect_summarises_it() {
     );
     assert!(both.contains(&format!("== {}", other.display())), "{both}");
     let out = devtrace(&["inspect", "--json", session.to_str().unwrap()]);
-    let files: Vec<String> = String::from_utf8_lossy(&out.stdout)
+    let documents: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
-        .map(|line| serde_json::from_str::<serde_json::Value>(line).expect("a JSON line"))
-        .map(|doc| doc["file"].as_str().unwrap_or_default().to_string())
+        .map(|line| serde_json::from_str(line).expect("a JSON line"))
         .collect();
+    let field = |name: &str| -> Vec<String> {
+        documents
+            .iter()
+            .map(|doc| doc[name].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
     assert_eq!(
-        files,
+        field("file"),
         [expected.display().to_string(), other.display().to_string()]
     );
+    assert_eq!(field("file_host"), [file_host.as_str(), "second_host"]);
     std::fs::remove_file(&other).unwrap();
     // A reader that stops reading (`| head`) ends the command quietly, as a
     // closed pipe ends other tools.
@@ -789,6 +803,7 @@ fn names_others_wrote_are_printed_escaped() {
         "{printed}"
     );
     assert!(printed.contains("line line\\u{202e} (id 0)"), "{printed}");
+    assert!(printed.contains("session host: h\\u{1b}[1m "), "{printed}");
     assert!(printed.contains("warning: warned\\u{1b}[31m"), "{printed}");
 
     let listed = devtrace(&["sessions", dir.path().to_str().unwrap()]);
