@@ -494,12 +494,23 @@ fn bench_xspace(settings: &Settings) {
 
 /// Folding a chunked trace's chunks costs what each chunk holds, not what
 /// came before it: a file of many small chunks, each with a warning, a
-/// plane and an event name of its own, is read at the same cost per chunk
-/// whether it has few chunks or ten times as many.
+/// plane and an event name of its own, and an event on a line that each
+/// starts a little earlier, is read at the same cost per chunk whether it
+/// has few chunks or ten times as many.
 fn bench_chunk_merge(settings: &Settings) {
-    use devtrace::proto::tensorflow::profiler::{XEventMetadata, XPlane};
+    use devtrace::proto::tensorflow::profiler::{x_event, XEvent, XEventMetadata, XLine, XPlane};
     use devtrace::xspace::chunks::ChunkMerge;
     let chunk = |i: usize| {
+        let earlier = XLine {
+            id: 1,
+            timestamp_ns: 1_000_000_000 - i as i64,
+            events: vec![XEvent {
+                metadata_id: 1,
+                data: Some(x_event::Data::OffsetPs(0)),
+                ..XEvent::default()
+            }],
+            ..XLine::default()
+        };
         let shared = XPlane {
             name: "/host:CPU".into(),
             event_metadata: [(
@@ -511,6 +522,7 @@ fn bench_chunk_merge(settings: &Settings) {
                 },
             )]
             .into(),
+            lines: vec![earlier],
             ..XPlane::default()
         };
         let own = XPlane {

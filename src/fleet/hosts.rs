@@ -85,7 +85,7 @@ pub enum HostsError {
     Address { entry: String, source: AddressError },
     #[error(
         "{entry}: a DNS name holds letters, digits, '-', '_' and '.' (dns:NAME or dns:NAME:PORT), \
-         at most 253 of them"
+         at most 253 of them, in labels of 1 to 63 between the dots"
     )]
     DnsName { entry: String },
     #[error(
@@ -448,12 +448,17 @@ fn parse_dns(entry: &str, text: &str, default_port: u16) -> Result<(String, u16)
         }
         None => (text, default_port),
     };
-    // RFC 1035's longest name, in its dotted form.
+    // RFC 1035's longest name in its dotted form (less the root's dot of a
+    // fully qualified one), and longest label.
     const LONGEST_DNS_NAME: usize = 253;
+    const LONGEST_LABEL: usize = 63;
     let valid = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
-    if name.is_empty()
-        || name.len() > LONGEST_DNS_NAME
-        || name.starts_with('.')
+    let dotted = name.strip_suffix('.').unwrap_or(name);
+    if dotted.is_empty()
+        || dotted.len() > LONGEST_DNS_NAME
+        || dotted
+            .split('.')
+            .any(|label| label.is_empty() || label.len() > LONGEST_LABEL)
         || !name.chars().all(valid)
     {
         return Err(HostsError::DnsName {
@@ -799,9 +804,26 @@ mod tests {
         assert!(error(&["dns:a b"]).starts_with("dns:a b: a DNS name"));
         assert!(error(&["dns:svc:99999"]).starts_with("dns:svc:99999: "));
         assert!(error(&["dns:svc:0"]).contains("port"));
-        let longest = format!("dns:{}", "a".repeat(253));
-        assert!(HostList::new(Origin::Peer, 6009, 8).add(&longest).is_ok());
-        assert!(error(&[&format!("dns:{}", "a".repeat(254))]).contains("at most 253"));
+        let labels = |n: usize| vec!["a".repeat(63); n].join(".");
+        // 4 labels of 63 and their dots: 255; of 3 and one of 61: 253.
+        let longest = format!("{}.{}", labels(3), "a".repeat(61));
+        for fits in [longest.clone(), format!("{longest}.")] {
+            let entry = format!("dns:{fits}");
+            assert!(
+                HostList::new(Origin::Peer, 6009, 8).add(&entry).is_ok(),
+                "{entry}"
+            );
+        }
+        for refused in [
+            format!("{longest}a"),
+            labels(4),
+            "a".repeat(64),
+            "a..b".into(),
+            ".a".into(),
+        ] {
+            let said = error(&[&format!("dns:{refused}")]);
+            assert!(said.contains("at most 253"), "{said}");
+        }
     }
 
     /// A host names its trace's file (`host_port.xplane.riegeli`): one

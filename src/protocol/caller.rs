@@ -35,8 +35,8 @@ pub struct NotAUser(String);
 fn named_uid(value: &[u8]) -> Result<u32, NotAUser> {
     const MOST_DIGITS: usize = 10;
     let refused = || {
-        let shown = &value[..value.len().min(64)];
-        NotAUser(crate::model::printable::printable(&String::from_utf8_lossy(shown)).into_owned())
+        let shown: String = String::from_utf8_lossy(value).chars().take(64).collect();
+        NotAUser(crate::model::printable::printable(&shown).into_owned())
     };
     if value.is_empty() || value.len() > MOST_DIGITS || !value.iter().all(u8::is_ascii_digit) {
         return Err(refused());

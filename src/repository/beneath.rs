@@ -436,9 +436,10 @@ impl Dir {
     /// A new file `.{name}.{unique}.tmp` (mode 0600) that no one else opened.
     fn create_temporary(&self, name: &str) -> Result<(String, File), BeneathError> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        let head = temporary_head(name);
         loop {
             let temporary = format!(
-                ".{name}.{}.{}.tmp",
+                ".{head}.{}.{}.tmp",
                 std::process::id(),
                 NEXT.fetch_add(1, Ordering::Relaxed)
             );
@@ -703,6 +704,21 @@ fn act<T: Send>(
     }
 }
 
+/// What of `name` its temporary file's name holds: all of it, unless the
+/// temporary name would pass the 255 bytes a file name may have (a name
+/// that fits may not fit with what a temporary adds); the pid and counter
+/// keep temporaries apart either way.
+fn temporary_head(name: &str) -> &str {
+    // '.', then '.' pid (u32) '.' counter (u64) ".tmp".
+    const ADDED: usize = 1 + 1 + 10 + 1 + 20 + 4;
+    const LONGEST_NAME: usize = 255;
+    let mut end = name.len().min(LONGEST_NAME - ADDED);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
+}
+
 /// Whether `name` is one [`Dir::create_atomic`] gives its temporary files:
 /// `.{name}.{pid}.{n}.tmp`.
 fn is_temporary_name(name: &str) -> bool {
@@ -868,6 +884,28 @@ mod tests {
         let root = Dir::open(&f.root).unwrap();
         let error = root.read(Path::new("inside/huge")).unwrap_err();
         assert!(matches!(error, BeneathError::TooLarge { .. }), "{error}");
+    }
+
+    /// A name of the most bytes a file name holds is written: its
+    /// temporary file's name, which adds to it, is cut to fit.
+    #[test]
+    fn the_longest_names_are_written_through_shorter_temporaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = Dir::open(dir.path()).unwrap();
+        // Two-byte characters, so that the cut falls inside one.
+        let name = format!("{}.xplane.pb", "é".repeat(120));
+        assert_eq!(name.len(), 250);
+        let mut file = root.create_atomic(&name).unwrap();
+        file.write_all(b"trace").unwrap();
+        let temporary = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .find(|n| n.ends_with(".tmp"))
+            .expect("a temporary file");
+        assert!(temporary.len() <= 255, "{}", temporary.len());
+        assert!(is_temporary_name(&temporary), "{temporary}");
+        file.commit().unwrap();
+        assert_eq!(std::fs::read(dir.path().join(&name)).unwrap(), b"trace");
     }
 
     #[test]

@@ -140,6 +140,12 @@ fn decode_records(mut records: riegeli::Records<'_>) -> Result<(XSpace, usize), 
             index: chunks,
             source,
         })?;
+        let indexed = ChunkMerge::index_bytes(&chunk);
+        records.draw(indexed).map_err(|why| ChunkError::Refused {
+            index: chunks,
+            bytes: decoded.saturating_add(indexed),
+            why,
+        })?;
         merged.add(chunk);
         chunks += 1;
     }
@@ -441,15 +447,17 @@ impl<'b> Splitter<'b> {
 /// stats added when the plane lacks them; a line joins the line of the
 /// same id, its events appended after those already there.
 ///
-/// What has been folded is indexed as it is folded, so that each chunk
-/// costs what it holds: a file of a million small chunks, each naming a
-/// warning or a plane of its own, would otherwise cost a million times
-/// everything before it.
+/// What has been folded is indexed as it is folded, and a line's events
+/// are moved onto its earliest timestamp once, at the end, so that each
+/// chunk costs what it holds: a file of a million small chunks, each naming
+/// a warning or a plane of its own, or each starting a line a little
+/// earlier, would otherwise cost a million times everything before it.
 #[derive(Default)]
 pub struct ChunkMerge {
     space: XSpace,
-    /// Hashes of the host names, errors and warnings already there.
-    texts: HashSet<u64>,
+    hostnames: TextIndex,
+    errors: TextIndex,
+    warnings: TextIndex,
     /// Plane name's hash -> its index in `space.planes`, and what the
     /// plane's merging needs to find there.
     planes: HashMap<u64, PlaneIndex>,
@@ -458,6 +466,12 @@ pub struct ChunkMerge {
     started: bool,
 }
 
+/// Most bytes the index grows by per plane, metadata entry, line and text
+/// a chunk brings (hash tables at their emptiest after growing, with the
+/// plane's five of them), drawn with what the chunk decodes to.
+const INDEX_BYTES_PER_PLANE: usize = 1024;
+const INDEX_BYTES_PER_ENTRY: usize = 64;
+
 /// One plane's entries by what chunks match them on.
 struct PlaneIndex {
     at: usize,
@@ -465,9 +479,21 @@ struct PlaneIndex {
     event_names: NameIndex,
     /// Metadata ids of the plane's own stats.
     plane_stats: HashSet<i64>,
-    /// Line id -> index in the plane's lines.
-    lines: HashMap<i64, usize>,
+    lines: HashMap<i64, LineIndex>,
 }
+
+/// Where a line is in its plane, and the earliest timestamp of the lines
+/// of its id folded into it. Its events stay relative to its own timestamp
+/// until [`ChunkMerge::finish`] moves them onto the earliest.
+struct LineIndex {
+    at: usize,
+    earliest_ns: i64,
+}
+
+/// One list of texts (host names, errors or warnings) by hash, each hit
+/// checked against the list itself.
+#[derive(Default)]
+struct TextIndex(HashMap<u64, usize>);
 
 /// Metadata ids by the hash of their name, and ids not yet used.
 struct NameIndex {
@@ -483,12 +509,13 @@ impl ChunkMerge {
             self.take_first(chunk);
             return;
         }
-        let hostnames = self.new_texts(chunk.hostnames);
-        self.space.hostnames.extend(hostnames);
-        let errors = self.new_texts(chunk.errors);
-        self.space.errors.extend(errors);
-        let warnings = self.new_texts(chunk.warnings);
-        self.space.warnings.extend(warnings);
+        let hasher = &self.hasher;
+        let space = &mut self.space;
+        self.hostnames
+            .add_new(&mut space.hostnames, chunk.hostnames, hasher);
+        self.errors.add_new(&mut space.errors, chunk.errors, hasher);
+        self.warnings
+            .add_new(&mut space.warnings, chunk.warnings, hasher);
         for plane in chunk.planes {
             let key = self.hash(&plane.name);
             match self.planes.get_mut(&key) {
@@ -507,17 +534,49 @@ impl ChunkMerge {
         }
     }
 
-    pub fn finish(self) -> XSpace {
+    /// The merged trace, each line's events on its earliest timestamp.
+    pub fn finish(mut self) -> XSpace {
+        for plane in self.planes.values() {
+            let lines = &mut self.space.planes[plane.at].lines;
+            for index in plane.lines.values() {
+                let line = &mut lines[index.at];
+                if index.earliest_ns < line.timestamp_ns {
+                    shift_events(line, line.timestamp_ns.saturating_sub(index.earliest_ns));
+                    line.timestamp_ns = index.earliest_ns;
+                }
+            }
+        }
         self.space
+    }
+
+    /// Most bytes folding `chunk` in adds to the index, beside the chunk's
+    /// own (see [`INDEX_BYTES_PER_PLANE`]).
+    pub fn index_bytes(chunk: &XSpace) -> u64 {
+        let texts = chunk.hostnames.len() + chunk.errors.len() + chunk.warnings.len();
+        let entries: usize = chunk
+            .planes
+            .iter()
+            .map(|plane| {
+                plane.stat_metadata.len()
+                    + plane.event_metadata.len()
+                    + plane.stats.len()
+                    + plane.lines.len()
+            })
+            .sum();
+        let bytes = chunk
+            .planes
+            .len()
+            .saturating_mul(INDEX_BYTES_PER_PLANE)
+            .saturating_add((texts + entries).saturating_mul(INDEX_BYTES_PER_ENTRY));
+        u64::try_from(bytes).unwrap_or(u64::MAX)
     }
 
     /// The first chunk, as it is (a trace of one chunk reads back exactly
     /// as it was written), indexed for those after it.
     fn take_first(&mut self, chunk: XSpace) {
-        let texts = [&chunk.hostnames, &chunk.errors, &chunk.warnings];
-        for text in texts.into_iter().flatten() {
-            self.texts.insert(self.hasher.hash_one(text.as_str()));
-        }
+        self.hostnames = TextIndex::of(&chunk.hostnames, &self.hasher);
+        self.errors = TextIndex::of(&chunk.errors, &self.hasher);
+        self.warnings = TextIndex::of(&chunk.warnings, &self.hasher);
         for (at, plane) in chunk.planes.iter().enumerate() {
             let key = self.hash(&plane.name);
             if !self.planes.contains_key(&key) {
@@ -528,16 +587,37 @@ impl ChunkMerge {
         self.space = chunk;
     }
 
-    /// Those of `texts` not seen before, each once.
-    fn new_texts(&mut self, texts: Vec<String>) -> Vec<String> {
-        texts
-            .into_iter()
-            .filter(|text| self.texts.insert(self.hasher.hash_one(text.as_str())))
-            .collect()
-    }
-
     fn hash(&self, name: &str) -> u64 {
         self.hasher.hash_one(name)
+    }
+}
+
+impl TextIndex {
+    /// `list` indexed as it is (of texts repeated, the first).
+    fn of(list: &[String], hasher: &RandomState) -> TextIndex {
+        let mut index = HashMap::new();
+        for (at, text) in list.iter().enumerate() {
+            index.entry(hasher.hash_one(text.as_str())).or_insert(at);
+        }
+        TextIndex(index)
+    }
+
+    /// Appends to `list` those of `texts` it lacks, each once.
+    fn add_new(&mut self, list: &mut Vec<String>, texts: Vec<String>, hasher: &RandomState) {
+        for text in texts {
+            let key = hasher.hash_one(text.as_str());
+            match self.0.get(&key) {
+                Some(&at) if list[at] == text => continue,
+                // Another text of the same hash (never met in practice):
+                // looked for the slow way, and not indexed.
+                Some(_) if list.contains(&text) => continue,
+                Some(_) => {}
+                None => {
+                    self.0.insert(key, list.len());
+                }
+            }
+            list.push(text);
+        }
     }
 }
 
@@ -558,7 +638,10 @@ impl PlaneIndex {
                 .lines
                 .iter()
                 .enumerate()
-                .map(|(index, line)| (line.id, index))
+                .map(|(at, line)| {
+                    let earliest_ns = line.timestamp_ns;
+                    (line.id, LineIndex { at, earliest_ns })
+                })
                 .collect(),
         }
     }
@@ -684,36 +767,37 @@ fn merge_plane(
             event.metadata_id = events.get(event.metadata_id);
             stats.stats(&mut event.stats);
         }
-        match index.lines.get(&line.id) {
-            Some(&at) => append_line(&mut ours.lines[at], line),
+        match index.lines.get_mut(&line.id) {
+            Some(entry) => append_line(&mut ours.lines[entry.at], &mut entry.earliest_ns, line),
             None => {
-                index.lines.insert(line.id, ours.lines.len());
+                let at = ours.lines.len();
+                let earliest_ns = line.timestamp_ns;
+                index.lines.insert(line.id, LineIndex { at, earliest_ns });
                 ours.lines.push(line);
             }
         }
     }
 }
 
-/// Appends the events of `theirs` to `ours` (the same line), on the earlier
-/// of the two lines' timestamps.
-fn append_line(ours: &mut XLine, mut theirs: XLine) {
-    let shift = |line: &mut XLine, by_ns: i64| {
-        let by_ps = by_ns.saturating_mul(1000);
-        for event in &mut line.events {
-            if let Some(x_event::Data::OffsetPs(offset)) = &mut event.data {
-                *offset = offset.saturating_add(by_ps);
-            }
-        }
-    };
+/// Appends the events of `theirs` to `ours` (the same line), made relative
+/// to `ours`' timestamp (an earlier line's events fall before it until
+/// [`ChunkMerge::finish`]); `earliest_ns` keeps the earliest timestamp.
+fn append_line(ours: &mut XLine, earliest_ns: &mut i64, mut theirs: XLine) {
     let later_by_ns = theirs.timestamp_ns.saturating_sub(ours.timestamp_ns);
-    if later_by_ns < 0 {
-        shift(ours, later_by_ns.saturating_neg());
-        ours.timestamp_ns = theirs.timestamp_ns;
-    } else {
-        shift(&mut theirs, later_by_ns);
-    }
+    shift_events(&mut theirs, later_by_ns);
+    *earliest_ns = (*earliest_ns).min(theirs.timestamp_ns);
     ours.events.append(&mut theirs.events);
     ours.duration_ps = ours.duration_ps.max(theirs.duration_ps);
+}
+
+/// Moves `line`'s events `by_ns` later on it.
+fn shift_events(line: &mut XLine, by_ns: i64) {
+    let by_ps = by_ns.saturating_mul(1000);
+    for event in &mut line.events {
+        if let Some(x_event::Data::OffsetPs(offset)) = &mut event.data {
+            *offset = offset.saturating_add(by_ps);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -966,6 +1050,55 @@ mod tests {
         );
         assert_eq!(names(&merged.planes[1]), [(1, "y".into())]);
         assert_eq!(names(&merged.planes[5]), [(1, "q".into())]);
+    }
+
+    /// A line folded from chunks that start it earlier and later ends on
+    /// the earliest timestamp, every event where it was; a text is added
+    /// to each list that lacks it, whatever the others hold.
+    #[test]
+    fn lines_end_on_their_earliest_timestamp_and_lists_stay_apart() {
+        let chunk = |timestamp_ns: i64, offset_ps: i64| XSpace {
+            planes: vec![XPlane {
+                name: "/device:GPU:0".into(),
+                lines: vec![XLine {
+                    id: 7,
+                    timestamp_ns,
+                    events: vec![XEvent {
+                        metadata_id: 1,
+                        data: Some(x_event::Data::OffsetPs(offset_ps)),
+                        ..XEvent::default()
+                    }],
+                    ..XLine::default()
+                }],
+                ..XPlane::default()
+            }],
+            ..XSpace::default()
+        };
+        let mut merging = ChunkMerge::default();
+        let mut first = chunk(1_000, 10);
+        first.errors.push("X".into());
+        merging.add(first);
+        let mut second = chunk(500, 20);
+        second.warnings.push("X".into());
+        second.hostnames.push("X".into());
+        merging.add(second);
+        merging.add(chunk(2_000, 30));
+        merging.add(chunk(400, 40));
+        let merged = merging.finish();
+        assert_eq!(merged.errors, ["X"]);
+        assert_eq!(merged.warnings, ["X"]);
+        assert_eq!(merged.hostnames, ["X"]);
+        let line = &merged.planes[0].lines[0];
+        assert_eq!(line.timestamp_ns, 400);
+        let at: Vec<i64> = line
+            .events
+            .iter()
+            .map(|event| match event.data {
+                Some(x_event::Data::OffsetPs(offset)) => line.timestamp_ns * 1000 + offset,
+                _ => -1,
+            })
+            .collect();
+        assert_eq!(at, [1_000_010, 500_020, 2_000_030, 400_040]);
     }
 
     #[test]
