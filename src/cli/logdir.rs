@@ -9,16 +9,44 @@ use anyhow::Context;
 
 use crate::repository::{self, Folder, Location};
 
-/// `--logdir` as given: an object URL, or a local path made absolute.
+/// `--logdir` as given: an object URL, or a local path made absolute. One
+/// inside a logdir's `plugins/profile` (that directory, or a session in it)
+/// is refused, naming the logdir to give: its sessions would land a level
+/// too deep, where neither XProf nor `devtrace sessions` looks.
 pub fn parse(logdir: &Path) -> anyhow::Result<Location> {
-    match Location::parse(logdir)? {
+    let location = match Location::parse(logdir)? {
         Location::Local(path) => {
             let absolute = std::path::absolute(&path)
                 .with_context(|| format!("resolving --logdir {}", path.display()))?;
-            Ok(Location::Local(absolute))
+            Location::Local(absolute)
         }
-        object => Ok(object),
+        object => object,
+    };
+    let text = location.to_string();
+    if let Some(enclosing) = enclosing_logdir(&text) {
+        anyhow::bail!(
+            "--logdir {text} lies inside the logdir {enclosing}'s plugins/profile: the session \
+             would be written to {text}/plugins/profile/SESSION, where XProf and `devtrace \
+             sessions` do not look; give --logdir {enclosing}"
+        );
     }
+    Ok(location)
+}
+
+/// The logdir whose `plugins/profile` `path` (a path or object URL) is or
+/// lies in.
+fn enclosing_logdir(path: &str) -> Option<&str> {
+    const NESTED: &str = "/plugins/profile";
+    let mut from = 0;
+    while let Some(found) = path[from..].find(NESTED) {
+        let start = from + found;
+        let end = start + NESTED.len();
+        if path[end..].is_empty() || path[end..].starts_with('/') {
+            return Some(if start == 0 { "/" } else { &path[..start] });
+        }
+        from = end;
+    }
+    None
 }
 
 /// A logdir's repository root: its `plugins/profile` when that exists,
@@ -246,6 +274,34 @@ impl SessionOutput {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A logdir's plugins/profile, or a session in it, given as --logdir
+    /// names the logdir meant; other paths are taken as they are.
+    #[test]
+    fn a_logdir_inside_another_names_the_one_meant() {
+        assert_eq!(enclosing_logdir("/runs/a/plugins/profile"), Some("/runs/a"));
+        assert_eq!(
+            enclosing_logdir("/runs/a/plugins/profile/2026_01_01_00_00_00"),
+            Some("/runs/a")
+        );
+        assert_eq!(
+            enclosing_logdir("s3://b/logs/plugins/profile/"),
+            Some("s3://b/logs")
+        );
+        assert_eq!(enclosing_logdir("/plugins/profile"), Some("/"));
+        for taken in [
+            "/runs/a",
+            "/runs/plugins/profiles",
+            "/runs/my_plugins/profile",
+            "/runs/plugins",
+        ] {
+            assert_eq!(enclosing_logdir(taken), None, "{taken}");
+        }
+        let refused = parse(Path::new("/tmp/logs/plugins/profile/mine")).unwrap_err();
+        let said = refused.to_string();
+        assert!(said.contains("give --logdir /tmp/logs"), "{said}");
+        assert!(parse(Path::new("/tmp/logs")).is_ok());
+    }
 
     #[test]
     fn a_session_id_is_one_plain_name() {
