@@ -531,7 +531,7 @@ fn serve_help_explains_the_flags() {
         "\nTraces (",
         "\nMemory (",
         "\nListening (",
-        "\nCalling other servers (",
+        "\nTLS (its certificate), and calling other servers (",
     ];
     let places: Vec<usize> = sections.iter().map(|s| at(s)).collect();
     assert!(
@@ -675,13 +675,19 @@ async fn monitor_prints_each_period_the_server_measured() {
     assert_eq!(printed.matches(" over 300 ms\n").count(), 2, "{printed}");
     assert!(printed.contains("% busy"), "{printed}");
 
+    // A server that answers at once (this one measures nothing) is asked
+    // a period apart all the same: 3 periods of 200 ms take 400 ms at least.
     let hostile = common::bulky::monitoring_host("GPU 0: 1% busy\u{1b}]0;PWNED\u{7}\r").await;
-    let out =
-        tokio::task::spawn_blocking(move || devtrace(&["monitor", &hostile, "--duration", "10ms"]))
-            .await
-            .unwrap();
+    let started = std::time::Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        devtrace(&["monitor", &hostile, "--duration", "200ms", "--count", "3"])
+    })
+    .await
+    .unwrap();
+    assert!(started.elapsed() >= std::time::Duration::from_millis(400));
     assert!(out.status.success(), "{}", text(&out.stderr));
     let printed = text(&out.stdout);
+    assert_eq!(printed.matches("GPU 0: 1% busy").count(), 3, "{printed}");
     assert!(
         printed.contains("GPU 0: 1% busy\\u{1b}]0;PWNED"),
         "{printed}"
@@ -690,6 +696,14 @@ async fn monitor_prints_each_period_the_server_measured() {
 
     let out = devtrace(&["monitor", &agent.address, "--level", "3"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    // The protocol counts whole milliseconds: 1.5ms is not sent as 1.
+    let out = devtrace(&["monitor", &agent.address, "--duration", "1.5ms"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("whole milliseconds"),
+        "{}",
+        text(&out.stderr)
+    );
     let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let closed = free.local_addr().unwrap().to_string();
     drop(free);

@@ -296,3 +296,39 @@ async fn over_a_unix_socket_each_user_captures_its_own_processes() {
     );
     assert!(kernels(&space) > 0);
 }
+
+/// Level 2 of Monitor (the agent's own state, which names other users'
+/// processes and rings) is an admin's: a user who asks for it gets level 1
+/// and is told why, root gets it.
+#[tokio::test(flavor = "multi_thread")]
+async fn monitor_level_2_is_for_admins_and_says_so() {
+    use devtrace::proto::tensorflow::{MonitorRequest, MonitorResponse};
+    if skip_without_root() {
+        return;
+    }
+    let agent = AgentProcess::start(&["--mock-uid", "1001", "--mock-rate", "20000"]);
+    let asked = MonitorRequest {
+        duration_ms: 200,
+        monitoring_level: 2,
+        timestamp: false,
+    };
+    let monitor_as = |uid: u32| {
+        let address = agent.address.clone();
+        async move {
+            let io = connect_as(uid, &address).await;
+            let path = "/tensorflow.ProfilerService/Monitor";
+            let (reply, status) = unary_on(io, &address, path, &asked).await;
+            assert_eq!(status.code(), tonic::Code::Ok, "{status:?}");
+            MonitorResponse::decode(&reply[..]).unwrap().data
+        }
+    };
+    let theirs = monitor_as(1001).await;
+    assert!(
+        theirs.contains("level 2 (the agent's own state) is for admins"),
+        "{theirs}"
+    );
+    assert!(!theirs.contains("flight recorder:"), "{theirs}");
+    let roots = monitor_as(0).await;
+    assert!(roots.contains("flight recorder:"), "{roots}");
+    assert!(!roots.contains("is for admins"), "{roots}");
+}

@@ -144,6 +144,11 @@ impl ProfilerService {
                     space.dir().display()
                 ));
             }
+        } else if request.monitoring_level >= 2 {
+            text.push_str(
+                "level 2 (the agent's own state) is for admins (--admin-group, --admin-client): \
+                 this is level 1\n",
+            );
         }
         Ok(MonitorResponse {
             data: text,
