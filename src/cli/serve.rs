@@ -36,7 +36,7 @@ const BACKENDS: &str = "Backends (what is recorded)";
 const TRACES: &str = "Traces (where they are written, what they may hold)";
 const MEMORY: &str = "Memory (the flight recorder and captures)";
 const LISTENING: &str = "Listening (who may call, and how much)";
-const CALLING: &str = "Calling other servers (session hosts and upstreams)";
+const CALLING: &str = "TLS (its certificate), and calling other servers (session hosts, upstreams)";
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -267,8 +267,11 @@ pub struct ServeArgs {
     #[arg(help_heading = TRACES, long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_chunk_size)]
     pub chunk_traces_over: usize,
 
-    /// Host name recorded in traces and naming their files,
-    /// `<host>.xplane.pb` (default: this machine's).
+    /// Host name recorded in traces (default: this machine's), and naming
+    /// the files the agent names itself, `<host>.xplane.pb`: trigger saves,
+    /// and captures whose request names no host. A client names its
+    /// captures' files after the address it called (`10.0.0.2_6009`, as
+    /// TensorFlow's does), or its override_hostname.
     #[arg(help_heading = TRACES, long, value_parser = parse_hostname)]
     pub hostname: Option<String>,
 
@@ -1068,6 +1071,11 @@ async fn wait_for_work(deadline: tokio::time::Instant) {
     }
 }
 
+/// Whether `path` (a path or object URL) names a `plugins/profile`.
+fn ends_in_plugins_profile(path: &str) -> bool {
+    path.trim_end_matches('/').ends_with("/plugins/profile")
+}
+
 /// Arms the `--trigger` rules, saving into `--trigger-repository`; none
 /// without rules.
 fn start_triggers(
@@ -1090,6 +1098,16 @@ fn start_triggers(
         .context("--trigger-repository is not UTF-8")
         .and_then(|path| Ok(allowed_roots.confine(path)?))
         .with_context(|| format!("--trigger-repository {shown} must lie inside an --allow-root"))?;
+    // A logdir's sessions are in its plugins/profile: saves made into the
+    // logdir itself are listed by neither XProf nor `devtrace sessions` once
+    // the logdir has a plugins/profile.
+    if !ends_in_plugins_profile(&repository.to_string_lossy()) {
+        tracing::warn!(
+            "--trigger-repository {shown} is not a logdir's plugins/profile: XProf and `devtrace \
+             sessions` pointed at a logdir list only the sessions in its plugins/profile \
+             (give LOGDIR/plugins/profile)"
+        );
+    }
     // Said now, not at the first firing: a read-only mount or a directory
     // of another user's (a bucket is not contacted here).
     if !folder.is_object() {

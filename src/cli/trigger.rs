@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::Args;
 
 use crate::model::calendar::utc_text;
+use crate::model::printable::printable;
 use crate::protocol::client;
 
 /// How long the call may take: a firing only schedules the save.
@@ -44,12 +45,28 @@ pub fn run(args: TriggerArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("firing trigger {:?} of {}", args.name, args.agent))
     })?;
+    let into = if fired.repository.is_empty() {
+        String::new()
+    } else {
+        format!(" into {}", printable(&fired.repository))
+    };
     println!(
-        "trigger {} fired at {}; the agent saves {:.3} s of its flight recorder around it once the \
-         window ends",
+        "trigger {} fired at {}; the agent saves {:.3} s of its flight recorder around it{into} \
+         once the window ends",
         args.name,
         utc_text(fired.fired_at_ns),
         fired.window_stop_ns.saturating_sub(fired.window_start_ns) as f64 / 1e9
     );
+    // The agent wrote these: shown escaped.
+    for warning in &fired.warnings {
+        eprintln!("warning: {}", printable(warning));
+    }
+    if !fired.warnings.is_empty() {
+        return Err(super::PartlyDone(format!(
+            "trigger {} fired, but its save will not land where asked (said above)",
+            args.name
+        ))
+        .into());
+    }
     Ok(())
 }

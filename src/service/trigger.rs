@@ -67,6 +67,8 @@ impl trigger_server::Trigger for TriggerService {
                     fired_at_ns: fired.at_ns,
                     window_start_ns: fired.window.start_ns,
                     window_stop_ns: fired.window.stop_ns,
+                    repository: fired.repository,
+                    warnings: fired.warnings,
                 }))
             }
             Err(error @ FireError::NotFound { .. }) => Err(Status::not_found(error.to_string())),

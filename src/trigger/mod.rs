@@ -54,10 +54,14 @@ pub enum FireError {
 }
 
 /// A firing that was accepted: when it fired, and when its trace is due.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Fired {
     pub at_ns: u64,
     pub window: Window,
+    /// Where the session is saved.
+    pub repository: String,
+    /// What is known already to keep the save from landing there.
+    pub warnings: Vec<String>,
 }
 
 /// How often one rule fired, was held back, and saved (the counts
@@ -207,9 +211,30 @@ impl Triggers {
             at_ns: clock::now_ns(),
             value,
         };
-        self.offer(firing).map_err(|held| FireError::Held {
+        let mut fired = self.offer(firing).map_err(|held| FireError::Held {
             name: name.to_string(),
             held,
+        })?;
+        fired.warnings.extend(self.unwritable_repository());
+        Ok(fired)
+    }
+
+    /// Why a save cannot land in the repository, when that can be told
+    /// without writing (a read-only mount, a directory the agent's user may
+    /// not write; a bucket is not asked).
+    fn unwritable_repository(&self) -> Option<String> {
+        let Folder::Local(local) = &self.repository else {
+            return None;
+        };
+        let path = local.path();
+        let (existing, writable) = crate::model::filesystem::writable_part(&path);
+        (!writable).then(|| {
+            format!(
+                "{} is not writable by the agent's user: the save will fail, and its trace be \
+                 kept under {}",
+                existing.display(),
+                self.unsent_dir.display()
+            )
         })
     }
 
@@ -291,7 +316,12 @@ impl Triggers {
             task,
             session,
         });
-        Ok(Fired { at_ns, window })
+        Ok(Fired {
+            at_ns,
+            window,
+            repository: self.repository.display(),
+            warnings: Vec::new(),
+        })
     }
 
     /// How many firings are being saved now (waiting for their `after`, or

@@ -967,8 +967,32 @@ async fn a_save_that_cannot_be_written_is_kept_and_its_repository_named_at_start
         "{said}"
     );
     // One stopped while it waits for its `after`, with no session made:
-    // not lost without a word.
-    agent.fire_trigger("late").await.expect("fired");
+    // not lost without a word. Whoever fires it is told at once that its
+    // save will not land in the repository (exit status 3).
+    let fired = devtrace(vec![
+        "trigger".into(),
+        "late".into(),
+        "--agent".into(),
+        agent.address.clone(),
+    ])
+    .await;
+    let told = String::from_utf8_lossy(&fired.stderr);
+    assert_eq!(fired.status.code(), Some(3), "{told}");
+    assert!(
+        told.contains(&format!(
+            "warning: {} is not writable by the agent's user: the save will fail, and its trace \
+             be kept under {}",
+            root.display(),
+            unsent.path().display()
+        )),
+        "{told}"
+    );
+    assert!(
+        String::from_utf8_lossy(&fired.stdout)
+            .contains(&format!("around it into {} once", repository.display())),
+        "{}",
+        String::from_utf8_lossy(&fired.stdout)
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     let status = agent.stop_with_sigterm(Duration::from_secs(30));
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
@@ -992,4 +1016,30 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
         }
     }
     found
+}
+
+/// A trigger repository that is not a logdir's plugins/profile is said at
+/// start: its saves would be listed by neither XProf nor `devtrace
+/// sessions` pointed at the logdir; one that is says nothing of it.
+#[test]
+fn a_repository_outside_plugins_profile_is_said_at_start() {
+    let logged_with = |repository: &Path, root: &Path| {
+        let (mut agent, logged) = spawn_logging(
+            std::process::Command::new(BIN)
+                .args(["serve", "--listen", "127.0.0.1:0", "--backend", "mock"])
+                .args(["--metrics-listen", "off", "--allow-root"])
+                .arg(root)
+                .arg("--trigger-repository")
+                .arg(repository)
+                .args(["--trigger", "name=w;when=explicit"]),
+        );
+        agent.stop_with_sigterm(Duration::from_secs(30));
+        logged.join().unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let said = "is not a logdir's plugins/profile";
+    let log = logged_with(dir.path(), dir.path());
+    assert!(log.contains(said), "{log}");
+    let log = logged_with(&dir.path().join("plugins/profile"), dir.path());
+    assert!(!log.contains(said), "{log}");
 }
