@@ -67,6 +67,8 @@ pub enum Command {
     /// when their traces were written).
     Sessions(SessionsArgs),
     /// Compute a tool's data (trace_viewer, memory_profile, ...) from a session.
+    /// Exits 3 when some hosts' traces could not be read (the output holds
+    /// the others and names them under "failed").
     Tool(ToolArgs),
     /// Forward a TensorFlow server's gRPC traffic and record its steps and ops.
     Tap(TapArgs),

@@ -209,6 +209,11 @@ fn cancel(output: &SessionOutput, signal: libc::c_int) -> ! {
     super::logdir::remove_made_directories(output.made_directories());
     let signal_text = super::capture::signal_name(signal);
     let kept = match output {
+        SessionOutput::Local { directory, .. } if !directory.exists() => format!(
+            "{} unfinished trace file(s) removed; no trace was written whole, and the \
+             session's empty directory was removed",
+            removed.len()
+        ),
         SessionOutput::Local { directory, .. } => format!(
             "{} unfinished trace file(s) removed; the traces written whole stay in {}",
             removed.len(),
@@ -277,7 +282,7 @@ pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     // Names of directories and files anyone who could write there chose.
     for s in sessions {
-        writeln!(
+        write!(
             out,
             "{}\thosts: {}\ttools: {}",
             printable(&s.session_id),
@@ -285,6 +290,15 @@ pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
             s.tools.join(",")
         )
         .context(super::WRITING_OUTPUT)?;
+        if !s.unreadable.is_empty() {
+            write!(
+                out,
+                "\tunreadable: {} (not a trace, or not yours to read)",
+                printable(&s.unreadable.join(","))
+            )
+            .context(super::WRITING_OUTPUT)?;
+        }
+        writeln!(out).context(super::WRITING_OUTPUT)?;
     }
     Ok(())
 }
@@ -351,6 +365,13 @@ pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {
                 .write_all(&bytes)
                 .context(super::WRITING_OUTPUT)?
         }
+    }
+    if computed.failed_hosts > 0 {
+        return Err(super::PartlyDone(format!(
+            "{}: {} of the session's {} hosts left out (said above)",
+            args.tool, computed.failed_hosts, computed.hosts
+        ))
+        .into());
     }
     Ok(())
 }

@@ -269,6 +269,8 @@ pub struct SessionInfo {
     pub session_id: String,
     pub hosts: Vec<String>,
     pub tools: Vec<String>,
+    /// Hosts whose trace is not one, or not one the caller may read.
+    pub unreadable: Vec<String>,
     pub modified: SystemTime,
 }
 
@@ -312,12 +314,13 @@ where
             .map(|file| file.modified)
             .max()
             .unwrap_or(subfolder.modified);
-        let tools = session_tools(&session, &traces, grant);
+        let (tools, unreadable) = session_tools(&session, &traces, grant);
         let hosts = traces.into_keys().collect();
         sessions.push(SessionInfo {
             session_id: subfolder.name,
             hosts,
             tools,
+            unreadable,
             modified,
         });
     }
@@ -460,13 +463,14 @@ fn session_tools<G>(
     session: &Folder,
     traces: &BTreeMap<String, String>,
     grant: &mut G,
-) -> Vec<String>
+) -> (Vec<String>, Vec<String>)
 where
     G: Grant,
     G::Refusal: std::fmt::Display,
 {
     let (mut readable, mut host_plane, mut gpu_plane) = (false, false, false);
-    for file in traces.values() {
+    let mut unreadable = Vec::new();
+    for (host, file) in traces {
         match trace_planes(session, file, grant) {
             Planes::Named(names) => {
                 readable = true;
@@ -476,11 +480,11 @@ where
                 }
             }
             Planes::Unread => readable = true,
-            Planes::Unreadable => {}
+            Planes::Unreadable => unreadable.push(host.clone()),
         }
     }
     if !readable {
-        return Vec::new();
+        return (Vec::new(), unreadable);
     }
     let mut tools: Vec<String> = BASE_TOOLS.iter().map(|t| t.to_string()).collect();
     if host_plane {
@@ -490,7 +494,7 @@ where
         tools.push("kernel_stats".into());
     }
     tools.sort();
-    tools
+    (tools, unreadable)
 }
 
 /// Tools [`tool_data`] serves.
@@ -618,12 +622,15 @@ where
 }
 
 /// A tool's output, and what it leaves out of the traces it was computed
-/// from, for people (a trace viewer cut to its resolution), one line per
-/// host that it cut.
+/// from, for people (a trace viewer cut to its resolution, a host whose
+/// trace could not be read), one line per host.
 #[derive(Debug)]
 pub struct Computed {
     pub output: ToolOutput,
     pub left_out: Vec<String>,
+    /// Hosts left out whole (their trace unreadable), of `hosts`.
+    pub failed_hosts: usize,
+    pub hosts: usize,
 }
 
 /// What computing a tool takes at most per byte of the trace it reads:
@@ -802,6 +809,8 @@ impl ToolPlan {
             return Ok(Computed {
                 output: ToolOutput::Blob(read_planned(session, file, *size, &mut grant)?),
                 left_out: Vec::new(),
+                failed_hosts: 0,
+                hosts: 1,
             });
         }
         let mut left_out = Vec::new();
@@ -836,10 +845,13 @@ impl ToolPlan {
         if per_host.is_empty() && !failed.is_empty() {
             return Err(failed.swap_remove(0).1);
         }
+        let host_count = per_host.len() + failed.len();
         if self.one_host {
             return Ok(Computed {
                 output: ToolOutput::Json(per_host.remove(0).1),
                 left_out,
+                failed_hosts: 0,
+                hosts: host_count,
             });
         }
         use crate::tools::json::Object;
@@ -861,6 +873,8 @@ impl ToolPlan {
         Ok(Computed {
             output: ToolOutput::Json(out),
             left_out,
+            failed_hosts: failed.len(),
+            hosts: host_count,
         })
     }
 

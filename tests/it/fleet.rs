@@ -563,7 +563,10 @@ fn a_cancelled_session_says_so_and_leaves_nothing_half_made() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGINT), "{rest}");
     assert!(
-        rest.contains("the session was cancelled (Ctrl-C): 0 unfinished trace file(s) removed"),
+        rest.contains(
+            "the session was cancelled (Ctrl-C): 0 unfinished trace file(s) removed; no trace \
+             was written whole, and the session's empty directory was removed"
+        ),
         "{rest}"
     );
     assert!(

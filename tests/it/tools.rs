@@ -437,7 +437,7 @@ fn tools_report_missing_planes() {
 /// Of a session's hosts, one whose file cannot be read (a FIFO someone
 /// put in its place) is named and left out; the others are served, by
 /// `tool` and by `inspect` (one such file failed the whole session, and
-/// `inspect` stopped at it).
+/// `inspect` stopped at it), each exiting with a status that says so.
 #[test]
 fn one_unreadable_host_leaves_the_others_served() {
     let logdir = scratch("one-bad-host");
@@ -456,7 +456,13 @@ fn one_unreadable_host_leaves_the_others_served() {
         .output()
         .expect("running devtrace tool");
     let said = String::from_utf8_lossy(&tool.stderr);
-    assert!(tool.status.success(), "{said}");
+    // Written, and told apart from a whole success: exit status 3, as a
+    // session some of whose hosts failed.
+    assert_eq!(tool.status.code(), Some(3), "{said}");
+    assert!(
+        said.contains("overview: 1 of the session's 3 hosts left out"),
+        "{said}"
+    );
     let output = parse(&String::from_utf8_lossy(&tool.stdout));
     let served: Vec<&String> = output["hosts"].as_object().unwrap().keys().collect();
     assert_eq!(served, ["worker-0", "worker-2"]);
@@ -465,6 +471,18 @@ fn one_unreadable_host_leaves_the_others_served() {
         .expect("worker-1 named");
     assert!(failed.contains("not a regular file"), "{failed}");
     assert!(said.contains("worker-1: left out:"), "{said}");
+
+    let listed = Command::new(BIN)
+        .arg("sessions")
+        .arg(&logdir)
+        .output()
+        .expect("running devtrace sessions");
+    let printed = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        printed.starts_with("mixed\thosts: worker-0,worker-1,worker-2\ttools: ")
+            && printed.contains("\tunreadable: worker-1 (not a trace, or not yours to read)"),
+        "{printed}"
+    );
 
     let inspect = Command::new(BIN)
         .arg("inspect")

@@ -468,7 +468,8 @@ impl Drop for CaptureEnd {
             None => info!(
                 session = %self.session,
                 "capture dropped before its reply: its client went away, or the call's deadline \
-                 passed (said apart)"
+                 passed (then logged on a line of its own: the caller's deadline passed before \
+                 the reply)"
             ),
         }
     }
