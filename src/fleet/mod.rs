@@ -900,6 +900,16 @@ impl ToolPlan {
         Ok(match self.tool.as_str() {
             "trace_viewer" => {
                 let trace = tools::trace_viewer::trace_viewer(&space, &self.viewer)?;
+                if trace.events_in_window == 0 && trace.total_events > 0 {
+                    let ms = |bound: Option<f64>| bound.map(|ms| format!("{ms} ms"));
+                    left_out.push(format!(
+                        "{name}: none of its {} events overlaps the window asked for ({} to {}, \
+                         from the capture's start)",
+                        trace.total_events,
+                        ms(self.viewer.start_time_ms).unwrap_or_else(|| "its start".into()),
+                        ms(self.viewer.end_time_ms).unwrap_or_else(|| "its end".into()),
+                    ));
+                }
                 if trace.events.len() < trace.events_in_window {
                     left_out.push(format!(
                         "{name}: {} of the {} events in the window, the longest in each part \

@@ -500,6 +500,39 @@ fn one_unreadable_host_leaves_the_others_served() {
     );
 }
 
+/// A trace viewer window past the trace's end returns no events, and says
+/// so rather than answering an empty trace as if the host had done nothing.
+#[test]
+fn a_window_that_misses_the_trace_is_said() {
+    let logdir = scratch("missed-window");
+    let session = logdir.join("plugins/profile/s");
+    std::fs::create_dir_all(&session).unwrap();
+    std::fs::write(
+        session.join("worker-0.xplane.pb"),
+        capture().space.encode_to_vec(),
+    )
+    .unwrap();
+    let tool = Command::new(BIN)
+        .arg("tool")
+        .args([&logdir, Path::new("s"), Path::new("trace_viewer")])
+        .args(["--host", "worker-0", "--param", "start_time_ms=500000"])
+        .output()
+        .expect("running devtrace tool");
+    let said = String::from_utf8_lossy(&tool.stderr);
+    assert!(tool.status.success(), "{said}");
+    assert!(
+        said.contains("trace_viewer: worker-0: none of its ")
+            && said.contains(" events overlaps the window asked for (500000 ms to its end"),
+        "{said}"
+    );
+    let output = parse(&String::from_utf8_lossy(&tool.stdout));
+    let events = output["traceEvents"].as_array().expect("traceEvents");
+    assert!(
+        events.iter().all(|event| event["ph"] == "M"),
+        "only metadata events expected"
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Synthetic traces for the comparison with XProf.
 
