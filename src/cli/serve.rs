@@ -897,6 +897,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let client_config = args.client.config()?;
     let allowed_roots = AllowedRoots::new(&args.allow_roots)
         .with_context(|| format!("preparing --allow-root {:?}", args.allow_roots))?;
+    warn_of_unwritable_roots(&args.allow_roots);
     let mut config = agent_config(&args);
     config.ebpf.cgroup_id = ebpf_cgroup_id(&args)?;
     let budgets = memory_budgets(&args, &config).map_err(anyhow::Error::msg)?;
@@ -1068,6 +1069,26 @@ async fn wait_for_work(deadline: tokio::time::Instant) {
              that does not let an attach finish): what it was writing is lost, and a process \
              being attached is let go as the agent exits"
         );
+    }
+}
+
+/// Says at start which local --allow-root this user cannot write (a
+/// read-only mount, another user's directory), rather than at the first
+/// capture asked to write there; a bucket is not contacted here.
+fn warn_of_unwritable_roots(roots: &[PathBuf]) {
+    for root in roots
+        .iter()
+        .filter(|root| !root.to_string_lossy().contains("://"))
+    {
+        let (existing, writable) = crate::model::filesystem::writable_part(root);
+        if !writable {
+            tracing::warn!(
+                "--allow-root {}: {} is not writable by this user: captures asked to write \
+                 there will fail (`devtrace doctor` checks it)",
+                root.display(),
+                existing.display()
+            );
+        }
     }
 }
 

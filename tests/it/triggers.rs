@@ -945,6 +945,15 @@ async fn a_save_that_cannot_be_written_is_kept_and_its_repository_named_at_start
         )),
         "{said}"
     );
+    // The root itself is said too: captures asked to write there fail.
+    assert!(
+        said.contains(&format!(
+            "--allow-root {0}: {0} is not writable by this user: captures asked to write there \
+             will fail",
+            root.display()
+        )),
+        "{said}"
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     agent.fire_trigger("w").await.expect("fired");
     let deadline = Instant::now() + Duration::from_secs(20);
