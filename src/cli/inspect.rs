@@ -95,6 +95,14 @@ fn inspect(
         writeln!(out, "{document}").context(super::WRITING_OUTPUT)?;
         return Ok(());
     }
+    if trace.chunks != 1 {
+        writeln!(out, "chunks: {}", trace.chunks).context(super::WRITING_OUTPUT)?;
+    }
+    // Beneath the hosts the trace names, on a line of its own, so that the
+    // lines before keep their places for scripts.
+    let text = summary.to_string();
+    let (hosts, rest) = text.split_once('\n').unwrap_or((&text, ""));
+    writeln!(out, "{hosts}").context(super::WRITING_OUTPUT)?;
     if let Some(host) = file_host {
         let host = printable(host);
         writeln!(
@@ -103,10 +111,7 @@ fn inspect(
         )
         .context(super::WRITING_OUTPUT)?;
     }
-    if trace.chunks != 1 {
-        writeln!(out, "chunks: {}", trace.chunks).context(super::WRITING_OUTPUT)?;
-    }
-    write!(out, "{summary}").context(super::WRITING_OUTPUT)?;
+    write!(out, "{rest}").context(super::WRITING_OUTPUT)?;
     Ok(())
 }
 
