@@ -3,15 +3,15 @@
 //! `profiler_client.monitor` asks), once or period after period, and prints
 //! what it answers.
 
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Args;
-
-use std::sync::Arc;
-
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tonic::Code;
 
 use crate::model::printable::printable_lines;
 use crate::proto::tensorflow::{MonitorRequest, MonitorResponse};
@@ -53,10 +53,11 @@ pub struct MonitorArgs {
 pub fn run(args: MonitorArgs) -> anyhow::Result<()> {
     let duration_ms = u64::try_from(args.duration.as_millis()).unwrap_or(u64::MAX);
     if duration_ms == 0 || !args.duration.subsec_nanos().is_multiple_of(1_000_000) {
-        bail!(
+        return Err(super::UsageError(format!(
             "--duration {:?}: the server is asked for whole milliseconds, at least 1ms",
             args.duration
-        );
+        ))
+        .into());
     }
     let runtime = super::call_runtime()?;
     let target = super::server_address(&args.address)?;
@@ -72,46 +73,60 @@ pub fn run(args: MonitorArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("connecting to {}", args.address))?;
         let connection = Arc::new(connection);
+        let ask = |connection: &Arc<client::Connection>| {
+            let connection = Arc::clone(connection);
+            tokio::spawn(async move { connection.monitor(request).await })
+        };
         // A server measures from when it is asked, and answers a while
         // after the period (once its events are in): each period is asked
         // for as the one before ends, not once its answer is in, so that
-        // the periods follow one another without gaps. A server that
-        // answers at once is still asked a period apart, not in a loop.
+        // the periods follow one another without gaps, two calls at most
+        // in flight. A server that answers at once is still asked a period
+        // apart, not in a loop; one that lets this caller have one call at
+        // a time (`--captures-per-caller 1`) is then asked one at a time.
+        let mut in_flight: VecDeque<JoinHandle<Result<MonitorResponse, CallError>>> =
+            VecDeque::new();
+        let mut overlapping = true;
         let mut next_start = Instant::now();
         let (mut asked, mut printed) = (0u64, 0u64);
-        let mut answering: Option<JoinHandle<Result<MonitorResponse, CallError>>> = None;
-        loop {
-            let next = if args.count == 0 || asked < args.count {
+        let more = |asked: u64| args.count == 0 || asked < args.count;
+        while more(asked) || !in_flight.is_empty() {
+            let room = in_flight.is_empty() || overlapping && in_flight.len() < 2;
+            if more(asked) && room {
                 tokio::time::sleep_until(next_start).await;
                 next_start += args.duration;
                 asked += 1;
-                let connection = Arc::clone(&connection);
-                Some(tokio::spawn(
-                    async move { connection.monitor(request).await },
-                ))
-            } else {
-                None
-            };
-            if let Some(previous) = answering.take() {
-                let reply = previous
-                    .await
-                    .context("the call ended abnormally")
-                    .and_then(|reply| reply.map_err(anyhow::Error::from))
-                    .with_context(|| format!("monitoring {}", args.address))?;
-                if printed > 0 {
-                    println!();
-                }
-                printed += 1;
-                // The server wrote this text: shown, never obeyed.
-                print!("{}", printable_lines(&reply.data));
-                if !reply.data.ends_with('\n') {
-                    println!();
-                }
+                in_flight.push_back(ask(&connection));
+                continue;
             }
-            match next {
-                Some(call) => answering = Some(call),
-                None => return Ok(()),
+            let Some(oldest) = in_flight.pop_front() else {
+                break;
+            };
+            let answered = oldest.await.context("the call ended abnormally")?;
+            let reply = match answered {
+                Err(refused) if overlapping && refused.code() == Some(Code::ResourceExhausted) => {
+                    overlapping = false;
+                    asked -= 1;
+                    next_start = Instant::now();
+                    eprintln!(
+                        "{}: one Monitor at a time for this caller: periods now follow each \
+                         answer, with a gap between them",
+                        args.address
+                    );
+                    continue;
+                }
+                answered => answered.with_context(|| format!("monitoring {}", args.address))?,
+            };
+            if printed > 0 {
+                println!();
+            }
+            printed += 1;
+            // The server wrote this text: shown, never obeyed.
+            print!("{}", printable_lines(&reply.data));
+            if !reply.data.ends_with('\n') {
+                println!();
             }
         }
+        Ok(())
     })
 }

@@ -276,6 +276,16 @@ pub enum CallError {
     Status { status: Status, tls: bool },
 }
 
+impl CallError {
+    /// The gRPC status code the server answered with, if it answered.
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            CallError::Status { status, .. } => Some(status.code()),
+            CallError::TooLarge { .. } => None,
+        }
+    }
+}
+
 impl Connection {
     /// The channel, for calls made without tonic's codec (the session
     /// fan-out's, which writes the trace out as it arrives).

@@ -332,3 +332,36 @@ async fn monitor_level_2_is_for_admins_and_says_so() {
     assert!(roots.contains("flight recorder:"), "{roots}");
     assert!(!roots.contains("is for admins"), "{roots}");
 }
+
+/// `devtrace monitor` asks each period as the one before ends, two calls
+/// in flight; an agent that lets a user have one at a time
+/// (`--captures-per-caller 1`) refuses the second, and the command goes on
+/// one at a time, saying so, rather than failing.
+#[test]
+fn monitor_goes_on_one_call_at_a_time_when_the_agent_allows_no_more() {
+    if skip_without_root() {
+        return;
+    }
+    let agent = AgentProcess::start(&["--mock-rate", "20000", "--captures-per-caller", "1"]);
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=1001", "--regid=1001", "--clear-groups", "--"])
+        .arg(BIN)
+        .args([
+            "monitor",
+            &agent.address,
+            "--duration",
+            "300ms",
+            "--count",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(printed.matches(" over 300 ms\n").count(), 3, "{printed}");
+    assert!(
+        said.contains("one Monitor at a time for this caller: periods now follow each answer"),
+        "{said}"
+    );
+}
