@@ -22,31 +22,52 @@ pub fn parse(logdir: &Path) -> anyhow::Result<Location> {
         }
         object => object,
     };
-    let text = location.to_string();
-    if let Some(enclosing) = enclosing_logdir(&text) {
-        anyhow::bail!(
-            "--logdir {text} lies inside the logdir {enclosing}'s plugins/profile: the session \
-             would be written to {text}/plugins/profile/SESSION, where XProf and `devtrace \
-             sessions` do not look; give --logdir {enclosing}"
-        );
+    if let Some(enclosing) = enclosing_logdir(&location) {
+        return Err(super::UsageError(format!(
+            "--logdir {location} lies inside the logdir {enclosing}'s plugins/profile: the \
+             session would be written to {location}/plugins/profile/SESSION, where XProf and \
+             `devtrace sessions` do not look; give --logdir {enclosing}"
+        ))
+        .into());
     }
     Ok(location)
 }
 
-/// The logdir whose `plugins/profile` `path` (a path or object URL) is or
-/// lies in.
-fn enclosing_logdir(path: &str) -> Option<&str> {
-    const NESTED: &str = "/plugins/profile";
-    let mut from = 0;
-    while let Some(found) = path[from..].find(NESTED) {
-        let start = from + found;
-        let end = start + NESTED.len();
-        if path[end..].is_empty() || path[end..].starts_with('/') {
-            return Some(if start == 0 { "/" } else { &path[..start] });
-        }
-        from = end;
+/// The logdir whose `plugins/profile` `location` is or lies in: its path
+/// read component by component (`..` taken back, as the path resolves
+/// when no link is in it), a URL's segments after its bucket.
+fn enclosing_logdir(location: &Location) -> Option<String> {
+    fn nested_at<T: AsRef<std::ffi::OsStr>>(parts: &[T]) -> Option<usize> {
+        parts
+            .windows(2)
+            .position(|pair| pair[0].as_ref() == "plugins" && pair[1].as_ref() == "profile")
     }
-    None
+    match location {
+        Location::Local(path) => {
+            use std::path::Component;
+            let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
+            for component in path.components() {
+                match component {
+                    Component::Normal(name) => parts.push(name),
+                    Component::ParentDir => {
+                        parts.pop();
+                    }
+                    Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+                }
+            }
+            let at = nested_at(&parts)?;
+            let enclosing: PathBuf = std::iter::once(std::ffi::OsStr::new("/"))
+                .chain(parts[..at].iter().copied())
+                .collect();
+            Some(enclosing.display().to_string())
+        }
+        Location::Object(url) => {
+            let at = nested_at(&url.segments)?;
+            let mut enclosing = url.clone();
+            enclosing.segments.truncate(at);
+            Some(enclosing.to_string())
+        }
+    }
 }
 
 /// A logdir's repository root: its `plugins/profile` when that exists,
@@ -276,28 +297,37 @@ mod tests {
     use super::*;
 
     /// A logdir's plugins/profile, or a session in it, given as --logdir
-    /// names the logdir meant; other paths are taken as they are.
+    /// names the logdir meant; other paths, and buckets that happen to be
+    /// named plugins, are taken as they are.
     #[test]
     fn a_logdir_inside_another_names_the_one_meant() {
-        assert_eq!(enclosing_logdir("/runs/a/plugins/profile"), Some("/runs/a"));
+        let enclosing = |text: &str| {
+            let location = Location::parse(Path::new(text)).expect("a location");
+            enclosing_logdir(&location)
+        };
+        let meant = |text: &str| enclosing(text).unwrap_or_else(|| panic!("{text} taken"));
+        assert_eq!(meant("/runs/a/plugins/profile"), "/runs/a");
         assert_eq!(
-            enclosing_logdir("/runs/a/plugins/profile/2026_01_01_00_00_00"),
-            Some("/runs/a")
+            meant("/runs/a/plugins/profile/2026_01_01_00_00_00"),
+            "/runs/a"
         );
-        assert_eq!(
-            enclosing_logdir("s3://b/logs/plugins/profile/"),
-            Some("s3://b/logs")
-        );
-        assert_eq!(enclosing_logdir("/plugins/profile"), Some("/"));
+        assert_eq!(meant("/runs/a/plugins/./profile/s/"), "/runs/a");
+        assert_eq!(meant("/runs/x/../a/plugins/profile"), "/runs/a");
+        assert_eq!(meant("s3://b/logs/plugins/profile/"), "s3://b/logs");
+        assert_eq!(meant("/plugins/profile"), "/");
         for taken in [
             "/runs/a",
             "/runs/plugins/profiles",
             "/runs/my_plugins/profile",
             "/runs/plugins",
+            "/runs/a/plugins/profile/../..",
+            "s3://plugins/profile",
+            "gs://plugins/profile/runs",
         ] {
-            assert_eq!(enclosing_logdir(taken), None, "{taken}");
+            assert_eq!(enclosing(taken), None, "{taken}");
         }
         let refused = parse(Path::new("/tmp/logs/plugins/profile/mine")).unwrap_err();
+        assert!(refused.downcast_ref::<super::super::UsageError>().is_some());
         let said = refused.to_string();
         assert!(said.contains("give --logdir /tmp/logs"), "{said}");
         assert!(parse(Path::new("/tmp/logs")).is_ok());
