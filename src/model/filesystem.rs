@@ -86,15 +86,17 @@ pub fn made_up_part(path: &Path) -> Option<(&Path, &'static str)> {
 
 /// The nearest part of `path` that exists (`path` itself, or its closest
 /// existing ancestor; `/` when none is found) and whether this process may
-/// write there (`access(2)`: a read-only mount or another user's directory
-/// says no; a filesystem the kernel makes up may say yes, see
-/// [`made_up_part`]).
+/// write there (`faccessat(AT_EACCESS)`, as the process's effective user
+/// and capabilities, which its writes use: a read-only mount or another
+/// user's directory says no; a filesystem the kernel makes up may say yes,
+/// see [`made_up_part`]).
 pub fn writable_part(path: &Path) -> (&Path, bool) {
+    use rustix::fs::{accessat, Access, AtFlags, CWD};
     let existing = path
         .ancestors()
         .find(|dir| dir.exists())
         .unwrap_or(Path::new("/"));
-    let writable = rustix::fs::access(existing, rustix::fs::Access::WRITE_OK).is_ok();
+    let writable = accessat(CWD, existing, Access::WRITE_OK, AtFlags::EACCESS).is_ok();
     (existing, writable)
 }
 

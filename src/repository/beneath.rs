@@ -892,9 +892,11 @@ mod tests {
     fn the_longest_names_are_written_through_shorter_temporaries() {
         let dir = tempfile::tempdir().unwrap();
         let root = Dir::open(dir.path()).unwrap();
-        // Two-byte characters, so that the cut falls inside one.
-        let name = format!("{}.xplane.pb", "é".repeat(120));
-        assert_eq!(name.len(), 250);
+        // Two-byte characters after one of one byte, so that the cut (at
+        // an even byte) falls inside one.
+        let name = format!("a{}.xplane.pb", "é".repeat(120));
+        assert_eq!(name.len(), 251);
+        assert!(!name.is_char_boundary(255 - (1 + 1 + 10 + 1 + 20 + 4)));
         let mut file = root.create_atomic(&name).unwrap();
         file.write_all(b"trace").unwrap();
         let temporary = std::fs::read_dir(dir.path())

@@ -331,7 +331,10 @@ fn read_status(error: &ReadError, message: String) -> Status {
     match error {
         ReadError::Refused { .. }
         | ReadError::Chunked {
-            source: ChunkError::Refused { .. } | ChunkError::Riegeli(RiegeliError::Refused { .. }),
+            source:
+                ChunkError::Refused { .. }
+                | ChunkError::MergeRefused { .. }
+                | ChunkError::Riegeli(RiegeliError::Refused { .. }),
             ..
         } => Status::resource_exhausted(message),
         ReadError::Io { .. } => Status::internal(message),

@@ -3,6 +3,7 @@
 //! certificates as the profiler service.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 
@@ -28,6 +29,23 @@ pub struct TriggerService {
 impl TriggerService {
     pub fn new(triggers: Option<Arc<Triggers>>, access: Access) -> TriggerService {
         TriggerService { triggers, access }
+    }
+}
+
+/// What keeps a save from landing in the repository, looked at on a
+/// thread of its own and for a bounded time (a stalled mount must not hold
+/// the reply).
+async fn repository_warnings(triggers: &Arc<Triggers>, repository: &str) -> Vec<String> {
+    const LOOK_FOR: Duration = Duration::from_secs(2);
+    let triggers = Arc::clone(triggers);
+    let looked = tokio::task::spawn_blocking(move || triggers.unwritable_repository());
+    match tokio::time::timeout(LOOK_FOR, looked).await {
+        Ok(Ok(warning)) => warning.into_iter().collect(),
+        Ok(Err(_)) => Vec::new(),
+        Err(_) => vec![format!(
+            "whether {repository} is writable could not be told in {} s (a stalled mount?)",
+            LOOK_FOR.as_secs()
+        )],
     }
 }
 
@@ -67,8 +85,8 @@ impl trigger_server::Trigger for TriggerService {
                     fired_at_ns: fired.at_ns,
                     window_start_ns: fired.window.start_ns,
                     window_stop_ns: fired.window.stop_ns,
+                    warnings: repository_warnings(triggers, &fired.repository).await,
                     repository: fired.repository,
-                    warnings: fired.warnings,
                 }))
             }
             Err(error @ FireError::NotFound { .. }) => Err(Status::not_found(error.to_string())),

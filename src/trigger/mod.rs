@@ -60,8 +60,6 @@ pub struct Fired {
     pub window: Window,
     /// Where the session is saved.
     pub repository: String,
-    /// What is known already to keep the save from landing there.
-    pub warnings: Vec<String>,
 }
 
 /// How often one rule fired, was held back, and saved (the counts
@@ -211,18 +209,17 @@ impl Triggers {
             at_ns: clock::now_ns(),
             value,
         };
-        let mut fired = self.offer(firing).map_err(|held| FireError::Held {
+        self.offer(firing).map_err(|held| FireError::Held {
             name: name.to_string(),
             held,
-        })?;
-        fired.warnings.extend(self.unwritable_repository());
-        Ok(fired)
+        })
     }
 
     /// Why a save cannot land in the repository, when that can be told
     /// without writing (a read-only mount, a directory the agent's user may
-    /// not write; a bucket is not asked).
-    fn unwritable_repository(&self) -> Option<String> {
+    /// not write; a bucket is not asked). It looks at the file system:
+    /// call it off the async runtime.
+    pub fn unwritable_repository(&self) -> Option<String> {
         let Folder::Local(local) = &self.repository else {
             return None;
         };
@@ -320,7 +317,6 @@ impl Triggers {
             at_ns,
             window,
             repository: self.repository.display(),
-            warnings: Vec::new(),
         })
     }
 

@@ -58,6 +58,15 @@ pub enum ChunkError {
         bytes: u64,
         why: String,
     },
+    #[error(
+        "merging chunk {index} into those before it takes {bytes} bytes more, more than may be \
+         held: {why}"
+    )]
+    MergeRefused {
+        index: usize,
+        bytes: u64,
+        why: String,
+    },
 }
 
 /// A trace stored as Riegeli chunks of XSpace.
@@ -141,11 +150,13 @@ fn decode_records(mut records: riegeli::Records<'_>) -> Result<(XSpace, usize), 
             source,
         })?;
         let indexed = ChunkMerge::index_bytes(&chunk);
-        records.draw(indexed).map_err(|why| ChunkError::Refused {
-            index: chunks,
-            bytes: decoded.saturating_add(indexed),
-            why,
-        })?;
+        records
+            .draw(indexed)
+            .map_err(|why| ChunkError::MergeRefused {
+                index: chunks,
+                bytes: indexed,
+                why,
+            })?;
         merged.add(chunk);
         chunks += 1;
     }
