@@ -69,6 +69,20 @@ const STAND_DOWN_LIMIT: Duration = Duration::from_secs(10);
 /// thread of its own, before it counts those it kept.
 const EXIT_WAIT: Duration = Duration::from_millis(20);
 
+/// How long the exit handler reads the buffers CUPTI handed back, from the
+/// exit's start: a job's exit is not held longer (a backlog of full
+/// buffers, read on a machine whose cores the job's other threads hold,
+/// took seconds), and what is left unread is said.
+/// `DEVTRACE_INJECT_EXIT_READ_MS` (0 to 10000) sets it, for tests.
+fn exit_read_limit() -> Duration {
+    let ms = std::env::var("DEVTRACE_INJECT_EXIT_READ_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|ms| *ms <= 10_000)
+        .unwrap_or(200);
+    Duration::from_millis(ms)
+}
+
 /// Whether the CUDA driver is loaded in this process.
 fn cuda_loaded() -> bool {
     ["libcuda.so.1", "libcuda.so"]
@@ -989,7 +1003,9 @@ extern "C" fn flush_at_exit() {
             return;
         }
         crate::EXITING.store(true, Ordering::Release);
+        let asked = Instant::now();
         let mut gate = detach::gate();
+        let gated = asked.elapsed();
         let attached = *gate == Attachment::Attached;
         *gate = Attachment::Closed;
         let Some(session) = SESSION.get() else { return };
@@ -1018,19 +1034,48 @@ extern "C" fn flush_at_exit() {
             session.write_meta(&MetaRecord::Warning { message });
             return;
         }
+        // The job's other threads may still be in CUDA calls: recording
+        // stops first, so that what is read below is what there was, not
+        // what they keep writing while it is read.
+        // Counted from the exit's start: waiting for the gate (a buffer
+        // being read on the converter thread) is part of what the job waits.
+        let read_limit = exit_read_limit();
+        let deadline = asked + read_limit;
+        for kind in cupti::KINDS.into_iter().rev() {
+            let _ = cupti::disable(kind);
+        }
         // CUPTI hands the buffers back to our callback, which queues them.
         if cupti::flush_all(true).is_ok() {
             let _ = set_clock(session);
         }
+        let flushed = asked.elapsed();
         // What CUPTI dropped since the last flush is told too (a job that
         // lives shorter than the flush period reaches no other flush).
         let _ = count_dropped(session);
         timed_calls::stop();
         timed_calls::deliver(session, true);
-        records::convert_pending_now();
+        let mut unread = records::convert_pending_until(deadline);
         // Buffers CUPTI hands back on a thread of its own, briefly.
         wait_for_buffers(EXIT_WAIT);
-        records::convert_pending_now();
+        unread += records::convert_pending_until(deadline + EXIT_WAIT);
+        if crate::debug_enabled() {
+            say!(
+                "devtrace-inject: exit: the gate after {} ms, recording stopped and flushed after \
+                 {} ms, read by {} ms, {unread} buffer(s) left unread",
+                gated.as_millis(),
+                flushed.as_millis(),
+                asked.elapsed().as_millis()
+            );
+        }
+        if unread > 0 {
+            let message = format!(
+                "the process exited with {unread} CUPTI activity buffer(s) not yet read, and \
+                 reading them would have held its exit past {} ms: the GPU activity recorded \
+                 in them, its last, is missing",
+                read_limit.as_millis()
+            );
+            session.write_meta(&MetaRecord::Warning { message });
+        }
         // CUDA 13 hands a thread's partly filled buffer back only when
         // CUPTI is detached, which an exiting process does not live to see
         // (and finalizing from an exit handler, with the job's threads

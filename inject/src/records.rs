@@ -4,6 +4,7 @@
 //! finalized).
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use crate::detach::{self, Attachment};
 use crate::session::Session;
@@ -98,13 +99,40 @@ pub fn convert_pending_now() {
     }
 }
 
+/// As [`convert_pending_now`], until `deadline`: the buffers left then are
+/// freed unread, and how many is returned. For the exit handler, whose
+/// process must not be held while its other threads fill buffers as fast
+/// as they are read.
+pub fn convert_pending_until(deadline: Instant) -> usize {
+    SESSION.get().map_or(0, |session| {
+        convert_until(session, session.take_pending(), true, Some(deadline))
+    })
+}
+
 /// Converts buffers into events (when `readable`: CUPTI is attached) and
 /// frees them: metadata first, then the events into the ring (a full ring
 /// counts what it refuses).
 pub fn convert_all(session: &Session, completed: VecDeque<Completed>, readable: bool) {
+    convert_until(session, completed, readable, None);
+}
+
+/// As [`convert_all`], freeing unread the buffers left at `deadline`;
+/// returns how many it left.
+fn convert_until(
+    session: &Session,
+    completed: VecDeque<Completed>,
+    readable: bool,
+    deadline: Option<Instant>,
+) -> usize {
     let mut events = Vec::new();
+    let mut left = 0;
     for buffer in completed {
         let address = buffer.address as *mut u8;
+        if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+            buffers::release(address);
+            left += 1;
+            continue;
+        }
         if readable && !quiet() {
             let meta = {
                 let Ok(mut converter) = session.converter.lock() else {
@@ -128,10 +156,11 @@ pub fn convert_all(session: &Session, completed: VecDeque<Completed>, readable: 
         }
         buffers::release(address);
     }
+    left
 }
 
 /// The converter thread: waits for buffers CUPTI gave back and converts
-/// them under the gate (reading records is a CUPTI call). Buffers that
+/// them, one at a time, under the gate (reading records is a CUPTI call). Buffers that
 /// arrive after CUPTI was detached or the process began exiting are freed
 /// unread.
 pub fn convert_loop() {
@@ -148,9 +177,17 @@ pub fn convert_loop() {
                 };
             }
         }
+        // One buffer per hold of the gate: the exit handler (and a
+        // detach) waits for it, and a backlog read whole, on a machine
+        // whose cores the job's threads hold, took seconds.
         let gate = detach::gate();
         let readable = *gate == Attachment::Attached;
-        convert_all(session, session.take_pending(), readable);
+        let next = session
+            .pending
+            .lock()
+            .ok()
+            .and_then(|mut pending| pending.pop_front());
+        convert_all(session, next.into_iter().collect(), readable);
         if *gate == Attachment::Closed {
             return;
         }

@@ -1107,6 +1107,52 @@ async fn a_threaded_workload_exiting_mid_capture_says_what_cupti_kept() {
     assert!(told, "{:?}", space.warnings);
 }
 
+/// A job that exits during a capture while its other threads are still in
+/// CUDA calls (a watchdog or a signal handler ending it): the exit handler
+/// stops recording and reads what CUPTI handed back for a bounded time
+/// only (reading a backlog while the threads kept filling buffers held
+/// such an exit for seconds; `scripts/bench-inject` times it), the job's
+/// exit status is its own, and what was left unread is said. The read time
+/// is set to nothing here, so that something is always left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_exiting_with_threads_in_cuda_calls_is_not_held_and_says_what_it_left() {
+    let setup = setup("cuda_exiting_busy");
+    let agent = setup.agent();
+    let release = release_file(&setup, "busy");
+    let release_text = release.to_str().unwrap();
+    let mut workload = setup.workload(
+        &[
+            "1000000000",
+            "--quiet",
+            "--threads",
+            "4",
+            "--wait-file",
+            release_text,
+            "--exit-after-ms",
+            "700",
+        ],
+        &[("DEVTRACE_INJECT_EXIT_READ_MS", "0")],
+    );
+    workload.read_until("waiting");
+    let pid = workload.workload.pid;
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2000, &release).await;
+    let status = workload.workload.child.wait().expect("the job's exit");
+    assert_eq!(status.code(), Some(3), "the job's own exit status");
+    let left = space
+        .warnings
+        .iter()
+        .find(|w| w.contains(&format!("process {pid} ")) && w.contains("not yet read"));
+    let left = left.unwrap_or_else(|| panic!("{:?}", space.warnings));
+    assert!(
+        left.contains(
+            "CUPTI activity buffer(s) not yet read, and reading them would have held \
+             its exit past 0 ms"
+        ),
+        "{left}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn two_workloads_keep_their_own_stream_lines() {
     let setup = setup("cuda_pair");

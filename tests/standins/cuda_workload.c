@@ -49,6 +49,10 @@
  *   --quiet                print no `call` lines
  *   --rate-ms N            every N ms print `rate end_ns=T iterations=I` (I: iterations
  *                          finished so far by all threads, T: CLOCK_REALTIME ns)
+ *   --exit-after-ms N      N ms after the iterations start, a thread of its own prints
+ *                          `exit at_ns=T` on stderr (T: CLOCK_REALTIME ns) and calls
+ *                          exit(3) while the workers are still in CUDA calls, as a job
+ *                          whose watchdog or signal handler ends it does
  *
  * Setup: cuInit, cuDeviceGet, cuCtxCreate_v2, cuModuleLoadData,
  * cuModuleGetFunction("vector_add"), cuModuleGetFunction("matmul_tiled"),
@@ -236,7 +240,7 @@ static struct {
     int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all,
         rival_finalize, rival_callbacks_only, rival_subscribe_v2, rival_stays;
     int rival_early, wait_recording;
-    int quiet, rate_ms;
+    int quiet, rate_ms, exit_after_ms;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
 static unsigned long iterations_done;
@@ -747,6 +751,15 @@ static void *print_rates(void *unused) {
     return NULL;
 }
 
+/* --exit-after-ms: ends the process from a thread of its own. */
+static void *exit_later(void *unused) {
+    (void)unused;
+    usleep((useconds_t)options.exit_after_ms * 1000);
+    fprintf(stderr, "exit at_ns=%llu\n", (unsigned long long)now(CLOCK_REALTIME));
+    fflush(stderr);
+    exit(3);
+}
+
 static int usage(void) {
     fprintf(stderr,
             "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
@@ -754,7 +767,7 @@ static int usage(void) {
             "                     [--rival-at N [--rival-iterations M] [--rival-every K] [--rival-direct]\n"
             "                      [--rival-linked] [--rival-subscribe] [--rival-subscribe-v2] [--rival-frees-all]\n"
             "                      [--rival-early] [--rival-stays]]\n"
-            "                     [--wait-recording] [--quiet] [--rate-ms N]\n");
+            "                     [--wait-recording] [--quiet] [--rate-ms N] [--exit-after-ms N]\n");
     return 2;
 }
 
@@ -786,6 +799,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--wait-recording") == 0) options.wait_recording = 1;
         else if (strcmp(a, "--quiet") == 0) options.quiet = 1;
         else if (strcmp(a, "--rate-ms") == 0 && i + 1 < argc) options.rate_ms = atoi(argv[++i]);
+        else if (strcmp(a, "--exit-after-ms") == 0 && i + 1 < argc) options.exit_after_ms = atoi(argv[++i]);
         else return usage();
     }
     if (options.iterations < 0 || options.threads < 1 || options.threads > 64) return usage();
@@ -848,6 +862,11 @@ int main(int argc, char **argv) {
         pthread_t rate;
         pthread_create(&rate, NULL, print_rates, NULL);
         pthread_detach(rate);
+    }
+    if (options.exit_after_ms > 0) {
+        pthread_t ender;
+        pthread_create(&ender, NULL, exit_later, NULL);
+        pthread_detach(ender);
     }
 
     if (options.threads == 1) {
