@@ -1120,23 +1120,30 @@ async fn a_job_exiting_with_threads_in_cuda_calls_is_not_held_and_says_what_it_l
     let agent = setup.agent();
     let release = release_file(&setup, "busy");
     let release_text = release.to_str().unwrap();
+    // Recording before the threads start, exiting early in a long window:
+    // a loaded machine has seconds to finish the exit before the trace is
+    // built. The threads pause a millisecond an iteration, so that their
+    // records do not fill the ring.
     let mut workload = setup.workload(
         &[
             "1000000000",
             "--quiet",
             "--threads",
-            "4",
+            "2",
+            "--sleep-ms",
+            "1",
             "--wait-file",
             release_text,
+            "--wait-recording",
             "--exit-after-ms",
-            "700",
+            "300",
         ],
         &[("DEVTRACE_INJECT_EXIT_READ_MS", "0")],
     );
     workload.read_until("waiting");
     let pid = workload.workload.pid;
     wait_for_attached(&agent, 1).await;
-    let space = capture_while(&agent, 2000, &release).await;
+    let space = capture_while(&agent, 5000, &release).await;
     let status = workload.workload.child.wait().expect("the job's exit");
     assert_eq!(status.code(), Some(3), "the job's own exit status");
     let left = space
