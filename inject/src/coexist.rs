@@ -16,7 +16,9 @@
 //! - **Interposition.** Other users' calls to
 //!   `cuptiActivityRegisterCallbacks`, `cuptiActivityEnable`,
 //!   `cuptiActivityDisable`, `cuptiActivityFlushAll`, `cuptiFinalize`,
-//!   `cuptiSubscribe`, `cuptiSubscribe_v2` and `cuptiUnsubscribe` pass
+//!   `cuptiSubscribe`, `cuptiSubscribe_v2`, `cuptiUnsubscribe` and
+//!   `cuptiActivityRegisterTimestampCallback` (whose clock then stamps
+//!   every record, ours too: [`crate::clock`]) pass
 //!   through this library on
 //!   their way to libcupti, unchanged: through the names it exports (enough
 //!   when it is preloaded; [`join_global_scope`] adds them to the global
@@ -136,6 +138,7 @@ pub fn redirect_callers() -> usize {
         redirect(c"cuptiSubscribe", lib.subscribe.map(|f| f as usize), subscribe_hook as _),
         redirect(c"cuptiSubscribe_v2", lib.subscribe_v2.map(|f| f as usize), subscribe_v2_hook as _),
         redirect(c"cuptiUnsubscribe", lib.unsubscribe.map(|f| f as usize), unsubscribe_hook as _),
+        redirect(c"cuptiActivityRegisterTimestampCallback", lib.register_timestamp_callback.map(|f| f as usize), register_timestamp_hook as _),
     ]
     .into_iter()
     .flatten()
@@ -491,6 +494,40 @@ unsafe extern "C" fn finalize_hook() -> CuptiResult {
 pub unsafe extern "C" fn cuptiFinalize() -> CuptiResult {
     // SAFETY: forwarded with the caller's contract.
     unsafe { finalize_hook() }
+}
+
+/// Interposed `cuptiActivityRegisterTimestampCallback`: CUPTI stamps every
+/// record with the clock another user registers (Kineto's is the CPU's
+/// time-stamp counter), which this library then maps them by.
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+unsafe extern "C" fn register_timestamp_hook(
+    read: Option<crate::clock::TimestampFunc>,
+) -> CuptiResult {
+    guarded(|| {
+        let Some(register) = real().and_then(|lib| lib.register_timestamp_callback) else {
+            return CUPTI_ERROR_NOT_SUPPORTED;
+        };
+        // SAFETY: forwarded unchanged.
+        let result = unsafe { register(read) };
+        if let (CUPTI_SUCCESS, Some(read)) = (result, read) {
+            crate::clock::registered(read);
+        }
+        result
+    })
+}
+
+/// The exported name of [`register_timestamp_hook`].
+///
+/// # Safety
+/// Called by C code with CUPTI's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuptiActivityRegisterTimestampCallback(
+    read: Option<crate::clock::TimestampFunc>,
+) -> CuptiResult {
+    // SAFETY: forwarded with the caller's contract.
+    unsafe { register_timestamp_hook(read) }
 }
 
 /// Interposed `cuptiSubscribe`: a subscriber of ours waiting to detach

@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use devtrace_shm::ring::Control;
 use devtrace_shm::workload::{ApiRecordSet, MetaRecord, UntimedCause};
 
-use crate::convert::{ClockMap, Converter};
+use crate::clock::ClockMap;
+use crate::convert::Converter;
 use crate::detach::{self, Attachment, Progress, Teardown};
 use crate::records::{self, buffer_completed, buffer_requested};
 use crate::session::{create_files, load_cupti, Session};
@@ -948,16 +949,8 @@ fn converted(session: &Session, read: fn(&Converter) -> u64) -> u64 {
         .map_or(0, |converter| read(&converter))
 }
 
-/// Measures CUPTI's clock against `CLOCK_REALTIME`.
-fn measure_clock() -> Result<ClockMap, String> {
-    let before = devtrace_shm::clock::now_ns();
-    let cupti_ns = cupti::timestamp()?;
-    let after = devtrace_shm::clock::now_ns();
-    Ok(ClockMap::from_readings(before, cupti_ns, after))
-}
-
 fn set_clock(session: &Session) -> Result<(), String> {
-    let clock = measure_clock()?;
+    let clock = ClockMap::measure()?;
     if let Ok(mut converter) = session.converter.lock() {
         converter.clock = clock;
     }

@@ -16,28 +16,18 @@ use devtrace_shm::event::{
 };
 use devtrace_shm::workload::{MetaRecord, LINE_MEMORY, LINE_OVERHEAD, LINE_SYNCHRONIZATION};
 
+use crate::clock::ClockMap;
 use crate::cupti::kind;
 use crate::cupti::layout::{self, RecordRef};
 use crate::timed_calls::TimedCall;
 
-/// CUPTI's clock to `CLOCK_REALTIME`, from a pair of readings.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ClockMap {
-    pub offset: i128,
-}
-
-impl ClockMap {
-    /// `realtime_ns` read around (before and after) a CUPTI timestamp.
-    pub fn from_readings(before_ns: u64, cupti_ns: u64, after_ns: u64) -> ClockMap {
-        ClockMap {
-            offset: (i128::from(before_ns) + i128::from(after_ns)) / 2 - i128::from(cupti_ns),
-        }
-    }
-
-    pub fn realtime(self, cupti_ns: u64) -> u64 {
-        (i128::from(cupti_ns) + self.offset).clamp(0, i128::from(u64::MAX)) as u64
-    }
-}
+/// Said once per process when records carry a clock neither CUPTI's nor
+/// one registered through the library ([`crate::clock`]).
+const UNKNOWN_CLOCK: &str = "CUPTI stamps this process's records with a clock that is neither its \
+own nor one registered through the library (a profiler registered its own clock for CUPTI's \
+records before the library was loaded, as torch.profiler does: the time-stamp counter); they \
+cannot be placed on the host clock, and the agent drops them as events outside what its \
+recorder holds";
 
 /// What occupancy needs to know about a GPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -96,6 +86,8 @@ pub struct Converter {
     api_records: u64,
     /// The latest start of a kernel converted (host clock).
     latest_kernel_ns: u64,
+    /// Whether a record on a clock the map does not know was told of.
+    told_unknown_clock: bool,
 }
 
 impl Converter {
@@ -118,6 +110,7 @@ impl Converter {
             kernels: 0,
             api_records: 0,
             latest_kernel_ns: 0,
+            told_unknown_clock: false,
         }
     }
 
@@ -172,6 +165,7 @@ impl Converter {
         // SAFETY: the caller passes a complete record of a buffer CUPTI of
         // this version completed.
         let r = unsafe { RecordRef::new(record, self.version) };
+        let first = out.len();
         match r.kind() {
             kind::KERNEL | kind::CONCURRENT_KERNEL => self.kernel(r, out),
             kind::MEMCPY => self.memcpy(r, out),
@@ -184,6 +178,14 @@ impl Converter {
             kind::SYNCHRONIZATION => self.synchronization(r, out),
             kind::MARKER => self.marker(r, out),
             _ => {}
+        }
+        if let Some(event) = out.get(first) {
+            if !self.told_unknown_clock && !self.clock.plausible(event.start_ns) {
+                self.told_unknown_clock = true;
+                self.pending_meta.push(MetaRecord::Warning {
+                    message: UNKNOWN_CLOCK.into(),
+                });
+            }
         }
     }
 
@@ -581,13 +583,6 @@ mod tests {
     }
 
     #[test]
-    fn cupti_time_maps_to_the_midpoint_of_the_readings() {
-        let clock = ClockMap::from_readings(1_000_100, 500, 1_000_300);
-        assert_eq!(clock.realtime(500), 1_000_200);
-        assert_eq!(clock.realtime(1_500), 1_001_200);
-    }
-
-    #[test]
     fn an_api_record_becomes_a_named_call_with_its_correlation_id() {
         use crate::cupti::layout::api;
         let mut record = [0u8; 40];
@@ -608,7 +603,7 @@ mod tests {
         record[api::END.offset..api::END.offset + 8].copy_from_slice(&250u64.to_ne_bytes());
         let bytes = record.as_ptr();
         let mut converter = Converter::new(5, 26, |_, cbid| Some(format!("cuLaunch{cbid}")));
-        converter.clock = ClockMap { offset: 1_000 };
+        converter.clock = ClockMap::from_readings(1_000, 0, 1_000);
         let mut out = Vec::new();
         converter.convert(bytes, &mut out);
         assert_eq!(
@@ -634,6 +629,41 @@ mod tests {
         // A second record of the same call reuses the name.
         converter.convert(bytes, &mut out);
         assert!(converter.take_meta().is_empty());
+    }
+
+    /// A record stamped by a clock the map does not know (a profiler's,
+    /// registered unseen) lands decades away: the process is told so once.
+    #[test]
+    fn records_on_an_unknown_clock_are_told_of_once() {
+        use crate::cupti::layout::api;
+        let mut record = [0u8; 40];
+        record[0..4].copy_from_slice(&kind::DRIVER.to_ne_bytes());
+        record[api::CBID.offset..api::CBID.offset + 4].copy_from_slice(&307u32.to_ne_bytes());
+        let mut stamp = |start: u64| {
+            record[api::START.offset..api::START.offset + 8].copy_from_slice(&start.to_ne_bytes());
+            record[api::END.offset..api::END.offset + 8]
+                .copy_from_slice(&(start + 150).to_ne_bytes());
+            record
+        };
+        let epoch = 1_795_000_000_000_000_000u64;
+        let mut converter = Converter::new(5, 26, |_, cbid| Some(format!("cuLaunch{cbid}")));
+        converter.clock = ClockMap::from_readings(epoch, epoch, epoch);
+        let mut out = Vec::new();
+        let unknown_clock = |meta: Vec<MetaRecord>| {
+            meta.iter()
+                .filter(
+                    |m| matches!(m, MetaRecord::Warning { message } if message == UNKNOWN_CLOCK),
+                )
+                .count()
+        };
+        converter.convert(stamp(epoch - 5_000).as_ptr(), &mut out);
+        assert_eq!(unknown_clock(converter.take_meta()), 0);
+        // Three seconds of a 3 GHz counter since the boot.
+        converter.convert(stamp(9_000_000_000).as_ptr(), &mut out);
+        assert_eq!(unknown_clock(converter.take_meta()), 1);
+        converter.convert(stamp(9_000_001_000).as_ptr(), &mut out);
+        assert_eq!(unknown_clock(converter.take_meta()), 0);
+        assert_eq!(out.len(), 3);
     }
 
     /// CUPTI's DEVICE record still describes the GPU where the driver could

@@ -35,6 +35,7 @@ macro_rules! say {
 }
 
 mod buffers;
+mod clock;
 mod coexist;
 mod control;
 mod convert;

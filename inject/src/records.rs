@@ -139,6 +139,9 @@ fn convert_until(
                     buffers::release(address);
                     continue;
                 };
+                // A clock registered since the last flush stamps these
+                // records already.
+                converter.clock.follow_registered();
                 let mut record = std::ptr::null_mut();
                 // SAFETY: a buffer CUPTI completed with `valid` bytes.
                 while unsafe { cupti::next_record(address, buffer.valid, &mut record) } {

@@ -2330,6 +2330,75 @@ async fn seen_rival(variable: &str, binding: Binding) {
         .any(|w| w.contains("has the CUPTI activity stream again")));
 }
 
+/// A profiler that registers a clock of its own for CUPTI's records
+/// (PyTorch's Kineto registers the CPU's time-stamp counter each time
+/// `torch.profiler` starts) has every later record stamped with it, ours
+/// too, while `cuptiGetTimestamp` keeps CUPTI's clock: the library sees the
+/// registration and maps records by the clock that stamped them, so the
+/// kernels after the profiler's part lie where their launches ran (mapped
+/// through CUPTI's clock they fell decades before the window and were
+/// dropped).
+#[tokio::test(flavor = "multi_thread")]
+async fn records_stamped_with_a_clock_another_profiler_registered_land_where_they_ran() {
+    let mut setup = setup("cuda_rival_clock");
+    setup.program = rival_linked_program();
+    let agent = setup.agent();
+    let release = release_file(&setup, "rival");
+    let args = [
+        "6",
+        "--wait-file",
+        release.to_str().unwrap(),
+        "--sleep-ms",
+        "150",
+        "--rival-at",
+        "2",
+        "--rival-iterations",
+        "2",
+        "--rival-linked",
+        "--rival-clock",
+        "--wait-recording",
+    ];
+    let workload = setup.workload_loading(
+        "CUDA_INJECTION64_PATH",
+        &args,
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2500, &release).await;
+    let lines = workload.read_until("done");
+    let (rival_kernels, rival_start, rival_end) = rival_report(&lines);
+    assert_eq!(rival_kernels, 4, "the other profiler keeps working");
+    let launches: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .filter(|c| c.name == "cuLaunchKernel")
+        .map(|c| c.realtime.0)
+        .collect();
+    let ours = program_kernels(&space);
+    // Iterations 0, 1, 4 and 5 are ours, the last two after the clock
+    // changed; each kernel starts as its launch call enters (the stand-in's
+    // device is idle), give or take the clocks' readings.
+    assert_eq!(ours.len(), 8, "{:?}", space.warnings);
+    let after = ours.iter().filter(|(_, at)| *at > rival_end).count();
+    assert_eq!(after, 4, "{ours:?}");
+    for (kernel, at) in &ours {
+        assert!(
+            *at < rival_start || *at > rival_end,
+            "{kernel:?} at {at} inside the profiler's part"
+        );
+        let nearest = launches
+            .iter()
+            .map(|launch| launch.abs_diff(*at))
+            .min()
+            .expect("launch calls");
+        assert!(
+            nearest < 2_000_000,
+            "{kernel:?} at {at} is {nearest} ns from the nearest launch"
+        );
+    }
+}
+
 /// A framework library linked against another toolkit's libcupti
 /// (`libcupti.so.13` beside the library's `.so.12`), loaded once CUDA is
 /// up: built once, with that copy in a directory of its own that only the

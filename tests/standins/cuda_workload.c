@@ -36,6 +36,9 @@
  *   --rival-callbacks-only the rival holds a Callback API subscriber and nothing else
  *                          (a tool that times API calls itself): no activity callbacks,
  *                          kinds or flush; it reports kernels=0
+ *   --rival-clock          the rival first registers a clock of its own for CUPTI's records
+ *                          (cuptiActivityRegisterTimestampCallback, as Kineto registers the
+ *                          TSC): CLOCK_MONOTONIC_RAW at 3 ticks a nanosecond
  *   --rival-finalize       the rival ends its part with cuptiFinalize (as Kineto does when
  *                          it tears CUPTI down after a profile)
  *   --rival-frees-all      the rival frees every buffer its bufferCompleted gets, its own
@@ -238,7 +241,7 @@ static const char real_ptx[] =
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
     int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all,
-        rival_finalize, rival_callbacks_only, rival_subscribe_v2, rival_stays;
+        rival_finalize, rival_callbacks_only, rival_subscribe_v2, rival_stays, rival_clock;
     int rival_early, wait_recording;
     int quiet, rate_ms, exit_after_ms;
     const char *wait_file, *init_wait_file;
@@ -472,6 +475,8 @@ extern int cuptiSubscribe_v2(void **subscriber, RivalCallbackFunc callback, void
                              struct rival_subscriber_params *params) __attribute__((weak));
 extern int cuptiUnsubscribe(void *subscriber) __attribute__((weak));
 extern int cuptiFinalize(void) __attribute__((weak));
+typedef uint64_t (*RivalClockFunc)(void);
+extern int cuptiActivityRegisterTimestampCallback(RivalClockFunc clock) __attribute__((weak));
 
 static struct {
     int (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc);
@@ -484,6 +489,7 @@ static struct {
                         struct rival_subscriber_params *params);
     int (*unsubscribe)(void *subscriber);
     int (*finalize)(void);
+    int (*register_clock)(RivalClockFunc clock);
 } rival;
 static void *rival_subscriber;
 static unsigned long rival_subscribe_refused;
@@ -595,6 +601,7 @@ static void rival_resolve(void) {
         rival.subscribe_v2 = cuptiSubscribe_v2;
         rival.unsubscribe = cuptiUnsubscribe;
         rival.finalize = cuptiFinalize;
+        rival.register_clock = cuptiActivityRegisterTimestampCallback;
     } else {
         rival.register_callbacks = (int (*)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc))
             rival_symbol("cuptiActivityRegisterCallbacks");
@@ -608,7 +615,14 @@ static void rival_resolve(void) {
             "cuptiSubscribe_v2");
         rival.unsubscribe = (int (*)(void *))rival_symbol("cuptiUnsubscribe");
         rival.finalize = (int (*)(void))rival_symbol("cuptiFinalize");
+        rival.register_clock = (int (*)(RivalClockFunc))rival_symbol("cuptiActivityRegisterTimestampCallback");
     }
+}
+
+/* The rival's clock (--rival-clock): a TSC-like count that is neither
+ * CUPTI's clock nor nanoseconds. */
+static uint64_t rival_clock(void) {
+    return 3 * now(CLOCK_MONOTONIC_RAW) + 12345;
 }
 
 static void rival_begin(void) {
@@ -641,6 +655,17 @@ static void rival_begin(void) {
     if (options.rival_callbacks_only) {
         rival_active = 1;
         return;
+    }
+    if (options.rival_clock) {
+        if (!rival.register_clock) {
+            fprintf(stderr, "cuda_workload: rival: no cuptiActivityRegisterTimestampCallback\n");
+            failed = 1;
+            return;
+        }
+        if ((rc = rival.register_clock(rival_clock)) != 0) {
+            rival_failed("cuptiActivityRegisterTimestampCallback", rc);
+            return;
+        }
     }
     rc = rival.register_callbacks(rival_requested, rival_completed);
     if (rc) {
@@ -791,6 +816,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-every") == 0 && i + 1 < argc) options.rival_every = atoi(argv[++i]);
         else if (strcmp(a, "--rival-subscribe") == 0) options.rival_subscribe = 1;
         else if (strcmp(a, "--rival-stays") == 0) options.rival_stays = 1;
+        else if (strcmp(a, "--rival-clock") == 0) options.rival_clock = 1;
         else if (strcmp(a, "--rival-subscribe-v2") == 0) options.rival_subscribe = options.rival_subscribe_v2 = 1;
         else if (strcmp(a, "--rival-callbacks-only") == 0) options.rival_subscribe = options.rival_callbacks_only = 1;
         else if (strcmp(a, "--rival-frees-all") == 0) options.rival_frees_all = 1;

@@ -64,7 +64,14 @@
  *   graph get only their DRIVER record (libcuda.c).
  * - Clock: CLOCK_REALTIME ns + $DEVTRACE_STANDIN_GPU_CLOCK_OFFSET_NS (signed,
  *   default 0). cuptiGetTimestamp, DRIVER/SYNCHRONIZATION records (host entry
- *   and return of the call) and device records all use it.
+ *   and return of the call) and device records all use it, until a user
+ *   registers a clock of its own with cuptiActivityRegisterTimestampCallback
+ *   (PyTorch's Kineto registers the CPU's TSC, whose ticks are no
+ *   nanoseconds): every record written after that carries that clock's
+ *   readings, for the rest of the process (a finalize keeps it; nothing
+ *   unregisters it), while cuptiGetTimestamp keeps CUPTI's own clock. (On an
+ *   H200 with CUDA 13.0, the records of a capture after torch.profiler,
+ *   mapped through cuptiGetTimestamp, fell decades before the window.)
  * - Device work starts at the call's entry, or when the previous work on the
  *   same stream ends if that is later, and lasts
  *   $DEVTRACE_STANDIN_GPU_KERNEL_NS (default 5000), $DEVTRACE_STANDIN_GPU_MEMCPY_NS
@@ -632,6 +639,7 @@ typedef void (*CUpti_BuffersCallbackRequestFunc)(uint8_t **buffer, size_t *size,
 typedef void (*CUpti_BuffersCallbackCompleteFunc)(CUcontext context, uint32_t streamId, uint8_t *buffer,
                                                   size_t size, size_t validSize);
 typedef struct CUpti_Subscriber_st *CUpti_SubscriberHandle;
+typedef uint64_t (*CUpti_TimestampCallbackFunc)(void);
 typedef void (*CUpti_CallbackFunc)(void *userdata, int domain, CUpti_CallbackId cbid, const void *cbdata);
 /* CUDA 13.0's cupti_callbacks.h. */
 typedef struct {
@@ -909,6 +917,27 @@ static uint64_t gpu_now(void) {
     return gpu_time((uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec);
 }
 
+/* The clock a user registered for records (cuptiActivityRegisterTimestampCallback),
+ * with a reading of it and of CUPTI's clock taken together when it was
+ * registered, and its ticks per CUPTI nanosecond measured then. */
+static CUpti_TimestampCallbackFunc record_clock;
+static uint64_t record_clock_anchor, record_clock_anchor_gpu;
+static double record_clock_rate = 1.0;
+
+/* CUPTI's time `t` as a record carries it: on the registered clock when one
+ * is, found as CUPTI finds it, from that clock's reading now and how fast
+ * it ran since it was registered. */
+static uint64_t stamp(uint64_t t) {
+    if (!record_clock) return t;
+    uint64_t gpu = gpu_now();
+    uint64_t ticks = record_clock();
+    double rate = record_clock_rate;
+    if (gpu > record_clock_anchor_gpu + 1000000 && ticks > record_clock_anchor)
+        rate = (double)(ticks - record_clock_anchor) / (double)(gpu - record_clock_anchor_gpu);
+    double stamped = (double)ticks + ((double)t - (double)gpu) * rate;
+    return stamped <= 0 ? 0 : (uint64_t)stamped;
+}
+
 /* ---- buffers ------------------------------------------------------------------ */
 
 /* Queues buffer `f` for delivery, now or (due_ns != 0) on the late list.
@@ -1051,8 +1080,8 @@ static void *reserve(size_t size, const struct standin_call *call) {
             o->objectKind = CUPTI_ACTIVITY_OBJECT_THREAD;
             o->objectId.pt.processId = call ? call->pid : 0;
             o->objectId.pt.threadId = call ? current_tid(call) : 0;
-            o->start = asked;
-            o->end = answered;
+            o->start = stamp(asked);
+            o->end = stamp(answered);
         }
     }
     if (f->used + size > f->size) {
@@ -1192,10 +1221,10 @@ static void device_interval(const struct standin_call *call, uint64_t duration, 
     uint64_t *tail = tail_of(call->stream_id);
     uint64_t s = gpu_time(call->start_ns);
     if (*tail > s) s = *tail;
-    *start = s;
-    *end = s + duration;
-    *tail = *end;
-    if (*end > last_filled->busy_until) last_filled->busy_until = *end;
+    *tail = s + duration;
+    if (*tail > last_filled->busy_until) last_filled->busy_until = *tail;
+    *start = stamp(s);
+    *end = stamp(s + duration);
 }
 
 static void write_context(uint32_t context_id, uint32_t device_id, const struct standin_call *call) {
@@ -1502,8 +1531,8 @@ static void record_call(struct standin_call *call) {
         if (r) {
             r->kind = wrapped ? CUPTI_ACTIVITY_KIND_RUNTIME : CUPTI_ACTIVITY_KIND_DRIVER;
             r->cbid = wrapped ? RUNTIME_CBID_cudaLaunchKernel : call->cbid;
-            r->start = gpu_time(call->start_ns);
-            r->end = gpu_time(call->end_ns);
+            r->start = stamp(gpu_time(call->start_ns));
+            r->end = stamp(gpu_time(call->end_ns));
             r->processId = call->pid;
             r->threadId = current_tid(call);
             r->correlationId = correlation;
@@ -1604,7 +1633,7 @@ static void record_call(struct standin_call *call) {
         r->correlationId = correlation;
         r->address = call->device_ptr;
         r->bytes = call->bytes;
-        r->timestamp = gpu_time(call->start_ns);
+        r->timestamp = stamp(gpu_time(call->start_ns));
         r->processId = call->pid;
         r->deviceId = call->device_id;
         r->contextId = call->context_id;
@@ -1618,8 +1647,8 @@ static void record_call(struct standin_call *call) {
         if (!r) break;
         r->kind = CUPTI_ACTIVITY_KIND_SYNCHRONIZATION;
         r->type = (CUpti_ActivitySynchronizationType)call->sync_type;
-        r->start = gpu_time(call->start_ns);
-        r->end = gpu_time(call->end_ns);
+        r->start = stamp(gpu_time(call->start_ns));
+        r->end = stamp(gpu_time(call->end_ns));
         r->correlationId = correlation;
         r->contextId = call->context_id;
         r->streamId = call->sync_type == 3 ? call->stream_id : CUPTI_INVALID_STREAM_ID;
@@ -1686,6 +1715,23 @@ CUPTIAPI CUptiResult cuptiGetTimestamp(uint64_t *timestamp) {
     ENTER("cuptiGetTimestamp");
     if (!timestamp) return CUPTI_ERROR_INVALID_PARAMETER;
     *timestamp = gpu_now();
+    return CUPTI_SUCCESS;
+}
+
+CUPTIAPI CUptiResult cuptiActivityRegisterTimestampCallback(CUpti_TimestampCallbackFunc funcTimestamp) {
+    ENTER("cuptiActivityRegisterTimestampCallback");
+    if (!funcTimestamp) return CUPTI_ERROR_INVALID_PARAMETER;
+    /* Its rate against CUPTI's clock, over a quarter of a millisecond. */
+    uint64_t gpu0 = gpu_now(), ticks0 = funcTimestamp();
+    uint64_t gpu1 = gpu0;
+    while (gpu1 < gpu0 + 250000) gpu1 = gpu_now();
+    uint64_t ticks1 = funcTimestamp();
+    pthread_mutex_lock(&lock);
+    record_clock_rate = ticks1 > ticks0 ? (double)(ticks1 - ticks0) / (double)(gpu1 - gpu0) : 1.0;
+    record_clock_anchor = ticks0;
+    record_clock_anchor_gpu = gpu0;
+    record_clock = funcTimestamp;
+    pthread_mutex_unlock(&lock);
     return CUPTI_SUCCESS;
 }
 

@@ -336,6 +336,26 @@ fn the_timeline_calls_and_their_entry_points_match_the_real_headers() {
     }
 }
 
+/// The clock another user may register for CUPTI's records, interposed
+/// (`coexist.rs`) and read by the library (`clock.rs`): its entry point
+/// and callback as `library.rs` types them, in every release.
+#[test]
+fn the_timestamp_callback_matches_the_real_headers() {
+    for (release, dir, includes) in unpacked() {
+        let source = "#include <stdint.h>\n#include <cupti.h>\n\
+             _Static_assert(__builtin_types_compatible_p(CUpti_TimestampCallbackFunc, \
+             uint64_t (*)(void)), \"TimestampFunc\");\n\
+             _Static_assert(__builtin_types_compatible_p(\
+             __typeof__(&cuptiActivityRegisterTimestampCallback), \
+             CUptiResult (*)(CUpti_TimestampCallbackFunc)), \"RegisterTimestampCallback\");\n";
+        let what = format!(
+            "CUPTI {}: cuptiActivityRegisterTimestampCallback is not as library.rs types it",
+            release.name
+        );
+        assert_compiles(&dir.join("timestamp_check.c"), source, &includes, &what);
+    }
+}
+
 /// The Callback API the detach and the timed calls use (`callbacks.rs`):
 /// the entry points' signatures as `library.rs` types them, the call
 /// site's place and values, the correlation fields,

@@ -41,6 +41,9 @@ pub type GetNumDroppedRecords = unsafe extern "C" fn(*mut c_void, u32, *mut usiz
 pub type GetCallbackName = unsafe extern "C" fn(c_int, u32, *mut *const c_char) -> CuptiResult;
 pub type GetNextRecord = unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult;
 pub type Finalize = unsafe extern "C" fn() -> CuptiResult;
+/// `cuptiActivityRegisterTimestampCallback`.
+pub type RegisterTimestampCallback =
+    unsafe extern "C" fn(Option<crate::clock::TimestampFunc>) -> CuptiResult;
 /// A Callback API subscriber (`CUpti_SubscriberHandle`).
 pub type SubscriberHandle = *mut c_void;
 /// `CUpti_CallbackFunc`: userdata, domain, callback id, callback data.
@@ -77,6 +80,9 @@ pub struct Library {
     pub get_callback_name: GetCallbackName,
     pub get_next_record: GetNextRecord,
     pub finalize: Option<Finalize>,
+    /// Only other users' calls of it are seen (interposed): the clock they
+    /// register stamps the records ([`crate::clock`]).
+    pub register_timestamp_callback: Option<RegisterTimestampCallback>,
     /// The Callback API entry points detaching needs (`detach`).
     pub subscribe: Option<Subscribe>,
     /// Only other users' calls of it are seen (interposed); the library
@@ -190,6 +196,10 @@ fn resolve(handle: *mut c_void, origin: String) -> Result<Library, String> {
         get_callback_name: entry!("cuptiGetCallbackName", GetCallbackName),
         get_next_record: entry!("cuptiActivityGetNextRecord", GetNextRecord),
         finalize: optional!("cuptiFinalize", Finalize),
+        register_timestamp_callback: optional!(
+            "cuptiActivityRegisterTimestampCallback",
+            RegisterTimestampCallback
+        ),
         subscribe: optional!("cuptiSubscribe", Subscribe),
         subscribe_v2: optional!("cuptiSubscribe_v2", SubscribeV2),
         unsubscribe: optional!("cuptiUnsubscribe", Unsubscribe),
