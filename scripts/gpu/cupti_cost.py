@@ -1,26 +1,32 @@
 #!/usr/bin/env python3
-"""What plain CUPTI charges a launch-bound PyTorch loop for each part of a
-capture, without devtrace, in one process: scripts/gpu-check's check l.
+"""What plain CUPTI charges a PyTorch loop for each part of a capture,
+without devtrace, in one process: scripts/gpu-check's check l.
 
     cupti_cost.py --probe libcupti_cost.so --cupti PATH/libcupti.so.13 --out RESULT.json
-                  [--device 0] [--seconds 1.5] [--configs kernels,capture,...]
+                  [--mode launch|gpt2] [--device 0] [--seconds 1.5]
+                  [--warmup-seconds 0] [--configs kernels,capture,...]
 
-The loop is marks_workload.py's launch mode (40 tiny elementwise kernels,
-then a synchronize). It runs plain, then for each configuration: CUPTI
-started that way through the probe (scripts/gpu/cupti_cost.c: a
-subscriber first, kernels last, as devtrace starts a capture), --seconds
-of steps, CUPTI stopped (kinds off, buffers flushed, subscriber gone,
-cuptiFinalize), --seconds of plain steps. A configuration's cost is judged
-against the mean rate of the plain phases either side of it, as
-microseconds per kernel, (1/on - 1/plain) / 40; what it left behind as the
-plain phase after it against the one before.
+The loops are marks_workload.py's: launch mode (40 tiny elementwise kernels,
+then a synchronize) or gpt2 mode (GPT-2 small training, about 1,150
+kernels a step, the job whose captures cost it most; it needs transformers).
+A loop warms up (--warmup-seconds more), runs plain, then for each
+configuration: CUPTI started that way through the probe
+(scripts/gpu/cupti_cost.c: a subscriber first, kernels last, as devtrace
+starts a capture), --seconds of steps, CUPTI stopped (kinds off, buffers
+flushed, subscriber gone, cuptiFinalize), --seconds of plain steps. A
+configuration's cost is judged against the mean rate of the plain phases
+either side of it, as microseconds per kernel, (1/on - 1/plain) /
+kernels_per_step; what it left behind as the plain phase after it against
+the one before. The GPT-2 loop's kernels per step are counted by the first
+configuration that records kernels (null until then).
 
-The result JSON: {"cupti_version", "kernels_per_step", "plain": [steps/s
-of each plain phase], "configs": [{"name", "kinds", "subscriber",
+The result JSON: {"mode", "cupti_version", "kernels_per_step", "plain":
+[steps/s of each plain phase], "configs": [{"name", "kinds", "subscriber",
 "on" (steps/s), "plain" (the mean either side), "ratio", "us_per_kernel",
-"after_ratio", "kernels_recorded", "kernels_launched", "callbacks_per_kernel",
-"records": {kind: count}, "error"}]}; {"error": ...} with exit status 1
-when the loop or the probe could not run at all.
+"ms_per_step", "after_ratio", "kernels_recorded", "kernels_launched",
+"callbacks_per_kernel", "records": {kind: count}, "error"}]}; {"error":
+...} with exit status 1 when the loop or the probe could not run at all,
+{"skip": ...} with exit status 3 for gpt2 mode without transformers.
 """
 
 import argparse
@@ -30,9 +36,8 @@ import sys
 import time
 
 from files import run_to_file  # beside this script
+from marks_workload import Gpt2Training, LaunchBound  # beside this script
 
-KERNELS_PER_STEP = 40
-ELEMENTS = 1024
 
 # CUpti_ActivityKind, unchanged from CUDA 12 to 13.
 MEMCPY, MEMSET, DRIVER, RUNTIME, DEVICE, CONTEXT = 1, 2, 4, 5, 8, 9
@@ -69,6 +74,10 @@ CONFIGS = {
     "capture+runtime": (before_kernels(CAPTURE, RUNTIME), False),
     "capture+runtime+driver": (before_kernels(CAPTURE, RUNTIME, DRIVER), False),
 }
+# The GPT-2 loop's steps are 20-40 times longer: the configurations that
+# split a capture's kinds, without CUPTI's API records (which only the
+# launch-bound loop needs to measure).
+GPT2_CONFIGS = [name for name in CONFIGS if "runtime" not in name]
 
 
 def parse_args():
@@ -76,10 +85,13 @@ def parse_args():
     p.add_argument("--probe", required=True, help="libcupti_cost.so (scripts/gpu-pack builds it)")
     p.add_argument("--cupti", required=True, help="the libcupti the job's environment loads")
     p.add_argument("--out", required=True, help="result JSON")
+    p.add_argument("--mode", choices=("launch", "gpt2"), default="launch", help="the loop measured")
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--seconds", type=float, default=1.5, help="length of each phase")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="configurations, comma-separated (default: all): " + ", ".join(CONFIGS))
+    p.add_argument("--warmup-seconds", type=float, default=0.0, help="steps run before the first plain phase")
+    p.add_argument("--configs",
+                   help="configurations, comma-separated (default: all for launch, those without API records "
+                        "for gpt2): " + ", ".join(CONFIGS))
     return p.parse_args()
 
 
@@ -117,11 +129,11 @@ def run(args):
     import torch
 
     torch.cuda.set_device(args.device)
-    x = torch.zeros(ELEMENTS, device=torch.device("cuda", args.device))
+    work = LaunchBound(torch, args.device) if args.mode == "launch" else Gpt2Training(torch, args.device)
+    kernels_per_step = work.kernels_per_step
 
     def step():
-        for _ in range(KERNELS_PER_STEP):
-            x.add_(1.0)
+        work.step()
         torch.cuda.synchronize()
 
     def rate(seconds):
@@ -131,12 +143,15 @@ def run(args):
             steps += 1
         return steps / (time.perf_counter() - start), steps
 
-    for _ in range(200):
+    for _ in range(200 if args.mode == "launch" else 20):
+        step()
+    warmup_end = time.monotonic() + args.warmup_seconds
+    while time.monotonic() < warmup_end:
         step()
     probe = Probe(args.probe, args.cupti)
     plain = [rate(args.seconds)[0]]
     configs = []
-    for name in args.configs.split(","):
+    for name in configs_of(args):
         kinds, subscriber = CONFIGS[name]
         entry = {"name": name, "kinds": [KIND_NAMES[k] for k in kinds], "subscriber": subscriber}
         before, callbacks_before = probe.counts()
@@ -153,36 +168,49 @@ def run(args):
         after, callbacks_after = probe.counts()
         plain.append(rate(args.seconds)[0])
         mean = (plain[-2] + plain[-1]) / 2
-        launched = steps * KERNELS_PER_STEP
+        recorded = after["kernel"] - before["kernel"]
+        if kernels_per_step is None and steps and recorded and "error" not in entry and CONCURRENT_KERNEL in kinds:
+            kernels_per_step = recorded / steps
+        launched = steps * kernels_per_step if kernels_per_step else None
         entry.update({
             "on": on,
             "plain": mean,
             "ratio": on / mean if on else None,
-            "us_per_kernel": (1 / on - 1 / mean) / KERNELS_PER_STEP * 1e6 if on else None,
+            "us_per_kernel": (1 / on - 1 / mean) / kernels_per_step * 1e6 if on and kernels_per_step else None,
+            "ms_per_step": (1 / on - 1 / mean) * 1e3 if on else None,
             "after_ratio": plain[-1] / plain[-2],
-            "kernels_launched": launched,
-            "kernels_recorded": after["kernel"] - before["kernel"],
+            "kernels_launched": round(launched) if launched is not None else None,
+            "kernels_recorded": recorded,
             "callbacks_per_kernel": (callbacks_after - callbacks_before) / launched if launched else None,
             "records": {k: after[k] - before[k] for k in after if after[k] != before[k]},
         })
         configs.append(entry)
         print(json.dumps(entry), flush=True)
     return {
+        "mode": args.mode,
         "cupti_version": probe.version,
-        "kernels_per_step": KERNELS_PER_STEP,
+        "kernels_per_step": kernels_per_step,
         "plain": plain,
         "buffers_failed": probe.lib.cost_buffers_failed(),
         "configs": configs,
     }
 
 
+def configs_of(args):
+    if args.configs:
+        return args.configs.split(",")
+    return list(CONFIGS) if args.mode == "launch" else GPT2_CONFIGS
+
+
 def main():
     args = parse_args()
-    unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
+    unknown = [n for n in configs_of(args) if n not in CONFIGS]
     if unknown:
         print(f"cupti_cost.py: unknown configurations {unknown}; known: {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    return run_to_file(args.out, lambda: run(args))
+    # Only GPT-2 needs more than torch (transformers).
+    skipped = (ImportError,) if args.mode == "gpt2" else ()
+    return run_to_file(args.out, lambda: run(args), skipped)
 
 
 if __name__ == "__main__":

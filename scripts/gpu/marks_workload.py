@@ -25,6 +25,8 @@ SIGNALS/exacted, and runs nothing until SIGNALS/resume (once per run: a
 capture around them holds those steps alone). At the end it writes --out:
 
   {"mode", "pid", "kernels_per_step" (launch mode: 40), "step_ends": [...],
+   "step_cpu": [...] (the main thread's CPU seconds at each step end, which
+   a host's other tenants do not add to as they add to the wall time),
    "step_numbers": [...] (the i of each ended step's step_<i> range),
    "profile": {"start", "end", "steps", "kernels", "names": {name: count}}}
 
@@ -109,7 +111,7 @@ def run(args):
     work = LaunchBound(torch, args.device) if args.mode == "launch" else Gpt2Training(torch, args.device)
     index = 0
 
-    step_ends, step_numbers = [], []
+    step_ends, step_cpu, step_numbers = [], [], []
 
     def one_step(noted=True):
         nonlocal index
@@ -119,6 +121,7 @@ def run(args):
         torch.cuda.nvtx.range_pop()
         if noted:
             step_ends.append(time.time())
+            step_cpu.append(time.thread_time())
             step_numbers.append(index)
         index += 1
 
@@ -147,6 +150,7 @@ def run(args):
         "pid": os.getpid(),
         "kernels_per_step": work.kernels_per_step,
         "step_ends": step_ends,
+        "step_cpu": step_cpu,
         "step_numbers": step_numbers,
         "profile": profile,
     }
