@@ -106,6 +106,9 @@ class Gpt2Training:
 
 def run(args):
     import torch
+    # Imported now: the first import takes seconds on a busy host, which a
+    # profiler window asked for inside a capture would spend outside it.
+    import torch.profiler  # noqa: F401
 
     torch.cuda.set_device(args.device)
     work = LaunchBound(torch, args.device) if args.mode == "launch" else Gpt2Training(torch, args.device)
