@@ -29,6 +29,11 @@ pub type TimestampFunc = unsafe extern "C" fn() -> u64;
 const FIRST_RATE_SPAN_NS: u64 = 250_000;
 /// Below this span since the registration, its first rate is used.
 const RATE_SPAN_NS: u64 = 1_000_000;
+/// Readings of CUPTI's clock and the registered one this close (on the
+/// registered clock) are of one clock: a `cuptiGetTimestamp` that reads the
+/// registered clock too. Records are then mapped by the registered clock,
+/// whose rate is measured; CUPTI's is taken to tick in nanoseconds.
+const SAME_CLOCK_NS: f64 = 60e9;
 
 /// A clock read at one instant beside the host clock, and how many host
 /// nanoseconds one of its ticks lasts.
@@ -123,7 +128,10 @@ impl ClockMap {
     /// A record's timestamp on the host clock, by whichever clock stamped it.
     pub fn realtime(&self, ticks: u64) -> u64 {
         match self.registered {
-            Some(registered) if registered.since(ticks).abs() < self.cupti.since(ticks).abs() => {
+            Some(registered)
+                if registered.since(self.cupti.ticks).abs() < SAME_CLOCK_NS
+                    || registered.since(ticks).abs() < self.cupti.since(ticks).abs() =>
+            {
                 registered.realtime(ticks)
             }
             _ => self.cupti.realtime(ticks),
@@ -243,6 +251,23 @@ mod tests {
         let misplaced = clock.realtime(3_000_000_000_000);
         assert!(!clock.plausible(misplaced), "{misplaced}");
         assert!(clock.plausible(clock.realtime(epoch)));
+    }
+
+    /// Should `cuptiGetTimestamp` read the registered clock too, records go
+    /// by the registered clock's measured rate, never by CUPTI's assumed one.
+    #[test]
+    fn a_cupti_timestamp_on_the_registered_clock_maps_by_its_rate() {
+        let epoch = 1_795_000_000_000_000_000u64;
+        let at = 3_000_000_000_000u64;
+        let mut clock = ClockMap::from_readings(epoch, at + 30, epoch);
+        // A clock slower than nanoseconds: 2 ns a tick.
+        clock.registered = Some(Line {
+            ticks: at,
+            realtime_ns: epoch,
+            ns_per_tick: 2.0,
+        });
+        assert_eq!(clock.realtime(at - 1_000), epoch - 2_000);
+        assert_eq!(clock.realtime(at + 30), epoch + 60);
     }
 
     #[test]
