@@ -33,41 +33,74 @@ pub fn parse(logdir: &Path) -> anyhow::Result<Location> {
     Ok(location)
 }
 
-/// The logdir whose `plugins/profile` `location` is or lies in: its path
-/// read component by component (`..` taken back, as the path resolves
-/// when no link is in it), a URL's segments after its bucket.
-fn enclosing_logdir(location: &Location) -> Option<String> {
-    fn nested_at<T: AsRef<std::ffi::OsStr>>(parts: &[T]) -> Option<usize> {
-        parts
-            .windows(2)
-            .position(|pair| pair[0].as_ref() == "plugins" && pair[1].as_ref() == "profile")
-    }
+/// The names `location` is made of: its path read component by component
+/// (`..` taken back, as the path resolves when no link is in it), or a
+/// URL's segments after its bucket.
+fn named_parts(location: &Location) -> Vec<String> {
     match location {
         Location::Local(path) => {
             use std::path::Component;
-            let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
+            let mut parts = Vec::new();
             for component in path.components() {
                 match component {
-                    Component::Normal(name) => parts.push(name),
+                    Component::Normal(name) => parts.push(name.to_string_lossy().into_owned()),
                     Component::ParentDir => {
                         parts.pop();
                     }
                     Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
                 }
             }
-            let at = nested_at(&parts)?;
-            let enclosing: PathBuf = std::iter::once(std::ffi::OsStr::new("/"))
-                .chain(parts[..at].iter().copied())
+            parts
+        }
+        Location::Object(url) => url.segments.clone(),
+    }
+}
+
+/// Where `plugins/profile` begins in `parts`, if it is in them.
+fn plugins_profile_at(parts: &[String]) -> Option<usize> {
+    parts
+        .windows(2)
+        .position(|pair| pair[0] == "plugins" && pair[1] == "profile")
+}
+
+/// The logdir whose `plugins/profile` `location` is or lies in.
+fn enclosing_logdir(location: &Location) -> Option<String> {
+    let parts = named_parts(location);
+    let at = plugins_profile_at(&parts)?;
+    match location {
+        Location::Local(_) => {
+            let enclosing: PathBuf = std::iter::once("/")
+                .chain(parts[..at].iter().map(String::as_str))
                 .collect();
             Some(enclosing.display().to_string())
         }
         Location::Object(url) => {
-            let at = nested_at(&url.segments)?;
             let mut enclosing = url.clone();
             enclosing.segments.truncate(at);
             Some(enclosing.to_string())
         }
     }
+}
+
+/// Whether `location` is a logdir's `plugins/profile` itself, where a
+/// repository of sessions that XProf and `devtrace sessions` list belongs.
+pub fn is_plugins_profile(location: &Location) -> bool {
+    let parts = named_parts(location);
+    plugins_profile_at(&parts).is_some_and(|at| at + 2 == parts.len())
+}
+
+/// The logdir of `folder` when it is a session directory holding traces
+/// (`LOGDIR/plugins/profile/SESSION`), given where a logdir was expected.
+pub fn logdir_of_session(folder: &Folder) -> Option<PathBuf> {
+    let Folder::Local(local) = folder else {
+        return None;
+    };
+    let path = local.path();
+    let profile = path.parent()?;
+    let plugins = profile.parent()?;
+    let named = profile.file_name()? == "profile" && plugins.file_name()? == "plugins";
+    (named && crate::fleet::holds_traces(folder))
+        .then(|| plugins.parent().map(Path::to_path_buf))?
 }
 
 /// A logdir's repository root: its `plugins/profile` when that exists,
@@ -295,6 +328,34 @@ impl SessionOutput {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a path or URL ending in a logdir's plugins/profile is one, read
+    /// as it resolves.
+    #[test]
+    fn a_plugins_profile_is_told_by_its_last_two_names() {
+        let is =
+            |text: &str| is_plugins_profile(&Location::parse(Path::new(text)).expect("a location"));
+        for yes in [
+            "/runs/a/plugins/profile",
+            "/runs/a/plugins/profile/",
+            "/runs/a/plugins/./profile",
+            "/runs/a/plugins/profile/s/..",
+            "s3://b/logs/plugins/profile/",
+            "plugins/profile",
+        ] {
+            assert!(is(yes), "{yes}");
+        }
+        for no in [
+            "/runs/a",
+            "/runs/a/plugins/profile/s",
+            "/runs/a/plugins/profiles",
+            "/runs/a/plugins/profile/..",
+            "s3://plugins/profile",
+            "s3://b/plugins",
+        ] {
+            assert!(!is(no), "{no}");
+        }
+    }
 
     /// A logdir's plugins/profile, or a session in it, given as --logdir
     /// names the logdir meant; other paths, and buckets that happen to be

@@ -18,6 +18,7 @@ use crate::protocol::client::{self, Target};
 use crate::protocol::unix_socket::{self, Occupant, PlacedSocket};
 use crate::recorder::StoreConfig;
 use crate::repository::roots::AllowedRoots;
+use crate::repository::Location;
 use crate::ring::DropPolicy;
 use crate::service::access::{Access, RemoteCallers};
 use crate::service::profile_analysis::{AnalysisConfig, ProfileAnalysisService};
@@ -1078,7 +1079,7 @@ async fn wait_for_work(deadline: tokio::time::Instant) {
 fn warn_of_unwritable_roots(roots: &[PathBuf]) {
     for root in roots
         .iter()
-        .filter(|root| !root.to_string_lossy().contains("://"))
+        .filter(|root| matches!(Location::parse(root), Ok(Location::Local(_))))
     {
         let (existing, writable) = crate::model::filesystem::writable_part(root);
         if !writable {
@@ -1090,11 +1091,6 @@ fn warn_of_unwritable_roots(roots: &[PathBuf]) {
             );
         }
     }
-}
-
-/// Whether `path` (a path or object URL) names a `plugins/profile`.
-fn ends_in_plugins_profile(path: &str) -> bool {
-    path.trim_end_matches('/').ends_with("/plugins/profile")
 }
 
 /// Arms the `--trigger` rules, saving into `--trigger-repository`; none
@@ -1122,7 +1118,9 @@ fn start_triggers(
     // A logdir's sessions are in its plugins/profile: saves made into the
     // logdir itself are listed by neither XProf nor `devtrace sessions` once
     // the logdir has a plugins/profile.
-    if !ends_in_plugins_profile(&repository.to_string_lossy()) {
+    if !Location::parse(repository)
+        .is_ok_and(|location| super::logdir::is_plugins_profile(&location))
+    {
         tracing::warn!(
             "--trigger-repository {shown} is not a logdir's plugins/profile: XProf and `devtrace \
              sessions` pointed at a logdir list only the sessions in its plugins/profile \

@@ -270,7 +270,7 @@ pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
     let sessions = fleet::list_sessions_within(&root, &mut super::reading_memory())?;
     if sessions.is_empty() {
         eprintln!("no sessions under {}", root.display());
-        if let Some(logdir) = logdir_of_session(&root) {
+        if let Some(logdir) = logdir::logdir_of_session(&root) {
             // XProf shows such a directory as empty too.
             eprintln!(
                 "it is a session itself: give its logdir, `devtrace sessions {}` (and point \
@@ -301,19 +301,6 @@ pub fn run_sessions(args: SessionsArgs) -> anyhow::Result<()> {
         writeln!(out).context(super::WRITING_OUTPUT)?;
     }
     Ok(())
-}
-
-/// The logdir of `folder` when it is a session directory holding traces
-/// (`LOGDIR/plugins/profile/SESSION`), given where a logdir was expected.
-fn logdir_of_session(folder: &crate::repository::Folder) -> Option<std::path::PathBuf> {
-    let crate::repository::Folder::Local(local) = folder else {
-        return None;
-    };
-    let path = local.path();
-    let profile = path.parent()?;
-    let plugins = profile.parent()?;
-    let named = profile.file_name()? == "profile" && plugins.file_name()? == "plugins";
-    (named && fleet::holds_traces(folder)).then(|| plugins.parent().map(Path::to_path_buf))?
 }
 
 pub fn run_tool(args: ToolArgs) -> anyhow::Result<()> {

@@ -10,6 +10,7 @@ use super::{Area, Finding, Status};
 use crate::backend::cuda::runtime_dir;
 use crate::model::filesystem;
 use crate::protocol::tls::{self, TlsError};
+use crate::repository::Location;
 
 /// What the setup checks need to know of the agent's flags.
 pub struct SetupPlan<'a> {
@@ -370,14 +371,15 @@ fn unix_listener(path: &Path) -> Option<(u32, String)> {
 /// (or make), or an object-storage URL (not contacted here).
 fn allow_root(root: &Path) -> Finding {
     let item = format!("allow-root {}", root.display());
-    let text = root.to_string_lossy();
-    if text.contains("://") {
-        return Finding::new(
+    match Location::parse(root) {
+        Ok(Location::Local(_)) => {}
+        Ok(Location::Object(_)) => return Finding::new(
             Area::Agent,
             item,
             Status::Ok,
             "object storage: not contacted here (credentials come from the agent's environment)",
-        );
+        ),
+        Err(e) => return Finding::new(Area::Agent, item, Status::Fail, e.to_string()),
     }
     let (existing, writable) = filesystem::writable_part(root);
     if existing != root && !existing.is_dir() {
@@ -645,6 +647,10 @@ mod tests {
             allow_root(Path::new("s3://bucket/traces")).status,
             Status::Ok
         );
+        // A scheme the agent refuses is no object storage.
+        let http = allow_root(Path::new("http://host/traces"));
+        assert_eq!(http.status, Status::Fail, "{http:?}");
+        assert!(http.detail.contains("http"), "{http:?}");
         // Writable by access(2) for root, yet mkdir fails there, and no
         // file can be made in an existing directory of it either.
         for root in ["/proc/devtrace-traces", "/sys/kernel"] {
