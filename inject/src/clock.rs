@@ -20,6 +20,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// `CUpti_TimestampCallbackFunc`.
 pub type TimestampFunc = unsafe extern "C" fn() -> u64;
@@ -118,11 +119,13 @@ impl ClockMap {
     }
 
     /// Whether a host time a record was mapped to could be one: within a
-    /// day of when the map read its clocks (a record of an unknown clock
-    /// falls decades away). Any time is, for a map that read none.
+    /// year of when the map read its clocks (a record of an unknown clock,
+    /// a counter from the boot read as nanoseconds from the epoch, falls
+    /// decades away; one of `--cuda-record always` may wait long in a
+    /// buffer). Any time is, for a map that read none.
     pub fn plausible(&self, realtime_ns: u64) -> bool {
-        const DAY_NS: u64 = 86_400_000_000_000;
-        self.cupti.realtime_ns == 0 || self.cupti.realtime_ns.abs_diff(realtime_ns) <= DAY_NS
+        const YEAR_NS: u64 = 365 * 86_400_000_000_000;
+        self.cupti.realtime_ns == 0 || self.cupti.realtime_ns.abs_diff(realtime_ns) <= YEAR_NS
     }
 
     /// A record's timestamp on the host clock, by whichever clock stamped it.
@@ -143,75 +146,132 @@ fn midpoint(a: u64, b: u64) -> u64 {
     ((u128::from(a) + u128::from(b)) / 2) as u64
 }
 
-/// The clock a user registered, with its reading and the host's when it
-/// was registered, and its rate measured then.
-struct Registered {
+/// A registered clock read beside the host's: its ticks, `CLOCK_REALTIME`
+/// and a monotonic instant at one moment.
+#[derive(Clone, Copy, Debug)]
+struct Reading {
+    ticks: u64,
+    realtime_ns: u64,
+    at: Instant,
+}
+
+/// Readings tried for one: the one least spread out (not preempted
+/// between its clock reads) is kept.
+const READ_TRIES: usize = 5;
+/// How long the first rate's measurement may take at most, preempted or
+/// with the host clock stepped.
+const FIRST_RATE_LIMIT: Duration = Duration::from_millis(5);
+
+/// Reads `read` beside the host's clocks.
+fn read_clock(read: TimestampFunc) -> Reading {
+    let (mut tightest, mut best) = read_once(read);
+    for _ in 1..READ_TRIES {
+        let (spread, reading) = read_once(read);
+        if spread < tightest {
+            (tightest, best) = (spread, reading);
+        }
+    }
+    best
+}
+
+/// One reading, and how long its clock reads took.
+fn read_once(read: TimestampFunc) -> (Duration, Reading) {
+    let before_ns = devtrace_shm::clock::now_ns();
+    let before = Instant::now();
+    // SAFETY: a function registered with CUPTI as its timestamp callback,
+    // which CUPTI calls from any thread at any time; this library calls it
+    // only while the registering library keeps it there (never unloaded, or
+    // CUPTI itself would call freed code). One that needs more than the CPU
+    // (a Python function through ctypes, which needs the interpreter) would
+    // be called here as CUPTI calls it, at a flush and at the process's
+    // exit too.
+    let ticks = unsafe { read() };
+    let after = Instant::now();
+    let after_ns = devtrace_shm::clock::now_ns();
+    let spread = after - before;
+    let reading = Reading {
+        ticks,
+        realtime_ns: midpoint(before_ns, after_ns),
+        at: before + spread / 2,
+    };
+    (spread, reading)
+}
+
+/// Host nanoseconds per tick between two readings, on the monotonic clock
+/// (a step of `CLOCK_REALTIME` between them does not count).
+fn rate(from: &Reading, to: &Reading) -> Option<f64> {
+    let ticks = to.ticks.checked_sub(from.ticks).filter(|t| *t > 0)?;
+    let ns = to.at.checked_duration_since(from.at)?.as_nanos();
+    (ns > 0).then(|| ns as f64 / ticks as f64)
+}
+
+/// A clock another user is registering, measured before CUPTI takes it:
+/// once CUPTI has it, records carry it, and a map must know it by then.
+pub struct Registration {
     read: TimestampFunc,
-    first: (u64, u64),
+    first: Reading,
     first_ns_per_tick: f64,
 }
 
-// SAFETY: a plain function pointer CUPTI itself calls from any thread.
-unsafe impl Send for Registered {}
+/// Measures `read`'s rate over a quarter of a millisecond (at most
+/// [`FIRST_RATE_LIMIT`]), on the registering thread.
+pub fn measure_registration(read: TimestampFunc) -> Registration {
+    let first = read_clock(read);
+    let mut last = first;
+    while last.at.duration_since(first.at) < Duration::from_nanos(FIRST_RATE_SPAN_NS)
+        && first.at.elapsed() < FIRST_RATE_LIMIT
+    {
+        last = read_clock(read);
+    }
+    Registration {
+        read,
+        first,
+        first_ns_per_tick: rate(&first, &last).unwrap_or(1.0),
+    }
+}
 
-static REGISTERED: Mutex<Option<Registered>> = Mutex::new(None);
+/// The registered clock, with its reading and rate as it was registered.
+static REGISTERED: Mutex<Option<Registration>> = Mutex::new(None);
 /// Counts registrations, so that maps know to read the clock again.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
-/// Reads `read` and the host clock at one instant: the host clock's
-/// midpoint around the reading.
-fn read_pair(read: TimestampFunc) -> (u64, u64) {
-    let before = devtrace_shm::clock::now_ns();
-    // SAFETY: a function registered with CUPTI as its timestamp callback,
-    // which CUPTI calls from any thread at any time; this library calls it
-    // only while the registering library keeps it there (never unloaded,
-    // or CUPTI itself would call freed code).
-    let ticks = unsafe { read() };
-    let after = devtrace_shm::clock::now_ns();
-    (ticks, midpoint(before, after))
+fn registered_slot() -> std::sync::MutexGuard<'static, Option<Registration>> {
+    REGISTERED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Another user registered `read` as the clock of CUPTI's records (called
-/// by the interposed `cuptiActivityRegisterTimestampCallback` once CUPTI
-/// took it).
-pub fn registered(read: TimestampFunc) {
-    let first = read_pair(read);
-    let mut last = first;
-    while last.1.saturating_sub(first.1) < FIRST_RATE_SPAN_NS {
-        last = read_pair(read);
+/// CUPTI took the clock `registration` measured (called by the interposed
+/// `cuptiActivityRegisterTimestampCallback`). The same function registered
+/// again (each `torch.profiler` start registers Kineto's) keeps its first
+/// reading, whose span since makes the rate the finer.
+pub fn registered(registration: Registration) {
+    let mut slot = registered_slot();
+    if slot
+        .as_ref()
+        .is_some_and(|known| known.read as usize == registration.read as usize)
+    {
+        return;
     }
-    let first_ns_per_tick = rate(first, last).unwrap_or(1.0);
-    if let Ok(mut slot) = REGISTERED.lock() {
-        *slot = Some(Registered {
-            read,
-            first,
-            first_ns_per_tick,
-        });
-        GENERATION.fetch_add(1, Ordering::AcqRel);
-    }
-}
-
-/// Host nanoseconds per tick between two (ticks, realtime) readings.
-fn rate(from: (u64, u64), to: (u64, u64)) -> Option<f64> {
-    let ticks = to.0.checked_sub(from.0).filter(|t| *t > 0)?;
-    let ns = to.1.checked_sub(from.1).filter(|n| *n > 0)?;
-    Some(ns as f64 / ticks as f64)
+    *slot = Some(registration);
+    GENERATION.fetch_add(1, Ordering::AcqRel);
 }
 
 /// The registered clock read now, its rate measured since it was
 /// registered.
 fn registered_line() -> Option<Line> {
-    let slot = REGISTERED.lock().ok()?;
+    let slot = registered_slot();
     let registered = slot.as_ref()?;
-    let now = read_pair(registered.read);
-    let ns_per_tick = if now.1.saturating_sub(registered.first.1) >= RATE_SPAN_NS {
-        rate(registered.first, now).unwrap_or(registered.first_ns_per_tick)
-    } else {
-        registered.first_ns_per_tick
-    };
+    let now = read_clock(registered.read);
+    let ns_per_tick =
+        if now.at.duration_since(registered.first.at) >= Duration::from_nanos(RATE_SPAN_NS) {
+            rate(&registered.first, &now).unwrap_or(registered.first_ns_per_tick)
+        } else {
+            registered.first_ns_per_tick
+        };
     Some(Line {
-        ticks: now.0,
-        realtime_ns: now.1,
+        ticks: now.ticks,
+        realtime_ns: now.realtime_ns,
         ns_per_tick,
     })
 }
@@ -276,25 +336,31 @@ mod tests {
             // 4 ticks a nanosecond from an origin of its own.
             4 * devtrace_shm::clock::now_ns().wrapping_sub(1_700_000_000_000_000_000) + 99
         }
-        registered(ticks);
+        registered(measure_registration(ticks));
         let mut map = ClockMap::default();
         map.follow_registered();
         let line = map.registered.expect("the registered clock is read");
         assert!(
-            (line.ns_per_tick - 0.25).abs() < 0.01,
+            (line.ns_per_tick - 0.25).abs() < 0.025,
             "{} ns a tick",
             line.ns_per_tick
         );
-        // SAFETY: the function above.
-        let (now_ticks, now_real) = read_pair(ticks);
-        let mapped = map.realtime(now_ticks);
+        let now = read_clock(ticks);
+        let mapped = map.realtime(now.ticks);
         assert!(
-            mapped.abs_diff(now_real) < 1_000_000,
-            "{mapped} against {now_real}"
+            mapped.abs_diff(now.realtime_ns) < 1_000_000,
+            "{mapped} against {}",
+            now.realtime_ns
         );
-        // A map made before the registration reads it at its next look.
+        // The same clock registered again keeps its first reading; another
+        // one is read again by maps made before it.
         let generation = GENERATION.load(Ordering::Acquire);
-        registered(ticks);
+        registered(measure_registration(ticks));
+        assert_eq!(GENERATION.load(Ordering::Acquire), generation);
+        unsafe extern "C" fn other() -> u64 {
+            devtrace_shm::clock::now_ns() / 1_000
+        }
+        registered(measure_registration(other));
         assert_eq!(GENERATION.load(Ordering::Acquire), generation + 1);
         map.follow_registered();
         assert_eq!(map.generation, generation + 1);

@@ -506,13 +506,25 @@ unsafe extern "C" fn register_timestamp_hook(
     read: Option<crate::clock::TimestampFunc>,
 ) -> CuptiResult {
     guarded(|| {
-        let Some(register) = real().and_then(|lib| lib.register_timestamp_callback) else {
+        let Some(lib) = real() else {
+            return CUPTI_ERROR_NOT_INITIALIZED;
+        };
+        let Some(register) = lib.register_timestamp_callback else {
             return CUPTI_ERROR_NOT_SUPPORTED;
         };
+        // In a forked child a lock of the library's may have been held by
+        // a parent's thread at the fork; nothing is recorded there anyway.
+        if crate::forked() {
+            // SAFETY: forwarded unchanged.
+            return unsafe { register(read) };
+        }
+        // Measured first: CUPTI stamps records with it from the moment it
+        // takes it, and the library must know it by then.
+        let registration = read.map(crate::clock::measure_registration);
         // SAFETY: forwarded unchanged.
         let result = unsafe { register(read) };
-        if let (CUPTI_SUCCESS, Some(read)) = (result, read) {
-            crate::clock::registered(read);
+        if let (CUPTI_SUCCESS, Some(registration)) = (result, registration) {
+            crate::clock::registered(registration);
         }
         result
     })

@@ -180,7 +180,12 @@ impl Converter {
             _ => {}
         }
         if let Some(event) = out.get(first) {
-            if !self.told_unknown_clock && !self.clock.plausible(event.start_ns) {
+            // A time CUPTI could not take is written as 0, no clock's.
+            let not_taken = self.clock.realtime(0);
+            if !self.told_unknown_clock
+                && event.start_ns != not_taken
+                && !self.clock.plausible(event.start_ns)
+            {
                 self.told_unknown_clock = true;
                 self.pending_meta.push(MetaRecord::Warning {
                     message: UNKNOWN_CLOCK.into(),
@@ -664,6 +669,11 @@ mod tests {
         converter.convert(stamp(9_000_001_000).as_ptr(), &mut out);
         assert_eq!(unknown_clock(converter.take_meta()), 0);
         assert_eq!(out.len(), 3);
+        // A time CUPTI could not take (0) is no clock's.
+        let mut fresh = Converter::new(5, 26, |_, cbid| Some(format!("cuLaunch{cbid}")));
+        fresh.clock = ClockMap::from_readings(epoch, epoch, epoch);
+        fresh.convert(stamp(0).as_ptr(), &mut out);
+        assert_eq!(unknown_clock(fresh.take_meta()), 0);
     }
 
     /// CUPTI's DEVICE record still describes the GPU where the driver could

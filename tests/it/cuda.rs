@@ -2340,11 +2340,19 @@ async fn seen_rival(variable: &str, binding: Binding) {
 /// dropped).
 #[tokio::test(flavor = "multi_thread")]
 async fn records_stamped_with_a_clock_another_profiler_registered_land_where_they_ran() {
+    // Kineto finalizes CUPTI as it tears a profile down; the stand-in keeps
+    // the clock across a finalize (real CUPTI's choice is not known).
+    for finalizes in [false, true] {
+        capture_beside_a_rival_with_its_own_clock(finalizes).await;
+    }
+}
+
+async fn capture_beside_a_rival_with_its_own_clock(finalizes: bool) {
     let mut setup = setup("cuda_rival_clock");
     setup.program = rival_linked_program();
     let agent = setup.agent();
     let release = release_file(&setup, "rival");
-    let args = [
+    let mut args = vec![
         "6",
         "--wait-file",
         release.to_str().unwrap(),
@@ -2358,6 +2366,9 @@ async fn records_stamped_with_a_clock_another_profiler_registered_land_where_the
         "--rival-clock",
         "--wait-recording",
     ];
+    if finalizes {
+        args.push("--rival-finalize");
+    }
     let workload = setup.workload_loading(
         "CUDA_INJECTION64_PATH",
         &args,
@@ -2379,7 +2390,12 @@ async fn records_stamped_with_a_clock_another_profiler_registered_land_where_the
     // Iterations 0, 1, 4 and 5 are ours, the last two after the clock
     // changed; each kernel starts as its launch call enters (the stand-in's
     // device is idle), give or take the clocks' readings.
-    assert_eq!(ours.len(), 8, "{:?}", space.warnings);
+    assert_eq!(
+        ours.len(),
+        8,
+        "finalizes: {finalizes}: {:?}",
+        space.warnings
+    );
     let after = ours.iter().filter(|(_, at)| *at > rival_end).count();
     assert_eq!(after, 4, "{ours:?}");
     for (kernel, at) in &ours {
@@ -2397,6 +2413,8 @@ async fn records_stamped_with_a_clock_another_profiler_registered_land_where_the
             "{kernel:?} at {at} is {nearest} ns from the nearest launch"
         );
     }
+    let unplaced = common::warnings_with(&space, "neither its own nor one registered");
+    assert!(unplaced.is_empty(), "{:?}", space.warnings);
 }
 
 /// A framework library linked against another toolkit's libcupti
