@@ -1127,18 +1127,6 @@ fn start_triggers(
              (give LOGDIR/plugins/profile)"
         );
     }
-    // Said now, not at the first firing: a read-only mount or a directory
-    // of another user's (a bucket is not contacted here).
-    if !folder.is_object() {
-        let (existing, writable) = crate::model::filesystem::writable_part(repository);
-        if !writable {
-            tracing::warn!(
-                "--trigger-repository {shown}: {} is not writable by this user: trigger saves \
-                 will fail and be kept under --unsent-dir instead",
-                existing.display()
-            );
-        }
-    }
     for (index, rule) in args.triggers.iter().enumerate() {
         if args.triggers[..index].iter().any(|r| r.name == rule.name) {
             bail!("--trigger {rule}: another rule is named {:?}", rule.name);
@@ -1169,6 +1157,11 @@ fn start_triggers(
         unsent_dir(args),
     )
     .context("starting the trigger watcher")?;
+    // Said now, not at the first firing (a read-only mount, a directory of
+    // another user's), as each firing's reply says it too.
+    if let Some(why) = triggers.unwritable_repository() {
+        tracing::warn!("--trigger-repository {shown}: {why}");
+    }
     for rule in &args.triggers {
         info!(rule = %rule, repository = %shown, "trigger armed");
     }

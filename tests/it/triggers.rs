@@ -939,8 +939,8 @@ async fn a_save_that_cannot_be_written_is_kept_and_its_repository_named_at_start
     let said = std::fs::read_to_string(&log).unwrap();
     assert!(
         said.contains(&format!(
-            "{} is not writable by this user: trigger saves will fail and be kept under \
-             --unsent-dir instead",
+            "{} is not writable by the agent's user: the save will fail, and its trace be kept \
+             under",
             root.display()
         )),
         "{said}"
