@@ -17,6 +17,11 @@
 //! its timestamp: the two count from origins far apart (the epoch, the
 //! boot), so which clock stamped a record is plain, whether CUPTI's
 //! finalize keeps the registered clock or not.
+//!
+//! A clock registered before the library could see it (`torch.profiler`
+//! run before `devtrace attach`) is recognised from the records when it is
+//! the CPU's time-stamp counter, Kineto's ([`adopt_time_stamp_counter`]);
+//! another is only said.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -128,6 +133,12 @@ impl ClockMap {
         self.cupti.realtime_ns == 0 || self.cupti.realtime_ns.abs_diff(realtime_ns) <= YEAR_NS
     }
 
+    /// The reading of CUPTI's own clock a host time maps back from.
+    pub fn cupti_ticks_at(&self, realtime_ns: u64) -> u64 {
+        let since = i128::from(realtime_ns) - i128::from(self.cupti.realtime_ns);
+        (i128::from(self.cupti.ticks) + since).clamp(0, i128::from(u64::MAX)) as u64
+    }
+
     /// A record's timestamp on the host clock, by whichever clock stamped it.
     pub fn realtime(&self, ticks: u64) -> u64 {
         match self.registered {
@@ -232,6 +243,9 @@ pub fn measure_registration(read: TimestampFunc) -> Registration {
 
 /// The registered clock, with its reading and rate as it was registered.
 static REGISTERED: Mutex<Option<Registration>> = Mutex::new(None);
+/// Held by the tests that register clocks, one at a time.
+#[cfg(test)]
+pub static REGISTRATION_TESTS: Mutex<()> = Mutex::new(());
 /// Counts registrations, so that maps know to read the clock again.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
@@ -255,6 +269,37 @@ pub fn registered(registration: Registration) {
     }
     *slot = Some(registration);
     GENERATION.fetch_add(1, Ordering::AcqRel);
+}
+
+/// The CPU's time-stamp counter, the clock PyTorch's Kineto registers.
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn time_stamp_counter() -> u64 {
+    // SAFETY: every x86-64 CPU has RDTSC.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+/// How far from the counter's reading now a record's ticks may lie to be
+/// taken for the counter's.
+#[cfg(target_arch = "x86_64")]
+const COUNTER_AGE_NS: f64 = 86_400e9;
+
+/// Whether `ticks`, a record's timestamp no known clock places, reads as
+/// the CPU's time-stamp counter (within a day of it now): then the counter
+/// is taken for the registered clock, as if its registration had been seen,
+/// and true is returned.
+pub fn adopt_time_stamp_counter(ticks: u64) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let registration = measure_registration(time_stamp_counter);
+        let age_ns =
+            registration.first.ticks.abs_diff(ticks) as f64 * registration.first_ns_per_tick;
+        if age_ns < COUNTER_AGE_NS {
+            registered(registration);
+            return true;
+        }
+    }
+    let _ = ticks;
+    false
 }
 
 /// The registered clock read now, its rate measured since it was
@@ -332,6 +377,7 @@ mod tests {
 
     #[test]
     fn a_clock_registered_through_the_library_is_read_with_its_rate() {
+        let _registering = REGISTRATION_TESTS.lock();
         unsafe extern "C" fn ticks() -> u64 {
             // 4 ticks a nanosecond from an origin of its own.
             4 * devtrace_shm::clock::now_ns().wrapping_sub(1_700_000_000_000_000_000) + 99

@@ -24,10 +24,16 @@ use crate::timed_calls::TimedCall;
 /// Said once per process when records carry a clock neither CUPTI's nor
 /// one registered through the library ([`crate::clock`]).
 const UNKNOWN_CLOCK: &str = "CUPTI stamps this process's records with a clock that is neither its \
-own nor one registered through the library (a profiler registered its own clock for CUPTI's \
-records before the library was loaded, as torch.profiler does: the time-stamp counter); they \
-cannot be placed on the host clock, and the agent drops them as events outside what its \
-recorder holds";
+own nor one registered through the library (a profiler registered a clock of its own for CUPTI's \
+records before the library was loaded, and not the CPU's time-stamp counter, which the library \
+would recognise); they cannot be placed on the host clock, and the agent drops them as events \
+outside what its recorder holds";
+
+/// Said once per process when its records turn out to carry the CPU's
+/// time-stamp counter, registered unseen ([`crate::clock`]).
+const COUNTER_ADOPTED: &str = "CUPTI stamps this process's records with the CPU's time-stamp \
+counter, registered for them before the library could see it (as torch.profiler does, run before \
+the library was loaded): the library maps them by that counter";
 
 /// What occupancy needs to know about a GPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -88,6 +94,8 @@ pub struct Converter {
     latest_kernel_ns: u64,
     /// Whether a record on a clock the map does not know was told of.
     told_unknown_clock: bool,
+    /// Whether the CPU's time-stamp counter was tried for such a record.
+    tried_counter: bool,
 }
 
 impl Converter {
@@ -111,6 +119,7 @@ impl Converter {
             api_records: 0,
             latest_kernel_ns: 0,
             told_unknown_clock: false,
+            tried_counter: false,
         }
     }
 
@@ -162,10 +171,41 @@ impl Converter {
     /// buffer) and appends what it becomes to `out`. Unknown kinds are
     /// skipped.
     pub fn convert(&mut self, record: *const u8, out: &mut Vec<Event>) {
+        let first = out.len();
+        self.convert_record(record, out);
+        let Some(event) = out.get(first) else {
+            return;
+        };
+        // A time CUPTI could not take is written as 0, no clock's.
+        let not_taken = self.clock.realtime(0);
+        if event.start_ns == not_taken || self.clock.plausible(event.start_ns) {
+            return;
+        }
+        if !self.tried_counter {
+            self.tried_counter = true;
+            let ticks = self.clock.cupti_ticks_at(event.start_ns);
+            if crate::clock::adopt_time_stamp_counter(ticks) {
+                self.clock.follow_registered();
+                self.pending_meta.push(MetaRecord::Warning {
+                    message: COUNTER_ADOPTED.into(),
+                });
+                out.truncate(first);
+                self.convert_record(record, out);
+                return;
+            }
+        }
+        if !self.told_unknown_clock {
+            self.told_unknown_clock = true;
+            self.pending_meta.push(MetaRecord::Warning {
+                message: UNKNOWN_CLOCK.into(),
+            });
+        }
+    }
+
+    fn convert_record(&mut self, record: *const u8, out: &mut Vec<Event>) {
         // SAFETY: the caller passes a complete record of a buffer CUPTI of
         // this version completed.
         let r = unsafe { RecordRef::new(record, self.version) };
-        let first = out.len();
         match r.kind() {
             kind::KERNEL | kind::CONCURRENT_KERNEL => self.kernel(r, out),
             kind::MEMCPY => self.memcpy(r, out),
@@ -178,19 +218,6 @@ impl Converter {
             kind::SYNCHRONIZATION => self.synchronization(r, out),
             kind::MARKER => self.marker(r, out),
             _ => {}
-        }
-        if let Some(event) = out.get(first) {
-            // A time CUPTI could not take is written as 0, no clock's.
-            let not_taken = self.clock.realtime(0);
-            if !self.told_unknown_clock
-                && event.start_ns != not_taken
-                && !self.clock.plausible(event.start_ns)
-            {
-                self.told_unknown_clock = true;
-                self.pending_meta.push(MetaRecord::Warning {
-                    message: UNKNOWN_CLOCK.into(),
-                });
-            }
         }
     }
 
@@ -663,10 +690,12 @@ mod tests {
         };
         converter.convert(stamp(epoch - 5_000).as_ptr(), &mut out);
         assert_eq!(unknown_clock(converter.take_meta()), 0);
-        // Three seconds of a 3 GHz counter since the boot.
-        converter.convert(stamp(9_000_000_000).as_ptr(), &mut out);
+        // A clock of its own, counting from an origin of its own (nowhere
+        // near the CPU's time-stamp counter either).
+        let _registering = crate::clock::REGISTRATION_TESTS.lock();
+        converter.convert(stamp(9_000_000_000_000_000_000).as_ptr(), &mut out);
         assert_eq!(unknown_clock(converter.take_meta()), 1);
-        converter.convert(stamp(9_000_001_000).as_ptr(), &mut out);
+        converter.convert(stamp(9_000_000_000_000_001_000).as_ptr(), &mut out);
         assert_eq!(unknown_clock(converter.take_meta()), 0);
         assert_eq!(out.len(), 3);
         // A time CUPTI could not take (0) is no clock's.
@@ -674,6 +703,40 @@ mod tests {
         fresh.clock = ClockMap::from_readings(epoch, epoch, epoch);
         fresh.convert(stamp(0).as_ptr(), &mut out);
         assert_eq!(unknown_clock(fresh.take_meta()), 0);
+    }
+
+    /// Records of the CPU's time-stamp counter, registered unseen, are
+    /// recognised and placed on the host clock.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn records_of_the_time_stamp_counter_registered_unseen_are_placed() {
+        use crate::cupti::layout::api;
+        let _registering = crate::clock::REGISTRATION_TESTS.lock();
+        let mut record = [0u8; 40];
+        record[0..4].copy_from_slice(&kind::DRIVER.to_ne_bytes());
+        record[api::CBID.offset..api::CBID.offset + 4].copy_from_slice(&307u32.to_ne_bytes());
+        // SAFETY: RDTSC exists on every x86-64 CPU.
+        let ticks = unsafe { core::arch::x86_64::_rdtsc() };
+        record[api::START.offset..api::START.offset + 8].copy_from_slice(&ticks.to_ne_bytes());
+        record[api::END.offset..api::END.offset + 8].copy_from_slice(&ticks.to_ne_bytes());
+        let now = devtrace_shm::clock::now_ns();
+        let mut converter = Converter::new(5, 26, |_, cbid| Some(format!("cuLaunch{cbid}")));
+        converter.clock = ClockMap::from_readings(now, now, now);
+        let mut out = Vec::new();
+        converter.convert(record.as_ptr(), &mut out);
+        let meta = converter.take_meta();
+        assert!(
+            meta.iter().any(
+                |m| matches!(m, MetaRecord::Warning { message } if message == COUNTER_ADOPTED)
+            ),
+            "{meta:?}"
+        );
+        assert_eq!(out.len(), 1);
+        assert!(
+            out[0].start_ns.abs_diff(now) < 50_000_000,
+            "{} against {now}",
+            out[0].start_ns
+        );
     }
 
     /// CUPTI's DEVICE record still describes the GPU where the driver could

@@ -2348,7 +2348,37 @@ async fn records_stamped_with_a_clock_another_profiler_registered_land_where_the
 }
 
 async fn capture_beside_a_rival_with_its_own_clock(finalizes: bool) {
-    let mut setup = setup("cuda_rival_clock");
+    let mut rival = vec!["--rival-iterations", "2", "--rival-linked", "--rival-clock"];
+    if finalizes {
+        rival.push("--rival-finalize");
+    }
+    let (space, lines) = capture_a_rival_from_iteration_2("cuda_rival_clock", &rival).await;
+    let (rival_kernels, rival_start, rival_end) = rival_report(&lines);
+    assert_eq!(rival_kernels, 4, "the other profiler keeps working");
+    let ours = program_kernels(&space);
+    // Iterations 0, 1, 4 and 5 are ours, the last two after the clock
+    // changed.
+    assert_eq!(
+        ours.len(),
+        8,
+        "finalizes: {finalizes}: {:?}",
+        space.warnings
+    );
+    let after = ours.iter().filter(|(_, at)| *at > rival_end).count();
+    assert_eq!(after, 4, "{ours:?}");
+    assert!(ours
+        .iter()
+        .all(|(_, at)| *at < rival_start || *at > rival_end));
+    assert_kernels_where_launched(&ours, &lines);
+    let unplaced = common::warnings_with(&space, "neither its own nor one registered");
+    assert!(unplaced.is_empty(), "{:?}", space.warnings);
+}
+
+/// Captures 2.5 s of the workload linked against libcupti running 6
+/// iterations 150 ms apart, with a rival profiler from iteration 2 as
+/// `rival` says; the trace and the workload's output.
+async fn capture_a_rival_from_iteration_2(name: &str, rival: &[&str]) -> (XSpace, Vec<String>) {
+    let mut setup = setup(name);
     setup.program = rival_linked_program();
     let agent = setup.agent();
     let release = release_file(&setup, "rival");
@@ -2360,15 +2390,9 @@ async fn capture_beside_a_rival_with_its_own_clock(finalizes: bool) {
         "150",
         "--rival-at",
         "2",
-        "--rival-iterations",
-        "2",
-        "--rival-linked",
-        "--rival-clock",
         "--wait-recording",
     ];
-    if finalizes {
-        args.push("--rival-finalize");
-    }
+    args.extend_from_slice(rival);
     let workload = setup.workload_loading(
         "CUDA_INJECTION64_PATH",
         &args,
@@ -2378,31 +2402,20 @@ async fn capture_beside_a_rival_with_its_own_clock(finalizes: bool) {
     wait_for_attached(&agent, 1).await;
     let space = capture_while(&agent, 2500, &release).await;
     let lines = workload.read_until("done");
-    let (rival_kernels, rival_start, rival_end) = rival_report(&lines);
-    assert_eq!(rival_kernels, 4, "the other profiler keeps working");
+    (space, lines)
+}
+
+/// Each kernel starts as its launch call enters (the stand-in's device is
+/// idle), give or take the clocks' readings: within 2 ms of a
+/// `cuLaunchKernel` the workload printed.
+fn assert_kernels_where_launched(kernels: &[(Seen, u64)], lines: &[String]) {
     let launches: Vec<u64> = lines
         .iter()
         .filter_map(|l| parse_call(l))
         .filter(|c| c.name == "cuLaunchKernel")
         .map(|c| c.realtime.0)
         .collect();
-    let ours = program_kernels(&space);
-    // Iterations 0, 1, 4 and 5 are ours, the last two after the clock
-    // changed; each kernel starts as its launch call enters (the stand-in's
-    // device is idle), give or take the clocks' readings.
-    assert_eq!(
-        ours.len(),
-        8,
-        "finalizes: {finalizes}: {:?}",
-        space.warnings
-    );
-    let after = ours.iter().filter(|(_, at)| *at > rival_end).count();
-    assert_eq!(after, 4, "{ours:?}");
-    for (kernel, at) in &ours {
-        assert!(
-            *at < rival_start || *at > rival_end,
-            "{kernel:?} at {at} inside the profiler's part"
-        );
+    for (kernel, at) in kernels {
         let nearest = launches
             .iter()
             .map(|launch| launch.abs_diff(*at))
@@ -2413,8 +2426,24 @@ async fn capture_beside_a_rival_with_its_own_clock(finalizes: bool) {
             "{kernel:?} at {at} is {nearest} ns from the nearest launch"
         );
     }
-    let unplaced = common::warnings_with(&space, "neither its own nor one registered");
-    assert!(unplaced.is_empty(), "{:?}", space.warnings);
+}
+
+/// A profiler that registered the CPU's time-stamp counter for CUPTI's
+/// records where the library could not see it (it looked CUPTI up before
+/// the library loaded, as `torch.profiler` run before `devtrace attach`
+/// would have) leaves records the library recognises by their values: they
+/// land where they ran, and the trace says which clock they carried.
+#[cfg(target_arch = "x86_64")]
+#[tokio::test(flavor = "multi_thread")]
+async fn records_of_the_time_stamp_counter_registered_unseen_land_where_they_ran() {
+    let rival = ["--rival-clock-only", "--rival-direct", "--rival-early"];
+    let (space, lines) = capture_a_rival_from_iteration_2("cuda_rival_unseen_clock", &rival).await;
+    let ours = program_kernels(&space);
+    // All six iterations are ours: the profiler only registered its clock.
+    assert_eq!(ours.len(), 12, "{:?}", space.warnings);
+    assert_kernels_where_launched(&ours, &lines);
+    let said = common::warnings_with(&space, "the CPU's time-stamp counter");
+    assert_eq!(said.len(), 1, "{:?}", space.warnings);
 }
 
 /// A framework library linked against another toolkit's libcupti

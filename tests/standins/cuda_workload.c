@@ -37,8 +37,11 @@
  *                          (a tool that times API calls itself): no activity callbacks,
  *                          kinds or flush; it reports kernels=0
  *   --rival-clock          the rival first registers a clock of its own for CUPTI's records
- *                          (cuptiActivityRegisterTimestampCallback, as Kineto registers the
- *                          TSC): CLOCK_MONOTONIC_RAW at 3 ticks a nanosecond
+ *                          (cuptiActivityRegisterTimestampCallback), as Kineto does: the
+ *                          CPU's time-stamp counter on x86-64, else CLOCK_MONOTONIC_RAW at
+ *                          3 ticks a nanosecond
+ *   --rival-clock-only     the rival registers its clock and does nothing else (no
+ *                          callbacks, kinds or flush; it reports kernels=0)
  *   --rival-finalize       the rival ends its part with cuptiFinalize (as Kineto does when
  *                          it tears CUPTI down after a profile)
  *   --rival-frees-all      the rival frees every buffer its bufferCompleted gets, its own
@@ -129,6 +132,9 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
 
 /* ---- the cuda.h 12.x declarations used here ------------------------------ */
 
@@ -241,7 +247,7 @@ static const char real_ptx[] =
 static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
     int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all,
-        rival_finalize, rival_callbacks_only, rival_subscribe_v2, rival_stays, rival_clock;
+        rival_finalize, rival_callbacks_only, rival_subscribe_v2, rival_stays, rival_clock, rival_clock_only;
     int rival_early, wait_recording;
     int quiet, rate_ms, exit_after_ms;
     const char *wait_file, *init_wait_file;
@@ -619,10 +625,14 @@ static void rival_resolve(void) {
     }
 }
 
-/* The rival's clock (--rival-clock): a TSC-like count that is neither
- * CUPTI's clock nor nanoseconds. */
+/* The rival's clock (--rival-clock): neither CUPTI's clock nor
+ * nanoseconds. */
 static uint64_t rival_clock(void) {
+#if defined(__x86_64__)
+    return __rdtsc();
+#else
     return 3 * now(CLOCK_MONOTONIC_RAW) + 12345;
+#endif
 }
 
 static void rival_begin(void) {
@@ -667,6 +677,10 @@ static void rival_begin(void) {
             return;
         }
     }
+    if (options.rival_clock_only) {
+        rival_active = 1;
+        return;
+    }
     rc = rival.register_callbacks(rival_requested, rival_completed);
     if (rc) {
         rival_failed("cuptiActivityRegisterCallbacks", rc);
@@ -682,9 +696,10 @@ static void rival_end(void) {
     rival_active = 0;
     static const int kinds[] = {RIVAL_KIND_CONCURRENT_KERNEL, RIVAL_KIND_DRIVER, RIVAL_KIND_RUNTIME};
     int rc;
-    for (size_t i = 0; !options.rival_callbacks_only && i < sizeof kinds / sizeof kinds[0]; i++)
+    int recorded = !options.rival_callbacks_only && !options.rival_clock_only;
+    for (size_t i = 0; recorded && i < sizeof kinds / sizeof kinds[0]; i++)
         if ((rc = rival.disable(kinds[i])) != 0) rival_failed("cuptiActivityDisable", rc);
-    if (!options.rival_callbacks_only && (rc = rival.flush_all(1)) != 0) rival_failed("cuptiActivityFlushAll", rc);
+    if (recorded && (rc = rival.flush_all(1)) != 0) rival_failed("cuptiActivityFlushAll", rc);
     if (rival_subscriber) {
         if ((rc = rival.unsubscribe(rival_subscriber)) != 0) rival_failed("cuptiUnsubscribe", rc);
         rival_subscriber = NULL;
@@ -817,6 +832,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--rival-subscribe") == 0) options.rival_subscribe = 1;
         else if (strcmp(a, "--rival-stays") == 0) options.rival_stays = 1;
         else if (strcmp(a, "--rival-clock") == 0) options.rival_clock = 1;
+        else if (strcmp(a, "--rival-clock-only") == 0) options.rival_clock = options.rival_clock_only = 1;
         else if (strcmp(a, "--rival-subscribe-v2") == 0) options.rival_subscribe = options.rival_subscribe_v2 = 1;
         else if (strcmp(a, "--rival-callbacks-only") == 0) options.rival_subscribe = options.rival_callbacks_only = 1;
         else if (strcmp(a, "--rival-frees-all") == 0) options.rival_frees_all = 1;
