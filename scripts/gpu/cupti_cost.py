@@ -17,14 +17,15 @@ flushed, subscriber gone, cuptiFinalize), --seconds of plain steps. A
 configuration's cost is judged against the mean rate of the plain phases
 either side of it, as microseconds per kernel, (1/on - 1/plain) /
 kernels_per_step; what it left behind as the plain phase after it against
-the one before. The GPT-2 loop's kernels per step are counted by the first
-configuration that records kernels (null until then).
+the one before. The GPT-2 loop's kernels per step are the most any
+configuration that records kernels recorded a step (null when none did).
 
 The result JSON: {"mode", "cupti_version", "kernels_per_step", "plain":
 [steps/s of each plain phase], "configs": [{"name", "kinds", "subscriber",
 "on" (steps/s), "plain" (the mean either side), "ratio", "us_per_kernel",
 "ms_per_step", "after_ratio", "kernels_recorded", "kernels_launched",
-"callbacks_per_kernel", "records": {kind: count}, "error"}]}; {"error":
+"steps", "callbacks", "callbacks_per_kernel", "records": {kind: count},
+"error"}]}; {"error":
 ...} with exit status 1 when the loop or the probe could not run at all,
 {"skip": ...} with exit status 3 for gpt2 mode without transformers.
 """
@@ -168,24 +169,29 @@ def run(args):
         after, callbacks_after = probe.counts()
         plain.append(rate(args.seconds)[0])
         mean = (plain[-2] + plain[-1]) / 2
-        recorded = after["kernel"] - before["kernel"]
-        if kernels_per_step is None and steps and recorded and "error" not in entry and CONCURRENT_KERNEL in kinds:
-            kernels_per_step = recorded / steps
-        launched = steps * kernels_per_step if kernels_per_step else None
         entry.update({
             "on": on,
             "plain": mean,
             "ratio": on / mean if on else None,
-            "us_per_kernel": (1 / on - 1 / mean) / kernels_per_step * 1e6 if on and kernels_per_step else None,
             "ms_per_step": (1 / on - 1 / mean) * 1e3 if on else None,
             "after_ratio": plain[-1] / plain[-2],
-            "kernels_launched": round(launched) if launched is not None else None,
-            "kernels_recorded": recorded,
-            "callbacks_per_kernel": (callbacks_after - callbacks_before) / launched if launched else None,
+            "kernels_recorded": after["kernel"] - before["kernel"],
             "records": {k: after[k] - before[k] for k in after if after[k] != before[k]},
+            "steps": steps,
+            "callbacks": callbacks_after - callbacks_before,
         })
         configs.append(entry)
         print(json.dumps(entry), flush=True)
+    if kernels_per_step is None:
+        # The most any configuration recorded a step: one that lost records
+        # must not set what the others are judged against.
+        kernels_per_step = max((c["kernels_recorded"] / c["steps"] for c in configs
+                                if c["steps"] and "error" not in c and "kernel" in c["kinds"]), default=None) or None
+    for c in configs:
+        launched = c["steps"] * kernels_per_step if kernels_per_step else None
+        c["kernels_launched"] = round(launched) if launched is not None else None
+        c["us_per_kernel"] = c["ms_per_step"] * 1e3 / kernels_per_step if c["on"] and kernels_per_step else None
+        c["callbacks_per_kernel"] = c["callbacks"] / launched if launched else None
     return {
         "mode": args.mode,
         "cupti_version": probe.version,

@@ -133,14 +133,14 @@ def run(args):
         one_step(noted=False)
     while time.monotonic() < warmup_end:
         one_step(noted=False)
-    profile = None
+    profile = profiler = None
     signal = lambda name: os.path.join(args.signals, name)  # noqa: E731
     touch(signal("ready"), json.dumps({"pid": os.getpid(), "kernels_per_step": work.kernels_per_step}))
     give_up = time.monotonic() + args.max_seconds
     held = False
     while not os.path.exists(signal("stop")) and time.monotonic() < give_up:
         if profile is None and os.path.exists(signal("profile")):
-            profile = profiled_steps(torch, one_step, args)
+            profile, profiler = profiled_steps(torch, one_step, args)
             touch(signal("profiled"))
             continue
         if not held and os.path.exists(signal("hold")):
@@ -148,6 +148,8 @@ def run(args):
             exact_steps(one_step, args, signal)
             continue
         one_step()
+    if profiler is not None:
+        profile.update(profiled_kernels(torch, profiler))
     return {
         "mode": args.mode,
         "pid": os.getpid(),
@@ -181,7 +183,9 @@ def exact_steps(one_step, args, signal):
 
 def profiled_steps(torch, one_step, args):
     """Steps under torch.profiler (--profile-steps of them, else
-    --profile-seconds of them); what it saw of them."""
+    --profile-seconds of them): their span, and the profiler, to be read
+    once the run is over (reading it takes seconds for GPT-2, which would
+    leave no steps after the profiler in the capture around it)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -191,13 +195,18 @@ def profiled_steps(torch, one_step, args):
             one_step()
             steps += 1
         end = time.time()
+    return {"start": start, "end": end, "steps": steps}, prof
+
+
+def profiled_kernels(torch, prof):
+    """What torch.profiler saw on the GPU: {"kernels", "names": {name: count}}."""
     names = {}
     for e in prof.events():
         # torch.profiler also puts its own annotations of the step (such as
         # "Optimizer.step#AdamW.step") on the GPU's timeline: not GPU work.
         if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             names[e.name] = names.get(e.name, 0) + 1
-    return {"start": start, "end": end, "steps": steps, "kernels": sum(names.values()), "names": names}
+    return {"kernels": sum(names.values()), "names": names}
 
 
 def main():
