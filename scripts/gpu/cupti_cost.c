@@ -47,6 +47,8 @@ static struct {
     __typeof__(&cuptiSubscribe) subscribe;
     __typeof__(&cuptiUnsubscribe) unsubscribe;
     __typeof__(&cuptiEnableDomain) enable_domain;
+    /* Optional: only the launches-alone subscriber needs it. */
+    __typeof__(&cuptiEnableCallback) enable_callback;
     __typeof__(&cuptiFinalize) finalize;
     __typeof__(&cuptiGetResultString) result_string;
     __typeof__(&cuptiGetVersion) version;
@@ -133,6 +135,7 @@ int cost_open(const char *path, uint32_t *version) {
     RESOLVE(subscribe, cuptiSubscribe);
     RESOLVE(unsubscribe, cuptiUnsubscribe);
     RESOLVE(enable_domain, cuptiEnableDomain);
+    *(void **)&cupti.enable_callback = dlsym(library, "cuptiEnableCallback");
     RESOLVE(finalize, cuptiFinalize);
     RESOLVE(result_string, cuptiGetResultString);
     RESOLVE(version, cuptiGetVersion);
@@ -143,10 +146,27 @@ int cost_open(const char *path, uint32_t *version) {
     return 0;
 }
 
+/* What a phase's subscriber is called at (cost_start's `subscribe`). */
+enum { SUBSCRIBE_NONE = 0, SUBSCRIBE_DOMAINS = 1, SUBSCRIBE_LAUNCHES = 2 };
+
+/* The kernel launches, which a subscriber called at these alone sees: what
+ * a subscriber costs the calls it is not called at, beside one called at
+ * every call of both domains. */
+static const struct {
+    CUpti_CallbackDomain domain;
+    CUpti_CallbackId id;
+} launches[] = {
+    {CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel},
+    {CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx},
+    {CUPTI_CB_DOMAIN_RUNTIME_API, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000},
+    {CUPTI_CB_DOMAIN_RUNTIME_API, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_v11060},
+};
+
 /*
- * Starts a phase: with `subscribe`, a subscriber to the driver and runtime
- * API domains first; then `kinds` in order (give kernels last, as devtrace
- * does).
+ * Starts a phase: with `subscribe`, a subscriber first, called at every
+ * call of the driver and runtime API domains (SUBSCRIBE_DOMAINS) or at the
+ * kernel launches alone (SUBSCRIBE_LAUNCHES); then `kinds` in order (give
+ * kernels last, as devtrace does).
  */
 int cost_start(const int *kinds, int count, int subscribe) {
     if (!opened)
@@ -156,18 +176,29 @@ int cost_start(const int *kinds, int count, int subscribe) {
     CUptiResult result = cupti.register_callbacks(buffer_requested, buffer_completed);
     if (result != CUPTI_SUCCESS)
         return failed("cuptiActivityRegisterCallbacks", result);
-    if (subscribe) {
+    if (subscribe != SUBSCRIBE_NONE && subscribe != SUBSCRIBE_DOMAINS && subscribe != SUBSCRIBE_LAUNCHES)
+        return fail("subscribe %d: 0, 1 or 2", subscribe);
+    if (subscribe == SUBSCRIBE_LAUNCHES && !cupti.enable_callback)
+        return fail("this libcupti has no cuptiEnableCallback");
+    if (subscribe != SUBSCRIBE_NONE) {
         result = cupti.subscribe(&subscriber, (CUpti_CallbackFunc)on_call, NULL);
         if (result != CUPTI_SUCCESS) {
             subscriber = NULL;
             return failed("cuptiSubscribe", result);
         }
+    }
+    if (subscribe == SUBSCRIBE_DOMAINS) {
         CUpti_CallbackDomain domains[] = {CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_CB_DOMAIN_RUNTIME_API};
         for (size_t i = 0; i < sizeof domains / sizeof domains[0]; i++) {
             result = cupti.enable_domain(1, subscriber, domains[i]);
             if (result != CUPTI_SUCCESS)
                 return failed("cuptiEnableDomain", result);
         }
+    }
+    for (size_t i = 0; subscribe == SUBSCRIBE_LAUNCHES && i < sizeof launches / sizeof launches[0]; i++) {
+        result = cupti.enable_callback(1, subscriber, launches[i].domain, launches[i].id);
+        if (result != CUPTI_SUCCESS)
+            return failed("cuptiEnableCallback", result);
     }
     enabled_count = 0;
     for (int i = 0; i < count; i++) {

@@ -60,20 +60,29 @@ def before_kernels(kinds, *more):
     return kinds[:-1] + list(more) + kinds[-1:]
 
 
-# name -> (kinds, whether a subscriber to the driver and runtime domains).
+# The probe's subscribers (cupti_cost.c): none, one called at every call of
+# the driver and runtime domains (devtrace's), one called at the kernel
+# launches alone.
+NONE, DOMAINS, LAUNCHES = 0, 1, 2
+SUBSCRIBERS = {NONE: None, DOMAINS: "driver and runtime domains", LAUNCHES: "kernel launches alone"}
+
+# name -> (kinds, subscriber).
 CONFIGS = {
-    "kernels": ([CONCURRENT_KERNEL], False),
-    "subscriber": ([], True),
-    "kernels+subscriber": ([CONCURRENT_KERNEL], True),
-    "always": (ALWAYS, False),
-    "always+synchronization": (before_kernels(ALWAYS, SYNCHRONIZATION), False),
-    "always+memory2": (before_kernels(ALWAYS, MEMORY2), False),
-    "always+marker": (before_kernels(ALWAYS, MARKER), False),
-    "always+overhead": (before_kernels(ALWAYS, OVERHEAD), False),
-    "capture": (CAPTURE, False),
-    "capture+subscriber": (CAPTURE, True),
-    "capture+runtime": (before_kernels(CAPTURE, RUNTIME), False),
-    "capture+runtime+driver": (before_kernels(CAPTURE, RUNTIME, DRIVER), False),
+    "kernels": ([CONCURRENT_KERNEL], NONE),
+    "subscriber": ([], DOMAINS),
+    "kernels+subscriber": ([CONCURRENT_KERNEL], DOMAINS),
+    "launch-subscriber": ([], LAUNCHES),
+    "kernels+launch-subscriber": ([CONCURRENT_KERNEL], LAUNCHES),
+    "always": (ALWAYS, NONE),
+    "always+synchronization": (before_kernels(ALWAYS, SYNCHRONIZATION), NONE),
+    "always+memory2": (before_kernels(ALWAYS, MEMORY2), NONE),
+    "always+marker": (before_kernels(ALWAYS, MARKER), NONE),
+    "always+overhead": (before_kernels(ALWAYS, OVERHEAD), NONE),
+    "capture": (CAPTURE, NONE),
+    "capture+subscriber": (CAPTURE, DOMAINS),
+    "capture+launch-subscriber": (CAPTURE, LAUNCHES),
+    "capture+runtime": (before_kernels(CAPTURE, RUNTIME), NONE),
+    "capture+runtime+driver": (before_kernels(CAPTURE, RUNTIME, DRIVER), NONE),
 }
 # The GPT-2 loop's steps are 20-40 times longer: the configurations that
 # split a capture's kinds, without CUPTI's API records (which only the
@@ -154,7 +163,7 @@ def run(args):
     configs = []
     for name in configs_of(args):
         kinds, subscriber = CONFIGS[name]
-        entry = {"name": name, "kinds": [KIND_NAMES[k] for k in kinds], "subscriber": subscriber}
+        entry = {"name": name, "kinds": [KIND_NAMES[k] for k in kinds], "subscriber": SUBSCRIBERS[subscriber]}
         before, callbacks_before = probe.counts()
         try:
             probe.start(kinds, subscriber)
