@@ -400,12 +400,6 @@ impl Tracer {
         *gate = Attachment::Attached;
         cupti::use_system_thread_ids()?;
         cupti::register_callbacks(buffer_requested, buffer_completed)?;
-        if self.displaced {
-            session.write_meta(&MetaRecord::Resumed {
-                at_ns: devtrace_shm::clock::now_ns(),
-            });
-            self.displaced = false;
-        }
         set_clock(session)?;
         // The teardown after the capture needs a subscriber CUPTI calls
         // (see `detach::subscribe_for_capture`): made before the kinds when
@@ -447,8 +441,17 @@ impl Tracer {
         cupti::enable(*kernels)?;
         self.background = !capture;
         drop(gate);
+        let recording_ns = devtrace_shm::clock::now_ns();
+        // The stream is ours again once kernels are recorded: a CUPTI
+        // attached afresh (another user finalized it) takes its first
+        // enable's time (0.1-0.3 s on an H100), lost with the other user's.
+        if std::mem::take(&mut self.displaced) {
+            session.write_meta(&MetaRecord::Resumed {
+                at_ns: recording_ns,
+            });
+        }
         session.write_meta(&MetaRecord::Recording {
-            at_ns: devtrace_shm::clock::now_ns(),
+            at_ns: recording_ns,
         });
         self.stream = Stream::Ours;
         self.last_flush = Some(Instant::now());

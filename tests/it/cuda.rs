@@ -2378,14 +2378,8 @@ async fn capture_beside_a_rival_with_its_own_clock(finalizes: bool) {
 /// iterations 150 ms apart, with a rival profiler from iteration 2 as
 /// `rival` says; the trace and the workload's output.
 async fn capture_a_rival_from_iteration_2(name: &str, rival: &[&str]) -> (XSpace, Vec<String>) {
-    let mut setup = setup(name);
-    setup.program = rival_linked_program();
-    let agent = setup.agent();
-    let release = release_file(&setup, "rival");
     let mut args = vec![
         "6",
-        "--wait-file",
-        release.to_str().unwrap(),
         "--sleep-ms",
         "150",
         "--rival-at",
@@ -2393,9 +2387,22 @@ async fn capture_a_rival_from_iteration_2(name: &str, rival: &[&str]) -> (XSpace
         "--wait-recording",
     ];
     args.extend_from_slice(rival);
+    capture_a_rival(name, &args).await
+}
+
+/// Captures 2.5 s of the workload linked against libcupti, run with `args`
+/// (ITERATIONS first) and released 300 ms into the capture; the trace and
+/// the workload's output.
+async fn capture_a_rival(name: &str, args: &[&str]) -> (XSpace, Vec<String>) {
+    let mut setup = setup(name);
+    setup.program = rival_linked_program();
+    let agent = setup.agent();
+    let release = release_file(&setup, "rival");
+    let mut all = args.to_vec();
+    all.splice(1..1, ["--wait-file", release.to_str().unwrap()]);
     let workload = setup.workload_loading(
         "CUDA_INJECTION64_PATH",
-        &args,
+        &all,
         &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
     );
     workload.read_until("waiting");
@@ -2444,6 +2451,54 @@ async fn records_of_the_time_stamp_counter_registered_unseen_land_where_they_ran
     assert_kernels_where_launched(&ours, &lines);
     let said = common::warnings_with(&space, "the CPU's time-stamp counter");
     assert_eq!(said.len(), 1, "{:?}", space.warnings);
+}
+
+/// A profiler that finalizes CUPTI when done (as Kineto tears CUPTI down)
+/// leaves the library a CUPTI to attach afresh, whose first enable takes
+/// time (100 ms on the stand-in): the span the trace says the other user
+/// had ends when recording resumed, so every launch of ours whose kernel
+/// is missing lies in a span the trace names.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_profiler_finalizing_cupti_loses_only_spans_the_trace_names() {
+    // 30 ms apart, so that launches fall in the first enable after the
+    // finalize; no waiting for recording to resume.
+    let args = [
+        "10",
+        "--sleep-ms",
+        "30",
+        "--rival-at",
+        "3",
+        "--rival-iterations",
+        "2",
+        "--rival-linked",
+        "--rival-finalize",
+    ];
+    let (space, lines) = capture_a_rival("cuda_rival_finalize_span", &args).await;
+    let (start, _) = common::window_of(&space);
+    let spans: Vec<(f64, f64)> = space
+        .warnings
+        .iter()
+        .filter(|w| w.contains(" s of this window"))
+        .filter_map(|w| span_of(w))
+        .collect();
+    let kernels: Vec<u64> = program_kernels(&space).iter().map(|(_, at)| *at).collect();
+    let (_, rival_start, rival_end) = rival_report(&lines);
+    let unnamed: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .filter(|c| c.name == "cuLaunchKernel")
+        .map(|c| c.realtime.0)
+        .filter(|at| !(rival_start..=rival_end).contains(at))
+        .filter(|at| !kernels.iter().any(|k| k.abs_diff(*at) < 2_000_000))
+        .map(|at| (at as f64 - start as f64) / 1e9)
+        .filter(|s| !spans.iter().any(|(from, to)| (*from..=*to).contains(s)))
+        .collect();
+    assert!(
+        unnamed.is_empty(),
+        "launches at {unnamed:?} s lack their kernels outside every span the trace names \
+         ({spans:?}): {:?}",
+        space.warnings
+    );
 }
 
 /// A framework library linked against another toolkit's libcupti
@@ -2817,7 +2872,11 @@ async fn a_fifo_or_symlink_as_metadata_neither_stalls_nor_redirects_the_agent() 
 /// The seconds of a window a warning containing `marker` names, as
 /// "from A s to B s".
 fn span_in_warning(space: &XSpace, marker: &str) -> Option<(f64, f64)> {
-    let warning = space.warnings.iter().find(|w| w.contains(marker))?;
+    span_of(space.warnings.iter().find(|w| w.contains(marker))?)
+}
+
+/// The seconds of a window a warning names as "from A s to B s".
+fn span_of(warning: &str) -> Option<(f64, f64)> {
     let numbers: Vec<f64> = warning
         .split(" from ")
         .nth(1)?
