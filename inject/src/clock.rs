@@ -114,10 +114,11 @@ impl ClockMap {
 
     /// Reads the registered clock again if one was registered since this
     /// map last read it (no CUPTI call: the converter's thread may not
-    /// make one).
+    /// make one). Generation 0 is none registered yet: no lock is taken
+    /// then, once per buffer converted.
     pub fn follow_registered(&mut self) {
         let generation = GENERATION.load(Ordering::Acquire);
-        if generation != self.generation || self.registered.is_none() {
+        if generation != self.generation {
             self.registered = registered_line();
             self.generation = generation;
         }

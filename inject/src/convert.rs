@@ -176,9 +176,9 @@ impl Converter {
         let Some(event) = out.get(first) else {
             return;
         };
-        // A time CUPTI could not take is written as 0, no clock's.
-        let not_taken = self.clock.realtime(0);
-        if event.start_ns == not_taken || self.clock.plausible(event.start_ns) {
+        // A time CUPTI could not take is written as 0, no clock's (mapped
+        // only for a time already found implausible: this runs per record).
+        if self.clock.plausible(event.start_ns) || event.start_ns == self.clock.realtime(0) {
             return;
         }
         if !self.tried_counter {
