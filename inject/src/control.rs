@@ -711,6 +711,10 @@ impl Tracer {
         flush(session, false)?;
         drop(gate);
         timed_calls::deliver(session, true);
+        // Kernels go on being recorded, and a flush that is not forced
+        // leaves a thread's partly filled buffer with CUPTI: work that has
+        // not come back yet is no evidence here.
+        tell_unanswered(session, None);
         Ok(())
     }
 
@@ -719,6 +723,11 @@ impl Tracer {
         // have none. Those timed so far belong to this capture.
         self.end_timing(session, at_ns);
         timed_calls::deliver(session, true);
+        // Their work still running goes to the other user, in the span
+        // the trace names.
+        if let Ok(mut converter) = session.converter.lock() {
+            converter.unanswered.forget();
+        }
         self.stream = Stream::Taken { seen };
         self.displaced = true;
         session.write_meta(&MetaRecord::Displaced { at_ns, seen });
@@ -735,6 +744,7 @@ impl Tracer {
                 // Another user finalized CUPTI: nothing of ours is on.
                 self.end_timing(session, devtrace_shm::clock::now_ns());
                 timed_calls::deliver(session, true);
+                tell_unanswered(session, None);
                 return Ok(());
             }
             // The teardown's kind counts as on whatever fails after it
@@ -745,6 +755,7 @@ impl Tracer {
         }
         let waited = Instant::now();
         wait_for_buffers(RETURN_WAIT);
+        tell_unanswered(session, Some(devtrace_shm::clock::now_ns()));
         if crate::debug_enabled() {
             say!(
                 "devtrace-inject: capture stopped; {} of the library's buffers still with CUPTI \
@@ -958,6 +969,28 @@ fn set_clock(session: &Session) -> Result<(), String> {
         converter.clock = clock;
     }
     Ok(())
+}
+
+/// Tells the agent of the capture's launches whose GPU work never came
+/// back ([`crate::unanswered`]) when it ended at `ended_ns` with every
+/// record in (`None`: the evidence is not complete, the capture's launches
+/// are only forgotten).
+fn tell_unanswered(session: &Session, ended_ns: Option<u64>) {
+    let Ok(mut converter) = session.converter.lock() else {
+        return;
+    };
+    let lost = converter
+        .unanswered
+        .take_lost(ended_ns.unwrap_or(0))
+        .filter(|_| ended_ns.is_some());
+    drop(converter);
+    if let (Some(lost), Some(to_ns)) = (lost, ended_ns) {
+        session.write_meta(&MetaRecord::Unanswered {
+            from_ns: lost.from_ns,
+            to_ns,
+            launches: lost.launches,
+        });
+    }
 }
 
 /// Waits (up to `limit`) until every buffer of ours is back and converted.

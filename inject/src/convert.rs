@@ -17,9 +17,10 @@ use devtrace_shm::event::{
 use devtrace_shm::workload::{MetaRecord, LINE_MEMORY, LINE_OVERHEAD, LINE_SYNCHRONIZATION};
 
 use crate::clock::ClockMap;
-use crate::cupti::kind;
 use crate::cupti::layout::{self, RecordRef};
+use crate::cupti::{api_calls, kind};
 use crate::timed_calls::TimedCall;
+use crate::unanswered::Unanswered;
 
 /// Said once per process when records carry a clock neither CUPTI's nor
 /// one registered through the library ([`crate::clock`]).
@@ -96,6 +97,8 @@ pub struct Converter {
     told_unknown_clock: bool,
     /// Whether the CPU's time-stamp counter was tried for such a record.
     tried_counter: bool,
+    /// The capture's launches whose GPU work has not come back.
+    pub unanswered: Unanswered,
 }
 
 impl Converter {
@@ -120,6 +123,7 @@ impl Converter {
             latest_kernel_ns: 0,
             told_unknown_clock: false,
             tried_counter: false,
+            unanswered: Unanswered::default(),
         }
     }
 
@@ -251,6 +255,8 @@ impl Converter {
         });
         let (start, duration) = self.span(r.read(k::START), r.read(k::END));
         self.latest_kernel_ns = self.latest_kernel_ns.max(start);
+        let correlation_id = r.read::<u32>(k::CORRELATION_ID);
+        self.unanswered.answered(correlation_id);
         out.push(Event::new(
             start,
             duration,
@@ -258,7 +264,7 @@ impl Converter {
             u64::from(r.read::<u32>(k::STREAM_ID)),
             name,
             Payload::Kernel(KernelInfo {
-                correlation_id: u64::from(r.read::<u32>(k::CORRELATION_ID)),
+                correlation_id: u64::from(correlation_id),
                 registers_per_thread: registers,
                 static_shared_bytes: static_shared,
                 dynamic_shared_bytes: dynamic_shared,
@@ -283,6 +289,8 @@ impl Converter {
             _ => (CopyKind::Other, "MemcpyOther"),
         };
         let name = self.name(label);
+        let correlation_id = r.read::<u32>(m::CORRELATION_ID);
+        self.unanswered.answered(correlation_id);
         let (start, duration) = self.span(r.read(m::START), r.read(m::END));
         out.push(Event::new(
             start,
@@ -291,7 +299,7 @@ impl Converter {
             u64::from(r.read::<u32>(m::STREAM_ID)),
             name,
             Payload::Memcpy(CopyInfo {
-                correlation_id: u64::from(r.read::<u32>(m::CORRELATION_ID)),
+                correlation_id: u64::from(correlation_id),
                 bytes: r.read(m::BYTES),
                 kind,
                 is_async: r.read::<u8>(m::FLAGS) & 1 != 0,
@@ -303,6 +311,8 @@ impl Converter {
     fn memset(&mut self, r: RecordRef, out: &mut Vec<Event>) {
         use layout::memset as m;
         let name = self.name("Memset");
+        let correlation_id = r.read::<u32>(m::CORRELATION_ID);
+        self.unanswered.answered(correlation_id);
         let (start, duration) = self.span(r.read(m::START), r.read(m::END));
         out.push(Event::new(
             start,
@@ -311,7 +321,7 @@ impl Converter {
             u64::from(r.read::<u32>(m::STREAM_ID)),
             name,
             Payload::Memset(MemsetInfo {
-                correlation_id: u64::from(r.read::<u32>(m::CORRELATION_ID)),
+                correlation_id: u64::from(correlation_id),
                 bytes: r.read(m::BYTES),
                 is_async: r.read::<u16>(m::FLAGS) & 1 != 0,
                 tf_op: NameId(0),
@@ -372,6 +382,9 @@ impl Converter {
 
     /// A timeline call the library timed itself (on the host clock).
     pub fn timed_call(&mut self, call: &TimedCall, out: &mut Vec<Event>) {
+        if api_calls::launches_gpu_work(call.runtime, call.cbid) {
+            self.unanswered.launched(call.correlation_id, call.start_ns);
+        }
         let name = self.api_name(call.runtime, call.cbid);
         out.push(api_event(
             call.start_ns,

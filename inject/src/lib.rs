@@ -48,6 +48,7 @@ mod runtime;
 mod session;
 mod sys;
 mod timed_calls;
+mod unanswered;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};

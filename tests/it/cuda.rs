@@ -2257,6 +2257,12 @@ fn assert_no_other_cupti_user(space: &XSpace) {
     assert!(blamed.is_empty(), "{:?}", space.warnings);
 }
 
+/// No launch of the capture is said to have lost its kernels.
+fn assert_no_launch_unanswered(space: &XSpace) {
+    let told = common::warnings_with(space, "no record of the kernels");
+    assert!(told.is_empty(), "{:?}", space.warnings);
+}
+
 /// The lost span a warning reports, in seconds from the window's start.
 fn lost_span(space: &XSpace) -> (f64, f64) {
     span_in_warning(space, "another CUPTI user")
@@ -2372,6 +2378,8 @@ async fn capture_beside_a_rival_with_its_own_clock(finalizes: bool) {
     assert_kernels_where_launched(&ours, &lines);
     let unplaced = common::warnings_with(&space, "neither its own nor one registered");
     assert!(unplaced.is_empty(), "{:?}", space.warnings);
+    // The kernels the profiler had are in its span, not told again.
+    assert_no_launch_unanswered(&space);
 }
 
 /// Captures 2.5 s of the workload linked against libcupti running 6
@@ -2448,6 +2456,7 @@ async fn records_of_the_time_stamp_counter_registered_unseen_land_where_they_ran
     let ours = program_kernels(&space);
     // All six iterations are ours: the profiler only registered its clock.
     assert_eq!(ours.len(), 12, "{:?}", space.warnings);
+    assert_no_launch_unanswered(&space);
     assert_kernels_where_launched(&ours, &lines);
     let said = common::warnings_with(&space, "the CPU's time-stamp counter");
     assert_eq!(said.len(), 1, "{:?}", space.warnings);
@@ -2474,24 +2483,28 @@ async fn a_profiler_finalizing_cupti_loses_only_spans_the_trace_names() {
         "--rival-finalize",
     ];
     let (space, lines) = capture_a_rival("cuda_rival_finalize_span", &args).await;
-    let (start, _) = common::window_of(&space);
-    let spans: Vec<(f64, f64)> = space
-        .warnings
-        .iter()
-        .filter(|w| w.contains(" s of this window"))
-        .filter_map(|w| span_of(w))
-        .collect();
-    let kernels: Vec<u64> = program_kernels(&space).iter().map(|(_, at)| *at).collect();
-    let (_, rival_start, rival_end) = rival_report(&lines);
-    let unnamed: Vec<f64> = lines
-        .iter()
-        .filter_map(|l| parse_call(l))
-        .filter(|c| c.name == "cuLaunchKernel")
-        .map(|c| c.realtime.0)
+    assert_every_missing_kernel_in_a_named_span(&space, &lines);
+}
+
+/// Every launch of the workload inside the window whose kernel is missing
+/// (the other profiler's own aside) lies in a span the trace names.
+fn assert_every_missing_kernel_in_a_named_span(space: &XSpace, lines: &[String]) {
+    let (start, stop) = common::window_of(space);
+    let spans = named_spans(space);
+    let kernels: Vec<u64> = program_kernels(space).iter().map(|(_, at)| *at).collect();
+    let (_, rival_start, rival_end) = rival_report(lines);
+    // A millisecond for the spans' rounding.
+    let named = |s: f64| {
+        spans
+            .iter()
+            .any(|(from, to)| (from - 1e-3..=to + 1e-3).contains(&s))
+    };
+    let unnamed: Vec<f64> = launches_in(lines, start, stop)
+        .into_iter()
         .filter(|at| !(rival_start..=rival_end).contains(at))
         .filter(|at| !kernels.iter().any(|k| k.abs_diff(*at) < 2_000_000))
         .map(|at| (at as f64 - start as f64) / 1e9)
-        .filter(|s| !spans.iter().any(|(from, to)| (*from..=*to).contains(s)))
+        .filter(|s| !named(*s))
         .collect();
     assert!(
         unnamed.is_empty(),
@@ -2499,6 +2512,90 @@ async fn a_profiler_finalizing_cupti_loses_only_spans_the_trace_names() {
          ({spans:?}): {:?}",
         space.warnings
     );
+}
+
+/// The spans of a window the trace's warnings name, in seconds into it.
+fn named_spans(space: &XSpace) -> Vec<(f64, f64)> {
+    space
+        .warnings
+        .iter()
+        .filter(|w| w.contains(" s of this window"))
+        .filter_map(|w| span_of(w))
+        .collect()
+}
+
+/// When the workload's launch calls from `from_ns` to `to_ns` began, as it
+/// printed them.
+fn launches_in(lines: &[String], from_ns: u64, to_ns: u64) -> Vec<u64> {
+    lines
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .filter(|c| {
+            ["cuLaunchKernel", "cuLaunchKernelEx", "cuGraphLaunch"].contains(&c.name.as_str())
+        })
+        .map(|c| c.realtime.0)
+        .filter(|at| (from_ns..=to_ns).contains(at))
+        .collect()
+}
+
+/// A profiler that reached CUPTI without passing through the library (it
+/// looked CUPTI's functions up before the library loaded) and takes the
+/// activity stream mid-capture gets the library's buffers, and its disable
+/// at its end switches the library's kinds off for the rest of the
+/// capture: the library cannot see it, but its launch calls, still timed,
+/// are evidence that their kernels never came back, and the trace names
+/// the span from the first of them on.
+#[tokio::test(flavor = "multi_thread")]
+async fn kernels_lost_to_a_profiler_the_library_cannot_see_are_named_from_their_first_launch() {
+    let args = [
+        "60",
+        "--sleep-ms",
+        "50",
+        "--rival-at",
+        "20",
+        "--rival-iterations",
+        "2",
+        "--rival-direct",
+        "--rival-early",
+    ];
+    let (space, lines) = capture_a_rival("cuda_rival_unseen_span", &args).await;
+    let told = common::warnings_with(&space, "no record of the kernels of its last");
+    assert_eq!(told.len(), 1, "{:?}", space.warnings);
+    let (from, _) = span_of(told[0]).expect("a span");
+    let (start, stop) = common::window_of(&space);
+    // Named from the first launch whose kernel is missing on.
+    let kernels: Vec<u64> = program_kernels(&space).iter().map(|(_, at)| *at).collect();
+    let first_missing = launches_in(&lines, start, stop)
+        .into_iter()
+        .find(|at| !kernels.iter().any(|k| k.abs_diff(*at) < 2_000_000))
+        .expect("kernels are missing");
+    let first_missing = (first_missing - start) as f64 / 1e9;
+    assert!(
+        (from - first_missing).abs() < 0.002,
+        "{from} against {first_missing}: {told:?}"
+    );
+    // Every launch from there on counted, and at most those of the
+    // capture's last moments after the window (the library stops 20 ms to
+    // 300 ms after it).
+    let launched_from =
+        |to_ns: u64| launches_in(&lines, start + (from * 1e9) as u64, to_ns).len() as u64;
+    let counted = launches_counted(told[0]);
+    assert!(
+        (launched_from(stop)..=launched_from(stop + 300_000_000)).contains(&counted),
+        "{counted} launches counted, {} made in the span: {told:?}",
+        launched_from(stop)
+    );
+    assert_every_missing_kernel_in_a_named_span(&space, &lines);
+}
+
+/// The launches a warning of unanswered launch calls counts.
+fn launches_counted(warning: &str) -> u64 {
+    warning
+        .split("no record of the kernels of its last ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("a count of launch calls")
 }
 
 /// A framework library linked against another toolkit's libcupti

@@ -200,6 +200,14 @@ pub enum MetaRecord {
         to_ns: u64,
         cause: UntimedCause,
     },
+    /// The GPU work of `launches` launch calls made from `from_ns` on never
+    /// came back from CUPTI, nor that of any later launch, up to the end
+    /// of the capture at `to_ns`.
+    Unanswered {
+        from_ns: u64,
+        to_ns: u64,
+        launches: u64,
+    },
 }
 
 /// Why the timeline's calls went unrecorded for a while.
@@ -385,6 +393,11 @@ impl MetaRecord {
                 to_ns,
                 cause,
             } => format!("untimed {from_ns} {to_ns} {}\n", cause.word()),
+            MetaRecord::Unanswered {
+                from_ns,
+                to_ns,
+                launches,
+            } => format!("unanswered {from_ns} {to_ns} {launches}\n"),
         }
     }
 
@@ -461,6 +474,11 @@ impl MetaRecord {
                 from_ns: fields.next()?.parse().ok()?,
                 to_ns: fields.next()?.parse().ok()?,
                 cause: UntimedCause::from_word(fields.next()?)?,
+            },
+            "unanswered" => MetaRecord::Unanswered {
+                from_ns: fields.next()?.parse().ok()?,
+                to_ns: fields.next()?.parse().ok()?,
+                launches: fields.next()?.parse().ok()?,
             },
             _ => return None,
         };
@@ -730,6 +748,11 @@ pub fn sample_records() -> Vec<MetaRecord> {
             from_ns: 16,
             to_ns: 17,
             cause: UntimedCause::Unselected,
+        },
+        MetaRecord::Unanswered {
+            from_ns: 18,
+            to_ns: 19,
+            launches: 20,
         },
         MetaRecord::Cupti {
             version: 130001,

@@ -12,6 +12,8 @@
 //! kinds, as does any capture where the libcupti lacks the per-call entry
 //! points.
 
+use std::sync::OnceLock;
+
 use devtrace_shm::workload::ApiRecordSet;
 
 use super::library::{CuptiResult, EnableApi, CUPTI_SUCCESS};
@@ -298,6 +300,31 @@ pub const RUNTIME: &[(&str, u32)] = &[
     ("cudaMemcpy3DWithAttributesAsync_ptsz_v13020", 557),
 ];
 
+/// Whether a call (a runtime one when `runtime`) launches work that CUPTI
+/// records with the call's correlation id: a kernel or a graph (whose
+/// kernels, copies and memsets carry the launch's id), not a host function.
+pub fn launches_gpu_work(runtime: bool, cbid: u32) -> bool {
+    static LAUNCHES: OnceLock<[Vec<u32>; 2]> = OnceLock::new();
+    let launches = LAUNCHES.get_or_init(|| {
+        let of = |table: &[(&str, u32)], families: [&str; 2]| {
+            let mut ids: Vec<u32> = table
+                .iter()
+                .filter(|(name, _)| {
+                    families.iter().any(|f| name.starts_with(f)) && !name.contains("HostFunc")
+                })
+                .map(|(_, cbid)| *cbid)
+                .collect();
+            ids.sort_unstable();
+            ids
+        };
+        [
+            of(DRIVER, ["cuLaunch", "cuGraphLaunch"]),
+            of(RUNTIME, ["cudaLaunch", "cudaGraphLaunch"]),
+        ]
+    });
+    launches[usize::from(runtime)].binary_search(&cbid).is_ok()
+}
+
 /// Switches the API records from `current` (`None`: none enabled) to every
 /// call (`all`) or the timeline's; to every call too once CUPTI was seen
 /// ignoring the selection of the timeline's (`selection_ignored`, said by
@@ -401,4 +428,22 @@ fn set_calls(entry: EnableApi, ids: impl Iterator<Item = u32>, on: bool) -> Resu
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_and_graph_launches_launch_gpu_work_host_functions_do_not() {
+        assert!(launches_gpu_work(false, 307)); // cuLaunchKernel
+        assert!(launches_gpu_work(false, 514)); // cuGraphLaunch
+        assert!(launches_gpu_work(true, 211)); // cudaLaunchKernel
+        assert!(launches_gpu_work(true, 311)); // cudaGraphLaunch
+        assert!(!launches_gpu_work(false, 527)); // cuLaunchHostFunc
+        assert!(!launches_gpu_work(true, 284)); // cudaLaunchHostFunc
+        assert!(!launches_gpu_work(false, 306)); // cuMemcpyAsync
+                                                 // The same id in the other API is another call.
+        assert!(!launches_gpu_work(true, 307));
+    }
 }

@@ -411,6 +411,16 @@ impl Attachments {
                     status.lost_from(pid, process.label(), from_ns, lost);
                     status.lost_until(pid, to_ns, |open| open == lost);
                 }
+                MetaRecord::Unanswered {
+                    from_ns,
+                    to_ns,
+                    launches,
+                } => {
+                    let mut status = self.status.lock();
+                    let lost = LossCause::Unanswered { launches };
+                    status.lost_from(pid, process.label(), from_ns, lost);
+                    status.lost_until(pid, to_ns, |open| open == lost);
+                }
                 MetaRecord::Resumed { at_ns } => {
                     let other_user = |cause| matches!(cause, LossCause::OtherUser { .. });
                     self.status.lock().lost_until(pid, at_ns, other_user);

@@ -38,6 +38,10 @@ pub(super) enum LossCause {
     /// that timed them stopped, for that reason (its GPU activity is there,
     /// without the calls that launched it).
     ApiCalls(UntimedCause),
+    /// The GPU work of this many of the process's launch calls never came
+    /// back from CUPTI, nor that of any later launch, up to the capture's
+    /// end.
+    Unanswered { launches: u64 },
 }
 
 /// A span of one process's GPU activity that is missing from the trace.
@@ -100,6 +104,13 @@ impl LostSpan {
             LossCause::NeverStarted => format!(
                 "the injection library in {} was asked to record and CUPTI had not started \
                  recording when the capture ended, {span}",
+                self.label,
+            ),
+            LossCause::Unanswered { launches } => format!(
+                "CUPTI handed the injection library in {} no record of the kernels of its last \
+                 {launches} launch calls, {span} (another CUPTI user that the library could not \
+                 see took the activity stream or switched its kinds off, or the GPU was still \
+                 busy with earlier work when the capture ended)",
                 self.label,
             ),
             LossCause::ApiCalls(cause) => format!(
@@ -452,6 +463,21 @@ mod tests {
                     .all(|t| t.contains("CUPTI started recording 1000 ms later")),
             "{told:?}"
         );
+    }
+
+    #[test]
+    fn unanswered_launches_are_told_with_their_count_and_span() {
+        let told = span(102, Some(105), LossCause::Unanswered { launches: 250 })
+            .describe(WINDOW)
+            .expect("overlaps");
+        assert!(
+            told.contains(
+                "no record of the kernels of its last 250 launch calls, from 2.000 s to 5.000 s"
+            ),
+            "{told}"
+        );
+        // Not blamed on a profiler that may not exist.
+        assert!(!told.contains("another CUPTI user in"), "{told}");
     }
 
     #[test]

@@ -1,0 +1,232 @@
+//! Launches whose GPU work never came back from CUPTI in a capture.
+//!
+//! The library times the launch calls itself ([`crate::timed_calls`]), on
+//! the job's threads, whoever has CUPTI's activity stream; their kernels
+//! reach it only in CUPTI's records, through the buffer callbacks that are
+//! registered when CUPTI hands a buffer back, and only while the kinds are
+//! on. A CUPTI user that this library cannot see (one that looked CUPTI's
+//! functions up before the library loaded) takes both away unseen: its
+//! registration sends the library's buffers to it, and its disable at its
+//! end switches the library's kinds off for the rest of the capture. The
+//! launch calls are the evidence: a capture whose timed launches have no
+//! record of their work, while no record of any later launch came back
+//! either, lost that work, and its trace says from which launch on.
+//!
+//! CUPTI numbers every API call in the process in order (one correlation
+//! id, which the launch's kernels, copies and memsets carry), so a launch
+//! counts as unanswered only when its id is newer than every record's that
+//! came back: work that a later launch's record overtook (another stream,
+//! a kernel still running) is never counted. The last second of a capture
+//! is left out: its kernels may not have finished when CUPTI was switched
+//! off, as any capture's last kernels may not.
+
+use std::collections::VecDeque;
+
+/// Launches remembered at most (16 bytes each): beyond that a capture only
+/// counts them. A capture keeps the launches whose work has not come back
+/// yet, about one 100 ms flush's worth while records flow.
+pub const MAX_KEPT: usize = 1 << 16;
+
+/// Unanswered launches made within this long of a capture's end are not
+/// told: their kernels may still have been queued or running.
+pub const SETTLE_NS: u64 = 1_000_000_000;
+
+/// Whether correlation id `a` is newer than `b` (ids wrap at 2^32).
+fn newer(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+
+/// The launches of one capture whose GPU work has not come back.
+#[derive(Debug, Default)]
+pub struct Unanswered {
+    /// Launches whose id was newer than every record's when they were
+    /// taken, roughly oldest first: (correlation id, start on the host
+    /// clock).
+    pending: VecDeque<(u32, u64)>,
+    /// Launches past [`MAX_KEPT`], only counted.
+    overflow: Option<Overflow>,
+    /// The newest correlation id a record of GPU work carried.
+    newest_answered: Option<u32>,
+}
+
+/// Launches counted without being kept.
+#[derive(Debug)]
+struct Overflow {
+    launches: u64,
+    first_id: u32,
+    first_ns: u64,
+}
+
+/// What a capture lost: the GPU work of `launches` launch calls made from
+/// `from_ns` on (host clock).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lost {
+    pub from_ns: u64,
+    pub launches: u64,
+}
+
+impl Unanswered {
+    /// A launch call the library timed, made at `at_ns`.
+    pub fn launched(&mut self, correlation_id: u32, at_ns: u64) {
+        if self.is_answered(correlation_id) {
+            return;
+        }
+        self.prune();
+        if self.pending.len() < MAX_KEPT {
+            self.pending.push_back((correlation_id, at_ns));
+            return;
+        }
+        let overflow = self.overflow.get_or_insert(Overflow {
+            launches: 0,
+            first_id: correlation_id,
+            first_ns: at_ns,
+        });
+        overflow.launches += 1;
+        overflow.first_ns = overflow.first_ns.min(at_ns);
+    }
+
+    /// A record of GPU work (a kernel, copy or memset) with this id came
+    /// back.
+    pub fn answered(&mut self, correlation_id: u32) {
+        if !self.is_answered(correlation_id) {
+            self.newest_answered = Some(correlation_id);
+        }
+    }
+
+    /// The launches so far belong to another CUPTI user's span, which the
+    /// trace names: they are not this capture's to tell.
+    pub fn forget(&mut self) {
+        self.pending.clear();
+        self.overflow = None;
+    }
+
+    /// The capture ended at `ended_ns`, every record it will get in:
+    /// what it lost, if anything, and a fresh start for the next capture.
+    pub fn take_lost(&mut self, ended_ns: u64) -> Option<Lost> {
+        let newest = self.newest_answered;
+        let is_lost = |id: u32| newest.is_none_or(|newest| newer(id, newest));
+        let mut lost: Option<Lost> = None;
+        let mut count = |from_ns: u64, launches: u64| {
+            let entry = lost.get_or_insert(Lost {
+                from_ns,
+                launches: 0,
+            });
+            entry.from_ns = entry.from_ns.min(from_ns);
+            entry.launches += launches;
+        };
+        for (id, at_ns) in self.pending.drain(..) {
+            if is_lost(id) {
+                count(at_ns, 1);
+            }
+        }
+        // Launches only counted are told only when no record came back
+        // after the first of them.
+        if let Some(overflow) = self.overflow.take() {
+            if is_lost(overflow.first_id) {
+                count(overflow.first_ns, overflow.launches);
+            }
+        }
+        self.newest_answered = None;
+        lost.filter(|lost| lost.from_ns.saturating_add(SETTLE_NS) <= ended_ns)
+    }
+
+    fn is_answered(&self, correlation_id: u32) -> bool {
+        self.newest_answered
+            .is_some_and(|newest| !newer(correlation_id, newest))
+    }
+
+    /// Drops the oldest launches that a record has overtaken.
+    fn prune(&mut self) {
+        while let Some((id, _)) = self.pending.front() {
+            if !self.is_answered(*id) {
+                break;
+            }
+            self.pending.pop_front();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn launches_after_the_last_record_that_came_back_are_lost() {
+        let mut launches = Unanswered::default();
+        for (i, id) in (10..20).enumerate() {
+            launches.launched(id, 100 * S + i as u64 * S / 10);
+        }
+        launches.answered(13);
+        assert_eq!(
+            launches.take_lost(110 * S),
+            Some(Lost {
+                from_ns: 100 * S + 4 * S / 10,
+                launches: 6
+            })
+        );
+        // The next capture starts afresh.
+        assert_eq!(launches.take_lost(120 * S), None);
+    }
+
+    #[test]
+    fn work_overtaken_by_a_later_record_is_not_counted() {
+        let mut launches = Unanswered::default();
+        launches.launched(5, S);
+        launches.launched(6, S);
+        // Another stream's kernel came back, the first one's not yet.
+        launches.answered(6);
+        assert_eq!(launches.take_lost(10 * S), None);
+    }
+
+    #[test]
+    fn a_capture_s_last_second_is_left_out() {
+        let mut launches = Unanswered::default();
+        launches.launched(1, 10 * S);
+        launches.answered(1);
+        launches.launched(2, 10 * S + S / 2);
+        assert_eq!(launches.take_lost(11 * S), None);
+        launches.launched(3, 10 * S);
+        assert!(launches.take_lost(11 * S).is_some());
+    }
+
+    #[test]
+    fn launches_given_to_another_user_s_span_are_forgotten() {
+        let mut launches = Unanswered::default();
+        launches.launched(1, S);
+        launches.forget();
+        assert_eq!(launches.take_lost(10 * S), None);
+    }
+
+    #[test]
+    fn ids_compare_across_their_wrap() {
+        let mut launches = Unanswered::default();
+        launches.answered(u32::MAX - 1);
+        launches.launched(u32::MAX - 2, S);
+        launches.launched(3, S);
+        let lost = launches
+            .take_lost(10 * S)
+            .expect("the launch after the wrap");
+        assert_eq!(lost.launches, 1);
+    }
+
+    #[test]
+    fn memory_is_bounded_and_launches_past_it_still_counted() {
+        let mut launches = Unanswered::default();
+        for id in 1..=(MAX_KEPT as u32 + 10) {
+            launches.launched(id, S + u64::from(id));
+        }
+        assert_eq!(launches.pending.len(), MAX_KEPT);
+        let lost = launches.take_lost(10 * S).expect("lost");
+        assert_eq!(lost.launches, MAX_KEPT as u64 + 10);
+        assert_eq!(lost.from_ns, S + 1);
+        // Records that came back after the first uncounted launch leave
+        // the uncounted ones out.
+        for id in 1..=(MAX_KEPT as u32 + 10) {
+            launches.launched(id, S);
+        }
+        launches.answered(MAX_KEPT as u32 + 1);
+        assert_eq!(launches.take_lost(10 * S), None);
+    }
+}
