@@ -423,12 +423,18 @@ impl Attachments {
                 }
                 MetaRecord::Resumed { at_ns } => {
                     let other_user = |cause| matches!(cause, LossCause::OtherUser { .. });
-                    self.status.lock().lost_until(pid, at_ns, other_user);
                     let text = format!(
                         "the injection library in {} has the CUPTI activity stream again",
                         process.label()
                     );
-                    self.status.lock().notice(process.owner, text);
+                    let mut status = self.status.lock();
+                    // The span it closed says when, in the trace; a word
+                    // without one (its span forgotten) is told as it is.
+                    if status.lost_until(pid, at_ns, other_user) {
+                        tracing::info!("{text}");
+                    } else {
+                        status.notice(process.owner, text);
+                    }
                 }
             }
         }

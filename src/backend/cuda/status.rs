@@ -70,6 +70,11 @@ impl LostSpan {
         }
         let from = self.from_ns.max(window.start_ns);
         let to = to_ns.min(window.stop_ns);
+        // A start within the millisecond the warning would print is no
+        // loss worth a line ("0 ms later").
+        if self.cause == LossCause::Starting && to_ns - self.from_ns < SUB_MILLISECOND_NS {
+            return None;
+        }
         let seconds = |ns: u64| (ns - window.start_ns) as f64 / 1e9;
         let span = format!(
             "from {:.3} s to {:.3} s of this window: that process's GPU activity in those \
@@ -144,6 +149,9 @@ impl LostSpan {
 }
 
 pub(super) const MAX_LOST_SPANS: usize = 256;
+
+/// A CUPTI start quicker than this is not told.
+const SUB_MILLISECOND_NS: u64 = 1_000_000;
 
 /// A workload process and when it was attached.
 #[derive(Clone, Debug)]
@@ -257,13 +265,22 @@ impl Status {
         });
     }
 
-    /// Closes the open spans of `pid` for causes `which` picks.
-    pub(super) fn lost_until(&mut self, pid: u32, to_ns: u64, which: impl Fn(LossCause) -> bool) {
+    /// Closes the open spans of `pid` for causes `which` picks; answers
+    /// whether there were any.
+    pub(super) fn lost_until(
+        &mut self,
+        pid: u32,
+        to_ns: u64,
+        which: impl Fn(LossCause) -> bool,
+    ) -> bool {
+        let mut closed = false;
         for span in self.lost_spans.iter_mut().rev() {
             if span.pid == pid && span.to_ns.is_none() && which(span.cause) {
                 span.to_ns = Some(to_ns.max(span.from_ns));
+                closed = true;
             }
         }
+        closed
     }
 
     /// The capture ended at `at_ns`: a start of `pid` still awaited is a
@@ -406,6 +423,13 @@ mod tests {
             told.contains("CUPTI started recording 1000 ms later"),
             "{told}"
         );
+        // Nor one within the millisecond.
+        let quick = span(101, None, LossCause::Starting);
+        let quick = LostSpan {
+            to_ns: Some(quick.from_ns + 400_000),
+            ..quick
+        };
+        assert!(quick.describe(WINDOW).is_none());
         // A start still awaited is not told before the capture ends.
         assert!(span(101, None, LossCause::Starting)
             .describe(WINDOW)
