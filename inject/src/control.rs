@@ -239,6 +239,7 @@ pub fn control_loop() {
         kept_attached_told: false,
         next_detach_try: None,
         keeper_on: false,
+        unanswered_ended_ns: None,
         background: false,
         may_time: false,
         kernels_at_timing: 0,
@@ -307,6 +308,10 @@ struct Tracer {
     next_detach_try: Option<Instant>,
     /// [`KEEPER_KIND`] is on for the teardown after a capture.
     keeper_on: bool,
+    /// When the last capture ended, while the check of its launches
+    /// ([`tell_unanswered`]) waits for buffers CUPTI hands back only as it
+    /// is detached.
+    unanswered_ended_ns: Option<u64>,
     /// This capture may have the subscriber time the timeline's calls: it
     /// was ours before the capture's kinds went on, and CUPTI calls it.
     may_time: bool,
@@ -384,6 +389,10 @@ impl Tracer {
     fn take(&mut self, session: &Session, capture: bool) -> Result<(), String> {
         // A teardown still waiting is disarmed; its subscriber stays.
         self.end_teardown(session);
+        // Buffers still with CUPTI keep the last capture's evidence.
+        if self.unanswered_ended_ns.take().is_some() {
+            tell_unanswered(session, None);
+        }
         self.kept_attached_told = false;
         self.next_detach_try = None;
         self.keeper_on = false;
@@ -755,7 +764,15 @@ impl Tracer {
         }
         let waited = Instant::now();
         wait_for_buffers(RETURN_WAIT);
-        tell_unanswered(session, Some(devtrace_shm::clock::now_ns()));
+        // CUDA 13's CUPTI hands a thread's partly filled buffer back only
+        // as it is detached: the launches are checked once every buffer is
+        // back.
+        let ended_ns = devtrace_shm::clock::now_ns();
+        if buffers::out() == 0 {
+            tell_unanswered(session, Some(ended_ns));
+        } else {
+            self.unanswered_ended_ns = Some(ended_ns);
+        }
         if crate::debug_enabled() {
             say!(
                 "devtrace-inject: capture stopped; {} of the library's buffers still with CUPTI \
@@ -783,6 +800,10 @@ impl Tracer {
         if let Some(why) = coexist::other_user_active() {
             self.end_teardown(session);
             self.switch_keeper_off();
+            // Its buffers may come back to the other user's callback.
+            if self.unanswered_ended_ns.take().is_some() {
+                tell_unanswered(session, None);
+            }
             if coexist::unseen_user() {
                 // Never detached again: ours would only block its subscriber.
                 detach::release_subscriber();
@@ -855,6 +876,9 @@ impl Tracer {
             at_ns: devtrace_shm::clock::now_ns(),
         });
         let unreturned = buffers::give_up_unreturned();
+        if let Some(ended_ns) = self.unanswered_ended_ns.take() {
+            tell_unanswered(session, Some(ended_ns));
+        }
         if unreturned > 0 {
             session.write_meta(&MetaRecord::Warning {
                 message: format!(

@@ -2589,6 +2589,41 @@ async fn kernels_lost_to_a_profiler_the_library_cannot_see_are_named_from_their_
     assert_every_missing_kernel_in_a_named_span(&space, &lines);
 }
 
+/// Kernels still running as a capture ends leave their records in the
+/// job's thread's buffer, which CUDA 13's CUPTI hands back only as it is
+/// detached: the launches are checked once it is back, and none is said to
+/// have lost its kernel.
+#[tokio::test(flavor = "multi_thread")]
+async fn kernels_still_running_as_a_capture_ends_are_not_taken_for_lost() {
+    let setup = setup("cuda_unanswered_running");
+    let agent = setup.agent();
+    let release = release_file(&setup, "running");
+    let workload = setup.workload(
+        &[
+            "10",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "250",
+        ],
+        &[
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", "130001"),
+            // Each kernel runs 400 ms: the GPU falls behind the launches.
+            ("DEVTRACE_STANDIN_GPU_KERNEL_NS", "400000000"),
+        ],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 2500, &release).await;
+    let lines = workload.read_until("done");
+    let (start, stop) = common::window_of(&space);
+    assert!(
+        launches_in(&lines, start, stop.saturating_sub(1_000_000_000)).len() >= 6,
+        "launches a second before the window's end"
+    );
+    assert_no_launch_unanswered(&space);
+}
+
 /// The launches a warning of unanswered launch calls counts.
 fn launches_counted(warning: &str) -> u64 {
     warning
