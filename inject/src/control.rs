@@ -800,9 +800,11 @@ impl Tracer {
         if let Some(why) = coexist::other_user_active() {
             self.end_teardown(session);
             self.switch_keeper_off();
-            // Its buffers may come back to the other user's callback.
-            if self.unanswered_ended_ns.take().is_some() {
-                tell_unanswered(session, None);
+            // No detach will bring the buffers still out back. A user
+            // seen through the library has its span in the trace; one
+            // that cannot be seen took them, as far as the evidence goes.
+            if let Some(ended_ns) = self.unanswered_ended_ns.take() {
+                tell_unanswered(session, coexist::unseen_user().then_some(ended_ns));
             }
             if coexist::unseen_user() {
                 // Never detached again: ours would only block its subscriber.

@@ -290,7 +290,6 @@ impl Converter {
         };
         let name = self.name(label);
         let correlation_id = r.read::<u32>(m::CORRELATION_ID);
-        self.unanswered.answered(correlation_id);
         let (start, duration) = self.span(r.read(m::START), r.read(m::END));
         out.push(Event::new(
             start,
@@ -312,7 +311,6 @@ impl Converter {
         use layout::memset as m;
         let name = self.name("Memset");
         let correlation_id = r.read::<u32>(m::CORRELATION_ID);
-        self.unanswered.answered(correlation_id);
         let (start, duration) = self.span(r.read(m::START), r.read(m::END));
         out.push(Event::new(
             start,

@@ -13,10 +13,12 @@
 //! either, lost that work, and its trace says from which launch on.
 //!
 //! CUPTI numbers every API call in the process in order (one correlation
-//! id, which the launch's kernels, copies and memsets carry), so a launch
-//! counts as unanswered only when its id is newer than every record's that
-//! came back: work that a later launch's record overtook (another stream,
-//! a kernel still running) is never counted. The last second of a capture
+//! id, which the kernels a launch or a graph launch makes carry), so a
+//! launch counts as unanswered only when its id is newer than every kernel
+//! record's that came back: work that a later launch's kernel overtook
+//! (another stream, a kernel still running) is never counted. Copies and
+//! memsets do not answer: a user that switched the kernels off may leave
+//! the copies on. The last second of a capture
 //! is left out: its kernels may not have finished when CUPTI was switched
 //! off, as any capture's last kernels may not.
 
@@ -45,7 +47,7 @@ pub struct Unanswered {
     pending: VecDeque<(u32, u64)>,
     /// Launches past [`MAX_KEPT`], only counted.
     overflow: Option<Overflow>,
-    /// The newest correlation id a record of GPU work carried.
+    /// The newest correlation id a kernel record carried.
     newest_answered: Option<u32>,
 }
 
@@ -85,8 +87,9 @@ impl Unanswered {
         overflow.first_ns = overflow.first_ns.min(at_ns);
     }
 
-    /// A record of GPU work (a kernel, copy or memset) with this id came
-    /// back.
+    /// A kernel record with this id came back. Copies and memsets do not
+    /// count: another user that switched the kernels off may leave them
+    /// on, and their records would hide the kernels missing.
     pub fn answered(&mut self, correlation_id: u32) {
         if !self.is_answered(correlation_id) {
             self.newest_answered = Some(correlation_id);

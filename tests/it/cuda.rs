@@ -2589,6 +2589,59 @@ async fn kernels_lost_to_a_profiler_the_library_cannot_see_are_named_from_their_
     assert_every_missing_kernel_in_a_named_span(&space, &lines);
 }
 
+/// Such a profiler already running as a capture starts loses the stream
+/// to it (the library registers its callbacks for each capture), and
+/// switches the kernels off as it ends, leaving the copies on: the copies'
+/// records that go on coming back do not hide the kernels missing.
+#[tokio::test(flavor = "multi_thread")]
+async fn kernels_switched_off_by_a_profiler_the_library_cannot_see_are_named_beside_copies() {
+    let mut setup = setup("cuda_rival_unseen_before");
+    setup.program = rival_linked_program();
+    let agent = setup.agent();
+    let release = release_file(&setup, "before");
+    let args = [
+        "100",
+        "--wait-file",
+        release.to_str().unwrap(),
+        "--sleep-ms",
+        "50",
+        "--rival-at",
+        "0",
+        "--rival-iterations",
+        "30",
+        "--rival-direct",
+        "--rival-early",
+    ];
+    let workload = setup.workload(&args, &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")]);
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    std::fs::write(&release, b"go").expect("releasing the workload");
+    // The profiler's part runs from the release for 1.5 s: the capture
+    // starts inside it.
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    let space = capture(&agent, 3000).await;
+    let lines = workload.read_until("done");
+    let (start, stop) = common::window_of(&space);
+    let copies = timed(&space, "/device:GPU:0")
+        .into_iter()
+        .filter(|(e, at)| e.name.starts_with("Memcpy") && *at > start + 2_000_000_000)
+        .count();
+    assert!(
+        copies > 0,
+        "copies recorded to the end: {:?}",
+        space.warnings
+    );
+    let kernels: Vec<u64> = program_kernels(&space).iter().map(|(_, at)| *at).collect();
+    let missing = launches_in(&lines, start, stop)
+        .into_iter()
+        .filter(|at| !kernels.iter().any(|k| k.abs_diff(*at) < 2_000_000))
+        .count();
+    assert!(missing > 20, "{missing} launches without their kernel");
+    let told = common::warnings_with(&space, "no record of the kernels of its last");
+    assert_eq!(told.len(), 1, "{:?}", space.warnings);
+    assert_every_missing_kernel_in_a_named_span(&space, &lines);
+}
+
 /// Kernels still running as a capture ends leave their records in the
 /// job's thread's buffer, which CUDA 13's CUPTI hands back only as it is
 /// detached: the launches are checked once it is back, and none is said to

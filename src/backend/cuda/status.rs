@@ -114,8 +114,9 @@ impl LostSpan {
             LossCause::Unanswered { launches } => format!(
                 "CUPTI handed the injection library in {} no record of the kernels of its last \
                  {launches} launch calls, {span} (another CUPTI user that the library could not \
-                 see took the activity stream or switched its kinds off, or the GPU was still \
-                 busy with earlier work when the capture ended)",
+                 see took the activity stream or switched the kernels off, CUPTI dropped their \
+                 records, which the trace then counts, or the GPU was still busy with earlier \
+                 work when the capture ended)",
                 self.label,
             ),
             LossCause::ApiCalls(cause) => format!(
