@@ -389,10 +389,6 @@ impl Tracer {
     fn take(&mut self, session: &Session, capture: bool) -> Result<(), String> {
         // A teardown still waiting is disarmed; its subscriber stays.
         self.end_teardown(session);
-        // Buffers still with CUPTI keep the last capture's evidence.
-        if self.unanswered_ended_ns.take().is_some() {
-            tell_unanswered(session, None);
-        }
         self.kept_attached_told = false;
         self.next_detach_try = None;
         self.keeper_on = false;
@@ -451,6 +447,12 @@ impl Tracer {
         self.background = !capture;
         drop(gate);
         let recording_ns = devtrace_shm::clock::now_ns();
+        // A check still waiting for the last capture's buffers is given up
+        // (they come back into this one); launches count from now.
+        self.unanswered_ended_ns = None;
+        if let Ok(mut converter) = session.converter.lock() {
+            converter.unanswered.begin(recording_ns);
+        }
         // The stream is ours again once kernels are recorded: a CUPTI
         // attached afresh (another user finalized it) takes its first
         // enable's time (0.1-0.3 s on an H100), lost with the other user's.
@@ -693,8 +695,12 @@ impl Tracer {
         }
         self.background = false;
         drop(gate);
+        let recording_ns = devtrace_shm::clock::now_ns();
+        if let Ok(mut converter) = session.converter.lock() {
+            converter.unanswered.begin(recording_ns);
+        }
         session.write_meta(&MetaRecord::Recording {
-            at_ns: devtrace_shm::clock::now_ns(),
+            at_ns: recording_ns,
         });
         Ok(())
     }
@@ -800,12 +806,7 @@ impl Tracer {
         if let Some(why) = coexist::other_user_active() {
             self.end_teardown(session);
             self.switch_keeper_off();
-            // No detach will bring the buffers still out back. A user
-            // seen through the library has its span in the trace; one
-            // that cannot be seen took them, as far as the evidence goes.
-            if let Some(ended_ns) = self.unanswered_ended_ns.take() {
-                tell_unanswered(session, coexist::unseen_user().then_some(ended_ns));
-            }
+            self.tell_unanswered_kept_attached(session);
             if coexist::unseen_user() {
                 // Never detached again: ours would only block its subscriber.
                 detach::release_subscriber();
@@ -837,6 +838,7 @@ impl Tracer {
                 if crate::debug_enabled() {
                     say!("devtrace-inject: CUPTI stays attached: {why}");
                 }
+                self.tell_unanswered_kept_attached(session);
                 self.teardown = None;
                 self.switch_keeper_off();
                 self.next_detach_try = Some(Instant::now() + detach::RETRY_EVERY);
@@ -845,6 +847,17 @@ impl Tracer {
                     format!("because {why} (detaching is tried again every second)"),
                 );
             }
+        }
+    }
+
+    /// CUPTI stays attached after a capture whose launches wait for
+    /// buffers still out, which no detach will bring back now. A user seen
+    /// through the library has its span in the trace; one that cannot be
+    /// seen took them, as far as the evidence goes, and the launches are
+    /// told with what came back.
+    fn tell_unanswered_kept_attached(&mut self, session: &Session) {
+        if let Some(ended_ns) = self.unanswered_ended_ns.take() {
+            tell_unanswered(session, coexist::unseen_user().then_some(ended_ns));
         }
     }
 
@@ -1005,10 +1018,13 @@ fn tell_unanswered(session: &Session, ended_ns: Option<u64>) {
     let Ok(mut converter) = session.converter.lock() else {
         return;
     };
-    let lost = converter
-        .unanswered
-        .take_lost(ended_ns.unwrap_or(0))
-        .filter(|_| ended_ns.is_some());
+    let lost = match ended_ns {
+        Some(ended_ns) => converter.unanswered.take_lost(ended_ns),
+        None => {
+            converter.unanswered.forget();
+            None
+        }
+    };
     drop(converter);
     if let (Some(lost), Some(to_ns)) = (lost, ended_ns) {
         session.write_meta(&MetaRecord::Unanswered {

@@ -256,7 +256,8 @@ impl Converter {
         let (start, duration) = self.span(r.read(k::START), r.read(k::END));
         self.latest_kernel_ns = self.latest_kernel_ns.max(start);
         let correlation_id = r.read::<u32>(k::CORRELATION_ID);
-        self.unanswered.answered(correlation_id);
+        self.unanswered
+            .answered(correlation_id, start.saturating_add(duration));
         out.push(Event::new(
             start,
             duration,

@@ -3,34 +3,35 @@
 //! The library times the launch calls itself ([`crate::timed_calls`]), on
 //! the job's threads, whoever has CUPTI's activity stream; their kernels
 //! reach it only in CUPTI's records, through the buffer callbacks that are
-//! registered when CUPTI hands a buffer back, and only while the kinds are
-//! on. A CUPTI user that this library cannot see (one that looked CUPTI's
-//! functions up before the library loaded) takes both away unseen: its
-//! registration sends the library's buffers to it, and its disable at its
-//! end switches the library's kinds off for the rest of the capture. The
-//! launch calls are the evidence: a capture whose timed launches have no
-//! record of their work, while no record of any later launch came back
-//! either, lost that work, and its trace says from which launch on.
+//! registered when CUPTI hands a buffer back, and only while the kernels
+//! are switched on. A CUPTI user that this library cannot see (one that
+//! looked CUPTI's functions up before the library loaded) takes both away
+//! unseen: its registration sends the library's buffers to it, and its
+//! disable at its end switches the kernels off for the rest of the capture.
+//! The launch calls are the evidence: a capture whose timed launches have
+//! no kernel record, while no kernel of any later launch came back either,
+//! lost those kernels, and its trace says from which launch on.
 //!
 //! CUPTI numbers every API call in the process in order (one correlation
 //! id, which the kernels a launch or a graph launch makes carry), so a
 //! launch counts as unanswered only when its id is newer than every kernel
-//! record's that came back: work that a later launch's kernel overtook
+//! record's that came back: a launch that a later launch's kernel overtook
 //! (another stream, a kernel still running) is never counted. Copies and
 //! memsets do not answer: a user that switched the kernels off may leave
-//! the copies on. The last second of a capture
-//! is left out: its kernels may not have finished when CUPTI was switched
-//! off, as any capture's last kernels may not.
+//! the copies on. A capture whose kernels kept coming back until its last
+//! second is not told of (its GPU may simply run behind its launches), nor
+//! one whose first unanswered launch came in its last second.
 
 use std::collections::VecDeque;
 
 /// Launches remembered at most (16 bytes each): beyond that a capture only
-/// counts them. A capture keeps the launches whose work has not come back
-/// yet, about one 100 ms flush's worth while records flow.
+/// counts them. A capture keeps the launches whose kernels have not come
+/// back yet, about one 100 ms flush's worth while records flow.
 pub const MAX_KEPT: usize = 1 << 16;
 
-/// Unanswered launches made within this long of a capture's end are not
-/// told: their kernels may still have been queued or running.
+/// How long before a capture's end its kernels must have stopped coming
+/// back, and its first unanswered launch been made, for the loss to be
+/// told.
 pub const SETTLE_NS: u64 = 1_000_000_000;
 
 /// Whether correlation id `a` is newer than `b` (ids wrap at 2^32).
@@ -38,17 +39,22 @@ fn newer(a: u32, b: u32) -> bool {
     (a.wrapping_sub(b) as i32) > 0
 }
 
-/// The launches of one capture whose GPU work has not come back.
+/// The launches of one capture whose kernels have not come back.
 #[derive(Debug, Default)]
 pub struct Unanswered {
-    /// Launches whose id was newer than every record's when they were
-    /// taken, roughly oldest first: (correlation id, start on the host
-    /// clock).
+    /// Launches made before this (host clock) are not counted: the kernels
+    /// were not switched on yet.
+    counting_from_ns: u64,
+    /// Launches whose id was newer than every kernel record's when they
+    /// were taken, roughly oldest first: (correlation id, start on the
+    /// host clock).
     pending: VecDeque<(u32, u64)>,
     /// Launches past [`MAX_KEPT`], only counted.
     overflow: Option<Overflow>,
     /// The newest correlation id a kernel record carried.
     newest_answered: Option<u32>,
+    /// The latest end of a kernel that came back (host clock).
+    latest_kernel_end_ns: u64,
 }
 
 /// Launches counted without being kept.
@@ -59,7 +65,7 @@ struct Overflow {
     first_ns: u64,
 }
 
-/// What a capture lost: the GPU work of `launches` launch calls made from
+/// What a capture lost: the kernels of `launches` launch calls made from
 /// `from_ns` on (host clock).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lost {
@@ -68,9 +74,17 @@ pub struct Lost {
 }
 
 impl Unanswered {
+    /// A capture's kernels are switched on at `at_ns`: a fresh start.
+    pub fn begin(&mut self, at_ns: u64) {
+        *self = Unanswered {
+            counting_from_ns: at_ns,
+            ..Unanswered::default()
+        };
+    }
+
     /// A launch call the library timed, made at `at_ns`.
     pub fn launched(&mut self, correlation_id: u32, at_ns: u64) {
-        if self.is_answered(correlation_id) {
+        if at_ns < self.counting_from_ns || self.is_answered(correlation_id) {
             return;
         }
         self.prune();
@@ -87,27 +101,30 @@ impl Unanswered {
         overflow.first_ns = overflow.first_ns.min(at_ns);
     }
 
-    /// A kernel record with this id came back. Copies and memsets do not
-    /// count: another user that switched the kernels off may leave them
-    /// on, and their records would hide the kernels missing.
-    pub fn answered(&mut self, correlation_id: u32) {
+    /// A kernel record with this id came back, of a kernel that ended at
+    /// `end_ns` (host clock).
+    pub fn answered(&mut self, correlation_id: u32, end_ns: u64) {
         if !self.is_answered(correlation_id) {
             self.newest_answered = Some(correlation_id);
         }
+        self.latest_kernel_end_ns = self.latest_kernel_end_ns.max(end_ns);
     }
 
     /// The launches so far belong to another CUPTI user's span, which the
     /// trace names: they are not this capture's to tell.
     pub fn forget(&mut self) {
-        self.pending.clear();
-        self.overflow = None;
+        self.begin(self.counting_from_ns);
     }
 
     /// The capture ended at `ended_ns`, every record it will get in:
-    /// what it lost, if anything, and a fresh start for the next capture.
+    /// what it lost, if anything; the launches are forgotten.
     pub fn take_lost(&mut self, ended_ns: u64) -> Option<Lost> {
-        let newest = self.newest_answered;
-        let is_lost = |id: u32| newest.is_none_or(|newest| newer(id, newest));
+        let capture = std::mem::take(self);
+        let is_lost = |id: u32| {
+            capture
+                .newest_answered
+                .is_none_or(|newest| newer(id, newest))
+        };
         let mut lost: Option<Lost> = None;
         let mut count = |from_ns: u64, launches: u64| {
             let entry = lost.get_or_insert(Lost {
@@ -117,20 +134,20 @@ impl Unanswered {
             entry.from_ns = entry.from_ns.min(from_ns);
             entry.launches += launches;
         };
-        for (id, at_ns) in self.pending.drain(..) {
-            if is_lost(id) {
-                count(at_ns, 1);
+        for (id, at_ns) in &capture.pending {
+            if is_lost(*id) {
+                count(*at_ns, 1);
             }
         }
-        // Launches only counted are told only when no record came back
+        // Launches only counted are told only when no kernel came back
         // after the first of them.
-        if let Some(overflow) = self.overflow.take() {
+        if let Some(overflow) = &capture.overflow {
             if is_lost(overflow.first_id) {
                 count(overflow.first_ns, overflow.launches);
             }
         }
-        self.newest_answered = None;
-        lost.filter(|lost| lost.from_ns.saturating_add(SETTLE_NS) <= ended_ns)
+        let settled = |at_ns: u64| at_ns.saturating_add(SETTLE_NS) <= ended_ns;
+        lost.filter(|lost| settled(lost.from_ns) && settled(capture.latest_kernel_end_ns))
     }
 
     fn is_answered(&self, correlation_id: u32) -> bool {
@@ -138,13 +155,21 @@ impl Unanswered {
             .is_some_and(|newest| !newer(correlation_id, newest))
     }
 
-    /// Drops the oldest launches that a record has overtaken.
+    /// Drops the oldest launches (and the uncounted ones) that a kernel
+    /// record has overtaken.
     fn prune(&mut self) {
         while let Some((id, _)) = self.pending.front() {
             if !self.is_answered(*id) {
                 break;
             }
             self.pending.pop_front();
+        }
+        if self
+            .overflow
+            .as_ref()
+            .is_some_and(|overflow| self.is_answered(overflow.first_id))
+        {
+            self.overflow = None;
         }
     }
 }
@@ -156,12 +181,12 @@ mod tests {
     const S: u64 = 1_000_000_000;
 
     #[test]
-    fn launches_after_the_last_record_that_came_back_are_lost() {
+    fn launches_after_the_last_kernel_that_came_back_are_lost() {
         let mut launches = Unanswered::default();
         for (i, id) in (10..20).enumerate() {
             launches.launched(id, 100 * S + i as u64 * S / 10);
         }
-        launches.answered(13);
+        launches.answered(13, 100 * S + 3 * S / 10);
         assert_eq!(
             launches.take_lost(110 * S),
             Some(Lost {
@@ -174,12 +199,12 @@ mod tests {
     }
 
     #[test]
-    fn work_overtaken_by_a_later_record_is_not_counted() {
+    fn a_launch_overtaken_by_a_later_kernel_is_not_counted() {
         let mut launches = Unanswered::default();
         launches.launched(5, S);
         launches.launched(6, S);
         // Another stream's kernel came back, the first one's not yet.
-        launches.answered(6);
+        launches.answered(6, S);
         assert_eq!(launches.take_lost(10 * S), None);
     }
 
@@ -187,11 +212,30 @@ mod tests {
     fn a_capture_s_last_second_is_left_out() {
         let mut launches = Unanswered::default();
         launches.launched(1, 10 * S);
-        launches.answered(1);
+        launches.answered(1, 10 * S);
         launches.launched(2, 10 * S + S / 2);
         assert_eq!(launches.take_lost(11 * S), None);
         launches.launched(3, 10 * S);
         assert!(launches.take_lost(11 * S).is_some());
+    }
+
+    #[test]
+    fn kernels_coming_back_until_the_last_second_are_a_busy_gpu_not_a_loss() {
+        let mut launches = Unanswered::default();
+        launches.launched(1, 10 * S);
+        launches.launched(2, 10 * S);
+        // The first launch's kernel ended 0.5 s before the end; the second
+        // is queued behind it.
+        launches.answered(1, 12 * S);
+        assert_eq!(launches.take_lost(12 * S + S / 2), None);
+    }
+
+    #[test]
+    fn launches_before_the_kernels_were_switched_on_are_not_counted() {
+        let mut launches = Unanswered::default();
+        launches.begin(10 * S);
+        launches.launched(1, 10 * S - 1);
+        assert_eq!(launches.take_lost(20 * S), None);
     }
 
     #[test]
@@ -205,7 +249,7 @@ mod tests {
     #[test]
     fn ids_compare_across_their_wrap() {
         let mut launches = Unanswered::default();
-        launches.answered(u32::MAX - 1);
+        launches.answered(u32::MAX - 1, S);
         launches.launched(u32::MAX - 2, S);
         launches.launched(3, S);
         let lost = launches
@@ -224,12 +268,23 @@ mod tests {
         let lost = launches.take_lost(10 * S).expect("lost");
         assert_eq!(lost.launches, MAX_KEPT as u64 + 10);
         assert_eq!(lost.from_ns, S + 1);
-        // Records that came back after the first uncounted launch leave
-        // the uncounted ones out.
+        // A kernel that came back after the first uncounted launch leaves
+        // the uncounted ones out, and a second overflow starts its count
+        // afresh.
         for id in 1..=(MAX_KEPT as u32 + 10) {
             launches.launched(id, S);
         }
-        launches.answered(MAX_KEPT as u32 + 1);
+        launches.answered(MAX_KEPT as u32 + 5, S);
         assert_eq!(launches.take_lost(10 * S), None);
+        for id in 1..=(MAX_KEPT as u32 + 10) {
+            launches.launched(id, S);
+        }
+        launches.answered(MAX_KEPT as u32 + 5, S);
+        launches.launched(MAX_KEPT as u32 + 11, S);
+        for id in (MAX_KEPT as u32 + 12)..(2 * MAX_KEPT as u32 + 20) {
+            launches.launched(id, S);
+        }
+        let lost = launches.take_lost(10 * S).expect("lost");
+        assert_eq!(lost.launches, u64::from(MAX_KEPT as u32 + 20 - 11));
     }
 }

@@ -112,12 +112,16 @@ impl LostSpan {
                 self.label,
             ),
             LossCause::Unanswered { launches } => format!(
-                "CUPTI handed the injection library in {} no record of the kernels of its last \
-                 {launches} launch calls, {span} (another CUPTI user that the library could not \
-                 see took the activity stream or switched the kernels off, CUPTI dropped their \
-                 records, which the trace then counts, or the GPU was still busy with earlier \
-                 work when the capture ended)",
+                "CUPTI handed the injection library in {} no kernel record of its last \
+                 {launches} launch calls, made from {:.3} s to {:.3} s of this window, and its \
+                 kernels stopped coming back a second or more before the capture ended: the \
+                 kernels of those launches are missing (a profiler that reached CUPTI without \
+                 passing through the injection library took the activity stream or switched \
+                 the kernels off, CUPTI dropped their records, which the trace then counts, or \
+                 the launches were recorded into a CUDA graph rather than run)",
                 self.label,
+                seconds(from),
+                seconds(to),
             ),
             LossCause::ApiCalls(cause) => format!(
                 "the launch, copy and memset calls of {} from {:.3} s to {:.3} s of this window \
@@ -497,12 +501,12 @@ mod tests {
             .expect("overlaps");
         assert!(
             told.contains(
-                "no record of the kernels of its last 250 launch calls, from 2.000 s to 5.000 s"
+                "no kernel record of its last 250 launch calls, made from 2.000 s to 5.000 s"
             ),
             "{told}"
         );
-        // Not blamed on a profiler that may not exist.
-        assert!(!told.contains("another CUPTI user in"), "{told}");
+        // Not taken for the warnings of a profiler seen in the process.
+        assert!(!told.contains("another CUPTI user"), "{told}");
     }
 
     #[test]
