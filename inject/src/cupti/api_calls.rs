@@ -443,7 +443,8 @@ mod tests {
         assert!(!launches_gpu_work(false, 527)); // cuLaunchHostFunc
         assert!(!launches_gpu_work(true, 284)); // cudaLaunchHostFunc
         assert!(!launches_gpu_work(false, 306)); // cuMemcpyAsync
-                                                 // The same id in the other API is another call.
+
+        // The same id in the other API is another call.
         assert!(!launches_gpu_work(true, 307));
     }
 }
