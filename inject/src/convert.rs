@@ -381,7 +381,7 @@ impl Converter {
 
     /// A timeline call the library timed itself (on the host clock).
     pub fn timed_call(&mut self, call: &TimedCall, out: &mut Vec<Event>) {
-        if api_calls::launches_gpu_work(call.runtime, call.cbid) {
+        if api_calls::launches_gpu_work(call.runtime, call.cbid) && !call.in_stream_capture {
             self.unanswered.launched(call.correlation_id, call.start_ns);
         }
         let name = self.api_name(call.runtime, call.cbid);

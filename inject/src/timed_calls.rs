@@ -26,7 +26,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use devtrace_shm::workload::MetaRecord;
@@ -52,6 +52,9 @@ pub struct TimedCall {
     pub thread: u32,
     /// A runtime API call (else a driver API call).
     pub runtime: bool,
+    /// Made while a stream capture was under way in the process: a launch
+    /// may then have been recorded into a CUDA graph, running no kernel.
+    pub in_stream_capture: bool,
 }
 
 /// One thread's calls since the last take (their `thread` is filled in
@@ -77,6 +80,10 @@ static CALLED: AtomicBool = AtomicBool::new(false);
 static LOGS: Mutex<Vec<SharedLog>> = Mutex::new(Vec::new());
 /// Calls not logged since the last take (a full log, a thread ending).
 static LOST: AtomicU64 = AtomicU64::new(0);
+/// Stream captures begun and not yet ended, as the subscriber saw them
+/// (one begun before it was called is not seen: its launches count as
+/// run).
+static STREAM_CAPTURES: AtomicU32 = AtomicU32::new(0);
 
 thread_local! {
     static LOG: RefCell<Option<SharedLog>> = const { RefCell::new(None) };
@@ -208,6 +215,9 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
             })
         });
     }
+    if !runtime && site == API_EXIT {
+        follow_stream_captures(cbid);
+    }
     if !ON.load(Ordering::Relaxed) {
         return;
     }
@@ -256,7 +266,25 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
         cbid,
         thread: 0,
         runtime,
+        in_stream_capture: STREAM_CAPTURES.load(Ordering::Relaxed) > 0,
     });
+}
+
+/// Counts the stream captures under way from the driver calls that begin
+/// and end them (the runtime's make those too). A begin that failed counts
+/// until an end: launches then go uncounted by [`crate::unanswered`],
+/// which misses a loss rather than reporting one.
+fn follow_stream_captures(cbid: u32) {
+    match api_calls::stream_capture_edge(cbid) {
+        Some(true) => {
+            STREAM_CAPTURES.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(false) => {
+            let _ = STREAM_CAPTURES
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        }
+        None => {}
+    }
 }
 
 /// Appends `call` to this thread's log (made on its first call).

@@ -20,7 +20,9 @@
 //! memsets do not answer: a user that switched the kernels off may leave
 //! the copies on. A capture whose kernels kept coming back until its last
 //! second is not told of (its GPU may simply run behind its launches), nor
-//! one whose first unanswered launch came in its last second.
+//! one whose first unanswered launch came in its last second. Launches made
+//! while a stream capture was under way are not counted: they may have
+//! been recorded into a CUDA graph, running no kernel.
 
 use std::collections::VecDeque;
 

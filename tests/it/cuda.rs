@@ -2680,6 +2680,47 @@ async fn kernels_still_running_as_a_capture_ends_are_not_taken_for_lost() {
     assert_no_launch_unanswered(&space);
 }
 
+/// Launches recorded into a CUDA graph by stream capture run no kernel: a
+/// job that captures a graph and then idles is not said to have lost them.
+#[tokio::test(flavor = "multi_thread")]
+async fn launches_captured_into_a_graph_are_not_taken_for_lost() {
+    let setup = setup("cuda_unanswered_captured");
+    let agent = setup.agent();
+    let release = release_file(&setup, "captured");
+    // One iteration, 2 s of sleep, the graph captured, 2 s more: the
+    // capture's launches come a second and more before the window's end.
+    let workload = setup.workload(
+        &[
+            "1",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "2000",
+            "--capture-graph-last",
+        ],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 4000, &release).await;
+    let lines = workload.read_until("done");
+    let (start, stop) = common::window_of(&space);
+    let captured: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .filter(|c| c.name.starts_with("cuLaunchKernel") && c.fields.contains_key("captured"))
+        .map(|c| c.realtime.0)
+        .collect();
+    assert!(
+        !captured.is_empty()
+            && captured
+                .iter()
+                .all(|at| *at > start && *at + 1_000_000_000 < stop),
+        "launches captured a second before the window's end: {captured:?}"
+    );
+    assert_no_launch_unanswered(&space);
+}
+
 /// The launches a warning of unanswered launch calls counts.
 fn launches_counted(warning: &str) -> u64 {
     warning

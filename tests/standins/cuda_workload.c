@@ -13,6 +13,8 @@
  *   --cleanup              destroy streams, events and the context at the end
  *   --real-ptx             load real PTX (for the real driver on a GPU) instead of the stand-in's image
  *   --graph                also capture a CUDA graph and replay it once per iteration (below)
+ *   --capture-graph-last   after the iterations, capture a CUDA graph (its launches run no
+ *                          kernel) and sleep --sleep-ms more before ending
  *   --rival-at N           act as a second in-process CUPTI user from iteration N (0-based; below)
  *   --rival-iterations M   ... for M iterations (default 1)
  *   --rival-direct         the rival binds to libcupti directly (its handle), never to
@@ -248,7 +250,7 @@ static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
     int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all,
         rival_finalize, rival_callbacks_only, rival_subscribe_v2, rival_stays, rival_clock, rival_clock_only;
-    int rival_early, wait_recording;
+    int rival_early, wait_recording, capture_graph_last;
     int quiet, rate_ms, exit_after_ms;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
@@ -748,6 +750,10 @@ static void *run_worker(void *arg) {
         if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
     }
     if (rival_active && !options.rival_stays) rival_end();
+    if (options.capture_graph_last && !options.graph && !failed) {
+        make_graph(w);
+        if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
+    }
     return NULL;
 }
 
@@ -803,7 +809,7 @@ static void *exit_later(void *unused) {
 static int usage(void) {
     fprintf(stderr,
             "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
-            "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph]\n"
+            "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph] [--capture-graph-last]\n"
             "                     [--rival-at N [--rival-iterations M] [--rival-every K] [--rival-direct]\n"
             "                      [--rival-linked] [--rival-subscribe] [--rival-subscribe-v2] [--rival-frees-all]\n"
             "                      [--rival-early] [--rival-stays]]\n"
@@ -824,6 +830,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--cleanup") == 0) options.cleanup = 1;
         else if (strcmp(a, "--real-ptx") == 0) options.real_ptx = 1;
         else if (strcmp(a, "--graph") == 0) options.graph = 1;
+        else if (strcmp(a, "--capture-graph-last") == 0) options.capture_graph_last = 1;
         else if (strcmp(a, "--rival-at") == 0 && i + 1 < argc) options.rival_at = atoi(argv[++i]);
         else if (strcmp(a, "--rival-iterations") == 0 && i + 1 < argc) options.rival_iterations = atoi(argv[++i]);
         else if (strcmp(a, "--rival-direct") == 0) options.rival_direct = 1;

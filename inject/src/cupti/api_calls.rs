@@ -300,6 +300,46 @@ pub const RUNTIME: &[(&str, u32)] = &[
     ("cudaMemcpy3DWithAttributesAsync_ptsz_v13020", 557),
 ];
 
+/// Driver API names that begin or end a stream capture (the launches made
+/// on a capturing stream are recorded into a CUDA graph and run no kernel):
+/// every callback whose name starts with one of these. The runtime's
+/// calls make them. (Read by the header check, which holds
+/// [`STREAM_CAPTURE`] to them.)
+#[cfg_attr(not(test), allow(dead_code))]
+pub const STREAM_CAPTURE_FAMILIES: [&str; 2] = ["cuStreamBeginCapture", "cuStreamEndCapture"];
+
+/// `CUPTI_DRIVER_TRACE_CBID_*` of [`STREAM_CAPTURE_FAMILIES`].
+pub const STREAM_CAPTURE: &[(&str, u32)] = &[
+    ("cuStreamBeginCapture", 495),
+    ("cuStreamBeginCapture_ptsz", 496),
+    ("cuStreamEndCapture", 497),
+    ("cuStreamEndCapture_ptsz", 498),
+    ("cuStreamBeginCapture_v2", 539),
+    ("cuStreamBeginCapture_v2_ptsz", 540),
+    ("cuStreamBeginCaptureToGraph", 720),
+    ("cuStreamBeginCaptureToGraph_ptsz", 721),
+    ("cuStreamBeginCaptureToCig", 783),
+    ("cuStreamBeginCaptureToCig_ptsz", 814),
+    ("cuStreamEndCaptureToCig", 815),
+    ("cuStreamEndCaptureToCig_ptsz", 816),
+];
+
+/// Callbacks CUPTI renamed, keeping their id: (the name now, the name in
+/// earlier releases). 13.0 called `cuStreamBeginCaptureToCig`
+/// `cuStreamCreateForCaptureToCig`. (Read by the header check.)
+#[cfg_attr(not(test), allow(dead_code))]
+pub const RENAMED: &[(&str, &str)] =
+    &[("cuStreamBeginCaptureToCig", "cuStreamCreateForCaptureToCig")];
+
+/// Whether driver callback `cbid` begins a stream capture (`Some(true)`),
+/// ends one (`Some(false)`), or neither.
+pub fn stream_capture_edge(cbid: u32) -> Option<bool> {
+    STREAM_CAPTURE
+        .iter()
+        .find(|(_, id)| *id == cbid)
+        .map(|(name, _)| name.starts_with("cuStreamBeginCapture"))
+}
+
 /// Whether a call (a runtime one when `runtime`) launches work that CUPTI
 /// records with the call's correlation id: a kernel or a graph (whose
 /// kernels, copies and memsets carry the launch's id), not a host function.
@@ -446,5 +486,13 @@ mod tests {
 
         // The same id in the other API is another call.
         assert!(!launches_gpu_work(true, 307));
+    }
+
+    #[test]
+    fn stream_captures_begin_and_end_by_callback_id() {
+        assert_eq!(stream_capture_edge(539), Some(true)); // cuStreamBeginCapture_v2
+        assert_eq!(stream_capture_edge(720), Some(true)); // cuStreamBeginCaptureToGraph
+        assert_eq!(stream_capture_edge(497), Some(false)); // cuStreamEndCapture
+        assert_eq!(stream_capture_edge(499), None); // cuStreamIsCapturing
     }
 }

@@ -265,20 +265,30 @@ fn the_timeline_calls_and_their_entry_points_match_the_real_headers() {
                 "DRIVER",
                 "cupti_driver_cbid.h",
                 api_calls::DRIVER,
-                &api_calls::DRIVER_FAMILIES,
+                &api_calls::DRIVER_FAMILIES[..],
             ),
             (
                 "RUNTIME",
                 "cupti_runtime_cbid.h",
                 api_calls::RUNTIME,
-                &api_calls::RUNTIME_FAMILIES,
+                &api_calls::RUNTIME_FAMILIES[..],
+            ),
+            (
+                "DRIVER",
+                "cupti_driver_cbid.h",
+                api_calls::STREAM_CAPTURE,
+                &api_calls::STREAM_CAPTURE_FAMILIES[..],
             ),
         ] {
             let text = std::fs::read_to_string(includes[0].join(file)).expect(file);
             let ids = callback_ids(&text, domain);
             let size = ids["SIZE"];
             for (name, id) in table {
-                match ids.get(*name) {
+                let earlier = api_calls::RENAMED
+                    .iter()
+                    .find(|(now, _)| now == name)
+                    .and_then(|(_, earlier)| ids.get(*earlier));
+                match ids.get(*name).or(earlier) {
                     Some(declared) => assert_eq!(
                         declared, id,
                         "CUPTI {}: {name} is callback {declared}, not {id}",
