@@ -381,7 +381,12 @@ impl Converter {
 
     /// A timeline call the library timed itself (on the host clock).
     pub fn timed_call(&mut self, call: &TimedCall, out: &mut Vec<Event>) {
-        if api_calls::launches_gpu_work(call.runtime, call.cbid) && !call.in_stream_capture {
+        // A launch into a graph being captured, or one that failed, ran
+        // nothing to come back.
+        if api_calls::launches_gpu_work(call.runtime, call.cbid)
+            && !call.in_stream_capture
+            && !call.failed
+        {
             self.unanswered.launched(call.correlation_id, call.start_ns);
         }
         let name = self.api_name(call.runtime, call.cbid);

@@ -55,6 +55,8 @@ pub struct TimedCall {
     /// Made while a stream capture was under way in the process: a launch
     /// may then have been recorded into a CUDA graph, running no kernel.
     pub in_stream_capture: bool,
+    /// The call answered an error (a launch that failed ran nothing).
+    pub failed: bool,
 }
 
 /// One thread's calls since the last take (their `thread` is filled in
@@ -199,11 +201,13 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
         return;
     }
     // SAFETY: as the caller promises.
+    let callback = unsafe { ApiCallback::read(data) };
     let ApiCallback {
         site,
         correlation_id,
         correlation_data,
-    } = unsafe { ApiCallback::read(data) };
+        ..
+    } = callback;
     // Followed while not timing too, so that a runtime call that entered
     // before timing started still hides its driver call.
     if runtime && (site == API_ENTER || site == API_EXIT) {
@@ -267,6 +271,8 @@ pub unsafe fn on_callback(domain: c_int, cbid: u32, data: *const c_void) {
         thread: 0,
         runtime,
         in_stream_capture: STREAM_CAPTURES.load(Ordering::Relaxed) > 0,
+        // SAFETY: at the call's exit, in its callback.
+        failed: unsafe { callback.failed() },
     });
 }
 

@@ -21,8 +21,9 @@
 //! the copies on. A capture whose kernels kept coming back until its last
 //! second is not told of (its GPU may simply run behind its launches), nor
 //! one whose first unanswered launch came in its last second. Launches made
-//! while a stream capture was under way are not counted: they may have
-//! been recorded into a CUDA graph, running no kernel.
+//! while a stream capture was under way are not counted (they may have
+//! been recorded into a CUDA graph, running no kernel), nor launches that
+//! failed.
 
 use std::collections::VecDeque;
 

@@ -2721,6 +2721,44 @@ async fn launches_captured_into_a_graph_are_not_taken_for_lost() {
     assert_no_launch_unanswered(&space);
 }
 
+/// A launch the driver refused ran nothing: a job whose last launch failed
+/// and that then idles is not said to have lost its kernel.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_launch_that_failed_is_not_taken_for_lost() {
+    let setup = setup("cuda_unanswered_refused");
+    let agent = setup.agent();
+    let release = release_file(&setup, "refused");
+    let workload = setup.workload(
+        &[
+            "1",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "2000",
+            "--bad-launch-last",
+        ],
+        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_while(&agent, 4000, &release).await;
+    let lines = workload.read_until("done");
+    let (start, stop) = common::window_of(&space);
+    let refused: Vec<Call> = lines
+        .iter()
+        .filter_map(|l| parse_call(l))
+        .filter(|c| c.fields.contains_key("refused"))
+        .collect();
+    assert!(
+        refused.len() == 1
+            && refused[0].fields.get("rc").is_some_and(|rc| rc != "0")
+            && refused[0].realtime.0 > start
+            && refused[0].realtime.0 + 1_000_000_000 < stop,
+        "a refused launch a second before the window's end: {refused:?}"
+    );
+    assert_no_launch_unanswered(&space);
+}
+
 /// The launches a warning of unanswered launch calls counts.
 fn launches_counted(warning: &str) -> u64 {
     warning

@@ -15,6 +15,9 @@
  *   --graph                also capture a CUDA graph and replay it once per iteration (below)
  *   --capture-graph-last   after the iterations, capture a CUDA graph (its launches run no
  *                          kernel) and sleep --sleep-ms more before ending
+ *   --bad-launch-last      after the iterations, launch vector_add with a grid of 0 (the
+ *                          call fails, as expected: not counted as a failure) and sleep
+ *                          --sleep-ms more before ending
  *   --rival-at N           act as a second in-process CUPTI user from iteration N (0-based; below)
  *   --rival-iterations M   ... for M iterations (default 1)
  *   --rival-direct         the rival binds to libcupti directly (its handle), never to
@@ -250,7 +253,7 @@ static struct {
     int iterations, threads, sleep_ms, extras, cleanup, real_ptx, graph;
     int rival_at, rival_iterations, rival_direct, rival_linked, rival_every, rival_subscribe, rival_frees_all,
         rival_finalize, rival_callbacks_only, rival_subscribe_v2, rival_stays, rival_clock, rival_clock_only;
-    int rival_early, wait_recording, capture_graph_last;
+    int rival_early, wait_recording, capture_graph_last, bad_launch_last;
     int quiet, rate_ms, exit_after_ms;
     const char *wait_file, *init_wait_file;
 } options = {.threads = 1, .rival_at = -1, .rival_iterations = 1};
@@ -425,6 +428,20 @@ static void make_stream(struct worker *w) {
         rc = cuEventCreate(&w->event, 0);
         report("cuEventCreate", s, rc, "thread=%d", w->index);
     }
+}
+
+/* --bad-launch-last: a launch the driver refuses (a grid of 0), printed
+ * with its result but not counted as the program failing. */
+static void bad_launch(struct worker *w) {
+    CUdeviceptr none = 0;
+    int n = 0;
+    void *args[] = {&none, &none, &none, &n};
+    struct stamp s = start();
+    CUresult rc = cuLaunchKernel(vector_add, 0, 1, 1, 256, 1, 1, 0, w->stream, args, NULL);
+    int was_failed = failed;
+    report("cuLaunchKernel", s, rc, "thread=%d func=vector_add grid=0,1,1 block=256,1,1 shmem=0 stream=%u refused=1",
+           w->index, stream_id(w->stream));
+    failed = was_failed;
 }
 
 /* --graph: captures vector_add and matmul_tiled on the worker's stream. */
@@ -754,6 +771,10 @@ static void *run_worker(void *arg) {
         make_graph(w);
         if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
     }
+    if (options.bad_launch_last && !failed) {
+        bad_launch(w);
+        if (options.sleep_ms > 0) usleep((useconds_t)options.sleep_ms * 1000);
+    }
     return NULL;
 }
 
@@ -809,7 +830,7 @@ static void *exit_later(void *unused) {
 static int usage(void) {
     fprintf(stderr,
             "usage: cuda_workload ITERATIONS [--wait-file PATH] [--init-wait-file PATH] [--sleep-ms N]\n"
-            "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph] [--capture-graph-last]\n"
+            "                     [--threads N] [--extras] [--cleanup] [--real-ptx] [--graph] [--capture-graph-last] [--bad-launch-last]\n"
             "                     [--rival-at N [--rival-iterations M] [--rival-every K] [--rival-direct]\n"
             "                      [--rival-linked] [--rival-subscribe] [--rival-subscribe-v2] [--rival-frees-all]\n"
             "                      [--rival-early] [--rival-stays]]\n"
@@ -831,6 +852,7 @@ int main(int argc, char **argv) {
         else if (strcmp(a, "--real-ptx") == 0) options.real_ptx = 1;
         else if (strcmp(a, "--graph") == 0) options.graph = 1;
         else if (strcmp(a, "--capture-graph-last") == 0) options.capture_graph_last = 1;
+        else if (strcmp(a, "--bad-launch-last") == 0) options.bad_launch_last = 1;
         else if (strcmp(a, "--rival-at") == 0 && i + 1 < argc) options.rival_at = atoi(argv[++i]);
         else if (strcmp(a, "--rival-iterations") == 0 && i + 1 < argc) options.rival_iterations = atoi(argv[++i]);
         else if (strcmp(a, "--rival-direct") == 0) options.rival_direct = 1;

@@ -1475,6 +1475,9 @@ static void call_subscriber(struct standin_call *call, CUpti_CallbackDomain doma
     data.contextUid = call->context_id;
     data.correlationData = slot;
     data.correlationId = call->correlation_id;
+    /* The CUresult (0 for success, as a runtime call's cudaError_t), at
+     * the exit alone, as CUPTI gives it. */
+    if (site == CUPTI_API_EXIT) data.functionReturnValue = &call->result;
     callback(userdata, (int)domain, cbid, &data);
 }
 

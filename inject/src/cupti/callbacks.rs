@@ -20,6 +20,10 @@ pub const ERROR_MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
 /// `correlationId` (a `uint32_t`); `callbackSite` is its first field.
 pub const CORRELATION_DATA_OFFSET: usize = 56;
 pub const CORRELATION_ID_OFFSET: usize = 64;
+/// Where it keeps `functionReturnValue`: a `void *` to the call's
+/// `CUresult` or `cudaError_t` (both a C enum, 0 for success), valid at
+/// the call's exit.
+pub const RETURN_VALUE_OFFSET: usize = 24;
 
 /// What the library reads of a driver or runtime API callback's data.
 #[derive(Clone, Copy, Debug)]
@@ -30,6 +34,8 @@ pub struct ApiCallback {
     pub correlation_id: u32,
     /// A slot CUPTI keeps for the call from its entry to its exit (or null).
     pub correlation_data: *mut u64,
+    /// The call's result, at its exit (or null).
+    pub return_value: *const c_int,
 }
 
 impl ApiCallback {
@@ -50,7 +56,23 @@ impl ApiCallback {
                     .add(CORRELATION_DATA_OFFSET)
                     .cast::<*mut u64>()
                     .read_unaligned(),
+                return_value: data
+                    .add(RETURN_VALUE_OFFSET)
+                    .cast::<*const c_int>()
+                    .read_unaligned(),
             }
         }
+    }
+
+    /// Whether the call, at its exit, answered an error (a launch that
+    /// failed launched nothing).
+    ///
+    /// # Safety
+    /// Read at [`API_EXIT`] of the callback whose data this was read from,
+    /// while CUPTI's data lives.
+    pub unsafe fn failed(&self) -> bool {
+        // SAFETY: CUPTI's pointer to the call's result, valid at its exit,
+        // as the caller promises.
+        !self.return_value.is_null() && unsafe { self.return_value.read_unaligned() } != 0
     }
 }

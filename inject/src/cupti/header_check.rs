@@ -375,7 +375,7 @@ fn the_callback_api_matches_the_real_headers() {
     use super::callbacks::{
         API_ENTER as CUPTI_API_ENTER, API_EXIT as CUPTI_API_EXIT, CORRELATION_DATA_OFFSET,
         CORRELATION_ID_OFFSET, DOMAINS,
-        ERROR_MULTIPLE_SUBSCRIBERS as CUPTI_ERROR_MULTIPLE_SUBSCRIBERS,
+        ERROR_MULTIPLE_SUBSCRIBERS as CUPTI_ERROR_MULTIPLE_SUBSCRIBERS, RETURN_VALUE_OFFSET,
     };
     for (release, dir, includes) in unpacked() {
         let source = format!(
@@ -403,6 +403,10 @@ fn the_callback_api_matches_the_real_headers() {
              {CORRELATION_ID_OFFSET} && __builtin_types_compatible_p(\
              __typeof__(((CUpti_CallbackData *)0)->correlationId), uint32_t), \
              \"correlationId\");\n\
+             _Static_assert(offsetof(CUpti_CallbackData, functionReturnValue) == \
+             {RETURN_VALUE_OFFSET} && __builtin_types_compatible_p(\
+             __typeof__(((CUpti_CallbackData *)0)->functionReturnValue), void *), \
+             \"functionReturnValue\");\n\
              _Static_assert(CUPTI_CB_DOMAIN_DRIVER_API == {} \
              && CUPTI_CB_DOMAIN_RUNTIME_API == {}, \"domains\");\n\
              _Static_assert(CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED \
