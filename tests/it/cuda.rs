@@ -2684,39 +2684,13 @@ async fn kernels_still_running_as_a_capture_ends_are_not_taken_for_lost() {
 /// job that captures a graph and then idles is not said to have lost them.
 #[tokio::test(flavor = "multi_thread")]
 async fn launches_captured_into_a_graph_are_not_taken_for_lost() {
-    let setup = setup("cuda_unanswered_captured");
-    let agent = setup.agent();
-    let release = release_file(&setup, "captured");
-    // One iteration, 2 s of sleep, the graph captured, 2 s more: the
-    // capture's launches come a second and more before the window's end.
-    let workload = setup.workload(
-        &[
-            "1",
-            "--wait-file",
-            release.to_str().unwrap(),
-            "--sleep-ms",
-            "2000",
-            "--capture-graph-last",
-        ],
-        &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
-    );
-    workload.read_until("waiting");
-    wait_for_attached(&agent, 1).await;
-    let space = capture_while(&agent, 4000, &release).await;
-    let lines = workload.read_until("done");
-    let (start, stop) = common::window_of(&space);
-    let captured: Vec<u64> = lines
-        .iter()
-        .filter_map(|l| parse_call(l))
-        .filter(|c| c.name.starts_with("cuLaunchKernel") && c.fields.contains_key("captured"))
-        .map(|c| c.realtime.0)
-        .collect();
+    let (space, ending) = capture_a_job_ending_with("--capture-graph-last").await;
     assert!(
-        !captured.is_empty()
-            && captured
-                .iter()
-                .all(|at| *at > start && *at + 1_000_000_000 < stop),
-        "launches captured a second before the window's end: {captured:?}"
+        ending
+            .iter()
+            .filter(|c| c.name.starts_with("cuLaunchKernel"))
+            .all(|c| c.fields.contains_key("captured")),
+        "{ending:?}"
     );
     assert_no_launch_unanswered(&space);
 }
@@ -2725,9 +2699,22 @@ async fn launches_captured_into_a_graph_are_not_taken_for_lost() {
 /// and that then idles is not said to have lost its kernel.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_launch_that_failed_is_not_taken_for_lost() {
-    let setup = setup("cuda_unanswered_refused");
+    let (space, ending) = capture_a_job_ending_with("--bad-launch-last").await;
+    assert!(
+        ending.len() == 1 && ending[0].fields.get("rc").is_some_and(|rc| rc != "0"),
+        "{ending:?}"
+    );
+    assert_no_launch_unanswered(&space);
+}
+
+/// Captures 4 s of a job that runs one iteration, sleeps 2 s, ends with
+/// the launches `ending` (a workload option) makes, then sleeps 2 s more:
+/// the trace, and the calls of that ending (those after the iteration's
+/// last call), which must come more than a second before the window's end.
+async fn capture_a_job_ending_with(ending: &str) -> (XSpace, Vec<Call>) {
+    let setup = setup(&format!("cuda_ending{}", ending.replace('-', "_")));
     let agent = setup.agent();
-    let release = release_file(&setup, "refused");
+    let release = release_file(&setup, "ending");
     let workload = setup.workload(
         &[
             "1",
@@ -2735,7 +2722,7 @@ async fn a_launch_that_failed_is_not_taken_for_lost() {
             release.to_str().unwrap(),
             "--sleep-ms",
             "2000",
-            "--bad-launch-last",
+            ending,
         ],
         &[("DEVTRACE_STANDIN_CUPTI_VERSION", "130001")],
     );
@@ -2744,19 +2731,24 @@ async fn a_launch_that_failed_is_not_taken_for_lost() {
     let space = capture_while(&agent, 4000, &release).await;
     let lines = workload.read_until("done");
     let (start, stop) = common::window_of(&space);
-    let refused: Vec<Call> = lines
+    let calls: Vec<Call> = lines.iter().filter_map(|l| parse_call(l)).collect();
+    let iteration_ends = calls
         .iter()
-        .filter_map(|l| parse_call(l))
-        .filter(|c| c.fields.contains_key("refused"))
+        .rposition(|c| c.name == "cuStreamSynchronize")
+        .expect("the iteration's synchronize");
+    let ending: Vec<Call> = calls[iteration_ends + 1..]
+        .iter()
+        .filter(|c| c.name.starts_with("cuLaunch"))
+        .cloned()
         .collect();
     assert!(
-        refused.len() == 1
-            && refused[0].fields.get("rc").is_some_and(|rc| rc != "0")
-            && refused[0].realtime.0 > start
-            && refused[0].realtime.0 + 1_000_000_000 < stop,
-        "a refused launch a second before the window's end: {refused:?}"
+        !ending.is_empty()
+            && ending
+                .iter()
+                .all(|c| c.realtime.0 > start && c.realtime.0 + 1_000_000_000 < stop),
+        "the ending's launches a second before the window's end: {ending:?}"
     );
-    assert_no_launch_unanswered(&space);
+    (space, ending)
 }
 
 /// The launches a warning of unanswered launch calls counts.
