@@ -793,7 +793,9 @@ async fn a_window_older_than_the_recorder_says_it_holds_nothing_of_it() {
 async fn a_window_cut_by_the_recorders_size_names_store_size() {
     let agent = AgentProcess::start(&["--store-size", "1MiB", "--mock-rate", "500000"]);
     let space = space_of(&agent.profile(request(1500, "small_store")).await);
-    let said = warnings_with(&space, "flight recorder holds nothing before");
+    // Nothing before some point of the window, or, when a loaded machine
+    // builds the trace late, nothing of it at all: either way its size.
+    let said = warnings_with(&space, "flight recorder holds nothing");
     assert_eq!(said.len(), 1, "{:?}", space.warnings);
     assert!(
         said[0].contains("evicted to keep the flight recorder within --store-size"),
