@@ -447,12 +447,7 @@ impl Tracer {
         self.background = !capture;
         drop(gate);
         let recording_ns = devtrace_shm::clock::now_ns();
-        // A check still waiting for the last capture's buffers is given up
-        // (they come back into this one); launches count from now.
-        self.unanswered_ended_ns = None;
-        if let Ok(mut converter) = session.converter.lock() {
-            converter.unanswered.begin(recording_ns);
-        }
+        self.count_launches_from(session, recording_ns);
         // The stream is ours again once kernels are recorded: a CUPTI
         // attached afresh (another user finalized it) takes its first
         // enable's time (0.1-0.3 s on an H100), lost with the other user's.
@@ -696,9 +691,7 @@ impl Tracer {
         self.background = false;
         drop(gate);
         let recording_ns = devtrace_shm::clock::now_ns();
-        if let Ok(mut converter) = session.converter.lock() {
-            converter.unanswered.begin(recording_ns);
-        }
+        self.count_launches_from(session, recording_ns);
         session.write_meta(&MetaRecord::Recording {
             at_ns: recording_ns,
         });
@@ -733,6 +726,17 @@ impl Tracer {
         Ok(())
     }
 
+    /// The capture's kernels are recorded from `recording_ns`: its launches
+    /// are checked from then on ([`crate::unanswered`]). A check still
+    /// waiting for the last capture's buffers is given up (they come back
+    /// into this one).
+    fn count_launches_from(&mut self, session: &Session, recording_ns: u64) {
+        self.unanswered_ended_ns = None;
+        if let Ok(mut converter) = session.converter.lock() {
+            converter.unanswered.begin(recording_ns);
+        }
+    }
+
     fn displaced_at(&mut self, session: &Session, seen: bool, at_ns: u64) {
         // The other user gets the kernels: launches timed meanwhile would
         // have none. Those timed so far belong to this capture.
@@ -740,9 +744,7 @@ impl Tracer {
         timed_calls::deliver(session, true);
         // Their work still running goes to the other user, in the span
         // the trace names.
-        if let Ok(mut converter) = session.converter.lock() {
-            converter.unanswered.forget();
-        }
+        tell_unanswered(session, None);
         self.stream = Stream::Taken { seen };
         self.displaced = true;
         session.write_meta(&MetaRecord::Displaced { at_ns, seen });

@@ -290,7 +290,6 @@ impl Converter {
             _ => (CopyKind::Other, "MemcpyOther"),
         };
         let name = self.name(label);
-        let correlation_id = r.read::<u32>(m::CORRELATION_ID);
         let (start, duration) = self.span(r.read(m::START), r.read(m::END));
         out.push(Event::new(
             start,
@@ -299,7 +298,7 @@ impl Converter {
             u64::from(r.read::<u32>(m::STREAM_ID)),
             name,
             Payload::Memcpy(CopyInfo {
-                correlation_id: u64::from(correlation_id),
+                correlation_id: u64::from(r.read::<u32>(m::CORRELATION_ID)),
                 bytes: r.read(m::BYTES),
                 kind,
                 is_async: r.read::<u8>(m::FLAGS) & 1 != 0,
@@ -311,7 +310,6 @@ impl Converter {
     fn memset(&mut self, r: RecordRef, out: &mut Vec<Event>) {
         use layout::memset as m;
         let name = self.name("Memset");
-        let correlation_id = r.read::<u32>(m::CORRELATION_ID);
         let (start, duration) = self.span(r.read(m::START), r.read(m::END));
         out.push(Event::new(
             start,
@@ -320,7 +318,7 @@ impl Converter {
             u64::from(r.read::<u32>(m::STREAM_ID)),
             name,
             Payload::Memset(MemsetInfo {
-                correlation_id: u64::from(correlation_id),
+                correlation_id: u64::from(r.read::<u32>(m::CORRELATION_ID)),
                 bytes: r.read(m::BYTES),
                 is_async: r.read::<u16>(m::FLAGS) & 1 != 0,
                 tf_op: NameId(0),

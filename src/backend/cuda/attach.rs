@@ -406,20 +406,18 @@ impl Attachments {
                     to_ns,
                     cause,
                 } => {
-                    let mut status = self.status.lock();
                     let lost = LossCause::ApiCalls(cause);
-                    status.lost_from(pid, process.label(), from_ns, lost);
-                    status.lost_until(pid, to_ns, |open| open == lost);
+                    let mut status = self.status.lock();
+                    status.lost_between(pid, process.label(), from_ns, to_ns, lost);
                 }
                 MetaRecord::Unanswered {
                     from_ns,
                     to_ns,
                     launches,
                 } => {
-                    let mut status = self.status.lock();
                     let lost = LossCause::Unanswered { launches };
-                    status.lost_from(pid, process.label(), from_ns, lost);
-                    status.lost_until(pid, to_ns, |open| open == lost);
+                    let mut status = self.status.lock();
+                    status.lost_between(pid, process.label(), from_ns, to_ns, lost);
                 }
                 MetaRecord::Resumed { at_ns } => {
                     let other_user = |cause| matches!(cause, LossCause::OtherUser { .. });

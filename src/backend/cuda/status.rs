@@ -270,6 +270,21 @@ impl Status {
         });
     }
 
+    /// A span of `pid` known whole when told: from `from_ns` to `to_ns`.
+    pub(super) fn lost_between(
+        &mut self,
+        pid: u32,
+        label: String,
+        from_ns: u64,
+        to_ns: u64,
+        cause: LossCause,
+    ) {
+        self.lost_from(pid, label, from_ns, cause);
+        if let Some(span) = self.lost_spans.back_mut() {
+            span.to_ns = Some(to_ns.max(from_ns));
+        }
+    }
+
     /// Closes the open spans of `pid` for causes `which` picks; answers
     /// whether there were any.
     pub(super) fn lost_until(
@@ -492,6 +507,21 @@ mod tests {
                     .all(|t| t.contains("CUPTI started recording 1000 ms later")),
             "{told:?}"
         );
+    }
+
+    #[test]
+    fn a_span_told_whole_is_closed_and_leaves_open_ones_open() {
+        let mut status = Status::default();
+        let other = LossCause::OtherUser { seen: true };
+        status.lost_from(7, "process 7".into(), 101 * SECOND, other);
+        let lost = LossCause::Unanswered { launches: 3 };
+        status.lost_between(7, "process 7".into(), 102 * SECOND, 104 * SECOND, lost);
+        let spans: Vec<(LossCause, Option<u64>)> = status
+            .lost_spans
+            .iter()
+            .map(|span| (span.cause, span.to_ns))
+            .collect();
+        assert_eq!(spans, [(other, None), (lost, Some(104 * SECOND))]);
     }
 
     #[test]
