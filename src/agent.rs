@@ -107,6 +107,8 @@ pub struct Agent {
     traces: Arc<TraceDemand>,
     detailed_traces: Arc<AtomicUsize>,
     max_delay: Duration,
+    /// The longest [`crate::backend::Capabilities::held_until_asked`] of the backends.
+    held_until_asked: Duration,
 }
 
 /// Marks a capture (or a Monitor) in progress for as long as it lives.
@@ -164,6 +166,11 @@ impl Agent {
             .map(|b| b.capabilities().max_delay)
             .max()
             .unwrap_or_default();
+        let held_until_asked = backends
+            .iter()
+            .map(|b| b.capabilities().held_until_asked)
+            .max()
+            .unwrap_or_default();
         Ok(Arc::new(Agent {
             registry,
             store,
@@ -175,6 +182,7 @@ impl Agent {
             traces,
             detailed_traces,
             max_delay,
+            held_until_asked,
         }))
     }
 
@@ -193,14 +201,17 @@ impl Agent {
     }
 
     /// Waits until `window` is over and its events have arrived, then returns
-    /// them. Dropping the future abandons the capture and frees everything.
+    /// them (for a window of the past, also those that sources hand over
+    /// only once a trace asked: [`crate::backend::Capabilities::held_until_asked`]).
+    /// Dropping the future abandons the capture and frees everything.
     pub async fn collect(
         &self,
         window: Window,
     ) -> Result<(WindowData, RegistrySnapshot), CollectorError> {
         let ready_at = window
             .stop_ns
-            .saturating_add(clock::duration_ns(self.max_delay));
+            .saturating_add(clock::duration_ns(self.max_delay))
+            .max(clock::now_ns().saturating_add(clock::duration_ns(self.held_until_asked)));
         tokio::time::sleep(clock::until(ready_at)).await;
         self.flush().await?;
         Ok((self.store.query(window), self.registry.snapshot()))

@@ -55,12 +55,22 @@ fn capture_only_kinds() -> impl Iterator<Item = u32> {
 /// recorded, before its timing is given up for CUPTI's records.
 const SILENCE_LIMIT_NS: u64 = 1_000_000_000;
 
-/// How long a capture's end waits for CUPTI to hand its buffers back
-/// before detaching (detaching hands back the rest). Short, because the
-/// agent builds the capture's trace 250 ms after its window: CUDA 13 hands
-/// the job threads' partly filled buffers (the window's last records) back
-/// only at the detach.
+/// How long a capture's end waits, after forcing CUPTI's buffers out, for
+/// them to come back before detaching (detaching hands back the rest).
+/// Short, because the agent builds the capture's trace 450 ms after its
+/// window and [`UNFINISHED_WAIT`] came first: CUDA 13 hands the job
+/// threads' partly filled buffers (the window's last records) back only
+/// at the detach.
 const RETURN_WAIT: Duration = Duration::from_millis(100);
+
+/// How long the end of a capture waits for the GPU to finish the work
+/// launched before it, before CUPTI's records are forced back. CUPTI hands
+/// back a buffer holding a record of work still running (or waiting to
+/// run) only when forced, and then that record comes back unfinished, with
+/// no end, never to be completed; a flush that is not forced hands back
+/// each buffer once all its work has ended. The agent builds a capture's
+/// trace 450 ms after its window.
+const UNFINISHED_WAIT: Duration = Duration::from_millis(200);
 
 /// How long a library gone quiet keeps trying to leave the job detached
 /// before it leaves CUPTI as it is.
@@ -245,6 +255,8 @@ pub fn control_loop() {
         kernels_at_timing: 0,
         selected: None,
         selection_ignored: false,
+        unfinished_at_ns: None,
+        generation: None,
     };
     let mut pulse = AgentPulse::new();
     let mut seen = session.ring.control();
@@ -326,6 +338,11 @@ struct Tracer {
     /// The stream is ours with [`BACKGROUND_KINDS`] alone on: the GPU's
     /// past is recorded, no capture runs.
     background: bool,
+    /// When CUPTI's records were last forced back: records of work still
+    /// running then come back unfinished, told with that time.
+    unfinished_at_ns: Option<u64>,
+    /// The generation of the control word at the last tick.
+    generation: Option<u32>,
 }
 
 /// When the timeline's calls were selected for CUPTI to record, and the
@@ -340,6 +357,7 @@ impl Tracer {
     /// One poll of the control word.
     fn tick(&mut self, session: &Session, control: Control) -> Result<(), String> {
         let capture = control.capture();
+        let new_word = self.generation.replace(control.generation) != Some(control.generation);
         // Recorded now: for a capture, or the GPU's past.
         let wanted = capture || control.record_always();
         self.all_api = control.all_api_records();
@@ -363,6 +381,10 @@ impl Tracer {
                     self.widen(session)?;
                 } else if !capture && !self.background {
                     self.narrow(session)?;
+                } else if !capture && new_word {
+                    // The same flags set again: the agent asks for the
+                    // records CUPTI holds, for a capture of the past.
+                    self.hand_back(session)?;
                 }
                 self.keep(session)
             }
@@ -713,17 +735,70 @@ impl Tracer {
         }
         self.stop_api_calls(session)?;
         self.background = true;
-        // Not forced: a forced flush while kernels run loses their records.
         // Under the gate, as every CUPTI call of the library: another user's
         // finalize must not run beside it (or attach CUPTI again after it).
         flush(session, false)?;
         drop(gate);
         timed_calls::deliver(session, true);
-        // Kernels go on being recorded, and a flush that is not forced
-        // leaves a thread's partly filled buffer with CUPTI: work that has
-        // not come back yet is no evidence here.
+        self.hand_back(session)?;
+        // Kernels go on being recorded: work that has not come back yet is
+        // no evidence here.
         tell_unanswered(session, None);
         Ok(())
+    }
+
+    /// While the GPU's past is recorded, gets back the records CUPTI holds
+    /// (the window that just ended needs its last ones). Kernels go on
+    /// being recorded into the same buffers, so on a busy GPU a flush that
+    /// is not forced may never hand the one being filled back: once the
+    /// work launched so far had its time to end, CUPTI is forced, and the
+    /// work still running then comes back unfinished (told).
+    fn hand_back(&mut self, session: &Session) -> Result<(), String> {
+        let settled = let_launched_work_end(session)?;
+        if crate::debug_enabled() {
+            say!(
+                "devtrace-inject: records asked for; {} of the library's buffers with CUPTI{}",
+                buffers::out(),
+                if settled { "" } else { ", forced back" }
+            );
+        }
+        if settled {
+            return Ok(());
+        }
+        let forced_at_ns = {
+            let gate = detach::gate();
+            if *gate != Attachment::Attached {
+                return Ok(());
+            }
+            flush(session, true)?;
+            devtrace_shm::clock::now_ns()
+        };
+        wait_for_buffers(RETURN_WAIT);
+        self.unfinished_at_ns = Some(forced_at_ns);
+        self.tell_unfinished(session);
+        Ok(())
+    }
+
+    /// Tells the agent of the device records that came back unfinished
+    /// since the last forced flush (at [`Tracer::unfinished_at_ns`]).
+    fn tell_unfinished(&mut self, session: &Session) {
+        let Some(at_ns) = self.unfinished_at_ns else {
+            return;
+        };
+        let Some(unfinished) = session
+            .converter
+            .lock()
+            .ok()
+            .and_then(|mut converter| converter.take_unfinished())
+        else {
+            return;
+        };
+        session.write_meta(&MetaRecord::Unfinished {
+            from_ns: unfinished.earliest_start_ns.unwrap_or(at_ns).min(at_ns),
+            at_ns,
+            kernels: unfinished.kernels,
+            other: unfinished.other,
+        });
     }
 
     /// The capture's kernels are recorded from `recording_ns`: its launches
@@ -766,12 +841,28 @@ impl Tracer {
             }
             // The teardown's kind counts as on whatever fails after it
             // was enabled, so that giving up switches it off.
-            let disabled = self.disable_all_but(session, Some(KEEPER_KIND));
+            let switched = self.switch_off_all_but(session, Some(KEEPER_KIND));
             self.keeper_on = true;
-            disabled?;
+            switched?;
+            flush(session, false)?;
         }
+        let_launched_work_end(session)?;
+        let forced_at_ns = {
+            let gate = detach::gate();
+            if *gate != Attachment::Attached {
+                // Another user finalized CUPTI meanwhile.
+                drop(gate);
+                timed_calls::deliver(session, true);
+                tell_unanswered(session, None);
+                return Ok(());
+            }
+            flush(session, true)?;
+            devtrace_shm::clock::now_ns()
+        };
         let waited = Instant::now();
         wait_for_buffers(RETURN_WAIT);
+        self.unfinished_at_ns = Some(forced_at_ns);
+        self.tell_unfinished(session);
         // CUDA 13's CUPTI hands a thread's partly filled buffer back only
         // as it is detached: the launches are checked once every buffer is
         // back.
@@ -893,6 +984,7 @@ impl Tracer {
             at_ns: devtrace_shm::clock::now_ns(),
         });
         let unreturned = buffers::give_up_unreturned();
+        self.tell_unfinished(session);
         if let Some(ended_ns) = self.unanswered_ended_ns.take() {
             tell_unanswered(session, Some(ended_ns));
         }
@@ -985,12 +1077,18 @@ impl Tracer {
 
     /// As [`Tracer::disable`], leaving `kept` on. The caller holds the gate.
     fn disable_all_but(&mut self, session: &Session, kept: Option<u32>) -> Result<(), String> {
+        self.switch_off_all_but(session, kept)?;
+        flush(session, true)
+    }
+
+    /// Disables every kind but `kept`, and the API records. The caller
+    /// holds the gate.
+    fn switch_off_all_but(&mut self, session: &Session, kept: Option<u32>) -> Result<(), String> {
         let on = cupti::KINDS.into_iter().rev();
         for kind in on.filter(|kind| Some(*kind) != kept) {
             cupti::disable(kind)?;
         }
-        self.stop_api_calls(session)?;
-        flush(session, true)
+        self.stop_api_calls(session)
     }
 }
 
@@ -1034,6 +1132,37 @@ fn tell_unanswered(session: &Session, ended_ns: Option<u64>) {
             to_ns,
             launches: lost.launches,
         });
+    }
+}
+
+/// Waits, for up to [`UNFINISHED_WAIT`], for the GPU to finish the work
+/// launched before recording stopped or narrowed, asking CUPTI every
+/// couple of milliseconds for the buffers whose work has all ended (see
+/// [`UNFINISHED_WAIT`]). Answers whether it did: every buffer is back, or
+/// a kernel record came back for every launch of the capture the library
+/// timed. Without a launch timed (CUPTI records the calls, or none was
+/// made), only the buffers tell.
+fn let_launched_work_end(session: &Session) -> Result<bool, String> {
+    let deadline = Instant::now() + UNFINISHED_WAIT;
+    loop {
+        let answered = session
+            .converter
+            .lock()
+            .ok()
+            .and_then(|converter| converter.unanswered.launches_answered())
+            == Some(true);
+        if buffers::out() == 0 || answered {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+        let gate = detach::gate();
+        if *gate != Attachment::Attached {
+            return Ok(true);
+        }
+        cupti::flush_all(false)?;
     }
 }
 

@@ -36,6 +36,34 @@ const COUNTER_ADOPTED: &str = "CUPTI stamps this process's records with the CPU'
 counter, registered for them before the library could see it (as torch.profiler does, run before \
 the library was loaded): the library maps them by that counter";
 
+/// Device work whose record CUPTI handed back unfinished: a forced flush
+/// while it ran or waited to run gives its record no end (0), and CUPTI
+/// never completes it. Such records are not placed; they are counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Unfinished {
+    pub kernels: u64,
+    /// Copies and memsets.
+    pub other: u64,
+    /// The earliest start among those that had started (host clock).
+    pub earliest_start_ns: Option<u64>,
+}
+
+impl Unfinished {
+    fn note(&mut self, kernel: bool, started_ns: Option<u64>) {
+        if kernel {
+            self.kernels += 1;
+        } else {
+            self.other += 1;
+        }
+        if let Some(started_ns) = started_ns {
+            self.earliest_start_ns = Some(
+                self.earliest_start_ns
+                    .map_or(started_ns, |earliest| earliest.min(started_ns)),
+            );
+        }
+    }
+}
+
 /// What occupancy needs to know about a GPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Limits {
@@ -99,6 +127,8 @@ pub struct Converter {
     tried_counter: bool,
     /// The capture's launches whose GPU work has not come back.
     pub unanswered: Unanswered,
+    /// Device records that came back unfinished, since last taken.
+    unfinished: Unfinished,
 }
 
 impl Converter {
@@ -124,7 +154,25 @@ impl Converter {
             told_unknown_clock: false,
             tried_counter: false,
             unanswered: Unanswered::default(),
+            unfinished: Unfinished::default(),
         }
+    }
+
+    /// The device records that came back unfinished since the last call.
+    pub fn take_unfinished(&mut self) -> Option<Unfinished> {
+        let unfinished = std::mem::take(&mut self.unfinished);
+        (unfinished != Unfinished::default()).then_some(unfinished)
+    }
+
+    /// Whether the record's work is unfinished (see [`Unfinished`]): then
+    /// it is counted, and not to be placed.
+    fn unfinished(&mut self, kernel: bool, start: u64, end: u64) -> bool {
+        if end != 0 {
+            return false;
+        }
+        let started_ns = (start != 0).then(|| self.clock.realtime(start));
+        self.unfinished.note(kernel, started_ns);
+        true
     }
 
     /// The limits of device `ordinal` as the driver gives them, for kernels
@@ -253,9 +301,16 @@ impl Converter {
                 static_shared + dynamic_shared,
             )
         });
-        let (start, duration) = self.span(r.read(k::START), r.read(k::END));
-        self.latest_kernel_ns = self.latest_kernel_ns.max(start);
         let correlation_id = r.read::<u32>(k::CORRELATION_ID);
+        let (raw_start, raw_end) = (r.read(k::START), r.read(k::END));
+        if self.unfinished(true, raw_start, raw_end) {
+            // Its launch was answered: the kernel is not lost to another
+            // user, only its times.
+            self.unanswered.answered(correlation_id, 0);
+            return;
+        }
+        let (start, duration) = self.span(raw_start, raw_end);
+        self.latest_kernel_ns = self.latest_kernel_ns.max(start);
         self.unanswered
             .answered(correlation_id, start.saturating_add(duration));
         out.push(Event::new(
@@ -289,8 +344,12 @@ impl Converter {
             10 => (CopyKind::PeerToPeer, "MemcpyP2P"),
             _ => (CopyKind::Other, "MemcpyOther"),
         };
+        let (raw_start, raw_end) = (r.read(m::START), r.read(m::END));
+        if self.unfinished(false, raw_start, raw_end) {
+            return;
+        }
         let name = self.name(label);
-        let (start, duration) = self.span(r.read(m::START), r.read(m::END));
+        let (start, duration) = self.span(raw_start, raw_end);
         out.push(Event::new(
             start,
             duration,
@@ -309,8 +368,12 @@ impl Converter {
 
     fn memset(&mut self, r: RecordRef, out: &mut Vec<Event>) {
         use layout::memset as m;
+        let (raw_start, raw_end) = (r.read(m::START), r.read(m::END));
+        if self.unfinished(false, raw_start, raw_end) {
+            return;
+        }
         let name = self.name("Memset");
-        let (start, duration) = self.span(r.read(m::START), r.read(m::END));
+        let (start, duration) = self.span(raw_start, raw_end);
         out.push(Event::new(
             start,
             duration,
@@ -676,6 +739,38 @@ mod tests {
         // A second record of the same call reuses the name.
         converter.convert(bytes, &mut out);
         assert!(converter.take_meta().is_empty());
+    }
+
+    /// A copy whose record CUPTI handed back unfinished (no end) is not
+    /// placed at a made-up time: it is counted, with when it started.
+    #[test]
+    fn device_work_handed_back_unfinished_is_counted_not_placed() {
+        use crate::cupti::layout::memcpy;
+        let copy = |start: u64, end: u64| {
+            let mut record = [0u8; 128];
+            record[0..4].copy_from_slice(&kind::MEMCPY.to_ne_bytes());
+            record[memcpy::COPY_KIND.offset] = 1;
+            record[memcpy::START.offset..memcpy::START.offset + 8]
+                .copy_from_slice(&start.to_ne_bytes());
+            record[memcpy::END.offset..memcpy::END.offset + 8].copy_from_slice(&end.to_ne_bytes());
+            record
+        };
+        let mut converter = Converter::new(5, 26, |_, _| None);
+        converter.clock = ClockMap::from_readings(1_000, 0, 1_000);
+        let mut out = Vec::new();
+        for (start, end) in [(100, 150), (400, 0), (0, 0), (300, 0)] {
+            converter.convert(copy(start, end).as_ptr(), &mut out);
+        }
+        assert_eq!(out.len(), 1, "only the finished copy is placed");
+        assert_eq!(
+            converter.take_unfinished(),
+            Some(Unfinished {
+                kernels: 0,
+                other: 3,
+                earliest_start_ns: Some(1_300),
+            })
+        );
+        assert_eq!(converter.take_unfinished(), None, "taken once");
     }
 
     /// A record stamped by a clock the map does not know (a profiler's,

@@ -58,6 +58,8 @@ pub struct Unanswered {
     newest_answered: Option<u32>,
     /// The latest end of a kernel that came back (host clock).
     latest_kernel_end_ns: u64,
+    /// The newest launch counted.
+    newest_launched: Option<u32>,
 }
 
 /// Launches counted without being kept.
@@ -90,6 +92,12 @@ impl Unanswered {
         if at_ns < self.counting_from_ns || self.is_answered(correlation_id) {
             return;
         }
+        if self
+            .newest_launched
+            .is_none_or(|newest| newer(correlation_id, newest))
+        {
+            self.newest_launched = Some(correlation_id);
+        }
         self.prune();
         if self.pending.len() < MAX_KEPT {
             self.pending.push_back((correlation_id, at_ns));
@@ -111,6 +119,13 @@ impl Unanswered {
             self.newest_answered = Some(correlation_id);
         }
         self.latest_kernel_end_ns = self.latest_kernel_end_ns.max(end_ns);
+    }
+
+    /// Whether a kernel record came back for every launch counted so far
+    /// (its own or a later launch's: ids are in call order); none when no
+    /// launch was counted.
+    pub fn launches_answered(&self) -> Option<bool> {
+        self.newest_launched.map(|id| self.is_answered(id))
     }
 
     /// The launches so far belong to another CUPTI user's span, which the
@@ -247,6 +262,31 @@ mod tests {
         launches.launched(1, S);
         launches.forget();
         assert_eq!(launches.take_lost(10 * S), None);
+    }
+
+    #[test]
+    fn every_launch_is_answered_once_its_kernel_or_a_later_one_came_back() {
+        let mut launches = Unanswered::default();
+        assert_eq!(launches.launches_answered(), None, "no launch yet");
+        launches.launched(7, S);
+        launches.launched(8, S);
+        assert_eq!(launches.launches_answered(), Some(false));
+        launches.answered(7, 2 * S);
+        assert_eq!(
+            launches.launches_answered(),
+            Some(false),
+            "the newest launch is out"
+        );
+        launches.answered(9, 2 * S);
+        assert_eq!(launches.launches_answered(), Some(true));
+        launches.launched(10, 3 * S);
+        assert_eq!(launches.launches_answered(), Some(false));
+        launches.forget();
+        assert_eq!(
+            launches.launches_answered(),
+            None,
+            "forgotten launches are no one's"
+        );
     }
 
     #[test]

@@ -656,6 +656,7 @@ impl Backend for MockBackend {
                 "allocator events",
             ],
             max_delay: TICK * 10,
+            held_until_asked: std::time::Duration::ZERO,
         }
     }
 

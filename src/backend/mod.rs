@@ -28,6 +28,11 @@ pub struct Capabilities {
     /// Longest time between an event happening and it being in the ring; a
     /// capture waits this long after its window closes before it collects.
     pub max_delay: Duration,
+    /// How long after a trace ends the backend's sources may still be
+    /// handing over events they held until asked (a workload recording its
+    /// GPU's past holds its latest kernels in CUPTI's buffers): a capture
+    /// of the past waits this long after it was asked for.
+    pub held_until_asked: Duration,
 }
 
 /// How a backend is doing, for `Monitor` and the `serve` log.

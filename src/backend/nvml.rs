@@ -271,6 +271,7 @@ impl Backend for NvmlBackend {
                 "GPU utilisation, memory, power, temperature, clocks, PCIe, ECC, throttling, XID errors",
             ],
             max_delay: self.config.interval * 2,
+            held_until_asked: std::time::Duration::ZERO,
         }
     }
 

@@ -126,6 +126,7 @@ impl Backend for PerfBackend {
         Capabilities {
             records: vec!["per-CPU and per-process perf counters"],
             max_delay: self.config.interval * 2,
+            held_until_asked: std::time::Duration::ZERO,
         }
     }
 

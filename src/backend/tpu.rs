@@ -336,6 +336,7 @@ impl Backend for TpuBackend {
         Capabilities {
             records: vec!["TPU activity from libtpu's profiler (per capture)"],
             max_delay: std::time::Duration::ZERO,
+            held_until_asked: std::time::Duration::ZERO,
         }
     }
 

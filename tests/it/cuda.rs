@@ -2680,6 +2680,176 @@ async fn kernels_still_running_as_a_capture_ends_are_not_taken_for_lost() {
     assert_no_launch_unanswered(&space);
 }
 
+/// Captures `duration_ms` and lets the workload go `before_end_ms` before
+/// the window ends; returns the trace.
+async fn capture_releasing_before_the_end(
+    agent: &AgentProcess,
+    duration_ms: u64,
+    release: &std::path::Path,
+    before_end_ms: u64,
+) -> XSpace {
+    let capture = common::workload::capture(agent, duration_ms);
+    let go = async {
+        let wait = duration_ms.saturating_sub(before_end_ms);
+        tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
+        std::fs::write(release, b"go").expect("releasing the workload");
+    };
+    let (space, ()) = tokio::join!(capture, go);
+    space
+}
+
+/// One iteration whose kernel runs `kernel_ms` on the GPU, launched about
+/// 60 ms before a 1.5 s capture's end; returns the trace and the kernel's
+/// launch call.
+async fn capture_a_kernel_across_the_end(
+    name: &str,
+    kernel_ms: u64,
+    cupti_version: &str,
+) -> (XSpace, Call) {
+    let setup = setup(name);
+    let agent = setup.agent();
+    let release = release_file(&setup, "across");
+    let kernel_ns = (kernel_ms * 1_000_000).to_string();
+    let workload = setup.workload(
+        &[
+            "1",
+            "--wait-file",
+            release.to_str().unwrap(),
+            "--sleep-ms",
+            "3000",
+        ],
+        &[
+            ("DEVTRACE_STANDIN_CUPTI_VERSION", cupti_version),
+            ("DEVTRACE_STANDIN_GPU_KERNEL_NS", &kernel_ns),
+        ],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    let space = capture_releasing_before_the_end(&agent, 1500, &release, 60).await;
+    let calls = calls_until_done(&workload);
+    let launch = calls
+        .iter()
+        .find(|c| c.name == "cuLaunchKernel")
+        .expect("the kernel's launch")
+        .clone();
+    let (start, stop) = common::window_of(&space);
+    assert!(
+        launch.realtime.0 > start && launch.realtime.0 < stop,
+        "the launch at {} in the window {start}..{stop} (the release came late)",
+        launch.realtime.0
+    );
+    (space, launch)
+}
+
+/// A kernel still running as a capture's window ends is in its trace:
+/// CUPTI hands back the record of work still running only when its
+/// buffers are forced back, and then without its end, never completed; the
+/// library lets the work launched in the window end first. (It used to
+/// force them at once: the kernel was lost, unsaid.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kernel_still_running_as_a_capture_ends_is_in_its_trace() {
+    for version in ["26", "130001"] {
+        let name = format!("cuda_running_at_end_{version}");
+        let (space, launch) = capture_a_kernel_across_the_end(&name, 150, version).await;
+        let kernels = program_kernels(&space);
+        assert_eq!(kernels.len(), 1, "CUPTI {version}: {:?}", space.warnings);
+        let (kernel, start_ns) = &kernels[0];
+        assert!(
+            start_ns.abs_diff(launch.realtime.0) < 5_000_000
+                && kernel.duration_ps == 150_000_000_000,
+            "CUPTI {version}: the kernel at {start_ns} for {} ps, launched at {}",
+            kernel.duration_ps,
+            launch.realtime.0
+        );
+        let unfinished = common::warnings_with(&space, "unfinished");
+        assert!(unfinished.is_empty(), "CUPTI {version}: {unfinished:?}");
+    }
+}
+
+/// Work still running long after a capture's end (longer than the library
+/// waits for it) comes back from CUPTI unfinished: the trace says how much,
+/// and from when.
+#[tokio::test(flavor = "multi_thread")]
+async fn work_still_running_long_after_a_capture_ends_is_told_unfinished() {
+    let (space, launch) = capture_a_kernel_across_the_end("cuda_running_long", 3000, "26").await;
+    assert!(program_kernels(&space).is_empty(), "{:?}", space.warnings);
+    let told = common::warnings_with(&space, "unfinished, without their end");
+    assert_eq!(told.len(), 1, "{:?}", space.warnings);
+    // The iteration's two kernels (the second had not started) and the
+    // copy after them on their stream.
+    assert!(
+        told[0].contains("2 kernels and 1 copy or memset"),
+        "{}",
+        told[0]
+    );
+    let (start, _) = common::window_of(&space);
+    let said = told[0]
+        .split("running from ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|seconds| seconds.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no start in {}", told[0]));
+    let launched = (launch.realtime.0 - start) as f64 / 1e9;
+    assert!(
+        (said - launched).abs() < 0.005,
+        "{said} s, launched at {launched} s"
+    );
+}
+
+/// Under `--cuda-record always` a look-back capture of a busy GPU holds
+/// its kernels up to the window's end: the buffer CUPTI is filling always
+/// holds a kernel still running, so a flush that is not forced never
+/// hands it back, and the library is asked for it as the capture ends.
+/// (It was not: the look-back held none of the window's kernels.)
+#[tokio::test(flavor = "multi_thread")]
+async fn under_cuda_record_always_a_look_back_at_a_busy_gpu_holds_its_last_kernels() {
+    let setup = setup("cuda_past_busy");
+    let agent = setup.agent_with(&["--cuda-record", "always"]);
+    let release = release_file(&setup, "busy");
+    // Two kernels of 25 ms launched every 45 ms or so: the GPU never idles
+    // (and falls behind the launches by 5 ms an iteration).
+    let workload = setup.workload(
+        &recorded_run("60", &release)
+            .into_iter()
+            .chain(["--sleep-ms", "45", "--quiet"])
+            .collect::<Vec<_>>(),
+        &[("DEVTRACE_STANDIN_GPU_KERNEL_NS", "25000000")],
+    );
+    workload.read_until("waiting");
+    wait_for_attached(&agent, 1).await;
+    std::fs::write(&release, b"go").expect("releasing the workload");
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let to = common::now_ns() - 300_000_000;
+    let from = to - 800_000_000;
+    let space = look_back(&agent, from, to).await;
+    let mut starts: Vec<u64> = program_kernels(&space)
+        .into_iter()
+        .map(|(_, start)| start)
+        .filter(|start| (from..to).contains(start))
+        .collect();
+    starts.sort_unstable();
+    // 800 ms of 25 ms kernels back to back (and the copies between).
+    assert!(
+        starts.len() >= 28,
+        "{} kernels: {:?}",
+        starts.len(),
+        space.warnings
+    );
+    let last = *starts.last().unwrap();
+    assert!(
+        to - last <= 30_000_000,
+        "the last kernel {} ms before the end",
+        (to - last) / 1_000_000
+    );
+    let gaps = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    assert!(
+        gaps <= 30_000_000,
+        "a gap of {} ms between kernels",
+        gaps / 1_000_000
+    );
+    workload.read_until("done");
+}
+
 /// Launches recorded into a CUDA graph by stream capture run no kernel: a
 /// job that captures a graph and then idles is not said to have lost them.
 #[tokio::test(flavor = "multi_thread")]

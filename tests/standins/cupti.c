@@ -106,7 +106,10 @@
  *   context and stream are ignored): flag 0 hands back each partly filled
  *   buffer (every thread's, from 130000) once all device work in it has
  *   ended; CUPTI_ACTIVITY_FLAG_FLUSH_FORCED (1) hands back every buffer being
- *   filled (even an empty one). bufferCompleted runs on a worker thread of
+ *   filled (even an empty one), and as CUPTI's documentation says of
+ *   incomplete records, the kernels, copies and memsets in it whose device
+ *   work has not ended come back unfinished: end (and a kernel's completed)
+ *   0, start 0 too if the work had not started, never filled in later. bufferCompleted runs on a worker thread of
  *   this library; cuptiActivityFlushAll returns after it has delivered
  *   everything handed back so far. cuptiActivityFlushPeriod(ms) makes
  *   the worker do a flag-0 flush every ms; cuptiFinalize does a forced one.
@@ -769,6 +772,17 @@ struct filling {
     uint8_t *buffer;   /* or NULL */
     size_t size, used, max_records, records;
     uint64_t busy_until; /* latest end of device work in it */
+    /* Its device records (kernels, copies, memsets), for a forced flush to
+     * leave those whose work has not ended without their times. */
+    struct device_record *device;
+    size_t ndevice, device_cap;
+};
+
+/* Where a device record's times lie in a buffer, and the work's [start, end)
+ * on the GPU's clock. */
+struct device_record {
+    uint64_t *start, *end, *completed; /* completed: kernels only, else NULL */
+    uint64_t gpu_start, gpu_end;
 };
 
 /* API < 130000: fillings[0] is the one buffer. >= 130000: one slot per
@@ -791,6 +805,10 @@ static pthread_t worker;
 static uint32_t flush_period_ms;
 
 static size_t dropped;
+/* Records of device work a forced flush handed back unfinished. */
+static size_t unfinished_handed_back;
+/* The GPU-clock interval device_interval gave last. */
+static uint64_t last_gpu_start, last_gpu_end;
 static long long pending_env_drops;
 static uint32_t next_correlation = 1;
 static int64_t next_grid_id = 1;
@@ -942,6 +960,22 @@ static uint64_t stamp(uint64_t t) {
 
 /* Queues buffer `f` for delivery, now or (due_ns != 0) on the late list.
  * Caller holds lock. */
+/* A forced flush hands back work that has not ended as real CUPTI does: its
+ * record without an end (0), and without a start if it had not started
+ * either; the record is never completed afterwards. Caller holds lock. */
+static void leave_unfinished(struct filling *f, uint64_t now) {
+    if (now >= f->busy_until) return;
+    for (size_t i = 0; i < f->ndevice; i++) {
+        struct device_record *d = &f->device[i];
+        if (d->gpu_end <= now) continue;
+        uint64_t zero = 0;
+        memcpy(d->end, &zero, sizeof zero);
+        if (d->completed) memcpy(d->completed, &zero, sizeof zero);
+        if (d->gpu_start > now) memcpy(d->start, &zero, sizeof zero);
+        unfinished_handed_back++;
+    }
+}
+
 static void close_buffer_due(struct filling *f, uint64_t due_ns) {
     if (!f->buffer) return;
     struct completed *c = calloc(1, sizeof *c);
@@ -968,6 +1002,7 @@ static void close_buffer_due(struct filling *f, uint64_t due_ns) {
     f->buffer = NULL;
     f->size = f->used = f->records = f->max_records = 0;
     f->busy_until = 0;
+    f->ndevice = 0;
 }
 
 static void close_buffer(struct filling *f) {
@@ -1186,6 +1221,7 @@ static void flush_all_locked(int forced, int all_now) {
     for (size_t i = 0; i < sizeof fillings / sizeof fillings[0]; i++) {
         struct filling *f = &fillings[i];
         int late = forced && !all_now && per_thread_buffers && f->tid != 0 && f->tid != self;
+        if (forced) leave_unfinished(f, now);
         if (forced || (f->used && now >= f->busy_until)) close_buffer_due(f, late ? due : 0);
     }
     if (all_now) release_late(UINT64_MAX);
@@ -1225,6 +1261,29 @@ static void device_interval(const struct standin_call *call, uint64_t duration, 
     if (*tail > last_filled->busy_until) last_filled->busy_until = *tail;
     *start = stamp(s);
     *end = stamp(s + duration);
+    last_gpu_start = s;
+    last_gpu_end = s + duration;
+}
+
+/* Notes the device record just copied to `out` (in last_filled), whose
+ * times device_interval took last, with its fields at these offsets
+ * (`completed_at` < 0: none). Caller holds lock. */
+static void track_device_record(void *out, size_t start_at, size_t end_at, long completed_at, size_t bytes) {
+    struct filling *f = last_filled;
+    if (f->ndevice == f->device_cap) {
+        size_t cap = f->device_cap ? f->device_cap * 2 : 256;
+        struct device_record *grown = realloc(f->device, cap * sizeof *grown);
+        if (!grown) return; /* untracked: handed back complete */
+        f->device = grown;
+        f->device_cap = cap;
+    }
+    uint8_t *base = out;
+    struct device_record *d = &f->device[f->ndevice++];
+    d->start = (uint64_t *)(base + start_at);
+    d->end = (uint64_t *)(base + end_at);
+    d->completed = completed_at >= 0 && (size_t)completed_at + 8 <= bytes ? (uint64_t *)(base + completed_at) : NULL;
+    d->gpu_start = last_gpu_start;
+    d->gpu_end = last_gpu_end;
 }
 
 static void write_context(uint32_t context_id, uint32_t device_id, const struct standin_call *call) {
@@ -1358,6 +1417,8 @@ static void write_kernel(const struct standin_call *call, uint32_t correlation, 
     r->sourceGraphId = graph_id ? source_graph_id : 0;
     r->sourceGraphNodeId = graph_id ? k->source_node_id : 0;
     memcpy(out, r, kernel_bytes);
+    track_device_record(out, offsetof(CUpti_ActivityKernel13, start), offsetof(CUpti_ActivityKernel13, end),
+                        (long)offsetof(CUpti_ActivityKernel13, completed), kernel_bytes);
 }
 
 /* Driver API names by cbid, learned from the calls the stand-in driver
@@ -1596,6 +1657,8 @@ static void record_call(struct standin_call *call) {
         r->sourceGraphId = 0;
         r->sourceGraphNodeId = 0;
         memcpy(out, r, memcpy_bytes);
+        track_device_record(out, offsetof(CUpti_ActivityMemcpy7, start), offsetof(CUpti_ActivityMemcpy7, end), -1,
+                            memcpy_bytes);
         break;
     }
     case STANDIN_CALL_MEMSET: {
@@ -1622,6 +1685,8 @@ static void record_call(struct standin_call *call) {
         r->sourceGraphId = 0;
         r->sourceGraphNodeId = 0;
         memcpy(out, r, memset_bytes);
+        track_device_record(out, offsetof(CUpti_ActivityMemset5, start), offsetof(CUpti_ActivityMemset5, end), -1,
+                            memset_bytes);
         break;
     }
     case STANDIN_CALL_ALLOC:

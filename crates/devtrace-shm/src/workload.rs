@@ -208,6 +208,17 @@ pub enum MetaRecord {
         to_ns: u64,
         launches: u64,
     },
+    /// CUPTI's records were forced back at `at_ns` while `kernels` kernels
+    /// and `other` copies and memsets were still running or waiting to
+    /// run: their records came back unfinished, without an end, and are
+    /// not in the ring. The earliest of them that had started did so at
+    /// `from_ns` (`at_ns` when none had).
+    Unfinished {
+        from_ns: u64,
+        at_ns: u64,
+        kernels: u64,
+        other: u64,
+    },
 }
 
 /// Why the timeline's calls went unrecorded for a while.
@@ -398,6 +409,12 @@ impl MetaRecord {
                 to_ns,
                 launches,
             } => format!("unanswered {from_ns} {to_ns} {launches}\n"),
+            MetaRecord::Unfinished {
+                from_ns,
+                at_ns,
+                kernels,
+                other,
+            } => format!("unfinished {from_ns} {at_ns} {kernels} {other}\n"),
         }
     }
 
@@ -479,6 +496,12 @@ impl MetaRecord {
                 from_ns: fields.next()?.parse().ok()?,
                 to_ns: fields.next()?.parse().ok()?,
                 launches: fields.next()?.parse().ok()?,
+            },
+            "unfinished" => MetaRecord::Unfinished {
+                from_ns: fields.next()?.parse().ok()?,
+                at_ns: fields.next()?.parse().ok()?,
+                kernels: fields.next()?.parse().ok()?,
+                other: fields.next()?.parse().ok()?,
             },
             _ => return None,
         };
@@ -753,6 +776,12 @@ pub fn sample_records() -> Vec<MetaRecord> {
             from_ns: 18,
             to_ns: 19,
             launches: 20,
+        },
+        MetaRecord::Unfinished {
+            from_ns: 21,
+            at_ns: 22,
+            kernels: 23,
+            other: 24,
         },
         MetaRecord::Cupti {
             version: 130001,

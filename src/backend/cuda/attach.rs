@@ -419,6 +419,23 @@ impl Attachments {
                     let mut status = self.status.lock();
                     status.lost_between(pid, process.label(), from_ns, to_ns, lost);
                 }
+                MetaRecord::Unfinished {
+                    from_ns,
+                    at_ns,
+                    kernels,
+                    other,
+                } => {
+                    let lost = LossCause::Unfinished {
+                        kernels,
+                        other,
+                        started: from_ns < at_ns,
+                    };
+                    // Work that had not started is told at the moment it
+                    // was forced back (a span of its own).
+                    let to_ns = at_ns.max(from_ns.saturating_add(1));
+                    let mut status = self.status.lock();
+                    status.lost_between(pid, process.label(), from_ns, to_ns, lost);
+                }
                 MetaRecord::Resumed { at_ns } => {
                     let other_user = |cause| matches!(cause, LossCause::OtherUser { .. });
                     let text = format!(
@@ -441,8 +458,17 @@ impl Attachments {
     /// Sets the control word of each process whose user a trace in
     /// progress covers to `flags`, with `background` (the GPU's past asked
     /// for) for every process; drains every ring, and lets go of processes
-    /// that exited or broke their ring.
-    pub(super) fn service(&mut self, flags: u32, background: u32, traces: &TraceDemand) {
+    /// that exited or broke their ring. With `hand_back`, a process
+    /// recording its past whose word stays as it was is asked for the
+    /// records its CUPTI holds (the word is set again, to the same flags:
+    /// a new generation), for a trace of the past that just ended.
+    pub(super) fn service(
+        &mut self,
+        flags: u32,
+        background: u32,
+        hand_back: bool,
+        traces: &TraceDemand,
+    ) {
         let keys: Vec<FileIdentity> = self.processes.keys().copied().collect();
         for key in keys {
             let Some((pid, started)) = self.processes.get(&key).map(|p| (p.pid, p.started)) else {
@@ -482,6 +508,8 @@ impl Attachments {
                     }
                     process.ring.set_control(flags);
                     process.control = flags;
+                } else if hand_back && flags & CONTROL_RECORD_ALWAYS != 0 {
+                    process.ring.set_control(flags);
                 }
                 // The library stops following a control word whose agent
                 // stopped beating (it died without clearing it). After the

@@ -208,13 +208,23 @@ impl Backend for CudaBackend {
             records: vec!["GPU kernels, copies and memory of injected CUDA processes"],
             // A capture's window over, the agent clears the control word
             // within a pass (10 ms) and the library sees it within its poll
-            // (20 ms). Partly filled buffers (the window's last records;
-            // while recording, only full ones come back, every 100 ms) are
-            // forced out then, but CUDA 13's per-thread buffers of the
-            // job's threads come back only when CUPTI is detached: the
-            // library waits up to 100 ms for them before it detaches at the
-            // job's next CUDA call. Then a drain, with room for a loaded host.
-            max_delay: Duration::from_millis(250),
+            // (20 ms). It waits up to 200 ms for the GPU to finish the work
+            // launched before (CUPTI hands a record of work still running
+            // back only when forced, unfinished), then forces the partly
+            // filled buffers (the window's last records) out; CUDA 13's
+            // per-thread buffers of the job's threads may come back only
+            // when CUPTI is detached: the library waits up to 100 ms for
+            // them before it detaches at the job's next CUDA call. Then a
+            // drain, with room for a loaded host.
+            max_delay: Duration::from_millis(450),
+            // Recording the GPU's past, a workload's CUPTI holds the
+            // records of its latest moments until a trace that ended asks
+            // for them (it waits up to 200 ms for the work launched to
+            // end, as at a capture's end).
+            held_until_asked: match self.config.record {
+                Recording::Always => Duration::from_millis(450),
+                Recording::Capture => Duration::ZERO,
+            },
         }
     }
 
@@ -267,8 +277,14 @@ impl Backend for CudaBackend {
             };
             let mut last_scan: Option<Instant> = None;
             let mut last_capturing: Option<Instant> = None;
+            let mut served_demand = context.traces.changes();
             while !stop.is_set() {
                 let demand = context.traces.changes();
+                // A trace began or ended since the last pass: one of the
+                // GPU's past (a look-back capture) may have come and gone
+                // within it, and needs the records CUPTI holds.
+                let hand_back = demand != served_demand;
+                served_demand = demand;
                 let capturing = context.traces.any();
                 if capturing {
                     last_capturing = Some(Instant::now());
@@ -289,6 +305,7 @@ impl Backend for CudaBackend {
                 attach.service(
                     control_flags(capturing, api_records),
                     background,
+                    hand_back,
                     &context.traces,
                 );
                 // Workloads recording the GPU's past fill their rings

@@ -42,6 +42,15 @@ pub(super) enum LossCause {
     /// back from CUPTI, nor that of any later launch, up to the capture's
     /// end.
     Unanswered { launches: u64 },
+    /// CUPTI's records were forced back (at the span's end) while this
+    /// much of the process's GPU work was still running, or waiting to
+    /// run: its records came back unfinished. `started` when some of it
+    /// had started (at the span's start).
+    Unfinished {
+        kernels: u64,
+        other: u64,
+        started: bool,
+    },
 }
 
 /// A span of one process's GPU activity that is missing from the trace.
@@ -123,6 +132,35 @@ impl LostSpan {
                 seconds(from),
                 seconds(to),
             ),
+            LossCause::Unfinished {
+                kernels,
+                other,
+                started,
+            } => {
+                let began = if started {
+                    format!(
+                        ", the earliest of it running from {:.3} s",
+                        seconds(self.from_ns.max(window.start_ns))
+                    )
+                } else {
+                    String::new()
+                };
+                let counted = |n: u64, one: &str, many: &str| {
+                    format!("{n} {}", if n == 1 { one } else { many })
+                };
+                format!(
+                    "CUPTI handed the injection library in {} the records of {} and {} \
+                     unfinished, without their end: that work \
+                     was still running or waiting to run on the GPU when the library took \
+                     CUPTI's records back, {:.3} s from this window's start and after waiting \
+                     for it to end, and CUPTI never completes such a record, so that work is \
+                     missing from the trace{began} (the GPU ran far behind the launches)",
+                    self.label,
+                    counted(kernels, "kernel", "kernels"),
+                    counted(other, "copy or memset", "copies or memsets"),
+                    (to_ns - window.start_ns.min(to_ns)) as f64 / 1e9,
+                )
+            }
             LossCause::ApiCalls(cause) => format!(
                 "the launch, copy and memset calls of {} from {:.3} s to {:.3} s of this window \
                  are missing (its kernels, copies and memsets are there, without the calls that \
@@ -537,6 +575,31 @@ mod tests {
         );
         // Not taken for the warnings of a profiler seen in the process.
         assert!(!told.contains("another CUPTI user"), "{told}");
+    }
+
+    #[test]
+    fn work_handed_back_unfinished_is_told_with_its_count_and_start() {
+        let cause = |started| LossCause::Unfinished {
+            kernels: 2,
+            other: 1,
+            started,
+        };
+        let told = span(104, Some(106), cause(true))
+            .describe(WINDOW)
+            .expect("overlaps");
+        assert!(
+            told.contains("the records of 2 kernels and 1 copy or memset unfinished")
+                && told.contains("back, 6.000 s from this window's start")
+                && told.contains("the earliest of it running from 4.000 s"),
+            "{told}"
+        );
+        // Work that had not started when forced back after the window ran
+        // after it: not this window's loss.
+        let after = LostSpan {
+            to_ns: Some(111 * SECOND + 1),
+            ..span(111, None, cause(false))
+        };
+        assert!(after.describe(WINDOW).is_none());
     }
 
     #[test]

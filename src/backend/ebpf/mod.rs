@@ -240,6 +240,7 @@ impl Backend for EbpfBackend {
             records,
             // Open slices are cut every split interval; one poll on top.
             max_delay: self.config.split_interval + Duration::from_millis(100),
+            held_until_asked: std::time::Duration::ZERO,
         }
     }
 
