@@ -722,7 +722,7 @@ async fn direct_capture(agent: &Agent, duration_ms: u64) -> Phases {
     };
     tokio::time::sleep(clock::until(window.stop_ns)).await;
     let t = Instant::now();
-    let (data, registry) = agent.collect(window).await.expect("collect");
+    let (data, registry) = agent.collect(window, None).await.expect("collect");
     let collect = t.elapsed();
     let info = CaptureInfo {
         window,

@@ -201,17 +201,25 @@ impl Agent {
     }
 
     /// Waits until `window` is over and its events have arrived, then returns
-    /// them (for a window of the past, also those that sources hand over
-    /// only once a trace asked: [`crate::backend::Capabilities::held_until_asked`]).
-    /// Dropping the future abandons the capture and frees everything.
+    /// them. For a trace of `scope` (`held_for`), the sources that hold some
+    /// of their events until asked are asked once the window is over, and
+    /// waited for ([`crate::backend::Capabilities::held_until_asked`]): a
+    /// window of the past gets them too. Dropping the future abandons the
+    /// capture and frees everything.
     pub async fn collect(
         &self,
         window: Window,
+        held_for: Option<Scope>,
     ) -> Result<(WindowData, RegistrySnapshot), CollectorError> {
-        let ready_at = window
+        tokio::time::sleep(clock::until(window.stop_ns)).await;
+        let mut ready_at = window
             .stop_ns
-            .saturating_add(clock::duration_ns(self.max_delay))
-            .max(clock::now_ns().saturating_add(clock::duration_ns(self.held_until_asked)));
+            .saturating_add(clock::duration_ns(self.max_delay));
+        if let Some(scope) = held_for.filter(|_| !self.held_until_asked.is_zero()) {
+            self.traces.ask_for_held(scope);
+            let held_ns = clock::duration_ns(self.held_until_asked);
+            ready_at = ready_at.max(clock::now_ns().saturating_add(held_ns));
+        }
         tokio::time::sleep(clock::until(ready_at)).await;
         self.flush().await?;
         Ok((self.store.query(window), self.registry.snapshot()))

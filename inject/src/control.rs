@@ -255,7 +255,6 @@ pub fn control_loop() {
         kernels_at_timing: 0,
         selected: None,
         selection_ignored: false,
-        unfinished_at_ns: None,
         generation: None,
     };
     let mut pulse = AgentPulse::new();
@@ -338,9 +337,6 @@ struct Tracer {
     /// The stream is ours with [`BACKGROUND_KINDS`] alone on: the GPU's
     /// past is recorded, no capture runs.
     background: bool,
-    /// When CUPTI's records were last forced back: records of work still
-    /// running then come back unfinished, told with that time.
-    unfinished_at_ns: Option<u64>,
     /// The generation of the control word at the last tick.
     generation: Option<u32>,
 }
@@ -755,50 +751,30 @@ impl Tracer {
     /// work still running then comes back unfinished (told).
     fn hand_back(&mut self, session: &Session) -> Result<(), String> {
         let settled = let_launched_work_end(session)?;
+        let forced = !settled && {
+            let gate = detach::gate();
+            // Not forced from under a profiler that took the stream (its
+            // own buffers would come back, its running work unfinished).
+            let forced = *gate == Attachment::Attached && coexist::foreign_holder().is_none();
+            if forced {
+                flush(session, true)?;
+            }
+            forced
+        };
+        if forced {
+            wait_for_buffers(RETURN_WAIT);
+        }
         if crate::debug_enabled() {
             say!(
-                "devtrace-inject: records asked for; {} of the library's buffers with CUPTI{}",
-                buffers::out(),
-                if settled { "" } else { ", forced back" }
+                "devtrace-inject: records handed back{}; {} of the library's buffers still with \
+                 CUPTI",
+                if forced { ", forced" } else { "" },
+                buffers::out()
             );
         }
-        if settled {
-            return Ok(());
-        }
-        let forced_at_ns = {
-            let gate = detach::gate();
-            if *gate != Attachment::Attached {
-                return Ok(());
-            }
-            flush(session, true)?;
-            devtrace_shm::clock::now_ns()
-        };
-        wait_for_buffers(RETURN_WAIT);
-        self.unfinished_at_ns = Some(forced_at_ns);
-        self.tell_unfinished(session);
+        // The agent's ask for them, if it came meanwhile, is answered.
+        self.generation = Some(session.ring.control().generation);
         Ok(())
-    }
-
-    /// Tells the agent of the device records that came back unfinished
-    /// since the last forced flush (at [`Tracer::unfinished_at_ns`]).
-    fn tell_unfinished(&mut self, session: &Session) {
-        let Some(at_ns) = self.unfinished_at_ns else {
-            return;
-        };
-        let Some(unfinished) = session
-            .converter
-            .lock()
-            .ok()
-            .and_then(|mut converter| converter.take_unfinished())
-        else {
-            return;
-        };
-        session.write_meta(&MetaRecord::Unfinished {
-            from_ns: unfinished.earliest_start_ns.unwrap_or(at_ns).min(at_ns),
-            at_ns,
-            kernels: unfinished.kernels,
-            other: unfinished.other,
-        });
     }
 
     /// The capture's kernels are recorded from `recording_ns`: its launches
@@ -847,7 +823,7 @@ impl Tracer {
             flush(session, false)?;
         }
         let_launched_work_end(session)?;
-        let forced_at_ns = {
+        {
             let gate = detach::gate();
             if *gate != Attachment::Attached {
                 // Another user finalized CUPTI meanwhile.
@@ -856,13 +832,17 @@ impl Tracer {
                 tell_unanswered(session, None);
                 return Ok(());
             }
-            flush(session, true)?;
-            devtrace_shm::clock::now_ns()
-        };
+            // A profiler that took the stream meanwhile got our buffers
+            // back through its registration; forcing now would force its
+            // own out, its running work unfinished.
+            let forced = coexist::foreign_holder().is_none();
+            flush(session, forced)?;
+            if !forced {
+                timed_calls::deliver(session, true);
+            }
+        }
         let waited = Instant::now();
         wait_for_buffers(RETURN_WAIT);
-        self.unfinished_at_ns = Some(forced_at_ns);
-        self.tell_unfinished(session);
         // CUDA 13's CUPTI hands a thread's partly filled buffer back only
         // as it is detached: the launches are checked once every buffer is
         // back.
@@ -984,7 +964,6 @@ impl Tracer {
             at_ns: devtrace_shm::clock::now_ns(),
         });
         let unreturned = buffers::give_up_unreturned();
-        self.tell_unfinished(session);
         if let Some(ended_ns) = self.unanswered_ended_ns.take() {
             tell_unanswered(session, Some(ended_ns));
         }
@@ -1139,22 +1118,23 @@ fn tell_unanswered(session: &Session, ended_ns: Option<u64>) {
 /// launched before recording stopped or narrowed, asking CUPTI every
 /// couple of milliseconds for the buffers whose work has all ended (see
 /// [`UNFINISHED_WAIT`]). Answers whether it did: every buffer is back, or
-/// a kernel record came back for every launch of the capture the library
-/// timed. Without a launch timed (CUPTI records the calls, or none was
-/// made), only the buffers tell.
+/// the kernel record of every launch of the capture the library timed
+/// came back. Without a launch timed (CUPTI records the calls, or none was
+/// made), only the buffers tell. A capture asked for meanwhile is not held
+/// up: the wait ends unsettled.
 fn let_launched_work_end(session: &Session) -> Result<bool, String> {
     let deadline = Instant::now() + UNFINISHED_WAIT;
     loop {
-        let answered = session
+        let settled = session
             .converter
             .lock()
             .ok()
-            .and_then(|converter| converter.unanswered.launches_answered())
+            .and_then(|converter| converter.unanswered.launches_settled())
             == Some(true);
-        if buffers::out() == 0 || answered {
+        if buffers::out() == 0 || settled {
             return Ok(true);
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= deadline || session.ring.control().capture() {
             return Ok(false);
         }
         std::thread::sleep(Duration::from_millis(2));

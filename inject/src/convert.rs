@@ -38,14 +38,15 @@ the library was loaded): the library maps them by that counter";
 
 /// Device work whose record CUPTI handed back unfinished: a forced flush
 /// while it ran or waited to run gives its record no end (0), and CUPTI
-/// never completes it. Such records are not placed; they are counted.
+/// never completes it. Such records are not placed; they are counted, and
+/// told per buffer ([`Converter::end_buffer`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Unfinished {
-    pub kernels: u64,
+struct Unfinished {
+    kernels: u64,
     /// Copies and memsets.
-    pub other: u64,
+    other: u64,
     /// The earliest start among those that had started (host clock).
-    pub earliest_start_ns: Option<u64>,
+    earliest_start_ns: Option<u64>,
 }
 
 impl Unfinished {
@@ -127,7 +128,8 @@ pub struct Converter {
     tried_counter: bool,
     /// The capture's launches whose GPU work has not come back.
     pub unanswered: Unanswered,
-    /// Device records that came back unfinished, since last taken.
+    /// Device records of the buffer being converted that came back
+    /// unfinished.
     unfinished: Unfinished,
 }
 
@@ -158,10 +160,22 @@ impl Converter {
         }
     }
 
-    /// The device records that came back unfinished since the last call.
-    pub fn take_unfinished(&mut self) -> Option<Unfinished> {
+    /// A buffer CUPTI handed back at `handed_back_ns` is converted: the
+    /// device records in it that came back unfinished are told (queued as
+    /// a metadata record).
+    pub fn end_buffer(&mut self, handed_back_ns: u64) {
         let unfinished = std::mem::take(&mut self.unfinished);
-        (unfinished != Unfinished::default()).then_some(unfinished)
+        if unfinished == Unfinished::default() {
+            return;
+        }
+        self.pending_meta.push(MetaRecord::Unfinished {
+            from_ns: unfinished
+                .earliest_start_ns
+                .map_or(handed_back_ns, |started| started.min(handed_back_ns)),
+            at_ns: handed_back_ns,
+            kernels: unfinished.kernels,
+            other: unfinished.other,
+        });
     }
 
     /// Whether the record's work is unfinished (see [`Unfinished`]): then
@@ -762,15 +776,23 @@ mod tests {
             converter.convert(copy(start, end).as_ptr(), &mut out);
         }
         assert_eq!(out.len(), 1, "only the finished copy is placed");
+        converter.end_buffer(5_000);
+        let told: Vec<MetaRecord> = converter
+            .take_meta()
+            .into_iter()
+            .filter(|record| matches!(record, MetaRecord::Unfinished { .. }))
+            .collect();
         assert_eq!(
-            converter.take_unfinished(),
-            Some(Unfinished {
+            told,
+            [MetaRecord::Unfinished {
+                from_ns: 1_300,
+                at_ns: 5_000,
                 kernels: 0,
                 other: 3,
-                earliest_start_ns: Some(1_300),
-            })
+            }]
         );
-        assert_eq!(converter.take_unfinished(), None, "taken once");
+        converter.end_buffer(6_000);
+        assert!(converter.take_meta().is_empty(), "told once");
     }
 
     /// A record stamped by a clock the map does not know (a profiler's,

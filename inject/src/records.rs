@@ -66,6 +66,7 @@ pub unsafe extern "C" fn buffer_completed(
         let completed = Completed {
             address: buffer as usize,
             valid,
+            handed_back_ns: devtrace_shm::clock::now_ns(),
         };
         let Some(session) = SESSION.get() else {
             return buffers::release(buffer);
@@ -84,11 +85,13 @@ pub unsafe extern "C" fn buffer_completed(
     });
 }
 
-/// A buffer of ours CUPTI gave back, with the bytes it filled.
+/// A buffer of ours CUPTI gave back, with the bytes it filled, and when.
 #[derive(Clone, Copy)]
 pub struct Completed {
     address: usize,
     valid: usize,
+    /// Work whose record in it is unfinished was still running then.
+    handed_back_ns: u64,
 }
 
 /// Converts the pending buffers now; the caller holds the gate, and CUPTI
@@ -147,6 +150,7 @@ fn convert_until(
                 while unsafe { cupti::next_record(address, buffer.valid, &mut record) } {
                     converter.convert(record, &mut events);
                 }
+                converter.end_buffer(buffer.handed_back_ns);
                 converter.take_meta()
             };
             for record in &meta {

@@ -356,12 +356,17 @@ pub fn deliver(session: &Session, ending: bool) {
     let mut calls = Vec::new();
     let lost = take(&mut calls, ending);
     let capture_lost = session.timed_calls_lost.fetch_add(lost, Ordering::Relaxed) + lost;
-    if !calls.is_empty() {
+    if calls.is_empty() {
+        if let Ok(mut converter) = session.converter.lock() {
+            converter.unanswered.delivered();
+        }
+    } else {
         let mut events = Vec::with_capacity(calls.len());
         let meta = session.converter.lock().map(|mut converter| {
             for call in &calls {
                 converter.timed_call(call, &mut events);
             }
+            converter.unanswered.delivered();
             converter.take_meta()
         });
         if let Ok(meta) = meta {

@@ -25,7 +25,7 @@
 //! been recorded into a CUDA graph, running no kernel), nor launches that
 //! failed.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 /// Launches remembered at most (16 bytes each): beyond that a capture only
 /// counts them. A capture keeps the launches whose kernels have not come
@@ -60,6 +60,16 @@ pub struct Unanswered {
     latest_kernel_end_ns: u64,
     /// The newest launch counted.
     newest_launched: Option<u32>,
+    /// Launches counted whose own kernel record has not come back (at most
+    /// [`MAX_KEPT`]; past that, `outstanding_overflowed`): what the end of a
+    /// capture waits for ([`Unanswered::launches_settled`]).
+    outstanding: HashSet<u32>,
+    outstanding_overflowed: bool,
+    /// Kernel records that came back for no outstanding launch, since the
+    /// last two deliveries of the launches timed: a launch is delivered at
+    /// the first delivery after it was made, so its kernel cannot have come
+    /// back before the one before.
+    answered_lately: [HashSet<u32>; 2],
 }
 
 /// Launches counted without being kept.
@@ -89,7 +99,7 @@ impl Unanswered {
 
     /// A launch call the library timed, made at `at_ns`.
     pub fn launched(&mut self, correlation_id: u32, at_ns: u64) {
-        if at_ns < self.counting_from_ns || self.is_answered(correlation_id) {
+        if at_ns < self.counting_from_ns {
             return;
         }
         if self
@@ -97,6 +107,21 @@ impl Unanswered {
             .is_none_or(|newest| newer(correlation_id, newest))
         {
             self.newest_launched = Some(correlation_id);
+        }
+        if !self
+            .answered_lately
+            .iter()
+            .any(|ids| ids.contains(&correlation_id))
+        {
+            if self.outstanding.len() < MAX_KEPT {
+                self.outstanding.insert(correlation_id);
+            } else {
+                self.outstanding_overflowed = true;
+            }
+        }
+        // Lost only if no later launch's kernel came back either.
+        if self.is_answered(correlation_id) {
+            return;
         }
         self.prune();
         if self.pending.len() < MAX_KEPT {
@@ -119,13 +144,29 @@ impl Unanswered {
             self.newest_answered = Some(correlation_id);
         }
         self.latest_kernel_end_ns = self.latest_kernel_end_ns.max(end_ns);
+        let lately = &mut self.answered_lately[0];
+        if !self.outstanding.remove(&correlation_id) && lately.len() < MAX_KEPT {
+            lately.insert(correlation_id);
+        }
     }
 
-    /// Whether a kernel record came back for every launch counted so far
-    /// (its own or a later launch's: ids are in call order); none when no
-    /// launch was counted.
-    pub fn launches_answered(&self) -> Option<bool> {
-        self.newest_launched.map(|id| self.is_answered(id))
+    /// The launches timed so far were all handed over (counted).
+    pub fn delivered(&mut self) {
+        let [now, before] = &mut self.answered_lately;
+        *before = std::mem::take(now);
+    }
+
+    /// Whether the kernel record of every launch counted so far came back
+    /// (a graph's first kernel answers for it); none when no launch was
+    /// counted. Past [`MAX_KEPT`] launches waiting, a later launch's record
+    /// answers for the earlier ones.
+    pub fn launches_settled(&self) -> Option<bool> {
+        let newest = self.newest_launched?;
+        Some(if self.outstanding_overflowed {
+            self.is_answered(newest)
+        } else {
+            self.outstanding.is_empty()
+        })
     }
 
     /// The launches so far belong to another CUPTI user's span, which the
@@ -265,28 +306,38 @@ mod tests {
     }
 
     #[test]
-    fn every_launch_is_answered_once_its_kernel_or_a_later_one_came_back() {
+    fn launches_settle_once_each_has_its_own_kernel_back() {
         let mut launches = Unanswered::default();
-        assert_eq!(launches.launches_answered(), None, "no launch yet");
+        assert_eq!(launches.launches_settled(), None, "no launch yet");
         launches.launched(7, S);
         launches.launched(8, S);
-        assert_eq!(launches.launches_answered(), Some(false));
-        launches.answered(7, 2 * S);
-        assert_eq!(
-            launches.launches_answered(),
-            Some(false),
-            "the newest launch is out"
-        );
-        launches.answered(9, 2 * S);
-        assert_eq!(launches.launches_answered(), Some(true));
+        assert_eq!(launches.launches_settled(), Some(false));
+        // A later launch's kernel (another thread's, a shorter one) does
+        // not answer for a kernel still running.
+        launches.answered(8, 2 * S);
+        assert_eq!(launches.launches_settled(), Some(false));
+        launches.answered(7, 3 * S);
+        assert_eq!(launches.launches_settled(), Some(true));
         launches.launched(10, 3 * S);
-        assert_eq!(launches.launches_answered(), Some(false));
+        assert_eq!(launches.launches_settled(), Some(false));
         launches.forget();
-        assert_eq!(
-            launches.launches_answered(),
-            None,
-            "forgotten launches are no one's"
-        );
+        assert_eq!(launches.launches_settled(), None, "forgotten launches");
+    }
+
+    #[test]
+    fn a_kernel_back_before_its_launch_was_delivered_answers_it() {
+        let mut launches = Unanswered::default();
+        launches.answered(3, 2 * S);
+        launches.delivered();
+        launches.launched(3, S);
+        assert_eq!(launches.launches_settled(), Some(true));
+        // Two deliveries later a kernel's early answer is forgotten: its
+        // launch was delivered by then.
+        launches.answered(4, 2 * S);
+        launches.delivered();
+        launches.delivered();
+        launches.launched(5, 3 * S);
+        assert_eq!(launches.launches_settled(), Some(false));
     }
 
     #[test]

@@ -149,7 +149,23 @@ pub struct TraceDemand {
     /// How many times a trace began or ended.
     changes: parking_lot::Mutex<u64>,
     changed: parking_lot::Condvar,
+    /// Traces that asked for what sources hold until asked
+    /// ([`Capabilities::held_until_asked`]), by scope.
+    held: parking_lot::Mutex<HeldAsks>,
 }
+
+/// The latest asks for held events: each ask's number and scope.
+#[derive(Debug, Default)]
+struct HeldAsks {
+    /// Asks made so far.
+    made: u64,
+    /// The latest [`MAX_HELD_ASKS`] of them, oldest first.
+    latest: std::collections::VecDeque<(u64, Scope)>,
+}
+
+/// Asks for held events remembered; a reader further behind is answered
+/// as if the whole host had asked.
+const MAX_HELD_ASKS: usize = 64;
 
 impl TraceDemand {
     /// Counts a trace of `scope` until [`Self::end`] is called for it.
@@ -197,6 +213,40 @@ impl TraceDemand {
             }
         }
         true
+    }
+
+    /// A trace of `scope` is about to read a window whose events some
+    /// sources hold until asked: they are asked (and backends waiting in
+    /// [`Self::wait_for_change`] woken).
+    pub fn ask_for_held(&self, scope: Scope) {
+        {
+            let mut held = self.held.lock();
+            held.made += 1;
+            let ask = (held.made, scope);
+            if held.latest.len() == MAX_HELD_ASKS {
+                held.latest.pop_front();
+            }
+            held.latest.push_back(ask);
+        }
+        self.tell_change();
+    }
+
+    /// The scopes of the asks for held events made after ask `seen` (0:
+    /// none seen), and the number of the latest ask to pass next time. A
+    /// reader too far behind gets [`Scope::Host`].
+    pub fn held_asked_since(&self, seen: u64) -> (Vec<Scope>, u64) {
+        let held = self.held.lock();
+        let missed = held.made.saturating_sub(seen) as usize;
+        let scopes = if missed > held.latest.len() {
+            vec![Scope::Host]
+        } else {
+            held.latest
+                .iter()
+                .filter(|(made, _)| *made > seen)
+                .map(|(_, scope)| *scope)
+                .collect()
+        };
+        (scopes, held.made)
     }
 
     /// Whether any trace is in progress.
@@ -368,6 +418,26 @@ impl CaptureEnd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn asks_for_held_events_are_read_once_by_scope_and_summed_up_when_missed() {
+        let demand = TraceDemand::default();
+        assert_eq!(demand.held_asked_since(0), (vec![], 0));
+        let seen = demand.changes();
+        demand.ask_for_held(Scope::User { uid: 7 });
+        assert!(
+            demand.wait_for_change(seen, Duration::ZERO),
+            "wakes backends"
+        );
+        demand.ask_for_held(Scope::Host);
+        let (scopes, seen) = demand.held_asked_since(0);
+        assert_eq!(scopes, vec![Scope::User { uid: 7 }, Scope::Host]);
+        assert_eq!(demand.held_asked_since(seen), (vec![], 2));
+        for _ in 0..=MAX_HELD_ASKS {
+            demand.ask_for_held(Scope::User { uid: 8 });
+        }
+        assert_eq!(demand.held_asked_since(seen).0, vec![Scope::Host]);
+    }
 
     #[test]
     fn a_trace_beginning_or_ending_wakes_a_waiting_backend() {

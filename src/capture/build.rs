@@ -121,7 +121,7 @@ impl Captures {
         mut remote: Remote,
         deadline: Instant,
     ) -> Result<Encoded, CaptureError> {
-        let local = self.agent.collect(window).await;
+        let local = self.agent.collect(window, Some(plan.scope)).await;
         let upstream_calls = std::mem::take(&mut remote.upstream_calls);
         let source_calls = std::mem::take(&mut remote.source_calls);
         let mut remote = Vec::new();

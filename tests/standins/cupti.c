@@ -109,7 +109,9 @@
  *   filled (even an empty one), and as CUPTI's documentation says of
  *   incomplete records, the kernels, copies and memsets in it whose device
  *   work has not ended come back unfinished: end (and a kernel's completed)
- *   0, start 0 too if the work had not started, never filled in later. bufferCompleted runs on a worker thread of
+ *   0, start 0 too if the work had not started, never filled in later. (A
+ *   buffer handed back because it is full comes back at once with its
+ *   records complete, as if CUPTI had waited for them: kinder than CUPTI.) bufferCompleted runs on a worker thread of
  *   this library; cuptiActivityFlushAll returns after it has delivered
  *   everything handed back so far. cuptiActivityFlushPeriod(ms) makes
  *   the worker do a flag-0 flush every ms; cuptiFinalize does a forced one.

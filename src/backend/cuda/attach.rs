@@ -7,6 +7,7 @@ use super::slots::Slots;
 use super::status::{remember_switch, LossCause, Refusal, Status, Traced, MAX_TRACED};
 use super::translate::translate;
 use super::*;
+use crate::backend::Scope;
 
 /// One workload process whose ring is attached.
 pub(super) struct Process {
@@ -458,15 +459,16 @@ impl Attachments {
     /// Sets the control word of each process whose user a trace in
     /// progress covers to `flags`, with `background` (the GPU's past asked
     /// for) for every process; drains every ring, and lets go of processes
-    /// that exited or broke their ring. With `hand_back`, a process
-    /// recording its past whose word stays as it was is asked for the
-    /// records its CUPTI holds (the word is set again, to the same flags:
-    /// a new generation), for a trace of the past that just ended.
+    /// that exited or broke their ring. A process recording its past
+    /// whose user one of `held_asked` covers, and whose word stays as it
+    /// was, is asked for the records its CUPTI holds (the word is set
+    /// again, to the same flags: a new generation); one whose word changes
+    /// hands them over as it stops or narrows recording.
     pub(super) fn service(
         &mut self,
         flags: u32,
         background: u32,
-        hand_back: bool,
+        held_asked: &[Scope],
         traces: &TraceDemand,
     ) {
         let keys: Vec<FileIdentity> = self.processes.keys().copied().collect();
@@ -508,7 +510,11 @@ impl Attachments {
                     }
                     process.ring.set_control(flags);
                     process.control = flags;
-                } else if hand_back && flags & CONTROL_RECORD_ALWAYS != 0 {
+                } else if flags & CONTROL_RECORD_ALWAYS != 0
+                    && held_asked
+                        .iter()
+                        .any(|scope| scope.covers_user(process.owner))
+                {
                     process.ring.set_control(flags);
                 }
                 // The library stops following a control word whose agent

@@ -277,14 +277,14 @@ impl Backend for CudaBackend {
             };
             let mut last_scan: Option<Instant> = None;
             let mut last_capturing: Option<Instant> = None;
-            let mut served_demand = context.traces.changes();
+            let (_, mut held_seen) = context.traces.held_asked_since(0);
             while !stop.is_set() {
                 let demand = context.traces.changes();
-                // A trace began or ended since the last pass: one of the
-                // GPU's past (a look-back capture) may have come and gone
-                // within it, and needs the records CUPTI holds.
-                let hand_back = demand != served_demand;
-                served_demand = demand;
+                // Traces about to read the past (look-back captures,
+                // triggers' saves): the workloads recording it hand over
+                // the records their CUPTI holds.
+                let (held_asked, seen) = context.traces.held_asked_since(held_seen);
+                held_seen = seen;
                 let capturing = context.traces.any();
                 if capturing {
                     last_capturing = Some(Instant::now());
@@ -305,7 +305,7 @@ impl Backend for CudaBackend {
                 attach.service(
                     control_flags(capturing, api_records),
                     background,
-                    hand_back,
+                    &held_asked,
                     &context.traces,
                 );
                 // Workloads recording the GPU's past fill their rings

@@ -154,7 +154,8 @@ impl LostSpan {
                      was still running or waiting to run on the GPU when the library took \
                      CUPTI's records back, {:.3} s from this window's start and after waiting \
                      for it to end, and CUPTI never completes such a record, so that work is \
-                     missing from the trace{began} (the GPU ran far behind the launches)",
+                     missing from the trace{began} (some of it may have run after this window: \
+                     the GPU ran far behind the launches)",
                     self.label,
                     counted(kernels, "kernel", "kernels"),
                     counted(other, "copy or memset", "copies or memsets"),

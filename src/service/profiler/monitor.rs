@@ -49,7 +49,7 @@ impl ProfilerService {
         };
         let (data, registry) = self
             .agent
-            .collect(window)
+            .collect(window, None)
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
         // A user who is not an admin is told of its own processes' devices
