@@ -750,6 +750,8 @@ impl Tracer {
     /// work launched so far had its time to end, CUPTI is forced, and the
     /// work still running then comes back unfinished (told).
     fn hand_back(&mut self, session: &Session) -> Result<(), String> {
+        // An ask of the agent's that comes while this runs gets another.
+        let asked = session.ring.control().generation;
         let settled = let_launched_work_end(session)?;
         let forced = !settled && {
             let gate = detach::gate();
@@ -772,8 +774,8 @@ impl Tracer {
                 buffers::out()
             );
         }
-        // The agent's ask for them, if it came meanwhile, is answered.
-        self.generation = Some(session.ring.control().generation);
+        // The agent's asks for them until this began are answered.
+        self.generation = Some(asked);
         Ok(())
     }
 
@@ -1060,14 +1062,17 @@ impl Tracer {
         flush(session, true)
     }
 
-    /// Disables every kind but `kept`, and the API records. The caller
+    /// Disables the API records, then every kind but `kept`. The caller
     /// holds the gate.
     fn switch_off_all_but(&mut self, session: &Session, kept: Option<u32>) -> Result<(), String> {
+        // Calls first: a launch timed after its kernels went off would
+        // wait at the end of the capture for a kernel record never made.
+        self.stop_api_calls(session)?;
         let on = cupti::KINDS.into_iter().rev();
         for kind in on.filter(|kind| Some(*kind) != kept) {
             cupti::disable(kind)?;
         }
-        self.stop_api_calls(session)
+        Ok(())
     }
 }
 

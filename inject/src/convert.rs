@@ -358,6 +358,9 @@ impl Converter {
             10 => (CopyKind::PeerToPeer, "MemcpyP2P"),
             _ => (CopyKind::Other, "MemcpyOther"),
         };
+        let correlation_id = r.read::<u32>(m::CORRELATION_ID);
+        // A graph's copy carries its launch's id.
+        self.unanswered.work_came_back(correlation_id);
         let (raw_start, raw_end) = (r.read(m::START), r.read(m::END));
         if self.unfinished(false, raw_start, raw_end) {
             return;
@@ -371,7 +374,7 @@ impl Converter {
             u64::from(r.read::<u32>(m::STREAM_ID)),
             name,
             Payload::Memcpy(CopyInfo {
-                correlation_id: u64::from(r.read::<u32>(m::CORRELATION_ID)),
+                correlation_id: u64::from(correlation_id),
                 bytes: r.read(m::BYTES),
                 kind,
                 is_async: r.read::<u8>(m::FLAGS) & 1 != 0,
@@ -382,6 +385,8 @@ impl Converter {
 
     fn memset(&mut self, r: RecordRef, out: &mut Vec<Event>) {
         use layout::memset as m;
+        let correlation_id = r.read::<u32>(m::CORRELATION_ID);
+        self.unanswered.work_came_back(correlation_id);
         let (raw_start, raw_end) = (r.read(m::START), r.read(m::END));
         if self.unfinished(false, raw_start, raw_end) {
             return;
@@ -395,7 +400,7 @@ impl Converter {
             u64::from(r.read::<u32>(m::STREAM_ID)),
             name,
             Payload::Memset(MemsetInfo {
-                correlation_id: u64::from(r.read::<u32>(m::CORRELATION_ID)),
+                correlation_id: u64::from(correlation_id),
                 bytes: r.read(m::BYTES),
                 is_async: r.read::<u16>(m::FLAGS) & 1 != 0,
                 tf_op: NameId(0),

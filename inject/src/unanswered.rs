@@ -25,11 +25,13 @@
 //! been recorded into a CUDA graph, running no kernel), nor launches that
 //! failed.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
-/// Launches remembered at most (16 bytes each): beyond that a capture only
-/// counts them. A capture keeps the launches whose kernels have not come
-/// back yet, about one 100 ms flush's worth while records flow.
+/// Launches remembered at most, in each of the tracker's lists (16 bytes
+/// a launch in the list of those to tell, about as much in the sets the end
+/// of a capture waits on): beyond that a capture only counts them. A
+/// capture keeps the launches whose kernels have not come back yet, about
+/// one 100 ms flush's worth while records flow.
 pub const MAX_KEPT: usize = 1 << 16;
 
 /// How long before a capture's end its kernels must have stopped coming
@@ -63,8 +65,10 @@ pub struct Unanswered {
     /// Launches counted whose own kernel record has not come back (at most
     /// [`MAX_KEPT`]; past that, `outstanding_overflowed`): what the end of a
     /// capture waits for ([`Unanswered::launches_settled`]).
-    outstanding: HashSet<u32>,
+    outstanding: HashMap<u32, u64>,
     outstanding_overflowed: bool,
+    /// When the newest launch delivered was made.
+    newest_launched_ns: u64,
     /// Kernel records that came back for no outstanding launch, since the
     /// last two deliveries of the launches timed: a launch is delivered at
     /// the first delivery after it was made, so its kernel cannot have come
@@ -108,13 +112,14 @@ impl Unanswered {
         {
             self.newest_launched = Some(correlation_id);
         }
+        self.newest_launched_ns = self.newest_launched_ns.max(at_ns);
         if !self
             .answered_lately
             .iter()
             .any(|ids| ids.contains(&correlation_id))
         {
             if self.outstanding.len() < MAX_KEPT {
-                self.outstanding.insert(correlation_id);
+                self.outstanding.insert(correlation_id, at_ns);
             } else {
                 self.outstanding_overflowed = true;
             }
@@ -144,16 +149,30 @@ impl Unanswered {
             self.newest_answered = Some(correlation_id);
         }
         self.latest_kernel_end_ns = self.latest_kernel_end_ns.max(end_ns);
+        self.work_came_back(correlation_id);
+    }
+
+    /// GPU work with this id came back (a kernel, or a graph's copy or
+    /// memset): its launch no longer holds up the end of the capture.
+    pub fn work_came_back(&mut self, correlation_id: u32) {
         let lately = &mut self.answered_lately[0];
-        if !self.outstanding.remove(&correlation_id) && lately.len() < MAX_KEPT {
+        if self.outstanding.remove(&correlation_id).is_none() && lately.len() < MAX_KEPT {
             lately.insert(correlation_id);
         }
     }
 
-    /// The launches timed so far were all handed over (counted).
+    /// The launches timed so far were all handed over (counted). Launches
+    /// made a second before the newest whose work never came back while a
+    /// later launch's did (a graph that runs nothing, records CUPTI dropped)
+    /// stop holding up the end of the capture, so that they do not pile up.
     pub fn delivered(&mut self) {
         let [now, before] = &mut self.answered_lately;
         *before = std::mem::take(now);
+        let settled_before = self.newest_launched_ns.saturating_sub(SETTLE_NS);
+        let newest_answered = self.newest_answered;
+        self.outstanding.retain(|id, at_ns| {
+            *at_ns >= settled_before || newest_answered.is_none_or(|newest| newer(*id, newest))
+        });
     }
 
     /// Whether the kernel record of every launch counted so far came back
@@ -322,6 +341,29 @@ mod tests {
         assert_eq!(launches.launches_settled(), Some(false));
         launches.forget();
         assert_eq!(launches.launches_settled(), None, "forgotten launches");
+    }
+
+    #[test]
+    fn launches_whose_work_never_comes_back_stop_holding_up_a_second_on() {
+        let mut launches = Unanswered::default();
+        // A graph that runs nothing, then launches whose kernels come back.
+        launches.launched(1, S);
+        launches.launched(2, S + S / 2);
+        launches.answered(2, 2 * S);
+        launches.delivered();
+        assert_eq!(
+            launches.launches_settled(),
+            Some(false),
+            "within the second"
+        );
+        launches.launched(3, 2 * S + S / 10);
+        launches.answered(3, 3 * S);
+        launches.delivered();
+        assert_eq!(launches.launches_settled(), Some(true));
+        // A graph's copy answers for its launch as a kernel does.
+        launches.launched(4, 4 * S);
+        launches.work_came_back(4);
+        assert_eq!(launches.launches_settled(), Some(true));
     }
 
     #[test]

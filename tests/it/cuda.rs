@@ -2881,7 +2881,8 @@ async fn a_triggers_saved_session_of_a_busy_gpu_holds_its_kernels_to_the_windows
     let setup = setup("cuda_busy_before_step");
     let logdir = tempfile::tempdir().unwrap();
     let repository = logdir.path().join("plugins/profile");
-    let agent = slow_step_agent(&setup, logdir.path(), "3s", "1s");
+    // Late enough for the workload to be busy on a loaded machine.
+    let agent = slow_step_agent(&setup, logdir.path(), "6s", "1s");
     let workload = busy_gpu_workload(&setup, &agent, "400").await;
     let found = crate::triggers::wait_for_sessions(&repository, 1);
     let space = XSpace::decode(&std::fs::read(&found[0].1).unwrap()[..]).unwrap();
