@@ -356,23 +356,21 @@ pub fn deliver(session: &Session, ending: bool) {
     let mut calls = Vec::new();
     let lost = take(&mut calls, ending);
     let capture_lost = session.timed_calls_lost.fetch_add(lost, Ordering::Relaxed) + lost;
-    if calls.is_empty() {
-        if let Ok(mut converter) = session.converter.lock() {
-            converter.unanswered.delivered();
+    let mut events = Vec::with_capacity(calls.len());
+    // Even with no call: a delivery is what the tracker of launches in
+    // flight counts time by.
+    let meta = session.converter.lock().map(|mut converter| {
+        for call in &calls {
+            converter.timed_call(call, &mut events);
         }
-    } else {
-        let mut events = Vec::with_capacity(calls.len());
-        let meta = session.converter.lock().map(|mut converter| {
-            for call in &calls {
-                converter.timed_call(call, &mut events);
-            }
-            converter.unanswered.delivered();
-            converter.take_meta()
-        });
-        if let Ok(meta) = meta {
-            for record in &meta {
-                session.write_meta(record);
-            }
+        converter.unanswered.delivered();
+        converter.take_meta()
+    });
+    if let Ok(meta) = meta {
+        for record in &meta {
+            session.write_meta(record);
+        }
+        if !events.is_empty() {
             if let Ok(mut producer) = session.producer.lock() {
                 producer.push_batch(&events);
             }

@@ -24,6 +24,11 @@
 //! while a stream capture was under way are not counted (they may have
 //! been recorded into a CUDA graph, running no kernel), nor launches that
 //! failed.
+//!
+//! The same launches tell the end of a capture when the GPU has finished
+//! the work launched in it ([`InFlight`]): CUPTI hands a record of work
+//! still running back only when forced, unfinished, so the library waits
+//! for the work's own records first.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -44,6 +49,12 @@ fn newer(a: u32, b: u32) -> bool {
     (a.wrapping_sub(b) as i32) > 0
 }
 
+/// Whether a launch with this id was overtaken by the newest kernel record
+/// that came back (its own, or a later launch's).
+fn overtaken(correlation_id: u32, newest_answered: Option<u32>) -> bool {
+    newest_answered.is_some_and(|newest| !newer(correlation_id, newest))
+}
+
 /// The launches of one capture whose kernels have not come back.
 #[derive(Debug, Default)]
 pub struct Unanswered {
@@ -62,18 +73,60 @@ pub struct Unanswered {
     latest_kernel_end_ns: u64,
     /// The newest launch counted.
     newest_launched: Option<u32>,
-    /// Launches counted whose own kernel record has not come back (at most
-    /// [`MAX_KEPT`]; past that, `outstanding_overflowed`): what the end of a
-    /// capture waits for ([`Unanswered::launches_settled`]).
-    outstanding: HashMap<u32, u64>,
-    outstanding_overflowed: bool,
+    /// What the end of the capture waits for.
+    in_flight: InFlight,
+}
+
+/// The launches counted whose own work has not come back: what the end of
+/// a capture waits for ([`Unanswered::launches_settled`]).
+#[derive(Debug, Default)]
+struct InFlight {
+    /// By correlation id, when each was made (host clock); at most
+    /// [`MAX_KEPT`], past that `overflowed`.
+    launches: HashMap<u32, u64>,
+    overflowed: bool,
     /// When the newest launch delivered was made.
-    newest_launched_ns: u64,
-    /// Kernel records that came back for no outstanding launch, since the
-    /// last two deliveries of the launches timed: a launch is delivered at
-    /// the first delivery after it was made, so its kernel cannot have come
-    /// back before the one before.
-    answered_lately: [HashSet<u32>; 2],
+    newest_ns: u64,
+    /// Work that came back for no launch in flight, since the last two
+    /// deliveries of the launches timed: a launch is delivered at the first
+    /// delivery after it was made, so its work cannot have come back before
+    /// the one before.
+    came_back_lately: [HashSet<u32>; 2],
+}
+
+impl InFlight {
+    fn launched(&mut self, correlation_id: u32, at_ns: u64) {
+        self.newest_ns = self.newest_ns.max(at_ns);
+        if self
+            .came_back_lately
+            .iter()
+            .any(|ids| ids.contains(&correlation_id))
+        {
+            return;
+        }
+        if self.launches.len() < MAX_KEPT {
+            self.launches.insert(correlation_id, at_ns);
+        } else {
+            self.overflowed = true;
+        }
+    }
+
+    fn came_back(&mut self, correlation_id: u32) {
+        let lately = &mut self.came_back_lately[0];
+        if self.launches.remove(&correlation_id).is_none() && lately.len() < MAX_KEPT {
+            lately.insert(correlation_id);
+        }
+    }
+
+    /// Launches a second older than the newest that `overtaken` says a
+    /// later launch's kernel overtook are let go.
+    fn delivered(&mut self, overtaken: impl Fn(u32) -> bool) {
+        let [now, before] = &mut self.came_back_lately;
+        *before = std::mem::take(now);
+        let let_go_before = self.newest_ns.saturating_sub(SETTLE_NS);
+        self.launches
+            .retain(|id, at_ns| *at_ns >= let_go_before || !overtaken(*id));
+    }
 }
 
 /// Launches counted without being kept.
@@ -112,18 +165,7 @@ impl Unanswered {
         {
             self.newest_launched = Some(correlation_id);
         }
-        self.newest_launched_ns = self.newest_launched_ns.max(at_ns);
-        if !self
-            .answered_lately
-            .iter()
-            .any(|ids| ids.contains(&correlation_id))
-        {
-            if self.outstanding.len() < MAX_KEPT {
-                self.outstanding.insert(correlation_id, at_ns);
-            } else {
-                self.outstanding_overflowed = true;
-            }
-        }
+        self.in_flight.launched(correlation_id, at_ns);
         // Lost only if no later launch's kernel came back either.
         if self.is_answered(correlation_id) {
             return;
@@ -155,10 +197,7 @@ impl Unanswered {
     /// GPU work with this id came back (a kernel, or a graph's copy or
     /// memset): its launch no longer holds up the end of the capture.
     pub fn work_came_back(&mut self, correlation_id: u32) {
-        let lately = &mut self.answered_lately[0];
-        if self.outstanding.remove(&correlation_id).is_none() && lately.len() < MAX_KEPT {
-            lately.insert(correlation_id);
-        }
+        self.in_flight.came_back(correlation_id);
     }
 
     /// The launches timed so far were all handed over (counted). Launches
@@ -166,13 +205,9 @@ impl Unanswered {
     /// later launch's did (a graph that runs nothing, records CUPTI dropped)
     /// stop holding up the end of the capture, so that they do not pile up.
     pub fn delivered(&mut self) {
-        let [now, before] = &mut self.answered_lately;
-        *before = std::mem::take(now);
-        let settled_before = self.newest_launched_ns.saturating_sub(SETTLE_NS);
         let newest_answered = self.newest_answered;
-        self.outstanding.retain(|id, at_ns| {
-            *at_ns >= settled_before || newest_answered.is_none_or(|newest| newer(*id, newest))
-        });
+        self.in_flight
+            .delivered(|id| overtaken(id, newest_answered));
     }
 
     /// Whether the kernel record of every launch counted so far came back
@@ -181,10 +216,10 @@ impl Unanswered {
     /// answers for the earlier ones.
     pub fn launches_settled(&self) -> Option<bool> {
         let newest = self.newest_launched?;
-        Some(if self.outstanding_overflowed {
+        Some(if self.in_flight.overflowed {
             self.is_answered(newest)
         } else {
-            self.outstanding.is_empty()
+            self.in_flight.launches.is_empty()
         })
     }
 
@@ -198,11 +233,7 @@ impl Unanswered {
     /// what it lost, if anything; the launches are forgotten.
     pub fn take_lost(&mut self, ended_ns: u64) -> Option<Lost> {
         let capture = std::mem::take(self);
-        let is_lost = |id: u32| {
-            capture
-                .newest_answered
-                .is_none_or(|newest| newer(id, newest))
-        };
+        let is_lost = |id: u32| !overtaken(id, capture.newest_answered);
         let mut lost: Option<Lost> = None;
         let mut count = |from_ns: u64, launches: u64| {
             let entry = lost.get_or_insert(Lost {
@@ -229,8 +260,7 @@ impl Unanswered {
     }
 
     fn is_answered(&self, correlation_id: u32) -> bool {
-        self.newest_answered
-            .is_some_and(|newest| !newer(correlation_id, newest))
+        overtaken(correlation_id, self.newest_answered)
     }
 
     /// Drops the oldest launches (and the uncounted ones) that a kernel

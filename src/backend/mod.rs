@@ -146,7 +146,7 @@ pub struct TraceDemand {
     host: AtomicUsize,
     /// Those scoped to one user, counted per uid.
     users: CountedSet,
-    /// How many times a trace began or ended.
+    /// How many times a trace began or ended (or asked for held events).
     changes: parking_lot::Mutex<u64>,
     changed: parking_lot::Condvar,
     /// Traces that asked for what sources hold until asked

@@ -2693,24 +2693,6 @@ async fn kernels_still_running_as_a_capture_ends_are_not_taken_for_lost() {
     assert_no_launch_unanswered(&space);
 }
 
-/// Captures `duration_ms` and lets the workload go `before_end_ms` before
-/// the window ends; returns the trace.
-async fn capture_releasing_before_the_end(
-    agent: &AgentProcess,
-    duration_ms: u64,
-    release: &std::path::Path,
-    before_end_ms: u64,
-) -> XSpace {
-    let capture = common::workload::capture(agent, duration_ms);
-    let go = async {
-        let wait = duration_ms.saturating_sub(before_end_ms);
-        tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
-        std::fs::write(release, b"go").expect("releasing the workload");
-    };
-    let (space, ()) = tokio::join!(capture, go);
-    space
-}
-
 /// One iteration whose kernel runs `kernel_ms` on the GPU, launched about
 /// 60 ms before a 1.5 s capture's end; returns the trace and the kernel's
 /// launch call.
@@ -2738,7 +2720,7 @@ async fn capture_a_kernel_across_the_end(
     );
     workload.read_until("waiting");
     wait_for_attached(&agent, 1).await;
-    let space = capture_releasing_before_the_end(&agent, 1500, &release, 60).await;
+    let space = capture_releasing_after(&agent, 1500, &release, 1440).await;
     let calls = calls_until_done(&workload);
     let launch = calls
         .iter()

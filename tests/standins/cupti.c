@@ -111,8 +111,8 @@
  *   work has not ended come back unfinished: end (and a kernel's completed)
  *   0, start 0 too if the work had not started, never filled in later. (A
  *   buffer handed back because it is full comes back at once with its
- *   records complete, as if CUPTI had waited for them: kinder than CUPTI.) bufferCompleted runs on a worker thread of
- *   this library; cuptiActivityFlushAll returns after it has delivered
+ *   records complete, as if CUPTI had waited for them: kinder than CUPTI.)
+ *   bufferCompleted runs on a worker thread of this library; cuptiActivityFlushAll returns after it has delivered
  *   everything handed back so far. cuptiActivityFlushPeriod(ms) makes
  *   the worker do a flag-0 flush every ms; cuptiFinalize does a forced one.
  * - Several users in one process (a second profiler such as PyTorch's Kineto
@@ -807,8 +807,6 @@ static pthread_t worker;
 static uint32_t flush_period_ms;
 
 static size_t dropped;
-/* Records of device work a forced flush handed back unfinished. */
-static size_t unfinished_handed_back;
 /* The GPU-clock interval device_interval gave last. */
 static uint64_t last_gpu_start, last_gpu_end;
 static long long pending_env_drops;
@@ -960,8 +958,6 @@ static uint64_t stamp(uint64_t t) {
 
 /* ---- buffers ------------------------------------------------------------------ */
 
-/* Queues buffer `f` for delivery, now or (due_ns != 0) on the late list.
- * Caller holds lock. */
 /* A forced flush hands back work that has not ended as real CUPTI does: its
  * record without an end (0), and without a start if it had not started
  * either; the record is never completed afterwards. Caller holds lock. */
@@ -974,10 +970,11 @@ static void leave_unfinished(struct filling *f, uint64_t now) {
         memcpy(d->end, &zero, sizeof zero);
         if (d->completed) memcpy(d->completed, &zero, sizeof zero);
         if (d->gpu_start > now) memcpy(d->start, &zero, sizeof zero);
-        unfinished_handed_back++;
     }
 }
 
+/* Queues buffer `f` for delivery, now or (due_ns != 0) on the late list.
+ * Caller holds lock. */
 static void close_buffer_due(struct filling *f, uint64_t due_ns) {
     if (!f->buffer) return;
     struct completed *c = calloc(1, sizeof *c);

@@ -204,6 +204,9 @@ impl Backend for CudaBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
+        // From the library's being asked to the records' being in the
+        // agent's recorder (below).
+        let asked_to_recorded = Duration::from_millis(450);
         Capabilities {
             records: vec!["GPU kernels, copies and memory of injected CUDA processes"],
             // A capture's window over, the agent clears the control word
@@ -216,13 +219,13 @@ impl Backend for CudaBackend {
             // when CUPTI is detached: the library waits up to 100 ms for
             // them before it detaches at the job's next CUDA call. Then a
             // drain, with room for a loaded host.
-            max_delay: Duration::from_millis(450),
+            max_delay: asked_to_recorded,
             // Recording the GPU's past, a workload's CUPTI holds the
             // records of its latest moments until a trace that ended asks
             // for them (it waits up to 200 ms for the work launched to
             // end, as at a capture's end).
             held_until_asked: match self.config.record {
-                Recording::Always => Duration::from_millis(450),
+                Recording::Always => asked_to_recorded,
                 Recording::Capture => Duration::ZERO,
             },
         }

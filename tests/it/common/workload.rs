@@ -255,9 +255,20 @@ pub async fn capture_while(
     duration_ms: u64,
     release: &std::path::Path,
 ) -> XSpace {
+    capture_releasing_after(agent, duration_ms, release, 300).await
+}
+
+/// Captures `duration_ms` while, `after_ms` into it, `release` lets the
+/// workload go; returns the trace.
+pub async fn capture_releasing_after(
+    agent: &AgentProcess,
+    duration_ms: u64,
+    release: &std::path::Path,
+    after_ms: u64,
+) -> XSpace {
     let capture = capture(agent, duration_ms);
     let go = async {
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(after_ms)).await;
         std::fs::write(release, b"go").expect("releasing the workload");
     };
     let (space, ()) = tokio::join!(capture, go);
