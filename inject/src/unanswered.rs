@@ -397,6 +397,26 @@ mod tests {
     }
 
     #[test]
+    fn launches_in_flight_past_the_bound_are_answered_by_later_kernels() {
+        let mut launches = Unanswered::default();
+        let past_the_bound = MAX_KEPT as u32 + 1;
+        for id in 1..=past_the_bound {
+            launches.launched(id, S);
+        }
+        assert_eq!(launches.in_flight.launches.len(), MAX_KEPT, "bounded");
+        assert_eq!(launches.launches_settled(), Some(false));
+        // Every kept launch's own kernel back but the last, unkept one's:
+        // past the bound, only the newest kernel answers.
+        for id in 1..past_the_bound {
+            launches.answered(id, 2 * S);
+        }
+        assert!(launches.in_flight.launches.is_empty());
+        assert_eq!(launches.launches_settled(), Some(false));
+        launches.answered(past_the_bound, 2 * S);
+        assert_eq!(launches.launches_settled(), Some(true));
+    }
+
+    #[test]
     fn a_kernel_back_before_its_launch_was_delivered_answers_it() {
         let mut launches = Unanswered::default();
         launches.answered(3, 2 * S);
